@@ -1,0 +1,17 @@
+# Stand-alone builds of the core, for the sanitizer run and the C test driver.
+CC ?= cc
+CFLAGS_COMMON = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icsrc/include -Icsrc/core -pthread
+CORE_SRC = $(wildcard csrc/core/*.c) $(wildcard csrc/device/*.c)
+
+.PHONY: fuzz asan clean
+fuzz: csrc/tests/fuzz
+asan: csrc/tests/fuzz_asan
+
+csrc/tests/fuzz: csrc/tests/fuzz.c $(CORE_SRC)
+	$(CC) $(CFLAGS_COMMON) -O2 -g -o $@ $^ -ldl
+
+csrc/tests/fuzz_asan: csrc/tests/fuzz.c $(CORE_SRC)
+	$(CC) $(CFLAGS_COMMON) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -o $@ $^ -ldl
+
+clean:
+	rm -f csrc/tests/fuzz csrc/tests/fuzz_asan

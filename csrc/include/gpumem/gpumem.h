@@ -1,0 +1,240 @@
+/*
+ * gpumem.h -- the allocator core's public interface.
+ *
+ * One gm_heap per device.  Every function is thread-safe (one lock per heap).
+ * The design is drawn at the top of core/heap.c.
+ */
+#ifndef GPUMEM_GPUMEM_H
+#define GPUMEM_GPUMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem/device.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- error codes --------------------------------------------------------- */
+enum {
+    GM_OK = 0,
+    GM_ENOMEM = 1,        /* no room even after releasing the cache and defragmenting */
+    GM_EINVAL = 2,        /* bad argument (size too large, bad cap, ...) */
+    GM_EUNKNOWN_PTR = 3,  /* pointer was never handed out by this heap */
+    GM_EDOUBLE_FREE = 4,  /* pointer lies in this heap but is not live: freed twice,
+                             or not the start of an allocation */
+    GM_EDEVICE = 5,       /* a device call failed; dev->last_error says why */
+    GM_ENOTREADY = 6,     /* an event has not completed yet (device level) */
+    GM_ENOTSUP = 7,       /* the device cannot do this (no NVML, ...) */
+    GM_ENODRIVER = 8,     /* libcuda could not be loaded */
+    GM_ECORRUPT = 9       /* the invariant checker found a broken invariant */
+};
+const char *gm_strerror(int code);
+
+#define GM_ALIGN 512u                  /* every block starts and ends on 512 B */
+#define GM_SMALL_SIZE (1u << 20)       /* torch's small pool: blocks <= 1 MiB */
+#define GM_STREAM_ANY UINT64_MAX       /* owner of free memory any stream may use */
+
+/* ---- configuration ------------------------------------------------------- */
+typedef struct gm_config {
+    /* Virtual address space to reserve; 0 picks 4 x the device's total memory. */
+    size_t va_size;
+    /* Most physical memory the heap may hold; 0 means the whole device. */
+    size_t cap_bytes;
+    /* How far reserved memory may grow above the peak of live memory before the
+     * heap recycles fully free pages instead of creating new ones: a fraction
+     * of peak live, plus `growth_slack_pages` pages. */
+    double growth_slack;
+    size_t growth_slack_pages;
+} gm_config;
+void gm_config_default(gm_config *cfg);
+
+typedef struct gm_heap gm_heap;
+
+/* Create a heap over `dev`.  The heap owns dev from then on, also on failure. */
+int gm_heap_create(gm_device *dev, const gm_config *cfg, gm_heap **out);
+/* Return every page and reservation to the device and free the heap.  Live
+ * blocks are dropped: call it when no tensor is left. */
+void gm_heap_destroy(gm_heap *heap);
+gm_device *gm_heap_device(gm_heap *heap);
+
+/* ---- allocation ---------------------------------------------------------- */
+
+/* Allocate `size` bytes (rounded up to 512) for use on `stream`.  `context` is
+ * an opaque allocation-site id kept with the block and in the history (0 if
+ * none).  Never returns a NULL pointer with GM_OK. */
+int gm_malloc(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, uintptr_t *out);
+/* Free a pointer returned by gm_malloc.  Reusable at once on the allocation's
+ * stream; on any other stream only once the work queued before the free has
+ * finished, and after the streams named with gm_record_stream have finished. */
+int gm_free(gm_heap *heap, uintptr_t ptr);
+/* Mark a live block as used on `stream` (torch's Tensor.record_stream). */
+int gm_record_stream(gm_heap *heap, uintptr_t ptr, gm_stream stream);
+/* Size of the live block at ptr (0 if ptr is not live). */
+size_t gm_block_size(gm_heap *heap, uintptr_t ptr);
+
+/* Unmap and release every physical page that backs no live block. */
+int gm_empty_cache(gm_heap *heap);
+/* Cap physical memory (0 = no cap but the device).  Lowering the cap below what
+ * is held releases free pages at once. */
+int gm_set_cap(gm_heap *heap, size_t cap_bytes);
+size_t gm_get_cap(gm_heap *heap);
+
+/* ---- statistics (torch's key names; see stats.h for the mapping) --------- */
+typedef struct gm_stat {
+    int64_t current, peak, allocated, freed;
+} gm_stat;
+enum { GM_POOL_ALL = 0, GM_POOL_SMALL = 1, GM_POOL_LARGE = 2, GM_POOL__COUNT = 3 };
+
+typedef struct gm_stats {
+    /* counts */
+    gm_stat allocation[GM_POOL__COUNT];      /* live blocks */
+    gm_stat segment[GM_POOL__COUNT];         /* physical pages held */
+    gm_stat active[GM_POOL__COUNT];          /* live + freed-but-pending blocks */
+    gm_stat inactive_split[GM_POOL__COUNT];  /* free blocks in mapped memory */
+    /* bytes */
+    gm_stat allocated_bytes[GM_POOL__COUNT];
+    gm_stat reserved_bytes[GM_POOL__COUNT];
+    gm_stat active_bytes[GM_POOL__COUNT];
+    gm_stat inactive_split_bytes[GM_POOL__COUNT];
+    gm_stat requested_bytes[GM_POOL__COUNT];
+    int64_t num_alloc_retries;    /* allocations that took the slow path */
+    int64_t num_ooms;
+    int64_t num_sync_all_streams; /* device synchronisations before unmapping */
+    int64_t num_device_alloc;     /* physical pages created */
+    int64_t num_device_free;      /* physical pages released */
+    int64_t num_maps;             /* page map calls */
+    int64_t num_unmaps;           /* page unmap calls */
+    int64_t num_remaps;           /* defragmentations: pages moved behind a new address */
+    int64_t num_pages_remapped;
+    int64_t num_device_errors;
+    int64_t max_split_size;       /* torch compat: -1 (no limit) */
+} gm_stats;
+
+void gm_get_stats(gm_heap *heap, gm_stats *out);
+/* Set every peak to its current value. */
+void gm_reset_peak_stats(gm_heap *heap);
+/* Zero the allocated/freed counters and the event counters. */
+void gm_reset_accumulated_stats(gm_heap *heap);
+
+/* ---- invariant checker ----------------------------------------------------
+ * Walks every structure and checks: blocks tile the reserved range in address
+ * order with no overlap and no gap; every byte of a live or pending block lies
+ * in a mapped page (and, on the simulated device, the device agrees); adjacent
+ * free blocks that could merge have merged; the free index holds exactly the
+ * free blocks; the live table holds exactly the live blocks; and every
+ * statistic equals a recount.  Returns GM_OK or GM_ECORRUPT with a reason. */
+int gm_check(gm_heap *heap, char *why, size_t whylen);
+
+/* ---- snapshots ------------------------------------------------------------ */
+enum gm_block_state {
+    GM_BLOCK_LIVE = 0,     /* handed out */
+    GM_BLOCK_FREE = 1,     /* free, backed by mapped pages */
+    GM_BLOCK_PENDING = 2,  /* freed, waiting for stream events */
+    GM_BLOCK_UNMAPPED = 3  /* free address space with no physical memory behind */
+};
+enum gm_page_state {
+    GM_PAGE_UNMAPPED = 0,
+    GM_PAGE_USED = 1,      /* mapped, touched by a live or pending block */
+    GM_PAGE_CACHED = 2     /* mapped, wholly free: what empty_cache would release */
+};
+typedef struct gm_block_info {
+    uintptr_t addr;
+    size_t size;
+    size_t requested;      /* bytes asked for (live/pending) */
+    gm_stream stream;      /* allocation stream, or owner of free memory */
+    uint64_t context;      /* allocation site id */
+    uint64_t alloc_seq;    /* allocation number */
+    int state;             /* gm_block_state */
+} gm_block_info;
+
+typedef struct gm_snapshot {
+    uintptr_t va_base;
+    size_t va_size;
+    size_t page_size;
+    size_t top;              /* bytes of the range in use; blocks tile [base, base+top) */
+    size_t n_blocks;
+    gm_block_info *blocks;   /* address order, tiling [base, base+top) */
+    size_t n_pages;          /* pages in [base, base+top) */
+    uint8_t *pages;          /* gm_page_state per page */
+    size_t spare_pages;      /* physical pages held but not mapped */
+    size_t cap_bytes;        /* effective cap */
+    gm_stats stats;
+} gm_snapshot;
+int gm_snapshot_take(gm_heap *heap, gm_snapshot **out);
+void gm_snapshot_free(gm_snapshot *snap);
+
+/* ---- history --------------------------------------------------------------- */
+enum gm_hist_action {
+    GM_H_ALLOC = 0,
+    GM_H_FREE_REQUESTED = 1,  /* gm_free called */
+    GM_H_FREE_COMPLETED = 2,  /* reusable (at once, or when events completed) */
+    GM_H_MAP = 3,             /* pages mapped behind addr */
+    GM_H_UNMAP = 4,           /* pages unmapped (empty_cache, cap) */
+    GM_H_REMAP = 5,           /* defragmentation: pages moved to addr */
+    GM_H_OOM = 6,
+    GM_H_EMPTY_CACHE = 7
+};
+typedef struct gm_hist_entry {
+    uint64_t time_ns;   /* CLOCK_MONOTONIC */
+    uint64_t addr;
+    uint64_t size;
+    gm_stream stream;
+    uint64_t context;
+    uint32_t action;    /* gm_hist_action */
+} gm_hist_entry;
+/* Keep the last `max_entries` events (0 turns history off and drops it). */
+int gm_history_enable(gm_heap *heap, size_t max_entries);
+/* Copy up to `cap` entries, oldest first; returns how many were copied.
+ * *dropped (if not NULL) gets how many older entries the ring overwrote. */
+size_t gm_history_read(gm_heap *heap, gm_hist_entry *out, size_t cap, uint64_t *dropped);
+size_t gm_history_len(gm_heap *heap);
+
+/* ---- out-of-memory report -------------------------------------------------- */
+typedef struct gm_oom_info {
+    size_t request;            /* bytes asked for (rounded) */
+    gm_stream stream;
+    size_t device_total, device_free; /* mem_info at the time (0 if unknown) */
+    size_t cap_bytes;          /* effective cap (device total if none) */
+    size_t live_bytes;         /* allocated_bytes current */
+    size_t pending_bytes;      /* freed, waiting for stream events */
+    size_t reserved_bytes;     /* physical memory held by the heap */
+    size_t cached_bytes;       /* reserved and backing no live/pending block */
+    size_t free_mapped_bytes;  /* free bytes inside mapped pages */
+    size_t largest_free_mapped;/* largest free range already backed */
+    size_t largest_possible;   /* largest block defragmentation could make now */
+    size_t pages_needed;       /* physical pages the request still lacked */
+    int device_error;          /* GM_OK, or the device call that failed */
+} gm_oom_info;
+/* The report of the last failed allocation; GM_EINVAL if there was none. */
+int gm_last_oom(gm_heap *heap, gm_oom_info *out);
+/* Fill the same report for a hypothetical request of `size` bytes now. */
+void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
+
+/* ---- trace replay (runs in C so that timing measures the core) ------------ */
+enum gm_replay_op { GM_R_ALLOC = 0, GM_R_FREE = 1 };
+typedef struct gm_replay_event {
+    uint32_t op;       /* gm_replay_op */
+    uint32_t slot;     /* which allocation: frees name the slot of their alloc */
+    uint64_t size;     /* alloc only */
+    gm_stream stream;
+} gm_replay_event;
+typedef struct gm_replay_result {
+    uint64_t allocs, frees, ooms;
+    uint64_t peak_live_bytes;      /* largest sum of live sizes that were served */
+    uint64_t peak_reserved_bytes;
+    uint64_t first_oom_event;      /* index of the first failed alloc, or UINT64_MAX */
+    uint64_t peak_event;           /* index of the event at which live peaked */
+    int error;                     /* GM_OK, or a non-OOM error that stopped the replay */
+} gm_replay_result;
+/* Replay `n` events.  `slots` must hold one uintptr_t per distinct slot (zeroed).
+ * If op_ns is not NULL, each event's wall time in ns is stored there.
+ * If stop_at is not UINT64_MAX, replay stops after that event index. */
+int gm_replay(gm_heap *heap, const gm_replay_event *ev, size_t n, uintptr_t *slots,
+              uint64_t *op_ns, uint64_t stop_at, gm_replay_result *res);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GPUMEM_GPUMEM_H */

@@ -1,0 +1,49 @@
+"""Builds gpumem._C: the C11 core, both devices, and the extension module.
+
+C sources get -std=c11, C++ sources (the torch boundary) get -std=c++17.
+GPUMEM_WERROR=1 (set by CI) turns warnings into errors.
+"""
+import glob
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
+C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden"] + WARN
+CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden"] + WARN
+
+
+class BuildExt(build_ext):
+    """Give C and C++ files their own standard flag (setuptools shares one list)."""
+
+    def build_extensions(self):
+        original = self.compiler._compile
+
+        def compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            flags = CXX_FLAGS if src.endswith(".cpp") else C_FLAGS
+            return original(obj, src, ext, cc_args, list(extra_postargs) + flags, pp_opts)
+
+        self.compiler._compile = compile_one
+        super().build_extensions()
+
+
+def sources():
+    found = []
+    for part in ("core", "device", "python"):
+        found += sorted(glob.glob(f"csrc/{part}/*.c")) + sorted(glob.glob(f"csrc/{part}/*.cpp"))
+    return found
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "gpumem._C",
+            sources=sources(),
+            include_dirs=["csrc/include", "csrc/core"],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExt},
+)
