@@ -489,6 +489,29 @@ static gm_block *carve(gm_heap *h, gm_block *b, uintptr_t at, size_t size) {
     return b;
 }
 
+/* Pages [x, x+size) touches that no live or pending block touches already,
+ * counting only the pages shared with b's neighbours (the rest are b's). */
+static size_t fresh_pages(const gm_heap *h, const gm_block *b, uintptr_t x, size_t size) {
+    size_t p0 = gm_page_floor(h, x), p1 = gm_page_ceil(h, x + size), n = p1 - p0;
+    const gm_block *pr = b->prev, *nx = b->next;
+    if (x == b->addr && pr && (pr->state == GM_BLOCK_LIVE || pr->state == GM_BLOCK_PENDING) &&
+        gm_page_floor(h, pr->addr + pr->size - 1) == p0)
+        n--;
+    if (x + size == b->addr + b->size && nx && (nx->state == GM_BLOCK_LIVE || nx->state == GM_BLOCK_PENDING) &&
+        gm_page_floor(h, nx->addr) == p1 - 1 && n)
+        n--;
+    return n;
+}
+
+/* Which end of free block b to carve from: the one that shares a page with a
+ * live neighbour, so the allocation touches the fewest pages nothing else
+ * uses -- physical memory is pages touched, not bytes.  Low end on ties. */
+static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
+    if (b->size == size) return b->addr;
+    uintptr_t hi = b->addr + b->size - size;
+    return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;
+}
+
 /* ---- physical pages -------------------------------------------------------------- */
 
 static void spare_push(gm_heap *h, gm_handle hd) {
@@ -1056,7 +1079,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     }
     if (h->n_pending) process_pending(h, 0);
     gm_block *b = fit(h, rsize, s);
-    uintptr_t at = b ? b->addr : 0;
+    uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
     b = carve(h, b, at, rsize);
     b->state = GM_BLOCK_LIVE;
