@@ -1,0 +1,495 @@
+/*
+ * torch_alloc.cpp -- the C++ boundary between PyTorch and gpumem's C core.
+ *
+ * torch.cuda.memory.CUDAPluggableAllocator calls plain C functions by address:
+ *   void *alloc(size_t size, int device, cudaStream_t stream)
+ *   void  free(void *ptr, size_t size, int device, cudaStream_t stream)
+ * and its hook setters take void(), void(double, int), void(void *, cudaStream_t)
+ * and void(int).  Those live here, with extern "C" names and default
+ * visibility so ctypes can find them in gpumem._C.
+ *
+ * Why C++: torch stores whatever alloc returns as the tensor's address without
+ * looking, so a NULL return makes the next kernel fault and poisons the CUDA
+ * context for good.  The only way to refuse an allocation is to throw a C++
+ * exception through torch's frames, which torch turns into a Python exception.
+ *
+ * Which exception: torch maps c10::OutOfMemoryError to torch.OutOfMemoryError,
+ * but building that object needs libtorch's headers and libraries.  torch also
+ * catches `python_error` (torch/csrc/Exceptions.h) first of all its handlers and
+ * re-raises the Python exception stored in it.  C++ matches a catch clause by the
+ * type's mangled name (libstdc++ compares type_info names), so an exception
+ * class named python_error with the same four fields is caught there, and
+ * torch raises exactly the torch.OutOfMemoryError instance we built.  Were the
+ * match ever to fail, the class is still a std::exception whose what() is the
+ * message, which torch turns into a RuntimeError with the same text -- so the
+ * worst case is the plain RuntimeError the issue asks for.  docs/torch.md has
+ * the details; oom_mode GM_TORCH_OOM_RUNTIME skips the trick.
+ */
+#include <Python.h>
+
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unistd.h>
+
+#include "torch_alloc.h"
+
+/* ---- the exception torch re-raises as a Python exception ------------------- */
+
+/* Field order and types mirror torch's python_error: vtable (std::exception),
+ * type, value, traceback, message.  torch's handler only calls restore() on it
+ * (reads the three pointers) and what() (virtual, ours). */
+struct python_error : public std::exception {
+    PyObject *type = nullptr;
+    PyObject *value = nullptr;
+    PyObject *traceback = nullptr;
+    std::string message;
+
+    python_error() = default;
+    python_error(const python_error &other)
+        : std::exception(other), type(other.type), value(other.value),
+          traceback(other.traceback), message(other.message)
+    {
+        if (type || value || traceback) {
+            PyGILState_STATE st = PyGILState_Ensure();
+            Py_XINCREF(type);
+            Py_XINCREF(value);
+            Py_XINCREF(traceback);
+            PyGILState_Release(st);
+        }
+    }
+    python_error(python_error &&other) noexcept
+        : std::exception(other), type(other.type), value(other.value),
+          traceback(other.traceback), message(std::move(other.message))
+    {
+        other.type = other.value = other.traceback = nullptr;
+    }
+    python_error &operator=(const python_error &) = delete;
+    python_error &operator=(python_error &&) = delete;
+    ~python_error() override
+    {
+        if ((type || value || traceback) && Py_IsInitialized()) {
+            PyGILState_STATE st = PyGILState_Ensure();
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            PyGILState_Release(st);
+        }
+    }
+    const char *what() const noexcept override { return message.c_str(); }
+};
+
+/* ---- the registry ----------------------------------------------------------- */
+
+namespace {
+
+struct slot {
+    std::atomic<gm_heap *> heap{nullptr};
+    std::mutex mu;            /* creation, and device calls made outside the heap */
+    double fraction = -1.0;   /* from set_per_process_memory_fraction; < 0: none */
+};
+
+slot g_slots[GM_TORCH_MAX_DEVICES];
+std::mutex g_opts_mu;
+gm_torch_options g_opts;
+bool g_opts_ready = false;
+std::atomic<int> g_device_count{-1};
+std::atomic<gm_torch_context_fn> g_context_fn{nullptr};
+std::atomic<gm_torch_oom_formatter> g_formatter{nullptr};
+PyObject *g_oom_class = nullptr; /* guarded by the GIL */
+
+std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cache{0},
+    c_record_stream{0}, c_fraction{0};
+
+gm_torch_options options_snapshot()
+{
+    std::lock_guard<std::mutex> g(g_opts_mu);
+    if (!g_opts_ready) {
+        gm_torch_options_default(&g_opts);
+        g_opts_ready = true;
+    }
+    return g_opts;
+}
+
+size_t device_total(gm_heap *h)
+{
+    gm_oom_info info;
+    gm_memory_report(h, 0, &info);
+    return info.device_total;
+}
+
+/* The cap a heap should have: an explicit set_per_process_memory_fraction wins
+ * over the install options. */
+size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction)
+{
+    if (fraction >= 0)
+        return fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
+    size_t cap = o.cap_bytes;
+    if (o.cap_fraction > 0 && o.cap_fraction < 1.0) {
+        size_t f = (size_t)(o.cap_fraction * (double)device_total(h));
+        if (!cap || f < cap)
+            cap = f;
+    }
+    return cap;
+}
+
+void fmt_bytes(char *buf, size_t len, uint64_t n)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+    if (n < 1024) {
+        snprintf(buf, len, "%" PRIu64 " B", n);
+        return;
+    }
+    double v = (double)n / 1024.0;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
+        v /= 1024.0;
+        u++;
+    }
+    snprintf(buf, len, "%.2f %s", v, units[u]);
+}
+
+bool valid_device(int device) { return device >= 0 && device < GM_TORCH_MAX_DEVICES; }
+
+gm_heap *open_heap(int device, std::string *why)
+{
+    slot &s = g_slots[device];
+    std::lock_guard<std::mutex> g(s.mu);
+    gm_heap *h = s.heap.load(std::memory_order_acquire);
+    if (h)
+        return h;
+    gm_torch_options o = options_snapshot();
+    char err[256] = "";
+    gm_device *dev = gm_cuda_create(device, err, sizeof err);
+    if (!dev) {
+        *why = std::string("gpumem cannot open CUDA device ") + std::to_string(device) + ": " + err;
+        return nullptr;
+    }
+    gm_config cfg;
+    gm_config_default(&cfg);
+    cfg.va_size = o.va_size;
+    if (o.growth_slack >= 0)
+        cfg.growth_slack = o.growth_slack;
+    if (o.growth_slack_pages >= 0)
+        cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
+    int rc = gm_heap_create(dev, &cfg, &h);
+    if (rc != GM_OK) {
+        *why = std::string("gpumem cannot create a heap on CUDA device ") + std::to_string(device) +
+               ": " + gm_strerror(rc);
+        return nullptr;
+    }
+    size_t cap = wanted_cap(h, o, s.fraction);
+    if (cap)
+        gm_set_cap(h, cap);
+    if (o.history_entries)
+        gm_history_enable(h, o.history_entries);
+    s.heap.store(h, std::memory_order_release);
+    return h;
+}
+
+[[noreturn]] void throw_oom(const std::string &msg)
+{
+    c_ooms.fetch_add(1, std::memory_order_relaxed);
+    gm_torch_options o = options_snapshot();
+    if (o.oom_mode == GM_TORCH_OOM_TORCH && Py_IsInitialized()) {
+        python_error e;
+        PyGILState_STATE st = PyGILState_Ensure();
+        if (g_oom_class) {
+            PyObject *value = PyObject_CallFunction(g_oom_class, "s", msg.c_str());
+            if (value) {
+                e.type = (PyObject *)Py_TYPE(value);
+                Py_INCREF(e.type);
+                e.value = value;
+            } else {
+                PyErr_Clear();
+            }
+        }
+        PyGILState_Release(st);
+        if (e.type) {
+            e.message = msg;
+            throw e;
+        }
+    }
+    throw std::runtime_error(msg);
+}
+
+std::string oom_message(int device, gm_heap *h, size_t size)
+{
+    gm_oom_info info;
+    if (gm_last_oom(h, &info) != GM_OK || info.request < size)
+        gm_memory_report(h, size, &info);
+    char buf[2048];
+    gm_torch_format_oom(device, &info, buf, sizeof buf);
+    return std::string(buf);
+}
+
+} // namespace
+
+/* ---- options, registry access ----------------------------------------------- */
+
+extern "C" void gm_torch_options_default(gm_torch_options *o)
+{
+    std::memset(o, 0, sizeof *o);
+    o->growth_slack = -1.0;
+    o->growth_slack_pages = -1;
+    o->oom_mode = GM_TORCH_OOM_TORCH;
+}
+
+extern "C" int gm_torch_configure(const gm_torch_options *o)
+{
+    if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 ||
+        (o->oom_mode != GM_TORCH_OOM_TORCH && o->oom_mode != GM_TORCH_OOM_RUNTIME) ||
+        o->history_entries > ((size_t)1 << 32))
+        return GM_EINVAL;
+    {
+        std::lock_guard<std::mutex> g(g_opts_mu);
+        g_opts = *o;
+        g_opts_ready = true;
+    }
+    for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
+        gm_heap *h = g_slots[d].heap.load(std::memory_order_acquire);
+        if (!h)
+            continue;
+        double fraction;
+        {
+            std::lock_guard<std::mutex> g(g_slots[d].mu);
+            fraction = g_slots[d].fraction;
+        }
+        gm_set_cap(h, wanted_cap(h, *o, fraction));
+    }
+    return GM_OK;
+}
+
+extern "C" void gm_torch_get_options(gm_torch_options *o) { *o = options_snapshot(); }
+
+extern "C" gm_heap *gm_torch_heap(int device)
+{
+    if (!valid_device(device))
+        return nullptr;
+    return g_slots[device].heap.load(std::memory_order_acquire);
+}
+
+extern "C" int gm_torch_open(int device, char *err, size_t errlen)
+{
+    if (!valid_device(device)) {
+        snprintf(err, errlen, "device index %d out of range [0, %d)", device, GM_TORCH_MAX_DEVICES);
+        return GM_EINVAL;
+    }
+    std::string why;
+    if (open_heap(device, &why))
+        return GM_OK;
+    snprintf(err, errlen, "%s", why.c_str());
+    return GM_EDEVICE;
+}
+
+extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
+
+extern "C" void gm_torch_set_oom_class(void *py_class)
+{
+    PyObject *old = g_oom_class;
+    g_oom_class = (PyObject *)py_class;
+    Py_XINCREF(g_oom_class);
+    Py_XDECREF(old);
+}
+
+extern "C" void gm_torch_get_counters(gm_torch_counters *c)
+{
+    c->ooms = c_ooms.load();
+    c->oom_retries = c_oom_retries.load();
+    c->free_errors = c_free_errors.load();
+    c->empty_cache_calls = c_empty_cache.load();
+    c->record_stream_calls = c_record_stream.load();
+    c->fraction_calls = c_fraction.load();
+}
+
+/* ---- the message --------------------------------------------------------------- */
+
+extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *buf, size_t len)
+{
+    if (!len)
+        return 0;
+    gm_heap *h = gm_torch_heap(device);
+    gm_proc_usage procs[64];
+    long n_procs = -1;
+    char proc_err[256] = "";
+    if (h) {
+        gm_device *dev = gm_heap_device(h);
+        std::lock_guard<std::mutex> g(g_slots[device].mu);
+        size_t n = 0;
+        if (dev->ops->processes(dev, procs, 64, &n) == GM_OK)
+            n_procs = (long)(n < 64 ? n : 64);
+        else
+            snprintf(proc_err, sizeof proc_err, "%s", dev->last_error);
+    }
+
+    gm_torch_oom_formatter f = g_formatter.load();
+    if (f) {
+        long w = f(o, device, procs, n_procs, buf, len);
+        if (w >= 0) {
+            buf[len - 1] = '\0';
+            return (size_t)w < len ? (size_t)w : len - 1;
+        }
+    }
+
+    char req[32], total[32], freeb[32], live[32], reserved[32], cached[32], pending[32],
+        largest[32], cap[32];
+    fmt_bytes(req, sizeof req, o->request);
+    fmt_bytes(total, sizeof total, o->device_total);
+    fmt_bytes(freeb, sizeof freeb, o->device_free);
+    fmt_bytes(live, sizeof live, o->live_bytes);
+    fmt_bytes(reserved, sizeof reserved, o->reserved_bytes);
+    fmt_bytes(cached, sizeof cached, o->cached_bytes);
+    fmt_bytes(pending, sizeof pending, o->pending_bytes);
+    fmt_bytes(largest, sizeof largest, o->largest_possible);
+    fmt_bytes(cap, sizeof cap, o->cap_bytes);
+
+    /* Other processes: everything NVML lists but this one. */
+    std::string others;
+    if (n_procs < 0) {
+        others = std::string("unknown (") + (proc_err[0] ? proc_err : "no process list") + ")";
+    } else {
+        uint64_t sum = 0;
+        std::string list;
+        int shown = 0;
+        uint32_t self = (uint32_t)getpid();
+        for (long i = 0; i < n_procs; i++) {
+            if (procs[i].pid == self)
+                continue;
+            sum += procs[i].bytes;
+            if (shown < 4) {
+                char one[64], b[32];
+                fmt_bytes(b, sizeof b, procs[i].bytes);
+                snprintf(one, sizeof one, "%spid %u: %s", shown ? ", " : "", procs[i].pid, b);
+                list += one;
+                shown++;
+            }
+        }
+        char s[32];
+        fmt_bytes(s, sizeof s, sum);
+        others = s;
+        if (!list.empty())
+            others += " (" + list + ")";
+    }
+
+    std::string failed;
+    if (o->device_error != GM_OK && h)
+        failed = std::string(" A device call failed: ") + gm_strerror(o->device_error) + " (" +
+                 gm_heap_device(h)->last_error + ").";
+
+    int w = snprintf(buf, len,
+                     "CUDA out of memory. Tried to allocate %s on GPU %d. GPU %d has a total "
+                     "capacity of %s of which %s is free. This process has %s allocated by "
+                     "PyTorch (gpumem), %s reserved by gpumem (%s cached, %s waiting for other "
+                     "streams), under a cap of %s. The largest block gpumem could make now, "
+                     "after releasing its cache and defragmenting, is %s. Memory held by other "
+                     "processes: %s.%s",
+                     req, device, device, total, freeb, live, reserved, cached, pending, cap,
+                     largest, others.c_str(), failed.c_str());
+    if (w < 0)
+        return 0;
+    return (size_t)w < len ? (size_t)w : len - 1;
+}
+
+/* ---- the entry points torch calls ---------------------------------------------- */
+
+extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
+{
+    if (!valid_device(device))
+        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) +
+                                 " is out of range");
+    gm_heap *h = g_slots[device].heap.load(std::memory_order_acquire);
+    if (!h) {
+        std::string why;
+        if (!(h = open_heap(device, &why)))
+            throw std::runtime_error(why);
+    }
+    gm_torch_context_fn ctx_fn = g_context_fn.load(std::memory_order_relaxed);
+    uint64_t ctx = ctx_fn ? ctx_fn() : 0;
+    uintptr_t p = 0;
+    int rc = gm_malloc(h, size, (gm_stream)(uintptr_t)stream, ctx, &p);
+    if (rc == GM_OK)
+        return (void *)p;
+    if (rc == GM_ENOMEM) {
+        /* The core has already released what it could and defragmented; one
+         * more try after an explicit empty_cache also catches memory that other
+         * streams' events have freed since. */
+        gm_empty_cache(h);
+        rc = gm_malloc(h, size, (gm_stream)(uintptr_t)stream, ctx, &p);
+        if (rc == GM_OK) {
+            c_oom_retries.fetch_add(1, std::memory_order_relaxed);
+            return (void *)p;
+        }
+    }
+    if (rc == GM_ENOMEM || rc == GM_EINVAL)
+        throw_oom(oom_message(device, h, size));
+    throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) +
+                             " bytes on GPU " + std::to_string(device) +
+                             " failed: " + gm_strerror(rc) + " (" +
+                             gm_heap_device(h)->last_error + ")");
+}
+
+/* Called from tensor destructors: throwing here would terminate the process,
+ * so a pointer no heap knows is counted and reported once on stderr. */
+extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stream)
+{
+    (void)size;
+    (void)stream;
+    gm_heap *h = gm_torch_heap(device);
+    int rc = h ? gm_free(h, (uintptr_t)ptr) : GM_EUNKNOWN_PTR;
+    if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
+        fprintf(stderr, "gpumem: free of %p on GPU %d failed: %s (further errors are counted "
+                        "in gpumem.torch.status())\n",
+                ptr, device, gm_strerror(rc));
+}
+
+extern "C" void gpumem_torch_empty_cache(void)
+{
+    c_empty_cache.fetch_add(1, std::memory_order_relaxed);
+    for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
+        gm_heap *h = gm_torch_heap(d);
+        if (h)
+            gm_empty_cache(h);
+    }
+}
+
+extern "C" void gpumem_torch_memory_fraction(double fraction, int device)
+{
+    c_fraction.fetch_add(1, std::memory_order_relaxed);
+    if (!valid_device(device))
+        return;
+    gm_heap *h;
+    {
+        std::lock_guard<std::mutex> g(g_slots[device].mu);
+        g_slots[device].fraction = fraction;
+        h = g_slots[device].heap.load(std::memory_order_acquire);
+    }
+    if (h)
+        gm_set_cap(h, wanted_cap(h, options_snapshot(), fraction));
+}
+
+extern "C" void gpumem_torch_record_stream(void *ptr, void *stream)
+{
+    c_record_stream.fetch_add(1, std::memory_order_relaxed);
+    int rc = GM_EUNKNOWN_PTR;
+    for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
+        gm_heap *h = gm_torch_heap(d);
+        if (h)
+            rc = gm_record_stream(h, (uintptr_t)ptr, (gm_stream)(uintptr_t)stream);
+    }
+    if (rc != GM_OK) {
+        char p[32];
+        snprintf(p, sizeof p, "%p", ptr);
+        throw std::runtime_error(std::string("gpumem: record_stream on ") + p + ": " +
+                                 gm_strerror(rc));
+    }
+}
+
+extern "C" void gpumem_torch_init(int device_count) { g_device_count.store(device_count); }
+
+extern "C" void gpumem_torch_set_context_hook(gm_torch_context_fn fn) { g_context_fn.store(fn); }
+
+extern "C" void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn) { g_formatter.store(fn); }

@@ -1,0 +1,560 @@
+/*
+ * torch_glue.c -- what gpumem/torch.py needs from C: options for the heaps
+ * torch's allocations go to, the addresses of the entry points it hands to
+ * torch, and read access to the per-device heaps (stats, snapshot, history,
+ * reports) in the same shapes as gpumem.Heap's methods.
+ *
+ * Registered on gpumem._C by gm_torch_glue_add() (called from module.c), all
+ * under names starting "_torch_".  Functions that take a device return None
+ * when torch has not allocated on that device yet.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <inttypes.h>
+#include <string.h>
+
+#include "torch_alloc.h"
+
+int gm_torch_glue_add(PyObject *module);
+
+static int put(PyObject *d, const char *key, PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    int rc = PyDict_SetItemString(d, key, v);
+    Py_DECREF(v);
+    return rc;
+}
+static int put_u64(PyObject *d, const char *key, uint64_t v)
+{
+    return put(d, key, PyLong_FromUnsignedLongLong(v));
+}
+static int put_i64(PyObject *d, const char *key, int64_t v)
+{
+    return put(d, key, PyLong_FromLongLong(v));
+}
+
+/* Parse a device argument: a non-negative int below GM_TORCH_MAX_DEVICES. */
+static int get_device(PyObject *o, int *device)
+{
+    long d = PyLong_AsLong(o);
+    if (d == -1 && PyErr_Occurred())
+        return -1;
+    if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d,
+                     GM_TORCH_MAX_DEVICES);
+        return -1;
+    }
+    *device = (int)d;
+    return 0;
+}
+
+static PyObject *stats_to_dict(const gm_stats *s)
+{
+    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
+    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
+    const struct {
+        const char *name;
+        const gm_stat *arr;
+    } groups[] = {
+        {"allocation", s->allocation},           {"segment", s->segment},
+        {"active", s->active},                   {"inactive_split", s->inactive_split},
+        {"allocated_bytes", s->allocated_bytes}, {"reserved_bytes", s->reserved_bytes},
+        {"active_bytes", s->active_bytes},       {"inactive_split_bytes", s->inactive_split_bytes},
+        {"requested_bytes", s->requested_bytes},
+    };
+    const struct {
+        const char *name;
+        int64_t v;
+    } plain[] = {
+        {"num_alloc_retries", s->num_alloc_retries},
+        {"num_ooms", s->num_ooms},
+        {"num_sync_all_streams", s->num_sync_all_streams},
+        {"num_device_alloc", s->num_device_alloc},
+        {"num_device_free", s->num_device_free},
+        {"num_maps", s->num_maps},
+        {"num_unmaps", s->num_unmaps},
+        {"num_remaps", s->num_remaps},
+        {"num_pages_remapped", s->num_pages_remapped},
+        {"num_device_errors", s->num_device_errors},
+        {"max_split_size", s->max_split_size},
+    };
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    char key[96];
+    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
+        for (int p = 0; p < GM_POOL__COUNT; p++) {
+            const gm_stat *st = &groups[g].arr[p];
+            const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
+            for (int f = 0; f < 4; f++) {
+                snprintf(key, sizeof key, "%s.%s.%s", groups[g].name, pools[p], fields[f]);
+                if (put_i64(d, key, vals[f]) < 0)
+                    goto fail;
+            }
+        }
+    }
+    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
+        if (put_i64(d, plain[i].name, plain[i].v) < 0)
+            goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *oom_to_dict(const gm_oom_info *o)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (put_u64(d, "request", o->request) < 0 || put_u64(d, "stream", o->stream) < 0 ||
+        put_u64(d, "device_total", o->device_total) < 0 ||
+        put_u64(d, "device_free", o->device_free) < 0 || put_u64(d, "cap_bytes", o->cap_bytes) < 0 ||
+        put_u64(d, "live_bytes", o->live_bytes) < 0 ||
+        put_u64(d, "pending_bytes", o->pending_bytes) < 0 ||
+        put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
+        put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
+        put_u64(d, "free_mapped_bytes", o->free_mapped_bytes) < 0 ||
+        put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
+        put_u64(d, "largest_possible", o->largest_possible) < 0 ||
+        put_u64(d, "pages_needed", o->pages_needed) < 0 ||
+        put_i64(d, "device_error", o->device_error) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+/* ---- configuration -------------------------------------------------------------- */
+
+static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"va_size", "cap_bytes", "cap_fraction", "growth_slack",
+                            "growth_slack_pages", "history_entries", "oom_mode", "oom_class",
+                            NULL};
+    gm_torch_options o;
+    gm_torch_get_options(&o);
+    unsigned long long va = o.va_size, cap = o.cap_bytes, hist = o.history_entries;
+    double frac = o.cap_fraction, slack = o.growth_slack;
+    long slack_pages = o.growth_slack_pages;
+    const char *mode = NULL;
+    PyObject *cls = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKzO", names, &va, &cap, &frac, &slack,
+                                     &slack_pages, &hist, &mode, &cls))
+        return NULL;
+    o.va_size = (size_t)va;
+    o.cap_bytes = (size_t)cap;
+    o.cap_fraction = frac;
+    o.growth_slack = slack;
+    o.growth_slack_pages = slack_pages;
+    o.history_entries = (size_t)hist;
+    if (mode) {
+        if (strcmp(mode, "torch") == 0)
+            o.oom_mode = GM_TORCH_OOM_TORCH;
+        else if (strcmp(mode, "runtime") == 0)
+            o.oom_mode = GM_TORCH_OOM_RUNTIME;
+        else
+            return PyErr_Format(PyExc_ValueError, "oom_mode must be 'torch' or 'runtime', not '%s'",
+                                mode);
+    }
+    if (gm_torch_configure(&o) != GM_OK)
+        return PyErr_Format(PyExc_ValueError,
+                            "invalid gpumem options (cap_fraction must lie in [0, 1], "
+                            "growth_slack <= 100, history_entries <= 2**32)");
+    if (cls != NULL) {
+        if (cls == Py_None)
+            gm_torch_set_oom_class(NULL);
+        else if (PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls,
+                                                      (PyTypeObject *)PyExc_BaseException))
+            gm_torch_set_oom_class(cls);
+        else
+            return PyErr_Format(PyExc_TypeError, "oom_class must be an exception class or None");
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    gm_torch_options o;
+    gm_torch_get_options(&o);
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (put_u64(d, "va_size", o.va_size) < 0 || put_u64(d, "cap_bytes", o.cap_bytes) < 0 ||
+        put(d, "cap_fraction", PyFloat_FromDouble(o.cap_fraction)) < 0 ||
+        put(d, "growth_slack", PyFloat_FromDouble(o.growth_slack)) < 0 ||
+        put_i64(d, "growth_slack_pages", o.growth_slack_pages) < 0 ||
+        put_u64(d, "history_entries", o.history_entries) < 0 ||
+        put(d, "oom_mode",
+            PyUnicode_FromString(o.oom_mode == GM_TORCH_OOM_TORCH ? "torch" : "runtime")) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+/* Function pointers as integers: the addresses torch's hook setters take. */
+static PyObject *addr(void (*fn)(void))
+{
+    uintptr_t a;
+    memcpy(&a, &fn, sizeof a);
+    return PyLong_FromUnsignedLongLong((unsigned long long)a);
+}
+
+static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (put(d, "alloc", addr((void (*)(void))gpumem_torch_alloc)) < 0 ||
+        put(d, "free", addr((void (*)(void))gpumem_torch_free)) < 0 ||
+        put(d, "empty_cache", addr((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
+        put(d, "memory_fraction", addr((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
+        put(d, "record_stream", addr((void (*)(void))gpumem_torch_record_stream)) < 0 ||
+        put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static PyObject *g_set_context_hook(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(a);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    gm_torch_context_fn fn = NULL;
+    uintptr_t u = (uintptr_t)v;
+    memcpy(&fn, &u, sizeof fn);
+    gpumem_torch_set_context_hook(fn);
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(a);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    gm_torch_oom_formatter fn = NULL;
+    uintptr_t u = (uintptr_t)v;
+    memcpy(&fn, &u, sizeof fn);
+    gpumem_torch_set_oom_formatter(fn);
+    Py_RETURN_NONE;
+}
+
+/* ---- the registry ---------------------------------------------------------------- */
+
+static PyObject *g_devices(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    PyObject *l = PyList_New(0);
+    if (l == NULL)
+        return NULL;
+    for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
+        if (!gm_torch_heap(d))
+            continue;
+        PyObject *i = PyLong_FromLong(d);
+        if (i == NULL || PyList_Append(l, i) < 0) {
+            Py_XDECREF(i);
+            Py_DECREF(l);
+            return NULL;
+        }
+        Py_DECREF(i);
+    }
+    return l;
+}
+
+static PyObject *g_device_count(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    return PyLong_FromLong(gm_torch_device_count());
+}
+
+static PyObject *g_open(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    int device;
+    if (get_device(a, &device) < 0)
+        return NULL;
+    char err[300] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = gm_torch_open(device, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (rc != GM_OK)
+        return PyErr_Format(PyExc_RuntimeError, "%s", err);
+    Py_RETURN_NONE;
+}
+
+#define HEAP_OR_NONE(arg, h)                                                                      \
+    int device_;                                                                                  \
+    if (get_device((arg), &device_) < 0)                                                          \
+        return NULL;                                                                              \
+    gm_heap *h = gm_torch_heap(device_);                                                          \
+    if (h == NULL)                                                                                \
+        Py_RETURN_NONE;
+
+static PyObject *g_stats(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    gm_stats s;
+    gm_get_stats(h, &s);
+    return stats_to_dict(&s);
+}
+
+static PyObject *g_reset_peak(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    gm_reset_peak_stats(h);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *g_reset_accumulated(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    gm_reset_accumulated_stats(h);
+    Py_RETURN_TRUE;
+}
+
+static const char *const block_states[] = {"live", "free", "pending", "unmapped"};
+
+static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    gm_snapshot *snap = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = gm_snapshot_take(h, &snap);
+    Py_END_ALLOW_THREADS
+    if (rc != GM_OK)
+        return PyErr_Format(PyExc_RuntimeError, "gpumem snapshot failed: %s", gm_strerror(rc));
+    PyObject *d = PyDict_New(), *blocks = NULL;
+    if (d == NULL)
+        goto fail;
+    if (put_u64(d, "va_base", snap->va_base) < 0 || put_u64(d, "va_size", snap->va_size) < 0 ||
+        put_u64(d, "page_size", snap->page_size) < 0 || put_u64(d, "top", snap->top) < 0 ||
+        put_u64(d, "spare_pages", snap->spare_pages) < 0 ||
+        put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
+        put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages,
+                                                  (Py_ssize_t)snap->n_pages)) < 0 ||
+        put(d, "stats", stats_to_dict(&snap->stats)) < 0)
+        goto fail;
+    blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    if (blocks == NULL)
+        goto fail;
+    for (size_t i = 0; i < snap->n_blocks; i++) {
+        const gm_block_info *b = &snap->blocks[i];
+        const char *st = (b->state >= 0 && b->state < 4) ? block_states[b->state] : "?";
+        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
+                                    (unsigned long long)b->size, (unsigned long long)b->requested,
+                                    (unsigned long long)b->stream, (unsigned long long)b->context,
+                                    (unsigned long long)b->alloc_seq, st);
+        if (t == NULL)
+            goto fail;
+        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
+    }
+    if (PyDict_SetItemString(d, "blocks", blocks) < 0)
+        goto fail;
+    Py_DECREF(blocks);
+    gm_snapshot_free(snap);
+    return d;
+fail:
+    Py_XDECREF(blocks);
+    Py_XDECREF(d);
+    gm_snapshot_free(snap);
+    return NULL;
+}
+
+static const char *const hist_actions[] = {"alloc", "free_requested", "free_completed", "map",
+                                           "unmap", "remap",          "oom",            "empty_cache"};
+
+static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    unsigned long long n = PyLong_AsUnsignedLongLong(a);
+    if (n == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (n > (1ull << 32))
+        return PyErr_Format(PyExc_ValueError, "history of %llu entries is too long", n);
+    gm_torch_options o;
+    gm_torch_get_options(&o);
+    o.history_entries = (size_t)n;
+    if (gm_torch_configure(&o) != GM_OK)
+        return PyErr_Format(PyExc_ValueError, "invalid history length");
+    for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
+        gm_heap *h = gm_torch_heap(d);
+        if (h && gm_history_enable(h, (size_t)n) != GM_OK)
+            return PyErr_NoMemory();
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_history(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    size_t n = gm_history_len(h);
+    gm_hist_entry *buf = PyMem_Malloc((n ? n : 1) * sizeof *buf);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    uint64_t dropped = 0;
+    size_t got = gm_history_read(h, buf, n, &dropped);
+    PyObject *l = PyList_New((Py_ssize_t)got);
+    if (l == NULL) {
+        PyMem_Free(buf);
+        return NULL;
+    }
+    for (size_t i = 0; i < got; i++) {
+        const gm_hist_entry *e = &buf[i];
+        const char *act = e->action < 8 ? hist_actions[e->action] : "?";
+        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act,
+                                    (unsigned long long)e->addr, (unsigned long long)e->size,
+                                    (unsigned long long)e->stream, (unsigned long long)e->context);
+        if (t == NULL) {
+            Py_DECREF(l);
+            PyMem_Free(buf);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, (Py_ssize_t)i, t);
+    }
+    PyMem_Free(buf);
+    return Py_BuildValue("(NK)", l, (unsigned long long)dropped);
+}
+
+static PyObject *g_memory_report(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dev_o;
+    unsigned long long size = 0;
+    if (!PyArg_ParseTuple(args, "O|K", &dev_o, &size))
+        return NULL;
+    HEAP_OR_NONE(dev_o, h)
+    gm_oom_info info;
+    Py_BEGIN_ALLOW_THREADS
+    gm_memory_report(h, (size_t)size, &info);
+    Py_END_ALLOW_THREADS
+    return oom_to_dict(&info);
+}
+
+static PyObject *g_last_oom(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    gm_oom_info info;
+    if (gm_last_oom(h, &info) != GM_OK)
+        Py_RETURN_NONE;
+    return oom_to_dict(&info);
+}
+
+/* The message an allocation of `size` bytes would fail with now. */
+static PyObject *g_format_oom(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dev_o;
+    unsigned long long size = 0;
+    if (!PyArg_ParseTuple(args, "O|K", &dev_o, &size))
+        return NULL;
+    HEAP_OR_NONE(dev_o, h)
+    gm_oom_info info;
+    char buf[2048];
+    Py_BEGIN_ALLOW_THREADS
+    gm_memory_report(h, (size_t)size, &info);
+    gm_torch_format_oom(device_, &info, buf, sizeof buf);
+    Py_END_ALLOW_THREADS
+    return PyUnicode_FromString(buf);
+}
+
+static PyObject *g_empty_cache(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    Py_BEGIN_ALLOW_THREADS
+    gpumem_torch_empty_cache();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_set_cap(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dev_o;
+    unsigned long long cap;
+    if (!PyArg_ParseTuple(args, "OK", &dev_o, &cap))
+        return NULL;
+    HEAP_OR_NONE(dev_o, h)
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = gm_set_cap(h, (size_t)cap);
+    Py_END_ALLOW_THREADS
+    if (rc != GM_OK)
+        return PyErr_Format(PyExc_RuntimeError, "gpumem set_cap: %s", gm_strerror(rc));
+    Py_RETURN_TRUE;
+}
+
+static PyObject *g_get_cap(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    return PyLong_FromUnsignedLongLong(gm_get_cap(h));
+}
+
+static PyObject *g_check(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    HEAP_OR_NONE(a, h)
+    char why[512] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = gm_check(h, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    if (rc != GM_OK)
+        return PyErr_Format(PyExc_RuntimeError, "gpumem heap of device %d is corrupt: %s", device_,
+                            why);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    gm_torch_counters c;
+    gm_torch_get_counters(&c);
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (put_u64(d, "ooms", c.ooms) < 0 || put_u64(d, "oom_retries", c.oom_retries) < 0 ||
+        put_u64(d, "free_errors", c.free_errors) < 0 ||
+        put_u64(d, "empty_cache_calls", c.empty_cache_calls) < 0 ||
+        put_u64(d, "record_stream_calls", c.record_stream_calls) < 0 ||
+        put_u64(d, "fraction_calls", c.fraction_calls) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+#define M(name, fn, flags, doc) {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
+
+static PyMethodDef glue_methods[] = {
+    M("_torch_configure", g_configure, METH_VARARGS | METH_KEYWORDS,
+      "_torch_configure(*, va_size, cap_bytes, cap_fraction, growth_slack, growth_slack_pages, "
+      "history_entries, oom_mode, oom_class): options for torch's heaps"),
+    M("_torch_options", g_options, METH_NOARGS, "_torch_options() -> dict"),
+    M("_torch_entry_points", g_entry_points, METH_NOARGS,
+      "_torch_entry_points() -> {name: address} of the functions torch calls"),
+    M("_torch_set_context_hook", g_set_context_hook, METH_O,
+      "_torch_set_context_hook(address): uint64_t (*)(void) called before each allocation (0 clears)"),
+    M("_torch_set_oom_formatter", g_set_oom_formatter, METH_O,
+      "_torch_set_oom_formatter(address): replaces the out-of-memory message (0 clears)"),
+    M("_torch_devices", g_devices, METH_NOARGS, "_torch_devices() -> devices that have a heap"),
+    M("_torch_device_count", g_device_count, METH_NOARGS,
+      "_torch_device_count() -> count torch reported (-1 before CUDA init)"),
+    M("_torch_open", g_open, METH_O, "_torch_open(device): create the heap of a device now"),
+    M("_torch_stats", g_stats, METH_O, "_torch_stats(device) -> dict or None"),
+    M("_torch_reset_peak", g_reset_peak, METH_O, "_torch_reset_peak(device)"),
+    M("_torch_reset_accumulated", g_reset_accumulated, METH_O, "_torch_reset_accumulated(device)"),
+    M("_torch_snapshot", g_snapshot, METH_O, "_torch_snapshot(device) -> dict or None"),
+    M("_torch_history_enable", g_history_enable, METH_O,
+      "_torch_history_enable(max_entries): on every heap, now and later (0 turns it off)"),
+    M("_torch_history", g_history, METH_O, "_torch_history(device) -> (entries, dropped) or None"),
+    M("_torch_memory_report", g_memory_report, METH_VARARGS,
+      "_torch_memory_report(device, size=0) -> dict or None"),
+    M("_torch_last_oom", g_last_oom, METH_O, "_torch_last_oom(device) -> dict or None"),
+    M("_torch_format_oom", g_format_oom, METH_VARARGS,
+      "_torch_format_oom(device, size=0) -> the message such a request would fail with"),
+    M("_torch_empty_cache", g_empty_cache, METH_NOARGS, "_torch_empty_cache(): every device"),
+    M("_torch_set_cap", g_set_cap, METH_VARARGS, "_torch_set_cap(device, bytes)"),
+    M("_torch_get_cap", g_get_cap, METH_O, "_torch_get_cap(device) -> int or None"),
+    M("_torch_check", g_check, METH_O, "_torch_check(device): run the invariant checker"),
+    M("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
+    {.ml_name = NULL},
+};
+
+int gm_torch_glue_add(PyObject *module) { return PyModule_AddFunctions(module, glue_methods); }
