@@ -112,11 +112,12 @@ def time_trace(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None) 
 
 
 def replay(trace: Trace, capacity: int = DEFAULT_CAPACITY, *, timing: bool = True,
-           progress: Optional[Progress] = None, heap_kwargs: Optional[dict] = None) -> ReplayResult:
+           progress: Optional[Progress] = None, heap_kwargs: Optional[dict] = None,
+           chunk: int = CHUNK_EVENTS) -> ReplayResult:
     """Replay `trace` on a fresh sim heap of `capacity` bytes and measure it."""
     heap = _heap(capacity, heap_kwargs)
     try:
-        counts = replay_trace(heap, trace, progress)
+        counts = replay_trace(heap, trace, progress, chunk)
         s = heap.stats()
     finally:
         heap.close()
