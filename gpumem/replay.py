@@ -34,7 +34,8 @@ class ReplayResult:
     allocs: int
     frees: int
     capacity_bytes: int
-    peak_live_bytes: int
+    peak_live_bytes: int          # largest sum of live sizes as requested
+    peak_allocated_bytes: int     # the same, in the heap's 512-byte-rounded block sizes
     peak_reserved_bytes: int
     ooms: int
     first_oom_event: int          # -1 if none
@@ -127,9 +128,11 @@ def replay(trace: Trace, capacity: int = DEFAULT_CAPACITY, *, timing: bool = Tru
         allocs=counts["allocs"],
         frees=counts["frees"],
         capacity_bytes=capacity,
-        # The heap's own peaks: what it served and what it held.  Trace sizes are
-        # already 512-byte multiples, so with no OOM the live peak equals the trace's.
-        peak_live_bytes=s["allocated_bytes.all.peak"],
+        # Peak live counts the sizes as asked for (torch's requested_bytes), as the
+        # traces README does: traces hold unrounded sizes (8, 3312, ...), and the
+        # heap's 512-byte rounding is its own overhead, reported separately.
+        peak_live_bytes=s["requested_bytes.all.peak"],
+        peak_allocated_bytes=s["allocated_bytes.all.peak"],
         peak_reserved_bytes=s["reserved_bytes.all.peak"],
         ooms=counts["ooms"],
         first_oom_event=counts["first_oom_event"],

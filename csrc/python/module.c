@@ -319,7 +319,7 @@ static void fmt_bytes(char *buf, size_t len, uint64_t n)
 {
     static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
     if (n < 1024) {
-        snprintf(buf, len, "%" PRIu64 " bytes", n);
+        snprintf(buf, len, "%" PRIu64 " B", n);
         return;
     }
     double v = (double)n / 1024.0;
