@@ -8,6 +8,17 @@ from ._units import format_size, parse_size
 __version__ = "0.1.0"
 
 try:
+    from . import _C  # noqa: F401
+except ImportError:
+    # Run from a source checkout after a plain `pip install .`, the checkout's
+    # gpumem/ (no compiled _C) shadows the installed one.  Let the package span
+    # both directories, as pkgutil.extend_path is meant for, so that _C is found
+    # in the installed copy.
+    import pkgutil as _pkgutil
+
+    __path__ = _pkgutil.extend_path(__path__, __name__)
+
+try:
     from ._C import (  # noqa: F401  (re-exported)
         CorruptionError,
         DeviceError,
