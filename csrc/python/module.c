@@ -86,13 +86,19 @@ static int ensure_sim(HeapObject *self, int changes_device)
     return 0;
 }
 
-/* Raise the exception that matches a core error code; `what` names the call. */
+/* Raise the exception that matches a core error code; `what` names the call.
+ * The device's reason, if it gave one, ends the message: a GM_EINVAL from
+ * set_cap may come from the device ("synchronize: would deadlock ..."), not
+ * from the argument. */
 static PyObject *raise_code(HeapObject *self, int code, const char *what)
 {
-    const char *detail = (self && self->dev && self->dev->last_error[0]) ? self->dev->last_error : "no detail";
+    const char *detail = (self && self->dev && self->dev->last_error[0]) ? self->dev->last_error : NULL;
+    const char *sep = detail ? ": " : "";
+    if (!detail)
+        detail = "";
     switch (code) {
     case GM_EINVAL:
-        PyErr_Format(PyExc_ValueError, "%s: invalid argument (GM_EINVAL)", what);
+        PyErr_Format(PyExc_ValueError, "%s: invalid argument (GM_EINVAL)%s%s", what, sep, detail);
         break;
     case GM_EUNKNOWN_PTR:
         PyErr_Format(InvalidPointerError, "%s: pointer was never handed out by this heap (GM_EUNKNOWN_PTR)", what);
@@ -105,16 +111,18 @@ static PyObject *raise_code(HeapObject *self, int code, const char *what)
     case GM_EDEVICE:
     case GM_ENODRIVER:
     case GM_ENOTSUP:
-        PyErr_Format(DeviceError, "%s: %s (%s): %s", what, gm_strerror(code), code_name(code), detail);
+        PyErr_Format(DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), code_name(code), sep, detail);
         break;
     case GM_ECORRUPT:
-        PyErr_Format(CorruptionError, "%s: heap is corrupt (GM_ECORRUPT)", what);
+        PyErr_Format(CorruptionError, "%s: heap is corrupt (GM_ECORRUPT)%s%s", what, sep, detail);
         break;
     case GM_ENOMEM:
-        PyErr_Format(OutOfMemoryError, "CUDA out of memory. %s: %s (GM_ENOMEM)", what, gm_strerror(code));
+        PyErr_Format(OutOfMemoryError, "CUDA out of memory. %s: %s (GM_ENOMEM)%s%s", what, gm_strerror(code), sep,
+                     detail);
         break;
     default:
-        PyErr_Format(PyExc_RuntimeError, "%s: %s (%s, code %d)", what, gm_strerror(code), code_name(code), code);
+        PyErr_Format(PyExc_RuntimeError, "%s: %s (%s, code %d)%s%s", what, gm_strerror(code), code_name(code), code,
+                     sep, detail);
         break;
     }
     return NULL;
@@ -552,7 +560,12 @@ static PyObject *Heap_repr(HeapObject *self)
 
 /* ---- allocation ------------------------------------------------------------------- */
 
-#define ENTER_CORE(self) do { (self)->busy++; Py_BEGIN_ALLOW_THREADS
+/* Clearing the device's last_error first makes any reason found there after a
+ * failure this call's own.  Only done when no other thread is inside the core:
+ * then nothing else can be writing it (we hold the GIL, they would need it to
+ * enter). */
+#define ENTER_CORE(self) do { if (!(self)->busy) (self)->dev->last_error[0] = '\0'; \
+    (self)->busy++; Py_BEGIN_ALLOW_THREADS
 #define LEAVE_CORE(self) Py_END_ALLOW_THREADS (self)->busy--; } while (0)
 
 static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
@@ -578,7 +591,7 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
     LEAVE_CORE(self);
     if (rc == GM_ENOMEM)
         return raise_oom(self);
-    if (rc == GM_EINVAL) {
+    if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "malloc: size %zu is not a size this heap can serve (GM_EINVAL)", size);
         return NULL;
     }
@@ -662,7 +675,7 @@ static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o)
     ENTER_CORE(self);
     rc = gm_set_cap(self->heap, cap);
     LEAVE_CORE(self);
-    if (rc == GM_EINVAL) {
+    if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "set_cap: %zu bytes is not a valid cap (GM_EINVAL)", cap);
         return NULL;
     }
