@@ -92,19 +92,19 @@ static int slab_grow(gm_heap *h) {
         chunk[i].lnext = h->slab_free;
         h->slab_free = &chunk[i];
     }
+    h->n_slab_free += CHUNK;
     return GM_OK;
 }
 
 /* Splits below never fail: callers make sure a few records are at hand first. */
 static int slab_reserve(gm_heap *h, size_t n) {
-    size_t have = 0;
-    for (gm_block *b = h->slab_free; b && have < n; b = b->lnext) have++;
-    return have >= n ? GM_OK : slab_grow(h);
+    return h->n_slab_free >= n ? GM_OK : slab_grow(h);
 }
 
 static gm_block *block_new(gm_heap *h) {
     gm_block *b = h->slab_free;
     h->slab_free = b->lnext;
+    h->n_slab_free--;
     memset(b, 0, sizeof *b);
     return b;
 }
@@ -116,6 +116,7 @@ static void block_del(gm_heap *h, gm_block *b) {
     b->events = NULL;
     b->lnext = h->slab_free;
     h->slab_free = b;
+    h->n_slab_free++;
 }
 
 /* ---- live table ---------------------------------------------------------- */
@@ -668,6 +669,10 @@ static int cmp_run_addr(const void *x, const void *y) {
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
     size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
+    if (!n) {
+        free(runs);
+        return 0;
+    }
     qsort(runs, n, sizeof *runs, cmp_run);
     for (size_t i = 0; i < n && chosen < want; i++) {
         size_t take = runs[i].p1 - runs[i].p0;
