@@ -1,0 +1,134 @@
+/* freeindex.c -- see freeindex.h for the structure and its invariants. */
+#include "freeindex.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "heap_internal.h"
+
+void fi_init(gm_freeindex *fi) { memset(fi, 0, sizeof *fi); }
+
+static inline unsigned fi_fl_sl(size_t units, unsigned *sl) {
+    if (units < FI_SL) {
+        *sl = (unsigned)units;
+        return 0;
+    }
+    unsigned f = 63u - (unsigned)__builtin_clzll((unsigned long long)units);
+    *sl = (unsigned)(units >> (f - FI_SL_BITS)) & (FI_SL - 1u);
+    return f - FI_SL_BITS + 1u;
+}
+
+unsigned fi_bin(size_t size) {
+    unsigned sl, fl = fi_fl_sl(size / GM_ALIGN, &sl);
+    return fl * FI_SL + sl;
+}
+
+/* (size, addr) order: best fit first, lowest address among equals. */
+static inline int before(const gm_block *a, const gm_block *b) {
+    return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+}
+
+void fi_insert(gm_freeindex *fi, gm_block *b) {
+    unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
+    gm_block **slot = &fi->bins[fl][sl];
+    gm_block *prev = NULL, *cur = *slot;
+    while (cur && before(cur, b)) {
+        prev = cur;
+        cur = cur->lnext;
+    }
+    b->lprev = prev;
+    b->lnext = cur;
+    if (cur) cur->lprev = b;
+    if (prev) prev->lnext = b;
+    else *slot = b;
+    fi->sl_bitmap[fl] |= 1u << sl;
+    fi->fl_bitmap |= 1ull << fl;
+    fi->count++;
+    fi->bytes += b->size;
+}
+
+void fi_remove(gm_freeindex *fi, gm_block *b) {
+    unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
+    if (b->lprev) b->lprev->lnext = b->lnext;
+    else fi->bins[fl][sl] = b->lnext;
+    if (b->lnext) b->lnext->lprev = b->lprev;
+    b->lprev = b->lnext = NULL;
+    if (!fi->bins[fl][sl]) {
+        fi->sl_bitmap[fl] &= ~(1u << sl);
+        if (!fi->sl_bitmap[fl]) fi->fl_bitmap &= ~(1ull << fl);
+    }
+    fi->count--;
+    fi->bytes -= b->size;
+}
+
+gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
+    if (!fi->count) return NULL;
+    unsigned sl, fl = fi_fl_sl(size / GM_ALIGN, &sl);
+    if (fl >= FI_FL) return NULL;
+    /* Own bin: sorted, so the first block that fits is the best in it. */
+    for (gm_block *b = fi->bins[fl][sl]; b; b = b->lnext)
+        if (b->size >= size) return b;
+    /* Any block in a higher bin fits; the head of the first one is the best. */
+    uint32_t sl_map = sl + 1u < FI_SL ? fi->sl_bitmap[fl] & (~0u << (sl + 1u)) : 0u;
+    if (!sl_map) {
+        uint64_t fl_map = fl + 1u < 64u ? fi->fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
+        if (!fl_map) return NULL;
+        fl = (unsigned)__builtin_ctzll(fl_map);
+        sl_map = fi->sl_bitmap[fl];
+    }
+    sl = (unsigned)__builtin_ctz(sl_map);
+    return fi->bins[fl][sl];
+}
+
+int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg) {
+    for (unsigned fl = 0; fl < FI_FL; fl++) {
+        if (!(fi->fl_bitmap & (1ull << fl))) continue;
+        for (unsigned sl = 0; sl < FI_SL; sl++) {
+            gm_block *b = fi->bins[fl][sl];
+            while (b) {
+                gm_block *next = b->lnext; /* fn may move b elsewhere */
+                int rc = fn(b, arg);
+                if (rc) return rc;
+                b = next;
+            }
+        }
+    }
+    return 0;
+}
+
+int fi_check(const gm_freeindex *fi, char *why, size_t whylen) {
+    size_t count = 0, bytes = 0;
+    for (unsigned fl = 0; fl < FI_FL; fl++) {
+        int fl_set = (fi->fl_bitmap >> fl) & 1u;
+        if (fl_set != (fi->sl_bitmap[fl] != 0)) {
+            snprintf(why, whylen, "freeindex: first-level bit %u is %d but its bins say otherwise", fl, fl_set);
+            return 1;
+        }
+        for (unsigned sl = 0; sl < FI_SL; sl++) {
+            const gm_block *b = fi->bins[fl][sl], *prev = NULL;
+            if (((fi->sl_bitmap[fl] >> sl) & 1u) != (b != NULL)) {
+                snprintf(why, whylen, "freeindex: bitmap bit for bin %u/%u disagrees with the bin", fl, sl);
+                return 1;
+            }
+            for (; b; prev = b, b = b->lnext) {
+                if (fi_bin(b->size) != fl * FI_SL + sl) {
+                    snprintf(why, whylen, "freeindex: block %#lx of %zu bytes sits in the wrong bin",
+                             (unsigned long)b->addr, b->size);
+                    return 1;
+                }
+                if (b->lprev != prev || (prev && before(b, prev))) {
+                    snprintf(why, whylen, "freeindex: bin %u/%u is not a sorted doubly linked list", fl, sl);
+                    return 1;
+                }
+                count++;
+                bytes += b->size;
+            }
+        }
+    }
+    if (count != fi->count || bytes != fi->bytes) {
+        snprintf(why, whylen, "freeindex: holds %zu blocks / %zu bytes but counts %zu / %zu", count, bytes,
+                 fi->count, fi->bytes);
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,56 @@
+/*
+ * freeindex.h -- a two-level segregated index of free blocks, after TLSF.
+ *
+ * Sizes are counted in 512-byte units.  The first level is the unit count's
+ * power of two, the second level splits each power of two into 32 bins (so a
+ * bin spans at most 1/32 of its sizes; sizes below 32 units get a bin each).
+ * Two bitmaps say which bins are non-empty, so finding the first non-empty bin
+ * at or above a size is two find-first-set instructions.
+ *
+ * Unlike TLSF, which settles for a "good fit" by skipping the request's own
+ * bin, each bin is kept sorted by (size, address).  The search looks in the
+ * request's own bin first and takes the first block that fits; failing that,
+ * the head of the next non-empty bin.  The result is the exact best fit with
+ * the lowest address among equals: address-ordered best fit, the policy that
+ * fragments least in Wilson et al.'s and Johnstone's studies, at TLSF speed
+ * whenever bins are short -- which they are, because neighbours coalesce.
+ *
+ * Invariants (checked by gm_check):
+ *   I1  a block is in the bin that fi_bin() computes from its size;
+ *   I2  each bin list is sorted by (size, addr), doubly linked, with NULL ends;
+ *   I3  bit (fl) of fl_bitmap is set  <=>  sl_bitmap[fl] != 0;
+ *       bit (sl) of sl_bitmap[fl] is set  <=>  bins[fl][sl] != NULL;
+ *   I4  count and bytes equal the number and total size of the listed blocks.
+ */
+#ifndef GPUMEM_FREEINDEX_H
+#define GPUMEM_FREEINDEX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FI_SL_BITS 5u
+#define FI_SL (1u << FI_SL_BITS)
+#define FI_FL 44u /* 2^48 units of 512 B: far beyond any device */
+
+struct gm_block;
+
+typedef struct gm_freeindex {
+    uint64_t fl_bitmap;
+    uint32_t sl_bitmap[FI_FL];
+    struct gm_block *bins[FI_FL][FI_SL];
+    size_t count;
+    size_t bytes;
+} gm_freeindex;
+
+void fi_init(gm_freeindex *fi);
+unsigned fi_bin(size_t size);
+void fi_insert(gm_freeindex *fi, struct gm_block *b);
+void fi_remove(gm_freeindex *fi, struct gm_block *b);
+/* Smallest block with size >= size (lowest address among equals), or NULL. */
+struct gm_block *fi_best_fit(const gm_freeindex *fi, size_t size);
+/* Visit every block (any order); stop early if fn returns non-zero. */
+int fi_each(const gm_freeindex *fi, int (*fn)(struct gm_block *b, void *arg), void *arg);
+/* Check I1-I4; returns 0 or writes a reason. */
+int fi_check(const gm_freeindex *fi, char *why, size_t whylen);
+
+#endif

@@ -1,0 +1,73 @@
+/*
+ * history.c -- a ring buffer of allocator events.
+ *
+ * Fixed capacity, chosen by gm_history_enable: once full, each new event
+ * overwrites the oldest and bumps `dropped`, so memory stays bounded however
+ * long the program runs.  Entries carry an opaque context id; the extension
+ * module maps ids to Python stacks.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "heap_internal.h"
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream, uint64_t context) {
+    size_t slot = (h->hist_head + h->hist_len) % h->hist_cap;
+    if (h->hist_len == h->hist_cap) {
+        h->hist_head = (h->hist_head + 1) % h->hist_cap;
+        h->hist_dropped++;
+    } else {
+        h->hist_len++;
+    }
+    gm_hist_entry *e = &h->hist[slot];
+    e->time_ns = now_ns();
+    e->addr = addr;
+    e->size = size;
+    e->stream = stream;
+    e->context = context;
+    e->action = action;
+}
+
+void gm_hist_free(gm_heap *h) {
+    free(h->hist);
+    h->hist = NULL;
+    h->hist_cap = h->hist_head = h->hist_len = 0;
+    h->hist_dropped = 0;
+}
+
+int gm_history_enable(gm_heap *h, size_t max_entries) {
+    if (max_entries > ((size_t)1 << 32)) return GM_EINVAL;
+    gm_hist_entry *ring = NULL;
+    if (max_entries && !(ring = calloc(max_entries, sizeof *ring))) return GM_ENOMEM;
+    pthread_mutex_lock(&h->lock);
+    gm_hist_free(h);
+    h->hist = ring;
+    h->hist_cap = max_entries;
+    pthread_mutex_unlock(&h->lock);
+    return GM_OK;
+}
+
+size_t gm_history_read(gm_heap *h, gm_hist_entry *out, size_t cap, uint64_t *dropped) {
+    pthread_mutex_lock(&h->lock);
+    size_t n = h->hist_len < cap ? h->hist_len : cap;
+    /* Keep the newest n when the caller's buffer is short. */
+    size_t skip = h->hist_len - n;
+    for (size_t i = 0; i < n; i++) out[i] = h->hist[(h->hist_head + skip + i) % h->hist_cap];
+    if (dropped) *dropped = h->hist_dropped + skip;
+    pthread_mutex_unlock(&h->lock);
+    return n;
+}
+
+size_t gm_history_len(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    size_t n = h->hist_len;
+    pthread_mutex_unlock(&h->lock);
+    return n;
+}

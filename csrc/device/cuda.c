@@ -1,0 +1,650 @@
+/*
+ * cuda.c -- the CUDA driver device.
+ *
+ * libcuda is opened with dlopen on first use and never linked, and no CUDA
+ * header is included: building and importing gpumem must work on a machine
+ * without a GPU or a toolkit.  The few types below mirror cuda.h (checked
+ * against CUDA 13.0's header; the layouts have not changed since the virtual
+ * memory API appeared in 10.2).  NVML, used only to name other processes, is
+ * opened the same way on the first processes() call.
+ *
+ * Every operation pushes the device's primary context and pops it after, so a
+ * call works from any thread whatever context that thread has current -- the
+ * heap is called from PyTorch's threads, from autograd's, and from ours.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpumem/device.h"
+#include "gpumem/gpumem.h"
+
+/* ---- the slice of cuda.h we use ----------------------------------------- */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUevent_st *CUevent;
+typedef struct CUstream_st *CUstream;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_READY = 600,
+    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+    CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+    CU_MEM_HANDLE_TYPE_NONE = 0,
+    CU_MEM_LOCATION_TYPE_DEVICE = 1,
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+    CU_EVENT_DISABLE_TIMING = 2
+};
+
+/* C enums are int-sized on every ABI CUDA supports, so they are ints here. */
+typedef struct cu_mem_location {
+    int type;
+    int id;
+} cu_mem_location;
+
+typedef struct cu_alloc_prop {
+    int type;
+    int requested_handle_types;
+    cu_mem_location location;
+    void *win32_handle_meta_data;
+    struct {
+        unsigned char compression_type;
+        unsigned char gpu_direct_rdma_capable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } alloc_flags;
+} cu_alloc_prop;
+
+typedef struct cu_access_desc {
+    cu_mem_location location;
+    int flags;
+} cu_access_desc;
+
+_Static_assert(sizeof(cu_mem_location) == 8, "CUmemLocation layout");
+_Static_assert(sizeof(cu_alloc_prop) == 32, "CUmemAllocationProp layout");
+_Static_assert(sizeof(cu_access_desc) == 12, "CUmemAccessDesc layout");
+
+typedef struct cu_api {
+    CUresult (*Init)(unsigned int);
+    CUresult (*GetErrorName)(CUresult, const char **);
+    CUresult (*GetErrorString)(CUresult, const char **);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceGet)(CUdevice *, int);
+    CUresult (*DeviceGetAttribute)(int *, int, CUdevice);
+    CUresult (*DeviceGetName)(char *, int, CUdevice);
+    CUresult (*DeviceGetPCIBusId)(char *, int, CUdevice);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+    CUresult (*CtxPushCurrent)(CUcontext);
+    CUresult (*CtxPopCurrent)(CUcontext *);
+    CUresult (*CtxSynchronize)(void);
+    CUresult (*MemGetInfo)(size_t *, size_t *);
+    CUresult (*MemGetAllocationGranularity)(size_t *, const cu_alloc_prop *, int);
+    CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const cu_alloc_prop *,
+                          unsigned long long);
+    CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long);
+    CUresult (*MemUnmap)(CUdeviceptr, size_t);
+    CUresult (*MemSetAccess)(CUdeviceptr, size_t, const cu_access_desc *, size_t);
+    CUresult (*EventCreate)(CUevent *, unsigned int);
+    CUresult (*EventDestroy)(CUevent);
+    CUresult (*EventRecord)(CUevent, CUstream);
+    CUresult (*EventQuery)(CUevent);
+} cu_api;
+
+/* Symbol names, newest first where the driver exports versions.  A _v2 whose
+ * unversioned twin has a different ABI (cuMemGetInfo took unsigned ints) has
+ * no fallback. */
+typedef struct sym_entry {
+    size_t offset;          /* of the function pointer in its table */
+    const char *names[2];   /* tried in order; the second may be NULL */
+} sym_entry;
+
+static const sym_entry cu_symbols[] = {
+#define SYM(field, ...) {offsetof(cu_api, field), {__VA_ARGS__}}
+    SYM(Init, "cuInit"),
+    SYM(GetErrorName, "cuGetErrorName"),
+    SYM(GetErrorString, "cuGetErrorString"),
+    SYM(DeviceGetCount, "cuDeviceGetCount"),
+    SYM(DeviceGet, "cuDeviceGet"),
+    SYM(DeviceGetAttribute, "cuDeviceGetAttribute"),
+    SYM(DeviceGetName, "cuDeviceGetName"),
+    SYM(DeviceGetPCIBusId, "cuDeviceGetPCIBusId"),
+    SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
+    SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
+    SYM(CtxPushCurrent, "cuCtxPushCurrent_v2"),
+    SYM(CtxPopCurrent, "cuCtxPopCurrent_v2"),
+    SYM(CtxSynchronize, "cuCtxSynchronize"),
+    SYM(MemGetInfo, "cuMemGetInfo_v2"),
+    SYM(MemGetAllocationGranularity, "cuMemGetAllocationGranularity"),
+    SYM(MemAddressReserve, "cuMemAddressReserve"),
+    SYM(MemAddressFree, "cuMemAddressFree"),
+    SYM(MemCreate, "cuMemCreate"),
+    SYM(MemRelease, "cuMemRelease"),
+    SYM(MemMap, "cuMemMap"),
+    SYM(MemUnmap, "cuMemUnmap"),
+    SYM(MemSetAccess, "cuMemSetAccess"),
+    SYM(EventCreate, "cuEventCreate"),
+    SYM(EventDestroy, "cuEventDestroy_v2"),
+    SYM(EventRecord, "cuEventRecord"),
+    SYM(EventQuery, "cuEventQuery"),
+#undef SYM
+};
+
+static cu_api cu;
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
+static int cu_ok;
+static char cu_err[256];
+
+/* Function pointers come back from dlsym as void *; copying the bytes is the
+ * conversion ISO C leaves defined enough for -Wpedantic to stay quiet. */
+static int load_symbols(void *lib, void *table, const sym_entry *syms, size_t n,
+                        const char **missing)
+{
+    for (size_t i = 0; i < n; i++) {
+        void *p = NULL;
+        for (int k = 0; k < 2 && syms[i].names[k] && !p; k++)
+            p = dlsym(lib, syms[i].names[k]);
+        if (!p) {
+            *missing = syms[i].names[0];
+            return 0;
+        }
+        memcpy((char *)table + syms[i].offset, &p, sizeof p);
+    }
+    return 1;
+}
+
+static const char *cu_name(CUresult r)
+{
+    const char *s = NULL;
+    if (!cu.GetErrorName || cu.GetErrorName(r, &s) != CUDA_SUCCESS || !s)
+        return "CUDA_ERROR_UNKNOWN";
+    return s;
+}
+
+static const char *cu_desc(CUresult r)
+{
+    const char *s = NULL;
+    if (!cu.GetErrorString || cu.GetErrorString(r, &s) != CUDA_SUCCESS || !s)
+        return "unrecognised error code";
+    return s;
+}
+
+static void cu_load(void)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        snprintf(cu_err, sizeof cu_err, "libcuda.so.1 not found: %s",
+                 why ? why : "dlopen failed");
+        return;
+    }
+    const char *missing = NULL;
+    if (!load_symbols(lib, &cu, cu_symbols, sizeof cu_symbols / sizeof cu_symbols[0],
+                      &missing)) {
+        snprintf(cu_err, sizeof cu_err,
+                 "libcuda.so.1 lacks %s: the driver is too old for virtual memory management",
+                 missing);
+        memset(&cu, 0, sizeof cu);
+        dlclose(lib);
+        return;
+    }
+    CUresult r = cu.Init(0);
+    if (r != CUDA_SUCCESS) {
+        snprintf(cu_err, sizeof cu_err, "cuInit: %s (%s)", cu_desc(r), cu_name(r));
+        return; /* keep the library: cu_name / cu_desc still work */
+    }
+    cu_ok = 1;
+}
+
+/* ---- NVML ------------------------------------------------------------------ */
+
+typedef int nvmlReturn_t;
+typedef struct nvmlDevice_st *nvmlDevice_t;
+enum { NVML_SUCCESS = 0, NVML_ERROR_INSUFFICIENT_SIZE = 7 };
+
+/* nvmlDeviceGetComputeRunningProcesses_v2/_v3 fill this layout
+ * (nvmlProcessInfo_v2_t); the unversioned v1 stops after usedGpuMemory.  Both
+ * start the same way, so one reader serves both given the stride. */
+typedef struct nvml_proc_v2 {
+    unsigned int pid;
+    unsigned long long used_gpu_memory;
+    unsigned int gpu_instance_id;
+    unsigned int compute_instance_id;
+} nvml_proc_v2;
+typedef struct nvml_proc_v1 {
+    unsigned int pid;
+    unsigned long long used_gpu_memory;
+} nvml_proc_v1;
+#define NVML_VALUE_NOT_AVAILABLE (~0ull)
+
+typedef struct nvml_api {
+    nvmlReturn_t (*Init)(void);
+    nvmlReturn_t (*Shutdown)(void);
+    const char *(*ErrorString)(nvmlReturn_t);
+    nvmlReturn_t (*DeviceGetHandleByPciBusId)(const char *, nvmlDevice_t *);
+    nvmlReturn_t (*DeviceGetComputeRunningProcesses)(nvmlDevice_t, unsigned int *, void *);
+} nvml_api;
+
+static nvml_api nv;
+static size_t nv_stride; /* sizeof the process record the chosen symbol fills */
+static pthread_once_t nv_once = PTHREAD_ONCE_INIT;
+static int nv_ok;
+static char nv_err[200];
+
+static void nv_load(void)
+{
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 not found: %s",
+                 why ? why : "dlopen failed");
+        return;
+    }
+    static const sym_entry syms[] = {
+        {offsetof(nvml_api, Init), {"nvmlInit_v2", "nvmlInit"}},
+        {offsetof(nvml_api, Shutdown), {"nvmlShutdown", NULL}},
+        {offsetof(nvml_api, ErrorString), {"nvmlErrorString", NULL}},
+        {offsetof(nvml_api, DeviceGetHandleByPciBusId),
+         {"nvmlDeviceGetHandleByPciBusId_v2", "nvmlDeviceGetHandleByPciBusId"}},
+    };
+    const char *missing = NULL;
+    if (!load_symbols(lib, &nv, syms, sizeof syms / sizeof syms[0], &missing)) {
+        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 lacks %s", missing);
+        memset(&nv, 0, sizeof nv);
+        dlclose(lib);
+        return;
+    }
+    static const char *const procs[] = {
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetComputeRunningProcesses",
+    };
+    for (size_t i = 0; i < 3; i++) {
+        void *p = dlsym(lib, procs[i]);
+        if (p) {
+            memcpy(&nv.DeviceGetComputeRunningProcesses, &p, sizeof p);
+            nv_stride = i < 2 ? sizeof(nvml_proc_v2) : sizeof(nvml_proc_v1);
+            break;
+        }
+    }
+    if (!nv.DeviceGetComputeRunningProcesses) {
+        snprintf(nv_err, sizeof nv_err,
+                 "libnvidia-ml.so.1 lacks nvmlDeviceGetComputeRunningProcesses");
+        memset(&nv, 0, sizeof nv);
+        dlclose(lib);
+        return;
+    }
+    nv_ok = 1;
+}
+
+/* ---- the device ------------------------------------------------------------ */
+
+typedef struct cuda_device {
+    gm_device base; /* first: a gm_device * is a cuda_device * */
+    CUdevice cudev;
+    CUcontext ctx;
+    char pci_bus_id[32];
+    int nvml_state; /* 0 not tried, 1 ready, -1 unavailable (nvml_err says why) */
+    nvmlDevice_t nvdev;
+    char nvml_err[200];
+} cuda_device;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void set_error(cuda_device *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->base.last_error, sizeof c->base.last_error, fmt, ap);
+    va_end(ap);
+}
+
+/* "cuMemCreate: out of memory (CUDA_ERROR_OUT_OF_MEMORY)" */
+static int cu_fail(cuda_device *c, const char *call, CUresult r)
+{
+    set_error(c, "%s: %s (%s)", call, cu_desc(r), cu_name(r));
+    return r == CUDA_ERROR_OUT_OF_MEMORY ? GM_ENOMEM : GM_EDEVICE;
+}
+
+static int push(cuda_device *c)
+{
+    CUresult r = cu.CtxPushCurrent(c->ctx);
+    return r == CUDA_SUCCESS ? GM_OK : cu_fail(c, "cuCtxPushCurrent", r);
+}
+
+static void pop(void)
+{
+    CUcontext ignored;
+    cu.CtxPopCurrent(&ignored);
+}
+
+/* Run one driver call inside the device's primary context. */
+#define CU_CALL(c, name, call)                         \
+    do {                                               \
+        int pushed_ = push(c);                         \
+        if (pushed_ != GM_OK)                          \
+            return pushed_;                            \
+        CUresult r_ = (call);                          \
+        pop();                                         \
+        if (r_ != CUDA_SUCCESS)                        \
+            return cu_fail(c, name, r_);               \
+    } while (0)
+
+static void fill_prop(const cuda_device *c, cu_alloc_prop *prop)
+{
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->requested_handle_types = CU_MEM_HANDLE_TYPE_NONE;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = c->cudev;
+}
+
+static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CUdeviceptr p = 0;
+    CU_CALL(c, "cuMemAddressReserve", cu.MemAddressReserve(&p, size, dev->page_size, 0, 0));
+    *va = (uintptr_t)p;
+    return GM_OK;
+}
+
+static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuMemAddressFree", cu.MemAddressFree((CUdeviceptr)va, size));
+    return GM_OK;
+}
+
+static int cuda_create(gm_device *dev, gm_handle *handle)
+{
+    cuda_device *c = (cuda_device *)dev;
+    cu_alloc_prop prop;
+    fill_prop(c, &prop);
+    CUmemGenericAllocationHandle h = 0;
+    CU_CALL(c, "cuMemCreate", cu.MemCreate(&h, dev->page_size, &prop, 0));
+    *handle = (gm_handle)h;
+    return GM_OK;
+}
+
+static int cuda_release(gm_device *dev, gm_handle handle)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuMemRelease", cu.MemRelease((CUmemGenericAllocationHandle)handle));
+    return GM_OK;
+}
+
+static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuMemMap",
+            cu.MemMap((CUdeviceptr)va, dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
+    return GM_OK;
+}
+
+/* One call for the whole range: the driver accepts a range made of several
+ * whole mappings, and only refuses to cut one in two. */
+static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuMemUnmap", cu.MemUnmap((CUdeviceptr)va, size));
+    return GM_OK;
+}
+
+static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size)
+{
+    cuda_device *c = (cuda_device *)dev;
+    cu_access_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = c->cudev;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU_CALL(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, &desc, 1));
+    return GM_OK;
+}
+
+static int cuda_event_create(gm_device *dev, gm_event *ev)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CUevent e = NULL;
+    CU_CALL(c, "cuEventCreate", cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    *ev = (gm_event)(uintptr_t)e;
+    return GM_OK;
+}
+
+static int cuda_event_destroy(gm_device *dev, gm_event ev)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuEventDestroy", cu.EventDestroy((CUevent)(uintptr_t)ev));
+    return GM_OK;
+}
+
+static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuEventRecord",
+            cu.EventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
+    return GM_OK;
+}
+
+static int cuda_event_query(gm_device *dev, gm_event ev)
+{
+    cuda_device *c = (cuda_device *)dev;
+    int rc = push(c);
+    if (rc != GM_OK)
+        return rc;
+    CUresult r = cu.EventQuery((CUevent)(uintptr_t)ev);
+    pop();
+    if (r == CUDA_SUCCESS)
+        return GM_OK;
+    if (r == CUDA_ERROR_NOT_READY)
+        return GM_ENOTREADY;
+    return cu_fail(c, "cuEventQuery", r);
+}
+
+static int cuda_synchronize(gm_device *dev)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuCtxSynchronize", cu.CtxSynchronize());
+    return GM_OK;
+}
+
+static int cuda_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes)
+{
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuMemGetInfo", cu.MemGetInfo(free_bytes, total_bytes));
+    return GM_OK;
+}
+
+/* NVML is brought up for this device on first use and its failure remembered,
+ * so a machine without it pays for the attempt once. */
+static int nvml_ready(cuda_device *c)
+{
+    if (c->nvml_state == 0) {
+        pthread_once(&nv_once, nv_load);
+        nvmlReturn_t r;
+        if (!nv_ok) {
+            snprintf(c->nvml_err, sizeof c->nvml_err, "%s", nv_err);
+        } else if ((r = nv.Init()) != NVML_SUCCESS) {
+            snprintf(c->nvml_err, sizeof c->nvml_err, "nvmlInit: %s", nv.ErrorString(r));
+        } else if ((r = nv.DeviceGetHandleByPciBusId(c->pci_bus_id, &c->nvdev)) != NVML_SUCCESS) {
+            snprintf(c->nvml_err, sizeof c->nvml_err, "nvmlDeviceGetHandleByPciBusId(%s): %s",
+                     c->pci_bus_id, nv.ErrorString(r));
+            nv.Shutdown();
+        } else {
+            c->nvml_state = 1;
+            return 1;
+        }
+        c->nvml_state = -1;
+    }
+    return c->nvml_state == 1;
+}
+
+static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n)
+{
+    cuda_device *c = (cuda_device *)dev;
+    if (!nvml_ready(c)) {
+        set_error(c, "processes: %s", c->nvml_err);
+        return GM_ENOTSUP;
+    }
+    /* The list can grow between the sizing call and the real one; retry a few
+     * times with room to spare. */
+    unsigned char stack_buf[64 * sizeof(nvml_proc_v2)];
+    unsigned char *buf = stack_buf;
+    unsigned int room = (unsigned int)(sizeof stack_buf / nv_stride);
+    nvmlReturn_t r = NVML_SUCCESS;
+    unsigned int count = 0;
+    for (int attempt = 0; attempt < 4; attempt++) {
+        count = room;
+        r = nv.DeviceGetComputeRunningProcesses(c->nvdev, &count, buf);
+        if (r != NVML_ERROR_INSUFFICIENT_SIZE)
+            break;
+        if (buf != stack_buf)
+            free(buf);
+        room = count + 16;
+        buf = malloc((size_t)room * nv_stride);
+        if (!buf) {
+            set_error(c, "processes: out of host memory for %u entries", room);
+            return GM_EDEVICE;
+        }
+    }
+    if (r != NVML_SUCCESS) {
+        set_error(c, "nvmlDeviceGetComputeRunningProcesses: %s", nv.ErrorString(r));
+        if (buf != stack_buf)
+            free(buf);
+        return GM_EDEVICE;
+    }
+    for (unsigned int i = 0; i < count && i < cap; i++) {
+        nvml_proc_v1 rec; /* the common prefix of both layouts */
+        memcpy(&rec, buf + (size_t)i * nv_stride, sizeof rec);
+        out[i].pid = rec.pid;
+        /* Without the right to see it (containers, MIG, Windows) NVML says
+         * "not available"; report nothing rather than 16 EiB. */
+        out[i].bytes = rec.used_gpu_memory == NVML_VALUE_NOT_AVAILABLE ? 0 : rec.used_gpu_memory;
+    }
+    *n = count;
+    if (buf != stack_buf)
+        free(buf);
+    return GM_OK;
+}
+
+static void cuda_destroy(gm_device *dev)
+{
+    cuda_device *c = (cuda_device *)dev;
+    if (!c)
+        return;
+    if (c->nvml_state == 1)
+        nv.Shutdown();
+    cu.DevicePrimaryCtxRelease(c->cudev);
+    free(c);
+}
+
+static const gm_device_ops cuda_ops = {
+    .reserve = cuda_reserve,
+    .unreserve = cuda_unreserve,
+    .create = cuda_create,
+    .release = cuda_release,
+    .map = cuda_map,
+    .unmap = cuda_unmap,
+    .set_access = cuda_set_access,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .event_query = cuda_event_query,
+    .synchronize = cuda_synchronize,
+    .mem_info = cuda_mem_info,
+    .processes = cuda_processes,
+    .destroy = cuda_destroy,
+};
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static gm_device *create_fail(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return NULL;
+}
+
+gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
+{
+    pthread_once(&cu_once, cu_load);
+    if (!cu_ok)
+        return create_fail(err, errlen, "%s", cu_err);
+
+    CUresult r;
+    int count = 0;
+    if ((r = cu.DeviceGetCount(&count)) != CUDA_SUCCESS)
+        return create_fail(err, errlen, "cuDeviceGetCount: %s (%s)", cu_desc(r), cu_name(r));
+    if (ordinal < 0 || ordinal >= count)
+        return create_fail(err, errlen, "device %d does not exist (%d device%s)", ordinal, count,
+                           count == 1 ? "" : "s");
+    CUdevice cudev;
+    if ((r = cu.DeviceGet(&cudev, ordinal)) != CUDA_SUCCESS)
+        return create_fail(err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r),
+                           cu_name(r));
+    char gpu[64] = "unknown GPU";
+    if (cu.DeviceGetName(gpu, (int)sizeof gpu, cudev) != CUDA_SUCCESS)
+        snprintf(gpu, sizeof gpu, "unknown GPU");
+    gpu[sizeof gpu - 1] = '\0';
+    int vmm = 0;
+    if ((r = cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                   cudev)) != CUDA_SUCCESS)
+        return create_fail(err, errlen, "cuDeviceGetAttribute: %s (%s)", cu_desc(r), cu_name(r));
+    if (!vmm)
+        return create_fail(err, errlen,
+                           "device %d (%s) does not support virtual memory management", ordinal,
+                           gpu);
+
+    cuda_device *c = calloc(1, sizeof *c);
+    if (!c)
+        return create_fail(err, errlen, "out of host memory");
+    c->base.ops = &cuda_ops;
+    c->base.kind = "cuda";
+    c->base.ordinal = ordinal;
+    c->cudev = cudev;
+    snprintf(c->base.name, sizeof c->base.name, "cuda:%d (%s)", ordinal, gpu);
+    if (cu.DeviceGetPCIBusId(c->pci_bus_id, (int)sizeof c->pci_bus_id, cudev) != CUDA_SUCCESS)
+        c->pci_bus_id[0] = '\0'; /* processes() will then report NVML unusable */
+
+    if ((r = cu.DevicePrimaryCtxRetain(&c->ctx, cudev)) != CUDA_SUCCESS) {
+        free(c);
+        return create_fail(err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal,
+                           cu_desc(r), cu_name(r));
+    }
+    cu_alloc_prop prop;
+    fill_prop(c, &prop);
+    size_t gran = 0;
+    if ((r = cu.CtxPushCurrent(c->ctx)) == CUDA_SUCCESS) {
+        r = cu.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+        pop();
+    }
+    if (r != CUDA_SUCCESS || gran == 0) {
+        cu.DevicePrimaryCtxRelease(cudev);
+        free(c);
+        if (r != CUDA_SUCCESS)
+            return create_fail(err, errlen, "cuMemGetAllocationGranularity: %s (%s)",
+                               cu_desc(r), cu_name(r));
+        return create_fail(err, errlen, "cuMemGetAllocationGranularity returned 0");
+    }
+    c->base.page_size = gran;
+    return &c->base;
+}
