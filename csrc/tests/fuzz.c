@@ -1,7 +1,7 @@
 /*
  * fuzz.c -- random-operation stress driver for the gpumem core on the sim device.
  *
- *   fuzz [--threads N] [--capacity BYTES] [--quiet] [ops=1000000] [seed=1]
+ *   fuzz [--threads N] [--capacity BYTES] [--history N] [--quiet] [ops=1000000] [seed=1]
  *
  * Single-threaded mode drives one heap with a random mix of gm_malloc (sizes
  * log-uniform from 1 B to 256 MiB on 3 streams), gm_free, gm_record_stream,
@@ -36,6 +36,9 @@ static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000
 /* ---- reporting ------------------------------------------------------------ */
 
 static uint64_t g_seed;
+static gm_heap *g_heap;          /* for the history dump on failure */
+static uintptr_t g_addr;         /* address the failure is about (0 if none) */
+static size_t g_history;         /* --history N: entries to keep */
 static uint64_t g_op;             /* op index, for messages (single-thread mode) */
 static const char *g_phase = "setup";
 
@@ -48,6 +51,22 @@ static void fail(const char *fmt, ...)
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
+    if (g_heap && g_history && g_addr) {
+        /* What happened at this address lately: usually the whole story. */
+        static const char *names[] = {"alloc", "free_requested", "free_completed", "map", "unmap",
+                                      "remap", "oom", "empty_cache"};
+        gm_hist_entry *e = calloc(g_history, sizeof *e);
+        size_t n = e ? gm_history_read(g_heap, e, g_history, NULL) : 0;
+        fprintf(stderr, "history touching %#" PRIxPTR " (oldest first):\n", g_addr);
+        for (size_t i = 0; i < n; i++)
+            if (e[i].action == 6 || e[i].action == 7 ||
+                (e[i].addr <= g_addr && g_addr < e[i].addr + (e[i].size ? e[i].size : 1)))
+                fprintf(stderr, "  %-14s %#" PRIx64 "+%" PRIu64 " stream %#" PRIx64 "\n",
+                        e[i].action < 8 ? names[e[i].action] : "?", e[i].addr, e[i].size, e[i].stream);
+        free(e);
+    } else if (g_addr) {
+        fprintf(stderr, "(rerun with --history 100000 for the history of that address)\n");
+    }
     fflush(stderr);
     exit(1);
 }
@@ -146,7 +165,9 @@ static blk sh_remove(shadow *s, size_t i)
 
 /* ---- quarantine: freed blocks that must not be handed out yet ------------- *
  * A block freed while a stream that used it is held (a kernel "still running")
- * must not come back until that stream is released.  all_mask: held streams
+ * must not come back until that stream is released.  (The sim refuses a
+ * device-wide synchronize while a stream is held -- it would never return -- so
+ * nothing but the release completes such work.)  all_mask: held streams
  * named by record_stream -- no allocation on any stream may reuse the range.
  * other_mask: the allocation stream itself was held -- reuse on that same
  * stream is allowed (stream order protects it), on other streams it is not. */
@@ -170,7 +191,6 @@ typedef struct world {
     quar *q;
     size_t nq, qcap;
     int held[NSTREAMS];
-    uint64_t sync_calls;      /* gm_sim_calls(SYNCHRONIZE) when quarantine was last refreshed */
     int faults_on;
     size_t cap;               /* what we last set */
     /* counters for the summary */
@@ -199,22 +219,12 @@ static void q_release_stream(world *w, int si)
     w->nq = j;
 }
 
-/* A device-wide synchronize waits for everything, held streams included (the
- * sim's notion of "the kernel finished"), so whatever was waiting is free. */
-static void q_note_sync(world *w)
-{
-    uint64_t c = gm_sim_calls(w->dev, GM_OP_SYNCHRONIZE);
-    if (c != w->sync_calls) {
-        w->sync_calls = c;
-        w->nq = 0;
-    }
-}
-
 static void q_check_alloc(world *w, uintptr_t a, size_t size, int si)
 {
     for (size_t i = 0; i < w->nq; i++) {
         const quar *q = &w->q[i];
         if (a < q->addr + q->size && q->addr < a + size) {
+            g_addr = q->addr;
             int bad = q->all_mask != 0 || (q->other_mask != 0 && si != q->stream);
             if (bad)
                 fail("block %#" PRIxPTR "+%zu on stream %d reuses %#" PRIxPTR "+%zu freed at op %" PRIu64
@@ -321,7 +331,6 @@ static void op_malloc(world *w, rng_t *r)
     uintptr_t p = 0;
     w->n_malloc++;
     int rc = gm_malloc(w->heap, size, STREAMS[si], ctx, &p);
-    q_note_sync(w);
     if (rc == GM_ENOMEM || rc == GM_EDEVICE) {
         if (rc == GM_ENOMEM) w->n_oom++; else w->n_devfail++;
         if (rc == GM_EDEVICE && !w->faults_on) fail("gm_malloc(%zu) returned GM_EDEVICE with no fault injected", size);
@@ -358,6 +367,7 @@ static void op_malloc(world *w, rng_t *r)
     if (o)
         fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu overlapping live block %#" PRIxPTR "+%zu", size, p,
              bs, o->addr, o->size);
+    g_addr = p;
     if (!gm_sim_is_accessible(w->dev, p, bs))
         fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu that is not mapped with access", size, p, bs);
     q_check_alloc(w, p, bs, si);
@@ -393,7 +403,6 @@ static void op_free(world *w, rng_t *r)
     }
     w->n_free++;
     int rc = gm_free(w->heap, b.addr);
-    q_note_sync(w);
     if (rc != GM_OK) {
         if (!w->faults_on) fail("gm_free(%#" PRIxPTR ") of a live block returned %d (%s)", b.addr, rc, gm_strerror(rc));
         /* A device failure while freeing may leave the block live or not; the
@@ -479,17 +488,30 @@ static void op_empty(world *w)
 {
     w->n_empty++;
     int rc = gm_empty_cache(w->heap);
-    q_note_sync(w);
-    if (rc != GM_OK && !w->faults_on) fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
+    /* Unmapping waits for the device; with a stream held the sim refuses. */
+    if (rc != GM_OK && !w->faults_on && !any_held(w))
+        fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
     check_stats(w, "empty_cache");
     if (!w->faults_on && !any_held(w)) {
         /* Nothing may stay cached: every page held is touched by a live block. */
         gm_stats st;
         gm_get_stats(w->heap, &st);
         size_t lp = live_pages(w);
-        if ((size_t)st.reserved_bytes[GM_POOL_ALL].current != lp * w->page)
-            fail("after gm_empty_cache reserved is %" PRId64 " but live blocks touch %zu pages (%zu bytes)",
-                 st.reserved_bytes[GM_POOL_ALL].current, lp, lp * w->page);
+        if ((size_t)st.reserved_bytes[GM_POOL_ALL].current != lp * w->page) {
+            gm_snapshot *snap = NULL;
+            size_t used = 0, cached = 0, pending = 0;
+            if (gm_snapshot_take(w->heap, &snap) == GM_OK) {
+                for (size_t i = 0; i < snap->n_pages; i++) {
+                    used += snap->pages[i] == GM_PAGE_USED;
+                    cached += snap->pages[i] == GM_PAGE_CACHED;
+                }
+                for (size_t i = 0; i < snap->n_blocks; i++) pending += snap->blocks[i].state == GM_BLOCK_PENDING;
+            }
+            fail("after gm_empty_cache reserved is %" PRId64 " but live blocks touch %zu pages (%zu bytes); "
+                 "snapshot: %zu used, %zu cached, %zu spare pages, %zu pending blocks",
+                 st.reserved_bytes[GM_POOL_ALL].current, lp, lp * w->page, used, cached,
+                 snap ? snap->spare_pages : 0, pending);
+        }
         gm_sim_info si;
         gm_sim_info_get(w->dev, &si);
         if (si.pages_created != lp || si.pages_mapped != lp)
@@ -510,11 +532,10 @@ static void op_setcap(world *w, rng_t *r)
     }
     w->n_setcap++;
     int rc = gm_set_cap(w->heap, cap);
-    q_note_sync(w);
     if (rc == GM_OK) {
         w->cap = cap;
         if (gm_get_cap(w->heap) != cap) fail("gm_set_cap(%zu) then gm_get_cap says %zu", cap, gm_get_cap(w->heap));
-    } else if (!(w->faults_on && rc == GM_EDEVICE)) {
+    } else if (!w->faults_on && !any_held(w)) {
         fail("gm_set_cap(%zu) returned %d (%s)", cap, rc, gm_strerror(rc));
     } else {
         w->cap = gm_get_cap(w->heap);
@@ -568,6 +589,8 @@ static void open_world(world *w, size_t capacity)
     w->va_base = snap->va_base;
     w->va_size = snap->va_size;
     gm_snapshot_free(snap);
+    g_heap = w->heap;
+    if (g_history) gm_history_enable(w->heap, g_history);
     if (w->va_size < capacity) fail("heap reserved only %zu bytes of VA for %zu of memory", w->va_size, capacity);
 }
 
@@ -597,6 +620,7 @@ static void close_world(world *w)
     gm_sim_info_get(w->dev, &si);
     if (si.pages_created || si.pages_mapped)
         fail("teardown: the sim still holds %zu created and %zu mapped pages", si.pages_created, si.pages_mapped);
+    g_heap = NULL;
     gm_heap_destroy(w->heap);
     free(w->live.v);
     free(w->q);
@@ -858,8 +882,9 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = (int)parse_u64(argv[++i], "thread count");
         else if (!strcmp(argv[i], "--capacity") && i + 1 < argc) capacity = parse_u64(argv[++i], "capacity");
         else if (!strcmp(argv[i], "--quiet")) quiet = 1;
+        else if (!strcmp(argv[i], "--history") && i + 1 < argc) g_history = (size_t)parse_u64(argv[++i], "history size");
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--quiet] [ops=1000000] [seed=1]\n", argv[0]);
+            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--quiet] [ops=1000000] [seed=1]\n", argv[0]);
             return 0;
         } else if (argv[i][0] != '-' && npos == 0) { ops = parse_u64(argv[i], "op count"); npos++; }
         else if (argv[i][0] != '-' && npos == 1) { seed = parse_u64(argv[i], "seed"); npos++; }
