@@ -92,19 +92,19 @@ static int slab_grow(gm_heap *h) {
         chunk[i].lnext = h->slab_free;
         h->slab_free = &chunk[i];
     }
+    h->n_slab_free += CHUNK;
     return GM_OK;
 }
 
 /* Splits below never fail: callers make sure a few records are at hand first. */
 static int slab_reserve(gm_heap *h, size_t n) {
-    size_t have = 0;
-    for (gm_block *b = h->slab_free; b && have < n; b = b->lnext) have++;
-    return have >= n ? GM_OK : slab_grow(h);
+    return h->n_slab_free >= n ? GM_OK : slab_grow(h);
 }
 
 static gm_block *block_new(gm_heap *h) {
     gm_block *b = h->slab_free;
     h->slab_free = b->lnext;
+    h->n_slab_free--;
     memset(b, 0, sizeof *b);
     return b;
 }
@@ -116,6 +116,7 @@ static void block_del(gm_heap *h, gm_block *b) {
     b->events = NULL;
     b->lnext = h->slab_free;
     h->slab_free = b;
+    h->n_slab_free++;
 }
 
 /* ---- live table ---------------------------------------------------------- */
@@ -489,6 +490,29 @@ static gm_block *carve(gm_heap *h, gm_block *b, uintptr_t at, size_t size) {
     return b;
 }
 
+/* Pages [x, x+size) touches that no live or pending block touches already,
+ * counting only the pages shared with b's neighbours (the rest are b's). */
+static size_t fresh_pages(const gm_heap *h, const gm_block *b, uintptr_t x, size_t size) {
+    size_t p0 = gm_page_floor(h, x), p1 = gm_page_ceil(h, x + size), n = p1 - p0;
+    const gm_block *pr = b->prev, *nx = b->next;
+    if (x == b->addr && pr && (pr->state == GM_BLOCK_LIVE || pr->state == GM_BLOCK_PENDING) &&
+        gm_page_floor(h, pr->addr + pr->size - 1) == p0)
+        n--;
+    if (x + size == b->addr + b->size && nx && (nx->state == GM_BLOCK_LIVE || nx->state == GM_BLOCK_PENDING) &&
+        gm_page_floor(h, nx->addr) == p1 - 1 && n)
+        n--;
+    return n;
+}
+
+/* Which end of free block b to carve from: the one that shares a page with a
+ * live neighbour, so the allocation touches the fewest pages nothing else
+ * uses -- physical memory is pages touched, not bytes.  Low end on ties. */
+static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
+    if (b->size == size) return b->addr;
+    uintptr_t hi = b->addr + b->size - size;
+    return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;
+}
+
 /* ---- physical pages -------------------------------------------------------------- */
 
 static void spare_push(gm_heap *h, gm_handle hd) {
@@ -645,6 +669,10 @@ static int cmp_run_addr(const void *x, const void *y) {
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
     size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
+    if (!n) {
+        free(runs);
+        return 0;
+    }
     qsort(runs, n, sizeof *runs, cmp_run);
     for (size_t i = 0; i < n && chosen < want; i++) {
         size_t take = runs[i].p1 - runs[i].p0;
@@ -884,6 +912,34 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
+/* Cached pages a defragmentation could move behind placement pl. */
+static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
+    struct cached_run *runs;
+    size_t pages;
+    cached_runs(h, gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size), &runs, &pages);
+    free(runs);
+    return pages;
+}
+
+/* Wait for the device, place again (every stream's free memory is usable
+ * now), and unmap cached pages into spares for the placement's shortfall. */
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, int *synced, int *recycled,
+                       int *dev_err) {
+    if (synchronize(h) != GM_OK) {
+        *dev_err = GM_EDEVICE;
+        return;
+    }
+    *synced = 1;
+    *pl = place(h, size, s);
+    if (!pl->ok || pl->new_pages <= h->n_spare) return;
+    size_t got = recycle(h, pl->new_pages - h->n_spare, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size));
+    if (got) {
+        *recycled = 1;
+        h->st.num_remaps++;
+        h->st.num_pages_remapped += (int64_t)got;
+    }
+}
+
 static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintptr_t *at) {
     h->st.num_alloc_retries++;
     /* 1. Memory other streams (or record_stream users) have finished with. */
@@ -896,25 +952,17 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
-    int dev_err = GM_OK, recycled = 0;
+    int dev_err = GM_OK, recycled = 0, synced = 0;
     placement pl = place(h, size, s);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
-    if (!pl.ok || pl.new_pages > h->n_spare) {
-        /* 4. Defragment: wait for the device, then every free page is fair game. */
-        if (synchronize(h) == GM_OK) {
-            pl = place(h, size, s);
-            if (pl.ok && pl.new_pages > h->n_spare) {
-                size_t p0 = gm_page_floor(h, pl.addr), p1 = gm_page_ceil(h, pl.addr + size);
-                size_t got = recycle(h, pl.new_pages - h->n_spare, p0, p1);
-                if (got) {
-                    recycled = 1;
-                    h->st.num_remaps++;
-                    h->st.num_pages_remapped += (int64_t)got;
-                }
-            }
-        } else {
-            dev_err = GM_EDEVICE;
-        }
+    /* 4. Defragment when cached pages can cover the shortfall (a device wait
+     * buys nothing otherwise); else grow to the cap, and defragment with what
+     * there is only if the device or the cap refused. */
+    if (!pl.ok || (pl.new_pages > h->n_spare && cached_pages_outside(h, pl, size) >= pl.new_pages - h->n_spare))
+        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
+    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+    if ((!pl.ok || pl.new_pages > h->n_spare) && !synced) {
+        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     }
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
@@ -1056,7 +1104,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     }
     if (h->n_pending) process_pending(h, 0);
     gm_block *b = fit(h, rsize, s);
-    uintptr_t at = b ? b->addr : 0;
+    uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
     b = carve(h, b, at, rsize);
     b->state = GM_BLOCK_LIVE;
