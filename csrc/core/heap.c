@@ -92,19 +92,19 @@ static int slab_grow(gm_heap *h) {
         chunk[i].lnext = h->slab_free;
         h->slab_free = &chunk[i];
     }
+    h->n_slab_free += CHUNK;
     return GM_OK;
 }
 
 /* Splits below never fail: callers make sure a few records are at hand first. */
 static int slab_reserve(gm_heap *h, size_t n) {
-    size_t have = 0;
-    for (gm_block *b = h->slab_free; b && have < n; b = b->lnext) have++;
-    return have >= n ? GM_OK : slab_grow(h);
+    return h->n_slab_free >= n ? GM_OK : slab_grow(h);
 }
 
 static gm_block *block_new(gm_heap *h) {
     gm_block *b = h->slab_free;
     h->slab_free = b->lnext;
+    h->n_slab_free--;
     memset(b, 0, sizeof *b);
     return b;
 }
@@ -116,6 +116,7 @@ static void block_del(gm_heap *h, gm_block *b) {
     b->events = NULL;
     b->lnext = h->slab_free;
     h->slab_free = b;
+    h->n_slab_free++;
 }
 
 /* ---- live table ---------------------------------------------------------- */
@@ -668,6 +669,10 @@ static int cmp_run_addr(const void *x, const void *y) {
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
     size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
+    if (!n) {
+        free(runs);
+        return 0;
+    }
     qsort(runs, n, sizeof *runs, cmp_run);
     for (size_t i = 0; i < n && chosen < want; i++) {
         size_t take = runs[i].p1 - runs[i].p0;
@@ -907,6 +912,34 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
+/* Cached pages a defragmentation could move behind placement pl. */
+static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
+    struct cached_run *runs;
+    size_t pages;
+    cached_runs(h, gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size), &runs, &pages);
+    free(runs);
+    return pages;
+}
+
+/* Wait for the device, place again (every stream's free memory is usable
+ * now), and unmap cached pages into spares for the placement's shortfall. */
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, int *synced, int *recycled,
+                       int *dev_err) {
+    if (synchronize(h) != GM_OK) {
+        *dev_err = GM_EDEVICE;
+        return;
+    }
+    *synced = 1;
+    *pl = place(h, size, s);
+    if (!pl->ok || pl->new_pages <= h->n_spare) return;
+    size_t got = recycle(h, pl->new_pages - h->n_spare, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size));
+    if (got) {
+        *recycled = 1;
+        h->st.num_remaps++;
+        h->st.num_pages_remapped += (int64_t)got;
+    }
+}
+
 static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintptr_t *at) {
     h->st.num_alloc_retries++;
     /* 1. Memory other streams (or record_stream users) have finished with. */
@@ -919,25 +952,17 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
-    int dev_err = GM_OK, recycled = 0;
+    int dev_err = GM_OK, recycled = 0, synced = 0;
     placement pl = place(h, size, s);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
-    if (!pl.ok || pl.new_pages > h->n_spare) {
-        /* 4. Defragment: wait for the device, then every free page is fair game. */
-        if (synchronize(h) == GM_OK) {
-            pl = place(h, size, s);
-            if (pl.ok && pl.new_pages > h->n_spare) {
-                size_t p0 = gm_page_floor(h, pl.addr), p1 = gm_page_ceil(h, pl.addr + size);
-                size_t got = recycle(h, pl.new_pages - h->n_spare, p0, p1);
-                if (got) {
-                    recycled = 1;
-                    h->st.num_remaps++;
-                    h->st.num_pages_remapped += (int64_t)got;
-                }
-            }
-        } else {
-            dev_err = GM_EDEVICE;
-        }
+    /* 4. Defragment when cached pages can cover the shortfall (a device wait
+     * buys nothing otherwise); else grow to the cap, and defragment with what
+     * there is only if the device or the cap refused. */
+    if (!pl.ok || (pl.new_pages > h->n_spare && cached_pages_outside(h, pl, size) >= pl.new_pages - h->n_spare))
+        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
+    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+    if ((!pl.ok || pl.new_pages > h->n_spare) && !synced) {
+        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     }
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
