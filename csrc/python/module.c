@@ -1281,6 +1281,8 @@ static PyMethodDef module_methods[] = {
     {.ml_name = NULL},
 };
 
+int gm_torch_glue_add(PyObject *module); /* torch_glue.c */
+
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "gpumem._C",
@@ -1327,6 +1329,8 @@ PyMODINIT_FUNC PyInit__C(void)
     }
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
+        goto fail;
+    if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */
         goto fail;
     return m;
 fail:
