@@ -1,0 +1,451 @@
+"""gpumem as PyTorch's CUDA allocator.
+
+    import gpumem
+    gpumem.install()            # before the first CUDA tensor; options below
+    ...                         # the training script, unchanged
+
+or, with no change to the script, ``GPUMEM_CONF="cap:0.9" python -m gpumem.torch train.py ARGS``.
+
+install() registers gpumem's entry points (exported from gpumem._C) through
+torch.cuda.memory.CUDAPluggableAllocator, sets the allocator hooks torch offers
+(empty_cache, set_per_process_memory_fraction, Tensor.record_stream, init), and
+routes torch's memory API -- memory_allocated/reserved and their max_ forms,
+memory_stats, memory_summary, reset_peak_memory_stats, memory_snapshot,
+_snapshot, _record_memory_history, _dump_snapshot -- to gpumem by replacing the
+torch._C functions they call, which otherwise raise "does not yet support" under
+a pluggable allocator.  One heap per device is created on the first allocation
+torch makes there.
+
+Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
+    cap                 a number up to 1 is a fraction of the device, else bytes ("60GiB", 64424509440)
+    growth_slack        how far reserved memory may grow above peak live, as a fraction
+    growth_slack_pages  ... plus this many 2 MiB pages
+    va_size             virtual address space to reserve per device (default 4 x device memory)
+    history             keep the last N allocator events per device (0: off)
+    oom                 "torch": raise torch.OutOfMemoryError (default); "runtime": RuntimeError
+Keyword arguments override GPUMEM_CONF.
+
+Importing this module does not import torch; install() does.
+"""
+import os
+import sys
+
+ENV_VAR = "GPUMEM_CONF"
+OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "va_size", "history", "oom")
+# _record_memory_history's default max_entries is sys.maxsize; the history ring
+# is allocated up front (48 B an entry), so it is bounded.
+MAX_HISTORY = 1 << 20
+
+_POOLS = ("all", "small_pool", "large_pool")
+_FIELDS = ("current", "peak", "allocated", "freed")
+_POOLED = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+           "active_bytes", "inactive_split_bytes", "requested_bytes")
+_PLAIN = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+          "num_maps", "num_unmaps", "num_remaps", "num_pages_remapped", "num_device_errors", "max_split_size")
+_UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
+_TRACE_ACTIONS = {"alloc": "alloc", "free_requested": "free_requested", "free_completed": "free_completed",
+                  "map": "segment_map", "remap": "segment_map", "unmap": "segment_unmap", "oom": "oom"}
+_BLOCK_STATES = {"live": "active_allocated", "pending": "active_awaiting_free", "free": "inactive"}
+
+_state = {"allocator": None, "installed": False, "patched": {}, "options": {}}
+
+
+class InstallError(RuntimeError):
+    """gpumem cannot become torch's allocator in this process (too late, no CUDA, ...)."""
+
+
+def _C():
+    from . import _C as c
+
+    return c
+
+
+# ---- options -----------------------------------------------------------------------
+
+def parse_conf(text):
+    """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings)."""
+    out = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition(":")
+        key = key.strip()
+        if not sep or not key or not value.strip():
+            raise ValueError(f"{ENV_VAR}: expected key:value, got {item!r}")
+        if key not in OPTION_NAMES:
+            raise ValueError(f"{ENV_VAR}: unknown option {key!r} (known: {', '.join(OPTION_NAMES)})")
+        out[key] = value.strip()
+    return out
+
+
+def _size(value, what):
+    from ._units import parse_size
+
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a size, not {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        try:
+            n = parse_size(str(value))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{what}: {e}") from None
+    if n < 0:
+        raise ValueError(f"{what} must not be negative, got {value!r}")
+    return int(n)
+
+
+def normalize_options(options):
+    """Turn install()'s options into _torch_configure keyword arguments (raises ValueError)."""
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"unknown gpumem option(s) {', '.join(sorted(unknown))} (known: {', '.join(OPTION_NAMES)})")
+    kw = {"cap_bytes": 0, "cap_fraction": 0.0, "va_size": 0, "growth_slack": -1.0, "growth_slack_pages": -1,
+          "history_entries": 0, "oom_mode": "torch"}
+    cap = options.get("cap")
+    if cap not in (None, 0, "0", "none", ""):
+        # A plain number up to 1 is a fraction of the device; anything else is bytes.
+        frac = None
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+            frac = float(cap) if cap <= 1 else None
+            if isinstance(cap, float) and cap > 1:
+                raise ValueError(f"cap as a fraction must lie in (0, 1], got {cap!r}")
+        elif isinstance(cap, str):
+            try:
+                f = float(cap)
+                frac = f if f <= 1 else None
+            except ValueError:
+                frac = None
+        if frac is not None:
+            if not 0.0 < frac <= 1.0:
+                raise ValueError(f"cap as a fraction must lie in (0, 1], got {cap!r}")
+            kw["cap_fraction"] = frac
+        else:
+            kw["cap_bytes"] = _size(cap, "cap")
+    if options.get("va_size") is not None:
+        kw["va_size"] = _size(options["va_size"], "va_size")
+    if options.get("growth_slack") is not None:
+        v = float(options["growth_slack"])
+        if not 0.0 <= v <= 100.0:
+            raise ValueError(f"growth_slack must lie in [0, 100], got {options['growth_slack']!r}")
+        kw["growth_slack"] = v
+    if options.get("growth_slack_pages") is not None:
+        v = int(options["growth_slack_pages"])
+        if v < 0:
+            raise ValueError(f"growth_slack_pages must not be negative, got {v}")
+        kw["growth_slack_pages"] = v
+    if options.get("history") is not None:
+        v = int(options["history"])
+        if not 0 <= v <= MAX_HISTORY:
+            raise ValueError(f"history must lie in [0, {MAX_HISTORY}], got {v}")
+        kw["history_entries"] = v
+    if options.get("oom") is not None:
+        if options["oom"] not in ("torch", "runtime"):
+            raise ValueError(f"oom must be 'torch' or 'runtime', got {options['oom']!r}")
+        kw["oom_mode"] = options["oom"]
+    return kw
+
+
+def _device_list(device, torch):
+    if device is None:
+        return []
+    if isinstance(device, (list, tuple, set)):
+        return sorted({i for d in device for i in _device_list(d, torch)})
+    if isinstance(device, int) and not isinstance(device, bool):
+        return [device]
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"gpumem manages CUDA devices, not {d}")
+    return [d.index if d.index is not None else torch.cuda.current_device()]
+
+
+# ---- install / uninstall ----------------------------------------------------------------
+
+def install(device=None, **options):
+    """Make gpumem the CUDA allocator of this process (see the module docstring).
+
+    device: None (every device, each heap made on first use), or a device or a list of
+    devices whose heaps are made now; devices not named still work.
+    Must run before CUDA allocates anything; raises InstallError otherwise.
+    Calling it again only changes the options (and re-applies the patches after uninstall()).
+    """
+    merged = parse_conf(os.environ.get(ENV_VAR, ""))
+    merged.update(options)
+    kw = normalize_options(merged)
+    try:
+        import torch
+    except ImportError as e:
+        raise InstallError("gpumem.install() needs PyTorch (pip install torch)") from e
+    C = _C()
+    oom_class = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    if _state["allocator"] is None:
+        if not torch.cuda.is_available():
+            raise InstallError("gpumem.install(): torch sees no CUDA device (torch.cuda.is_available() is False)")
+        if torch.cuda.is_initialized():
+            raise InstallError(
+                "gpumem.install() came too late: CUDA is already initialised in this process, so torch's own "
+                "allocator is in use and cannot be replaced. Call gpumem.install() before anything touches "
+                "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`.")
+        C._torch_configure(oom_class=oom_class, **kw)
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
+        hooks = alloc.allocator()
+        entry = C._torch_entry_points()
+        hooks.set_init_fn(entry["init"])
+        hooks.set_reset_fn(entry["empty_cache"])
+        hooks.set_memory_fraction_fn(entry["memory_fraction"])
+        hooks.set_record_stream_fn(entry["record_stream"])
+        try:
+            torch.cuda.memory.change_current_allocator(alloc)
+        except RuntimeError as e:
+            raise InstallError(
+                f"gpumem.install() could not replace torch's allocator ({e}); call it before anything touches "
+                "CUDA") from e
+        _state["allocator"] = alloc
+    else:
+        C._torch_configure(oom_class=oom_class, **kw)
+    _state["options"] = merged
+    _patch(torch)
+    _state["installed"] = True
+    for d in _device_list(device, torch):
+        C._torch_open(d)
+    return status()
+
+
+def uninstall():
+    """Give torch its own memory functions back.
+
+    torch cannot swap its allocator once CUDA is up, so allocations keep going to gpumem
+    until the process ends (status()["allocator_active"]); only the patched memory API is
+    restored, and torch.cuda.memory_stats & co. raise again as they do under any pluggable
+    allocator.
+    """
+    import torch
+
+    for name, original in _state["patched"].items():
+        if original is _MISSING:
+            try:
+                delattr(torch._C, name)
+            except AttributeError:
+                pass
+        else:
+            setattr(torch._C, name, original)
+    _state["patched"] = {}
+    _state["installed"] = False
+    return status()
+
+
+def is_installed():
+    return _state["installed"]
+
+
+def status():
+    """What gpumem does in this process: whether it is installed, options, per-device figures."""
+    out = {"installed": _state["installed"], "allocator_active": _state["allocator"] is not None,
+           "options": dict(_state["options"]), "patched": sorted(_state["patched"]), "devices": {}}
+    try:
+        C = _C()
+    except ImportError:
+        return out
+    out["counters"] = C._torch_counters()
+    for d in C._torch_devices():
+        st = C._torch_stats(d)
+        out["devices"][d] = {
+            "allocated_bytes": st["allocated_bytes.all.current"],
+            "reserved_bytes": st["reserved_bytes.all.current"],
+            "peak_allocated_bytes": st["allocated_bytes.all.peak"],
+            "cap_bytes": C._torch_get_cap(d),
+            "num_remaps": st["num_remaps"],
+        }
+    return out
+
+
+# ---- torch's memory API, answered by gpumem -------------------------------------------------
+
+_MISSING = object()
+
+
+def _zero_stats():
+    flat = {f"{g}.{p}.{f}": 0 for g in _POOLED for p in _POOLS for f in _FIELDS}
+    flat.update({k: 0 for k in _PLAIN})
+    return flat
+
+
+def nested_stats(device):
+    """torch._C._cuda_memoryStats's shape: {"allocated_bytes": {"all": {"current": ...}}, ...}."""
+    flat = _C()._torch_stats(int(device)) or _zero_stats()
+    nested = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        if len(parts) == 3:
+            nested.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = value
+        else:
+            nested[key] = value
+    for key in _UNPOOLED:
+        nested[key] = {f: 0 for f in _FIELDS}
+    return nested
+
+
+def _segments(device, snap):
+    """Segments in torch's snapshot format: each run of mapped pages is one segment, and the
+    blocks inside it (clipped to it) are its blocks."""
+    page = snap["page_size"]
+    base = snap["va_base"]
+    pages = snap["pages"]
+    runs, start = [], None
+    for i, st in enumerate(pages):
+        if st and start is None:
+            start = i
+        elif not st and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(pages)))
+    blocks = snap["blocks"]
+    out, bi = [], 0
+    for p0, p1 in runs:
+        lo, hi = base + p0 * page, base + p1 * page
+        seg_blocks, allocated, active, requested = [], 0, 0, 0
+        while bi < len(blocks) and blocks[bi][0] + blocks[bi][1] <= lo:
+            bi += 1
+        j = bi
+        while j < len(blocks) and blocks[j][0] < hi:
+            addr, size, req, stream, context, seq, state = blocks[j]
+            a, b = max(addr, lo), min(addr + size, hi)
+            if state in _BLOCK_STATES and b > a:
+                tstate = _BLOCK_STATES[state]
+                seg_blocks.append({"address": a, "size": b - a, "requested_size": req if state != "free" else 0,
+                                   "state": tstate, "frames": [], "gpumem_context": context,
+                                   "gpumem_alloc_seq": seq, "stream": stream})
+                if state == "live":
+                    allocated += b - a
+                    requested += req
+                if state != "free":
+                    active += b - a
+            j += 1
+        out.append({"device": device, "address": lo, "total_size": hi - lo, "stream": 0,
+                    "segment_type": "large", "segment_pool_id": (0, 0), "allocated_size": allocated,
+                    "active_size": active, "requested_size": requested, "is_expandable": True,
+                    "frames": [], "blocks": seg_blocks})
+    return out
+
+
+def _traces(device):
+    got = _C()._torch_history(device)
+    if not got:
+        return []
+    entries, _dropped = got
+    out = []
+    for t_ns, action, addr, size, stream, context in entries:
+        act = _TRACE_ACTIONS.get(action)
+        if act is None:
+            continue
+        e = {"action": act, "addr": addr, "size": size, "stream": stream, "time_us": t_ns // 1000,
+             "frames": [], "gpumem_context": context}
+        if act == "oom":
+            e["device_free"] = 0
+        out.append(e)
+    return out
+
+
+def memory_snapshot_dict():
+    """torch._C._cuda_memorySnapshot's shape: {"segments": [...], "device_traces": [[...] per device]}."""
+    C = _C()
+    devices = C._torch_devices()
+    segments = []
+    n = max([C._torch_device_count()] + [d + 1 for d in devices] + [1])
+    traces = [[] for _ in range(n)]
+    for d in devices:
+        snap = C._torch_snapshot(d)
+        if snap is None:
+            continue
+        segments.extend(_segments(d, snap))
+        traces[d] = _traces(d)
+    return {"segments": segments, "device_traces": traces}
+
+
+def _record_history(enabled, *args, **kwargs):
+    """Both _cuda_record_memory_history (enabled: None/'state'/'all', context, stacks, max_entries, ...)
+    and the legacy form (enabled: bool, record_context, trace_alloc_max_entries, ...)."""
+    if isinstance(enabled, bool):
+        max_entries = args[1] if len(args) > 1 else kwargs.get("trace_alloc_max_entries", 1)
+    else:
+        max_entries = args[2] if len(args) > 2 else kwargs.get("max_entries", MAX_HISTORY)
+    n = 0 if not enabled else max(1, min(int(max_entries), MAX_HISTORY))
+    _C()._torch_history_enable(n)
+
+
+def _memory_fraction(device):
+    C = _C()
+    cap = C._torch_get_cap(int(device))
+    if not cap:
+        return 1.0
+    report = C._torch_memory_report(int(device), 0)
+    return min(1.0, cap / report["device_total"]) if report and report["device_total"] else 1.0
+
+
+def _patch(torch):
+    C = _C()
+
+    def mem_stats(device):
+        return nested_stats(device)
+
+    def reset_peak(device):
+        C._torch_reset_peak(int(device))
+
+    def reset_accumulated(device):
+        C._torch_reset_accumulated(int(device))
+
+    def snapshot(*_args, **_kwargs):
+        return memory_snapshot_dict()
+
+    replacements = {
+        "_cuda_memoryStats": mem_stats,
+        "_cuda_resetPeakMemoryStats": reset_peak,
+        "_cuda_resetAccumulatedMemoryStats": reset_accumulated,
+        "_cuda_memorySnapshot": snapshot,
+        "_cuda_record_memory_history": _record_history,
+        "_cuda_record_memory_history_legacy": _record_history,
+        "_cuda_getMemoryFraction": _memory_fraction,
+    }
+    for name, fn in replacements.items():
+        if name not in _state["patched"]:
+            _state["patched"][name] = getattr(torch._C, name, _MISSING)
+        fn.__name__ = name
+        fn.__qualname__ = f"gpumem.torch.{name}"
+        setattr(torch._C, name, fn)
+
+
+# ---- hooks for other parts of gpumem ----------------------------------------------------------
+
+def set_context_hook(address):
+    """Install a C function uint64_t (*)(void) (by address, 0 clears) called before each
+    allocation; its value is kept with the block and in the history."""
+    _C()._torch_set_context_hook(int(address))
+
+
+def set_oom_formatter(address):
+    """Install a C function (by address, 0 clears) that writes the out-of-memory message;
+    see gm_torch_oom_formatter in csrc/python/torch_alloc.h."""
+    _C()._torch_set_oom_formatter(int(address))
+
+
+def _main(argv):
+    """python -m gpumem.torch SCRIPT [ARGS...]: install from GPUMEM_CONF, then run SCRIPT."""
+    import runpy
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_main.__doc__)
+        return 0 if argv else 2
+    # Run as __main__ this file is a second copy of the module: install through the
+    # real gpumem.torch so that the script's gpumem.status() sees the same state.
+    from gpumem import torch as gpumem_torch
+
+    gpumem_torch.install()
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
