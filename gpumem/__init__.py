@@ -37,7 +37,35 @@ except ImportError as _e:  # pragma: no cover - only without a built extension
             ) from _import_error
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
 
+
+
+# gpumem as PyTorch's CUDA allocator (gpumem/torch.py); imported on first use so
+# that `import gpumem` never imports torch.
+def install(device=None, **options):
+    """Make gpumem the CUDA allocator of this PyTorch process; see gpumem.torch."""
+    from . import torch as _torch
+
+    return _torch.install(device, **options)
+
+
+def uninstall():
+    """Give torch its memory API back (the allocator stays gpumem); see gpumem.torch."""
+    from . import torch as _torch
+
+    return _torch.uninstall()
+
+
+def status():
+    """Whether gpumem serves torch in this process, and per-device figures; see gpumem.torch."""
+    from . import torch as _torch
+
+    return _torch.status()
+
+
 __all__ = [
+    "install",
+    "uninstall",
+    "status",
     "Heap",
     "OutOfMemoryError",
     "InvalidPointerError",
