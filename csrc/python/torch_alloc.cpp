@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -91,6 +92,9 @@ struct slot {
     std::atomic<gm_heap *> heap{nullptr};
     std::mutex mu;            /* creation, and device calls made outside the heap */
     double fraction = -1.0;   /* from set_per_process_memory_fraction; < 0: none */
+    /* Effective cap: a request above it fails at once, before the core would
+     * grow the heap to the cap trying. */
+    std::atomic<size_t> limit{SIZE_MAX};
 };
 
 slot g_slots[GM_TORCH_MAX_DEVICES];
@@ -113,6 +117,13 @@ gm_torch_options options_snapshot()
         g_opts_ready = true;
     }
     return g_opts;
+}
+
+void refresh_limit(slot &s, gm_heap *h)
+{
+    gm_oom_info info;
+    gm_memory_report(h, 0, &info);
+    s.limit.store(info.cap_bytes ? info.cap_bytes : SIZE_MAX, std::memory_order_relaxed);
 }
 
 size_t device_total(gm_heap *h)
@@ -187,6 +198,7 @@ gm_heap *open_heap(int device, std::string *why)
         gm_set_cap(h, cap);
     if (o.history_entries)
         gm_history_enable(h, o.history_entries);
+    refresh_limit(s, h);
     s.heap.store(h, std::memory_order_release);
     return h;
 }
@@ -260,6 +272,7 @@ extern "C" int gm_torch_configure(const gm_torch_options *o)
             fraction = g_slots[d].fraction;
         }
         gm_set_cap(h, wanted_cap(h, *o, fraction));
+        refresh_limit(g_slots[d], h);
     }
     return GM_OK;
 }
@@ -284,6 +297,16 @@ extern "C" int gm_torch_open(int device, char *err, size_t errlen)
         return GM_OK;
     snprintf(err, errlen, "%s", why.c_str());
     return GM_EDEVICE;
+}
+
+extern "C" int gm_torch_set_cap(int device, size_t cap_bytes)
+{
+    gm_heap *h = gm_torch_heap(device);
+    if (!h)
+        return GM_EINVAL;
+    int rc = gm_set_cap(h, cap_bytes);
+    refresh_limit(g_slots[device], h);
+    return rc;
 }
 
 extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
@@ -410,6 +433,13 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
     gm_torch_context_fn ctx_fn = g_context_fn.load(std::memory_order_relaxed);
     uint64_t ctx = ctx_fn ? ctx_fn() : 0;
     uintptr_t p = 0;
+    if (size > g_slots[device].limit.load(std::memory_order_relaxed)) {
+        gm_oom_info info;
+        gm_memory_report(h, size, &info);
+        char buf[2048];
+        gm_torch_format_oom(device, &info, buf, sizeof buf);
+        throw_oom(buf);
+    }
     int rc = gm_malloc(h, size, (gm_stream)(uintptr_t)stream, ctx, &p);
     if (rc == GM_OK)
         return (void *)p;
@@ -424,8 +454,14 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
             return (void *)p;
         }
     }
-    if (rc == GM_ENOMEM || rc == GM_EINVAL)
-        throw_oom(oom_message(device, h, size));
+    if (rc == GM_ENOMEM || rc == GM_EINVAL) {
+        std::string msg = oom_message(device, h, size);
+        /* A failed attempt may have grown the heap to its cap on the way; give
+         * that back, as torch's own allocator does, or memory taken outside the
+         * allocator (cuBLAS handles, NCCL) fails next -- seen on an H100. */
+        gm_empty_cache(h);
+        throw_oom(msg);
+    }
     throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) +
                              " bytes on GPU " + std::to_string(device) +
                              " failed: " + gm_strerror(rc) + " (" +
@@ -467,8 +503,10 @@ extern "C" void gpumem_torch_memory_fraction(double fraction, int device)
         g_slots[device].fraction = fraction;
         h = g_slots[device].heap.load(std::memory_order_acquire);
     }
-    if (h)
+    if (h) {
         gm_set_cap(h, wanted_cap(h, options_snapshot(), fraction));
+        refresh_limit(g_slots[device], h);
+    }
 }
 
 extern "C" void gpumem_torch_record_stream(void *ptr, void *stream)

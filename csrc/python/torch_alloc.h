@@ -49,6 +49,8 @@ void gm_torch_get_options(gm_torch_options *o);
 gm_heap *gm_torch_heap(int device);
 /* Create the heap of a device now.  GM_OK, or an error with a reason in err. */
 int gm_torch_open(int device, char *err, size_t errlen);
+/* Cap the heap of a device (0: none); GM_EINVAL if it has none yet. */
+int gm_torch_set_cap(int device, size_t cap_bytes);
 /* Device count torch reported through the init hook (-1 before). */
 int gm_torch_device_count(void);
 

@@ -475,7 +475,7 @@ static PyObject *g_set_cap(PyObject *Py_UNUSED(m), PyObject *args)
     HEAP_OR_NONE(dev_o, h)
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = gm_set_cap(h, (size_t)cap);
+    rc = gm_torch_set_cap(device_, (size_t)cap);
     Py_END_ALLOW_THREADS
     if (rc != GM_OK)
         return PyErr_Format(PyExc_RuntimeError, "gpumem set_cap: %s", gm_strerror(rc));
