@@ -1,0 +1,74 @@
+"""torch.empty + del latency, torch's caching allocator vs gpumem, each in a fresh process.
+
+    python benchmarks/gpu_alloc.py [--json FILE] [--iters N] [--repeats R]
+
+Each size is timed as R repeats of N iterations of `torch.empty(n, dtype=uint8, device="cuda")`
+whose result is dropped at once (allocate + free), after a warm-up; the median repeat is
+reported in microseconds per iteration.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = [256, 1024, 4096, 65536, 1 << 20, 2 << 20, 8 << 20]
+
+
+def measure(use, iters, repeats):
+    import torch
+
+    if use == "gpumem":
+        import gpumem
+
+        gpumem.install()
+    torch.ones(1, device="cuda")
+    out = {}
+    for n in SIZES:
+        empty, u8 = torch.empty, torch.uint8
+        for _ in range(2000):
+            empty(n, dtype=u8, device="cuda")
+        reps = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                empty(n, dtype=u8, device="cuda")
+            reps.append((time.perf_counter() - t0) / iters * 1e6)
+        out[n] = statistics.median(reps)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", choices=["native", "gpumem"])
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(measure(a.one, a.iters, a.repeats)), flush=True)
+        return
+    res = {}
+    for use in ("native", "gpumem"):
+        p = subprocess.run([sys.executable, __file__, "--one", use, "--iters", str(a.iters), "--repeats",
+                            str(a.repeats)], capture_output=True, text=True)
+        line = [l for l in p.stdout.splitlines() if l.startswith("{")]
+        if p.returncode or not line:
+            print(p.stderr[-3000:], file=sys.stderr)
+            sys.exit(1)
+        res[use] = {int(k): v for k, v in json.loads(line[-1]).items()}
+    print("| size | native us | gpumem us | gpumem / native |")
+    print("|---|---|---|---|")
+    for n in SIZES:
+        print(f"| {n} B | {res['native'][n]:.2f} | {res['gpumem'][n]:.2f} | {res['gpumem'][n] / res['native'][n]:.3f} |")
+    doc = {"sizes": SIZES, "native_us": [res["native"][n] for n in SIZES], "gpumem_us": [res["gpumem"][n] for n in SIZES],
+           "iters": a.iters, "repeats": a.repeats}
+    for path in filter(None, [a.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_alloc.json")]):
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The seeds' "OOM although memory is free" scenario, at >= 95% of the GPU's memory.
+
+Fill the GPU with 1 GiB tensors to >= 95% of its memory and free them (both allocators
+keep that memory); allocate the seeds' mixed sizes (1-33 MiB) into it, keep every third
+and free the rest; then ask for one tensor of half the memory that is free in the holes.
+torch's caching allocator cannot move a kept tensor, and every segment holds one, so it
+raises OutOfMemoryError although more than twice the request is free; gpumem maps the
+free pages behind a new address range and succeeds.
+
+    python benchmarks/gpu_frag.py [--json FILE]      # both, each in a fresh process
+    python benchmarks/gpu_frag.py --one native|gpumem
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def scenario(use):
+    import torch
+
+    if use == "gpumem":
+        import gpumem
+
+        gpumem.install()
+    torch.ones(1, device="cuda")
+    random.seed(1234)
+    _, total = torch.cuda.mem_get_info()
+    chunks = []
+    while torch.cuda.mem_get_info()[0] > 0.035 * total + GiB:
+        chunks.append(torch.empty(GiB, dtype=torch.uint8, device="cuda"))
+    free_dev, _ = torch.cuda.mem_get_info()
+    fill_fraction = 1 - free_dev / total
+    del chunks
+    reserved = torch.cuda.memory_reserved()
+    kept, n, live = [], 0, 0
+    while live < 0.9 * reserved:
+        size = random.choice([1, 3, 5, 9, 17, 33]) * MiB
+        t = torch.empty(size, dtype=torch.uint8, device="cuda")
+        live += size
+        if n % 3 == 0:
+            kept.append(t)
+        n += 1
+        del t
+    st = torch.cuda.memory_stats()
+    allocated, reserved = st["allocated_bytes.all.current"], st["reserved_bytes.all.current"]
+    free_in_holes = reserved - allocated
+    request = (free_in_holes // 2) // (2 * MiB) * (2 * MiB)
+    t0 = time.perf_counter()
+    try:
+        big = torch.empty(request, dtype=torch.uint8, device="cuda")
+        big.fill_(1)
+        torch.cuda.synchronize()
+        ok, err = True, ""
+        del big
+    except torch.OutOfMemoryError as e:
+        ok, err = False, str(e).split(". ")[0] + ". " + str(e).split(". ")[1]
+    dt = time.perf_counter() - t0
+    return dict(allocator=use, total=total, fill_fraction=round(fill_fraction, 4), tensors=n, kept=len(kept),
+                allocated=allocated, reserved=reserved, free_in_holes=free_in_holes, request=request,
+                big_ok=ok, error=err, seconds=round(dt, 3),
+                device_free_before_request=torch.cuda.mem_get_info()[0])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", choices=["native", "gpumem"])
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(scenario(a.one)), flush=True)
+        return
+    rows = []
+    for use in ("native", "gpumem"):
+        p = subprocess.run([sys.executable, __file__, "--one", use], capture_output=True, text=True)
+        line = [l for l in p.stdout.splitlines() if l.startswith("{")]
+        if p.returncode or not line:
+            print(p.stderr[-3000:], file=sys.stderr)
+            sys.exit(1)
+        rows.append(json.loads(line[-1]))
+    g = lambda b: f"{b / GiB:.2f}"
+    print("| allocator | filled | kept / made | allocated GiB | reserved GiB | free in holes GiB | request GiB | result |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        res = f"ok ({r['seconds']} s)" if r["big_ok"] else "OutOfMemoryError: " + r["error"][:90]
+        print(f"| {r['allocator']} | {r['fill_fraction']:.1%} | {r['kept']} / {r['tensors']} | {g(r['allocated'])} | "
+              f"{g(r['reserved'])} | {g(r['free_in_holes'])} | {g(r['request'])} | {res} |")
+    for path in filter(None, [a.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_frag.json")]):
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
