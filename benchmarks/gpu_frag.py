@@ -61,7 +61,9 @@ def scenario(use):
     except torch.OutOfMemoryError as e:
         ok, err = False, str(e).split(". ")[0] + ". " + str(e).split(". ")[1]
     dt = time.perf_counter() - t0
-    return dict(allocator=use, total=total, fill_fraction=round(fill_fraction, 4), tensors=n, kept=len(kept),
+    segs = torch.cuda.memory_snapshot()
+    return dict(segments=len(segs), expandable=any(sg.get("is_expandable") for sg in segs),
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), allocator=use, total=total, fill_fraction=round(fill_fraction, 4), tensors=n, kept=len(kept),
                 allocated=allocated, reserved=reserved, free_in_holes=free_in_holes, request=request,
                 big_ok=ok, error=err, seconds=round(dt, 3),
                 device_free_before_request=torch.cuda.mem_get_info()[0])
