@@ -25,19 +25,20 @@ def measure(use, iters, repeats):
 
         gpumem.install()
     torch.ones(1, device="cuda")
-    out = {}
+    empty, u8 = torch.empty, torch.uint8
     for n in SIZES:
-        empty, u8 = torch.empty, torch.uint8
-        for _ in range(2000):
+        for _ in range(5000):
             empty(n, dtype=u8, device="cuda")
-        reps = []
-        for _ in range(repeats):
+    # Repeats go round all sizes in turn, so that drift (clocks, the interpreter
+    # warming up) spreads over every size instead of landing on the first.
+    reps = {n: [] for n in SIZES}
+    for _ in range(repeats):
+        for n in SIZES:
             t0 = time.perf_counter()
             for _ in range(iters):
                 empty(n, dtype=u8, device="cuda")
-            reps.append((time.perf_counter() - t0) / iters * 1e6)
-        out[n] = statistics.median(reps)
-    return out
+            reps[n].append((time.perf_counter() - t0) / iters * 1e6)
+    return {n: statistics.median(v) for n, v in reps.items()}
 
 
 def main():

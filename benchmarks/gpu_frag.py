@@ -38,15 +38,14 @@ def scenario(use):
     fill_fraction = 1 - free_dev / total
     del chunks
     reserved = torch.cuda.memory_reserved()
-    kept, n, live = [], 0, 0
+    made, live = [], 0
     while live < 0.9 * reserved:
         size = random.choice([1, 3, 5, 9, 17, 33]) * MiB
-        t = torch.empty(size, dtype=torch.uint8, device="cuda")
+        made.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
         live += size
-        if n % 3 == 0:
-            kept.append(t)
-        n += 1
-        del t
+    n = len(made)
+    kept = made[::3]   # every third stays; the rest are freed together, leaving holes between them
+    del made
     st = torch.cuda.memory_stats()
     allocated, reserved = st["allocated_bytes.all.current"], st["reserved_bytes.all.current"]
     free_in_holes = reserved - allocated

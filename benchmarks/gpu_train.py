@@ -90,7 +90,10 @@ def run(name, use, steps):
     body = times[WARMUP:]
     return dict(workload=name, allocator=use, median_ms=statistics.median(body) * 1e3,
                 mean_ms=statistics.mean(body) * 1e3, steps=len(body),
-                peak_allocated=st["allocated_bytes.all.peak"], peak_reserved=st["reserved_bytes.all.peak"])
+                peak_allocated=st["allocated_bytes.all.peak"], peak_reserved=st["reserved_bytes.all.peak"],
+                step_ms=[round(t * 1e3, 3) for t in times], num_remaps=st.get("num_remaps"),
+                num_device_alloc=st.get("num_device_alloc"), num_sync_all_streams=st.get("num_sync_all_streams"),
+                num_alloc_retries=st.get("num_alloc_retries"))
 
 
 STEPS = {"gpt2_varlen": 24, "resnet50_multires": 24, "llama_lora_ckpt": 16}
