@@ -571,10 +571,9 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
 }
 
 static int synchronize(gm_heap *h) {
-    int rc = h->dev->ops->synchronize(h->dev);
-    if (rc) {
+    if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
-        return rc;
+        return GM_EDEVICE;
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
@@ -751,6 +750,33 @@ static placement place(const gm_heap *h, size_t size, gm_stream s) {
     return best;
 }
 
+/* Grant access to freshly mapped pages [p0, *p1).  If that fails, unmap them
+ * again (their physical pages become spares) and lower *p1 to what is left:
+ * a page that is mapped but inaccessible must never back a block.  Failing
+ * calls are retried a few times, so that only a device that keeps failing can
+ * leave pages behind, and then they are mapped and accessible. */
+static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
+    int rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page);
+    if (!rc) return GM_OK;
+    h->st.num_device_errors++;
+    for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
+        while (*p1 > p0) {
+            size_t q = *p1 - 1;
+            if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) {
+                h->st.num_device_errors++;
+                break;
+            }
+            spare_push(h, h->page_handle[q]);
+            h->page_handle[q] = 0;
+            h->mapped_pages--;
+            h->st.num_unmaps++;
+            *p1 = q;
+        }
+        if (*p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK) break;
+    }
+    return rc;
+}
+
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
  * range one free block owned by s.  Returns that block, or NULL on a device
  * error (pages mapped so far stay mapped and free: nothing is lost). */
@@ -769,39 +795,20 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
         for (; p < p1; p++) {
             gm_handle hd = h->spare[h->n_spare - 1];
             rc = h->dev->ops->map(h->dev, gm_page_addr(h, p), hd);
-            if (rc) break;
+            if (rc) {
+                h->st.num_device_errors++;
+                break;
+            }
             h->n_spare--;
             h->page_handle[p] = hd;
             h->mapped_pages++;
             h->st.num_maps++;
         }
-        if (!rc && p > p0) {
-            rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (p - p0) * h->page);
-            if (rc) {
-                /* Inaccessible pages must not be used: take them back down. */
-                while (p > p0) {
-                    size_t q = p - 1;
-                    if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) break;
-                    spare_push(h, h->page_handle[q]);
-                    h->page_handle[q] = 0;
-                    h->mapped_pages--;
-                    h->st.num_unmaps++;
-                    p = q;
-                }
-                if (p > p0) {
-                    /* Could not unmap either: retry access once more so the
-                     * pages we must now call mapped are usable. */
-                    if (h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (p - p0) * h->page) != GM_OK) {
-                        /* Leave them mapped; the heap stays consistent
-                         * (the checker only asks that they are mapped). */
-                    }
-                }
-            }
+        if (p > p0) {
+            int arc = grant_or_take_back(h, p0, &p);
+            if (!rc) rc = arc;
         }
-        if (rc) {
-            h->st.num_device_errors++;
-            *err = rc;
-        }
+        if (rc) *err = rc;
         if (p > p0) {
             /* Cut b into [unmapped][free p0..p)[unmapped]. */
             uintptr_t a0 = gm_page_addr(h, p0), a1 = gm_page_addr(h, p);
@@ -903,6 +910,8 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 /* ---- the slow path --------------------------------------------------------------------- */
 
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
+    /* Pages gathered for a request that failed would only starve others. */
+    release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
     h->last_oom.device_error = dev_err;
@@ -970,8 +979,8 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
     int err = GM_OK;
     b = back_range(h, pl.addr, size, s, recycled, &err);
     if (!b) {
-        h->last_oom.device_error = err;
-        return err ? err : GM_EDEVICE;
+        release_spares(h, h->mapped_pages);
+        return err ? GM_EDEVICE : GM_ECORRUPT;
     }
     *out = b;
     *at = pl.addr;
@@ -1092,7 +1101,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     size_t rsize = align_up(size ? size : 1, GM_ALIGN);
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK;
-    if (rsize > h->va_size) {
+    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
         rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
@@ -1210,7 +1219,7 @@ static int trim(gm_heap *h, size_t target) {
     cached_runs(h, 0, 0, &runs, &cached);
     free(runs);
     if (!cached && !h->n_pending) return GM_OK;
-    if ((rc = synchronize(h))) return rc;
+    if ((rc = synchronize(h))) return rc; /* spares are gone already; nothing else is safe */
     size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0);
     if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */
