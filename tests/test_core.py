@@ -432,7 +432,12 @@ def test_empty_cache_does_not_release_pending_pages(heap):
     heap.record_stream(p, S2)
     heap.sim_hold_stream(S2, True)
     heap.free(p)
-    heap.empty_cache()
+    # Unmapping waits for the device, which the sim cannot do while a stream is
+    # held ("would deadlock"): an error is fair here, losing the pages is not.
+    try:
+        heap.empty_cache()
+    except (ValueError, gpumem.DeviceError) as exc:
+        assert "held" in str(exc) or "deadlock" in str(exc), str(exc)
     # The pages still back work running on S2.
     assert heap.sim_is_accessible(p, 6 * MiB)
     assert_ok(heap)
