@@ -204,3 +204,58 @@ def test_close_survives_failing_teardown_calls(make_heap, op):
         pass
     with pytest.raises(ValueError):
         h.malloc(1)
+
+
+# ---- regressions found by the fuzz driver ------------------------------------
+
+
+def test_map_failing_part_way_leaves_no_inaccessible_free_memory(make_heap):
+    # The first page of a 2-page request maps, the second does not: the first
+    # never gets access granted, so it must not turn up in a later block.
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail("map", nth=2)
+    with pytest.raises(EXPECTED):
+        h.malloc(4 * MiB)
+    p = h.malloc(MiB)
+    assert h.sim_is_accessible(p, MiB)
+    assert_ok(h)
+    drain_and_assert_empty(h, [p])
+
+
+def test_set_access_and_rollback_failing(make_heap):
+    # set_access fails (and its retry), and so does the unmap that would undo
+    # the mapping: the pages may stay mapped, but must not be handed out
+    # without access.
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail("set_access", nth=1, count=2)
+    h.sim_fail("unmap", nth=1, count=1)
+    with pytest.raises(EXPECTED):
+        h.malloc(4 * MiB)
+    p = h.malloc(4 * MiB)
+    assert h.sim_is_accessible(p, 4 * MiB)
+    assert_ok(h)
+    drain_and_assert_empty(h, [p])
+
+
+def test_failed_event_record_does_not_share_an_event(make_heap):
+    # A failed event_record must not leave the pooled event in the block: put
+    # back twice, one event would serve two waits, and a block whose side
+    # stream is still running would come back early.
+    h = make_heap(capacity=CAPACITY)
+    S3 = 0x3000
+    p = h.malloc(4 * MiB)
+    h.record_stream(p, S1)
+    h.sim_fail("event_record", nth=1)
+    h.free(p)          # the record fails: p waits for a device sync instead
+    h.empty_cache()    # that sync
+    x = h.malloc(4 * MiB, stream=S2)
+    y = h.malloc(4 * MiB)
+    h.record_stream(x, S1)
+    h.record_stream(y, S3)
+    h.sim_hold_stream(S1, True)   # a kernel on S1 still reads x
+    h.free(x)
+    h.free(y)
+    z = h.malloc(4 * MiB, stream=S2)
+    assert z != x, "x was reused while the stream named by record_stream is still running"
+    h.sim_hold_stream(S1, False)
+    drain_and_assert_empty(h, [z])
