@@ -92,19 +92,19 @@ static int slab_grow(gm_heap *h) {
         chunk[i].lnext = h->slab_free;
         h->slab_free = &chunk[i];
     }
+    h->n_slab_free += CHUNK;
     return GM_OK;
 }
 
 /* Splits below never fail: callers make sure a few records are at hand first. */
 static int slab_reserve(gm_heap *h, size_t n) {
-    size_t have = 0;
-    for (gm_block *b = h->slab_free; b && have < n; b = b->lnext) have++;
-    return have >= n ? GM_OK : slab_grow(h);
+    return h->n_slab_free >= n ? GM_OK : slab_grow(h);
 }
 
 static gm_block *block_new(gm_heap *h) {
     gm_block *b = h->slab_free;
     h->slab_free = b->lnext;
+    h->n_slab_free--;
     memset(b, 0, sizeof *b);
     return b;
 }
@@ -116,6 +116,7 @@ static void block_del(gm_heap *h, gm_block *b) {
     b->events = NULL;
     b->lnext = h->slab_free;
     h->slab_free = b;
+    h->n_slab_free++;
 }
 
 /* ---- live table ---------------------------------------------------------- */
@@ -570,10 +571,9 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
 }
 
 static int synchronize(gm_heap *h) {
-    int rc = h->dev->ops->synchronize(h->dev);
-    if (rc) {
+    if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
-        return rc;
+        return GM_EDEVICE;
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
@@ -668,6 +668,10 @@ static int cmp_run_addr(const void *x, const void *y) {
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
     size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
+    if (!n) {
+        free(runs);
+        return 0;
+    }
     qsort(runs, n, sizeof *runs, cmp_run);
     for (size_t i = 0; i < n && chosen < want; i++) {
         size_t take = runs[i].p1 - runs[i].p0;
@@ -746,6 +750,33 @@ static placement place(const gm_heap *h, size_t size, gm_stream s) {
     return best;
 }
 
+/* Grant access to freshly mapped pages [p0, *p1).  If that fails, unmap them
+ * again (their physical pages become spares) and lower *p1 to what is left:
+ * a page that is mapped but inaccessible must never back a block.  Failing
+ * calls are retried a few times, so that only a device that keeps failing can
+ * leave pages behind, and then they are mapped and accessible. */
+static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
+    int rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page);
+    if (!rc) return GM_OK;
+    h->st.num_device_errors++;
+    for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
+        while (*p1 > p0) {
+            size_t q = *p1 - 1;
+            if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) {
+                h->st.num_device_errors++;
+                break;
+            }
+            spare_push(h, h->page_handle[q]);
+            h->page_handle[q] = 0;
+            h->mapped_pages--;
+            h->st.num_unmaps++;
+            *p1 = q;
+        }
+        if (*p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK) break;
+    }
+    return rc;
+}
+
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
  * range one free block owned by s.  Returns that block, or NULL on a device
  * error (pages mapped so far stay mapped and free: nothing is lost). */
@@ -764,39 +795,20 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
         for (; p < p1; p++) {
             gm_handle hd = h->spare[h->n_spare - 1];
             rc = h->dev->ops->map(h->dev, gm_page_addr(h, p), hd);
-            if (rc) break;
+            if (rc) {
+                h->st.num_device_errors++;
+                break;
+            }
             h->n_spare--;
             h->page_handle[p] = hd;
             h->mapped_pages++;
             h->st.num_maps++;
         }
-        if (!rc && p > p0) {
-            rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (p - p0) * h->page);
-            if (rc) {
-                /* Inaccessible pages must not be used: take them back down. */
-                while (p > p0) {
-                    size_t q = p - 1;
-                    if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) break;
-                    spare_push(h, h->page_handle[q]);
-                    h->page_handle[q] = 0;
-                    h->mapped_pages--;
-                    h->st.num_unmaps++;
-                    p = q;
-                }
-                if (p > p0) {
-                    /* Could not unmap either: retry access once more so the
-                     * pages we must now call mapped are usable. */
-                    if (h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (p - p0) * h->page) != GM_OK) {
-                        /* Leave them mapped; the heap stays consistent
-                         * (the checker only asks that they are mapped). */
-                    }
-                }
-            }
+        if (p > p0) {
+            int arc = grant_or_take_back(h, p0, &p);
+            if (!rc) rc = arc;
         }
-        if (rc) {
-            h->st.num_device_errors++;
-            *err = rc;
-        }
+        if (rc) *err = rc;
         if (p > p0) {
             /* Cut b into [unmapped][free p0..p)[unmapped]. */
             uintptr_t a0 = gm_page_addr(h, p0), a1 = gm_page_addr(h, p);
@@ -898,6 +910,8 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 /* ---- the slow path --------------------------------------------------------------------- */
 
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
+    /* Pages gathered for a request that failed would only starve others. */
+    release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
     h->last_oom.device_error = dev_err;
@@ -905,6 +919,34 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     h->st.num_ooms++;
     gm_hist(h, GM_H_OOM, 0, size, s, 0);
     return GM_ENOMEM;
+}
+
+/* Cached pages a defragmentation could move behind placement pl. */
+static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
+    struct cached_run *runs;
+    size_t pages;
+    cached_runs(h, gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size), &runs, &pages);
+    free(runs);
+    return pages;
+}
+
+/* Wait for the device, place again (every stream's free memory is usable
+ * now), and unmap cached pages into spares for the placement's shortfall. */
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, int *synced, int *recycled,
+                       int *dev_err) {
+    if (synchronize(h) != GM_OK) {
+        *dev_err = GM_EDEVICE;
+        return;
+    }
+    *synced = 1;
+    *pl = place(h, size, s);
+    if (!pl->ok || pl->new_pages <= h->n_spare) return;
+    size_t got = recycle(h, pl->new_pages - h->n_spare, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size));
+    if (got) {
+        *recycled = 1;
+        h->st.num_remaps++;
+        h->st.num_pages_remapped += (int64_t)got;
+    }
 }
 
 static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintptr_t *at) {
@@ -919,25 +961,17 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
-    int dev_err = GM_OK, recycled = 0;
+    int dev_err = GM_OK, recycled = 0, synced = 0;
     placement pl = place(h, size, s);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
-    if (!pl.ok || pl.new_pages > h->n_spare) {
-        /* 4. Defragment: wait for the device, then every free page is fair game. */
-        if (synchronize(h) == GM_OK) {
-            pl = place(h, size, s);
-            if (pl.ok && pl.new_pages > h->n_spare) {
-                size_t p0 = gm_page_floor(h, pl.addr), p1 = gm_page_ceil(h, pl.addr + size);
-                size_t got = recycle(h, pl.new_pages - h->n_spare, p0, p1);
-                if (got) {
-                    recycled = 1;
-                    h->st.num_remaps++;
-                    h->st.num_pages_remapped += (int64_t)got;
-                }
-            }
-        } else {
-            dev_err = GM_EDEVICE;
-        }
+    /* 4. Defragment when cached pages can cover the shortfall (a device wait
+     * buys nothing otherwise); else grow to the cap, and defragment with what
+     * there is only if the device or the cap refused. */
+    if (!pl.ok || (pl.new_pages > h->n_spare && cached_pages_outside(h, pl, size) >= pl.new_pages - h->n_spare))
+        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
+    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+    if ((!pl.ok || pl.new_pages > h->n_spare) && !synced) {
+        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     }
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
@@ -945,8 +979,8 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
     int err = GM_OK;
     b = back_range(h, pl.addr, size, s, recycled, &err);
     if (!b) {
-        h->last_oom.device_error = err;
-        return err ? err : GM_EDEVICE;
+        release_spares(h, h->mapped_pages);
+        return err ? GM_EDEVICE : GM_ECORRUPT;
     }
     *out = b;
     *at = pl.addr;
@@ -1067,7 +1101,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     size_t rsize = align_up(size ? size : 1, GM_ALIGN);
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK;
-    if (rsize > h->va_size) {
+    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
         rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
@@ -1185,7 +1219,7 @@ static int trim(gm_heap *h, size_t target) {
     cached_runs(h, 0, 0, &runs, &cached);
     free(runs);
     if (!cached && !h->n_pending) return GM_OK;
-    if ((rc = synchronize(h))) return rc;
+    if ((rc = synchronize(h))) return rc; /* spares are gone already; nothing else is safe */
     size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0);
     if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */

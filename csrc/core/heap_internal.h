@@ -77,6 +77,7 @@ struct gm_heap {
     size_t n_event_pool, cap_event_pool;
 
     gm_block *slab_free;     /* unused block records */
+    size_t n_slab_free;
     void **slab_chunks;
     size_t n_slab_chunks, cap_slab_chunks;
 
@@ -104,9 +105,20 @@ gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);
 
 /* ---- stats.c ---- */
-void gm_stat_add(gm_stat *s, int64_t delta);
+static inline void gm_stat_add(gm_stat *s, int64_t delta) {
+    s->current += delta;
+    if (delta > 0) {
+        s->allocated += delta;
+        if (s->current > s->peak) s->peak = s->current;
+    } else {
+        s->freed -= delta;
+    }
+}
 static inline int gm_pool_of(size_t size) { return size <= GM_SMALL_SIZE ? GM_POOL_SMALL : GM_POOL_LARGE; }
-void gm_stat_pool_add(gm_stat *arr, size_t size, int64_t delta);
+static inline void gm_stat_pool_add(gm_stat *arr, size_t size, int64_t delta) {
+    gm_stat_add(&arr[GM_POOL_ALL], delta);
+    gm_stat_add(&arr[gm_pool_of(size)], delta);
+}
 void gm_stats_reset_peaks(gm_stats *st);
 void gm_stats_reset_accumulated(gm_stats *st);
 

@@ -12,21 +12,6 @@
  */
 #include "heap_internal.h"
 
-void gm_stat_add(gm_stat *s, int64_t delta) {
-    s->current += delta;
-    if (delta > 0) {
-        s->allocated += delta;
-        if (s->current > s->peak) s->peak = s->current;
-    } else {
-        s->freed -= delta;
-    }
-}
-
-void gm_stat_pool_add(gm_stat *arr, size_t size, int64_t delta) {
-    gm_stat_add(&arr[GM_POOL_ALL], delta);
-    gm_stat_add(&arr[gm_pool_of(size)], delta);
-}
-
 #define GM_EACH_STAT(X)                                                                  \
     X(allocation) X(segment) X(active) X(inactive_split) X(allocated_bytes) X(reserved_bytes) \
     X(active_bytes) X(inactive_split_bytes) X(requested_bytes)

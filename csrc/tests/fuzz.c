@@ -1,0 +1,903 @@
+/*
+ * fuzz.c -- random-operation stress driver for the gpumem core on the sim device.
+ *
+ *   fuzz [--threads N] [--capacity BYTES] [--history N] [--quiet] [ops=1000000] [seed=1]
+ *
+ * Single-threaded mode drives one heap with a random mix of gm_malloc (sizes
+ * log-uniform from 1 B to 256 MiB on 3 streams), gm_free, gm_record_stream,
+ * stream holds, gm_empty_cache, gm_set_cap and phases of random fault injection,
+ * and checks every result against a shadow model kept here, independently of
+ * the core.  Threaded mode hammers one heap from N pthreads (each on its own
+ * stream) and checks overlap through a shared shadow.
+ *
+ * Exit status 0 on success; on the first violation it prints the op index and
+ * seed (enough to reproduce: the run is deterministic for a given seed in
+ * single-threaded mode) and exits 1.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpumem/gpumem.h"
+
+#define MiB ((size_t)1 << 20)
+#define GiB ((size_t)1 << 30)
+#define NSTREAMS 3
+#define FREED_RING 64
+
+/* Streams are arbitrary handle values; 0 is the legacy default stream. */
+static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000ull};
+
+/* ---- reporting ------------------------------------------------------------ */
+
+static uint64_t g_seed;
+static gm_heap *g_heap;          /* for the history dump on failure */
+static uintptr_t g_addr;         /* address the failure is about (0 if none) */
+static size_t g_history;         /* --history N: entries to keep */
+static uint64_t g_op;             /* op index, for messages (single-thread mode) */
+static const char *g_phase = "setup";
+
+static void fail(const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "FUZZ FAILURE at op %" PRIu64 " (seed %" PRIu64 ", phase %s): ", g_op, g_seed,
+            g_phase);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    if (g_heap && g_history && g_addr) {
+        /* What happened at this address lately: usually the whole story. */
+        static const char *names[] = {"alloc", "free_requested", "free_completed", "map", "unmap",
+                                      "remap", "oom", "empty_cache"};
+        gm_hist_entry *e = calloc(g_history, sizeof *e);
+        size_t n = e ? gm_history_read(g_heap, e, g_history, NULL) : 0;
+        fprintf(stderr, "history touching %#" PRIxPTR " (oldest first):\n", g_addr);
+        for (size_t i = 0; i < n; i++)
+            if (e[i].action == 6 || e[i].action == 7 ||
+                (e[i].addr <= g_addr && g_addr < e[i].addr + (e[i].size ? e[i].size : 1)))
+                fprintf(stderr, "  %-14s %#" PRIx64 "+%" PRIu64 " stream %#" PRIx64 "\n",
+                        e[i].action < 8 ? names[e[i].action] : "?", e[i].addr, e[i].size, e[i].stream);
+        free(e);
+    } else if (g_addr) {
+        fprintf(stderr, "(rerun with --history 100000 for the history of that address)\n");
+    }
+    fflush(stderr);
+    exit(1);
+}
+
+/* ---- rng (splitmix64: tiny, good enough, identical on every platform) ---- */
+
+typedef struct { uint64_t s; } rng_t;
+static uint64_t rnd(rng_t *r)
+{
+    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static uint64_t rnd_below(rng_t *r, uint64_t n) { return n ? rnd(r) % n : 0; }
+static int chance(rng_t *r, unsigned per_million) { return rnd_below(r, 1000000) < per_million; }
+
+/* Log-uniform over [1, 2^28): pick an octave, then a point inside it.  Avoids
+ * libm so the Makefile's link line stays as it is. */
+static size_t rnd_size(rng_t *r)
+{
+    unsigned e = (unsigned)rnd_below(r, 28);
+    size_t lo = (size_t)1 << e;
+    return lo + (size_t)rnd_below(r, lo);
+}
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* ---- shadow of live blocks: sorted by address ----------------------------- */
+
+typedef struct blk {
+    uintptr_t addr;
+    size_t size;      /* gm_block_size at allocation */
+    size_t req;       /* bytes asked for */
+    int stream;       /* index into STREAMS */
+    unsigned recorded;/* bitmask of streams named with gm_record_stream */
+} blk;
+
+typedef struct shadow {
+    blk *v;
+    size_t n, cap;
+    uint64_t bytes, req_bytes;
+} shadow;
+
+/* Index of the first block with addr > a. */
+static size_t sh_upper(const shadow *s, uintptr_t a)
+{
+    size_t lo = 0, hi = s->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (s->v[mid].addr <= a) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* Returns the block that [a, a+size) overlaps, or NULL. */
+static const blk *sh_overlap(const shadow *s, uintptr_t a, size_t size)
+{
+    size_t i = sh_upper(s, a);
+    if (i > 0 && s->v[i - 1].addr + s->v[i - 1].size > a) return &s->v[i - 1];
+    if (i < s->n && s->v[i].addr < a + size) return &s->v[i];
+    return NULL;
+}
+
+static long sh_find(const shadow *s, uintptr_t a)
+{
+    size_t i = sh_upper(s, a);
+    if (i > 0 && s->v[i - 1].addr == a) return (long)(i - 1);
+    return -1;
+}
+
+static void sh_insert(shadow *s, blk b)
+{
+    if (s->n == s->cap) {
+        s->cap = s->cap ? s->cap * 2 : 1024;
+        s->v = realloc(s->v, s->cap * sizeof *s->v);
+        if (!s->v) { perror("realloc"); exit(2); }
+    }
+    size_t i = sh_upper(s, b.addr);
+    memmove(&s->v[i + 1], &s->v[i], (s->n - i) * sizeof *s->v);
+    s->v[i] = b;
+    s->n++;
+    s->bytes += b.size;
+    s->req_bytes += b.req;
+}
+
+static blk sh_remove(shadow *s, size_t i)
+{
+    blk b = s->v[i];
+    memmove(&s->v[i], &s->v[i + 1], (s->n - i - 1) * sizeof *s->v);
+    s->n--;
+    s->bytes -= b.size;
+    s->req_bytes -= b.req;
+    return b;
+}
+
+/* ---- quarantine: freed blocks that must not be handed out yet ------------- *
+ * A block freed while a stream that used it is held (a kernel "still running")
+ * must not come back until that stream is released.  (The sim refuses a
+ * device-wide synchronize while a stream is held -- it would never return -- so
+ * nothing but the release completes such work.)  all_mask: held streams
+ * named by record_stream -- no allocation on any stream may reuse the range.
+ * other_mask: the allocation stream itself was held -- reuse on that same
+ * stream is allowed (stream order protects it), on other streams it is not. */
+typedef struct quar {
+    uintptr_t addr;
+    size_t size;
+    int stream;
+    unsigned all_mask, other_mask;
+    uint64_t freed_at;
+} quar;
+
+typedef struct world {
+    gm_heap *heap;
+    gm_device *dev;
+    size_t capacity, page;
+    uintptr_t va_base;
+    size_t va_size;
+    shadow live;
+    uintptr_t freed[FREED_RING];
+    size_t nfreed;
+    quar *q;
+    size_t nq, qcap;
+    int held[NSTREAMS];
+    int faults_on;
+    size_t cap;               /* what we last set */
+    /* counters for the summary */
+    uint64_t n_malloc, n_malloc_ok, n_oom, n_devfail, n_free, n_bad_free, n_record, n_empty,
+        n_setcap, n_hold, n_check, n_fault_phases, n_quar_checked;
+} world;
+
+static void q_add(world *w, const blk *b, unsigned all_mask, unsigned other_mask)
+{
+    if (w->nq == w->qcap) {
+        w->qcap = w->qcap ? w->qcap * 2 : 64;
+        w->q = realloc(w->q, w->qcap * sizeof *w->q);
+        if (!w->q) { perror("realloc"); exit(2); }
+    }
+    w->q[w->nq++] = (quar){b->addr, b->size, b->stream, all_mask, other_mask, g_op};
+}
+
+static void q_release_stream(world *w, int si)
+{
+    size_t j = 0;
+    for (size_t i = 0; i < w->nq; i++) {
+        w->q[i].all_mask &= ~(1u << si);
+        w->q[i].other_mask &= ~(1u << si);
+        if (w->q[i].all_mask || w->q[i].other_mask) w->q[j++] = w->q[i];
+    }
+    w->nq = j;
+}
+
+static void q_check_alloc(world *w, uintptr_t a, size_t size, int si)
+{
+    for (size_t i = 0; i < w->nq; i++) {
+        const quar *q = &w->q[i];
+        if (a < q->addr + q->size && q->addr < a + size) {
+            g_addr = q->addr;
+            int bad = q->all_mask != 0 || (q->other_mask != 0 && si != q->stream);
+            if (bad)
+                fail("block %#" PRIxPTR "+%zu on stream %d reuses %#" PRIxPTR "+%zu freed at op %" PRIu64
+                     " on stream %d while held streams (record mask %#x, own mask %#x) have not "
+                     "finished",
+                     a, size, si, q->addr, q->size, q->freed_at, q->stream, q->all_mask, q->other_mask);
+            w->n_quar_checked++;
+        }
+    }
+}
+
+/* ---- checks ---------------------------------------------------------------- */
+
+static void check_stats(world *w, const char *after)
+{
+    gm_stats st;
+    gm_get_stats(w->heap, &st);
+    if ((uint64_t)st.allocated_bytes[GM_POOL_ALL].current != w->live.bytes)
+        fail("after %s: allocated_bytes.all.current = %" PRId64 " but the live blocks sum to %" PRIu64,
+             after, st.allocated_bytes[GM_POOL_ALL].current, w->live.bytes);
+    if ((uint64_t)st.allocation[GM_POOL_ALL].current != w->live.n)
+        fail("after %s: allocation.all.current = %" PRId64 " but %zu blocks are live", after,
+             st.allocation[GM_POOL_ALL].current, w->live.n);
+    if ((uint64_t)st.requested_bytes[GM_POOL_ALL].current != w->live.req_bytes)
+        fail("after %s: requested_bytes.all.current = %" PRId64 " but live requests sum to %" PRIu64,
+             after, st.requested_bytes[GM_POOL_ALL].current, w->live.req_bytes);
+    if (st.reserved_bytes[GM_POOL_ALL].current < st.allocated_bytes[GM_POOL_ALL].current)
+        fail("after %s: reserved %" PRId64 " < allocated %" PRId64, after,
+             st.reserved_bytes[GM_POOL_ALL].current, st.allocated_bytes[GM_POOL_ALL].current);
+    if ((size_t)st.reserved_bytes[GM_POOL_ALL].current > w->capacity)
+        fail("after %s: reserved %" PRId64 " exceeds the device capacity %zu", after,
+             st.reserved_bytes[GM_POOL_ALL].current, w->capacity);
+}
+
+static void run_check(world *w, const char *where)
+{
+    char why[512] = "";
+    int rc = gm_check(w->heap, why, sizeof why);
+    w->n_check++;
+    if (rc != GM_OK) fail("gm_check (%s) returned %d: %s", where, rc, why);
+
+    /* Cross-check the shadow against a snapshot: the core's idea of which blocks
+     * are live must be exactly ours, with the same sizes. */
+    gm_snapshot *snap = NULL;
+    rc = gm_snapshot_take(w->heap, &snap);
+    if (rc != GM_OK) fail("gm_snapshot_take returned %d", rc);
+    size_t nl = 0;
+    for (size_t i = 0; i < snap->n_blocks; i++) {
+        const gm_block_info *bi = &snap->blocks[i];
+        if (bi->state != GM_BLOCK_LIVE) continue;
+        long k = sh_find(&w->live, bi->addr);
+        if (k < 0) fail("snapshot has live block %#" PRIxPTR "+%zu the shadow does not know", bi->addr, bi->size);
+        if (w->live.v[k].size != bi->size || w->live.v[k].req != bi->requested)
+            fail("snapshot block %#" PRIxPTR ": size %zu req %zu, shadow says %zu / %zu", bi->addr,
+                 bi->size, bi->requested, w->live.v[k].size, w->live.v[k].req);
+        if (bi->stream != STREAMS[w->live.v[k].stream])
+            fail("snapshot block %#" PRIxPTR ": stream %#" PRIx64 ", allocated on %#" PRIx64, bi->addr,
+                 bi->stream, STREAMS[w->live.v[k].stream]);
+        nl++;
+    }
+    if (nl != w->live.n) fail("snapshot has %zu live blocks, shadow %zu", nl, w->live.n);
+    gm_snapshot_free(snap);
+
+    for (size_t i = 0; i < w->live.n; i++)
+        if (!gm_sim_is_accessible(w->dev, w->live.v[i].addr, w->live.v[i].size))
+            fail("live block %#" PRIxPTR "+%zu is no longer accessible", w->live.v[i].addr, w->live.v[i].size);
+    check_stats(w, where);
+}
+
+/* Pages touched by live blocks: physical memory that no defragmentation can
+ * take back.  Used to tell a legitimate OOM from a missed one. */
+static size_t live_pages(const world *w)
+{
+    size_t pages = 0;
+    uintptr_t counted_to = 0; /* pages below this index are counted */
+    for (size_t i = 0; i < w->live.n; i++) {
+        uintptr_t first = w->live.v[i].addr / w->page;
+        uintptr_t end = (w->live.v[i].addr + w->live.v[i].size - 1) / w->page + 1;
+        if (first < counted_to) first = counted_to;
+        if (end > first) {
+            pages += end - first;
+            counted_to = end;
+        }
+    }
+    return pages;
+}
+
+/* ---- operations ------------------------------------------------------------ */
+
+static int any_held(const world *w)
+{
+    for (int i = 0; i < NSTREAMS; i++)
+        if (w->held[i]) return 1;
+    return 0;
+}
+
+static void op_malloc(world *w, rng_t *r)
+{
+    size_t size = rnd_size(r);
+    int si = (int)rnd_below(r, NSTREAMS);
+    uint64_t ctx = rnd(r);
+    gm_stats before;
+    gm_get_stats(w->heap, &before);
+    uintptr_t p = 0;
+    w->n_malloc++;
+    int rc = gm_malloc(w->heap, size, STREAMS[si], ctx, &p);
+    if (rc == GM_ENOMEM || rc == GM_EDEVICE) {
+        if (rc == GM_ENOMEM) w->n_oom++; else w->n_devfail++;
+        if (rc == GM_EDEVICE && !w->faults_on) fail("gm_malloc(%zu) returned GM_EDEVICE with no fault injected", size);
+        /* Defragmentation must turn every page not touched by a live block into
+         * room, so without faults, holds or pending work an OOM is only fair when
+         * the request really cannot fit next to the live pages. */
+        if (rc == GM_ENOMEM && !w->faults_on && !any_held(w) && w->nq == 0) {
+            size_t limit = w->cap ? w->cap : w->capacity;
+            size_t need = round_up(size, w->page) / w->page + 1;
+            size_t have = live_pages(w);
+            if (have + need <= limit / w->page)
+                fail("gm_malloc(%zu) failed with GM_ENOMEM although live blocks touch %zu pages, the "
+                     "request needs at most %zu and the limit is %zu pages",
+                     size, have, need, limit / w->page);
+        }
+        gm_oom_info oi;
+        if (rc == GM_ENOMEM && gm_last_oom(w->heap, &oi) != GM_OK)
+            fail("gm_last_oom has no report after an OOM");
+        if (rc == GM_ENOMEM && oi.request < round_up(size, GM_ALIGN))
+            fail("OOM report names request %zu for a %zu-byte malloc", oi.request, size);
+        if (p != 0) fail("failed gm_malloc wrote %#" PRIxPTR " to *out", p);
+        check_stats(w, "failed malloc");
+        return;
+    }
+    if (rc != GM_OK) fail("gm_malloc(%zu, stream %d) returned %d (%s)", size, si, rc, gm_strerror(rc));
+    if (p == 0) fail("gm_malloc(%zu) returned GM_OK and a NULL pointer", size);
+    if (p % GM_ALIGN) fail("gm_malloc(%zu) returned %#" PRIxPTR ", not 512-aligned", size, p);
+    size_t bs = gm_block_size(w->heap, p);
+    if (bs < round_up(size, GM_ALIGN) || bs % GM_ALIGN)
+        fail("gm_malloc(%zu) gave a block of %zu bytes", size, bs);
+    if (p < w->va_base || p + bs > w->va_base + w->va_size)
+        fail("block %#" PRIxPTR "+%zu lies outside the heap's range", p, bs);
+    const blk *o = sh_overlap(&w->live, p, bs);
+    if (o)
+        fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu overlapping live block %#" PRIxPTR "+%zu", size, p,
+             bs, o->addr, o->size);
+    g_addr = p;
+    if (!gm_sim_is_accessible(w->dev, p, bs))
+        fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu that is not mapped with access", size, p, bs);
+    q_check_alloc(w, p, bs, si);
+    sh_insert(&w->live, (blk){p, bs, size, si, 0});
+    w->n_malloc_ok++;
+    gm_stats st;
+    gm_get_stats(w->heap, &st);
+    /* Growth never pushes reserved memory over the cap. */
+    if (w->cap && (size_t)st.reserved_bytes[GM_POOL_ALL].current > w->cap &&
+        st.reserved_bytes[GM_POOL_ALL].current > before.reserved_bytes[GM_POOL_ALL].current)
+        fail("malloc grew reserved from %" PRId64 " to %" PRId64 " over the cap %zu",
+             before.reserved_bytes[GM_POOL_ALL].current, st.reserved_bytes[GM_POOL_ALL].current, w->cap);
+    check_stats(w, "malloc");
+}
+
+static void remember_freed(world *w, uintptr_t a)
+{
+    w->freed[w->nfreed % FREED_RING] = a;
+    w->nfreed++;
+}
+
+static void op_free(world *w, rng_t *r)
+{
+    if (!w->live.n) return;
+    size_t i = (size_t)rnd_below(r, w->live.n);
+    blk b = w->live.v[i];
+    /* Decide what must wait, from the holds as they are at the free. */
+    unsigned all_mask = 0, other_mask = 0;
+    for (int s = 0; s < NSTREAMS; s++) {
+        if (!w->held[s]) continue;
+        if (s == b.stream) other_mask |= 1u << s;
+        else if (b.recorded & (1u << s)) all_mask |= 1u << s;
+    }
+    w->n_free++;
+    int rc = gm_free(w->heap, b.addr);
+    if (rc != GM_OK) {
+        if (!w->faults_on) fail("gm_free(%#" PRIxPTR ") of a live block returned %d (%s)", b.addr, rc, gm_strerror(rc));
+        /* A device failure while freeing may leave the block live or not; the
+         * core must say which through gm_block_size. */
+        if (gm_block_size(w->heap, b.addr) == b.size) {
+            check_stats(w, "failed free");
+            return;
+        }
+    }
+    sh_remove(&w->live, i);
+    if (gm_block_size(w->heap, b.addr) != 0) fail("block %#" PRIxPTR " still live after gm_free", b.addr);
+    if (all_mask || other_mask) q_add(w, &b, all_mask, other_mask);
+    remember_freed(w, b.addr);
+    check_stats(w, "free");
+}
+
+static void op_record(world *w, rng_t *r)
+{
+    if (!w->live.n) return;
+    size_t i = (size_t)rnd_below(r, w->live.n);
+    int si = (int)rnd_below(r, NSTREAMS);
+    w->n_record++;
+    int rc = gm_record_stream(w->heap, w->live.v[i].addr, STREAMS[si]);
+    if (rc != GM_OK) {
+        if (!w->faults_on) fail("gm_record_stream of a live block returned %d", rc);
+        return;
+    }
+    if (si != w->live.v[i].stream) w->live.v[i].recorded |= 1u << si;
+}
+
+/* Frees of pointers that are not live must fail with the right code and leave
+ * the heap as it was. */
+static void op_bad_free(world *w, rng_t *r)
+{
+    uintptr_t p;
+    int want;
+    unsigned kind = (unsigned)rnd_below(r, 4);
+    if (kind == 0 && w->nfreed) {
+        size_t n = w->nfreed < FREED_RING ? w->nfreed : FREED_RING;
+        p = w->freed[rnd_below(r, n)];
+        const blk *o = sh_overlap(&w->live, p, 1);
+        if (o && o->addr == p) return; /* handed out again since */
+        want = GM_EDOUBLE_FREE;
+    } else if (kind == 1 && w->live.n) {
+        const blk *b = &w->live.v[rnd_below(r, w->live.n)];
+        if (b->size <= GM_ALIGN) return;
+        p = b->addr + GM_ALIGN * (1 + rnd_below(r, b->size / GM_ALIGN - 1));
+        want = GM_EDOUBLE_FREE; /* inside the heap, not the start of an allocation */
+    } else if (kind == 2) {
+        p = w->va_base + w->va_size + GM_ALIGN * rnd_below(r, 1024);
+        want = GM_EUNKNOWN_PTR;
+    } else {
+        if (w->va_base <= 8 * GM_ALIGN) return;
+        p = w->va_base - GM_ALIGN * (1 + rnd_below(r, 8));
+        want = GM_EUNKNOWN_PTR;
+    }
+    gm_stats before, after;
+    gm_get_stats(w->heap, &before);
+    w->n_bad_free++;
+    int rc = gm_free(w->heap, p);
+    if (rc != want)
+        fail("gm_free(%#" PRIxPTR ") (bad-free kind %u) returned %d (%s), expected %d (%s)", p, kind, rc,
+             gm_strerror(rc), want, gm_strerror(want));
+    rc = gm_record_stream(w->heap, p, STREAMS[1]);
+    if (rc == GM_OK) fail("gm_record_stream(%#" PRIxPTR ") of a non-live pointer succeeded", p);
+    gm_get_stats(w->heap, &after);
+    /* Memory accounting must not move; event-driven counters may (a free can
+     * poll completed events first). */
+    for (int pool = 0; pool < GM_POOL__COUNT; pool++) {
+        if (memcmp(&before.allocation[pool], &after.allocation[pool], sizeof(gm_stat)) ||
+            memcmp(&before.allocated_bytes[pool], &after.allocated_bytes[pool], sizeof(gm_stat)) ||
+            memcmp(&before.requested_bytes[pool], &after.requested_bytes[pool], sizeof(gm_stat)) ||
+            memcmp(&before.reserved_bytes[pool], &after.reserved_bytes[pool], sizeof(gm_stat)) ||
+            memcmp(&before.segment[pool], &after.segment[pool], sizeof(gm_stat)))
+            fail("rejected gm_free(%#" PRIxPTR ") changed the statistics (pool %d)", p, pool);
+    }
+    if (before.num_device_alloc != after.num_device_alloc || before.num_maps != after.num_maps ||
+        before.num_unmaps != after.num_unmaps)
+        fail("rejected gm_free(%#" PRIxPTR ") touched the device", p);
+}
+
+static void op_empty(world *w)
+{
+    w->n_empty++;
+    int rc = gm_empty_cache(w->heap);
+    /* Unmapping waits for the device; with a stream held the sim refuses. */
+    if (rc != GM_OK && !w->faults_on && !any_held(w))
+        fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
+    check_stats(w, "empty_cache");
+    if (!w->faults_on && !any_held(w)) {
+        /* Nothing may stay cached: every page held is touched by a live block. */
+        gm_stats st;
+        gm_get_stats(w->heap, &st);
+        size_t lp = live_pages(w);
+        if ((size_t)st.reserved_bytes[GM_POOL_ALL].current != lp * w->page) {
+            gm_snapshot *snap = NULL;
+            size_t used = 0, cached = 0, pending = 0;
+            if (gm_snapshot_take(w->heap, &snap) == GM_OK) {
+                for (size_t i = 0; i < snap->n_pages; i++) {
+                    used += snap->pages[i] == GM_PAGE_USED;
+                    cached += snap->pages[i] == GM_PAGE_CACHED;
+                }
+                for (size_t i = 0; i < snap->n_blocks; i++) pending += snap->blocks[i].state == GM_BLOCK_PENDING;
+            }
+            fail("after gm_empty_cache reserved is %" PRId64 " but live blocks touch %zu pages (%zu bytes); "
+                 "snapshot: %zu used, %zu cached, %zu spare pages, %zu pending blocks",
+                 st.reserved_bytes[GM_POOL_ALL].current, lp, lp * w->page, used, cached,
+                 snap ? snap->spare_pages : 0, pending);
+        }
+        gm_sim_info si;
+        gm_sim_info_get(w->dev, &si);
+        if (si.pages_created != lp || si.pages_mapped != lp)
+            fail("after gm_empty_cache the sim holds %zu created / %zu mapped pages, live blocks touch %zu",
+                 si.pages_created, si.pages_mapped, lp);
+    }
+}
+
+static void op_setcap(world *w, rng_t *r)
+{
+    size_t cap = 0;
+    if (!chance(r, 250000)) {
+        /* Mostly caps above what is live (sometimes below, which must still work:
+         * growth stops, frees page out). */
+        size_t lo = 64 * MiB;
+        cap = lo + (size_t)rnd_below(r, w->capacity - lo);
+        cap = round_up(cap, w->page);
+    }
+    w->n_setcap++;
+    int rc = gm_set_cap(w->heap, cap);
+    if (rc == GM_OK) {
+        w->cap = cap;
+        if (gm_get_cap(w->heap) != cap) fail("gm_set_cap(%zu) then gm_get_cap says %zu", cap, gm_get_cap(w->heap));
+    } else if (!w->faults_on && !any_held(w)) {
+        fail("gm_set_cap(%zu) returned %d (%s)", cap, rc, gm_strerror(rc));
+    } else {
+        w->cap = gm_get_cap(w->heap);
+    }
+    check_stats(w, "set_cap");
+}
+
+static void op_hold(world *w, rng_t *r)
+{
+    int si = (int)rnd_below(r, NSTREAMS);
+    w->n_hold++;
+    if (w->held[si]) {
+        gm_sim_hold_stream(w->dev, STREAMS[si], 0);
+        w->held[si] = 0;
+        q_release_stream(w, si);
+    } else {
+        gm_sim_hold_stream(w->dev, STREAMS[si], 1);
+        w->held[si] = 1;
+    }
+}
+
+static void set_faults(world *w, rng_t *r, int on)
+{
+    for (int op = 0; op < GM_OP__COUNT; op++) {
+        double p = 0;
+        if (on) {
+            static const double ps[] = {0, 0.0005, 0.005, 0.02, 0.1};
+            p = ps[rnd_below(r, 5)];
+        }
+        gm_sim_fail_random(w->dev, (gm_dev_op)op, p, on ? rnd(r) : 0);
+        if (!on) gm_sim_fail(w->dev, (gm_dev_op)op, 0, 0);
+    }
+    w->faults_on = on;
+}
+
+/* ---- single-threaded run ----------------------------------------------------- */
+
+static void open_world(world *w, size_t capacity)
+{
+    memset(w, 0, sizeof *w);
+    w->capacity = capacity;
+    w->dev = gm_sim_create(capacity, 0);
+    if (!w->dev) fail("gm_sim_create failed");
+    w->page = w->dev->page_size;
+    gm_config cfg;
+    gm_config_default(&cfg);
+    int rc = gm_heap_create(w->dev, &cfg, &w->heap);
+    if (rc != GM_OK) fail("gm_heap_create returned %d (%s)", rc, gm_strerror(rc));
+    gm_snapshot *snap;
+    if (gm_snapshot_take(w->heap, &snap) != GM_OK) fail("gm_snapshot_take failed");
+    w->va_base = snap->va_base;
+    w->va_size = snap->va_size;
+    gm_snapshot_free(snap);
+    g_heap = w->heap;
+    if (g_history) gm_history_enable(w->heap, g_history);
+    if (w->va_size < capacity) fail("heap reserved only %zu bytes of VA for %zu of memory", w->va_size, capacity);
+}
+
+/* Free everything, release everything, and check that nothing is left. */
+static void close_world(world *w)
+{
+    g_phase = "teardown";
+    set_faults(w, NULL, 0);
+    for (int s = 0; s < NSTREAMS; s++)
+        if (w->held[s]) { gm_sim_hold_stream(w->dev, STREAMS[s], 0); w->held[s] = 0; q_release_stream(w, s); }
+    while (w->live.n) {
+        blk b = sh_remove(&w->live, w->live.n - 1);
+        int rc = gm_free(w->heap, b.addr);
+        if (rc != GM_OK) fail("teardown gm_free(%#" PRIxPTR ") returned %d", b.addr, rc);
+    }
+    int rc = gm_empty_cache(w->heap);
+    if (rc != GM_OK) fail("teardown gm_empty_cache returned %d", rc);
+    run_check(w, "teardown");
+    gm_stats st;
+    gm_get_stats(w->heap, &st);
+    if (st.reserved_bytes[GM_POOL_ALL].current || st.segment[GM_POOL_ALL].current ||
+        st.active[GM_POOL_ALL].current || st.active_bytes[GM_POOL_ALL].current)
+        fail("teardown: reserved %" PRId64 ", segments %" PRId64 ", active %" PRId64 "/%" PRId64 " bytes left",
+             st.reserved_bytes[GM_POOL_ALL].current, st.segment[GM_POOL_ALL].current,
+             st.active[GM_POOL_ALL].current, st.active_bytes[GM_POOL_ALL].current);
+    gm_sim_info si;
+    gm_sim_info_get(w->dev, &si);
+    if (si.pages_created || si.pages_mapped)
+        fail("teardown: the sim still holds %zu created and %zu mapped pages", si.pages_created, si.pages_mapped);
+    g_heap = NULL;
+    gm_heap_destroy(w->heap);
+    free(w->live.v);
+    free(w->q);
+}
+
+static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
+{
+    rng_t r = {seed};
+    world w;
+    open_world(&w, capacity);
+    uint64_t phase_end = 0;
+    g_phase = "normal";
+    for (g_op = 0; g_op < ops; g_op++) {
+        if (g_op == phase_end) {
+            /* Phases of a few thousand ops: a third with faults injected. */
+            int faults = chance(&r, 330000);
+            set_faults(&w, &r, faults);
+            g_phase = faults ? "faults" : "normal";
+            w.n_fault_phases += faults;
+            phase_end = g_op + 2000 + rnd_below(&r, 8000);
+            if (faults) {
+                /* Faults leave the heap in states a clean run never reaches;
+                 * check it before and after each such phase. */
+                run_check(&w, "phase start");
+            }
+        }
+        unsigned x = (unsigned)rnd_below(&r, 1000000);
+        /* Keep the live set bounded: with a full device, lean to frees. */
+        unsigned p_malloc = w.live.n > 3000 ? 400000 : 520000;
+        if (x < p_malloc) op_malloc(&w, &r);
+        else if (x < 940000) op_free(&w, &r);
+        else if (x < 970000) op_record(&w, &r);
+        else if (x < 985000) op_bad_free(&w, &r);
+        else if (x < 992000) op_hold(&w, &r);
+        else if (x < 996000) op_empty(&w);
+        else if (x < 997000) op_setcap(&w, &r);
+        else if (x < 999800) op_record(&w, &r);
+        else {
+            /* A burst of frees: drains the heap now and then so that the
+             * empty/regrow paths run too. */
+            uint64_t n = rnd_below(&r, w.live.n + 1);
+            for (uint64_t k = 0; k < n; k++) op_free(&w, &r);
+        }
+        if (g_op % 4096 == 4095) run_check(&w, "periodic");
+    }
+    run_check(&w, "end");
+    gm_stats st;
+    gm_get_stats(w.heap, &st);
+    close_world(&w);
+    if (!quiet)
+        printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB: %" PRIu64 " mallocs (%" PRIu64
+               " ok, %" PRIu64 " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64
+               " bad frees, %" PRIu64 " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64
+               " set_cap, %" PRIu64 " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64
+               " remaps, %" PRId64 " pages created, %" PRId64 " retries, %" PRId64 " syncs\n",
+               ops, seed, capacity >> 20, w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free,
+               w.n_bad_free, w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_fault_phases, w.n_check,
+               w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
+               st.num_sync_all_streams);
+    return 0;
+}
+
+/* ---- multi-threaded run -------------------------------------------------------
+ * N threads share one heap.  The shared shadow is updated so that it never
+ * claims less than the core: a block enters it right after gm_malloc returns and
+ * leaves it right before gm_free is called, so an overlap found at insertion is
+ * a real double hand-out. */
+
+typedef struct tworld {
+    gm_heap *heap;
+    gm_device *dev;
+    pthread_mutex_t mu;
+    shadow live;
+    uint64_t ops_per_thread;
+    size_t capacity;
+    uint64_t seed;
+    int nthreads;
+} tworld;
+
+typedef struct targ {
+    tworld *tw;
+    int id;
+    uint64_t mallocs, ooms, frees;
+    uintptr_t *mine;
+    size_t nmine, capmine;
+} targ;
+
+static void tfail(targ *a, uint64_t op, const char *msg, uintptr_t p, size_t size)
+{
+    fprintf(stderr, "FUZZ FAILURE thread %d op %" PRIu64 " (seed %" PRIu64 "): %s (%#" PRIxPTR "+%zu)\n", a->id,
+            op, a->tw->seed, msg, p, size);
+    exit(1);
+}
+
+static void *thread_main(void *arg)
+{
+    targ *a = arg;
+    tworld *tw = a->tw;
+    rng_t r = {tw->seed * 1000003u + (uint64_t)a->id};
+    gm_stream stream = 0x1000u * (gm_stream)(a->id + 1);
+    for (uint64_t op = 0; op < tw->ops_per_thread; op++) {
+        unsigned x = (unsigned)rnd_below(&r, 1000);
+        if (x < 500 && a->nmine < 4096) {
+            /* Smaller sizes than single mode: threads should contend on the lock,
+             * not wait on one another's OOMs. */
+            size_t size = rnd_size(&r) >> (rnd_below(&r, 2) ? 0 : 6);
+            if (!size) size = 1;
+            uintptr_t p = 0;
+            int rc = gm_malloc(tw->heap, size, stream, (uint64_t)a->id, &p);
+            a->mallocs++;
+            if (rc == GM_ENOMEM) { a->ooms++; continue; }
+            if (rc != GM_OK) tfail(a, op, "gm_malloc failed", 0, size);
+            size_t bs = gm_block_size(tw->heap, p);
+            if (p % GM_ALIGN || bs < round_up(size, GM_ALIGN)) tfail(a, op, "bad block", p, bs);
+            pthread_mutex_lock(&tw->mu);
+            const blk *o = sh_overlap(&tw->live, p, bs);
+            if (o) tfail(a, op, "new block overlaps a live block of another thread", p, bs);
+            sh_insert(&tw->live, (blk){p, bs, size, a->id, 0});
+            pthread_mutex_unlock(&tw->mu);
+            if (a->nmine == a->capmine) {
+                a->capmine = a->capmine ? 2 * a->capmine : 256;
+                a->mine = realloc(a->mine, a->capmine * sizeof *a->mine);
+                if (!a->mine) { perror("realloc"); exit(2); }
+            }
+            a->mine[a->nmine++] = p;
+        } else if (x < 960 && a->nmine) {
+            size_t i = (size_t)rnd_below(&r, a->nmine);
+            uintptr_t p = a->mine[i];
+            a->mine[i] = a->mine[--a->nmine];
+            if (rnd_below(&r, 8) == 0) {
+                /* Hand the block to another thread's stream before freeing. */
+                gm_stream other = 0x1000u * (gm_stream)(1 + rnd_below(&r, (uint64_t)tw->nthreads));
+                if (gm_record_stream(tw->heap, p, other) != GM_OK) tfail(a, op, "record_stream failed", p, 0);
+            }
+            pthread_mutex_lock(&tw->mu);
+            long k = sh_find(&tw->live, p);
+            if (k < 0) tfail(a, op, "own block missing from shadow", p, 0);
+            sh_remove(&tw->live, (size_t)k);
+            pthread_mutex_unlock(&tw->mu);
+            int rc = gm_free(tw->heap, p);
+            a->frees++;
+            if (rc != GM_OK) tfail(a, op, "gm_free of own live block failed", p, 0);
+        } else if (x < 975) {
+            if (gm_empty_cache(tw->heap) != GM_OK) tfail(a, op, "gm_empty_cache failed", 0, 0);
+        } else if (x < 980) {
+            size_t cap = rnd_below(&r, 3) ? 0 : round_up(tw->capacity / 2 + rnd_below(&r, tw->capacity / 2), 2 * MiB);
+            if (gm_set_cap(tw->heap, cap) != GM_OK) tfail(a, op, "gm_set_cap failed", 0, cap);
+        } else if (x < 982) {
+            char why[256] = "";
+            if (gm_check(tw->heap, why, sizeof why) != GM_OK) {
+                fprintf(stderr, "gm_check: %s\n", why);
+                tfail(a, op, "gm_check failed under concurrency", 0, 0);
+            }
+        } else {
+            gm_stats st;
+            gm_get_stats(tw->heap, &st);
+            if (st.allocated_bytes[GM_POOL_ALL].current < 0 || st.reserved_bytes[GM_POOL_ALL].current < 0)
+                tfail(a, op, "negative statistic", 0, 0);
+        }
+    }
+    return NULL;
+}
+
+static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacity, int quiet)
+{
+    tworld tw;
+    memset(&tw, 0, sizeof tw);
+    pthread_mutex_init(&tw.mu, NULL);
+    tw.capacity = capacity;
+    tw.seed = seed;
+    tw.nthreads = nthreads;
+    tw.ops_per_thread = ops / (uint64_t)nthreads;
+    tw.dev = gm_sim_create(capacity, 0);
+    if (!tw.dev) fail("gm_sim_create failed");
+    gm_config cfg;
+    gm_config_default(&cfg);
+    int rc = gm_heap_create(tw.dev, &cfg, &tw.heap);
+    if (rc != GM_OK) fail("gm_heap_create returned %d", rc);
+    targ *args = calloc((size_t)nthreads, sizeof *args);
+    pthread_t *th = calloc((size_t)nthreads, sizeof *th);
+    if (!args || !th) { perror("calloc"); exit(2); }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    g_phase = "threads";
+    for (int i = 0; i < nthreads; i++) {
+        args[i].tw = &tw;
+        args[i].id = i;
+        if (pthread_create(&th[i], NULL, thread_main, &args[i]) != 0) { perror("pthread_create"); exit(2); }
+    }
+    for (int i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    g_op = ops;
+
+    /* Quiescent again: the whole-heap checks hold exactly now. */
+    world w;
+    memset(&w, 0, sizeof w);
+    w.heap = tw.heap;
+    w.dev = tw.dev;
+    w.capacity = capacity;
+    w.page = tw.dev->page_size;
+    w.live = tw.live;
+    for (size_t i = 0; i < w.live.n; i++) w.live.v[i].stream = 0; /* thread ids are not stream indices */
+    char why[512] = "";
+    if (gm_check(w.heap, why, sizeof why) != GM_OK) fail("gm_check after threads: %s", why);
+    for (size_t i = 0; i < w.live.n; i++)
+        if (!gm_sim_is_accessible(w.dev, w.live.v[i].addr, w.live.v[i].size))
+            fail("live block %#" PRIxPTR " not accessible after threads", w.live.v[i].addr);
+    check_stats(&w, "threads");
+    uint64_t mallocs = 0, ooms = 0, frees = 0;
+    for (int i = 0; i < nthreads; i++) {
+        mallocs += args[i].mallocs;
+        ooms += args[i].ooms;
+        frees += args[i].frees;
+        free(args[i].mine);
+    }
+    gm_stats st;
+    gm_get_stats(w.heap, &st);
+    close_world(&w); /* frees w.live.v (== tw.live.v) */
+    if (!quiet)
+        printf("fuzz: OK %d threads x %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB in %.2f s: %" PRIu64
+               " mallocs (%" PRIu64 " oom), %" PRIu64 " frees; core: %" PRId64 " remaps, %" PRId64
+               " pages created\n",
+               nthreads, tw.ops_per_thread, seed, capacity >> 20,
+               (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9, mallocs, ooms, frees,
+               st.num_remaps, st.num_device_alloc);
+    free(args);
+    free(th);
+    pthread_mutex_destroy(&tw.mu);
+    return 0;
+}
+
+/* ---- main ------------------------------------------------------------------- */
+
+static uint64_t parse_u64(const char *s, const char *what)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (errno || end == s) {
+        fprintf(stderr, "fuzz: bad %s '%s'\n", what, s);
+        exit(2);
+    }
+    /* Allow a size suffix for --capacity. */
+    if (*end == 'G') v <<= 30;
+    else if (*end == 'M') v <<= 20;
+    else if (*end) {
+        fprintf(stderr, "fuzz: bad %s '%s'\n", what, s);
+        exit(2);
+    }
+    return v;
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t ops = 1000000, seed = 1;
+    int threads = 0, quiet = 0, npos = 0;
+    size_t capacity = 4 * GiB;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = (int)parse_u64(argv[++i], "thread count");
+        else if (!strcmp(argv[i], "--capacity") && i + 1 < argc) capacity = parse_u64(argv[++i], "capacity");
+        else if (!strcmp(argv[i], "--quiet")) quiet = 1;
+        else if (!strcmp(argv[i], "--history") && i + 1 < argc) g_history = (size_t)parse_u64(argv[++i], "history size");
+        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--quiet] [ops=1000000] [seed=1]\n", argv[0]);
+            return 0;
+        } else if (argv[i][0] != '-' && npos == 0) { ops = parse_u64(argv[i], "op count"); npos++; }
+        else if (argv[i][0] != '-' && npos == 1) { seed = parse_u64(argv[i], "seed"); npos++; }
+        else {
+            fprintf(stderr, "fuzz: unknown argument '%s' (try --help)\n", argv[i]);
+            return 2;
+        }
+    }
+    if (capacity < 256 * MiB) {
+        fprintf(stderr, "fuzz: capacity must be at least 256 MiB\n");
+        return 2;
+    }
+    g_seed = seed;
+    if (threads > 0) return run_threads(threads, ops, seed, capacity, quiet);
+    return run_single(ops, seed, capacity, quiet);
+}

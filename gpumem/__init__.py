@@ -1,0 +1,49 @@
+"""gpumem: a defragmenting GPU memory allocator with a C11 core and a simulated device.
+
+Importing gpumem needs neither torch nor a GPU: the CUDA driver is loaded only
+when a Heap(device="cuda") is created.
+"""
+from ._units import format_size, parse_size
+
+__version__ = "0.1.0"
+
+try:
+    from . import _C  # noqa: F401
+except ImportError:
+    # Run from a source checkout after a plain `pip install .`, the checkout's
+    # gpumem/ (no compiled _C) shadows the installed one.  Let the package span
+    # both directories, as pkgutil.extend_path is meant for, so that _C is found
+    # in the installed copy.
+    import pkgutil as _pkgutil
+
+    __path__ = _pkgutil.extend_path(__path__, __name__)
+
+try:
+    from ._C import (  # noqa: F401  (re-exported)
+        CorruptionError,
+        DeviceError,
+        Heap,
+        InvalidPointerError,
+        OutOfMemoryError,
+    )
+except ImportError as _e:  # pragma: no cover - only without a built extension
+    _import_error = _e
+
+    def __getattr__(name):
+        if name in ("Heap", "OutOfMemoryError", "InvalidPointerError", "CorruptionError", "DeviceError"):
+            raise ImportError(
+                f"gpumem.{name} needs the compiled extension gpumem._C, which failed to import "
+                f"({_import_error}); build it with `python3 -m pip install -e .`"
+            ) from _import_error
+        raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
+
+__all__ = [
+    "Heap",
+    "OutOfMemoryError",
+    "InvalidPointerError",
+    "CorruptionError",
+    "DeviceError",
+    "parse_size",
+    "format_size",
+    "__version__",
+]

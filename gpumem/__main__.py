@@ -1,0 +1,230 @@
+"""Command line: python -m gpumem SUBCOMMAND ...
+
+    python -m gpumem replay TRACE [TRACE...] [--capacity SIZE] [--min-capacity] [--json]
+
+Subcommands register themselves in COMMANDS (name -> (add_arguments, run)), so a
+new one is a function pair, not a change to the dispatcher.  Every error the
+user can cause is one line on stderr, "gpumem: error: ...", and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import __version__
+from ._units import format_size, parse_size
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+# Replays longer than this get a progress bar even when stderr is not a terminal.
+LONG_REPLAY_EVENTS = 2_000_000
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the input; printed as one line, exit 2."""
+
+
+def _error_line(message: str) -> None:
+    print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints usage plus an error; gpumem prints one line and exits 2."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _size_arg(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+# ---- progress ------------------------------------------------------------------
+
+class ProgressBar:
+    """A one-line bar on stderr, redrawn at most ~10 times a second."""
+
+    def __init__(self, label: str, stream=None, width: int = 30):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.last = 0.0
+        self.tty = self.stream.isatty()
+        self.shown = False
+        self.next_line_pct = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        pct = 100 * done // total if total else 100
+        if self.tty:
+            if done < total and now - self.last < 0.1:
+                return
+            self.last = now
+            filled = self.width * pct // 100
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {pct:3d}% {done}/{total}")
+            self.shown = True
+        elif pct >= self.next_line_pct:
+            # Logs get a line per quarter instead of carriage returns.
+            self.stream.write(f"{self.label}: {pct}% ({done}/{total} events)\n")
+            self.next_line_pct = pct + 25
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        if self.tty:
+            self.stream.write(f"\r{self.label} {text}\x1b[K")
+            self.shown = True
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def _want_progress(args, n_events: int) -> bool:
+    if args.no_progress:
+        return False
+    return sys.stderr.isatty() or n_events >= LONG_REPLAY_EVENTS
+
+
+# ---- replay ----------------------------------------------------------------------
+
+def _add_replay_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="a text trace (.trace or .trace.gz) or a torch snapshot pickle (.pickle, .pickle.gz)")
+    p.add_argument("--capacity", type=_size_arg, default=80 << 30, metavar="SIZE",
+                   help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB")
+    p.add_argument("--min-capacity", action="store_true",
+                   help="also binary-search the smallest capacity (to 1 MiB) that replays with no OOM")
+    p.add_argument("--device", type=int, default=None, metavar="N",
+                   help="which device of a torch snapshot to replay (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per trace per line")
+    p.add_argument("--no-timing", action="store_true", help="skip the separate timing pass (ns_per_op)")
+    p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+
+
+def _replay_one(args, path: str) -> dict:
+    from .replay import min_capacity, replay
+    from .trace import load_trace
+
+    trace = load_trace(path, device=args.device)
+    bar = ProgressBar(trace.name) if _want_progress(args, trace.n_events) else None
+    try:
+        result = replay(trace, args.capacity, timing=not args.no_timing, progress=bar)
+        if args.min_capacity:
+            if bar:
+                bar.note("searching the smallest capacity...")
+            probe = (lambda cap, ok: bar.note(f"min-capacity probe {format_size(cap)}: {'fits' if ok else 'OOM'}")) \
+                if bar else None
+            result.min_capacity_bytes = min_capacity(trace, on_probe=probe)
+    finally:
+        if bar:
+            bar.close()
+    out = result.to_json()
+    out["trace"] = path
+    out["name"] = trace.name
+    out["format"] = trace.format
+    out["device"] = trace.device
+    out["n_slots"] = trace.n_slots
+    return out
+
+
+def _ratio(num: Optional[int], den: int) -> str:
+    return f"{num / den:.3f}" if num is not None and den else "-"
+
+
+def _print_table(rows: List[dict], stream=None) -> None:
+    stream = stream or sys.stdout
+    header = ["trace", "events", "capacity", "peak live", "peak reserved", "reserved/live", "min capacity",
+              "min/live", "OOMs", "remaps", "ns/op"]
+    lines = [header]
+    for r in rows:
+        live = r["peak_live_bytes"]
+        mc = r.get("min_capacity_bytes")
+        lines.append([
+            r["name"], str(r["events"]), format_size(r["capacity_bytes"]), format_size(live),
+            format_size(r["peak_reserved_bytes"]), _ratio(r["peak_reserved_bytes"], live),
+            format_size(mc) if mc is not None else "-", _ratio(mc, live), str(r["ooms"]), str(r["remaps"]),
+            f"{r['ns_per_op']:.0f}" if r.get("ns_per_op") is not None else "-",
+        ])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    for n, row in enumerate(lines):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells), file=stream)
+        if n == 0:
+            print("  ".join("-" * w for w in widths), file=stream)
+
+
+def run_replay(args) -> int:
+    from .trace import TraceError
+
+    rows = []
+    status = EXIT_OK
+    for path in args.traces:
+        try:
+            row = _replay_one(args, path)
+        except TraceError as e:
+            _error_line(str(e))
+            status = EXIT_USAGE
+            continue
+        if args.json:
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+    if rows and not args.json:
+        _print_table(rows)
+    return status
+
+
+# ---- dispatch ------------------------------------------------------------------------
+
+COMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "replay": ("replay allocation traces on a simulated device", _add_replay_args, run_replay),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gpumem", description="gpumem: a defragmenting GPU memory allocator.")
+    parser.add_argument("--version", action="version", version=f"gpumem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, (help_text, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args._run(args)
+    except UsageError as e:
+        _error_line(str(e))
+        return EXIT_USAGE
+    except ImportError as e:
+        # An unbuilt or broken extension: say so in one line, not a traceback.
+        _error_line(str(e))
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `gpumem replay ... | head`: stop quietly, and keep Python from
+        # complaining again while flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Shared fixtures for the gpumem test suite.
+
+Everything here runs on the simulated device; tests that need a real GPU take
+the `gpu` marker and are skipped when torch or CUDA is missing.
+"""
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+MiB = 1 << 20
+GiB = 1 << 30
+PAGE = 2 * MiB
+
+
+def shared_dir():
+    """The shared data folder (traces, snapshots, hooks): $GPUMEM_SHARED, else
+    <repo>/shared when present (device machines carry it there), else <repo>/../shared
+    (the layout of a worktree checkout)."""
+    env = os.environ.get("GPUMEM_SHARED")
+    if env:
+        return pathlib.Path(env)
+    inside = REPO / "shared"
+    if inside.is_dir():
+        return inside
+    return REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def repo_root():
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def shared():
+    path = shared_dir()
+    if not path.is_dir():
+        pytest.skip(f"shared data folder {path} not found (set GPUMEM_SHARED)")
+    return path
+
+
+def _cuda_available():
+    try:
+        import torch
+    except Exception:
+        return False, "torch is not installed"
+    try:
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available"
+    except Exception as exc:  # a broken driver install should skip, not error
+        return False, f"CUDA check failed: {exc}"
+    return True, ""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs torch and a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    ok, why = _cuda_available()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {why}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def gpumem_mod():
+    import gpumem
+
+    return gpumem
+
+
+@pytest.fixture
+def make_heap():
+    """Factory for sim heaps; every heap it made is closed at teardown, so a
+    failing test cannot leak a heap into the next one."""
+    import gpumem
+
+    made = []
+
+    def make(capacity=4 * GiB, **kw):
+        h = gpumem.Heap(device="sim", capacity=capacity, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        try:
+            h.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def heap(make_heap):
+    return make_heap()
+
+
+def assert_ok(h):
+    """h.check() must pass; on failure show the core's reason."""
+    import gpumem
+
+    try:
+        h.check()
+    except gpumem.CorruptionError as exc:  # pragma: no cover - only on a core bug
+        pytest.fail(f"heap invariant broken: {exc}")
+
+
+def live_blocks(h):
+    return [b for b in h.snapshot()["blocks"] if b[6] == "live"]
+
+
+# Streams the tests use (arbitrary handle values; 0 is the legacy default stream).
+STREAMS = (0, 0x1000, 0x2000, 0x3000)
+
+
+def drain_and_assert_empty(h, ptrs):
+    """Release every stream, free every pointer in `ptrs` that is still live,
+    empty the cache, and check that the simulated device holds nothing."""
+    for s in STREAMS:
+        h.sim_hold_stream(s, False)
+    for p in list(ptrs):
+        if h.block_size(p):
+            h.free(p)
+    h.empty_cache()
+    assert_ok(h)
+    info = h.sim_info()
+    assert info["pages_created"] == 0, info
+    assert info["pages_mapped"] == 0, info
+    st = h.stats()
+    assert st["reserved_bytes.all.current"] == 0
+    assert st["allocated_bytes.all.current"] == 0
+    assert st["active_bytes.all.current"] == 0
+
+
+@pytest.fixture
+def check():
+    return assert_ok
+
+
+def pool_of(size):
+    """torch's pools: blocks of at most 1 MiB come from the small pool."""
+    return "small_pool" if size <= MiB else "large_pool"
+
+
+def recount(h):
+    """Recount the live-memory statistics from a snapshot, independently of
+    the core's counters: {stat key: value} for the keys it can derive."""
+    snap = h.snapshot()
+    out = {}
+    for pool in ("all", "small_pool", "large_pool"):
+        for name in ("allocation", "allocated_bytes", "requested_bytes"):
+            out[f"{name}.{pool}.current"] = 0
+    for addr, size, requested, stream, context, seq, state in snap["blocks"]:
+        if state != "live":
+            continue
+        for pool in ("all", pool_of(size)):
+            out[f"allocation.{pool}.current"] += 1
+            out[f"allocated_bytes.{pool}.current"] += size
+            out[f"requested_bytes.{pool}.current"] += requested
+    return out
+
+
+def pages_touched(blocks, page=PAGE):
+    """Number of distinct pages that the (addr, size) ranges touch."""
+    pages = set()
+    for addr, size in blocks:
+        pages.update(range(addr // page, (addr + size - 1) // page + 1))
+    return len(pages)

@@ -1,0 +1,264 @@
+"""Fault injection on every device call.
+
+For each device op and several positions of the failing call, a workload walks
+the slow paths (growth, small-page packing, defragmentation under a small
+capacity, empty_cache, set_cap, events for record_stream and held streams).
+Whatever fails must surface as OutOfMemoryError or DeviceError, or be absorbed;
+afterwards the heap must pass check(), every live block must still be mapped,
+and once everything is freed nothing may be left on the device.
+"""
+import re
+
+import pytest
+
+import gpumem
+from conftest import MiB, PAGE, assert_ok, drain_and_assert_empty
+
+OPS = (
+    "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
+    "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
+)
+# Ops the workload is sure to call often enough that the injected fault fires.
+MUST_FIRE = {"create", "map", "set_access", "unmap", "release", "event_record"}
+CAPACITY = 64 * MiB
+S1, S2 = 0x1000, 0x2000
+EXPECTED = (gpumem.OutOfMemoryError, gpumem.DeviceError)
+
+
+class Run:
+    """Workload state: live pointers and what went wrong along the way."""
+
+    def __init__(self, h):
+        self.h = h
+        self.live = []
+        self.errors = []
+
+    def step(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except EXPECTED as exc:
+            assert str(exc), "error without a message"
+            if isinstance(exc, gpumem.OutOfMemoryError):
+                assert str(exc).startswith("CUDA out of memory.")
+            self.errors.append(exc)
+            return None
+        finally:
+            # Every failure must leave the heap consistent, right away.
+            assert_ok(self.h)
+
+    def malloc(self, size, stream=0):
+        p = self.step(self.h.malloc, size, stream=stream)
+        if p is not None:
+            assert self.h.sim_is_accessible(p, self.h.block_size(p))
+            self.live.append(p)
+        return p
+
+    def free(self, p):
+        self.step(self.h.free, p)
+        # A device error during a free must not leave the block half-freed: it
+        # is either still live (and stays ours) or gone.
+        if self.h.block_size(p) == 0:
+            self.live.remove(p)
+
+
+def workload(run):
+    h = run.h
+    # Growth and small-page packing.
+    for size in (3 * MiB, 700, 4096, 5 * MiB, 100_000, PAGE, 1):
+        run.malloc(size)
+    # Events: blocks used on a side stream, freed while it runs and after.
+    p = run.malloc(MiB + 512)
+    if p is not None:
+        run.step(h.record_stream, p, S2)
+        h.sim_hold_stream(S2, True)
+        run.free(p)
+    for size in (PAGE, 3000, 5 * MiB):
+        q = run.malloc(size, stream=S1)
+        if q is not None:
+            run.step(h.record_stream, q, S2)
+            run.step(h.record_stream, q, 0)
+            run.free(q)
+    for _ in range(2):
+        run.malloc(MiB + 512, stream=S1)  # must not take p's range while S2 is held
+    h.sim_hold_stream(S2, False)
+    run.malloc(MiB + 512)
+    # Fill the small device with pages, punch holes, ask for a large block:
+    # defragmentation remaps pages (and an over-large request OOMs, which reads
+    # mem_info/processes for the report).
+    pages = [run.malloc(PAGE) for _ in range(CAPACITY // PAGE)]
+    for p in pages[::2]:
+        if p is not None:
+            run.free(p)
+    run.malloc(12 * MiB)
+    run.malloc(CAPACITY)
+    run.step(h.empty_cache)
+    # Cap below what is held releases pages; then growth under the cap.
+    run.step(h.set_cap, 24 * MiB)
+    run.malloc(4 * MiB)
+    run.step(h.set_cap, 0)
+    for p in list(run.live)[::3]:
+        run.free(p)
+    run.malloc(16 * MiB)
+    run.step(h.empty_cache)
+
+
+def finish(run):
+    for p in run.live:
+        assert run.h.sim_is_accessible(p, run.h.block_size(p)), f"live block {p:#x} lost its pages"
+    drain_and_assert_empty(run.h, run.live)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("nth", [1, 2, 3, 5, 9, 17])
+def test_single_fault(make_heap, op, nth):
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail(op, nth=nth, count=1)
+    calls_before = h.sim_calls(op)
+    run = Run(h)
+    workload(run)
+    fired = h.sim_calls(op) - calls_before >= nth
+    if op in MUST_FIRE and nth <= 3:
+        assert fired, f"workload made only {h.sim_calls(op) - calls_before} {op} calls"
+    if fired and op in ("map", "set_access"):
+        # The core keeps count of what the device refused.  (A refused create
+        # is the device being full -- GM_ENOMEM -- not an error.)
+        assert h.stats()["num_device_errors"] >= 1
+    h.sim_fail(op, nth=0)
+    finish(run)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_persistent_fault(make_heap, op):
+    """The op fails every time for a while: errors surface cleanly, and the
+    heap recovers once the device does."""
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail(op, nth=1, count=10**9)
+    run = Run(h)
+    workload(run)
+    h.sim_fail(op, nth=0)
+    # Healthy again: the heap works normally.
+    p = run.malloc(3 * MiB)
+    assert p is not None, run.errors[-1:] or "malloc failed after the fault cleared"
+    finish(run)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_faults_everywhere(make_heap, seed):
+    h = make_heap(capacity=CAPACITY)
+    for i, op in enumerate(OPS):
+        h.sim_fail_random(op, 0.15, seed=seed * 100 + i)
+    run = Run(h)
+    for _ in range(3):
+        workload(run)
+    for op in OPS:
+        h.sim_fail_random(op, 0.0)
+    finish(run)
+
+
+def test_create_failure_is_an_oom_with_a_reason(make_heap):
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail("create", nth=1, count=10**9)
+    with pytest.raises(EXPECTED) as exc:
+        h.malloc(4 * MiB)
+    assert str(exc.value)
+    assert h.stats()["allocation.all.current"] == 0
+    h.sim_fail("create", nth=0)
+    h.free(h.malloc(4 * MiB))
+    drain_and_assert_empty(h, [])
+
+
+def test_map_failure_returns_the_page(make_heap):
+    """A page created for a request whose map then fails must not leak."""
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail("map", nth=1, count=10**9)
+    with pytest.raises(EXPECTED):
+        h.malloc(6 * MiB)
+    h.sim_fail("map", nth=0)
+    h.empty_cache()
+    assert h.sim_info()["pages_mapped"] == 0
+    assert h.sim_info()["pages_created"] == 0
+    assert h.stats()["num_device_errors"] >= 1
+    drain_and_assert_empty(h, [])
+
+
+def test_heap_creation_fails_cleanly_when_reserve_fails():
+    # Far more address space than the sim (or any machine) could reserve.
+    with pytest.raises((RuntimeError, ValueError, MemoryError)) as exc:
+        gpumem.Heap(device="sim", capacity=CAPACITY, va_size=1 << 62)
+    msg = str(exc.value)
+    # The reason must survive: which step failed, not just an error code.
+    assert re.search(r"reserve|address space", msg, re.I), msg
+
+
+@pytest.mark.parametrize("op", ["release", "unmap", "unreserve", "event_destroy", "synchronize"])
+def test_close_survives_failing_teardown_calls(make_heap, op):
+    """Destroying a heap while the device refuses to give things back must not
+    crash or hang (the process may be exiting); close() may report a
+    DeviceError, but the heap is closed either way."""
+    h = make_heap(capacity=CAPACITY)
+    p = h.malloc(5 * MiB)
+    h.record_stream(p, S2)
+    h.free(p)
+    h.malloc(700)
+    h.sim_fail(op, nth=1, count=10**9)
+    try:
+        h.close()
+    except gpumem.DeviceError:
+        pass
+    with pytest.raises(ValueError):
+        h.malloc(1)
+
+
+# ---- regressions found by the fuzz driver ------------------------------------
+
+
+def test_map_failing_part_way_leaves_no_inaccessible_free_memory(make_heap):
+    # The first page of a 2-page request maps, the second does not: the first
+    # never gets access granted, so it must not turn up in a later block.
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail("map", nth=2)
+    with pytest.raises(EXPECTED):
+        h.malloc(4 * MiB)
+    p = h.malloc(MiB)
+    assert h.sim_is_accessible(p, MiB)
+    assert_ok(h)
+    drain_and_assert_empty(h, [p])
+
+
+def test_set_access_and_rollback_failing(make_heap):
+    # set_access fails (and its retry), and so does the unmap that would undo
+    # the mapping: the pages may stay mapped, but must not be handed out
+    # without access.
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail("set_access", nth=1, count=2)
+    h.sim_fail("unmap", nth=1, count=1)
+    with pytest.raises(EXPECTED):
+        h.malloc(4 * MiB)
+    p = h.malloc(4 * MiB)
+    assert h.sim_is_accessible(p, 4 * MiB)
+    assert_ok(h)
+    drain_and_assert_empty(h, [p])
+
+
+def test_failed_event_record_does_not_share_an_event(make_heap):
+    # A failed event_record must not leave the pooled event in the block: put
+    # back twice, one event would serve two waits, and a block whose side
+    # stream is still running would come back early.
+    h = make_heap(capacity=CAPACITY)
+    S3 = 0x3000
+    p = h.malloc(4 * MiB)
+    h.record_stream(p, S1)
+    h.sim_fail("event_record", nth=1)
+    h.free(p)          # the record fails: p waits for a device sync instead
+    h.empty_cache()    # that sync
+    x = h.malloc(4 * MiB, stream=S2)
+    y = h.malloc(4 * MiB)
+    h.record_stream(x, S1)
+    h.record_stream(y, S3)
+    h.sim_hold_stream(S1, True)   # a kernel on S1 still reads x
+    h.free(x)
+    h.free(y)
+    z = h.malloc(4 * MiB, stream=S2)
+    assert z != x, "x was reused while the stream named by record_stream is still running"
+    h.sim_hold_stream(S1, False)
+    drain_and_assert_empty(h, [z])

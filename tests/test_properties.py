@@ -1,0 +1,188 @@
+"""Stateful property test: random operation sequences against a shadow model.
+
+Hypothesis drives malloc/free/record_stream/empty_cache/set_cap and stream
+holds on a small sim device (so that OOM, defragmentation and the cap all come
+into play) and after every step compares the heap with a model kept here.
+"""
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import gpumem
+from conftest import MiB, PAGE, STREAMS, pages_touched, pool_of
+
+CAPACITY = 96 * MiB
+
+# Sizes spread over small-pool, page-sized and multi-page requests.
+sizes = st.one_of(
+    st.integers(1, 4096),
+    st.integers(4097, MiB),
+    st.integers(MiB + 1, 4 * PAGE),
+    st.sampled_from([PAGE, 2 * PAGE, 8 * PAGE, 512, MiB]),
+    st.integers(4 * PAGE, 24 * MiB),
+)
+
+
+def _round(n):
+    return (n + 511) // 512 * 512
+
+
+class HeapMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.h = None
+        self.live = {}  # addr -> dict(size, req, stream, recorded)
+        # (addr, size, stream, all_mask, own_mask): freed blocks that must not
+        # come back (all_mask: held record_stream streams block every stream;
+        # own_mask: the held allocation stream blocks other streams).
+        self.quarantine = []
+        self.held = set()
+        self.cap = 0
+
+    @initialize()
+    def open_heap(self):
+        self.h = gpumem.Heap(device="sim", capacity=CAPACITY)
+
+    def teardown(self):
+        if self.h is None:
+            return
+        try:
+            for s in STREAMS:
+                self.h.sim_hold_stream(s, False)
+            for p in list(self.live):
+                self.h.free(p)
+            self.live.clear()
+            self.h.empty_cache()
+            self.h.check()
+            info = self.h.sim_info()
+            assert info["pages_created"] == 0 and info["pages_mapped"] == 0, info
+        finally:
+            self.h.close()
+
+    # -- helpers --
+
+    def _live_pages(self):
+        return pages_touched([(a, b["size"]) for a, b in self.live.items()])
+
+    # -- rules --
+
+    @rule(size=sizes, stream=st.sampled_from(STREAMS))
+    def malloc(self, size, stream):
+        reserved_before = self.h.stats()["reserved_bytes.all.current"]
+        try:
+            p = self.h.malloc(size, stream=stream)
+        except gpumem.OutOfMemoryError as exc:
+            assert str(exc).startswith("CUDA out of memory.")
+            if not self.held and not self.quarantine:
+                # Defragmentation makes every page not touched by a live block
+                # usable, so only a request that really cannot fit may fail.
+                limit = (self.cap or CAPACITY) // PAGE
+                need = -(-size // PAGE) + 1
+                assert self._live_pages() + need > limit, (
+                    f"OOM for {size} with {self._live_pages()} live pages of {limit}")
+            return
+        bs = self.h.block_size(p)
+        assert p % 512 == 0 and bs >= _round(size) and bs % 512 == 0
+        for a, b in self.live.items():
+            assert p + bs <= a or a + b["size"] <= p, f"{p:#x}+{bs} overlaps live {a:#x}+{b['size']}"
+        for a, sz, s, all_mask, own_mask in self.quarantine:
+            if p < a + sz and a < p + bs:
+                assert not all_mask and not (own_mask and stream != s), (
+                    f"{p:#x} reuses a block freed behind held streams {all_mask | own_mask}")
+        assert self.h.sim_is_accessible(p, bs)
+        self.live[p] = dict(size=bs, req=size, stream=stream, recorded=set())
+        reserved = self.h.stats()["reserved_bytes.all.current"]
+        if self.cap and reserved > self.cap:
+            # Above the cap only because set_cap lowered it under what is in
+            # use; growth must not add to that.
+            assert reserved <= reserved_before, f"grew to {reserved} over cap {self.cap}"
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        p = data.draw(st.sampled_from(sorted(self.live)))
+        b = self.live.pop(p)
+        all_mask = frozenset(s for s in b["recorded"] if s in self.held and s != b["stream"])
+        own_mask = frozenset({b["stream"]} & self.held)
+        self.h.free(p)
+        if all_mask or own_mask:
+            self.quarantine.append((p, b["size"], b["stream"], all_mask, own_mask))
+        with pytest.raises(gpumem.InvalidPointerError):
+            self.h.free(p)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), stream=st.sampled_from(STREAMS))
+    def record_stream(self, data, stream):
+        p = data.draw(st.sampled_from(sorted(self.live)))
+        self.h.record_stream(p, stream)
+        self.live[p]["recorded"].add(stream)
+
+    def _may_refuse(self, fn, *args):
+        """Unmapping waits for the whole device; the sim refuses that while a
+        stream is held (it would never return).  Anything else must succeed."""
+        try:
+            fn(*args)
+        except (ValueError, gpumem.DeviceError) as exc:
+            assert self.held, f"{fn.__name__} failed with no stream held: {exc}"
+            assert "held" in str(exc) or "deadlock" in str(exc), str(exc)
+            return False
+        return True
+
+    @rule()
+    def empty_cache(self):
+        self._may_refuse(self.h.empty_cache)
+        if not self.held:
+            assert self.h.stats()["reserved_bytes.all.current"] == self._live_pages() * PAGE
+            assert self.h.sim_info()["pages_created"] == self._live_pages()
+
+    @rule(cap=st.sampled_from([0, 8 * MiB, 32 * MiB, 64 * MiB, CAPACITY]))
+    def set_cap(self, cap):
+        self._may_refuse(self.h.set_cap, cap)
+        self.cap = cap
+        assert self.h.get_cap() == cap
+
+    @rule(stream=st.sampled_from(STREAMS[1:]))
+    def toggle_hold(self, stream):
+        if stream in self.held:
+            self.h.sim_hold_stream(stream, False)
+            self.held.discard(stream)
+            self.quarantine = [
+                (a, sz, s, all_mask - {stream}, own_mask - {stream})
+                for a, sz, s, all_mask, own_mask in self.quarantine
+                if (all_mask - {stream}) or (own_mask - {stream})
+            ]
+        else:
+            self.h.sim_hold_stream(stream, True)
+            self.held.add(stream)
+
+    # -- invariants --
+
+    @invariant()
+    def consistent(self):
+        if self.h is None:
+            return
+        self.h.check()
+        stats = self.h.stats()
+        assert stats["allocation.all.current"] == len(self.live)
+        assert stats["allocated_bytes.all.current"] == sum(b["size"] for b in self.live.values())
+        assert stats["requested_bytes.all.current"] == sum(b["req"] for b in self.live.values())
+        for pool in ("small_pool", "large_pool"):
+            assert stats[f"allocated_bytes.{pool}.current"] == sum(
+                b["size"] for b in self.live.values() if pool_of(b["size"]) == pool)
+        assert stats["reserved_bytes.all.current"] <= CAPACITY
+        assert stats["reserved_bytes.all.current"] == self.h.sim_info()["pages_created"] * PAGE
+        for p, b in self.live.items():
+            assert self.h.block_size(p) == b["size"]
+            assert self.h.sim_is_accessible(p, b["size"])
+        snap_live = {blk[0]: blk[1] for blk in self.h.snapshot()["blocks"] if blk[6] == "live"}
+        assert snap_live == {p: b["size"] for p, b in self.live.items()}
+
+
+HeapMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestHeapMachine = HeapMachine.TestCase
