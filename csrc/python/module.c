@@ -852,6 +852,59 @@ static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 /* ---- out-of-memory reports ------------------------------------------------------------ */
 
+/* mem_info() -> (free, total) of the whole device, taken under the heap's lock. */
+static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    gm_oom_info info;
+    gm_memory_report(self->heap, 0, &info);
+    return Py_BuildValue("(KK)", (unsigned long long)info.device_free, (unsigned long long)info.device_total);
+}
+
+/* device_processes() -> [(pid, bytes)] holding memory on the device (this process
+ * included), or None when there is no source (no NVML: GM_ENOTSUP). */
+static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    if (self->is_sim && self->busy) {
+        /* The sim device is guarded by the heap's lock only; see ensure_sim. */
+        PyErr_SetString(PyExc_RuntimeError, "device_processes: another thread is inside this heap");
+        return NULL;
+    }
+    size_t cap = 64, n = 0;
+    for (;;) {
+        gm_proc_usage *buf = PyMem_Calloc(cap, sizeof *buf);
+        if (buf == NULL)
+            return PyErr_NoMemory();
+        int rc = self->dev->ops->processes(self->dev, buf, cap, &n);
+        if (rc == GM_ENOTSUP) {
+            PyMem_Free(buf);
+            Py_RETURN_NONE;
+        }
+        if (rc != GM_OK) {
+            PyMem_Free(buf);
+            return raise_code(self, rc, "device_processes");
+        }
+        if (n > cap) {
+            PyMem_Free(buf);
+            cap = n;
+            continue;
+        }
+        PyObject *l = PyList_New((Py_ssize_t)n);
+        for (size_t i = 0; l != NULL && i < n; i++) {
+            PyObject *t = Py_BuildValue("(kK)", (unsigned long)buf[i].pid, (unsigned long long)buf[i].bytes);
+            if (t == NULL)
+                Py_CLEAR(l);
+            else
+                PyList_SET_ITEM(l, (Py_ssize_t)i, t);
+        }
+        PyMem_Free(buf);
+        return l;
+    }
+}
+
 static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ensure_open(self) < 0)
@@ -1197,6 +1250,10 @@ static PyMethodDef Heap_methods[] = {
      .ml_doc = "history_enable(max_entries): keep the last max_entries events (0 = off)"},
     {.ml_name = "history", .ml_meth = (PyCFunction)Heap_history, .ml_flags = METH_NOARGS,
      .ml_doc = "history() -> ([(time_ns, action, addr, size, stream, context)], dropped)"},
+    {.ml_name = "mem_info", .ml_meth = (PyCFunction)Heap_mem_info, .ml_flags = METH_NOARGS,
+     .ml_doc = "mem_info() -> (free, total) bytes of the whole device"},
+    {.ml_name = "device_processes", .ml_meth = (PyCFunction)Heap_device_processes, .ml_flags = METH_NOARGS,
+     .ml_doc = "device_processes() -> [(pid, bytes)] on the device, or None without NVML"},
     {.ml_name = "last_oom", .ml_meth = (PyCFunction)Heap_last_oom, .ml_flags = METH_NOARGS,
      .ml_doc = "last_oom() -> report of the last failed allocation, or None"},
     {.ml_name = "memory_report", .ml_meth = KW(Heap_memory_report), .ml_flags = METH_VARARGS | METH_KEYWORDS,
