@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "history_glue.h"
 
 /* gpumem/trace.py packs events with struct "<IIQQ". */
 _Static_assert(sizeof(gm_replay_event) == 24, "gm_replay_event must be 24 packed bytes");
@@ -584,6 +585,8 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (context_o && to_u64(context_o, "context", UINT64_MAX, &context) < 0)
         return NULL;
+    if (context == 0)
+        context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
@@ -1382,6 +1385,8 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(&HeapType);
         goto fail;
     }
+    if (gm_history_glue_add(m) < 0)
+        goto fail;
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;
