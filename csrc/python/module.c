@@ -376,17 +376,20 @@ static PyObject *raise_oom(HeapObject *self)
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK)
         return raise_code(self, GM_ENOMEM, "malloc");
-    PyObject *msg = oom_message(self, &info);
-    if (msg == NULL)
+    PyObject *d = oom_dict(&info);
+    if (d == NULL)
         return NULL;
+    /* gpumem.explain words the message when it is loaded (history_glue.c). */
+    PyObject *msg = gm_py_format_oom((PyObject *)self, d, oom_message(self, &info));
+    if (msg == NULL) {
+        Py_DECREF(d);
+        return NULL;
+    }
     PyObject *exc = PyObject_CallFunctionObjArgs(OutOfMemoryError, msg, NULL);
     Py_DECREF(msg);
-    if (exc == NULL)
-        return NULL;
-    PyObject *d = oom_dict(&info);
-    if (d == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {
-        Py_XDECREF(d);
-        Py_DECREF(exc);
+    if (exc == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {
+        Py_DECREF(d);
+        Py_XDECREF(exc);
         return NULL;
     }
     Py_DECREF(d);
