@@ -37,7 +37,20 @@ except ImportError as _e:  # pragma: no cover - only without a built extension
             ) from _import_error
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
 
+# Visibility (helper viz): snapshots, history, OOM explanations.  Importing
+# explain registers the formatter that words OutOfMemoryError messages.
+if "_import_error" not in globals():
+    from .explain import explain, last_oom  # noqa: E402,F401
+    from .history import record_history  # noqa: E402,F401
+    from .snapshot import Snapshot, dump_snapshot, snapshot  # noqa: E402,F401
+
 __all__ = [
+    "snapshot",
+    "dump_snapshot",
+    "Snapshot",
+    "record_history",
+    "explain",
+    "last_oom",
     "Heap",
     "OutOfMemoryError",
     "InvalidPointerError",
