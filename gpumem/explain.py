@@ -97,9 +97,13 @@ class Report:
 
     # ---- rendering -----------------------------------------------------------------
 
-    def text(self) -> str:
+    def text(self, first_line: Optional[str] = None) -> str:
+        """The report as text; `first_line` replaces the headline (the OOM
+        exception keeps the core's one-line message there)."""
         L: List[str] = []
-        if self.is_oom:
+        if first_line is not None:
+            L.append(first_line)
+        elif self.is_oom:
             L.append(f"CUDA out of memory. Tried to allocate {_fs(self.request)} on {self.device} "
                      f"(stream {self.stream}); gpumem could make at most {_fs(self.largest_possible)} "
                      f"even after defragmenting: {_fs(self.shortfall)} short.")
@@ -351,11 +355,12 @@ def last_oom(device=None) -> Optional[Report]:
 
 
 def format_oom(heap, info, fallback: str) -> str:
-    """The OutOfMemoryError message for Heap.malloc (registered with gpumem._C).
-    GPUMEM_EXPLAIN_OOM=0 keeps the core's one-line message."""
+    """The OutOfMemoryError message for Heap.malloc (registered with gpumem._C):
+    the core's one-line message, then the report.  GPUMEM_EXPLAIN_OOM=0 keeps
+    the one line alone."""
     if os.environ.get("GPUMEM_EXPLAIN_OOM", "1") == "0" or not info:
         return fallback
-    return _build(heap, dict(info), is_oom=True).text()
+    return _build(heap, dict(info), is_oom=True).text(first_line=fallback)
 
 
 def _register() -> None:

@@ -19,7 +19,12 @@
 
 /* The context id of the calling thread's Python stack, or 0 when capture is
  * off, the thread does not hold the GIL (an autograd or C++ thread), or there
- * is no Python frame.  Safe to call from any thread; never raises. */
+ * is no Python frame.  Safe to call from any thread; never raises.  Exported
+ * (default visibility) so that hooks -- torch's context hook, or ctypes in the
+ * tests, which calls it without the GIL -- can take its address. */
+#if defined(__GNUC__)
+__attribute__((visibility("default")))
+#endif
 uint64_t gm_py_capture_context(void);
 
 /* Adds the module-level functions (_stacks_enable, _stack_frames, ...,
