@@ -16,9 +16,28 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ._units import format_size
+from ._units import format_size, parse_size
 
 HISTORY_CAP = 1_000_000   # ring entries kept for the snapshot's device_traces
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def _error_line(message: str) -> None:
+    import sys
+
+    print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
+
+
+def _size_arg(text: str) -> int:
+    import argparse
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
 
 
 # ---- replay --snapshot / --html -------------------------------------------------------
@@ -73,8 +92,6 @@ def write_peak_outputs(args, trace) -> dict:
 # ---- explain ------------------------------------------------------------------------------
 
 def add_explain_args(p) -> None:
-    from .__main__ import _size_arg
-
     p.add_argument("snapshot", metavar="SNAPSHOT",
                    help="a torch memory snapshot pickle (.pickle, .pickle.gz) or a gpumem text trace")
     p.add_argument("--capacity", type=_size_arg, default=None, metavar="SIZE",
@@ -153,8 +170,6 @@ def run_explain(args) -> int:
     from .replay import min_capacity, replay
     from .trace import TraceError, load_trace
 
-    from .__main__ import EXIT_OK, EXIT_USAGE, UsageError, _error_line
-
     path = args.snapshot
     device = args.device or 0
     try:
@@ -167,7 +182,8 @@ def run_explain(args) -> int:
         trace = _trace_until(path, _load_plain(path), device, oom.index, oom.size, trace.meta)
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
-        raise UsageError(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
+        _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
+        return EXIT_USAGE
     res = replay(trace, capacity, timing=False)
     ok = res.ooms == 0
     need = min_capacity(trace)
