@@ -255,9 +255,6 @@ def _diagnose(r: Report, heap) -> None:
     elif r.request and r.user_cap and r.request > r.user_cap:
         causes.append(Cause("too_big", r.request - r.user_cap,
                             f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})"))
-    if r.device_error:
-        causes.append(Cause("device_error", 0, f"a device call failed (error code {r.device_error}) while getting "
-                                                "memory; the figures may understate what is free"))
     if not r.request or short or r.is_oom:
         ranked: List[Cause] = []
         if r.live_bytes:
@@ -302,6 +299,11 @@ def _diagnose(r: Report, heap) -> None:
                                     f"of reach (device {_fs(r.device_total)})"))
         ranked.sort(key=lambda c: -c.bytes)
         causes.extend(ranked)
+    if r.device_error:
+        # Listed last: a failed call (e.g. a synchronize refused while streams
+        # still run) is how the shortage showed, rarely why memory is short.
+        causes.append(Cause("device_error", 0, f"a device call failed ({_code_name(r.device_error)}) while "
+                                                "gpumem tried to free or get memory"))
     kinds = {c.kind for c in causes}
     if "cap" in kinds:
         advice.append(f"Raise or remove the cap (heap.set_cap / torch.cuda.set_per_process_memory_fraction): "
@@ -330,6 +332,14 @@ def _diagnose(r: Report, heap) -> None:
                       "the small tensors the top sites list.")
     r.causes = causes
     r.advice = advice
+
+
+_CODES = {1: "GM_ENOMEM", 2: "GM_EINVAL", 5: "GM_EDEVICE", 6: "GM_ENOTREADY", 7: "GM_ENOTSUP",
+          8: "GM_ENODRIVER"}
+
+
+def _code_name(code: int) -> str:
+    return _CODES.get(code, f"error {code}")
 
 
 def explain(size=None, device=None) -> Report:

@@ -55,16 +55,19 @@ def frames_for(context: int) -> Tuple[Frame, ...]:
     return got
 
 
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def site_of(frames: Tuple[Frame, ...]) -> str:
     """The allocation site to show: the innermost frame outside gpumem itself
     and outside torch's Python wrappers, as "file:line in func"."""
-    for f in frames:
+    for i, f in enumerate(frames):
         fn = f.filename
         if fn.startswith(_PKG_DIR) or f"{os.sep}torch{os.sep}" in fn:
             continue
+        if f.name in _COMPREHENSIONS and i + 1 < len(frames) and frames[i + 1].filename == fn:
+            continue  # before 3.12 a comprehension is a frame of its own: name its function
         return str(f)
     return str(frames[0]) if frames else ""
 
