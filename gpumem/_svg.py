@@ -239,6 +239,5 @@ def plot_matplotlib(snap, ax=None, max_rows: int = 32):
                  f"{format_size(s.reserved_bytes)} reserved, fragmentation {s.fragmentation:.1%}", fontsize=10)
     handles = [Patch(color=BLOCK_COLORS[k][0], label=k) for k in ("live", "pending", "free", "unmapped")]
     handles += [Patch(color=PAGE_COLORS[k], label=f"page {k}") for k in ("used", "cached", "unmapped")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(rows, 1)),
-              ncol=7, fontsize=8, frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     return ax
