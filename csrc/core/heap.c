@@ -208,14 +208,16 @@ static void index_insert(gm_heap *h, gm_block *b) {
     /* owner_get only fails on host OOM; every owner a free block names was
      * created when its stream first allocated, so this finds it. */
     fi_insert(&gm_owner_find(h, b->stream)->idx, b);
-    gm_stat_pool_add(h->st.inactive_split, b->size, 1);
-    gm_stat_pool_add(h->st.inactive_split_bytes, b->size, (int64_t)b->size);
+    int pool = gm_pool_of(b->size);
+    gm_stat_up(h->st.inactive_split, pool, 1);
+    gm_stat_up(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 static void index_remove(gm_heap *h, gm_block *b) {
     fi_remove(&gm_owner_find(h, b->stream)->idx, b);
-    gm_stat_pool_add(h->st.inactive_split, b->size, -1);
-    gm_stat_pool_add(h->st.inactive_split_bytes, b->size, -(int64_t)b->size);
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.inactive_split, pool, 1);
+    gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 /* The stricter of two owners, or 0 if the blocks may not merge. */
@@ -383,8 +385,9 @@ static void pending_append(gm_heap *h, gm_block *b) {
 
 /* A pending or live block leaves "active" and becomes free for its stream. */
 static void complete_free(gm_heap *h, gm_block *b) {
-    gm_stat_pool_add(h->st.active, b->size, -1);
-    gm_stat_pool_add(h->st.active_bytes, b->size, -(int64_t)b->size);
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.active, pool, 1);
+    gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
     gm_hist(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->stream, b->context);
     b->n_uses = 0;
     b->wait_sync = 0;
@@ -1181,11 +1184,12 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     b->seq = ++h->alloc_seq;
     live_insert(h, b);
     h->live_bytes += rsize;
-    gm_stat_pool_add(h->st.allocation, rsize, 1);
-    gm_stat_pool_add(h->st.allocated_bytes, rsize, (int64_t)rsize);
-    gm_stat_pool_add(h->st.requested_bytes, rsize, (int64_t)size);
-    gm_stat_pool_add(h->st.active, rsize, 1);
-    gm_stat_pool_add(h->st.active_bytes, rsize, (int64_t)rsize);
+    int pool = gm_pool_of(rsize);
+    gm_stat_up(h->st.allocation, pool, 1);
+    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)rsize);
+    gm_stat_up(h->st.requested_bytes, pool, (int64_t)size);
+    gm_stat_up(h->st.active, pool, 1);
+    gm_stat_up(h->st.active_bytes, pool, (int64_t)rsize);
     if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
         h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
     gm_hist(h, GM_H_ALLOC, b->addr, rsize, s, context);
@@ -1208,9 +1212,10 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
         return rc;
     }
     h->live_bytes -= b->size;
-    gm_stat_pool_add(h->st.allocation, b->size, -1);
-    gm_stat_pool_add(h->st.allocated_bytes, b->size, -(int64_t)b->size);
-    gm_stat_pool_add(h->st.requested_bytes, b->size, -(int64_t)b->requested);
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.allocation, pool, 1);
+    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
+    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
     gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
     if (!b->n_uses) {
         complete_free(h, b);
