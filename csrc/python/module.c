@@ -497,13 +497,14 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
     gm_heap *heap = NULL;
     int rc = gm_heap_create(dev, &cfg, &heap); /* owns dev from here, also on failure */
     if (rc != GM_OK) {
-        /* dev is gone; report without it. */
+        /* dev is gone; the core kept its reason. */
+        const char *why = gm_create_error();
         if (rc == GM_EINVAL)
-            PyErr_SetString(PyExc_ValueError, "cannot create heap: invalid configuration (GM_EINVAL)");
+            PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
         else if (rc == GM_ENOMEM)
-            PyErr_SetString(OutOfMemoryError, "CUDA out of memory. cannot create heap (GM_ENOMEM)");
+            PyErr_Format(OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
         else
-            PyErr_Format(DeviceError, "cannot create heap: %s (%s)", gm_strerror(rc), code_name(rc));
+            PyErr_Format(DeviceError, "cannot create heap: %s (%s)", why, code_name(rc));
         return -1;
     }
     self->heap = heap;
