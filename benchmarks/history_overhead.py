@@ -6,8 +6,10 @@ Times Heap.malloc + Heap.free pairs called from Python at a given stack depth
     off          history off, stacks off
     ring         history ring on (max_entries), no stacks
     ring+stacks  ring on, Python stack captured and interned per malloc
-    stacks-new   as ring+stacks, but every allocation from a new line, so each
-                 one interns a new stack (the worst case: first sight of a site)
+    stacks-new   as ring+stacks, but every allocation from a new code object, so
+                 each one interns a new stack (the worst case: first sight of a
+                 site); its overhead is against "sites-off", the same exec() loop
+                 with history off
 
 Usage: python benchmarks/history_overhead.py [--pairs N] [--depths 1,10,30] [--json]
 """
@@ -51,10 +53,10 @@ def measure(mode, depth, pairs, rounds):
     for _ in range(rounds):
         _C._stacks_clear()
         with gpumem.Heap(device="sim", capacity="8GiB") as h:
-            gpumem.record_history(mode != "off", device=h, stacks="python" if "stacks" in mode else None,
-                                  max_entries=100_000)
+            gpumem.record_history(mode not in ("off", "sites-off"), device=h,
+                                  stacks="python" if "stacks" in mode else None, max_entries=100_000)
             h.free(h.malloc(MiB))  # map the first page outside the timed loop
-            fn = new_sites if mode == "stacks-new" else loop
+            fn = new_sites if mode in ("stacks-new", "sites-off") else loop
             best = min(best, at_depth(depth, lambda: fn(h, pairs)))
             gpumem.record_history(False, device=h)
     return best
@@ -70,13 +72,14 @@ def main(argv=None):
     rows = []
     measure("off", 1, min(a.pairs, 20_000), 1)  # warm up: the first heap's pages and caches
     for depth in (int(d) for d in a.depths.split(",")):
-        base = None
-        for mode in ("off", "ring", "ring+stacks", "stacks-new"):
-            pairs = a.pairs if mode != "stacks-new" else min(a.pairs, 20_000)
+        base = {}
+        for mode in ("off", "ring", "ring+stacks", "sites-off", "stacks-new"):
+            pairs = a.pairs if mode not in ("stacks-new", "sites-off") else min(a.pairs, 20_000)
             ns = measure(mode, depth, pairs, a.rounds)
-            base = ns if base is None else base
+            ref = "sites-off" if mode in ("stacks-new", "sites-off") else "off"
+            base.setdefault(ref, ns)
             rows.append({"depth": depth, "mode": mode, "ns_per_pair": round(ns, 1),
-                         "overhead_ns": round(ns - base, 1)})
+                         "overhead_ns": round(ns - base[ref], 1)})
     if a.json:
         print(json.dumps({"python": sys.version.split()[0], "rows": rows}))
         return
