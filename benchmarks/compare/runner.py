@@ -32,7 +32,7 @@ GiB = 1 << 30
 ALIGN = 2 * MiB
 
 # Nominal seconds per stage ("23": the uncapped replays behind figures 2 and 3).
-SHARES = {"6": 15, "23": 75, "1": 250, "5": 75, "4": 95}
+SHARES = {"6": 15, "23": 70, "1": 240, "5": 85, "4": 90}
 STAGE_ORDER = ["6", "23", "1", "5", "4"]
 
 # Search seeds for figure 1, not results: min capacity ÷ peak live that shared/traces/README.md
@@ -414,6 +414,8 @@ class Run:
                                            "uncapped_warm_wall_s": p[1].get("wall_s") if len(p) > 1 else None})
                     else:
                         f3["rows"].append(self._failed_row("trace", t, c, r))
+                    if ok and "1" not in self.args.figures:
+                        self._capped_probe(f3["rows"][-1], t, c, peak)
                 self.log(f"fig2/3 {t} {c}: {r.get('status')} in {r.get('elapsed_s')} s")
             self.checkpoint()
         for f, key in ((f2, "2"), (f3, "3")):
@@ -429,6 +431,21 @@ class Run:
             f3["notes"].append("Cells: uncapped wall time / wall time capped at 1.05 × peak live (× its ratio to "
                                "uncapped). Both are the first replay in a fresh process (cold: growing the pool "
                                "counts); the JSON also holds a second, warm, uncapped pass.")
+
+    def _capped_probe(self, row: dict, t: str, c: str, peak: int) -> None:
+        """Figure 3's capped run when figure 1 (whose searches probe 1.05 × peak live) is not made."""
+        cap = align_up(int(peak * 1.05), ALIGN)
+        r = self.servers[c].call({"task": "replay", "trace": t, "cap": cap, "passes": 1,
+                                  "options": self.options(c, "1"), "timeout_s": 60 + self.packed[t].n_events * 60e-6})
+        p0 = (r.get("passes") or [{}])[0]
+        row.update(capped_cap=cap, capped_cap_effective=(r.get("device") or {}).get("cap_effective"),
+                   capped_status=r.get("status"))
+        if r.get("status") == "ok" and p0.get("wall_s") is not None:
+            row["capped_wall_s"] = p0["wall_s"]
+            if row.get("uncapped_wall_s"):
+                row["slowdown"] = p0["wall_s"] / row["uncapped_wall_s"]
+        elif r.get("status") != "oom":
+            row["capped_reason"] = r.get("reason")
 
     def _failed_row(self, key, v, c, r) -> dict:
         st = r.get("status")
@@ -487,6 +504,8 @@ class Run:
                 e["probes"].append({"cap": v, "cap_effective": eff, "status": st, "wall_s": p0.get("wall_s"),
                                     "elapsed_s": r.get("elapsed_s"), "reason": r.get("reason"),
                                     "live_at_failure": p0.get("live_at_failure")})
+                if c == "rmm":   # the pool it got under this cap
+                    e["probes"][-1]["allocator"] = (r.get("device") or {}).get("allocator")
                 e["est"] = float(r.get("elapsed_s") or e["est"]) * 1.2 + 0.5
                 if st == "ok":
                     e["any_ok"] = True
@@ -597,14 +616,14 @@ class Run:
         for i, c in enumerate(self.available):
             left = deadline - time.monotonic()
             per = left / max(1, len(self.available) - i)
-            if per < 10:
+            if left < 10:
                 f["rows"] += [{"length": n, "contender": c, "status": "skipped", "reason": "time budget"} for n in lengths]
                 continue
             specs = []
             for n in lengths:
                 g = guess.get(n) or max(1, int((cap - 2.4 * GiB) / (n * 400_000)))
                 specs.append({"length": n, "seeds": [g, g + 1], "ceiling": 512})
-            budget = max(8.0, per - 12)   # room for the fresh-process check below
+            budget = max(10.0, per - 6)   # the rest is for the fresh-process check below
             r = self.servers[c].call({"task": "max_batch", "cap": cap, "lengths": specs, "steps_per_try": 2,
                                       "budget_s": budget, "options": self.options(c, "5"),
                                       "timeout_s": budget + 120})
@@ -628,7 +647,7 @@ class Run:
             # The search ran in one process; check in a fresh one that the next batch up really fails
             # at the main length (the figure's headline), so in-process state cannot understate it.
             main = next((row for row in f["rows"] if row["contender"] == c and row["length"] == lengths[0]), None)
-            if main and main["status"] == "ok" and main.get("max_batch") and time.monotonic() + 15 < deadline:
+            if main and main["status"] == "ok" and main.get("max_batch") and time.monotonic() + 8 < deadline:
                 b = main["max_batch"] + 1
                 v = self.servers[c].call({"task": "max_batch", "cap": cap, "steps_per_try": 2, "budget_s": 60,
                                           "lengths": [{"length": lengths[0], "only": b}],

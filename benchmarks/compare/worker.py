@@ -98,17 +98,22 @@ def task_info(ctx: Context, task: dict) -> dict:
             "python": sys.version.split()[0], "device": dev.info}
 
 
-def _replay_pass(torch, events, n_slots, streams, dev: Device, sample: bool) -> dict:
+def replay_pass(events, n_slots, streams, empty, device, set_stream, sync, free_bytes, base_free: int,
+                sample: bool = True) -> dict:
+    """Replay `events` once: torch.empty at each alloc (on its stream), drop the tensor at each
+    free.  The torch entry points come in as arguments so tests can run this on the CPU.
+    `free_bytes()` is the device's free memory; it is sampled every SAMPLE_EVERY allocs."""
+    import torch
     slots = [None] * n_slots
-    empty, u8, cuda = torch.empty, torch.uint8, torch.device("cuda", 0)
-    set_stream = torch.cuda.set_stream
-    mem_info = dev.rt.mem_info
+    u8 = torch.uint8
+    cuda = device
+    mem_info = free_bytes
     cur = 0
     set_stream(streams[0])
     n_alloc = 0
     max_used_free = None    # smallest free seen
     i = -1
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     try:
         for i, (op, slot, size, si) in enumerate(events):
@@ -121,7 +126,7 @@ def _replay_pass(torch, events, n_slots, streams, dev: Device, sample: bool) -> 
             slots[slot] = empty(size, dtype=u8, device=cuda)
             n_alloc += 1
             if sample and not n_alloc % SAMPLE_EVERY:
-                f = mem_info()[0]
+                f = mem_info()
                 if max_used_free is None or f < max_used_free:
                     max_used_free = f
     except Exception as e:
@@ -132,16 +137,16 @@ def _replay_pass(torch, events, n_slots, streams, dev: Device, sample: bool) -> 
                "allocs_done": n_alloc, "live_at_failure": live, "wall_s": wall}
         del slots
         return out
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
-    f = mem_info()[0]
+    f = mem_info()
     if max_used_free is None or f < max_used_free:
         max_used_free = f
     set_stream(streams[0])
     live_end = sum(t.numel() for t in slots if t is not None)
     del slots
     return {"status": "ok", "wall_s": wall, "events": len(events), "allocs": n_alloc,
-            "peak_used_sampled": dev.base_free - max_used_free, "live_at_end": live_end}
+            "peak_used_sampled": base_free - max_used_free, "live_at_end": live_end}
 
 
 def task_replay(ctx: Context, task: dict) -> dict:
@@ -154,7 +159,8 @@ def task_replay(ctx: Context, task: dict) -> dict:
         streams = [torch.cuda.default_stream()]
     passes = []
     for p in range(max(1, int(task.get("passes", 1)))):
-        r = _replay_pass(torch, events, trace.n_slots, streams, dev, sample=True)
+        r = replay_pass(events, trace.n_slots, streams, torch.empty, torch.device("cuda", 0), torch.cuda.set_stream,
+                        torch.cuda.synchronize, lambda: dev.rt.mem_info()[0], dev.base_free)
         if p == 0:
             r["allocator_stats"] = dev.installed.stats()
         r["used_after"] = dev.used()
