@@ -151,7 +151,14 @@ def _install_rmm(cap_free: Optional[int], options: dict) -> Installed:
                 tried.append(f"{size}: {str(e).splitlines()[0][:80]}")
                 size -= 8 * MiB
     if pool is None:
-        pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=0)
+        for initial in (0, 2 * MiB):   # an empty start, or the smallest a version insists on
+            try:
+                pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=initial)
+                break
+            except Exception as e:
+                tried.append(f"{initial}: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}")
+        if pool is None:
+            raise Unavailable(f"rmm.mr.PoolMemoryResource could not be created: {'; '.join(tried)}")
     rmm.mr.set_current_device_resource(pool)
     import torch
     try:
