@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +154,8 @@ def main(argv=None) -> int:
     finish_args(args)
     if not os.path.isdir(args.traces):
         parser.error(f"--traces {args.traces!r} is not a directory")
-    from compare.runner import Run
+    from compare.runner import Run, on_sigterm
+    signal.signal(signal.SIGTERM, on_sigterm)
     command = "python benchmarks/gpu_compare.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return Run(args, command).run()
 

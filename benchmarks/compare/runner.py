@@ -16,6 +16,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,17 @@ README_PRIORS = {
 FIG6_SIZES = [512, 4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 128 << 20, 1 << 30]
 
 
+TERMINATING = False
+
+
+def on_sigterm(*_) -> None:
+    """`timeout` and the device tool stop a run with SIGTERM: leave through the finally clauses,
+    which stop the worker servers (at once) and write what was measured."""
+    global TERMINATING
+    TERMINATING = True
+    sys.exit(143)
+
+
 def _now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -73,8 +85,11 @@ class Server:
 
     def _start(self) -> None:
         self.err = open(os.path.join(self.logs, f"server-{self.contender}.log"), "ab")
+        # Its own process group (same session), so that a wedged server goes down with the
+        # attempt it forked: an orphan holding GPU memory would spoil every later cap.
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                     env=server_env(self.contender), cwd=tempfile.gettempdir())
+                                     env=server_env(self.contender), cwd=tempfile.gettempdir(),
+                                     preexec_fn=os.setpgrp)
         self._buf = b""
 
     def _readline(self, timeout: float) -> Optional[dict]:
@@ -149,8 +164,11 @@ class Server:
                 self.proc.wait(timeout=10)
         except Exception:
             pass
-        if self.proc.poll() is None:
-            self.proc.kill()
+        if self.proc.poll() is None or kill:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             try:
                 self.proc.wait(timeout=10)
             except Exception:
@@ -753,7 +771,7 @@ class Run:
 
     def finish(self) -> None:
         for s in self.servers.values():
-            s.close()
+            s.close(kill=TERMINATING)
         if self.sim_proc is not None and self.sim_proc.poll() is None:
             self.sim_proc.kill()
         if "1" in self.args.figures and "gpumem" in self.args.contenders and getattr(self, "_sim", None) is None:
