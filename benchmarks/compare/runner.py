@@ -578,11 +578,14 @@ class Run:
             if r["nonmonotone"]:
                 row["note"] = "a probe contradicted monotonicity (passed below a failure or failed above a pass)"
             rows.append(row)
-            if c == "gpumem" and t in sim and row.get("min_cap"):
+            if c == "gpumem" and t in sim:
                 sc = sim[t]["min_capacity"]
-                sim_cmp[t] = {"sim_min_capacity": sc, "sim_ratio": sc / peak, "gpu_min_cap": row["min_cap"],
-                              "gpu_over_sim": row["min_cap"] / sc, "within_1pct": abs(row["min_cap"] / sc - 1) <= 0.01,
-                              "resolution": f.get("resolution"), "fake": bool(sim[t].get("fake"))}
+                sim_cmp[t] = {"sim_min_capacity": sc, "sim_ratio": sc / peak, "gpu_min_cap": row.get("min_cap"),
+                              "gpu_status": row["status"], "resolution": f.get("resolution"),
+                              "fake": bool(sim[t].get("fake"))}
+                if row.get("min_cap"):
+                    sim_cmp[t].update(gpu_over_sim=row["min_cap"] / sc,
+                                      within_1pct=abs(row["min_cap"] / sc - 1) <= 0.01)
             if want3:
                 p = next((p for p in e["probes"] if p["cap"] == e["c105"]), None)
                 rows3.append({"trace": t, "contender": c, "cap": e["c105"], "probe": p})
