@@ -72,7 +72,7 @@ def markdown(rows) -> str:
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['trace']} | {r['events']} | {r['peak_live_bytes'] / (1 << 30):.3f} | "
-                   f"{r['min_capacity_over_peak_live']:.3f} | {r['peak_reserved_over_peak_live']:.3f} | "
+                   f"{r['min_capacity_over_peak_live']:.4f} | {r['peak_reserved_over_peak_live']:.4f} | "
                    f"{r['ns_per_op']:.0f} | {r['remaps']} |")
     return "\n".join(out) + "\n"
 

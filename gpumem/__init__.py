@@ -38,7 +38,6 @@ except ImportError as _e:  # pragma: no cover - only without a built extension
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
 
 
-
 # gpumem as PyTorch's CUDA allocator (gpumem/torch.py); imported on first use so
 # that `import gpumem` never imports torch.
 def install(device=None, **options):
@@ -62,10 +61,23 @@ def status():
     return _torch.status()
 
 
+# Visibility (helper viz): snapshots, history, OOM explanations.  Importing
+# explain registers the formatter that words OutOfMemoryError messages.
+if "_import_error" not in globals():
+    from .explain import explain, last_oom  # noqa: E402,F401
+    from .history import record_history  # noqa: E402,F401
+    from .snapshot import Snapshot, dump_snapshot, snapshot  # noqa: E402,F401
+
 __all__ = [
     "install",
     "uninstall",
     "status",
+    "snapshot",
+    "dump_snapshot",
+    "Snapshot",
+    "record_history",
+    "explain",
+    "last_oom",
     "Heap",
     "OutOfMemoryError",
     "InvalidPointerError",

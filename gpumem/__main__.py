@@ -16,6 +16,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import __version__
+from . import _cli_viz
 from ._units import format_size, parse_size
 
 EXIT_OK = 0
@@ -112,6 +113,7 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per trace per line")
     p.add_argument("--no-timing", action="store_true", help="skip the separate timing pass (ns_per_op)")
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    _cli_viz.add_replay_options(p)
 
 
 def _replay_one(args, path: str) -> dict:
@@ -137,6 +139,7 @@ def _replay_one(args, path: str) -> dict:
     out["format"] = trace.format
     out["device"] = trace.device
     out["n_slots"] = trace.n_slots
+    out.update(_cli_viz.write_peak_outputs(args, trace))
     return out
 
 
@@ -169,6 +172,7 @@ def _print_table(rows: List[dict], stream=None) -> None:
 def run_replay(args) -> int:
     from .trace import TraceError
 
+    _cli_viz.check_replay_options(args, UsageError)
     rows = []
     status = EXIT_OK
     for path in args.traces:
@@ -190,6 +194,8 @@ def run_replay(args) -> int:
 
 COMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "replay": ("replay allocation traces on a simulated device", _add_replay_args, run_replay),
+    "explain": ("would gpumem have fitted a torch snapshot that ran out of memory (or at --capacity)?",
+                _cli_viz.add_explain_args, _cli_viz.run_explain),
 }
 
 

@@ -39,7 +39,6 @@ class HeapMachine(RuleBasedStateMachine):
         self.quarantine = []
         self.held = set()
         self.cap = 0
-        self.syncs = 0
 
     @initialize()
     def open_heap(self):
@@ -63,13 +62,6 @@ class HeapMachine(RuleBasedStateMachine):
 
     # -- helpers --
 
-    def _note_sync(self):
-        # A device-wide synchronize waits for every stream, held ones included.
-        n = self.h.sim_calls("synchronize")
-        if n != self.syncs:
-            self.syncs = n
-            self.quarantine.clear()
-
     def _live_pages(self):
         return pages_touched([(a, b["size"]) for a, b in self.live.items()])
 
@@ -82,7 +74,6 @@ class HeapMachine(RuleBasedStateMachine):
             p = self.h.malloc(size, stream=stream)
         except gpumem.OutOfMemoryError as exc:
             assert str(exc).startswith("CUDA out of memory.")
-            self._note_sync()
             if not self.held and not self.quarantine:
                 # Defragmentation makes every page not touched by a live block
                 # usable, so only a request that really cannot fit may fail.
@@ -91,7 +82,6 @@ class HeapMachine(RuleBasedStateMachine):
                 assert self._live_pages() + need > limit, (
                     f"OOM for {size} with {self._live_pages()} live pages of {limit}")
             return
-        self._note_sync()
         bs = self.h.block_size(p)
         assert p % 512 == 0 and bs >= _round(size) and bs % 512 == 0
         for a, b in self.live.items():
@@ -116,7 +106,6 @@ class HeapMachine(RuleBasedStateMachine):
         all_mask = frozenset(s for s in b["recorded"] if s in self.held and s != b["stream"])
         own_mask = frozenset({b["stream"]} & self.held)
         self.h.free(p)
-        self._note_sync()
         if all_mask or own_mask:
             self.quarantine.append((p, b["size"], b["stream"], all_mask, own_mask))
         with pytest.raises(gpumem.InvalidPointerError):
@@ -129,18 +118,27 @@ class HeapMachine(RuleBasedStateMachine):
         self.h.record_stream(p, stream)
         self.live[p]["recorded"].add(stream)
 
+    def _may_refuse(self, fn, *args):
+        """Unmapping waits for the whole device; the sim refuses that while a
+        stream is held (it would never return).  Anything else must succeed."""
+        try:
+            fn(*args)
+        except (ValueError, gpumem.DeviceError) as exc:
+            assert self.held, f"{fn.__name__} failed with no stream held: {exc}"
+            assert "held" in str(exc) or "deadlock" in str(exc), str(exc)
+            return False
+        return True
+
     @rule()
     def empty_cache(self):
-        self.h.empty_cache()
-        self._note_sync()
+        self._may_refuse(self.h.empty_cache)
         if not self.held:
             assert self.h.stats()["reserved_bytes.all.current"] == self._live_pages() * PAGE
             assert self.h.sim_info()["pages_created"] == self._live_pages()
 
     @rule(cap=st.sampled_from([0, 8 * MiB, 32 * MiB, 64 * MiB, CAPACITY]))
     def set_cap(self, cap):
-        self.h.set_cap(cap)
-        self._note_sync()
+        self._may_refuse(self.h.set_cap, cap)
         self.cap = cap
         assert self.h.get_cap() == cap
 
@@ -182,8 +180,8 @@ class HeapMachine(RuleBasedStateMachine):
 
 
 HeapMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=60,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

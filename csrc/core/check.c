@@ -6,8 +6,7 @@
  *      prev/next consistent; unmapped blocks are whole pages.
  *   C2 every page a live, pending or free block touches is mapped; every page
  *      wholly inside unmapped space is not; mapped_pages is the count.  On the
- *      simulated device, the device agrees byte for byte for live and pending
- *      blocks, and holds exactly the pages the heap thinks it holds.
+ *      simulated device, the device agrees byte for byte for those blocks, and holds exactly the pages the heap thinks it holds.
  *   C3 no two neighbours that may merge are left apart.
  *   C4 each owner's index holds exactly its free blocks (fi_check for the rest).
  *   C5 the live table holds exactly the live blocks; the pending list exactly
@@ -102,7 +101,8 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
             if (!h->page_handle[p])
                 return fail(why, len, "page %zu under %s block %#lx+%zu is not mapped", p,
                             b->state == GM_BLOCK_FREE ? "free" : "live/pending", (unsigned long)b->addr, b->size);
-        if (b->state != GM_BLOCK_FREE && !strcmp(h->dev->kind, "sim") && !gm_sim_is_accessible(h->dev, b->addr, b->size))
+        /* Free blocks too: they are handed out without another device call. */
+        if (!strcmp(h->dev->kind, "sim") && !gm_sim_is_accessible(h->dev, b->addr, b->size))
             return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
     }
     if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");

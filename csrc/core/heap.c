@@ -98,7 +98,9 @@ static int slab_grow(gm_heap *h) {
 
 /* Splits below never fail: callers make sure a few records are at hand first. */
 static int slab_reserve(gm_heap *h, size_t n) {
-    return h->n_slab_free >= n ? GM_OK : slab_grow(h);
+    while (h->n_slab_free < n)
+        if (slab_grow(h)) return GM_ENOMEM;
+    return GM_OK;
 }
 
 static gm_block *block_new(gm_heap *h) {
@@ -206,14 +208,16 @@ static void index_insert(gm_heap *h, gm_block *b) {
     /* owner_get only fails on host OOM; every owner a free block names was
      * created when its stream first allocated, so this finds it. */
     fi_insert(&gm_owner_find(h, b->stream)->idx, b);
-    gm_stat_pool_add(h->st.inactive_split, b->size, 1);
-    gm_stat_pool_add(h->st.inactive_split_bytes, b->size, (int64_t)b->size);
+    int pool = gm_pool_of(b->size);
+    gm_stat_up(h->st.inactive_split, pool, 1);
+    gm_stat_up(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 static void index_remove(gm_heap *h, gm_block *b) {
     fi_remove(&gm_owner_find(h, b->stream)->idx, b);
-    gm_stat_pool_add(h->st.inactive_split, b->size, -1);
-    gm_stat_pool_add(h->st.inactive_split_bytes, b->size, -(int64_t)b->size);
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.inactive_split, pool, 1);
+    gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 /* The stricter of two owners, or 0 if the blocks may not merge. */
@@ -313,6 +317,7 @@ static void coalesce_all(gm_heap *h) {
 /* ---- events ---------------------------------------------------------------- */
 
 static int event_get(gm_heap *h, gm_event *ev) {
+    *ev = 0;
     if (h->n_event_pool) {
         *ev = h->event_pool[--h->n_event_pool];
         return GM_OK;
@@ -343,6 +348,7 @@ static int event_record(gm_heap *h, gm_stream s, gm_event *ev) {
     if (h->dev->ops->event_record(h->dev, *ev, s)) {
         h->st.num_device_errors++;
         event_put(h, *ev);
+        *ev = 0; /* the pool owns it again */
         return 0;
     }
     return 1;
@@ -379,8 +385,9 @@ static void pending_append(gm_heap *h, gm_block *b) {
 
 /* A pending or live block leaves "active" and becomes free for its stream. */
 static void complete_free(gm_heap *h, gm_block *b) {
-    gm_stat_pool_add(h->st.active, b->size, -1);
-    gm_stat_pool_add(h->st.active_bytes, b->size, -(int64_t)b->size);
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.active, pool, 1);
+    gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
     gm_hist(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->stream, b->context);
     b->n_uses = 0;
     b->wait_sync = 0;
@@ -571,10 +578,9 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
 }
 
 static int synchronize(gm_heap *h) {
-    int rc = h->dev->ops->synchronize(h->dev);
-    if (rc) {
+    if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
-        return rc;
+        return GM_EDEVICE;
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
@@ -669,7 +675,8 @@ static int cmp_run_addr(const void *x, const void *y) {
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
     size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
-    if (!n) {
+    /* Each cut block may need two more records. */
+    if (!n || slab_reserve(h, 2 * n + 2)) {
         free(runs);
         return 0;
     }
@@ -751,6 +758,33 @@ static placement place(const gm_heap *h, size_t size, gm_stream s) {
     return best;
 }
 
+/* Grant access to freshly mapped pages [p0, *p1).  If that fails, unmap them
+ * again (their physical pages become spares) and lower *p1 to what is left:
+ * a page that is mapped but inaccessible must never back a block.  Failing
+ * calls are retried a few times, so that only a device that keeps failing can
+ * leave pages behind, and then they are mapped and accessible. */
+static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
+    int rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page);
+    if (!rc) return GM_OK;
+    h->st.num_device_errors++;
+    for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
+        while (*p1 > p0) {
+            size_t q = *p1 - 1;
+            if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) {
+                h->st.num_device_errors++;
+                break;
+            }
+            spare_push(h, h->page_handle[q]);
+            h->page_handle[q] = 0;
+            h->mapped_pages--;
+            h->st.num_unmaps++;
+            *p1 = q;
+        }
+        if (*p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK) break;
+    }
+    return rc;
+}
+
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
  * range one free block owned by s.  Returns that block, or NULL on a device
  * error (pages mapped so far stay mapped and free: nothing is lost). */
@@ -758,6 +792,12 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
     gm_block *b = h->head;
     while (b->addr + b->size <= x) b = b->next;
     uintptr_t end = x + size;
+    size_t cuts = 2;
+    for (gm_block *c = b; c && c->addr < end; c = c->next) cuts += 2 * (c->state == GM_BLOCK_UNMAPPED);
+    if (slab_reserve(h, cuts)) {
+        *err = GM_ENOMEM;
+        return NULL;
+    }
     while (b && b->addr < end) {
         if (b->state != GM_BLOCK_UNMAPPED) {
             b = b->next;
@@ -769,39 +809,20 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
         for (; p < p1; p++) {
             gm_handle hd = h->spare[h->n_spare - 1];
             rc = h->dev->ops->map(h->dev, gm_page_addr(h, p), hd);
-            if (rc) break;
+            if (rc) {
+                h->st.num_device_errors++;
+                break;
+            }
             h->n_spare--;
             h->page_handle[p] = hd;
             h->mapped_pages++;
             h->st.num_maps++;
         }
-        if (!rc && p > p0) {
-            rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (p - p0) * h->page);
-            if (rc) {
-                /* Inaccessible pages must not be used: take them back down. */
-                while (p > p0) {
-                    size_t q = p - 1;
-                    if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) break;
-                    spare_push(h, h->page_handle[q]);
-                    h->page_handle[q] = 0;
-                    h->mapped_pages--;
-                    h->st.num_unmaps++;
-                    p = q;
-                }
-                if (p > p0) {
-                    /* Could not unmap either: retry access once more so the
-                     * pages we must now call mapped are usable. */
-                    if (h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (p - p0) * h->page) != GM_OK) {
-                        /* Leave them mapped; the heap stays consistent
-                         * (the checker only asks that they are mapped). */
-                    }
-                }
-            }
+        if (p > p0) {
+            int arc = grant_or_take_back(h, p0, &p);
+            if (!rc) rc = arc;
         }
-        if (rc) {
-            h->st.num_device_errors++;
-            *err = rc;
-        }
+        if (rc) *err = rc;
         if (p > p0) {
             /* Cut b into [unmapped][free p0..p)[unmapped]. */
             uintptr_t a0 = gm_page_addr(h, p0), a1 = gm_page_addr(h, p);
@@ -903,6 +924,8 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 /* ---- the slow path --------------------------------------------------------------------- */
 
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
+    /* Pages gathered for a request that failed would only starve others. */
+    release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
     h->last_oom.device_error = dev_err;
@@ -912,13 +935,31 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
+/* Wholly free pages outside the page range [ex0, ex1), counted over runs of
+ * neighbouring free blocks whatever their owners: after a synchronisation the
+ * run merges into one block and its pages can go. */
+static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
+    size_t pages = 0;
+    for (const gm_block *b = h->head; b;) {
+        if (b->state != GM_BLOCK_FREE && b->state != GM_BLOCK_PENDING) {
+            b = b->next;
+            continue;
+        }
+        uintptr_t lo = b->addr;
+        while (b && (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_PENDING)) b = b->next;
+        uintptr_t hi = b ? b->addr : h->base + h->va_size;
+        size_t p0 = gm_page_ceil(h, lo), p1 = gm_page_floor(h, hi);
+        for (size_t k = 0; k < 2; k++) {
+            size_t a = k ? (p0 > ex1 ? p0 : ex1) : p0, z = k ? p1 : (p1 < ex0 ? p1 : ex0);
+            if (a < z) pages += z - a;
+        }
+    }
+    return pages;
+}
+
 /* Cached pages a defragmentation could move behind placement pl. */
 static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
-    struct cached_run *runs;
-    size_t pages;
-    cached_runs(h, gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size), &runs, &pages);
-    free(runs);
-    return pages;
+    return cached_pages(h, gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size));
 }
 
 /* Wait for the device, place again (every stream's free memory is usable
@@ -970,8 +1011,8 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
     int err = GM_OK;
     b = back_range(h, pl.addr, size, s, recycled, &err);
     if (!b) {
-        h->last_oom.device_error = err;
-        return err ? err : GM_EDEVICE;
+        release_spares(h, h->mapped_pages);
+        return err ? GM_EDEVICE : GM_ECORRUPT;
     }
     *out = b;
     *at = pl.addr;
@@ -986,25 +1027,43 @@ void gm_config_default(gm_config *cfg) {
     cfg->growth_slack_pages = 4;
 }
 
+static _Thread_local char create_error[320];
+
+const char *gm_create_error(void) { return create_error; }
+
+/* Keep the reason before the device (and its last_error) goes away. */
+static int create_failed(gm_device *dev, int rc, const char *what) {
+    if (dev && dev->last_error[0]) snprintf(create_error, sizeof create_error, "%s: %s", what, dev->last_error);
+    else snprintf(create_error, sizeof create_error, "%s: %s", what, gm_strerror(rc));
+    return rc;
+}
+
 int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     *out = NULL;
-    if (!dev) return GM_EINVAL;
+    create_error[0] = 0;
+    if (!dev) return create_failed(NULL, GM_EINVAL, "no device");
     gm_config cfg;
     if (cfg_in) cfg = *cfg_in;
     else gm_config_default(&cfg);
     size_t page = dev->page_size;
     if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100) {
+        dev->last_error[0] = 0;
+        create_failed(dev, GM_EINVAL,
+                      cfg.growth_slack < 0 || cfg.growth_slack > 100 ? "growth_slack must be in [0, 100]"
+                                                                      : "device page size is not a power of two >= 512");
         dev->ops->destroy(dev);
         return GM_EINVAL;
     }
     size_t dfree = 0, total = 0;
     int rc = dev->ops->mem_info(dev, &dfree, &total);
     if (rc) {
+        create_failed(dev, rc, "reading the device's memory size");
         dev->ops->destroy(dev);
         return rc;
     }
     gm_heap *h = calloc(1, sizeof *h);
     if (!h) {
+        create_failed(dev, GM_ENOMEM, "host memory");
         dev->ops->destroy(dev);
         return GM_ENOMEM;
     }
@@ -1014,6 +1073,13 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->device_total = total;
     h->growth_slack = cfg.growth_slack;
     h->growth_slack_pages = cfg.growth_slack_pages;
+    if (cfg.va_size > ((size_t)1 << 48)) {
+        dev->last_error[0] = 0;
+        create_failed(dev, GM_EINVAL, "va_size exceeds the 256 TiB of address space a GPU has");
+        dev->ops->destroy(dev);
+        free(h);
+        return GM_EINVAL;
+    }
     size_t va = cfg.va_size ? align_up(cfg.va_size, page) : align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;
@@ -1026,9 +1092,13 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
     rc = (!h->page_handle || !h->spare || !h->live || !owner_get(h, ANY) || slab_grow(h)) ? GM_ENOMEM : GM_OK;
-    if (!rc) {
-        rc = dev->ops->reserve(dev, va, &h->base);
-        if (rc) h->va_size = 0;
+    if (rc) {
+        create_failed(dev, rc, "host memory for the heap's tables");
+    } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
+        h->va_size = 0;
+        char what[96];
+        snprintf(what, sizeof what, "reserving %zu GiB of address space", va >> 30);
+        create_failed(dev, rc, what);
     }
     if (rc) {
         gm_heap_destroy(h);
@@ -1092,7 +1162,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     size_t rsize = align_up(size ? size : 1, GM_ALIGN);
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK;
-    if (rsize > h->va_size) {
+    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
         rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
@@ -1114,11 +1184,12 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     b->seq = ++h->alloc_seq;
     live_insert(h, b);
     h->live_bytes += rsize;
-    gm_stat_pool_add(h->st.allocation, rsize, 1);
-    gm_stat_pool_add(h->st.allocated_bytes, rsize, (int64_t)rsize);
-    gm_stat_pool_add(h->st.requested_bytes, rsize, (int64_t)size);
-    gm_stat_pool_add(h->st.active, rsize, 1);
-    gm_stat_pool_add(h->st.active_bytes, rsize, (int64_t)rsize);
+    int pool = gm_pool_of(rsize);
+    gm_stat_up(h->st.allocation, pool, 1);
+    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)rsize);
+    gm_stat_up(h->st.requested_bytes, pool, (int64_t)size);
+    gm_stat_up(h->st.active, pool, 1);
+    gm_stat_up(h->st.active_bytes, pool, (int64_t)rsize);
     if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
         h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
     gm_hist(h, GM_H_ALLOC, b->addr, rsize, s, context);
@@ -1141,9 +1212,10 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
         return rc;
     }
     h->live_bytes -= b->size;
-    gm_stat_pool_add(h->st.allocation, b->size, -1);
-    gm_stat_pool_add(h->st.allocated_bytes, b->size, -(int64_t)b->size);
-    gm_stat_pool_add(h->st.requested_bytes, b->size, -(int64_t)b->requested);
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.allocation, pool, 1);
+    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
+    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
     gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
     if (!b->n_uses) {
         complete_free(h, b);
@@ -1205,12 +1277,9 @@ size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
 static int trim(gm_heap *h, size_t target) {
     int rc = release_spares(h, target);
     if (rc || held_pages(h) <= target) return rc;
-    struct cached_run *runs;
-    size_t cached;
-    cached_runs(h, 0, 0, &runs, &cached);
-    free(runs);
-    if (!cached && !h->n_pending) return GM_OK;
-    if ((rc = synchronize(h))) return rc;
+    /* Pending blocks count as free here: the synchronisation completes them. */
+    if (!cached_pages(h, 0, 0)) return GM_OK;
+    if ((rc = synchronize(h))) return rc; /* spares are gone already; nothing else is safe */
     size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0);
     if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */

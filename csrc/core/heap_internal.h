@@ -119,6 +119,17 @@ static inline void gm_stat_pool_add(gm_stat *arr, size_t size, int64_t delta) {
     gm_stat_add(&arr[GM_POOL_ALL], delta);
     gm_stat_add(&arr[gm_pool_of(size)], delta);
 }
+/* The hot paths know the sign: no branch on it. */
+static inline void gm_stat_up(gm_stat *arr, int pool, int64_t n) {
+    gm_stat *a = &arr[GM_POOL_ALL], *p = &arr[pool];
+    a->current += n, a->allocated += n, p->current += n, p->allocated += n;
+    if (a->current > a->peak) a->peak = a->current;
+    if (p->current > p->peak) p->peak = p->current;
+}
+static inline void gm_stat_down(gm_stat *arr, int pool, int64_t n) {
+    gm_stat *a = &arr[GM_POOL_ALL], *p = &arr[pool];
+    a->current -= n, a->freed += n, p->current -= n, p->freed += n;
+}
 void gm_stats_reset_peaks(gm_stats *st);
 void gm_stats_reset_accumulated(gm_stats *st);
 

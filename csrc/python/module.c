@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "history_glue.h"
 
 /* gpumem/trace.py packs events with struct "<IIQQ". */
 _Static_assert(sizeof(gm_replay_event) == 24, "gm_replay_event must be 24 packed bytes");
@@ -375,17 +376,20 @@ static PyObject *raise_oom(HeapObject *self)
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK)
         return raise_code(self, GM_ENOMEM, "malloc");
-    PyObject *msg = oom_message(self, &info);
-    if (msg == NULL)
+    PyObject *d = oom_dict(&info);
+    if (d == NULL)
         return NULL;
+    /* gpumem.explain words the message when it is loaded (history_glue.c). */
+    PyObject *msg = gm_py_format_oom((PyObject *)self, d, oom_message(self, &info));
+    if (msg == NULL) {
+        Py_DECREF(d);
+        return NULL;
+    }
     PyObject *exc = PyObject_CallFunctionObjArgs(OutOfMemoryError, msg, NULL);
     Py_DECREF(msg);
-    if (exc == NULL)
-        return NULL;
-    PyObject *d = oom_dict(&info);
-    if (d == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {
-        Py_XDECREF(d);
-        Py_DECREF(exc);
+    if (exc == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {
+        Py_DECREF(d);
+        Py_XDECREF(exc);
         return NULL;
     }
     Py_DECREF(d);
@@ -493,13 +497,14 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
     gm_heap *heap = NULL;
     int rc = gm_heap_create(dev, &cfg, &heap); /* owns dev from here, also on failure */
     if (rc != GM_OK) {
-        /* dev is gone; report without it. */
+        /* dev is gone; the core kept its reason. */
+        const char *why = gm_create_error();
         if (rc == GM_EINVAL)
-            PyErr_SetString(PyExc_ValueError, "cannot create heap: invalid configuration (GM_EINVAL)");
+            PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
         else if (rc == GM_ENOMEM)
-            PyErr_SetString(OutOfMemoryError, "CUDA out of memory. cannot create heap (GM_ENOMEM)");
+            PyErr_Format(OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
         else
-            PyErr_Format(DeviceError, "cannot create heap: %s (%s)", gm_strerror(rc), code_name(rc));
+            PyErr_Format(DeviceError, "cannot create heap: %s (%s)", why, code_name(rc));
         return -1;
     }
     self->heap = heap;
@@ -584,6 +589,8 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (context_o && to_u64(context_o, "context", UINT64_MAX, &context) < 0)
         return NULL;
+    if (context == 0)
+        context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
@@ -851,6 +858,59 @@ static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* ---- out-of-memory reports ------------------------------------------------------------ */
+
+/* mem_info() -> (free, total) of the whole device, taken under the heap's lock. */
+static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    gm_oom_info info;
+    gm_memory_report(self->heap, 0, &info);
+    return Py_BuildValue("(KK)", (unsigned long long)info.device_free, (unsigned long long)info.device_total);
+}
+
+/* device_processes() -> [(pid, bytes)] holding memory on the device (this process
+ * included), or None when there is no source (no NVML: GM_ENOTSUP). */
+static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    if (self->is_sim && self->busy) {
+        /* The sim device is guarded by the heap's lock only; see ensure_sim. */
+        PyErr_SetString(PyExc_RuntimeError, "device_processes: another thread is inside this heap");
+        return NULL;
+    }
+    size_t cap = 64, n = 0;
+    for (;;) {
+        gm_proc_usage *buf = PyMem_Calloc(cap, sizeof *buf);
+        if (buf == NULL)
+            return PyErr_NoMemory();
+        int rc = self->dev->ops->processes(self->dev, buf, cap, &n);
+        if (rc == GM_ENOTSUP) {
+            PyMem_Free(buf);
+            Py_RETURN_NONE;
+        }
+        if (rc != GM_OK) {
+            PyMem_Free(buf);
+            return raise_code(self, rc, "device_processes");
+        }
+        if (n > cap) {
+            PyMem_Free(buf);
+            cap = n;
+            continue;
+        }
+        PyObject *l = PyList_New((Py_ssize_t)n);
+        for (size_t i = 0; l != NULL && i < n; i++) {
+            PyObject *t = Py_BuildValue("(kK)", (unsigned long)buf[i].pid, (unsigned long long)buf[i].bytes);
+            if (t == NULL)
+                Py_CLEAR(l);
+            else
+                PyList_SET_ITEM(l, (Py_ssize_t)i, t);
+        }
+        PyMem_Free(buf);
+        return l;
+    }
+}
 
 static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1197,6 +1257,10 @@ static PyMethodDef Heap_methods[] = {
      .ml_doc = "history_enable(max_entries): keep the last max_entries events (0 = off)"},
     {.ml_name = "history", .ml_meth = (PyCFunction)Heap_history, .ml_flags = METH_NOARGS,
      .ml_doc = "history() -> ([(time_ns, action, addr, size, stream, context)], dropped)"},
+    {.ml_name = "mem_info", .ml_meth = (PyCFunction)Heap_mem_info, .ml_flags = METH_NOARGS,
+     .ml_doc = "mem_info() -> (free, total) bytes of the whole device"},
+    {.ml_name = "device_processes", .ml_meth = (PyCFunction)Heap_device_processes, .ml_flags = METH_NOARGS,
+     .ml_doc = "device_processes() -> [(pid, bytes)] on the device, or None without NVML"},
     {.ml_name = "last_oom", .ml_meth = (PyCFunction)Heap_last_oom, .ml_flags = METH_NOARGS,
      .ml_doc = "last_oom() -> report of the last failed allocation, or None"},
     {.ml_name = "memory_report", .ml_meth = KW(Heap_memory_report), .ml_flags = METH_VARARGS | METH_KEYWORDS,
@@ -1327,6 +1391,8 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(&HeapType);
         goto fail;
     }
+    if (gm_history_glue_add(m) < 0)
+        goto fail;
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;

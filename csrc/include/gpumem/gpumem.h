@@ -54,6 +54,9 @@ typedef struct gm_heap gm_heap;
 
 /* Create a heap over `dev`.  The heap owns dev from then on, also on failure. */
 int gm_heap_create(gm_device *dev, const gm_config *cfg, gm_heap **out);
+/* Why the calling thread's last failed gm_heap_create failed, in words
+ * (the device's own reason where it gave one). */
+const char *gm_create_error(void);
 /* Return every page and reservation to the device and free the heap.  Live
  * blocks are dropped: call it when no tensor is left. */
 void gm_heap_destroy(gm_heap *heap);

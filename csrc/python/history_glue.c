@@ -1,0 +1,409 @@
+/*
+ * history_glue.c -- interned Python stacks for allocation sites, and the OOM
+ * message hook.  See history_glue.h.
+ *
+ * Why intern in C: stacks are taken on every allocation while capture is on,
+ * so the common case -- a stack seen before -- must not build Python objects.
+ * A stack is the list of (code object, instruction offset) pairs of its
+ * frames; those are hashed and looked up in an open-addressing table.  Only a
+ * new stack copies its pairs into a pool, taking a reference to each code
+ * object: that keeps the pointer from being reused by another code object, so
+ * pointer equality stays a sound test, and lets file names and line numbers be
+ * worked out later, when someone asks (_stack_frames).
+ *
+ * Memory is bounded: at most `max_stacks` stacks of at most `max_depth`
+ * frames.  Past that, new stacks get the id of a shared "overflow" record and
+ * are counted.  All state is guarded by the GIL: capture runs only in threads
+ * that hold it, which is exactly the issue's rule (no GIL, no stack).
+ */
+#include "history_glue.h"
+
+#include <stdatomic.h>
+#include <string.h>
+
+typedef struct {
+    PyCodeObject *code; /* strong reference (pool) or borrowed (scratch) */
+    int lasti;          /* byte offset of the current instruction */
+} frame_key;
+
+typedef struct {
+    uint64_t hash;
+    uint32_t first; /* index into pool */
+    uint32_t depth;
+} stack_rec;
+
+enum { DEFAULT_MAX_DEPTH = 64, HARD_MAX_DEPTH = 1024 };
+
+static atomic_int stacks_on;
+static size_t max_stacks = 1u << 16;
+static size_t max_depth = DEFAULT_MAX_DEPTH;
+
+static frame_key *pool;
+static size_t pool_len, pool_cap;
+static stack_rec *stacks;
+static size_t n_stacks, cap_stacks;
+static uint32_t *table; /* stack index + 1; 0 = empty slot */
+static size_t table_cap; /* power of two */
+static uint32_t generation = 1;
+static uint64_t n_captured, n_new, n_overflow, n_truncated;
+static atomic_ullong n_no_gil;
+
+static PyObject *oom_formatter; /* callable or NULL */
+
+/* Ids: tag | generation (31 bits) << 32 | stack index.  The generation changes
+ * when the table is cleared, so ids handed out before resolve to nothing
+ * instead of to some newer stack. */
+#define OVERFLOW_INDEX UINT32_MAX
+
+static uint64_t make_id(uint32_t index)
+{
+    return GM_PYCTX_TAG | ((uint64_t)(generation & 0x7fffffffu) << 32) | index;
+}
+
+static uint64_t mix(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return h * 0xff51afd7ed558ccdull;
+}
+
+static uint64_t hash_frames(const frame_key *f, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull ^ n;
+    for (size_t i = 0; i < n; i++) {
+        h = mix(h, (uint64_t)(uintptr_t)f[i].code);
+        h = mix(h, (uint64_t)(uint32_t)f[i].lasti);
+    }
+    return h ? h : 1;
+}
+
+static int same(const stack_rec *r, const frame_key *f, size_t n)
+{
+    if (r->depth != n)
+        return 0;
+    const frame_key *p = pool + r->first;
+    for (size_t i = 0; i < n; i++)
+        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti)
+            return 0;
+    return 1;
+}
+
+static int table_grow(void)
+{
+    size_t ncap = table_cap ? 2 * table_cap : 1024;
+    uint32_t *nt = calloc(ncap, sizeof *nt);
+    if (!nt)
+        return -1;
+    for (size_t i = 0; i < n_stacks; i++) {
+        size_t j = (size_t)stacks[i].hash & (ncap - 1);
+        while (nt[j])
+            j = (j + 1) & (ncap - 1);
+        nt[j] = (uint32_t)i + 1;
+    }
+    free(table);
+    table = nt;
+    table_cap = ncap;
+    return 0;
+}
+
+/* Store a new stack; returns its index, or OVERFLOW_INDEX when full or out of memory. */
+static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot)
+{
+    if (n_stacks >= max_stacks || n_stacks >= UINT32_MAX - 1)
+        return OVERFLOW_INDEX;
+    if (pool_len + n > pool_cap) {
+        size_t ncap = pool_cap ? 2 * pool_cap : 4096;
+        while (ncap < pool_len + n)
+            ncap *= 2;
+        frame_key *np = realloc(pool, ncap * sizeof *np);
+        if (!np)
+            return OVERFLOW_INDEX;
+        pool = np;
+        pool_cap = ncap;
+    }
+    if (n_stacks == cap_stacks) {
+        size_t ncap = cap_stacks ? 2 * cap_stacks : 1024;
+        stack_rec *ns = realloc(stacks, ncap * sizeof *ns);
+        if (!ns)
+            return OVERFLOW_INDEX;
+        stacks = ns;
+        cap_stacks = ncap;
+    }
+    for (size_t i = 0; i < n; i++) {
+        Py_INCREF(f[i].code);
+        pool[pool_len + i] = f[i];
+    }
+    uint32_t idx = (uint32_t)n_stacks++;
+    stacks[idx] = (stack_rec){h, (uint32_t)pool_len, (uint32_t)n};
+    pool_len += n;
+    table[slot] = idx + 1;
+    n_new++;
+    /* Keep the load under one half so probes stay short. */
+    if (2 * n_stacks > table_cap)
+        table_grow(); /* on failure the table is just fuller; still correct */
+    return idx;
+}
+
+static uint32_t intern(const frame_key *f, size_t n)
+{
+    if (!table && table_grow() < 0)
+        return OVERFLOW_INDEX;
+    uint64_t h = hash_frames(f, n);
+    size_t j = (size_t)h & (table_cap - 1);
+    for (;;) {
+        uint32_t e = table[j];
+        if (!e)
+            return intern_new(h, f, n, j);
+        const stack_rec *r = &stacks[e - 1];
+        if (r->hash == h && same(r, f, n))
+            return e - 1;
+        j = (j + 1) & (table_cap - 1);
+    }
+}
+
+static int frame_lasti(PyFrameObject *f)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    /* Before 3.11 there is no public lasti; the line number keys the frame instead. */
+    return PyFrame_GetLineNumber(f);
+#endif
+}
+
+uint64_t gm_py_capture_context(void)
+{
+    if (!atomic_load_explicit(&stacks_on, memory_order_relaxed))
+        return 0;
+    if (!Py_IsInitialized() || !PyGILState_Check()) {
+        atomic_fetch_add_explicit(&n_no_gil, 1, memory_order_relaxed);
+        return 0;
+    }
+    PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
+    if (!f)
+        return 0;
+    frame_key scratch[HARD_MAX_DEPTH];
+    size_t n = 0;
+    Py_INCREF(f);
+    while (f && n < max_depth) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        /* The frame chain keeps the code alive until we return; the pool takes
+         * its own reference if this stack is new. */
+        scratch[n].code = code;
+        scratch[n].lasti = frame_lasti(f);
+        Py_DECREF(code);
+        n++;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    if (f) {
+        n_truncated++;
+        Py_DECREF(f);
+    }
+    n_captured++;
+    uint32_t idx = intern(scratch, n);
+    if (idx == OVERFLOW_INDEX)
+        n_overflow++;
+    return make_id(idx);
+}
+
+/* ---- Python-facing functions ------------------------------------------------ */
+
+static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"enabled", "max_depth", "max_stacks", NULL};
+    int enabled;
+    Py_ssize_t depth = -1, nmax = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nn:_stacks_enable", kwlist, &enabled, &depth, &nmax))
+        return NULL;
+    if (depth != -1) {
+        if (depth < 1 || depth > HARD_MAX_DEPTH)
+            return PyErr_Format(PyExc_ValueError, "max_depth must be in 1..%d, not %zd", HARD_MAX_DEPTH, depth);
+        max_depth = (size_t)depth;
+    }
+    if (nmax != -1) {
+        if (nmax < 1 || (uint64_t)nmax >= UINT32_MAX)
+            return PyErr_Format(PyExc_ValueError, "max_stacks must be in 1..2**32-2, not %zd", nmax);
+        max_stacks = (size_t)nmax;
+    }
+    atomic_store(&stacks_on, enabled);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_capture(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(gm_py_capture_context());
+}
+
+static PyObject *attr_or_none(PyObject *o, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (!v) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return v;
+}
+
+/* _stack_frames(ctx) -> list of {"filename", "name", "line"}, innermost first
+ * (torch's order), or None if ctx is no id of this table. */
+static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o)
+{
+    unsigned long long ctx = PyLong_AsUnsignedLongLong(ctx_o);
+    if (ctx == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & 0x7fffffffu) != (generation & 0x7fffffffu))
+        Py_RETURN_NONE;
+    uint32_t idx = (uint32_t)ctx;
+    if (idx == OVERFLOW_INDEX) {
+        PyObject *l = PyList_New(1);
+        PyObject *d = l ? Py_BuildValue("{s:s,s:s,s:i}", "filename", "??", "name",
+                                        "<stack table full: raise max_stacks>", "line", 0)
+                        : NULL;
+        if (!d) {
+            Py_XDECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, 0, d);
+        return l;
+    }
+    if (idx >= n_stacks)
+        Py_RETURN_NONE;
+    const stack_rec *r = &stacks[idx];
+    PyObject *l = PyList_New(r->depth);
+    if (!l)
+        return NULL;
+    for (uint32_t i = 0; i < r->depth; i++) {
+        const frame_key *k = &pool[r->first + i];
+#if PY_VERSION_HEX >= 0x030B0000
+        int line = PyCode_Addr2Line(k->code, k->lasti);
+#else
+        int line = k->lasti;
+#endif
+        PyObject *fn = attr_or_none((PyObject *)k->code, "co_filename");
+        PyObject *nm = attr_or_none((PyObject *)k->code, "co_name");
+        PyObject *d = Py_BuildValue("{s:N,s:N,s:i}", "filename", fn, "name", nm, "line", line);
+        if (!d) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, i, d);
+    }
+    return l;
+}
+
+static void clear_table(void)
+{
+    for (size_t i = 0; i < pool_len; i++)
+        Py_DECREF(pool[i].code);
+    free(pool);
+    free(stacks);
+    free(table);
+    pool = NULL;
+    stacks = NULL;
+    table = NULL;
+    pool_len = pool_cap = n_stacks = cap_stacks = table_cap = 0;
+    n_captured = n_new = n_overflow = n_truncated = 0;
+    atomic_store(&n_no_gil, 0);
+    generation++;
+}
+
+static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
+{
+    clear_table();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
+{
+    size_t bytes = pool_cap * sizeof *pool + cap_stacks * sizeof *stacks + table_cap * sizeof *table;
+    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K}", "enabled",
+                         atomic_load(&stacks_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
+                         (Py_ssize_t)pool_len, "max_stacks", (Py_ssize_t)max_stacks, "max_depth",
+                         (Py_ssize_t)max_depth, "table_bytes", (Py_ssize_t)bytes, "captured",
+                         (unsigned long long)n_captured, "new", (unsigned long long)n_new, "overflow",
+                         (unsigned long long)n_overflow, "truncated", (unsigned long long)n_truncated, "no_gil",
+                         (unsigned long long)atomic_load(&n_no_gil));
+}
+
+static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn)
+{
+    if (fn != Py_None && !PyCallable_Check(fn))
+        return PyErr_Format(PyExc_TypeError, "OOM formatter must be callable or None, not %.80s",
+                            Py_TYPE(fn)->tp_name);
+    PyObject *old = oom_formatter;
+    if (fn == Py_None) {
+        oom_formatter = NULL;
+    } else {
+        Py_INCREF(fn);
+        oom_formatter = fn;
+    }
+    if (old)
+        return old; /* hand back the previous one, so callers can restore it */
+    Py_RETURN_NONE;
+}
+
+PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback)
+{
+    if (!fallback || !oom_formatter)
+        return fallback;
+    /* The formatter may raise or return junk; the OOM must still be reported,
+     * so any failure keeps the core's own text and says the explanation broke.
+     * The pending exception (none is expected here) is kept aside. */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *fn = oom_formatter;
+    Py_INCREF(fn);
+    PyObject *text = PyObject_CallFunctionObjArgs(fn, heap, info ? info : Py_None, fallback, NULL);
+    Py_DECREF(fn);
+    if (text && PyUnicode_Check(text)) {
+        Py_DECREF(fallback);
+        PyErr_Restore(et, ev, tb);
+        return text;
+    }
+    PyObject *why = NULL;
+    if (!text) {
+        PyObject *t2, *v2, *tb2;
+        PyErr_Fetch(&t2, &v2, &tb2);
+        why = v2 ? PyObject_Str(v2) : NULL;
+        if (!why)
+            PyErr_Clear();
+        Py_XDECREF(t2);
+        Py_XDECREF(v2);
+        Py_XDECREF(tb2);
+    }
+    Py_XDECREF(text);
+    PyObject *out = PyUnicode_FromFormat("%U (gpumem.explain failed: %s)", fallback,
+                                         why ? PyUnicode_AsUTF8(why) : "it did not return a str");
+    Py_XDECREF(why);
+    if (!out) {
+        PyErr_Clear();
+        out = fallback;
+    } else {
+        Py_DECREF(fallback);
+    }
+    PyErr_Restore(et, ev, tb);
+    return out;
+}
+
+static PyMethodDef glue_methods[] = {
+    {.ml_name = "_stacks_enable", .ml_meth = (PyCFunction)(void (*)(void))py_stacks_enable,
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "_stacks_enable(enabled, max_depth=None, max_stacks=None): capture Python stacks per malloc"},
+    {.ml_name = "_stack_capture", .ml_meth = py_capture, .ml_flags = METH_NOARGS,
+     .ml_doc = "_stack_capture() -> context id of the caller's stack (0 when capture is off)"},
+    {.ml_name = "_stack_frames", .ml_meth = py_stack_frames, .ml_flags = METH_O,
+     .ml_doc = "_stack_frames(ctx) -> [{filename, name, line}] innermost first, or None"},
+    {.ml_name = "_stacks_clear", .ml_meth = py_stacks_clear, .ml_flags = METH_NOARGS,
+     .ml_doc = "drop every interned stack; ids handed out before resolve to None"},
+    {.ml_name = "_stacks_info", .ml_meth = py_stacks_info, .ml_flags = METH_NOARGS,
+     .ml_doc = "_stacks_info() -> dict of the stack table's size and counters"},
+    {.ml_name = "_set_oom_formatter", .ml_meth = py_set_oom_formatter, .ml_flags = METH_O,
+     .ml_doc = "_set_oom_formatter(fn or None) -> previous; fn(heap, info, text) -> OOM message"},
+    {.ml_name = NULL},
+};
+
+int gm_history_glue_add(PyObject *module)
+{
+    return PyModule_AddFunctions(module, glue_methods);
+}

@@ -1,0 +1,40 @@
+/*
+ * history_glue.h -- Python call stacks for gpumem's allocation history, and the
+ * hook that lets Python word the out-of-memory message.
+ *
+ * Allocations carry an opaque 64-bit context id (gm_malloc's `context`).  While
+ * stack capture is on, gm_py_capture_context() turns the calling thread's Python
+ * stack into such an id, interning each distinct stack once, so a million
+ * allocations from one line cost one stack record.  Ids made here have the top
+ * bit set (GM_PYCTX_TAG); ids a caller passes itself are left alone.
+ */
+#ifndef GPUMEM_HISTORY_GLUE_H
+#define GPUMEM_HISTORY_GLUE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define GM_PYCTX_TAG (UINT64_C(1) << 63)
+
+/* The context id of the calling thread's Python stack, or 0 when capture is
+ * off, the thread does not hold the GIL (an autograd or C++ thread), or there
+ * is no Python frame.  Safe to call from any thread; never raises.  Exported
+ * (default visibility) so that hooks -- torch's context hook, or ctypes in the
+ * tests, which calls it without the GIL -- can take its address. */
+#if defined(__GNUC__)
+__attribute__((visibility("default")))
+#endif
+uint64_t gm_py_capture_context(void);
+
+/* Adds the module-level functions (_stacks_enable, _stack_frames, ...,
+ * _set_oom_formatter) to gpumem._C.  Returns 0, or -1 with an exception set. */
+int gm_history_glue_add(PyObject *module);
+
+/* The OOM message: `fallback` (a new reference, stolen) unless a formatter was
+ * registered with _set_oom_formatter, in which case formatter(heap, info,
+ * fallback) words it.  Returns a new reference; NULL only if fallback was NULL.
+ * A formatter that fails leaves the fallback text with a note saying so. */
+PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback);
+
+#endif /* GPUMEM_HISTORY_GLUE_H */

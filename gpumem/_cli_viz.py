@@ -1,0 +1,217 @@
+"""The visibility parts of the command line (registered by gpumem/__main__.py):
+
+    python -m gpumem replay TRACE --snapshot OUT.pickle --html OUT.html
+        also write the sim heap at the moment of peak live memory, as a torch
+        snapshot pickle (torch.cuda._memory_viz, pytorch.org/memory_viz) and/or
+        as the offline HTML memory map;
+
+    python -m gpumem explain SNAPSHOT [--capacity SIZE] [--device N] [--json]
+        for a torch snapshot (or a gpumem text trace) that ends in an OOM, or
+        at a given capacity: would gpumem have fitted it, and in how much memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ._units import format_size, parse_size
+
+HISTORY_CAP = 1_000_000   # ring entries kept for the snapshot's device_traces
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def _error_line(message: str) -> None:
+    import sys
+
+    print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
+
+
+def _size_arg(text: str) -> int:
+    import argparse
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+# ---- replay --snapshot / --html -------------------------------------------------------
+
+def add_replay_options(p) -> None:
+    p.add_argument("--snapshot", metavar="OUT.pickle", default=None,
+                   help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)")
+    p.add_argument("--html", metavar="OUT.html", default=None,
+                   help="write the offline HTML memory map of the sim heap at peak live memory (one TRACE only)")
+
+
+def check_replay_options(args, usage_error) -> None:
+    if (args.snapshot or args.html) and len(args.traces) != 1:
+        raise usage_error("--snapshot and --html take one TRACE (the picture is of one heap)")
+
+
+def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
+    """Replay `trace` on a fresh sim heap up to the event where live memory
+    peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
+    from . import Heap
+    from .snapshot import Snapshot
+
+    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    try:
+        heap.history_enable(max(1, min(HISTORY_CAP, 4 * trace.n_events)))
+        stop = trace.peak_event if trace.peak_event >= 0 else -1
+        r = heap.replay(trace.events, trace.n_slots, stop_at=stop)
+        label = f"{trace.name} at peak live (event {stop} of {trace.n_events})"
+        if r.get("ooms"):
+            label += f", {r['ooms']} OOM(s) before it"
+        snap = Snapshot.from_heap(heap, label=label)
+    finally:
+        heap.close()
+    return snap, r
+
+
+def write_peak_outputs(args, trace) -> dict:
+    """Write --snapshot / --html for one replayed trace; returns JSON-able notes."""
+    if not (args.snapshot or args.html):
+        return {}
+    snap, r = peak_snapshot(trace, args.capacity)
+    out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
+    if args.snapshot:
+        snap.dump(args.snapshot)
+        out["snapshot"] = args.snapshot
+    if args.html:
+        snap.to_html(args.html)
+        out["html"] = args.html
+    return out
+
+
+# ---- explain ------------------------------------------------------------------------------
+
+def add_explain_args(p) -> None:
+    p.add_argument("snapshot", metavar="SNAPSHOT",
+                   help="a torch memory snapshot pickle (.pickle, .pickle.gz) or a gpumem text trace")
+    p.add_argument("--capacity", type=_size_arg, default=None, metavar="SIZE",
+                   help="the device size to judge against (default: what torch had when it ran out of memory)")
+    p.add_argument("--device", type=int, default=None, metavar="N", help="device of a snapshot (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class OomPoint:
+    index: int           # position in device_traces[d]
+    size: int            # bytes requested
+    device_free: int     # what CUDA reported free
+    reserved: int        # torch's segments at that moment
+    live: int            # torch's live bytes at that moment
+
+    @property
+    def capacity(self) -> int:
+        return self.reserved + self.device_free
+
+
+def _load_plain(path: str) -> dict:
+    """A torch snapshot pickle as plain data (gzip'd or not); no code runs."""
+    import gzip
+
+    from .trace import _PlainUnpickler
+
+    with open(path, "rb") as raw:
+        f = gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == b"\x1f\x8b" else raw
+        return _PlainUnpickler(f).load()
+
+
+def _torch_oom_point(data: dict, device: int) -> Optional[OomPoint]:
+    """The first 'oom' event of a torch snapshot, with torch's reserved and live
+    memory at that moment, counted from its segment and alloc events."""
+    reserved = live = 0
+    seg_events = 0
+    for i, e in enumerate(data["device_traces"][device]):
+        a = e.get("action")
+        if a in ("segment_alloc", "segment_map"):
+            reserved += e["size"]
+            seg_events += 1
+        elif a in ("segment_free", "segment_unmap"):
+            reserved -= e["size"]
+            seg_events += 1
+        elif a == "alloc":
+            live += e["size"]
+        elif a == "free_completed":
+            live -= e["size"]
+        elif a == "oom":
+            if seg_events == 0:
+                # no segment events recorded: the snapshot's own segments stand in
+                reserved = sum(s.get("total_size", 0) for s in data.get("segments", [])
+                               if s.get("device", device) == device)
+            return OomPoint(i, int(e["size"]), int(e.get("device_free", 0)), reserved, live)
+    return None
+
+
+def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size: int, meta: dict):
+    """The snapshot's trace before event `stop_index`, then one allocation of
+    `extra_size`: the request torch could not serve."""
+    from .trace import _Builder
+
+    b = _Builder(path)
+    for i, e in enumerate(data["device_traces"][device][:stop_index]):
+        where = f"device_traces[{device}][{i}]"
+        if e["action"] == "alloc":
+            b.alloc(e["addr"], e["size"], e["stream"], where)
+        elif e["action"] == "free_completed":
+            b.free(e["addr"], e["stream"], where)
+    b.alloc(-1, extra_size, 0, f"device_traces[{device}][{stop_index}]")  # -1: no real address
+    return b.finish("snapshot", device, meta)
+
+
+def run_explain(args) -> int:
+    from .replay import min_capacity, replay
+    from .trace import TraceError, load_trace
+
+    path = args.snapshot
+    device = args.device or 0
+    try:
+        trace = load_trace(path, device=args.device)
+    except TraceError as e:
+        _error_line(str(e))
+        return EXIT_USAGE
+    oom = _torch_oom_point(_load_plain(path), device) if trace.format == "snapshot" else None
+    if oom is not None:
+        trace = _trace_until(path, _load_plain(path), device, oom.index, oom.size, trace.meta)
+    capacity = args.capacity or (oom.capacity if oom else None)
+    if capacity is None:
+        _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
+        return EXIT_USAGE
+    res = replay(trace, capacity, timing=False)
+    ok = res.ooms == 0
+    need = min_capacity(trace)
+    out = {
+        "trace": path, "device": device, "events": trace.n_events, "peak_live_bytes": trace.peak_live_bytes,
+        "capacity_bytes": capacity, "gpumem_fits": ok, "gpumem_min_capacity_bytes": need,
+        "gpumem_peak_reserved_bytes": res.peak_reserved_bytes,
+        "torch_oom": None if oom is None else {"event": oom.index, "request_bytes": oom.size,
+                                               "device_free_bytes": oom.device_free,
+                                               "reserved_bytes": oom.reserved, "live_bytes": oom.live},
+    }
+    if args.json:
+        print(json.dumps(out))
+        return EXIT_OK
+    name = os.path.basename(path)
+    lines = [f"{name}: {trace.n_events} events (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
+    if oom:
+        lines.append(f"torch ran out of memory at event {oom.index}: asked for {format_size(oom.size)} with "
+                     f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
+                     f"{format_size(oom.device_free)} free on the device, so it had about "
+                     f"{format_size(oom.capacity)} to work with")
+        lines.append(f"  (reserved - live = {format_size(oom.reserved - oom.live)} cached or fragmented in "
+                     f"torch's segments)")
+    verdict = "FITS" if ok else "does NOT fit"
+    what = "the trace up to and including the failed request" if oom else "the trace"
+    lines.append(f"gpumem on a {format_size(capacity)} device: {what} {verdict}"
+                 + (f" (peak reserved {format_size(res.peak_reserved_bytes)})" if ok else f" ({res.ooms} OOMs)"))
+    ratio = need / trace.peak_live_bytes if trace.peak_live_bytes else float("nan")
+    lines.append(f"gpumem needs at least {format_size(need)} for it ({ratio:.3f} x peak live, to 1 MiB)")
+    print("\n".join(lines))
+    return EXIT_OK

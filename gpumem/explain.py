@@ -1,0 +1,386 @@
+"""Why is GPU memory short?  gpumem.explain() and gpumem.last_oom().
+
+The report splits the device's memory by who holds it, and names each cause
+that stands between a request and the memory it needs, with numbers:
+
+    too_big             the request alone is larger than the device (or the cap)
+    other_processes     other processes hold memory on the device (by PID, NVML)
+    outside_allocator   this process holds memory the allocator does not manage
+                        (CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers):
+                        NVML's figure for this process minus what the heap reserved
+    live_tensors        live blocks, with the allocation sites holding the most
+                        bytes when history with stacks is on
+    pending             freed blocks still waiting for other streams
+    fragmentation       free bytes the heap cannot use for this request: those in
+                        pages shared with live blocks ("stranded"; gpumem never
+                        moves live data), and what defragmentation could and could
+                        not reclaim
+    cap                 a cap (set_cap, memory fraction) below what the device has
+    device_error        a device call failed while trying to get memory
+
+then ends with advice chosen by the causes found.  In IPython it also names
+references the notebook itself keeps alive (Out[...], sys.last_traceback).
+
+Numbers come from the core's report (gm_memory_report / gm_last_oom), a
+snapshot of the heap, the device's free/total and, where NVML works, the
+processes on the device.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from ._resolve import resolve_heap
+from ._units import format_size as _fs
+
+__all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
+
+CAUSE_KINDS = ("too_big", "other_processes", "outside_allocator", "live_tensors", "pending", "fragmentation",
+               "cap", "device_error")
+
+
+@dataclass
+class Cause:
+    kind: str
+    bytes: int
+    headline: str
+    details: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    device: str
+    request: int                  # bytes asked for (0: no request, a state report)
+    stream: int
+    is_oom: bool                  # built from a failed allocation
+    fits: bool                    # could the request be served now
+    device_total: int
+    device_free: int
+    cap_bytes: int                # effective cap (device total when none)
+    user_cap: int                 # the cap set on the heap (0 = none)
+    reserved_bytes: int
+    live_bytes: int
+    n_live: int
+    pending_bytes: int
+    cached_bytes: int
+    free_mapped_bytes: int
+    stranded_bytes: int
+    largest_free_mapped: int
+    largest_possible: int
+    pages_needed: int
+    page_size: int
+    processes: Optional[List[Tuple[int, int]]]   # None: no NVML
+    self_pid: int
+    self_usage: Optional[int]                    # NVML's figure for this process
+    outside_allocator: Optional[int]
+    other_processes: List[Tuple[int, int]]
+    unattributed: int                            # used on the device but by no one we can name
+    top_sites: List[Tuple[str, int, int]]
+    device_error: int
+    causes: List[Cause] = field(default_factory=list)
+    advice: List[str] = field(default_factory=list)
+    notebook_refs: List[str] = field(default_factory=list)
+
+    @property
+    def shortfall(self) -> int:
+        return max(0, self.request - self.largest_possible)
+
+    @property
+    def cause_kinds(self) -> List[str]:
+        return [c.kind for c in self.causes]
+
+    @property
+    def main_cause(self) -> Optional[Cause]:
+        return self.causes[0] if self.causes else None
+
+    # ---- rendering -----------------------------------------------------------------
+
+    def text(self, first_line: Optional[str] = None) -> str:
+        """The report as text; `first_line` replaces the headline (the OOM
+        exception keeps the core's one-line message there)."""
+        L: List[str] = []
+        if first_line is not None:
+            L.append(first_line)
+        elif self.is_oom:
+            L.append(f"CUDA out of memory. Tried to allocate {_fs(self.request)} on {self.device} "
+                     f"(stream {self.stream}); gpumem could make at most {_fs(self.largest_possible)} "
+                     f"even after defragmenting: {_fs(self.shortfall)} short.")
+        elif self.request:
+            verdict = "fits" if self.fits else f"does NOT fit ({_fs(self.shortfall)} short)"
+            L.append(f"A request of {_fs(self.request)} on {self.device} {verdict}: the largest block gpumem "
+                     f"could make now is {_fs(self.largest_possible)}.")
+        else:
+            L.append(f"Memory on {self.device}: the largest block gpumem could make now is "
+                     f"{_fs(self.largest_possible)}.")
+        L.append("")
+        L.append(f"Where the device's {_fs(self.device_total)} are:")
+        rows = [("held by this heap (reserved)", self.reserved_bytes, ""),
+                ("  live tensors", self.live_bytes, f"{self.n_live} blocks"),
+                ("  pending free (other streams)", self.pending_bytes, ""),
+                ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
+                ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
+        if self.outside_allocator is not None:
+            rows.append(("this process, outside the allocator", self.outside_allocator,
+                         f"NVML {_fs(self.self_usage or 0)} for PID {self.self_pid} - reserved"))
+        for pid, b in self.other_processes:
+            rows.append((f"other process PID {pid}", b, ""))
+        if self.unattributed:
+            rows.append(("used outside this heap, owner unknown", self.unattributed,
+                         "no NVML: other processes and this one's CUDA context together"
+                         if self.processes is None else "not listed by NVML"))
+        rows.append(("free on the device", self.device_free, ""))
+        if self.user_cap:
+            rows.append(("cap on this heap", self.user_cap, f"{_fs(max(0, self.device_total - self.user_cap))} "
+                                                            "of the device kept out of reach"))
+        w = max(len(r[0]) for r in rows)
+        for label, b, note in rows:
+            L.append(f"  {label:<{w}}  {_fs(b):>11}" + (f"   {note}" if note else ""))
+        if self.causes:
+            L.append("")
+            L.append("Causes, main one first:" if len(self.causes) > 1 else "Cause:")
+            for i, c in enumerate(self.causes, 1):
+                L.append(f"  {i}. [{c.kind}] {c.headline}")
+                L.extend(f"       {d}" for d in c.details)
+        if self.notebook_refs:
+            L.append("")
+            L.append("References this notebook keeps alive:")
+            L.extend(f"  - {r}" for r in self.notebook_refs)
+        if self.advice:
+            L.append("")
+            L.append("What to do:")
+            L.extend(f"  - {a}" for a in self.advice)
+        return "\n".join(L)
+
+    __str__ = text
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<pre class='gpumem-explain'>{html.escape(self.text())}</pre>"
+
+
+# ---- building the report ------------------------------------------------------------
+
+
+def _notebook_refs() -> List[str]:
+    """References that IPython itself holds: the Out cache and the last traceback."""
+    refs: List[str] = []
+    ip = None
+    mod = sys.modules.get("IPython")
+    if mod is not None:
+        try:
+            ip = mod.get_ipython()
+        except Exception:
+            ip = None
+    if ip is not None:
+        out = ip.user_ns.get("Out") or {}
+        torch = sys.modules.get("torch")
+        tensors = []
+        for k, v in list(out.items()):
+            if torch is not None and isinstance(v, torch.Tensor) and v.is_cuda:
+                tensors.append(f"Out[{k}] ({_fs(v.element_size() * v.nelement())})")
+        if tensors:
+            refs.append("the output cache holds CUDA tensors: " + ", ".join(tensors[:10])
+                        + (" ..." if len(tensors) > 10 else "") + "; `%reset -f out` drops them")
+        elif out:
+            refs.append(f"the output cache Out[...] holds {len(out)} results (e.g. Out[{max(out)}]); "
+                        "results displayed by a cell stay alive there: `%reset -f out` drops them")
+    if getattr(sys, "last_traceback", None) is not None:
+        refs.append("sys.last_traceback keeps the frames (and tensors) of the last error alive: "
+                    "`sys.last_traceback = sys.last_value = None` releases them")
+    return refs
+
+
+def _build(heap, info: dict, is_oom: bool) -> Report:
+    from .snapshot import Snapshot
+
+    snap = Snapshot.from_heap(heap, with_history=False)
+    s = snap.summary
+    request = int(info["request"])
+    total = int(info["device_total"])
+    dfree = int(info["device_free"])
+    reserved = int(info["reserved_bytes"])
+    try:
+        procs = heap.device_processes()
+    except Exception:          # a failing NVML must not hide the OOM
+        procs = None
+    me = os.getpid()
+    self_usage = outside = None
+    others: List[Tuple[int, int]] = []
+    if procs is not None:
+        for pid, b in procs:
+            if pid == me:
+                self_usage = (self_usage or 0) + b
+            elif b:
+                others.append((pid, b))
+        others.sort(key=lambda t: -t[1])
+        if self_usage is not None:
+            outside = max(0, self_usage - reserved)
+    used = max(0, total - dfree)
+    named = reserved + (outside or 0) + sum(b for _, b in others)
+    unattributed = max(0, used - named) if total else 0
+    user_cap = heap.get_cap()
+    page = snap.page_size
+    r = Report(
+        device=heap.device_name, request=request, stream=int(info.get("stream", 0)), is_oom=is_oom,
+        fits=request <= int(info["largest_possible"]) if request else True,
+        device_total=total, device_free=dfree, cap_bytes=int(info["cap_bytes"]), user_cap=user_cap,
+        reserved_bytes=reserved, live_bytes=int(info["live_bytes"]), n_live=s.n_live,
+        pending_bytes=int(info["pending_bytes"]), cached_bytes=int(info["cached_bytes"]),
+        free_mapped_bytes=int(info["free_mapped_bytes"]), stranded_bytes=s.stranded_bytes,
+        largest_free_mapped=int(info["largest_free_mapped"]), largest_possible=int(info["largest_possible"]),
+        pages_needed=int(info["pages_needed"]), page_size=page, processes=procs, self_pid=me,
+        self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
+        top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
+    )
+    _diagnose(r, heap)
+    if r.causes:
+        r.notebook_refs = _notebook_refs()
+    return r
+
+
+def _diagnose(r: Report, heap) -> None:
+    """Fill r.causes (main first) and r.advice."""
+    causes: List[Cause] = []
+    advice: List[str] = []
+    short = r.shortfall if r.request else 0
+    limit = r.user_cap if r.user_cap else r.device_total
+    if r.request and r.device_total and r.request > r.device_total:
+        causes.append(Cause("too_big", r.request - r.device_total,
+                            f"the request ({_fs(r.request)}) is larger than the whole device ({_fs(r.device_total)})"))
+        advice.append("No setting makes one tensor larger than the GPU fit: split the work (smaller batch, chunk "
+                      "the computation), use a smaller dtype (bf16/fp16, 8-bit optimizers), or shard it over devices.")
+    elif r.request and r.user_cap and r.request > r.user_cap:
+        causes.append(Cause("too_big", r.request - r.user_cap,
+                            f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})"))
+    if not r.request or short or r.is_oom:
+        ranked: List[Cause] = []
+        if r.live_bytes:
+            details = [f"{_fs(b):>11} in {n:>4} blocks  {site}" for site, b, n in r.top_sites]
+            if r.top_sites and all(site.startswith("<no stack") for site, _, _ in r.top_sites):
+                details = ["no allocation sites recorded: gpumem.record_history(stacks='python') keeps them"]
+            ranked.append(Cause("live_tensors", r.live_bytes,
+                                f"live tensors hold {_fs(r.live_bytes)} in {r.n_live} blocks", details))
+        if r.other_processes:
+            tot = sum(b for _, b in r.other_processes)
+            ranked.append(Cause("other_processes", tot,
+                                f"{len(r.other_processes)} other process(es) hold {_fs(tot)} on this device",
+                                [f"PID {pid}: {_fs(b)}" for pid, b in r.other_processes[:8]]))
+        if r.outside_allocator:
+            ranked.append(Cause("outside_allocator", r.outside_allocator,
+                                f"this process holds {_fs(r.outside_allocator)} outside the allocator "
+                                f"(CUDA context, library workspaces): NVML reports {_fs(r.self_usage or 0)} for "
+                                f"PID {r.self_pid}, the heap reserved {_fs(r.reserved_bytes)}"))
+        if r.unattributed and r.processes is None:
+            ranked.append(Cause("other_processes", r.unattributed,
+                                f"{_fs(r.unattributed)} of the device is used outside this heap, by other "
+                                "processes or this process's CUDA context (NVML is not available to tell which)"))
+        if r.pending_bytes:
+            ranked.append(Cause("pending", r.pending_bytes,
+                                f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
+                                "(record_stream) before they can be reused"))
+        frag = r.stranded_bytes
+        if frag and (short == 0 or frag >= r.page_size):
+            ranked.append(Cause(
+                "fragmentation", frag,
+                f"{_fs(frag)} are free but stranded in pages that also hold live blocks",
+                [f"defragmentation already reuses wholly free pages ({_fs(r.cached_bytes)} cached now) by "
+                 f"remapping them behind a new address; it cannot reclaim the {_fs(frag)} stranded, because "
+                 "gpumem never moves live data",
+                 f"largest free range in mapped memory: {_fs(r.largest_free_mapped)}; "
+                 f"largest block possible after defragmenting: {_fs(r.largest_possible)}"]))
+        if r.user_cap and r.user_cap < r.device_total:
+            beyond = max(0, min(r.device_total - r.user_cap, r.device_free))
+            if beyond:
+                ranked.append(Cause("cap", beyond,
+                                    f"a cap of {_fs(r.user_cap)} keeps {_fs(beyond)} of free device memory out "
+                                    f"of reach (device {_fs(r.device_total)})"))
+        ranked.sort(key=lambda c: -c.bytes)
+        causes.extend(ranked)
+    if r.device_error:
+        # Listed last: a failed call (e.g. a synchronize refused while streams
+        # still run) is how the shortage showed, rarely why memory is short.
+        causes.append(Cause("device_error", 0, f"a device call failed ({_code_name(r.device_error)}) while "
+                                                "gpumem tried to free or get memory"))
+    kinds = {c.kind for c in causes}
+    if "cap" in kinds:
+        advice.append(f"Raise or remove the cap (heap.set_cap / torch.cuda.set_per_process_memory_fraction): "
+                      f"the device has {_fs(r.device_free)} free beyond it.")
+    if "other_processes" in kinds:
+        pids = ", ".join(str(p) for p, _ in r.other_processes[:5]) or "see nvidia-smi"
+        advice.append(f"Free the GPU from other processes (PIDs {pids}): stop them, or give them another GPU "
+                      "with CUDA_VISIBLE_DEVICES.")
+    if "outside_allocator" in kinds:
+        advice.append("Leave room for memory outside the allocator: cap gpumem lower, or shrink library "
+                      "workspaces (CUBLAS_WORKSPACE_CONFIG=:4096:8, torch.backends.cudnn.benchmark=False).")
+    if "live_tensors" in kinds and "too_big" not in kinds:
+        advice.append("Training: use a smaller batch and gradient accumulation (e.g. half the batch, two "
+                      "backward() per optimizer.step()) to keep the effective batch; activation checkpointing "
+                      "(torch.utils.checkpoint) trades compute for activation memory.")
+        advice.append("Inference: run under torch.no_grad() / torch.inference_mode() so no activations are "
+                      "kept for backward.")
+        advice.append("`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
+                      "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes.")
+    if "pending" in kinds:
+        advice.append("Synchronize the side streams (or avoid record_stream on short-lived tensors) so that "
+                      "pending blocks become reusable.")
+    if "fragmentation" in kinds and (r.is_oom or short):
+        advice.append("Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
+                      "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
+                      "the small tensors the top sites list.")
+    r.causes = causes
+    r.advice = advice
+
+
+_CODES = {1: "GM_ENOMEM", 2: "GM_EINVAL", 5: "GM_EDEVICE", 6: "GM_ENOTREADY", 7: "GM_ENOTSUP",
+          8: "GM_ENODRIVER"}
+
+
+def _code_name(code: int) -> str:
+    return _CODES.get(code, f"error {code}")
+
+
+def explain(size=None, device=None) -> Report:
+    """Why memory is short now: the report for a request of `size` bytes (an int
+    or "2GiB"; None: no request, just who holds what) on a heap (a Heap, or None
+    / a CUDA device for the heap gpumem installed there)."""
+    from ._units import parse_size
+
+    heap = resolve_heap(device)
+    n = 0 if size is None else parse_size(size)
+    return _build(heap, heap.memory_report(n), is_oom=False)
+
+
+def last_oom(device=None) -> Optional[Report]:
+    """The report of the heap's last failed allocation, or None if none failed.
+    Its numbers are those at the moment of the failure; the top sites are those
+    of the blocks live now."""
+    heap = resolve_heap(device)
+    info = heap.last_oom()
+    if info is None:
+        return None
+    return _build(heap, info, is_oom=True)
+
+
+def format_oom(heap, info, fallback: str) -> str:
+    """The OutOfMemoryError message for Heap.malloc (registered with gpumem._C):
+    the core's one-line message, then the report.  GPUMEM_EXPLAIN_OOM=0 keeps
+    the one line alone."""
+    if os.environ.get("GPUMEM_EXPLAIN_OOM", "1") == "0" or not info:
+        return fallback
+    return _build(heap, dict(info), is_oom=True).text(first_line=fallback)
+
+
+def _register() -> None:
+    try:
+        from . import _C
+    except ImportError:
+        return
+    setter = getattr(_C, "_set_oom_formatter", None)
+    if setter is not None:
+        setter(format_oom)
+
+
+_register()

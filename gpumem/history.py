@@ -1,0 +1,155 @@
+"""Allocation history: the core's ring buffer of events, and the Python stack of
+each allocation.
+
+The ring (csrc/core/history.c) keeps the last N alloc / free / map / unmap /
+remap / oom / empty_cache events with time, address, size, stream and the
+block's context id.  With stacks on, gpumem._C interns the Python stack of
+each allocation made while the GIL is held (csrc/python/history_glue.c) and
+uses the interned id as the context: one record per distinct stack, so memory
+stays bounded however many allocations there are.  Allocations made without
+the GIL (autograd's worker threads, C++ code) get no stack, as the issue asks.
+
+    gpumem.record_history(heap, max_entries=100_000)   # stacks="python"
+    ...
+    for e in gpumem.history(heap).entries: print(e.action, e.size, e.site)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+from ._resolve import resolve_heap
+
+__all__ = ["record_history", "history", "History", "HistoryEntry", "Frame", "frames_for", "site_of",
+           "stack_table_info", "DEFAULT_MAX_ENTRIES"]
+
+DEFAULT_MAX_ENTRIES = 100_000
+_TAG = 1 << 63
+
+
+class Frame(NamedTuple):
+    filename: str
+    name: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.line} in {self.name}"
+
+
+_frame_cache: Dict[int, Tuple[Frame, ...]] = {}
+
+
+def frames_for(context: int) -> Tuple[Frame, ...]:
+    """The stack interned under `context`, innermost first; () if none is known
+    (no stack was taken, or the id was passed by the caller)."""
+    if not context or not context & _TAG:
+        return ()
+    got = _frame_cache.get(context)
+    if got is None:
+        from . import _C
+
+        raw = _C._stack_frames(context)
+        got = tuple(Frame(str(f["filename"]), str(f["name"]), int(f["line"])) for f in raw or ())
+        _frame_cache[context] = got
+    return got
+
+
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def site_of(frames: Tuple[Frame, ...]) -> str:
+    """The allocation site to show: the innermost frame outside gpumem itself
+    and outside torch's Python wrappers, as "file:line in func"."""
+    for i, f in enumerate(frames):
+        fn = f.filename
+        if fn.startswith(_PKG_DIR) or f"{os.sep}torch{os.sep}" in fn:
+            continue
+        if f.name in _COMPREHENSIONS and i + 1 < len(frames) and frames[i + 1].filename == fn:
+            continue  # before 3.12 a comprehension is a frame of its own: name its function
+        return str(f)
+    return str(frames[0]) if frames else ""
+
+
+def stack_table_info() -> dict:
+    """Size and counters of the interned stack table (bytes, stacks, overflow...)."""
+    from . import _C
+
+    return _C._stacks_info()
+
+
+ACTIONS = ("alloc", "free_requested", "free_completed", "map", "unmap", "remap", "oom", "empty_cache")
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    time_ns: int
+    action: str
+    addr: int
+    size: int
+    stream: int
+    context: int
+
+    @property
+    def frames(self) -> Tuple[Frame, ...]:
+        return frames_for(self.context)
+
+    @property
+    def site(self) -> str:
+        return site_of(self.frames)
+
+
+@dataclass
+class History:
+    entries: List[HistoryEntry]
+    dropped: int          # older events the ring overwrote
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def history(device=None) -> History:
+    """The events the heap's ring holds, oldest first."""
+    heap = resolve_heap(device)
+    raw, dropped = heap.history()
+    return History([HistoryEntry(*e) for e in raw], dropped)
+
+
+def record_history(enabled=True, stacks: Optional[str] = "python", max_entries: int = DEFAULT_MAX_ENTRIES,
+                   device=None, *, max_depth: int = 64, max_stacks: int = 1 << 16) -> None:
+    """Start or stop recording allocator events (and Python stacks) on a heap.
+
+    enabled: True / "all" keeps the last `max_entries` events in the core's ring;
+        "state" keeps no events but still takes a stack per allocation (like
+        torch's enabled="state"); False / None stops both and drops the ring.
+    stacks: "python" takes the Python stack of each allocation made while the
+        GIL is held; None / "none" takes none.  The stack table is shared by
+        every heap in the process, so turning stacks off affects all of them.
+    device: a Heap, or None / a CUDA device for the heap gpumem installed there.
+    max_depth / max_stacks bound the stack table (frames per stack, distinct stacks).
+    """
+    from . import _C
+
+    heap = resolve_heap(device)
+    if stacks in (None, False, "none"):
+        want_stacks = False
+    elif stacks == "python":
+        want_stacks = True
+    elif stacks == "all":
+        raise ValueError("stacks='all' (C++ frames) is not supported: gpumem records Python stacks only; "
+                         "use stacks='python'")
+    else:
+        raise ValueError(f"stacks must be 'python' or None, not {stacks!r}")
+    if enabled in (True, "all"):
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
+            raise ValueError(f"max_entries must be a positive int, not {max_entries!r}")
+        heap.history_enable(max_entries)
+    elif enabled == "state":
+        heap.history_enable(0)
+    elif enabled in (False, None):
+        heap.history_enable(0)
+        want_stacks = False
+    else:
+        raise ValueError(f"enabled must be True, False, 'all' or 'state', not {enabled!r}")
+    _C._stacks_enable(want_stacks, max_depth=max_depth, max_stacks=max_stacks)

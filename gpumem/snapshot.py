@@ -1,0 +1,398 @@
+"""gpumem.snapshot(): what the heap holds, as numbers, pictures and torch's format.
+
+A heap is one reserved address range.  Physical pages (2 MiB) are mapped behind
+parts of it; blocks tile the range in address order:
+
+    live       handed out (a tensor)
+    pending    freed, but a stream named by record_stream may still use it
+    free       reusable now, inside mapped pages
+    unmapped   address space with no memory behind it
+
+and each page is "used" (some live or pending byte lies in it), "cached" (mapped
+but wholly free: what empty_cache() releases and what defragmentation can move
+behind a new address) or "unmapped".  A *segment* is a maximal run of mapped
+pages; that is what torch's snapshot format calls a segment of an expandable
+allocator, so to_torch() maps one to one.
+
+The summary's figures and their definitions:
+
+    live_bytes           sum of live block sizes (512-byte rounded)
+    requested_bytes      sum of the sizes asked for
+    reserved_bytes       physical memory the heap holds (mapped + spare pages)
+    free_mapped_bytes    free bytes inside mapped pages
+    largest_free_range   largest run of adjacent free blocks: the biggest request
+                         served without touching the device
+    fragmentation        1 - largest_free_range / free_mapped_bytes: the share of
+                         free mapped memory that lies outside its largest piece
+                         (0 = all in one piece, or nothing free)
+    defrag_reclaimable   bytes of wholly free pages (cached + spare): what
+                         defragmentation can move behind any address, and what
+                         empty_cache() would give back to the device
+    stranded_bytes       free bytes in pages that also hold live data: neither
+                         defragmentation nor empty_cache can reclaim them until
+                         the live neighbours are freed (gpumem never moves a
+                         live block)
+    largest_possible     the largest block the heap could make now, defragmenting
+                         and growing up to the cap/device (from the core)
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ._resolve import resolve_heap
+from ._units import format_size
+from .history import Frame, HistoryEntry, frames_for, site_of
+
+__all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "TORCH_STATE"]
+
+PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached"}
+# gpumem block state -> torch's block state
+TORCH_STATE = {"live": "active_allocated", "pending": "active_pending_free", "free": "inactive"}
+# history action -> torch TraceEntry action (empty_cache shows as its unmaps)
+TORCH_ACTION = {"alloc": "alloc", "free_requested": "free_requested", "free_completed": "free_completed",
+                "map": "segment_map", "remap": "segment_map", "unmap": "segment_unmap", "oom": "oom"}
+
+
+@dataclass(frozen=True)
+class Block:
+    addr: int
+    size: int
+    requested: int
+    stream: int
+    context: int
+    alloc_seq: int
+    state: str            # live / pending / free / unmapped
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.size
+
+    @property
+    def frames(self) -> Tuple[Frame, ...]:
+        return frames_for(self.context) if self.state in ("live", "pending") else ()
+
+    @property
+    def site(self) -> str:
+        """Allocation site ("file:line in func") when stacks were recorded, else ""."""
+        return site_of(self.frames)
+
+
+@dataclass
+class Segment:
+    """A maximal run of mapped pages and the blocks that tile it."""
+    addr: int
+    size: int
+    blocks: List[Block]
+
+
+@dataclass
+class Summary:
+    live_bytes: int
+    requested_bytes: int
+    pending_bytes: int
+    reserved_bytes: int
+    mapped_bytes: int
+    used_page_bytes: int
+    cached_bytes: int
+    spare_bytes: int
+    free_mapped_bytes: int
+    largest_free_range: int
+    fragmentation: float
+    defrag_reclaimable: int
+    stranded_bytes: int
+    largest_possible: int
+    n_live: int
+    n_pending: int
+    n_free: int
+    n_segments: int
+    cap_bytes: int
+    device_total: int
+    device_free: int
+
+    def rows(self) -> List[Tuple[str, str, str]]:
+        """(label, value, what it means) for tables."""
+        f = format_size
+        return [
+            ("live", f"{f(self.live_bytes)} in {self.n_live} blocks",
+             f"requested {f(self.requested_bytes)}"),
+            ("pending", f(self.pending_bytes), "freed, waiting for other streams"),
+            ("reserved", f(self.reserved_bytes), "physical memory held (mapped + spare pages)"),
+            ("free but mapped", f(self.free_mapped_bytes), f"in {self.n_free} free blocks"),
+            ("largest free range", f(self.largest_free_range), "served without any device call"),
+            ("fragmentation", f"{self.fragmentation:.1%}",
+             "1 - largest free range / free mapped: free memory outside its largest piece"),
+            ("defrag could reclaim", f(self.defrag_reclaimable),
+             "wholly free pages: remappable behind any address, or released by empty_cache"),
+            ("stranded", f(self.stranded_bytes), "free bytes in pages shared with live blocks"),
+            ("largest block possible", f(self.largest_possible), "after defragmenting and growing to the cap"),
+            ("cap", f(self.cap_bytes), f"device {f(self.device_total)} total, {f(self.device_free)} free"),
+        ]
+
+    def text(self) -> str:
+        w = max(len(r[0]) for r in self.rows())
+        return "\n".join(f"{label:<{w}}  {value:<26}  {why}" for label, value, why in self.rows())
+
+
+@dataclass
+class Snapshot:
+    device_name: str
+    device_kind: str
+    va_base: int
+    top: int
+    page_size: int
+    blocks: List[Block]
+    pages: bytes                      # gm_page_state per page of [va_base, va_base + top)
+    spare_pages: int
+    cap_bytes: int
+    stats: Dict[str, int]
+    device_total: int = 0
+    device_free: int = 0
+    largest_possible: int = 0
+    history: List[HistoryEntry] = field(default_factory=list)
+    history_dropped: int = 0
+    oom: Optional[dict] = None
+    label: str = ""
+
+    # ---- construction -----------------------------------------------------------
+
+    @classmethod
+    def from_heap(cls, heap, *, with_history: bool = True, label: str = "") -> "Snapshot":
+        raw = heap.snapshot()
+        report = heap.memory_report(0)
+        hist, dropped = heap.history() if with_history else ([], 0)
+        return cls(
+            device_name=heap.device_name, device_kind=heap.device_kind,
+            va_base=raw["va_base"], top=raw["top"], page_size=raw["page_size"],
+            blocks=[Block(*b) for b in raw["blocks"]], pages=bytes(raw["pages"]),
+            spare_pages=raw["spare_pages"], cap_bytes=raw["cap_bytes"], stats=dict(raw["stats"]),
+            device_total=report["device_total"], device_free=report["device_free"],
+            largest_possible=report["largest_possible"],
+            history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
+            oom=heap.last_oom(), label=label,
+        )
+
+    # ---- structure ----------------------------------------------------------------
+
+    def page_state(self, i: int) -> str:
+        return PAGE_STATES[self.pages[i]]
+
+    @property
+    def segments(self) -> List[Segment]:
+        """Maximal runs of mapped pages with the blocks inside them, in address order."""
+        segs: List[Segment] = []
+        ps = self.page_size
+        i, n = 0, len(self.pages)
+        bi = 0
+        blocks = self.blocks
+        while i < n:
+            if self.pages[i] == 0:
+                i += 1
+                continue
+            j = i
+            while j < n and self.pages[j] != 0:
+                j += 1
+            lo, hi = self.va_base + i * ps, self.va_base + j * ps
+            inside = []
+            while bi < len(blocks) and blocks[bi].end <= lo:
+                bi += 1
+            k = bi
+            while k < len(blocks) and blocks[k].addr < hi:
+                b = blocks[k]
+                if b.addr < lo or b.end > hi or b.state == "unmapped":
+                    raise ValueError(f"block {b.addr:#x}+{b.size} ({b.state}) crosses the mapped run "
+                                     f"[{lo:#x}, {hi:#x}): the heap broke an invariant")
+                inside.append(b)
+                k += 1
+            segs.append(Segment(lo, hi - lo, inside))
+            i = j
+        return segs
+
+    @property
+    def summary(self) -> Summary:
+        live = [b for b in self.blocks if b.state == "live"]
+        pending = [b for b in self.blocks if b.state == "pending"]
+        free = [b for b in self.blocks if b.state == "free"]
+        counts = Counter(self.pages)
+        ps = self.page_size
+        largest = run = 0
+        prev_end = None
+        for b in self.blocks:
+            if b.state == "free":
+                run = run + b.size if prev_end == b.addr else b.size
+                prev_end = b.end
+                largest = max(largest, run)
+            else:
+                prev_end = None
+                run = 0
+        free_mapped = sum(b.size for b in free)
+        cached = counts.get(2, 0) * ps
+        spare = self.spare_pages * ps
+        return Summary(
+            live_bytes=sum(b.size for b in live),
+            requested_bytes=sum(b.requested for b in live),
+            pending_bytes=sum(b.size for b in pending),
+            reserved_bytes=int(self.stats.get("reserved_bytes.all.current", (counts.get(1, 0) + counts.get(2, 0)) * ps + spare)),
+            mapped_bytes=(counts.get(1, 0) + counts.get(2, 0)) * ps,
+            used_page_bytes=counts.get(1, 0) * ps,
+            cached_bytes=cached + spare,
+            spare_bytes=spare,
+            free_mapped_bytes=free_mapped,
+            largest_free_range=largest,
+            fragmentation=(1.0 - largest / free_mapped) if free_mapped else 0.0,
+            defrag_reclaimable=cached + spare,
+            stranded_bytes=free_mapped - cached,
+            largest_possible=self.largest_possible,
+            n_live=len(live), n_pending=len(pending), n_free=len(free),
+            n_segments=len(self.segments),
+            cap_bytes=self.cap_bytes, device_total=self.device_total, device_free=self.device_free,
+        )
+
+    def top_sites(self, n: int = 10) -> List[Tuple[str, int, int]]:
+        """(site, live bytes, blocks) of the allocation sites holding the most live memory."""
+        by: Dict[str, List[int]] = {}
+        for b in self.blocks:
+            if b.state == "live":
+                key = b.site or "<no stack recorded>"
+                acc = by.setdefault(key, [0, 0])
+                acc[0] += b.size
+                acc[1] += 1
+        return sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda t: -t[1])[:n]
+
+    # ---- torch's format ---------------------------------------------------------------
+
+    def to_torch(self, device: int = 0) -> dict:
+        """This snapshot as torch.cuda.memory._snapshot() returns it, so that
+        torch.cuda._memory_viz and the memory_viz web page read it.  Each segment
+        is one run of mapped pages (torch does the same for expandable segments);
+        device_traces come from the history ring, oldest first."""
+        segments = []
+        for seg in self.segments:
+            live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
+            blocks = []
+            for b in seg.blocks:
+                active = b.state in ("live", "pending")
+                blocks.append({
+                    "address": b.addr,
+                    "size": b.size,
+                    "requested_size": b.requested if active else 0,
+                    "state": TORCH_STATE[b.state],
+                    "frames": [f._asdict() for f in b.frames],
+                })
+            segments.append({
+                "device": device,
+                "address": seg.addr,
+                "total_size": seg.size,
+                "allocated_size": sum(b.size for b in seg.blocks if b.state == "live"),
+                "active_size": sum(b.size for b in seg.blocks if b.state in ("live", "pending")),
+                "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
+                "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
+                "segment_type": "large" if seg.size > (1 << 20) else "small",
+                "segment_pool_id": (0, 0),
+                "is_expandable": True,
+                "frames": [],
+                "blocks": blocks,
+            })
+        trace = []
+        last_oom_free = (self.oom or {}).get("device_free", 0)
+        for e in self.history:
+            action = TORCH_ACTION.get(e.action)
+            if action is None:
+                continue
+            entry = {
+                "action": action,
+                "addr": e.addr,
+                "compile_context": "N/A",
+                "frames": [f._asdict() for f in e.frames],
+                "size": e.size,
+                "stream": e.stream,
+                "time_us": e.time_ns // 1000,
+                "user_metadata": "",
+            }
+            if action == "oom":
+                entry["device_free"] = last_oom_free
+            trace.append(entry)
+        traces: List[list] = [[] for _ in range(device + 1)]
+        traces[device] = trace
+        return {
+            "segments": segments,
+            "device_traces": traces,
+            "allocator_settings": {
+                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                "max_split_size": -1,
+                "garbage_collection_threshold": 0.0,
+                # gpumem maps pages behind one reserved range, as expandable segments do
+                "expandable_segments": True,
+                "pinned_num_register_threads": 1,
+                "release_lock_on_cudamalloc": False,
+                "pinned_use_cuda_host_register": False,
+                "graph_capture_record_stream_reuse": False,
+                "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)},
+                "allocator": "gpumem",
+                "gpumem_device": self.device_name,
+                "gpumem_page_size": self.page_size,
+            },
+            "external_annotations": [],
+        }
+
+    def dump(self, path, device: int = 0) -> None:
+        """Write to_torch() as a pickle (protocol 4; gzip'd if path ends in .gz)."""
+        data = self.to_torch(device)
+        path = os.fspath(path)
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "wb") as f:
+            pickle.dump(data, f, protocol=4)
+
+    # ---- pictures ------------------------------------------------------------------------
+
+    def to_svg(self, **kw) -> str:
+        from ._svg import render_svg
+
+        return render_svg(self, **kw)
+
+    def _repr_html_(self) -> str:
+        from ._svg import render_fragment
+
+        return render_fragment(self)
+
+    def to_html(self, path=None, title: Optional[str] = None) -> str:
+        """A self-contained HTML page (no network: inline SVG and CSS); written to
+        `path` when given.  Returns the HTML."""
+        from ._svg import render_page
+
+        html = render_page(self, title=title)
+        if path is not None:
+            with open(os.fspath(path), "w", encoding="utf-8") as f:
+                f.write(html)
+        return html
+
+    def plot(self, ax=None, max_rows: int = 32):
+        """Draw the memory map with matplotlib; returns the Axes."""
+        from ._svg import plot_matplotlib
+
+        return plot_matplotlib(self, ax=ax, max_rows=max_rows)
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"<gpumem.Snapshot {self.device_name}: {format_size(s.live_bytes)} live in {s.n_live} blocks, "
+                f"{format_size(s.reserved_bytes)} reserved, {s.n_segments} segments, "
+                f"fragmentation {s.fragmentation:.1%}>")
+
+    def __str__(self) -> str:
+        return f"{self!r}\n{self.summary.text()}"
+
+
+def snapshot(device=None, *, history: bool = True) -> Snapshot:
+    """Take a Snapshot of a heap: a gpumem.Heap, or None / a CUDA device for the
+    heap gpumem installed as torch's allocator there."""
+    return Snapshot.from_heap(resolve_heap(device), with_history=history)
+
+
+def dump_snapshot(path, device=None) -> None:
+    """Write a torch-format snapshot pickle (protocol 4) that
+    torch.cuda._memory_viz and the memory_viz web page read."""
+    snapshot(device).dump(path)
