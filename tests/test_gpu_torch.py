@@ -404,21 +404,20 @@ def test_two_devices_each_get_a_heap():
     assert r["m0"] == 4 << 20 and r["m1"] >= 4 << 20, r
 
 
-# Seen on an nvidia-h200-x2 machine: a.to("cuda:1") fails with "CUDA error: invalid
-# argument".  Pages are mapped with access for their own device only (cuMemSetAccess in
-# csrc/device/cuda.c), and peers need an access descriptor of their own, which
-# cudaDeviceEnablePeerAccess does not give to virtual-memory mappings.
+# Pages are mapped with an access descriptor for every GPU that can reach this one
+# (cuMemSetAccess in csrc/device/cuda.c): cudaDeviceEnablePeerAccess does not reach
+# virtual-memory mappings, so without them a.to("cuda:1") failed with "invalid argument".
 @pytest.mark.gpu
 @pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices (an nvidia-h200-x2 machine); not run here")
-@pytest.mark.xfail(strict=True, reason="peer access to gpumem pages is not granted yet (see comment)")
 def test_two_devices_peer_copy():
     r = run_py("""
         gpumem.install()
         a = torch.ones(1 << 20, device="cuda:0"); b = torch.ones(1 << 20, device="cuda:1") * 2
         c = a.to("cuda:1") + b
-        out(c=float(c.sum()))
+        d = torch.empty(1 << 20, device="cuda:1"); d.copy_(a)   # peer copy into gpumem pages
+        out(c=float(c.sum()), d=float(d.sum()))
     """)
-    assert r["c"] == 3 * (1 << 20)
+    assert r["c"] == 3 * (1 << 20) and r["d"] == 1 << 20, r
 
 
 # ---- CPU: no GPU needed ----------------------------------------------------------------------

@@ -82,6 +82,7 @@ typedef struct cu_api {
     CUresult (*DeviceGetAttribute)(int *, int, CUdevice);
     CUresult (*DeviceGetName)(char *, int, CUdevice);
     CUresult (*DeviceGetPCIBusId)(char *, int, CUdevice);
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*DevicePrimaryCtxRelease)(CUdevice);
     CUresult (*CtxPushCurrent)(CUcontext);
@@ -122,6 +123,7 @@ static const sym_entry cu_symbols[] = {
     SYM(DeviceGetAttribute, "cuDeviceGetAttribute"),
     SYM(DeviceGetName, "cuDeviceGetName"),
     SYM(DeviceGetPCIBusId, "cuDeviceGetPCIBusId"),
+    SYM(DeviceCanAccessPeer, "cuDeviceCanAccessPeer"),
     SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
     SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
     SYM(CtxPushCurrent, "cuCtxPushCurrent_v2"),
@@ -300,6 +302,11 @@ typedef struct cuda_device {
     int nvml_state; /* 0 not tried, 1 ready, -1 unavailable (nvml_err says why) */
     nvmlDevice_t nvdev;
     char nvml_err[200];
+    /* Who may touch our pages: this GPU, then every peer that can reach it,
+     * so tensor.to("cuda:1") and peer kernels read them like cudaMalloc'd
+     * memory (which CUDA makes peer-accessible once peer access is on). */
+    cu_access_desc access[16];
+    size_t n_access;
 } cuda_device;
 
 #if defined(__GNUC__)
@@ -407,12 +414,7 @@ static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size)
 static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size)
 {
     cuda_device *c = (cuda_device *)dev;
-    cu_access_desc desc;
-    memset(&desc, 0, sizeof desc);
-    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    desc.location.id = c->cudev;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CU_CALL(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, &desc, 1));
+    CU_CALL(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, c->access, c->n_access));
     return GM_OK;
 }
 
@@ -621,6 +623,18 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
     c->base.kind = "cuda";
     c->base.ordinal = ordinal;
     c->cudev = cudev;
+    for (int o = -1; o < count && c->n_access < sizeof c->access / sizeof c->access[0]; o++) {
+        CUdevice peer = cudev;
+        int can = 1;
+        if (o >= 0 && (o == ordinal || cu.DeviceGet(&peer, o) != CUDA_SUCCESS ||
+                       cu.DeviceCanAccessPeer(&can, peer, cudev) != CUDA_SUCCESS || !can))
+            continue;
+        cu_access_desc *d = &c->access[c->n_access++];
+        memset(d, 0, sizeof *d);
+        d->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        d->location.id = peer;
+        d->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
     snprintf(c->base.name, sizeof c->base.name, "cuda:%d (%s)", ordinal, gpu);
     if (cu.DeviceGetPCIBusId(c->pci_bus_id, (int)sizeof c->pci_bus_id, cudev) != CUDA_SUCCESS)
         c->pci_bus_id[0] = '\0'; /* processes() will then report NVML unusable */
