@@ -126,12 +126,21 @@ def record_history(enabled=True, stacks: Optional[str] = "python", max_entries: 
     stacks: "python" takes the Python stack of each allocation made while the
         GIL is held; None / "none" takes none.  The stack table is shared by
         every heap in the process, so turning stacks off affects all of them.
-    device: a Heap, or None / a CUDA device for the heap gpumem installed there.
+    device: a Heap, or None / a CUDA device for the heap gpumem installed there;
+        for those the ring is switched on every device's heap, now and later, and
+        the stacks of torch's allocations come from torch's own threads (a C++ or
+        autograd thread has no Python stack and gets none).
     max_depth / max_stacks bound the stack table (frames per stack, distinct stacks).
     """
+    _record(resolve_heap(device).history_enable, enabled, stacks, max_entries, max_depth, max_stacks)
+
+
+def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stacks=1 << 16) -> None:
+    """record_history's work, with the heap's (or every torch heap's) history switch."""
+    import sys
+
     from . import _C
 
-    heap = resolve_heap(device)
     if stacks in (None, False, "none"):
         want_stacks = False
     elif stacks == "python":
@@ -144,12 +153,21 @@ def record_history(enabled=True, stacks: Optional[str] = "python", max_entries: 
     if enabled in (True, "all"):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
             raise ValueError(f"max_entries must be a positive int, not {max_entries!r}")
-        heap.history_enable(max_entries)
+        history_enable(max_entries)
     elif enabled == "state":
-        heap.history_enable(0)
+        history_enable(0)
     elif enabled in (False, None):
-        heap.history_enable(0)
+        history_enable(0)
         want_stacks = False
     else:
         raise ValueError(f"enabled must be True, False, 'all' or 'state', not {enabled!r}")
     _C._stacks_enable(want_stacks, max_depth=max_depth, max_stacks=max_stacks)
+    # Allocations torch makes reach the core through gpumem.torch's context hook,
+    # not through Heap.malloc: point it at the stack table, or take it away.
+    if "gpumem.torch" in sys.modules:
+        from ._resolve import torch_active
+
+        if torch_active():
+            from ._torch_viz import set_stack_hook
+
+            set_stack_hook(want_stacks)

@@ -395,4 +395,6 @@ def snapshot(device=None, *, history: bool = True) -> Snapshot:
 def dump_snapshot(path, device=None) -> None:
     """Write a torch-format snapshot pickle (protocol 4) that
     torch.cuda._memory_viz and the memory_viz web page read."""
-    snapshot(device).dump(path)
+    heap = resolve_heap(device)
+    # A heap gpumem serves torch with is filed under its CUDA device index.
+    Snapshot.from_heap(heap).dump(path, device=getattr(heap, "torch_device", 0))

@@ -43,8 +43,6 @@ _POOLED = ("allocation", "segment", "active", "inactive_split", "allocated_bytes
 _PLAIN = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
           "num_maps", "num_unmaps", "num_remaps", "num_pages_remapped", "num_device_errors", "max_split_size")
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
-_TRACE_ACTIONS = {"alloc": "alloc", "free_requested": "free_requested", "free_completed": "free_completed",
-                  "map": "segment_map", "remap": "segment_map", "unmap": "segment_unmap", "oom": "oom"}
 _BLOCK_STATES = {"live": "active_allocated", "pending": "active_awaiting_free", "free": "inactive"}
 
 _state = {"allocator": None, "installed": False, "patched": {}, "options": {}}
@@ -207,6 +205,9 @@ def install(device=None, **options):
     _state["options"] = merged
     _patch(torch)
     _state["installed"] = True
+    from ._torch_viz import on_install  # explained OOM messages, Python stacks (visibility layer)
+
+    on_install()
     for d in _device_list(device, torch):
         C._torch_open(d)
     return status()
@@ -330,49 +331,20 @@ def _segments(device, snap):
     return out
 
 
-def _traces(device):
-    got = _C()._torch_history(device)
-    if not got:
-        return []
-    entries, _dropped = got
-    out = []
-    for t_ns, action, addr, size, stream, context in entries:
-        act = _TRACE_ACTIONS.get(action)
-        if act is None:
-            continue
-        e = {"action": act, "addr": addr, "size": size, "stream": stream, "time_us": t_ns // 1000,
-             "frames": [], "gpumem_context": context}
-        if act == "oom":
-            e["device_free"] = 0
-        out.append(e)
-    return out
+def memory_snapshot_dict(arg=None):
+    """torch._C._cuda_memorySnapshot's shape: {"segments": [...], "device_traces": [[...] per device]}:
+    gpumem.Snapshot.to_torch() of each device (gpumem/_torch_viz.py)."""
+    from ._torch_viz import torch_snapshot_dict
 
-
-def memory_snapshot_dict():
-    """torch._C._cuda_memorySnapshot's shape: {"segments": [...], "device_traces": [[...] per device]}."""
-    C = _C()
-    devices = C._torch_devices()
-    segments = []
-    n = max([C._torch_device_count()] + [d + 1 for d in devices] + [1])
-    traces = [[] for _ in range(n)]
-    for d in devices:
-        snap = C._torch_snapshot(d)
-        if snap is None:
-            continue
-        segments.extend(_segments(d, snap))
-        traces[d] = _traces(d)
-    return {"segments": segments, "device_traces": traces}
+    return torch_snapshot_dict(arg)
 
 
 def _record_history(enabled, *args, **kwargs):
     """Both _cuda_record_memory_history (enabled: None/'state'/'all', context, stacks, max_entries, ...)
     and the legacy form (enabled: bool, record_context, trace_alloc_max_entries, ...)."""
-    if isinstance(enabled, bool):
-        max_entries = args[1] if len(args) > 1 else kwargs.get("trace_alloc_max_entries", 1)
-    else:
-        max_entries = args[2] if len(args) > 2 else kwargs.get("max_entries", MAX_HISTORY)
-    n = 0 if not enabled else max(1, min(int(max_entries), MAX_HISTORY))
-    _C()._torch_history_enable(n)
+    from ._torch_viz import record_torch_history
+
+    record_torch_history(enabled, *args, **kwargs)
 
 
 def _memory_fraction(device):
@@ -396,8 +368,8 @@ def _patch(torch):
     def reset_accumulated(device):
         C._torch_reset_accumulated(int(device))
 
-    def snapshot(*_args, **_kwargs):
-        return memory_snapshot_dict()
+    def snapshot(arg=None, *_args, **_kwargs):
+        return memory_snapshot_dict(arg)
 
     replacements = {
         "_cuda_memoryStats": mem_stats,

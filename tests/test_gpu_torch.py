@@ -420,6 +420,135 @@ def test_two_devices_peer_copy():
     assert r["c"] == 3 * (1 << 20) and r["d"] == 1 << 20, r
 
 
+# ---- the visibility layer on torch's heaps (gpumem/_torch_viz.py, csrc/python/torch_viz.c) -----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_oom_message_carries_the_explain_report():
+    code = """
+        gpumem.install()
+        free, total = torch.cuda.mem_get_info()
+        keep = torch.ones(1 << 28, device="cuda")          # 1 GiB live
+        S = 1 << 30
+        # a cap 512 MiB above what is reserved: 1 GiB more does not fit under it
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + S // 2) / total)
+        res = {}
+        try:
+            torch.empty(S, dtype=torch.uint8, device="cuda"); res["msg"] = "no error"
+        except Exception as e:
+            res["is_torch_oom"] = isinstance(e, torch.OutOfMemoryError)
+            res["msg"] = str(e)
+        rep = gpumem.last_oom()
+        res["kinds"] = rep.cause_kinds if rep is not None else None
+        # the same from autograd's device thread (backward needs a second 1 GiB copy)
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + S + S // 2) / total)
+        w = torch.zeros(S // 4, device="cuda", requires_grad=True)
+        try:
+            w.sum().backward(); res["bwd"] = "no error"
+        except Exception as e:
+            res["bwd"] = str(e); res["bwd_torch_oom"] = isinstance(e, torch.OutOfMemoryError)
+        del w
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        res["after"] = float(torch.ones(1 << 20, device="cuda").sum())
+        out(**res)
+    """
+    r = run_py(code)
+    msg = r["msg"]
+    assert r["is_torch_oom"] and msg.startswith("CUDA out of memory. Tried to allocate"), msg
+    assert "Where the device's" in msg and "Causes, main one first:" in msg, msg
+    assert "[live_tensors]" in msg and "[cap]" in msg and "What to do:" in msg, msg
+    assert "live_tensors" in r["kinds"] and "cap" in r["kinds"], r["kinds"]
+    assert r["bwd_torch_oom"] and r["bwd"].startswith("CUDA out of memory.") and "\nCause" in r["bwd"], r["bwd"]
+    assert r["after"] == float(1 << 20)
+    print("explained OOM message:\n" + msg)
+    plain = run_py(code, env={"GPUMEM_EXPLAIN_OOM": "0"})
+    assert plain["is_torch_oom"] and plain["msg"].startswith("CUDA out of memory.") and "\n" not in plain["msg"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_record_history_gives_python_stacks_of_torch_allocations():
+    r = run_py("""
+        gpumem.install()
+        res = {}
+        gpumem.record_history(True, stacks="python")
+        def make_tensor():
+            return torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+        t = make_tensor()
+        snap = gpumem.snapshot()
+        blk = [b for b in snap.blocks if b.addr == t.data_ptr()]
+        res["frames"] = [[f.filename, f.name] for f in blk[0].frames] if blk else None
+        res["site"] = blk[0].site if blk else None
+        # autograd's device threads allocate too: no Python stack there, and no harm
+        w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+        (w @ w).sum().backward()
+        res["grad"] = w.grad is not None
+        gpumem.record_history(False)
+        # torch's own switch reaches the same table
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        def make_other():
+            return torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        u = make_other()
+        s = torch.cuda.memory._snapshot()
+        res["torch_frames"] = [f["name"] for seg in s["segments"] for b in seg["blocks"]
+                               if b["address"] == u.data_ptr() for f in b["frames"]]
+        dev = torch.cuda.current_device()
+        res["trace_frames"] = [f["name"] for e in s["device_traces"][dev]
+                               if e["action"] == "alloc" and e["addr"] == u.data_ptr() for f in e["frames"]]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        res["stacks_on_after"] = gpumem._C._stacks_info()["enabled"]
+        v = make_other()
+        res["frames_after_off"] = [len(b.frames) for b in gpumem.snapshot().blocks if b.addr == v.data_ptr()]
+        out(**res)
+    """)
+    assert r["frames"] and r["frames"][0] == ["<string>", "make_tensor"], r["frames"]
+    assert ["<string>", "<module>"] in r["frames"], r["frames"]
+    assert r["site"].startswith("<string>:") and r["site"].endswith(" in make_tensor"), r["site"]
+    assert r["grad"]
+    assert r["torch_frames"][:1] == ["make_other"], r["torch_frames"]
+    assert r["trace_frames"][:1] == ["make_other"], r["trace_frames"]
+    assert r["stacks_on_after"] is False and r["frames_after_off"] == [0], r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
+    dump = tmp_path / "snap.pickle"
+    r = run_py(f"""
+        import pickle
+        gpumem.install()
+        x = torch.empty(7 << 20, dtype=torch.uint8, device="cuda")
+        s = gpumem.snapshot()
+        res = {{"name": s.device_name, "kind": s.device_kind}}
+        res["x"] = [[b.size, b.state] for b in s.blocks if b.addr == x.data_ptr()]
+        res["live"] = s.summary.live_bytes
+        res["same_by_index"] = gpumem.snapshot("cuda:0").summary.live_bytes == gpumem.snapshot(0).summary.live_bytes
+        res["explain"] = gpumem.explain("1GiB").text()
+        res["no_oom"] = gpumem.last_oom() is None
+        gpumem.dump_snapshot({str(dump)!r})
+        with open({str(dump)!r}, "rb") as f:
+            d = pickle.load(f)
+        ts = torch.cuda.memory._snapshot()
+        mine = s.to_torch(0)
+        res["dump_segments"] = [[g["address"], g["total_size"]] for g in d["segments"]]
+        res["torch_segments"] = [[g["address"], g["total_size"]] for g in ts["segments"]]
+        res["mine_segments"] = [[g["address"], g["total_size"]] for g in mine["segments"]]
+        res["torch_blocks"] = [[b["address"], b["size"], b["state"]] for g in ts["segments"] for b in g["blocks"]]
+        res["mine_blocks"] = [[b["address"], b["size"], b["state"]] for g in mine["segments"] for b in g["blocks"]]
+        res["allocator"] = ts["allocator_settings"]["allocator"]
+        res["memory_snapshot"] = len(torch.cuda.memory_snapshot())
+        out(**res)
+    """)
+    assert r["name"].startswith("cuda:0") and r["kind"] == "cuda", r
+    assert r["x"] == [[7 << 20, "live"]] and r["live"] >= 7 << 20, r
+    assert r["same_by_index"]
+    assert "fits" in r["explain"] and "Where the device's" in r["explain"], r["explain"]
+    assert r["no_oom"]
+    assert r["dump_segments"] == r["torch_segments"] == r["mine_segments"] and r["mine_segments"], r
+    assert r["torch_blocks"] == r["mine_blocks"], r
+    assert r["allocator"] == "gpumem" and r["memory_snapshot"] == len(r["mine_segments"])
+
+
 # ---- CPU: no GPU needed ----------------------------------------------------------------------
 
 def test_import_without_torch():

@@ -207,6 +207,37 @@ uint64_t gm_py_capture_context(void)
     return make_id(idx);
 }
 
+int gm_py_finalizing(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+uint64_t gm_py_capture_context_reacquire(void)
+{
+    if (!atomic_load_explicit(&stacks_on, memory_order_relaxed))
+        return 0;
+    if (!Py_IsInitialized() || gm_py_finalizing()) {
+        atomic_fetch_add_explicit(&n_no_gil, 1, memory_order_relaxed);
+        return 0;
+    }
+    if (PyGILState_Check())
+        return gm_py_capture_context();
+    /* PyGILState_Ensure would make a thread state for a thread Python never
+     * saw, only to find no frame in it: skip those without touching Python. */
+    if (PyGILState_GetThisThreadState() == NULL) {
+        atomic_fetch_add_explicit(&n_no_gil, 1, memory_order_relaxed);
+        return 0;
+    }
+    PyGILState_STATE st = PyGILState_Ensure();
+    uint64_t id = gm_py_capture_context();
+    PyGILState_Release(st);
+    return id;
+}
+
 /* ---- Python-facing functions ------------------------------------------------ */
 
 static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds)

@@ -27,6 +27,21 @@ __attribute__((visibility("default")))
 #endif
 uint64_t gm_py_capture_context(void);
 
+/* The same for allocator hooks called where the GIL was given up on purpose:
+ * torch's op bindings release it before dispatching, so the allocation runs in
+ * a Python thread that does not hold it.  Such a thread (one Python has a
+ * thread state for) takes the GIL back for the capture, as torch's own
+ * _record_memory_history does; a thread Python never saw (a C++ worker) still
+ * gets 0 without Python being touched, and so does any thread while the
+ * interpreter is finalizing.  Exported for the same reasons. */
+#if defined(__GNUC__)
+__attribute__((visibility("default")))
+#endif
+uint64_t gm_py_capture_context_reacquire(void);
+
+/* Nonzero while Python is shutting down: no thread may take the GIL then. */
+int gm_py_finalizing(void);
+
 /* Adds the module-level functions (_stacks_enable, _stack_frames, ...,
  * _set_oom_formatter) to gpumem._C.  Returns 0, or -1 with an exception set. */
 int gm_history_glue_add(PyObject *module);

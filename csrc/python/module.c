@@ -1346,6 +1346,7 @@ static PyMethodDef module_methods[] = {
 };
 
 int gm_torch_glue_add(PyObject *module); /* torch_glue.c */
+int gm_torch_viz_add(PyObject *module);  /* torch_viz.c */
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
@@ -1397,6 +1398,8 @@ PyMODINIT_FUNC PyInit__C(void)
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */
+        goto fail;
+    if (gm_torch_viz_add(m) < 0) /* explain/stacks hooks for the torch path (torch_viz.c) */
         goto fail;
     return m;
 fail:

@@ -234,9 +234,10 @@ std::string oom_message(int device, gm_heap *h, size_t size)
     gm_oom_info info;
     if (gm_last_oom(h, &info) != GM_OK || info.request < size)
         gm_memory_report(h, size, &info);
-    char buf[2048];
-    gm_torch_format_oom(device, &info, buf, sizeof buf);
-    return std::string(buf);
+    std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
+    size_t n = gm_torch_format_oom(device, &info, &buf[0], buf.size());
+    buf.resize(n);
+    return buf;
 }
 
 } // namespace
@@ -307,6 +308,16 @@ extern "C" int gm_torch_set_cap(int device, size_t cap_bytes)
     int rc = gm_set_cap(h, cap_bytes);
     refresh_limit(g_slots[device], h);
     return rc;
+}
+
+extern "C" int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, size_t *n)
+{
+    gm_heap *h = gm_torch_heap(device);
+    if (!h)
+        return GM_EINVAL;
+    gm_device *dev = gm_heap_device(h);
+    std::lock_guard<std::mutex> g(g_slots[device].mu);
+    return dev->ops->processes(dev, out, cap, n);
 }
 
 extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
@@ -436,8 +447,8 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
     if (size > g_slots[device].limit.load(std::memory_order_relaxed)) {
         gm_oom_info info;
         gm_memory_report(h, size, &info);
-        char buf[2048];
-        gm_torch_format_oom(device, &info, buf, sizeof buf);
+        std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
+        buf.resize(gm_torch_format_oom(device, &info, &buf[0], buf.size()));
         throw_oom(buf);
     }
     int rc = gm_malloc(h, size, (gm_stream)(uintptr_t)stream, ctx, &p);

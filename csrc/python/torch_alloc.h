@@ -58,6 +58,15 @@ int gm_torch_device_count(void);
  * kept.  Call with the GIL held.  NULL forgets it (RuntimeError then). */
 void gm_torch_set_oom_class(void *py_class);
 
+/* Room for the out-of-memory message: an explained one (a formatter) runs to a
+ * few KiB, with a table, causes and advice. */
+#define GM_TORCH_OOM_MSG_MAX 16384
+
+/* The processes holding memory on `device` (this one included), as the
+ * device's processes() call gives them, serialized with the other device
+ * calls gpumem makes outside the heap.  GM_EINVAL without a heap there. */
+int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, size_t *n);
+
 /* The out-of-memory message for `device` (starts "CUDA out of memory.").
  * The one place it is built; a formatter hook, when set, may replace it. */
 size_t gm_torch_format_oom(int device, const gm_oom_info *info, char *buf, size_t len);

@@ -450,7 +450,7 @@ static PyObject *g_format_oom(PyObject *Py_UNUSED(m), PyObject *args)
         return NULL;
     HEAP_OR_NONE(dev_o, h)
     gm_oom_info info;
-    char buf[2048];
+    char buf[GM_TORCH_OOM_MSG_MAX];
     Py_BEGIN_ALLOW_THREADS
     gm_memory_report(h, (size_t)size, &info);
     gm_torch_format_oom(device_, &info, buf, sizeof buf);

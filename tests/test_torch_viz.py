@@ -1,0 +1,253 @@
+"""The visibility layer on the torch path, checked without a GPU.
+
+The torch allocation path itself needs CUDA (tests/test_gpu_torch.py); here the
+two C hooks it is given (csrc/python/torch_viz.c, history_glue.c) are called
+directly through ctypes -- a CFUNCTYPE call releases the GIL, as torch's op
+bindings do before they allocate -- with a sim heap standing in for the CUDA
+heap, and the routing of torch's memory API is called as torch would call it.
+"""
+import ctypes
+import threading
+
+import pytest
+
+import gpumem
+from gpumem import _C, _torch_viz
+from gpumem import torch as gt
+from gpumem._resolve import NoHeapError, TorchHeap
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class OomInfo(ctypes.Structure):
+    """gm_oom_info (csrc/include/gpumem/gpumem.h)."""
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "request", "stream", "device_total", "device_free", "cap_bytes", "live_bytes", "pending_bytes",
+        "reserved_bytes", "cached_bytes", "free_mapped_bytes", "largest_free_mapped", "largest_possible",
+        "pages_needed")] + [("device_error", ctypes.c_int)]
+
+
+class ProcUsage(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint32), ("bytes", ctypes.c_uint64)]
+
+
+FORMATTER_ARGS = (ctypes.c_long, ctypes.POINTER(OomInfo), ctypes.c_int, ctypes.POINTER(ProcUsage), ctypes.c_long,
+                  ctypes.c_char_p, ctypes.c_size_t)
+# CFUNCTYPE calls release the GIL (torch's bindings do); PYFUNCTYPE ones keep it.
+no_gil_formatter = ctypes.CFUNCTYPE(*FORMATTER_ARGS)(_C._torch_viz_hooks()["oom_formatter"])
+gil_formatter = ctypes.PYFUNCTYPE(*FORMATTER_ARGS)(_C._torch_viz_hooks()["oom_formatter"])
+
+
+def call_formatter(info, procs=None, buflen=16384, fn=no_gil_formatter):
+    c_info = OomInfo(**{k: int(v) for k, v in info.items() if k in dict(OomInfo._fields_)})
+    if procs is None:
+        arr, n = None, -1
+    else:
+        arr, n = (ProcUsage * max(1, len(procs)))(*[ProcUsage(p, b) for p, b in procs]), len(procs)
+    buf = ctypes.create_string_buffer(buflen)
+    w = fn(ctypes.byref(c_info), 0, arr, n, buf, buflen)
+    assert 0 <= w < buflen and buf.value == buf.raw[:w]
+    return buf.raw[:w].decode("utf-8")
+
+
+@pytest.fixture
+def oom_heap(monkeypatch):
+    """A sim heap that has just failed an allocation, standing in for torch's heap of cuda:0."""
+    h = gpumem.Heap(device="sim", capacity=GiB)
+    keep = [h.malloc(200 * MiB) for _ in range(4)]
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(400 * MiB)
+    seen = []
+
+    class Stand_in:
+        # the sim heap, but with the process list the formatter was given, as TorchHeap does
+        def __init__(self, processes):
+            self.processes = processes
+
+        def __getattr__(self, name):
+            return getattr(h, name)
+
+        def device_processes(self):
+            return self.processes
+
+    def heap_for(device, processes):
+        seen.append((device, processes))
+        return Stand_in(processes)
+
+    monkeypatch.setattr(_torch_viz, "_heap_for", heap_for)
+    monkeypatch.delenv("GPUMEM_EXPLAIN_OOM", raising=False)
+    yield h, seen
+    for p in keep:
+        h.free(p)
+    h.close()
+
+
+# ---- the OOM formatter -------------------------------------------------------------------
+
+
+def test_formatter_writes_the_core_line_then_the_report(oom_heap):
+    h, seen = oom_heap
+    info = h.last_oom()
+    text = call_formatter(info, procs=[(4242, 300 * MiB)])
+    first, _, rest = text.partition("\n")
+    # The one line torch_alloc.cpp writes itself: device 0 has no torch heap here.
+    assert first.startswith("CUDA out of memory. Tried to allocate 400.00 MiB on GPU 0.")
+    assert "Where the device's" in rest and "[live_tensors]" in rest and "What to do:" in rest
+    # The process list torch_alloc.cpp took is what the report shows, not asked again.
+    assert seen == [(0, [(4242, 300 * MiB)])]
+    assert "PID 4242" in rest and "[other_processes]" in rest
+
+
+def test_formatter_with_and_without_the_gil_agree(oom_heap):
+    h, _ = oom_heap
+    info = h.last_oom()
+    assert call_formatter(info, fn=gil_formatter) == call_formatter(info, fn=no_gil_formatter)
+    got = []
+    t = threading.Thread(target=lambda: got.append(call_formatter(info)))
+    t.start()
+    t.join()
+    assert got == [call_formatter(info)]
+
+
+def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
+    h, _ = oom_heap
+    info = h.last_oom()
+    line = call_formatter(info).split("\n")[0]
+
+    def broken(device, processes):
+        raise RuntimeError("no heap today")
+
+    monkeypatch.setattr(_torch_viz, "_heap_for", broken)
+    assert call_formatter(info) == f"{line} (gpumem.explain failed: RuntimeError: no heap today)"
+    monkeypatch.setattr(_torch_viz, "render_oom", lambda *a: 42)   # not a str: the line alone
+    assert call_formatter(info) == line
+
+
+def test_explain_oom_0_keeps_one_line(oom_heap, monkeypatch):
+    h, _ = oom_heap
+    info = h.last_oom()
+    full = call_formatter(info)
+    monkeypatch.setenv("GPUMEM_EXPLAIN_OOM", "0")
+    assert call_formatter(info) == full.split("\n")[0]
+
+
+def test_long_report_is_cut_at_a_line_end(oom_heap):
+    h, _ = oom_heap
+    info = h.last_oom()
+    full = call_formatter(info)
+    line = full.split("\n")[0]
+    buflen = len(line.encode()) + 200
+    assert len(full.encode()) >= buflen    # otherwise this tests nothing
+    cut = call_formatter(info, buflen=buflen)
+    assert cut.endswith("\n[report truncated: gpumem.last_oom() returns all of it]")
+    body = cut[: -len("\n[report truncated: gpumem.last_oom() returns all of it]")]
+    assert full.startswith(body) and full[len(body)] == "\n" and body.startswith(line)
+
+
+def test_formatter_registered_in_torch_path_does_not_recurse(oom_heap):
+    """gm_torch_format_oom calls the registered formatter, which calls
+    gm_torch_format_oom for the one line: the second call must write it."""
+    h, _ = oom_heap
+    info = h.last_oom()
+    gt.set_oom_formatter(_C._torch_viz_hooks()["oom_formatter"])
+    try:
+        text = call_formatter(info)
+    finally:
+        gt.set_oom_formatter(0)
+    assert text.startswith("CUDA out of memory.") and "[live_tensors]" in text
+    assert text.count("CUDA out of memory.") == 1
+
+
+# ---- the stack hook ----------------------------------------------------------------------
+
+context_hook = ctypes.CFUNCTYPE(ctypes.c_uint64)(_C._torch_viz_hooks()["context"])
+
+
+def allocation_site():
+    return context_hook()          # the GIL is released around this call
+
+
+def test_stack_hook_takes_the_gil_back_in_python_threads():
+    _C._stacks_enable(True)
+    try:
+        ctx = allocation_site()
+        got = []
+        t = threading.Thread(target=lambda: got.append(allocation_site()))
+        t.start()
+        t.join()
+    finally:
+        _C._stacks_enable(False)
+    for c in (ctx, got[0]):
+        frames = _C._stack_frames(c)
+        assert frames and frames[0]["name"] == "allocation_site" and frames[0]["filename"] == __file__
+    assert _C._stack_frames(ctx)[1]["name"] == "test_stack_hook_takes_the_gil_back_in_python_threads"
+    assert allocation_site() == 0      # capture off
+
+
+def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gt, "set_context_hook", lambda addr: calls.append(addr))
+    h = gpumem.Heap(device="sim", capacity=GiB)
+    try:
+        gpumem.record_history(True, device=h)
+        assert calls == []             # gpumem is not torch's allocator in this process
+        monkeypatch.setattr(gt, "status", lambda: {"allocator_active": True})
+        gpumem.record_history(True, device=h, stacks="python")
+        gpumem.record_history(True, device=h, stacks=None)
+        gpumem.record_history(False, device=h)
+    finally:
+        gpumem.record_history(False, device=h)
+        h.close()
+    hook = _C._torch_viz_hooks()["context"]
+    assert calls[:3] == [hook, 0, 0]
+
+
+# ---- which heap, and torch's memory API ---------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda tmp: gpumem.snapshot(),
+    lambda tmp: gpumem.explain(),
+    lambda tmp: gpumem.last_oom(),
+    lambda tmp: gpumem.dump_snapshot(tmp / "s.pickle"),
+    lambda tmp: gpumem.record_history(True),
+    lambda tmp: gpumem.snapshot("cuda:0"),
+])
+def test_no_heap_given_and_gpumem_not_installed(call, tmp_path):
+    assert not gt.status()["allocator_active"]
+    with pytest.raises(NoHeapError, match=r"gpumem.install\(\).*or pass a gpumem.Heap"):
+        call(tmp_path)
+    assert not (tmp_path / "s.pickle").exists()
+
+
+def test_torch_heap_without_a_heap_says_so():
+    with pytest.raises(NoHeapError, match="no heap on cuda:3: torch has not allocated there"):
+        TorchHeap(3).snapshot()
+    assert TorchHeap(3).last_oom() is None and TorchHeap(3).device_name == "cuda:3"
+    assert _C._torch_processes(3) is None
+
+
+def test_torch_record_memory_history_routes_to_record_history(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_C, "_torch_history_enable", lambda n: calls.append(n))
+    try:
+        gt._record_history("all", "all", "all", 1000)          # torch's defaults: C++ + Python asked
+        assert calls[-1] == 1000 and _C._stacks_info()["enabled"]
+        gt._record_history("state", "alloc", "python", 5)
+        assert calls[-1] == 0 and _C._stacks_info()["enabled"]
+        gt._record_history("all", None, "python", 1 << 62)     # context=None: no stacks; ring bounded
+        assert calls[-1] == gt.MAX_HISTORY and not _C._stacks_info()["enabled"]
+        gt._record_history(True, True, 7)                      # the legacy form
+        assert calls[-1] == 7 and _C._stacks_info()["enabled"]
+        gt._record_history(False)
+        assert calls[-1] == 0 and not _C._stacks_info()["enabled"]
+        with pytest.raises(ValueError, match="enabled must be None, 'state' or 'all'"):
+            gt._record_history("sometimes")
+    finally:
+        _C._stacks_enable(False)
+
+
+def test_torch_snapshot_without_heaps_is_empty():
+    snap = _torch_viz.torch_snapshot_dict((0, 0, True))
+    assert snap["segments"] == [] and all(t == [] for t in snap["device_traces"])
