@@ -1,0 +1,103 @@
+/*
+ * common.c -- what module.c and torch_glue.c share (common.h).
+ */
+#include "common.h"
+
+#include <stdio.h>
+
+int gm_py_put(PyObject *d, const char *key, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int rc = PyDict_SetItemString(d, key, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+int gm_py_put_u64(PyObject *d, const char *key, uint64_t v)
+{
+    return gm_py_put(d, key, PyLong_FromUnsignedLongLong(v));
+}
+
+int gm_py_put_i64(PyObject *d, const char *key, int64_t v)
+{
+    return gm_py_put(d, key, PyLong_FromLongLong(v));
+}
+
+PyObject *gm_py_stats_dict(const gm_stats *s)
+{
+    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
+    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
+    const struct {
+        const char *name;
+        const gm_stat *arr;
+    } groups[] = {
+        {"allocation", s->allocation},           {"segment", s->segment},
+        {"active", s->active},                   {"inactive_split", s->inactive_split},
+        {"allocated_bytes", s->allocated_bytes}, {"reserved_bytes", s->reserved_bytes},
+        {"active_bytes", s->active_bytes},       {"inactive_split_bytes", s->inactive_split_bytes},
+        {"requested_bytes", s->requested_bytes},
+    };
+    const struct {
+        const char *name;
+        int64_t v;
+    } plain[] = {
+        {"num_alloc_retries", s->num_alloc_retries},
+        {"num_ooms", s->num_ooms},
+        {"num_sync_all_streams", s->num_sync_all_streams},
+        {"num_device_alloc", s->num_device_alloc},
+        {"num_device_free", s->num_device_free},
+        {"num_maps", s->num_maps},
+        {"num_unmaps", s->num_unmaps},
+        {"num_remaps", s->num_remaps},
+        {"num_pages_remapped", s->num_pages_remapped},
+        {"num_device_errors", s->num_device_errors},
+        {"max_split_size", s->max_split_size},
+    };
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    char key[96];
+    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
+        for (int p = 0; p < GM_POOL__COUNT; p++) {
+            const gm_stat *st = &groups[g].arr[p];
+            const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
+            for (int f = 0; f < 4; f++) {
+                snprintf(key, sizeof key, "%s.%s.%s", groups[g].name, pools[p], fields[f]);
+                if (gm_py_put_i64(d, key, vals[f]) < 0)
+                    goto fail;
+            }
+        }
+    }
+    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
+        if (gm_py_put_i64(d, plain[i].name, plain[i].v) < 0)
+            goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+PyObject *gm_py_oom_dict(const gm_oom_info *o)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (gm_py_put_u64(d, "request", o->request) < 0 || gm_py_put_u64(d, "stream", o->stream) < 0 ||
+        gm_py_put_u64(d, "device_total", o->device_total) < 0 ||
+        gm_py_put_u64(d, "device_free", o->device_free) < 0 ||
+        gm_py_put_u64(d, "cap_bytes", o->cap_bytes) < 0 ||
+        gm_py_put_u64(d, "live_bytes", o->live_bytes) < 0 ||
+        gm_py_put_u64(d, "pending_bytes", o->pending_bytes) < 0 ||
+        gm_py_put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
+        gm_py_put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
+        gm_py_put_u64(d, "free_mapped_bytes", o->free_mapped_bytes) < 0 ||
+        gm_py_put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
+        gm_py_put_u64(d, "largest_possible", o->largest_possible) < 0 ||
+        gm_py_put_u64(d, "pages_needed", o->pages_needed) < 0 ||
+        gm_py_put_i64(d, "device_error", o->device_error) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}

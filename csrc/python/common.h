@@ -1,0 +1,38 @@
+/*
+ * common.h -- pieces the Python glue files share: dict building, the
+ * torch-style stats dict and the out-of-memory report as a dict.
+ *
+ * Plain C (common.c); C++ callers get the declarations with C linkage through
+ * the extern "C" block below.
+ */
+#ifndef GPUMEM_PY_COMMON_H
+#define GPUMEM_PY_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem/gpumem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Set d[key] = value and drop the reference to value; value may be NULL (error). */
+int gm_py_put(PyObject *d, const char *key, PyObject *value);
+int gm_py_put_u64(PyObject *d, const char *key, uint64_t v);
+int gm_py_put_i64(PyObject *d, const char *key, int64_t v);
+
+/* torch.cuda.memory_stats()-shaped dict: "{name}.{pool}.{field}" keys, then
+ * the plain counters.  New reference, or NULL with an exception set. */
+PyObject *gm_py_stats_dict(const gm_stats *s);
+
+/* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
+PyObject *gm_py_oom_dict(const gm_oom_info *o);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
