@@ -1,8 +1,9 @@
 /*
- * common.c -- what module.c and torch_glue.c share (common.h).
+ * common.c -- what module.c, torch_glue.c and torch_alloc.cpp share (common.h).
  */
 #include "common.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 
 int gm_py_put(PyObject *d, const char *key, PyObject *value)
@@ -100,4 +101,33 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o)
         return NULL;
     }
     return d;
+}
+
+void gm_fmt_bytes(char *buf, size_t len, uint64_t n)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+    if (n < 1024) {
+        snprintf(buf, len, "%" PRIu64 " B", n);
+        return;
+    }
+    double v = (double)n / 1024.0;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
+        v /= 1024.0;
+        u++;
+    }
+    snprintf(buf, len, "%.2f %s", v, units[u]);
+}
+
+void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out)
+{
+    gm_fmt_bytes(out->request, sizeof out->request, o->request);
+    gm_fmt_bytes(out->device_total, sizeof out->device_total, o->device_total);
+    gm_fmt_bytes(out->device_free, sizeof out->device_free, o->device_free);
+    gm_fmt_bytes(out->live, sizeof out->live, o->live_bytes);
+    gm_fmt_bytes(out->reserved, sizeof out->reserved, o->reserved_bytes);
+    gm_fmt_bytes(out->cached, sizeof out->cached, o->cached_bytes);
+    gm_fmt_bytes(out->pending, sizeof out->pending, o->pending_bytes);
+    gm_fmt_bytes(out->largest, sizeof out->largest, o->largest_possible);
+    gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
 }

@@ -1,9 +1,10 @@
 /*
  * common.h -- pieces the Python glue files share: dict building, the
- * torch-style stats dict and the out-of-memory report as a dict.
+ * torch-style stats dict, the out-of-memory report as a dict, and the byte
+ * formatting used in error messages.
  *
- * Plain C (common.c); C++ callers get the declarations with C linkage through
- * the extern "C" block below.
+ * Plain C (common.c); C++ callers (torch_alloc.cpp) get the declarations with
+ * C linkage through the extern "C" block below.
  */
 #ifndef GPUMEM_PY_COMMON_H
 #define GPUMEM_PY_COMMON_H
@@ -30,6 +31,18 @@ PyObject *gm_py_stats_dict(const gm_stats *s);
 
 /* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
 PyObject *gm_py_oom_dict(const gm_oom_info *o);
+
+/* n bytes as "512 B", "1.50 KiB", ... "2.00 PiB": all byte counts in
+ * messages go through here. */
+void gm_fmt_bytes(char *buf, size_t len, uint64_t n);
+
+/* The byte counts an out-of-memory message names, formatted by gm_fmt_bytes. */
+typedef struct gm_oom_sizes {
+    char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32],
+        pending[32], largest[32], cap[32];
+} gm_oom_sizes;
+
+void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
 
 #ifdef __cplusplus
 }

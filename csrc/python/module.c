@@ -231,42 +231,18 @@ static int op_from_name(PyObject *name, gm_dev_op *out)
 }
 
 /* ---- the out-of-memory message ---------------------------------------------------
- * All byte counts in messages go through fmt_bytes, and the whole message is
- * built by oom_message alone, so that a richer explanation can replace it in
- * one place. */
-
-static void fmt_bytes(char *buf, size_t len, uint64_t n)
-{
-    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-    if (n < 1024) {
-        snprintf(buf, len, "%" PRIu64 " B", n);
-        return;
-    }
-    double v = (double)n / 1024.0;
-    size_t u = 0;
-    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
-        v /= 1024.0;
-        u++;
-    }
-    snprintf(buf, len, "%.2f %s", v, units[u]);
-}
+ * All byte counts in messages go through gm_fmt_bytes (common.c), and the
+ * whole message is built by oom_message alone, so that a richer explanation
+ * can replace it in one place. */
 
 static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
 {
-    char req[32], total[32], freeb[32], live[32], reserved[32], cached[32], pending[32], largest[32], cap[32];
-    fmt_bytes(req, sizeof req, o->request);
-    fmt_bytes(total, sizeof total, o->device_total);
-    fmt_bytes(freeb, sizeof freeb, o->device_free);
-    fmt_bytes(live, sizeof live, o->live_bytes);
-    fmt_bytes(reserved, sizeof reserved, o->reserved_bytes);
-    fmt_bytes(cached, sizeof cached, o->cached_bytes);
-    fmt_bytes(pending, sizeof pending, o->pending_bytes);
-    fmt_bytes(largest, sizeof largest, o->largest_possible);
-    fmt_bytes(cap, sizeof cap, o->cap_bytes);
+    gm_oom_sizes z;
+    gm_oom_sizes_format(o, &z);
 
     char device[96];
     if (o->device_total)
-        snprintf(device, sizeof device, "device has %s total, %s free", total, freeb);
+        snprintf(device, sizeof device, "device has %s total, %s free", z.device_total, z.device_free);
     else
         snprintf(device, sizeof device, "device memory unknown");
 
@@ -278,7 +254,7 @@ static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
     return PyUnicode_FromFormat(
         "CUDA out of memory. Tried to allocate %s; %s; this process holds %s live, %s reserved "
         "(%s cached, %s pending); the largest block defragmentation could make now is %s; cap %s%s.",
-        req, device, live, reserved, cached, pending, largest, cap, failed);
+        z.request, device, z.live, z.reserved, z.cached, z.pending, z.largest, z.cap, failed);
 }
 
 /* Raise OutOfMemoryError for the last failed allocation, with .info = the report. */
@@ -1244,7 +1220,7 @@ static PyObject *mod_format_bytes(PyObject *Py_UNUSED(mod), PyObject *n_o)
     if (to_u64(n_o, "n", UINT64_MAX, &n) < 0)
         return NULL;
     char buf[32];
-    fmt_bytes(buf, sizeof buf, n);
+    gm_fmt_bytes(buf, sizeof buf, n);
     return PyUnicode_FromString(buf);
 }
 
