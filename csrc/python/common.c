@@ -103,6 +103,69 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o)
     return d;
 }
 
+PyObject *gm_py_history(gm_heap *h, const char *unknown_action)
+{
+    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",
+                                        "unmap", "remap",          "oom",            "empty_cache"};
+    size_t cap = gm_history_len(h);
+    gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    uint64_t dropped = 0;
+    /* A thread inside the core without the GIL may add entries between the two
+     * calls; read returns how many it really copied, so use that. */
+    size_t n = gm_history_read(h, buf, cap, &dropped);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL) {
+        PyMem_Free(buf);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const gm_hist_entry *e = &buf[i];
+        const char *act = e->action < sizeof names / sizeof names[0] ? names[e->action] : unknown_action;
+        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act,
+                                    (unsigned long long)e->addr, (unsigned long long)e->size,
+                                    (unsigned long long)e->stream, (unsigned long long)e->context);
+        if (t == NULL) {
+            Py_DECREF(list);
+            PyMem_Free(buf);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    PyMem_Free(buf);
+    return Py_BuildValue("(NK)", list, (unsigned long long)dropped);
+}
+
+PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
+{
+    static const char *const states[] = {
+        [GM_BLOCK_LIVE] = "live",
+        [GM_BLOCK_FREE] = "free",
+        [GM_BLOCK_PENDING] = "pending",
+        [GM_BLOCK_UNMAPPED] = "unmapped",
+    };
+    PyObject *blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    if (blocks == NULL)
+        return NULL;
+    for (size_t i = 0; i < snap->n_blocks; i++) {
+        const gm_block_info *b = &snap->blocks[i];
+        const char *st = (b->state >= 0 && (size_t)b->state < sizeof states / sizeof states[0])
+                             ? states[b->state]
+                             : unknown_state;
+        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
+                                    (unsigned long long)b->size, (unsigned long long)b->requested,
+                                    (unsigned long long)b->stream, (unsigned long long)b->context,
+                                    (unsigned long long)b->alloc_seq, st);
+        if (t == NULL) {
+            Py_DECREF(blocks);
+            return NULL;
+        }
+        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
+    }
+    return blocks;
+}
+
 void gm_fmt_bytes(char *buf, size_t len, uint64_t n)
 {
     static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};

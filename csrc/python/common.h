@@ -1,7 +1,7 @@
 /*
  * common.h -- pieces the Python glue files share: dict building, the
- * torch-style stats dict, the out-of-memory report as a dict, and the byte
- * formatting used in error messages.
+ * torch-style stats dict, the out-of-memory report as a dict, history and
+ * snapshot blocks as lists, and the byte formatting used in error messages.
  *
  * Plain C (common.c); C++ callers (torch_alloc.cpp) get the declarations with
  * C linkage through the extern "C" block below.
@@ -31,6 +31,16 @@ PyObject *gm_py_stats_dict(const gm_stats *s);
 
 /* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
 PyObject *gm_py_oom_dict(const gm_oom_info *o);
+
+/* history as (entries, dropped): entries are (time_ns, action, addr, size,
+ * stream, context) tuples; an action with no name reads `unknown_action`.
+ * New reference or NULL. */
+PyObject *gm_py_history(gm_heap *h, const char *unknown_action);
+
+/* A snapshot's blocks as (addr, size, requested, stream, context, alloc_seq,
+ * state) tuples; a state with no name reads `unknown_state`.  New reference or
+ * NULL. */
+PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
 
 /* n bytes as "512 B", "1.50 KiB", ... "2.00 PiB": all byte counts in
  * messages go through here. */

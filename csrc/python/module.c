@@ -630,17 +630,6 @@ static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-static const char *block_state_name(int state)
-{
-    switch (state) {
-    case GM_BLOCK_LIVE: return "live";
-    case GM_BLOCK_FREE: return "free";
-    case GM_BLOCK_PENDING: return "pending";
-    case GM_BLOCK_UNMAPPED: return "unmapped";
-    default: return "unknown";
-    }
-}
-
 static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ensure_open(self) < 0)
@@ -657,19 +646,9 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
         gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
         gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0)
         goto fail;
-    blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    blocks = gm_py_blocks_list(snap, "unknown");
     if (blocks == NULL)
         goto fail;
-    for (size_t i = 0; i < snap->n_blocks; i++) {
-        const gm_block_info *b = &snap->blocks[i];
-        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr, (unsigned long long)b->size,
-                                    (unsigned long long)b->requested, (unsigned long long)b->stream,
-                                    (unsigned long long)b->context, (unsigned long long)b->alloc_seq,
-                                    block_state_name(b->state));
-        if (t == NULL)
-            goto fail;
-        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
-    }
     rc = PyDict_SetItemString(d, "blocks", blocks);
     Py_CLEAR(blocks);
     if (rc < 0)
@@ -704,44 +683,11 @@ static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o)
     Py_RETURN_NONE;
 }
 
-static const char *hist_action_name(uint32_t a)
-{
-    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",
-                                        "unmap", "remap",          "oom",            "empty_cache"};
-    return a < sizeof names / sizeof names[0] ? names[a] : "unknown";
-}
-
 static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ensure_open(self) < 0)
         return NULL;
-    size_t cap = gm_history_len(self->heap);
-    gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
-    if (buf == NULL)
-        return PyErr_NoMemory();
-    uint64_t dropped = 0;
-    /* A thread inside the core without the GIL may add entries between the two
-     * calls; read returns how many it really copied, so use that. */
-    size_t n = gm_history_read(self->heap, buf, cap, &dropped);
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    if (list == NULL) {
-        PyMem_Free(buf);
-        return NULL;
-    }
-    for (size_t i = 0; i < n; i++) {
-        const gm_hist_entry *e = &buf[i];
-        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, hist_action_name(e->action),
-                                    (unsigned long long)e->addr, (unsigned long long)e->size,
-                                    (unsigned long long)e->stream, (unsigned long long)e->context);
-        if (t == NULL) {
-            Py_DECREF(list);
-            PyMem_Free(buf);
-            return NULL;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    PyMem_Free(buf);
-    return Py_BuildValue("(NK)", list, (unsigned long long)dropped);
+    return gm_py_history(self->heap, "unknown");
 }
 
 /* ---- out-of-memory reports ------------------------------------------------------------ */

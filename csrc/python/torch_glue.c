@@ -222,8 +222,6 @@ static PyObject *g_reset_accumulated(PyObject *Py_UNUSED(m), PyObject *a)
     Py_RETURN_TRUE;
 }
 
-static const char *const block_states[] = {"live", "free", "pending", "unmapped"};
-
 static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
 {
     HEAP_OR_NONE(a, h)
@@ -245,20 +243,9 @@ static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
                                                   (Py_ssize_t)snap->n_pages)) < 0 ||
         gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0)
         goto fail;
-    blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    blocks = gm_py_blocks_list(snap, "?");
     if (blocks == NULL)
         goto fail;
-    for (size_t i = 0; i < snap->n_blocks; i++) {
-        const gm_block_info *b = &snap->blocks[i];
-        const char *st = (b->state >= 0 && b->state < 4) ? block_states[b->state] : "?";
-        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
-                                    (unsigned long long)b->size, (unsigned long long)b->requested,
-                                    (unsigned long long)b->stream, (unsigned long long)b->context,
-                                    (unsigned long long)b->alloc_seq, st);
-        if (t == NULL)
-            goto fail;
-        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
-    }
     if (PyDict_SetItemString(d, "blocks", blocks) < 0)
         goto fail;
     Py_DECREF(blocks);
@@ -270,9 +257,6 @@ fail:
     gm_snapshot_free(snap);
     return NULL;
 }
-
-static const char *const hist_actions[] = {"alloc", "free_requested", "free_completed", "map",
-                                           "unmap", "remap",          "oom",            "empty_cache"};
 
 static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
 {
@@ -297,32 +281,7 @@ static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
 static PyObject *g_history(PyObject *Py_UNUSED(m), PyObject *a)
 {
     HEAP_OR_NONE(a, h)
-    size_t n = gm_history_len(h);
-    gm_hist_entry *buf = PyMem_Malloc((n ? n : 1) * sizeof *buf);
-    if (buf == NULL)
-        return PyErr_NoMemory();
-    uint64_t dropped = 0;
-    size_t got = gm_history_read(h, buf, n, &dropped);
-    PyObject *l = PyList_New((Py_ssize_t)got);
-    if (l == NULL) {
-        PyMem_Free(buf);
-        return NULL;
-    }
-    for (size_t i = 0; i < got; i++) {
-        const gm_hist_entry *e = &buf[i];
-        const char *act = e->action < 8 ? hist_actions[e->action] : "?";
-        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act,
-                                    (unsigned long long)e->addr, (unsigned long long)e->size,
-                                    (unsigned long long)e->stream, (unsigned long long)e->context);
-        if (t == NULL) {
-            Py_DECREF(l);
-            PyMem_Free(buf);
-            return NULL;
-        }
-        PyList_SET_ITEM(l, (Py_ssize_t)i, t);
-    }
-    PyMem_Free(buf);
-    return Py_BuildValue("(NK)", l, (unsigned long long)dropped);
+    return gm_py_history(h, "?");
 }
 
 static PyObject *g_memory_report(PyObject *Py_UNUSED(m), PyObject *args)
