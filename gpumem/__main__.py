@@ -17,7 +17,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from . import __version__
 from . import _cli_viz
-from ._units import format_size, parse_size
+from ._cli_viz import _error_line, _size_arg
+from ._units import format_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -29,25 +30,11 @@ class UsageError(Exception):
     """A mistake in the command line or the input; printed as one line, exit 2."""
 
 
-def _error_line(message: str) -> None:
-    print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse prints usage plus an error; gpumem prints one line and exits 2."""
 
     def error(self, message):
         raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-def _size_arg(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return n
 
 
 # ---- progress ------------------------------------------------------------------

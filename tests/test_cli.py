@@ -12,20 +12,9 @@ import pytest
 import gpumem
 from gpumem.__main__ import main
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-MiB = 1 << 20
-GiB = 1 << 30
+from conftest import GiB, MiB, REPO, shared_dir
 
-
-def shared_path():
-    env = os.environ.get("GPUMEM_SHARED")
-    if env:
-        return pathlib.Path(env)
-    inside = REPO / "shared"
-    return inside if inside.is_dir() else REPO.parent / "shared"
-
-
-SHARED = shared_path()
+SHARED = shared_dir()
 SEED = SHARED / "traces" / "seed_fragmentation.trace.gz"
 needs_shared = pytest.mark.skipif(not SEED.exists(), reason=f"no traces under {SHARED} (set GPUMEM_SHARED)")
 

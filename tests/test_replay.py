@@ -1,7 +1,6 @@
 """Trace loading (both formats), size parsing, and replay on the simulated device."""
 import gzip
 import os
-import pathlib
 import pickle
 import struct
 
@@ -11,20 +10,9 @@ import gpumem
 from gpumem import format_size, parse_size
 from gpumem.trace import EVENT_SIZE, R_ALLOC, R_FREE, TraceError, load_trace
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-MiB = 1 << 20
-GiB = 1 << 30
+from conftest import GiB, MiB, shared_dir
 
-
-def shared_path():
-    env = os.environ.get("GPUMEM_SHARED")
-    if env:
-        return pathlib.Path(env)
-    inside = REPO / "shared"
-    return inside if inside.is_dir() else REPO.parent / "shared"
-
-
-SHARED = shared_path()
+SHARED = shared_dir()
 TRACES = sorted((SHARED / "traces").glob("*.trace.gz"))
 needs_shared = pytest.mark.skipif(not TRACES, reason=f"no traces under {SHARED} (set GPUMEM_SHARED)")
 

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "common.h"
 #include "history_glue.h"
 
 /* gpumem/trace.py packs events with struct "<IIQQ". */
@@ -229,133 +230,19 @@ static int op_from_name(PyObject *name, gm_dev_op *out)
     return -1;
 }
 
-/* ---- dict building ------------------------------------------------------------ */
-
-/* Set d[key] = value and drop the reference to value; value may be NULL (error). */
-static int put(PyObject *d, const char *key, PyObject *value)
-{
-    if (value == NULL)
-        return -1;
-    int rc = PyDict_SetItemString(d, key, value);
-    Py_DECREF(value);
-    return rc;
-}
-
-static int put_u64(PyObject *d, const char *key, uint64_t v)
-{
-    return put(d, key, PyLong_FromUnsignedLongLong(v));
-}
-
-static int put_i64(PyObject *d, const char *key, int64_t v)
-{
-    return put(d, key, PyLong_FromLongLong(v));
-}
-
-static PyObject *stats_dict(const gm_stats *s)
-{
-    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
-    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
-    const struct {
-        const char *name;
-        const gm_stat *arr;
-    } groups[] = {
-        {"allocation", s->allocation},
-        {"segment", s->segment},
-        {"active", s->active},
-        {"inactive_split", s->inactive_split},
-        {"allocated_bytes", s->allocated_bytes},
-        {"reserved_bytes", s->reserved_bytes},
-        {"active_bytes", s->active_bytes},
-        {"inactive_split_bytes", s->inactive_split_bytes},
-        {"requested_bytes", s->requested_bytes},
-    };
-    PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
-    char key[96];
-    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
-        for (int p = 0; p < GM_POOL__COUNT; p++) {
-            const gm_stat *st = &groups[g].arr[p];
-            const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
-            for (int f = 0; f < 4; f++) {
-                snprintf(key, sizeof key, "%s.%s.%s", groups[g].name, pools[p], fields[f]);
-                if (put_i64(d, key, vals[f]) < 0)
-                    goto fail;
-            }
-        }
-    }
-    if (put_i64(d, "num_alloc_retries", s->num_alloc_retries) < 0 || put_i64(d, "num_ooms", s->num_ooms) < 0 ||
-        put_i64(d, "num_sync_all_streams", s->num_sync_all_streams) < 0 ||
-        put_i64(d, "num_device_alloc", s->num_device_alloc) < 0 ||
-        put_i64(d, "num_device_free", s->num_device_free) < 0 || put_i64(d, "num_maps", s->num_maps) < 0 ||
-        put_i64(d, "num_unmaps", s->num_unmaps) < 0 || put_i64(d, "num_remaps", s->num_remaps) < 0 ||
-        put_i64(d, "num_pages_remapped", s->num_pages_remapped) < 0 ||
-        put_i64(d, "num_device_errors", s->num_device_errors) < 0 ||
-        put_i64(d, "max_split_size", s->max_split_size) < 0)
-        goto fail;
-    return d;
-fail:
-    Py_DECREF(d);
-    return NULL;
-}
-
-static PyObject *oom_dict(const gm_oom_info *o)
-{
-    PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
-    if (put_u64(d, "request", o->request) < 0 || put_u64(d, "stream", o->stream) < 0 ||
-        put_u64(d, "device_total", o->device_total) < 0 || put_u64(d, "device_free", o->device_free) < 0 ||
-        put_u64(d, "cap_bytes", o->cap_bytes) < 0 || put_u64(d, "live_bytes", o->live_bytes) < 0 ||
-        put_u64(d, "pending_bytes", o->pending_bytes) < 0 || put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
-        put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
-        put_u64(d, "free_mapped_bytes", o->free_mapped_bytes) < 0 ||
-        put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
-        put_u64(d, "largest_possible", o->largest_possible) < 0 ||
-        put_u64(d, "pages_needed", o->pages_needed) < 0 || put_i64(d, "device_error", o->device_error) < 0) {
-        Py_DECREF(d);
-        return NULL;
-    }
-    return d;
-}
-
 /* ---- the out-of-memory message ---------------------------------------------------
- * All byte counts in messages go through fmt_bytes, and the whole message is
- * built by oom_message alone, so that a richer explanation can replace it in
- * one place. */
-
-static void fmt_bytes(char *buf, size_t len, uint64_t n)
-{
-    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-    if (n < 1024) {
-        snprintf(buf, len, "%" PRIu64 " B", n);
-        return;
-    }
-    double v = (double)n / 1024.0;
-    size_t u = 0;
-    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
-        v /= 1024.0;
-        u++;
-    }
-    snprintf(buf, len, "%.2f %s", v, units[u]);
-}
+ * All byte counts in messages go through gm_fmt_bytes (common.c), and the
+ * whole message is built by oom_message alone, so that a richer explanation
+ * can replace it in one place. */
 
 static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
 {
-    char req[32], total[32], freeb[32], live[32], reserved[32], cached[32], pending[32], largest[32], cap[32];
-    fmt_bytes(req, sizeof req, o->request);
-    fmt_bytes(total, sizeof total, o->device_total);
-    fmt_bytes(freeb, sizeof freeb, o->device_free);
-    fmt_bytes(live, sizeof live, o->live_bytes);
-    fmt_bytes(reserved, sizeof reserved, o->reserved_bytes);
-    fmt_bytes(cached, sizeof cached, o->cached_bytes);
-    fmt_bytes(pending, sizeof pending, o->pending_bytes);
-    fmt_bytes(largest, sizeof largest, o->largest_possible);
-    fmt_bytes(cap, sizeof cap, o->cap_bytes);
+    gm_oom_sizes z;
+    gm_oom_sizes_format(o, &z);
 
     char device[96];
     if (o->device_total)
-        snprintf(device, sizeof device, "device has %s total, %s free", total, freeb);
+        snprintf(device, sizeof device, "device has %s total, %s free", z.device_total, z.device_free);
     else
         snprintf(device, sizeof device, "device memory unknown");
 
@@ -367,7 +254,7 @@ static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
     return PyUnicode_FromFormat(
         "CUDA out of memory. Tried to allocate %s; %s; this process holds %s live, %s reserved "
         "(%s cached, %s pending); the largest block defragmentation could make now is %s; cap %s%s.",
-        req, device, live, reserved, cached, pending, largest, cap, failed);
+        z.request, device, z.live, z.reserved, z.cached, z.pending, z.largest, z.cap, failed);
 }
 
 /* Raise OutOfMemoryError for the last failed allocation, with .info = the report. */
@@ -376,7 +263,7 @@ static PyObject *raise_oom(HeapObject *self)
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK)
         return raise_code(self, GM_ENOMEM, "malloc");
-    PyObject *d = oom_dict(&info);
+    PyObject *d = gm_py_oom_dict(&info);
     if (d == NULL)
         return NULL;
     /* gpumem.explain words the message when it is loaded (history_glue.c). */
@@ -706,7 +593,7 @@ static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
         return NULL;
     gm_stats s;
     gm_get_stats(self->heap, &s);
-    return stats_dict(&s);
+    return gm_py_stats_dict(&s);
 }
 
 static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
@@ -743,17 +630,6 @@ static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-static const char *block_state_name(int state)
-{
-    switch (state) {
-    case GM_BLOCK_LIVE: return "live";
-    case GM_BLOCK_FREE: return "free";
-    case GM_BLOCK_PENDING: return "pending";
-    case GM_BLOCK_UNMAPPED: return "unmapped";
-    default: return "unknown";
-    }
-}
-
 static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ensure_open(self) < 0)
@@ -766,30 +642,20 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *blocks = NULL;
     if (d == NULL)
         goto fail;
-    if (put_u64(d, "va_base", snap->va_base) < 0 || put_u64(d, "va_size", snap->va_size) < 0 ||
-        put_u64(d, "page_size", snap->page_size) < 0 || put_u64(d, "top", snap->top) < 0 ||
-        put_u64(d, "spare_pages", snap->spare_pages) < 0 || put_u64(d, "cap_bytes", snap->cap_bytes) < 0)
+    if (gm_py_put_u64(d, "va_base", snap->va_base) < 0 || gm_py_put_u64(d, "va_size", snap->va_size) < 0 ||
+        gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
+        gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0)
         goto fail;
-    blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    blocks = gm_py_blocks_list(snap, "unknown");
     if (blocks == NULL)
         goto fail;
-    for (size_t i = 0; i < snap->n_blocks; i++) {
-        const gm_block_info *b = &snap->blocks[i];
-        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr, (unsigned long long)b->size,
-                                    (unsigned long long)b->requested, (unsigned long long)b->stream,
-                                    (unsigned long long)b->context, (unsigned long long)b->alloc_seq,
-                                    block_state_name(b->state));
-        if (t == NULL)
-            goto fail;
-        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
-    }
     rc = PyDict_SetItemString(d, "blocks", blocks);
     Py_CLEAR(blocks);
     if (rc < 0)
         goto fail;
-    if (put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages, (Py_ssize_t)snap->n_pages)) < 0)
+    if (gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages, (Py_ssize_t)snap->n_pages)) < 0)
         goto fail;
-    if (put(d, "stats", stats_dict(&snap->stats)) < 0)
+    if (gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0)
         goto fail;
     gm_snapshot_free(snap);
     return d;
@@ -817,44 +683,11 @@ static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o)
     Py_RETURN_NONE;
 }
 
-static const char *hist_action_name(uint32_t a)
-{
-    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",
-                                        "unmap", "remap",          "oom",            "empty_cache"};
-    return a < sizeof names / sizeof names[0] ? names[a] : "unknown";
-}
-
 static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ensure_open(self) < 0)
         return NULL;
-    size_t cap = gm_history_len(self->heap);
-    gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
-    if (buf == NULL)
-        return PyErr_NoMemory();
-    uint64_t dropped = 0;
-    /* A thread inside the core without the GIL may add entries between the two
-     * calls; read returns how many it really copied, so use that. */
-    size_t n = gm_history_read(self->heap, buf, cap, &dropped);
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    if (list == NULL) {
-        PyMem_Free(buf);
-        return NULL;
-    }
-    for (size_t i = 0; i < n; i++) {
-        const gm_hist_entry *e = &buf[i];
-        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, hist_action_name(e->action),
-                                    (unsigned long long)e->addr, (unsigned long long)e->size,
-                                    (unsigned long long)e->stream, (unsigned long long)e->context);
-        if (t == NULL) {
-            Py_DECREF(list);
-            PyMem_Free(buf);
-            return NULL;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    PyMem_Free(buf);
-    return Py_BuildValue("(NK)", list, (unsigned long long)dropped);
+    return gm_py_history(self->heap, "unknown");
 }
 
 /* ---- out-of-memory reports ------------------------------------------------------------ */
@@ -919,7 +752,7 @@ static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored))
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK)
         Py_RETURN_NONE;
-    return oom_dict(&info);
+    return gm_py_oom_dict(&info);
 }
 
 static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *kwds)
@@ -935,7 +768,7 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
         return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, size, &info);
-    return oom_dict(&info);
+    return gm_py_oom_dict(&info);
 }
 
 /* ---- replay ---------------------------------------------------------------------------- */
@@ -1038,12 +871,12 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
     result = PyDict_New();
     if (result == NULL)
         goto done;
-    if (put_u64(result, "allocs", res.allocs) < 0 || put_u64(result, "frees", res.frees) < 0 ||
-        put_u64(result, "ooms", res.ooms) < 0 || put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
-        put_u64(result, "peak_reserved_bytes", res.peak_reserved_bytes) < 0 ||
-        put_i64(result, "first_oom_event", res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
-        put_u64(result, "peak_event", res.peak_event) < 0 || put_i64(result, "error", res.error) < 0 ||
-        put(result, "error_name", PyUnicode_FromString(code_name(res.error))) < 0) {
+    if (gm_py_put_u64(result, "allocs", res.allocs) < 0 || gm_py_put_u64(result, "frees", res.frees) < 0 ||
+        gm_py_put_u64(result, "ooms", res.ooms) < 0 || gm_py_put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
+        gm_py_put_u64(result, "peak_reserved_bytes", res.peak_reserved_bytes) < 0 ||
+        gm_py_put_i64(result, "first_oom_event", res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
+        gm_py_put_u64(result, "peak_event", res.peak_event) < 0 || gm_py_put_i64(result, "error", res.error) < 0 ||
+        gm_py_put(result, "error_name", PyUnicode_FromString(code_name(res.error))) < 0) {
         Py_CLEAR(result);
         goto done;
     }
@@ -1057,7 +890,7 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
             Py_XDECREF(raw);
             Py_DECREF(array_mod);
         }
-        if (put(result, "op_ns", arr) < 0)
+        if (gm_py_put(result, "op_ns", arr) < 0)
             Py_CLEAR(result);
     }
 done:
@@ -1333,7 +1166,7 @@ static PyObject *mod_format_bytes(PyObject *Py_UNUSED(mod), PyObject *n_o)
     if (to_u64(n_o, "n", UINT64_MAX, &n) < 0)
         return NULL;
     char buf[32];
-    fmt_bytes(buf, sizeof buf, n);
+    gm_fmt_bytes(buf, sizeof buf, n);
     return PyUnicode_FromString(buf);
 }
 

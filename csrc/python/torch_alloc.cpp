@@ -37,6 +37,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "common.h"
 #include "torch_alloc.h"
 
 /* ---- the exception torch re-raises as a Python exception ------------------- */
@@ -146,22 +147,6 @@ size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction)
             cap = f;
     }
     return cap;
-}
-
-void fmt_bytes(char *buf, size_t len, uint64_t n)
-{
-    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-    if (n < 1024) {
-        snprintf(buf, len, "%" PRIu64 " B", n);
-        return;
-    }
-    double v = (double)n / 1024.0;
-    size_t u = 0;
-    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
-        v /= 1024.0;
-        u++;
-    }
-    snprintf(buf, len, "%.2f %s", v, units[u]);
 }
 
 bool valid_device(int device) { return device >= 0 && device < GM_TORCH_MAX_DEVICES; }
@@ -369,17 +354,8 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
         }
     }
 
-    char req[32], total[32], freeb[32], live[32], reserved[32], cached[32], pending[32],
-        largest[32], cap[32];
-    fmt_bytes(req, sizeof req, o->request);
-    fmt_bytes(total, sizeof total, o->device_total);
-    fmt_bytes(freeb, sizeof freeb, o->device_free);
-    fmt_bytes(live, sizeof live, o->live_bytes);
-    fmt_bytes(reserved, sizeof reserved, o->reserved_bytes);
-    fmt_bytes(cached, sizeof cached, o->cached_bytes);
-    fmt_bytes(pending, sizeof pending, o->pending_bytes);
-    fmt_bytes(largest, sizeof largest, o->largest_possible);
-    fmt_bytes(cap, sizeof cap, o->cap_bytes);
+    gm_oom_sizes z;
+    gm_oom_sizes_format(o, &z);
 
     /* Other processes: everything NVML lists but this one. */
     std::string others;
@@ -396,14 +372,14 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
             sum += procs[i].bytes;
             if (shown < 4) {
                 char one[64], b[32];
-                fmt_bytes(b, sizeof b, procs[i].bytes);
+                gm_fmt_bytes(b, sizeof b, procs[i].bytes);
                 snprintf(one, sizeof one, "%spid %u: %s", shown ? ", " : "", procs[i].pid, b);
                 list += one;
                 shown++;
             }
         }
         char s[32];
-        fmt_bytes(s, sizeof s, sum);
+        gm_fmt_bytes(s, sizeof s, sum);
         others = s;
         if (!list.empty())
             others += " (" + list + ")";
@@ -421,8 +397,8 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
                      "streams), under a cap of %s. The largest block gpumem could make now, "
                      "after releasing its cache and defragmenting, is %s. Memory held by other "
                      "processes: %s.%s",
-                     req, device, device, total, freeb, live, reserved, cached, pending, cap,
-                     largest, others.c_str(), failed.c_str());
+                     z.request, device, device, z.device_total, z.device_free, z.live, z.reserved,
+                     z.cached, z.pending, z.cap, z.largest, others.c_str(), failed.c_str());
     if (w < 0)
         return 0;
     return (size_t)w < len ? (size_t)w : len - 1;

@@ -14,26 +14,10 @@
 #include <inttypes.h>
 #include <string.h>
 
+#include "common.h"
 #include "torch_alloc.h"
 
 int gm_torch_glue_add(PyObject *module);
-
-static int put(PyObject *d, const char *key, PyObject *v)
-{
-    if (v == NULL)
-        return -1;
-    int rc = PyDict_SetItemString(d, key, v);
-    Py_DECREF(v);
-    return rc;
-}
-static int put_u64(PyObject *d, const char *key, uint64_t v)
-{
-    return put(d, key, PyLong_FromUnsignedLongLong(v));
-}
-static int put_i64(PyObject *d, const char *key, int64_t v)
-{
-    return put(d, key, PyLong_FromLongLong(v));
-}
 
 /* Parse a device argument: a non-negative int below GM_TORCH_MAX_DEVICES. */
 static int get_device(PyObject *o, int *device)
@@ -48,83 +32,6 @@ static int get_device(PyObject *o, int *device)
     }
     *device = (int)d;
     return 0;
-}
-
-static PyObject *stats_to_dict(const gm_stats *s)
-{
-    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
-    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
-    const struct {
-        const char *name;
-        const gm_stat *arr;
-    } groups[] = {
-        {"allocation", s->allocation},           {"segment", s->segment},
-        {"active", s->active},                   {"inactive_split", s->inactive_split},
-        {"allocated_bytes", s->allocated_bytes}, {"reserved_bytes", s->reserved_bytes},
-        {"active_bytes", s->active_bytes},       {"inactive_split_bytes", s->inactive_split_bytes},
-        {"requested_bytes", s->requested_bytes},
-    };
-    const struct {
-        const char *name;
-        int64_t v;
-    } plain[] = {
-        {"num_alloc_retries", s->num_alloc_retries},
-        {"num_ooms", s->num_ooms},
-        {"num_sync_all_streams", s->num_sync_all_streams},
-        {"num_device_alloc", s->num_device_alloc},
-        {"num_device_free", s->num_device_free},
-        {"num_maps", s->num_maps},
-        {"num_unmaps", s->num_unmaps},
-        {"num_remaps", s->num_remaps},
-        {"num_pages_remapped", s->num_pages_remapped},
-        {"num_device_errors", s->num_device_errors},
-        {"max_split_size", s->max_split_size},
-    };
-    PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
-    char key[96];
-    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
-        for (int p = 0; p < GM_POOL__COUNT; p++) {
-            const gm_stat *st = &groups[g].arr[p];
-            const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
-            for (int f = 0; f < 4; f++) {
-                snprintf(key, sizeof key, "%s.%s.%s", groups[g].name, pools[p], fields[f]);
-                if (put_i64(d, key, vals[f]) < 0)
-                    goto fail;
-            }
-        }
-    }
-    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
-        if (put_i64(d, plain[i].name, plain[i].v) < 0)
-            goto fail;
-    return d;
-fail:
-    Py_DECREF(d);
-    return NULL;
-}
-
-static PyObject *oom_to_dict(const gm_oom_info *o)
-{
-    PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
-    if (put_u64(d, "request", o->request) < 0 || put_u64(d, "stream", o->stream) < 0 ||
-        put_u64(d, "device_total", o->device_total) < 0 ||
-        put_u64(d, "device_free", o->device_free) < 0 || put_u64(d, "cap_bytes", o->cap_bytes) < 0 ||
-        put_u64(d, "live_bytes", o->live_bytes) < 0 ||
-        put_u64(d, "pending_bytes", o->pending_bytes) < 0 ||
-        put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
-        put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
-        put_u64(d, "free_mapped_bytes", o->free_mapped_bytes) < 0 ||
-        put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
-        put_u64(d, "largest_possible", o->largest_possible) < 0 ||
-        put_u64(d, "pages_needed", o->pages_needed) < 0 ||
-        put_i64(d, "device_error", o->device_error) < 0) {
-        Py_DECREF(d);
-        return NULL;
-    }
-    return d;
 }
 
 /* ---- configuration -------------------------------------------------------------- */
@@ -182,12 +89,12 @@ static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     PyObject *d = PyDict_New();
     if (d == NULL)
         return NULL;
-    if (put_u64(d, "va_size", o.va_size) < 0 || put_u64(d, "cap_bytes", o.cap_bytes) < 0 ||
-        put(d, "cap_fraction", PyFloat_FromDouble(o.cap_fraction)) < 0 ||
-        put(d, "growth_slack", PyFloat_FromDouble(o.growth_slack)) < 0 ||
-        put_i64(d, "growth_slack_pages", o.growth_slack_pages) < 0 ||
-        put_u64(d, "history_entries", o.history_entries) < 0 ||
-        put(d, "oom_mode",
+    if (gm_py_put_u64(d, "va_size", o.va_size) < 0 || gm_py_put_u64(d, "cap_bytes", o.cap_bytes) < 0 ||
+        gm_py_put(d, "cap_fraction", PyFloat_FromDouble(o.cap_fraction)) < 0 ||
+        gm_py_put(d, "growth_slack", PyFloat_FromDouble(o.growth_slack)) < 0 ||
+        gm_py_put_i64(d, "growth_slack_pages", o.growth_slack_pages) < 0 ||
+        gm_py_put_u64(d, "history_entries", o.history_entries) < 0 ||
+        gm_py_put(d, "oom_mode",
             PyUnicode_FromString(o.oom_mode == GM_TORCH_OOM_TORCH ? "torch" : "runtime")) < 0) {
         Py_DECREF(d);
         return NULL;
@@ -208,12 +115,12 @@ static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     PyObject *d = PyDict_New();
     if (d == NULL)
         return NULL;
-    if (put(d, "alloc", addr((void (*)(void))gpumem_torch_alloc)) < 0 ||
-        put(d, "free", addr((void (*)(void))gpumem_torch_free)) < 0 ||
-        put(d, "empty_cache", addr((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
-        put(d, "memory_fraction", addr((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
-        put(d, "record_stream", addr((void (*)(void))gpumem_torch_record_stream)) < 0 ||
-        put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0) {
+    if (gm_py_put(d, "alloc", addr((void (*)(void))gpumem_torch_alloc)) < 0 ||
+        gm_py_put(d, "free", addr((void (*)(void))gpumem_torch_free)) < 0 ||
+        gm_py_put(d, "empty_cache", addr((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
+        gm_py_put(d, "memory_fraction", addr((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
+        gm_py_put(d, "record_stream", addr((void (*)(void))gpumem_torch_record_stream)) < 0 ||
+        gm_py_put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -298,7 +205,7 @@ static PyObject *g_stats(PyObject *Py_UNUSED(m), PyObject *a)
     HEAP_OR_NONE(a, h)
     gm_stats s;
     gm_get_stats(h, &s);
-    return stats_to_dict(&s);
+    return gm_py_stats_dict(&s);
 }
 
 static PyObject *g_reset_peak(PyObject *Py_UNUSED(m), PyObject *a)
@@ -315,8 +222,6 @@ static PyObject *g_reset_accumulated(PyObject *Py_UNUSED(m), PyObject *a)
     Py_RETURN_TRUE;
 }
 
-static const char *const block_states[] = {"live", "free", "pending", "unmapped"};
-
 static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
 {
     HEAP_OR_NONE(a, h)
@@ -330,28 +235,17 @@ static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
     PyObject *d = PyDict_New(), *blocks = NULL;
     if (d == NULL)
         goto fail;
-    if (put_u64(d, "va_base", snap->va_base) < 0 || put_u64(d, "va_size", snap->va_size) < 0 ||
-        put_u64(d, "page_size", snap->page_size) < 0 || put_u64(d, "top", snap->top) < 0 ||
-        put_u64(d, "spare_pages", snap->spare_pages) < 0 ||
-        put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
-        put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages,
+    if (gm_py_put_u64(d, "va_base", snap->va_base) < 0 || gm_py_put_u64(d, "va_size", snap->va_size) < 0 ||
+        gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
+        gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 ||
+        gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
+        gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages,
                                                   (Py_ssize_t)snap->n_pages)) < 0 ||
-        put(d, "stats", stats_to_dict(&snap->stats)) < 0)
+        gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0)
         goto fail;
-    blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    blocks = gm_py_blocks_list(snap, "?");
     if (blocks == NULL)
         goto fail;
-    for (size_t i = 0; i < snap->n_blocks; i++) {
-        const gm_block_info *b = &snap->blocks[i];
-        const char *st = (b->state >= 0 && b->state < 4) ? block_states[b->state] : "?";
-        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
-                                    (unsigned long long)b->size, (unsigned long long)b->requested,
-                                    (unsigned long long)b->stream, (unsigned long long)b->context,
-                                    (unsigned long long)b->alloc_seq, st);
-        if (t == NULL)
-            goto fail;
-        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
-    }
     if (PyDict_SetItemString(d, "blocks", blocks) < 0)
         goto fail;
     Py_DECREF(blocks);
@@ -363,9 +257,6 @@ fail:
     gm_snapshot_free(snap);
     return NULL;
 }
-
-static const char *const hist_actions[] = {"alloc", "free_requested", "free_completed", "map",
-                                           "unmap", "remap",          "oom",            "empty_cache"};
 
 static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
 {
@@ -390,32 +281,7 @@ static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
 static PyObject *g_history(PyObject *Py_UNUSED(m), PyObject *a)
 {
     HEAP_OR_NONE(a, h)
-    size_t n = gm_history_len(h);
-    gm_hist_entry *buf = PyMem_Malloc((n ? n : 1) * sizeof *buf);
-    if (buf == NULL)
-        return PyErr_NoMemory();
-    uint64_t dropped = 0;
-    size_t got = gm_history_read(h, buf, n, &dropped);
-    PyObject *l = PyList_New((Py_ssize_t)got);
-    if (l == NULL) {
-        PyMem_Free(buf);
-        return NULL;
-    }
-    for (size_t i = 0; i < got; i++) {
-        const gm_hist_entry *e = &buf[i];
-        const char *act = e->action < 8 ? hist_actions[e->action] : "?";
-        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act,
-                                    (unsigned long long)e->addr, (unsigned long long)e->size,
-                                    (unsigned long long)e->stream, (unsigned long long)e->context);
-        if (t == NULL) {
-            Py_DECREF(l);
-            PyMem_Free(buf);
-            return NULL;
-        }
-        PyList_SET_ITEM(l, (Py_ssize_t)i, t);
-    }
-    PyMem_Free(buf);
-    return Py_BuildValue("(NK)", l, (unsigned long long)dropped);
+    return gm_py_history(h, "?");
 }
 
 static PyObject *g_memory_report(PyObject *Py_UNUSED(m), PyObject *args)
@@ -429,7 +295,7 @@ static PyObject *g_memory_report(PyObject *Py_UNUSED(m), PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     gm_memory_report(h, (size_t)size, &info);
     Py_END_ALLOW_THREADS
-    return oom_to_dict(&info);
+    return gm_py_oom_dict(&info);
 }
 
 static PyObject *g_last_oom(PyObject *Py_UNUSED(m), PyObject *a)
@@ -438,7 +304,7 @@ static PyObject *g_last_oom(PyObject *Py_UNUSED(m), PyObject *a)
     gm_oom_info info;
     if (gm_last_oom(h, &info) != GM_OK)
         Py_RETURN_NONE;
-    return oom_to_dict(&info);
+    return gm_py_oom_dict(&info);
 }
 
 /* The message an allocation of `size` bytes would fail with now. */
@@ -509,11 +375,11 @@ static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     PyObject *d = PyDict_New();
     if (d == NULL)
         return NULL;
-    if (put_u64(d, "ooms", c.ooms) < 0 || put_u64(d, "oom_retries", c.oom_retries) < 0 ||
-        put_u64(d, "free_errors", c.free_errors) < 0 ||
-        put_u64(d, "empty_cache_calls", c.empty_cache_calls) < 0 ||
-        put_u64(d, "record_stream_calls", c.record_stream_calls) < 0 ||
-        put_u64(d, "fraction_calls", c.fraction_calls) < 0) {
+    if (gm_py_put_u64(d, "ooms", c.ooms) < 0 || gm_py_put_u64(d, "oom_retries", c.oom_retries) < 0 ||
+        gm_py_put_u64(d, "free_errors", c.free_errors) < 0 ||
+        gm_py_put_u64(d, "empty_cache_calls", c.empty_cache_calls) < 0 ||
+        gm_py_put_u64(d, "record_stream_calls", c.record_stream_calls) < 0 ||
+        gm_py_put_u64(d, "fraction_calls", c.fraction_calls) < 0) {
         Py_DECREF(d);
         return NULL;
     }

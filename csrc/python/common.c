@@ -1,0 +1,196 @@
+/*
+ * common.c -- what module.c, torch_glue.c and torch_alloc.cpp share (common.h).
+ */
+#include "common.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+
+int gm_py_put(PyObject *d, const char *key, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int rc = PyDict_SetItemString(d, key, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+int gm_py_put_u64(PyObject *d, const char *key, uint64_t v)
+{
+    return gm_py_put(d, key, PyLong_FromUnsignedLongLong(v));
+}
+
+int gm_py_put_i64(PyObject *d, const char *key, int64_t v)
+{
+    return gm_py_put(d, key, PyLong_FromLongLong(v));
+}
+
+PyObject *gm_py_stats_dict(const gm_stats *s)
+{
+    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
+    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
+    const struct {
+        const char *name;
+        const gm_stat *arr;
+    } groups[] = {
+        {"allocation", s->allocation},           {"segment", s->segment},
+        {"active", s->active},                   {"inactive_split", s->inactive_split},
+        {"allocated_bytes", s->allocated_bytes}, {"reserved_bytes", s->reserved_bytes},
+        {"active_bytes", s->active_bytes},       {"inactive_split_bytes", s->inactive_split_bytes},
+        {"requested_bytes", s->requested_bytes},
+    };
+    const struct {
+        const char *name;
+        int64_t v;
+    } plain[] = {
+        {"num_alloc_retries", s->num_alloc_retries},
+        {"num_ooms", s->num_ooms},
+        {"num_sync_all_streams", s->num_sync_all_streams},
+        {"num_device_alloc", s->num_device_alloc},
+        {"num_device_free", s->num_device_free},
+        {"num_maps", s->num_maps},
+        {"num_unmaps", s->num_unmaps},
+        {"num_remaps", s->num_remaps},
+        {"num_pages_remapped", s->num_pages_remapped},
+        {"num_device_errors", s->num_device_errors},
+        {"max_split_size", s->max_split_size},
+    };
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    char key[96];
+    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
+        for (int p = 0; p < GM_POOL__COUNT; p++) {
+            const gm_stat *st = &groups[g].arr[p];
+            const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
+            for (int f = 0; f < 4; f++) {
+                snprintf(key, sizeof key, "%s.%s.%s", groups[g].name, pools[p], fields[f]);
+                if (gm_py_put_i64(d, key, vals[f]) < 0)
+                    goto fail;
+            }
+        }
+    }
+    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
+        if (gm_py_put_i64(d, plain[i].name, plain[i].v) < 0)
+            goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+PyObject *gm_py_oom_dict(const gm_oom_info *o)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (gm_py_put_u64(d, "request", o->request) < 0 || gm_py_put_u64(d, "stream", o->stream) < 0 ||
+        gm_py_put_u64(d, "device_total", o->device_total) < 0 ||
+        gm_py_put_u64(d, "device_free", o->device_free) < 0 ||
+        gm_py_put_u64(d, "cap_bytes", o->cap_bytes) < 0 ||
+        gm_py_put_u64(d, "live_bytes", o->live_bytes) < 0 ||
+        gm_py_put_u64(d, "pending_bytes", o->pending_bytes) < 0 ||
+        gm_py_put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
+        gm_py_put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
+        gm_py_put_u64(d, "free_mapped_bytes", o->free_mapped_bytes) < 0 ||
+        gm_py_put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
+        gm_py_put_u64(d, "largest_possible", o->largest_possible) < 0 ||
+        gm_py_put_u64(d, "pages_needed", o->pages_needed) < 0 ||
+        gm_py_put_i64(d, "device_error", o->device_error) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+PyObject *gm_py_history(gm_heap *h, const char *unknown_action)
+{
+    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",
+                                        "unmap", "remap",          "oom",            "empty_cache"};
+    size_t cap = gm_history_len(h);
+    gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    uint64_t dropped = 0;
+    /* A thread inside the core without the GIL may add entries between the two
+     * calls; read returns how many it really copied, so use that. */
+    size_t n = gm_history_read(h, buf, cap, &dropped);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL) {
+        PyMem_Free(buf);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const gm_hist_entry *e = &buf[i];
+        const char *act = e->action < sizeof names / sizeof names[0] ? names[e->action] : unknown_action;
+        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act,
+                                    (unsigned long long)e->addr, (unsigned long long)e->size,
+                                    (unsigned long long)e->stream, (unsigned long long)e->context);
+        if (t == NULL) {
+            Py_DECREF(list);
+            PyMem_Free(buf);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    PyMem_Free(buf);
+    return Py_BuildValue("(NK)", list, (unsigned long long)dropped);
+}
+
+PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
+{
+    static const char *const states[] = {
+        [GM_BLOCK_LIVE] = "live",
+        [GM_BLOCK_FREE] = "free",
+        [GM_BLOCK_PENDING] = "pending",
+        [GM_BLOCK_UNMAPPED] = "unmapped",
+    };
+    PyObject *blocks = PyList_New((Py_ssize_t)snap->n_blocks);
+    if (blocks == NULL)
+        return NULL;
+    for (size_t i = 0; i < snap->n_blocks; i++) {
+        const gm_block_info *b = &snap->blocks[i];
+        const char *st = (b->state >= 0 && (size_t)b->state < sizeof states / sizeof states[0])
+                             ? states[b->state]
+                             : unknown_state;
+        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
+                                    (unsigned long long)b->size, (unsigned long long)b->requested,
+                                    (unsigned long long)b->stream, (unsigned long long)b->context,
+                                    (unsigned long long)b->alloc_seq, st);
+        if (t == NULL) {
+            Py_DECREF(blocks);
+            return NULL;
+        }
+        PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
+    }
+    return blocks;
+}
+
+void gm_fmt_bytes(char *buf, size_t len, uint64_t n)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+    if (n < 1024) {
+        snprintf(buf, len, "%" PRIu64 " B", n);
+        return;
+    }
+    double v = (double)n / 1024.0;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
+        v /= 1024.0;
+        u++;
+    }
+    snprintf(buf, len, "%.2f %s", v, units[u]);
+}
+
+void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out)
+{
+    gm_fmt_bytes(out->request, sizeof out->request, o->request);
+    gm_fmt_bytes(out->device_total, sizeof out->device_total, o->device_total);
+    gm_fmt_bytes(out->device_free, sizeof out->device_free, o->device_free);
+    gm_fmt_bytes(out->live, sizeof out->live, o->live_bytes);
+    gm_fmt_bytes(out->reserved, sizeof out->reserved, o->reserved_bytes);
+    gm_fmt_bytes(out->cached, sizeof out->cached, o->cached_bytes);
+    gm_fmt_bytes(out->pending, sizeof out->pending, o->pending_bytes);
+    gm_fmt_bytes(out->largest, sizeof out->largest, o->largest_possible);
+    gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
+}

@@ -1,0 +1,61 @@
+/*
+ * common.h -- pieces the Python glue files share: dict building, the
+ * torch-style stats dict, the out-of-memory report as a dict, history and
+ * snapshot blocks as lists, and the byte formatting used in error messages.
+ *
+ * Plain C (common.c); C++ callers (torch_alloc.cpp) get the declarations with
+ * C linkage through the extern "C" block below.
+ */
+#ifndef GPUMEM_PY_COMMON_H
+#define GPUMEM_PY_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem/gpumem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Set d[key] = value and drop the reference to value; value may be NULL (error). */
+int gm_py_put(PyObject *d, const char *key, PyObject *value);
+int gm_py_put_u64(PyObject *d, const char *key, uint64_t v);
+int gm_py_put_i64(PyObject *d, const char *key, int64_t v);
+
+/* torch.cuda.memory_stats()-shaped dict: "{name}.{pool}.{field}" keys, then
+ * the plain counters.  New reference, or NULL with an exception set. */
+PyObject *gm_py_stats_dict(const gm_stats *s);
+
+/* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
+PyObject *gm_py_oom_dict(const gm_oom_info *o);
+
+/* history as (entries, dropped): entries are (time_ns, action, addr, size,
+ * stream, context) tuples; an action with no name reads `unknown_action`.
+ * New reference or NULL. */
+PyObject *gm_py_history(gm_heap *h, const char *unknown_action);
+
+/* A snapshot's blocks as (addr, size, requested, stream, context, alloc_seq,
+ * state) tuples; a state with no name reads `unknown_state`.  New reference or
+ * NULL. */
+PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
+
+/* n bytes as "512 B", "1.50 KiB", ... "2.00 PiB": all byte counts in
+ * messages go through here. */
+void gm_fmt_bytes(char *buf, size_t len, uint64_t n);
+
+/* The byte counts an out-of-memory message names, formatted by gm_fmt_bytes. */
+typedef struct gm_oom_sizes {
+    char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32],
+        pending[32], largest[32], cap[32];
+} gm_oom_sizes;
+
+void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
