@@ -86,6 +86,7 @@ typedef struct cu_api {
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*DevicePrimaryCtxRelease)(CUdevice);
     CUresult (*CtxPushCurrent)(CUcontext);
+    CUresult (*CtxGetCurrent)(CUcontext *);
     CUresult (*CtxPopCurrent)(CUcontext *);
     CUresult (*CtxSynchronize)(void);
     CUresult (*MemGetInfo)(size_t *, size_t *);
@@ -127,6 +128,7 @@ static const sym_entry cu_symbols[] = {
     SYM(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
     SYM(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
     SYM(CtxPushCurrent, "cuCtxPushCurrent_v2"),
+    SYM(CtxGetCurrent, "cuCtxGetCurrent"),
     SYM(CtxPopCurrent, "cuCtxPopCurrent_v2"),
     SYM(CtxSynchronize, "cuCtxSynchronize"),
     SYM(MemGetInfo, "cuMemGetInfo_v2"),
@@ -339,14 +341,35 @@ static void pop(void)
     cu.CtxPopCurrent(&ignored);
 }
 
+/* Make the device's primary context current for one call.  Under torch it
+ * almost always is already, and a push/pop pair around every page's create
+ * and map would double the driver calls of growing the heap. */
+static int enter(cuda_device *c, int *pushed)
+{
+    CUcontext cur = NULL;
+    *pushed = 0;
+    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == c->ctx)
+        return GM_OK;
+    int rc = push(c);
+    *pushed = rc == GM_OK;
+    return rc;
+}
+
+static void leave(int pushed)
+{
+    if (pushed)
+        pop();
+}
+
 /* Run one driver call inside the device's primary context. */
 #define CU_CALL(c, name, call)                         \
     do {                                               \
-        int pushed_ = push(c);                         \
-        if (pushed_ != GM_OK)                          \
-            return pushed_;                            \
+        int pushed_;                                   \
+        int entered_ = enter(c, &pushed_);             \
+        if (entered_ != GM_OK)                         \
+            return entered_;                           \
         CUresult r_ = (call);                          \
-        pop();                                         \
+        leave(pushed_);                                \
         if (r_ != CUDA_SUCCESS)                        \
             return cu_fail(c, name, r_);               \
     } while (0)
@@ -445,11 +468,11 @@ static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream)
 static int cuda_event_query(gm_device *dev, gm_event ev)
 {
     cuda_device *c = (cuda_device *)dev;
-    int rc = push(c);
+    int pushed, rc = enter(c, &pushed);
     if (rc != GM_OK)
         return rc;
     CUresult r = cu.EventQuery((CUevent)(uintptr_t)ev);
-    pop();
+    leave(pushed);
     if (r == CUDA_SUCCESS)
         return GM_OK;
     if (r == CUDA_ERROR_NOT_READY)
