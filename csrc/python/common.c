@@ -194,3 +194,20 @@ void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out)
     gm_fmt_bytes(out->largest, sizeof out->largest, o->largest_possible);
     gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
 }
+
+PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (gm_py_put_u64(d, "va_base", snap->va_base) < 0 || gm_py_put_u64(d, "va_size", snap->va_size) < 0 ||
+        gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
+        gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
+        gm_py_put(d, "blocks", gm_py_blocks_list(snap, unknown_state)) < 0 ||
+        gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages, (Py_ssize_t)snap->n_pages)) < 0 ||
+        gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}

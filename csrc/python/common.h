@@ -41,6 +41,9 @@ PyObject *gm_py_history(gm_heap *h, const char *unknown_action);
  * state) tuples; a state with no name reads `unknown_state`.  New reference or
  * NULL. */
 PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
+/* The snapshot as a dict (va_base, va_size, page_size, top, spare_pages, cap_bytes, blocks, pages,
+ * stats); consumes nothing, frees nothing.  NULL with an exception set on failure. */
+PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state);
 
 /* n bytes as "512 B", "1.50 KiB", ... "2.00 PiB": all byte counts in
  * messages go through here. */

@@ -638,32 +638,9 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
     int rc = gm_snapshot_take(self->heap, &snap);
     if (rc != GM_OK)
         return rc == GM_ENOMEM ? PyErr_NoMemory() : raise_code(self, rc, "snapshot");
-    PyObject *d = PyDict_New();
-    PyObject *blocks = NULL;
-    if (d == NULL)
-        goto fail;
-    if (gm_py_put_u64(d, "va_base", snap->va_base) < 0 || gm_py_put_u64(d, "va_size", snap->va_size) < 0 ||
-        gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
-        gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0)
-        goto fail;
-    blocks = gm_py_blocks_list(snap, "unknown");
-    if (blocks == NULL)
-        goto fail;
-    rc = PyDict_SetItemString(d, "blocks", blocks);
-    Py_CLEAR(blocks);
-    if (rc < 0)
-        goto fail;
-    if (gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages, (Py_ssize_t)snap->n_pages)) < 0)
-        goto fail;
-    if (gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0)
-        goto fail;
+    PyObject *d = gm_py_snapshot_dict(snap, "unknown");
     gm_snapshot_free(snap);
     return d;
-fail:
-    Py_XDECREF(blocks);
-    Py_XDECREF(d);
-    gm_snapshot_free(snap);
-    return NULL;
 }
 
 /* ---- history ---------------------------------------------------------------------- */

@@ -232,30 +232,9 @@ static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
     Py_END_ALLOW_THREADS
     if (rc != GM_OK)
         return PyErr_Format(PyExc_RuntimeError, "gpumem snapshot failed: %s", gm_strerror(rc));
-    PyObject *d = PyDict_New(), *blocks = NULL;
-    if (d == NULL)
-        goto fail;
-    if (gm_py_put_u64(d, "va_base", snap->va_base) < 0 || gm_py_put_u64(d, "va_size", snap->va_size) < 0 ||
-        gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
-        gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 ||
-        gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
-        gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages,
-                                                  (Py_ssize_t)snap->n_pages)) < 0 ||
-        gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0)
-        goto fail;
-    blocks = gm_py_blocks_list(snap, "?");
-    if (blocks == NULL)
-        goto fail;
-    if (PyDict_SetItemString(d, "blocks", blocks) < 0)
-        goto fail;
-    Py_DECREF(blocks);
+    PyObject *d = gm_py_snapshot_dict(snap, "?");
     gm_snapshot_free(snap);
     return d;
-fail:
-    Py_XDECREF(blocks);
-    Py_XDECREF(d);
-    gm_snapshot_free(snap);
-    return NULL;
 }
 
 static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
