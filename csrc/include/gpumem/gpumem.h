@@ -215,6 +215,60 @@ int gm_last_oom(gm_heap *heap, gm_oom_info *out);
 /* Fill the same report for a hypothetical request of `size` bytes now. */
 void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
 
+/* ---- private pools (torch's graph pools and MemPool) -------------------------
+ * A pool is named by torch's MempoolId_t, a pair of integers, and holds a set of
+ * blocks on this heap's device.  An allocation made "in" a pool is served from
+ * the pool's own free blocks first, else carved from the heap like any other;
+ * when freed it goes back to the pool, never to the general heap or another
+ * pool, for as long as the pool lives.  Every page that backs a block of a
+ * living pool -- live, pending or free -- stays mapped at its address: a CUDA
+ * graph has those addresses baked in.  Defragmentation and empty_cache leave
+ * those pages alone and keep working on everything else.
+ *
+ * A pool lives while its use count is above zero.  When the last use is
+ * released the pool ends: its free blocks join the general heap at once (and
+ * their pages may then be unmapped or moved); its live blocks join it when they
+ * are freed. */
+typedef struct gm_pool_id {
+    uint64_t first, second;    /* torch's MempoolId_t; {0, 0} is no pool */
+} gm_pool_id;
+typedef struct gm_pool_info {
+    gm_pool_id id;
+    int64_t use_count;         /* 0 once ended (then it is no longer listed) */
+    size_t live_blocks, live_bytes;       /* live and pending blocks of the pool */
+    size_t free_blocks, free_bytes;       /* free blocks kept for the pool */
+    size_t pinned_pages;       /* pages that back any block of the pool */
+} gm_pool_info;
+/* Create the pool with use count 1, or add one use to it. */
+int gm_pool_retain(gm_heap *heap, gm_pool_id id);
+/* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool. */
+int gm_pool_release(gm_heap *heap, gm_pool_id id);
+/* gm_malloc, in `pool` (NULL: the general heap).  GM_EINVAL for an unknown pool. */
+int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context,
+                   const gm_pool_id *pool, uintptr_t *out);
+int gm_pool_info_get(gm_heap *heap, gm_pool_id id, gm_pool_info *out);
+/* The living pools: writes up to `cap`, returns how many there are. */
+size_t gm_pool_list(gm_heap *heap, gm_pool_info *out, size_t cap);
+/* The live blocks of a pool in address order: writes up to `cap`, returns how
+ * many there are (torch's checkpoint of a graph pool). */
+size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *sizes, size_t cap);
+/* Make exactly these blocks the pool's live blocks (torch's cudagraph trees
+ * restoring a checkpoint): live blocks of the pool not listed are freed into the
+ * pool; listed blocks that are not live are allocated again at that address and
+ * size, out of the pool's free blocks, for `stream`.  GM_EINVAL, with nothing
+ * changed, when a listed block is not inside the pool's free memory. */
+int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes,
+                     size_t n, gm_stream stream);
+
+/* ---- stream capture ------------------------------------------------------------
+ * While a CUDA graph is being captured on any stream of the device, the heap
+ * makes no call that would invalidate it: no device synchronisation, no event
+ * query, no event record, no unmap or release.  It may still create and map
+ * pages.  Calls nest; the device is also asked per stream (the driver knows). */
+void gm_capture_begin(gm_heap *heap);
+void gm_capture_end(gm_heap *heap);
+int gm_capturing(gm_heap *heap);
+
 /* ---- trace replay (runs in C so that timing measures the core) ------------ */
 enum gm_replay_op { GM_R_ALLOC = 0, GM_R_FREE = 1 };
 typedef struct gm_replay_event {
