@@ -13,6 +13,7 @@
  *      the pending ones.
  *   C6 every statistic with a "current" equals a recount.
  *   C7 no physical page is held twice.
+ *   C8 the run index and the page-use counts equal a recount (runindex.h R1, R2, P1, P2).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -175,7 +176,9 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
         (rc = stat_is(st->reserved_bytes, held * (int64_t)P, 0, "reserved_bytes", why, len)))
         return rc;
     if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
-    return GM_OK;
+
+    /* C8 */
+    return gm_runs_check(h, why, len);
 }
 
 int gm_check(gm_heap *h, char *why, size_t whylen) {

@@ -81,9 +81,14 @@ gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
 }
 
 int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg) {
-    for (unsigned fl = 0; fl < FI_FL; fl++) {
+    return fi_each_from(fi, 0, fn, arg);
+}
+
+int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(gm_block *b, void *arg), void *arg) {
+    unsigned sl0, fl0 = fi_fl_sl(size / GM_ALIGN, &sl0);
+    for (unsigned fl = fl0; fl < FI_FL; fl++) {
         if (!(fi->fl_bitmap & (1ull << fl))) continue;
-        for (unsigned sl = 0; sl < FI_SL; sl++) {
+        for (unsigned sl = fl == fl0 ? sl0 : 0; sl < FI_SL; sl++) {
             gm_block *b = fi->bins[fl][sl];
             while (b) {
                 gm_block *next = b->lnext; /* fn may move b elsewhere */

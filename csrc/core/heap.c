@@ -259,11 +259,13 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
+    int was_general = gm_general_space(b);
     b->state = GM_BLOCK_FREE;
     b->stream = owner;
     b->seq = seq;
     b->requested = 0;
     b->context = 0;
+    if (!was_general) gm_run_enter(h, b);
     gm_block *p = b->prev;
     if (p && p->state == GM_BLOCK_FREE && owners_merge(p->stream, b->stream, &o)) {
         index_remove(h, p);
@@ -385,6 +387,7 @@ static void pending_append(gm_heap *h, gm_block *b) {
 
 /* A pending or live block leaves "active" and becomes free for its stream. */
 static void complete_free(gm_heap *h, gm_block *b) {
+    gm_pages_use(h, b, b->state == GM_BLOCK_LIVE ? -1 : 0, -1);
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.active, pool, 1);
     gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
@@ -425,6 +428,9 @@ struct release_ctx {
     gm_heap *h;
     uint64_t threshold;
     size_t n;
+    gm_block **chains;       /* first blocks of the runs of free blocks that changed, each marked */
+    size_t n_chains, cap_chains;
+    int all;                 /* no memory to list them: coalesce the whole heap */
 };
 
 static int release_one(gm_block *b, void *arg) {
@@ -434,20 +440,67 @@ static int release_one(gm_block *b, void *arg) {
     b->stream = ANY;
     index_insert(c->h, b);
     c->n++;
+    /* Its neighbours may merge with it now: remember the run of free blocks it is in. */
+    gm_block *first = b;
+    while (first->prev && first->prev->state == GM_BLOCK_FREE) first = first->prev;
+    if (first->mark || c->all) return 0;
+    if (c->n_chains == c->cap_chains) {
+        size_t cap = c->cap_chains ? 2 * c->cap_chains : 16;
+        gm_block **a = realloc(c->chains, cap * sizeof *a);
+        if (!a) {
+            c->all = 1;
+            return 0;
+        }
+        c->chains = a;
+        c->cap_chains = cap;
+    }
+    first->mark = 1;
+    c->chains[c->n_chains++] = first;
     return 0;
 }
 
-static size_t release_blocks(gm_heap *h, gm_owner *o, uint64_t threshold) {
-    struct release_ctx c = {h, threshold, 0};
+static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t threshold) {
+    size_t before = c->n;
+    c->threshold = threshold;
     /* fi_each tolerates moving the visited block out of the index it walks. */
-    fi_each(&o->idx, release_one, &c);
-    return c.n;
+    fi_each(&o->idx, release_one, c);
+    return c->n - before;
+}
+
+/* Merge what may merge in the run of free blocks that starts at b, left to
+ * right, as coalesce_all does: merges keep the lower record, so b stays. */
+static void coalesce_chain(gm_heap *h, gm_block *b) {
+    while (b->next && b->next->state == GM_BLOCK_FREE) {
+        gm_block *n = b->next;
+        gm_stream o;
+        if (owners_merge(b->stream, n->stream, &o)) {
+            index_remove(h, b);
+            index_remove(h, n);
+            absorb(h, b, n);
+            b->stream = o;
+            index_insert(h, b);
+        } else {
+            b = n;
+        }
+    }
+}
+
+/* After owners changed: the runs of free blocks that hold a changed block are
+ * the only places where neighbours may now merge. */
+static void coalesce_released(gm_heap *h, struct release_ctx *c) {
+    for (size_t i = 0; i < c->n_chains; i++) {
+        c->chains[i]->mark = 0;
+        if (!c->all) coalesce_chain(h, c->chains[i]);
+    }
+    if (c->all) coalesce_all(h);
+    free(c->chains);
 }
 
 /* Give other streams' freed memory to everyone where an event proves it safe
  * (all of it if `synced`).  Returns how many blocks changed hands. */
 static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
     size_t moved = 0;
+    struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
         if (synced) {
@@ -455,7 +508,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
                 event_put(h, o->release_event);
                 o->releasing = 0;
             }
-            moved += release_blocks(h, o, UINT64_MAX);
+            moved += release_blocks(&c, o, UINT64_MAX);
             continue;
         }
         if (o->stream == requester || !o->idx.count) continue;
@@ -467,10 +520,10 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
         if (event_done(h, o->release_event)) {
             event_put(h, o->release_event);
             o->releasing = 0;
-            moved += release_blocks(h, o, o->release_seq);
+            moved += release_blocks(&c, o, o->release_seq);
         }
     }
-    if (moved) coalesce_all(h);
+    coalesce_released(h, &c);
     return moved;
 }
 
@@ -584,8 +637,7 @@ static int synchronize(gm_heap *h) {
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
-    release_owners(h, ANY, 1);
-    coalesce_all(h);
+    release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
     return GM_OK;
 }
 
@@ -628,38 +680,51 @@ struct cached_run {
 static int cmp_run(const void *x, const void *y) {
     const struct cached_run *a = x, *b = y;
     if (a->b->size != b->b->size) return a->b->size < b->b->size ? -1 : 1;
-    return a->b->addr < b->b->addr ? 1 : -1;
+    if (a->b->addr != b->b->addr) return a->b->addr < b->b->addr ? 1 : -1;
+    return a->p0 < b->p0 ? -1 : 1; /* two parts of one block: the lower first */
+}
+
+struct cached_ctx {
+    gm_heap *h;
+    size_t ex0, ex1;
+    struct cached_run *runs;
+    size_t n, cap, total;
+    int full;
+};
+
+static int cached_one(gm_block *b, void *arg) {
+    struct cached_ctx *c = arg;
+    gm_heap *h = c->h;
+    if (!gm_general_space(b)) return 0;
+    size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
+    if (p0 >= p1) return 0;
+    size_t parts[2][2] = {{p0, p1 < c->ex0 ? p1 : c->ex0}, {p0 > c->ex1 ? p0 : c->ex1, p1}};
+    for (int k = 0; k < 2; k++) {
+        if (parts[k][0] >= parts[k][1]) continue;
+        if (c->n == c->cap) {
+            size_t cap = c->cap ? 2 * c->cap : 64;
+            struct cached_run *r = realloc(c->runs, cap * sizeof *r);
+            if (!r) return 1; /* keep what there is */
+            c->runs = r;
+            c->cap = cap;
+        }
+        c->runs[c->n++] = (struct cached_run){b, parts[k][0], parts[k][1]};
+        c->total += parts[k][1] - parts[k][0];
+    }
+    return 0;
 }
 
 /* Wholly free pages, outside the page range [ex0, ex1), that free blocks cover:
- * these back nothing and can be unmapped.  Writes them to *out (malloc'd). */
+ * these back nothing and can be unmapped.  Writes them to *out (malloc'd).
+ * Only blocks of a page or more can hold a whole page: the free indexes give
+ * those without a walk over every block. */
 static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
-    size_t n = 0, cap = 0, total = 0;
-    struct cached_run *runs = NULL;
-    for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_FREE) continue;
-        size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
-        if (p0 >= p1) continue;
-        size_t parts[2][2] = {{p0, p1 < ex0 ? p1 : ex0}, {p0 > ex1 ? p0 : ex1, p1}};
-        for (int k = 0; k < 2; k++) {
-            if (parts[k][0] >= parts[k][1]) continue;
-            if (n == cap) {
-                cap = cap ? 2 * cap : 64;
-                struct cached_run *r = realloc(runs, cap * sizeof *r);
-                if (!r) {
-                    *out = runs;
-                    *pages = total;
-                    return n;
-                }
-                runs = r;
-            }
-            runs[n++] = (struct cached_run){b, parts[k][0], parts[k][1]};
-            total += parts[k][1] - parts[k][0];
-        }
-    }
-    *out = runs;
-    *pages = total;
-    return n;
+    struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0, 0};
+    for (size_t i = 0; i < h->n_owners; i++)
+        if (fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
+    *out = c.runs;
+    *pages = c.total;
+    return c.n;
 }
 
 static int cmp_run_addr(const void *x, const void *y) {
@@ -708,6 +773,7 @@ typedef struct placement {
     uintptr_t addr;
     size_t new_pages;
     size_t run;
+    gm_block *first; /* the run's first block, at or before addr */
 } placement;
 
 /* Pages in [x, x+size) with nothing mapped, walking from `first` (a block at or before x). */
@@ -722,28 +788,35 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
     return pages;
 }
 
-static void consider(const gm_heap *h, placement *best, const gm_block *first, uintptr_t start, size_t len,
+static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len,
                      size_t size) {
     uintptr_t cand[2] = {start, start + len - size};
     for (int k = 0; k < 2; k++) {
         size_t need = unmapped_in(h, first, cand[k], size);
         if (!best->ok || need < best->new_pages || (need == best->new_pages && len < best->run) ||
             (need == best->new_pages && len == best->run && cand[k] < best->addr))
-            *best = (placement){1, cand[k], need, len};
+            *best = (placement){1, cand[k], need, len, first};
         if (len == size) break;
     }
 }
 
-/* Where [addr, addr+size) needs the fewest new pages, among runs of memory
- * that stream s may use: its own or everyone's free blocks, and unmapped space. */
-static placement place(const gm_heap *h, size_t size, gm_stream s) {
-    placement best = {0, 0, 0, 0};
-    const gm_block *first = NULL;
+struct place_ctx {
+    const gm_heap *h;
+    size_t size;
+    gm_stream s;
+    placement best;
+};
+
+/* The runs that stream s may use inside one run of general space: its own or
+ * everyone's free blocks, and unmapped space. */
+static int place_in_run(gm_block *head, void *arg) {
+    struct place_ctx *c = arg;
+    uintptr_t end = head->addr + head->run_len;
+    gm_block *first = NULL;
     size_t len = 0;
-    for (const gm_block *b = h->head;; b = b->next) {
-        int usable = b && (b->state == GM_BLOCK_UNMAPPED ||
-                           (b->state == GM_BLOCK_FREE && (b->stream == s || b->stream == ANY)));
-        if (usable) {
+    for (gm_block *b = head;; b = b->next) {
+        int in = b && b->addr < end;
+        if (in && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
             if (!first) {
                 first = b;
                 len = 0;
@@ -751,11 +824,20 @@ static placement place(const gm_heap *h, size_t size, gm_stream s) {
             len += b->size;
             continue;
         }
-        if (first && len >= size) consider(h, &best, first, first->addr, len, size);
+        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size);
         first = NULL;
-        if (!b) break;
+        if (!in) return 0;
     }
-    return best;
+}
+
+/* Where [addr, addr+size) needs the fewest new pages, among runs of memory
+ * that stream s may use.  Ties go to the shortest run, then the lowest
+ * address: a total order, so the runs may be visited in any order, and only
+ * runs of general space at least `size` long can hold one. */
+static placement place(const gm_heap *h, size_t size, gm_stream s) {
+    struct place_ctx c = {h, size, s, {0, 0, 0, 0, NULL}};
+    ri_each_at_least(&h->runs, size, place_in_run, &c);
+    return c.best;
 }
 
 /* Grant access to freshly mapped pages [p0, *p1).  If that fails, unmap them
@@ -788,8 +870,10 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
  * range one free block owned by s.  Returns that block, or NULL on a device
  * error (pages mapped so far stay mapped and free: nothing is lost). */
-static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, int remap, int *err) {
-    gm_block *b = h->head;
+static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap,
+                            int *err) {
+    gm_block *b = from;
+    while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
     uintptr_t end = x + size;
     size_t cuts = 2;
@@ -838,8 +922,11 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
         }
         if (rc) return NULL;
     }
-    /* The range is now free; merge what ownership kept apart (s and ANY only). */
-    b = h->head;
+    /* The range is now free; merge what ownership kept apart (s and ANY only).
+     * `from` is still a block: it starts a run that s may use, so it never
+     * merges into the block before it, and merges keep the lower record. */
+    b = from;
+    while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
     while (b->addr + b->size < end) {
         gm_block *n = b->next;
@@ -857,17 +944,8 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
 
 /* ---- reports ------------------------------------------------------------------------- */
 
-size_t gm_used_pages(gm_heap *h) {
-    size_t used = 0, last = SIZE_MAX; /* last page counted */
-    for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING) continue;
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
-        if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
-        if (p1 > p0) used += p1 - p0;
-        if (p1 > 0) last = p1 - 1;
-    }
-    return used;
-}
+/* Pages that live or pending blocks touch (kept by the run index). */
+size_t gm_used_pages(gm_heap *h) { return h->runs.act_pages; }
 
 static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     memset(o, 0, sizeof *o);
@@ -935,25 +1013,15 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
-/* Wholly free pages outside the page range [ex0, ex1), counted over runs of
- * neighbouring free blocks whatever their owners: after a synchronisation the
- * run merges into one block and its pages can go. */
+/* Mapped pages that no live block touches, outside the page range [ex0, ex1):
+ * pages wholly under free or pending blocks, whatever their owners.  After a
+ * synchronisation they are wholly free and can go.  [ex0, ex1) is a
+ * placement's range, which lies in general space: a live block touches a page
+ * of it only by starting or ending there, so live_ep says which. */
 static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
-    size_t pages = 0;
-    for (const gm_block *b = h->head; b;) {
-        if (b->state != GM_BLOCK_FREE && b->state != GM_BLOCK_PENDING) {
-            b = b->next;
-            continue;
-        }
-        uintptr_t lo = b->addr;
-        while (b && (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_PENDING)) b = b->next;
-        uintptr_t hi = b ? b->addr : h->base + h->va_size;
-        size_t p0 = gm_page_ceil(h, lo), p1 = gm_page_floor(h, hi);
-        for (size_t k = 0; k < 2; k++) {
-            size_t a = k ? (p0 > ex1 ? p0 : ex1) : p0, z = k ? p1 : (p1 < ex0 ? p1 : ex0);
-            if (a < z) pages += z - a;
-        }
-    }
+    size_t pages = h->mapped_pages - h->runs.live_pages;
+    if (ex1 > h->n_pages) ex1 = h->n_pages;
+    for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->runs.live_ep[p];
     return pages;
 }
 
@@ -1009,7 +1077,7 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (pl.new_pages > h->n_spare) return out_of_memory(h, size, s, pl.new_pages - h->n_spare, dev_err);
     int err = GM_OK;
-    b = back_range(h, pl.addr, size, s, recycled, &err);
+    b = back_range(h, pl.first, pl.addr, size, s, recycled, &err);
     if (!b) {
         release_spares(h, h->mapped_pages);
         return err ? GM_EDEVICE : GM_ECORRUPT;
@@ -1091,7 +1159,10 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->spare || !h->live || !owner_get(h, ANY) || slab_grow(h)) ? GM_ENOMEM : GM_OK;
+    rc = (!h->page_handle || !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !owner_get(h, ANY) ||
+          slab_grow(h))
+             ? GM_ENOMEM
+             : GM_OK;
     if (rc) {
         create_failed(dev, rc, "host memory for the heap's tables");
     } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
@@ -1109,6 +1180,8 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->head->size = va;
     h->head->state = GM_BLOCK_UNMAPPED;
     h->head->stream = ANY;
+    h->head->run_len = va;
+    ri_insert(&h->runs, h->head);
     h->st.max_split_size = -1;
     gm_set_cap(h, cfg.cap_bytes);
     *out = h;
@@ -1146,6 +1219,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->live);
     free(h->spare);
     free(h->page_handle);
+    ri_free(&h->runs);
     gm_hist_free(h);
     pthread_mutex_destroy(&h->lock);
     dev->ops->destroy(dev);
@@ -1177,7 +1251,9 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
     b = carve(h, b, at, rsize);
+    gm_run_leave(h, b);
     b->state = GM_BLOCK_LIVE;
+    gm_pages_use(h, b, 1, 1);
     b->stream = s;
     b->requested = size;
     b->context = context;
@@ -1229,6 +1305,7 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
             if (!b->wait_sync && !event_record(h, b->uses[i], &b->events[i])) b->wait_sync = 1;
         }
         b->state = GM_BLOCK_PENDING;
+        gm_pages_use(h, b, -1, 0);
         pending_append(h, b);
     }
     pthread_mutex_unlock(&h->lock);

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "freeindex.h"
+#include "runindex.h"
 #include "gpumem/gpumem.h"
 
 typedef struct gm_block gm_block;
@@ -31,7 +32,16 @@ struct gm_block {
     uint32_t n_uses, cap_uses;
     gm_stream *uses;         /* streams named by record_stream */
     gm_event *events;        /* pending: one event per use, recorded at free */
+    size_t run_len;          /* head of a run of general space: the run's length (runindex.h); else 0 */
+    gm_block *rprev, *rnext; /* head of a run: its bin in the run index */
+    uint8_t mark;            /* scratch for one operation; 0 between operations */
 };
+
+/* General space: what placement and defragmentation may build on.  The one
+ * place that says it; the run index and the slow path both ask here. */
+static inline int gm_general_space(const gm_block *b) {
+    return b->state == GM_BLOCK_UNMAPPED || b->state == GM_BLOCK_FREE;
+}
 
 /* Free memory owned by one stream, and its release in flight. */
 typedef struct gm_owner {
@@ -62,6 +72,7 @@ struct gm_heap {
     size_t growth_slack_pages;
 
     gm_block *head;          /* the first block in address order */
+    gm_runindex runs;        /* runs of general space, page use (runindex.h) */
 
     gm_owner **owners;       /* owners[0] is GM_STREAM_ANY */
     size_t n_owners, cap_owners;

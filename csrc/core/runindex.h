@@ -1,0 +1,92 @@
+/*
+ * runindex.h -- what the slow path needs to know without walking every block.
+ *
+ * RUNS.  General space is a block that placement may build on: unmapped, or
+ * free (gm_general_space() in heap_internal.h says which; owners do not
+ * matter here).  A run is a maximal sequence of neighbouring general-space
+ * blocks.  The first block of each run, its head, carries the run's length in
+ * bytes (run_len) and sits in a bin of a two-level segregated index keyed by
+ * that length, like freeindex.h but with unsorted bins: placement wants every
+ * run at least as long as the request, in no particular order, and visits no
+ * other.  The holes between live blocks are runs too, short ones, so they stay
+ * in low bins that a large request never looks at.
+ *
+ * Runs change only when a block enters or leaves general space (a free that
+ * completes, an allocation carved out of free space): gm_run_enter and
+ * gm_run_leave, which walk from the block to its run's head -- across the
+ * run's blocks, usually none or one.  Splitting, merging, mapping and
+ * unmapping inside general space keep every run as it is: the lower block of
+ * a split or a merge keeps its record, so heads never move.
+ *
+ * PAGE USE.  Per page, the number of live blocks whose first or last page it
+ * is (live_ep; once for a block within one page), and the same for live or
+ * pending blocks (act_ep).  A page strictly inside a block is touched by that
+ * block alone, so
+ *     pages live blocks touch = #{p : live_ep[p] > 0} + inner pages of live blocks
+ * and likewise for live or pending blocks: two counters, kept in O(1) per
+ * allocation and free, replace walks over every block.
+ *
+ * Invariants (gm_check recounts them):
+ *   R1  b->run_len != 0  <=>  b is general space and b->prev is not (or is
+ *       NULL); then run_len is the total size of b and of the general-space
+ *       blocks that follow it up to the first one that is not.
+ *   R2  every head is in the bin ri_bin(run_len) computes, nothing else is;
+ *       bins are doubly linked (rprev, rnext) with NULL ends; bit (fl) of
+ *       fl_bitmap is set <=> sl_bitmap[fl] != 0, and bit (sl) of sl_bitmap[fl]
+ *       <=> bins[fl][sl] != NULL; count and bytes are the heads' number and
+ *       total run_len.
+ *   P1  live_ep[p] and act_ep[p] are as defined above.
+ *   P2  live_pages and act_pages equal the two sums above.
+ */
+#ifndef GPUMEM_RUNINDEX_H
+#define GPUMEM_RUNINDEX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define RI_SL_BITS 5u
+#define RI_SL (1u << RI_SL_BITS)
+#define RI_FL 44u
+
+struct gm_block;
+struct gm_heap;
+
+typedef struct gm_runindex {
+    uint64_t fl_bitmap;
+    uint32_t sl_bitmap[RI_FL];
+    struct gm_block *bins[RI_FL][RI_SL];
+    size_t count;         /* runs */
+    size_t bytes;         /* their total length */
+    uint32_t *live_ep;    /* per page: live blocks that start or end in it */
+    uint32_t *act_ep;     /* per page: live or pending blocks that start or end in it */
+    size_t live_pages;    /* pages live blocks touch */
+    size_t act_pages;     /* pages live or pending blocks touch */
+} gm_runindex;
+
+int ri_init(gm_runindex *ri, size_t n_pages);
+void ri_free(gm_runindex *ri);
+unsigned ri_bin(size_t len);
+/* Index a head whose run_len is set; take one out (its run_len stays). */
+void ri_insert(gm_runindex *ri, struct gm_block *head);
+void ri_remove(gm_runindex *ri, struct gm_block *head);
+/* Visit every head whose run is at least `len` long (any order); stop early
+ * if fn returns non-zero.  fn must not change the index. */
+int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(struct gm_block *head, void *arg), void *arg);
+
+/* b has just become general space (its state is set; no merge has happened
+ * yet): it joins the runs on either side. */
+void gm_run_enter(struct gm_heap *h, struct gm_block *b);
+/* b, general space, is about to leave it (still in its old state): its run
+ * splits around it. */
+void gm_run_leave(struct gm_heap *h, struct gm_block *b);
+/* The head of the run that general-space block b belongs to. */
+struct gm_block *gm_run_head(struct gm_block *b);
+
+/* Block b starts (+1) or stops (-1) being live (dlive) and active, i.e. live
+ * or pending (dact). */
+void gm_pages_use(struct gm_heap *h, const struct gm_block *b, int dlive, int dact);
+
+/* Check R1, R2, P1, P2 against a recount; returns 0 or writes a reason. */
+int gm_runs_check(struct gm_heap *h, char *why, size_t whylen);
+
+#endif
