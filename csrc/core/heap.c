@@ -433,37 +433,62 @@ struct release_ctx {
     int all;                 /* no memory to list them: coalesce the whole heap */
 };
 
-static int release_one(gm_block *b, void *arg) {
-    struct release_ctx *c = arg;
-    if (b->seq > c->threshold) return 0;
-    index_remove(c->h, b);
-    b->stream = ANY;
-    index_insert(c->h, b);
+/* b now belongs to everyone: a free neighbour may merge with it, so remember
+ * the run of free blocks it is in (coalesced once every owner is done). */
+static void released(struct release_ctx *c, gm_block *b) {
     c->n++;
-    /* Its neighbours may merge with it now: remember the run of free blocks it is in. */
+    if (!(b->prev && b->prev->state == GM_BLOCK_FREE) && !(b->next && b->next->state == GM_BLOCK_FREE)) return;
     gm_block *first = b;
     while (first->prev && first->prev->state == GM_BLOCK_FREE) first = first->prev;
-    if (first->mark || c->all) return 0;
+    if (first->mark || c->all) return;
     if (c->n_chains == c->cap_chains) {
         size_t cap = c->cap_chains ? 2 * c->cap_chains : 16;
         gm_block **a = realloc(c->chains, cap * sizeof *a);
         if (!a) {
             c->all = 1;
-            return 0;
+            return;
         }
         c->chains = a;
         c->cap_chains = cap;
     }
     first->mark = 1;
     c->chains[c->n_chains++] = first;
+}
+
+static int release_one(gm_block *b, void *arg) {
+    struct release_ctx *c = arg;
+    if (b->seq > c->threshold) return 0;
+    index_remove(c->h, b);
+    b->stream = ANY;
+    index_insert(c->h, b);
+    released(c, b);
     return 0;
+}
+
+/* The same for a block that fi_move_all has moved already; the statistics
+ * count it out of one index and into the other, as index_remove and
+ * index_insert would. */
+static void release_moved(gm_block *b, void *arg) {
+    struct release_ctx *c = arg;
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(c->h->st.inactive_split, pool, 1);
+    gm_stat_down(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    gm_stat_up(c->h->st.inactive_split, pool, 1);
+    gm_stat_up(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    b->stream = ANY;
+    released(c, b);
 }
 
 static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t threshold) {
     size_t before = c->n;
     c->threshold = threshold;
-    /* fi_each tolerates moving the visited block out of the index it walks. */
-    fi_each(&o->idx, release_one, c);
+    if (threshold == UINT64_MAX) {
+        /* Everything goes: merge the sorted bins instead of inserting one by one. */
+        fi_move_all(&c->h->owners[0]->idx, &o->idx, release_moved, c);
+    } else {
+        /* fi_each tolerates moving the visited block out of the index it walks. */
+        fi_each(&o->idx, release_one, c);
+    }
     return c->n - before;
 }
 
