@@ -260,12 +260,16 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
     int was_general = gm_general_space(b);
+    if (!was_general) {
+        /* It joins the runs on either side: out of the index until merged. */
+        if (b->prev && gm_general_space(b->prev)) gm_run_detach(h, b->prev);
+        if (b->next && gm_general_space(b->next)) gm_run_detach(h, b->next);
+    }
     b->state = GM_BLOCK_FREE;
     b->stream = owner;
     b->seq = seq;
     b->requested = 0;
     b->context = 0;
-    if (!was_general) gm_run_enter(h, b);
     gm_block *p = b->prev;
     if (p && p->state == GM_BLOCK_FREE && owners_merge(p->stream, b->stream, &o)) {
         index_remove(h, p);
@@ -280,11 +284,13 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
         b->stream = o;
     }
     index_insert(h, b);
+    if (!was_general) gm_run_attach(h, b);
     return b;
 }
 
-/* b (in no list) becomes unmapped address space and merges with unmapped neighbours. */
-static void make_unmapped(gm_heap *h, gm_block *b) {
+/* b (in no list) becomes unmapped address space and merges with unmapped
+ * neighbours.  Returns the block it ended up in. */
+static gm_block *make_unmapped(gm_heap *h, gm_block *b) {
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;
@@ -294,6 +300,7 @@ static void make_unmapped(gm_heap *h, gm_block *b) {
         b = p;
     }
     if (b->next && b->next->state == GM_BLOCK_UNMAPPED) absorb(h, b, b->next);
+    return b;
 }
 
 /* Merge every pair of neighbours that may merge (after owners changed). */
@@ -303,13 +310,17 @@ static void coalesce_all(gm_heap *h) {
         gm_block *n = b->next;
         gm_stream o;
         if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {
+            gm_run_detach(h, b);
             index_remove(h, b);
             index_remove(h, n);
             absorb(h, b, n);
             b->stream = o;
             index_insert(h, b);
+            gm_run_attach(h, b);
         } else if (b->state == GM_BLOCK_UNMAPPED && n->state == GM_BLOCK_UNMAPPED) {
+            gm_run_detach(h, b);
             absorb(h, b, n);
+            gm_run_attach(h, b);
         } else {
             b = n;
         }
@@ -495,6 +506,8 @@ static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t thresh
 /* Merge what may merge in the run of free blocks that starts at b, left to
  * right, as coalesce_all does: merges keep the lower record, so b stays. */
 static void coalesce_chain(gm_heap *h, gm_block *b) {
+    gm_block *first = b;
+    gm_run_detach(h, first);
     while (b->next && b->next->state == GM_BLOCK_FREE) {
         gm_block *n = b->next;
         gm_stream o;
@@ -508,6 +521,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
             b = n;
         }
     }
+    gm_run_attach(h, first);
 }
 
 /* After owners changed: the runs of free blocks that hold a changed block are
@@ -685,6 +699,7 @@ static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
     if (done == p0) return rc;
     /* Cut b into [free][unmapped p0..done)[free]. */
     uintptr_t lo = gm_page_addr(h, p0), hi = gm_page_addr(h, done);
+    gm_run_detach(h, b);
     index_remove(h, b);
     gm_block *mid = b;
     if (lo > b->addr) {
@@ -693,7 +708,7 @@ static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
     }
     if (mid->addr + mid->size > hi) index_insert(h, split(h, mid, hi - mid->addr));
     gm_hist(h, GM_H_UNMAP, lo, hi - lo, ANY, 0);
-    make_unmapped(h, mid);
+    gm_run_attach(h, make_unmapped(h, mid));
     return rc;
 }
 
@@ -834,14 +849,12 @@ struct place_ctx {
 
 /* The runs that stream s may use inside one run of general space: its own or
  * everyone's free blocks, and unmapped space. */
-static int place_in_run(gm_block *head, void *arg) {
-    struct place_ctx *c = arg;
-    uintptr_t end = head->addr + head->run_len;
+static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
     gm_block *first = NULL;
     size_t len = 0;
     for (gm_block *b = head;; b = b->next) {
         int in = b && b->addr < end;
-        if (in && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
+        if (in && gm_general_space(b) && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
             if (!first) {
                 first = b;
                 len = 0;
@@ -851,17 +864,31 @@ static int place_in_run(gm_block *head, void *arg) {
         }
         if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size);
         first = NULL;
-        if (!in) return 0;
+        if (!in) return;
     }
+}
+
+static int place_in_run(gm_block *head, void *arg) {
+    place_in(arg, head, head->addr + head->run_len);
+    return 0;
 }
 
 /* Where [addr, addr+size) needs the fewest new pages, among runs of memory
  * that stream s may use.  Ties go to the shortest run, then the lowest
  * address: a total order, so the runs may be visited in any order, and only
  * runs of general space at least `size` long can hold one. */
-static placement place(const gm_heap *h, size_t size, gm_stream s) {
+static placement place(gm_heap *h, size_t size, gm_stream s) {
     struct place_ctx c = {h, size, s, {0, 0, 0, 0, NULL}};
+    /* Lone free blocks are not in the run index; the slow path gets here when
+     * none that s may use fits, except after a synchronisation.  Then the best
+     * fit is the best of them if it is lone itself; if not, walk everything. */
+    gm_block *f = fit(h, size, s);
+    if (f && ((f->prev && gm_general_space(f->prev)) || (f->next && gm_general_space(f->next)))) {
+        place_in(&c, h->head, h->base + h->va_size);
+        return c.best;
+    }
     ri_each_at_least(&h->runs, size, place_in_run, &c);
+    if (f) consider(h, &c.best, f, f->addr, f->size, size);
     return c.best;
 }
 
@@ -895,8 +922,8 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
  * range one free block owned by s.  Returns that block, or NULL on a device
  * error (pages mapped so far stay mapped and free: nothing is lost). */
-static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap,
-                            int *err) {
+static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap,
+                                   int *err) {
     gm_block *b = from;
     while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
@@ -965,6 +992,15 @@ static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size
         index_insert(h, b);
     }
     return b->state == GM_BLOCK_FREE ? b : NULL;
+}
+
+/* The range lies in one run of general space: out of the run index while it
+ * changes (`from` survives every change, see above). */
+static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap, int *err) {
+    gm_run_detach(h, from);
+    gm_block *b = back_range_in_run(h, from, x, size, s, remap, err);
+    gm_run_attach(h, from);
+    return b;
 }
 
 /* ---- reports ------------------------------------------------------------------------- */
@@ -1205,8 +1241,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->head->size = va;
     h->head->state = GM_BLOCK_UNMAPPED;
     h->head->stream = ANY;
-    h->head->run_len = va;
-    ri_insert(&h->runs, h->head);
+    gm_run_attach(h, h->head);
     h->st.max_split_size = -1;
     gm_set_cap(h, cfg.cap_bytes);
     *out = h;
@@ -1276,8 +1311,10 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
     b = carve(h, b, at, rsize);
-    gm_run_leave(h, b);
+    gm_run_detach(h, b);
     b->state = GM_BLOCK_LIVE;
+    if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
+    if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
     gm_pages_use(h, b, 1, 1);
     b->stream = s;
     b->requested = size;

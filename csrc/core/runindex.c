@@ -96,40 +96,20 @@ gm_block *gm_run_head(gm_block *b) {
     return b;
 }
 
-void gm_run_enter(gm_heap *h, gm_block *b) {
-    gm_runindex *ri = &h->runs;
-    gm_block *head = b;
-    size_t len = b->size;
-    if (b->prev && gm_general_space(b->prev)) {
-        head = gm_run_head(b->prev);
-        ri_remove(ri, head);
-        len += head->run_len;
-    }
-    gm_block *n = b->next;
-    if (n && gm_general_space(n)) {
-        ri_remove(ri, n);
-        len += n->run_len;
-        n->run_len = 0;
-    }
-    head->run_len = len;
-    ri_insert(ri, head);
+void gm_run_detach(gm_heap *h, gm_block *b) {
+    gm_block *head = gm_run_head(b);
+    if (!head->run_len) return;
+    ri_remove(&h->runs, head);
+    head->run_len = 0;
 }
 
-void gm_run_leave(gm_heap *h, gm_block *b) {
-    gm_runindex *ri = &h->runs;
+void gm_run_attach(gm_heap *h, gm_block *b) {
     gm_block *head = gm_run_head(b);
-    uintptr_t end = head->addr + head->run_len;
-    ri_remove(ri, head);
-    head->run_len = 0;
-    if (head != b) {
-        head->run_len = b->addr - head->addr;
-        ri_insert(ri, head);
-    }
-    if (b->addr + b->size < end) {
-        gm_block *n = b->next;
-        n->run_len = end - n->addr;
-        ri_insert(ri, n);
-    }
+    if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
+    size_t len = 0;
+    for (const gm_block *c = head; c && gm_general_space(c); c = c->next) len += c->size;
+    head->run_len = len;
+    ri_insert(&h->runs, head);
 }
 
 static inline void ep_add(uint32_t *ep, size_t p, int d, size_t *pages) {
@@ -166,8 +146,9 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     size_t runs = 0, bytes = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
         int gen = gm_general_space(b), head = gen && !(b->prev && gm_general_space(b->prev));
-        if (!head) {
-            if (b->run_len) return bad(why, whylen, "a block that heads no run has a run length", b);
+        int lone = head && b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next));
+        if (!head || lone) {
+            if (b->run_len) return bad(why, whylen, "a block that heads no indexed run has a run length", b);
             continue;
         }
         size_t len = 0;
@@ -192,8 +173,9 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
                 return bad(why, whylen, "a bitmap bit disagrees with its bin", NULL);
             for (; b; prev = b, b = b->rnext) {
                 if (b->rprev != prev) return bad(why, whylen, "a bin is not a doubly linked list", b);
-                if (!b->run_len || !gm_general_space(b) || (b->prev && gm_general_space(b->prev)))
-                    return bad(why, whylen, "a bin holds a block that heads no run", b);
+                if (!b->run_len || !gm_general_space(b) || (b->prev && gm_general_space(b->prev)) ||
+                    (b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next))))
+                    return bad(why, whylen, "a bin holds a block that heads no indexed run", b);
                 if (ri_bin(b->run_len) != fl * RI_SL + sl) return bad(why, whylen, "a run sits in the wrong bin", b);
                 listed++;
                 listed_bytes += b->run_len;

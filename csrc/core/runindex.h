@@ -8,15 +8,20 @@
  * bytes (run_len) and sits in a bin of a two-level segregated index keyed by
  * that length, like freeindex.h but with unsorted bins: placement wants every
  * run at least as long as the request, in no particular order, and visits no
- * other.  The holes between live blocks are runs too, short ones, so they stay
- * in low bins that a large request never looks at.
+ * other.
  *
- * Runs change only when a block enters or leaves general space (a free that
- * completes, an allocation carved out of free space): gm_run_enter and
- * gm_run_leave, which walk from the block to its run's head -- across the
- * run's blocks, usually none or one.  Splitting, merging, mapping and
- * unmapping inside general space keep every run as it is: the lower block of
- * a split or a merge keeps its record, so heads never move.
+ * Except lone free blocks: a run that is one free block (a hole between
+ * blocks that are not general space) is not indexed (run_len 0).  They are
+ * most runs, and the fast path makes and consumes them, so leaving them out
+ * keeps the index off the fast path.  Placement does not miss them: the slow
+ * path places only after the free indexes found no block that fits, so a lone
+ * free block that stream may use is shorter than the request; where that is
+ * not known (after a synchronisation), place() asks the free indexes (heap.c).
+ *
+ * The heap detaches a run from the index (gm_run_detach) before it changes the
+ * run's blocks -- a state, a split, a merge -- and attaches it again after
+ * (gm_run_attach, which measures it by walking its blocks).  Both walk from a
+ * block to its run's head, across the run's blocks: usually none or one.
  *
  * PAGE USE.  Per page, the number of live blocks whose first or last page it
  * is (live_ep; once for a block within one page), and the same for live or
@@ -27,8 +32,9 @@
  * allocation and free, replace walks over every block.
  *
  * Invariants (gm_check recounts them):
- *   R1  b->run_len != 0  <=>  b is general space and b->prev is not (or is
- *       NULL); then run_len is the total size of b and of the general-space
+ *   R1  b->run_len != 0  <=>  b is general space, b->prev is not (or is NULL),
+ *       and b is not a lone free block (free, with b->next not general space
+ *       either); then run_len is the total size of b and of the general-space
  *       blocks that follow it up to the first one that is not.
  *   R2  every head is in the bin ri_bin(run_len) computes, nothing else is;
  *       bins are doubly linked (rprev, rnext) with NULL ends; bit (fl) of
@@ -73,12 +79,11 @@ void ri_remove(gm_runindex *ri, struct gm_block *head);
  * if fn returns non-zero.  fn must not change the index. */
 int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(struct gm_block *head, void *arg), void *arg);
 
-/* b has just become general space (its state is set; no merge has happened
- * yet): it joins the runs on either side. */
-void gm_run_enter(struct gm_heap *h, struct gm_block *b);
-/* b, general space, is about to leave it (still in its old state): its run
- * splits around it. */
-void gm_run_leave(struct gm_heap *h, struct gm_block *b);
+/* Take the run that general-space block b is in out of the index (if there). */
+void gm_run_detach(struct gm_heap *h, struct gm_block *b);
+/* Measure the run that general-space block b is in and index it (unless it is
+ * a lone free block).  It must not be in the index. */
+void gm_run_attach(struct gm_heap *h, struct gm_block *b);
 /* The head of the run that general-space block b belongs to. */
 struct gm_block *gm_run_head(struct gm_block *b);
 
