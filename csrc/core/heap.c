@@ -36,7 +36,9 @@
  *      done, and retry.
  *   2. Place the request where it needs the fewest new pages: over every run of
  *      free and unmapped blocks long enough, at its start or its end.  Ties go
- *      to the shortest run (best fit), then the lowest address.
+ *      to the shortest run (best fit), then the lowest address.  A run index
+ *      (runindex.h) lists the runs by length, so only long enough ones are
+ *      looked at, and page-use counters replace walks over every block.
  *   3. Get the pages: spare ones first; then new ones from the device, but only
  *      while the heap stays under its growth limit -- (1 + slack) x the peak of
  *      live memory -- so that it does not hoard.
