@@ -261,11 +261,18 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
-    int was_general = gm_general_space(b);
+    int was_general = gm_general_space(b), attach = !was_general;
     if (!was_general) {
-        /* It joins the runs on either side: out of the index until merged. */
-        if (b->prev && gm_general_space(b->prev)) gm_run_detach(h, b->prev);
-        if (b->next && gm_general_space(b->next)) gm_run_detach(h, b->next);
+        /* It joins the runs on either side: out of the index until merged --
+         * or, in front of an indexed run, it just becomes that run's head. */
+        int joins_prev = b->prev && gm_general_space(b->prev), joins_next = b->next && gm_general_space(b->next);
+        if (!joins_prev && joins_next && b->next->run_len) {
+            ri_move_head(&h->runs, b->next, b, b->size + b->next->run_len);
+            attach = 0;
+        } else {
+            if (joins_prev) gm_run_detach(h, b->prev);
+            if (joins_next) gm_run_detach(h, b->next);
+        }
     }
     b->state = GM_BLOCK_FREE;
     b->stream = owner;
@@ -286,7 +293,7 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
         b->stream = o;
     }
     index_insert(h, b);
-    if (!was_general) gm_run_attach(h, b);
+    if (attach) gm_run_attach(h, b);
     return b;
 }
 
@@ -1313,10 +1320,18 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
     b = carve(h, b, at, rsize);
-    gm_run_detach(h, b);
-    b->state = GM_BLOCK_LIVE;
-    if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
-    if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
+    if (b->run_len && b->next && gm_general_space(b->next) &&
+        !(b->next->state == GM_BLOCK_FREE && b->run_len - b->size == b->next->size)) {
+        /* Carved from the front of an indexed run: the rest stays one indexed
+         * run (not a lone free block). */
+        ri_move_head(&h->runs, b, b->next, b->run_len - b->size);
+        b->state = GM_BLOCK_LIVE;
+    } else {
+        gm_run_detach(h, b);
+        b->state = GM_BLOCK_LIVE;
+        if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
+        if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
+    }
     gm_pages_use(h, b, 1, 1);
     b->stream = s;
     b->requested = size;

@@ -111,6 +111,26 @@ static inline size_t gm_page_floor(const gm_heap *h, uintptr_t a) { return (size
 static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base + h->page - 1) >> h->page_shift); }
 static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
 
+/* ---- run index hooks (runindex.h) ---- */
+static inline gm_block *gm_run_head(gm_block *b) {
+    while (b->prev && gm_general_space(b->prev)) b = b->prev;
+    return b;
+}
+static inline void gm_run_detach(gm_heap *h, gm_block *b) {
+    gm_block *head = gm_run_head(b);
+    if (head->run_len) gm_run_unindex(h, head);
+}
+static inline void gm_run_attach(gm_heap *h, gm_block *b) {
+    gm_block *head = gm_run_head(b);
+    if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
+    gm_run_index(h, head);
+}
+static inline void gm_pages_use(gm_heap *h, const gm_block *b, int dlive, int dact) {
+    size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
+    if (dlive) ri_ep_block(h->runs.live_ep, p0, p1, dlive, &h->runs.live_pages);
+    if (dact) ri_ep_block(h->runs.act_ep, p0, p1, dact, &h->runs.act_pages);
+}
+
 gm_owner *gm_owner_find(gm_heap *h, gm_stream s);
 gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);

@@ -64,6 +64,29 @@ void ri_remove(gm_runindex *ri, gm_block *b) {
     ri->bytes -= b->run_len;
 }
 
+void ri_move_head(gm_runindex *ri, gm_block *old, gm_block *head, size_t len) {
+    if (ri_bin(len) != ri_bin(old->run_len)) {
+        ri_remove(ri, old);
+        old->run_len = 0;
+        head->run_len = len;
+        ri_insert(ri, head);
+        return;
+    }
+    /* Same bin: the new head takes the old one's place in the list. */
+    head->rprev = old->rprev;
+    head->rnext = old->rnext;
+    if (head->rprev) head->rprev->rnext = head;
+    else {
+        unsigned sl, fl = ri_fl_sl(len, &sl);
+        ri->bins[fl][sl] = head;
+    }
+    if (head->rnext) head->rnext->rprev = head;
+    ri->bytes += len - old->run_len;
+    old->rprev = old->rnext = NULL;
+    old->run_len = 0;
+    head->run_len = len;
+}
+
 int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(gm_block *head, void *arg), void *arg) {
     unsigned sl0, fl0 = ri_fl_sl(len, &sl0);
     if (fl0 >= RI_FL) return 0;
@@ -91,46 +114,16 @@ int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(gm_block *head
     }
 }
 
-gm_block *gm_run_head(gm_block *b) {
-    while (b->prev && gm_general_space(b->prev)) b = b->prev;
-    return b;
-}
-
-void gm_run_detach(gm_heap *h, gm_block *b) {
-    gm_block *head = gm_run_head(b);
-    if (!head->run_len) return;
+void gm_run_unindex(gm_heap *h, gm_block *head) {
     ri_remove(&h->runs, head);
     head->run_len = 0;
 }
 
-void gm_run_attach(gm_heap *h, gm_block *b) {
-    gm_block *head = gm_run_head(b);
-    if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
+void gm_run_index(gm_heap *h, gm_block *head) {
     size_t len = 0;
     for (const gm_block *c = head; c && gm_general_space(c); c = c->next) len += c->size;
     head->run_len = len;
     ri_insert(&h->runs, head);
-}
-
-static inline void ep_add(uint32_t *ep, size_t p, int d, size_t *pages) {
-    if (d > 0) {
-        if (ep[p]++ == 0) (*pages)++;
-    } else {
-        if (--ep[p] == 0) (*pages)--;
-    }
-}
-
-static inline void ep_block(uint32_t *ep, size_t p0, size_t p1, int d, size_t *pages) {
-    ep_add(ep, p0, d, pages);
-    if (p1 != p0) ep_add(ep, p1, d, pages);
-    if (p1 > p0 + 1) *pages += d > 0 ? p1 - p0 - 1 : (size_t)0 - (p1 - p0 - 1);
-}
-
-void gm_pages_use(gm_heap *h, const gm_block *b, int dlive, int dact) {
-    gm_runindex *ri = &h->runs;
-    size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
-    if (dlive) ep_block(ri->live_ep, p0, p1, dlive, &ri->live_pages);
-    if (dact) ep_block(ri->act_ep, p0, p1, dact, &ri->act_pages);
 }
 
 /* ---- the checker's part ---- */

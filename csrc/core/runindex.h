@@ -75,21 +75,42 @@ unsigned ri_bin(size_t len);
 /* Index a head whose run_len is set; take one out (its run_len stays). */
 void ri_insert(gm_runindex *ri, struct gm_block *head);
 void ri_remove(gm_runindex *ri, struct gm_block *head);
+/* The indexed run headed by `old` is now headed by `head` and `len` long
+ * (cheap when the bin stays the same: the common change at the edge of a long run). */
+void ri_move_head(gm_runindex *ri, struct gm_block *old, struct gm_block *head, size_t len);
 /* Visit every head whose run is at least `len` long (any order); stop early
  * if fn returns non-zero.  fn must not change the index. */
 int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(struct gm_block *head, void *arg), void *arg);
 
-/* Take the run that general-space block b is in out of the index (if there). */
-void gm_run_detach(struct gm_heap *h, struct gm_block *b);
-/* Measure the run that general-space block b is in and index it (unless it is
- * a lone free block).  It must not be in the index. */
-void gm_run_attach(struct gm_heap *h, struct gm_block *b);
-/* The head of the run that general-space block b belongs to. */
-struct gm_block *gm_run_head(struct gm_block *b);
+/* The heap's hooks (inline, in heap_internal.h, where gm_block is known):
+ *   gm_run_detach(h, b)  take the run that general-space block b is in out of
+ *                        the index (if it is there);
+ *   gm_run_attach(h, b)  measure the run that general-space block b is in and
+ *                        index it, unless it is a lone free block; it must not
+ *                        be in the index;
+ *   gm_run_head(b)       the head of b's run;
+ *   gm_pages_use(h, b, dlive, dact)  block b starts (+1) or stops (-1) being
+ *                        live (dlive) and active, i.e. live or pending (dact).
+ * Their slow halves: */
+void gm_run_unindex(struct gm_heap *h, struct gm_block *head);
+void gm_run_index(struct gm_heap *h, struct gm_block *head);
 
-/* Block b starts (+1) or stops (-1) being live (dlive) and active, i.e. live
- * or pending (dact). */
-void gm_pages_use(struct gm_heap *h, const struct gm_block *b, int dlive, int dact);
+/* Page p gains (d > 0) or loses a block that starts or ends in it; *pages
+ * counts the pages whose count is not zero. */
+static inline void ri_ep_add(uint32_t *ep, size_t p, int d, size_t *pages) {
+    if (d > 0) {
+        if (ep[p]++ == 0) (*pages)++;
+    } else if (--ep[p] == 0) {
+        (*pages)--;
+    }
+}
+
+/* A block over pages [p0, p1] (first and last) comes (d > 0) or goes. */
+static inline void ri_ep_block(uint32_t *ep, size_t p0, size_t p1, int d, size_t *pages) {
+    ri_ep_add(ep, p0, d, pages);
+    if (p1 != p0) ri_ep_add(ep, p1, d, pages);
+    if (p1 > p0 + 1) *pages += d > 0 ? p1 - p0 - 1 : (size_t)0 - (p1 - p0 - 1);
+}
 
 /* Check R1, R2, P1, P2 against a recount; returns 0 or writes a reason. */
 int gm_runs_check(struct gm_heap *h, char *why, size_t whylen);
