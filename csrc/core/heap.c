@@ -407,7 +407,7 @@ static void pending_append(gm_heap *h, gm_block *b) {
 
 /* A pending or live block leaves "active" and becomes free for its stream. */
 static void complete_free(gm_heap *h, gm_block *b) {
-    gm_pages_use(h, b, b->state == GM_BLOCK_LIVE ? -1 : 0, -1);
+    if (b->state == GM_BLOCK_LIVE) gm_pages_use(h, b, -1);
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.active, pool, 1);
     gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
@@ -1014,8 +1014,19 @@ static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size
 
 /* ---- reports ------------------------------------------------------------------------- */
 
-/* Pages that live or pending blocks touch (kept by the run index). */
-size_t gm_used_pages(gm_heap *h) { return h->runs.act_pages; }
+/* Pages that live or pending blocks touch.  Only reports ask (they walk every
+ * block anyway); the slow path counts with the run index's live_pages. */
+size_t gm_used_pages(gm_heap *h) {
+    size_t used = 0, last = SIZE_MAX; /* last page counted */
+    for (gm_block *b = h->head; b; b = b->next) {
+        if (b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING) continue;
+        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
+        if (p1 > p0) used += p1 - p0;
+        if (p1 > 0) last = p1 - 1;
+    }
+    return used;
+}
 
 static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     memset(o, 0, sizeof *o);
@@ -1332,7 +1343,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
         if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
         if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
     }
-    gm_pages_use(h, b, 1, 1);
+    gm_pages_use(h, b, 1);
     b->stream = s;
     b->requested = size;
     b->context = context;
@@ -1384,7 +1395,7 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
             if (!b->wait_sync && !event_record(h, b->uses[i], &b->events[i])) b->wait_sync = 1;
         }
         b->state = GM_BLOCK_PENDING;
-        gm_pages_use(h, b, -1, 0);
+        gm_pages_use(h, b, -1);
         pending_append(h, b);
     }
     pthread_mutex_unlock(&h->lock);

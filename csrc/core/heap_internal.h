@@ -125,10 +125,9 @@ static inline void gm_run_attach(gm_heap *h, gm_block *b) {
     if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
     gm_run_index(h, head);
 }
-static inline void gm_pages_use(gm_heap *h, const gm_block *b, int dlive, int dact) {
+static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
     size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
-    if (dlive) ri_ep_block(h->runs.live_ep, p0, p1, dlive, &h->runs.live_pages);
-    if (dact) ri_ep_block(h->runs.act_ep, p0, p1, dact, &h->runs.act_pages);
+    ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
 }
 
 gm_owner *gm_owner_find(gm_heap *h, gm_stream s);

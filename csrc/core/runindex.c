@@ -10,14 +10,12 @@
 int ri_init(gm_runindex *ri, size_t n_pages) {
     memset(ri, 0, sizeof *ri);
     ri->live_ep = calloc(n_pages ? n_pages : 1, sizeof *ri->live_ep);
-    ri->act_ep = calloc(n_pages ? n_pages : 1, sizeof *ri->act_ep);
-    return ri->live_ep && ri->act_ep ? GM_OK : GM_ENOMEM;
+    return ri->live_ep ? GM_OK : GM_ENOMEM;
 }
 
 void ri_free(gm_runindex *ri) {
     free(ri->live_ep);
-    free(ri->act_ep);
-    ri->live_ep = ri->act_ep = NULL;
+    ri->live_ep = NULL;
 }
 
 /* Lengths in 512-byte units: below 32 units a bin each, then 32 bins per power of two. */
@@ -183,43 +181,31 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     }
     /* P1, P2: recount page use. */
     uint32_t *live = calloc(h->n_pages ? h->n_pages : 1, sizeof *live);
-    uint32_t *act = calloc(h->n_pages ? h->n_pages : 1, sizeof *act);
-    if (!live || !act) {
-        free(live);
-        free(act);
-        return GM_OK; /* no memory to check with: nothing proven wrong */
-    }
-    size_t live_inner = 0, act_inner = 0;
+    if (!live) return GM_OK; /* no memory to check with: nothing proven wrong */
+    size_t live_pages = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING) continue;
+        if (b->state != GM_BLOCK_LIVE) continue;
         size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
-        size_t inner = p1 > p0 + 1 ? p1 - p0 - 1 : 0;
-        act[p0]++, act_inner += inner;
-        if (p1 != p0) act[p1]++;
-        if (b->state == GM_BLOCK_LIVE) {
-            live[p0]++, live_inner += inner;
-            if (p1 != p0) live[p1]++;
-        }
+        live[p0]++;
+        if (p1 != p0) live[p1]++;
+        if (p1 > p0 + 1) live_pages += p1 - p0 - 1;
     }
-    size_t live_pages = live_inner, act_pages = act_inner;
     int rc = GM_OK;
     for (size_t p = 0; p < h->n_pages; p++) {
-        if (live[p] != ri->live_ep[p] || act[p] != ri->act_ep[p]) {
+        if (live[p] != ri->live_ep[p]) {
             if (why && whylen)
-                snprintf(why, whylen, "page use: page %zu starts or ends %u live / %u active blocks, the counts say %u / %u",
-                         p, live[p], act[p], ri->live_ep[p], ri->act_ep[p]);
+                snprintf(why, whylen, "page use: page %zu starts or ends %u live blocks, the count says %u", p,
+                         live[p], ri->live_ep[p]);
             rc = GM_ECORRUPT;
             break;
         }
         live_pages += live[p] != 0;
-        act_pages += act[p] != 0;
     }
     free(live);
-    free(act);
-    if (!rc && (live_pages != ri->live_pages || act_pages != ri->act_pages)) {
+    if (!rc && live_pages != ri->live_pages) {
         if (why && whylen)
-            snprintf(why, whylen, "page use: live blocks touch %zu pages and active ones %zu, the counters say %zu / %zu",
-                     live_pages, act_pages, ri->live_pages, ri->act_pages);
+            snprintf(why, whylen, "page use: live blocks touch %zu pages, the counter says %zu", live_pages,
+                     ri->live_pages);
         rc = GM_ECORRUPT;
     }
     return rc;

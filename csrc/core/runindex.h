@@ -24,12 +24,12 @@
  * block to its run's head, across the run's blocks: usually none or one.
  *
  * PAGE USE.  Per page, the number of live blocks whose first or last page it
- * is (live_ep; once for a block within one page), and the same for live or
- * pending blocks (act_ep).  A page strictly inside a block is touched by that
- * block alone, so
+ * is (live_ep; once for a block within one page).  A page strictly inside a
+ * block is touched by that block alone, so
  *     pages live blocks touch = #{p : live_ep[p] > 0} + inner pages of live blocks
- * and likewise for live or pending blocks: two counters, kept in O(1) per
- * allocation and free, replace walks over every block.
+ * a counter kept in O(1) per allocation and free.  The slow path's count of
+ * cached pages (mapped pages no live block touches) is then a subtraction
+ * instead of a walk over every block.
  *
  * Invariants (gm_check recounts them):
  *   R1  b->run_len != 0  <=>  b is general space, b->prev is not (or is NULL),
@@ -41,8 +41,8 @@
  *       fl_bitmap is set <=> sl_bitmap[fl] != 0, and bit (sl) of sl_bitmap[fl]
  *       <=> bins[fl][sl] != NULL; count and bytes are the heads' number and
  *       total run_len.
- *   P1  live_ep[p] and act_ep[p] are as defined above.
- *   P2  live_pages and act_pages equal the two sums above.
+ *   P1  live_ep[p] is as defined above.
+ *   P2  live_pages equals the sum above.
  */
 #ifndef GPUMEM_RUNINDEX_H
 #define GPUMEM_RUNINDEX_H
@@ -64,9 +64,7 @@ typedef struct gm_runindex {
     size_t count;         /* runs */
     size_t bytes;         /* their total length */
     uint32_t *live_ep;    /* per page: live blocks that start or end in it */
-    uint32_t *act_ep;     /* per page: live or pending blocks that start or end in it */
     size_t live_pages;    /* pages live blocks touch */
-    size_t act_pages;     /* pages live or pending blocks touch */
 } gm_runindex;
 
 int ri_init(gm_runindex *ri, size_t n_pages);
@@ -89,8 +87,7 @@ int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(struct gm_bloc
  *                        index it, unless it is a lone free block; it must not
  *                        be in the index;
  *   gm_run_head(b)       the head of b's run;
- *   gm_pages_use(h, b, dlive, dact)  block b starts (+1) or stops (-1) being
- *                        live (dlive) and active, i.e. live or pending (dact).
+ *   gm_pages_use(h, b, d)  block b starts (+1) or stops (-1) being live.
  * Their slow halves: */
 void gm_run_unindex(struct gm_heap *h, struct gm_block *head);
 void gm_run_index(struct gm_heap *h, struct gm_block *head);
