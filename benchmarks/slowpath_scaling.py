@@ -134,7 +134,6 @@ def main():
         "label": args.label,
         "python": sys.version.split()[0],
         "machine": platform.machine(),
-        "gpumem": gpumem.__file__,
         "rows": rows,
         "defrag_rows": drows,
     }
