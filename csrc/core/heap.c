@@ -738,13 +738,12 @@ struct cached_ctx {
     size_t ex0, ex1;
     struct cached_run *runs;
     size_t n, cap, total;
-    int full;
 };
 
 static int cached_one(gm_block *b, void *arg) {
     struct cached_ctx *c = arg;
     gm_heap *h = c->h;
-    if (!gm_general_space(b)) return 0;
+    if (!gm_general_space(b)) return 0; /* only general free space is recycled */
     size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
     if (p0 >= p1) return 0;
     size_t parts[2][2] = {{p0, p1 < c->ex0 ? p1 : c->ex0}, {p0 > c->ex1 ? p0 : c->ex1, p1}};
@@ -768,7 +767,7 @@ static int cached_one(gm_block *b, void *arg) {
  * Only blocks of a page or more can hold a whole page: the free indexes give
  * those without a walk over every block. */
 static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
-    struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0, 0};
+    struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0};
     for (size_t i = 0; i < h->n_owners; i++)
         if (fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
     *out = c.runs;
