@@ -36,7 +36,7 @@
  *       and b is not a lone free block (free, with b->next not general space
  *       either); then run_len is the total size of b and of the general-space
  *       blocks that follow it up to the first one that is not.
- *   R2  every head is in the bin ri_bin(run_len) computes, nothing else is;
+ *   R2  every head of R1 is in the bin ri_bin(run_len) computes, nothing else is;
  *       bins are doubly linked (rprev, rnext) with NULL ends; bit (fl) of
  *       fl_bitmap is set <=> sl_bitmap[fl] != 0, and bit (sl) of sl_bitmap[fl]
  *       <=> bins[fl][sl] != NULL; count and bytes are the heads' number and
