@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from ._C import ERROR_NAMES
 from ._resolve import resolve_heap
 from ._units import format_size as _fs
 
@@ -334,12 +335,8 @@ def _diagnose(r: Report, heap) -> None:
     r.advice = advice
 
 
-_CODES = {1: "GM_ENOMEM", 2: "GM_EINVAL", 5: "GM_EDEVICE", 6: "GM_ENOTREADY", 7: "GM_ENOTSUP",
-          8: "GM_ENODRIVER"}
-
-
 def _code_name(code: int) -> str:
-    return _CODES.get(code, f"error {code}")
+    return ERROR_NAMES.get(code, f"error {code}")
 
 
 def explain(size=None, device=None) -> Report:

@@ -580,3 +580,18 @@ with gpumem.Heap(device="sim", capacity="4GiB") as h:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-2000:]}"
     assert res.stdout.startswith("ok")
+
+
+def test_name_lists_come_from_the_core():
+    """Error and statistic names are defined once in gpumem.h and exported by _C."""
+    from gpumem import _C
+
+    assert _C.ERROR_NAMES[0] == "GM_OK" and _C.ERROR_NAMES[1] == "GM_ENOMEM"
+    assert sorted(_C.ERROR_NAMES) == list(range(len(_C.ERROR_NAMES)))
+    with gpumem.Heap(device="sim", capacity="1GiB") as h:
+        stats = h.stats()
+    expected = {f"{name}.{pool}.{field}" for name in _C.POOLED_STAT_NAMES
+                for pool in ("all", "small_pool", "large_pool")
+                for field in ("current", "peak", "allocated", "freed")}
+    expected |= set(_C.COUNTER_NAMES)
+    assert set(stats) == expected

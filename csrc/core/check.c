@@ -164,15 +164,13 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
     const gm_stats *st = &h->st;
     int rc;
     int64_t held = (int64_t)(h->mapped_pages + h->n_spare);
-    if ((rc = stat_is(st->allocation, n_live, n_live_s, "allocation", why, len)) ||
-        (rc = stat_is(st->allocated_bytes, b_live, b_live_s, "allocated_bytes", why, len)) ||
-        (rc = stat_is(st->requested_bytes, req, req_s, "requested_bytes", why, len)) ||
-        (rc = stat_is(st->active, n_act, n_act_s, "active", why, len)) ||
-        (rc = stat_is(st->active_bytes, b_act, b_act_s, "active_bytes", why, len)) ||
-        (rc = stat_is(st->inactive_split, n_free, n_free_s, "inactive_split", why, len)) ||
-        (rc = stat_is(st->inactive_split_bytes, b_free, b_free_s, "inactive_split_bytes", why, len)) ||
-        (rc = stat_is(st->segment, held, 0, "segment", why, len)) ||
-        (rc = stat_is(st->reserved_bytes, held * (int64_t)P, 0, "reserved_bytes", why, len)))
+#define STAT_IS(name, all, small) (rc = stat_is(st->name, all, small, #name, why, len))
+    if (STAT_IS(allocation, n_live, n_live_s) || STAT_IS(allocated_bytes, b_live, b_live_s) ||
+        STAT_IS(requested_bytes, req, req_s) || STAT_IS(active, n_act, n_act_s) ||
+        STAT_IS(active_bytes, b_act, b_act_s) || STAT_IS(inactive_split, n_free, n_free_s) ||
+        STAT_IS(inactive_split_bytes, b_free, b_free_s) || STAT_IS(segment, held, 0) ||
+        STAT_IS(reserved_bytes, held * (int64_t)P, 0))
+#undef STAT_IS
         return rc;
     if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
     return GM_OK;

@@ -35,22 +35,7 @@ static PyObject *InvalidPointerError;
 static PyObject *CorruptionError;
 static PyObject *DeviceError;
 
-static const char *code_name(int code)
-{
-    switch (code) {
-    case GM_OK: return "GM_OK";
-    case GM_ENOMEM: return "GM_ENOMEM";
-    case GM_EINVAL: return "GM_EINVAL";
-    case GM_EUNKNOWN_PTR: return "GM_EUNKNOWN_PTR";
-    case GM_EDOUBLE_FREE: return "GM_EDOUBLE_FREE";
-    case GM_EDEVICE: return "GM_EDEVICE";
-    case GM_ENOTREADY: return "GM_ENOTREADY";
-    case GM_ENOTSUP: return "GM_ENOTSUP";
-    case GM_ENODRIVER: return "GM_ENODRIVER";
-    case GM_ECORRUPT: return "GM_ECORRUPT";
-    default: return "GM_E?";
-    }
-}
+#define code_name gm_py_code_name
 
 /* ---- the Heap object --------------------------------------------------------- */
 
@@ -1203,6 +1188,8 @@ PyMODINIT_FUNC PyInit__C(void)
         goto fail;
     }
     if (gm_history_glue_add(m) < 0)
+        goto fail;
+    if (gm_py_add_name_lists(m) < 0) /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c) */
         goto fail;
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)

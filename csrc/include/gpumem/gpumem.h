@@ -16,19 +16,34 @@
 extern "C" {
 #endif
 
-/* ---- error codes --------------------------------------------------------- */
+/* ---- error codes ---------------------------------------------------------
+ * The one list of them: X(name, value, sentence).  gm_strerror and the Python
+ * module (which exports the names as gpumem._C.ERROR_NAMES) expand it. */
+#define GM_EACH_ERROR(X)                                                                              \
+    X(GM_OK, 0, "success")                                                                            \
+    /* no room even after releasing the cache and defragmenting */                                   \
+    X(GM_ENOMEM, 1, "out of memory")                                                                  \
+    /* bad argument (size too large, bad cap, ...) */                                                 \
+    X(GM_EINVAL, 2, "invalid argument")                                                               \
+    /* pointer was never handed out by this heap */                                                  \
+    X(GM_EUNKNOWN_PTR, 3, "pointer was not allocated by this heap")                                   \
+    /* pointer lies in this heap but is not live: freed twice, or not the start of an allocation */  \
+    X(GM_EDOUBLE_FREE, 4, "pointer is not a live allocation (double free, or not the start of a block)") \
+    /* a device call failed; dev->last_error says why */                                             \
+    X(GM_EDEVICE, 5, "a device call failed")                                                          \
+    /* an event has not completed yet (device level) */                                              \
+    X(GM_ENOTREADY, 6, "event not complete")                                                          \
+    /* the device cannot do this (no NVML, ...) */                                                    \
+    X(GM_ENOTSUP, 7, "not supported by this device")                                                  \
+    /* libcuda could not be loaded */                                                                 \
+    X(GM_ENODRIVER, 8, "CUDA driver library could not be loaded")                                     \
+    /* the invariant checker found a broken invariant */                                             \
+    X(GM_ECORRUPT, 9, "heap invariant broken")
+
 enum {
-    GM_OK = 0,
-    GM_ENOMEM = 1,        /* no room even after releasing the cache and defragmenting */
-    GM_EINVAL = 2,        /* bad argument (size too large, bad cap, ...) */
-    GM_EUNKNOWN_PTR = 3,  /* pointer was never handed out by this heap */
-    GM_EDOUBLE_FREE = 4,  /* pointer lies in this heap but is not live: freed twice,
-                             or not the start of an allocation */
-    GM_EDEVICE = 5,       /* a device call failed; dev->last_error says why */
-    GM_ENOTREADY = 6,     /* an event has not completed yet (device level) */
-    GM_ENOTSUP = 7,       /* the device cannot do this (no NVML, ...) */
-    GM_ENODRIVER = 8,     /* libcuda could not be loaded */
-    GM_ECORRUPT = 9       /* the invariant checker found a broken invariant */
+#define GM_ERROR_ENUM(name, value, text) name = value,
+    GM_EACH_ERROR(GM_ERROR_ENUM)
+#undef GM_ERROR_ENUM
 };
 const char *gm_strerror(int code);
 
@@ -90,29 +105,42 @@ typedef struct gm_stat {
 } gm_stat;
 enum { GM_POOL_ALL = 0, GM_POOL_SMALL = 1, GM_POOL_LARGE = 2, GM_POOL__COUNT = 3 };
 
+/* The one list of statistics.  Pooled ones are torch Stats per pool, named
+ * "<name>.<all|small_pool|large_pool>.<current|peak|allocated|freed>"; counters
+ * are plain integers under their own name.  stats.c, the checker and the Python
+ * module (gpumem._C.POOLED_STAT_NAMES / COUNTER_NAMES) expand these lists. */
+#define GM_EACH_POOLED_STAT(X)                                      \
+    X(allocation)           /* live blocks */                       \
+    X(segment)              /* physical pages held */               \
+    X(active)               /* live + freed-but-pending blocks */   \
+    X(inactive_split)       /* free blocks in mapped memory */      \
+    X(allocated_bytes)                                              \
+    X(reserved_bytes)                                               \
+    X(active_bytes)                                                 \
+    X(inactive_split_bytes)                                         \
+    X(requested_bytes)
+#define GM_EACH_COUNTER(X)                                                      \
+    X(num_alloc_retries)    /* allocations that took the slow path */           \
+    X(num_ooms)                                                                 \
+    X(num_sync_all_streams) /* device synchronisations before unmapping */      \
+    X(num_device_alloc)     /* physical pages created */                        \
+    X(num_device_free)      /* physical pages released */                       \
+    X(num_maps)             /* page map calls */                                \
+    X(num_unmaps)           /* page unmap calls */                              \
+    X(num_remaps)           /* defragmentations: pages moved behind a new address */ \
+    X(num_pages_remapped)                                                       \
+    X(num_device_errors)
+/* Counters that reset_accumulated leaves alone. */
+#define GM_EACH_SETTING(X) X(max_split_size) /* torch compat: -1 (no limit) */
+
 typedef struct gm_stats {
-    /* counts */
-    gm_stat allocation[GM_POOL__COUNT];      /* live blocks */
-    gm_stat segment[GM_POOL__COUNT];         /* physical pages held */
-    gm_stat active[GM_POOL__COUNT];          /* live + freed-but-pending blocks */
-    gm_stat inactive_split[GM_POOL__COUNT];  /* free blocks in mapped memory */
-    /* bytes */
-    gm_stat allocated_bytes[GM_POOL__COUNT];
-    gm_stat reserved_bytes[GM_POOL__COUNT];
-    gm_stat active_bytes[GM_POOL__COUNT];
-    gm_stat inactive_split_bytes[GM_POOL__COUNT];
-    gm_stat requested_bytes[GM_POOL__COUNT];
-    int64_t num_alloc_retries;    /* allocations that took the slow path */
-    int64_t num_ooms;
-    int64_t num_sync_all_streams; /* device synchronisations before unmapping */
-    int64_t num_device_alloc;     /* physical pages created */
-    int64_t num_device_free;      /* physical pages released */
-    int64_t num_maps;             /* page map calls */
-    int64_t num_unmaps;           /* page unmap calls */
-    int64_t num_remaps;           /* defragmentations: pages moved behind a new address */
-    int64_t num_pages_remapped;
-    int64_t num_device_errors;
-    int64_t max_split_size;       /* torch compat: -1 (no limit) */
+#define GM_STAT_POOLED_FIELD(name) gm_stat name[GM_POOL__COUNT];
+#define GM_STAT_COUNTER_FIELD(name) int64_t name;
+    GM_EACH_POOLED_STAT(GM_STAT_POOLED_FIELD)
+    GM_EACH_COUNTER(GM_STAT_COUNTER_FIELD)
+    GM_EACH_SETTING(GM_STAT_COUNTER_FIELD)
+#undef GM_STAT_POOLED_FIELD
+#undef GM_STAT_COUNTER_FIELD
 } gm_stats;
 
 void gm_get_stats(gm_heap *heap, gm_stats *out);
