@@ -5,8 +5,10 @@
  *   C1 blocks tile [base, base+va_size): sorted, no overlap, no gap, 512-aligned,
  *      prev/next consistent; unmapped blocks are whole pages.
  *   C2 every page a live, pending or free block touches is mapped; every page
- *      wholly inside unmapped space is not; mapped_pages is the count.  On the
- *      simulated device, the device agrees byte for byte for those blocks, and holds exactly the pages the heap thinks it holds.
+ *      wholly inside unmapped space is not; mapped_pages is the count.  Where
+ *      the device can tell (its ops->verify, e.g. the simulated device), it
+ *      agrees that those blocks are accessible, holds exactly the pages the heap
+ *      thinks it holds, and has the same physical page behind every address.
  *   C3 no two neighbours that may merge are left apart.
  *   C4 each owner's index holds exactly its free blocks (fi_check for the rest).
  *   C5 the live table holds exactly the live blocks; the pending list exactly
@@ -47,6 +49,7 @@ static int stat_is(const gm_stat *arr, int64_t all, int64_t small, const char *n
 
 static int check_locked(gm_heap *h, char *why, size_t len) {
     const size_t P = h->page;
+    const gm_device_verify *verify = h->dev->ops->verify; /* NULL: the device cannot tell */
     /* C1, C2, C3 in one walk. */
     if (!h->head || h->head->addr != h->base || h->head->prev)
         return fail(why, len, "the first block does not start the reserved range");
@@ -102,7 +105,7 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
                 return fail(why, len, "page %zu under %s block %#lx+%zu is not mapped", p,
                             b->state == GM_BLOCK_FREE ? "free" : "live/pending", (unsigned long)b->addr, b->size);
         /* Free blocks too: they are handed out without another device call. */
-        if (!strcmp(h->dev->kind, "sim") && !gm_sim_is_accessible(h->dev, b->addr, b->size))
+        if (verify && !verify->accessible(h->dev, b->addr, b->size))
             return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
     }
     if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
@@ -126,12 +129,19 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
             }
         free(all);
     }
-    if (!strcmp(h->dev->kind, "sim")) {
-        gm_sim_info si;
-        gm_sim_info_get(h->dev, &si);
-        if (si.pages_mapped != h->mapped_pages || si.pages_created != h->mapped_pages + h->n_spare)
-            return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)",
-                        si.pages_created, si.pages_mapped, h->mapped_pages + h->n_spare, h->mapped_pages);
+    if (verify) {
+        size_t created = 0, dev_mapped = 0;
+        verify->pages(h->dev, &created, &dev_mapped);
+        if (dev_mapped != h->mapped_pages || created != h->mapped_pages + h->n_spare)
+            return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)", created,
+                        dev_mapped, h->mapped_pages + h->n_spare, h->mapped_pages);
+        /* Not only how many: which physical page sits at each address. */
+        for (size_t p = 0; p < h->n_pages; p++) {
+            gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
+            if (at != h->page_handle[p])
+                return fail(why, len, "page %zu: the heap has physical page %llu there, the device %llu", p,
+                            (unsigned long long)h->page_handle[p], (unsigned long long)at);
+        }
     }
 
     /* C4 */

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpumem/device.h"
+#include "gpumem/cuda.h"
 #include "gpumem/gpumem.h"
 
 /* ---- the slice of cuda.h we use ----------------------------------------- */

@@ -21,8 +21,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gpumem/device.h"
 #include "gpumem/gpumem.h"
+#include "gpumem/sim.h"
 
 /* Where made-up reservations start: the shape of a real CUDA address on x86-64
  * Linux, far from 0 so that a zero or small integer is never mistaken for one. */
@@ -669,6 +669,38 @@ static void sim_destroy(gm_device *dev)
     free(s);
 }
 
+static int sim_verify_accessible(const gm_device *dev, uintptr_t va, size_t size)
+{
+    return gm_sim_is_accessible(dev, va, size);
+}
+
+static void sim_verify_pages(const gm_device *dev, size_t *created, size_t *mapped)
+{
+    gm_sim_info si;
+    gm_sim_info_get(dev, &si);
+    *created = si.pages_created;
+    *mapped = si.pages_mapped;
+}
+
+static gm_handle sim_verify_handle_at(const gm_device *dev, uintptr_t va)
+{
+    const sim_device *s = as_sim_c(dev);
+    if (!s)
+        return 0;
+    for (size_t i = 0; i < s->n_resv; i++) {
+        const sim_resv *r = &s->resv[i];
+        if (va >= r->va && va - r->va < r->size)
+            return r->handle[(va - r->va) / s->base.page_size];
+    }
+    return 0;
+}
+
+static const gm_device_verify sim_verify = {
+    .accessible = sim_verify_accessible,
+    .pages = sim_verify_pages,
+    .handle_at = sim_verify_handle_at,
+};
+
 static const gm_device_ops sim_ops = {
     .reserve = sim_reserve,
     .unreserve = sim_unreserve,
@@ -685,6 +717,7 @@ static const gm_device_ops sim_ops = {
     .mem_info = sim_mem_info,
     .processes = sim_processes,
     .destroy = sim_destroy,
+    .verify = &sim_verify,
 };
 
 /* ---- public -------------------------------------------------------------- */

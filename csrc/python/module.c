@@ -22,6 +22,8 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "gpumem/sim.h"
+#include "gpumem/cuda.h"
 #include "common.h"
 #include "history_glue.h"
 

@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "gpumem/cuda.h"
 #include "torch_alloc.h"
 
 /* ---- the exception torch re-raises as a Python exception ------------------- */

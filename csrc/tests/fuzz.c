@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "gpumem/gpumem.h"
+#include "gpumem/sim.h"
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)

@@ -99,7 +99,7 @@ int gm_empty_cache(gm_heap *heap);
 int gm_set_cap(gm_heap *heap, size_t cap_bytes);
 size_t gm_get_cap(gm_heap *heap);
 
-/* ---- statistics (torch's key names; see stats.h for the mapping) --------- */
+/* ---- statistics (torch's key names; core/stats.c explains the mapping) --- */
 typedef struct gm_stat {
     int64_t current, peak, allocated, freed;
 } gm_stat;
