@@ -42,14 +42,8 @@ uint64_t gm_py_capture_context_reacquire(void);
 /* Nonzero while Python is shutting down: no thread may take the GIL then. */
 int gm_py_finalizing(void);
 
-/* Adds the module-level functions (_stacks_enable, _stack_frames, ...,
- * _set_oom_formatter) to gpumem._C.  Returns 0, or -1 with an exception set. */
+/* Adds the module-level functions (_stacks_enable, _stack_frames, ...) to
+ * gpumem._C.  Returns 0, or -1 with an exception set. */
 int gm_history_glue_add(PyObject *module);
-
-/* The OOM message: `fallback` (a new reference, stolen) unless a formatter was
- * registered with _set_oom_formatter, in which case formatter(heap, info,
- * fallback) words it.  Returns a new reference; NULL only if fallback was NULL.
- * A formatter that fails leaves the fallback text with a note saying so. */
-PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback);
 
 #endif /* GPUMEM_HISTORY_GLUE_H */
