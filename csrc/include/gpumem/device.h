@@ -95,6 +95,10 @@ typedef struct gm_device_ops {
     int (*processes)(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n);
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);
+    /* Whether `stream` is being captured into a graph now (*capturing 1 or
+     * 0).  NULL when the device cannot tell; then only the heap's own
+     * gm_capture_begin/end count.  An error is taken as "capturing". */
+    int (*capture_status)(gm_device *dev, gm_stream stream, int *capturing);
 } gm_device_ops;
 
 struct gm_device {
@@ -133,6 +137,17 @@ void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes);
 void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes);
 /* Make processes() answer GM_ENOTSUP, as a machine without NVML does. */
 void gm_sim_set_nvml(gm_device *dev, int available);
+
+/* Capture mode: while on (for every stream), or while any stream is marked
+ * capturing, each call that would invalidate a real CUDA graph capture --
+ * synchronize, event_query, event_record, unmap, release, unreserve -- fails
+ * with GM_EDEVICE ("... during stream capture") and is counted, so tests can
+ * prove the heap made none.  capture_status reports a stream as capturing when
+ * the mode is on or the stream is marked. */
+void gm_sim_set_capture(gm_device *dev, int on);
+void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on);
+/* Calls refused by capture mode so far. */
+uint64_t gm_sim_capture_violations(const gm_device *dev);
 
 /* Introspection for the invariant checker and tests. */
 typedef struct gm_sim_info {
