@@ -8,11 +8,14 @@ parts of it; blocks tile the range in address order:
     free       reusable now, inside mapped pages
     unmapped   address space with no memory behind it
 
-and each page is "used" (some live or pending byte lies in it), "cached" (mapped
-but wholly free: what empty_cache() releases and what defragmentation can move
-behind a new address) or "unmapped".  A *segment* is a maximal run of mapped
-pages; that is what torch's snapshot format calls a segment of an expandable
-allocator, so to_torch() maps one to one.
+and each page is "used" (some live or pending byte lies in it, or a block kept
+for a living private pool), "cached" (mapped but wholly free: what empty_cache()
+releases and what defragmentation can move behind a new address) or
+"unmapped".  A *segment* is a maximal run of mapped pages; that is what torch's
+snapshot format calls a segment of an expandable allocator, so to_torch() maps
+one to one.  A block of a private pool (a CUDA graph's, or a MemPool's) carries
+the pool's id; a segment's `segment_pool_id` is the pool holding most of its
+pooled bytes, (0, 0) when none.
 
 The summary's figures and their definitions:
 
@@ -67,6 +70,7 @@ class Block:
     context: int
     alloc_seq: int
     state: str            # live / pending / free / unmapped
+    pool: Optional[Tuple[int, int]] = None   # the private pool (torch's MempoolId_t), None: none
 
     @property
     def end(self) -> int:
@@ -80,6 +84,18 @@ class Block:
     def site(self) -> str:
         """Allocation site ("file:line in func") when stacks were recorded, else ""."""
         return site_of(self.frames)
+
+
+def segment_pool_id(blocks) -> Tuple[int, int]:
+    """torch's segment_pool_id for a run of blocks: the private pool that holds
+    the most bytes among them (lowest id on ties), (0, 0) when none does."""
+    by: Dict[Tuple[int, int], int] = {}
+    for b in blocks:
+        if b.pool is not None and b.state != "unmapped":
+            by[tuple(b.pool)] = by.get(tuple(b.pool), 0) + b.size
+    if not by:
+        return (0, 0)
+    return min(by, key=lambda k: (-by[k], k))
 
 
 @dataclass
@@ -292,7 +308,7 @@ class Snapshot:
                 "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
                 "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
                 "segment_type": "large" if seg.size > (1 << 20) else "small",
-                "segment_pool_id": (0, 0),
+                "segment_pool_id": segment_pool_id(seg.blocks),
                 "is_expandable": True,
                 "frames": [],
                 "blocks": blocks,
