@@ -22,7 +22,7 @@ The summary's figures and their definitions:
     live_bytes           sum of live block sizes (512-byte rounded)
     requested_bytes      sum of the sizes asked for
     reserved_bytes       physical memory the heap holds (mapped + spare pages)
-    free_mapped_bytes    free bytes inside mapped pages
+    free_mapped_bytes    free bytes inside mapped pages, outside private pools
     largest_free_range   largest run of adjacent free blocks: the biggest request
                          served without touching the device
     fragmentation        1 - largest_free_range / free_mapped_bytes: the share of
@@ -37,6 +37,10 @@ The summary's figures and their definitions:
                          live block)
     largest_possible     the largest block the heap could make now, defragmenting
                          and growing up to the cap/device (from the core)
+    pool_live_bytes      live and pending bytes of private pools (in live_bytes
+                         and pending_bytes too)
+    pool_free_bytes      free bytes kept for private pools: only their pool may
+                         reuse them, and their pages are never moved or released
 """
 from __future__ import annotations
 
@@ -129,6 +133,8 @@ class Summary:
     cap_bytes: int
     device_total: int
     device_free: int
+    pool_live_bytes: int = 0      # live and pending blocks of private pools
+    pool_free_bytes: int = 0      # free blocks kept for private pools (not in free_mapped_bytes)
 
     def rows(self) -> List[Tuple[str, str, str]]:
         """(label, value, what it means) for tables."""
@@ -147,7 +153,9 @@ class Summary:
             ("stranded", f(self.stranded_bytes), "free bytes in pages shared with live blocks"),
             ("largest block possible", f(self.largest_possible), "after defragmenting and growing to the cap"),
             ("cap", f(self.cap_bytes), f"device {f(self.device_total)} total, {f(self.device_free)} free"),
-        ]
+        ] + ([("private pools", f"{f(self.pool_live_bytes)} live, {f(self.pool_free_bytes)} free",
+               "kept for CUDA graphs / MemPools: their pages never move")]
+             if self.pool_live_bytes or self.pool_free_bytes else [])
 
     def text(self) -> str:
         w = max(len(r[0]) for r in self.rows())
@@ -232,13 +240,16 @@ class Snapshot:
     def summary(self) -> Summary:
         live = [b for b in self.blocks if b.state == "live"]
         pending = [b for b in self.blocks if b.state == "pending"]
-        free = [b for b in self.blocks if b.state == "free"]
+        # Free blocks of a living private pool serve only that pool: kept apart.
+        free = [b for b in self.blocks if b.state == "free" and b.pool is None]
+        pool_free = sum(b.size for b in self.blocks if b.state == "free" and b.pool is not None)
+        pool_live = sum(b.size for b in self.blocks if b.state in ("live", "pending") and b.pool is not None)
         counts = Counter(self.pages)
         ps = self.page_size
         largest = run = 0
         prev_end = None
         for b in self.blocks:
-            if b.state == "free":
+            if b.state == "free" and b.pool is None:
                 run = run + b.size if prev_end == b.addr else b.size
                 prev_end = b.end
                 largest = max(largest, run)
@@ -266,6 +277,7 @@ class Snapshot:
             n_live=len(live), n_pending=len(pending), n_free=len(free),
             n_segments=len(self.segments),
             cap_bytes=self.cap_bytes, device_total=self.device_total, device_free=self.device_free,
+            pool_live_bytes=pool_live, pool_free_bytes=pool_free,
         )
 
     def top_sites(self, n: int = 10) -> List[Tuple[str, int, int]]:

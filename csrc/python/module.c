@@ -1162,6 +1162,14 @@ static PyObject *Heap_sim_set_stream_capture(HeapObject *self, PyObject *args, P
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o)
+{
+    uint64_t addr;
+    if (ensure_sim(self, 0) < 0 || to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
+}
+
 static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (ensure_sim(self, 0) < 0)
@@ -1405,6 +1413,8 @@ static PyMethodDef Heap_methods[] = {
      .ml_doc = "sim_set_stream_capture(stream, on=True): the device reports stream as capturing"},
     {.ml_name = "sim_capture_violations", .ml_meth = (PyCFunction)Heap_sim_capture_violations,
      .ml_flags = METH_NOARGS, .ml_doc = "sim_capture_violations() -> calls refused by capture mode"},
+    {.ml_name = "sim_page_at", .ml_meth = (PyCFunction)Heap_sim_page_at, .ml_flags = METH_O,
+     .ml_doc = "sim_page_at(addr) -> id of the physical page mapped there (0: none)"},
     {.ml_name = "sim_info", .ml_meth = (PyCFunction)Heap_sim_info, .ml_flags = METH_NOARGS,
      .ml_doc = "sim_info() -> dict"},
     {.ml_name = "sim_is_accessible", .ml_meth = (PyCFunction)Heap_sim_is_accessible, .ml_flags = METH_VARARGS,
