@@ -306,13 +306,15 @@ def _segments(device, snap):
     out, bi = [], 0
     for p0, p1 in runs:
         lo, hi = base + p0 * page, base + p1 * page
-        seg_blocks, allocated, active, requested = [], 0, 0, 0
+        seg_blocks, allocated, active, requested, pools = [], 0, 0, 0, {}
         while bi < len(blocks) and blocks[bi][0] + blocks[bi][1] <= lo:
             bi += 1
         j = bi
         while j < len(blocks) and blocks[j][0] < hi:
-            addr, size, req, stream, context, seq, state = blocks[j]
+            addr, size, req, stream, context, seq, state, pool = blocks[j]
             a, b = max(addr, lo), min(addr + size, hi)
+            if pool is not None and b > a:
+                pools[pool] = pools.get(pool, 0) + b - a
             if state in _BLOCK_STATES and b > a:
                 tstate = _BLOCK_STATES[state]
                 seg_blocks.append({"address": a, "size": b - a, "requested_size": req if state != "free" else 0,
@@ -325,7 +327,9 @@ def _segments(device, snap):
                     active += b - a
             j += 1
         out.append({"device": device, "address": lo, "total_size": hi - lo, "stream": 0,
-                    "segment_type": "large", "segment_pool_id": (0, 0), "allocated_size": allocated,
+                    "segment_type": "large",
+                    "segment_pool_id": min(pools, key=lambda k: (-pools[k], k)) if pools else (0, 0),
+                    "allocated_size": allocated,
                     "active_size": active, "requested_size": requested, "is_expandable": True,
                     "frames": [], "blocks": seg_blocks})
     return out

@@ -176,10 +176,10 @@ static gm_block *live_remove(gm_heap *h, uintptr_t addr) {
 
 /* ---- owners and the free index ------------------------------------------- */
 
-gm_owner *gm_owner_find(gm_heap *h, gm_stream s) {
-    if (h->last_owner && h->last_owner->stream == s) return h->last_owner;
+gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s) {
+    if (h->last_owner && h->last_owner->stream == s && h->last_owner->pool == pool) return h->last_owner;
     for (size_t i = 0; i < h->n_owners; i++) {
-        if (h->owners[i]->stream == s) {
+        if (h->owners[i]->stream == s && h->owners[i]->pool == pool) {
             h->last_owner = h->owners[i];
             return h->owners[i];
         }
@@ -187,8 +187,8 @@ gm_owner *gm_owner_find(gm_heap *h, gm_stream s) {
     return NULL;
 }
 
-static gm_owner *owner_get(gm_heap *h, gm_stream s) {
-    gm_owner *o = gm_owner_find(h, s);
+static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
+    gm_owner *o = gm_owner_find(h, pool, s);
     if (o) return o;
     if (h->n_owners == h->cap_owners) {
         size_t cap = h->cap_owners ? 2 * h->cap_owners : 4;
@@ -198,29 +198,40 @@ static gm_owner *owner_get(gm_heap *h, gm_stream s) {
         h->cap_owners = cap;
     }
     if (!(o = calloc(1, sizeof *o))) return NULL;
+    o->pool = pool;
     o->stream = s;
     fi_init(&o->idx);
     h->owners[h->n_owners++] = o;
     return o;
 }
 
+static void pool_free_add(gm_heap *h, gm_pool *p, int64_t blocks, int64_t bytes) {
+    p->free_blocks += (size_t)blocks;
+    p->free_bytes += (size_t)bytes;
+    h->pool_free_bytes += (size_t)bytes;
+}
+
 static void index_insert(gm_heap *h, gm_block *b) {
     /* owner_get only fails on host OOM; every owner a free block names was
-     * created when its stream first allocated, so this finds it. */
-    fi_insert(&gm_owner_find(h, b->stream)->idx, b);
+     * created when its stream first allocated (in the block's pool), so this
+     * finds it. */
+    fi_insert(&gm_owner_find(h, b->pool, b->stream)->idx, b);
+    if (b->pool) pool_free_add(h, b->pool, 1, (int64_t)b->size);
     int pool = gm_pool_of(b->size);
     gm_stat_up(h->st.inactive_split, pool, 1);
     gm_stat_up(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 static void index_remove(gm_heap *h, gm_block *b) {
-    fi_remove(&gm_owner_find(h, b->stream)->idx, b);
+    fi_remove(&gm_owner_find(h, b->pool, b->stream)->idx, b);
+    if (b->pool) pool_free_add(h, b->pool, -1, -(int64_t)b->size);
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.inactive_split, pool, 1);
     gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
-/* The stricter of two owners, or 0 if the blocks may not merge. */
+/* The stricter of two owners, or 0 if the blocks may not merge.  (Blocks of
+ * different pools never merge either: callers check that first.) */
 static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
     if (a == b || b == ANY) *out = a;
     else if (a == ANY) *out = b;
@@ -239,6 +250,7 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
     r->state = b->state;
     r->stream = b->stream;
     r->seq = b->seq;
+    r->pool = b->pool;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
@@ -265,14 +277,14 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
-    if (p && p->state == GM_BLOCK_FREE && owners_merge(p->stream, b->stream, &o)) {
+    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && owners_merge(p->stream, b->stream, &o)) {
         index_remove(h, p);
         absorb(h, p, b);
         p->stream = o;
         b = p;
     }
     gm_block *n = b->next;
-    if (n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {
+    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {
         index_remove(h, n);
         absorb(h, b, n);
         b->stream = o;
@@ -286,6 +298,7 @@ static void make_unmapped(gm_heap *h, gm_block *b) {
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;
+    b->pool = NULL;
     if (b->prev && b->prev->state == GM_BLOCK_UNMAPPED) {
         gm_block *p = b->prev;
         absorb(h, p, b);
@@ -300,7 +313,8 @@ static void coalesce_all(gm_heap *h) {
     while (b && b->next) {
         gm_block *n = b->next;
         gm_stream o;
-        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {
+        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
+            owners_merge(b->stream, n->stream, &o)) {
             index_remove(h, b);
             index_remove(h, n);
             absorb(h, b, n);
@@ -344,7 +358,8 @@ static void event_put(gm_heap *h, gm_event ev) {
 /* Record an event on `s`; 0 if that failed (the caller then falls back to
  * waiting for the whole device). */
 static int event_record(gm_heap *h, gm_stream s, gm_event *ev) {
-    if (event_get(h, ev)) return 0;
+    *ev = 0;
+    if (h->no_sync || event_get(h, ev)) return 0;
     if (h->dev->ops->event_record(h->dev, *ev, s)) {
         h->st.num_device_errors++;
         event_put(h, *ev);
@@ -357,6 +372,7 @@ static int event_record(gm_heap *h, gm_stream s, gm_event *ev) {
 /* 1 when done.  A failing query counts as not done: the block waits for the
  * next device synchronisation instead. */
 static int event_done(gm_heap *h, gm_event ev) {
+    if (h->no_sync) return 0;
     int rc = h->dev->ops->event_query(h->dev, ev);
     if (rc == GM_OK) return 1;
     if (rc != GM_ENOTREADY) h->st.num_device_errors++;
@@ -383,8 +399,20 @@ static void pending_append(gm_heap *h, gm_block *b) {
     h->n_pending++;
 }
 
-/* A pending or live block leaves "active" and becomes free for its stream. */
+static void pool_delete(gm_heap *h, gm_pool *p);
+
+/* A pending or live block leaves "active" and becomes free for its stream, in
+ * its pool if that still lives, else in the general heap. */
 static void complete_free(gm_heap *h, gm_block *b) {
+    gm_pool *pl = b->pool;
+    if (pl) {
+        pl->live_blocks--;
+        pl->live_bytes -= b->size;
+        if (!pl->use_count) {
+            b->pool = NULL;
+            if (!pl->live_blocks) pool_delete(h, pl);
+        }
+    }
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.active, pool, 1);
     gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
@@ -400,6 +428,11 @@ static size_t process_pending(gm_heap *h, int synced) {
     size_t done = 0;
     for (gm_block *b = h->pending_head, *next; b; b = next) {
         next = b->lnext;
+        if (b->deferred) {
+            if (!synced) continue;
+            b->deferred = 0;
+            h->n_deferred--;
+        }
         int all = 1;
         for (uint32_t i = 0; i < b->n_uses; i++) {
             if (!b->events[i]) continue;
@@ -450,6 +483,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
     size_t moved = 0;
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
+        if (o->stream == ANY) continue; /* a pool's: everyone's already */
         if (synced) {
             if (o->releasing) {
                 event_put(h, o->release_event);
@@ -476,13 +510,22 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
 
 /* ---- the fast path ------------------------------------------------------------ */
 
-static gm_block *fit(gm_heap *h, size_t size, gm_stream s) {
-    gm_owner *own = s == ANY ? NULL : gm_owner_find(h, s);
+/* Best fit for stream s among the free blocks of `pool` (NULL: the general
+ * heap) that s may use: its own and everyone's. */
+static gm_block *fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
+    gm_owner *own = s == ANY ? NULL : gm_owner_find(h, pool, s);
     gm_block *a = own ? fi_best_fit(&own->idx, size) : NULL;
-    gm_block *b = fi_best_fit(&h->owners[0]->idx, size);
+    gm_block *b = fi_best_fit(pool ? &pool->any->idx : &h->owners[0]->idx, size);
     if (!a) return b;
     if (!b) return a;
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
+}
+
+/* An allocation in a pool takes the pool's free memory first, then the
+ * general heap's. */
+static gm_block *fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
+    gm_block *b = pool ? fit_in(h, size, s, pool) : NULL;
+    return b ? b : fit_in(h, size, s, NULL);
 }
 
 /* Turn [at, at+size) of the free block b into a live block. */
@@ -554,8 +597,10 @@ static size_t grow(gm_heap *h, size_t want, size_t limit, int *dev_err) {
     return made;
 }
 
-/* Release spare pages until the heap holds at most `target`. */
+/* Release spare pages until the heap holds at most `target` (not during a
+ * capture: a release would invalidate it; the spares wait for later). */
 static int release_spares(gm_heap *h, size_t target) {
+    if (h->no_sync) return GM_OK;
     while (h->n_spare && held_pages(h) > target) {
         gm_handle hd = h->spare[h->n_spare - 1];
         int rc = h->dev->ops->release(h->dev, hd);
@@ -573,11 +618,14 @@ static int release_spares(gm_heap *h, size_t target) {
 static size_t growth_limit(const gm_heap *h, size_t size) {
     size_t active = (size_t)h->st.active_bytes[GM_POOL_ALL].current + size;
     size_t basis = h->peak_live > active ? h->peak_live : active;
+    /* Free memory kept for living pools serves nothing else. */
+    basis += h->pool_free_bytes;
     size_t pages = (size_t)((double)basis * (1.0 + h->growth_slack) / (double)h->page) + 1 + h->growth_slack_pages;
     return pages < h->cap_pages ? pages : h->cap_pages;
 }
 
 static int synchronize(gm_heap *h) {
+    if (h->no_sync) return GM_EDEVICE; /* callers never get here during a capture */
     if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
         return GM_EDEVICE;
@@ -594,6 +642,7 @@ static int synchronize(gm_heap *h) {
 static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
     size_t done = p0;
     int rc = GM_OK;
+    if (h->no_sync) return GM_EDEVICE;
     for (; done < p1; done++) {
         rc = h->dev->ops->unmap(h->dev, gm_page_addr(h, done), h->page);
         if (rc) {
@@ -637,7 +686,7 @@ static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run 
     size_t n = 0, cap = 0, total = 0;
     struct cached_run *runs = NULL;
     for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_FREE) continue;
+        if (b->state != GM_BLOCK_FREE || gm_pinned(b)) continue;
         size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
         if (p0 >= p1) continue;
         size_t parts[2][2] = {{p0, p1 < ex0 ? p1 : ex0}, {p0 > ex1 ? p0 : ex1, p1}};
@@ -735,14 +784,15 @@ static void consider(const gm_heap *h, placement *best, const gm_block *first, u
 }
 
 /* Where [addr, addr+size) needs the fewest new pages, among runs of memory
- * that stream s may use: its own or everyone's free blocks, and unmapped space. */
+ * that stream s may use: its own or everyone's free blocks of the general heap
+ * (never a pool's), and unmapped space. */
 static placement place(const gm_heap *h, size_t size, gm_stream s) {
     placement best = {0, 0, 0, 0};
     const gm_block *first = NULL;
     size_t len = 0;
     for (const gm_block *b = h->head;; b = b->next) {
         int usable = b && (b->state == GM_BLOCK_UNMAPPED ||
-                           (b->state == GM_BLOCK_FREE && (b->stream == s || b->stream == ANY)));
+                           (b->state == GM_BLOCK_FREE && !b->pool && (b->stream == s || b->stream == ANY)));
         if (usable) {
             if (!first) {
                 first = b;
@@ -768,7 +818,8 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     if (!rc) return GM_OK;
     h->st.num_device_errors++;
     for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
-        while (*p1 > p0) {
+        /* During a capture nothing may be unmapped: only ask again. */
+        while (*p1 > p0 && !h->no_sync) {
             size_t q = *p1 - 1;
             if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) {
                 h->st.num_device_errors++;
@@ -857,10 +908,15 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
 
 /* ---- reports ------------------------------------------------------------------------- */
 
+/* A block whose pages nothing may take: live, pending, or kept for a living pool. */
+static inline int holds_pages(const gm_block *b) {
+    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b));
+}
+
 size_t gm_used_pages(gm_heap *h) {
     size_t used = 0, last = SIZE_MAX; /* last page counted */
     for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING) continue;
+        if (!holds_pages(b)) continue;
         size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
         if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
         if (p1 > p0) used += p1 - p0;
@@ -885,12 +941,18 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     size_t used = gm_used_pages(h);
     o->cached_bytes = (held_pages(h) - used) * h->page;
     size_t run = 0, best_run = 0;
+    /* Free memory kept for living pools serves no other request: it is
+     * reported apart and counts as used here. */
+    for (size_t i = 0; i < h->n_pools; i++)
+        if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
+    o->pool_free_bytes = h->pool_free_bytes;
     for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state == GM_BLOCK_FREE) {
+        int pinned = gm_pinned(b);
+        if (b->state == GM_BLOCK_FREE && !pinned) {
             o->free_mapped_bytes += b->size;
             if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
         }
-        if (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_UNMAPPED) {
+        if ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED) {
             run += b->size;
             if (run > best_run) best_run = run;
         } else {
@@ -935,18 +997,24 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
+/* Free or pending, and not kept for a living pool. */
+static inline int reclaimable(const gm_block *b) {
+    return (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_PENDING) && !gm_pinned(b);
+}
+
 /* Wholly free pages outside the page range [ex0, ex1), counted over runs of
  * neighbouring free blocks whatever their owners: after a synchronisation the
- * run merges into one block and its pages can go. */
+ * run merges into one block and its pages can go.  Blocks of living pools
+ * (pending ones complete into their pool) break runs. */
 static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
     size_t pages = 0;
     for (const gm_block *b = h->head; b;) {
-        if (b->state != GM_BLOCK_FREE && b->state != GM_BLOCK_PENDING) {
+        if (!reclaimable(b)) {
             b = b->next;
             continue;
         }
         uintptr_t lo = b->addr;
-        while (b && (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_PENDING)) b = b->next;
+        while (b && reclaimable(b)) b = b->next;
         uintptr_t hi = b ? b->addr : h->base + h->va_size;
         size_t p0 = gm_page_ceil(h, lo), p1 = gm_page_floor(h, hi);
         for (size_t k = 0; k < 2; k++) {
@@ -981,20 +1049,30 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, int 
     }
 }
 
-static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintptr_t *at) {
+/* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
+ * event, no synchronisation, no unmap or release. */
+static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at) {
     h->st.num_alloc_retries++;
+    gm_block *b;
+    int dev_err = GM_OK, recycled = 0, synced = 0;
+    placement pl;
+    if (h->no_sync) {
+        pl = place(h, size, s);
+        if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+        synced = 1; /* as if: no defragmentation below */
+        goto placed;
+    }
     /* 1. Memory other streams (or record_stream users) have finished with. */
     size_t moved = h->n_pending ? process_pending(h, 0) : 0;
     if (h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s)) moved += release_owners(h, s, 0);
-    gm_block *b = moved ? fit(h, size, s) : NULL;
+    b = moved ? fit(h, size, s, pool) : NULL;
     if (b) {
         *out = b;
         *at = b->addr;
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
-    int dev_err = GM_OK, recycled = 0, synced = 0;
-    placement pl = place(h, size, s);
+    pl = place(h, size, s);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
@@ -1006,6 +1084,7 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
         defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     }
+placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (pl.new_pages > h->n_spare) return out_of_memory(h, size, s, pl.new_pages - h->n_spare, dev_err);
     int err = GM_OK;
@@ -1091,7 +1170,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->spare || !h->live || !owner_get(h, ANY) || slab_grow(h)) ? GM_ENOMEM : GM_OK;
+    rc = (!h->page_handle || !h->spare || !h->live || !owner_get(h, NULL, ANY) || slab_grow(h)) ? GM_ENOMEM : GM_OK;
     if (rc) {
         create_failed(dev, rc, "host memory for the heap's tables");
     } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
@@ -1134,6 +1213,8 @@ void gm_heap_destroy(gm_heap *h) {
         free(h->owners[i]);
     }
     for (size_t i = 0; i < h->n_event_pool; i++) dev->ops->event_destroy(dev, h->event_pool[i]);
+    for (size_t i = 0; i < h->n_pools; i++) free(h->pools[i]);
+    free(h->pools);
     if (h->va_size && h->base) dev->ops->unreserve(dev, h->base, h->va_size);
     for (gm_block *b = h->head; b; b = b->next) {
         free(b->uses);
@@ -1154,7 +1235,108 @@ void gm_heap_destroy(gm_heap *h) {
 
 gm_device *gm_heap_device(gm_heap *h) { return h->dev; }
 
-int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t *out) {
+/* ---- stream capture -------------------------------------------------------------------- */
+
+/* Whether a call on stream s now could invalidate a capture: the heap was told
+ * so, or the device says s is capturing (a failing answer counts as yes). */
+static int capture_on(gm_heap *h, gm_stream s) {
+    if (h->capture_count > 0) return 1;
+    int (*status)(gm_device *, gm_stream, int *) = h->dev->ops->capture_status;
+    if (!status || s == ANY) return 0;
+    int c = 0;
+    return status(h->dev, s, &c) != GM_OK || c;
+}
+
+/* Record the events of a pending block, one per record_stream use; if one
+ * cannot be recorded, the block waits for the next device synchronisation. */
+static void record_uses(gm_heap *h, gm_block *b) {
+    b->wait_sync = 0;
+    for (uint32_t i = 0; i < b->n_uses; i++) {
+        b->events[i] = 0;
+        if (!b->wait_sync && !event_record(h, b->uses[i], &b->events[i])) b->wait_sync = 1;
+    }
+}
+
+/* Record the events of blocks freed during a capture, once no stream they
+ * name is capturing (torch: "events deferred until no capture"). */
+static void record_deferred(gm_heap *h) {
+    for (gm_block *b = h->pending_head; b && h->n_deferred; b = b->lnext) {
+        if (!b->deferred) continue;
+        int busy = capture_on(h, b->stream);
+        for (uint32_t i = 0; i < b->n_uses && !busy; i++) busy = capture_on(h, b->uses[i]);
+        if (busy) continue;
+        b->deferred = 0;
+        h->n_deferred--;
+        record_uses(h, b);
+    }
+}
+
+void gm_capture_begin(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    h->capture_count++;
+    pthread_mutex_unlock(&h->lock);
+}
+
+void gm_capture_end(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    if (h->capture_count > 0 && --h->capture_count == 0 && h->n_deferred) record_deferred(h);
+    pthread_mutex_unlock(&h->lock);
+}
+
+int gm_capturing(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    int c = h->capture_count;
+    pthread_mutex_unlock(&h->lock);
+    return c;
+}
+
+/* ---- allocation and free --------------------------------------------------------------- */
+
+static gm_pool *pool_find(const gm_heap *h, const gm_pool_id *id) {
+    for (size_t i = 0; i < h->n_pools; i++) {
+        gm_pool *p = h->pools[i];
+        if (p->use_count > 0 && p->id.first == id->first && p->id.second == id->second) return p;
+    }
+    return NULL;
+}
+
+/* Before pending blocks are looked at: not during a capture, and blocks freed
+ * during one get their events first. */
+static void pending_step(gm_heap *h, gm_stream s) {
+    if (!h->n_pending) return;
+    if ((h->no_sync = capture_on(h, s))) return;
+    if (h->n_deferred) record_deferred(h);
+    process_pending(h, 0);
+}
+
+/* b (free, carved) becomes live for s, in pool p. */
+static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context,
+                      gm_pool *p) {
+    b->state = GM_BLOCK_LIVE;
+    b->stream = s;
+    b->requested = requested;
+    b->context = context;
+    b->seq = ++h->alloc_seq;
+    b->pool = p;
+    if (p) {
+        p->live_blocks++;
+        p->live_bytes += size;
+    }
+    live_insert(h, b);
+    h->live_bytes += size;
+    int pool = gm_pool_of(size);
+    gm_stat_up(h->st.allocation, pool, 1);
+    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)size);
+    gm_stat_up(h->st.requested_bytes, pool, (int64_t)requested);
+    gm_stat_up(h->st.active, pool, 1);
+    gm_stat_up(h->st.active_bytes, pool, (int64_t)size);
+    if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
+        h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
+    gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
+}
+
+int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id,
+                   uintptr_t *out) {
     if (!out) return GM_EINVAL;
     *out = 0;
     if (s == ANY) return GM_EINVAL;
@@ -1162,45 +1344,74 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
     size_t rsize = align_up(size ? size : 1, GM_ALIGN);
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK;
+    gm_pool *pool = NULL;
+    if (pool_id && !(pool = pool_find(h, pool_id))) {
+        rc = GM_EINVAL;
+        goto done;
+    }
+    h->no_sync = h->capture_count > 0;
     if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
         rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
     if ((rc = slab_reserve(h, 4)) || (h->n_live >= h->live_mask && (rc = live_grow(h)))) goto done;
-    gm_owner *own = gm_owner_find(h, s);
-    if (!own && !(own = owner_get(h, s))) {
+    if ((!gm_owner_find(h, NULL, s) && !owner_get(h, NULL, s)) ||
+        (pool && !gm_owner_find(h, pool, s) && !owner_get(h, pool, s))) {
         rc = GM_ENOMEM;
         goto done;
     }
-    if (h->n_pending) process_pending(h, 0);
-    gm_block *b = fit(h, rsize, s);
+    if (h->n_pending) pending_step(h, s);
+    gm_block *b = fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
-    if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
+    if (!b) {
+        if (!h->no_sync) h->no_sync = capture_on(h, s);
+        if ((rc = alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
+    }
     b = carve(h, b, at, rsize);
-    b->state = GM_BLOCK_LIVE;
-    b->stream = s;
-    b->requested = size;
-    b->context = context;
-    b->seq = ++h->alloc_seq;
-    live_insert(h, b);
-    h->live_bytes += rsize;
-    int pool = gm_pool_of(rsize);
-    gm_stat_up(h->st.allocation, pool, 1);
-    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)rsize);
-    gm_stat_up(h->st.requested_bytes, pool, (int64_t)size);
-    gm_stat_up(h->st.active, pool, 1);
-    gm_stat_up(h->st.active_bytes, pool, (int64_t)rsize);
-    if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
-        h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
-    gm_hist(h, GM_H_ALLOC, b->addr, rsize, s, context);
+    make_live(h, b, rsize, size, s, context, pool);
     *out = b->addr;
 done:
+    h->no_sync = 0;
     pthread_mutex_unlock(&h->lock);
     return rc;
 }
 
+int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t *out) {
+    return gm_malloc_pool(h, size, s, context, NULL, out);
+}
+
 static int not_live(const gm_heap *h, uintptr_t ptr) {
     return (ptr >= h->base && ptr < h->base + h->va_size) ? GM_EDOUBLE_FREE : GM_EUNKNOWN_PTR;
+}
+
+/* Free the live block b, already out of the live table. */
+static void free_block(gm_heap *h, gm_block *b) {
+    h->live_bytes -= b->size;
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.allocation, pool, 1);
+    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
+    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
+    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
+    if (!b->n_uses) {
+        complete_free(h, b);
+        return;
+    }
+    /* Other streams may still touch it: one event per stream, and the block
+     * waits.  If an event cannot be recorded, it waits for the next device
+     * synchronisation instead.  During a capture no event may be recorded:
+     * the block waits with none until the capture ends. */
+    int capt = capture_on(h, b->stream);
+    for (uint32_t i = 0; i < b->n_uses && !capt; i++) capt = capture_on(h, b->uses[i]);
+    b->state = GM_BLOCK_PENDING;
+    pending_append(h, b);
+    if (capt) {
+        b->wait_sync = 0;
+        for (uint32_t i = 0; i < b->n_uses; i++) b->events[i] = 0;
+        b->deferred = 1;
+        h->n_deferred++;
+    } else {
+        record_uses(h, b);
+    }
 }
 
 int gm_free(gm_heap *h, uintptr_t ptr) {
@@ -1211,26 +1422,7 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
         pthread_mutex_unlock(&h->lock);
         return rc;
     }
-    h->live_bytes -= b->size;
-    int pool = gm_pool_of(b->size);
-    gm_stat_down(h->st.allocation, pool, 1);
-    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
-    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
-    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
-    if (!b->n_uses) {
-        complete_free(h, b);
-    } else {
-        /* Other streams may still touch it: one event per stream, and the block
-         * waits.  If an event cannot be recorded, it waits for the next device
-         * synchronisation instead. */
-        b->wait_sync = 0;
-        for (uint32_t i = 0; i < b->n_uses; i++) {
-            b->events[i] = 0;
-            if (!b->wait_sync && !event_record(h, b->uses[i], &b->events[i])) b->wait_sync = 1;
-        }
-        b->state = GM_BLOCK_PENDING;
-        pending_append(h, b);
-    }
+    free_block(h, b);
     pthread_mutex_unlock(&h->lock);
     return GM_OK;
 }
@@ -1275,6 +1467,8 @@ size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
 
 /* Unmap cached pages and release spares until the heap holds at most `target`. */
 static int trim(gm_heap *h, size_t target) {
+    /* During a capture nothing may be unmapped or released: later. */
+    if (h->capture_count > 0) return GM_OK;
     int rc = release_spares(h, target);
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */
@@ -1326,4 +1520,274 @@ void gm_reset_accumulated_stats(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     gm_stats_reset_accumulated(&h->st);
     pthread_mutex_unlock(&h->lock);
+}
+
+/* ---- private pools ----------------------------------------------------------------------- */
+
+static void pool_delete(gm_heap *h, gm_pool *p) {
+    for (size_t i = 0; i < h->n_pools; i++) {
+        if (h->pools[i] != p) continue;
+        h->pools[i] = h->pools[--h->n_pools];
+        break;
+    }
+    free(p);
+}
+
+static int valid_id(const gm_pool_id *id) { return id->first || id->second; }
+
+int gm_pool_retain(gm_heap *h, gm_pool_id id) {
+    if (!valid_id(&id)) return GM_EINVAL;
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_OK;
+    gm_pool *p = pool_find(h, &id);
+    if (p) {
+        p->use_count++;
+        goto done;
+    }
+    if (h->n_pools == h->cap_pools) {
+        size_t cap = h->cap_pools ? 2 * h->cap_pools : 8;
+        gm_pool **a = realloc(h->pools, cap * sizeof *a);
+        if (!a) {
+            rc = GM_ENOMEM;
+            goto done;
+        }
+        h->pools = a;
+        h->cap_pools = cap;
+    }
+    if (!(p = calloc(1, sizeof *p))) {
+        rc = GM_ENOMEM;
+        goto done;
+    }
+    p->id = id;
+    p->use_count = 1;
+    if (!(p->any = owner_get(h, p, ANY))) {
+        free(p);
+        rc = GM_ENOMEM;
+        goto done;
+    }
+    h->pools[h->n_pools++] = p;
+done:
+    pthread_mutex_unlock(&h->lock);
+    return rc;
+}
+
+struct to_general_ctx {
+    gm_heap *h;
+    gm_owner *from;
+};
+
+/* A free block of an ending pool joins the general heap, same owner. */
+static int to_general(gm_block *b, void *arg) {
+    struct to_general_ctx *c = arg;
+    index_remove(c->h, b);
+    b->pool = NULL;
+    index_insert(c->h, b);
+    return 0;
+}
+
+/* The pool's last use is gone: its free blocks join the general heap now (and
+ * merge with their neighbours), its owners go, and the record stays only while
+ * blocks of it are live or pending. */
+static void pool_end(gm_heap *h, gm_pool *p) {
+    p->use_count = 0;
+    for (size_t i = 0; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->pool != p) continue;
+        if (o->releasing) {
+            event_put(h, o->release_event);
+            o->releasing = 0;
+        }
+        struct to_general_ctx c = {h, o};
+        fi_each(&o->idx, to_general, &c);
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < h->n_owners; i++) {
+        if (h->owners[i]->pool == p) free(h->owners[i]);
+        else h->owners[k++] = h->owners[i];
+    }
+    h->n_owners = k;
+    h->last_owner = NULL;
+    p->any = NULL;
+    coalesce_all(h);
+    if (!p->live_blocks) pool_delete(h, p);
+}
+
+int gm_pool_release(gm_heap *h, gm_pool_id id) {
+    pthread_mutex_lock(&h->lock);
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (p && --p->use_count == 0) pool_end(h, p);
+    pthread_mutex_unlock(&h->lock);
+    return p ? GM_OK : GM_EINVAL;
+}
+
+/* Pages any block of p touches, each counted once. */
+static size_t pool_pages(gm_heap *h, const gm_pool *p) {
+    size_t n = 0, last = SIZE_MAX;
+    for (gm_block *b = h->head; b; b = b->next) {
+        if (b->pool != p) continue;
+        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
+        if (p1 > p0) n += p1 - p0;
+        if (p1 > 0) last = p1 - 1;
+    }
+    return n;
+}
+
+static void pool_fill(gm_heap *h, const gm_pool *p, gm_pool_info *out) {
+    memset(out, 0, sizeof *out);
+    out->id = p->id;
+    out->use_count = p->use_count;
+    out->live_blocks = p->live_blocks;
+    out->live_bytes = p->live_bytes;
+    out->free_blocks = p->free_blocks;
+    out->free_bytes = p->free_bytes;
+    out->pinned_pages = pool_pages(h, p);
+}
+
+
+int gm_pool_info_get(gm_heap *h, gm_pool_id id, gm_pool_info *out) {
+    pthread_mutex_lock(&h->lock);
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (p) pool_fill(h, p, out);
+    pthread_mutex_unlock(&h->lock);
+    return p ? GM_OK : GM_EINVAL;
+}
+
+size_t gm_pool_list(gm_heap *h, gm_pool_info *out, size_t cap) {
+    pthread_mutex_lock(&h->lock);
+    size_t n = 0;
+    for (size_t i = 0; i < h->n_pools; i++) {
+        if (h->pools[i]->use_count <= 0) continue;
+        if (n < cap) pool_fill(h, h->pools[i], &out[n]);
+        n++;
+    }
+    pthread_mutex_unlock(&h->lock);
+    return n;
+}
+
+size_t gm_pool_live(gm_heap *h, gm_pool_id id, uintptr_t *addrs, size_t *sizes, size_t cap) {
+    pthread_mutex_lock(&h->lock);
+    size_t n = 0;
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    for (gm_block *b = p ? h->head : NULL; b; b = b->next) {
+        if (b->pool != p || b->state != GM_BLOCK_LIVE) continue;
+        if (n < cap) {
+            if (addrs) addrs[n] = b->addr;
+            if (sizes) sizes[n] = b->size;
+        }
+        n++;
+    }
+    pthread_mutex_unlock(&h->lock);
+    return n;
+}
+
+typedef struct listed {
+    uintptr_t addr;
+    size_t size;
+} listed;
+
+static int cmp_listed(const void *x, const void *y) {
+    uintptr_t u = ((const listed *)x)->addr, v = ((const listed *)y)->addr;
+    return u < v ? -1 : u > v;
+}
+
+/* The block that holds address a (a inside the reserved range). */
+static gm_block *block_at(gm_heap *h, uintptr_t a) {
+    gm_block *b = h->head;
+    while (b && b->addr + b->size <= a) b = b->next;
+    return b;
+}
+
+/* Free memory of p for the listed range [a, a+size) once the live blocks of p
+ * marked for freeing are free: every block under it is a free block of p or
+ * a live one of p that is to be freed and has no other stream's use. */
+static int range_in_pool(gm_heap *h, const gm_pool *p, uintptr_t a, size_t size) {
+    uintptr_t end = a + size;
+    for (gm_block *b = block_at(h, a); b && b->addr < end; b = b->next) {
+        if (b->pool != p) return 0;
+        if (b->state == GM_BLOCK_FREE) continue;
+        if (b->state == GM_BLOCK_LIVE && b->mark == 2 && !b->n_uses) continue;
+        return 0;
+    }
+    return 1;
+}
+
+int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes, size_t n,
+                     gm_stream stream) {
+    if (stream == ANY || (n && (!addrs || !sizes))) return GM_EINVAL;
+    listed *l = malloc((n ? n : 1) * sizeof *l);
+    if (!l) return GM_ENOMEM;
+    for (size_t i = 0; i < n; i++) l[i] = (listed){addrs[i], sizes[i]};
+    qsort(l, n, sizeof *l, cmp_listed);
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_EINVAL;
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (!p) goto out;
+    /* 1. Validate, changing nothing: the list is disjoint, inside the range,
+     * 512-aligned; the pool's live blocks are marked kept (1) or to free (2);
+     * every other listed range lies in free memory of the pool once the blocks
+     * to free are free. */
+    for (size_t k = 0; k < n; k++) {
+        uintptr_t a = l[k].addr;
+        size_t sz = l[k].size;
+        if (!sz || a % GM_ALIGN || sz % GM_ALIGN || a < h->base || sz > h->va_size || a - h->base > h->va_size - sz)
+            goto out;
+        if (k && l[k - 1].addr + l[k - 1].size > a) goto out;
+    }
+    for (gm_block *b = h->head; b; b = b->next) b->mark = (b->pool == p && b->state == GM_BLOCK_LIVE) ? 2 : 0;
+    size_t to_alloc = 0;
+    for (size_t k = 0; k < n; k++) {
+        gm_block *b = gm_live_find(h, l[k].addr);
+        if (b && b->pool == p && b->size == l[k].size) b->mark = 1;
+        else to_alloc++;
+    }
+    for (size_t k = 0; k < n; k++) {
+        gm_block *b = gm_live_find(h, l[k].addr);
+        if (b && b->mark == 1 && b->size == l[k].size) continue;
+        if (!range_in_pool(h, p, l[k].addr, l[k].size)) goto out;
+    }
+    rc = GM_ENOMEM;
+    if (slab_reserve(h, 2 * to_alloc + 4) || !owner_get(h, NULL, stream) || !owner_get(h, p, stream)) goto out;
+    while (h->n_live + to_alloc >= h->live_mask)
+        if (live_grow(h)) goto out;
+    /* 2. Free the pool's live blocks that are not listed (into the pool). */
+    h->no_sync = h->capture_count > 0;
+    for (gm_block *b = h->head, *next; b; b = next) {
+        next = b->next;
+        if (b->mark != 2) continue;
+        b->mark = 0;
+        /* Freeing merges b with its free neighbours: go on after the result. */
+        gm_block *prev = b->prev;
+        live_remove(h, b->addr);
+        free_block(h, b);
+        next = prev ? prev->next : h->head;
+    }
+    /* 3. Allocate the listed blocks that are not live out of the pool's free
+     * blocks: those under each range become one for `stream` (the caller
+     * orders their earlier uses before it, as torch does), which is carved. */
+    for (size_t k = 0; k < n; k++) {
+        uintptr_t a = l[k].addr;
+        size_t sz = l[k].size;
+        gm_block *b = gm_live_find(h, a);
+        if (b && b->mark == 1) continue;
+        b = block_at(h, a);
+        index_remove(h, b);
+        while (b->addr + b->size < a + sz) {
+            gm_block *nx = b->next;
+            index_remove(h, nx);
+            absorb(h, b, nx);
+        }
+        b->stream = stream;
+        index_insert(h, b);
+        b = carve(h, b, a, sz);
+        make_live(h, b, sz, sz, stream, 0, p);
+    }
+    coalesce_all(h); /* what the new owners let merge */
+    rc = GM_OK;
+out:
+    h->no_sync = 0;
+    for (gm_block *b = h->head; b; b = b->next) b->mark = 0;
+    pthread_mutex_unlock(&h->lock);
+    free(l);
+    return rc;
 }

@@ -161,6 +161,46 @@ static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args)
     return PyBool_FromLong(gm_sim_is_accessible(self->dev, (uintptr_t)addr, size));
 }
 
+static PyObject *Heap_sim_set_capture(HeapObject *self, PyObject *on_o)
+{
+    if (gm_py_heap_sim(self, 1) < 0)
+        return NULL;
+    int on = PyObject_IsTrue(on_o);
+    if (on < 0)
+        return NULL;
+    gm_sim_set_capture(self->dev, on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_sim_set_stream_capture(HeapObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"stream", "on", NULL};
+    PyObject *stream_o;
+    int on = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_set_stream_capture", kwlist, &stream_o, &on))
+        return NULL;
+    uint64_t stream;
+    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
+        return NULL;
+    gm_sim_set_stream_capture(self->dev, (gm_stream)stream, on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o)
+{
+    uint64_t addr;
+    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
+}
+
+static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (gm_py_heap_sim(self, 0) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(gm_sim_capture_violations(self->dev));
+}
+
 PyMethodDef gm_py_sim_methods[] = {
     {.ml_name = "sim_fail", .ml_meth = KW(Heap_sim_fail), .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_fail(op, nth=1, count=1): make device calls fail"},
@@ -180,5 +220,14 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_doc = "sim_info() -> dict"},
     {.ml_name = "sim_is_accessible", .ml_meth = (PyCFunction)Heap_sim_is_accessible, .ml_flags = METH_VARARGS,
      .ml_doc = "sim_is_accessible(addr, size) -> bool"},
+    {.ml_name = "sim_set_capture", .ml_meth = (PyCFunction)Heap_sim_set_capture, .ml_flags = METH_O,
+     .ml_doc = "sim_set_capture(on): the device refuses and counts calls a capture forbids"},
+    {.ml_name = "sim_set_stream_capture", .ml_meth = KW(Heap_sim_set_stream_capture),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "sim_set_stream_capture(stream, on=True): the device reports stream as capturing"},
+    {.ml_name = "sim_capture_violations", .ml_meth = (PyCFunction)Heap_sim_capture_violations,
+     .ml_flags = METH_NOARGS, .ml_doc = "sim_capture_violations() -> calls refused by capture mode"},
+    {.ml_name = "sim_page_at", .ml_meth = (PyCFunction)Heap_sim_page_at, .ml_flags = METH_O,
+     .ml_doc = "sim_page_at(addr) -> id of the physical page mapped there (0: none)"},
     {.ml_name = NULL},
 };

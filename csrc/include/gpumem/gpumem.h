@@ -158,6 +158,11 @@ void gm_reset_accumulated_stats(gm_heap *heap);
  * statistic equals a recount.  Returns GM_OK or GM_ECORRUPT with a reason. */
 int gm_check(gm_heap *heap, char *why, size_t whylen);
 
+/* torch's MempoolId_t: a private pool's name (see "private pools" below). */
+typedef struct gm_pool_id {
+    uint64_t first, second;    /* {0, 0} is no pool */
+} gm_pool_id;
+
 /* ---- snapshots ------------------------------------------------------------ */
 enum gm_block_state {
     GM_BLOCK_LIVE = 0,     /* handed out */
@@ -178,6 +183,7 @@ typedef struct gm_block_info {
     uint64_t context;      /* allocation site id */
     uint64_t alloc_seq;    /* allocation number */
     int state;             /* gm_block_state */
+    gm_pool_id pool;       /* the private pool it belongs to; {0, 0}: none */
 } gm_block_info;
 
 typedef struct gm_snapshot {
@@ -237,6 +243,9 @@ typedef struct gm_oom_info {
     size_t largest_possible;   /* largest block defragmentation could make now */
     size_t pages_needed;       /* physical pages the request still lacked */
     int device_error;          /* GM_OK, or the device call that failed */
+    size_t pool_live_bytes;    /* live and pending bytes of living private pools */
+    size_t pool_free_bytes;    /* free bytes kept for living private pools (not in
+                                  free_mapped_bytes: no other request can have them) */
 } gm_oom_info;
 /* The report of the last failed allocation; GM_EINVAL if there was none. */
 int gm_last_oom(gm_heap *heap, gm_oom_info *out);
@@ -257,9 +266,6 @@ void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
  * released the pool ends: its free blocks join the general heap at once (and
  * their pages may then be unmapped or moved); its live blocks join it when they
  * are freed. */
-typedef struct gm_pool_id {
-    uint64_t first, second;    /* torch's MempoolId_t; {0, 0} is no pool */
-} gm_pool_id;
 typedef struct gm_pool_info {
     gm_pool_id id;
     int64_t use_count;         /* 0 once ended (then it is no longer listed) */
@@ -296,6 +302,10 @@ int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const
 void gm_capture_begin(gm_heap *heap);
 void gm_capture_end(gm_heap *heap);
 int gm_capturing(gm_heap *heap);
+/* Nothing is unmapped or released while a capture is under way: gm_empty_cache
+ * and a lowered gm_set_cap do their trimming at a later call.  A block freed
+ * with record_stream uses during a capture stays pending with no event until
+ * the capture ends; then its events are recorded. */
 
 /* ---- trace replay (runs in C so that timing measures the core) ------------ */
 enum gm_replay_op { GM_R_ALLOC = 0, GM_R_FREE = 1 };

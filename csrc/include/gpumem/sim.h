@@ -42,6 +42,17 @@ void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes);
 /* Make processes() answer GM_ENOTSUP, as a machine without NVML does. */
 void gm_sim_set_nvml(gm_device *dev, int available);
 
+/* Capture mode: while on (for every stream), or while any stream is marked
+ * capturing, each call that would invalidate a real CUDA graph capture --
+ * synchronize, event_query, event_record, unmap, release, unreserve -- fails
+ * with GM_EDEVICE ("... during stream capture") and is counted, so tests can
+ * prove the heap made none.  capture_status reports a stream as capturing when
+ * the mode is on or the stream is marked. */
+void gm_sim_set_capture(gm_device *dev, int on);
+void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on);
+/* Calls refused by capture mode so far. */
+uint64_t gm_sim_capture_violations(const gm_device *dev);
+
 /* Introspection for the invariant checker and tests. */
 typedef struct gm_sim_info {
     size_t capacity, page_size;
@@ -51,6 +62,8 @@ typedef struct gm_sim_info {
     size_t reservations;      /* reserved VA ranges alive */
 } gm_sim_info;
 void gm_sim_info_get(const gm_device *dev, gm_sim_info *info);
+/* The physical page mapped at va (0 if none): which page lies behind an address. */
+gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va);
 /* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
 int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size);
 
