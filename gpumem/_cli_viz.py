@@ -177,9 +177,10 @@ def run_explain(args) -> int:
     except TraceError as e:
         _error_line(str(e))
         return EXIT_USAGE
-    oom = _torch_oom_point(_load_plain(path), device) if trace.format == "snapshot" else None
+    src = trace.path  # the file a short name resolved to
+    oom = _torch_oom_point(_load_plain(src), device) if trace.format == "snapshot" else None
     if oom is not None:
-        trace = _trace_until(path, _load_plain(path), device, oom.index, oom.size, trace.meta)
+        trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
         _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
