@@ -46,7 +46,8 @@ def add_replay_options(p) -> None:
     p.add_argument("--snapshot", metavar="OUT.pickle", default=None,
                    help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)")
     p.add_argument("--html", metavar="OUT.html", default=None,
-                   help="write the offline HTML memory map of the sim heap at peak live memory (one TRACE only)")
+                   help="write the offline HTML memory map of the sim heap at peak live memory, with live, "
+                        "reserved and cap over the whole trace (one TRACE only)")
 
 
 def check_replay_options(args, usage_error) -> None:
@@ -80,6 +81,11 @@ def write_peak_outputs(args, trace) -> dict:
         return {}
     snap, r = peak_snapshot(trace, args.capacity)
     out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
+    if args.html:
+        # the whole trace over time, under the map of its peak
+        from .timeline import from_trace
+
+        snap.timeline = from_trace(trace, args.capacity)
     if args.snapshot:
         snap.dump(args.snapshot)
         out["snapshot"] = args.snapshot

@@ -157,6 +157,7 @@ class Snapshot:
     history_dropped: int = 0
     oom: Optional[dict] = None
     label: str = ""
+    timeline: Optional[object] = None   # a gpumem.timeline.Timeline to show instead of the history's
 
     # ---- construction -----------------------------------------------------------
 
@@ -348,6 +349,16 @@ class Snapshot:
             pickle.dump(data, f, protocol=4)
 
     # ---- pictures ------------------------------------------------------------------------
+
+    def memory_over_time(self):
+        """Live, reserved and cap over time (a gpumem.timeline.Timeline): the one
+        attached to this snapshot (replay --html attaches the whole trace's), else
+        the one its history gives; None when it has neither."""
+        if self.timeline is not None:
+            return self.timeline
+        from .timeline import from_snapshot
+
+        return from_snapshot(self)
 
     def to_svg(self, **kw) -> str:
         from ._svg import render_svg
