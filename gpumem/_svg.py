@@ -60,6 +60,8 @@ def _block_title(snap, b) -> str:
     if b.state in ("live", "pending"):
         lines[-1] += f", requested {format_size(b.requested)}"
         lines.append(f"stream {b.stream}, allocation #{b.alloc_seq}")
+        if b.framework or snap.default_framework:
+            lines.append(f"allocated by {b.framework or snap.default_framework}")
         frames = b.frames
         if frames:
             lines.append("allocated at " + (b.site or str(frames[0])))

@@ -79,6 +79,7 @@ class Report:
     unattributed: int                            # used on the device but by no one we can name
     top_sites: List[Tuple[str, int, int]]
     device_error: int
+    by_framework: dict = field(default_factory=dict)   # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
     notebook_refs: List[str] = field(default_factory=list)
@@ -234,6 +235,7 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         pages_needed=int(info["pages_needed"]), page_size=page, processes=procs, self_pid=me,
         self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
         top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
+        by_framework=snap.by_framework(),
     )
     _diagnose(r, heap)
     if r.causes:
@@ -258,6 +260,9 @@ def _diagnose(r: Report, heap) -> None:
             details = [f"{_fs(b):>11} in {n:>4} blocks  {site}" for site, b, n in r.top_sites]
             if r.top_sites and all(site.startswith("<no stack") for site, _, _ in r.top_sites):
                 details = ["no allocation sites recorded: gpumem.record_history(stacks='python') keeps them"]
+            if any(k in ("cupy", "numba") for k in r.by_framework):
+                details.insert(0, "by framework: " + ", ".join(
+                    f"{k} {_fs(b)} in {n} block{'s' if n != 1 else ''}" for k, (b, n) in r.by_framework.items()))
             ranked.append(Cause("live_tensors", r.live_bytes,
                                 f"live tensors hold {_fs(r.live_bytes)} in {r.n_live} blocks", details))
         if r.other_processes:
@@ -315,6 +320,19 @@ def _diagnose(r: Report, heap) -> None:
     r.advice = advice
 
 
+def _framework_advice(r: Report) -> List[str]:
+    """For arrays CuPy / Numba hold in the heap they share with torch."""
+    out = []
+    for fw in ("cupy", "numba"):
+        if fw in r.by_framework:
+            b, n = r.by_framework[fw]
+            name = "CuPy" if fw == "cupy" else "Numba"
+            out.append(f"{name} holds {_fs(b)} in {n} array(s) of this heap: compute in chunks (e.g. a matmul "
+                       f"by blocks of rows, C[i:j] = A[i:j] @ B, each copied out or reduced before the next) so "
+                       f"that only one chunk of the result is live at a time, and `del` arrays you are done with.")
+    return out
+
+
 def _advice_for(kind: str, r: Report, short: int) -> List[str]:
     """What to do about one kind of cause."""
     if kind == "too_big":
@@ -333,7 +351,8 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
                 "Inference: run under torch.no_grad() / torch.inference_mode() so no activations are "
                 "kept for backward; split a large batch into chunks.",
                 "`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
-                "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes."]
+                "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes."] + \
+            _framework_advice(r)
     if kind == "other_processes":
         pids = ", ".join(str(p) for p, _ in r.other_processes[:5]) or "see nvidia-smi"
         return [f"Free the GPU from other processes (PIDs {pids}): stop them, or give them another GPU "
