@@ -67,6 +67,7 @@ if "_import_error" not in globals():
     from .explain import explain, last_oom  # noqa: E402,F401
     from .history import record_history  # noqa: E402,F401
     from .snapshot import Snapshot, dump_snapshot, snapshot  # noqa: E402,F401
+    from .timeline import Timeline, memory_over_time  # noqa: E402,F401
 
 __all__ = [
     "install",
@@ -75,6 +76,8 @@ __all__ = [
     "snapshot",
     "dump_snapshot",
     "Snapshot",
+    "Timeline",
+    "memory_over_time",
     "record_history",
     "explain",
     "last_oom",

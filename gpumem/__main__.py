@@ -90,7 +90,8 @@ def _want_progress(args, n_events: int) -> bool:
 
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
-                   help="a text trace (.trace or .trace.gz) or a torch snapshot pickle (.pickle, .pickle.gz)")
+                   help="a text trace (.trace or .trace.gz), a torch snapshot pickle (.pickle, .pickle.gz), "
+                        "or the name of a trace shipped with gpumem (e.g. gpt2_varlen)")
     p.add_argument("--capacity", type=_size_arg, default=80 << 30, metavar="SIZE",
                    help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB")
     p.add_argument("--min-capacity", action="store_true",

@@ -46,7 +46,8 @@ def add_replay_options(p) -> None:
     p.add_argument("--snapshot", metavar="OUT.pickle", default=None,
                    help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)")
     p.add_argument("--html", metavar="OUT.html", default=None,
-                   help="write the offline HTML memory map of the sim heap at peak live memory (one TRACE only)")
+                   help="write the offline HTML memory map of the sim heap at peak live memory, with live, "
+                        "reserved and cap over the whole trace (one TRACE only)")
 
 
 def check_replay_options(args, usage_error) -> None:
@@ -80,6 +81,11 @@ def write_peak_outputs(args, trace) -> dict:
         return {}
     snap, r = peak_snapshot(trace, args.capacity)
     out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
+    if args.html:
+        # the whole trace over time, under the map of its peak
+        from .timeline import from_trace
+
+        snap.timeline = from_trace(trace, args.capacity)
     if args.snapshot:
         snap.dump(args.snapshot)
         out["snapshot"] = args.snapshot
@@ -177,9 +183,10 @@ def run_explain(args) -> int:
     except TraceError as e:
         _error_line(str(e))
         return EXIT_USAGE
-    oom = _torch_oom_point(_load_plain(path), device) if trace.format == "snapshot" else None
+    src = trace.path  # the file a short name resolved to
+    oom = _torch_oom_point(_load_plain(src), device) if trace.format == "snapshot" else None
     if oom is not None:
-        trace = _trace_until(path, _load_plain(path), device, oom.index, oom.size, trace.meta)
+        trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
         _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")

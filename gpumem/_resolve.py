@@ -95,6 +95,14 @@ def torch_active() -> bool:
     return mod is not None and bool(mod.status()["allocator_active"])
 
 
+def shared_active() -> bool:
+    """Whether the per-device heaps serve anyone here: torch, or CuPy / Numba
+    through gpumem.cupy / gpumem.numba."""
+    from ._shared import INSTALLED
+
+    return bool(INSTALLED) or torch_active()
+
+
 def _device_index(device):
     """None / int / "cuda" / "cuda:N" / torch.device -> a CUDA device index, or None
     for something that names no CUDA device."""
@@ -104,10 +112,18 @@ def _device_index(device):
         return device
     torch = sys.modules.get("torch")
     if device is None:
-        return torch.cuda.current_device()
+        from ._shared import current_device
+
+        return current_device()
     if isinstance(device, str) and not device.startswith("cuda"):
         return None
     if torch is None:
+        if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+            return int(device[5:])
+        if device == "cuda":
+            from ._shared import current_device
+
+            return current_device()
         return None
     try:
         d = torch.device(device)
@@ -123,9 +139,10 @@ def _installed_heap(device):
     allocated there yet), or None when gpumem is not torch's allocator.
 
     Only consulted when gpumem.torch was imported (installing gpumem as torch's
-    allocator imports it), so that asking about a sim heap never imports torch.
+    allocator imports it) or gpumem.cupy / gpumem.numba installed, so that
+    asking about a sim heap never imports torch.
     """
-    if not torch_active():
+    if not shared_active():
         return None
     index = _device_index(device)
     if index is None:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._resolve import resolve_heap
+from ._shared import default_framework, framework_of
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
 
@@ -88,6 +89,12 @@ class Block:
     def site(self) -> str:
         """Allocation site ("file:line in func") when stacks were recorded, else ""."""
         return site_of(self.frames)
+
+    @property
+    def framework(self) -> str:
+        """"cupy" / "numba" for blocks those frameworks allocated through gpumem,
+        "" for the heap's own user (torch, on the heaps gpumem serves torch with)."""
+        return framework_of(self.context)
 
 
 def segment_pool_id(blocks) -> Tuple[int, int]:
@@ -181,6 +188,8 @@ class Snapshot:
     history_dropped: int = 0
     oom: Optional[dict] = None
     label: str = ""
+    default_framework: Optional[str] = None   # who owns untagged blocks: "torch" on torch's heaps
+    timeline: Optional[object] = None   # a gpumem.timeline.Timeline to show instead of the history's
 
     # ---- construction -----------------------------------------------------------
 
@@ -197,7 +206,7 @@ class Snapshot:
             device_total=report["device_total"], device_free=report["device_free"],
             largest_possible=report["largest_possible"],
             history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
-            oom=heap.last_oom(), label=label,
+            oom=heap.last_oom(), label=label, default_framework=default_framework(heap),
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -279,6 +288,19 @@ class Snapshot:
             cap_bytes=self.cap_bytes, device_total=self.device_total, device_free=self.device_free,
             pool_live_bytes=pool_live, pool_free_bytes=pool_free,
         )
+
+    def by_framework(self) -> Dict[str, Tuple[int, int]]:
+        """{framework: (live bytes, live blocks)}, largest first: "torch", "cupy",
+        "numba" on the heaps shared by frameworks; untagged blocks of another
+        heap count as "untagged"."""
+        by: Dict[str, List[int]] = {}
+        own = self.default_framework or "untagged"
+        for b in self.blocks:
+            if b.state == "live":
+                acc = by.setdefault(b.framework or own, [0, 0])
+                acc[0] += b.size
+                acc[1] += 1
+        return {k: (v[0], v[1]) for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])}
 
     def top_sites(self, n: int = 10) -> List[Tuple[str, int, int]]:
         """(site, live bytes, blocks) of the allocation sites holding the most live memory."""
@@ -376,6 +398,16 @@ class Snapshot:
             pickle.dump(data, f, protocol=4)
 
     # ---- pictures ------------------------------------------------------------------------
+
+    def memory_over_time(self):
+        """Live, reserved and cap over time (a gpumem.timeline.Timeline): the one
+        attached to this snapshot (replay --html attaches the whole trace's), else
+        the one its history gives; None when it has neither."""
+        if self.timeline is not None:
+            return self.timeline
+        from .timeline import from_snapshot
+
+        return from_snapshot(self)
 
     def to_svg(self, **kw) -> str:
         from ._svg import render_svg

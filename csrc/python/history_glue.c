@@ -48,14 +48,16 @@ static uint32_t generation = 1;
 static uint64_t n_captured, n_new, n_overflow, n_truncated;
 static atomic_ullong n_no_gil;
 
-/* Ids: tag | generation (31 bits) << 32 | stack index.  The generation changes
+/* Ids: tag | generation (23 bits) << 32 | stack index.  The generation changes
  * when the table is cleared, so ids handed out before resolve to nothing
- * instead of to some newer stack. */
+ * instead of to some newer stack.  Bits 55..62 stay clear for a framework tag
+ * (GM_CTX_FRAMEWORK_MASK), which lookups ignore. */
+#define GEN_MASK 0x7fffffu
 #define OVERFLOW_INDEX UINT32_MAX
 
 static uint64_t make_id(uint32_t index)
 {
-    return GM_PYCTX_TAG | ((uint64_t)(generation & 0x7fffffffu) << 32) | index;
+    return GM_PYCTX_TAG | ((uint64_t)(generation & GEN_MASK) << 32) | index;
 }
 
 static uint64_t mix(uint64_t h, uint64_t v)
@@ -281,7 +283,7 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o)
     unsigned long long ctx = PyLong_AsUnsignedLongLong(ctx_o);
     if (ctx == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & 0x7fffffffu) != (generation & 0x7fffffffu))
+    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & GEN_MASK) != (generation & GEN_MASK))
         Py_RETURN_NONE;
     uint32_t idx = (uint32_t)ctx;
     if (idx == OVERFLOW_INDEX) {

@@ -17,6 +17,16 @@
 
 #define GM_PYCTX_TAG (UINT64_C(1) << 63)
 
+/* Bits 55..62 of a context name the framework that made the allocation when it
+ * was not the one the heap serves by default (torch): see GM_FRAMEWORK_*.  Ids
+ * made here keep those bits clear (the generation has 23 bits, bits 32..54), so
+ * a framework tag can be or'ed into any context. */
+#define GM_CTX_FRAMEWORK_SHIFT 55
+#define GM_CTX_FRAMEWORK_MASK (UINT64_C(0xff) << GM_CTX_FRAMEWORK_SHIFT)
+#define GM_FRAMEWORK_DEFAULT 0 /* the heap's own user: torch on the per-device heaps */
+#define GM_FRAMEWORK_CUPY 1
+#define GM_FRAMEWORK_NUMBA 2
+
 /* The context id of the calling thread's Python stack, or 0 when capture is
  * off, the thread does not hold the GIL (an autograd or C++ thread), or there
  * is no Python frame.  Safe to call from any thread; never raises.  Exported

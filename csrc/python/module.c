@@ -1105,6 +1105,7 @@ static PyMethodDef module_methods[] = {
 
 int gm_torch_glue_add(PyObject *module); /* torch_glue.c */
 int gm_torch_viz_add(PyObject *module);  /* torch_viz.c */
+int gm_shared_glue_add(PyObject *module); /* shared_glue.c */
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
@@ -1176,6 +1177,8 @@ PyMODINIT_FUNC PyInit__C(void)
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */
         goto fail;
     if (gm_torch_viz_add(m) < 0) /* explain/stacks hooks for the torch path (torch_viz.c) */
+        goto fail;
+    if (gm_shared_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (shared_glue.c) */
         goto fail;
     return m;
 fail:
