@@ -11,7 +11,11 @@ from setuptools.command.build_ext import build_ext
 
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
 C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden"] + WARN
-CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden"] + WARN
+# torch's pool hooks pass std::function objects across the boundary: the C++
+# standard library ABI must be torch's (1 for every torch since 2.7; gpumem.torch
+# checks torch._C._GLIBCXX_USE_CXX11_ABI against gpumem._C._torch_cxx11_abi()).
+CXX_ABI = os.environ.get("GPUMEM_CXX11_ABI", "1")
+CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={CXX_ABI}"] + WARN
 
 
 class BuildExt(build_ext):

@@ -32,13 +32,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from . import _C
 from ._resolve import resolve_heap
+from .snapshot import Snapshot
 from ._units import format_size as _fs
+from ._units import parse_size
 
 __all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
 
 CAUSE_KINDS = ("too_big", "other_processes", "outside_allocator", "live_tensors", "pending", "fragmentation",
-               "cap", "device_error")
+               "graph_pools", "cap", "device_error")
 
 
 @dataclass
@@ -79,6 +82,11 @@ class Report:
     unattributed: int                            # used on the device but by no one we can name
     top_sites: List[Tuple[str, int, int]]
     device_error: int
+    # Private pools (CUDA graphs, torch.compile's cudagraph trees, MemPool): live
+    # bytes of their blocks (part of live_bytes) and free bytes kept for them.
+    n_pools: int = 0
+    pool_live_bytes: int = 0
+    pool_free_bytes: int = 0
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
     notebook_refs: List[str] = field(default_factory=list)
@@ -118,9 +126,13 @@ class Report:
         L.append(f"Where the device's {_fs(self.device_total)} are:")
         rows = [("held by this heap (reserved)", self.reserved_bytes, ""),
                 ("  live tensors", self.live_bytes, f"{self.n_live} blocks"),
-                ("  pending free (other streams)", self.pending_bytes, ""),
-                ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
-                ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
+                ("  pending free (other streams)", self.pending_bytes, "")]
+        if self.n_pools:
+            rows += [("  live in graph pools", self.pool_live_bytes,
+                      f"part of live tensors; {self.n_pools} private pool(s)"),
+                     ("  free, kept for graph pools", self.pool_free_bytes, "reusable only inside its pool")]
+        rows += [("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
+                 ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
         if self.outside_allocator is not None:
             rows.append(("this process, outside the allocator", self.outside_allocator,
                          f"NVML {_fs(self.self_usage or 0)} for PID {self.self_pid} - reserved"))
@@ -194,8 +206,6 @@ def _notebook_refs() -> List[str]:
 
 
 def _build(heap, info: dict, is_oom: bool) -> Report:
-    from .snapshot import Snapshot
-
     snap = Snapshot.from_heap(heap, with_history=False)
     s = snap.summary
     request = int(info["request"])
@@ -234,6 +244,9 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         pages_needed=int(info["pages_needed"]), page_size=page, processes=procs, self_pid=me,
         self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
         top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
+        n_pools=len(snap.pools),
+        pool_live_bytes=int(info.get("pool_live_bytes", sum(p["live_bytes"] for p in snap.pools))),
+        pool_free_bytes=int(info.get("pool_free_bytes", sum(p["free_bytes"] for p in snap.pools))),
     )
     _diagnose(r, heap)
     if r.causes:
@@ -277,6 +290,13 @@ def _diagnose(r: Report, heap) -> None:
             ranked.append(Cause("other_processes", r.unattributed,
                                 f"{_fs(r.unattributed)} of the device is used outside this heap, by other "
                                 "processes or this process's CUDA context (NVML is not available to tell which)"))
+        if r.pool_free_bytes:
+            ranked.append(Cause("graph_pools", r.pool_free_bytes,
+                                f"{_fs(r.pool_free_bytes)} are free but kept for {r.n_pools} private pool(s) "
+                                f"(CUDA graphs, MemPool), which also hold {_fs(r.pool_live_bytes)} live",
+                                ["a graph's memory stays reserved for it while the graph lives: delete graphs "
+                                 "no longer replayed (or torch._dynamo.reset() for torch.compile's), and share "
+                                 "one pool between graphs run in sequence (torch.cuda.graph_pool_handle())"]))
         if r.pending_bytes:
             ranked.append(Cause("pending", r.pending_bytes,
                                 f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
@@ -346,8 +366,6 @@ def explain(size=None, device=None) -> Report:
     """Why memory is short now: the report for a request of `size` bytes (an int
     or "2GiB"; None: no request, just who holds what) on a heap (a Heap, or None
     / a CUDA device for the heap gpumem installed there)."""
-    from ._units import parse_size
-
     heap = resolve_heap(device)
     n = 0 if size is None else parse_size(size)
     return _build(heap, heap.memory_report(n), is_oom=False)
@@ -374,10 +392,6 @@ def format_oom(heap, info, fallback: str) -> str:
 
 
 def _register() -> None:
-    try:
-        from . import _C
-    except ImportError:
-        return
     setter = getattr(_C, "_set_oom_formatter", None)
     if setter is not None:
         setter(format_oom)

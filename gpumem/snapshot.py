@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._resolve import resolve_heap
+from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
 
@@ -67,6 +68,7 @@ class Block:
     context: int
     alloc_seq: int
     state: str            # live / pending / free / unmapped
+    pool: Tuple[int, int] = (0, 0)   # the private pool it belongs to; (0, 0): the general heap
 
     @property
     def end(self) -> int:
@@ -157,6 +159,10 @@ class Snapshot:
     history_dropped: int = 0
     oom: Optional[dict] = None
     label: str = ""
+    # Private pools (CUDA graphs, MemPool): the pool of each live or pending block
+    # that belongs to one, by address; blocks not named are the general heap's.
+    pool_of: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    pools: List[dict] = field(default_factory=list)     # the heap's living pools (dicts)
 
     # ---- construction -----------------------------------------------------------
 
@@ -165,6 +171,8 @@ class Snapshot:
         raw = heap.snapshot()
         report = heap.memory_report(0)
         hist, dropped = heap.history() if with_history else ([], 0)
+        pools = list(heap.pools()) if hasattr(heap, "pools") else []
+        pool_of = {addr: tuple(p["id"]) for p in pools for addr, _size in heap.pool_live(p["id"])}
         return cls(
             device_name=heap.device_name, device_kind=heap.device_kind,
             va_base=raw["va_base"], top=raw["top"], page_size=raw["page_size"],
@@ -173,7 +181,7 @@ class Snapshot:
             device_total=report["device_total"], device_free=report["device_free"],
             largest_possible=report["largest_possible"],
             history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
-            oom=heap.last_oom(), label=label,
+            oom=heap.last_oom(), label=label, pool_of=pool_of, pools=pools,
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -265,13 +273,34 @@ class Snapshot:
 
     # ---- torch's format ---------------------------------------------------------------
 
+    def _pool_runs(self) -> List[Tuple[Segment, Tuple[int, int]]]:
+        """Segments cut where the pool of the blocks changes, each with its pool
+        ((0, 0): the general heap), as torch gives every segment one
+        segment_pool_id.  A free block stays in the run it lies in; the run's
+        pool is that of its first live or pending block."""
+        out: List[Tuple[Segment, Tuple[int, int]]] = []
+        for seg in self.segments:
+            run: List[Block] = []
+            pool: Optional[Tuple[int, int]] = None
+            for b in seg.blocks:
+                p = self.pool_of.get(b.addr, tuple(b.pool)) if b.state in ("live", "pending") else None
+                if p is not None and pool is not None and p != pool:
+                    out.append((Segment(run[0].addr, sum(x.size for x in run), run), pool))
+                    run, pool = [], None
+                if pool is None:
+                    pool = p
+                run.append(b)
+            if run:
+                out.append((Segment(run[0].addr, sum(x.size for x in run), run), pool or (0, 0)))
+        return out
+
     def to_torch(self, device: int = 0) -> dict:
         """This snapshot as torch.cuda.memory._snapshot() returns it, so that
         torch.cuda._memory_viz and the memory_viz web page read it.  Each segment
         is one run of mapped pages (torch does the same for expandable segments);
         device_traces come from the history ring, oldest first."""
         segments = []
-        for seg in self.segments:
+        for seg, pool in self._pool_runs():
             live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
             blocks = []
             for b in seg.blocks:
@@ -292,7 +321,7 @@ class Snapshot:
                 "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
                 "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
                 "segment_type": "large" if seg.size > (1 << 20) else "small",
-                "segment_pool_id": (0, 0),
+                "segment_pool_id": pool,
                 "is_expandable": True,
                 "frames": [],
                 "blocks": blocks,
@@ -350,20 +379,14 @@ class Snapshot:
     # ---- pictures ------------------------------------------------------------------------
 
     def to_svg(self, **kw) -> str:
-        from ._svg import render_svg
-
         return render_svg(self, **kw)
 
     def _repr_html_(self) -> str:
-        from ._svg import render_fragment
-
         return render_fragment(self)
 
     def to_html(self, path=None, title: Optional[str] = None) -> str:
         """A self-contained HTML page (no network: inline SVG and CSS); written to
         `path` when given.  Returns the HTML."""
-        from ._svg import render_page
-
         html = render_page(self, title=title)
         if path is not None:
             with open(os.fspath(path), "w", encoding="utf-8") as f:
@@ -372,8 +395,6 @@ class Snapshot:
 
     def plot(self, ax=None, max_rows: int = 32):
         """Draw the memory map with matplotlib; returns the Axes."""
-        from ._svg import plot_matplotlib
-
         return plot_matplotlib(self, ax=ax, max_rows=max_rows)
 
     def __repr__(self) -> str:

@@ -28,13 +28,14 @@ Keyword arguments override GPUMEM_CONF.
 Importing this module does not import torch; install() does.
 """
 import os
-import sys
+
+from .. import _C
+from .._heap import MAX_HISTORY, register_torch_hooks
+from .._units import parse_size
+from . import _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
 OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "va_size", "history", "oom")
-# _record_memory_history's default max_entries is sys.maxsize; the history ring
-# is allocated up front (48 B an entry), so it is bounded.
-MAX_HISTORY = 1 << 20
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -43,19 +44,12 @@ _POOLED = ("allocation", "segment", "active", "inactive_split", "allocated_bytes
 _PLAIN = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
           "num_maps", "num_unmaps", "num_remaps", "num_pages_remapped", "num_device_errors", "max_split_size")
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
-_BLOCK_STATES = {"live": "active_allocated", "pending": "active_awaiting_free", "free": "inactive"}
 
-_state = {"allocator": None, "installed": False, "patched": {}, "options": {}}
+_state = {"allocator": None, "installed": False, "patched": {}, "options": {}, "pool_hooks": False}
 
 
 class InstallError(RuntimeError):
     """gpumem cannot become torch's allocator in this process (too late, no CUDA, ...)."""
-
-
-def _C():
-    from . import _C as c
-
-    return c
 
 
 # ---- options -----------------------------------------------------------------------
@@ -78,8 +72,6 @@ def parse_conf(text):
 
 
 def _size(value, what):
-    from ._units import parse_size
-
     if isinstance(value, bool):
         raise ValueError(f"{what} must be a size, not {value!r}")
     if isinstance(value, int):
@@ -175,7 +167,7 @@ def install(device=None, **options):
         import torch
     except ImportError as e:
         raise InstallError("gpumem.install() needs PyTorch (pip install torch)") from e
-    C = _C()
+    C = _C
     oom_class = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     if _state["allocator"] is None:
         if not torch.cuda.is_available():
@@ -193,6 +185,7 @@ def install(device=None, **options):
         hooks.set_reset_fn(entry["empty_cache"])
         hooks.set_memory_fraction_fn(entry["memory_fraction"])
         hooks.set_record_stream_fn(entry["record_stream"])
+        _state["pool_hooks"] = _pools.set_pool_hooks(torch, hooks, entry)
         try:
             torch.cuda.memory.change_current_allocator(alloc)
         except RuntimeError as e:
@@ -205,9 +198,8 @@ def install(device=None, **options):
     _state["options"] = merged
     _patch(torch)
     _state["installed"] = True
-    from ._torch_viz import on_install  # explained OOM messages, Python stacks (visibility layer)
-
-    on_install()
+    register_torch_hooks(active=lambda: _state["allocator"] is not None, stack_hook=_viz.set_stack_hook)
+    _viz.on_install()  # explained OOM messages, Python stacks (visibility layer)
     for d in _device_list(device, torch):
         C._torch_open(d)
     return status()
@@ -223,14 +215,14 @@ def uninstall():
     """
     import torch
 
-    for name, original in _state["patched"].items():
+    for (owner, name), original in _state["patched"].items():
         if original is _MISSING:
             try:
-                delattr(torch._C, name)
+                delattr(owner, name)
             except AttributeError:
                 pass
         else:
-            setattr(torch._C, name, original)
+            setattr(owner, name, original)
     _state["patched"] = {}
     _state["installed"] = False
     return status()
@@ -243,11 +235,9 @@ def is_installed():
 def status():
     """What gpumem does in this process: whether it is installed, options, per-device figures."""
     out = {"installed": _state["installed"], "allocator_active": _state["allocator"] is not None,
-           "options": dict(_state["options"]), "patched": sorted(_state["patched"]), "devices": {}}
-    try:
-        C = _C()
-    except ImportError:
-        return out
+           "options": dict(_state["options"]), "patched": sorted(n for _, n in _state["patched"]),
+           "pool_hooks": _state["pool_hooks"], "devices": {}}
+    C = _C
     out["counters"] = C._torch_counters()
     for d in C._torch_devices():
         st = C._torch_stats(d)
@@ -257,6 +247,7 @@ def status():
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
             "cap_bytes": C._torch_get_cap(d),
             "num_remaps": st["num_remaps"],
+            "pools": len(C._torch_pools(d)),
         }
     return out
 
@@ -274,7 +265,7 @@ def _zero_stats():
 
 def nested_stats(device):
     """torch._C._cuda_memoryStats's shape: {"allocated_bytes": {"all": {"current": ...}}, ...}."""
-    flat = _C()._torch_stats(int(device)) or _zero_stats()
+    flat = _C._torch_stats(int(device)) or _zero_stats()
     nested = {}
     for key, value in flat.items():
         parts = key.split(".")
@@ -287,68 +278,20 @@ def nested_stats(device):
     return nested
 
 
-def _segments(device, snap):
-    """Segments in torch's snapshot format: each run of mapped pages is one segment, and the
-    blocks inside it (clipped to it) are its blocks."""
-    page = snap["page_size"]
-    base = snap["va_base"]
-    pages = snap["pages"]
-    runs, start = [], None
-    for i, st in enumerate(pages):
-        if st and start is None:
-            start = i
-        elif not st and start is not None:
-            runs.append((start, i))
-            start = None
-    if start is not None:
-        runs.append((start, len(pages)))
-    blocks = snap["blocks"]
-    out, bi = [], 0
-    for p0, p1 in runs:
-        lo, hi = base + p0 * page, base + p1 * page
-        seg_blocks, allocated, active, requested = [], 0, 0, 0
-        while bi < len(blocks) and blocks[bi][0] + blocks[bi][1] <= lo:
-            bi += 1
-        j = bi
-        while j < len(blocks) and blocks[j][0] < hi:
-            addr, size, req, stream, context, seq, state = blocks[j]
-            a, b = max(addr, lo), min(addr + size, hi)
-            if state in _BLOCK_STATES and b > a:
-                tstate = _BLOCK_STATES[state]
-                seg_blocks.append({"address": a, "size": b - a, "requested_size": req if state != "free" else 0,
-                                   "state": tstate, "frames": [], "gpumem_context": context,
-                                   "gpumem_alloc_seq": seq, "stream": stream})
-                if state == "live":
-                    allocated += b - a
-                    requested += req
-                if state != "free":
-                    active += b - a
-            j += 1
-        out.append({"device": device, "address": lo, "total_size": hi - lo, "stream": 0,
-                    "segment_type": "large", "segment_pool_id": (0, 0), "allocated_size": allocated,
-                    "active_size": active, "requested_size": requested, "is_expandable": True,
-                    "frames": [], "blocks": seg_blocks})
-    return out
-
-
 def memory_snapshot_dict(arg=None):
     """torch._C._cuda_memorySnapshot's shape: {"segments": [...], "device_traces": [[...] per device]}:
-    gpumem.Snapshot.to_torch() of each device (gpumem/_torch_viz.py)."""
-    from ._torch_viz import torch_snapshot_dict
-
-    return torch_snapshot_dict(arg)
+    gpumem.Snapshot.to_torch() of each device (gpumem/torch/_viz.py)."""
+    return _viz.torch_snapshot_dict(arg)
 
 
 def _record_history(enabled, *args, **kwargs):
     """Both _cuda_record_memory_history (enabled: None/'state'/'all', context, stacks, max_entries, ...)
     and the legacy form (enabled: bool, record_context, trace_alloc_max_entries, ...)."""
-    from ._torch_viz import record_torch_history
-
-    record_torch_history(enabled, *args, **kwargs)
+    _viz.record_torch_history(enabled, *args, **kwargs)
 
 
 def _memory_fraction(device):
-    C = _C()
+    C = _C
     cap = C._torch_get_cap(int(device))
     if not cap:
         return 1.0
@@ -357,7 +300,7 @@ def _memory_fraction(device):
 
 
 def _patch(torch):
-    C = _C()
+    C = _C
 
     def mem_stats(device):
         return nested_stats(device)
@@ -380,12 +323,29 @@ def _patch(torch):
         "_cuda_record_memory_history_legacy": _record_history,
         "_cuda_getMemoryFraction": _memory_fraction,
     }
+    replacements.update(_pools.replacements(torch, _state["pool_hooks"]))
     for name, fn in replacements.items():
-        if name not in _state["patched"]:
-            _state["patched"][name] = getattr(torch._C, name, _MISSING)
-        fn.__name__ = name
-        fn.__qualname__ = f"gpumem.torch.{name}"
-        setattr(torch._C, name, fn)
+        _replace(torch._C, name, fn)
+    # torch.cuda.MemPool cannot be built under a pluggable allocator (its C++
+    # constructor needs createOrIncrefPool): gpumem's pool class takes its place.
+    for owner in (torch.cuda, torch.cuda.memory):
+        _replace(owner, "MemPool", _pools.MemPool)
+    if not _state["pool_hooks"]:
+        _replace(torch.cuda.graphs.CUDAGraph, "capture_begin", _pools.refuse_capture)
+
+
+def _replace(owner, name, fn):
+    key = (owner, name)
+    if key not in _state["patched"]:
+        _state["patched"][key] = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else \
+            getattr(owner, name, _MISSING)
+    if callable(fn) and not isinstance(fn, type):
+        try:
+            fn.__name__ = name
+            fn.__qualname__ = f"gpumem.torch.{name}"
+        except (AttributeError, TypeError):
+            pass
+    setattr(owner, name, fn)
 
 
 # ---- hooks for other parts of gpumem ----------------------------------------------------------
@@ -393,31 +353,10 @@ def _patch(torch):
 def set_context_hook(address):
     """Install a C function uint64_t (*)(void) (by address, 0 clears) called before each
     allocation; its value is kept with the block and in the history."""
-    _C()._torch_set_context_hook(int(address))
+    _C._torch_set_context_hook(int(address))
 
 
 def set_oom_formatter(address):
     """Install a C function (by address, 0 clears) that writes the out-of-memory message;
     see gm_torch_oom_formatter in csrc/python/torch_alloc.h."""
-    _C()._torch_set_oom_formatter(int(address))
-
-
-def _main(argv):
-    """python -m gpumem.torch SCRIPT [ARGS...]: install from GPUMEM_CONF, then run SCRIPT."""
-    import runpy
-
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_main.__doc__)
-        return 0 if argv else 2
-    # Run as __main__ this file is a second copy of the module: install through the
-    # real gpumem.torch so that the script's gpumem.status() sees the same state.
-    from gpumem import torch as gpumem_torch
-
-    gpumem_torch.install()
-    sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    _C._torch_set_oom_formatter(int(address))
