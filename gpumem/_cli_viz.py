@@ -57,7 +57,7 @@ def check_replay_options(args, usage_error) -> None:
 def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
     """Replay `trace` on a fresh sim heap up to the event where live memory
     peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
-    from . import Heap
+    from ._C import Heap
     from .snapshot import Snapshot
 
     heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
