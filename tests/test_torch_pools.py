@@ -248,10 +248,21 @@ def test_checkpoint_module_swaps_storage_deleters(tmp_path, monkeypatch):
     deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda p: freed.append(p))
     with pytest.raises(RuntimeError, match="does not point at a block"):
         _checkpoint.add_deleters([storage._cdata], [ptr + 512], ctypes.cast(deleter, ctypes.c_void_p).value, 0)
-    _checkpoint.add_deleters([storage._cdata], [ptr], ctypes.cast(deleter, ctypes.c_void_p).value, 0)
-    assert freed == []
+    d = ctypes.cast(deleter, ctypes.c_void_p).value
+    _checkpoint.add_deleters([storage._cdata], [ptr], d, 0)
+    assert freed == [] and _checkpoint.has_deleter(storage._cdata, d)
     del storage
     assert freed == [ptr]
+    # torch's _free_And_Remove_DeleterFn for such a storage: freed now, never again
+    storage = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), 4096)
+    assert not _checkpoint.free_and_remove(storage._cdata, d)     # not ours: untouched
+    _checkpoint.add_deleters([storage._cdata], [ptr], d, 0)
+    assert _checkpoint.free_and_remove(storage._cdata, d) and freed == [ptr, ptr]
+    assert not _checkpoint.has_deleter(storage._cdata, d)
+    del storage
+    assert freed == [ptr, ptr]
+    freed.clear()
+    freed.append(ptr)
     # a stale storage whose block was freed stops owning it
     storage = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), 4096)
     _checkpoint.add_deleters([storage._cdata], [ptr], ctypes.cast(deleter, ctypes.c_void_p).value, 0)

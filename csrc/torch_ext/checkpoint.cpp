@@ -8,7 +8,10 @@
  * through ctypes.  Everything else about pools lives in gpumem._C, which is
  * built without torch.
  *
- * Storages come as StorageImpl addresses (what cudagraph trees passes).
+ * Storages come as StorageImpl addresses (what cudagraph trees passes).  A
+ * storage given gpumem's deleter here is one torch's own helpers
+ * (_free_And_Remove_DeleterFn, _has_Standard_Deleter) do not recognise, so
+ * gpumem.torch answers those for it too.
  */
 #include <c10/core/Device.h>
 #include <c10/core/StorageImpl.h>
@@ -67,6 +70,25 @@ __attribute__((visibility("default"))) void gm_ckpt_release_deleters(const uint6
         if (gone.count((uint64_t)(uintptr_t)dp.get()))
             dp.release_context();
     }
+}
+
+/* torch._C._free_And_Remove_DeleterFn for a storage whose deleter is gpumem's
+ * (one a checkpoint restore gave it): swap it for deleteNothing and free the
+ * block.  Returns 0 when the storage has another deleter (nothing changed). */
+__attribute__((visibility("default"))) int gm_ckpt_free_and_remove(uint64_t storage, void (*deleter)(void *))
+{
+    auto *s = reinterpret_cast<c10::StorageImpl *>(storage);
+    void *p = s->data_ptr().get();
+    if (!s->mutable_data_ptr().compare_exchange_deleter(deleter, c10::detail::deleteNothing))
+        return 0;
+    deleter(p);
+    return 1;
+}
+
+/* Whether the storage frees through `deleter` (torch._C._has_Standard_Deleter). */
+__attribute__((visibility("default"))) int gm_ckpt_has_deleter(uint64_t storage, void (*deleter)(void *))
+{
+    return reinterpret_cast<c10::StorageImpl *>(storage)->data_ptr().get_deleter() == deleter;
 }
 
 } // extern "C"

@@ -100,6 +100,10 @@ def load():
                                          ctypes.c_int]
     lib.gm_ckpt_release_deleters.restype = None
     lib.gm_ckpt_release_deleters.argtypes = [u64p, ctypes.c_size_t, u64p, ctypes.c_size_t]
+    lib.gm_ckpt_free_and_remove.restype = ctypes.c_int
+    lib.gm_ckpt_free_and_remove.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
+    lib.gm_ckpt_has_deleter.restype = ctypes.c_int
+    lib.gm_ckpt_has_deleter.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
     _lib = lib
     return lib
 
@@ -127,3 +131,13 @@ def release_deleters(storages, freed) -> None:
     s, n = _array(storages)
     f, nf = _array(freed)
     lib.gm_ckpt_release_deleters(s, n, f, nf)
+
+
+def free_and_remove(storage: int, deleter: int) -> bool:
+    """If the storage frees through `deleter`: free its block now and leave it
+    with no deleter (True); else change nothing (False)."""
+    return bool(load().gm_ckpt_free_and_remove(int(storage), ctypes.c_void_p(deleter)))
+
+
+def has_deleter(storage: int, deleter: int) -> bool:
+    return bool(load().gm_ckpt_has_deleter(int(storage), ctypes.c_void_p(deleter)))

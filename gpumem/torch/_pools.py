@@ -188,17 +188,20 @@ def set_checkpoint_pool_state(device, state, stale_storages=(), storages_to_add_
         raise RuntimeError("Any stale tensors which are being manually freed must be passed to set checkpoint")
     _C._torch_pool_set_live(device, state.pool, state.blocks, state.stream)
     _checkpoint.release_deleters(stale, freed)
-    _checkpoint.add_deleters([int(s) for s in storages_to_add_deleters_to], allocd,
-                             _C._torch_entry_points()["raw_delete"], device)
+    _checkpoint.add_deleters([int(s) for s in storages_to_add_deleters_to], allocd, _raw_delete_address(), device)
 
 
 _raw_delete_c = None
 
 
+def _raw_delete_address() -> int:
+    return _C._torch_entry_points()["raw_delete"]
+
+
 def _gpumem_raw_delete(ptr: int) -> None:
     global _raw_delete_c
     if _raw_delete_c is None:
-        _raw_delete_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_C._torch_entry_points()["raw_delete"])
+        _raw_delete_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_raw_delete_address())
     _raw_delete_c(ctypes.c_void_p(int(ptr)))
 
 
@@ -219,12 +222,38 @@ def replacements(torch, pool_hooks: bool) -> dict:
         _gpumem_raw_delete(ptr)
 
     raw_delete._gpumem_original = original_raw_delete
+
+    def _original(name):
+        fn = getattr(torch._C, name, None)
+        return getattr(fn, "_gpumem_original", fn)
+
+    original_free_remove = _original("_free_And_Remove_DeleterFn")
+    original_standard = _original("_has_Standard_Deleter")
+
+    def free_and_remove_deleter(storage_impl_ptr):
+        # Storages a checkpoint restore gave gpumem's deleter are not the
+        # pluggable allocator's: free those here, hand the others to torch.
+        if _checkpoint._lib is not None and _checkpoint.free_and_remove(storage_impl_ptr, _raw_delete_address()):
+            return None
+        return original_free_remove(storage_impl_ptr)
+
+    def has_standard_deleter(storage_impl_ptr):
+        if _checkpoint._lib is not None and _checkpoint.has_deleter(storage_impl_ptr, _raw_delete_address()):
+            return True
+        return original_standard(storage_impl_ptr)
+
+    free_and_remove_deleter._gpumem_original = original_free_remove
+    has_standard_deleter._gpumem_original = original_standard
     out = {
         "_cuda_checkPoolLiveAllocations": check_pool_live_allocations,
         "_cuda_getCheckpointState": get_checkpoint_state,
         "_cuda_setCheckpointPoolState": set_checkpoint_pool_state,
         "_cuda_cudaCachingAllocator_raw_delete": raw_delete,
     }
+    if original_free_remove is not None:
+        out["_free_And_Remove_DeleterFn"] = free_and_remove_deleter
+    if original_standard is not None:
+        out["_has_Standard_Deleter"] = has_standard_deleter
     if not pool_hooks:
         def refuse(*args, **kwargs):
             raise RuntimeError(_hooks_error or "gpumem's graph pool hooks are not set")
