@@ -41,7 +41,7 @@ from ._units import parse_size
 __all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
 
 CAUSE_KINDS = ("too_big", "other_processes", "outside_allocator", "live_tensors", "pending", "fragmentation",
-               "graph_pools", "cap", "device_error")
+               "private_pools", "cap", "device_error")
 
 
 @dataclass
@@ -82,11 +82,9 @@ class Report:
     unattributed: int                            # used on the device but by no one we can name
     top_sites: List[Tuple[str, int, int]]
     device_error: int
-    # Private pools (CUDA graphs, torch.compile's cudagraph trees, MemPool): live
-    # bytes of their blocks (part of live_bytes) and free bytes kept for them.
-    n_pools: int = 0
-    pool_live_bytes: int = 0
-    pool_free_bytes: int = 0
+    n_pools: int = 0                             # living private pools (CUDA graphs, MemPools)
+    pool_live_bytes: int = 0                     # live + pending in living private pools
+    pool_free_bytes: int = 0                     # free, kept for living private pools
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
     notebook_refs: List[str] = field(default_factory=list)
@@ -126,13 +124,13 @@ class Report:
         L.append(f"Where the device's {_fs(self.device_total)} are:")
         rows = [("held by this heap (reserved)", self.reserved_bytes, ""),
                 ("  live tensors", self.live_bytes, f"{self.n_live} blocks"),
-                ("  pending free (other streams)", self.pending_bytes, "")]
-        if self.n_pools:
-            rows += [("  live in graph pools", self.pool_live_bytes,
-                      f"part of live tensors; {self.n_pools} private pool(s)"),
-                     ("  free, kept for graph pools", self.pool_free_bytes, "reusable only inside its pool")]
-        rows += [("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
-                 ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
+                ("  pending free (other streams)", self.pending_bytes, ""),
+                ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
+                ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
+        if self.pool_live_bytes or self.pool_free_bytes:
+            rows.insert(2, ("  of which in private pools", self.pool_live_bytes, f"{self.n_pools} pool(s): CUDA graphs / MemPools"))
+            rows.insert(4, ("  free, kept for private pools", self.pool_free_bytes,
+                            "reusable only by their pool until it is released"))
         if self.outside_allocator is not None:
             rows.append(("this process, outside the allocator", self.outside_allocator,
                          f"NVML {_fs(self.self_usage or 0)} for PID {self.self_pid} - reserved"))
@@ -245,8 +243,7 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
         top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
         n_pools=len(snap.pools),
-        pool_live_bytes=int(info.get("pool_live_bytes", sum(p["live_bytes"] for p in snap.pools))),
-        pool_free_bytes=int(info.get("pool_free_bytes", sum(p["free_bytes"] for p in snap.pools))),
+        pool_live_bytes=int(info.get("pool_live_bytes", 0)), pool_free_bytes=int(info.get("pool_free_bytes", 0)),
     )
     _diagnose(r, heap)
     if r.causes:
@@ -291,12 +288,13 @@ def _diagnose(r: Report, heap) -> None:
                                 f"{_fs(r.unattributed)} of the device is used outside this heap, by other "
                                 "processes or this process's CUDA context (NVML is not available to tell which)"))
         if r.pool_free_bytes:
-            ranked.append(Cause("graph_pools", r.pool_free_bytes,
-                                f"{_fs(r.pool_free_bytes)} are free but kept for {r.n_pools} private pool(s) "
-                                f"(CUDA graphs, MemPool), which also hold {_fs(r.pool_live_bytes)} live",
+            ranked.append(Cause("private_pools", r.pool_free_bytes,
+                                f"{_fs(r.pool_free_bytes)} are free but kept for private pools (CUDA graphs, "
+                                f"MemPools), which also hold {_fs(r.pool_live_bytes)} live: no other allocation "
+                                "may reuse them, and their pages are never moved or released",
                                 ["a graph's memory stays reserved for it while the graph lives: delete graphs "
-                                 "no longer replayed (or torch._dynamo.reset() for torch.compile's), and share "
-                                 "one pool between graphs run in sequence (torch.cuda.graph_pool_handle())"]))
+                                 "no longer replayed (torch._dynamo.reset() for torch.compile's), and share one "
+                                 "pool between graphs run in sequence (torch.cuda.graph_pool_handle())"]))
         if r.pending_bytes:
             ranked.append(Cause("pending", r.pending_bytes,
                                 f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
@@ -343,6 +341,9 @@ def _diagnose(r: Report, heap) -> None:
                       "kept for backward.")
         advice.append("`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
                       "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes.")
+    if "private_pools" in kinds:
+        advice.append("Release CUDA graphs and MemPools you no longer replay (del the graph / pool, or "
+                      "graph.reset()): their pools' memory then returns to the heap.")
     if "pending" in kinds:
         advice.append("Synchronize the side streams (or avoid record_stream on short-lived tensors) so that "
                       "pending blocks become reusable.")

@@ -8,18 +8,21 @@ parts of it; blocks tile the range in address order:
     free       reusable now, inside mapped pages
     unmapped   address space with no memory behind it
 
-and each page is "used" (some live or pending byte lies in it), "cached" (mapped
-but wholly free: what empty_cache() releases and what defragmentation can move
-behind a new address) or "unmapped".  A *segment* is a maximal run of mapped
-pages; that is what torch's snapshot format calls a segment of an expandable
-allocator, so to_torch() maps one to one.
+and each page is "used" (some live or pending byte lies in it, or a block kept
+for a living private pool), "cached" (mapped but wholly free: what empty_cache()
+releases and what defragmentation can move behind a new address) or
+"unmapped".  A *segment* is a maximal run of mapped pages; that is what torch's
+snapshot format calls a segment of an expandable allocator, so to_torch() maps
+one to one.  A block of a private pool (a CUDA graph's, or a MemPool's) carries
+the pool's id; a segment's `segment_pool_id` is the pool holding most of its
+pooled bytes, (0, 0) when none.
 
 The summary's figures and their definitions:
 
     live_bytes           sum of live block sizes (512-byte rounded)
     requested_bytes      sum of the sizes asked for
     reserved_bytes       physical memory the heap holds (mapped + spare pages)
-    free_mapped_bytes    free bytes inside mapped pages
+    free_mapped_bytes    free bytes inside mapped pages, outside private pools
     largest_free_range   largest run of adjacent free blocks: the biggest request
                          served without touching the device
     fragmentation        1 - largest_free_range / free_mapped_bytes: the share of
@@ -34,6 +37,10 @@ The summary's figures and their definitions:
                          live block)
     largest_possible     the largest block the heap could make now, defragmenting
                          and growing up to the cap/device (from the core)
+    pool_live_bytes      live and pending bytes of private pools (in live_bytes
+                         and pending_bytes too)
+    pool_free_bytes      free bytes kept for private pools: only their pool may
+                         reuse them, and their pages are never moved or released
 """
 from __future__ import annotations
 
@@ -68,7 +75,7 @@ class Block:
     context: int
     alloc_seq: int
     state: str            # live / pending / free / unmapped
-    pool: Tuple[int, int] = (0, 0)   # the private pool it belongs to; (0, 0): the general heap
+    pool: Optional[Tuple[int, int]] = None   # the private pool (torch's MempoolId_t), None: none
 
     @property
     def end(self) -> int:
@@ -82,6 +89,18 @@ class Block:
     def site(self) -> str:
         """Allocation site ("file:line in func") when stacks were recorded, else ""."""
         return site_of(self.frames)
+
+
+def segment_pool_id(blocks) -> Tuple[int, int]:
+    """torch's segment_pool_id for a run of blocks: the private pool that holds
+    the most bytes among them (lowest id on ties), (0, 0) when none does."""
+    by: Dict[Tuple[int, int], int] = {}
+    for b in blocks:
+        if b.pool is not None and b.state != "unmapped":
+            by[tuple(b.pool)] = by.get(tuple(b.pool), 0) + b.size
+    if not by:
+        return (0, 0)
+    return min(by, key=lambda k: (-by[k], k))
 
 
 @dataclass
@@ -115,6 +134,8 @@ class Summary:
     cap_bytes: int
     device_total: int
     device_free: int
+    pool_live_bytes: int = 0      # live and pending blocks of private pools
+    pool_free_bytes: int = 0      # free blocks kept for private pools (not in free_mapped_bytes)
 
     def rows(self) -> List[Tuple[str, str, str]]:
         """(label, value, what it means) for tables."""
@@ -133,7 +154,9 @@ class Summary:
             ("stranded", f(self.stranded_bytes), "free bytes in pages shared with live blocks"),
             ("largest block possible", f(self.largest_possible), "after defragmenting and growing to the cap"),
             ("cap", f(self.cap_bytes), f"device {f(self.device_total)} total, {f(self.device_free)} free"),
-        ]
+        ] + ([("private pools", f"{f(self.pool_live_bytes)} live, {f(self.pool_free_bytes)} free",
+               "kept for CUDA graphs / MemPools: their pages never move")]
+             if self.pool_live_bytes or self.pool_free_bytes else [])
 
     def text(self) -> str:
         w = max(len(r[0]) for r in self.rows())
@@ -159,10 +182,7 @@ class Snapshot:
     history_dropped: int = 0
     oom: Optional[dict] = None
     label: str = ""
-    # Private pools (CUDA graphs, MemPool): the pool of each live or pending block
-    # that belongs to one, by address; blocks not named are the general heap's.
-    pool_of: Dict[int, Tuple[int, int]] = field(default_factory=dict)
-    pools: List[dict] = field(default_factory=list)     # the heap's living pools (dicts)
+    pools: List[dict] = field(default_factory=list)     # the heap's living private pools (dicts)
 
     # ---- construction -----------------------------------------------------------
 
@@ -171,8 +191,7 @@ class Snapshot:
         raw = heap.snapshot()
         report = heap.memory_report(0)
         hist, dropped = heap.history() if with_history else ([], 0)
-        pools = list(heap.pools()) if hasattr(heap, "pools") else []
-        pool_of = {addr: tuple(p["id"]) for p in pools for addr, _size in heap.pool_live(p["id"])}
+        pools = list(heap.pools())
         return cls(
             device_name=heap.device_name, device_kind=heap.device_kind,
             va_base=raw["va_base"], top=raw["top"], page_size=raw["page_size"],
@@ -181,7 +200,7 @@ class Snapshot:
             device_total=report["device_total"], device_free=report["device_free"],
             largest_possible=report["largest_possible"],
             history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
-            oom=heap.last_oom(), label=label, pool_of=pool_of, pools=pools,
+            oom=heap.last_oom(), label=label, pools=pools,
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -224,13 +243,16 @@ class Snapshot:
     def summary(self) -> Summary:
         live = [b for b in self.blocks if b.state == "live"]
         pending = [b for b in self.blocks if b.state == "pending"]
-        free = [b for b in self.blocks if b.state == "free"]
+        # Free blocks of a living private pool serve only that pool: kept apart.
+        free = [b for b in self.blocks if b.state == "free" and b.pool is None]
+        pool_free = sum(b.size for b in self.blocks if b.state == "free" and b.pool is not None)
+        pool_live = sum(b.size for b in self.blocks if b.state in ("live", "pending") and b.pool is not None)
         counts = Counter(self.pages)
         ps = self.page_size
         largest = run = 0
         prev_end = None
         for b in self.blocks:
-            if b.state == "free":
+            if b.state == "free" and b.pool is None:
                 run = run + b.size if prev_end == b.addr else b.size
                 prev_end = b.end
                 largest = max(largest, run)
@@ -258,6 +280,7 @@ class Snapshot:
             n_live=len(live), n_pending=len(pending), n_free=len(free),
             n_segments=len(self.segments),
             cap_bytes=self.cap_bytes, device_total=self.device_total, device_free=self.device_free,
+            pool_live_bytes=pool_live, pool_free_bytes=pool_free,
         )
 
     def top_sites(self, n: int = 10) -> List[Tuple[str, int, int]]:
@@ -273,25 +296,25 @@ class Snapshot:
 
     # ---- torch's format ---------------------------------------------------------------
 
-    def _pool_runs(self) -> List[Tuple[Segment, Tuple[int, int]]]:
-        """Segments cut where the pool of the blocks changes, each with its pool
-        ((0, 0): the general heap), as torch gives every segment one
-        segment_pool_id.  A free block stays in the run it lies in; the run's
-        pool is that of its first live or pending block."""
-        out: List[Tuple[Segment, Tuple[int, int]]] = []
+    def _pool_runs(self) -> List[Segment]:
+        """Mapped runs cut where the pool of the blocks changes (torch gives
+        every segment one segment_pool_id): a free block of the general heap
+        stays in the run it lies in; live or pending general blocks and each
+        pool's blocks make runs of their own."""
+        out: List[Segment] = []
         for seg in self.segments:
             run: List[Block] = []
             pool: Optional[Tuple[int, int]] = None
             for b in seg.blocks:
-                p = self.pool_of.get(b.addr, tuple(b.pool)) if b.state in ("live", "pending") else None
+                p = tuple(b.pool) if b.pool is not None else (0, 0) if b.state in ("live", "pending") else None
                 if p is not None and pool is not None and p != pool:
-                    out.append((Segment(run[0].addr, sum(x.size for x in run), run), pool))
+                    out.append(Segment(run[0].addr, sum(x.size for x in run), run))
                     run, pool = [], None
                 if pool is None:
                     pool = p
                 run.append(b)
             if run:
-                out.append((Segment(run[0].addr, sum(x.size for x in run), run), pool or (0, 0)))
+                out.append(Segment(run[0].addr, sum(x.size for x in run), run))
         return out
 
     def to_torch(self, device: int = 0) -> dict:
@@ -300,7 +323,7 @@ class Snapshot:
         is one run of mapped pages (torch does the same for expandable segments);
         device_traces come from the history ring, oldest first."""
         segments = []
-        for seg, pool in self._pool_runs():
+        for seg in self._pool_runs():
             live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
             blocks = []
             for b in seg.blocks:
@@ -321,7 +344,7 @@ class Snapshot:
                 "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
                 "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
                 "segment_type": "large" if seg.size > (1 << 20) else "small",
-                "segment_pool_id": pool,
+                "segment_pool_id": segment_pool_id(seg.blocks),
                 "is_expandable": True,
                 "frames": [],
                 "blocks": blocks,

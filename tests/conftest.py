@@ -159,7 +159,7 @@ def recount(h):
     for pool in ("all", "small_pool", "large_pool"):
         for name in ("allocation", "allocated_bytes", "requested_bytes"):
             out[f"{name}.{pool}.current"] = 0
-    for addr, size, requested, stream, context, seq, state in snap["blocks"]:
+    for addr, size, requested, stream, context, seq, state, pool in snap["blocks"]:
         if state != "live":
             continue
         for pool in ("all", pool_of(size)):

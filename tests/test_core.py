@@ -116,8 +116,8 @@ def test_blocks_do_not_overlap_and_are_accessible(heap):
 def test_context_and_stream_recorded_in_snapshot(heap):
     p = heap.malloc(3000, stream=0x1000, context=77)
     (blk,) = live_blocks(heap)
-    addr, size, req, stream, ctx, seq, state = blk
-    assert (addr, size, req, stream, ctx, state) == (p, 3072, 3000, 0x1000, 77, "live")
+    addr, size, req, stream, ctx, seq, state, pool = blk
+    assert (addr, size, req, stream, ctx, state, pool) == (p, 3072, 3000, 0x1000, 77, "live", None)
     heap.free(p)
 
 

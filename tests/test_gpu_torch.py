@@ -637,15 +637,14 @@ def test_one_segments_conversion_in_torch_format():
     P = 2 << 20
     base = 1 << 40
 
-    def snap(blocks, pages, pool_of=None):
+    def snap(blocks, pages):
         return Snapshot(device_name="cuda:0", device_kind="cuda", va_base=base, top=len(pages) * P, page_size=P,
-                        blocks=blocks, pages=bytes(pages), spare_pages=0, cap_bytes=0, stats={},
-                        pool_of=pool_of or {})
+                        blocks=blocks, pages=bytes(pages), spare_pages=0, cap_bytes=0, stats={})
 
     s = snap([Block(base, 1024, 1000, 7, 0, 1, "live"), Block(base + 1024, 1024, 900, 7, 0, 2, "pending"),
               Block(base + 2048, 2 * P - 2048, 0, 7, 0, 0, "free"), Block(base + 2 * P, P, 0, 0, 0, 0, "unmapped"),
-              Block(base + 3 * P, 512, 512, 3, 0, 3, "live", (0, 5)), Block(base + 3 * P + 512, P - 512, 0, 3, 0, 0,
-                                                                          "free")],
+              Block(base + 3 * P, 512, 512, 3, 0, 3, "live", (0, 5)),
+              Block(base + 3 * P + 512, P - 512, 0, 3, 0, 0, "free", (0, 5))],
              [1, 1, 0, 1])
     t = s.to_torch(0)
     segs = t["segments"]
@@ -655,8 +654,8 @@ def test_one_segments_conversion_in_torch_format():
     assert segs[0]["allocated_size"] == 1024 and segs[0]["active_size"] == 2048
     assert segs[0]["requested_size"] == 1900 and segs[0]["stream"] == 7
     # a general block then a pool block in one mapped run: two segments that tile it
-    s2 = snap([Block(base, P, P, 0, 0, 1, "live"), Block(base + P, P, P, 0, 0, 2, "live")], [1, 1],
-              pool_of={base + P: (4, 0)})
+    s2 = snap([Block(base, P, P, 0, 0, 1, "live"), Block(base + P, P // 2, P, 0, 0, 2, "live", (4, 0)),
+               Block(base + P + P // 2, P // 2, 0, 0, 0, 0, "free", (4, 0))], [1, 1])
     assert [(g["address"], g["total_size"], g["segment_pool_id"]) for g in s2.to_torch(0)["segments"]] == [
         (base, P, (0, 0)), (base + P, P, (4, 0))]
     bad = snap([Block(base, 2 * P, 0, 0, 0, 0, "free")], [1, 0])

@@ -784,14 +784,15 @@ static void consider(const gm_heap *h, placement *best, const gm_block *first, u
 }
 
 /* Where [addr, addr+size) needs the fewest new pages, among runs of memory
- * that stream s may use: its own or everyone's free blocks, and unmapped space. */
+ * that stream s may use: its own or everyone's free blocks of the general heap
+ * (never a pool's), and unmapped space. */
 static placement place(const gm_heap *h, size_t size, gm_stream s) {
     placement best = {0, 0, 0, 0};
     const gm_block *first = NULL;
     size_t len = 0;
     for (const gm_block *b = h->head;; b = b->next) {
         int usable = b && (b->state == GM_BLOCK_UNMAPPED ||
-                           (b->state == GM_BLOCK_FREE && (b->stream == s || b->stream == ANY)));
+                           (b->state == GM_BLOCK_FREE && !b->pool && (b->stream == s || b->stream == ANY)));
         if (usable) {
             if (!first) {
                 first = b;

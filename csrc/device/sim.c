@@ -951,3 +951,16 @@ uint64_t gm_sim_capture_violations(const gm_device *dev)
     const sim_device *s = as_sim_c(dev);
     return s ? s->capture_violations : 0;
 }
+
+gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va)
+{
+    const sim_device *s = as_sim_c(dev);
+    if (!s)
+        return 0;
+    for (size_t i = 0; i < s->n_resv; i++) {
+        const sim_resv *r = &s->resv[i];
+        if (va >= r->va && va - r->va < r->size)
+            return r->handle[(va - r->va) / s->base.page_size];
+    }
+    return 0;
+}

@@ -96,7 +96,9 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o)
         gm_py_put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
         gm_py_put_u64(d, "largest_possible", o->largest_possible) < 0 ||
         gm_py_put_u64(d, "pages_needed", o->pages_needed) < 0 ||
-        gm_py_put_i64(d, "device_error", o->device_error) < 0) {
+        gm_py_put_i64(d, "device_error", o->device_error) < 0 ||
+        gm_py_put_u64(d, "pool_live_bytes", o->pool_live_bytes) < 0 ||
+        gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -153,10 +155,15 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
         const char *st = (b->state >= 0 && (size_t)b->state < sizeof states / sizeof states[0])
                              ? states[b->state]
                              : unknown_state;
-        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
-                                    (unsigned long long)b->size, (unsigned long long)b->requested,
-                                    (unsigned long long)b->stream, (unsigned long long)b->context,
-                                    (unsigned long long)b->alloc_seq, st);
+        PyObject *pool = (b->pool.first || b->pool.second)
+                             ? Py_BuildValue("(KK)", (unsigned long long)b->pool.first,
+                                             (unsigned long long)b->pool.second)
+                             : (Py_INCREF(Py_None), Py_None);
+        PyObject *t = pool ? Py_BuildValue("(KKKKKKsN)", (unsigned long long)b->addr,
+                                           (unsigned long long)b->size, (unsigned long long)b->requested,
+                                           (unsigned long long)b->stream, (unsigned long long)b->context,
+                                           (unsigned long long)b->alloc_seq, st, pool)
+                           : NULL;
         if (t == NULL) {
             Py_DECREF(blocks);
             return NULL;

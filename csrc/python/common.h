@@ -38,7 +38,7 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o);
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action);
 
 /* A snapshot's blocks as (addr, size, requested, stream, context, alloc_seq,
- * state) tuples; a state with no name reads `unknown_state`.  New reference or
+ * state, pool) tuples (pool: the private pool's (first, second), or None); a state with no name reads `unknown_state`.  New reference or
  * NULL. */
 PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
 /* The snapshot as a dict (va_base, va_size, page_size, top, spare_pages, cap_bytes, blocks, pages,

@@ -205,6 +205,39 @@ static int to_size_or_str(PyObject *obj, const char *what, size_t *out)
     return rc;
 }
 
+/* A private pool's id: torch's MempoolId_t, a pair of non-negative ints, not (0, 0). */
+static int to_pool_id(PyObject *obj, gm_pool_id *out)
+{
+    if (!PyTuple_Check(obj) && !PyList_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "pool id must be a pair of ints (torch's MempoolId_t), not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(obj, "pool id must be a pair of ints");
+    if (seq == NULL)
+        return -1;
+    int rc = -1;
+    if (PySequence_Fast_GET_SIZE(seq) != 2) {
+        PyErr_Format(PyExc_ValueError, "pool id must be a pair of ints (torch's MempoolId_t), got %zd items",
+                     PySequence_Fast_GET_SIZE(seq));
+    } else if (to_u64(PySequence_Fast_GET_ITEM(seq, 0), "pool id[0]", UINT64_MAX, &out->first) == 0 &&
+               to_u64(PySequence_Fast_GET_ITEM(seq, 1), "pool id[1]", UINT64_MAX, &out->second) == 0) {
+        if (!out->first && !out->second)
+            PyErr_SetString(PyExc_ValueError, "pool id (0, 0) names no pool");
+        else
+            rc = 0;
+    }
+    Py_DECREF(seq);
+    return rc;
+}
+
+static PyObject *no_such_pool(const gm_pool_id *id)
+{
+    PyErr_Format(PyExc_ValueError, "no pool (%llu, %llu) lives on this heap (retain it first)",
+                 (unsigned long long)id->first, (unsigned long long)id->second);
+    return NULL;
+}
+
 static int op_from_name(PyObject *name, gm_dev_op *out)
 {
     static const char *const names[GM_OP__COUNT] = {
@@ -462,9 +495,13 @@ static PyObject *Heap_repr(HeapObject *self)
 
 static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"size", "stream", "context", NULL};
-    PyObject *size_o, *stream_o = NULL, *context_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:malloc", kwlist, &size_o, &stream_o, &context_o))
+    static char *kwlist[] = {"size", "stream", "context", "pool", NULL};
+    PyObject *size_o, *stream_o = NULL, *context_o = NULL, *pool_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:malloc", kwlist, &size_o, &stream_o, &context_o, &pool_o))
+        return NULL;
+    gm_pool_id pool = {0, 0};
+    int in_pool = pool_o && pool_o != Py_None;
+    if (in_pool && to_pool_id(pool_o, &pool) < 0)
         return NULL;
     if (ensure_open(self) < 0)
         return NULL;
@@ -481,10 +518,15 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
-    rc = gm_malloc(self->heap, size, (gm_stream)stream, context, &ptr);
+    rc = gm_malloc_pool(self->heap, size, (gm_stream)stream, context, in_pool ? &pool : NULL, &ptr);
     LEAVE_CORE(self);
     if (rc == GM_ENOMEM)
         return raise_oom(self);
+    if (rc == GM_EINVAL && in_pool) {
+        gm_pool_info info;
+        if (gm_pool_info_get(self->heap, pool, &info) != GM_OK)
+            return no_such_pool(&pool);
+    }
     if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "malloc: size %zu is not a size this heap can serve (GM_EINVAL)", size);
         return NULL;
@@ -880,7 +922,260 @@ done:
     return result;
 }
 
+/* ---- private pools and stream capture ----------------------------------------------------- */
+
+static PyObject *pool_info_dict(const gm_pool_info *p)
+{
+    return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
+                         (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
+                         (Py_ssize_t)p->live_blocks, "live_bytes", (Py_ssize_t)p->live_bytes, "free_blocks",
+                         (Py_ssize_t)p->free_blocks, "free_bytes", (Py_ssize_t)p->free_bytes, "pinned_pages",
+                         (Py_ssize_t)p->pinned_pages);
+}
+
+static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (ensure_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    int rc = gm_pool_retain(self->heap, id);
+    if (rc != GM_OK)
+        return rc == GM_ENOMEM ? PyErr_NoMemory() : raise_code(self, rc, "pool_retain");
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (ensure_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    int rc;
+    ENTER_CORE(self);
+    rc = gm_pool_release(self->heap, id);
+    LEAVE_CORE(self);
+    if (rc == GM_EINVAL)
+        return no_such_pool(&id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (ensure_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    gm_pool_info info;
+    int rc;
+    ENTER_CORE(self);
+    rc = gm_pool_info_get(self->heap, id, &info);
+    LEAVE_CORE(self);
+    if (rc != GM_OK)
+        return no_such_pool(&id);
+    return pool_info_dict(&info);
+}
+
+static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    gm_pool_info *buf = NULL;
+    size_t cap = 0, n;
+    /* Another thread may add pools between the sizing call and the real one. */
+    for (;;) {
+        ENTER_CORE(self);
+        n = gm_pool_list(self->heap, buf, cap);
+        LEAVE_CORE(self);
+        if (n <= cap)
+            break;
+        PyMem_Free(buf);
+        cap = n + 4;
+        if (!(buf = PyMem_Malloc(cap * sizeof *buf)))
+            return PyErr_NoMemory();
+    }
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *d = pool_info_dict(&buf[i]);
+        if (d == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    PyMem_Free(buf);
+    return list;
+}
+
+static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (ensure_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    gm_pool_info info;
+    if (gm_pool_info_get(self->heap, id, &info) != GM_OK)
+        return no_such_pool(&id);
+    uintptr_t *addrs = NULL;
+    size_t *sizes = NULL, cap = info.live_blocks, n;
+    for (;;) {
+        PyMem_Free(addrs);
+        PyMem_Free(sizes);
+        addrs = PyMem_Malloc((cap ? cap : 1) * sizeof *addrs);
+        sizes = PyMem_Malloc((cap ? cap : 1) * sizeof *sizes);
+        if (!addrs || !sizes) {
+            PyMem_Free(addrs);
+            PyMem_Free(sizes);
+            return PyErr_NoMemory();
+        }
+        ENTER_CORE(self);
+        n = gm_pool_live(self->heap, id, addrs, sizes, cap);
+        LEAVE_CORE(self);
+        if (n <= cap)
+            break;
+        cap = n + 16;
+    }
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *t = Py_BuildValue("(Kn)", (unsigned long long)addrs[i], (Py_ssize_t)sizes[i]);
+        if (t == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    PyMem_Free(addrs);
+    PyMem_Free(sizes);
+    return list;
+}
+
+static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"id", "blocks", "stream", NULL};
+    PyObject *id_o, *blocks_o, *stream_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:pool_set_live", kwlist, &id_o, &blocks_o, &stream_o))
+        return NULL;
+    gm_pool_id id;
+    uint64_t stream = 0;
+    if (ensure_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    if (stream_o && to_u64(stream_o, "stream", UINT64_MAX - 1, &stream) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(blocks_o, "pool_set_live: blocks must be a sequence of (addr, size) pairs");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uintptr_t *addrs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *addrs);
+    size_t *sizes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *sizes);
+    PyObject *result = NULL;
+    if (!addrs || !sizes) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        uint64_t a;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "pool_set_live: blocks[%zd] must be an (addr, size) tuple", i);
+            goto out;
+        }
+        if (to_u64(PyTuple_GET_ITEM(item, 0), "addr", UINTPTR_MAX, &a) < 0 ||
+            to_size(PyTuple_GET_ITEM(item, 1), "size", &sizes[i]) < 0)
+            goto out;
+        addrs[i] = (uintptr_t)a;
+    }
+    gm_pool_info info;
+    if (gm_pool_info_get(self->heap, id, &info) != GM_OK) {
+        no_such_pool(&id);
+        goto out;
+    }
+    int rc;
+    ENTER_CORE(self);
+    rc = gm_pool_set_live(self->heap, id, addrs, sizes, (size_t)n, (gm_stream)stream);
+    LEAVE_CORE(self);
+    if (rc == GM_EINVAL)
+        PyErr_Format(PyExc_ValueError,
+                     "pool_set_live: the blocks are not the pool's live blocks or 512-aligned, disjoint ranges "
+                     "inside its free memory; nothing was changed");
+    else if (rc == GM_ENOMEM)
+        PyErr_NoMemory();
+    else if (rc != GM_OK)
+        raise_code(self, rc, "pool_set_live");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+out:
+    PyMem_Free(addrs);
+    PyMem_Free(sizes);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    gm_capture_begin(self->heap);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    if (!gm_capturing(self->heap)) {
+        PyErr_SetString(PyExc_RuntimeError, "capture_end without capture_begin");
+        return NULL;
+    }
+    ENTER_CORE(self);
+    gm_capture_end(self->heap);
+    LEAVE_CORE(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_get_capturing(HeapObject *self, void *Py_UNUSED(closure))
+{
+    if (ensure_open(self) < 0)
+        return NULL;
+    return PyLong_FromLong(gm_capturing(self->heap));
+}
+
 /* ---- sim-only controls ------------------------------------------------------------------ */
+
+static PyObject *Heap_sim_set_capture(HeapObject *self, PyObject *on_o)
+{
+    if (ensure_sim(self, 1) < 0)
+        return NULL;
+    int on = PyObject_IsTrue(on_o);
+    if (on < 0)
+        return NULL;
+    gm_sim_set_capture(self->dev, on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_sim_set_stream_capture(HeapObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"stream", "on", NULL};
+    PyObject *stream_o;
+    int on = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_set_stream_capture", kwlist, &stream_o, &on))
+        return NULL;
+    uint64_t stream;
+    if (ensure_sim(self, 1) < 0 || to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
+        return NULL;
+    gm_sim_set_stream_capture(self->dev, (gm_stream)stream, on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o)
+{
+    uint64_t addr;
+    if (ensure_sim(self, 0) < 0 || to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
+}
+
+static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ensure_sim(self, 0) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(gm_sim_capture_violations(self->dev));
+}
 
 static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds)
 {
@@ -1041,7 +1336,25 @@ static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure))
 
 static PyMethodDef Heap_methods[] = {
     {.ml_name = "malloc", .ml_meth = KW(Heap_malloc), .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "malloc(size, stream=0, context=0) -> address"},
+     .ml_doc = "malloc(size, stream=0, context=0, pool=None) -> address\n"
+               "pool: a private pool's id, a pair of ints (torch's MempoolId_t)"},
+    {.ml_name = "pool_retain", .ml_meth = (PyCFunction)Heap_pool_retain, .ml_flags = METH_O,
+     .ml_doc = "pool_retain(id): create the private pool id (a pair of ints), or add a use to it"},
+    {.ml_name = "pool_release", .ml_meth = (PyCFunction)Heap_pool_release, .ml_flags = METH_O,
+     .ml_doc = "pool_release(id): drop a use; at zero the pool ends and its free blocks join the heap"},
+    {.ml_name = "pool_info", .ml_meth = (PyCFunction)Heap_pool_info, .ml_flags = METH_O,
+     .ml_doc = "pool_info(id) -> dict (id, use_count, live_blocks, live_bytes, free_blocks, free_bytes, "
+               "pinned_pages)"},
+    {.ml_name = "pools", .ml_meth = (PyCFunction)Heap_pools, .ml_flags = METH_NOARGS,
+     .ml_doc = "pools() -> [pool_info dict] of the living pools"},
+    {.ml_name = "pool_live", .ml_meth = (PyCFunction)Heap_pool_live, .ml_flags = METH_O,
+     .ml_doc = "pool_live(id) -> [(addr, size)] of the pool's live blocks, in address order"},
+    {.ml_name = "pool_set_live", .ml_meth = KW(Heap_pool_set_live), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "pool_set_live(id, blocks, stream=0): make exactly blocks [(addr, size)] the pool's live blocks"},
+    {.ml_name = "capture_begin", .ml_meth = (PyCFunction)Heap_capture_begin, .ml_flags = METH_NOARGS,
+     .ml_doc = "capture_begin(): a graph capture starts (nests): no sync, event or unmap until it ends"},
+    {.ml_name = "capture_end", .ml_meth = (PyCFunction)Heap_capture_end, .ml_flags = METH_NOARGS,
+     .ml_doc = "capture_end(): the capture ends; frees it deferred get their events"},
     {.ml_name = "free", .ml_meth = (PyCFunction)Heap_free, .ml_flags = METH_O, .ml_doc = "free(ptr)"},
     {.ml_name = "record_stream", .ml_meth = (PyCFunction)Heap_record_stream, .ml_flags = METH_VARARGS,
      .ml_doc = "record_stream(ptr, stream): ptr is in use on stream too"},
@@ -1093,6 +1406,15 @@ static PyMethodDef Heap_methods[] = {
      .ml_doc = "sim_set_self(pid, bytes): this process's memory outside the allocator"},
     {.ml_name = "sim_set_nvml", .ml_meth = (PyCFunction)Heap_sim_set_nvml, .ml_flags = METH_O,
      .ml_doc = "sim_set_nvml(available)"},
+    {.ml_name = "sim_set_capture", .ml_meth = (PyCFunction)Heap_sim_set_capture, .ml_flags = METH_O,
+     .ml_doc = "sim_set_capture(on): the device refuses and counts calls a capture forbids"},
+    {.ml_name = "sim_set_stream_capture", .ml_meth = KW(Heap_sim_set_stream_capture),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "sim_set_stream_capture(stream, on=True): the device reports stream as capturing"},
+    {.ml_name = "sim_capture_violations", .ml_meth = (PyCFunction)Heap_sim_capture_violations,
+     .ml_flags = METH_NOARGS, .ml_doc = "sim_capture_violations() -> calls refused by capture mode"},
+    {.ml_name = "sim_page_at", .ml_meth = (PyCFunction)Heap_sim_page_at, .ml_flags = METH_O,
+     .ml_doc = "sim_page_at(addr) -> id of the physical page mapped there (0: none)"},
     {.ml_name = "sim_info", .ml_meth = (PyCFunction)Heap_sim_info, .ml_flags = METH_NOARGS,
      .ml_doc = "sim_info() -> dict"},
     {.ml_name = "sim_is_accessible", .ml_meth = (PyCFunction)Heap_sim_is_accessible, .ml_flags = METH_VARARGS,
@@ -1109,6 +1431,8 @@ static PyGetSetDef Heap_getset[] = {
     {.name = "device_name", .get = (getter)Heap_get_device_name, .doc = "e.g. \"sim:80GiB\""},
     {.name = "page_size", .get = (getter)Heap_get_page_size, .doc = "physical page size in bytes"},
     {.name = "closed", .get = (getter)Heap_get_closed, .doc = "True once close() was called"},
+    {.name = "capturing", .get = (getter)Heap_get_capturing,
+     .doc = "capture_begin() calls not yet ended (0: no capture)"},
     {.name = NULL},
 };
 
