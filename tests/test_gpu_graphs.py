@@ -11,9 +11,9 @@ from test_gpu_torch import DETERMINISM, N_CUDA, run_py
 
 
 
-def both(code, **kw):
+def both(code, deterministic=True, **kw):
     """The same code under the native allocator and under gpumem."""
-    head = "USE = {use}\nif USE:\n    gpumem.install()\n" + DETERMINISM
+    head = "USE = {use}\nif USE:\n    gpumem.install()\n" + (DETERMINISM if deterministic else "")
     native = run_py(head.format(use=False) + code, **kw)
     ours = run_py(head.format(use=True) + code, **kw)
     return native, ours
@@ -258,7 +258,7 @@ out(infer=infer, max_err=max_err, losses=losses, elosses=elosses, intact=intact,
 @pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
 def test_torch_compile_reduce_overhead_hf_model():
     pytest.importorskip("transformers")
-    native, ours = both(COMPILE, timeout=900)
+    native, ours = both(COMPILE, deterministic=False, timeout=900)
     assert ours["intact"] and native["intact"]
     assert ours["max_err"] < 1e-3 and native["max_err"] < 1e-3, (native["max_err"], ours["max_err"])
     for a, b in zip(ours["infer"], native["infer"]):

@@ -11,7 +11,8 @@ torch.cuda.memory.CUDAPluggableAllocator, sets the allocator hooks torch offers
 (empty_cache, set_per_process_memory_fraction, Tensor.record_stream, init), and
 routes torch's memory API -- memory_allocated/reserved and their max_ forms,
 memory_stats, memory_summary, reset_peak_memory_stats, memory_snapshot,
-_snapshot, _record_memory_history, _dump_snapshot -- to gpumem by replacing the
+_snapshot, _record_memory_history, _dump_snapshot, and the pool functions CUDA
+graphs, MemPool and torch.compile's cudagraph trees call -- to gpumem by replacing the
 torch._C functions they call, which otherwise raise "does not yet support" under
 a pluggable allocator.  One heap per device is created on the first allocation
 torch makes there.
@@ -299,6 +300,11 @@ def _memory_fraction(device):
     return min(1.0, cap / report["device_total"]) if report and report["device_total"] else 1.0
 
 
+def _history_enabled():
+    """torch._C._cuda_isHistoryEnabled (cudagraph trees' history recording asks it)."""
+    return _C._torch_options()["history_entries"] > 0
+
+
 def _patch(torch):
     C = _C
 
@@ -322,6 +328,7 @@ def _patch(torch):
         "_cuda_record_memory_history": _record_history,
         "_cuda_record_memory_history_legacy": _record_history,
         "_cuda_getMemoryFraction": _memory_fraction,
+        "_cuda_isHistoryEnabled": _history_enabled,
     }
     replacements.update(_pools.replacements(torch, _state["pool_hooks"]))
     for name, fn in replacements.items():

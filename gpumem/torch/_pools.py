@@ -119,7 +119,10 @@ class MemPool:
         """The segments of this pool, in torch.cuda.memory_snapshot()'s format."""
         import torch
 
-        return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
+        try:
+            return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
+        except TypeError:   # a torch whose memory_snapshot has no include_traces
+            return torch.cuda.memory_snapshot(self._id)
 
     def __del__(self):
         if getattr(self, "_alive", False):
