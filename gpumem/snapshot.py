@@ -49,7 +49,7 @@ import os
 import pickle
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ._resolve import resolve_heap
 from ._svg import plot_matplotlib, render_fragment, render_page, render_svg

@@ -214,8 +214,6 @@ def uninstall():
     restored, and torch.cuda.memory_stats & co. raise again as they do under any pluggable
     allocator.
     """
-    import torch
-
     for (owner, name), original in _state["patched"].items():
         if original is _MISSING:
             try:
