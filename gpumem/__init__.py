@@ -47,6 +47,14 @@ def install(device=None, **options):
     return _torch.install(device, **options)
 
 
+def torch_allocator(**options):
+    """gpumem as a CUDAPluggableAllocator for torch.cuda.memory.change_current_allocator(...),
+    the same as install(); see gpumem.torch."""
+    from . import torch as _torch
+
+    return _torch.torch_allocator(**options)
+
+
 def uninstall():
     """Give torch its memory API back (the allocator stays gpumem); see gpumem.torch."""
     from . import torch as _torch
@@ -70,6 +78,7 @@ if "_import_error" not in globals():
 
 __all__ = [
     "install",
+    "torch_allocator",
     "uninstall",
     "status",
     "snapshot",

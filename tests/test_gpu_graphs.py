@@ -308,3 +308,14 @@ def test_oom_during_capture_then_a_good_capture():
     assert native["oom"] and ours["oom"], (native, ours)
     assert ours["prefix"], ours
     assert ours["val"] == native["val"] == 5.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_torch_allocator_with_change_current_allocator_equals_install():
+    native = run_py("USE = False\n" + DETERMINISM + GRAPHS)
+    head = ("USE = True\ntorch.cuda.memory.change_current_allocator(gpumem.torch_allocator())\n"
+            "assert gpumem.status()['installed'] and gpumem.status()['pool_hooks']\n"
+            "assert torch.cuda.memory_stats()['num_remaps'] == 0\n" + DETERMINISM)
+    ours = run_py(head + GRAPHS)
+    assert ours["intact"] and ours["vals"] == native["vals"] and ours["pools"] == 2, (native, ours)

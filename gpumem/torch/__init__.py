@@ -28,10 +28,14 @@ from ._install import (
     set_context_hook,
     set_oom_formatter,
     status,
+    torch_allocator,
     uninstall,
 )
 from ._pools import MemPool
 
-__all__ = ["install", "uninstall", "is_installed", "status", "InstallError", "MemPool", "parse_conf",
+InstallError.__module__ = __name__
+MemPool.__module__ = __name__
+
+__all__ = ["install", "torch_allocator", "uninstall", "is_installed", "status", "InstallError", "MemPool", "parse_conf",
            "normalize_options", "nested_stats", "memory_snapshot_dict", "set_context_hook", "set_oom_formatter",
            "ENV_VAR", "OPTION_NAMES", "MAX_HISTORY"]

@@ -153,6 +153,52 @@ def _device_list(device, torch):
 
 # ---- install / uninstall ----------------------------------------------------------------
 
+def _prepare(options, what):
+    """(torch, _torch_configure kwargs, merged options), or InstallError."""
+    merged = parse_conf(os.environ.get(ENV_VAR, ""))
+    merged.update(options)
+    kw = normalize_options(merged)
+    try:
+        import torch
+    except ImportError as e:
+        raise InstallError(f"gpumem.{what}() needs PyTorch (pip install torch)") from e
+    kw["oom_class"] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return torch, kw, merged
+
+
+def _make_allocator(torch, kw, what):
+    """torch's CUDAPluggableAllocator over gpumem._C's entry points, every hook set."""
+    if not torch.cuda.is_available():
+        raise InstallError(f"gpumem.{what}(): torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if torch.cuda.is_initialized():
+        raise InstallError(
+            f"gpumem.{what}() came too late: CUDA is already initialised in this process, so torch's own "
+            f"allocator is in use and cannot be replaced. Call gpumem.{what}() before anything touches "
+            "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`.")
+    _C._torch_configure(**kw)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
+    hooks = alloc.allocator()
+    entry = _C._torch_entry_points()
+    hooks.set_init_fn(entry["init"])
+    hooks.set_reset_fn(entry["empty_cache"])
+    hooks.set_memory_fraction_fn(entry["memory_fraction"])
+    hooks.set_record_stream_fn(entry["record_stream"])
+    _state["pool_hooks"] = _pools.set_pool_hooks(torch, hooks, entry)
+    return alloc
+
+
+def _finish(torch, merged, device):
+    """Everything install() does once gpumem is torch's allocator."""
+    _state["options"] = merged
+    _patch(torch)
+    _state["installed"] = True
+    register_torch_hooks(active=lambda: _state["allocator"] is not None, stack_hook=_viz.set_stack_hook)
+    _viz.on_install()  # explained OOM messages, Python stacks (visibility layer)
+    for d in _device_list(device, torch):
+        _C._torch_open(d)
+    return status()
+
+
 def install(device=None, **options):
     """Make gpumem the CUDA allocator of this process (see the module docstring).
 
@@ -161,49 +207,53 @@ def install(device=None, **options):
     Must run before CUDA allocates anything; raises InstallError otherwise.
     Calling it again only changes the options (and re-applies the patches after uninstall()).
     """
-    merged = parse_conf(os.environ.get(ENV_VAR, ""))
-    merged.update(options)
-    kw = normalize_options(merged)
-    try:
-        import torch
-    except ImportError as e:
-        raise InstallError("gpumem.install() needs PyTorch (pip install torch)") from e
-    C = _C
-    oom_class = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    torch, kw, merged = _prepare(options, "install")
     if _state["allocator"] is None:
-        if not torch.cuda.is_available():
-            raise InstallError("gpumem.install(): torch sees no CUDA device (torch.cuda.is_available() is False)")
-        if torch.cuda.is_initialized():
-            raise InstallError(
-                "gpumem.install() came too late: CUDA is already initialised in this process, so torch's own "
-                "allocator is in use and cannot be replaced. Call gpumem.install() before anything touches "
-                "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`.")
-        C._torch_configure(oom_class=oom_class, **kw)
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
-        hooks = alloc.allocator()
-        entry = C._torch_entry_points()
-        hooks.set_init_fn(entry["init"])
-        hooks.set_reset_fn(entry["empty_cache"])
-        hooks.set_memory_fraction_fn(entry["memory_fraction"])
-        hooks.set_record_stream_fn(entry["record_stream"])
-        _state["pool_hooks"] = _pools.set_pool_hooks(torch, hooks, entry)
+        alloc = _make_allocator(torch, kw, "install")
         try:
-            torch.cuda.memory.change_current_allocator(alloc)
+            _original_change_allocator(torch)(alloc)
         except RuntimeError as e:
             raise InstallError(
                 f"gpumem.install() could not replace torch's allocator ({e}); call it before anything touches "
                 "CUDA") from e
         _state["allocator"] = alloc
     else:
-        C._torch_configure(oom_class=oom_class, **kw)
-    _state["options"] = merged
-    _patch(torch)
-    _state["installed"] = True
-    register_torch_hooks(active=lambda: _state["allocator"] is not None, stack_hook=_viz.set_stack_hook)
-    _viz.on_install()  # explained OOM messages, Python stacks (visibility layer)
-    for d in _device_list(device, torch):
-        C._torch_open(d)
-    return status()
+        _C._torch_configure(**kw)
+    return _finish(torch, merged, device)
+
+
+def torch_allocator(**options):
+    """gpumem as a torch.cuda.memory.CUDAPluggableAllocator, for code that picks the allocator
+    itself:
+
+        torch.cuda.memory.change_current_allocator(gpumem.torch_allocator(cap="60GiB"))
+
+    is the same as gpumem.install(cap="60GiB"): once torch accepts the allocator, gpumem
+    finishes installing (torch's memory API, CUDA graph pools, MemPool, cudagraph trees)."""
+    torch, kw, merged = _prepare(options, "torch_allocator")
+    if _state["allocator"] is not None:
+        raise InstallError("gpumem is already torch's allocator in this process")
+    alloc = _make_allocator(torch, kw, "torch_allocator")
+    alloc._gpumem_options = merged
+    original = _original_change_allocator(torch)
+
+    def change_current_allocator(allocator):
+        original(allocator)
+        options = getattr(allocator, "_gpumem_options", None)
+        if options is not None and _state["allocator"] is None:
+            _state["allocator"] = allocator
+            _finish(torch, options, None)
+
+    change_current_allocator.__doc__ = original.__doc__
+    for owner in (torch.cuda.memory, torch.cuda):
+        if hasattr(owner, "change_current_allocator"):
+            _replace(owner, "change_current_allocator", change_current_allocator)
+    return alloc
+
+
+def _original_change_allocator(torch):
+    fn = torch.cuda.memory.change_current_allocator
+    return _state["patched"].get((torch.cuda.memory, "change_current_allocator"), fn)
 
 
 def uninstall():
