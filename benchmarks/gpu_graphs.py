@@ -32,7 +32,7 @@ torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,
                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
 model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
-f = torch.compile(model, mode="reduce-overhead")
+f = torch.compile(model, mode="reduce-overhead", dynamic=False)   # one graph per shape
 lat = {}
 t0 = time.perf_counter()
 with torch.no_grad():
