@@ -1764,7 +1764,8 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
     }
     /* 3. Allocate the listed blocks that are not live out of the pool's free
      * blocks: those under each range become one for `stream` (the caller
-     * orders their earlier uses before it, as torch does), which is carved. */
+     * orders their earlier uses before it, as torch does); what lies outside
+     * the range keeps its owner. */
     for (size_t k = 0; k < n; k++) {
         uintptr_t a = l[k].addr;
         size_t sz = l[k].size;
@@ -1772,14 +1773,26 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
         if (b && b->mark == 1) continue;
         b = block_at(h, a);
         index_remove(h, b);
+        if (b->addr < a) {
+            gm_block *r = split(h, b, a - b->addr);
+            index_insert(h, b);
+            b = r;
+        }
+        gm_stream last = b->stream;
+        uint64_t last_seq = b->seq;
         while (b->addr + b->size < a + sz) {
             gm_block *nx = b->next;
             index_remove(h, nx);
+            last = nx->stream;
+            last_seq = nx->seq;
             absorb(h, b, nx);
         }
-        b->stream = stream;
-        index_insert(h, b);
-        b = carve(h, b, a, sz);
+        if (b->addr + b->size > a + sz) {
+            gm_block *r = split(h, b, sz);
+            r->stream = last;
+            r->seq = last_seq;
+            index_insert(h, r);
+        }
         make_live(h, b, sz, sz, stream, 0, p);
     }
     coalesce_all(h); /* what the new owners let merge */
