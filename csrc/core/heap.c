@@ -61,6 +61,45 @@
  *   until all complete.  Unmapping waits for the whole device, after which all
  *   free memory belongs to ANY.
  *
+ * POOLS
+ *
+ *   A private pool (torch's graph pools and MemPool, named by a MempoolId_t)
+ *   is a set of blocks tagged with it.  Its free blocks sit in owners of their
+ *   own -- one per (pool, stream), plus the pool's ANY -- so the same stream
+ *   rules hold inside a pool, and they merge only with free neighbours of the
+ *   same pool.  An allocation in a pool takes the pool's free blocks first, then
+ *   the general heap's (fast path, then the slow path as usual), and the block
+ *   it carves becomes the pool's; freed, it goes back to the pool.  Placement
+ *   never uses a pool's free block for anything else.
+ *
+ *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
+ *     |  page 0  |  page 1  |  page 2  |  page 3  |
+ *                      pages 0-3 are pinned: they back blocks of living pool p1
+ *
+ *   A CUDA graph has its addresses baked in, so every page that a block of a
+ *   living pool touches -- live, pending or free -- is counted as used
+ *   (gm_used_pages, cached_pages, cached_runs): defragmentation, empty_cache and
+ *   the cap never unmap or move it.  When the pool's last use is released its
+ *   free blocks become general at once (their owners go, they merge, their
+ *   pages become cacheable); its live and pending blocks become general when
+ *   they are freed, and the pool's record lives until the last of them is.
+ *   pool_set_live restores a checkpoint: it frees the pool's unlisted live
+ *   blocks and carves the listed ones out of the pool's free memory.
+ *
+ * CAPTURE
+ *
+ *   While a CUDA graph is captured, a synchronisation, an event query or
+ *   record, an unmap or a release would invalidate it.  The heap counts
+ *   gm_capture_begin/end, and asks the device (capture_status) whether the
+ *   requesting stream captures; either way the operation runs with h->no_sync
+ *   set.  Then the fast path is unchanged; pending blocks are not polled; the
+ *   slow path skips step 1 (events) and step 4 (defragmentation) and grows up to
+ *   the cap; out of memory otherwise, with spares kept (releasing them is
+ *   forbidden too).  A free with record_stream uses records no event: the block
+ *   stays pending, marked deferred, until the capture count returns to zero,
+ *   when its events are recorded (torch defers them the same way).  empty_cache
+ *   and a lowered cap trim nothing until the capture ends.
+ *
  * LOCKING: one mutex per heap; device calls happen under it (slow path only).
  */
 #include <stdio.h>
