@@ -631,8 +631,9 @@ def test_segments_from_snapshot_clip_blocks_to_mapped_runs():
     P = 2 << 20
     base = 1 << 40
     snap = {"page_size": P, "va_base": base, "pages": bytes([1, 1, 0, 2]),
-            "blocks": [(base, 1024, 1000, 0, 7, 1, "live"), (base + 1024, 3 * P - 1024, 0, 0, 0, 0, "free"),
-                       (base + 3 * P, P, 0, 0, 0, 0, "free")]}
+            "blocks": [(base, 1024, 1000, 0, 7, 1, "live", (3, 4)),
+                       (base + 1024, 3 * P - 1024, 0, 0, 0, 0, "free", None),
+                       (base + 3 * P, P, 0, 0, 0, 0, "free", None)]}
     segs = gt._segments(0, snap)
     assert [(s["address"], s["total_size"]) for s in segs] == [(base, 2 * P), (base + 3 * P, P)]
     first = segs[0]
@@ -640,6 +641,8 @@ def test_segments_from_snapshot_clip_blocks_to_mapped_runs():
     assert [(b["address"], b["size"], b["state"]) for b in first["blocks"]] == [
         (base, 1024, "active_allocated"), (base + 1024, 2 * P - 1024, "inactive")]
     assert segs[1]["blocks"][0]["state"] == "inactive" and segs[1]["allocated_size"] == 0
+    # A segment names the private pool holding most of its pooled bytes, as torch's segment_pool_id.
+    assert [s["segment_pool_id"] for s in segs] == [(3, 4), (0, 0)]
 
 
 def test_patch_and_restore_torch_functions():
