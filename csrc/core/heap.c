@@ -1024,8 +1024,12 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 
 /* ---- the slow path --------------------------------------------------------------------- */
 
+static int capture_on(gm_heap *h, gm_stream s);
+
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
-    /* Pages gathered for a request that failed would only starve others. */
+    /* Pages gathered for a request that failed would only starve others (but
+     * during a capture they stay: a release would invalidate it). */
+    if (!h->no_sync) h->no_sync = capture_on(h, s);
     release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
