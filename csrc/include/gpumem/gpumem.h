@@ -126,8 +126,10 @@ void gm_reset_accumulated_stats(gm_heap *heap);
  * order with no overlap and no gap; every byte of a live or pending block lies
  * in a mapped page (and, on the simulated device, the device agrees); adjacent
  * free blocks that could merge have merged; the free index holds exactly the
- * free blocks; the live table holds exactly the live blocks; and every
- * statistic equals a recount.  Returns GM_OK or GM_ECORRUPT with a reason. */
+ * free blocks; the live table holds exactly the live blocks; every statistic
+ * equals a recount; private pools' blocks, owners and counters agree, and
+ * their pages count as used; blocks freed during a capture wait consistently.
+ * Returns GM_OK or GM_ECORRUPT with a reason. */
 int gm_check(gm_heap *heap, char *why, size_t whylen);
 
 /* torch's MempoolId_t: a private pool's name (see "private pools" below). */
