@@ -270,3 +270,74 @@ def test_checkpoint_module_swaps_storage_deleters(tmp_path, monkeypatch):
     del storage
     assert freed == [ptr]
     assert list(tmp_path.glob("checkpoint-*.so"))
+
+
+# torch's own way of calling the pool hooks: a std::function built from the
+# address (CUDAPluggableAllocator's Python binding), called with a std::function
+# filter (CUDAGraph::capture_begin).  Built here with the same ABI flag.
+HOOK_CALLER = r"""
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <utility>
+struct CUstream_st;
+using Pool = std::pair<unsigned long long, unsigned long long>;
+using Filter = std::function<bool(CUstream_st *)>;
+using Begin = void(int, Pool, Filter);
+using EndOrRelease = void(int, Pool);
+extern "C" int call_begin(uint64_t addr, int device, uint64_t a, uint64_t b, uint64_t accept) {
+    std::function<Begin> fn = reinterpret_cast<Begin *>(addr);
+    try {
+        fn(device, Pool{a, b}, [accept](CUstream_st *s) { return (uint64_t)(uintptr_t)s == accept; });
+    } catch (const std::exception &) {
+        return -1;
+    }
+    return 0;
+}
+extern "C" int call_end_or_release(uint64_t addr, int device, uint64_t a, uint64_t b) {
+    std::function<EndOrRelease> fn = reinterpret_cast<EndOrRelease *>(addr);
+    try {
+        fn(device, Pool{a, b});
+    } catch (const std::exception &) {
+        return -1;
+    }
+    return 0;
+}
+"""
+
+
+def test_std_function_hooks_called_the_way_torch_calls_them(tmp_path):
+    import shutil
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    from gpumem import _C
+
+    src = tmp_path / "caller.cpp"
+    src.write_text(HOOK_CALLER)
+    lib = tmp_path / "caller.so"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={_C._torch_cxx11_abi()}",
+                    str(src), "-o", str(lib)], check=True, capture_output=True, timeout=300)
+    r = run_py(f"""
+        caller = ctypes.CDLL({str(lib)!r})
+        u64 = ctypes.c_uint64
+        caller.call_begin.argtypes = [u64, ctypes.c_int, u64, u64, u64]
+        caller.call_end_or_release.argtypes = [u64, ctypes.c_int, u64, u64]
+        ep = _C._torch_entry_points()
+        assert caller.call_begin(ep["begin_allocate_to_pool"], 0, 8, 0, 11) == 0
+        assert _C._torch_active_pools(0) == [(8, 0)] and _C._torch_capturing(0)
+        a = alloc(MiB, 0, 11)                  # the filter (a C++ lambda held by gpumem) accepts
+        b = alloc(MiB, 0, 12)                  # and refuses
+        assert live((8, 0)) == {{a}}
+        assert caller.call_end_or_release(ep["end_allocate_to_pool"], 0, 8, 0) == 0
+        assert _C._torch_active_pools(0) == [] and not _C._torch_capturing(0)
+        free(a, 0, 0, 11); free(b, 0, 0, 12)
+        assert caller.call_end_or_release(ep["release_pool"], 0, 8, 0) == 0
+        assert _C._torch_pools(0) == []
+        assert caller.call_end_or_release(ep["release_pool"], 0, 8, 0) == -1   # unknown pool: a C++ exception
+        assert caller.call_begin(ep["begin_allocate_to_pool"], 70, 1, 0, 0) == -1  # bad device
+        check()
+        out(ok=True)
+    """)
+    assert r["ok"]
