@@ -38,7 +38,7 @@ except ImportError as _e:  # pragma: no cover - only without a built extension
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
 
 
-# gpumem as PyTorch's CUDA allocator (gpumem/torch.py); imported on first use so
+# gpumem as PyTorch's CUDA allocator (the gpumem/torch/ package); imported on first use so
 # that `import gpumem` never imports torch.
 def install(device=None, **options):
     """Make gpumem the CUDA allocator of this PyTorch process; see gpumem.torch."""

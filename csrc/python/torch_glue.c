@@ -1,8 +1,9 @@
 /*
- * torch_glue.c -- what gpumem/torch.py needs from C: options for the heaps
+ * torch_glue.c -- what gpumem.torch (gpumem/torch/) needs from C: options for the heaps
  * torch's allocations go to, the addresses of the entry points it hands to
  * torch, and read access to the per-device heaps (stats, snapshot, history,
- * reports) in the same shapes as gpumem.Heap's methods.
+ * reports) in the same shapes as gpumem.Heap's methods, and its private pools
+ * (_torch_pool_*: retain/release, the live blocks cudagraph trees checkpoint).
  *
  * Registered on gpumem._C by gm_torch_glue_add() (called from module.c), all
  * under names starting "_torch_".  Functions that take a device return None
