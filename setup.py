@@ -2,12 +2,16 @@
 
 C sources get -std=c11, C++ sources (the torch boundary) get -std=c++17.
 GPUMEM_WERROR=1 (set by CI) turns warnings into errors.
+csrc/torch_ext/checkpoint.cpp is not compiled here (it needs torch's headers):
+it ships inside the package, and gpumem.torch builds it on first use.
 """
 import glob
 import os
+import shutil
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
 C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden"] + WARN
@@ -32,6 +36,17 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
+class BuildPy(build_py):
+    """Ship csrc/torch_ext/checkpoint.cpp as gpumem/torch/checkpoint.cpp (an
+    editable install finds it in csrc/ instead)."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "gpumem", "torch")
+        if os.path.isdir(dest):
+            shutil.copy2(os.path.join("csrc", "torch_ext", "checkpoint.cpp"), os.path.join(dest, "checkpoint.cpp"))
+
+
 def sources():
     found = []
     for part in ("core", "device", "python"):
@@ -49,5 +64,5 @@ setup(
             libraries=["dl"],
         )
     ],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
 )
