@@ -221,9 +221,9 @@ infer, held, max_err = [], [], 0.0
 with torch.no_grad():
     for bs in (1, 4, 8):
         ids = torch.randint(0, 1000, (bs, 32), generator=gen).cuda()
-        ref = model(ids).logits
+        ref = model(ids, use_cache=False).logits
         for rep in range(3):
-            got = f(ids).logits.clone()
+            got = f(ids, use_cache=False).logits.clone()
             held.append((torch.full((1 << 16,), float(len(held)), device="cuda"), len(held)))
             max_err = max(max_err, float((got - ref).abs().max()))
         infer.append(float(got.double().sum()))
@@ -238,10 +238,10 @@ step = torch.compile(tm, mode="reduce-overhead")
 losses, elosses = [], []
 for i in range(6):
     ids = torch.randint(0, 1000, (4, 32), generator=gen).cuda()
-    loss = step(input_ids=ids, labels=ids).loss
+    loss = step(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward(); topt.step(); topt.zero_grad(set_to_none=True)
     losses.append(loss.item())
-    eloss = em(input_ids=ids, labels=ids).loss
+    eloss = em(input_ids=ids, labels=ids, use_cache=False).loss
     eloss.backward(); eopt.step(); eopt.zero_grad(set_to_none=True)
     elosses.append(eloss.item())
     held.append((torch.full((1 << 16,), float(len(held)), device="cuda"), len(held)))
