@@ -264,7 +264,12 @@ size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *size
  * restoring a checkpoint): live blocks of the pool not listed are freed into the
  * pool; listed blocks that are not live are allocated again at that address and
  * size, out of the pool's free blocks, for `stream`.  GM_EINVAL, with nothing
- * changed, when a listed block is not inside the pool's free memory. */
+ * changed, when a listed block is not inside the pool's free memory (which
+ * includes the live blocks this call frees, unless a record_stream use keeps
+ * them pending), or the list is not 512-aligned, disjoint ranges.  The caller
+ * vouches that the listed memory's earlier uses are ordered before `stream`
+ * (as torch's checkpoint restore does); free memory around a listed range
+ * keeps its owner. */
 int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes,
                      size_t n, gm_stream stream);
 
