@@ -19,6 +19,8 @@ from . import __version__
 from . import _cli_viz
 from ._cli_viz import _error_line, _size_arg
 from ._units import format_size
+from .replay import min_capacity, replay
+from .trace import TraceError, load_trace
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -105,9 +107,6 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def _replay_one(args, path: str) -> dict:
-    from .replay import min_capacity, replay
-    from .trace import load_trace
-
     trace = load_trace(path, device=args.device)
     bar = ProgressBar(trace.name) if _want_progress(args, trace.n_events) else None
     try:
@@ -158,8 +157,6 @@ def _print_table(rows: List[dict], stream=None) -> None:
 
 
 def run_replay(args) -> int:
-    from .trace import TraceError
-
     _cli_viz.check_replay_options(args, UsageError)
     rows = []
     status = EXIT_OK

@@ -11,26 +11,27 @@
 """
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 from ._units import format_size, parse_size
+from .replay import min_capacity, replay
+from .trace import TraceError, _Builder, _PlainUnpickler, load_trace
 
 HISTORY_CAP = 1_000_000   # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def _error_line(message: str) -> None:
-    import sys
-
     print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
 
 
 def _size_arg(text: str) -> int:
-    import argparse
-
     try:
         n = parse_size(text)
     except ValueError as e:
@@ -58,7 +59,7 @@ def check_replay_options(args, usage_error) -> None:
 def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
     """Replay `trace` on a fresh sim heap up to the event where live memory
     peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
-    from . import Heap
+    from ._C import Heap
     from .snapshot import Snapshot
 
     heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
@@ -121,10 +122,6 @@ class OomPoint:
 
 def _load_plain(path: str) -> dict:
     """A torch snapshot pickle as plain data (gzip'd or not); no code runs."""
-    import gzip
-
-    from .trace import _PlainUnpickler
-
     with open(path, "rb") as raw:
         f = gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == b"\x1f\x8b" else raw
         return _PlainUnpickler(f).load()
@@ -159,8 +156,6 @@ def _torch_oom_point(data: dict, device: int) -> Optional[OomPoint]:
 def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size: int, meta: dict):
     """The snapshot's trace before event `stop_index`, then one allocation of
     `extra_size`: the request torch could not serve."""
-    from .trace import _Builder
-
     b = _Builder(path)
     for i, e in enumerate(data["device_traces"][device][:stop_index]):
         where = f"device_traces[{device}][{i}]"
@@ -173,9 +168,6 @@ def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size
 
 
 def run_explain(args) -> int:
-    from .replay import min_capacity, replay
-    from .trace import TraceError, load_trace
-
     path = args.snapshot
     device = args.device or 0
     try:

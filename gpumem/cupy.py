@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._shared import Backend, mark_installed, mark_uninstalled
+from ._frameworks import mark_installed, mark_uninstalled
+from ._shared import Backend
 
 __all__ = ["install", "uninstall", "allocator", "installed", "empty_cache", "OutOfMemoryError"]
 

@@ -32,14 +32,17 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from . import _C
 from ._C import ERROR_NAMES
 from ._resolve import resolve_heap
+from .snapshot import Snapshot
 from ._units import format_size as _fs
+from ._units import parse_size
 
 __all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
 
 CAUSE_KINDS = ("too_big", "other_processes", "outside_allocator", "live_tensors", "pending", "fragmentation",
-               "cap", "device_error")
+               "private_pools", "cap", "device_error")
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Report:
     unattributed: int                            # used on the device but by no one we can name
     top_sites: List[Tuple[str, int, int]]
     device_error: int
+    n_pools: int = 0                             # living private pools (CUDA graphs, MemPools)
     pool_live_bytes: int = 0                     # live + pending in living private pools
     pool_free_bytes: int = 0                     # free, kept for living private pools
     by_framework: dict = field(default_factory=dict)   # {framework: (live bytes, blocks)}
@@ -126,7 +130,7 @@ class Report:
                 ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
                 ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
         if self.pool_live_bytes or self.pool_free_bytes:
-            rows.insert(2, ("  of which in private pools", self.pool_live_bytes, "CUDA graphs / MemPools"))
+            rows.insert(2, ("  of which in private pools", self.pool_live_bytes, f"{self.n_pools} pool(s): CUDA graphs / MemPools"))
             rows.insert(4, ("  free, kept for private pools", self.pool_free_bytes,
                             "reusable only by their pool until it is released"))
         if self.outside_allocator is not None:
@@ -202,8 +206,6 @@ def _notebook_refs() -> List[str]:
 
 
 def _build(heap, info: dict, is_oom: bool) -> Report:
-    from .snapshot import Snapshot
-
     snap = Snapshot.from_heap(heap, with_history=False)
     s = snap.summary
     request = int(info["request"])
@@ -242,6 +244,7 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         pages_needed=int(info["pages_needed"]), page_size=page, processes=procs, self_pid=me,
         self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
         top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
+        n_pools=len(snap.pools),
         pool_live_bytes=int(info.get("pool_live_bytes", 0)), pool_free_bytes=int(info.get("pool_free_bytes", 0)),
         by_framework=snap.by_framework(),
     )
@@ -291,7 +294,10 @@ def _diagnose(r: Report, heap) -> None:
             ranked.append(Cause("private_pools", r.pool_free_bytes,
                                 f"{_fs(r.pool_free_bytes)} are free but kept for private pools (CUDA graphs, "
                                 f"MemPools), which also hold {_fs(r.pool_live_bytes)} live: no other allocation "
-                                "may reuse them, and their pages are never moved or released"))
+                                "may reuse them, and their pages are never moved or released",
+                                ["a graph's memory stays reserved for it while the graph lives: delete graphs "
+                                 "no longer replayed (torch._dynamo.reset() for torch.compile's), and share one "
+                                 "pool between graphs run in sequence (torch.cuda.graph_pool_handle())"]))
         if r.pending_bytes:
             ranked.append(Cause("pending", r.pending_bytes,
                                 f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
@@ -398,8 +404,6 @@ def explain(size=None, device=None) -> Report:
     """Why memory is short now: the report for a request of `size` bytes (an int
     or "2GiB"; None: no request, just who holds what) on a heap (a Heap, or None
     / a CUDA device for the heap gpumem installed there)."""
-    from ._units import parse_size
-
     heap = resolve_heap(device)
     n = 0 if size is None else parse_size(size)
     return _build(heap, heap.memory_report(n), is_oom=False)
@@ -426,10 +430,6 @@ def format_oom(heap, info, fallback: str) -> str:
 
 
 def _register() -> None:
-    try:
-        from . import _C
-    except ImportError:
-        return
     setter = getattr(_C, "_set_oom_formatter", None)
     if setter is not None:
         setter(format_oom)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from ._shared import Backend, mark_installed
+from ._frameworks import mark_installed
+from ._shared import Backend
 
 __all__ = ["install", "GpumemMemoryManager", "memory_manager"]
 

@@ -49,14 +49,18 @@ import os
 import pickle
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ._resolve import resolve_heap
-from ._shared import default_framework, framework_of
+from ._frameworks import framework_of
+from ._C import Heap
+from ._resolve import TorchHeap, default_framework, resolve_heap
+from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
+from .timeline import DEFAULT_POINTS, Timeline, from_snapshot, from_trace
+from .trace import Trace
 
-__all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "TORCH_STATE"]
+__all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "memory_over_time", "TORCH_STATE"]
 
 PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached"}
 # gpumem block state -> torch's block state
@@ -190,6 +194,7 @@ class Snapshot:
     label: str = ""
     default_framework: Optional[str] = None   # who owns untagged blocks: "torch" on torch's heaps
     timeline: Optional[object] = None   # a gpumem.timeline.Timeline to show instead of the history's
+    pools: List[dict] = field(default_factory=list)     # the heap's living private pools (dicts)
 
     # ---- construction -----------------------------------------------------------
 
@@ -198,6 +203,7 @@ class Snapshot:
         raw = heap.snapshot()
         report = heap.memory_report(0)
         hist, dropped = heap.history() if with_history else ([], 0)
+        pools = list(heap.pools())
         return cls(
             device_name=heap.device_name, device_kind=heap.device_kind,
             va_base=raw["va_base"], top=raw["top"], page_size=raw["page_size"],
@@ -206,7 +212,7 @@ class Snapshot:
             device_total=report["device_total"], device_free=report["device_free"],
             largest_possible=report["largest_possible"],
             history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
-            oom=heap.last_oom(), label=label, default_framework=default_framework(heap),
+            oom=heap.last_oom(), label=label, default_framework=default_framework(heap), pools=pools,
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -315,13 +321,34 @@ class Snapshot:
 
     # ---- torch's format ---------------------------------------------------------------
 
+    def _pool_runs(self) -> List[Segment]:
+        """Mapped runs cut where the pool of the blocks changes (torch gives
+        every segment one segment_pool_id): a free block of the general heap
+        stays in the run it lies in; live or pending general blocks and each
+        pool's blocks make runs of their own."""
+        out: List[Segment] = []
+        for seg in self.segments:
+            run: List[Block] = []
+            pool: Optional[Tuple[int, int]] = None
+            for b in seg.blocks:
+                p = tuple(b.pool) if b.pool is not None else (0, 0) if b.state in ("live", "pending") else None
+                if p is not None and pool is not None and p != pool:
+                    out.append(Segment(run[0].addr, sum(x.size for x in run), run))
+                    run, pool = [], None
+                if pool is None:
+                    pool = p
+                run.append(b)
+            if run:
+                out.append(Segment(run[0].addr, sum(x.size for x in run), run))
+        return out
+
     def to_torch(self, device: int = 0) -> dict:
         """This snapshot as torch.cuda.memory._snapshot() returns it, so that
         torch.cuda._memory_viz and the memory_viz web page read it.  Each segment
         is one run of mapped pages (torch does the same for expandable segments);
         device_traces come from the history ring, oldest first."""
         segments = []
-        for seg in self.segments:
+        for seg in self._pool_runs():
             live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
             blocks = []
             for b in seg.blocks:
@@ -405,25 +432,17 @@ class Snapshot:
         the one its history gives; None when it has neither."""
         if self.timeline is not None:
             return self.timeline
-        from .timeline import from_snapshot
-
         return from_snapshot(self)
 
     def to_svg(self, **kw) -> str:
-        from ._svg import render_svg
-
         return render_svg(self, **kw)
 
     def _repr_html_(self) -> str:
-        from ._svg import render_fragment
-
         return render_fragment(self)
 
     def to_html(self, path=None, title: Optional[str] = None) -> str:
         """A self-contained HTML page (no network: inline SVG and CSS); written to
         `path` when given.  Returns the HTML."""
-        from ._svg import render_page
-
         html = render_page(self, title=title)
         if path is not None:
             with open(os.fspath(path), "w", encoding="utf-8") as f:
@@ -432,8 +451,6 @@ class Snapshot:
 
     def plot(self, ax=None, max_rows: int = 32):
         """Draw the memory map with matplotlib; returns the Axes."""
-        from ._svg import plot_matplotlib
-
         return plot_matplotlib(self, ax=ax, max_rows=max_rows)
 
     def __repr__(self) -> str:
@@ -458,3 +475,20 @@ def dump_snapshot(path, device=None) -> None:
     heap = resolve_heap(device)
     # A heap gpumem serves torch with is filed under its CUDA device index.
     Snapshot.from_heap(heap).dump(path, device=getattr(heap, "torch_device", 0))
+
+
+def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINTS) -> Timeline:
+    """Memory over time of `source`: a trace (a gpumem.trace.Trace, a path, or a
+    shipped trace's name like "gpt2_varlen"), replayed on a sim device of
+    `capacity`; or a heap (a gpumem.Heap, or None / a CUDA device for the heap
+    gpumem installed there), from its recorded history (gpumem.record_history)."""
+    if isinstance(source, (Trace, str, os.PathLike)) and not (isinstance(source, str) and source.startswith("cuda")):
+        return from_trace(source, capacity, points=points)
+    if isinstance(source, Snapshot):
+        tl = from_snapshot(source)
+    else:
+        heap = source if isinstance(source, (Heap, TorchHeap)) else resolve_heap(source)
+        tl = from_snapshot(Snapshot.from_heap(heap))
+    if tl is None:
+        raise ValueError("this heap has recorded no history: call gpumem.record_history() first")
+    return tl

@@ -25,9 +25,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from ._units import format_size
+from ._C import Heap
+from ._units import format_size, parse_size
+from .trace import Trace, load_trace
 
-__all__ = ["Timeline", "memory_over_time", "from_trace", "from_history", "from_snapshot"]
+__all__ = ["Timeline", "from_trace", "from_history", "from_snapshot"]
 
 DEFAULT_POINTS = 2000
 LIVE_COLOR = "#3b6fb6"
@@ -112,10 +114,6 @@ def from_trace(trace, capacity: int = 80 << 30, points: int = DEFAULT_POINTS,
     """Replay `trace` (a gpumem.trace.Trace, a path or a shipped trace's name) on a
     fresh sim heap of `capacity` bytes, reading live and reserved memory every
     ceil(events / points) events (the largest value of each step)."""
-    from . import Heap
-    from ._units import parse_size
-    from .trace import Trace, load_trace
-
     if not isinstance(trace, Trace):
         trace = load_trace(trace)
     capacity = parse_size(capacity)
@@ -214,28 +212,6 @@ def from_snapshot(snap) -> Optional[Timeline]:
     s = snap.summary
     return from_history(snap.history, final_live=s.live_bytes, final_reserved=s.reserved_bytes,
                         cap_bytes=snap.cap_bytes, label=snap.label or snap.device_name)
-
-
-def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINTS) -> Timeline:
-    """Memory over time of `source`: a trace (a gpumem.trace.Trace, a path, or a
-    shipped trace's name like "gpt2_varlen"), replayed on a sim device of
-    `capacity`; or a heap (a gpumem.Heap, or None / a CUDA device for the heap
-    gpumem installed there), from its recorded history (gpumem.record_history)."""
-    from . import Heap
-    from ._resolve import TorchHeap, resolve_heap
-    from .snapshot import Snapshot
-    from .trace import Trace
-
-    if isinstance(source, (Trace, str, os.PathLike)) and not (isinstance(source, str) and source.startswith("cuda")):
-        return from_trace(source, capacity, points=points)
-    if isinstance(source, Snapshot):
-        tl = from_snapshot(source)
-    else:
-        heap = source if isinstance(source, (Heap, TorchHeap)) else resolve_heap(source)
-        tl = from_snapshot(Snapshot.from_heap(heap))
-    if tl is None:
-        raise ValueError("this heap has recorded no history: call gpumem.record_history() first")
-    return tl
 
 
 # ---- the SVG -------------------------------------------------------------------------------

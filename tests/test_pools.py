@@ -461,3 +461,20 @@ def test_sim_capture_mode_refuses_and_counts(heap):
     heap.empty_cache()
     assert heap.sim_info()["pages_created"] == 0
     assert_ok(heap)
+
+
+def test_set_live_leaves_the_rest_of_a_free_block_with_its_owner(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    x = h.malloc(4 * MiB, stream=S2, pool=P)
+    h.sim_hold_stream(S2, True)  # S2's kernels still run on x
+    h.free(x)
+    h.pool_set_live(P, [(x + MiB, MiB)], stream=S1)
+    assert h.pool_live(P) == [(x + MiB, MiB)]
+    owners = {(b["addr"], b["size"]): b["stream"] for b in blocks(h) if b["pool"] == P and b["state"] == "free"}
+    assert owners == {(x, MiB): S2, (x + 2 * MiB, 2 * MiB): S2}
+    y = h.malloc(MiB, stream=S1, pool=P)
+    assert not overlaps(y, MiB, [(x, 4 * MiB)]), "S1 got memory S2 may still be using"
+    assert h.sim_capture_violations() == 0
+    h.sim_hold_stream(S2, False)
+    assert_ok(h)

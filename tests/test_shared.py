@@ -8,7 +8,8 @@ import pytest
 
 import gpumem
 from gpumem import _C
-from gpumem._shared import FRAMEWORK_MASK, FRAMEWORK_SHIFT, Backend, framework_of, framework_tag
+from gpumem._frameworks import FRAMEWORK_MASK, FRAMEWORK_SHIFT, framework_of, framework_tag
+from gpumem._shared import Backend
 from gpumem.explain import explain, last_oom
 from gpumem.history import frames_for, site_of
 

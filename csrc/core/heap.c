@@ -61,6 +61,45 @@
  *   until all complete.  Unmapping waits for the whole device, after which all
  *   free memory belongs to ANY.
  *
+ * POOLS
+ *
+ *   A private pool (torch's graph pools and MemPool, named by a MempoolId_t)
+ *   is a set of blocks tagged with it.  Its free blocks sit in owners of their
+ *   own -- one per (pool, stream), plus the pool's ANY -- so the same stream
+ *   rules hold inside a pool, and they merge only with free neighbours of the
+ *   same pool.  An allocation in a pool takes the pool's free blocks first, then
+ *   the general heap's (fast path, then the slow path as usual), and the block
+ *   it carves becomes the pool's; freed, it goes back to the pool.  Placement
+ *   never uses a pool's free block for anything else.
+ *
+ *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
+ *     |  page 0  |  page 1  |  page 2  |  page 3  |
+ *                      pages 0-3 are pinned: they back blocks of living pool p1
+ *
+ *   A CUDA graph has its addresses baked in, so every page that a block of a
+ *   living pool touches -- live, pending or free -- is counted as used
+ *   (gm_used_pages, cached_pages, cached_runs): defragmentation, empty_cache and
+ *   the cap never unmap or move it.  When the pool's last use is released its
+ *   free blocks become general at once (their owners go, they merge, their
+ *   pages become cacheable); its live and pending blocks become general when
+ *   they are freed, and the pool's record lives until the last of them is.
+ *   pool_set_live restores a checkpoint: it frees the pool's unlisted live
+ *   blocks and carves the listed ones out of the pool's free memory.
+ *
+ * CAPTURE
+ *
+ *   While a CUDA graph is captured, a synchronisation, an event query or
+ *   record, an unmap or a release would invalidate it.  The heap counts
+ *   gm_capture_begin/end, and asks the device (capture_status) whether the
+ *   requesting stream captures; either way the operation runs with h->no_sync
+ *   set.  Then the fast path is unchanged; pending blocks are not polled; the
+ *   slow path skips step 1 (events) and step 4 (defragmentation) and grows up to
+ *   the cap; out of memory otherwise, with spares kept (releasing them is
+ *   forbidden too).  A free with record_stream uses records no event: the block
+ *   stays pending, marked deferred, until the capture count returns to zero,
+ *   when its events are recorded (torch defers them the same way).  empty_cache
+ *   and a lowered cap trim nothing until the capture ends.
+ *
  * LOCKING: one mutex per heap; device calls happen under it (slow path only).
  */
 #include <stdio.h>
@@ -985,8 +1024,12 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 
 /* ---- the slow path --------------------------------------------------------------------- */
 
+static int capture_on(gm_heap *h, gm_stream s);
+
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
-    /* Pages gathered for a request that failed would only starve others. */
+    /* Pages gathered for a request that failed would only starve others (but
+     * during a capture they stay: a release would invalidate it). */
+    if (!h->no_sync) h->no_sync = capture_on(h, s);
     release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
@@ -1764,7 +1807,8 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
     }
     /* 3. Allocate the listed blocks that are not live out of the pool's free
      * blocks: those under each range become one for `stream` (the caller
-     * orders their earlier uses before it, as torch does), which is carved. */
+     * orders their earlier uses before it, as torch does); what lies outside
+     * the range keeps its owner. */
     for (size_t k = 0; k < n; k++) {
         uintptr_t a = l[k].addr;
         size_t sz = l[k].size;
@@ -1772,14 +1816,26 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
         if (b && b->mark == 1) continue;
         b = block_at(h, a);
         index_remove(h, b);
+        if (b->addr < a) {
+            gm_block *r = split(h, b, a - b->addr);
+            index_insert(h, b);
+            b = r;
+        }
+        gm_stream last = b->stream;
+        uint64_t last_seq = b->seq;
         while (b->addr + b->size < a + sz) {
             gm_block *nx = b->next;
             index_remove(h, nx);
+            last = nx->stream;
+            last_seq = nx->seq;
             absorb(h, b, nx);
         }
-        b->stream = stream;
-        index_insert(h, b);
-        b = carve(h, b, a, sz);
+        if (b->addr + b->size > a + sz) {
+            gm_block *r = split(h, b, sz);
+            r->stream = last;
+            r->seq = last_seq;
+            index_insert(h, r);
+        }
         make_live(h, b, sz, sz, stream, 0, p);
     }
     coalesce_all(h); /* what the new owners let merge */

@@ -154,8 +154,10 @@ void gm_reset_accumulated_stats(gm_heap *heap);
  * order with no overlap and no gap; every byte of a live or pending block lies
  * in a mapped page (and, on the simulated device, the device agrees); adjacent
  * free blocks that could merge have merged; the free index holds exactly the
- * free blocks; the live table holds exactly the live blocks; and every
- * statistic equals a recount.  Returns GM_OK or GM_ECORRUPT with a reason. */
+ * free blocks; the live table holds exactly the live blocks; every statistic
+ * equals a recount; private pools' blocks, owners and counters agree, and
+ * their pages count as used; blocks freed during a capture wait consistently.
+ * Returns GM_OK or GM_ECORRUPT with a reason. */
 int gm_check(gm_heap *heap, char *why, size_t whylen);
 
 /* torch's MempoolId_t: a private pool's name (see "private pools" below). */
@@ -290,7 +292,12 @@ size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *size
  * restoring a checkpoint): live blocks of the pool not listed are freed into the
  * pool; listed blocks that are not live are allocated again at that address and
  * size, out of the pool's free blocks, for `stream`.  GM_EINVAL, with nothing
- * changed, when a listed block is not inside the pool's free memory. */
+ * changed, when a listed block is not inside the pool's free memory (which
+ * includes the live blocks this call frees, unless a record_stream use keeps
+ * them pending), or the list is not 512-aligned, disjoint ranges.  The caller
+ * vouches that the listed memory's earlier uses are ordered before `stream`
+ * (as torch's checkpoint restore does); free memory around a listed range
+ * keeps its owner. */
 int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes,
                      size_t n, gm_stream stream);
 
