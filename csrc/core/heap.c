@@ -98,7 +98,10 @@
  *   forbidden too).  A free with record_stream uses records no event: the block
  *   stays pending, marked deferred, until the capture count returns to zero,
  *   when its events are recorded (torch defers them the same way).  empty_cache
- *   and a lowered cap trim nothing until the capture ends.
+ *   and a lowered cap trim nothing until the capture ends.  A capture known only
+ *   from the device, on another stream, shows through its deferred frees: while
+ *   one waits, device-wide calls (synchronize, event query) are held back too.
+ *   Other captures the heap cannot see: torch's side calls gm_capture_begin/end.
  *
  * LOCKING: one mutex per heap; device calls happen under it (slow path only).
  */
@@ -1025,11 +1028,12 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 /* ---- the slow path --------------------------------------------------------------------- */
 
 static int capture_on(gm_heap *h, gm_stream s);
+static int other_capture(gm_heap *h);
 
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
     /* Pages gathered for a request that failed would only starve others (but
      * during a capture they stay: a release would invalidate it). */
-    if (!h->no_sync) h->no_sync = capture_on(h, s);
+    if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
     release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
@@ -1314,6 +1318,16 @@ static void record_deferred(gm_heap *h) {
     }
 }
 
+/* A capture the heap only knows from the device, on a stream other than the
+ * requester's, still under way: a block freed during it is still deferred
+ * once those whose captures ended have their events.  Then a device-wide call
+ * (synchronize, unmap) would invalidate that capture too. */
+static int other_capture(gm_heap *h) {
+    if (!h->n_deferred) return 0;
+    record_deferred(h);
+    return h->n_deferred > 0;
+}
+
 void gm_capture_begin(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     h->capture_count++;
@@ -1347,8 +1361,7 @@ static gm_pool *pool_find(const gm_heap *h, const gm_pool_id *id) {
  * during one get their events first. */
 static void pending_step(gm_heap *h, gm_stream s) {
     if (!h->n_pending) return;
-    if ((h->no_sync = capture_on(h, s))) return;
-    if (h->n_deferred) record_deferred(h);
+    if ((h->no_sync = capture_on(h, s) || other_capture(h))) return;
     process_pending(h, 0);
 }
 
@@ -1407,7 +1420,7 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
     gm_block *b = fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b) {
-        if (!h->no_sync) h->no_sync = capture_on(h, s);
+        if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
         if ((rc = alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
     }
     b = carve(h, b, at, rsize);
@@ -1443,7 +1456,7 @@ static void free_block(gm_heap *h, gm_block *b) {
      * waits.  If an event cannot be recorded, it waits for the next device
      * synchronisation instead.  During a capture no event may be recorded:
      * the block waits with none until the capture ends. */
-    int capt = capture_on(h, b->stream);
+    int capt = capture_on(h, b->stream) || other_capture(h);
     for (uint32_t i = 0; i < b->n_uses && !capt; i++) capt = capture_on(h, b->uses[i]);
     b->state = GM_BLOCK_PENDING;
     pending_append(h, b);
@@ -1511,7 +1524,7 @@ size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
 /* Unmap cached pages and release spares until the heap holds at most `target`. */
 static int trim(gm_heap *h, size_t target) {
     /* During a capture nothing may be unmapped or released: later. */
-    if (h->capture_count > 0) return GM_OK;
+    if (h->capture_count > 0 || other_capture(h)) return GM_OK;
     int rc = release_spares(h, target);
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */
