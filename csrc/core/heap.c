@@ -1284,14 +1284,19 @@ gm_device *gm_heap_device(gm_heap *h) { return h->dev; }
 
 /* ---- stream capture -------------------------------------------------------------------- */
 
-/* Whether a call on stream s now could invalidate a capture: the heap was told
- * so, or the device says s is capturing (a failing answer counts as yes). */
-static int capture_on(gm_heap *h, gm_stream s) {
-    if (h->capture_count > 0) return 1;
+/* Whether stream s is capturing by the device's word; `if_unknown` when the
+ * device cannot say (a stream destroyed since, a failing driver). */
+static int device_capturing(gm_heap *h, gm_stream s, int if_unknown) {
     int (*status)(gm_device *, gm_stream, int *) = h->dev->ops->capture_status;
     if (!status || s == ANY) return 0;
     int c = 0;
-    return status(h->dev, s, &c) != GM_OK || c;
+    return status(h->dev, s, &c) != GM_OK ? if_unknown : c;
+}
+
+/* Whether a call on behalf of stream s now could invalidate a capture: the
+ * heap was told so, or the device says s is capturing (or cannot say). */
+static int capture_on(gm_heap *h, gm_stream s) {
+    return h->capture_count > 0 || device_capturing(h, s, 1);
 }
 
 /* Record the events of a pending block, one per record_stream use; if one
@@ -1309,8 +1314,10 @@ static void record_uses(gm_heap *h, gm_block *b) {
 static void record_deferred(gm_heap *h) {
     for (gm_block *b = h->pending_head; b && h->n_deferred; b = b->lnext) {
         if (!b->deferred) continue;
-        int busy = capture_on(h, b->stream);
-        for (uint32_t i = 0; i < b->n_uses && !busy; i++) busy = capture_on(h, b->uses[i]);
+        /* A stream that cannot answer is taken as done capturing: its event
+         * record may fail, and then the block waits for a device sync. */
+        int busy = h->capture_count > 0 || device_capturing(h, b->stream, 0);
+        for (uint32_t i = 0; i < b->n_uses && !busy; i++) busy = device_capturing(h, b->uses[i], 0);
         if (busy) continue;
         b->deferred = 0;
         h->n_deferred--;
