@@ -478,3 +478,31 @@ def test_set_live_leaves_the_rest_of_a_free_block_with_its_owner(make_heap):
     assert h.sim_capture_violations() == 0
     h.sim_hold_stream(S2, False)
     assert_ok(h)
+
+
+def test_capture_on_another_stream_known_from_a_deferred_free(make_heap):
+    """The heap was not told; S2 captures.  A block freed there with a
+    record_stream use waits, and while it does the heap knows a capture is
+    under way: an allocation on stream 0 that would defragment (a device-wide
+    synchronisation) grows or fails instead, and empty_cache waits."""
+    h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
+    ps = _fragmented(h)
+    h.sim_set_stream_capture(S2, True)
+    x = h.malloc(PAGE, stream=S2)  # growth
+    h.record_stream(x, S1)
+    h.free(x)  # deferred
+    assert [b["state"] for b in blocks(h) if b["addr"] == x] == ["pending"]
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(4 * PAGE)  # stream 0 is not capturing, but S2 is
+    h.empty_cache()
+    assert_ok(h)
+    assert forbidden_calls(h) == 0
+    h.sim_set_stream_capture(S2, False)
+    big = h.malloc(4 * PAGE)  # the deferred free gets its event, defragmentation runs
+    assert h.stats()["num_remaps"] > 0
+    assert_ok(h)
+    for p in [big] + ps[0::2]:
+        h.free(p)
+    h.empty_cache()
+    assert h.sim_info()["pages_created"] == 0
+    assert_ok(h)

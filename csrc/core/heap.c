@@ -98,7 +98,10 @@
  *   forbidden too).  A free with record_stream uses records no event: the block
  *   stays pending, marked deferred, until the capture count returns to zero,
  *   when its events are recorded (torch defers them the same way).  empty_cache
- *   and a lowered cap trim nothing until the capture ends.
+ *   and a lowered cap trim nothing until the capture ends.  A capture known only
+ *   from the device, on another stream, shows through its deferred frees: while
+ *   one waits, device-wide calls (synchronize, event query) are held back too.
+ *   Other captures the heap cannot see: torch's side calls gm_capture_begin/end.
  *
  * LOCKING: one mutex per heap; device calls happen under it (slow path only).
  */
@@ -1025,11 +1028,12 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 /* ---- the slow path --------------------------------------------------------------------- */
 
 static int capture_on(gm_heap *h, gm_stream s);
+static int other_capture(gm_heap *h);
 
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
     /* Pages gathered for a request that failed would only starve others (but
      * during a capture they stay: a release would invalidate it). */
-    if (!h->no_sync) h->no_sync = capture_on(h, s);
+    if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
     release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
@@ -1280,14 +1284,19 @@ gm_device *gm_heap_device(gm_heap *h) { return h->dev; }
 
 /* ---- stream capture -------------------------------------------------------------------- */
 
-/* Whether a call on stream s now could invalidate a capture: the heap was told
- * so, or the device says s is capturing (a failing answer counts as yes). */
-static int capture_on(gm_heap *h, gm_stream s) {
-    if (h->capture_count > 0) return 1;
+/* Whether stream s is capturing by the device's word; `if_unknown` when the
+ * device cannot say (a stream destroyed since, a failing driver). */
+static int device_capturing(gm_heap *h, gm_stream s, int if_unknown) {
     int (*status)(gm_device *, gm_stream, int *) = h->dev->ops->capture_status;
     if (!status || s == ANY) return 0;
     int c = 0;
-    return status(h->dev, s, &c) != GM_OK || c;
+    return status(h->dev, s, &c) != GM_OK ? if_unknown : c;
+}
+
+/* Whether a call on behalf of stream s now could invalidate a capture: the
+ * heap was told so, or the device says s is capturing (or cannot say). */
+static int capture_on(gm_heap *h, gm_stream s) {
+    return h->capture_count > 0 || device_capturing(h, s, 1);
 }
 
 /* Record the events of a pending block, one per record_stream use; if one
@@ -1305,13 +1314,25 @@ static void record_uses(gm_heap *h, gm_block *b) {
 static void record_deferred(gm_heap *h) {
     for (gm_block *b = h->pending_head; b && h->n_deferred; b = b->lnext) {
         if (!b->deferred) continue;
-        int busy = capture_on(h, b->stream);
-        for (uint32_t i = 0; i < b->n_uses && !busy; i++) busy = capture_on(h, b->uses[i]);
+        /* A stream that cannot answer is taken as done capturing: its event
+         * record may fail, and then the block waits for a device sync. */
+        int busy = h->capture_count > 0 || device_capturing(h, b->stream, 0);
+        for (uint32_t i = 0; i < b->n_uses && !busy; i++) busy = device_capturing(h, b->uses[i], 0);
         if (busy) continue;
         b->deferred = 0;
         h->n_deferred--;
         record_uses(h, b);
     }
+}
+
+/* A capture the heap only knows from the device, on a stream other than the
+ * requester's, still under way: a block freed during it is still deferred
+ * once those whose captures ended have their events.  Then a device-wide call
+ * (synchronize, unmap) would invalidate that capture too. */
+static int other_capture(gm_heap *h) {
+    if (!h->n_deferred) return 0;
+    record_deferred(h);
+    return h->n_deferred > 0;
 }
 
 void gm_capture_begin(gm_heap *h) {
@@ -1347,8 +1368,7 @@ static gm_pool *pool_find(const gm_heap *h, const gm_pool_id *id) {
  * during one get their events first. */
 static void pending_step(gm_heap *h, gm_stream s) {
     if (!h->n_pending) return;
-    if ((h->no_sync = capture_on(h, s))) return;
-    if (h->n_deferred) record_deferred(h);
+    if ((h->no_sync = capture_on(h, s) || other_capture(h))) return;
     process_pending(h, 0);
 }
 
@@ -1407,7 +1427,7 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
     gm_block *b = fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
     if (!b) {
-        if (!h->no_sync) h->no_sync = capture_on(h, s);
+        if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
         if ((rc = alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
     }
     b = carve(h, b, at, rsize);
@@ -1443,7 +1463,7 @@ static void free_block(gm_heap *h, gm_block *b) {
      * waits.  If an event cannot be recorded, it waits for the next device
      * synchronisation instead.  During a capture no event may be recorded:
      * the block waits with none until the capture ends. */
-    int capt = capture_on(h, b->stream);
+    int capt = capture_on(h, b->stream) || other_capture(h);
     for (uint32_t i = 0; i < b->n_uses && !capt; i++) capt = capture_on(h, b->uses[i]);
     b->state = GM_BLOCK_PENDING;
     pending_append(h, b);
@@ -1511,7 +1531,7 @@ size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
 /* Unmap cached pages and release spares until the heap holds at most `target`. */
 static int trim(gm_heap *h, size_t target) {
     /* During a capture nothing may be unmapped or released: later. */
-    if (h->capture_count > 0) return GM_OK;
+    if (h->capture_count > 0 || other_capture(h)) return GM_OK;
     int rc = release_spares(h, target);
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */

@@ -44,6 +44,10 @@ enum {
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
     CU_EVENT_DISABLE_TIMING = 2,
     CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED .. _WRONG_THREAD: a capture is
+     * under way (e.g. the legacy stream queried while another captures). */
+    CUDA_ERROR_STREAM_CAPTURE_FIRST = 900,
+    CUDA_ERROR_STREAM_CAPTURE_LAST = 908,
     CU_STREAM_CAPTURE_MODE_RELAXED = 2
 };
 
@@ -609,7 +613,17 @@ static int cuda_capture_status(gm_device *dev, gm_stream stream, int *capturing)
     *capturing = 0;
     if (!cuStreamIsCapturing_)
         return GM_OK; /* a driver without graphs captures nothing */
-    CU_CALL(c, "cuStreamIsCapturing", cuStreamIsCapturing_((CUstream)(uintptr_t)stream, &status));
+    int pushed, rc = enter(c, &pushed);
+    if (rc != GM_OK)
+        return rc;
+    CUresult r = cuStreamIsCapturing_((CUstream)(uintptr_t)stream, &status);
+    leave(pushed);
+    if (r >= CUDA_ERROR_STREAM_CAPTURE_FIRST && r <= CUDA_ERROR_STREAM_CAPTURE_LAST) {
+        *capturing = 1;
+        return GM_OK;
+    }
+    if (r != CUDA_SUCCESS)
+        return cu_fail(c, "cuStreamIsCapturing", r);
     *capturing = status != CU_STREAM_CAPTURE_STATUS_NONE;
     return GM_OK;
 }

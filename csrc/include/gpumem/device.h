@@ -100,8 +100,10 @@ typedef struct gm_device_ops {
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);
     /* Whether `stream` is being captured into a graph now (*capturing 1 or
-     * 0).  NULL when the device cannot tell; then only the heap's own
-     * gm_capture_begin/end count.  An error is taken as "capturing". */
+     * 0; 1 also when asking is refused because another stream captures).
+     * NULL when the device cannot tell; then only the heap's own
+     * gm_capture_begin/end count.  An error means "cannot tell": the heap then
+     * takes the requesting stream as capturing. */
     int (*capture_status)(gm_device *dev, gm_stream stream, int *capturing);
     /* What the device itself knows, for the heap's invariant checker; NULL
      * where the device cannot tell (a real GPU). */
