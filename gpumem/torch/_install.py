@@ -234,21 +234,23 @@ def torch_allocator(**options):
     if _state["allocator"] is not None:
         raise InstallError("gpumem is already torch's allocator in this process")
     alloc = _make_allocator(torch, kw, "torch_allocator")
-    alloc._gpumem_options = merged
-    original = _original_change_allocator(torch)
 
-    def change_current_allocator(allocator):
-        original(allocator)
-        options = getattr(allocator, "_gpumem_options", None)
-        if options is not None and _state["allocator"] is None:
-            _state["allocator"] = allocator
-            _finish(torch, options, None)
+    class TorchAllocator(torch.cuda.memory._CUDAAllocator):
+        """gpumem's CUDAPluggableAllocator.  torch's change_current_allocator(obj) calls
+        obj.allocator() to take the C++ allocator; that call finishes gpumem's install
+        (it cannot wait until after: the caller fetched change_current_allocator first)."""
 
-    change_current_allocator.__doc__ = original.__doc__
-    for owner in (torch.cuda.memory, torch.cuda):
-        if hasattr(owner, "change_current_allocator"):
-            _replace(owner, "change_current_allocator", change_current_allocator)
-    return alloc
+        def __init__(self):
+            super().__init__(alloc.allocator())
+            self.pluggable = alloc
+
+        def allocator(self):
+            if _state["allocator"] is None:
+                _state["allocator"] = alloc
+                _finish(torch, merged, None)
+            return super().allocator()
+
+    return TorchAllocator()
 
 
 def _original_change_allocator(torch):
