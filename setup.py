@@ -2,16 +2,24 @@
 
 C sources get -std=c11, C++ sources (the torch boundary) get -std=c++17.
 GPUMEM_WERROR=1 (set by CI) turns warnings into errors.
+csrc/torch_ext/checkpoint.cpp is not compiled here (it needs torch's headers):
+it ships inside the package, and gpumem.torch builds it on first use.
 """
 import glob
 import os
+import shutil
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
 C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden"] + WARN
-CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden"] + WARN
+# torch's pool hooks pass std::function objects across the boundary: the C++
+# standard library ABI must be torch's (1 for every torch since 2.7; gpumem.torch
+# checks torch._C._GLIBCXX_USE_CXX11_ABI against gpumem._C._torch_cxx11_abi()).
+CXX_ABI = os.environ.get("GPUMEM_CXX11_ABI", "1")
+CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={CXX_ABI}"] + WARN
 
 
 class BuildExt(build_ext):
@@ -26,6 +34,17 @@ class BuildExt(build_ext):
 
         self.compiler._compile = compile_one
         super().build_extensions()
+
+
+class BuildPy(build_py):
+    """Ship csrc/torch_ext/checkpoint.cpp as gpumem/torch/checkpoint.cpp (an
+    editable install finds it in csrc/ instead)."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "gpumem", "torch")
+        if os.path.isdir(dest):
+            shutil.copy2(os.path.join("csrc", "torch_ext", "checkpoint.cpp"), os.path.join(dest, "checkpoint.cpp"))
 
 
 def sources():
@@ -45,5 +64,5 @@ setup(
             libraries=["dl"],
         )
     ],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
 )

@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--one", choices=["native", "gpumem"])
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--json")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(measure(a.one, a.iters, a.repeats)), flush=True)
@@ -66,8 +66,8 @@ def main():
         print(f"| {n} B | {res['native'][n]:.2f} | {res['gpumem'][n]:.2f} | {res['gpumem'][n] / res['native'][n]:.3f} |")
     doc = {"sizes": SIZES, "native_us": [res["native"][n] for n in SIZES], "gpumem_us": [res["gpumem"][n] for n in SIZES],
            "iters": a.iters, "repeats": a.repeats}
-    for path in filter(None, [a.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_alloc.json")]):
-        with open(path, "w") as f:
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)
 
 

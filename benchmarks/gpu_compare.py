@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """gpumem vs native, expandable_segments, cudaMallocAsync and RMM, side by side on one GPU.
 
-    python benchmarks/gpu_compare.py --traces DIR [--figures 1,2,3,4,5,6] [--contenders native,...]
+    python benchmarks/gpu_compare.py [--traces DIR] [--figures 1,2,3,4,5,6] [--contenders native,...]
                                      [--quick] [--deadline 540] [--out benchmarks/results]
     python benchmarks/gpu_compare.py --dry-run --traces DIR      # fake backend, no GPU: tests the plumbing
     python benchmarks/gpu_compare.py --replot results.json       # tables and plots from a run's JSON
 
 Writes gpu_compare.json, gpu_compare.md, gpu_compare_fig*.png (and gpu_compare_plots.tar with
 them), gpu_compare_logs.txt into --out, and copies the JSON, markdown, tar and logs into
---copy-to (default: $OUT when set).  Every attempt runs in a fresh process; a contender or
+--copy-to DIR when given.  Every attempt runs in a fresh process; a contender or
 figure that fails is recorded with its reason and the run goes on.  docs/benchmarks.md explains
 the figures, the fair cap and the time plan.
 """
@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(prog="gpu_compare.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces", default=os.path.join(here, "..", "..", "shared", "traces"),
-                   help="directory of *.trace.gz (default ../shared/traces beside the checkout)")
+    p.add_argument("--traces", default=os.path.join(here, "..", "gpumem", "data", "traces"),
+                   help="directory of *.trace.gz (default: the traces shipped in gpumem/data/traces)")
     p.add_argument("--only-traces", type=lambda s: [x for x in s.split(",") if x], default=None,
                    metavar="NAME,...", help="replay only these traces")
     p.add_argument("--figures", type=_figures, default=list(ALL_FIGURES), metavar="1,2,...",
@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpumem-options", type=_json_obj, default={}, metavar="JSON",
                    help="keyword options for gpumem.install(), as a JSON object")
     p.add_argument("--out", default=os.path.join(here, "results"), help="output directory")
-    p.add_argument("--copy-to", default=os.environ.get("OUT"),
-                   help="also copy the outputs here (default $OUT when set)")
+    p.add_argument("--copy-to", default=None, metavar="DIR",
+                   help="also copy the JSON, markdown, plots tar and logs here")
     p.add_argument("--spawn", action="store_true",
                    help="a fresh interpreter per attempt instead of a fork of the worker server")
     p.add_argument("--dry-run", action="store_true", help="fake backend: no torch, no GPU (tests the plumbing)")

@@ -71,7 +71,7 @@ def scenario(use):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", choices=["native", "gpumem"])
-    ap.add_argument("--json")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(scenario(a.one)), flush=True)
@@ -91,8 +91,8 @@ def main():
         res = f"ok ({r['seconds']} s)" if r["big_ok"] else "OutOfMemoryError: " + r["error"][:90]
         print(f"| {r['allocator']} | {r['fill_fraction']:.1%} | {r['kept']} / {r['tensors']} | {g(r['allocated'])} | "
               f"{g(r['reserved'])} | {g(r['free_in_holes'])} | {g(r['request'])} | {res} |")
-    for path in filter(None, [a.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_frag.json")]):
-        with open(path, "w") as f:
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -3,7 +3,7 @@
 Each row: a fresh heap on cuda:0; one malloc that needs N new pages (cuMemCreate + cuMemMap per page,
 one cuMemSetAccess per run), its free, then empty_cache (cuMemUnmap + cuMemRelease per page).  Median
 of 5.  Also times a remap: N pages moved behind a new address by defragmentation.
-Usage on a GPU machine: python benchmarks/gpu_growth.py [--json OUT]"""
+Usage on a machine with a GPU: python benchmarks/gpu_growth.py [--json PATH]"""
 import json
 import statistics
 import sys

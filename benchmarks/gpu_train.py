@@ -1,5 +1,5 @@
 """Training step time, torch's caching allocator vs gpumem, on the three workloads of
-shared/traces/capture.py (random weights, nothing downloaded).
+benchmarks/capture_trace.py (random weights, nothing downloaded).
 
     python benchmarks/gpu_train.py [--json FILE] [--rounds R] [--workloads a,b,c]
 
@@ -104,7 +104,7 @@ def main():
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "ALLOCATOR"))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--workloads", default=",".join(STEPS))
-    ap.add_argument("--json")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(run(a.one[0], a.one[1], STEPS[a.one[0]])), flush=True)
@@ -131,8 +131,8 @@ def main():
         gm = statistics.median(r["median_ms"] for r in g)
         print(f"| {name} | {nm:.2f} | {gm:.2f} | {gm / nm:.3f} | {max(r['peak_reserved'] for r in n) / 2**30:.2f} | "
               f"{max(r['peak_reserved'] for r in g) / 2**30:.2f} |")
-    for path in filter(None, [a.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_train.json")]):
-        with open(path, "w") as f:
+    if a.json:
+        with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
 
 

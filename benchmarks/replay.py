@@ -1,4 +1,4 @@
-"""Replay every shared trace on gpumem's simulated device and tabulate the results.
+"""Replay every shipped trace (gpumem/data/traces) on gpumem's simulated device and tabulate the results.
 
     python3 benchmarks/replay.py [--traces DIR] [--out DIR] [--capacity SIZE]
 
@@ -7,7 +7,7 @@ to 1 MiB, that replays with no OOM), peak reserved / peak live at the default
 capacity (80 GiB), the median ns per event in the core, and the number of remaps.
 Writes <out>/replay.md and <out>/replay.json (default benchmarks/results/) and
 prints the table.  The ratios are comparable to the native / expandable_segments /
-cudaMallocAsync columns of shared/traces/README.md, which were measured the same
+cudaMallocAsync columns of gpumem/data/traces/README.md, which were measured the same
 way on an H100 (their search was to 32 MiB; this one is to 1 MiB).
 """
 from __future__ import annotations
@@ -34,11 +34,13 @@ from gpumem.trace import load_trace  # noqa: E402
 
 
 def default_traces() -> pathlib.Path:
+    """The traces shipped with gpumem; $GPUMEM_SHARED/traces instead when that is set."""
     env = os.environ.get("GPUMEM_SHARED")
     if env:
         return pathlib.Path(env) / "traces"
-    inside = REPO / "shared"
-    return (inside if inside.is_dir() else REPO.parent / "shared") / "traces"
+    from gpumem.data import TRACES_DIR
+
+    return TRACES_DIR
 
 
 def measure(path: pathlib.Path, capacity: int) -> dict:

@@ -38,13 +38,21 @@ except ImportError as _e:  # pragma: no cover - only without a built extension
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
 
 
-# gpumem as PyTorch's CUDA allocator (gpumem/torch.py); imported on first use so
+# gpumem as PyTorch's CUDA allocator (the gpumem/torch/ package); imported on first use so
 # that `import gpumem` never imports torch.
 def install(device=None, **options):
     """Make gpumem the CUDA allocator of this PyTorch process; see gpumem.torch."""
     from . import torch as _torch
 
     return _torch.install(device, **options)
+
+
+def torch_allocator(**options):
+    """gpumem as a CUDAPluggableAllocator for torch.cuda.memory.change_current_allocator(...),
+    the same as install(); see gpumem.torch."""
+    from . import torch as _torch
+
+    return _torch.torch_allocator(**options)
 
 
 def uninstall():
@@ -66,15 +74,19 @@ def status():
 if "_import_error" not in globals():
     from .explain import explain, last_oom  # noqa: E402,F401
     from .history import record_history  # noqa: E402,F401
-    from .snapshot import Snapshot, dump_snapshot, snapshot  # noqa: E402,F401
+    from .snapshot import Snapshot, dump_snapshot, memory_over_time, snapshot  # noqa: E402,F401
+    from .timeline import Timeline  # noqa: E402,F401
 
 __all__ = [
     "install",
+    "torch_allocator",
     "uninstall",
     "status",
     "snapshot",
     "dump_snapshot",
     "Snapshot",
+    "Timeline",
+    "memory_over_time",
     "record_history",
     "explain",
     "last_oom",

@@ -19,6 +19,8 @@ from . import __version__
 from . import _cli_viz
 from ._cli_viz import _error_line, _size_arg
 from ._units import format_size
+from .replay import min_capacity, replay
+from .trace import TraceError, load_trace
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -90,7 +92,8 @@ def _want_progress(args, n_events: int) -> bool:
 
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
-                   help="a text trace (.trace or .trace.gz) or a torch snapshot pickle (.pickle, .pickle.gz)")
+                   help="a text trace (.trace or .trace.gz), a torch snapshot pickle (.pickle, .pickle.gz), "
+                        "or the name of a trace shipped with gpumem (e.g. gpt2_varlen)")
     p.add_argument("--capacity", type=_size_arg, default=80 << 30, metavar="SIZE",
                    help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB")
     p.add_argument("--min-capacity", action="store_true",
@@ -104,9 +107,6 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def _replay_one(args, path: str) -> dict:
-    from .replay import min_capacity, replay
-    from .trace import load_trace
-
     trace = load_trace(path, device=args.device)
     bar = ProgressBar(trace.name) if _want_progress(args, trace.n_events) else None
     try:
@@ -157,8 +157,6 @@ def _print_table(rows: List[dict], stream=None) -> None:
 
 
 def run_replay(args) -> int:
-    from .trace import TraceError
-
     _cli_viz.check_replay_options(args, UsageError)
     rows = []
     status = EXIT_OK

@@ -11,26 +11,27 @@
 """
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 from ._units import format_size, parse_size
+from .replay import min_capacity, replay
+from .trace import TraceError, _Builder, _PlainUnpickler, load_trace
 
 HISTORY_CAP = 1_000_000   # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def _error_line(message: str) -> None:
-    import sys
-
     print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
 
 
 def _size_arg(text: str) -> int:
-    import argparse
-
     try:
         n = parse_size(text)
     except ValueError as e:
@@ -46,7 +47,8 @@ def add_replay_options(p) -> None:
     p.add_argument("--snapshot", metavar="OUT.pickle", default=None,
                    help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)")
     p.add_argument("--html", metavar="OUT.html", default=None,
-                   help="write the offline HTML memory map of the sim heap at peak live memory (one TRACE only)")
+                   help="write the offline HTML memory map of the sim heap at peak live memory, with live, "
+                        "reserved and cap over the whole trace (one TRACE only)")
 
 
 def check_replay_options(args, usage_error) -> None:
@@ -57,7 +59,7 @@ def check_replay_options(args, usage_error) -> None:
 def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
     """Replay `trace` on a fresh sim heap up to the event where live memory
     peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
-    from . import Heap
+    from ._C import Heap
     from .snapshot import Snapshot
 
     heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
@@ -80,6 +82,11 @@ def write_peak_outputs(args, trace) -> dict:
         return {}
     snap, r = peak_snapshot(trace, args.capacity)
     out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
+    if args.html:
+        # the whole trace over time, under the map of its peak
+        from .timeline import from_trace
+
+        snap.timeline = from_trace(trace, args.capacity)
     if args.snapshot:
         snap.dump(args.snapshot)
         out["snapshot"] = args.snapshot
@@ -115,10 +122,6 @@ class OomPoint:
 
 def _load_plain(path: str) -> dict:
     """A torch snapshot pickle as plain data (gzip'd or not); no code runs."""
-    import gzip
-
-    from .trace import _PlainUnpickler
-
     with open(path, "rb") as raw:
         f = gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == b"\x1f\x8b" else raw
         return _PlainUnpickler(f).load()
@@ -153,8 +156,6 @@ def _torch_oom_point(data: dict, device: int) -> Optional[OomPoint]:
 def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size: int, meta: dict):
     """The snapshot's trace before event `stop_index`, then one allocation of
     `extra_size`: the request torch could not serve."""
-    from .trace import _Builder
-
     b = _Builder(path)
     for i, e in enumerate(data["device_traces"][device][:stop_index]):
         where = f"device_traces[{device}][{i}]"
@@ -167,9 +168,6 @@ def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size
 
 
 def run_explain(args) -> int:
-    from .replay import min_capacity, replay
-    from .trace import TraceError, load_trace
-
     path = args.snapshot
     device = args.device or 0
     try:
@@ -177,9 +175,10 @@ def run_explain(args) -> int:
     except TraceError as e:
         _error_line(str(e))
         return EXIT_USAGE
-    oom = _torch_oom_point(_load_plain(path), device) if trace.format == "snapshot" else None
+    src = trace.path  # the file a short name resolved to
+    oom = _torch_oom_point(_load_plain(src), device) if trace.format == "snapshot" else None
     if oom is not None:
-        trace = _trace_until(path, _load_plain(path), device, oom.index, oom.size, trace.meta)
+        trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
         _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import sys
 
+from . import _C
+from ._C import Heap
+from ._frameworks import INSTALLED, current_device
+from ._heap import torch_hook
+
 __all__ = ["resolve_heap", "NoHeapError", "TorchHeap", "torch_active"]
 
 
@@ -13,8 +18,8 @@ class NoHeapError(LookupError):
 
 class TorchHeap:
     """The heap gpumem.torch serves a CUDA device with, seen through the
-    gpumem._C._torch_* functions, with the part of gpumem.Heap's interface that
-    snapshot, history and explain read.  The heap itself lives until the process
+    gpumem._C._torch_* functions, as a HeapLike (gpumem/_heap.py): the part of
+    gpumem.Heap's interface that snapshot, history and explain read.  The heap itself lives until the process
     ends (torch_alloc.h), so this handle never goes stale.
 
     processes: when given (a list of (pid, bytes), or None for "unknown"),
@@ -33,8 +38,6 @@ class TorchHeap:
         return f"<gpumem.TorchHeap cuda:{self.torch_device}>"
 
     def _get(self, name, *args):
-        from . import _C
-
         got = getattr(_C, name)(self.torch_device, *args)
         if got is None:
             raise NoHeapError(f"gpumem has no heap on cuda:{self.torch_device}: torch has not allocated there")
@@ -42,8 +45,6 @@ class TorchHeap:
 
     @property
     def device_name(self) -> str:
-        from . import _C
-
         return _C._torch_device_name(self.torch_device) or f"cuda:{self.torch_device}"
 
     @property
@@ -60,8 +61,6 @@ class TorchHeap:
         return self._get("_torch_memory_report", int(size))
 
     def last_oom(self):
-        from . import _C
-
         return _C._torch_last_oom(self.torch_device)
 
     def history(self):
@@ -69,8 +68,6 @@ class TorchHeap:
 
     def history_enable(self, max_entries: int) -> None:
         """On every device's heap, now and later: torch's history switch is process-wide."""
-        from . import _C
-
         _C._torch_history_enable(int(max_entries))
 
     def get_cap(self) -> int:
@@ -83,16 +80,27 @@ class TorchHeap:
     def device_processes(self):
         if self._processes is not TorchHeap._ASK:
             return self._processes
-        from . import _C
-
         return _C._torch_processes(self.torch_device)
+
+    def pools(self) -> list:
+        return _C._torch_pools(self.torch_device)
+
+    def pool_live(self, pool) -> list:
+        return _C._torch_pool_live(self.torch_device, tuple(pool))
 
 
 def torch_active() -> bool:
     """Whether gpumem is torch's allocator in this process (it stays so after
-    uninstall(), which only gives the memory API back)."""
-    mod = sys.modules.get("gpumem.torch")
-    return mod is not None and bool(mod.status()["allocator_active"])
+    uninstall(), which only gives the memory API back).  gpumem.torch registers
+    the answer when it installs; before that it is False."""
+    active = torch_hook("active")
+    return bool(active and active())
+
+
+def shared_active() -> bool:
+    """Whether the per-device heaps serve anyone here: torch, or CuPy / Numba
+    through gpumem.cupy / gpumem.numba."""
+    return bool(INSTALLED) or torch_active()
 
 
 def _device_index(device):
@@ -104,10 +112,14 @@ def _device_index(device):
         return device
     torch = sys.modules.get("torch")
     if device is None:
-        return torch.cuda.current_device()
+        return current_device()
     if isinstance(device, str) and not device.startswith("cuda"):
         return None
     if torch is None:
+        if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+            return int(device[5:])
+        if device == "cuda":
+            return current_device()
         return None
     try:
         d = torch.device(device)
@@ -122,16 +134,15 @@ def _installed_heap(device):
     """The heap gpumem.torch serves `device` with (created now if torch has not
     allocated there yet), or None when gpumem is not torch's allocator.
 
-    Only consulted when gpumem.torch was imported (installing gpumem as torch's
-    allocator imports it), so that asking about a sim heap never imports torch.
+    Only consulted once gpumem.torch installed itself (it registers the "active"
+    hook) or gpumem.cupy / gpumem.numba installed, so that asking about a sim
+    heap never imports torch.
     """
-    if not torch_active():
+    if not shared_active():
         return None
     index = _device_index(device)
     if index is None:
         return None
-    from . import _C
-
     if index not in _C._torch_devices():
         _C._torch_open(index)
     return TorchHeap(index)
@@ -141,8 +152,6 @@ def resolve_heap(device=None):
     """A Heap for `device`: a Heap (or TorchHeap) itself, or None / an int /
     "cuda:N" / torch.device for the heap gpumem installed for that CUDA device
     (None: the current one).  Raises NoHeapError with what to do instead."""
-    from . import Heap
-
     if isinstance(device, TorchHeap):
         return device
     if isinstance(device, Heap):
@@ -157,3 +166,8 @@ def resolve_heap(device=None):
         f"no gpumem heap serves {where}: install gpumem as PyTorch's allocator first "
         f"(gpumem.install(), before the first CUDA tensor), or pass a gpumem.Heap, e.g. gpumem.snapshot(heap)"
     )
+
+
+def default_framework(heap) -> "str | None":
+    """The name untagged blocks of `heap` belong to: "torch" on the per-device heaps."""
+    return "torch" if isinstance(heap, TorchHeap) else None

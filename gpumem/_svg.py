@@ -60,6 +60,8 @@ def _block_title(snap, b) -> str:
     if b.state in ("live", "pending"):
         lines[-1] += f", requested {format_size(b.requested)}"
         lines.append(f"stream {b.stream}, allocation #{b.alloc_seq}")
+        if b.framework or snap.default_framework:
+            lines.append(f"allocated by {b.framework or snap.default_framework}")
         frames = b.frames
         if frames:
             lines.append("allocated at " + (b.site or str(frames[0])))
@@ -188,10 +190,16 @@ def _sites_table(snap, n: int = 10) -> str:
             f"{rows}</table>")
 
 
+def _timeline_svg(snap) -> str:
+    tl = snap.memory_over_time()
+    return "" if tl is None else tl.to_svg()
+
+
 def render_fragment(snap) -> str:
-    """What Jupyter shows for a Snapshot: summary table, memory map, top sites."""
+    """What Jupyter shows for a Snapshot: summary table, memory map, memory over
+    time (when the snapshot has a history or a replay's timeline), top sites."""
     return (f"<div class='gpumem-report'><style>{_CSS}</style>{_summary_table(snap)}"
-            f"{render_svg(snap)}{_sites_table(snap)}</div>")
+            f"{render_svg(snap)}{_timeline_svg(snap)}{_sites_table(snap)}</div>")
 
 
 def render_page(snap, title: Optional[str] = None) -> str:
@@ -200,7 +208,8 @@ def render_page(snap, title: Optional[str] = None) -> str:
             f"<title>{_esc(title)}</title></head><body>"
             f"<h2 style='font-family:sans-serif'>{_esc(title)}</h2>{render_fragment(snap)}"
             "<p style='font-family:sans-serif;color:#666;font-size:12px'>Hover a block for its size, stream "
-            "and allocation site. Made by gpumem; this file needs no network.</p></body></html>\n")
+            "and allocation site, a mark of the timeline for what happened there. Made by gpumem; this file "
+            "needs no network.</p></body></html>\n")
 
 
 def plot_matplotlib(snap, ax=None, max_rows: int = 32):

@@ -32,13 +32,17 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from . import _C
+from ._C import ERROR_NAMES
 from ._resolve import resolve_heap
+from .snapshot import Snapshot
 from ._units import format_size as _fs
+from ._units import parse_size
 
 __all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
 
 CAUSE_KINDS = ("too_big", "other_processes", "outside_allocator", "live_tensors", "pending", "fragmentation",
-               "cap", "device_error")
+               "private_pools", "cap", "device_error")
 
 
 @dataclass
@@ -79,6 +83,10 @@ class Report:
     unattributed: int                            # used on the device but by no one we can name
     top_sites: List[Tuple[str, int, int]]
     device_error: int
+    n_pools: int = 0                             # living private pools (CUDA graphs, MemPools)
+    pool_live_bytes: int = 0                     # live + pending in living private pools
+    pool_free_bytes: int = 0                     # free, kept for living private pools
+    by_framework: dict = field(default_factory=dict)   # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
     notebook_refs: List[str] = field(default_factory=list)
@@ -121,6 +129,10 @@ class Report:
                 ("  pending free (other streams)", self.pending_bytes, ""),
                 ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
                 ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
+        if self.pool_live_bytes or self.pool_free_bytes:
+            rows.insert(2, ("  of which in private pools", self.pool_live_bytes, f"{self.n_pools} pool(s): CUDA graphs / MemPools"))
+            rows.insert(4, ("  free, kept for private pools", self.pool_free_bytes,
+                            "reusable only by their pool until it is released"))
         if self.outside_allocator is not None:
             rows.append(("this process, outside the allocator", self.outside_allocator,
                          f"NVML {_fs(self.self_usage or 0)} for PID {self.self_pid} - reserved"))
@@ -194,8 +206,6 @@ def _notebook_refs() -> List[str]:
 
 
 def _build(heap, info: dict, is_oom: bool) -> Report:
-    from .snapshot import Snapshot
-
     snap = Snapshot.from_heap(heap, with_history=False)
     s = snap.summary
     request = int(info["request"])
@@ -234,6 +244,9 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         pages_needed=int(info["pages_needed"]), page_size=page, processes=procs, self_pid=me,
         self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
         top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
+        n_pools=len(snap.pools),
+        pool_live_bytes=int(info.get("pool_live_bytes", 0)), pool_free_bytes=int(info.get("pool_free_bytes", 0)),
+        by_framework=snap.by_framework(),
     )
     _diagnose(r, heap)
     if r.causes:
@@ -246,12 +259,9 @@ def _diagnose(r: Report, heap) -> None:
     causes: List[Cause] = []
     advice: List[str] = []
     short = r.shortfall if r.request else 0
-    limit = r.user_cap if r.user_cap else r.device_total
     if r.request and r.device_total and r.request > r.device_total:
         causes.append(Cause("too_big", r.request - r.device_total,
                             f"the request ({_fs(r.request)}) is larger than the whole device ({_fs(r.device_total)})"))
-        advice.append("No setting makes one tensor larger than the GPU fit: split the work (smaller batch, chunk "
-                      "the computation), use a smaller dtype (bf16/fp16, 8-bit optimizers), or shard it over devices.")
     elif r.request and r.user_cap and r.request > r.user_cap:
         causes.append(Cause("too_big", r.request - r.user_cap,
                             f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})"))
@@ -261,6 +271,9 @@ def _diagnose(r: Report, heap) -> None:
             details = [f"{_fs(b):>11} in {n:>4} blocks  {site}" for site, b, n in r.top_sites]
             if r.top_sites and all(site.startswith("<no stack") for site, _, _ in r.top_sites):
                 details = ["no allocation sites recorded: gpumem.record_history(stacks='python') keeps them"]
+            if any(k in ("cupy", "numba") for k in r.by_framework):
+                details.insert(0, "by framework: " + ", ".join(
+                    f"{k} {_fs(b)} in {n} block{'s' if n != 1 else ''}" for k, (b, n) in r.by_framework.items()))
             ranked.append(Cause("live_tensors", r.live_bytes,
                                 f"live tensors hold {_fs(r.live_bytes)} in {r.n_live} blocks", details))
         if r.other_processes:
@@ -277,6 +290,14 @@ def _diagnose(r: Report, heap) -> None:
             ranked.append(Cause("other_processes", r.unattributed,
                                 f"{_fs(r.unattributed)} of the device is used outside this heap, by other "
                                 "processes or this process's CUDA context (NVML is not available to tell which)"))
+        if r.pool_free_bytes:
+            ranked.append(Cause("private_pools", r.pool_free_bytes,
+                                f"{_fs(r.pool_free_bytes)} are free but kept for private pools (CUDA graphs, "
+                                f"MemPools), which also hold {_fs(r.pool_live_bytes)} live: no other allocation "
+                                "may reuse them, and their pages are never moved or released",
+                                ["a graph's memory stays reserved for it while the graph lives: delete graphs "
+                                 "no longer replayed (torch._dynamo.reset() for torch.compile's), and share one "
+                                 "pool between graphs run in sequence (torch.cuda.graph_pool_handle())"]))
         if r.pending_bytes:
             ranked.append(Cause("pending", r.pending_bytes,
                                 f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
@@ -304,50 +325,85 @@ def _diagnose(r: Report, heap) -> None:
         # still run) is how the shortage showed, rarely why memory is short.
         causes.append(Cause("device_error", 0, f"a device call failed ({_code_name(r.device_error)}) while "
                                                 "gpumem tried to free or get memory"))
-    kinds = {c.kind for c in causes}
-    if "cap" in kinds:
-        advice.append(f"Raise or remove the cap (heap.set_cap / torch.cuda.set_per_process_memory_fraction): "
-                      f"the device has {_fs(r.device_free)} free beyond it.")
-    if "other_processes" in kinds:
-        pids = ", ".join(str(p) for p, _ in r.other_processes[:5]) or "see nvidia-smi"
-        advice.append(f"Free the GPU from other processes (PIDs {pids}): stop them, or give them another GPU "
-                      "with CUDA_VISIBLE_DEVICES.")
-    if "outside_allocator" in kinds:
-        advice.append("Leave room for memory outside the allocator: cap gpumem lower, or shrink library "
-                      "workspaces (CUBLAS_WORKSPACE_CONFIG=:4096:8, torch.backends.cudnn.benchmark=False).")
-    if "live_tensors" in kinds and "too_big" not in kinds:
-        advice.append("Training: use a smaller batch and gradient accumulation (e.g. half the batch, two "
-                      "backward() per optimizer.step()) to keep the effective batch; activation checkpointing "
-                      "(torch.utils.checkpoint) trades compute for activation memory.")
-        advice.append("Inference: run under torch.no_grad() / torch.inference_mode() so no activations are "
-                      "kept for backward.")
-        advice.append("`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
-                      "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes.")
-    if "pending" in kinds:
-        advice.append("Synchronize the side streams (or avoid record_stream on short-lived tensors) so that "
-                      "pending blocks become reusable.")
-    if "fragmentation" in kinds and (r.is_oom or short):
-        advice.append("Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
-                      "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
-                      "the small tensors the top sites list.")
+    # Advice follows the causes, in their order (main cause first: by the bytes
+    # each accounts for), one set per kind of cause.
+    seen = set()
+    for c in causes:
+        if c.kind in seen:
+            continue
+        seen.add(c.kind)
+        if c.kind == "live_tensors" and "too_big" in seen:
+            continue    # the too_big advice already says to split the work
+        advice.extend(_advice_for(c.kind, r, short))
     r.causes = causes
     r.advice = advice
 
 
-_CODES = {1: "GM_ENOMEM", 2: "GM_EINVAL", 5: "GM_EDEVICE", 6: "GM_ENOTREADY", 7: "GM_ENOTSUP",
-          8: "GM_ENODRIVER"}
+def _framework_advice(r: Report) -> List[str]:
+    """For arrays CuPy / Numba hold in the heap they share with torch."""
+    out = []
+    for fw in ("cupy", "numba"):
+        if fw in r.by_framework:
+            b, n = r.by_framework[fw]
+            name = "CuPy" if fw == "cupy" else "Numba"
+            out.append(f"{name} holds {_fs(b)} in {n} array(s) of this heap: compute in chunks (e.g. a matmul "
+                       f"by blocks of rows, C[i:j] = A[i:j] @ B, each copied out or reduced before the next) so "
+                       f"that only one chunk of the result is live at a time, and `del` arrays you are done with.")
+    return out
+
+
+def _advice_for(kind: str, r: Report, short: int) -> List[str]:
+    """What to do about one kind of cause."""
+    if kind == "too_big":
+        if r.user_cap and r.request <= r.device_total:
+            return [f"The request is larger than the cap: raise the cap ({_fs(r.user_cap)}), or split the work."]
+        return ["No setting makes one tensor larger than the GPU fit: split the work (smaller batch, chunk "
+                "the computation), use a smaller dtype (bf16/fp16, 8-bit optimizers), or shard it over devices."]
+    if kind == "live_tensors":
+        limit = r.user_cap if r.user_cap else r.device_total
+        share = f" ({100.0 * r.live_bytes / limit:.0f}% of the {_fs(limit)} {'cap' if r.user_cap else 'device'})" \
+            if limit else ""
+        return [f"Live tensors hold {_fs(r.live_bytes)}{share}: the work is too big for this memory. Use a "
+                "smaller batch (or shorter sequences / smaller images) and gradient accumulation (e.g. half the "
+                "batch, two backward() per optimizer.step()) to keep the effective batch; activation "
+                "checkpointing (torch.utils.checkpoint) trades compute for activation memory.",
+                "Inference: run under torch.no_grad() / torch.inference_mode() so no activations are "
+                "kept for backward; split a large batch into chunks.",
+                "`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
+                "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes."] + \
+            _framework_advice(r)
+    if kind == "other_processes":
+        pids = ", ".join(str(p) for p, _ in r.other_processes[:5]) or "see nvidia-smi"
+        return [f"Free the GPU from other processes (PIDs {pids}): stop them, or give them another GPU "
+                "with CUDA_VISIBLE_DEVICES."]
+    if kind == "outside_allocator":
+        return [f"Leave room for the {_fs(r.outside_allocator or 0)} this process holds outside the allocator: "
+                "cap gpumem lower, or shrink library workspaces (CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+                "torch.backends.cudnn.benchmark=False)."]
+    if kind == "pending":
+        return ["Synchronize the side streams (or avoid record_stream on short-lived tensors) so that "
+                "pending blocks become reusable."]
+    if kind == "fragmentation" and (r.is_oom or short):
+        return ["Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
+                "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
+                "the small tensors the top sites list."]
+    if kind == "private_pools":
+        return ["Release CUDA graphs and MemPools you no longer replay (del the graph / pool, or "
+                "graph.reset()): their pools' memory then returns to the heap."]
+    if kind == "cap":
+        return [f"Raise or remove the cap (heap.set_cap / torch.cuda.set_per_process_memory_fraction): "
+                f"the device has {_fs(r.device_free)} free beyond it."]
+    return []
 
 
 def _code_name(code: int) -> str:
-    return _CODES.get(code, f"error {code}")
+    return ERROR_NAMES.get(code, f"error {code}")
 
 
 def explain(size=None, device=None) -> Report:
     """Why memory is short now: the report for a request of `size` bytes (an int
     or "2GiB"; None: no request, just who holds what) on a heap (a Heap, or None
     / a CUDA device for the heap gpumem installed there)."""
-    from ._units import parse_size
-
     heap = resolve_heap(device)
     n = 0 if size is None else parse_size(size)
     return _build(heap, heap.memory_report(n), is_oom=False)
@@ -374,10 +430,6 @@ def format_oom(heap, info, fallback: str) -> str:
 
 
 def _register() -> None:
-    try:
-        from . import _C
-    except ImportError:
-        return
     setter = getattr(_C, "_set_oom_formatter", None)
     if setter is not None:
         setter(format_oom)

@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from ._resolve import resolve_heap
+from . import _C
+from ._heap import torch_hook
+from ._resolve import resolve_heap, torch_active
 
 __all__ = ["record_history", "history", "History", "HistoryEntry", "Frame", "frames_for", "site_of",
            "stack_table_info", "DEFAULT_MAX_ENTRIES"]
@@ -47,8 +49,6 @@ def frames_for(context: int) -> Tuple[Frame, ...]:
         return ()
     got = _frame_cache.get(context)
     if got is None:
-        from . import _C
-
         raw = _C._stack_frames(context)
         got = tuple(Frame(str(f["filename"]), str(f["name"]), int(f["line"])) for f in raw or ())
         _frame_cache[context] = got
@@ -74,8 +74,6 @@ def site_of(frames: Tuple[Frame, ...]) -> str:
 
 def stack_table_info() -> dict:
     """Size and counters of the interned stack table (bytes, stacks, overflow...)."""
-    from . import _C
-
     return _C._stacks_info()
 
 
@@ -137,10 +135,6 @@ def record_history(enabled=True, stacks: Optional[str] = "python", max_entries: 
 
 def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stacks=1 << 16) -> None:
     """record_history's work, with the heap's (or every torch heap's) history switch."""
-    import sys
-
-    from . import _C
-
     if stacks in (None, False, "none"):
         want_stacks = False
     elif stacks == "python":
@@ -164,10 +158,6 @@ def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stac
     _C._stacks_enable(want_stacks, max_depth=max_depth, max_stacks=max_stacks)
     # Allocations torch makes reach the core through gpumem.torch's context hook,
     # not through Heap.malloc: point it at the stack table, or take it away.
-    if "gpumem.torch" in sys.modules:
-        from ._resolve import torch_active
-
-        if torch_active():
-            from ._torch_viz import set_stack_hook
-
-            set_stack_hook(want_stacks)
+    stack_hook = torch_hook("stack_hook")
+    if stack_hook is not None and torch_active():
+        stack_hook(want_stacks)

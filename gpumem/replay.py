@@ -62,7 +62,7 @@ class ReplayResult:
 
 
 def _heap(capacity: int, heap_kwargs: Optional[dict]):
-    from . import Heap  # the extension is only needed once something replays
+    from ._C import Heap  # the extension is only needed once something replays
 
     return Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
 

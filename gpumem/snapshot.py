@@ -8,18 +8,21 @@ parts of it; blocks tile the range in address order:
     free       reusable now, inside mapped pages
     unmapped   address space with no memory behind it
 
-and each page is "used" (some live or pending byte lies in it), "cached" (mapped
-but wholly free: what empty_cache() releases and what defragmentation can move
-behind a new address) or "unmapped".  A *segment* is a maximal run of mapped
-pages; that is what torch's snapshot format calls a segment of an expandable
-allocator, so to_torch() maps one to one.
+and each page is "used" (some live or pending byte lies in it, or a block kept
+for a living private pool), "cached" (mapped but wholly free: what empty_cache()
+releases and what defragmentation can move behind a new address) or
+"unmapped".  A *segment* is a maximal run of mapped pages; that is what torch's
+snapshot format calls a segment of an expandable allocator, so to_torch() maps
+one to one.  A block of a private pool (a CUDA graph's, or a MemPool's) carries
+the pool's id; a segment's `segment_pool_id` is the pool holding most of its
+pooled bytes, (0, 0) when none.
 
 The summary's figures and their definitions:
 
     live_bytes           sum of live block sizes (512-byte rounded)
     requested_bytes      sum of the sizes asked for
     reserved_bytes       physical memory the heap holds (mapped + spare pages)
-    free_mapped_bytes    free bytes inside mapped pages
+    free_mapped_bytes    free bytes inside mapped pages, outside private pools
     largest_free_range   largest run of adjacent free blocks: the biggest request
                          served without touching the device
     fragmentation        1 - largest_free_range / free_mapped_bytes: the share of
@@ -34,6 +37,10 @@ The summary's figures and their definitions:
                          live block)
     largest_possible     the largest block the heap could make now, defragmenting
                          and growing up to the cap/device (from the core)
+    pool_live_bytes      live and pending bytes of private pools (in live_bytes
+                         and pending_bytes too)
+    pool_free_bytes      free bytes kept for private pools: only their pool may
+                         reuse them, and their pages are never moved or released
 """
 from __future__ import annotations
 
@@ -42,13 +49,18 @@ import os
 import pickle
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ._resolve import resolve_heap
+from ._frameworks import framework_of
+from ._C import Heap
+from ._resolve import TorchHeap, default_framework, resolve_heap
+from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
+from .timeline import DEFAULT_POINTS, Timeline, from_snapshot, from_trace
+from .trace import Trace
 
-__all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "TORCH_STATE"]
+__all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "memory_over_time", "TORCH_STATE"]
 
 PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached"}
 # gpumem block state -> torch's block state
@@ -67,6 +79,7 @@ class Block:
     context: int
     alloc_seq: int
     state: str            # live / pending / free / unmapped
+    pool: Optional[Tuple[int, int]] = None   # the private pool (torch's MempoolId_t), None: none
 
     @property
     def end(self) -> int:
@@ -80,6 +93,24 @@ class Block:
     def site(self) -> str:
         """Allocation site ("file:line in func") when stacks were recorded, else ""."""
         return site_of(self.frames)
+
+    @property
+    def framework(self) -> str:
+        """"cupy" / "numba" for blocks those frameworks allocated through gpumem,
+        "" for the heap's own user (torch, on the heaps gpumem serves torch with)."""
+        return framework_of(self.context)
+
+
+def segment_pool_id(blocks) -> Tuple[int, int]:
+    """torch's segment_pool_id for a run of blocks: the private pool that holds
+    the most bytes among them (lowest id on ties), (0, 0) when none does."""
+    by: Dict[Tuple[int, int], int] = {}
+    for b in blocks:
+        if b.pool is not None and b.state != "unmapped":
+            by[tuple(b.pool)] = by.get(tuple(b.pool), 0) + b.size
+    if not by:
+        return (0, 0)
+    return min(by, key=lambda k: (-by[k], k))
 
 
 @dataclass
@@ -113,6 +144,8 @@ class Summary:
     cap_bytes: int
     device_total: int
     device_free: int
+    pool_live_bytes: int = 0      # live and pending blocks of private pools
+    pool_free_bytes: int = 0      # free blocks kept for private pools (not in free_mapped_bytes)
 
     def rows(self) -> List[Tuple[str, str, str]]:
         """(label, value, what it means) for tables."""
@@ -131,7 +164,9 @@ class Summary:
             ("stranded", f(self.stranded_bytes), "free bytes in pages shared with live blocks"),
             ("largest block possible", f(self.largest_possible), "after defragmenting and growing to the cap"),
             ("cap", f(self.cap_bytes), f"device {f(self.device_total)} total, {f(self.device_free)} free"),
-        ]
+        ] + ([("private pools", f"{f(self.pool_live_bytes)} live, {f(self.pool_free_bytes)} free",
+               "kept for CUDA graphs / MemPools: their pages never move")]
+             if self.pool_live_bytes or self.pool_free_bytes else [])
 
     def text(self) -> str:
         w = max(len(r[0]) for r in self.rows())
@@ -157,6 +192,9 @@ class Snapshot:
     history_dropped: int = 0
     oom: Optional[dict] = None
     label: str = ""
+    default_framework: Optional[str] = None   # who owns untagged blocks: "torch" on torch's heaps
+    timeline: Optional[object] = None   # a gpumem.timeline.Timeline to show instead of the history's
+    pools: List[dict] = field(default_factory=list)     # the heap's living private pools (dicts)
 
     # ---- construction -----------------------------------------------------------
 
@@ -165,6 +203,7 @@ class Snapshot:
         raw = heap.snapshot()
         report = heap.memory_report(0)
         hist, dropped = heap.history() if with_history else ([], 0)
+        pools = list(heap.pools())
         return cls(
             device_name=heap.device_name, device_kind=heap.device_kind,
             va_base=raw["va_base"], top=raw["top"], page_size=raw["page_size"],
@@ -173,7 +212,7 @@ class Snapshot:
             device_total=report["device_total"], device_free=report["device_free"],
             largest_possible=report["largest_possible"],
             history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
-            oom=heap.last_oom(), label=label,
+            oom=heap.last_oom(), label=label, default_framework=default_framework(heap), pools=pools,
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -216,13 +255,16 @@ class Snapshot:
     def summary(self) -> Summary:
         live = [b for b in self.blocks if b.state == "live"]
         pending = [b for b in self.blocks if b.state == "pending"]
-        free = [b for b in self.blocks if b.state == "free"]
+        # Free blocks of a living private pool serve only that pool: kept apart.
+        free = [b for b in self.blocks if b.state == "free" and b.pool is None]
+        pool_free = sum(b.size for b in self.blocks if b.state == "free" and b.pool is not None)
+        pool_live = sum(b.size for b in self.blocks if b.state in ("live", "pending") and b.pool is not None)
         counts = Counter(self.pages)
         ps = self.page_size
         largest = run = 0
         prev_end = None
         for b in self.blocks:
-            if b.state == "free":
+            if b.state == "free" and b.pool is None:
                 run = run + b.size if prev_end == b.addr else b.size
                 prev_end = b.end
                 largest = max(largest, run)
@@ -250,7 +292,21 @@ class Snapshot:
             n_live=len(live), n_pending=len(pending), n_free=len(free),
             n_segments=len(self.segments),
             cap_bytes=self.cap_bytes, device_total=self.device_total, device_free=self.device_free,
+            pool_live_bytes=pool_live, pool_free_bytes=pool_free,
         )
+
+    def by_framework(self) -> Dict[str, Tuple[int, int]]:
+        """{framework: (live bytes, live blocks)}, largest first: "torch", "cupy",
+        "numba" on the heaps shared by frameworks; untagged blocks of another
+        heap count as "untagged"."""
+        by: Dict[str, List[int]] = {}
+        own = self.default_framework or "untagged"
+        for b in self.blocks:
+            if b.state == "live":
+                acc = by.setdefault(b.framework or own, [0, 0])
+                acc[0] += b.size
+                acc[1] += 1
+        return {k: (v[0], v[1]) for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])}
 
     def top_sites(self, n: int = 10) -> List[Tuple[str, int, int]]:
         """(site, live bytes, blocks) of the allocation sites holding the most live memory."""
@@ -265,13 +321,34 @@ class Snapshot:
 
     # ---- torch's format ---------------------------------------------------------------
 
+    def _pool_runs(self) -> List[Segment]:
+        """Mapped runs cut where the pool of the blocks changes (torch gives
+        every segment one segment_pool_id): a free block of the general heap
+        stays in the run it lies in; live or pending general blocks and each
+        pool's blocks make runs of their own."""
+        out: List[Segment] = []
+        for seg in self.segments:
+            run: List[Block] = []
+            pool: Optional[Tuple[int, int]] = None
+            for b in seg.blocks:
+                p = tuple(b.pool) if b.pool is not None else (0, 0) if b.state in ("live", "pending") else None
+                if p is not None and pool is not None and p != pool:
+                    out.append(Segment(run[0].addr, sum(x.size for x in run), run))
+                    run, pool = [], None
+                if pool is None:
+                    pool = p
+                run.append(b)
+            if run:
+                out.append(Segment(run[0].addr, sum(x.size for x in run), run))
+        return out
+
     def to_torch(self, device: int = 0) -> dict:
         """This snapshot as torch.cuda.memory._snapshot() returns it, so that
         torch.cuda._memory_viz and the memory_viz web page read it.  Each segment
         is one run of mapped pages (torch does the same for expandable segments);
         device_traces come from the history ring, oldest first."""
         segments = []
-        for seg in self.segments:
+        for seg in self._pool_runs():
             live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
             blocks = []
             for b in seg.blocks:
@@ -292,7 +369,7 @@ class Snapshot:
                 "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
                 "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
                 "segment_type": "large" if seg.size > (1 << 20) else "small",
-                "segment_pool_id": (0, 0),
+                "segment_pool_id": segment_pool_id(seg.blocks),
                 "is_expandable": True,
                 "frames": [],
                 "blocks": blocks,
@@ -349,21 +426,23 @@ class Snapshot:
 
     # ---- pictures ------------------------------------------------------------------------
 
-    def to_svg(self, **kw) -> str:
-        from ._svg import render_svg
+    def memory_over_time(self):
+        """Live, reserved and cap over time (a gpumem.timeline.Timeline): the one
+        attached to this snapshot (replay --html attaches the whole trace's), else
+        the one its history gives; None when it has neither."""
+        if self.timeline is not None:
+            return self.timeline
+        return from_snapshot(self)
 
+    def to_svg(self, **kw) -> str:
         return render_svg(self, **kw)
 
     def _repr_html_(self) -> str:
-        from ._svg import render_fragment
-
         return render_fragment(self)
 
     def to_html(self, path=None, title: Optional[str] = None) -> str:
         """A self-contained HTML page (no network: inline SVG and CSS); written to
         `path` when given.  Returns the HTML."""
-        from ._svg import render_page
-
         html = render_page(self, title=title)
         if path is not None:
             with open(os.fspath(path), "w", encoding="utf-8") as f:
@@ -372,8 +451,6 @@ class Snapshot:
 
     def plot(self, ax=None, max_rows: int = 32):
         """Draw the memory map with matplotlib; returns the Axes."""
-        from ._svg import plot_matplotlib
-
         return plot_matplotlib(self, ax=ax, max_rows=max_rows)
 
     def __repr__(self) -> str:
@@ -398,3 +475,20 @@ def dump_snapshot(path, device=None) -> None:
     heap = resolve_heap(device)
     # A heap gpumem serves torch with is filed under its CUDA device index.
     Snapshot.from_heap(heap).dump(path, device=getattr(heap, "torch_device", 0))
+
+
+def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINTS) -> Timeline:
+    """Memory over time of `source`: a trace (a gpumem.trace.Trace, a path, or a
+    shipped trace's name like "gpt2_varlen"), replayed on a sim device of
+    `capacity`; or a heap (a gpumem.Heap, or None / a CUDA device for the heap
+    gpumem installed there), from its recorded history (gpumem.record_history)."""
+    if isinstance(source, (Trace, str, os.PathLike)) and not (isinstance(source, str) and source.startswith("cuda")):
+        return from_trace(source, capacity, points=points)
+    if isinstance(source, Snapshot):
+        tl = from_snapshot(source)
+    else:
+        heap = source if isinstance(source, (Heap, TorchHeap)) else resolve_heap(source)
+        tl = from_snapshot(Snapshot.from_heap(heap))
+    if tl is None:
+        raise ValueError("this heap has recorded no history: call gpumem.record_history() first")
+    return tl

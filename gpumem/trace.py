@@ -2,7 +2,7 @@
 
 Two formats are read (see README.md, "Trace formats"):
 
-* gpumem's text format, as in shared/traces/*.trace.gz: an optional comment line
+* gpumem's text format, as in gpumem/data/traces/*.trace.gz: an optional comment line
   (``# action addr size stream ... {JSON}``) and then one ``action addr size stream``
   event per line; gzip'd or plain.
 * torch memory snapshots (``torch.cuda.memory._snapshot()`` pickled, optionally
@@ -300,12 +300,29 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
     return b.finish("snapshot", d, meta)
 
 
+def _resolve_short_name(path: str) -> str:
+    """A path as given, or the shipped file a short name names (a TraceError
+    listing the known names when it names none)."""
+    from . import data
+
+    if os.path.exists(path) or not data.is_short_name(path):
+        return path
+    try:
+        return str(data.trace_path(path))
+    except data.UnknownDataError as e:
+        if path in data.list_snapshots():
+            return str(data.snapshot_path(path))
+        raise TraceError(path, None, f"no such file; {e}") from None
+
+
 def load_trace(path, device: Optional[int] = None) -> Trace:
     """Load a text trace or a torch snapshot pickle (either may be gzip'd).
 
-    `device` picks a device of a snapshot (default 0).  Raises TraceError.
+    `device` picks a device of a snapshot (default 0).  `path` may also be the
+    short name of a trace or snapshot shipped with gpumem ("gpt2_varlen",
+    see gpumem.data) when no file of that name exists.  Raises TraceError.
     """
-    path = os.fspath(path)
+    path = _resolve_short_name(os.fspath(path))
     try:
         raw = open(path, "rb")
     except FileNotFoundError:

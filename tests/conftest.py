@@ -15,30 +15,54 @@ GiB = 1 << 30
 PAGE = 2 * MiB
 
 
-def shared_dir():
-    """The shared data folder (traces, snapshots, hooks): $GPUMEM_SHARED, else
-    <repo>/shared when present (device machines carry it there), else <repo>/../shared
-    (the layout of a worktree checkout)."""
+# The traces and the snapshot shipped in gpumem/data.  Tests take them from the
+# gpumem under test (a source checkout or an installed wheel); a missing one is a
+# failure (gpumem.data.UnknownDataError), never a skip.
+TRACE_NAMES = ("bert_varlen", "gpt2_generate", "gpt2_varlen", "llama_lora_ckpt", "resnet50_multires",
+               "seed_fragmentation")
+
+
+def trace_file(name):
+    """The shipped trace `name` (raises when it is missing)."""
+    from gpumem.data import trace_path
+
+    return trace_path(name)
+
+
+def snapshot_file(name="sample_snapshot"):
+    """The shipped torch snapshot `name` (raises when it is missing)."""
+    from gpumem.data import snapshot_path
+
+    return snapshot_path(name)
+
+
+def extra_traces_dir():
+    """$GPUMEM_SHARED/traces: an optional folder of more *.trace.gz that the
+    trace-wide tests replay as well; None when unset."""
     env = os.environ.get("GPUMEM_SHARED")
-    if env:
-        return pathlib.Path(env)
-    inside = REPO / "shared"
-    if inside.is_dir():
-        return inside
-    return REPO.parent / "shared"
+    if not env:
+        return None
+    path = pathlib.Path(env) / "traces"
+    if not path.is_dir():
+        raise FileNotFoundError(f"GPUMEM_SHARED={env} has no traces/ folder")
+    return path
+
+
+def all_traces():
+    """Every shipped trace (each must exist), then those of $GPUMEM_SHARED/traces
+    whose names the shipped ones do not already have."""
+    shipped = [trace_file(n) for n in TRACE_NAMES]
+    extra_dir = extra_traces_dir()
+    extra = []
+    if extra_dir is not None:
+        extra = [p for p in sorted(extra_dir.glob("*.trace.gz"))
+                 if p.name[: -len(".trace.gz")] not in TRACE_NAMES]
+    return shipped + extra
 
 
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO
-
-
-@pytest.fixture(scope="session")
-def shared():
-    path = shared_dir()
-    if not path.is_dir():
-        pytest.skip(f"shared data folder {path} not found (set GPUMEM_SHARED)")
-    return path
 
 
 def _cuda_available():
@@ -159,7 +183,7 @@ def recount(h):
     for pool in ("all", "small_pool", "large_pool"):
         for name in ("allocation", "allocated_bytes", "requested_bytes"):
             out[f"{name}.{pool}.current"] = 0
-    for addr, size, requested, stream, context, seq, state in snap["blocks"]:
+    for addr, size, requested, stream, context, seq, state, pool in snap["blocks"]:
         if state != "live":
             continue
         for pool in ("all", pool_of(size)):

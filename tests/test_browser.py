@@ -58,3 +58,26 @@ def test_offline_html_renders_in_headless_chromium(tmp_path):
 
     for name in (BLOCK_COLORS["live"][0], BLOCK_COLORS["free"][0], PAGE_COLORS["used"]):
         assert near(hex_rgb(name)), f"colour {name} not on screen"
+
+
+def test_timeline_renders_in_headless_chromium(tmp_path):
+    """Memory over time, as Timeline.to_html writes it: live, reserved, cap and the OOM on screen."""
+    from gpumem.timeline import CAP_COLOR, LIVE_COLOR, OOM_COLOR, RESERVED_COLOR
+
+    browser = chromium()
+    Image = pytest.importorskip("PIL.Image")
+    page = tmp_path / "timeline.html"
+    gpumem.memory_over_time("seed_fragmentation", capacity="1.5GiB").to_html(page)
+    shot = tmp_path / "shot.png"
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--no-first-run", "--no-default-browser-check", f"--user-data-dir={tmp_path / 'profile'}",
+           "--window-size=1000,420", f"--screenshot={shot}", page.as_uri()]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert shot.exists(), f"no screenshot (exit {r.returncode}): {r.stderr[-2000:]}"
+    present = {c for _, c in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)}
+
+    def near(rgb):
+        return any(sum(abs(a - b) for a, b in zip(rgb, c)) <= 12 for c in present)
+
+    for name in (LIVE_COLOR, RESERVED_COLOR, CAP_COLOR, OOM_COLOR):
+        assert near(hex_rgb(name)), f"colour {name} not on screen"

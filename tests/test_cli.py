@@ -12,11 +12,9 @@ import pytest
 import gpumem
 from gpumem.__main__ import main
 
-from conftest import GiB, MiB, REPO, shared_dir
+from conftest import GiB, MiB, REPO, all_traces, trace_file
 
-SHARED = shared_dir()
-SEED = SHARED / "traces" / "seed_fragmentation.trace.gz"
-needs_shared = pytest.mark.skipif(not SEED.exists(), reason=f"no traces under {SHARED} (set GPUMEM_SHARED)")
+SEED = trace_file("seed_fragmentation")
 
 JSON_KEYS = {"trace", "events", "peak_live_bytes", "peak_reserved_bytes", "ns_per_op", "ooms", "remaps",
              "num_maps", "num_unmaps", "allocs", "frees", "capacity_bytes", "first_oom_event"}
@@ -117,7 +115,6 @@ def test_usage_errors(argv, fragment, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("gpumem: error: ") and fragment in err, err
 
 
-@needs_shared
 def test_good_and_bad_traces_together(tmp_path, capsys):
     bad = write_text(tmp_path / "bad.trace.gz", ["foo 1 2 3"])
     rc = main(["replay", str(SEED), str(bad), "--json", "--no-timing"])
@@ -130,9 +127,8 @@ def test_good_and_bad_traces_together(tmp_path, capsys):
 
 # ---- output ----------------------------------------------------------------------
 
-@needs_shared
 def test_json_keys_and_consistency():
-    traces = sorted((SHARED / "traces").glob("*.trace.gz"))
+    traces = all_traces()
     small = [t for t in traces if "gpt2_generate" not in t.name]
     p = run_cli("replay", *small, "--json")
     assert p.returncode == 0, p.stderr
@@ -150,7 +146,6 @@ def test_json_keys_and_consistency():
         assert r["remaps"] >= 0 and r["num_maps"] >= r["remaps"]
 
 
-@needs_shared
 def test_json_min_capacity(tmp_path):
     p = run_cli("replay", SEED, "--json", "--min-capacity", "--capacity", "4GiB")
     assert p.returncode == 0, p.stderr

@@ -116,8 +116,8 @@ def test_blocks_do_not_overlap_and_are_accessible(heap):
 def test_context_and_stream_recorded_in_snapshot(heap):
     p = heap.malloc(3000, stream=0x1000, context=77)
     (blk,) = live_blocks(heap)
-    addr, size, req, stream, ctx, seq, state = blk
-    assert (addr, size, req, stream, ctx, state) == (p, 3072, 3000, 0x1000, 77, "live")
+    addr, size, req, stream, ctx, seq, state, pool = blk
+    assert (addr, size, req, stream, ctx, state, pool) == (p, 3072, 3000, 0x1000, 77, "live", None)
     heap.free(p)
 
 
@@ -621,3 +621,18 @@ def test_slow_path_breaks_ties_by_the_shortest_run(heap):
     heap.free(p)
     assert heap.malloc(4 * MiB) == x1
     assert_ok(heap)
+
+
+def test_name_lists_come_from_the_core():
+    """Error and statistic names are defined once in gpumem.h and exported by _C."""
+    from gpumem import _C
+
+    assert _C.ERROR_NAMES[0] == "GM_OK" and _C.ERROR_NAMES[1] == "GM_ENOMEM"
+    assert sorted(_C.ERROR_NAMES) == list(range(len(_C.ERROR_NAMES)))
+    with gpumem.Heap(device="sim", capacity="1GiB") as h:
+        stats = h.stats()
+    expected = {f"{name}.{pool}.{field}" for name in _C.POOLED_STAT_NAMES
+                for pool in ("all", "small_pool", "large_pool")
+                for field in ("current", "peak", "allocated", "freed")}
+    expected |= set(_C.COUNTER_NAMES)
+    assert set(stats) == expected

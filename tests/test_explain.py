@@ -201,3 +201,68 @@ def test_notebook_references():
     finally:
         sys.last_traceback = None
         InteractiveShell.clear_instance()
+
+
+# ---- advice follows the causes, by the bytes each accounts for -----------------------
+
+def _advice_kind(line):
+    """Which cause an advice line answers (by its wording)."""
+    for kind, words in (("live_tensors", "smaller batch"), ("outside_allocator", "outside the allocator"),
+                        ("other_processes", "Free the GPU from other processes"), ("cap", "Raise or remove the cap"),
+                        ("pending", "Synchronize the side streams"), ("fragmentation", "Stranded memory")):
+        if words in line:
+            return kind
+    return None
+
+
+def _advice_kinds(r):
+    return [k for k in map(_advice_kind, r.advice) if k is not None]
+
+
+def test_batch_too_big_advice_is_about_the_batch_first():
+    """Live tensors fill 95% of the device and 700 MiB sit outside the allocator
+    (CUDA context, cuBLAS): the batch is the cause, so the batch comes first."""
+    with gpumem.Heap(device="sim", capacity=16 * GiB) as h:
+        h.sim_set_self(os.getpid(), 700 * MiB)
+        live = int(0.95 * 16 * GiB) // (64 * MiB)
+        keep = [h.malloc(64 * MiB) for _ in range(live)]
+        e = oom(h, GiB)
+        r = last_oom(h)
+        assert r.live_bytes == live * 64 * MiB >= 0.94 * r.device_total
+        assert r.outside_allocator == 700 * MiB
+        assert r.cause_kinds[:2] == ["live_tensors", "outside_allocator"]
+        assert _advice_kinds(r) == ["live_tensors", "outside_allocator"]
+        assert "smaller batch" in r.advice[0] and "95% of the 16.00 GiB device" in r.advice[0]
+        text = str(e)
+        assert text.index("smaller batch") < text.index("Leave room for the 700.00 MiB")
+        assert len(keep) == live
+
+
+def test_memory_outside_the_allocator_first_when_it_holds_more():
+    """The same two causes the other way round: 3 GiB outside, 500 MiB live."""
+    with gpumem.Heap(device="sim", capacity=4 * GiB) as h:
+        h.sim_set_self(os.getpid(), 3 * GiB)
+        keep = h.malloc(500 * MiB)
+        oom(h, GiB)
+        r = last_oom(h)
+        assert r.cause_kinds[:2] == ["outside_allocator", "live_tensors"]
+        assert _advice_kinds(r)[:2] == ["outside_allocator", "live_tensors"]
+        assert r.advice[0].startswith("Leave room for the 3.00 GiB")
+        assert keep
+
+
+def test_advice_order_is_the_cause_order_with_three_causes():
+    """Other processes 1.5 GiB > live 1 GiB > outside 300 MiB: three causes, and
+    the advice in the same order as the causes, each once."""
+    with gpumem.Heap(device="sim", capacity=4 * GiB) as h:
+        h.sim_set_external(4242, 1536 * MiB)
+        h.sim_set_self(os.getpid(), 300 * MiB)
+        keep = [h.malloc(100 * MiB) for _ in range(10)]
+        oom(h, 2 * GiB)
+        r = last_oom(h)
+        by_bytes = sorted(r.causes, key=lambda c: -c.bytes)
+        assert [c.kind for c in r.causes] == [c.kind for c in by_bytes]
+        assert r.cause_kinds[:3] == ["other_processes", "live_tensors", "outside_allocator"]
+        assert _advice_kinds(r)[:3] == ["other_processes", "live_tensors", "outside_allocator"]
+        assert len(set(r.advice)) == len(r.advice)
+        assert len(keep) == 10

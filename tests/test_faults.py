@@ -46,8 +46,8 @@ class Run:
             # Every failure must leave the heap consistent, right away.
             assert_ok(self.h)
 
-    def malloc(self, size, stream=0):
-        p = self.step(self.h.malloc, size, stream=stream)
+    def malloc(self, size, stream=0, pool=None):
+        p = self.step(self.h.malloc, size, stream=stream, pool=pool)
         if p is not None:
             assert self.h.sim_is_accessible(p, self.h.block_size(p))
             self.live.append(p)
@@ -106,6 +106,76 @@ def finish(run):
     for p in run.live:
         assert run.h.sim_is_accessible(p, run.h.block_size(p)), f"live block {p:#x} lost its pages"
     drain_and_assert_empty(run.h, run.live)
+
+
+POOL = (4, 2)
+
+
+def pool_workload(run):
+    """Allocations in a private pool around general pressure, a checkpoint and
+    its restore, and a capture; the pool's pages must stay put throughout."""
+    h = run.h
+    h.pool_retain(POOL)
+    for size in (3 * MiB, 700, 4096, PAGE, 5 * MiB):
+        run.malloc(size, pool=POOL)
+    for p in list(run.live)[::2]:
+        run.free(p)
+    for size in (3 * MiB, 4096, 6 * MiB):
+        run.malloc(size, stream=S1, pool=POOL)
+    pinned = {pg: h.sim_page_at(pg) for b in h.snapshot()["blocks"] if b[7] == POOL
+              for pg in range(b[0] // PAGE * PAGE, b[0] + b[1], PAGE)}  # every page under the pool's blocks
+    pages = [run.malloc(PAGE) for _ in range(CAPACITY // PAGE)]
+    for p in pages[::2]:
+        if p is not None:
+            run.free(p)
+    run.malloc(12 * MiB)
+    run.step(h.empty_cache)
+    assert {a: h.sim_page_at(a) for a in pinned} == pinned, "a pool's page moved"
+    ckpt = h.pool_live(POOL)
+    dropped = {a for a, _ in ckpt[::2]}
+    run.step(h.pool_set_live, POOL, [b for b in ckpt if b[0] not in dropped])
+    run.live = [p for p in run.live if h.block_size(p)]
+    run.step(h.pool_set_live, POOL, ckpt)
+    run.live += [a for a in dropped if h.block_size(a)]
+    assert sorted(h.pool_live(POOL)) == ckpt
+    h.capture_begin()
+    h.sim_set_capture(True)
+    for size in (MiB, 3 * MiB, 9 * MiB):
+        run.malloc(size, pool=POOL)
+    q = run.malloc(MiB)
+    if q is not None:
+        run.step(h.record_stream, q, S2)
+        run.free(q)
+    run.step(h.empty_cache)
+    h.sim_set_capture(False)
+    h.capture_end()
+    assert h.sim_capture_violations() == 0
+    h.pool_release(POOL)
+    run.malloc(16 * MiB)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("nth", [1, 3, 9])
+def test_single_fault_in_pools(make_heap, op, nth):
+    h = make_heap(capacity=CAPACITY)
+    h.sim_fail(op, nth=nth, count=1)
+    run = Run(h)
+    pool_workload(run)
+    h.sim_fail(op, nth=0)
+    finish(run)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_faults_in_pools(make_heap, seed):
+    h = make_heap(capacity=CAPACITY)
+    for i, op in enumerate(OPS):
+        h.sim_fail_random(op, 0.15, seed=seed * 100 + i)
+    run = Run(h)
+    for _ in range(2):
+        pool_workload(run)
+    for op in OPS:
+        h.sim_fail_random(op, 0.0)
+    finish(run)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -16,6 +16,7 @@ from compare import report  # noqa: E402
 from compare import traces as tr  # noqa: E402
 from compare.contenders import parse_contenders, server_env  # noqa: E402
 from compare.search import MaxPassSearch, MinPassSearch, seeds_around  # noqa: E402
+from conftest import trace_file  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -86,12 +87,8 @@ def test_find_traces_orders_by_size_and_filters(tmp_path):
         tr.find_traces(str(tmp_path), ["nope"])
 
 
-SHARED = os.path.join(os.path.dirname(ROOT), "shared", "traces")
-
-
-@pytest.mark.skipif(not os.path.isdir(SHARED), reason="shared traces not beside the checkout")
-def test_shared_trace_peak_live_matches_readme():
-    t = tr.load_text_trace(os.path.join(SHARED, "seed_fragmentation.trace.gz"))
+def test_shipped_trace_peak_live_matches_readme():
+    t = tr.load_text_trace(str(trace_file("seed_fragmentation")))
     assert round(t.peak_live / GiB, 3) == 1.498      # the README's table
     assert t.allocs == 401
 

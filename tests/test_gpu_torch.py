@@ -420,7 +420,7 @@ def test_two_devices_peer_copy():
     assert r["c"] == 3 * (1 << 20) and r["d"] == 1 << 20, r
 
 
-# ---- the visibility layer on torch's heaps (gpumem/_torch_viz.py, csrc/python/torch_viz.c) -----
+# ---- the visibility layer on torch's heaps (gpumem/torch/_viz.py, csrc/python/torch_viz.c) -----
 
 @pytest.mark.gpu
 @pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
@@ -595,8 +595,10 @@ def test_configure_rejects_bad_values_in_c():
     with pytest.raises(ValueError):
         C._torch_stats(-1)
     ep = C._torch_entry_points()
-    assert set(ep) == {"alloc", "free", "empty_cache", "memory_fraction", "record_stream", "init"}
-    assert len(set(ep.values())) == 6 and all(v > 0 for v in ep.values())
+    assert set(ep) == {"alloc", "free", "empty_cache", "memory_fraction", "record_stream", "init",
+                       "begin_allocate_to_pool", "end_allocate_to_pool", "release_pool", "pool_begin", "pool_end",
+                       "pool_release", "raw_delete"}
+    assert len(set(ep.values())) == len(ep) and all(v > 0 for v in ep.values())
 
 
 def test_exported_symbols_for_ctypes():
@@ -625,31 +627,53 @@ def test_nested_stats_have_native_shape():
         assert k in n
 
 
-def test_segments_from_snapshot_clip_blocks_to_mapped_runs():
-    from gpumem import torch as gt
+def test_one_segments_conversion_in_torch_format():
+    """gpumem.torch answers memory_snapshot with Snapshot.to_torch (the one
+    conversion): block states as torch's memory_viz reads them, one segment per
+    mapped run cut at pool boundaries, and a block crossing a mapped run is an
+    error, not clipped."""
+    from gpumem.snapshot import Block, Snapshot
 
     P = 2 << 20
     base = 1 << 40
-    snap = {"page_size": P, "va_base": base, "pages": bytes([1, 1, 0, 2]),
-            "blocks": [(base, 1024, 1000, 0, 7, 1, "live"), (base + 1024, 3 * P - 1024, 0, 0, 0, 0, "free"),
-                       (base + 3 * P, P, 0, 0, 0, 0, "free")]}
-    segs = gt._segments(0, snap)
-    assert [(s["address"], s["total_size"]) for s in segs] == [(base, 2 * P), (base + 3 * P, P)]
-    first = segs[0]
-    assert first["allocated_size"] == 1024 and first["requested_size"] == 1000
-    assert [(b["address"], b["size"], b["state"]) for b in first["blocks"]] == [
-        (base, 1024, "active_allocated"), (base + 1024, 2 * P - 1024, "inactive")]
-    assert segs[1]["blocks"][0]["state"] == "inactive" and segs[1]["allocated_size"] == 0
+
+    def snap(blocks, pages):
+        return Snapshot(device_name="cuda:0", device_kind="cuda", va_base=base, top=len(pages) * P, page_size=P,
+                        blocks=blocks, pages=bytes(pages), spare_pages=0, cap_bytes=0, stats={})
+
+    s = snap([Block(base, 1024, 1000, 7, 0, 1, "live"), Block(base + 1024, 1024, 900, 7, 0, 2, "pending"),
+              Block(base + 2048, 2 * P - 2048, 0, 7, 0, 0, "free"), Block(base + 2 * P, P, 0, 0, 0, 0, "unmapped"),
+              Block(base + 3 * P, 512, 512, 3, 0, 3, "live", (0, 5)),
+              Block(base + 3 * P + 512, P - 512, 0, 3, 0, 0, "free", (0, 5))],
+             [1, 1, 0, 1])
+    t = s.to_torch(0)
+    segs = t["segments"]
+    assert [(g["address"], g["total_size"], g["segment_pool_id"]) for g in segs] == [
+        (base, 2 * P, (0, 0)), (base + 3 * P, P, (0, 5))]
+    assert [b["state"] for b in segs[0]["blocks"]] == ["active_allocated", "active_pending_free", "inactive"]
+    assert segs[0]["allocated_size"] == 1024 and segs[0]["active_size"] == 2048
+    assert segs[0]["requested_size"] == 1900 and segs[0]["stream"] == 7
+    # a general block then a pool block in one mapped run: two segments that tile it
+    s2 = snap([Block(base, P, P, 0, 0, 1, "live"), Block(base + P, P // 2, P, 0, 0, 2, "live", (4, 0)),
+               Block(base + P + P // 2, P // 2, 0, 0, 0, 0, "free", (4, 0))], [1, 1])
+    assert [(g["address"], g["total_size"], g["segment_pool_id"]) for g in s2.to_torch(0)["segments"]] == [
+        (base, P, (0, 0)), (base + P, P, (4, 0))]
+    bad = snap([Block(base, 2 * P, 0, 0, 0, 0, "free")], [1, 0])
+    with pytest.raises(ValueError, match="crosses the mapped run"):
+        bad.to_torch(0)
+    import gpumem.torch._install as inst
+    assert not hasattr(inst, "_segments") and not hasattr(inst, "_BLOCK_STATES")
 
 
 def test_patch_and_restore_torch_functions():
     torch = pytest.importorskip("torch")
     from gpumem import torch as gt
+    from gpumem.torch import _install
 
     names = ["_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_memorySnapshot",
              "_cuda_record_memory_history"]
     before = {n: getattr(torch._C, n, None) for n in names}
-    gt._patch(torch)
+    _install._patch(torch)
     try:
         assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
         assert torch._C._cuda_memorySnapshot(None) == {"segments": [], "device_traces": [[]]} or \

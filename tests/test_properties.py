@@ -1,8 +1,10 @@
 """Stateful property test: random operation sequences against a shadow model.
 
-Hypothesis drives malloc/free/record_stream/empty_cache/set_cap and stream
-holds on a small sim device (so that OOM, defragmentation and the cap all come
-into play) and after every step compares the heap with a model kept here.
+Hypothesis drives malloc/free/record_stream/empty_cache/set_cap, stream
+holds, private pools (retain, release, allocations in a pool) and stream
+captures (the sim refusing every call a capture forbids) on a small sim device
+(so that OOM, defragmentation and the cap all come into play) and after every
+step compares the heap with a model kept here.
 """
 import pytest
 from hypothesis import HealthCheck, settings
@@ -24,8 +26,15 @@ sizes = st.one_of(
 )
 
 
+POOLS = [(1, 1), (2, 5)]
+
+
 def _round(n):
     return (n + 511) // 512 * 512
+
+
+def _overlap(a, n, b, m):
+    return a < b + m and b < a + n
 
 
 class HeapMachine(RuleBasedStateMachine):
@@ -39,6 +48,10 @@ class HeapMachine(RuleBasedStateMachine):
         self.quarantine = []
         self.held = set()
         self.cap = 0
+        self.pools = {}  # living pool id -> use count
+        self.gen = {pid: 0 for pid in POOLS}  # which life of each pool id
+        self.kept = []  # (addr, size, pool id): freed into a living pool, only it may reuse
+        self.capturing = False
 
     @initialize()
     def open_heap(self):
@@ -48,6 +61,12 @@ class HeapMachine(RuleBasedStateMachine):
         if self.h is None:
             return
         try:
+            if self.capturing:
+                self.h.sim_set_capture(False)
+                self.h.capture_end()
+            for pid in list(self.pools):
+                for _ in range(self.pools.pop(pid)):
+                    self.h.pool_release(pid)
             for s in STREAMS:
                 self.h.sim_hold_stream(s, False)
             for p in list(self.live):
@@ -63,18 +82,70 @@ class HeapMachine(RuleBasedStateMachine):
     # -- helpers --
 
     def _live_pages(self):
-        return pages_touched([(a, b["size"]) for a, b in self.live.items()])
+        """Pages nothing may take: under live blocks and memory kept for living pools."""
+        return pages_touched([(a, b["size"]) for a, b in self.live.items()] + [(a, n) for a, n, _ in self.kept])
+
+    def _take_kept(self, p, n, pool):
+        """A block of `pool` (None: general) was handed out at [p, p+n)."""
+        rest = []
+        for a, m, pid in self.kept:
+            if not _overlap(p, n, a, m):
+                rest.append((a, m, pid))
+                continue
+            assert pid == pool, f"{p:#x}+{n} (pool {pool}) reuses {a:#x}+{m} kept for pool {pid}"
+            if a < p:
+                rest.append((a, p - a, pid))
+            if p + n < a + m:
+                rest.append((p + n, a + m - p - n, pid))
+        self.kept = rest
 
     # -- rules --
 
     @rule(size=sizes, stream=st.sampled_from(STREAMS))
     def malloc(self, size, stream):
+        self._malloc(size, stream, None)
+
+    @precondition(lambda self: self.pools)
+    @rule(size=sizes, stream=st.sampled_from(STREAMS), data=st.data())
+    def malloc_in_pool(self, size, stream, data):
+        self._malloc(size, stream, data.draw(st.sampled_from(sorted(self.pools))))
+
+    @rule(pid=st.sampled_from(POOLS))
+    def pool_retain(self, pid):
+        self.h.pool_retain(pid)
+        if pid not in self.pools:
+            self.gen[pid] += 1
+        self.pools[pid] = self.pools.get(pid, 0) + 1
+
+    @precondition(lambda self: self.pools)
+    @rule(data=st.data())
+    def pool_release(self, data):
+        pid = data.draw(st.sampled_from(sorted(self.pools)))
+        self.h.pool_release(pid)
+        self.pools[pid] -= 1
+        if not self.pools[pid]:
+            del self.pools[pid]
+            self.kept = [k for k in self.kept if k[2] != pid]  # back to the general heap
+            with pytest.raises(ValueError):
+                self.h.pool_info(pid)
+
+    @rule()
+    def toggle_capture(self):
+        if self.capturing:
+            self.h.sim_set_capture(False)
+            self.h.capture_end()
+        else:
+            self.h.capture_begin()
+            self.h.sim_set_capture(True)
+        self.capturing = not self.capturing
+
+    def _malloc(self, size, stream, pool):
         reserved_before = self.h.stats()["reserved_bytes.all.current"]
         try:
-            p = self.h.malloc(size, stream=stream)
+            p = self.h.malloc(size, stream=stream, pool=pool)
         except gpumem.OutOfMemoryError as exc:
             assert str(exc).startswith("CUDA out of memory.")
-            if not self.held and not self.quarantine:
+            if not self.held and not self.quarantine and not self.capturing:
                 # Defragmentation makes every page not touched by a live block
                 # usable, so only a request that really cannot fit may fail.
                 limit = (self.cap or CAPACITY) // PAGE
@@ -91,7 +162,9 @@ class HeapMachine(RuleBasedStateMachine):
                 assert not all_mask and not (own_mask and stream != s), (
                     f"{p:#x} reuses a block freed behind held streams {all_mask | own_mask}")
         assert self.h.sim_is_accessible(p, bs)
-        self.live[p] = dict(size=bs, req=size, stream=stream, recorded=set())
+        self._take_kept(p, bs, pool)
+        self.live[p] = dict(size=bs, req=size, stream=stream, recorded=set(), pool=pool,
+                            gen=self.gen[pool] if pool else 0)
         reserved = self.h.stats()["reserved_bytes.all.current"]
         if self.cap and reserved > self.cap:
             # Above the cap only because set_cap lowered it under what is in
@@ -108,6 +181,8 @@ class HeapMachine(RuleBasedStateMachine):
         self.h.free(p)
         if all_mask or own_mask:
             self.quarantine.append((p, b["size"], b["stream"], all_mask, own_mask))
+        if b["pool"] in self.pools and b["gen"] == self.gen[b["pool"]]:
+            self.kept.append((p, b["size"], b["pool"]))
         with pytest.raises(gpumem.InvalidPointerError):
             self.h.free(p)
 
@@ -132,7 +207,7 @@ class HeapMachine(RuleBasedStateMachine):
     @rule()
     def empty_cache(self):
         self._may_refuse(self.h.empty_cache)
-        if not self.held:
+        if not self.held and not self.capturing:
             assert self.h.stats()["reserved_bytes.all.current"] == self._live_pages() * PAGE
             assert self.h.sim_info()["pages_created"] == self._live_pages()
 
@@ -177,6 +252,15 @@ class HeapMachine(RuleBasedStateMachine):
             assert self.h.sim_is_accessible(p, b["size"])
         snap_live = {blk[0]: blk[1] for blk in self.h.snapshot()["blocks"] if blk[6] == "live"}
         assert snap_live == {p: b["size"] for p, b in self.live.items()}
+        assert self.h.sim_capture_violations() == 0
+        assert self.h.capturing == int(self.capturing)
+        assert {p["id"]: p["use_count"] for p in self.h.pools()} == self.pools
+        for pid in self.pools:
+            mine = sorted((a, b["size"]) for a, b in self.live.items()
+                          if b["pool"] == pid and b["gen"] == self.gen[pid])
+            assert self.h.pool_live(pid) == mine
+        for a, n, _ in self.kept:
+            assert self.h.sim_is_accessible(a, n), f"kept {a:#x}+{n} lost its pages"
 
 
 HeapMachine.TestCase.settings = settings(

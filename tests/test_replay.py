@@ -10,11 +10,9 @@ import gpumem
 from gpumem import format_size, parse_size
 from gpumem.trace import EVENT_SIZE, R_ALLOC, R_FREE, TraceError, load_trace
 
-from conftest import GiB, MiB, shared_dir
+from conftest import GiB, MiB, all_traces, snapshot_file, trace_file
 
-SHARED = shared_dir()
-TRACES = sorted((SHARED / "traces").glob("*.trace.gz"))
-needs_shared = pytest.mark.skipif(not TRACES, reason=f"no traces under {SHARED} (set GPUMEM_SHARED)")
+TRACES = all_traces()
 
 
 def write_text(path, lines, compress=True, header="# action addr size stream  (test; {\"workload\": \"t\"})"):
@@ -268,12 +266,11 @@ def test_snapshot_pickle_with_code_is_refused(tmp_path):
     expect_error(write_pickle(tmp_path / "evil.pickle", evil, False), "only plain data")
 
 
-@needs_shared
 def test_sample_snapshot_matches_its_text_trace():
-    """The shared sample snapshot is the torch pickle of the seed_fragmentation run:
+    """The shipped sample snapshot is the torch pickle of the seed_fragmentation run:
     both loaders must produce the very same events."""
-    snap = load_trace(SHARED / "snapshots" / "sample_snapshot.pickle.gz")
-    text = load_trace(SHARED / "traces" / "seed_fragmentation.trace.gz")
+    snap = load_trace(snapshot_file())
+    text = load_trace(trace_file("seed_fragmentation"))
     assert snap.format == "snapshot" and snap.allocs == 401
     assert bytes(snap.events) == bytes(text.events)
     assert snap.peak_live_bytes == text.peak_live_bytes
@@ -295,9 +292,8 @@ def raw_events(path):
     return out
 
 
-@needs_shared
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])
-def test_shared_trace_replays_at_default_capacity(path):
+def test_shipped_trace_replays_at_default_capacity(path):
     t = load_trace(path)
     assert t.peak_live_bytes == recount_peak(raw_events(path))
     r = replay(t, timing=True)
@@ -308,9 +304,8 @@ def test_shared_trace_replays_at_default_capacity(path):
     assert r.ns_per_op is not None and r.ns_per_op > 0
 
 
-@needs_shared
 def test_chunked_replay_equals_one_call():
-    t = load_trace(SHARED / "traces" / "seed_fragmentation.trace.gz")
+    t = load_trace(trace_file("seed_fragmentation"))
     seen = []
     cap = 2 * GiB  # tight enough that chunk boundaries matter if slots were lost
     whole = replay(t, cap, timing=False)
@@ -395,11 +390,10 @@ def test_min_capacity_synthetic(tmp_path):
     assert fits(t, mc) and not fits(t, mc - MiB)
 
 
-@needs_shared
 @pytest.mark.parametrize("path", [p for p in TRACES if "gpt2_generate" not in p.name] +
                          [pytest.param(p, marks=pytest.mark.slow) for p in TRACES if "gpt2_generate" in p.name],
                          ids=lambda p: p.name.split(".")[0])
-def test_min_capacity_shared(path):
+def test_min_capacity_shipped(path):
     t = load_trace(path)
     mc = min_capacity(t)
     assert mc % MiB == 0 and mc >= t.peak_live_bytes

@@ -14,7 +14,7 @@ import gpumem
 from gpumem.snapshot import Snapshot, TORCH_STATE
 from gpumem.trace import _PlainUnpickler, load_trace
 
-from conftest import REPO, shared_dir
+from conftest import REPO, snapshot_file, trace_file
 
 MiB = 1 << 20
 SVG = "{http://www.w3.org/2000/svg}"
@@ -103,10 +103,7 @@ def test_empty_heap_summary():
 
 
 def _sample():
-    path = shared_dir() / "snapshots" / "sample_snapshot.pickle.gz"
-    if not path.exists():
-        pytest.skip(f"{path} not found")
-    with gzip.open(path) as f:
+    with gzip.open(snapshot_file()) as f:
         return pickle.load(f)
 
 
@@ -309,10 +306,7 @@ def run_cli(*args, cwd=None):
 
 
 def trace_path(name):
-    p = shared_dir() / "traces" / f"{name}.trace.gz"
-    if not p.exists():
-        pytest.skip(f"{p} not found")
-    return p
+    return trace_file(name)
 
 
 def test_cli_replay_snapshot_and_html_at_peak(tmp_path):

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 import gpumem
-from gpumem import _C, _torch_viz
+from gpumem import _C
+from gpumem.torch import _install, _viz as _torch_viz
 from gpumem import torch as gt
 from gpumem._resolve import NoHeapError, TorchHeap
 
@@ -186,13 +187,19 @@ def test_stack_hook_takes_the_gil_back_in_python_threads():
 
 
 def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
+    from gpumem import _heap
+
     calls = []
-    monkeypatch.setattr(gt, "set_context_hook", lambda addr: calls.append(addr))
+    monkeypatch.setattr(_C, "_torch_set_context_hook", lambda addr: calls.append(addr))
+    monkeypatch.setattr(_heap, "_torch_hooks", {})
     h = gpumem.Heap(device="sim", capacity=GiB)
     try:
         gpumem.record_history(True, device=h)
-        assert calls == []             # gpumem is not torch's allocator in this process
-        monkeypatch.setattr(gt, "status", lambda: {"allocator_active": True})
+        assert calls == []             # gpumem.torch registered no hooks: not torch's allocator
+        _heap.register_torch_hooks(active=lambda: False, stack_hook=_torch_viz.set_stack_hook)
+        gpumem.record_history(True, device=h, stacks="python")
+        assert calls == []             # registered, but not the allocator
+        _heap.register_torch_hooks(active=lambda: True)
         gpumem.record_history(True, device=h, stacks="python")
         gpumem.record_history(True, device=h, stacks=None)
         gpumem.record_history(False, device=h)
@@ -232,18 +239,18 @@ def test_torch_record_memory_history_routes_to_record_history(monkeypatch):
     calls = []
     monkeypatch.setattr(_C, "_torch_history_enable", lambda n: calls.append(n))
     try:
-        gt._record_history("all", "all", "all", 1000)          # torch's defaults: C++ + Python asked
+        _install._record_history("all", "all", "all", 1000)          # torch's defaults: C++ + Python asked
         assert calls[-1] == 1000 and _C._stacks_info()["enabled"]
-        gt._record_history("state", "alloc", "python", 5)
+        _install._record_history("state", "alloc", "python", 5)
         assert calls[-1] == 0 and _C._stacks_info()["enabled"]
-        gt._record_history("all", None, "python", 1 << 62)     # context=None: no stacks; ring bounded
+        _install._record_history("all", None, "python", 1 << 62)     # context=None: no stacks; ring bounded
         assert calls[-1] == gt.MAX_HISTORY and not _C._stacks_info()["enabled"]
-        gt._record_history(True, True, 7)                      # the legacy form
+        _install._record_history(True, True, 7)                      # the legacy form
         assert calls[-1] == 7 and _C._stacks_info()["enabled"]
-        gt._record_history(False)
+        _install._record_history(False)
         assert calls[-1] == 0 and not _C._stacks_info()["enabled"]
         with pytest.raises(ValueError, match="enabled must be None, 'state' or 'all'"):
-            gt._record_history("sometimes")
+            _install._record_history("sometimes")
     finally:
         _C._stacks_enable(False)
 

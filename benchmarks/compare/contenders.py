@@ -124,7 +124,7 @@ def _install_rmm(cap_free: Optional[int], options: dict) -> Installed:
         import rmm
         import rmm.mr
     except Exception as e:
-        raise Unavailable(f"import rmm failed: {type(e).__name__}: {e} (carry the rmm-cu13 wheels: "
+        raise Unavailable(f"import rmm failed: {type(e).__name__}: {e} (install rmm-cu13: "
                           f"docs/benchmarks.md)") from None
     try:
         from rmm.allocators.torch import rmm_torch_allocator

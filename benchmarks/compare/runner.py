@@ -36,7 +36,7 @@ ALIGN = 2 * MiB
 SHARES = {"6": 15, "23": 70, "1": 240, "5": 85, "4": 90}
 STAGE_ORDER = ["6", "23", "1", "5", "4"]
 
-# Search seeds for figure 1, not results: min capacity ÷ peak live that shared/traces/README.md
+# Search seeds for figure 1, not results: min capacity ÷ peak live that gpumem/data/traces/README.md
 # reports for the native variants on an H100 with torch 2.11 (to 32 MiB).  RMM's pool has no
 # published figure; native's is its seed.  gpumem's seed is its simulated figure.
 README_PRIORS = {
@@ -55,7 +55,7 @@ TERMINATING = False
 
 
 def on_sigterm(*_) -> None:
-    """`timeout` and the device tool stop a run with SIGTERM: leave through the finally clauses,
+    """`timeout` and batch schedulers stop a run with SIGTERM: leave through the finally clauses,
     which stop the worker servers (at once) and write what was measured."""
     global TERMINATING
     TERMINATING = True

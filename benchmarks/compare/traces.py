@@ -1,6 +1,6 @@
 """Shared traces, packed for a tight torch.empty/del replay loop.
 
-The text format is described in shared/traces/README.md: ``action addr size stream`` per line.
+The text format is described in gpumem/data/traces/README.md: ``action addr size stream`` per line.
 Only ``alloc`` and ``free_completed`` change which blocks are live (a block is reusable once
 its free has completed; ``segment_*`` is what the native allocator asked of the driver and an
 allocator under test must not copy).  Frees are paired with their alloc by address and each

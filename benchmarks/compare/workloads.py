@@ -1,4 +1,4 @@
-"""Training workloads of figures 4 and 5: the models of shared/traces/capture.py (random weights,
+"""Training workloads of figures 4 and 5: the models of benchmarks/capture_trace.py (random weights,
 nothing downloaded), with the same per-step shape draws, so step times compare like for like.
 
 Models are built directly on the GPU (``with torch.device``) in their training dtype: building a

@@ -5,15 +5,25 @@
  *   C1 blocks tile [base, base+va_size): sorted, no overlap, no gap, 512-aligned,
  *      prev/next consistent; unmapped blocks are whole pages.
  *   C2 every page a live, pending or free block touches is mapped; every page
- *      wholly inside unmapped space is not; mapped_pages is the count.  On the
- *      simulated device, the device agrees byte for byte for those blocks, and holds exactly the pages the heap thinks it holds.
+ *      wholly inside unmapped space is not; mapped_pages is the count.  Where
+ *      the device can tell (its ops->verify, e.g. the simulated device), it
+ *      agrees that those blocks are accessible, holds exactly the pages the heap
+ *      thinks it holds, and has the same physical page behind every address.
  *   C3 no two neighbours that may merge are left apart.
  *   C4 each owner's index holds exactly its free blocks (fi_check for the rest).
  *   C5 the live table holds exactly the live blocks; the pending list exactly
  *      the pending ones.
  *   C6 every statistic with a "current" equals a recount.
  *   C7 no physical page is held twice.
- *   C8 the run index and the page-use counts equal a recount (runindex.h R1, R2, P1, P2).
+ *   C8 private pools: every block's pool is a known record; a free block's
+ *      pool lives (an ended pool keeps only live and pending blocks); each
+ *      pool's owners, counters and the heap's pool_free_bytes equal a recount;
+ *      an ended record still has blocks; the pages a living pool's blocks touch
+ *      are mapped (C2) and counted as used by gm_used_pages (a recount).
+ *   C9 capture: the deferred count equals the pending blocks marked deferred;
+ *      a deferred block has no event recorded and is pending.
+ *   C10 the run index and the page-use counts equal a recount (runindex.h R1, R2,
+ *       P1, P2).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -48,6 +58,7 @@ static int stat_is(const gm_stat *arr, int64_t all, int64_t small, const char *n
 
 static int check_locked(gm_heap *h, char *why, size_t len) {
     const size_t P = h->page;
+    const gm_device_verify *verify = h->dev->ops->verify; /* NULL: the device cannot tell */
     /* C1, C2, C3 in one walk. */
     if (!h->head || h->head->addr != h->base || h->head->prev)
         return fail(why, len, "the first block does not start the reserved range");
@@ -87,10 +98,10 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
             n_act++, n_act_s += sm, b_act += (int64_t)b->size, b_act_s += sm ? (int64_t)b->size : 0;
             break;
         case GM_BLOCK_FREE: {
-            if (last && last->state == GM_BLOCK_FREE && (last->stream == b->stream || last->stream == GM_STREAM_ANY ||
-                                                         b->stream == GM_STREAM_ANY))
+            if (last && last->state == GM_BLOCK_FREE && last->pool == b->pool &&
+                (last->stream == b->stream || last->stream == GM_STREAM_ANY || b->stream == GM_STREAM_ANY))
                 return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
-            if (!gm_owner_find(h, b->stream))
+            if (!gm_owner_find(h, b->pool, b->stream))
                 return fail(why, len, "free block %#lx names an unknown owner", (unsigned long)b->addr);
             n_free++, n_free_s += sm, b_free += (int64_t)b->size, b_free_s += sm ? (int64_t)b->size : 0;
             break;
@@ -103,7 +114,7 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
                 return fail(why, len, "page %zu under %s block %#lx+%zu is not mapped", p,
                             b->state == GM_BLOCK_FREE ? "free" : "live/pending", (unsigned long)b->addr, b->size);
         /* Free blocks too: they are handed out without another device call. */
-        if (!strcmp(h->dev->kind, "sim") && !gm_sim_is_accessible(h->dev, b->addr, b->size))
+        if (verify && !verify->accessible(h->dev, b->addr, b->size))
             return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
     }
     if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
@@ -127,12 +138,19 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
             }
         free(all);
     }
-    if (!strcmp(h->dev->kind, "sim")) {
-        gm_sim_info si;
-        gm_sim_info_get(h->dev, &si);
-        if (si.pages_mapped != h->mapped_pages || si.pages_created != h->mapped_pages + h->n_spare)
-            return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)",
-                        si.pages_created, si.pages_mapped, h->mapped_pages + h->n_spare, h->mapped_pages);
+    if (verify) {
+        size_t created = 0, dev_mapped = 0;
+        verify->pages(h->dev, &created, &dev_mapped);
+        if (dev_mapped != h->mapped_pages || created != h->mapped_pages + h->n_spare)
+            return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)", created,
+                        dev_mapped, h->mapped_pages + h->n_spare, h->mapped_pages);
+        /* Not only how many: which physical page sits at each address. */
+        for (size_t p = 0; p < h->n_pages; p++) {
+            gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
+            if (at != h->page_handle[p])
+                return fail(why, len, "page %zu: the heap has physical page %llu there, the device %llu", p,
+                            (unsigned long long)h->page_handle[p], (unsigned long long)at);
+        }
     }
 
     /* C4 */
@@ -143,7 +161,7 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
         for (unsigned fl = 0; fl < FI_FL; fl++)
             for (unsigned sl = 0; sl < FI_SL; sl++)
                 for (const gm_block *b = o->idx.bins[fl][sl]; b; b = b->lnext)
-                    if (b->state != GM_BLOCK_FREE || b->stream != o->stream)
+                    if (b->state != GM_BLOCK_FREE || b->stream != o->stream || b->pool != o->pool)
                         return fail(why, len, "index of stream %llu holds block %#lx that is not its free block",
                                     (unsigned long long)o->stream, (unsigned long)b->addr);
         indexed += o->idx.count;
@@ -165,26 +183,156 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
     const gm_stats *st = &h->st;
     int rc;
     int64_t held = (int64_t)(h->mapped_pages + h->n_spare);
-    if ((rc = stat_is(st->allocation, n_live, n_live_s, "allocation", why, len)) ||
-        (rc = stat_is(st->allocated_bytes, b_live, b_live_s, "allocated_bytes", why, len)) ||
-        (rc = stat_is(st->requested_bytes, req, req_s, "requested_bytes", why, len)) ||
-        (rc = stat_is(st->active, n_act, n_act_s, "active", why, len)) ||
-        (rc = stat_is(st->active_bytes, b_act, b_act_s, "active_bytes", why, len)) ||
-        (rc = stat_is(st->inactive_split, n_free, n_free_s, "inactive_split", why, len)) ||
-        (rc = stat_is(st->inactive_split_bytes, b_free, b_free_s, "inactive_split_bytes", why, len)) ||
-        (rc = stat_is(st->segment, held, 0, "segment", why, len)) ||
-        (rc = stat_is(st->reserved_bytes, held * (int64_t)P, 0, "reserved_bytes", why, len)))
+#define STAT_IS(name, all, small) (rc = stat_is(st->name, all, small, #name, why, len))
+    if (STAT_IS(allocation, n_live, n_live_s) || STAT_IS(allocated_bytes, b_live, b_live_s) ||
+        STAT_IS(requested_bytes, req, req_s) || STAT_IS(active, n_act, n_act_s) ||
+        STAT_IS(active_bytes, b_act, b_act_s) || STAT_IS(inactive_split, n_free, n_free_s) ||
+        STAT_IS(inactive_split_bytes, b_free, b_free_s) || STAT_IS(segment, held, 0) ||
+        STAT_IS(reserved_bytes, held * (int64_t)P, 0))
+#undef STAT_IS
         return rc;
     if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
 
-    /* C8 */
+    /* C10 */
     return gm_runs_check(h, why, len);
+}
+
+static int known_pool(const gm_heap *h, const gm_pool *p) {
+    for (size_t i = 0; i < h->n_pools; i++)
+        if (h->pools[i] == p) return 1;
+    return 0;
+}
+
+/* C8, the blocks' side: pools known, free blocks only in living pools, and
+ * every pool's counters equal a recount. */
+static int check_pool_blocks(gm_heap *h, char *why, size_t len) {
+    size_t n = h->n_pools;
+    size_t *live_n = calloc(n + 1, sizeof *live_n), *live_b = calloc(n + 1, sizeof *live_b);
+    size_t *free_n = calloc(n + 1, sizeof *free_n), *free_b = calloc(n + 1, sizeof *free_b);
+    int rc = GM_OK;
+    if (!live_n || !live_b || !free_n || !free_b) goto out; /* no host memory: nothing to say */
+    size_t pinned_free = 0;
+    for (const gm_block *b = h->head; b && !rc; b = b->next) {
+        if (!b->pool) continue;
+        size_t i = 0;
+        while (i < n && h->pools[i] != b->pool) i++;
+        if (i == n) {
+            rc = fail(why, len, "block %#lx names a pool the heap does not know", (unsigned long)b->addr);
+            break;
+        }
+        if (b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING) {
+            live_n[i]++, live_b[i] += b->size;
+        } else if (b->state == GM_BLOCK_FREE && b->pool->use_count > 0) {
+            free_n[i]++, free_b[i] += b->size, pinned_free += b->size;
+        } else {
+            rc = fail(why, len, "%s block %#lx belongs to %s pool (%llu, %llu)",
+                      b->state == GM_BLOCK_FREE ? "free" : "unmapped", (unsigned long)b->addr,
+                      b->pool->use_count > 0 ? "a living" : "an ended", (unsigned long long)b->pool->id.first,
+                      (unsigned long long)b->pool->id.second);
+        }
+    }
+    for (size_t i = 0; i < n && !rc; i++) {
+        const gm_pool *p = h->pools[i];
+        if (p->use_count < 0 || (p->use_count == 0 && !live_n[i]))
+            rc = fail(why, len, "pool (%llu, %llu) has use count %lld and %zu live blocks",
+                      (unsigned long long)p->id.first, (unsigned long long)p->id.second, (long long)p->use_count,
+                      live_n[i]);
+        else if (!p->id.first && !p->id.second)
+            rc = fail(why, len, "a pool is named (0, 0)");
+        else if (p->live_blocks != live_n[i] || p->live_bytes != live_b[i] || p->free_blocks != free_n[i] ||
+                 p->free_bytes != free_b[i])
+            rc = fail(why, len,
+                      "pool (%llu, %llu) counts %zu live blocks / %zu bytes and %zu free / %zu, a recount gives "
+                      "%zu / %zu and %zu / %zu",
+                      (unsigned long long)p->id.first, (unsigned long long)p->id.second, p->live_blocks,
+                      p->live_bytes, p->free_blocks, p->free_bytes, live_n[i], live_b[i], free_n[i], free_b[i]);
+        for (size_t j = 0; j < i && !rc; j++)
+            if (h->pools[j]->use_count > 0 && p->use_count > 0 && h->pools[j]->id.first == p->id.first &&
+                h->pools[j]->id.second == p->id.second)
+                rc = fail(why, len, "two living pools are named (%llu, %llu)", (unsigned long long)p->id.first,
+                          (unsigned long long)p->id.second);
+    }
+    if (!rc && pinned_free != h->pool_free_bytes)
+        rc = fail(why, len, "pools hold %zu free bytes but the heap counts %zu", pinned_free, h->pool_free_bytes);
+out:
+    free(live_n), free(live_b), free(free_n), free(free_b);
+    return rc;
+}
+
+/* C8, the owners' side: a pool's owners belong to a living pool, and each
+ * living pool has its everyone-owner. */
+static int check_pool_owners(gm_heap *h, char *why, size_t len) {
+    if (h->n_owners == 0 || h->owners[0]->pool || h->owners[0]->stream != GM_STREAM_ANY)
+        return fail(why, len, "owners[0] is not the general heap's GM_STREAM_ANY");
+    for (size_t i = 0; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        if (o->pool && (!known_pool(h, o->pool) || o->pool->use_count <= 0))
+            return fail(why, len, "an owner of stream %llu belongs to an ended or unknown pool",
+                        (unsigned long long)o->stream);
+        for (size_t j = 0; j < i; j++)
+            if (h->owners[j]->pool == o->pool && h->owners[j]->stream == o->stream)
+                return fail(why, len, "stream %llu has two owners in one pool", (unsigned long long)o->stream);
+    }
+    for (size_t i = 0; i < h->n_pools; i++) {
+        gm_pool *p = h->pools[i];
+        if (p->use_count > 0 && (!p->any || p->any->pool != p || p->any->stream != GM_STREAM_ANY ||
+                                 gm_owner_find(h, p, GM_STREAM_ANY) != p->any))
+            return fail(why, len, "pool (%llu, %llu) lacks its everyone-owner", (unsigned long long)p->id.first,
+                        (unsigned long long)p->id.second);
+        if (p->use_count == 0 && p->any) return fail(why, len, "an ended pool keeps an owner");
+    }
+    return GM_OK;
+}
+
+/* C8, the pages' side: pages under a living pool's blocks are counted as used
+ * (so nothing reclaims them), checked against a recount by page. */
+static int check_pinned_pages(gm_heap *h, char *why, size_t len) {
+    size_t top = 0;
+    for (const gm_block *b = h->head; b; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED) top = gm_page_ceil(h, b->addr + b->size);
+    uint8_t *used = calloc(top ? top : 1, 1);
+    if (!used) return GM_OK;
+    size_t n = 0;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        int holds = b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING ||
+                    (b->state == GM_BLOCK_FREE && gm_pinned(b));
+        if (!holds) continue;
+        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++) {
+            if (!used[p]) n++;
+            used[p] = 1;
+        }
+    }
+    free(used);
+    size_t counted = gm_used_pages(h);
+    if (counted != n)
+        return fail(why, len, "%zu pages back live, pending or pool blocks but the heap counts %zu used", n, counted);
+    return GM_OK;
+}
+
+/* C9 */
+static int check_deferred(gm_heap *h, char *why, size_t len) {
+    size_t n = 0;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (!b->deferred) continue;
+        if (b->state != GM_BLOCK_PENDING) return fail(why, len, "block %#lx is deferred but not pending", (unsigned long)b->addr);
+        if (b->wait_sync) return fail(why, len, "deferred block %#lx also waits for a sync", (unsigned long)b->addr);
+        for (uint32_t i = 0; i < b->n_uses; i++)
+            if (b->events[i]) return fail(why, len, "deferred block %#lx has an event", (unsigned long)b->addr);
+        n++;
+    }
+    if (n != h->n_deferred) return fail(why, len, "%zu blocks are deferred but the heap counts %zu", n, h->n_deferred);
+    if (h->capture_count < 0) return fail(why, len, "capture count is %d", h->capture_count);
+    return GM_OK;
 }
 
 int gm_check(gm_heap *h, char *why, size_t whylen) {
     if (why && whylen) why[0] = 0;
     pthread_mutex_lock(&h->lock);
     int rc = check_locked(h, why, whylen);
+    if (!rc) rc = check_pool_blocks(h, why, whylen);
+    if (!rc) rc = check_pool_owners(h, why, whylen);
+    if (!rc) rc = check_pinned_pages(h, why, whylen);
+    if (!rc) rc = check_deferred(h, why, whylen);
     pthread_mutex_unlock(&h->lock);
     return rc;
 }

@@ -63,6 +63,48 @@
  *   until all complete.  Unmapping waits for the whole device, after which all
  *   free memory belongs to ANY.
  *
+ * POOLS
+ *
+ *   A private pool (torch's graph pools and MemPool, named by a MempoolId_t)
+ *   is a set of blocks tagged with it.  Its free blocks sit in owners of their
+ *   own -- one per (pool, stream), plus the pool's ANY -- so the same stream
+ *   rules hold inside a pool, and they merge only with free neighbours of the
+ *   same pool.  An allocation in a pool takes the pool's free blocks first, then
+ *   the general heap's (fast path, then the slow path as usual), and the block
+ *   it carves becomes the pool's; freed, it goes back to the pool.  Placement
+ *   never uses a pool's free block for anything else.
+ *
+ *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
+ *     |  page 0  |  page 1  |  page 2  |  page 3  |
+ *                      pages 0-3 are pinned: they back blocks of living pool p1
+ *
+ *   A CUDA graph has its addresses baked in, so every page that a block of a
+ *   living pool touches -- live, pending or free -- is counted as used
+ *   (gm_used_pages, cached_pages, cached_runs): defragmentation, empty_cache and
+ *   the cap never unmap or move it.  When the pool's last use is released its
+ *   free blocks become general at once (their owners go, they merge, their
+ *   pages become cacheable); its live and pending blocks become general when
+ *   they are freed, and the pool's record lives until the last of them is.
+ *   pool_set_live restores a checkpoint: it frees the pool's unlisted live
+ *   blocks and carves the listed ones out of the pool's free memory.
+ *
+ * CAPTURE
+ *
+ *   While a CUDA graph is captured, a synchronisation, an event query or
+ *   record, an unmap or a release would invalidate it.  The heap counts
+ *   gm_capture_begin/end, and asks the device (capture_status) whether the
+ *   requesting stream captures; either way the operation runs with h->no_sync
+ *   set.  Then the fast path is unchanged; pending blocks are not polled; the
+ *   slow path skips step 1 (events) and step 4 (defragmentation) and grows up to
+ *   the cap; out of memory otherwise, with spares kept (releasing them is
+ *   forbidden too).  A free with record_stream uses records no event: the block
+ *   stays pending, marked deferred, until the capture count returns to zero,
+ *   when its events are recorded (torch defers them the same way).  empty_cache
+ *   and a lowered cap trim nothing until the capture ends.  A capture known only
+ *   from the device, on another stream, shows through its deferred frees: while
+ *   one waits, device-wide calls (synchronize, event query) are held back too.
+ *   Other captures the heap cannot see: torch's side calls gm_capture_begin/end.
+ *
  * LOCKING: one mutex per heap; device calls happen under it (slow path only).
  */
 #include <stdio.h>
@@ -178,10 +220,10 @@ static gm_block *live_remove(gm_heap *h, uintptr_t addr) {
 
 /* ---- owners and the free index ------------------------------------------- */
 
-gm_owner *gm_owner_find(gm_heap *h, gm_stream s) {
-    if (h->last_owner && h->last_owner->stream == s) return h->last_owner;
+gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s) {
+    if (h->last_owner && h->last_owner->stream == s && h->last_owner->pool == pool) return h->last_owner;
     for (size_t i = 0; i < h->n_owners; i++) {
-        if (h->owners[i]->stream == s) {
+        if (h->owners[i]->stream == s && h->owners[i]->pool == pool) {
             h->last_owner = h->owners[i];
             return h->owners[i];
         }
@@ -189,8 +231,8 @@ gm_owner *gm_owner_find(gm_heap *h, gm_stream s) {
     return NULL;
 }
 
-static gm_owner *owner_get(gm_heap *h, gm_stream s) {
-    gm_owner *o = gm_owner_find(h, s);
+static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
+    gm_owner *o = gm_owner_find(h, pool, s);
     if (o) return o;
     if (h->n_owners == h->cap_owners) {
         size_t cap = h->cap_owners ? 2 * h->cap_owners : 4;
@@ -200,29 +242,40 @@ static gm_owner *owner_get(gm_heap *h, gm_stream s) {
         h->cap_owners = cap;
     }
     if (!(o = calloc(1, sizeof *o))) return NULL;
+    o->pool = pool;
     o->stream = s;
     fi_init(&o->idx);
     h->owners[h->n_owners++] = o;
     return o;
 }
 
+static void pool_free_add(gm_heap *h, gm_pool *p, int64_t blocks, int64_t bytes) {
+    p->free_blocks += (size_t)blocks;
+    p->free_bytes += (size_t)bytes;
+    h->pool_free_bytes += (size_t)bytes;
+}
+
 static void index_insert(gm_heap *h, gm_block *b) {
     /* owner_get only fails on host OOM; every owner a free block names was
-     * created when its stream first allocated, so this finds it. */
-    fi_insert(&gm_owner_find(h, b->stream)->idx, b);
+     * created when its stream first allocated (in the block's pool), so this
+     * finds it. */
+    fi_insert(&gm_owner_find(h, b->pool, b->stream)->idx, b);
+    if (b->pool) pool_free_add(h, b->pool, 1, (int64_t)b->size);
     int pool = gm_pool_of(b->size);
     gm_stat_up(h->st.inactive_split, pool, 1);
     gm_stat_up(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 static void index_remove(gm_heap *h, gm_block *b) {
-    fi_remove(&gm_owner_find(h, b->stream)->idx, b);
+    fi_remove(&gm_owner_find(h, b->pool, b->stream)->idx, b);
+    if (b->pool) pool_free_add(h, b->pool, -1, -(int64_t)b->size);
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.inactive_split, pool, 1);
     gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
-/* The stricter of two owners, or 0 if the blocks may not merge. */
+/* The stricter of two owners, or 0 if the blocks may not merge.  (Blocks of
+ * different pools never merge either: callers check that first.) */
 static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
     if (a == b || b == ANY) *out = a;
     else if (a == ANY) *out = b;
@@ -233,36 +286,53 @@ static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
 /* ---- splitting and merging ----------------------------------------------- */
 
 /* Cut b at `offset`; the upper part is returned with b's state and owner.
- * b must not be in any list. */
+ * b must not be in any list.  A block that keeps its pages (a pool's free
+ * block) is counted as two afterwards. */
 static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
+    int keeps = gm_keeps_pages(b);
+    if (keeps) gm_pages_use(h, b, -1);
     gm_block *r = block_new(h);
     r->addr = b->addr + offset;
     r->size = b->size - offset;
     r->state = b->state;
     r->stream = b->stream;
     r->seq = b->seq;
+    r->pool = b->pool;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
     b->next = r;
     b->size = offset;
+    if (keeps) {
+        gm_pages_use(h, b, 1);
+        gm_pages_use(h, r, 1);
+    }
     return r;
 }
 
-/* a absorbs its upper neighbour b; neither is in any list. */
+/* a absorbs its upper neighbour b; neither is in any list.  Both keep their
+ * pages (free blocks of one living pool) or neither does. */
 static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
+    int keeps = gm_keeps_pages(a);
+    if (keeps) {
+        gm_pages_use(h, a, -1);
+        gm_pages_use(h, b, -1);
+    }
     a->size += b->size;
     a->next = b->next;
     if (b->next) b->next->prev = a;
     if (b->seq > a->seq) a->seq = b->seq;
     block_del(h, b);
+    if (keeps) gm_pages_use(h, a, 1);
 }
 
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
-    int was_general = gm_general_space(b), attach = !was_general;
-    if (!was_general) {
+    /* Free in a living pool, it stays out of general space and keeps its pages. */
+    int was_general = gm_general_space(b), general = !b->pool, attach = general && !was_general;
+    int kept = gm_keeps_pages(b), keeps = gm_pinned(b);
+    if (attach) {
         /* It joins the runs on either side: out of the index until merged --
          * or, in front of an indexed run, it just becomes that run's head. */
         int joins_prev = b->prev && gm_general_space(b->prev), joins_next = b->next && gm_general_space(b->next);
@@ -275,19 +345,20 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
         }
     }
     b->state = GM_BLOCK_FREE;
+    if (kept != keeps) gm_pages_use(h, b, keeps ? 1 : -1);
     b->stream = owner;
     b->seq = seq;
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
-    if (p && p->state == GM_BLOCK_FREE && owners_merge(p->stream, b->stream, &o)) {
+    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && owners_merge(p->stream, b->stream, &o)) {
         index_remove(h, p);
         absorb(h, p, b);
         p->stream = o;
         b = p;
     }
     gm_block *n = b->next;
-    if (n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {
+    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {
         index_remove(h, n);
         absorb(h, b, n);
         b->stream = o;
@@ -303,6 +374,7 @@ static gm_block *make_unmapped(gm_heap *h, gm_block *b) {
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;
+    b->pool = NULL;
     if (b->prev && b->prev->state == GM_BLOCK_UNMAPPED) {
         gm_block *p = b->prev;
         absorb(h, p, b);
@@ -318,7 +390,8 @@ static void coalesce_all(gm_heap *h) {
     while (b && b->next) {
         gm_block *n = b->next;
         gm_stream o;
-        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {
+        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
+            owners_merge(b->stream, n->stream, &o)) {
             gm_run_detach(h, b);
             index_remove(h, b);
             index_remove(h, n);
@@ -366,7 +439,8 @@ static void event_put(gm_heap *h, gm_event ev) {
 /* Record an event on `s`; 0 if that failed (the caller then falls back to
  * waiting for the whole device). */
 static int event_record(gm_heap *h, gm_stream s, gm_event *ev) {
-    if (event_get(h, ev)) return 0;
+    *ev = 0;
+    if (h->no_sync || event_get(h, ev)) return 0;
     if (h->dev->ops->event_record(h->dev, *ev, s)) {
         h->st.num_device_errors++;
         event_put(h, *ev);
@@ -379,6 +453,7 @@ static int event_record(gm_heap *h, gm_stream s, gm_event *ev) {
 /* 1 when done.  A failing query counts as not done: the block waits for the
  * next device synchronisation instead. */
 static int event_done(gm_heap *h, gm_event ev) {
+    if (h->no_sync) return 0;
     int rc = h->dev->ops->event_query(h->dev, ev);
     if (rc == GM_OK) return 1;
     if (rc != GM_ENOTREADY) h->st.num_device_errors++;
@@ -405,9 +480,20 @@ static void pending_append(gm_heap *h, gm_block *b) {
     h->n_pending++;
 }
 
-/* A pending or live block leaves "active" and becomes free for its stream. */
+static void pool_delete(gm_heap *h, gm_pool *p);
+
+/* A pending or live block leaves "active" and becomes free for its stream, in
+ * its pool if that still lives, else in the general heap. */
 static void complete_free(gm_heap *h, gm_block *b) {
-    if (b->state == GM_BLOCK_LIVE) gm_pages_use(h, b, -1);
+    gm_pool *pl = b->pool;
+    if (pl) {
+        pl->live_blocks--;
+        pl->live_bytes -= b->size;
+        if (!pl->use_count) {
+            b->pool = NULL;
+            if (!pl->live_blocks) pool_delete(h, pl);
+        }
+    }
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.active, pool, 1);
     gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
@@ -423,6 +509,11 @@ static size_t process_pending(gm_heap *h, int synced) {
     size_t done = 0;
     for (gm_block *b = h->pending_head, *next; b; b = next) {
         next = b->lnext;
+        if (b->deferred) {
+            if (!synced) continue;
+            b->deferred = 0;
+            h->n_deferred--;
+        }
         int all = 1;
         for (uint32_t i = 0; i < b->n_uses; i++) {
             if (!b->events[i]) continue;
@@ -504,7 +595,7 @@ static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t thresh
     c->threshold = threshold;
     if (threshold == UINT64_MAX) {
         /* Everything goes: merge the sorted bins instead of inserting one by one. */
-        fi_move_all(&c->h->owners[0]->idx, &o->idx, release_moved, c);
+        fi_move_all(o->pool ? &o->pool->any->idx : &c->h->owners[0]->idx, &o->idx, release_moved, c);
     } else {
         /* fi_each tolerates moving the visited block out of the index it walks. */
         fi_each(&o->idx, release_one, c);
@@ -513,24 +604,31 @@ static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t thresh
 }
 
 /* Merge what may merge in the run of free blocks that starts at b, left to
- * right, as coalesce_all does: merges keep the lower record, so b stays. */
+ * right, as coalesce_all does: merges keep the lower record, so b stays.
+ * Blocks of different pools (or of a pool and the general heap) never merge;
+ * a run of general space that changes is out of the run index meanwhile
+ * (`out`: a block of it, whose record survives the merges). */
 static void coalesce_chain(gm_heap *h, gm_block *b) {
-    gm_block *first = b;
-    gm_run_detach(h, first);
+    gm_block *out = NULL;
     while (b->next && b->next->state == GM_BLOCK_FREE) {
         gm_block *n = b->next;
         gm_stream o;
-        if (owners_merge(b->stream, n->stream, &o)) {
+        if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
+            if (!b->pool && !out) gm_run_detach(h, out = b);
             index_remove(h, b);
             index_remove(h, n);
             absorb(h, b, n);
             b->stream = o;
             index_insert(h, b);
         } else {
+            if (out && n->pool) {
+                gm_run_attach(h, out);
+                out = NULL;
+            }
             b = n;
         }
     }
-    gm_run_attach(h, first);
+    if (out) gm_run_attach(h, out);
 }
 
 /* After owners changed: the runs of free blocks that hold a changed block are
@@ -551,6 +649,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
     struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
+        if (o->stream == ANY) continue; /* a pool's: everyone's already */
         if (synced) {
             if (o->releasing) {
                 event_put(h, o->release_event);
@@ -577,13 +676,22 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
 
 /* ---- the fast path ------------------------------------------------------------ */
 
-static gm_block *fit(gm_heap *h, size_t size, gm_stream s) {
-    gm_owner *own = s == ANY ? NULL : gm_owner_find(h, s);
+/* Best fit for stream s among the free blocks of `pool` (NULL: the general
+ * heap) that s may use: its own and everyone's. */
+static gm_block *fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
+    gm_owner *own = s == ANY ? NULL : gm_owner_find(h, pool, s);
     gm_block *a = own ? fi_best_fit(&own->idx, size) : NULL;
-    gm_block *b = fi_best_fit(&h->owners[0]->idx, size);
+    gm_block *b = fi_best_fit(pool ? &pool->any->idx : &h->owners[0]->idx, size);
     if (!a) return b;
     if (!b) return a;
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
+}
+
+/* An allocation in a pool takes the pool's free memory first, then the
+ * general heap's. */
+static gm_block *fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
+    gm_block *b = pool ? fit_in(h, size, s, pool) : NULL;
+    return b ? b : fit_in(h, size, s, NULL);
 }
 
 /* Turn [at, at+size) of the free block b into a live block. */
@@ -655,8 +763,10 @@ static size_t grow(gm_heap *h, size_t want, size_t limit, int *dev_err) {
     return made;
 }
 
-/* Release spare pages until the heap holds at most `target`. */
+/* Release spare pages until the heap holds at most `target` (not during a
+ * capture: a release would invalidate it; the spares wait for later). */
 static int release_spares(gm_heap *h, size_t target) {
+    if (h->no_sync) return GM_OK;
     while (h->n_spare && held_pages(h) > target) {
         gm_handle hd = h->spare[h->n_spare - 1];
         int rc = h->dev->ops->release(h->dev, hd);
@@ -674,11 +784,14 @@ static int release_spares(gm_heap *h, size_t target) {
 static size_t growth_limit(const gm_heap *h, size_t size) {
     size_t active = (size_t)h->st.active_bytes[GM_POOL_ALL].current + size;
     size_t basis = h->peak_live > active ? h->peak_live : active;
+    /* Free memory kept for living pools serves nothing else. */
+    basis += h->pool_free_bytes;
     size_t pages = (size_t)((double)basis * (1.0 + h->growth_slack) / (double)h->page) + 1 + h->growth_slack_pages;
     return pages < h->cap_pages ? pages : h->cap_pages;
 }
 
 static int synchronize(gm_heap *h) {
+    if (h->no_sync) return GM_EDEVICE; /* callers never get here during a capture */
     if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
         return GM_EDEVICE;
@@ -694,6 +807,7 @@ static int synchronize(gm_heap *h) {
 static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
     size_t done = p0;
     int rc = GM_OK;
+    if (h->no_sync) return GM_EDEVICE;
     for (; done < p1; done++) {
         rc = h->dev->ops->unmap(h->dev, gm_page_addr(h, done), h->page);
         if (rc) {
@@ -762,14 +876,14 @@ static int cached_one(gm_block *b, void *arg) {
     return 0;
 }
 
-/* Wholly free pages, outside the page range [ex0, ex1), that free blocks cover:
- * these back nothing and can be unmapped.  Writes them to *out (malloc'd).
+/* Wholly free pages, outside the page range [ex0, ex1), that free blocks of
+ * the general heap cover: these back nothing and can be unmapped.  Writes them to *out (malloc'd).
  * Only blocks of a page or more can hold a whole page: the free indexes give
  * those without a walk over every block. */
 static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
     struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0};
     for (size_t i = 0; i < h->n_owners; i++)
-        if (fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
+        if (!h->owners[i]->pool && fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
     *out = c.runs;
     *pages = c.total;
     return c.n;
@@ -856,7 +970,8 @@ struct place_ctx {
 };
 
 /* The runs that stream s may use inside one run of general space: its own or
- * everyone's free blocks, and unmapped space. */
+ * everyone's free blocks of the general heap (never a pool's: those are not
+ * general space), and unmapped space. */
 static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
     gm_block *first = NULL;
     size_t len = 0;
@@ -890,7 +1005,7 @@ static placement place(gm_heap *h, size_t size, gm_stream s) {
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
-    gm_block *f = fit(h, size, s);
+    gm_block *f = fit_in(h, size, s, NULL);
     if (f && ((f->prev && gm_general_space(f->prev)) || (f->next && gm_general_space(f->next)))) {
         place_in(&c, h->head, h->base + h->va_size);
         return c.best;
@@ -910,7 +1025,8 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     if (!rc) return GM_OK;
     h->st.num_device_errors++;
     for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
-        while (*p1 > p0) {
+        /* During a capture nothing may be unmapped: only ask again. */
+        while (*p1 > p0 && !h->no_sync) {
             size_t q = *p1 - 1;
             if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) {
                 h->st.num_device_errors++;
@@ -1013,12 +1129,17 @@ static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size
 
 /* ---- reports ------------------------------------------------------------------------- */
 
-/* Pages that live or pending blocks touch.  Only reports ask (they walk every
- * block anyway); the slow path counts with the run index's live_pages. */
+/* A block whose pages nothing may take: live, pending, or kept for a living pool. */
+static inline int holds_pages(const gm_block *b) {
+    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b));
+}
+
+/* Pages that such blocks touch.  Only reports ask (they walk every block
+ * anyway); the slow path counts with the run index's page use. */
 size_t gm_used_pages(gm_heap *h) {
     size_t used = 0, last = SIZE_MAX; /* last page counted */
     for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING) continue;
+        if (!holds_pages(b)) continue;
         size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
         if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
         if (p1 > p0) used += p1 - p0;
@@ -1043,12 +1164,18 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     size_t used = gm_used_pages(h);
     o->cached_bytes = (held_pages(h) - used) * h->page;
     size_t run = 0, best_run = 0;
+    /* Free memory kept for living pools serves no other request: it is
+     * reported apart and counts as used here. */
+    for (size_t i = 0; i < h->n_pools; i++)
+        if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
+    o->pool_free_bytes = h->pool_free_bytes;
     for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state == GM_BLOCK_FREE) {
+        int pinned = gm_pinned(b);
+        if (b->state == GM_BLOCK_FREE && !pinned) {
             o->free_mapped_bytes += b->size;
             if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
         }
-        if (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_UNMAPPED) {
+        if ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED) {
             run += b->size;
             if (run > best_run) best_run = run;
         } else {
@@ -1081,8 +1208,13 @@ int gm_last_oom(gm_heap *h, gm_oom_info *out) {
 
 /* ---- the slow path --------------------------------------------------------------------- */
 
+static int capture_on(gm_heap *h, gm_stream s);
+static int other_capture(gm_heap *h);
+
 static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
-    /* Pages gathered for a request that failed would only starve others. */
+    /* Pages gathered for a request that failed would only starve others (but
+     * during a capture they stay: a release would invalidate it). */
+    if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
     release_spares(h, h->mapped_pages);
     fill_report(h, size, s, &h->last_oom);
     h->last_oom.pages_needed = short_pages;
@@ -1093,11 +1225,13 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
-/* Mapped pages that no live block touches, outside the page range [ex0, ex1):
- * pages wholly under free or pending blocks, whatever their owners.  After a
+/* Mapped pages that no block keeping its pages touches (gm_keeps_pages: live,
+ * or kept for a living pool), outside the page range [ex0, ex1): pages wholly
+ * under general free or pending blocks, whatever their owners.  After a
  * synchronisation they are wholly free and can go.  [ex0, ex1) is a
- * placement's range, which lies in general space: a live block touches a page
- * of it only by starting or ending there, so live_ep says which. */
+ * placement's range, which lies in general space: a block that keeps its
+ * pages touches a page of it only by starting or ending there, so live_ep
+ * says which. */
 static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
     size_t pages = h->mapped_pages - h->runs.live_pages;
     if (ex1 > h->n_pages) ex1 = h->n_pages;
@@ -1129,20 +1263,30 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, int 
     }
 }
 
-static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintptr_t *at) {
+/* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
+ * event, no synchronisation, no unmap or release. */
+static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at) {
     h->st.num_alloc_retries++;
+    gm_block *b;
+    int dev_err = GM_OK, recycled = 0, synced = 0;
+    placement pl;
+    if (h->no_sync) {
+        pl = place(h, size, s);
+        if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+        synced = 1; /* as if: no defragmentation below */
+        goto placed;
+    }
     /* 1. Memory other streams (or record_stream users) have finished with. */
     size_t moved = h->n_pending ? process_pending(h, 0) : 0;
     if (h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s)) moved += release_owners(h, s, 0);
-    gm_block *b = moved ? fit(h, size, s) : NULL;
+    b = moved ? fit(h, size, s, pool) : NULL;
     if (b) {
         *out = b;
         *at = b->addr;
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
-    int dev_err = GM_OK, recycled = 0, synced = 0;
-    placement pl = place(h, size, s);
+    pl = place(h, size, s);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
@@ -1154,6 +1298,7 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_block **out, uint
         defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     }
+placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (pl.new_pages > h->n_spare) return out_of_memory(h, size, s, pl.new_pages - h->n_spare, dev_err);
     int err = GM_OK;
@@ -1239,7 +1384,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !owner_get(h, ANY) ||
+    rc = (!h->page_handle || !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) ||
           slab_grow(h))
              ? GM_ENOMEM
              : GM_OK;
@@ -1286,6 +1431,8 @@ void gm_heap_destroy(gm_heap *h) {
         free(h->owners[i]);
     }
     for (size_t i = 0; i < h->n_event_pool; i++) dev->ops->event_destroy(dev, h->event_pool[i]);
+    for (size_t i = 0; i < h->n_pools; i++) free(h->pools[i]);
+    free(h->pools);
     if (h->va_size && h->base) dev->ops->unreserve(dev, h->base, h->va_size);
     for (gm_block *b = h->head; b; b = b->next) {
         free(b->uses);
@@ -1307,31 +1454,104 @@ void gm_heap_destroy(gm_heap *h) {
 
 gm_device *gm_heap_device(gm_heap *h) { return h->dev; }
 
-int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t *out) {
-    if (!out) return GM_EINVAL;
-    *out = 0;
-    if (s == ANY) return GM_EINVAL;
-    if (size > ((size_t)1 << 52)) return GM_EINVAL;
-    size_t rsize = align_up(size ? size : 1, GM_ALIGN);
+/* ---- stream capture -------------------------------------------------------------------- */
+
+/* Whether stream s is capturing by the device's word; `if_unknown` when the
+ * device cannot say (a stream destroyed since, a failing driver). */
+static int device_capturing(gm_heap *h, gm_stream s, int if_unknown) {
+    int (*status)(gm_device *, gm_stream, int *) = h->dev->ops->capture_status;
+    if (!status || s == ANY) return 0;
+    int c = 0;
+    return status(h->dev, s, &c) != GM_OK ? if_unknown : c;
+}
+
+/* Whether a call on behalf of stream s now could invalidate a capture: the
+ * heap was told so, or the device says s is capturing (or cannot say). */
+static int capture_on(gm_heap *h, gm_stream s) {
+    return h->capture_count > 0 || device_capturing(h, s, 1);
+}
+
+/* Record the events of a pending block, one per record_stream use; if one
+ * cannot be recorded, the block waits for the next device synchronisation. */
+static void record_uses(gm_heap *h, gm_block *b) {
+    b->wait_sync = 0;
+    for (uint32_t i = 0; i < b->n_uses; i++) {
+        b->events[i] = 0;
+        if (!b->wait_sync && !event_record(h, b->uses[i], &b->events[i])) b->wait_sync = 1;
+    }
+}
+
+/* Record the events of blocks freed during a capture, once no stream they
+ * name is capturing (torch: "events deferred until no capture"). */
+static void record_deferred(gm_heap *h) {
+    for (gm_block *b = h->pending_head; b && h->n_deferred; b = b->lnext) {
+        if (!b->deferred) continue;
+        /* A stream that cannot answer is taken as done capturing: its event
+         * record may fail, and then the block waits for a device sync. */
+        int busy = h->capture_count > 0 || device_capturing(h, b->stream, 0);
+        for (uint32_t i = 0; i < b->n_uses && !busy; i++) busy = device_capturing(h, b->uses[i], 0);
+        if (busy) continue;
+        b->deferred = 0;
+        h->n_deferred--;
+        record_uses(h, b);
+    }
+}
+
+/* A capture the heap only knows from the device, on a stream other than the
+ * requester's, still under way: a block freed during it is still deferred
+ * once those whose captures ended have their events.  Then a device-wide call
+ * (synchronize, unmap) would invalidate that capture too. */
+static int other_capture(gm_heap *h) {
+    if (!h->n_deferred) return 0;
+    record_deferred(h);
+    return h->n_deferred > 0;
+}
+
+void gm_capture_begin(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
-    int rc = GM_OK;
-    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
-        rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
-        goto done;
+    h->capture_count++;
+    pthread_mutex_unlock(&h->lock);
+}
+
+void gm_capture_end(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    if (h->capture_count > 0 && --h->capture_count == 0 && h->n_deferred) record_deferred(h);
+    pthread_mutex_unlock(&h->lock);
+}
+
+int gm_capturing(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    int c = h->capture_count;
+    pthread_mutex_unlock(&h->lock);
+    return c;
+}
+
+/* ---- allocation and free --------------------------------------------------------------- */
+
+static gm_pool *pool_find(const gm_heap *h, const gm_pool_id *id) {
+    for (size_t i = 0; i < h->n_pools; i++) {
+        gm_pool *p = h->pools[i];
+        if (p->use_count > 0 && p->id.first == id->first && p->id.second == id->second) return p;
     }
-    if ((rc = slab_reserve(h, 4)) || (h->n_live >= h->live_mask && (rc = live_grow(h)))) goto done;
-    gm_owner *own = gm_owner_find(h, s);
-    if (!own && !(own = owner_get(h, s))) {
-        rc = GM_ENOMEM;
-        goto done;
-    }
-    if (h->n_pending) process_pending(h, 0);
-    gm_block *b = fit(h, rsize, s);
-    uintptr_t at = b ? snug_end(h, b, rsize) : 0;
-    if (!b && (rc = alloc_slow(h, rsize, s, &b, &at))) goto done;
-    b = carve(h, b, at, rsize);
-    if (b->run_len && b->next && gm_general_space(b->next) &&
-        !(b->next->state == GM_BLOCK_FREE && b->run_len - b->size == b->next->size)) {
+    return NULL;
+}
+
+/* Before pending blocks are looked at: not during a capture, and blocks freed
+ * during one get their events first. */
+static void pending_step(gm_heap *h, gm_stream s) {
+    if (!h->n_pending) return;
+    if ((h->no_sync = capture_on(h, s) || other_capture(h))) return;
+    process_pending(h, 0);
+}
+
+/* b (free, carved) becomes live for s, in pool p. */
+static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context,
+                      gm_pool *p) {
+    int kept = gm_keeps_pages(b);
+    if (!gm_general_space(b)) {
+        b->state = GM_BLOCK_LIVE; /* a pool's free block: no run changes */
+    } else if (b->run_len && b->next && gm_general_space(b->next) &&
+               !(b->next->state == GM_BLOCK_FREE && b->run_len - b->size == b->next->size)) {
         /* Carved from the front of an indexed run: the rest stays one indexed
          * run (not a lone free block). */
         ri_move_head(&h->runs, b, b->next, b->run_len - b->size);
@@ -1342,30 +1562,107 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
         if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
         if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
     }
-    gm_pages_use(h, b, 1);
+    if (!kept) gm_pages_use(h, b, 1);
     b->stream = s;
-    b->requested = size;
+    b->requested = requested;
     b->context = context;
     b->seq = ++h->alloc_seq;
+    b->pool = p;
+    if (p) {
+        p->live_blocks++;
+        p->live_bytes += size;
+    }
     live_insert(h, b);
-    h->live_bytes += rsize;
-    int pool = gm_pool_of(rsize);
+    h->live_bytes += size;
+    int pool = gm_pool_of(size);
     gm_stat_up(h->st.allocation, pool, 1);
-    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)rsize);
-    gm_stat_up(h->st.requested_bytes, pool, (int64_t)size);
+    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)size);
+    gm_stat_up(h->st.requested_bytes, pool, (int64_t)requested);
     gm_stat_up(h->st.active, pool, 1);
-    gm_stat_up(h->st.active_bytes, pool, (int64_t)rsize);
+    gm_stat_up(h->st.active_bytes, pool, (int64_t)size);
     if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
         h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
-    gm_hist(h, GM_H_ALLOC, b->addr, rsize, s, context);
+    gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
+}
+
+int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id,
+                   uintptr_t *out) {
+    if (!out) return GM_EINVAL;
+    *out = 0;
+    if (s == ANY) return GM_EINVAL;
+    if (size > ((size_t)1 << 52)) return GM_EINVAL;
+    size_t rsize = align_up(size ? size : 1, GM_ALIGN);
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_OK;
+    gm_pool *pool = NULL;
+    if (pool_id && !(pool = pool_find(h, pool_id))) {
+        rc = GM_EINVAL;
+        goto done;
+    }
+    h->no_sync = h->capture_count > 0;
+    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
+        rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
+        goto done;
+    }
+    if ((rc = slab_reserve(h, 4)) || (h->n_live >= h->live_mask && (rc = live_grow(h)))) goto done;
+    if ((!gm_owner_find(h, NULL, s) && !owner_get(h, NULL, s)) ||
+        (pool && !gm_owner_find(h, pool, s) && !owner_get(h, pool, s))) {
+        rc = GM_ENOMEM;
+        goto done;
+    }
+    if (h->n_pending) pending_step(h, s);
+    gm_block *b = fit(h, rsize, s, pool);
+    uintptr_t at = b ? snug_end(h, b, rsize) : 0;
+    if (!b) {
+        if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
+        if ((rc = alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
+    }
+    b = carve(h, b, at, rsize);
+    make_live(h, b, rsize, size, s, context, pool);
     *out = b->addr;
 done:
+    h->no_sync = 0;
     pthread_mutex_unlock(&h->lock);
     return rc;
 }
 
+int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t *out) {
+    return gm_malloc_pool(h, size, s, context, NULL, out);
+}
+
 static int not_live(const gm_heap *h, uintptr_t ptr) {
     return (ptr >= h->base && ptr < h->base + h->va_size) ? GM_EDOUBLE_FREE : GM_EUNKNOWN_PTR;
+}
+
+/* Free the live block b, already out of the live table. */
+static void free_block(gm_heap *h, gm_block *b) {
+    h->live_bytes -= b->size;
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.allocation, pool, 1);
+    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
+    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
+    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
+    if (!b->n_uses) {
+        complete_free(h, b);
+        return;
+    }
+    /* Other streams may still touch it: one event per stream, and the block
+     * waits.  If an event cannot be recorded, it waits for the next device
+     * synchronisation instead.  During a capture no event may be recorded:
+     * the block waits with none until the capture ends. */
+    int capt = capture_on(h, b->stream) || other_capture(h);
+    for (uint32_t i = 0; i < b->n_uses && !capt; i++) capt = capture_on(h, b->uses[i]);
+    b->state = GM_BLOCK_PENDING;
+    if (!gm_pinned(b)) gm_pages_use(h, b, -1); /* a living pool's keeps its pages */
+    pending_append(h, b);
+    if (capt) {
+        b->wait_sync = 0;
+        for (uint32_t i = 0; i < b->n_uses; i++) b->events[i] = 0;
+        b->deferred = 1;
+        h->n_deferred++;
+    } else {
+        record_uses(h, b);
+    }
 }
 
 int gm_free(gm_heap *h, uintptr_t ptr) {
@@ -1376,27 +1673,7 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
         pthread_mutex_unlock(&h->lock);
         return rc;
     }
-    h->live_bytes -= b->size;
-    int pool = gm_pool_of(b->size);
-    gm_stat_down(h->st.allocation, pool, 1);
-    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
-    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
-    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
-    if (!b->n_uses) {
-        complete_free(h, b);
-    } else {
-        /* Other streams may still touch it: one event per stream, and the block
-         * waits.  If an event cannot be recorded, it waits for the next device
-         * synchronisation instead. */
-        b->wait_sync = 0;
-        for (uint32_t i = 0; i < b->n_uses; i++) {
-            b->events[i] = 0;
-            if (!b->wait_sync && !event_record(h, b->uses[i], &b->events[i])) b->wait_sync = 1;
-        }
-        b->state = GM_BLOCK_PENDING;
-        gm_pages_use(h, b, -1);
-        pending_append(h, b);
-    }
+    free_block(h, b);
     pthread_mutex_unlock(&h->lock);
     return GM_OK;
 }
@@ -1441,6 +1718,8 @@ size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
 
 /* Unmap cached pages and release spares until the heap holds at most `target`. */
 static int trim(gm_heap *h, size_t target) {
+    /* During a capture nothing may be unmapped or released: later. */
+    if (h->capture_count > 0 || other_capture(h)) return GM_OK;
     int rc = release_spares(h, target);
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */
@@ -1492,4 +1771,296 @@ void gm_reset_accumulated_stats(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     gm_stats_reset_accumulated(&h->st);
     pthread_mutex_unlock(&h->lock);
+}
+
+/* ---- private pools ----------------------------------------------------------------------- */
+
+static void pool_delete(gm_heap *h, gm_pool *p) {
+    for (size_t i = 0; i < h->n_pools; i++) {
+        if (h->pools[i] != p) continue;
+        h->pools[i] = h->pools[--h->n_pools];
+        break;
+    }
+    free(p);
+}
+
+static int valid_id(const gm_pool_id *id) { return id->first || id->second; }
+
+int gm_pool_retain(gm_heap *h, gm_pool_id id) {
+    if (!valid_id(&id)) return GM_EINVAL;
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_OK;
+    gm_pool *p = pool_find(h, &id);
+    if (p) {
+        p->use_count++;
+        goto done;
+    }
+    if (h->n_pools == h->cap_pools) {
+        size_t cap = h->cap_pools ? 2 * h->cap_pools : 8;
+        gm_pool **a = realloc(h->pools, cap * sizeof *a);
+        if (!a) {
+            rc = GM_ENOMEM;
+            goto done;
+        }
+        h->pools = a;
+        h->cap_pools = cap;
+    }
+    if (!(p = calloc(1, sizeof *p))) {
+        rc = GM_ENOMEM;
+        goto done;
+    }
+    p->id = id;
+    p->use_count = 1;
+    if (!(p->any = owner_get(h, p, ANY))) {
+        free(p);
+        rc = GM_ENOMEM;
+        goto done;
+    }
+    h->pools[h->n_pools++] = p;
+done:
+    pthread_mutex_unlock(&h->lock);
+    return rc;
+}
+
+struct to_general_ctx {
+    gm_heap *h;
+    gm_owner *from;
+};
+
+/* A free block of an ending pool joins the general heap, same owner: it stops
+ * keeping its pages and joins the runs of general space beside it. */
+static int to_general(gm_block *b, void *arg) {
+    struct to_general_ctx *c = arg;
+    gm_heap *h = c->h;
+    index_remove(h, b);
+    gm_pages_use(h, b, -1);
+    if (b->prev) gm_run_detach(h, b->prev);
+    if (b->next) gm_run_detach(h, b->next);
+    b->pool = NULL;
+    index_insert(h, b);
+    gm_run_attach(h, b);
+    return 0;
+}
+
+/* The pool's last use is gone: its free blocks join the general heap now (and
+ * merge with their neighbours), its owners go, and the record stays only while
+ * blocks of it are live or pending. */
+static void pool_end(gm_heap *h, gm_pool *p) {
+    p->use_count = 0;
+    /* Its pending blocks will complete into the general heap. */
+    for (gm_block *b = h->head; b; b = b->next)
+        if (b->pool == p && b->state == GM_BLOCK_PENDING) gm_pages_use(h, b, -1);
+    for (size_t i = 0; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->pool != p) continue;
+        if (o->releasing) {
+            event_put(h, o->release_event);
+            o->releasing = 0;
+        }
+        struct to_general_ctx c = {h, o};
+        fi_each(&o->idx, to_general, &c);
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < h->n_owners; i++) {
+        if (h->owners[i]->pool == p) free(h->owners[i]);
+        else h->owners[k++] = h->owners[i];
+    }
+    h->n_owners = k;
+    h->last_owner = NULL;
+    p->any = NULL;
+    coalesce_all(h);
+    if (!p->live_blocks) pool_delete(h, p);
+}
+
+int gm_pool_release(gm_heap *h, gm_pool_id id) {
+    pthread_mutex_lock(&h->lock);
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (p && --p->use_count == 0) pool_end(h, p);
+    pthread_mutex_unlock(&h->lock);
+    return p ? GM_OK : GM_EINVAL;
+}
+
+/* Pages any block of p touches, each counted once. */
+static size_t pool_pages(gm_heap *h, const gm_pool *p) {
+    size_t n = 0, last = SIZE_MAX;
+    for (gm_block *b = h->head; b; b = b->next) {
+        if (b->pool != p) continue;
+        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
+        if (p1 > p0) n += p1 - p0;
+        if (p1 > 0) last = p1 - 1;
+    }
+    return n;
+}
+
+static void pool_fill(gm_heap *h, const gm_pool *p, gm_pool_info *out) {
+    memset(out, 0, sizeof *out);
+    out->id = p->id;
+    out->use_count = p->use_count;
+    out->live_blocks = p->live_blocks;
+    out->live_bytes = p->live_bytes;
+    out->free_blocks = p->free_blocks;
+    out->free_bytes = p->free_bytes;
+    out->pinned_pages = pool_pages(h, p);
+}
+
+
+int gm_pool_info_get(gm_heap *h, gm_pool_id id, gm_pool_info *out) {
+    pthread_mutex_lock(&h->lock);
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (p) pool_fill(h, p, out);
+    pthread_mutex_unlock(&h->lock);
+    return p ? GM_OK : GM_EINVAL;
+}
+
+size_t gm_pool_list(gm_heap *h, gm_pool_info *out, size_t cap) {
+    pthread_mutex_lock(&h->lock);
+    size_t n = 0;
+    for (size_t i = 0; i < h->n_pools; i++) {
+        if (h->pools[i]->use_count <= 0) continue;
+        if (n < cap) pool_fill(h, h->pools[i], &out[n]);
+        n++;
+    }
+    pthread_mutex_unlock(&h->lock);
+    return n;
+}
+
+size_t gm_pool_live(gm_heap *h, gm_pool_id id, uintptr_t *addrs, size_t *sizes, size_t cap) {
+    pthread_mutex_lock(&h->lock);
+    size_t n = 0;
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    for (gm_block *b = p ? h->head : NULL; b; b = b->next) {
+        if (b->pool != p || b->state != GM_BLOCK_LIVE) continue;
+        if (n < cap) {
+            if (addrs) addrs[n] = b->addr;
+            if (sizes) sizes[n] = b->size;
+        }
+        n++;
+    }
+    pthread_mutex_unlock(&h->lock);
+    return n;
+}
+
+typedef struct listed {
+    uintptr_t addr;
+    size_t size;
+} listed;
+
+static int cmp_listed(const void *x, const void *y) {
+    uintptr_t u = ((const listed *)x)->addr, v = ((const listed *)y)->addr;
+    return u < v ? -1 : u > v;
+}
+
+/* The block that holds address a (a inside the reserved range). */
+static gm_block *block_at(gm_heap *h, uintptr_t a) {
+    gm_block *b = h->head;
+    while (b && b->addr + b->size <= a) b = b->next;
+    return b;
+}
+
+/* Free memory of p for the listed range [a, a+size) once the live blocks of p
+ * marked for freeing are free: every block under it is a free block of p or
+ * a live one of p that is to be freed and has no other stream's use. */
+static int range_in_pool(gm_heap *h, const gm_pool *p, uintptr_t a, size_t size) {
+    uintptr_t end = a + size;
+    for (gm_block *b = block_at(h, a); b && b->addr < end; b = b->next) {
+        if (b->pool != p) return 0;
+        if (b->state == GM_BLOCK_FREE) continue;
+        if (b->state == GM_BLOCK_LIVE && b->mark == 2 && !b->n_uses) continue;
+        return 0;
+    }
+    return 1;
+}
+
+int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes, size_t n,
+                     gm_stream stream) {
+    if (stream == ANY || (n && (!addrs || !sizes))) return GM_EINVAL;
+    listed *l = malloc((n ? n : 1) * sizeof *l);
+    if (!l) return GM_ENOMEM;
+    for (size_t i = 0; i < n; i++) l[i] = (listed){addrs[i], sizes[i]};
+    qsort(l, n, sizeof *l, cmp_listed);
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_EINVAL;
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (!p) goto out;
+    /* 1. Validate, changing nothing: the list is disjoint, inside the range,
+     * 512-aligned; the pool's live blocks are marked kept (1) or to free (2);
+     * every other listed range lies in free memory of the pool once the blocks
+     * to free are free. */
+    for (size_t k = 0; k < n; k++) {
+        uintptr_t a = l[k].addr;
+        size_t sz = l[k].size;
+        if (!sz || a % GM_ALIGN || sz % GM_ALIGN || a < h->base || sz > h->va_size || a - h->base > h->va_size - sz)
+            goto out;
+        if (k && l[k - 1].addr + l[k - 1].size > a) goto out;
+    }
+    for (gm_block *b = h->head; b; b = b->next) b->mark = (b->pool == p && b->state == GM_BLOCK_LIVE) ? 2 : 0;
+    size_t to_alloc = 0;
+    for (size_t k = 0; k < n; k++) {
+        gm_block *b = gm_live_find(h, l[k].addr);
+        if (b && b->pool == p && b->size == l[k].size) b->mark = 1;
+        else to_alloc++;
+    }
+    for (size_t k = 0; k < n; k++) {
+        gm_block *b = gm_live_find(h, l[k].addr);
+        if (b && b->mark == 1 && b->size == l[k].size) continue;
+        if (!range_in_pool(h, p, l[k].addr, l[k].size)) goto out;
+    }
+    rc = GM_ENOMEM;
+    if (slab_reserve(h, 2 * to_alloc + 4) || !owner_get(h, NULL, stream) || !owner_get(h, p, stream)) goto out;
+    while (h->n_live + to_alloc >= h->live_mask)
+        if (live_grow(h)) goto out;
+    /* 2. Free the pool's live blocks that are not listed (into the pool). */
+    h->no_sync = h->capture_count > 0;
+    for (gm_block *b = h->head, *next; b; b = next) {
+        next = b->next;
+        if (b->mark != 2) continue;
+        b->mark = 0;
+        /* Freeing merges b with its free neighbours: go on after the result. */
+        gm_block *prev = b->prev;
+        live_remove(h, b->addr);
+        free_block(h, b);
+        next = prev ? prev->next : h->head;
+    }
+    /* 3. Allocate the listed blocks that are not live out of the pool's free
+     * blocks: those under each range become one for `stream` (the caller
+     * orders their earlier uses before it, as torch does); what lies outside
+     * the range keeps its owner. */
+    for (size_t k = 0; k < n; k++) {
+        uintptr_t a = l[k].addr;
+        size_t sz = l[k].size;
+        gm_block *b = gm_live_find(h, a);
+        if (b && b->mark == 1) continue;
+        b = block_at(h, a);
+        index_remove(h, b);
+        if (b->addr < a) {
+            gm_block *r = split(h, b, a - b->addr);
+            index_insert(h, b);
+            b = r;
+        }
+        gm_stream last = b->stream;
+        uint64_t last_seq = b->seq;
+        while (b->addr + b->size < a + sz) {
+            gm_block *nx = b->next;
+            index_remove(h, nx);
+            last = nx->stream;
+            last_seq = nx->seq;
+            absorb(h, b, nx);
+        }
+        if (b->addr + b->size > a + sz) {
+            gm_block *r = split(h, b, sz);
+            r->stream = last;
+            r->seq = last_seq;
+            index_insert(h, r);
+        }
+        make_live(h, b, sz, sz, stream, 0, p);
+    }
+    coalesce_all(h); /* what the new owners let merge */
+    rc = GM_OK;
+out:
+    h->no_sync = 0;
+    for (gm_block *b = h->head; b; b = b->next) b->mark = 0;
+    pthread_mutex_unlock(&h->lock);
+    free(l);
+    return rc;
 }

@@ -13,6 +13,9 @@
 #include "gpumem/gpumem.h"
 
 typedef struct gm_block gm_block;
+typedef struct gm_pool gm_pool;
+typedef struct gm_owner gm_owner;
+
 struct gm_block {
     uintptr_t addr;
     size_t size;
@@ -29,28 +32,36 @@ struct gm_block {
     uint64_t seq;
     uint8_t state;           /* gm_block_state */
     uint8_t wait_sync;       /* pending, but an event could not be recorded: wait for a device sync */
+    uint8_t deferred;        /* pending, freed during a capture: its events are not recorded yet */
+    uint8_t mark;            /* scratch for one operation under the lock (pool_set_live, owner releases); 0 between them */
+    gm_pool *pool;           /* the private pool it belongs to, NULL: the general heap */
     uint32_t n_uses, cap_uses;
     gm_stream *uses;         /* streams named by record_stream */
     gm_event *events;        /* pending: one event per use, recorded at free */
     size_t run_len;          /* head of a run of general space: the run's length (runindex.h); else 0 */
     gm_block *rprev, *rnext; /* head of a run: its bin in the run index */
-    uint8_t mark;            /* scratch for one operation; 0 between operations */
 };
 
-/* General space: what placement and defragmentation may build on.  The one
- * place that says it; the run index and the slow path both ask here. */
-static inline int gm_general_space(const gm_block *b) {
-    return b->state == GM_BLOCK_UNMAPPED || b->state == GM_BLOCK_FREE;
-}
-
-/* Free memory owned by one stream, and its release in flight. */
-typedef struct gm_owner {
+/* Free memory owned by one stream (in one pool, or the general heap), and its
+ * release in flight. */
+struct gm_owner {
+    gm_pool *pool;           /* NULL: the general heap */
     gm_stream stream;
     gm_freeindex idx;
     int releasing;           /* an event is recorded; blocks freed up to release_seq follow it */
     gm_event release_event;
     uint64_t release_seq;
-} gm_owner;
+};
+
+/* A private pool.  Its free blocks sit in its own owners' indexes.  The record
+ * outlives the pool's end (use_count 0) while blocks of it are live or pending. */
+struct gm_pool {
+    gm_pool_id id;
+    int64_t use_count;       /* 0: ended */
+    size_t live_blocks, live_bytes;  /* live and pending */
+    size_t free_blocks, free_bytes;  /* free blocks in its indexes */
+    gm_owner *any;           /* its GM_STREAM_ANY owner, made with the pool */
+};
 
 struct gm_heap {
     pthread_mutex_t lock;
@@ -74,7 +85,7 @@ struct gm_heap {
     gm_block *head;          /* the first block in address order */
     gm_runindex runs;        /* runs of general space, page use (runindex.h) */
 
-    gm_owner **owners;       /* owners[0] is GM_STREAM_ANY */
+    gm_owner **owners;       /* owners[0] is the general heap's GM_STREAM_ANY */
     size_t n_owners, cap_owners;
     gm_owner *last_owner;    /* one-entry cache for the common single-stream case */
 
@@ -104,6 +115,16 @@ struct gm_heap {
 
     int have_oom;
     gm_oom_info last_oom;
+
+    /* private pools: living ones and ended ones that still have blocks */
+    gm_pool **pools;
+    size_t n_pools, cap_pools;
+    size_t pool_free_bytes;  /* free bytes held by living pools */
+
+    /* stream capture */
+    int capture_count;       /* gm_capture_begin minus gm_capture_end */
+    int no_sync;             /* this operation runs during a capture: no sync/event/unmap/release */
+    size_t n_deferred;       /* pending blocks whose events wait for the capture to end */
 };
 
 /* ---- shared helpers (heap.c) ---- */
@@ -111,16 +132,37 @@ static inline size_t gm_page_floor(const gm_heap *h, uintptr_t a) { return (size
 static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base + h->page - 1) >> h->page_shift); }
 static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
 
-/* ---- run index hooks (runindex.h) ---- */
+gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
+/* A block that belongs to a pool that still lives: its pages are pinned. */
+static inline int gm_pinned(const gm_block *b) { return b->pool && b->pool->use_count > 0; }
+
+/* General space: what placement and defragmentation may build on -- unmapped
+ * space, and free blocks of the general heap (a free block's pool always
+ * lives: an ending pool's free blocks turn general).  The one place that says
+ * it; the run index, placement, recycling and the checker all ask here. */
+static inline int gm_general_space(const gm_block *b) {
+    return b->state == GM_BLOCK_UNMAPPED || (b->state == GM_BLOCK_FREE && !b->pool);
+}
+
+/* A block whose pages no slow path may take back: live, or kept for a living
+ * pool (free, or pending to return to it).  The page-use counts (runindex.h)
+ * count these. */
+static inline int gm_keeps_pages(const gm_block *b) {
+    return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b));
+}
+
+/* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */
 static inline gm_block *gm_run_head(gm_block *b) {
     while (b->prev && gm_general_space(b->prev)) b = b->prev;
     return b;
 }
 static inline void gm_run_detach(gm_heap *h, gm_block *b) {
+    if (!gm_general_space(b)) return;
     gm_block *head = gm_run_head(b);
     if (head->run_len) gm_run_unindex(h, head);
 }
 static inline void gm_run_attach(gm_heap *h, gm_block *b) {
+    if (!gm_general_space(b)) return;
     gm_block *head = gm_run_head(b);
     if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
     gm_run_index(h, head);
@@ -130,7 +172,6 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
     ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
 }
 
-gm_owner *gm_owner_find(gm_heap *h, gm_stream s);
 gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);
 

@@ -184,7 +184,7 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     if (!live) return GM_OK; /* no memory to check with: nothing proven wrong */
     size_t live_pages = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_LIVE) continue;
+        if (!gm_keeps_pages(b)) continue;
         size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
         live[p0]++;
         if (p1 != p0) live[p1]++;
@@ -194,7 +194,7 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     for (size_t p = 0; p < h->n_pages; p++) {
         if (live[p] != ri->live_ep[p]) {
             if (why && whylen)
-                snprintf(why, whylen, "page use: page %zu starts or ends %u live blocks, the count says %u", p,
+                snprintf(why, whylen, "page use: page %zu starts or ends %u blocks that keep pages, the count says %u", p,
                          live[p], ri->live_ep[p]);
             rc = GM_ECORRUPT;
             break;
@@ -204,7 +204,7 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     free(live);
     if (!rc && live_pages != ri->live_pages) {
         if (why && whylen)
-            snprintf(why, whylen, "page use: live blocks touch %zu pages, the counter says %zu", live_pages,
+            snprintf(why, whylen, "page use: blocks that keep pages touch %zu pages, the counter says %zu", live_pages,
                      ri->live_pages);
         rc = GM_ECORRUPT;
     }

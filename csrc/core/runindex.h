@@ -2,8 +2,8 @@
  * runindex.h -- what the slow path needs to know without walking every block.
  *
  * RUNS.  General space is a block that placement may build on: unmapped, or
- * free (gm_general_space() in heap_internal.h says which; owners do not
- * matter here).  A run is a maximal sequence of neighbouring general-space
+ * free in the general heap (gm_general_space() in heap_internal.h says which;
+ * owners do not matter here; a living pool's free blocks are not general).  A run is a maximal sequence of neighbouring general-space
  * blocks.  The first block of each run, its head, carries the run's length in
  * bytes (run_len) and sits in a bin of a two-level segregated index keyed by
  * that length, like freeindex.h but with unsorted bins: placement wants every
@@ -23,13 +23,16 @@
  * (gm_run_attach, which measures it by walking its blocks).  Both walk from a
  * block to its run's head, across the run's blocks: usually none or one.
  *
- * PAGE USE.  Per page, the number of live blocks whose first or last page it
- * is (live_ep; once for a block within one page).  A page strictly inside a
- * block is touched by that block alone, so
- *     pages live blocks touch = #{p : live_ep[p] > 0} + inner pages of live blocks
+ * PAGE USE.  The blocks that keep their pages (gm_keeps_pages: live ones, and
+ * a living pool's free and pending ones, whose addresses a CUDA graph may
+ * hold) are counted per page: live_ep[p] is the number of them whose first or
+ * last page p is (once for a block within one page).  A page strictly inside
+ * a block is touched by that block alone, so
+ *     pages kept = #{p : live_ep[p] > 0} + inner pages of the blocks counted
  * a counter kept in O(1) per allocation and free.  The slow path's count of
- * cached pages (mapped pages no live block touches) is then a subtraction
- * instead of a walk over every block.
+ * cached pages (mapped pages no such block touches) is then a subtraction
+ * instead of a walk over every block.  Splits and merges of a pool's free
+ * blocks update the counts as they go (split and absorb in heap.c).
  *
  * Invariants (gm_check recounts them):
  *   R1  b->run_len != 0  <=>  b is general space, b->prev is not (or is NULL),
@@ -63,8 +66,8 @@ typedef struct gm_runindex {
     struct gm_block *bins[RI_FL][RI_SL];
     size_t count;         /* runs */
     size_t bytes;         /* their total length */
-    uint32_t *live_ep;    /* per page: live blocks that start or end in it */
-    size_t live_pages;    /* pages live blocks touch */
+    uint32_t *live_ep;    /* per page: blocks keeping pages that start or end in it */
+    size_t live_pages;    /* pages those blocks touch */
 } gm_runindex;
 
 int ri_init(gm_runindex *ri, size_t n_pages);
@@ -87,7 +90,7 @@ int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(struct gm_bloc
  *                        index it, unless it is a lone free block; it must not
  *                        be in the index;
  *   gm_run_head(b)       the head of b's run;
- *   gm_pages_use(h, b, d)  block b starts (+1) or stops (-1) being live.
+ *   gm_pages_use(h, b, d)  block b starts (+1) or stops (-1) keeping its pages.
  * Their slow halves: */
 void gm_run_unindex(struct gm_heap *h, struct gm_block *head);
 void gm_run_index(struct gm_heap *h, struct gm_block *head);

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpumem/device.h"
+#include "gpumem/cuda.h"
 #include "gpumem/gpumem.h"
 
 /* ---- the slice of cuda.h we use ----------------------------------------- */
@@ -42,7 +42,13 @@ enum {
     CU_MEM_LOCATION_TYPE_DEVICE = 1,
     CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
-    CU_EVENT_DISABLE_TIMING = 2
+    CU_EVENT_DISABLE_TIMING = 2,
+    CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED .. _WRONG_THREAD: a capture is
+     * under way (e.g. the legacy stream queried while another captures). */
+    CUDA_ERROR_STREAM_CAPTURE_FIRST = 900,
+    CUDA_ERROR_STREAM_CAPTURE_LAST = 908,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
 };
 
 /* C enums are int-sized on every ABI CUDA supports, so they are ints here. */
@@ -148,6 +154,10 @@ static const sym_entry cu_symbols[] = {
 };
 
 static cu_api cu;
+/* Optional entry points (NULL when the driver lacks them): whether a stream
+ * is capturing a graph, and the calling thread's capture-safety mode. */
+static CUresult (*cuStreamIsCapturing_)(CUstream, int *);
+static CUresult (*cuThreadExchangeStreamCaptureMode_)(int *);
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static int cu_ok;
 static char cu_err[256];
@@ -210,6 +220,12 @@ static void cu_load(void)
         snprintf(cu_err, sizeof cu_err, "cuInit: %s (%s)", cu_desc(r), cu_name(r));
         return; /* keep the library: cu_name / cu_desc still work */
     }
+    void *p = dlsym(lib, "cuStreamIsCapturing");
+    if (p)
+        memcpy(&cuStreamIsCapturing_, &p, sizeof p);
+    p = dlsym(lib, "cuThreadExchangeStreamCaptureMode");
+    if (p)
+        memcpy(&cuThreadExchangeStreamCaptureMode_, &p, sizeof p);
     cu_ok = 1;
 }
 
@@ -374,6 +390,30 @@ static void leave(int pushed)
             return cu_fail(c, name, r_);               \
     } while (0)
 
+/* The same, with this thread's capture mode relaxed around the call, as torch
+ * does around cudaMalloc: creating and mapping memory is legal while a graph
+ * is being captured on another stream, but the default (global) mode refuses
+ * "unsafe" calls from any thread then. */
+#define CU_CALL_RELAXED(c, name, call)                                     \
+    do {                                                                   \
+        int mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;                        \
+        int swapped_ = cuThreadExchangeStreamCaptureMode_ &&               \
+                       cuThreadExchangeStreamCaptureMode_(&mode_) == CUDA_SUCCESS; \
+        int pushed_;                                                       \
+        int entered_ = enter(c, &pushed_);                                 \
+        CUresult r_ = CUDA_SUCCESS;                                        \
+        if (entered_ == GM_OK) {                                           \
+            r_ = (call);                                                   \
+            leave(pushed_);                                                \
+        }                                                                  \
+        if (swapped_)                                                      \
+            cuThreadExchangeStreamCaptureMode_(&mode_);                    \
+        if (entered_ != GM_OK)                                             \
+            return entered_;                                               \
+        if (r_ != CUDA_SUCCESS)                                            \
+            return cu_fail(c, name, r_);                                   \
+    } while (0)
+
 static void fill_prop(const cuda_device *c, cu_alloc_prop *prop)
 {
     memset(prop, 0, sizeof *prop);
@@ -405,7 +445,7 @@ static int cuda_create(gm_device *dev, gm_handle *handle)
     cu_alloc_prop prop;
     fill_prop(c, &prop);
     CUmemGenericAllocationHandle h = 0;
-    CU_CALL(c, "cuMemCreate", cu.MemCreate(&h, dev->page_size, &prop, 0));
+    CU_CALL_RELAXED(c, "cuMemCreate", cu.MemCreate(&h, dev->page_size, &prop, 0));
     *handle = (gm_handle)h;
     return GM_OK;
 }
@@ -420,7 +460,7 @@ static int cuda_release(gm_device *dev, gm_handle handle)
 static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle)
 {
     cuda_device *c = (cuda_device *)dev;
-    CU_CALL(c, "cuMemMap",
+    CU_CALL_RELAXED(c, "cuMemMap",
             cu.MemMap((CUdeviceptr)va, dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
     return GM_OK;
 }
@@ -437,7 +477,7 @@ static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size)
 static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size)
 {
     cuda_device *c = (cuda_device *)dev;
-    CU_CALL(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, c->access, c->n_access));
+    CU_CALL_RELAXED(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, c->access, c->n_access));
     return GM_OK;
 }
 
@@ -566,6 +606,28 @@ static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t
     return GM_OK;
 }
 
+static int cuda_capture_status(gm_device *dev, gm_stream stream, int *capturing)
+{
+    cuda_device *c = (cuda_device *)dev;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    *capturing = 0;
+    if (!cuStreamIsCapturing_)
+        return GM_OK; /* a driver without graphs captures nothing */
+    int pushed, rc = enter(c, &pushed);
+    if (rc != GM_OK)
+        return rc;
+    CUresult r = cuStreamIsCapturing_((CUstream)(uintptr_t)stream, &status);
+    leave(pushed);
+    if (r >= CUDA_ERROR_STREAM_CAPTURE_FIRST && r <= CUDA_ERROR_STREAM_CAPTURE_LAST) {
+        *capturing = 1;
+        return GM_OK;
+    }
+    if (r != CUDA_SUCCESS)
+        return cu_fail(c, "cuStreamIsCapturing", r);
+    *capturing = status != CU_STREAM_CAPTURE_STATUS_NONE;
+    return GM_OK;
+}
+
 static void cuda_destroy(gm_device *dev)
 {
     cuda_device *c = (cuda_device *)dev;
@@ -593,6 +655,7 @@ static const gm_device_ops cuda_ops = {
     .mem_info = cuda_mem_info,
     .processes = cuda_processes,
     .destroy = cuda_destroy,
+    .capture_status = cuda_capture_status,
 };
 
 #if defined(__GNUC__)

@@ -21,8 +21,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gpumem/device.h"
 #include "gpumem/gpumem.h"
+#include "gpumem/sim.h"
 
 /* Where made-up reservations start: the shape of a real CUDA address on x86-64
  * Linux, far from 0 so that a zero or small integer is never mistaken for one. */
@@ -53,12 +53,13 @@ typedef struct sim_event {
     uint8_t alive;
 } sim_event;
 
-/* Only streams that have ever been held get a record: events on any other
+/* Only streams that have ever been held (or marked capturing) get a record: events on any other
  * stream complete at once and need none. */
 typedef struct sim_stream {
     gm_stream stream;
     uint64_t epoch; /* bumped when a hold ends: completes what was recorded under it */
     uint8_t held;
+    uint8_t capturing; /* marked by gm_sim_set_stream_capture */
 } sim_stream;
 
 typedef struct sim_fault {
@@ -104,6 +105,10 @@ typedef struct sim_device {
     size_t n_ext, cap_ext;
     uint64_t ext_total;
     int nvml;
+
+    int capture_all;           /* gm_sim_set_capture */
+    size_t capturing_streams;  /* streams marked capturing */
+    uint64_t capture_violations;
 } sim_device;
 
 static const gm_device_ops sim_ops;
@@ -165,6 +170,17 @@ static int injected(sim_device *s, gm_dev_op op)
 {
     return fail(s, op == GM_OP_CREATE ? GM_ENOMEM : GM_EDEVICE, "injected fault in %s",
                 op_names[op]);
+}
+
+/* A call a real capture would not survive: refused and counted while one is on. */
+static int capture_forbids(sim_device *s, gm_dev_op op)
+{
+    if (!s->capture_all && !s->capturing_streams)
+        return 0;
+    s->capture_violations++;
+    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)",
+         op_names[op]);
+    return 1;
 }
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
@@ -266,6 +282,8 @@ static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size)
 {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_UNRESERVE);
+    if (capture_forbids(s, GM_OP_UNRESERVE))
+        return GM_EDEVICE;
     sim_resv *r = find_resv(s, va);
     if (!r || r->va != va || r->size != size)
         return fail(s, GM_EINVAL, "unreserve: 0x%" PRIxPTR "+%zu is not exactly a reservation",
@@ -349,6 +367,8 @@ static int sim_release(gm_device *dev, gm_handle handle)
 {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_RELEASE);
+    if (capture_forbids(s, GM_OP_RELEASE))
+        return GM_EDEVICE;
     sim_page *p = live_page(s, "release", handle);
     if (!p)
         return GM_EINVAL;
@@ -401,6 +421,8 @@ static int sim_unmap(gm_device *dev, uintptr_t va, size_t size)
 {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_UNMAP);
+    if (capture_forbids(s, GM_OP_UNMAP))
+        return GM_EDEVICE;
     size_t first;
     sim_resv *r = range_resv(s, "unmap", va, size, &first);
     if (!r)
@@ -494,6 +516,7 @@ static uint32_t stream_add(sim_device *s, gm_stream stream)
     s->streams[k].stream = stream;
     s->streams[k].epoch = 0;
     s->streams[k].held = 0;
+    s->streams[k].capturing = 0;
     uint32_t i = stream_slot(s, stream);
     while (s->stream_hash[i])
         i = (i + 1) & (s->hash_cap - 1);
@@ -565,6 +588,8 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream)
 {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_EVENT_RECORD);
+    if (capture_forbids(s, GM_OP_EVENT_RECORD))
+        return GM_EDEVICE;
     sim_event *e = live_event(s, "event_record", ev);
     if (!e)
         return GM_EINVAL;
@@ -584,6 +609,8 @@ static int sim_event_query(gm_device *dev, gm_event ev)
 {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_EVENT_QUERY);
+    if (capture_forbids(s, GM_OP_EVENT_QUERY))
+        return GM_EDEVICE;
     sim_event *e = live_event(s, "event_query", ev);
     if (!e)
         return GM_EINVAL;
@@ -601,6 +628,8 @@ static int sim_synchronize(gm_device *dev)
 {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_SYNCHRONIZE);
+    if (capture_forbids(s, GM_OP_SYNCHRONIZE))
+        return GM_EDEVICE;
     if (s->held_count) {
         for (uint32_t k = 0; k < s->n_streams; k++)
             if (s->streams[k].held)
@@ -651,6 +680,16 @@ static int sim_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t 
     return GM_OK;
 }
 
+static int sim_capture_status(gm_device *dev, gm_stream stream, int *capturing)
+{
+    sim_device *s = (sim_device *)dev;
+    if (!capturing)
+        return fail(s, GM_EINVAL, "capture_status: NULL output pointer");
+    uint32_t k = s->capturing_streams ? stream_find(s, stream) : SIM_NONE;
+    *capturing = s->capture_all || (k != SIM_NONE && s->streams[k].capturing);
+    return GM_OK;
+}
+
 static void sim_destroy(gm_device *dev)
 {
     sim_device *s = as_sim(dev);
@@ -669,6 +708,30 @@ static void sim_destroy(gm_device *dev)
     free(s);
 }
 
+static int sim_verify_accessible(const gm_device *dev, uintptr_t va, size_t size)
+{
+    return gm_sim_is_accessible(dev, va, size);
+}
+
+static void sim_verify_pages(const gm_device *dev, size_t *created, size_t *mapped)
+{
+    gm_sim_info si;
+    gm_sim_info_get(dev, &si);
+    *created = si.pages_created;
+    *mapped = si.pages_mapped;
+}
+
+static gm_handle sim_verify_handle_at(const gm_device *dev, uintptr_t va)
+{
+    return gm_sim_handle_at(dev, va);
+}
+
+static const gm_device_verify sim_verify = {
+    .accessible = sim_verify_accessible,
+    .pages = sim_verify_pages,
+    .handle_at = sim_verify_handle_at,
+};
+
 static const gm_device_ops sim_ops = {
     .reserve = sim_reserve,
     .unreserve = sim_unreserve,
@@ -685,6 +748,8 @@ static const gm_device_ops sim_ops = {
     .mem_info = sim_mem_info,
     .processes = sim_processes,
     .destroy = sim_destroy,
+    .capture_status = sim_capture_status,
+    .verify = &sim_verify,
 };
 
 /* ---- public -------------------------------------------------------------- */
@@ -875,4 +940,52 @@ int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size)
         if (!r->handle[p] || !r->access[p])
             return 0;
     return 1;
+}
+
+void gm_sim_set_capture(gm_device *dev, int on)
+{
+    sim_device *s = as_sim(dev);
+    if (s)
+        s->capture_all = on != 0;
+}
+
+void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on)
+{
+    sim_device *s = as_sim(dev);
+    if (!s)
+        return;
+    uint32_t k = stream_find(s, stream);
+    if (k == SIM_NONE) {
+        if (!on)
+            return;
+        if ((k = stream_add(s, stream)) == SIM_NONE)
+            return; /* out of host memory: the stream simply is not marked */
+    }
+    sim_stream *st = &s->streams[k];
+    if (on && !st->capturing) {
+        st->capturing = 1;
+        s->capturing_streams++;
+    } else if (!on && st->capturing) {
+        st->capturing = 0;
+        s->capturing_streams--;
+    }
+}
+
+uint64_t gm_sim_capture_violations(const gm_device *dev)
+{
+    const sim_device *s = as_sim_c(dev);
+    return s ? s->capture_violations : 0;
+}
+
+gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va)
+{
+    const sim_device *s = as_sim_c(dev);
+    if (!s)
+        return 0;
+    for (size_t i = 0; i < s->n_resv; i++) {
+        const sim_resv *r = &s->resv[i];
+        if (va >= r->va && va - r->va < r->size)
+            return r->handle[(va - r->va) / s->base.page_size];
+    }
+    return 0;
 }

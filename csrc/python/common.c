@@ -33,27 +33,17 @@ PyObject *gm_py_stats_dict(const gm_stats *s)
         const char *name;
         const gm_stat *arr;
     } groups[] = {
-        {"allocation", s->allocation},           {"segment", s->segment},
-        {"active", s->active},                   {"inactive_split", s->inactive_split},
-        {"allocated_bytes", s->allocated_bytes}, {"reserved_bytes", s->reserved_bytes},
-        {"active_bytes", s->active_bytes},       {"inactive_split_bytes", s->inactive_split_bytes},
-        {"requested_bytes", s->requested_bytes},
+#define GROUP(name) {#name, s->name},
+        GM_EACH_POOLED_STAT(GROUP)
+#undef GROUP
     };
     const struct {
         const char *name;
         int64_t v;
     } plain[] = {
-        {"num_alloc_retries", s->num_alloc_retries},
-        {"num_ooms", s->num_ooms},
-        {"num_sync_all_streams", s->num_sync_all_streams},
-        {"num_device_alloc", s->num_device_alloc},
-        {"num_device_free", s->num_device_free},
-        {"num_maps", s->num_maps},
-        {"num_unmaps", s->num_unmaps},
-        {"num_remaps", s->num_remaps},
-        {"num_pages_remapped", s->num_pages_remapped},
-        {"num_device_errors", s->num_device_errors},
-        {"max_split_size", s->max_split_size},
+#define PLAIN(name) {#name, s->name},
+        GM_EACH_COUNTER(PLAIN) GM_EACH_SETTING(PLAIN)
+#undef PLAIN
     };
     PyObject *d = PyDict_New();
     if (d == NULL)
@@ -96,7 +86,9 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o)
         gm_py_put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
         gm_py_put_u64(d, "largest_possible", o->largest_possible) < 0 ||
         gm_py_put_u64(d, "pages_needed", o->pages_needed) < 0 ||
-        gm_py_put_i64(d, "device_error", o->device_error) < 0) {
+        gm_py_put_i64(d, "device_error", o->device_error) < 0 ||
+        gm_py_put_u64(d, "pool_live_bytes", o->pool_live_bytes) < 0 ||
+        gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -153,10 +145,15 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
         const char *st = (b->state >= 0 && (size_t)b->state < sizeof states / sizeof states[0])
                              ? states[b->state]
                              : unknown_state;
-        PyObject *t = Py_BuildValue("(KKKKKKs)", (unsigned long long)b->addr,
-                                    (unsigned long long)b->size, (unsigned long long)b->requested,
-                                    (unsigned long long)b->stream, (unsigned long long)b->context,
-                                    (unsigned long long)b->alloc_seq, st);
+        PyObject *pool = (b->pool.first || b->pool.second)
+                             ? Py_BuildValue("(KK)", (unsigned long long)b->pool.first,
+                                             (unsigned long long)b->pool.second)
+                             : (Py_INCREF(Py_None), Py_None);
+        PyObject *t = pool ? Py_BuildValue("(KKKKKKsN)", (unsigned long long)b->addr,
+                                           (unsigned long long)b->size, (unsigned long long)b->requested,
+                                           (unsigned long long)b->stream, (unsigned long long)b->context,
+                                           (unsigned long long)b->alloc_seq, st, pool)
+                           : NULL;
         if (t == NULL) {
             Py_DECREF(blocks);
             return NULL;
@@ -210,4 +207,70 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
         return NULL;
     }
     return d;
+}
+
+const char *gm_py_code_name(int code)
+{
+    switch (code) {
+#define NAME_CASE(name, value, text) \
+    case name: return #name;
+        GM_EACH_ERROR(NAME_CASE)
+#undef NAME_CASE
+    default: return "GM_E?";
+    }
+}
+
+int gm_py_add_name_lists(PyObject *m)
+{
+    PyObject *errors = PyDict_New();
+    if (errors == NULL)
+        return -1;
+#define ERROR_ITEM(name, value, text)                                                   \
+    {                                                                                   \
+        PyObject *k = PyLong_FromLong(value);                                           \
+        PyObject *v = PyUnicode_FromString(#name);                                      \
+        int bad = k == NULL || v == NULL || PyDict_SetItem(errors, k, v) < 0;           \
+        Py_XDECREF(k);                                                                  \
+        Py_XDECREF(v);                                                                  \
+        if (bad) {                                                                      \
+            Py_DECREF(errors);                                                          \
+            return -1;                                                                  \
+        }                                                                               \
+    }
+    GM_EACH_ERROR(ERROR_ITEM)
+#undef ERROR_ITEM
+    if (PyModule_AddObject(m, "ERROR_NAMES", errors) < 0) {
+        Py_DECREF(errors);
+        return -1;
+    }
+#define STR_ITEM(name) #name,
+    static const char *const pooled[] = {GM_EACH_POOLED_STAT(STR_ITEM)};
+    static const char *const counters[] = {GM_EACH_COUNTER(STR_ITEM) GM_EACH_SETTING(STR_ITEM)};
+#undef STR_ITEM
+    const struct {
+        const char *attr;
+        const char *const *names;
+        size_t n;
+    } lists[] = {
+        {"POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]},
+        {"COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]},
+    };
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
+        PyObject *t = PyTuple_New((Py_ssize_t)lists[i].n);
+        if (t == NULL)
+            return -1;
+        for (size_t j = 0; j < lists[i].n; j++) {
+            PyObject *v = PyUnicode_FromString(lists[i].names[j]);
+            if (v == NULL) {
+                Py_DECREF(t);
+                return -1;
+            }
+            PyTuple_SET_ITEM(t, (Py_ssize_t)j, v);
+        }
+        if (PyModule_AddObject(m, lists[i].attr, t) < 0) {
+            Py_DECREF(t);
+            return -1;
+        }
+    }
+    return 0;
 }

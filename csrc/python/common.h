@@ -28,6 +28,11 @@ int gm_py_put_i64(PyObject *d, const char *key, int64_t v);
 /* torch.cuda.memory_stats()-shaped dict: "{name}.{pool}.{field}" keys, then
  * the plain counters.  New reference, or NULL with an exception set. */
 PyObject *gm_py_stats_dict(const gm_stats *s);
+/* "GM_ENOMEM" for GM_ENOMEM, from the one list (GM_EACH_ERROR). */
+const char *gm_py_code_name(int code);
+/* Export the name lists to Python: ERROR_NAMES {code: name}, POOLED_STAT_NAMES
+ * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists). */
+int gm_py_add_name_lists(PyObject *m);
 
 /* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
 PyObject *gm_py_oom_dict(const gm_oom_info *o);
@@ -38,7 +43,7 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o);
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action);
 
 /* A snapshot's blocks as (addr, size, requested, stream, context, alloc_seq,
- * state) tuples; a state with no name reads `unknown_state`.  New reference or
+ * state, pool) tuples (pool: the private pool's (first, second), or None); a state with no name reads `unknown_state`.  New reference or
  * NULL. */
 PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
 /* The snapshot as a dict (va_base, va_size, page_size, top, spare_pages, cap_bytes, blocks, pages,

@@ -48,16 +48,16 @@ static uint32_t generation = 1;
 static uint64_t n_captured, n_new, n_overflow, n_truncated;
 static atomic_ullong n_no_gil;
 
-static PyObject *oom_formatter; /* callable or NULL */
-
-/* Ids: tag | generation (31 bits) << 32 | stack index.  The generation changes
+/* Ids: tag | generation (23 bits) << 32 | stack index.  The generation changes
  * when the table is cleared, so ids handed out before resolve to nothing
- * instead of to some newer stack. */
+ * instead of to some newer stack.  Bits 55..62 stay clear for a framework tag
+ * (GM_CTX_FRAMEWORK_MASK), which lookups ignore. */
+#define GEN_MASK 0x7fffffu
 #define OVERFLOW_INDEX UINT32_MAX
 
 static uint64_t make_id(uint32_t index)
 {
-    return GM_PYCTX_TAG | ((uint64_t)(generation & 0x7fffffffu) << 32) | index;
+    return GM_PYCTX_TAG | ((uint64_t)(generation & GEN_MASK) << 32) | index;
 }
 
 static uint64_t mix(uint64_t h, uint64_t v)
@@ -283,7 +283,7 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o)
     unsigned long long ctx = PyLong_AsUnsignedLongLong(ctx_o);
     if (ctx == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & 0x7fffffffu) != (generation & 0x7fffffffu))
+    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & GEN_MASK) != (generation & GEN_MASK))
         Py_RETURN_NONE;
     uint32_t idx = (uint32_t)ctx;
     if (idx == OVERFLOW_INDEX) {
@@ -357,66 +357,6 @@ static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(igno
                          (unsigned long long)atomic_load(&n_no_gil));
 }
 
-static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn)
-{
-    if (fn != Py_None && !PyCallable_Check(fn))
-        return PyErr_Format(PyExc_TypeError, "OOM formatter must be callable or None, not %.80s",
-                            Py_TYPE(fn)->tp_name);
-    PyObject *old = oom_formatter;
-    if (fn == Py_None) {
-        oom_formatter = NULL;
-    } else {
-        Py_INCREF(fn);
-        oom_formatter = fn;
-    }
-    if (old)
-        return old; /* hand back the previous one, so callers can restore it */
-    Py_RETURN_NONE;
-}
-
-PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback)
-{
-    if (!fallback || !oom_formatter)
-        return fallback;
-    /* The formatter may raise or return junk; the OOM must still be reported,
-     * so any failure keeps the core's own text and says the explanation broke.
-     * The pending exception (none is expected here) is kept aside. */
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    PyObject *fn = oom_formatter;
-    Py_INCREF(fn);
-    PyObject *text = PyObject_CallFunctionObjArgs(fn, heap, info ? info : Py_None, fallback, NULL);
-    Py_DECREF(fn);
-    if (text && PyUnicode_Check(text)) {
-        Py_DECREF(fallback);
-        PyErr_Restore(et, ev, tb);
-        return text;
-    }
-    PyObject *why = NULL;
-    if (!text) {
-        PyObject *t2, *v2, *tb2;
-        PyErr_Fetch(&t2, &v2, &tb2);
-        why = v2 ? PyObject_Str(v2) : NULL;
-        if (!why)
-            PyErr_Clear();
-        Py_XDECREF(t2);
-        Py_XDECREF(v2);
-        Py_XDECREF(tb2);
-    }
-    Py_XDECREF(text);
-    PyObject *out = PyUnicode_FromFormat("%U (gpumem.explain failed: %s)", fallback,
-                                         why ? PyUnicode_AsUTF8(why) : "it did not return a str");
-    Py_XDECREF(why);
-    if (!out) {
-        PyErr_Clear();
-        out = fallback;
-    } else {
-        Py_DECREF(fallback);
-    }
-    PyErr_Restore(et, ev, tb);
-    return out;
-}
-
 static PyMethodDef glue_methods[] = {
     {.ml_name = "_stacks_enable", .ml_meth = (PyCFunction)(void (*)(void))py_stacks_enable,
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
@@ -429,8 +369,6 @@ static PyMethodDef glue_methods[] = {
      .ml_doc = "drop every interned stack; ids handed out before resolve to None"},
     {.ml_name = "_stacks_info", .ml_meth = py_stacks_info, .ml_flags = METH_NOARGS,
      .ml_doc = "_stacks_info() -> dict of the stack table's size and counters"},
-    {.ml_name = "_set_oom_formatter", .ml_meth = py_set_oom_formatter, .ml_flags = METH_O,
-     .ml_doc = "_set_oom_formatter(fn or None) -> previous; fn(heap, info, text) -> OOM message"},
     {.ml_name = NULL},
 };
 

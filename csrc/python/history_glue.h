@@ -17,6 +17,16 @@
 
 #define GM_PYCTX_TAG (UINT64_C(1) << 63)
 
+/* Bits 55..62 of a context name the framework that made the allocation when it
+ * was not the one the heap serves by default (torch): see GM_FRAMEWORK_*.  Ids
+ * made here keep those bits clear (the generation has 23 bits, bits 32..54), so
+ * a framework tag can be or'ed into any context. */
+#define GM_CTX_FRAMEWORK_SHIFT 55
+#define GM_CTX_FRAMEWORK_MASK (UINT64_C(0xff) << GM_CTX_FRAMEWORK_SHIFT)
+#define GM_FRAMEWORK_DEFAULT 0 /* the heap's own user: torch on the per-device heaps */
+#define GM_FRAMEWORK_CUPY 1
+#define GM_FRAMEWORK_NUMBA 2
+
 /* The context id of the calling thread's Python stack, or 0 when capture is
  * off, the thread does not hold the GIL (an autograd or C++ thread), or there
  * is no Python frame.  Safe to call from any thread; never raises.  Exported
@@ -42,14 +52,8 @@ uint64_t gm_py_capture_context_reacquire(void);
 /* Nonzero while Python is shutting down: no thread may take the GIL then. */
 int gm_py_finalizing(void);
 
-/* Adds the module-level functions (_stacks_enable, _stack_frames, ...,
- * _set_oom_formatter) to gpumem._C.  Returns 0, or -1 with an exception set. */
+/* Adds the module-level functions (_stacks_enable, _stack_frames, ...) to
+ * gpumem._C.  Returns 0, or -1 with an exception set. */
 int gm_history_glue_add(PyObject *module);
-
-/* The OOM message: `fallback` (a new reference, stolen) unless a formatter was
- * registered with _set_oom_formatter, in which case formatter(heap, info,
- * fallback) words it.  Returns a new reference; NULL only if fallback was NULL.
- * A formatter that fails leaves the fallback text with a note saying so. */
-PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback);
 
 #endif /* GPUMEM_HISTORY_GLUE_H */

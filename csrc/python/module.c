@@ -1,9 +1,13 @@
 /*
- * module.c -- gpumem._C, the only place where gpumem talks to Python.
+ * module.c -- gpumem._C: the module, its exceptions, and the Heap type.
  *
- * One type, Heap, wraps one gm_heap (and the device it owns).  Everything
- * here is argument conversion, error mapping and object building; policy
- * lives in the core.
+ * csrc/python is the one place where gpumem talks to Python.  This file holds
+ * the module and one type, Heap, that wraps one gm_heap (and the device it
+ * owns); Heap's replay and sim_* methods live in replay_glue.c and sim_glue.c
+ * (heap_object.h is what they share), torch's entry points in torch_alloc.cpp
+ * with torch_glue.c, history and stacks in history_glue.c, the explained
+ * out-of-memory text in torch_viz.c.  Everything here is argument conversion,
+ * error mapping and object building; policy lives in the core.
  *
  * Threads: calls that may take long or wait on the heap's lock (malloc, free,
  * record_stream, empty_cache, set_cap, check, replay) drop the GIL.  While a
@@ -12,8 +16,7 @@
  * to run then instead of racing.  `busy` is only touched with the GIL held,
  * so the check itself cannot race.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "heap_object.h"
 
 #include <inttypes.h>
 #include <stdint.h>
@@ -22,48 +25,29 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "gpumem/sim.h"
+#include "gpumem/cuda.h"
 #include "common.h"
 #include "history_glue.h"
+#include "oom_glue.h"
 
 /* gpumem/trace.py packs events with struct "<IIQQ". */
 _Static_assert(sizeof(gm_replay_event) == 24, "gm_replay_event must be 24 packed bytes");
 
 /* ---- exceptions ------------------------------------------------------------ */
 
-static PyObject *OutOfMemoryError;
-static PyObject *InvalidPointerError;
-static PyObject *CorruptionError;
-static PyObject *DeviceError;
+PyObject *gm_py_OutOfMemoryError;
+PyObject *gm_py_InvalidPointerError;
+PyObject *gm_py_CorruptionError;
+PyObject *gm_py_DeviceError;
 
-static const char *code_name(int code)
-{
-    switch (code) {
-    case GM_OK: return "GM_OK";
-    case GM_ENOMEM: return "GM_ENOMEM";
-    case GM_EINVAL: return "GM_EINVAL";
-    case GM_EUNKNOWN_PTR: return "GM_EUNKNOWN_PTR";
-    case GM_EDOUBLE_FREE: return "GM_EDOUBLE_FREE";
-    case GM_EDEVICE: return "GM_EDEVICE";
-    case GM_ENOTREADY: return "GM_ENOTREADY";
-    case GM_ENOTSUP: return "GM_ENOTSUP";
-    case GM_ENODRIVER: return "GM_ENODRIVER";
-    case GM_ECORRUPT: return "GM_ECORRUPT";
-    default: return "GM_E?";
-    }
-}
+#define code_name gm_py_code_name
 
 /* ---- the Heap object --------------------------------------------------------- */
 
-typedef struct {
-    PyObject_HEAD
-    gm_heap *heap;   /* NULL once closed */
-    gm_device *dev;  /* owned by heap; valid while heap is */
-    int is_sim;
-    int busy;        /* threads inside the core without the GIL */
-} HeapObject;
 
 /* Every method starts here: a closed heap is a ValueError, as for a closed file. */
-static int ensure_open(HeapObject *self)
+int gm_py_heap_open(HeapObject *self)
 {
     if (self->heap == NULL) {
         PyErr_SetString(PyExc_ValueError, "operation on a closed gpumem.Heap");
@@ -72,9 +56,9 @@ static int ensure_open(HeapObject *self)
     return 0;
 }
 
-static int ensure_sim(HeapObject *self, int changes_device)
+int gm_py_heap_sim(HeapObject *self, int changes_device)
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return -1;
     if (!self->is_sim) {
         PyErr_Format(PyExc_TypeError, "this call needs a sim heap, not a %s one", self->dev->kind);
@@ -92,7 +76,7 @@ static int ensure_sim(HeapObject *self, int changes_device)
  * The device's reason, if it gave one, ends the message: a GM_EINVAL from
  * set_cap may come from the device ("synchronize: would deadlock ..."), not
  * from the argument. */
-static PyObject *raise_code(HeapObject *self, int code, const char *what)
+PyObject *gm_py_raise(HeapObject *self, int code, const char *what)
 {
     const char *detail = (self && self->dev && self->dev->last_error[0]) ? self->dev->last_error : NULL;
     const char *sep = detail ? ": " : "";
@@ -103,23 +87,23 @@ static PyObject *raise_code(HeapObject *self, int code, const char *what)
         PyErr_Format(PyExc_ValueError, "%s: invalid argument (GM_EINVAL)%s%s", what, sep, detail);
         break;
     case GM_EUNKNOWN_PTR:
-        PyErr_Format(InvalidPointerError, "%s: pointer was never handed out by this heap (GM_EUNKNOWN_PTR)", what);
+        PyErr_Format(gm_py_InvalidPointerError, "%s: pointer was never handed out by this heap (GM_EUNKNOWN_PTR)", what);
         break;
     case GM_EDOUBLE_FREE:
-        PyErr_Format(InvalidPointerError,
+        PyErr_Format(gm_py_InvalidPointerError,
                      "%s: pointer is not live: freed twice, or not the start of an allocation (GM_EDOUBLE_FREE)",
                      what);
         break;
     case GM_EDEVICE:
     case GM_ENODRIVER:
     case GM_ENOTSUP:
-        PyErr_Format(DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), code_name(code), sep, detail);
+        PyErr_Format(gm_py_DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), code_name(code), sep, detail);
         break;
     case GM_ECORRUPT:
-        PyErr_Format(CorruptionError, "%s: heap is corrupt (GM_ECORRUPT)%s%s", what, sep, detail);
+        PyErr_Format(gm_py_CorruptionError, "%s: heap is corrupt (GM_ECORRUPT)%s%s", what, sep, detail);
         break;
     case GM_ENOMEM:
-        PyErr_Format(OutOfMemoryError, "CUDA out of memory. %s: %s (GM_ENOMEM)%s%s", what, gm_strerror(code), sep,
+        PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. %s: %s (GM_ENOMEM)%s%s", what, gm_strerror(code), sep,
                      detail);
         break;
     default:
@@ -135,7 +119,7 @@ static PyObject *raise_code(HeapObject *self, int code, const char *what)
 /* A non-negative integer no larger than `max`.  Sizes, pointers and streams all
  * come through here so that a negative or huge value is a ValueError, never a
  * silent wrap-around. */
-static int to_u64(PyObject *obj, const char *what, uint64_t max, uint64_t *out)
+int gm_py_to_u64(PyObject *obj, const char *what, uint64_t max, uint64_t *out)
 {
     PyObject *idx = PyNumber_Index(obj);
     if (idx == NULL) {
@@ -178,10 +162,10 @@ static int to_u64(PyObject *obj, const char *what, uint64_t max, uint64_t *out)
     return 0;
 }
 
-static int to_size(PyObject *obj, const char *what, size_t *out)
+int gm_py_to_size(PyObject *obj, const char *what, size_t *out)
 {
     uint64_t v;
-    if (to_u64(obj, what, (uint64_t)SIZE_MAX, &v) < 0)
+    if (gm_py_to_u64(obj, what, (uint64_t)SIZE_MAX, &v) < 0)
         return -1;
     *out = (size_t)v;
     return 0;
@@ -189,10 +173,10 @@ static int to_size(PyObject *obj, const char *what, size_t *out)
 
 /* Sizes for the constructor and set_cap may also be strings such as "24GiB";
  * their grammar lives in gpumem/_units.py so that Python and C agree. */
-static int to_size_or_str(PyObject *obj, const char *what, size_t *out)
+int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out)
 {
     if (!PyUnicode_Check(obj))
-        return to_size(obj, what, out);
+        return gm_py_to_size(obj, what, out);
     PyObject *units = PyImport_ImportModule("gpumem._units");
     if (units == NULL)
         return -1;
@@ -200,34 +184,42 @@ static int to_size_or_str(PyObject *obj, const char *what, size_t *out)
     Py_DECREF(units);
     if (n == NULL)
         return -1;
-    int rc = to_size(n, what, out);
+    int rc = gm_py_to_size(n, what, out);
     Py_DECREF(n);
     return rc;
 }
 
-static int op_from_name(PyObject *name, gm_dev_op *out)
+/* A private pool's id: torch's MempoolId_t, a pair of non-negative ints, not (0, 0). */
+static int to_pool_id(PyObject *obj, gm_pool_id *out)
 {
-    static const char *const names[GM_OP__COUNT] = {
-        "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
-        "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
-    };
-    if (!PyUnicode_Check(name)) {
-        PyErr_Format(PyExc_TypeError, "op must be a str, not %.100s", Py_TYPE(name)->tp_name);
+    if (!PyTuple_Check(obj) && !PyList_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "pool id must be a pair of ints (torch's MempoolId_t), not %.100s",
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
-    const char *s = PyUnicode_AsUTF8(name);
-    if (s == NULL)
+    PyObject *seq = PySequence_Fast(obj, "pool id must be a pair of ints");
+    if (seq == NULL)
         return -1;
-    for (int i = 0; i < GM_OP__COUNT; i++) {
-        if (strcmp(s, names[i]) == 0) {
-            *out = (gm_dev_op)i;
-            return 0;
-        }
+    int rc = -1;
+    if (PySequence_Fast_GET_SIZE(seq) != 2) {
+        PyErr_Format(PyExc_ValueError, "pool id must be a pair of ints (torch's MempoolId_t), got %zd items",
+                     PySequence_Fast_GET_SIZE(seq));
+    } else if (gm_py_to_u64(PySequence_Fast_GET_ITEM(seq, 0), "pool id[0]", UINT64_MAX, &out->first) == 0 &&
+               gm_py_to_u64(PySequence_Fast_GET_ITEM(seq, 1), "pool id[1]", UINT64_MAX, &out->second) == 0) {
+        if (!out->first && !out->second)
+            PyErr_SetString(PyExc_ValueError, "pool id (0, 0) names no pool");
+        else
+            rc = 0;
     }
-    PyErr_Format(PyExc_ValueError, "unknown device op %R (expected one of reserve, unreserve, create, release, map, "
-                 "unmap, set_access, event_create, event_destroy, event_record, event_query, synchronize, "
-                 "mem_info, processes)", name);
-    return -1;
+    Py_DECREF(seq);
+    return rc;
+}
+
+static PyObject *no_such_pool(const gm_pool_id *id)
+{
+    PyErr_Format(PyExc_ValueError, "no pool (%llu, %llu) lives on this heap (retain it first)",
+                 (unsigned long long)id->first, (unsigned long long)id->second);
+    return NULL;
 }
 
 /* ---- the out-of-memory message ---------------------------------------------------
@@ -257,12 +249,12 @@ static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
         z.request, device, z.live, z.reserved, z.cached, z.pending, z.largest, z.cap, failed);
 }
 
-/* Raise OutOfMemoryError for the last failed allocation, with .info = the report. */
+/* Raise gm_py_OutOfMemoryError for the last failed allocation, with .info = the report. */
 static PyObject *raise_oom(HeapObject *self)
 {
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK)
-        return raise_code(self, GM_ENOMEM, "malloc");
+        return gm_py_raise(self, GM_ENOMEM, "malloc");
     PyObject *d = gm_py_oom_dict(&info);
     if (d == NULL)
         return NULL;
@@ -272,7 +264,7 @@ static PyObject *raise_oom(HeapObject *self)
         Py_DECREF(d);
         return NULL;
     }
-    PyObject *exc = PyObject_CallFunctionObjArgs(OutOfMemoryError, msg, NULL);
+    PyObject *exc = PyObject_CallFunctionObjArgs(gm_py_OutOfMemoryError, msg, NULL);
     Py_DECREF(msg);
     if (exc == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {
         Py_DECREF(d);
@@ -280,7 +272,7 @@ static PyObject *raise_oom(HeapObject *self)
         return NULL;
     }
     Py_DECREF(d);
-    PyErr_SetObject(OutOfMemoryError, exc);
+    PyErr_SetObject(gm_py_OutOfMemoryError, exc);
     Py_DECREF(exc);
     return NULL;
 }
@@ -318,13 +310,13 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
     }
 
     size_t capacity = (size_t)80 << 30, page_size = 0, va_size = 0, cap = 0;
-    if (capacity_o != Py_None && to_size_or_str(capacity_o, "capacity", &capacity) < 0)
+    if (capacity_o != Py_None && gm_py_to_size_or_str(capacity_o, "capacity", &capacity) < 0)
         return -1;
-    if (page_size_o && to_size_or_str(page_size_o, "page_size", &page_size) < 0)
+    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &page_size) < 0)
         return -1;
-    if (va_size_o && to_size_or_str(va_size_o, "va_size", &va_size) < 0)
+    if (va_size_o && gm_py_to_size_or_str(va_size_o, "va_size", &va_size) < 0)
         return -1;
-    if (cap_o && to_size_or_str(cap_o, "cap", &cap) < 0)
+    if (cap_o && gm_py_to_size_or_str(cap_o, "cap", &cap) < 0)
         return -1;
 
     gm_config cfg;
@@ -341,7 +333,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
         }
         cfg.growth_slack = g;
     }
-    if (slack_pages_o != Py_None && to_size(slack_pages_o, "growth_slack_pages", &cfg.growth_slack_pages) < 0)
+    if (slack_pages_o != Py_None && gm_py_to_size(slack_pages_o, "growth_slack_pages", &cfg.growth_slack_pages) < 0)
         return -1;
 
     gm_device *dev = NULL;
@@ -373,7 +365,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
         char err[256] = "";
         dev = gm_cuda_create(ordinal, err, sizeof err);
         if (dev == NULL) {
-            PyErr_Format(DeviceError, "cannot open cuda:%d: %s", ordinal, err[0] ? err : "unknown reason");
+            PyErr_Format(gm_py_DeviceError, "cannot open cuda:%d: %s", ordinal, err[0] ? err : "unknown reason");
             return -1;
         }
     } else {
@@ -389,9 +381,9 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
         if (rc == GM_EINVAL)
             PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
         else if (rc == GM_ENOMEM)
-            PyErr_Format(OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
+            PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
         else
-            PyErr_Format(DeviceError, "cannot create heap: %s (%s)", why, code_name(rc));
+            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, code_name(rc));
         return -1;
     }
     self->heap = heap;
@@ -427,7 +419,7 @@ static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Heap_enter(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     Py_INCREF(self);
     return (PyObject *)self;
@@ -452,54 +444,56 @@ static PyObject *Heap_repr(HeapObject *self)
 
 /* ---- allocation ------------------------------------------------------------------- */
 
-/* Clearing the device's last_error first makes any reason found there after a
- * failure this call's own.  Only done when no other thread is inside the core:
- * then nothing else can be writing it (we hold the GIL, they would need it to
- * enter). */
-#define ENTER_CORE(self) do { if (!(self)->busy) (self)->dev->last_error[0] = '\0'; \
-    (self)->busy++; Py_BEGIN_ALLOW_THREADS
-#define LEAVE_CORE(self) Py_END_ALLOW_THREADS (self)->busy--; } while (0)
 
 static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"size", "stream", "context", NULL};
-    PyObject *size_o, *stream_o = NULL, *context_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:malloc", kwlist, &size_o, &stream_o, &context_o))
+    static char *kwlist[] = {"size", "stream", "context", "pool", NULL};
+    PyObject *size_o, *stream_o = NULL, *context_o = NULL, *pool_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:malloc", kwlist, &size_o, &stream_o, &context_o, &pool_o))
         return NULL;
-    if (ensure_open(self) < 0)
+    gm_pool_id pool = {0, 0};
+    int in_pool = pool_o && pool_o != Py_None;
+    if (in_pool && to_pool_id(pool_o, &pool) < 0)
+        return NULL;
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     size_t size;
     uint64_t stream = 0, context = 0;
-    if (to_size(size_o, "size", &size) < 0)
+    if (gm_py_to_size(size_o, "size", &size) < 0)
         return NULL;
-    if (stream_o && to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
+    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
         return NULL;
-    if (context_o && to_u64(context_o, "context", UINT64_MAX, &context) < 0)
+    if (context_o && gm_py_to_u64(context_o, "context", UINT64_MAX, &context) < 0)
         return NULL;
     if (context == 0)
         context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
-    rc = gm_malloc(self->heap, size, (gm_stream)stream, context, &ptr);
+    rc = gm_malloc_pool(self->heap, size, (gm_stream)stream, context, in_pool ? &pool : NULL, &ptr);
     LEAVE_CORE(self);
     if (rc == GM_ENOMEM)
         return raise_oom(self);
+    if (rc == GM_EINVAL && in_pool) {
+        gm_pool_info info;
+        if (gm_pool_info_get(self->heap, pool, &info) != GM_OK)
+            return no_such_pool(&pool);
+    }
     if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "malloc: size %zu is not a size this heap can serve (GM_EINVAL)", size);
         return NULL;
     }
     if (rc != GM_OK)
-        return raise_code(self, rc, "malloc");
+        return gm_py_raise(self, rc, "malloc");
     return PyLong_FromUnsignedLongLong((unsigned long long)ptr);
 }
 
 static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o)
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     uint64_t ptr;
-    if (to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0)
+    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0)
         return NULL;
     int rc;
     ENTER_CORE(self);
@@ -508,7 +502,7 @@ static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o)
     if (rc != GM_OK) {
         char what[48];
         snprintf(what, sizeof what, "free(0x%" PRIx64 ")", ptr);
-        return raise_code(self, rc, what);
+        return gm_py_raise(self, rc, what);
     }
     Py_RETURN_NONE;
 }
@@ -518,10 +512,10 @@ static PyObject *Heap_record_stream(HeapObject *self, PyObject *args)
     PyObject *ptr_o, *stream_o;
     if (!PyArg_ParseTuple(args, "OO:record_stream", &ptr_o, &stream_o))
         return NULL;
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     uint64_t ptr, stream;
-    if (to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0 || to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
+    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
         return NULL;
     int rc;
     ENTER_CORE(self);
@@ -530,40 +524,40 @@ static PyObject *Heap_record_stream(HeapObject *self, PyObject *args)
     if (rc != GM_OK) {
         char what[64];
         snprintf(what, sizeof what, "record_stream(0x%" PRIx64 ")", ptr);
-        return raise_code(self, rc, what);
+        return gm_py_raise(self, rc, what);
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_block_size(HeapObject *self, PyObject *ptr_o)
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     uint64_t ptr;
-    if (to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0)
+    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0)
         return NULL;
     return PyLong_FromSize_t(gm_block_size(self->heap, (uintptr_t)ptr));
 }
 
 static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_empty_cache(self->heap);
     LEAVE_CORE(self);
     if (rc != GM_OK)
-        return raise_code(self, rc, "empty_cache");
+        return gm_py_raise(self, rc, "empty_cache");
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o)
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     size_t cap;
-    if (to_size_or_str(cap_o, "cap", &cap) < 0)
+    if (gm_py_to_size_or_str(cap_o, "cap", &cap) < 0)
         return NULL;
     int rc;
     ENTER_CORE(self);
@@ -574,13 +568,13 @@ static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o)
         return NULL;
     }
     if (rc != GM_OK)
-        return raise_code(self, rc, "set_cap");
+        return gm_py_raise(self, rc, "set_cap");
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_get_cap(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     return PyLong_FromSize_t(gm_get_cap(self->heap));
 }
@@ -589,7 +583,7 @@ static PyObject *Heap_get_cap(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     gm_stats s;
     gm_get_stats(self->heap, &s);
@@ -598,7 +592,7 @@ static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     gm_reset_peak_stats(self->heap);
     Py_RETURN_NONE;
@@ -606,7 +600,7 @@ static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ign
 
 static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     gm_reset_accumulated_stats(self->heap);
     Py_RETURN_NONE;
@@ -614,7 +608,7 @@ static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNU
 
 static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     char why[512] = "";
     int rc;
@@ -622,22 +616,22 @@ static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored))
     rc = gm_check(self->heap, why, sizeof why);
     LEAVE_CORE(self);
     if (rc == GM_ECORRUPT) {
-        PyErr_SetString(CorruptionError, why[0] ? why : "invariant broken (no reason given)");
+        PyErr_SetString(gm_py_CorruptionError, why[0] ? why : "invariant broken (no reason given)");
         return NULL;
     }
     if (rc != GM_OK)
-        return raise_code(self, rc, "check");
+        return gm_py_raise(self, rc, "check");
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     gm_snapshot *snap = NULL;
     int rc = gm_snapshot_take(self->heap, &snap);
     if (rc != GM_OK)
-        return rc == GM_ENOMEM ? PyErr_NoMemory() : raise_code(self, rc, "snapshot");
+        return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "snapshot");
     PyObject *d = gm_py_snapshot_dict(snap, "unknown");
     gm_snapshot_free(snap);
     return d;
@@ -647,22 +641,22 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o)
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     size_t n;
-    if (to_size(n_o, "max_entries", &n) < 0)
+    if (gm_py_to_size(n_o, "max_entries", &n) < 0)
         return NULL;
     int rc = gm_history_enable(self->heap, n);
     if (rc == GM_ENOMEM)
         return PyErr_NoMemory();
     if (rc != GM_OK)
-        return raise_code(self, rc, "history_enable");
+        return gm_py_raise(self, rc, "history_enable");
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     return gm_py_history(self->heap, "unknown");
 }
@@ -672,7 +666,7 @@ static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
 /* mem_info() -> (free, total) of the whole device, taken under the heap's lock. */
 static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, 0, &info);
@@ -683,7 +677,7 @@ static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
  * included), or None when there is no source (no NVML: GM_ENOTSUP). */
 static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     if (self->is_sim && self->busy) {
         /* The sim device is guarded by the heap's lock only; see ensure_sim. */
@@ -702,7 +696,7 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
         }
         if (rc != GM_OK) {
             PyMem_Free(buf);
-            return raise_code(self, rc, "device_processes");
+            return gm_py_raise(self, rc, "device_processes");
         }
         if (n > cap) {
             PyMem_Free(buf);
@@ -724,7 +718,7 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
 
 static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK)
@@ -738,294 +732,248 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
     PyObject *size_o = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:memory_report", kwlist, &size_o))
         return NULL;
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     size_t size = 0;
-    if (size_o && to_size(size_o, "size", &size) < 0)
+    if (size_o && gm_py_to_size(size_o, "size", &size) < 0)
         return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, size, &info);
     return gm_py_oom_dict(&info);
 }
 
-/* ---- replay ---------------------------------------------------------------------------- */
+/* ---- private pools and stream capture ----------------------------------------------------- */
 
-/* replay(events, n_slots, timing=False, stop_at=-1, slots=None)
- * `slots`, when given, is a writable buffer of n_slots 8-byte words that the
- * caller keeps between calls, so that a trace can be replayed in chunks (for a
- * progress bar) with frees naming slots that an earlier chunk allocated. */
-static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
+static PyObject *pool_info_dict(const gm_pool_info *p)
 {
-    static char *kwlist[] = {"events", "n_slots", "timing", "stop_at", "slots", NULL};
-    Py_buffer ev = {0}, sl = {0};
-    PyObject *n_slots_o, *slots_o = Py_None;
-    int timing = 0;
-    long long stop_at = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*O|pLO:replay", kwlist, &ev, &n_slots_o, &timing, &stop_at,
-                                     &slots_o))
+    return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
+                         (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
+                         (Py_ssize_t)p->live_blocks, "live_bytes", (Py_ssize_t)p->live_bytes, "free_blocks",
+                         (Py_ssize_t)p->free_blocks, "free_bytes", (Py_ssize_t)p->free_bytes, "pinned_pages",
+                         (Py_ssize_t)p->pinned_pages);
+}
+
+static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
         return NULL;
+    int rc = gm_pool_retain(self->heap, id);
+    if (rc != GM_OK)
+        return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "pool_retain");
+    Py_RETURN_NONE;
+}
 
-    PyObject *result = NULL;
-    gm_replay_event *copy = NULL;
-    uintptr_t *own_slots = NULL;
-    uint64_t *op_ns = NULL;
-    size_t n_slots;
-
-    if (ensure_open(self) < 0 || to_size(n_slots_o, "n_slots", &n_slots) < 0)
-        goto done;
-    if (ev.len % (Py_ssize_t)sizeof(gm_replay_event) != 0) {
-        PyErr_Format(PyExc_ValueError, "events: %zd bytes is not a whole number of %zu-byte events", ev.len,
-                     sizeof(gm_replay_event));
-        goto done;
-    }
-    if (stop_at < -1) {
-        PyErr_SetString(PyExc_ValueError, "stop_at must be -1 (no stop) or an event index");
-        goto done;
-    }
-    size_t n = (size_t)ev.len / sizeof(gm_replay_event);
-    const gm_replay_event *events = ev.buf;
-    if ((uintptr_t)ev.buf % _Alignof(gm_replay_event) != 0) {
-        copy = PyMem_Malloc(n ? (size_t)ev.len : 1);
-        if (copy == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        memcpy(copy, ev.buf, (size_t)ev.len);
-        events = copy;
-    }
-    /* The core trusts slot numbers; check them here so a bad trace is an
-     * exception, not a write past the slot table. */
-    for (size_t i = 0; i < n; i++) {
-        if (events[i].op != GM_R_ALLOC && events[i].op != GM_R_FREE) {
-            PyErr_Format(PyExc_ValueError, "events[%zu]: unknown op %u", i, (unsigned)events[i].op);
-            goto done;
-        }
-        if (events[i].slot >= n_slots) {
-            PyErr_Format(PyExc_ValueError, "events[%zu]: slot %u is not below n_slots=%zu", i,
-                         (unsigned)events[i].slot, n_slots);
-            goto done;
-        }
-    }
-
-    uintptr_t *slots;
-    if (slots_o != Py_None) {
-        if (PyObject_GetBuffer(slots_o, &sl, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if ((size_t)sl.len != n_slots * sizeof(uintptr_t) || (uintptr_t)sl.buf % _Alignof(uintptr_t) != 0) {
-            PyErr_Format(PyExc_ValueError, "slots must be an aligned writable buffer of n_slots*%zu = %zu bytes",
-                         sizeof(uintptr_t), n_slots * sizeof(uintptr_t));
-            goto done;
-        }
-        slots = sl.buf;
-    } else {
-        own_slots = PyMem_Calloc(n_slots ? n_slots : 1, sizeof *own_slots);
-        if (own_slots == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        slots = own_slots;
-    }
-    if (timing) {
-        op_ns = PyMem_Malloc((n ? n : 1) * sizeof *op_ns);
-        if (op_ns == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-
-    gm_replay_result res;
-    memset(&res, 0, sizeof res);
+static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
     int rc;
-    uint64_t stop = stop_at < 0 ? UINT64_MAX : (uint64_t)stop_at;
     ENTER_CORE(self);
-    rc = gm_replay(self->heap, events, n, slots, op_ns, stop, &res);
+    rc = gm_pool_release(self->heap, id);
     LEAVE_CORE(self);
-    if (rc != GM_OK && rc != res.error) {
-        raise_code(self, rc, "replay");
-        goto done;
-    }
+    if (rc == GM_EINVAL)
+        return no_such_pool(&id);
+    Py_RETURN_NONE;
+}
 
-    result = PyDict_New();
-    if (result == NULL)
-        goto done;
-    if (gm_py_put_u64(result, "allocs", res.allocs) < 0 || gm_py_put_u64(result, "frees", res.frees) < 0 ||
-        gm_py_put_u64(result, "ooms", res.ooms) < 0 || gm_py_put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
-        gm_py_put_u64(result, "peak_reserved_bytes", res.peak_reserved_bytes) < 0 ||
-        gm_py_put_i64(result, "first_oom_event", res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
-        gm_py_put_u64(result, "peak_event", res.peak_event) < 0 || gm_py_put_i64(result, "error", res.error) < 0 ||
-        gm_py_put(result, "error_name", PyUnicode_FromString(code_name(res.error))) < 0) {
-        Py_CLEAR(result);
-        goto done;
+static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    gm_pool_info info;
+    int rc;
+    ENTER_CORE(self);
+    rc = gm_pool_info_get(self->heap, id, &info);
+    LEAVE_CORE(self);
+    if (rc != GM_OK)
+        return no_such_pool(&id);
+    return pool_info_dict(&info);
+}
+
+static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (gm_py_heap_open(self) < 0)
+        return NULL;
+    gm_pool_info *buf = NULL;
+    size_t cap = 0, n;
+    /* Another thread may add pools between the sizing call and the real one. */
+    for (;;) {
+        ENTER_CORE(self);
+        n = gm_pool_list(self->heap, buf, cap);
+        LEAVE_CORE(self);
+        if (n <= cap)
+            break;
+        PyMem_Free(buf);
+        cap = n + 4;
+        if (!(buf = PyMem_Malloc(cap * sizeof *buf)))
+            return PyErr_NoMemory();
     }
-    if (timing) {
-        PyObject *array_mod = PyImport_ImportModule("array");
-        PyObject *arr = NULL;
-        if (array_mod != NULL) {
-            PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(n * sizeof *op_ns));
-            if (raw != NULL)
-                arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
-            Py_XDECREF(raw);
-            Py_DECREF(array_mod);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *d = pool_info_dict(&buf[i]);
+        if (d == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    }
+    PyMem_Free(buf);
+    return list;
+}
+
+static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o)
+{
+    gm_pool_id id;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    gm_pool_info info;
+    if (gm_pool_info_get(self->heap, id, &info) != GM_OK)
+        return no_such_pool(&id);
+    uintptr_t *addrs = NULL;
+    size_t *sizes = NULL, cap = info.live_blocks, n;
+    for (;;) {
+        PyMem_Free(addrs);
+        PyMem_Free(sizes);
+        addrs = PyMem_Malloc((cap ? cap : 1) * sizeof *addrs);
+        sizes = PyMem_Malloc((cap ? cap : 1) * sizeof *sizes);
+        if (!addrs || !sizes) {
+            PyMem_Free(addrs);
+            PyMem_Free(sizes);
+            return PyErr_NoMemory();
         }
-        if (gm_py_put(result, "op_ns", arr) < 0)
-            Py_CLEAR(result);
+        ENTER_CORE(self);
+        n = gm_pool_live(self->heap, id, addrs, sizes, cap);
+        LEAVE_CORE(self);
+        if (n <= cap)
+            break;
+        cap = n + 16;
     }
-done:
-    if (sl.obj)
-        PyBuffer_Release(&sl);
-    PyBuffer_Release(&ev);
-    PyMem_Free(copy);
-    PyMem_Free(own_slots);
-    PyMem_Free(op_ns);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *t = Py_BuildValue("(Kn)", (unsigned long long)addrs[i], (Py_ssize_t)sizes[i]);
+        if (t == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    PyMem_Free(addrs);
+    PyMem_Free(sizes);
+    return list;
+}
+
+static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"id", "blocks", "stream", NULL};
+    PyObject *id_o, *blocks_o, *stream_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:pool_set_live", kwlist, &id_o, &blocks_o, &stream_o))
+        return NULL;
+    gm_pool_id id;
+    uint64_t stream = 0;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
+        return NULL;
+    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX - 1, &stream) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(blocks_o, "pool_set_live: blocks must be a sequence of (addr, size) pairs");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uintptr_t *addrs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *addrs);
+    size_t *sizes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *sizes);
+    PyObject *result = NULL;
+    if (!addrs || !sizes) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        uint64_t a;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "pool_set_live: blocks[%zd] must be an (addr, size) tuple", i);
+            goto out;
+        }
+        if (gm_py_to_u64(PyTuple_GET_ITEM(item, 0), "addr", UINTPTR_MAX, &a) < 0 ||
+            gm_py_to_size(PyTuple_GET_ITEM(item, 1), "size", &sizes[i]) < 0)
+            goto out;
+        addrs[i] = (uintptr_t)a;
+    }
+    gm_pool_info info;
+    if (gm_pool_info_get(self->heap, id, &info) != GM_OK) {
+        no_such_pool(&id);
+        goto out;
+    }
+    int rc;
+    ENTER_CORE(self);
+    rc = gm_pool_set_live(self->heap, id, addrs, sizes, (size_t)n, (gm_stream)stream);
+    LEAVE_CORE(self);
+    if (rc == GM_EINVAL)
+        PyErr_Format(PyExc_ValueError,
+                     "pool_set_live: the blocks are not the pool's live blocks or 512-aligned, disjoint ranges "
+                     "inside its free memory; nothing was changed");
+    else if (rc == GM_ENOMEM)
+        PyErr_NoMemory();
+    else if (rc != GM_OK)
+        gm_py_raise(self, rc, "pool_set_live");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+out:
+    PyMem_Free(addrs);
+    PyMem_Free(sizes);
+    Py_DECREF(seq);
     return result;
 }
 
-/* ---- sim-only controls ------------------------------------------------------------------ */
-
-static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds)
+static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    static char *kwlist[] = {"op", "nth", "count", NULL};
-    PyObject *op_o, *nth_o = NULL, *count_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:sim_fail", kwlist, &op_o, &nth_o, &count_o))
+    if (gm_py_heap_open(self) < 0)
         return NULL;
-    gm_dev_op op;
-    uint64_t nth = 1, count = 1;
-    if (ensure_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0)
-        return NULL;
-    if ((nth_o && to_u64(nth_o, "nth", UINT64_MAX, &nth) < 0) ||
-        (count_o && to_u64(count_o, "count", UINT64_MAX, &count) < 0))
-        return NULL;
-    gm_sim_fail(self->dev, op, nth, count);
+    gm_capture_begin(self->heap);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_fail_random(HeapObject *self, PyObject *args, PyObject *kwds)
+static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored))
 {
-    static char *kwlist[] = {"op", "p", "seed", NULL};
-    PyObject *op_o, *seed_o = NULL;
-    double p;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|O:sim_fail_random", kwlist, &op_o, &p, &seed_o))
+    if (gm_py_heap_open(self) < 0)
         return NULL;
-    gm_dev_op op;
-    uint64_t seed = 0;
-    if (ensure_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0)
-        return NULL;
-    if (!(p >= 0.0 && p <= 1.0)) {
-        char msg[64];
-        snprintf(msg, sizeof msg, "p must lie in [0, 1], got %g", p);
-        PyErr_SetString(PyExc_ValueError, msg);
+    if (!gm_capturing(self->heap)) {
+        PyErr_SetString(PyExc_RuntimeError, "capture_end without capture_begin");
         return NULL;
     }
-    if (seed_o && to_u64(seed_o, "seed", UINT64_MAX, &seed) < 0)
-        return NULL;
-    gm_sim_fail_random(self->dev, op, p, seed);
+    ENTER_CORE(self);
+    gm_capture_end(self->heap);
+    LEAVE_CORE(self);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_calls(HeapObject *self, PyObject *op_o)
+static PyObject *Heap_get_capturing(HeapObject *self, void *Py_UNUSED(closure))
 {
-    gm_dev_op op;
-    if (ensure_sim(self, 0) < 0 || op_from_name(op_o, &op) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
-    return PyLong_FromUnsignedLongLong(gm_sim_calls(self->dev, op));
-}
-
-static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"stream", "held", NULL};
-    PyObject *stream_o;
-    int held = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_hold_stream", kwlist, &stream_o, &held))
-        return NULL;
-    uint64_t stream;
-    if (ensure_sim(self, 1) < 0 || to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
-        return NULL;
-    gm_sim_hold_stream(self->dev, (gm_stream)stream, held);
-    Py_RETURN_NONE;
-}
-
-static PyObject *sim_set_bytes(HeapObject *self, PyObject *args, int external)
-{
-    PyObject *pid_o, *bytes_o;
-    if (!PyArg_ParseTuple(args, external ? "OO:sim_set_external" : "OO:sim_set_self", &pid_o, &bytes_o))
-        return NULL;
-    uint64_t pid, bytes;
-    if (ensure_sim(self, 1) < 0)
-        return NULL;
-    if (to_u64(pid_o, "pid", UINT32_MAX, &pid) < 0 || to_u64(bytes_o, "bytes", UINT64_MAX, &bytes) < 0)
-        return NULL;
-    if (external)
-        gm_sim_set_external(self->dev, (uint32_t)pid, bytes);
-    else
-        gm_sim_set_self(self->dev, (uint32_t)pid, bytes);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Heap_sim_set_external(HeapObject *self, PyObject *args)
-{
-    return sim_set_bytes(self, args, 1);
-}
-
-static PyObject *Heap_sim_set_self(HeapObject *self, PyObject *args)
-{
-    return sim_set_bytes(self, args, 0);
-}
-
-static PyObject *Heap_sim_set_nvml(HeapObject *self, PyObject *avail_o)
-{
-    if (ensure_sim(self, 1) < 0)
-        return NULL;
-    int avail = PyObject_IsTrue(avail_o);
-    if (avail < 0)
-        return NULL;
-    gm_sim_set_nvml(self->dev, avail);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Heap_sim_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (ensure_sim(self, 0) < 0)
-        return NULL;
-    gm_sim_info info;
-    gm_sim_info_get(self->dev, &info);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n}", "capacity", (Py_ssize_t)info.capacity, "page_size",
-                         (Py_ssize_t)info.page_size, "pages_created", (Py_ssize_t)info.pages_created,
-                         "pages_mapped", (Py_ssize_t)info.pages_mapped, "events_alive",
-                         (Py_ssize_t)info.events_alive, "reservations", (Py_ssize_t)info.reservations);
-}
-
-static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args)
-{
-    PyObject *addr_o, *size_o;
-    if (!PyArg_ParseTuple(args, "OO:sim_is_accessible", &addr_o, &size_o))
-        return NULL;
-    uint64_t addr;
-    size_t size;
-    if (ensure_sim(self, 0) < 0 || to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
-        to_size(size_o, "size", &size) < 0)
-        return NULL;
-    return PyBool_FromLong(gm_sim_is_accessible(self->dev, (uintptr_t)addr, size));
+    return PyLong_FromLong(gm_capturing(self->heap));
 }
 
 /* ---- properties ------------------------------------------------------------------------- */
 
 static PyObject *Heap_get_device_kind(HeapObject *self, void *Py_UNUSED(closure))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     return PyUnicode_FromString(self->dev->kind);
 }
 
 static PyObject *Heap_get_device_name(HeapObject *self, void *Py_UNUSED(closure))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     return PyUnicode_FromString(self->dev->name);
 }
 
 static PyObject *Heap_get_page_size(HeapObject *self, void *Py_UNUSED(closure))
 {
-    if (ensure_open(self) < 0)
+    if (gm_py_heap_open(self) < 0)
         return NULL;
     return PyLong_FromSize_t(self->dev->page_size);
 }
@@ -1037,11 +985,31 @@ static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure))
 
 /* ---- type and module tables ------------------------------------------------------------- */
 
-#define KW(fn) (PyCFunction)(void (*)(void))(fn)
+/* Heap's methods: this file's, then replay_glue.c's and sim_glue.c's
+ * (gathered at import). */
+static PyMethodDef Heap_methods[64];
 
-static PyMethodDef Heap_methods[] = {
+static PyMethodDef Heap_core_methods[] = {
     {.ml_name = "malloc", .ml_meth = KW(Heap_malloc), .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "malloc(size, stream=0, context=0) -> address"},
+     .ml_doc = "malloc(size, stream=0, context=0, pool=None) -> address\n"
+               "pool: a private pool's id, a pair of ints (torch's MempoolId_t)"},
+    {.ml_name = "pool_retain", .ml_meth = (PyCFunction)Heap_pool_retain, .ml_flags = METH_O,
+     .ml_doc = "pool_retain(id): create the private pool id (a pair of ints), or add a use to it"},
+    {.ml_name = "pool_release", .ml_meth = (PyCFunction)Heap_pool_release, .ml_flags = METH_O,
+     .ml_doc = "pool_release(id): drop a use; at zero the pool ends and its free blocks join the heap"},
+    {.ml_name = "pool_info", .ml_meth = (PyCFunction)Heap_pool_info, .ml_flags = METH_O,
+     .ml_doc = "pool_info(id) -> dict (id, use_count, live_blocks, live_bytes, free_blocks, free_bytes, "
+               "pinned_pages)"},
+    {.ml_name = "pools", .ml_meth = (PyCFunction)Heap_pools, .ml_flags = METH_NOARGS,
+     .ml_doc = "pools() -> [pool_info dict] of the living pools"},
+    {.ml_name = "pool_live", .ml_meth = (PyCFunction)Heap_pool_live, .ml_flags = METH_O,
+     .ml_doc = "pool_live(id) -> [(addr, size)] of the pool's live blocks, in address order"},
+    {.ml_name = "pool_set_live", .ml_meth = KW(Heap_pool_set_live), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "pool_set_live(id, blocks, stream=0): make exactly blocks [(addr, size)] the pool's live blocks"},
+    {.ml_name = "capture_begin", .ml_meth = (PyCFunction)Heap_capture_begin, .ml_flags = METH_NOARGS,
+     .ml_doc = "capture_begin(): a graph capture starts (nests): no sync, event or unmap until it ends"},
+    {.ml_name = "capture_end", .ml_meth = (PyCFunction)Heap_capture_end, .ml_flags = METH_NOARGS,
+     .ml_doc = "capture_end(): the capture ends; frees it deferred get their events"},
     {.ml_name = "free", .ml_meth = (PyCFunction)Heap_free, .ml_flags = METH_O, .ml_doc = "free(ptr)"},
     {.ml_name = "record_stream", .ml_meth = (PyCFunction)Heap_record_stream, .ml_flags = METH_VARARGS,
      .ml_doc = "record_stream(ptr, stream): ptr is in use on stream too"},
@@ -1060,7 +1028,7 @@ static PyMethodDef Heap_methods[] = {
     {.ml_name = "reset_accumulated_stats", .ml_meth = (PyCFunction)Heap_reset_accumulated_stats,
      .ml_flags = METH_NOARGS, .ml_doc = "zero the allocated/freed and event counters"},
     {.ml_name = "check", .ml_meth = (PyCFunction)Heap_check, .ml_flags = METH_NOARGS,
-     .ml_doc = "check(): raise CorruptionError if an invariant is broken"},
+     .ml_doc = "check(): raise gm_py_CorruptionError if an invariant is broken"},
     {.ml_name = "snapshot", .ml_meth = (PyCFunction)Heap_snapshot, .ml_flags = METH_NOARGS,
      .ml_doc = "snapshot() -> dict of blocks, pages and stats"},
     {.ml_name = "history_enable", .ml_meth = (PyCFunction)Heap_history_enable, .ml_flags = METH_O,
@@ -1075,28 +1043,6 @@ static PyMethodDef Heap_methods[] = {
      .ml_doc = "last_oom() -> report of the last failed allocation, or None"},
     {.ml_name = "memory_report", .ml_meth = KW(Heap_memory_report), .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "memory_report(size=0) -> the OOM report for a request of size bytes now"},
-    {.ml_name = "replay", .ml_meth = KW(Heap_replay), .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "replay(events, n_slots, timing=False, stop_at=-1, slots=None) -> dict\n"
-               "events: packed struct '<IIQQ' (op, slot, size, stream); slots: optional writable\n"
-               "buffer of n_slots 8-byte words kept by the caller across chunked calls."},
-    {.ml_name = "sim_fail", .ml_meth = KW(Heap_sim_fail), .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "sim_fail(op, nth=1, count=1): make device calls fail"},
-    {.ml_name = "sim_fail_random", .ml_meth = KW(Heap_sim_fail_random), .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "sim_fail_random(op, p, seed=0)"},
-    {.ml_name = "sim_calls", .ml_meth = (PyCFunction)Heap_sim_calls, .ml_flags = METH_O,
-     .ml_doc = "sim_calls(op) -> calls of op so far"},
-    {.ml_name = "sim_hold_stream", .ml_meth = KW(Heap_sim_hold_stream), .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "sim_hold_stream(stream, held=True)"},
-    {.ml_name = "sim_set_external", .ml_meth = (PyCFunction)Heap_sim_set_external, .ml_flags = METH_VARARGS,
-     .ml_doc = "sim_set_external(pid, bytes): memory held by another process"},
-    {.ml_name = "sim_set_self", .ml_meth = (PyCFunction)Heap_sim_set_self, .ml_flags = METH_VARARGS,
-     .ml_doc = "sim_set_self(pid, bytes): this process's memory outside the allocator"},
-    {.ml_name = "sim_set_nvml", .ml_meth = (PyCFunction)Heap_sim_set_nvml, .ml_flags = METH_O,
-     .ml_doc = "sim_set_nvml(available)"},
-    {.ml_name = "sim_info", .ml_meth = (PyCFunction)Heap_sim_info, .ml_flags = METH_NOARGS,
-     .ml_doc = "sim_info() -> dict"},
-    {.ml_name = "sim_is_accessible", .ml_meth = (PyCFunction)Heap_sim_is_accessible, .ml_flags = METH_VARARGS,
-     .ml_doc = "sim_is_accessible(addr, size) -> bool"},
     {.ml_name = "close", .ml_meth = (PyCFunction)Heap_close, .ml_flags = METH_NOARGS,
      .ml_doc = "destroy the heap and its device; later calls raise ValueError"},
     {.ml_name = "__enter__", .ml_meth = (PyCFunction)Heap_enter, .ml_flags = METH_NOARGS},
@@ -1109,6 +1055,8 @@ static PyGetSetDef Heap_getset[] = {
     {.name = "device_name", .get = (getter)Heap_get_device_name, .doc = "e.g. \"sim:80GiB\""},
     {.name = "page_size", .get = (getter)Heap_get_page_size, .doc = "physical page size in bytes"},
     {.name = "closed", .get = (getter)Heap_get_closed, .doc = "True once close() was called"},
+    {.name = "capturing", .get = (getter)Heap_get_capturing,
+     .doc = "capture_begin() calls not yet ended (0: no capture)"},
     {.name = NULL},
 };
 
@@ -1140,7 +1088,7 @@ static PyObject *mod_strerror(PyObject *Py_UNUSED(mod), PyObject *code_o)
 static PyObject *mod_format_bytes(PyObject *Py_UNUSED(mod), PyObject *n_o)
 {
     uint64_t n;
-    if (to_u64(n_o, "n", UINT64_MAX, &n) < 0)
+    if (gm_py_to_u64(n_o, "n", UINT64_MAX, &n) < 0)
         return NULL;
     char buf[32];
     gm_fmt_bytes(buf, sizeof buf, n);
@@ -1157,6 +1105,7 @@ static PyMethodDef module_methods[] = {
 
 int gm_torch_glue_add(PyObject *module); /* torch_glue.c */
 int gm_torch_viz_add(PyObject *module);  /* torch_viz.c */
+int gm_shared_glue_add(PyObject *module); /* shared_glue.c */
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
@@ -1181,20 +1130,36 @@ static int add_exception(PyObject *m, PyObject **slot, const char *name, PyObjec
     return 0;
 }
 
+
+static int gather_methods(void)
+{
+    const PyMethodDef *tables[] = {Heap_core_methods, gm_py_replay_methods, gm_py_sim_methods};
+    size_t n = 0;
+    for (size_t t = 0; t < sizeof tables / sizeof tables[0]; t++)
+        for (const PyMethodDef *d = tables[t]; d->ml_name; d++) {
+            if (n + 1 >= sizeof Heap_methods / sizeof Heap_methods[0]) {
+                PyErr_SetString(PyExc_SystemError, "gpumem._C: too many Heap methods for the table");
+                return -1;
+            }
+            Heap_methods[n++] = *d;
+        }
+    return 0;
+}
+
 PyMODINIT_FUNC PyInit__C(void)
 {
-    if (PyType_Ready(&HeapType) < 0)
+    if (gather_methods() < 0 || PyType_Ready(&HeapType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
         return NULL;
-    if (add_exception(m, &OutOfMemoryError, "OutOfMemoryError", PyExc_RuntimeError,
+    if (add_exception(m, &gm_py_OutOfMemoryError, "OutOfMemoryError", PyExc_RuntimeError,
                       "An allocation failed even after releasing the cache and defragmenting.") < 0 ||
-        add_exception(m, &InvalidPointerError, "InvalidPointerError", PyExc_ValueError,
+        add_exception(m, &gm_py_InvalidPointerError, "InvalidPointerError", PyExc_ValueError,
                       "free/record_stream of a pointer that is not live in this heap.") < 0 ||
-        add_exception(m, &CorruptionError, "CorruptionError", PyExc_RuntimeError,
+        add_exception(m, &gm_py_CorruptionError, "CorruptionError", PyExc_RuntimeError,
                       "The invariant checker found a broken invariant.") < 0 ||
-        add_exception(m, &DeviceError, "DeviceError", PyExc_RuntimeError,
+        add_exception(m, &gm_py_DeviceError, "DeviceError", PyExc_RuntimeError,
                       "A device call failed, or no CUDA driver could be loaded.") < 0)
         goto fail;
     Py_INCREF(&HeapType);
@@ -1202,7 +1167,9 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(&HeapType);
         goto fail;
     }
-    if (gm_history_glue_add(m) < 0)
+    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0)
+        goto fail;
+    if (gm_py_add_name_lists(m) < 0) /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c) */
         goto fail;
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
@@ -1210,6 +1177,8 @@ PyMODINIT_FUNC PyInit__C(void)
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */
         goto fail;
     if (gm_torch_viz_add(m) < 0) /* explain/stacks hooks for the torch path (torch_viz.c) */
+        goto fail;
+    if (gm_shared_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (shared_glue.c) */
         goto fail;
     return m;
 fail:

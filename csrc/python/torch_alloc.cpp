@@ -24,20 +24,33 @@
  * message, which torch turns into a RuntimeError with the same text -- so the
  * worst case is the plain RuntimeError the issue asks for.  docs/torch.md has
  * the details; oom_mode GM_TORCH_OOM_RUNTIME skips the trick.
+ *
+ * Private pools (CUDA graphs, MemPool): torch's pool hooks are std::function
+ * objects built from plain function addresses, so the three hooks below have
+ * exactly the C++ signatures torch's std::function types name, and need only
+ * <functional> and <utility> -- no libtorch.  The one thing that must agree with
+ * torch is the standard library ABI (_GLIBCXX_USE_CXX11_ABI); gpumem.torch
+ * compares it with torch's before setting them.
  */
 #include <Python.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unistd.h>
+#include <utility>
+#include <vector>
 
 #include "common.h"
+#include "gpumem/cuda.h"
+#include "gpumem/sim.h"
 #include "torch_alloc.h"
 
 /* ---- the exception torch re-raises as a Python exception ------------------- */
@@ -85,9 +98,22 @@ struct python_error : public std::exception {
     const char *what() const noexcept override { return message.c_str(); }
 };
 
+/* The types torch's pool hooks are declared with (c10::cuda::MempoolId_t and
+ * cudaStream_t), spelled without torch's or CUDA's headers. */
+struct CUstream_st;
+typedef CUstream_st *gm_cuda_stream_t;
+typedef std::pair<unsigned long long, unsigned long long> gm_torch_mempool_id;
+typedef std::function<bool(gm_cuda_stream_t)> gm_torch_filter;
+
 /* ---- the registry ----------------------------------------------------------- */
 
 namespace {
+
+/* A pool that allocations are being routed to (between begin and end). */
+struct active_pool {
+    gm_pool_id id;
+    gm_torch_filter filter;
+};
 
 struct slot {
     std::atomic<gm_heap *> heap{nullptr};
@@ -96,6 +122,11 @@ struct slot {
     /* Effective cap: a request above it fails at once, before the core would
      * grow the heap to the cap trying. */
     std::atomic<size_t> limit{SIZE_MAX};
+    /* Pools being allocated to, in the order begun; n_active lets the hot
+     * path skip the lock while none is. */
+    std::mutex pool_mu;
+    std::vector<active_pool> active;
+    std::atomic<size_t> n_active{0};
 };
 
 slot g_slots[GM_TORCH_MAX_DEVICES];
@@ -151,18 +182,25 @@ size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction)
 
 bool valid_device(int device) { return device >= 0 && device < GM_TORCH_MAX_DEVICES; }
 
-gm_heap *open_heap(int device, std::string *why)
+/* sim_capacity > 0 puts a simulated device behind the slot instead of CUDA. */
+gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0)
 {
     slot &s = g_slots[device];
     std::lock_guard<std::mutex> g(s.mu);
     gm_heap *h = s.heap.load(std::memory_order_acquire);
-    if (h)
+    if (h) {
+        if (sim_capacity) {
+            *why = "device " + std::to_string(device) + " already has a heap";
+            return nullptr;
+        }
         return h;
+    }
     gm_torch_options o = options_snapshot();
     char err[256] = "";
-    gm_device *dev = gm_cuda_create(device, err, sizeof err);
+    gm_device *dev = sim_capacity ? gm_sim_create(sim_capacity, 0) : gm_cuda_create(device, err, sizeof err);
     if (!dev) {
-        *why = std::string("gpumem cannot open CUDA device ") + std::to_string(device) + ": " + err;
+        *why = std::string("gpumem cannot open ") + (sim_capacity ? "a simulated" : "CUDA") + " device " +
+               std::to_string(device) + ": " + err;
         return nullptr;
     }
     gm_config cfg;
@@ -212,6 +250,90 @@ gm_heap *open_heap(int device, std::string *why)
         }
     }
     throw std::runtime_error(msg);
+}
+
+/* The pool an allocation on `stream` goes to: the first active pool whose
+ * filter accepts the stream (torch's allocator picks the same way), or false. */
+bool route(slot &s, gm_stream stream, gm_pool_id *out)
+{
+    if (s.n_active.load(std::memory_order_acquire) == 0)
+        return false;
+    std::unique_lock<std::mutex> g(s.pool_mu);
+    for (const active_pool &a : s.active) {
+        if (a.filter((gm_cuda_stream_t)(uintptr_t)stream)) {
+            *out = a.id;
+            return true;
+        }
+    }
+    return false;
+}
+
+gm_heap *heap_or_throw(int device)
+{
+    if (!valid_device(device))
+        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) +
+                                 " is out of range");
+    gm_heap *h = g_slots[device].heap.load(std::memory_order_acquire);
+    if (!h) {
+        std::string why;
+        if (!(h = open_heap(device, &why)))
+            throw std::runtime_error(why);
+    }
+    return h;
+}
+
+std::string pool_name(gm_pool_id id)
+{
+    return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+void pool_begin(int device, gm_pool_id id, gm_torch_filter filter)
+{
+    gm_heap *h = heap_or_throw(device);
+    int rc = gm_pool_retain(h, id);
+    if (rc != GM_OK)
+        throw std::runtime_error("gpumem: cannot begin allocating to pool " + pool_name(id) + " on GPU " +
+                                 std::to_string(device) + ": " + gm_strerror(rc));
+    slot &s = g_slots[device];
+    {
+        std::lock_guard<std::mutex> g(s.pool_mu);
+        s.active.push_back(active_pool{id, std::move(filter)});
+        s.n_active.store(s.active.size(), std::memory_order_release);
+    }
+    /* torch calls begin before cudaStreamBeginCapture (and for MemPool's
+     * calling-thread filter, with no capture at all), so the driver cannot say
+     * yet whether a capture follows: the heap is told one may, as torch's own
+     * allocator counts every active pool as a capture under way. */
+    gm_capture_begin(h);
+}
+
+bool pool_end(int device, gm_pool_id id)
+{
+    gm_heap *h = valid_device(device) ? gm_torch_heap(device) : nullptr;
+    if (!h)
+        return false;
+    slot &s = g_slots[device];
+    bool found = false;
+    {
+        std::lock_guard<std::mutex> g(s.pool_mu);
+        auto it = std::find_if(s.active.begin(), s.active.end(), [&](const active_pool &a) {
+            return a.id.first == id.first && a.id.second == id.second;
+        });
+        if (it != s.active.end()) {
+            s.active.erase(it);
+            found = true;
+        }
+        s.n_active.store(s.active.size(), std::memory_order_release);
+    }
+    if (found)
+        gm_capture_end(h);
+    return found;
+}
+
+int pool_release(int device, gm_pool_id id)
+{
+    gm_heap *h = valid_device(device) ? gm_torch_heap(device) : nullptr;
+    return h ? gm_pool_release(h, id) : GM_EINVAL;
 }
 
 std::string oom_message(int device, gm_heap *h, size_t size)
@@ -283,6 +405,19 @@ extern "C" int gm_torch_open(int device, char *err, size_t errlen)
         return GM_OK;
     snprintf(err, errlen, "%s", why.c_str());
     return GM_EDEVICE;
+}
+
+extern "C" int gm_torch_open_sim(int device, size_t capacity, char *err, size_t errlen)
+{
+    if (!valid_device(device) || !capacity) {
+        snprintf(err, errlen, "bad device %d or capacity %zu", device, capacity);
+        return GM_EINVAL;
+    }
+    std::string why;
+    if (open_heap(device, &why, capacity))
+        return GM_OK;
+    snprintf(err, errlen, "%s", why.c_str());
+    return GM_EINVAL;
 }
 
 extern "C" int gm_torch_set_cap(int device, size_t cap_bytes)
@@ -408,15 +543,9 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
 
 extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
 {
-    if (!valid_device(device))
-        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) +
-                                 " is out of range");
-    gm_heap *h = g_slots[device].heap.load(std::memory_order_acquire);
-    if (!h) {
-        std::string why;
-        if (!(h = open_heap(device, &why)))
-            throw std::runtime_error(why);
-    }
+    gm_heap *h = heap_or_throw(device);
+    gm_pool_id pool_id;
+    const gm_pool_id *pool = route(g_slots[device], (gm_stream)(uintptr_t)stream, &pool_id) ? &pool_id : nullptr;
     gm_torch_context_fn ctx_fn = g_context_fn.load(std::memory_order_relaxed);
     uint64_t ctx = ctx_fn ? ctx_fn() : 0;
     uintptr_t p = 0;
@@ -427,15 +556,17 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
         buf.resize(gm_torch_format_oom(device, &info, &buf[0], buf.size()));
         throw_oom(buf);
     }
-    int rc = gm_malloc(h, size, (gm_stream)(uintptr_t)stream, ctx, &p);
+    int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
     if (rc == GM_OK)
         return (void *)p;
-    if (rc == GM_ENOMEM) {
+    /* During a capture nothing may synchronise: no empty_cache, no retry. */
+    bool capturing = gm_capturing(h) != 0;
+    if (rc == GM_ENOMEM && !capturing) {
         /* The core has already released what it could and defragmented; one
          * more try after an explicit empty_cache also catches memory that other
          * streams' events have freed since. */
         gm_empty_cache(h);
-        rc = gm_malloc(h, size, (gm_stream)(uintptr_t)stream, ctx, &p);
+        rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
         if (rc == GM_OK) {
             c_oom_retries.fetch_add(1, std::memory_order_relaxed);
             return (void *)p;
@@ -446,7 +577,8 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
         /* A failed attempt may have grown the heap to its cap on the way; give
          * that back, as torch's own allocator does, or memory taken outside the
          * allocator (cuBLAS handles, NCCL) fails next -- seen on an H100. */
-        gm_empty_cache(h);
+        if (!capturing)
+            gm_empty_cache(h);
         throw_oom(msg);
     }
     throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) +
@@ -474,7 +606,8 @@ extern "C" void gpumem_torch_empty_cache(void)
     c_empty_cache.fetch_add(1, std::memory_order_relaxed);
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
         gm_heap *h = gm_torch_heap(d);
-        if (h)
+        /* Unmapping during a capture would invalidate it: skipped then. */
+        if (h && !gm_capturing(h))
             gm_empty_cache(h);
     }
 }
@@ -518,3 +651,99 @@ extern "C" void gpumem_torch_init(int device_count) { g_device_count.store(devic
 extern "C" void gpumem_torch_set_context_hook(gm_torch_context_fn fn) { g_context_fn.store(fn); }
 
 extern "C" void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn) { g_formatter.store(fn); }
+
+/* ---- private pools ------------------------------------------------------------- */
+
+/* torch's hooks: exactly the C++ types of the std::function torch builds from
+ * the address (CUDAPluggableAllocator's begin/end/release setters).  Errors
+ * are thrown, and torch turns them into Python exceptions. */
+void gpumem_torch_begin_allocate_to_pool(int device, gm_torch_mempool_id pool, gm_torch_filter filter)
+{
+    if (!filter)
+        throw std::runtime_error("gpumem: begin_allocate_to_pool without a stream filter");
+    pool_begin(device, gm_pool_id{pool.first, pool.second}, std::move(filter));
+}
+
+void gpumem_torch_end_allocate_to_pool(int device, gm_torch_mempool_id pool)
+{
+    pool_end(device, gm_pool_id{pool.first, pool.second});
+}
+
+void gpumem_torch_release_pool(int device, gm_torch_mempool_id pool)
+{
+    int rc = pool_release(device, gm_pool_id{pool.first, pool.second});
+    if (rc != GM_OK)
+        throw std::runtime_error("gpumem: cannot release pool (" + std::to_string(pool.first) + ", " +
+                                 std::to_string(pool.second) + ") on GPU " + std::to_string(device) +
+                                 ": " + gm_strerror(rc));
+}
+
+extern "C" uintptr_t gm_torch_pool_hook(int which)
+{
+    void (*begin)(int, gm_torch_mempool_id, gm_torch_filter) = gpumem_torch_begin_allocate_to_pool;
+    void (*end)(int, gm_torch_mempool_id) = gpumem_torch_end_allocate_to_pool;
+    void (*release)(int, gm_torch_mempool_id) = gpumem_torch_release_pool;
+    switch (which) {
+    case GM_TORCH_HOOK_BEGIN:
+        return (uintptr_t)begin;
+    case GM_TORCH_HOOK_END:
+        return (uintptr_t)end;
+    case GM_TORCH_HOOK_RELEASE:
+        return (uintptr_t)release;
+    default:
+        return 0;
+    }
+}
+
+extern "C" int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t second,
+                                       gm_torch_stream_filter_fn filter)
+{
+    gm_torch_filter f;
+    if (filter)
+        f = [filter](gm_cuda_stream_t s) { return filter((void *)s) != 0; };
+    else
+        f = [](gm_cuda_stream_t) { return true; };
+    try {
+        pool_begin(device, gm_pool_id{first, second}, std::move(f));
+    } catch (const std::exception &) {
+        return valid_device(device) && gm_torch_heap(device) ? GM_EINVAL : GM_EDEVICE;
+    }
+    return GM_OK;
+}
+
+extern "C" int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second)
+{
+    return pool_end(device, gm_pool_id{first, second}) ? GM_OK : GM_EINVAL;
+}
+
+extern "C" int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second)
+{
+    return pool_release(device, gm_pool_id{first, second});
+}
+
+extern "C" void gpumem_torch_raw_delete(void *ptr)
+{
+    int rc = GM_EUNKNOWN_PTR;
+    for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
+        gm_heap *h = gm_torch_heap(d);
+        if (h)
+            rc = gm_free(h, (uintptr_t)ptr);
+    }
+    if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
+        fprintf(stderr, "gpumem: free of %p failed: %s (further errors are counted in "
+                        "gpumem.torch.status())\n",
+                ptr, gm_strerror(rc));
+}
+
+extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap)
+{
+    if (!valid_device(device))
+        return 0;
+    slot &s = g_slots[device];
+    std::lock_guard<std::mutex> g(s.pool_mu);
+    for (size_t i = 0; i < s.active.size() && i < cap; i++)
+        out[i] = s.active[i].id;
+    return s.active.size();
+}
+
+extern "C" int gm_torch_cxx11_abi(void) { return _GLIBCXX_USE_CXX11_ABI; }

@@ -49,6 +49,10 @@ void gm_torch_get_options(gm_torch_options *o);
 gm_heap *gm_torch_heap(int device);
 /* Create the heap of a device now.  GM_OK, or an error with a reason in err. */
 int gm_torch_open(int device, char *err, size_t errlen);
+/* Serve `device` with a heap over the simulated device (capacity bytes, 2 MiB
+ * pages) instead of CUDA: the whole torch path, pools included, on a machine
+ * with no GPU (tests).  GM_EINVAL when the device already has a heap. */
+int gm_torch_open_sim(int device, size_t capacity, char *err, size_t errlen);
 /* Cap the heap of a device (0: none); GM_EINVAL if it has none yet. */
 int gm_torch_set_cap(int device, size_t cap_bytes);
 /* Device count torch reported through the init hook (-1 before). */
@@ -106,6 +110,37 @@ GM_TORCH_EXPORT void gpumem_torch_record_stream(void *ptr, void *stream);
 GM_TORCH_EXPORT void gpumem_torch_init(int device_count);
 GM_TORCH_EXPORT void gpumem_torch_set_context_hook(gm_torch_context_fn fn);
 GM_TORCH_EXPORT void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn);
+
+/* ---- private pools: torch's graph pools and MemPool ---------------------------
+ * torch's hook setters set_begin_allocate_to_pool, set_end_allocate_to_pool_fn
+ * and set_release_pool take these (C++ linkage types, declared for C++ only):
+ *   void begin(int device, std::pair<unsigned long long, unsigned long long> pool,
+ *              std::function<bool(cudaStream_t)> filter)
+ *   void end(int device, std::pair<unsigned long long, unsigned long long> pool)
+ *   void release(int device, std::pair<unsigned long long, unsigned long long> pool)
+ * While a pool is active on a device, an allocation whose stream the pool's
+ * filter accepts goes into it; of several active pools the first begun whose
+ * filter accepts wins (torch's own allocator picks the same way).
+ * begin adds a use to the pool and tells the heap a capture may be under way;
+ * end stops routing and ends that; release drops the use begin added.
+ * The C forms take the filter as a plain function (NULL accepts every stream)
+ * for callers that are not torch; the addresses come from gm_torch_pool_hook. */
+typedef int (*gm_torch_stream_filter_fn)(void *stream);
+GM_TORCH_EXPORT int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t second,
+                                            gm_torch_stream_filter_fn filter);
+GM_TORCH_EXPORT int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second);
+GM_TORCH_EXPORT int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second);
+/* Free a block by address on whichever heap holds it: the deleter of storages
+ * whose blocks a checkpoint restored (gpumem.torch._checkpoint). */
+GM_TORCH_EXPORT void gpumem_torch_raw_delete(void *ptr);
+enum { GM_TORCH_HOOK_BEGIN = 0, GM_TORCH_HOOK_END = 1, GM_TORCH_HOOK_RELEASE = 2 };
+/* Address of torch's std::function-taking pool hook `which` (GM_TORCH_HOOK_*). */
+uintptr_t gm_torch_pool_hook(int which);
+/* Pools active on a device now (routing allocations), for status and tests. */
+size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap);
+/* The _GLIBCXX_USE_CXX11_ABI value torch_alloc.cpp was built with: torch's
+ * std::function hooks are only set when torch was built with the same. */
+int gm_torch_cxx11_abi(void);
 
 #ifdef __cplusplus
 }

@@ -1,8 +1,9 @@
 /*
- * torch_glue.c -- what gpumem/torch.py needs from C: options for the heaps
+ * torch_glue.c -- what gpumem.torch (gpumem/torch/) needs from C: options for the heaps
  * torch's allocations go to, the addresses of the entry points it hands to
  * torch, and read access to the per-device heaps (stats, snapshot, history,
- * reports) in the same shapes as gpumem.Heap's methods.
+ * reports) in the same shapes as gpumem.Heap's methods, and its private pools
+ * (_torch_pool_*: retain/release, the live blocks cudagraph trees checkpoint).
  *
  * Registered on gpumem._C by gm_torch_glue_add() (called from module.c), all
  * under names starting "_torch_".  Functions that take a device return None
@@ -120,7 +121,17 @@ static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
         gm_py_put(d, "empty_cache", addr((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
         gm_py_put(d, "memory_fraction", addr((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
         gm_py_put(d, "record_stream", addr((void (*)(void))gpumem_torch_record_stream)) < 0 ||
-        gm_py_put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0) {
+        gm_py_put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0 ||
+        gm_py_put(d, "begin_allocate_to_pool",
+                  PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_BEGIN))) < 0 ||
+        gm_py_put(d, "end_allocate_to_pool",
+                  PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_END))) < 0 ||
+        gm_py_put(d, "release_pool",
+                  PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_RELEASE))) < 0 ||
+        gm_py_put(d, "pool_begin", addr((void (*)(void))gpumem_torch_pool_begin)) < 0 ||
+        gm_py_put(d, "pool_end", addr((void (*)(void))gpumem_torch_pool_end)) < 0 ||
+        gm_py_put(d, "pool_release", addr((void (*)(void))gpumem_torch_pool_release)) < 0 ||
+        gm_py_put(d, "raw_delete", addr((void (*)(void))gpumem_torch_raw_delete)) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -365,6 +376,277 @@ static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     return d;
 }
 
+/* ---- private pools ------------------------------------------------------------------ */
+
+/* A pool id: torch's MempoolId_t as a pair of non-negative ints. */
+static int get_pool_id(PyObject *o, gm_pool_id *id)
+{
+    unsigned long long a, b;
+    if (!PyArg_ParseTuple(o, "KK;a pool id is a pair of ints", &a, &b))
+        return -1;
+    id->first = a;
+    id->second = b;
+    return 0;
+}
+
+static PyObject *pool_id_tuple(gm_pool_id id)
+{
+    return Py_BuildValue("(KK)", (unsigned long long)id.first, (unsigned long long)id.second);
+}
+
+static PyObject *pool_info_dict(const gm_pool_info *p)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    if (gm_py_put(d, "id", pool_id_tuple(p->id)) < 0 || gm_py_put_i64(d, "use_count", p->use_count) < 0 ||
+        gm_py_put_u64(d, "live_blocks", p->live_blocks) < 0 || gm_py_put_u64(d, "live_bytes", p->live_bytes) < 0 ||
+        gm_py_put_u64(d, "free_blocks", p->free_blocks) < 0 || gm_py_put_u64(d, "free_bytes", p->free_bytes) < 0 ||
+        gm_py_put_u64(d, "pinned_pages", p->pinned_pages) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+/* (device, (first, second)) -> the heap and the id; NULL heap (no error) when
+ * torch has not allocated on the device. */
+static int device_pool_args(PyObject *args, int *device, gm_pool_id *id, gm_heap **h)
+{
+    PyObject *dev, *pool;
+    if (!PyArg_ParseTuple(args, "OO", &dev, &pool) || get_device(dev, device) < 0 ||
+        get_pool_id(pool, id) < 0)
+        return -1;
+    *h = gm_torch_heap(*device);
+    return 0;
+}
+
+static PyObject *pool_error(int rc, const char *what, gm_pool_id id)
+{
+    return PyErr_Format(rc == GM_EINVAL ? PyExc_ValueError : PyExc_RuntimeError,
+                        "gpumem: %s pool (%llu, %llu): %s", what, (unsigned long long)id.first,
+                        (unsigned long long)id.second, gm_strerror(rc));
+}
+
+static PyObject *g_pool_retain(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int device;
+    gm_pool_id id;
+    gm_heap *h;
+    if (device_pool_args(args, &device, &id, &h) < 0)
+        return NULL;
+    if (h == NULL) {
+        char err[512] = "";
+        if (gm_torch_open(device, err, sizeof err) != GM_OK)
+            return PyErr_Format(PyExc_RuntimeError, "%s", err);
+        h = gm_torch_heap(device);
+    }
+    int rc = gm_pool_retain(h, id);
+    if (rc != GM_OK)
+        return pool_error(rc, "cannot retain", id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_pool_release(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int device;
+    gm_pool_id id;
+    gm_heap *h;
+    if (device_pool_args(args, &device, &id, &h) < 0)
+        return NULL;
+    int rc = h ? gm_pool_release(h, id) : GM_EINVAL;
+    if (rc != GM_OK)
+        return pool_error(rc, "cannot release", id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int device;
+    gm_pool_id id;
+    gm_heap *h;
+    gm_pool_info info;
+    if (device_pool_args(args, &device, &id, &h) < 0)
+        return NULL;
+    if (h == NULL || gm_pool_info_get(h, id, &info) != GM_OK)
+        Py_RETURN_NONE;
+    return pool_info_dict(&info);
+}
+
+static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    int device;
+    if (get_device(a, &device) < 0)
+        return NULL;
+    gm_heap *h = gm_torch_heap(device);
+    PyObject *out = PyList_New(0);
+    if (out == NULL || h == NULL)
+        return out;
+    size_t cap = 16, n;
+    gm_pool_info *buf = NULL;
+    for (;;) {
+        PyMem_Free(buf);
+        buf = PyMem_Calloc(cap, sizeof *buf);
+        if (buf == NULL) {
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+        n = gm_pool_list(h, buf, cap);
+        if (n <= cap)
+            break;
+        cap = n + 16;
+    }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *d = pool_info_dict(&buf[i]);
+        if (d == NULL || PyList_Append(out, d) < 0) {
+            Py_XDECREF(d);
+            Py_DECREF(out);
+            PyMem_Free(buf);
+            return NULL;
+        }
+        Py_DECREF(d);
+    }
+    PyMem_Free(buf);
+    return out;
+}
+
+/* [(addr, size), ...] of the pool's live blocks, address order. */
+static PyObject *g_pool_live(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int device;
+    gm_pool_id id;
+    gm_heap *h;
+    if (device_pool_args(args, &device, &id, &h) < 0)
+        return NULL;
+    if (h == NULL)
+        return PyList_New(0);
+    size_t cap = 64, n;
+    uintptr_t *addrs = NULL;
+    size_t *sizes = NULL;
+    for (;;) {
+        PyMem_Free(addrs);
+        PyMem_Free(sizes);
+        addrs = PyMem_Calloc(cap, sizeof *addrs);
+        sizes = PyMem_Calloc(cap, sizeof *sizes);
+        if (addrs == NULL || sizes == NULL) {
+            PyMem_Free(addrs);
+            PyMem_Free(sizes);
+            return PyErr_NoMemory();
+        }
+        n = gm_pool_live(h, id, addrs, sizes, cap);
+        if (n <= cap)
+            break;
+        cap = n + 64;
+    }
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out != NULL && i < n; i++) {
+        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)addrs[i], (unsigned long long)sizes[i]);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    PyMem_Free(addrs);
+    PyMem_Free(sizes);
+    return out;
+}
+
+/* _torch_pool_set_live(device, pool, [(addr, size), ...], stream) */
+static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dev, *pool, *blocks;
+    unsigned long long stream;
+    int device;
+    gm_pool_id id;
+    if (!PyArg_ParseTuple(args, "OOOK", &dev, &pool, &blocks, &stream) || get_device(dev, &device) < 0 ||
+        get_pool_id(pool, &id) < 0)
+        return NULL;
+    gm_heap *h = gm_torch_heap(device);
+    if (h == NULL)
+        return PyErr_Format(PyExc_ValueError, "gpumem has no heap on cuda:%d", device);
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of (addr, size)");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uintptr_t *addrs = PyMem_Calloc((size_t)n + 1, sizeof *addrs);
+    size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof *sizes);
+    PyObject *ret = NULL;
+    if (addrs == NULL || sizes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long a, b;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK;a block is (addr, size)", &a, &b))
+            goto done;
+        addrs[i] = (uintptr_t)a;
+        sizes[i] = (size_t)b;
+    }
+    int rc = gm_pool_set_live(h, id, addrs, sizes, (size_t)n, (gm_stream)stream);
+    if (rc != GM_OK) {
+        pool_error(rc, "cannot restore the live blocks of", id);
+        goto done;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyMem_Free(addrs);
+    PyMem_Free(sizes);
+    Py_DECREF(seq);
+    return ret;
+}
+
+static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    int device;
+    if (get_device(a, &device) < 0)
+        return NULL;
+    gm_pool_id ids[64];
+    size_t n = gm_torch_active_pools(device, ids, 64);
+    if (n > 64)
+        n = 64;
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out != NULL && i < n; i++) {
+        PyObject *t = pool_id_tuple(ids[i]);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    return out;
+}
+
+static PyObject *g_capturing(PyObject *Py_UNUSED(m), PyObject *a)
+{
+    int device;
+    if (get_device(a, &device) < 0)
+        return NULL;
+    gm_heap *h = gm_torch_heap(device);
+    if (h == NULL)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(gm_capturing(h));
+}
+
+static PyObject *g_cxx11_abi(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
+{
+    return PyLong_FromLong(gm_torch_cxx11_abi());
+}
+
+static PyObject *g_open_sim(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dev;
+    unsigned long long capacity;
+    int device;
+    if (!PyArg_ParseTuple(args, "OK", &dev, &capacity) || get_device(dev, &device) < 0)
+        return NULL;
+    char err[512] = "";
+    if (gm_torch_open_sim(device, (size_t)capacity, err, sizeof err) != GM_OK)
+        return PyErr_Format(PyExc_ValueError, "%s", err);
+    Py_RETURN_NONE;
+}
+
 #define M(name, fn, flags, doc) {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
 
 static PyMethodDef glue_methods[] = {
@@ -399,6 +681,23 @@ static PyMethodDef glue_methods[] = {
     M("_torch_get_cap", g_get_cap, METH_O, "_torch_get_cap(device) -> int or None"),
     M("_torch_check", g_check, METH_O, "_torch_check(device): run the invariant checker"),
     M("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
+    M("_torch_pool_retain", g_pool_retain, METH_VARARGS,
+      "_torch_pool_retain(device, (a, b)): create the pool or add a use to it"),
+    M("_torch_pool_release", g_pool_release, METH_VARARGS,
+      "_torch_pool_release(device, (a, b)): drop one use; at zero the pool ends"),
+    M("_torch_pool_info", g_pool_info, METH_VARARGS, "_torch_pool_info(device, (a, b)) -> dict or None"),
+    M("_torch_pools", g_pools, METH_O, "_torch_pools(device) -> [dict] of the living pools"),
+    M("_torch_pool_live", g_pool_live, METH_VARARGS,
+      "_torch_pool_live(device, (a, b)) -> [(addr, size)] of the pool's live blocks"),
+    M("_torch_pool_set_live", g_pool_set_live, METH_VARARGS,
+      "_torch_pool_set_live(device, (a, b), [(addr, size)], stream): make these the live blocks"),
+    M("_torch_active_pools", g_active_pools, METH_O,
+      "_torch_active_pools(device) -> [(a, b)] pools allocations are routed to now, in order"),
+    M("_torch_capturing", g_capturing, METH_O, "_torch_capturing(device) -> bool or None"),
+    M("_torch_cxx11_abi", g_cxx11_abi, METH_NOARGS,
+      "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
+    M("_torch_open_sim", g_open_sim, METH_VARARGS,
+      "_torch_open_sim(device, capacity): serve device with a simulated heap (tests)"),
     {.ml_name = NULL},
 };
 

@@ -5,10 +5,14 @@
  *
  * Single-threaded mode drives one heap with a random mix of gm_malloc (sizes
  * log-uniform from 1 B to 256 MiB on 3 streams), gm_free, gm_record_stream,
- * stream holds, gm_empty_cache, gm_set_cap and phases of random fault injection,
- * and checks every result against a shadow model kept here, independently of
- * the core.  Threaded mode hammers one heap from N pthreads (each on its own
- * stream) and checks overlap through a shared shadow.
+ * stream holds, gm_empty_cache, gm_set_cap, private pools (retain/release,
+ * allocations in a pool, checkpoint and restore with gm_pool_live/set_live),
+ * stream captures (gm_capture_begin/end with the sim in capture mode, which
+ * refuses and counts every call a capture forbids) and phases of random fault
+ * injection, and checks every result against a shadow model kept here,
+ * independently of the core.  Threaded mode hammers one heap from N pthreads (each on its own
+ * stream) and checks overlap through a shared shadow; each thread keeps a
+ * private pool for part of its blocks.
  *
  * Exit status 0 on success; on the first violation it prints the op index and
  * seed (enough to reproduce: the run is deterministic for a given seed in
@@ -24,11 +28,13 @@
 #include <time.h>
 
 #include "gpumem/gpumem.h"
+#include "gpumem/sim.h"
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)
 #define NSTREAMS 3
 #define FREED_RING 64
+#define NPOOLS 3
 
 /* Streams are arbitrary handle values; 0 is the legacy default stream. */
 static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000ull};
@@ -103,6 +109,8 @@ typedef struct blk {
     size_t req;       /* bytes asked for */
     int stream;       /* index into STREAMS */
     unsigned recorded;/* bitmask of streams named with gm_record_stream */
+    int pool;         /* index of the private pool, -1: the general heap */
+    uint32_t gen;     /* which life of that pool */
 } blk;
 
 typedef struct shadow {
@@ -179,6 +187,15 @@ typedef struct quar {
     uint64_t freed_at;
 } quar;
 
+/* Memory freed into a living pool: no one but that pool may get it, and the
+ * pages behind it never change (h0/h1: the physical pages at its two ends). */
+typedef struct prange {
+    uintptr_t addr;
+    size_t size;
+    int pool;
+    gm_handle h0, h1;
+} prange;
+
 typedef struct world {
     gm_heap *heap;
     gm_device *dev;
@@ -193,10 +210,58 @@ typedef struct world {
     int held[NSTREAMS];
     int faults_on;
     size_t cap;               /* what we last set */
+    int pool_uses[NPOOLS];    /* 0: not living */
+    uint32_t pool_gen[NPOOLS];
+    prange *pf;               /* freed into living pools */
+    size_t npf, pfcap;
+    int capturing;
     /* counters for the summary */
     uint64_t n_malloc, n_malloc_ok, n_oom, n_devfail, n_free, n_bad_free, n_record, n_empty,
-        n_setcap, n_hold, n_check, n_fault_phases, n_quar_checked;
+        n_setcap, n_hold, n_check, n_fault_phases, n_quar_checked, n_pool_malloc, n_pool_ops, n_set_live,
+        n_captures;
 } world;
+
+static gm_pool_id pool_id(int i) { return (gm_pool_id){0x100u + (uint64_t)i, 7}; }
+
+static void pf_push(world *w, uintptr_t a, size_t size, int pool)
+{
+    if (!size) return;
+    if (w->npf == w->pfcap) {
+        w->pfcap = w->pfcap ? 2 * w->pfcap : 64;
+        w->pf = realloc(w->pf, w->pfcap * sizeof *w->pf);
+        if (!w->pf) { perror("realloc"); exit(2); }
+    }
+    w->pf[w->npf++] = (prange){a, size, pool, gm_sim_handle_at(w->dev, a), gm_sim_handle_at(w->dev, a + size - 1)};
+}
+
+/* A block of `pool` (-1: general) was handed out at [a, a+size): it must not
+ * overlap memory kept for another pool; what it takes of its own pool's
+ * memory leaves the kept set. */
+static void pf_take(world *w, uintptr_t a, size_t size, int pool)
+{
+    size_t n = w->npf;
+    for (size_t i = 0; i < n; i++) {
+        prange r = w->pf[i];
+        if (!(a < r.addr + r.size && r.addr < a + size)) continue;
+        g_addr = r.addr;
+        if (r.pool != pool)
+            fail("block %#" PRIxPTR "+%zu (pool %d) reuses %#" PRIxPTR "+%zu kept for pool %d", a, size, pool,
+                 r.addr, r.size, r.pool);
+        /* Cut [a, a+size) out of r: up to two pieces stay. */
+        w->pf[i] = w->pf[--w->npf];
+        if (i < w->npf) { i--; n--; } else { n = w->npf; }
+        if (r.addr < a) pf_push(w, r.addr, a - r.addr, r.pool);
+        if (a + size < r.addr + r.size) pf_push(w, a + size, r.addr + r.size - (a + size), r.pool);
+    }
+}
+
+static void pf_drop_pool(world *w, int pool)
+{
+    size_t j = 0;
+    for (size_t i = 0; i < w->npf; i++)
+        if (w->pf[i].pool != pool) w->pf[j++] = w->pf[i];
+    w->npf = j;
+}
 
 static void q_add(world *w, const blk *b, unsigned all_mask, unsigned other_mask)
 {
@@ -291,24 +356,59 @@ static void run_check(world *w, const char *where)
     for (size_t i = 0; i < w->live.n; i++)
         if (!gm_sim_is_accessible(w->dev, w->live.v[i].addr, w->live.v[i].size))
             fail("live block %#" PRIxPTR "+%zu is no longer accessible", w->live.v[i].addr, w->live.v[i].size);
+    /* Memory kept for a living pool stays mapped, behind the same pages. */
+    for (size_t i = 0; i < w->npf; i++) {
+        const prange *r = &w->pf[i];
+        g_addr = r->addr;
+        if (!gm_sim_is_accessible(w->dev, r->addr, r->size) || gm_sim_handle_at(w->dev, r->addr) != r->h0 ||
+            gm_sim_handle_at(w->dev, r->addr + r->size - 1) != r->h1)
+            fail("%#" PRIxPTR "+%zu kept for pool %d was unmapped or moved", r->addr, r->size, r->pool);
+    }
+    for (int i = 0; i < NPOOLS; i++) {
+        gm_pool_info pi;
+        int rc2 = gm_pool_info_get(w->heap, pool_id(i), &pi);
+        if ((rc2 == GM_OK) != (w->pool_uses[i] > 0) || (rc2 == GM_OK && pi.use_count != w->pool_uses[i]))
+            fail("pool %d: the heap says %s (use count %lld), the shadow %d uses", i, rc2 ? "unknown" : "living",
+                 rc2 ? 0LL : (long long)pi.use_count, w->pool_uses[i]);
+        if (rc2 != GM_OK) continue;
+        size_t n = 0;
+        for (size_t k = 0; k < w->live.n; k++) n += w->live.v[k].pool == i && w->live.v[k].gen == w->pool_gen[i];
+        if (gm_pool_live(w->heap, pool_id(i), NULL, NULL, 0) != n)
+            fail("pool %d has %zu live blocks, the shadow %zu", i, gm_pool_live(w->heap, pool_id(i), NULL, NULL, 0), n);
+    }
+    if (gm_sim_capture_violations(w->dev))
+        fail("the heap made %" PRIu64 " calls that a stream capture forbids", gm_sim_capture_violations(w->dev));
     check_stats(w, where);
 }
 
 /* Pages touched by live blocks: physical memory that no defragmentation can
  * take back.  Used to tell a legitimate OOM from a missed one. */
+static int cmp_prange(const void *x, const void *y)
+{
+    uintptr_t a = ((const prange *)x)->addr, b = ((const prange *)y)->addr;
+    return a < b ? -1 : a > b;
+}
+
+/* ... and memory kept for living pools pins its pages too. */
 static size_t live_pages(const world *w)
 {
-    size_t pages = 0;
+    size_t n = w->live.n + w->npf, pages = 0;
+    prange *all = malloc((n ? n : 1) * sizeof *all);
+    if (!all) { perror("malloc"); exit(2); }
+    for (size_t i = 0; i < w->live.n; i++) all[i] = (prange){w->live.v[i].addr, w->live.v[i].size, 0, 0, 0};
+    for (size_t i = 0; i < w->npf; i++) all[w->live.n + i] = w->pf[i];
+    qsort(all, n, sizeof *all, cmp_prange);
     uintptr_t counted_to = 0; /* pages below this index are counted */
-    for (size_t i = 0; i < w->live.n; i++) {
-        uintptr_t first = w->live.v[i].addr / w->page;
-        uintptr_t end = (w->live.v[i].addr + w->live.v[i].size - 1) / w->page + 1;
+    for (size_t i = 0; i < n; i++) {
+        uintptr_t first = all[i].addr / w->page;
+        uintptr_t end = (all[i].addr + all[i].size - 1) / w->page + 1;
         if (first < counted_to) first = counted_to;
         if (end > first) {
             pages += end - first;
             counted_to = end;
         }
     }
+    free(all);
     return pages;
 }
 
@@ -326,18 +426,25 @@ static void op_malloc(world *w, rng_t *r)
     size_t size = rnd_size(r);
     int si = (int)rnd_below(r, NSTREAMS);
     uint64_t ctx = rnd(r);
+    int pool = -1;
+    if (chance(r, 250000)) {
+        int k = (int)rnd_below(r, NPOOLS);
+        if (w->pool_uses[k]) pool = k;
+    }
+    gm_pool_id pid = pool_id(pool < 0 ? 0 : pool);
     gm_stats before;
     gm_get_stats(w->heap, &before);
     uintptr_t p = 0;
     w->n_malloc++;
-    int rc = gm_malloc(w->heap, size, STREAMS[si], ctx, &p);
+    w->n_pool_malloc += pool >= 0;
+    int rc = gm_malloc_pool(w->heap, size, STREAMS[si], ctx, pool < 0 ? NULL : &pid, &p);
     if (rc == GM_ENOMEM || rc == GM_EDEVICE) {
         if (rc == GM_ENOMEM) w->n_oom++; else w->n_devfail++;
         if (rc == GM_EDEVICE && !w->faults_on) fail("gm_malloc(%zu) returned GM_EDEVICE with no fault injected", size);
         /* Defragmentation must turn every page not touched by a live block into
          * room, so without faults, holds or pending work an OOM is only fair when
          * the request really cannot fit next to the live pages. */
-        if (rc == GM_ENOMEM && !w->faults_on && !any_held(w) && w->nq == 0) {
+        if (rc == GM_ENOMEM && !w->faults_on && !any_held(w) && w->nq == 0 && !w->capturing) {
             size_t limit = w->cap ? w->cap : w->capacity;
             size_t need = round_up(size, w->page) / w->page + 1;
             size_t have = live_pages(w);
@@ -371,7 +478,8 @@ static void op_malloc(world *w, rng_t *r)
     if (!gm_sim_is_accessible(w->dev, p, bs))
         fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu that is not mapped with access", size, p, bs);
     q_check_alloc(w, p, bs, si);
-    sh_insert(&w->live, (blk){p, bs, size, si, 0});
+    pf_take(w, p, bs, pool);
+    sh_insert(&w->live, (blk){p, bs, size, si, 0, pool, pool < 0 ? 0 : w->pool_gen[pool]});
     w->n_malloc_ok++;
     gm_stats st;
     gm_get_stats(w->heap, &st);
@@ -415,6 +523,7 @@ static void op_free(world *w, rng_t *r)
     sh_remove(&w->live, i);
     if (gm_block_size(w->heap, b.addr) != 0) fail("block %#" PRIxPTR " still live after gm_free", b.addr);
     if (all_mask || other_mask) q_add(w, &b, all_mask, other_mask);
+    if (b.pool >= 0 && w->pool_uses[b.pool] && b.gen == w->pool_gen[b.pool]) pf_push(w, b.addr, b.size, b.pool);
     remember_freed(w, b.addr);
     check_stats(w, "free");
 }
@@ -492,7 +601,7 @@ static void op_empty(world *w)
     if (rc != GM_OK && !w->faults_on && !any_held(w))
         fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
     check_stats(w, "empty_cache");
-    if (!w->faults_on && !any_held(w)) {
+    if (!w->faults_on && !any_held(w) && !w->capturing) {
         /* Nothing may stay cached: every page held is touched by a live block. */
         gm_stats st;
         gm_get_stats(w->heap, &st);
@@ -557,6 +666,108 @@ static void op_hold(world *w, rng_t *r)
     }
 }
 
+/* Retain or release a private pool.  At its end its kept memory joins the heap. */
+static void op_pool(world *w, rng_t *r)
+{
+    int i = (int)rnd_below(r, NPOOLS);
+    w->n_pool_ops++;
+    if (!w->pool_uses[i] || chance(r, 400000)) {
+        int rc = gm_pool_retain(w->heap, pool_id(i));
+        if (rc != GM_OK) fail("gm_pool_retain(%d) returned %d", i, rc);
+        if (!w->pool_uses[i]++) w->pool_gen[i]++;
+        return;
+    }
+    int rc = gm_pool_release(w->heap, pool_id(i));
+    if (rc != GM_OK) fail("gm_pool_release(%d) returned %d", i, rc);
+    if (!--w->pool_uses[i]) pf_drop_pool(w, i);
+}
+
+/* Checkpoint a pool (gm_pool_live), drop some of its live blocks with
+ * gm_pool_set_live, and sometimes restore the checkpoint. */
+static void op_set_live(world *w, rng_t *r)
+{
+    int i = (int)rnd_below(r, NPOOLS);
+    if (!w->pool_uses[i]) return;
+    w->n_set_live++;
+    size_t n = gm_pool_live(w->heap, pool_id(i), NULL, NULL, 0);
+    uintptr_t *addrs = malloc((n + 1) * sizeof *addrs);
+    size_t *sizes = malloc((n + 1) * sizeof *sizes), *keep_sizes = malloc((n + 1) * sizeof *sizes);
+    uintptr_t *keep = malloc((n + 1) * sizeof *keep);
+    if (!addrs || !sizes || !keep || !keep_sizes) { perror("malloc"); exit(2); }
+    if (gm_pool_live(w->heap, pool_id(i), addrs, sizes, n) != n) fail("gm_pool_live changed under us");
+    size_t nk = 0;
+    int restorable = 1;
+    for (size_t k = 0; k < n; k++) {
+        long j = sh_find(&w->live, addrs[k]);
+        if (j < 0 || w->live.v[j].pool != i || w->live.v[j].size != sizes[k])
+            fail("gm_pool_live lists %#" PRIxPTR "+%zu, not a live block of pool %d", addrs[k], sizes[k], i);
+        if (k && addrs[k] <= addrs[k - 1]) fail("gm_pool_live is not in address order");
+        if (rnd_below(r, 3)) {
+            keep[nk] = addrs[k];
+            keep_sizes[nk++] = sizes[k];
+        } else if (w->live.v[j].recorded) {
+            restorable = 0; /* freeing it leaves it pending, not free */
+        }
+    }
+    int rc = gm_pool_set_live(w->heap, pool_id(i), keep, keep_sizes, nk, STREAMS[0]);
+    if (rc != GM_OK) fail("gm_pool_set_live with a subset of the live blocks returned %d", rc);
+    for (size_t k = 0, m = 0; k < n; k++) {
+        if (m < nk && keep[m] == addrs[k]) { m++; continue; }
+        long j = sh_find(&w->live, addrs[k]);
+        blk b = sh_remove(&w->live, (size_t)j);
+        unsigned all_mask = 0, other_mask = 0;
+        for (int s = 0; s < NSTREAMS; s++) {
+            if (!w->held[s]) continue;
+            if (s == b.stream) other_mask |= 1u << s;
+            else if (b.recorded & (1u << s)) all_mask |= 1u << s;
+        }
+        if (all_mask || other_mask) q_add(w, &b, all_mask, other_mask);
+        pf_push(w, b.addr, b.size, i);
+        remember_freed(w, b.addr);
+    }
+    check_stats(w, "set_live");
+    if (rnd_below(r, 2)) {
+        rc = gm_pool_set_live(w->heap, pool_id(i), addrs, sizes, n, STREAMS[0]);
+        if ((rc == GM_OK) != restorable)
+            fail("restoring pool %d's checkpoint returned %d; the shadow says it %s", i, rc,
+                 restorable ? "can be restored" : "cannot (a dropped block is pending)");
+        if (rc == GM_OK) {
+            for (size_t k = 0, m = 0; k < n; k++) {
+                if (m < nk && keep[m] == addrs[k]) { m++; continue; }
+                /* Restored: the caller vouches for its stream order, so what
+                 * the quarantine said about the range no longer applies. */
+                size_t qj = 0;
+                for (size_t q = 0; q < w->nq; q++)
+                    if (!(w->q[q].addr < addrs[k] + sizes[k] && addrs[k] < w->q[q].addr + w->q[q].size))
+                        w->q[qj++] = w->q[q];
+                w->nq = qj;
+                pf_take(w, addrs[k], sizes[k], i);
+                if (sh_overlap(&w->live, addrs[k], sizes[k])) fail("restored block overlaps a live one");
+                sh_insert(&w->live, (blk){addrs[k], sizes[k], sizes[k], 0, 0, i, w->pool_gen[i]});
+            }
+            check_stats(w, "set_live restore");
+        }
+    }
+    free(addrs), free(sizes), free(keep), free(keep_sizes);
+}
+
+/* Start or end a capture: the heap is told, and the sim refuses every call a
+ * real capture would not survive. */
+static void op_capture(world *w)
+{
+    if (!w->capturing) {
+        gm_capture_begin(w->heap);
+        gm_sim_set_capture(w->dev, 1);
+        w->capturing = 1;
+        w->n_captures++;
+    } else {
+        gm_sim_set_capture(w->dev, 0);
+        gm_capture_end(w->heap);
+        w->capturing = 0;
+    }
+    if (gm_capturing(w->heap) != w->capturing) fail("gm_capturing says %d", gm_capturing(w->heap));
+}
+
 static void set_faults(world *w, rng_t *r, int on)
 {
     for (int op = 0; op < GM_OP__COUNT; op++) {
@@ -599,6 +810,12 @@ static void close_world(world *w)
 {
     g_phase = "teardown";
     set_faults(w, NULL, 0);
+    if (w->capturing) op_capture(w);
+    for (int i = 0; i < NPOOLS; i++)
+        while (w->pool_uses[i]) {
+            if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
+            if (!--w->pool_uses[i]) pf_drop_pool(w, i);
+        }
     for (int s = 0; s < NSTREAMS; s++)
         if (w->held[s]) { gm_sim_hold_stream(w->dev, STREAMS[s], 0); w->held[s] = 0; q_release_stream(w, s); }
     while (w->live.n) {
@@ -624,6 +841,7 @@ static void close_world(world *w)
     gm_heap_destroy(w->heap);
     free(w->live.v);
     free(w->q);
+    free(w->pf);
 }
 
 static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
@@ -657,6 +875,9 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
         else if (x < 992000) op_hold(&w, &r);
         else if (x < 996000) op_empty(&w);
         else if (x < 997000) op_setcap(&w, &r);
+        else if (x < 998000) op_pool(&w, &r);
+        else if (x < 998600) op_capture(&w);
+        else if (x < 999000) op_set_live(&w, &r);
         else if (x < 999800) op_record(&w, &r);
         else {
             /* A burst of frees: drains the heap now and then so that the
@@ -674,11 +895,12 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
         printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB: %" PRIu64 " mallocs (%" PRIu64
                " ok, %" PRIu64 " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64
                " bad frees, %" PRIu64 " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64
-               " set_cap, %" PRIu64 " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64
+               " set_cap, %" PRIu64 " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64
+               " captures, %" PRIu64 " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64
                " remaps, %" PRId64 " pages created, %" PRId64 " retries, %" PRId64 " syncs\n",
                ops, seed, capacity >> 20, w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free,
-               w.n_bad_free, w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_fault_phases, w.n_check,
-               w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
+               w.n_bad_free, w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc, w.n_pool_ops,
+               w.n_set_live, w.n_captures, w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
                st.num_sync_all_streams);
     return 0;
 }
@@ -721,6 +943,8 @@ static void *thread_main(void *arg)
     tworld *tw = a->tw;
     rng_t r = {tw->seed * 1000003u + (uint64_t)a->id};
     gm_stream stream = 0x1000u * (gm_stream)(a->id + 1);
+    gm_pool_id pid = {0x200u + (uint64_t)a->id, 1};
+    if (gm_pool_retain(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_retain failed", 0, 0);
     for (uint64_t op = 0; op < tw->ops_per_thread; op++) {
         unsigned x = (unsigned)rnd_below(&r, 1000);
         if (x < 500 && a->nmine < 4096) {
@@ -729,7 +953,7 @@ static void *thread_main(void *arg)
             size_t size = rnd_size(&r) >> (rnd_below(&r, 2) ? 0 : 6);
             if (!size) size = 1;
             uintptr_t p = 0;
-            int rc = gm_malloc(tw->heap, size, stream, (uint64_t)a->id, &p);
+            int rc = gm_malloc_pool(tw->heap, size, stream, (uint64_t)a->id, rnd_below(&r, 4) ? NULL : &pid, &p);
             a->mallocs++;
             if (rc == GM_ENOMEM) { a->ooms++; continue; }
             if (rc != GM_OK) tfail(a, op, "gm_malloc failed", 0, size);
@@ -738,7 +962,7 @@ static void *thread_main(void *arg)
             pthread_mutex_lock(&tw->mu);
             const blk *o = sh_overlap(&tw->live, p, bs);
             if (o) tfail(a, op, "new block overlaps a live block of another thread", p, bs);
-            sh_insert(&tw->live, (blk){p, bs, size, a->id, 0});
+            sh_insert(&tw->live, (blk){p, bs, size, a->id, 0, -1, 0});
             pthread_mutex_unlock(&tw->mu);
             if (a->nmine == a->capmine) {
                 a->capmine = a->capmine ? 2 * a->capmine : 256;
@@ -781,6 +1005,8 @@ static void *thread_main(void *arg)
                 tfail(a, op, "negative statistic", 0, 0);
         }
     }
+    /* The pool ends; its live blocks join the heap when freed at teardown. */
+    if (gm_pool_release(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_release failed", 0, 0);
     return NULL;
 }
 

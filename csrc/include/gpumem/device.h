@@ -19,6 +19,9 @@
  *
  * A device is used by one heap, under that heap's lock; implementations need no
  * locking of their own for calls made by the heap.
+ *
+ * This header is the contract only.  The constructors and the simulated
+ * device's test controls live in gpumem/sim.h and gpumem/cuda.h.
  */
 #ifndef GPUMEM_DEVICE_H
 #define GPUMEM_DEVICE_H
@@ -60,6 +63,7 @@ typedef struct gm_proc_usage {
 } gm_proc_usage;
 
 typedef struct gm_device gm_device;
+struct gm_device_verify;
 
 /*
  * Each call returns GM_OK (0) or a GM_E* code from gpumem.h.  On failure the
@@ -95,7 +99,26 @@ typedef struct gm_device_ops {
     int (*processes)(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n);
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);
+    /* Whether `stream` is being captured into a graph now (*capturing 1 or
+     * 0; 1 also when asking is refused because another stream captures).
+     * NULL when the device cannot tell; then only the heap's own
+     * gm_capture_begin/end count.  An error means "cannot tell": the heap then
+     * takes the requesting stream as capturing. */
+    int (*capture_status)(gm_device *dev, gm_stream stream, int *capturing);
+    /* What the device itself knows, for the heap's invariant checker; NULL
+     * where the device cannot tell (a real GPU). */
+    const struct gm_device_verify *verify;
 } gm_device_ops;
+
+/* A device's own view of its pages, to check the heap's bookkeeping against. */
+typedef struct gm_device_verify {
+    /* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
+    int (*accessible)(const gm_device *dev, uintptr_t va, size_t size);
+    /* Physical pages alive, and how many of them are mapped. */
+    void (*pages)(const gm_device *dev, size_t *created, size_t *mapped);
+    /* The physical page mapped behind the page-aligned address va, 0 if none. */
+    gm_handle (*handle_at)(const gm_device *dev, uintptr_t va);
+} gm_device_verify;
 
 struct gm_device {
     const gm_device_ops *ops;
@@ -105,53 +128,6 @@ struct gm_device {
     char name[96];           /* "sim:80GiB", "cuda:0 (NVIDIA H100 80GB HBM3)" */
     char last_error[256];    /* why the last failing call failed */
 };
-
-/* ---- the simulated device ------------------------------------------------ */
-
-/* A simulated device with `capacity` bytes of physical memory in pages of
- * `page_size` bytes (0 means 2 MiB).  Returns NULL only if malloc fails. */
-gm_device *gm_sim_create(size_t capacity, size_t page_size);
-
-/* Fault injection: make the `nth` next call of `op` (1 = the very next one)
- * fail, and the `count - 1` calls of that op after it too.  nth = 0 clears. */
-void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count);
-/* Fail each call of `op` with probability p (deterministic, seeded). */
-void gm_sim_fail_random(gm_device *dev, gm_dev_op op, double p, uint64_t seed);
-/* Calls of `op` made so far (failed ones included). */
-uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op);
-
-/* Events: by default a recorded event is complete at once.  A held stream
- * keeps every event recorded on it pending until the stream is released --
- * how tests stand for a kernel still running on a side stream. */
-void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held);
-
-/* Memory held by "other processes": lowers what create can hand out, and is
- * reported by mem_info and processes. */
-void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes);
-/* This process's own memory outside the allocator (CUDA context, cuBLAS
- * workspaces): taken from capacity and reported under `self_pid`. */
-void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes);
-/* Make processes() answer GM_ENOTSUP, as a machine without NVML does. */
-void gm_sim_set_nvml(gm_device *dev, int available);
-
-/* Introspection for the invariant checker and tests. */
-typedef struct gm_sim_info {
-    size_t capacity, page_size;
-    size_t pages_created;     /* physical pages alive */
-    size_t pages_mapped;      /* pages mapped somewhere */
-    size_t events_alive;
-    size_t reservations;      /* reserved VA ranges alive */
-} gm_sim_info;
-void gm_sim_info_get(const gm_device *dev, gm_sim_info *info);
-/* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
-int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size);
-
-/* ---- the CUDA driver device ---------------------------------------------- */
-
-/* Open CUDA device `ordinal` through the driver API.  Loads libcuda on first
- * use; returns NULL and writes a reason into err when that is impossible
- * (no driver, no such device, no VMM support). */
-gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

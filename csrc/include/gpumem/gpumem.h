@@ -16,19 +16,34 @@
 extern "C" {
 #endif
 
-/* ---- error codes --------------------------------------------------------- */
+/* ---- error codes ---------------------------------------------------------
+ * The one list of them: X(name, value, sentence).  gm_strerror and the Python
+ * module (which exports the names as gpumem._C.ERROR_NAMES) expand it. */
+#define GM_EACH_ERROR(X)                                                                              \
+    X(GM_OK, 0, "success")                                                                            \
+    /* no room even after releasing the cache and defragmenting */                                   \
+    X(GM_ENOMEM, 1, "out of memory")                                                                  \
+    /* bad argument (size too large, bad cap, ...) */                                                 \
+    X(GM_EINVAL, 2, "invalid argument")                                                               \
+    /* pointer was never handed out by this heap */                                                  \
+    X(GM_EUNKNOWN_PTR, 3, "pointer was not allocated by this heap")                                   \
+    /* pointer lies in this heap but is not live: freed twice, or not the start of an allocation */  \
+    X(GM_EDOUBLE_FREE, 4, "pointer is not a live allocation (double free, or not the start of a block)") \
+    /* a device call failed; dev->last_error says why */                                             \
+    X(GM_EDEVICE, 5, "a device call failed")                                                          \
+    /* an event has not completed yet (device level) */                                              \
+    X(GM_ENOTREADY, 6, "event not complete")                                                          \
+    /* the device cannot do this (no NVML, ...) */                                                    \
+    X(GM_ENOTSUP, 7, "not supported by this device")                                                  \
+    /* libcuda could not be loaded */                                                                 \
+    X(GM_ENODRIVER, 8, "CUDA driver library could not be loaded")                                     \
+    /* the invariant checker found a broken invariant */                                             \
+    X(GM_ECORRUPT, 9, "heap invariant broken")
+
 enum {
-    GM_OK = 0,
-    GM_ENOMEM = 1,        /* no room even after releasing the cache and defragmenting */
-    GM_EINVAL = 2,        /* bad argument (size too large, bad cap, ...) */
-    GM_EUNKNOWN_PTR = 3,  /* pointer was never handed out by this heap */
-    GM_EDOUBLE_FREE = 4,  /* pointer lies in this heap but is not live: freed twice,
-                             or not the start of an allocation */
-    GM_EDEVICE = 5,       /* a device call failed; dev->last_error says why */
-    GM_ENOTREADY = 6,     /* an event has not completed yet (device level) */
-    GM_ENOTSUP = 7,       /* the device cannot do this (no NVML, ...) */
-    GM_ENODRIVER = 8,     /* libcuda could not be loaded */
-    GM_ECORRUPT = 9       /* the invariant checker found a broken invariant */
+#define GM_ERROR_ENUM(name, value, text) name = value,
+    GM_EACH_ERROR(GM_ERROR_ENUM)
+#undef GM_ERROR_ENUM
 };
 const char *gm_strerror(int code);
 
@@ -84,35 +99,48 @@ int gm_empty_cache(gm_heap *heap);
 int gm_set_cap(gm_heap *heap, size_t cap_bytes);
 size_t gm_get_cap(gm_heap *heap);
 
-/* ---- statistics (torch's key names; see stats.h for the mapping) --------- */
+/* ---- statistics (torch's key names; core/stats.c explains the mapping) --- */
 typedef struct gm_stat {
     int64_t current, peak, allocated, freed;
 } gm_stat;
 enum { GM_POOL_ALL = 0, GM_POOL_SMALL = 1, GM_POOL_LARGE = 2, GM_POOL__COUNT = 3 };
 
+/* The one list of statistics.  Pooled ones are torch Stats per pool, named
+ * "<name>.<all|small_pool|large_pool>.<current|peak|allocated|freed>"; counters
+ * are plain integers under their own name.  stats.c, the checker and the Python
+ * module (gpumem._C.POOLED_STAT_NAMES / COUNTER_NAMES) expand these lists. */
+#define GM_EACH_POOLED_STAT(X)                                      \
+    X(allocation)           /* live blocks */                       \
+    X(segment)              /* physical pages held */               \
+    X(active)               /* live + freed-but-pending blocks */   \
+    X(inactive_split)       /* free blocks in mapped memory */      \
+    X(allocated_bytes)                                              \
+    X(reserved_bytes)                                               \
+    X(active_bytes)                                                 \
+    X(inactive_split_bytes)                                         \
+    X(requested_bytes)
+#define GM_EACH_COUNTER(X)                                                      \
+    X(num_alloc_retries)    /* allocations that took the slow path */           \
+    X(num_ooms)                                                                 \
+    X(num_sync_all_streams) /* device synchronisations before unmapping */      \
+    X(num_device_alloc)     /* physical pages created */                        \
+    X(num_device_free)      /* physical pages released */                       \
+    X(num_maps)             /* page map calls */                                \
+    X(num_unmaps)           /* page unmap calls */                              \
+    X(num_remaps)           /* defragmentations: pages moved behind a new address */ \
+    X(num_pages_remapped)                                                       \
+    X(num_device_errors)
+/* Counters that reset_accumulated leaves alone. */
+#define GM_EACH_SETTING(X) X(max_split_size) /* torch compat: -1 (no limit) */
+
 typedef struct gm_stats {
-    /* counts */
-    gm_stat allocation[GM_POOL__COUNT];      /* live blocks */
-    gm_stat segment[GM_POOL__COUNT];         /* physical pages held */
-    gm_stat active[GM_POOL__COUNT];          /* live + freed-but-pending blocks */
-    gm_stat inactive_split[GM_POOL__COUNT];  /* free blocks in mapped memory */
-    /* bytes */
-    gm_stat allocated_bytes[GM_POOL__COUNT];
-    gm_stat reserved_bytes[GM_POOL__COUNT];
-    gm_stat active_bytes[GM_POOL__COUNT];
-    gm_stat inactive_split_bytes[GM_POOL__COUNT];
-    gm_stat requested_bytes[GM_POOL__COUNT];
-    int64_t num_alloc_retries;    /* allocations that took the slow path */
-    int64_t num_ooms;
-    int64_t num_sync_all_streams; /* device synchronisations before unmapping */
-    int64_t num_device_alloc;     /* physical pages created */
-    int64_t num_device_free;      /* physical pages released */
-    int64_t num_maps;             /* page map calls */
-    int64_t num_unmaps;           /* page unmap calls */
-    int64_t num_remaps;           /* defragmentations: pages moved behind a new address */
-    int64_t num_pages_remapped;
-    int64_t num_device_errors;
-    int64_t max_split_size;       /* torch compat: -1 (no limit) */
+#define GM_STAT_POOLED_FIELD(name) gm_stat name[GM_POOL__COUNT];
+#define GM_STAT_COUNTER_FIELD(name) int64_t name;
+    GM_EACH_POOLED_STAT(GM_STAT_POOLED_FIELD)
+    GM_EACH_COUNTER(GM_STAT_COUNTER_FIELD)
+    GM_EACH_SETTING(GM_STAT_COUNTER_FIELD)
+#undef GM_STAT_POOLED_FIELD
+#undef GM_STAT_COUNTER_FIELD
 } gm_stats;
 
 void gm_get_stats(gm_heap *heap, gm_stats *out);
@@ -126,9 +154,16 @@ void gm_reset_accumulated_stats(gm_heap *heap);
  * order with no overlap and no gap; every byte of a live or pending block lies
  * in a mapped page (and, on the simulated device, the device agrees); adjacent
  * free blocks that could merge have merged; the free index holds exactly the
- * free blocks; the live table holds exactly the live blocks; and every
- * statistic equals a recount.  Returns GM_OK or GM_ECORRUPT with a reason. */
+ * free blocks; the live table holds exactly the live blocks; every statistic
+ * equals a recount; private pools' blocks, owners and counters agree, and
+ * their pages count as used; blocks freed during a capture wait consistently.
+ * Returns GM_OK or GM_ECORRUPT with a reason. */
 int gm_check(gm_heap *heap, char *why, size_t whylen);
+
+/* torch's MempoolId_t: a private pool's name (see "private pools" below). */
+typedef struct gm_pool_id {
+    uint64_t first, second;    /* {0, 0} is no pool */
+} gm_pool_id;
 
 /* ---- snapshots ------------------------------------------------------------ */
 enum gm_block_state {
@@ -150,6 +185,7 @@ typedef struct gm_block_info {
     uint64_t context;      /* allocation site id */
     uint64_t alloc_seq;    /* allocation number */
     int state;             /* gm_block_state */
+    gm_pool_id pool;       /* the private pool it belongs to; {0, 0}: none */
 } gm_block_info;
 
 typedef struct gm_snapshot {
@@ -209,6 +245,9 @@ typedef struct gm_oom_info {
     size_t largest_possible;   /* largest block defragmentation could make now */
     size_t pages_needed;       /* physical pages the request still lacked */
     int device_error;          /* GM_OK, or the device call that failed */
+    size_t pool_live_bytes;    /* live and pending bytes of living private pools */
+    size_t pool_free_bytes;    /* free bytes kept for living private pools (not in
+                                  free_mapped_bytes: no other request can have them) */
 } gm_oom_info;
 /* The report of the last failed allocation; GM_EINVAL if there was none. */
 int gm_last_oom(gm_heap *heap, gm_oom_info *out);
@@ -229,9 +268,6 @@ void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
  * released the pool ends: its free blocks join the general heap at once (and
  * their pages may then be unmapped or moved); its live blocks join it when they
  * are freed. */
-typedef struct gm_pool_id {
-    uint64_t first, second;    /* torch's MempoolId_t; {0, 0} is no pool */
-} gm_pool_id;
 typedef struct gm_pool_info {
     gm_pool_id id;
     int64_t use_count;         /* 0 once ended (then it is no longer listed) */
@@ -256,7 +292,12 @@ size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *size
  * restoring a checkpoint): live blocks of the pool not listed are freed into the
  * pool; listed blocks that are not live are allocated again at that address and
  * size, out of the pool's free blocks, for `stream`.  GM_EINVAL, with nothing
- * changed, when a listed block is not inside the pool's free memory. */
+ * changed, when a listed block is not inside the pool's free memory (which
+ * includes the live blocks this call frees, unless a record_stream use keeps
+ * them pending), or the list is not 512-aligned, disjoint ranges.  The caller
+ * vouches that the listed memory's earlier uses are ordered before `stream`
+ * (as torch's checkpoint restore does); free memory around a listed range
+ * keeps its owner. */
 int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes,
                      size_t n, gm_stream stream);
 
@@ -268,6 +309,10 @@ int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const
 void gm_capture_begin(gm_heap *heap);
 void gm_capture_end(gm_heap *heap);
 int gm_capturing(gm_heap *heap);
+/* Nothing is unmapped or released while a capture is under way: gm_empty_cache
+ * and a lowered gm_set_cap do their trimming at a later call.  A block freed
+ * with record_stream uses during a capture stays pending with no event until
+ * the capture ends; then its events are recorded. */
 
 /* ---- trace replay (runs in C so that timing measures the core) ------------ */
 enum gm_replay_op { GM_R_ALLOC = 0, GM_R_FREE = 1 };

@@ -11,7 +11,8 @@ torch.cuda.memory.CUDAPluggableAllocator, sets the allocator hooks torch offers
 (empty_cache, set_per_process_memory_fraction, Tensor.record_stream, init), and
 routes torch's memory API -- memory_allocated/reserved and their max_ forms,
 memory_stats, memory_summary, reset_peak_memory_stats, memory_snapshot,
-_snapshot, _record_memory_history, _dump_snapshot -- to gpumem by replacing the
+_snapshot, _record_memory_history, _dump_snapshot, and the pool functions CUDA
+graphs, MemPool and torch.compile's cudagraph trees call -- to gpumem by replacing the
 torch._C functions they call, which otherwise raise "does not yet support" under
 a pluggable allocator.  One heap per device is created on the first allocation
 torch makes there.
@@ -28,13 +29,14 @@ Keyword arguments override GPUMEM_CONF.
 Importing this module does not import torch; install() does.
 """
 import os
-import sys
+
+from .. import _C
+from .._heap import MAX_HISTORY, register_torch_hooks
+from .._units import parse_size
+from . import _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
 OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "va_size", "history", "oom")
-# _record_memory_history's default max_entries is sys.maxsize; the history ring
-# is allocated up front (48 B an entry), so it is bounded.
-MAX_HISTORY = 1 << 20
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -43,19 +45,12 @@ _POOLED = ("allocation", "segment", "active", "inactive_split", "allocated_bytes
 _PLAIN = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
           "num_maps", "num_unmaps", "num_remaps", "num_pages_remapped", "num_device_errors", "max_split_size")
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
-_BLOCK_STATES = {"live": "active_allocated", "pending": "active_awaiting_free", "free": "inactive"}
 
-_state = {"allocator": None, "installed": False, "patched": {}, "options": {}}
+_state = {"allocator": None, "installed": False, "patched": {}, "options": {}, "pool_hooks": False}
 
 
 class InstallError(RuntimeError):
     """gpumem cannot become torch's allocator in this process (too late, no CUDA, ...)."""
-
-
-def _C():
-    from . import _C as c
-
-    return c
 
 
 # ---- options -----------------------------------------------------------------------
@@ -78,8 +73,6 @@ def parse_conf(text):
 
 
 def _size(value, what):
-    from ._units import parse_size
-
     if isinstance(value, bool):
         raise ValueError(f"{what} must be a size, not {value!r}")
     if isinstance(value, int):
@@ -160,6 +153,52 @@ def _device_list(device, torch):
 
 # ---- install / uninstall ----------------------------------------------------------------
 
+def _prepare(options, what):
+    """(torch, _torch_configure kwargs, merged options), or InstallError."""
+    merged = parse_conf(os.environ.get(ENV_VAR, ""))
+    merged.update(options)
+    kw = normalize_options(merged)
+    try:
+        import torch
+    except ImportError as e:
+        raise InstallError(f"gpumem.{what}() needs PyTorch (pip install torch)") from e
+    kw["oom_class"] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return torch, kw, merged
+
+
+def _make_allocator(torch, kw, what):
+    """torch's CUDAPluggableAllocator over gpumem._C's entry points, every hook set."""
+    if not torch.cuda.is_available():
+        raise InstallError(f"gpumem.{what}(): torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if torch.cuda.is_initialized():
+        raise InstallError(
+            f"gpumem.{what}() came too late: CUDA is already initialised in this process, so torch's own "
+            f"allocator is in use and cannot be replaced. Call gpumem.{what}() before anything touches "
+            "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`.")
+    _C._torch_configure(**kw)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
+    hooks = alloc.allocator()
+    entry = _C._torch_entry_points()
+    hooks.set_init_fn(entry["init"])
+    hooks.set_reset_fn(entry["empty_cache"])
+    hooks.set_memory_fraction_fn(entry["memory_fraction"])
+    hooks.set_record_stream_fn(entry["record_stream"])
+    _state["pool_hooks"] = _pools.set_pool_hooks(torch, hooks, entry)
+    return alloc
+
+
+def _finish(torch, merged, device):
+    """Everything install() does once gpumem is torch's allocator."""
+    _state["options"] = merged
+    _patch(torch)
+    _state["installed"] = True
+    register_torch_hooks(active=lambda: _state["allocator"] is not None, stack_hook=_viz.set_stack_hook)
+    _viz.on_install()  # explained OOM messages, Python stacks (visibility layer)
+    for d in _device_list(device, torch):
+        _C._torch_open(d)
+    return status()
+
+
 def install(device=None, **options):
     """Make gpumem the CUDA allocator of this process (see the module docstring).
 
@@ -168,49 +207,55 @@ def install(device=None, **options):
     Must run before CUDA allocates anything; raises InstallError otherwise.
     Calling it again only changes the options (and re-applies the patches after uninstall()).
     """
-    merged = parse_conf(os.environ.get(ENV_VAR, ""))
-    merged.update(options)
-    kw = normalize_options(merged)
-    try:
-        import torch
-    except ImportError as e:
-        raise InstallError("gpumem.install() needs PyTorch (pip install torch)") from e
-    C = _C()
-    oom_class = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    torch, kw, merged = _prepare(options, "install")
     if _state["allocator"] is None:
-        if not torch.cuda.is_available():
-            raise InstallError("gpumem.install(): torch sees no CUDA device (torch.cuda.is_available() is False)")
-        if torch.cuda.is_initialized():
-            raise InstallError(
-                "gpumem.install() came too late: CUDA is already initialised in this process, so torch's own "
-                "allocator is in use and cannot be replaced. Call gpumem.install() before anything touches "
-                "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`.")
-        C._torch_configure(oom_class=oom_class, **kw)
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
-        hooks = alloc.allocator()
-        entry = C._torch_entry_points()
-        hooks.set_init_fn(entry["init"])
-        hooks.set_reset_fn(entry["empty_cache"])
-        hooks.set_memory_fraction_fn(entry["memory_fraction"])
-        hooks.set_record_stream_fn(entry["record_stream"])
+        alloc = _make_allocator(torch, kw, "install")
         try:
-            torch.cuda.memory.change_current_allocator(alloc)
+            _original_change_allocator(torch)(alloc)
         except RuntimeError as e:
             raise InstallError(
                 f"gpumem.install() could not replace torch's allocator ({e}); call it before anything touches "
                 "CUDA") from e
         _state["allocator"] = alloc
     else:
-        C._torch_configure(oom_class=oom_class, **kw)
-    _state["options"] = merged
-    _patch(torch)
-    _state["installed"] = True
-    from ._torch_viz import on_install  # explained OOM messages, Python stacks (visibility layer)
+        _C._torch_configure(**kw)
+    return _finish(torch, merged, device)
 
-    on_install()
-    for d in _device_list(device, torch):
-        C._torch_open(d)
-    return status()
+
+def torch_allocator(**options):
+    """gpumem as a torch.cuda.memory.CUDAPluggableAllocator, for code that picks the allocator
+    itself:
+
+        torch.cuda.memory.change_current_allocator(gpumem.torch_allocator(cap="60GiB"))
+
+    is the same as gpumem.install(cap="60GiB"): once torch accepts the allocator, gpumem
+    finishes installing (torch's memory API, CUDA graph pools, MemPool, cudagraph trees)."""
+    torch, kw, merged = _prepare(options, "torch_allocator")
+    if _state["allocator"] is not None:
+        raise InstallError("gpumem is already torch's allocator in this process")
+    alloc = _make_allocator(torch, kw, "torch_allocator")
+
+    class TorchAllocator(torch.cuda.memory._CUDAAllocator):
+        """gpumem's CUDAPluggableAllocator.  torch's change_current_allocator(obj) calls
+        obj.allocator() to take the C++ allocator; that call finishes gpumem's install
+        (it cannot wait until after: the caller fetched change_current_allocator first)."""
+
+        def __init__(self):
+            super().__init__(alloc.allocator())
+            self.pluggable = alloc
+
+        def allocator(self):
+            if _state["allocator"] is None:
+                _state["allocator"] = alloc
+                _finish(torch, merged, None)
+            return super().allocator()
+
+    return TorchAllocator()
+
+
+def _original_change_allocator(torch):
+    fn = torch.cuda.memory.change_current_allocator
+    return _state["patched"].get((torch.cuda.memory, "change_current_allocator"), fn)
 
 
 def uninstall():
@@ -221,16 +266,14 @@ def uninstall():
     restored, and torch.cuda.memory_stats & co. raise again as they do under any pluggable
     allocator.
     """
-    import torch
-
-    for name, original in _state["patched"].items():
+    for (owner, name), original in _state["patched"].items():
         if original is _MISSING:
             try:
-                delattr(torch._C, name)
+                delattr(owner, name)
             except AttributeError:
                 pass
         else:
-            setattr(torch._C, name, original)
+            setattr(owner, name, original)
     _state["patched"] = {}
     _state["installed"] = False
     return status()
@@ -243,11 +286,9 @@ def is_installed():
 def status():
     """What gpumem does in this process: whether it is installed, options, per-device figures."""
     out = {"installed": _state["installed"], "allocator_active": _state["allocator"] is not None,
-           "options": dict(_state["options"]), "patched": sorted(_state["patched"]), "devices": {}}
-    try:
-        C = _C()
-    except ImportError:
-        return out
+           "options": dict(_state["options"]), "patched": sorted(n for _, n in _state["patched"]),
+           "pool_hooks": _state["pool_hooks"], "devices": {}}
+    C = _C
     out["counters"] = C._torch_counters()
     for d in C._torch_devices():
         st = C._torch_stats(d)
@@ -257,6 +298,7 @@ def status():
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
             "cap_bytes": C._torch_get_cap(d),
             "num_remaps": st["num_remaps"],
+            "pools": len(C._torch_pools(d)),
         }
     return out
 
@@ -274,7 +316,7 @@ def _zero_stats():
 
 def nested_stats(device):
     """torch._C._cuda_memoryStats's shape: {"allocated_bytes": {"all": {"current": ...}}, ...}."""
-    flat = _C()._torch_stats(int(device)) or _zero_stats()
+    flat = _C._torch_stats(int(device)) or _zero_stats()
     nested = {}
     for key, value in flat.items():
         parts = key.split(".")
@@ -287,68 +329,20 @@ def nested_stats(device):
     return nested
 
 
-def _segments(device, snap):
-    """Segments in torch's snapshot format: each run of mapped pages is one segment, and the
-    blocks inside it (clipped to it) are its blocks."""
-    page = snap["page_size"]
-    base = snap["va_base"]
-    pages = snap["pages"]
-    runs, start = [], None
-    for i, st in enumerate(pages):
-        if st and start is None:
-            start = i
-        elif not st and start is not None:
-            runs.append((start, i))
-            start = None
-    if start is not None:
-        runs.append((start, len(pages)))
-    blocks = snap["blocks"]
-    out, bi = [], 0
-    for p0, p1 in runs:
-        lo, hi = base + p0 * page, base + p1 * page
-        seg_blocks, allocated, active, requested = [], 0, 0, 0
-        while bi < len(blocks) and blocks[bi][0] + blocks[bi][1] <= lo:
-            bi += 1
-        j = bi
-        while j < len(blocks) and blocks[j][0] < hi:
-            addr, size, req, stream, context, seq, state = blocks[j]
-            a, b = max(addr, lo), min(addr + size, hi)
-            if state in _BLOCK_STATES and b > a:
-                tstate = _BLOCK_STATES[state]
-                seg_blocks.append({"address": a, "size": b - a, "requested_size": req if state != "free" else 0,
-                                   "state": tstate, "frames": [], "gpumem_context": context,
-                                   "gpumem_alloc_seq": seq, "stream": stream})
-                if state == "live":
-                    allocated += b - a
-                    requested += req
-                if state != "free":
-                    active += b - a
-            j += 1
-        out.append({"device": device, "address": lo, "total_size": hi - lo, "stream": 0,
-                    "segment_type": "large", "segment_pool_id": (0, 0), "allocated_size": allocated,
-                    "active_size": active, "requested_size": requested, "is_expandable": True,
-                    "frames": [], "blocks": seg_blocks})
-    return out
-
-
 def memory_snapshot_dict(arg=None):
     """torch._C._cuda_memorySnapshot's shape: {"segments": [...], "device_traces": [[...] per device]}:
-    gpumem.Snapshot.to_torch() of each device (gpumem/_torch_viz.py)."""
-    from ._torch_viz import torch_snapshot_dict
-
-    return torch_snapshot_dict(arg)
+    gpumem.Snapshot.to_torch() of each device (gpumem/torch/_viz.py)."""
+    return _viz.torch_snapshot_dict(arg)
 
 
 def _record_history(enabled, *args, **kwargs):
     """Both _cuda_record_memory_history (enabled: None/'state'/'all', context, stacks, max_entries, ...)
     and the legacy form (enabled: bool, record_context, trace_alloc_max_entries, ...)."""
-    from ._torch_viz import record_torch_history
-
-    record_torch_history(enabled, *args, **kwargs)
+    _viz.record_torch_history(enabled, *args, **kwargs)
 
 
 def _memory_fraction(device):
-    C = _C()
+    C = _C
     cap = C._torch_get_cap(int(device))
     if not cap:
         return 1.0
@@ -356,8 +350,13 @@ def _memory_fraction(device):
     return min(1.0, cap / report["device_total"]) if report and report["device_total"] else 1.0
 
 
+def _history_enabled():
+    """torch._C._cuda_isHistoryEnabled (cudagraph trees' history recording asks it)."""
+    return _C._torch_options()["history_entries"] > 0
+
+
 def _patch(torch):
-    C = _C()
+    C = _C
 
     def mem_stats(device):
         return nested_stats(device)
@@ -379,13 +378,31 @@ def _patch(torch):
         "_cuda_record_memory_history": _record_history,
         "_cuda_record_memory_history_legacy": _record_history,
         "_cuda_getMemoryFraction": _memory_fraction,
+        "_cuda_isHistoryEnabled": _history_enabled,
     }
+    replacements.update(_pools.replacements(torch, _state["pool_hooks"]))
     for name, fn in replacements.items():
-        if name not in _state["patched"]:
-            _state["patched"][name] = getattr(torch._C, name, _MISSING)
-        fn.__name__ = name
-        fn.__qualname__ = f"gpumem.torch.{name}"
-        setattr(torch._C, name, fn)
+        _replace(torch._C, name, fn)
+    # torch.cuda.MemPool cannot be built under a pluggable allocator (its C++
+    # constructor needs createOrIncrefPool): gpumem's pool class takes its place.
+    for owner in (torch.cuda, torch.cuda.memory):
+        _replace(owner, "MemPool", _pools.MemPool)
+    if not _state["pool_hooks"]:
+        _replace(torch.cuda.graphs.CUDAGraph, "capture_begin", _pools.refuse_capture)
+
+
+def _replace(owner, name, fn):
+    key = (owner, name)
+    if key not in _state["patched"]:
+        _state["patched"][key] = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else \
+            getattr(owner, name, _MISSING)
+    if callable(fn) and not isinstance(fn, type):
+        try:
+            fn.__name__ = name
+            fn.__qualname__ = f"gpumem.torch.{name}"
+        except (AttributeError, TypeError):
+            pass
+    setattr(owner, name, fn)
 
 
 # ---- hooks for other parts of gpumem ----------------------------------------------------------
@@ -393,31 +410,10 @@ def _patch(torch):
 def set_context_hook(address):
     """Install a C function uint64_t (*)(void) (by address, 0 clears) called before each
     allocation; its value is kept with the block and in the history."""
-    _C()._torch_set_context_hook(int(address))
+    _C._torch_set_context_hook(int(address))
 
 
 def set_oom_formatter(address):
     """Install a C function (by address, 0 clears) that writes the out-of-memory message;
     see gm_torch_oom_formatter in csrc/python/torch_alloc.h."""
-    _C()._torch_set_oom_formatter(int(address))
-
-
-def _main(argv):
-    """python -m gpumem.torch SCRIPT [ARGS...]: install from GPUMEM_CONF, then run SCRIPT."""
-    import runpy
-
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_main.__doc__)
-        return 0 if argv else 2
-    # Run as __main__ this file is a second copy of the module: install through the
-    # real gpumem.torch so that the script's gpumem.status() sees the same state.
-    from gpumem import torch as gpumem_torch
-
-    gpumem_torch.install()
-    sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    _C._torch_set_oom_formatter(int(address))

@@ -1,6 +1,8 @@
 """The visibility layer on the heaps gpumem serves torch with.
 
-gpumem.torch calls these; they connect it to snapshot / history / explain:
+gpumem.torch's install calls these; they connect it to snapshot / history /
+explain (the layers below, which never import this one: history reaches
+set_stack_hook through the hook install registers in gpumem._heap):
 
   on_install()            registers the OOM formatter (csrc/python/torch_viz.c), so that
                           torch.OutOfMemoryError carries gpumem.explain's report
@@ -10,42 +12,35 @@ gpumem.torch calls these; they connect it to snapshot / history / explain:
   record_torch_history()  torch.cuda.memory._record_memory_history, routed to record_history
   torch_snapshot_dict()   torch.cuda.memory._snapshot / memory_snapshot / _dump_snapshot:
                           Snapshot.to_torch() of every device's heap
-  render_oom()            called from C (with the GIL) to word the OOM message
+  render_oom()            words the OOM message: registered with gpumem._C at import
+                          (_torch_set_oom_renderer) and called from C with the GIL
 """
 from __future__ import annotations
 
 import os
 
-from ._resolve import TorchHeap
-from .torch import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
+from .. import _C
+from .._heap import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
+from .._resolve import TorchHeap
+from ..explain import format_oom
+from ..history import _record
+from ..snapshot import Snapshot
 
 __all__ = ["on_install", "set_stack_hook", "record_torch_history", "torch_snapshot_dict", "render_oom"]
 
 
-
 def _hooks():
-    from . import _C
-
     return _C._torch_viz_hooks()
-
-
-def _torch_mod():
-    from . import torch as gt
-
-    return gt
 
 
 def set_stack_hook(enabled: bool) -> None:
     """Take the Python stack of each allocation torch makes (enabled), or stop."""
-    _torch_mod().set_context_hook(_hooks()["context"] if enabled else 0)
+    _C._torch_set_context_hook(_hooks()["context"] if enabled else 0)
 
 
 def on_install() -> None:
-    from . import _C
-
-    gt = _torch_mod()
     explain = os.environ.get("GPUMEM_EXPLAIN_OOM", "1") != "0"
-    gt.set_oom_formatter(_hooks()["oom_formatter"] if explain else 0)
+    _C._torch_set_oom_formatter(_hooks()["oom_formatter"] if explain else 0)
     if _C._stacks_info()["enabled"]:
         set_stack_hook(True)
 
@@ -60,11 +55,16 @@ def render_oom(device: int, info: dict, processes, fallback: str) -> str:
     the report.  Never raises: a report that fails to build leaves the one line
     with a note, since the OOM itself must still be reported."""
     try:
-        from .explain import format_oom
-
         return format_oom(_heap_for(device, processes), info, fallback)
     except Exception as e:  # noqa: BLE001 - a broken report must not hide the OOM
         return f"{fallback} (gpumem.explain failed: {type(e).__name__}: {e})"
+
+
+def _render(device, info, processes, fallback):
+    return render_oom(device, info, processes, fallback)  # looked up per call (tests replace it)
+
+
+_C._torch_set_oom_renderer(_render)  # handed down: csrc/python/torch_viz.c never imports this layer
 
 
 def record_torch_history(enabled, *args, **kwargs) -> None:
@@ -73,8 +73,6 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     trace_alloc_max_entries, ...), answered by gpumem.record_history on every
     device's heap.  Stacks are Python stacks ("all" asks for C++ frames too; gpumem
     has only the Python ones); context=None records none."""
-    from .history import _record
-
     if isinstance(enabled, bool):
         record_context = args[0] if args else kwargs.get("record_context", True)
         max_entries = args[1] if len(args) > 1 else kwargs.get("trace_alloc_max_entries", 1)
@@ -89,25 +87,22 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         mode = enabled or False
         stacks = "python" if enabled and context and stack_kind in ("python", "all") else None
     n = max(1, min(int(max_entries), MAX_HISTORY))
-    from . import _C
-
     _record(_C._torch_history_enable, mode, stacks, n)
 
 
 def torch_snapshot_dict(arg=None) -> dict:
     """torch._C._cuda_memorySnapshot's answer: each device's Snapshot.to_torch(),
     segments concatenated, device_traces[d] from device d's history ring.
-    `arg` is torch's (pool id, pool id, include_traces) tuple, or None."""
-    from . import _C
-    from .snapshot import Snapshot
-
+    `arg` is torch's (pool id, pool id, include_traces) tuple, or None; a pool id
+    other than (0, 0) keeps the segments of that pool only (MemPool.snapshot())."""
     include_traces = not (isinstance(arg, tuple) and len(arg) >= 3 and arg[2] is False)
+    pool = tuple(arg[:2]) if isinstance(arg, tuple) and len(arg) >= 2 else (0, 0)
     devices = _C._torch_devices()
     n = max([_C._torch_device_count()] + [d + 1 for d in devices] + [1])
     out = {"segments": [], "device_traces": [[] for _ in range(n)]}
     for d in devices:
         t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d)
-        out["segments"].extend(t["segments"])
+        out["segments"].extend(s for s in t["segments"] if pool == (0, 0) or tuple(s["segment_pool_id"]) == pool)
         out["device_traces"][d] = t["device_traces"][d]
         out.setdefault("allocator_settings", t["allocator_settings"])
         out.setdefault("external_annotations", t["external_annotations"])

@@ -1,0 +1,118 @@
+"""torch.compile(mode="reduce-overhead") inference of a 4-layer Llama-style model (HF transformers,
+random weights, built from LlamaConfig) at three batch-size/sequence-length shapes: torch's native
+allocator vs native with expandable_segments vs gpumem, each in a fresh process.
+
+Per allocator: peak reserved memory (torch.cuda.max_memory_reserved), peak live memory
+(max_memory_allocated) and, per shape, the median latency of one compiled call (CUDA graph replay,
+after warm-up and recording).  Goal (issue 8): gpumem <= 0.75 x native's peak reserved, below
+expandable_segments, median latency <= 1.00 x native.
+
+Usage on a GPU machine: python benchmarks/gpu_graphs.py [--out benchmarks/results/gpu_graphs.json]
+    [--shapes 2x256,8x512,16x1024] [--iters 30]
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+
+WORKER = r"""
+import json, os, statistics, sys, time
+mode, shapes, iters = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+import torch
+if mode == "gpumem":
+    import gpumem
+    gpumem.install()
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
+model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+f = torch.compile(model, mode="reduce-overhead", dynamic=False)   # one graph per shape
+lat = {}
+t0 = time.perf_counter()
+with torch.no_grad():
+    for bs, seq in shapes:
+        ids = torch.randint(0, cfg.vocab_size, (bs, seq), device="cuda")
+        for _ in range(3):                    # compile, warm up, record
+            f(ids, use_cache=False).logits
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
+            a.record(); f(ids, use_cache=False); b.record(); b.synchronize()
+            times.append(a.elapsed_time(b))
+        lat[f"{bs}x{seq}"] = statistics.median(times)
+    # all shapes again, to see that every recorded graph still replays within the same memory
+    for bs, seq in shapes:
+        f(torch.randint(0, cfg.vocab_size, (bs, seq), device="cuda"), use_cache=False).logits
+torch.cuda.synchronize()
+res = {"mode": mode, "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
+       "reserved_end": torch.cuda.memory_reserved(), "latency_ms": lat, "wall_s": time.perf_counter() - t0,
+       "torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
+if mode == "gpumem":
+    res["pools"] = len(gpumem._C._torch_pools(0))
+    res["num_remaps"] = torch.cuda.memory_stats()["num_remaps"]
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+MODES = ("native", "expandable_segments", "gpumem")
+
+
+def run(mode, shapes, iters):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("GPUMEM_CONF", None)
+    if mode == "expandable_segments":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    p = subprocess.run([sys.executable, "-c", WORKER, "gpumem" if mode == "gpumem" else "native",
+                        json.dumps(shapes), str(iters)], env=env, capture_output=True, text=True, timeout=900)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    r["mode"] = mode
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_graphs.json"))
+    ap.add_argument("--shapes", default="2x256,8x512,16x1024", help="batch x seq, comma separated")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args(argv)
+    shapes = [[int(v) for v in s.split("x")] for s in args.shapes.split(",")]
+    results = {m: run(m, shapes, args.iters) for m in MODES}
+    nat = results["native"]
+    keys = [f"{b}x{s}" for b, s in shapes]
+    print(f"torch.compile(mode='reduce-overhead'), 4-layer Llama (bf16), shapes {', '.join(keys)}; "
+          f"{nat['device']}, torch {nat['torch']}")
+    head = "| allocator | peak reserved GiB | x native | peak live GiB | " + \
+           " | ".join(f"{k} ms (x native)" for k in keys) + " |"
+    print(head)
+    print("|" + "---|" * (4 + len(keys)))
+    for m in MODES:
+        r = results[m]
+        cells = [f"{r['latency_ms'][k]:.3f} ({r['latency_ms'][k] / nat['latency_ms'][k]:.2f})" for k in keys]
+        print(f"| {m} | {r['peak_reserved'] / GiB:.2f} | {r['peak_reserved'] / nat['peak_reserved']:.2f} | "
+              f"{r['peak_allocated'] / GiB:.2f} | " + " | ".join(cells) + " |")
+    g, e = results["gpumem"], results["expandable_segments"]
+    goals = {
+        "reserved_le_0.75_native": g["peak_reserved"] <= 0.75 * nat["peak_reserved"],
+        "reserved_below_expandable": g["peak_reserved"] < e["peak_reserved"],
+        "median_latency_le_native": all(g["latency_ms"][k] <= nat["latency_ms"][k] for k in keys),
+    }
+    print("goals:", ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in goals.items()))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"shapes": keys, "results": results, "goals": goals}, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

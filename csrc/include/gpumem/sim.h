@@ -1,0 +1,73 @@
+/*
+ * sim.h -- the simulated device (device/sim.c): its constructor and the controls
+ * that tests, replay and notebooks use to stand for a GPU.
+ */
+#ifndef GPUMEM_SIM_H
+#define GPUMEM_SIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem/device.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- the simulated device ------------------------------------------------ */
+
+/* A simulated device with `capacity` bytes of physical memory in pages of
+ * `page_size` bytes (0 means 2 MiB).  Returns NULL only if malloc fails. */
+gm_device *gm_sim_create(size_t capacity, size_t page_size);
+
+/* Fault injection: make the `nth` next call of `op` (1 = the very next one)
+ * fail, and the `count - 1` calls of that op after it too.  nth = 0 clears. */
+void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count);
+/* Fail each call of `op` with probability p (deterministic, seeded). */
+void gm_sim_fail_random(gm_device *dev, gm_dev_op op, double p, uint64_t seed);
+/* Calls of `op` made so far (failed ones included). */
+uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op);
+
+/* Events: by default a recorded event is complete at once.  A held stream
+ * keeps every event recorded on it pending until the stream is released --
+ * how tests stand for a kernel still running on a side stream. */
+void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held);
+
+/* Memory held by "other processes": lowers what create can hand out, and is
+ * reported by mem_info and processes. */
+void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes);
+/* This process's own memory outside the allocator (CUDA context, cuBLAS
+ * workspaces): taken from capacity and reported under `self_pid`. */
+void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes);
+/* Make processes() answer GM_ENOTSUP, as a machine without NVML does. */
+void gm_sim_set_nvml(gm_device *dev, int available);
+
+/* Capture mode: while on (for every stream), or while any stream is marked
+ * capturing, each call that would invalidate a real CUDA graph capture --
+ * synchronize, event_query, event_record, unmap, release, unreserve -- fails
+ * with GM_EDEVICE ("... during stream capture") and is counted, so tests can
+ * prove the heap made none.  capture_status reports a stream as capturing when
+ * the mode is on or the stream is marked. */
+void gm_sim_set_capture(gm_device *dev, int on);
+void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on);
+/* Calls refused by capture mode so far. */
+uint64_t gm_sim_capture_violations(const gm_device *dev);
+
+/* Introspection for the invariant checker and tests. */
+typedef struct gm_sim_info {
+    size_t capacity, page_size;
+    size_t pages_created;     /* physical pages alive */
+    size_t pages_mapped;      /* pages mapped somewhere */
+    size_t events_alive;
+    size_t reservations;      /* reserved VA ranges alive */
+} gm_sim_info;
+void gm_sim_info_get(const gm_device *dev, gm_sim_info *info);
+/* The physical page mapped at va (0 if none): which page lies behind an address. */
+gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va);
+/* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
+int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GPUMEM_SIM_H */

@@ -1,0 +1,149 @@
+/*
+ * replay_glue.c -- Heap.replay: packed trace events replayed inside the core (core/replay.c),
+ * so that timing measures the allocator and not Python.
+ */
+#include "heap_object.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "common.h"
+
+
+/* replay(events, n_slots, timing=False, stop_at=-1, slots=None)
+ * `slots`, when given, is a writable buffer of n_slots 8-byte words that the
+ * caller keeps between calls, so that a trace can be replayed in chunks (for a
+ * progress bar) with frees naming slots that an earlier chunk allocated. */
+static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"events", "n_slots", "timing", "stop_at", "slots", NULL};
+    Py_buffer ev = {0}, sl = {0};
+    PyObject *n_slots_o, *slots_o = Py_None;
+    int timing = 0;
+    long long stop_at = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*O|pLO:replay", kwlist, &ev, &n_slots_o, &timing, &stop_at,
+                                     &slots_o))
+        return NULL;
+
+    PyObject *result = NULL;
+    gm_replay_event *copy = NULL;
+    uintptr_t *own_slots = NULL;
+    uint64_t *op_ns = NULL;
+    size_t n_slots;
+
+    if (gm_py_heap_open(self) < 0 || gm_py_to_size(n_slots_o, "n_slots", &n_slots) < 0)
+        goto done;
+    if (ev.len % (Py_ssize_t)sizeof(gm_replay_event) != 0) {
+        PyErr_Format(PyExc_ValueError, "events: %zd bytes is not a whole number of %zu-byte events", ev.len,
+                     sizeof(gm_replay_event));
+        goto done;
+    }
+    if (stop_at < -1) {
+        PyErr_SetString(PyExc_ValueError, "stop_at must be -1 (no stop) or an event index");
+        goto done;
+    }
+    size_t n = (size_t)ev.len / sizeof(gm_replay_event);
+    const gm_replay_event *events = ev.buf;
+    if ((uintptr_t)ev.buf % _Alignof(gm_replay_event) != 0) {
+        copy = PyMem_Malloc(n ? (size_t)ev.len : 1);
+        if (copy == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(copy, ev.buf, (size_t)ev.len);
+        events = copy;
+    }
+    /* The core trusts slot numbers; check them here so a bad trace is an
+     * exception, not a write past the slot table. */
+    for (size_t i = 0; i < n; i++) {
+        if (events[i].op != GM_R_ALLOC && events[i].op != GM_R_FREE) {
+            PyErr_Format(PyExc_ValueError, "events[%zu]: unknown op %u", i, (unsigned)events[i].op);
+            goto done;
+        }
+        if (events[i].slot >= n_slots) {
+            PyErr_Format(PyExc_ValueError, "events[%zu]: slot %u is not below n_slots=%zu", i,
+                         (unsigned)events[i].slot, n_slots);
+            goto done;
+        }
+    }
+
+    uintptr_t *slots;
+    if (slots_o != Py_None) {
+        if (PyObject_GetBuffer(slots_o, &sl, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if ((size_t)sl.len != n_slots * sizeof(uintptr_t) || (uintptr_t)sl.buf % _Alignof(uintptr_t) != 0) {
+            PyErr_Format(PyExc_ValueError, "slots must be an aligned writable buffer of n_slots*%zu = %zu bytes",
+                         sizeof(uintptr_t), n_slots * sizeof(uintptr_t));
+            goto done;
+        }
+        slots = sl.buf;
+    } else {
+        own_slots = PyMem_Calloc(n_slots ? n_slots : 1, sizeof *own_slots);
+        if (own_slots == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        slots = own_slots;
+    }
+    if (timing) {
+        op_ns = PyMem_Malloc((n ? n : 1) * sizeof *op_ns);
+        if (op_ns == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+
+    gm_replay_result res;
+    memset(&res, 0, sizeof res);
+    int rc;
+    uint64_t stop = stop_at < 0 ? UINT64_MAX : (uint64_t)stop_at;
+    ENTER_CORE(self);
+    rc = gm_replay(self->heap, events, n, slots, op_ns, stop, &res);
+    LEAVE_CORE(self);
+    if (rc != GM_OK && rc != res.error) {
+        gm_py_raise(self, rc, "replay");
+        goto done;
+    }
+
+    result = PyDict_New();
+    if (result == NULL)
+        goto done;
+    if (gm_py_put_u64(result, "allocs", res.allocs) < 0 || gm_py_put_u64(result, "frees", res.frees) < 0 ||
+        gm_py_put_u64(result, "ooms", res.ooms) < 0 || gm_py_put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
+        gm_py_put_u64(result, "peak_reserved_bytes", res.peak_reserved_bytes) < 0 ||
+        gm_py_put_i64(result, "first_oom_event", res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
+        gm_py_put_u64(result, "peak_event", res.peak_event) < 0 || gm_py_put_i64(result, "error", res.error) < 0 ||
+        gm_py_put(result, "error_name", PyUnicode_FromString(gm_py_code_name(res.error))) < 0) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    if (timing) {
+        PyObject *array_mod = PyImport_ImportModule("array");
+        PyObject *arr = NULL;
+        if (array_mod != NULL) {
+            PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(n * sizeof *op_ns));
+            if (raw != NULL)
+                arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
+            Py_XDECREF(raw);
+            Py_DECREF(array_mod);
+        }
+        if (gm_py_put(result, "op_ns", arr) < 0)
+            Py_CLEAR(result);
+    }
+done:
+    if (sl.obj)
+        PyBuffer_Release(&sl);
+    PyBuffer_Release(&ev);
+    PyMem_Free(copy);
+    PyMem_Free(own_slots);
+    PyMem_Free(op_ns);
+    return result;
+}
+
+PyMethodDef gm_py_replay_methods[] = {
+    {.ml_name = "replay", .ml_meth = KW(Heap_replay), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "replay(events, n_slots, timing=False, stop_at=-1, slots=None) -> dict\n"
+               "events: packed struct '<IIQQ' (op, slot, size, stream); slots: optional writable\n"
+               "buffer of n_slots 8-byte words kept by the caller across chunked calls."},
+    {.ml_name = NULL},
+};

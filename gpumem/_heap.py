@@ -1,0 +1,70 @@
+"""The heap interface that snapshot, history and explain read, and the hooks the
+torch layer hands down.
+
+gpumem's Python package imports one way, bottom to top:
+
+    _C, _units, _frameworks      the extension, byte units, framework tags of blocks
+    _heap                        this file: HeapLike, the torch layer's hooks
+    _resolve                     which heap a call means (Heap, TorchHeap)
+    history, snapshot, explain   visibility, reading any HeapLike
+    _svg, _cli_viz, timeline, replay, trace, data, __main__
+    _shared, cupy, numba         CuPy's and Numba's allocations on the same heaps
+    torch/                       gpumem as PyTorch's allocator: nothing imports it
+
+Nothing imports a module above it.  The torch layer reaches the layers below by
+registering its hooks here at install (register_torch_hooks), never the other
+way round; tests/test_layers.py checks that the import graph has no circle.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+__all__ = ["HeapLike", "MAX_HISTORY", "register_torch_hooks", "torch_hook"]
+
+# The history ring is allocated up front (48 B an entry), so it is bounded; torch's
+# _record_memory_history defaults max_entries to sys.maxsize.
+MAX_HISTORY = 1 << 20
+
+
+@runtime_checkable
+class HeapLike(Protocol):
+    """What snapshot, history and explain read from a heap: gpumem.Heap (any
+    device) and gpumem._resolve.TorchHeap (the heap torch's allocations go to)
+    both provide it.  Dicts are those of gpumem._C (csrc/python/common.c)."""
+
+    device_kind: str      # "sim" or "cuda"
+    closed: bool
+
+    @property
+    def device_name(self) -> str: ...
+    @property
+    def page_size(self) -> int: ...
+    def snapshot(self) -> dict: ...           # va_base, page_size, blocks, pages, stats, ...
+    def stats(self) -> dict: ...              # torch's memory_stats keys
+    def memory_report(self, size: int = 0) -> dict: ...
+    def last_oom(self) -> Optional[dict]: ...
+    def history(self) -> Tuple[Sequence[tuple], int]: ...   # (entries, dropped)
+    def history_enable(self, max_entries: int) -> None: ...
+    def get_cap(self) -> int: ...
+    def mem_info(self) -> Tuple[int, int]: ...               # (free, total)
+    def device_processes(self): ...                          # [(pid, bytes)] or None
+    def pools(self) -> list: ...                             # living private pools (dicts)
+    def pool_live(self, pool) -> list: ...                   # [(addr, size)] of a pool
+
+
+# Hooks of the torch layer (gpumem.torch), set when it installs:
+#   "active":     () -> bool, whether gpumem is torch's allocator in this process
+#   "stack_hook": (enabled: bool) -> None, take Python stacks of torch's allocations
+_torch_hooks: Dict[str, Callable] = {}
+
+
+def register_torch_hooks(**hooks: Callable) -> None:
+    """Called by gpumem.torch: the layers below reach it only through these."""
+    unknown = set(hooks) - {"active", "stack_hook"}
+    if unknown:
+        raise ValueError(f"unknown torch hook(s) {sorted(unknown)}")
+    _torch_hooks.update(hooks)
+
+
+def torch_hook(name: str) -> Optional[Callable]:
+    return _torch_hooks.get(name)

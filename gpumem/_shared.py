@@ -1,0 +1,73 @@
+"""One heap per GPU for every framework in the process: where CuPy's and
+Numba's allocations go (gpumem.cupy, gpumem.numba), and how a block says which
+framework made it.
+
+By default allocations go to the per-device heaps that gpumem serves torch with
+(the registry of csrc/python/torch_alloc.h, reached through gpumem._C's
+_shared_malloc / _shared_free), so torch tensors, CuPy arrays and Numba device
+arrays share one heap, one cap and one empty_cache.  A gpumem.Heap may be given
+instead (a simulated one in tests).
+
+Each block's context carries the framework (gpumem/_frameworks.py) and, when
+stacks are recorded, the Python stack of the allocation.
+"""
+from __future__ import annotations
+
+from . import _C
+from ._frameworks import framework_tag
+from ._resolve import TorchHeap
+from .explain import format_oom
+from ._units import format_size
+
+__all__ = ["Backend"]
+
+
+def _stack_context() -> int:
+    """The caller's Python stack id (0 unless record_history(stacks="python"))."""
+    return int(_C._stack_capture())
+
+
+class Backend:
+    """Where one framework's allocations go: `heap` (a gpumem.Heap), or None for
+    the per-device heaps gpumem serves torch with."""
+
+    def __init__(self, framework: str, heap=None):
+        self.framework = framework
+        self.tag = framework_tag(framework)
+        self.heap = heap
+
+    def __repr__(self) -> str:
+        where = repr(self.heap) if self.heap is not None else "the per-device heaps"
+        return f"<gpumem allocator for {self.framework} on {where}>"
+
+    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        """An address of `size` bytes; raises gpumem.OutOfMemoryError, its text
+        the explanation (gpumem.explain) and .info the core's report."""
+        context = _stack_context() | self.tag
+        if self.heap is not None:
+            return self.heap.malloc(size, stream, context)
+        ptr = _C._shared_malloc(int(device), int(size), int(stream), context)
+        if ptr is None:
+            raise self._oom(size, device)
+        return ptr
+
+    def free(self, ptr: int, device: int = 0) -> None:
+        if self.heap is not None:
+            self.heap.free(ptr)
+            return
+        _C._shared_free(int(device), int(ptr))
+
+    def explain_heap(self, device: int = 0):
+        """The heap explain() and snapshot() should look at for `device`."""
+        if self.heap is not None:
+            return self.heap
+        return TorchHeap(device)
+
+    def _oom(self, size: int, device: int):
+        info = _C._torch_last_oom(int(device))
+        first = (f"CUDA out of memory. Tried to allocate {format_size(size)} on GPU {device} for "
+                 f"{self.framework} (gpumem's heap, shared with torch).")
+        text = format_oom(self.explain_heap(device), info, first) if info else first
+        exc = _C.OutOfMemoryError(text)
+        exc.info = info
+        return exc

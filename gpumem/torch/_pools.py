@@ -1,0 +1,266 @@
+"""Private pools under gpumem: CUDA graphs, torch.cuda.MemPool, and
+torch.compile(mode="reduce-overhead")'s cudagraph trees.
+
+What torch expects of an allocator here is written down in docs/torch.md
+("CUDA graphs and private pools").  In short:
+
+- torch.cuda.graph / CUDAGraph.capture_begin call the allocator's
+  beginAllocateToPool(device, pool, filter) before the capture starts,
+  endAllocateToPool at its end and releasePool when the graph is reset or
+  deleted.  gpumem._C implements those three as plain functions with the C++
+  signatures of the std::function hooks of CUDAPluggableAllocator
+  (csrc/python/torch_alloc.cpp); set_pool_hooks() hands them to torch.
+- torch.cuda.MemPool's constructor needs a C++ virtual with no hook
+  (createOrIncrefPool), so gpumem's MemPool takes its place: same API, and
+  use_mem_pool() reaches gpumem through the same three hooks.
+- cudagraph trees call torch._C._cuda_getCheckpointState,
+  _cuda_setCheckpointPoolState and _cuda_checkPoolLiveAllocations, which a
+  pluggable allocator cannot answer; replacements() answers them from the
+  pool's live blocks (gpumem._C._torch_pool_live / _torch_pool_set_live) and the
+  small torch-header module in _checkpoint.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import warnings
+
+from .. import _C
+from . import _checkpoint
+
+__all__ = ["MemPool", "set_pool_hooks", "replacements", "refuse_capture", "CheckpointState"]
+
+_NO_HOOKS = ("gpumem cannot take part in CUDA graph capture in this process: the C++ standard library ABI of "
+             "gpumem._C (_GLIBCXX_USE_CXX11_ABI={ours}) differs from torch's ({theirs}), so torch's graph pool "
+             "hooks could not be set.  Rebuild gpumem with GPUMEM_CXX11_ABI={theirs} "
+             "(GPUMEM_CXX11_ABI={theirs} pip install -e .).")
+_hooks_error = None
+
+
+def _abi_message(torch) -> str:
+    return _NO_HOOKS.format(ours=_C._torch_cxx11_abi(), theirs=int(bool(torch._C._GLIBCXX_USE_CXX11_ABI)))
+
+
+def set_pool_hooks(torch, hooks, entry) -> bool:
+    """Give torch gpumem's begin/end/release pool hooks, if the C++ ABIs agree.
+    When they do not, the hooks stay unset and graph capture and MemPool raise
+    (never a silent capture whose memory is handed out again)."""
+    global _hooks_error
+    if int(bool(torch._C._GLIBCXX_USE_CXX11_ABI)) != _C._torch_cxx11_abi():
+        _hooks_error = _abi_message(torch)
+        warnings.warn(_hooks_error, RuntimeWarning, stacklevel=3)
+        return False
+    hooks.set_begin_allocate_to_pool(entry["begin_allocate_to_pool"])
+    hooks.set_end_allocate_to_pool_fn(entry["end_allocate_to_pool"])
+    hooks.set_release_pool(entry["release_pool"])
+    _hooks_error = None
+    return True
+
+
+def refuse_capture(self, *args, **kwargs):
+    """CUDAGraph.capture_begin while gpumem's pool hooks are unset."""
+    raise RuntimeError(_hooks_error or "gpumem's graph pool hooks are not set")
+
+
+# ---- MemPool ----------------------------------------------------------------------------
+
+# torch numbers user pools (0, n) and graph pools (n, 0) from counters of its own;
+# gpumem's MemPool ids live far above both so that they never meet.
+_MEMPOOL_BASE = 1 << 62
+_mempool_ids = itertools.count(1)
+
+
+class MemPool:
+    """torch.cuda.MemPool under gpumem (installed in its place): a private pool
+    of one device.  Allocations made inside ``torch.cuda.use_mem_pool(pool)`` go
+    to it, and blocks freed there are reused only by it while it lives.  When the
+    pool object goes away its free memory returns to the heap at once, and the
+    memory of tensors that outlive it when they are freed.
+
+    allocator: torch's MemPool can take another allocator; under gpumem every
+    pool is gpumem's, so only None is accepted.  use_on_oom / no_split: accepted
+    for compatibility; gpumem never splits across pools and never borrows a
+    pool's memory for other allocations.
+    """
+
+    def __init__(self, allocator=None, use_on_oom: bool = False, no_split: bool = False):
+        import torch
+
+        if allocator is not None:
+            raise ValueError("gpumem.torch.MemPool: a pool under gpumem allocates with gpumem; pass no allocator")
+        if _hooks_error:
+            raise RuntimeError(_hooks_error)
+        self._device = torch.cuda.current_device()
+        self._id = (0, _MEMPOOL_BASE + next(_mempool_ids))
+        self.use_on_oom = bool(use_on_oom)
+        self.no_split = bool(no_split)
+        _C._torch_pool_retain(self._device, self._id)
+        self._alive = True
+
+    @property
+    def id(self):
+        """The pool's id, a pair of ints (torch's MempoolId_t)."""
+        return self._id
+
+    @property
+    def allocator(self):
+        return None
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    def use_count(self) -> int:
+        """Uses of the pool: 1 for this object, plus one per use_mem_pool() open on it."""
+        info = _C._torch_pool_info(self._device, self._id)
+        return int(info["use_count"]) if info else 0
+
+    def snapshot(self, include_traces: bool = True):
+        """The segments of this pool, in torch.cuda.memory_snapshot()'s format."""
+        import torch
+
+        try:
+            return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
+        except TypeError:   # a torch whose memory_snapshot has no include_traces
+            return torch.cuda.memory_snapshot(self._id)
+
+    def __del__(self):
+        if getattr(self, "_alive", False):
+            self._alive = False
+            try:
+                _C._torch_pool_release(self._device, self._id)
+            except Exception:  # noqa: BLE001 - at interpreter exit the heap may be gone
+                pass
+
+    def __repr__(self) -> str:
+        return f"<gpumem.torch.MemPool id={self._id} cuda:{self._device}>"
+
+
+# ---- cudagraph trees --------------------------------------------------------------------
+
+class CheckpointState:
+    """torch._C._cuda_getCheckpointState's answer under gpumem: the live blocks
+    of a graph pool at one moment, and the stream blocks allocated again by a
+    restore are given."""
+
+    __slots__ = ("device", "pool", "blocks", "stream")
+
+    def __init__(self, device: int, pool, blocks, stream: int):
+        self.device = int(device)
+        self.pool = (int(pool[0]), int(pool[1]))
+        self.blocks = [(int(a), int(s)) for a, s in blocks]
+        self.stream = int(stream)
+
+    def __repr__(self) -> str:
+        return f"<gpumem CheckpointState pool={self.pool} cuda:{self.device} {len(self.blocks)} live blocks>"
+
+
+def _live_addrs(device: int, pool) -> set:
+    return {a for a, _ in _C._torch_pool_live(int(device), tuple(pool))}
+
+
+def check_pool_live_allocations(device, pool, expected_live_allocations) -> bool:
+    """Whether the pool's live blocks are exactly these addresses."""
+    return _live_addrs(device, pool) == {int(p) for p in expected_live_allocations}
+
+
+def get_checkpoint_state(device, pool) -> CheckpointState:
+    import torch
+
+    device = int(device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return CheckpointState(device, pool, _C._torch_pool_live(device, tuple(pool)), stream)
+
+
+def set_checkpoint_pool_state(device, state, stale_storages=(), storages_to_add_deleters_to=()) -> None:
+    """Make the pool's live blocks those of `state`.  Blocks live now and not in
+    the state are freed (their `stale_storages` stop owning them); blocks of the
+    state not live now are allocated again at their addresses, and
+    `storages_to_add_deleters_to` (which point at them) get gpumem's deleter."""
+    if not isinstance(state, CheckpointState):
+        raise TypeError(f"expected a gpumem CheckpointState, got {type(state).__name__}")
+    device = int(device)
+    lib_ready = _checkpoint.load()  # fail before changing anything when it cannot be built
+    del lib_ready
+    live_now = _live_addrs(device, state.pool)
+    wanted = {a for a, _ in state.blocks}
+    freed = live_now - wanted
+    allocd = wanted - live_now
+    stale = list(dict.fromkeys(int(s) for s in stale_storages))
+    if len(stale) < len(freed):
+        raise RuntimeError("Any stale tensors which are being manually freed must be passed to set checkpoint")
+    _C._torch_pool_set_live(device, state.pool, state.blocks, state.stream)
+    _checkpoint.release_deleters(stale, freed)
+    _checkpoint.add_deleters([int(s) for s in storages_to_add_deleters_to], allocd, _raw_delete_address(), device)
+
+
+_raw_delete_c = None
+
+
+def _raw_delete_address() -> int:
+    return _C._torch_entry_points()["raw_delete"]
+
+
+def _gpumem_raw_delete(ptr: int) -> None:
+    global _raw_delete_c
+    if _raw_delete_c is None:
+        _raw_delete_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_raw_delete_address())
+    _raw_delete_c(ctypes.c_void_p(int(ptr)))
+
+
+def replacements(torch, pool_hooks: bool) -> dict:
+    """torch._C functions gpumem answers for pools: name -> replacement."""
+    original_raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+    original_raw_delete = getattr(original_raw_delete, "_gpumem_original", original_raw_delete)
+
+    def raw_delete(ptr):
+        # A block a checkpoint restore allocated again never went through the
+        # pluggable allocator's malloc, which then does not know it.
+        if original_raw_delete is not None:
+            try:
+                return original_raw_delete(ptr)
+            except RuntimeError as e:
+                if "not allocated here" not in str(e):
+                    raise
+        _gpumem_raw_delete(ptr)
+
+    raw_delete._gpumem_original = original_raw_delete
+
+    def _original(name):
+        fn = getattr(torch._C, name, None)
+        return getattr(fn, "_gpumem_original", fn)
+
+    original_free_remove = _original("_free_And_Remove_DeleterFn")
+    original_standard = _original("_has_Standard_Deleter")
+
+    def free_and_remove_deleter(storage_impl_ptr):
+        # Storages a checkpoint restore gave gpumem's deleter are not the
+        # pluggable allocator's: free those here, hand the others to torch.
+        if _checkpoint._lib is not None and _checkpoint.free_and_remove(storage_impl_ptr, _raw_delete_address()):
+            return None
+        return original_free_remove(storage_impl_ptr)
+
+    def has_standard_deleter(storage_impl_ptr):
+        if _checkpoint._lib is not None and _checkpoint.has_deleter(storage_impl_ptr, _raw_delete_address()):
+            return True
+        return original_standard(storage_impl_ptr)
+
+    free_and_remove_deleter._gpumem_original = original_free_remove
+    has_standard_deleter._gpumem_original = original_standard
+    out = {
+        "_cuda_checkPoolLiveAllocations": check_pool_live_allocations,
+        "_cuda_getCheckpointState": get_checkpoint_state,
+        "_cuda_setCheckpointPoolState": set_checkpoint_pool_state,
+        "_cuda_cudaCachingAllocator_raw_delete": raw_delete,
+    }
+    if original_free_remove is not None:
+        out["_free_And_Remove_DeleterFn"] = free_and_remove_deleter
+    if original_standard is not None:
+        out["_has_Standard_Deleter"] = has_standard_deleter
+    if not pool_hooks:
+        def refuse(*args, **kwargs):
+            raise RuntimeError(_hooks_error or "gpumem's graph pool hooks are not set")
+
+        for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateToPool"):
+            out[name] = refuse
+    return out

@@ -1,0 +1,530 @@
+"""Private pools (torch's graph pools and MemPool) and the capture-safe slow path.
+
+A block freed in a living pool is reused only by that pool; the pages under
+any block of a living pool stay mapped at their address whatever the heap does
+(empty_cache, a lowered cap, defragmentation); a released pool gives its free
+memory back.  While a capture is under way the heap makes no call that would
+invalidate it: the simulated device in capture mode refuses and counts every
+such call, so these tests prove there were none.
+"""
+import random
+
+import pytest
+
+import gpumem
+from conftest import MiB, PAGE, assert_ok
+
+P, Q = (1, 7), (2, 0)
+S1, S2 = 0x1000, 0x2000
+
+
+def blocks(h):
+    return [dict(zip(("addr", "size", "requested", "stream", "context", "seq", "state", "pool"), b))
+            for b in h.snapshot()["blocks"]]
+
+
+def pool_blocks(h, pid):
+    return [(b["addr"], b["size"], b["state"]) for b in blocks(h) if b["pool"] == pid]
+
+
+def pages_of(ranges):
+    return sorted({p for a, n, *_ in ranges for p in range(a // PAGE, (a + n - 1) // PAGE + 1)})
+
+
+def page_identity(h, pages):
+    """{page index: id of the physical page mapped there} -- which memory lies behind each address."""
+    return {p: h.sim_page_at(p * PAGE) for p in pages}
+
+
+def overlaps(a, n, ranges):
+    return any(a < b + m and b < a + n for b, m, *_ in ranges)
+
+
+def forbidden_calls(h):
+    return h.sim_capture_violations()
+
+
+# ---- pools keep their memory ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_block_freed_in_pool_never_serves_anything_else(make_heap, seed):
+    rng = random.Random(seed)
+    h = make_heap(capacity=96 * MiB)
+    h.pool_retain(P)
+    h.pool_retain(Q)
+    sizes = [512, 4096, 100_000, MiB, 3 * MiB // 2, 2 * MiB, 5 * MiB]
+    mine = [h.malloc(rng.choice(sizes), stream=rng.choice((0, S1, S2)), pool=P) for _ in range(24)]
+    for p in mine[::2]:
+        h.free(p)
+    assert_ok(h)
+    kept = pool_blocks(h, P)
+    assert any(st == "free" for _, _, st in kept), "the pool should hold free blocks"
+    identity = page_identity(h, pages_of(kept))
+    live, other = [], []
+    for step in range(400):
+        r = rng.random()
+        try:
+            if r < 0.45:
+                size = rng.choice(sizes)
+                p = h.malloc(size, stream=rng.choice((0, S1, S2)))
+                assert not overlaps(p, h.block_size(p), kept), f"step {step}: general block inside pool {P}"
+                live.append(p)
+            elif r < 0.6:
+                p = h.malloc(rng.choice(sizes), stream=rng.choice((0, S1, S2)), pool=Q)
+                assert not overlaps(p, h.block_size(p), kept), f"step {step}: pool {Q} got pool {P}'s block"
+                other.append(p)
+            elif r < 0.9 and (live or other):
+                lst = live if (live and (not other or rng.random() < 0.7)) else other
+                h.free(lst.pop(rng.randrange(len(lst))))
+            elif r < 0.95:
+                h.empty_cache()
+            else:
+                h.set_cap(rng.choice((48 * MiB, 64 * MiB, 0)))
+        except gpumem.OutOfMemoryError:
+            pass
+        assert_ok(h)
+    h.set_cap(0)
+    # Nothing of the pool moved: same blocks, same pages behind them.
+    assert pool_blocks(h, P) == kept
+    assert page_identity(h, pages_of(kept)) == identity
+    assert h.stats()["num_remaps"] + h.stats()["num_unmaps"] > 0, "the workload never reclaimed a page"
+
+
+def test_pool_reuses_its_own_block_per_stream_rules(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(3 * MiB, stream=S1, pool=P)
+    h.free(a)
+    assert h.malloc(3 * MiB, stream=S1, pool=P) == a  # same stream: at once
+    h.free(a)
+    h.sim_hold_stream(S1, True)  # S1's work still runs: S2 must not get a
+    b = h.malloc(3 * MiB, stream=S2, pool=P)
+    assert b != a and not overlaps(b, 3 * MiB, [(a, 3 * MiB)])
+    assert h.sim_capture_violations() == 0
+    h.sim_hold_stream(S1, False)
+    c = h.malloc(3 * MiB, stream=S2, pool=P)  # an event on S1 completed: now S2 may
+    assert c == a
+    assert_ok(h)
+    # A general allocation of the same size never gets the pool's memory.
+    h.free(b)
+    g = h.malloc(3 * MiB, stream=S2)
+    assert not overlaps(g, 3 * MiB, [(b, 3 * MiB)])
+    assert_ok(h)
+
+
+def test_release_returns_free_blocks_and_their_pages(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    h.pool_retain(P)
+    a = h.malloc(5 * MiB, pool=P)
+    h.free(a)
+    h.empty_cache()
+    assert h.sim_info()["pages_created"] == 3, "a pool's free pages must survive empty_cache"
+    info = h.pool_info(P)
+    assert (info["use_count"], info["free_bytes"], info["live_bytes"], info["pinned_pages"]) == (2, 5 * MiB, 0, 3)
+    h.pool_release(P)
+    assert h.pool_info(P)["use_count"] == 1
+    h.empty_cache()
+    assert h.sim_info()["pages_created"] == 3
+    h.pool_release(P)  # the last use: the pool ends
+    assert h.pools() == []
+    with pytest.raises(ValueError, match="no pool"):
+        h.pool_info(P)
+    assert_ok(h)
+    assert all(b["pool"] is None for b in blocks(h))
+    g = h.malloc(5 * MiB)
+    assert g == a  # the general heap has the memory back at once
+    h.free(g)
+    h.empty_cache()
+    assert h.sim_info()["pages_created"] == 0
+    assert_ok(h)
+
+
+def test_ended_pool_free_block_joins_the_run_beside_it(make_heap):
+    """While the pool lives, placement builds on nothing of its free block; once
+    the pool ends, that block is general space and one run with its neighbours,
+    so a larger request is placed over it and needs only the missing page."""
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(5 * MiB, pool=P)  # pages 0-2; [5, 6) MiB stays general free
+    h.free(a)
+    g = h.malloc(8 * MiB)  # the slow path: only [5, 13) MiB may hold it
+    assert g == a + 5 * MiB, "placement must not build on a living pool's free block"
+    assert h.stats()["reserved_bytes.all.current"] == 7 * PAGE
+    assert_ok(h)
+    h.free(g)
+    h.pool_release(P)
+    assert_ok(h)
+    reserved = h.stats()["reserved_bytes.all.current"]
+    b = h.malloc(16 * MiB)  # slow path again: at a, pages 0-7, of which only page 7 is new
+    assert b == a
+    assert h.stats()["reserved_bytes.all.current"] == reserved + PAGE
+    assert_ok(h)
+
+
+def test_live_block_of_ended_pool_joins_heap_when_freed(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(MiB, pool=P)
+    b = h.malloc(MiB, pool=P)
+    h.free(b)
+    h.pool_release(P)
+    assert_ok(h)
+    assert [blk["pool"] for blk in blocks(h) if blk["addr"] == a] == [P]  # still live, still the old pool's
+    h.pool_retain(P)  # a fresh pool under the same id
+    assert h.pool_info(P)["live_blocks"] == 0 and h.pool_live(P) == []
+    h.free(a)
+    assert_ok(h)
+    assert h.pool_info(P)["free_blocks"] == 0, "the old pool's block must not land in the new pool"
+    assert h.malloc(2 * MiB) == a  # general again, merged with b's memory
+    h.pool_release(P)
+    assert_ok(h)
+
+
+def test_pinned_pages_survive_empty_cache_set_cap_and_defragmentation(make_heap):
+    h = make_heap(capacity=40 * MiB, growth_slack=0.0, growth_slack_pages=0)
+    h.pool_retain(P)
+    ps = [h.malloc(MiB, pool=P) for k in range(6)]  # pages 0-2
+    for p in ps[1::2]:
+        h.free(p)
+    kept = pool_blocks(h, P)
+    pages = pages_of(kept)
+    identity = page_identity(h, pages)
+    assert all(identity.values())
+    h.empty_cache()
+    assert page_identity(h, pages) == identity
+    h.set_cap(len(pages) * PAGE)
+    assert page_identity(h, pages) == identity
+    h.set_cap(0)
+    # Scatter wholly free pages, then ask for a range only a remap can back.
+    general = [h.malloc(PAGE) for _ in range((40 * MiB) // PAGE - len(pages) - 1)]
+    for p in general[::2]:
+        h.free(p)
+    before = h.stats()["num_remaps"]
+    big = h.malloc(4 * PAGE)
+    assert h.stats()["num_remaps"] > before, "the workload did not force a defragmentation"
+    assert_ok(h)
+    assert pool_blocks(h, P) == kept
+    assert page_identity(h, pages) == identity
+    h.free(big)
+    for p in general[1::2]:
+        h.free(p)
+    h.empty_cache()
+    assert page_identity(h, pages) == identity
+    assert h.sim_info()["pages_created"] == len(pages)
+    h.pool_release(P)
+    h.empty_cache()
+    pages_left = pages_of([(a, n) for a, n, st in kept if st == "live"])
+    assert h.sim_info()["pages_created"] == len(pages_left)
+    assert_ok(h)
+
+
+def test_stats_and_reports_count_pool_memory(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(3 * MiB, pool=P)
+    b = h.malloc(1000, pool=P)
+    h.free(a)
+    st = h.stats()
+    assert st["allocated_bytes.all.current"] == 1024
+    assert st["active_bytes.all.current"] == 1024
+    assert st["inactive_split_bytes.all.current"] >= 3 * MiB
+    rep = h.memory_report(0)
+    assert rep["pool_live_bytes"] == 1024 and rep["pool_free_bytes"] == 3 * MiB
+    assert rep["free_mapped_bytes"] < 3 * MiB, "a pool's free blocks are not free for others"
+    assert rep["cached_bytes"] == 0
+    snap = gpumem.Snapshot.from_heap(h)
+    assert snap.summary.pool_free_bytes == 3 * MiB and snap.summary.pool_live_bytes == 1024
+    segs = snap.to_torch()["segments"]
+    assert [s["segment_pool_id"] for s in segs] == [P]
+    text = str(gpumem.explain(device=h))
+    assert "kept for private pools" in text and "3.00 MiB" in text
+    h.free(b)
+    h.pool_release(P)
+    assert gpumem.Snapshot.from_heap(h).to_torch()["segments"][0]["segment_pool_id"] == (0, 0)
+    assert "private pools" not in str(gpumem.explain(device=h))
+
+
+# ---- checkpoints: pool_live / pool_set_live -------------------------------------------------
+
+
+def test_pool_live_and_set_live_round_trip(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    a, b, c = (h.malloc(n, pool=P) for n in (MiB, 3 * MiB, 4096))
+    ckpt = h.pool_live(P)
+    assert ckpt == sorted([(a, MiB), (b, 3 * MiB), (c, 4096)])
+    h.free(b)
+    d = h.malloc(MiB, pool=P)
+    e = h.malloc(2 * MiB, pool=P)
+    g = h.malloc(MiB)  # general: untouched by the pool's restore
+    assert d != b or e != b
+    h.pool_set_live(P, ckpt)
+    assert_ok(h)
+    assert h.pool_live(P) == ckpt
+    assert h.block_size(b) == 3 * MiB and h.block_size(g) == MiB
+    assert all(h.block_size(x) == 0 or x in (a, b, c) for x in (d, e))
+    # and back: the other state again
+    h.pool_set_live(P, [(a, MiB), (c, 4096)], stream=S1)
+    assert h.pool_live(P) == sorted([(a, MiB), (c, 4096)])
+    h.pool_set_live(P, ckpt, stream=S1)
+    assert h.pool_live(P) == ckpt
+    assert [blk["stream"] for blk in blocks(h) if blk["addr"] == b] == [S1]
+    assert_ok(h)
+    h.pool_set_live(P, [])
+    assert h.pool_live(P) == [] and h.block_size(g) == MiB
+    assert_ok(h)
+
+
+def test_set_live_rejects_and_changes_nothing(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    h.pool_retain(Q)
+    a = h.malloc(MiB, pool=P)
+    f = h.malloc(MiB, pool=P)
+    r = h.malloc(MiB, pool=P)
+    h.record_stream(r, S2)  # freeing it would leave it pending, not free
+    h.free(f)
+    g = h.malloc(MiB)
+    q = h.malloc(MiB, pool=Q)
+    assert (f, r) == (a + MiB, a + 2 * MiB)
+    before = h.snapshot()["blocks"]
+    bad = [
+        [(g, MiB)],                      # a general block
+        [(q, MiB)],                      # another pool's block
+        [(f + 100, 4096)],               # not 512-aligned
+        [(a, MiB), (f, MiB + 512)],      # runs into r, which stays live or pending
+        [(a, MiB), (a + 512, 512)],      # overlapping
+        [(f, 0)],                        # empty
+        [(r, 512)],                      # r would be pending, not free
+        [(h.snapshot()["va_base"] + (1 << 40), 512)],  # free address space, not the pool's
+    ]
+    for listed in bad:
+        with pytest.raises(ValueError, match="nothing was changed"):
+            h.pool_set_live(P, listed)
+        assert h.snapshot()["blocks"] == before, listed
+    with pytest.raises(ValueError, match="no pool"):
+        h.pool_set_live((9, 9), [])
+    with pytest.raises(TypeError):
+        h.pool_set_live(P, [a])
+    assert_ok(h)
+    h.pool_set_live(P, [(f, MiB)])  # the valid one: a and r go, f comes back
+    assert h.pool_live(P) == [(f, MiB)]
+    assert [blk["state"] for blk in blocks(h) if blk["addr"] == r] == ["pending"]
+    assert_ok(h)
+
+
+def test_pool_ids_are_checked(heap):
+    for bad, exc in [("x", TypeError), ((1,), ValueError), ((1, 2, 3), ValueError), ((-1, 2), ValueError),
+                     ((0, 0), ValueError), ((1, "a"), TypeError), (None, TypeError)]:
+        with pytest.raises(exc):
+            heap.pool_retain(bad)
+    with pytest.raises(ValueError, match="no pool"):
+        heap.malloc(512, pool=P)
+    with pytest.raises(ValueError, match="no pool"):
+        heap.pool_release(P)
+    with pytest.raises(ValueError, match="no pool"):
+        heap.pool_live(P)
+    with pytest.raises(ValueError, match=r"\(0, 0\)"):
+        heap.malloc(512, pool=(0, 0))
+    heap.pool_retain([3, 4])  # a list works like torch's tuple
+    assert heap.pools()[0]["id"] == (3, 4)
+    assert heap.malloc(512, pool=None) and heap.malloc(512, pool=(3, 4))
+    assert_ok(heap)
+
+
+# ---- stream capture ------------------------------------------------------------------------
+
+
+def _fragmented(h):
+    """A heap of 16 pages where wholly free pages are scattered and memory is
+    held by other streams and pending frees: the normal slow path would
+    synchronise, query events and remap."""
+    pend = h.malloc(4096, stream=S1)
+    s1 = h.malloc(PAGE - 4096, stream=S1)  # page 0 is full
+    ps = [h.malloc(PAGE) for _ in range(13)]
+    for p in ps[1::2]:
+        h.free(p)  # stream 0's
+    h.record_stream(pend, S2)
+    h.free(pend)  # pending on an event
+    h.free(s1)  # owned by S1
+    assert {(b["state"], b["stream"]) for b in blocks(h) if b["state"] in ("free", "pending")} == {
+        ("free", 0), ("free", S1), ("pending", S1)}
+    return ps
+
+
+def test_capture_slow_path_makes_no_forbidden_call(make_heap):
+    h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
+    ps = _fragmented(h)
+    calls = {op: h.sim_calls(op) for op in ("synchronize", "event_query", "event_record", "unmap", "release")}
+    h.capture_begin()
+    h.sim_set_capture(True)
+    assert h.capturing == 1
+    small = h.malloc(4096)  # fast path
+    grown = h.malloc(PAGE + 4096)  # growth at the end of the range
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(4 * PAGE)  # only a remap of scattered pages could make it
+    assert_ok(h)
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(4096, stream=S2)  # S1's and the pending memory need events; growth is capped
+    h.empty_cache()  # does nothing now
+    h.set_cap(8 * PAGE)  # trimming waits for the end of the capture
+    h.free(small)
+    assert_ok(h)
+    assert forbidden_calls(h) == 0
+    assert {op: h.sim_calls(op) for op in calls} == calls
+    h.sim_set_capture(False)
+    h.capture_end()
+    assert h.capturing == 0
+    h.set_cap(0)
+    big = h.malloc(4 * PAGE)
+    assert h.stats()["num_remaps"] > 0
+    assert_ok(h)
+    for p in [big, grown] + ps[0::2]:
+        h.free(p)
+    h.empty_cache()
+    assert h.sim_info()["pages_created"] == 0
+    assert_ok(h)
+
+
+def test_capture_known_only_to_the_device(make_heap):
+    """No capture_begin: the device says the stream is capturing."""
+    h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
+    ps = _fragmented(h)
+    h.sim_set_stream_capture(S2, True)
+    assert h.capturing == 0
+    ok = h.malloc(PAGE, stream=S2)
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(4 * PAGE, stream=S2)
+    assert_ok(h)
+    assert forbidden_calls(h) == 0
+    h.sim_set_stream_capture(S2, False)
+    big = h.malloc(4 * PAGE, stream=S2)
+    assert_ok(h)
+    for p in [ok, big] + ps[0::2]:
+        h.free(p)
+    assert_ok(h)
+
+
+def test_pool_allocations_during_capture(make_heap):
+    h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
+    ps = _fragmented(h)
+    h.pool_retain(P)
+    h.capture_begin()
+    h.sim_set_capture(True)
+    got = []
+    try:
+        while True:
+            got.append(h.malloc(MiB, pool=P))
+            assert_ok(h)
+    except gpumem.OutOfMemoryError:
+        pass
+    assert got, "growth should have served the pool during the capture"
+    for p in got[::2]:
+        h.free(p)  # freed during the capture: kept for the pool
+    again = h.malloc(MiB, pool=P)
+    assert again in got[::2]
+    assert forbidden_calls(h) == 0
+    assert_ok(h)
+    h.sim_set_capture(False)
+    h.capture_end()
+    # After the capture the general heap can defragment around the pinned pages.
+    kept = pool_blocks(h, P)
+    ident = page_identity(h, pages_of(kept))
+    for p in ps[0::2]:
+        h.free(p)
+    big = h.malloc(4 * PAGE)
+    assert page_identity(h, pages_of(kept)) == ident
+    h.free(big)
+    assert_ok(h)
+
+
+def test_record_stream_free_during_capture_is_deferred(make_heap):
+    h = make_heap()
+    p = h.malloc(MiB)
+    h.record_stream(p, S1)
+    q = h.malloc(MiB, stream=S2)
+    rec = h.sim_calls("event_record")
+    h.capture_begin()
+    h.capture_begin()  # nested
+    h.sim_set_capture(True)
+    h.free(p)
+    h.free(q)  # no other stream: free at once as usual
+    assert h.sim_calls("event_record") == rec and forbidden_calls(h) == 0
+    assert [b["state"] for b in blocks(h) if b["addr"] == p] == ["pending"]
+    assert h.malloc(MiB, stream=S2) == q  # same-stream reuse works during the capture
+    r = h.malloc(MiB)
+    assert r != p, "a block freed with record_stream uses during a capture was reused"
+    assert_ok(h)
+    h.sim_set_capture(False)
+    h.capture_end()
+    assert h.sim_calls("event_record") == rec, "events recorded before the outer capture ended"
+    assert [b["state"] for b in blocks(h) if b["addr"] == p] == ["pending"]
+    h.capture_end()
+    assert h.sim_calls("event_record") == rec + 1
+    assert_ok(h)
+    h.malloc(512)  # looks at pending blocks: the event has completed
+    assert [b["state"] for b in blocks(h) if b["addr"] == p] == ["free"]
+    assert_ok(h)
+    with pytest.raises(RuntimeError, match="capture_end without capture_begin"):
+        h.capture_end()
+
+
+def test_sim_capture_mode_refuses_and_counts(heap):
+    heap.sim_set_capture(True)
+    p = heap.malloc(MiB)  # growth: create/map/set_access are allowed
+    heap.free(p)
+    with pytest.raises(gpumem.DeviceError, match="during stream capture"):
+        heap.empty_cache()  # no capture_begin: the heap does not know, the device refuses
+    assert heap.sim_capture_violations() == 1
+    assert_ok(heap)
+    heap.sim_set_capture(False)
+    heap.empty_cache()
+    assert heap.sim_info()["pages_created"] == 0
+    assert_ok(heap)
+
+
+def test_set_live_leaves_the_rest_of_a_free_block_with_its_owner(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    x = h.malloc(4 * MiB, stream=S2, pool=P)
+    h.sim_hold_stream(S2, True)  # S2's kernels still run on x
+    h.free(x)
+    h.pool_set_live(P, [(x + MiB, MiB)], stream=S1)
+    assert h.pool_live(P) == [(x + MiB, MiB)]
+    owners = {(b["addr"], b["size"]): b["stream"] for b in blocks(h) if b["pool"] == P and b["state"] == "free"}
+    assert owners == {(x, MiB): S2, (x + 2 * MiB, 2 * MiB): S2}
+    y = h.malloc(MiB, stream=S1, pool=P)
+    assert not overlaps(y, MiB, [(x, 4 * MiB)]), "S1 got memory S2 may still be using"
+    assert h.sim_capture_violations() == 0
+    h.sim_hold_stream(S2, False)
+    assert_ok(h)
+
+
+def test_capture_on_another_stream_known_from_a_deferred_free(make_heap):
+    """The heap was not told; S2 captures.  A block freed there with a
+    record_stream use waits, and while it does the heap knows a capture is
+    under way: an allocation on stream 0 that would defragment (a device-wide
+    synchronisation) grows or fails instead, and empty_cache waits."""
+    h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
+    ps = _fragmented(h)
+    h.sim_set_stream_capture(S2, True)
+    x = h.malloc(PAGE, stream=S2)  # growth
+    h.record_stream(x, S1)
+    h.free(x)  # deferred
+    assert [b["state"] for b in blocks(h) if b["addr"] == x] == ["pending"]
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(4 * PAGE)  # stream 0 is not capturing, but S2 is
+    h.empty_cache()
+    assert_ok(h)
+    assert forbidden_calls(h) == 0
+    h.sim_set_stream_capture(S2, False)
+    big = h.malloc(4 * PAGE)  # the deferred free gets its event, defragmentation runs
+    assert h.stats()["num_remaps"] > 0
+    assert_ok(h)
+    for p in [big] + ps[0::2]:
+        h.free(p)
+    h.empty_cache()
+    assert h.sim_info()["pages_created"] == 0
+    assert_ok(h)
