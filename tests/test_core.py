@@ -582,6 +582,47 @@ with gpumem.Heap(device="sim", capacity="4GiB") as h:
     assert res.stdout.startswith("ok")
 
 
+def _holes_between_live_blocks(heap):
+    """Unmapped holes of two lengths between live separators (2 MiB pages):
+    [0, 4M) unmapped | sep1 | free, [6M, 12M) unmapped, free | sep2 | free, unmapped to the end."""
+    x1 = heap.malloc(4 * MiB)
+    heap.malloc(4096)
+    x2 = heap.malloc(8 * MiB)
+    heap.malloc(4096)
+    heap.free(x1)
+    heap.free(x2)
+    heap.empty_cache()
+    assert_ok(heap)
+    return x1, x2
+
+
+def test_slow_path_places_where_fewest_new_pages_are_needed(heap):
+    x1, x2 = _holes_between_live_blocks(heap)
+    assert x2 == x1 + 4 * MiB + 4096
+    reserved = heap.stats()["reserved_bytes.all.current"]
+    # 4 MiB - 8 KiB at the start of the second hole touches its mapped first
+    # page and one unmapped page; anywhere else it needs two new pages.
+    p = heap.malloc(4 * MiB - 8192)
+    assert p == x2
+    assert heap.stats()["reserved_bytes.all.current"] - reserved == 1 * 2 * MiB
+    assert_ok(heap)
+
+
+def test_slow_path_breaks_ties_by_the_shortest_run(heap):
+    x1, x2 = _holes_between_live_blocks(heap)
+    reserved = heap.stats()["reserved_bytes.all.current"]
+    # 4 MiB needs two new pages in every run; the 4 MiB hole is the shortest.
+    p = heap.malloc(4 * MiB)
+    assert p == x1
+    assert heap.stats()["reserved_bytes.all.current"] - reserved == 2 * 2 * MiB
+    assert_ok(heap)
+    # Freed again, it is a lone free block (the range's start, then a live
+    # block): the next request of its size reuses it on the fast path.
+    heap.free(p)
+    assert heap.malloc(4 * MiB) == x1
+    assert_ok(heap)
+
+
 def test_name_lists_come_from_the_core():
     """Error and statistic names are defined once in gpumem.h and exported by _C."""
     from gpumem import _C

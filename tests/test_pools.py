@@ -141,6 +141,28 @@ def test_release_returns_free_blocks_and_their_pages(make_heap):
     assert_ok(h)
 
 
+def test_ended_pool_free_block_joins_the_run_beside_it(make_heap):
+    """While the pool lives, placement builds on nothing of its free block; once
+    the pool ends, that block is general space and one run with its neighbours,
+    so a larger request is placed over it and needs only the missing page."""
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(5 * MiB, pool=P)  # pages 0-2; [5, 6) MiB stays general free
+    h.free(a)
+    g = h.malloc(8 * MiB)  # the slow path: only [5, 13) MiB may hold it
+    assert g == a + 5 * MiB, "placement must not build on a living pool's free block"
+    assert h.stats()["reserved_bytes.all.current"] == 7 * PAGE
+    assert_ok(h)
+    h.free(g)
+    h.pool_release(P)
+    assert_ok(h)
+    reserved = h.stats()["reserved_bytes.all.current"]
+    b = h.malloc(16 * MiB)  # slow path again: at a, pages 0-7, of which only page 7 is new
+    assert b == a
+    assert h.stats()["reserved_bytes.all.current"] == reserved + PAGE
+    assert_ok(h)
+
+
 def test_live_block_of_ended_pool_joins_heap_when_freed(make_heap):
     h = make_heap()
     h.pool_retain(P)

@@ -22,6 +22,8 @@
  *      are mapped (C2) and counted as used by gm_used_pages (a recount).
  *   C9 capture: the deferred count equals the pending blocks marked deferred;
  *      a deferred block has no event recorded and is pending.
+ *   C10 the run index and the page-use counts equal a recount (runindex.h R1, R2,
+ *       P1, P2).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -190,7 +192,9 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
 #undef STAT_IS
         return rc;
     if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
-    return GM_OK;
+
+    /* C10 */
+    return gm_runs_check(h, why, len);
 }
 
 static int known_pool(const gm_heap *h, const gm_pool *p) {

@@ -81,9 +81,14 @@ gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
 }
 
 int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg) {
-    for (unsigned fl = 0; fl < FI_FL; fl++) {
+    return fi_each_from(fi, 0, fn, arg);
+}
+
+int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(gm_block *b, void *arg), void *arg) {
+    unsigned sl0, fl0 = fi_fl_sl(size / GM_ALIGN, &sl0);
+    for (unsigned fl = fl0; fl < FI_FL; fl++) {
         if (!(fi->fl_bitmap & (1ull << fl))) continue;
-        for (unsigned sl = 0; sl < FI_SL; sl++) {
+        for (unsigned sl = fl == fl0 ? sl0 : 0; sl < FI_SL; sl++) {
             gm_block *b = fi->bins[fl][sl];
             while (b) {
                 gm_block *next = b->lnext; /* fn may move b elsewhere */
@@ -94,6 +99,41 @@ int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg
         }
     }
     return 0;
+}
+
+void fi_move_all(gm_freeindex *dst, gm_freeindex *src, void (*fn)(gm_block *b, void *arg), void *arg) {
+    for (unsigned fl = 0; fl < FI_FL; fl++) {
+        if (!(src->fl_bitmap & (1ull << fl))) continue;
+        for (unsigned sl = 0; sl < FI_SL; sl++) {
+            gm_block *a = dst->bins[fl][sl], *b = src->bins[fl][sl], *prev = NULL;
+            if (!b) continue;
+            gm_block **link = &dst->bins[fl][sl];
+            while (a || b) {
+                gm_block *take;
+                if (!b || (a && before(a, b))) {
+                    take = a;
+                    a = a->lnext;
+                } else {
+                    take = b;
+                    b = b->lnext;
+                    if (fn) fn(take, arg);
+                }
+                take->lprev = prev;
+                *link = take;
+                link = &take->lnext;
+                prev = take;
+            }
+            *link = NULL;
+            src->bins[fl][sl] = NULL;
+        }
+        dst->sl_bitmap[fl] |= src->sl_bitmap[fl];
+        dst->fl_bitmap |= 1ull << fl;
+        src->sl_bitmap[fl] = 0;
+    }
+    src->fl_bitmap = 0;
+    dst->count += src->count;
+    dst->bytes += src->bytes;
+    src->count = src->bytes = 0;
 }
 
 int fi_check(const gm_freeindex *fi, char *why, size_t whylen) {

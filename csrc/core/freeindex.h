@@ -50,6 +50,13 @@ void fi_remove(gm_freeindex *fi, struct gm_block *b);
 struct gm_block *fi_best_fit(const gm_freeindex *fi, size_t size);
 /* Visit every block (any order); stop early if fn returns non-zero. */
 int fi_each(const gm_freeindex *fi, int (*fn)(struct gm_block *b, void *arg), void *arg);
+/* The same, over the blocks of at least `size` bytes only (and some a little
+ * smaller: those that share the bin of `size`). */
+int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(struct gm_block *b, void *arg), void *arg);
+/* Move every block of src into dst, in O(blocks of both) (a merge of sorted
+ * bins, not one insertion at a time); fn, if given, sees each block that
+ * moves, and must change neither index.  src is left empty. */
+void fi_move_all(gm_freeindex *dst, gm_freeindex *src, void (*fn)(struct gm_block *b, void *arg), void *arg);
 /* Check I1-I4; returns 0 or writes a reason. */
 int fi_check(const gm_freeindex *fi, char *why, size_t whylen);
 

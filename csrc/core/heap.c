@@ -36,7 +36,9 @@
  *      done, and retry.
  *   2. Place the request where it needs the fewest new pages: over every run of
  *      free and unmapped blocks long enough, at its start or its end.  Ties go
- *      to the shortest run (best fit), then the lowest address.
+ *      to the shortest run (best fit), then the lowest address.  A run index
+ *      (runindex.h) lists the runs by length, so only long enough ones are
+ *      looked at, and page-use counters replace walks over every block.
  *   3. Get the pages: spare ones first; then new ones from the device, but only
  *      while the heap stays under its growth limit -- (1 + slack) x the peak of
  *      live memory -- so that it does not hoard.
@@ -284,8 +286,11 @@ static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
 /* ---- splitting and merging ----------------------------------------------- */
 
 /* Cut b at `offset`; the upper part is returned with b's state and owner.
- * b must not be in any list. */
+ * b must not be in any list.  A block that keeps its pages (a pool's free
+ * block) is counted as two afterwards. */
 static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
+    int keeps = gm_keeps_pages(b);
+    if (keeps) gm_pages_use(h, b, -1);
     gm_block *r = block_new(h);
     r->addr = b->addr + offset;
     r->size = b->size - offset;
@@ -298,22 +303,49 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
     if (b->next) b->next->prev = r;
     b->next = r;
     b->size = offset;
+    if (keeps) {
+        gm_pages_use(h, b, 1);
+        gm_pages_use(h, r, 1);
+    }
     return r;
 }
 
-/* a absorbs its upper neighbour b; neither is in any list. */
+/* a absorbs its upper neighbour b; neither is in any list.  Both keep their
+ * pages (free blocks of one living pool) or neither does. */
 static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
+    int keeps = gm_keeps_pages(a);
+    if (keeps) {
+        gm_pages_use(h, a, -1);
+        gm_pages_use(h, b, -1);
+    }
     a->size += b->size;
     a->next = b->next;
     if (b->next) b->next->prev = a;
     if (b->seq > a->seq) a->seq = b->seq;
     block_del(h, b);
+    if (keeps) gm_pages_use(h, a, 1);
 }
 
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
+    /* Free in a living pool, it stays out of general space and keeps its pages. */
+    int was_general = gm_general_space(b), general = !b->pool, attach = general && !was_general;
+    int kept = gm_keeps_pages(b), keeps = gm_pinned(b);
+    if (attach) {
+        /* It joins the runs on either side: out of the index until merged --
+         * or, in front of an indexed run, it just becomes that run's head. */
+        int joins_prev = b->prev && gm_general_space(b->prev), joins_next = b->next && gm_general_space(b->next);
+        if (!joins_prev && joins_next && b->next->run_len) {
+            ri_move_head(&h->runs, b->next, b, b->size + b->next->run_len);
+            attach = 0;
+        } else {
+            if (joins_prev) gm_run_detach(h, b->prev);
+            if (joins_next) gm_run_detach(h, b->next);
+        }
+    }
     b->state = GM_BLOCK_FREE;
+    if (kept != keeps) gm_pages_use(h, b, keeps ? 1 : -1);
     b->stream = owner;
     b->seq = seq;
     b->requested = 0;
@@ -332,11 +364,13 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
         b->stream = o;
     }
     index_insert(h, b);
+    if (attach) gm_run_attach(h, b);
     return b;
 }
 
-/* b (in no list) becomes unmapped address space and merges with unmapped neighbours. */
-static void make_unmapped(gm_heap *h, gm_block *b) {
+/* b (in no list) becomes unmapped address space and merges with unmapped
+ * neighbours.  Returns the block it ended up in. */
+static gm_block *make_unmapped(gm_heap *h, gm_block *b) {
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;
@@ -347,6 +381,7 @@ static void make_unmapped(gm_heap *h, gm_block *b) {
         b = p;
     }
     if (b->next && b->next->state == GM_BLOCK_UNMAPPED) absorb(h, b, b->next);
+    return b;
 }
 
 /* Merge every pair of neighbours that may merge (after owners changed). */
@@ -357,13 +392,17 @@ static void coalesce_all(gm_heap *h) {
         gm_stream o;
         if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
             owners_merge(b->stream, n->stream, &o)) {
+            gm_run_detach(h, b);
             index_remove(h, b);
             index_remove(h, n);
             absorb(h, b, n);
             b->stream = o;
             index_insert(h, b);
+            gm_run_attach(h, b);
         } else if (b->state == GM_BLOCK_UNMAPPED && n->state == GM_BLOCK_UNMAPPED) {
+            gm_run_detach(h, b);
             absorb(h, b, n);
+            gm_run_attach(h, b);
         } else {
             b = n;
         }
@@ -500,7 +539,32 @@ struct release_ctx {
     gm_heap *h;
     uint64_t threshold;
     size_t n;
+    gm_block **chains;       /* first blocks of the runs of free blocks that changed, each marked */
+    size_t n_chains, cap_chains;
+    int all;                 /* no memory to list them: coalesce the whole heap */
 };
+
+/* b now belongs to everyone: a free neighbour may merge with it, so remember
+ * the run of free blocks it is in (coalesced once every owner is done). */
+static void released(struct release_ctx *c, gm_block *b) {
+    c->n++;
+    if (!(b->prev && b->prev->state == GM_BLOCK_FREE) && !(b->next && b->next->state == GM_BLOCK_FREE)) return;
+    gm_block *first = b;
+    while (first->prev && first->prev->state == GM_BLOCK_FREE) first = first->prev;
+    if (first->mark || c->all) return;
+    if (c->n_chains == c->cap_chains) {
+        size_t cap = c->cap_chains ? 2 * c->cap_chains : 16;
+        gm_block **a = realloc(c->chains, cap * sizeof *a);
+        if (!a) {
+            c->all = 1;
+            return;
+        }
+        c->chains = a;
+        c->cap_chains = cap;
+    }
+    first->mark = 1;
+    c->chains[c->n_chains++] = first;
+}
 
 static int release_one(gm_block *b, void *arg) {
     struct release_ctx *c = arg;
@@ -508,21 +572,81 @@ static int release_one(gm_block *b, void *arg) {
     index_remove(c->h, b);
     b->stream = ANY;
     index_insert(c->h, b);
-    c->n++;
+    released(c, b);
     return 0;
 }
 
-static size_t release_blocks(gm_heap *h, gm_owner *o, uint64_t threshold) {
-    struct release_ctx c = {h, threshold, 0};
-    /* fi_each tolerates moving the visited block out of the index it walks. */
-    fi_each(&o->idx, release_one, &c);
-    return c.n;
+/* The same for a block that fi_move_all has moved already; the statistics
+ * count it out of one index and into the other, as index_remove and
+ * index_insert would. */
+static void release_moved(gm_block *b, void *arg) {
+    struct release_ctx *c = arg;
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(c->h->st.inactive_split, pool, 1);
+    gm_stat_down(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    gm_stat_up(c->h->st.inactive_split, pool, 1);
+    gm_stat_up(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    b->stream = ANY;
+    released(c, b);
+}
+
+static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t threshold) {
+    size_t before = c->n;
+    c->threshold = threshold;
+    if (threshold == UINT64_MAX) {
+        /* Everything goes: merge the sorted bins instead of inserting one by one. */
+        fi_move_all(o->pool ? &o->pool->any->idx : &c->h->owners[0]->idx, &o->idx, release_moved, c);
+    } else {
+        /* fi_each tolerates moving the visited block out of the index it walks. */
+        fi_each(&o->idx, release_one, c);
+    }
+    return c->n - before;
+}
+
+/* Merge what may merge in the run of free blocks that starts at b, left to
+ * right, as coalesce_all does: merges keep the lower record, so b stays.
+ * Blocks of different pools (or of a pool and the general heap) never merge;
+ * a run of general space that changes is out of the run index meanwhile
+ * (`out`: a block of it, whose record survives the merges). */
+static void coalesce_chain(gm_heap *h, gm_block *b) {
+    gm_block *out = NULL;
+    while (b->next && b->next->state == GM_BLOCK_FREE) {
+        gm_block *n = b->next;
+        gm_stream o;
+        if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
+            if (!b->pool && !out) gm_run_detach(h, out = b);
+            index_remove(h, b);
+            index_remove(h, n);
+            absorb(h, b, n);
+            b->stream = o;
+            index_insert(h, b);
+        } else {
+            if (out && n->pool) {
+                gm_run_attach(h, out);
+                out = NULL;
+            }
+            b = n;
+        }
+    }
+    if (out) gm_run_attach(h, out);
+}
+
+/* After owners changed: the runs of free blocks that hold a changed block are
+ * the only places where neighbours may now merge. */
+static void coalesce_released(gm_heap *h, struct release_ctx *c) {
+    for (size_t i = 0; i < c->n_chains; i++) {
+        c->chains[i]->mark = 0;
+        if (!c->all) coalesce_chain(h, c->chains[i]);
+    }
+    if (c->all) coalesce_all(h);
+    free(c->chains);
 }
 
 /* Give other streams' freed memory to everyone where an event proves it safe
  * (all of it if `synced`).  Returns how many blocks changed hands. */
 static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
     size_t moved = 0;
+    struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
         if (o->stream == ANY) continue; /* a pool's: everyone's already */
@@ -531,7 +655,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
                 event_put(h, o->release_event);
                 o->releasing = 0;
             }
-            moved += release_blocks(h, o, UINT64_MAX);
+            moved += release_blocks(&c, o, UINT64_MAX);
             continue;
         }
         if (o->stream == requester || !o->idx.count) continue;
@@ -543,10 +667,10 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
         if (event_done(h, o->release_event)) {
             event_put(h, o->release_event);
             o->releasing = 0;
-            moved += release_blocks(h, o, o->release_seq);
+            moved += release_blocks(&c, o, o->release_seq);
         }
     }
-    if (moved) coalesce_all(h);
+    coalesce_released(h, &c);
     return moved;
 }
 
@@ -674,8 +798,7 @@ static int synchronize(gm_heap *h) {
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
-    release_owners(h, ANY, 1);
-    coalesce_all(h);
+    release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
     return GM_OK;
 }
 
@@ -699,6 +822,7 @@ static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
     if (done == p0) return rc;
     /* Cut b into [free][unmapped p0..done)[free]. */
     uintptr_t lo = gm_page_addr(h, p0), hi = gm_page_addr(h, done);
+    gm_run_detach(h, b);
     index_remove(h, b);
     gm_block *mid = b;
     if (lo > b->addr) {
@@ -707,7 +831,7 @@ static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
     }
     if (mid->addr + mid->size > hi) index_insert(h, split(h, mid, hi - mid->addr));
     gm_hist(h, GM_H_UNMAP, lo, hi - lo, ANY, 0);
-    make_unmapped(h, mid);
+    gm_run_attach(h, make_unmapped(h, mid));
     return rc;
 }
 
@@ -719,38 +843,50 @@ struct cached_run {
 static int cmp_run(const void *x, const void *y) {
     const struct cached_run *a = x, *b = y;
     if (a->b->size != b->b->size) return a->b->size < b->b->size ? -1 : 1;
-    return a->b->addr < b->b->addr ? 1 : -1;
+    if (a->b->addr != b->b->addr) return a->b->addr < b->b->addr ? 1 : -1;
+    return a->p0 < b->p0 ? -1 : 1; /* two parts of one block: the lower first */
 }
 
-/* Wholly free pages, outside the page range [ex0, ex1), that free blocks cover:
- * these back nothing and can be unmapped.  Writes them to *out (malloc'd). */
-static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
-    size_t n = 0, cap = 0, total = 0;
-    struct cached_run *runs = NULL;
-    for (gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_FREE || gm_pinned(b)) continue;
-        size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
-        if (p0 >= p1) continue;
-        size_t parts[2][2] = {{p0, p1 < ex0 ? p1 : ex0}, {p0 > ex1 ? p0 : ex1, p1}};
-        for (int k = 0; k < 2; k++) {
-            if (parts[k][0] >= parts[k][1]) continue;
-            if (n == cap) {
-                cap = cap ? 2 * cap : 64;
-                struct cached_run *r = realloc(runs, cap * sizeof *r);
-                if (!r) {
-                    *out = runs;
-                    *pages = total;
-                    return n;
-                }
-                runs = r;
-            }
-            runs[n++] = (struct cached_run){b, parts[k][0], parts[k][1]};
-            total += parts[k][1] - parts[k][0];
+struct cached_ctx {
+    gm_heap *h;
+    size_t ex0, ex1;
+    struct cached_run *runs;
+    size_t n, cap, total;
+};
+
+static int cached_one(gm_block *b, void *arg) {
+    struct cached_ctx *c = arg;
+    gm_heap *h = c->h;
+    if (!gm_general_space(b)) return 0; /* only general free space is recycled */
+    size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
+    if (p0 >= p1) return 0;
+    size_t parts[2][2] = {{p0, p1 < c->ex0 ? p1 : c->ex0}, {p0 > c->ex1 ? p0 : c->ex1, p1}};
+    for (int k = 0; k < 2; k++) {
+        if (parts[k][0] >= parts[k][1]) continue;
+        if (c->n == c->cap) {
+            size_t cap = c->cap ? 2 * c->cap : 64;
+            struct cached_run *r = realloc(c->runs, cap * sizeof *r);
+            if (!r) return 1; /* keep what there is */
+            c->runs = r;
+            c->cap = cap;
         }
+        c->runs[c->n++] = (struct cached_run){b, parts[k][0], parts[k][1]};
+        c->total += parts[k][1] - parts[k][0];
     }
-    *out = runs;
-    *pages = total;
-    return n;
+    return 0;
+}
+
+/* Wholly free pages, outside the page range [ex0, ex1), that free blocks of
+ * the general heap cover: these back nothing and can be unmapped.  Writes them to *out (malloc'd).
+ * Only blocks of a page or more can hold a whole page: the free indexes give
+ * those without a walk over every block. */
+static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
+    struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0};
+    for (size_t i = 0; i < h->n_owners; i++)
+        if (!h->owners[i]->pool && fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
+    *out = c.runs;
+    *pages = c.total;
+    return c.n;
 }
 
 static int cmp_run_addr(const void *x, const void *y) {
@@ -799,6 +935,7 @@ typedef struct placement {
     uintptr_t addr;
     size_t new_pages;
     size_t run;
+    gm_block *first; /* the run's first block, at or before addr */
 } placement;
 
 /* Pages in [x, x+size) with nothing mapped, walking from `first` (a block at or before x). */
@@ -813,29 +950,34 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
     return pages;
 }
 
-static void consider(const gm_heap *h, placement *best, const gm_block *first, uintptr_t start, size_t len,
+static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len,
                      size_t size) {
     uintptr_t cand[2] = {start, start + len - size};
     for (int k = 0; k < 2; k++) {
         size_t need = unmapped_in(h, first, cand[k], size);
         if (!best->ok || need < best->new_pages || (need == best->new_pages && len < best->run) ||
             (need == best->new_pages && len == best->run && cand[k] < best->addr))
-            *best = (placement){1, cand[k], need, len};
+            *best = (placement){1, cand[k], need, len, first};
         if (len == size) break;
     }
 }
 
-/* Where [addr, addr+size) needs the fewest new pages, among runs of memory
- * that stream s may use: its own or everyone's free blocks of the general heap
- * (never a pool's), and unmapped space. */
-static placement place(const gm_heap *h, size_t size, gm_stream s) {
-    placement best = {0, 0, 0, 0};
-    const gm_block *first = NULL;
+struct place_ctx {
+    const gm_heap *h;
+    size_t size;
+    gm_stream s;
+    placement best;
+};
+
+/* The runs that stream s may use inside one run of general space: its own or
+ * everyone's free blocks of the general heap (never a pool's: those are not
+ * general space), and unmapped space. */
+static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
+    gm_block *first = NULL;
     size_t len = 0;
-    for (const gm_block *b = h->head;; b = b->next) {
-        int usable = b && (b->state == GM_BLOCK_UNMAPPED ||
-                           (b->state == GM_BLOCK_FREE && !b->pool && (b->stream == s || b->stream == ANY)));
-        if (usable) {
+    for (gm_block *b = head;; b = b->next) {
+        int in = b && b->addr < end;
+        if (in && gm_general_space(b) && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
             if (!first) {
                 first = b;
                 len = 0;
@@ -843,11 +985,34 @@ static placement place(const gm_heap *h, size_t size, gm_stream s) {
             len += b->size;
             continue;
         }
-        if (first && len >= size) consider(h, &best, first, first->addr, len, size);
+        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size);
         first = NULL;
-        if (!b) break;
+        if (!in) return;
     }
-    return best;
+}
+
+static int place_in_run(gm_block *head, void *arg) {
+    place_in(arg, head, head->addr + head->run_len);
+    return 0;
+}
+
+/* Where [addr, addr+size) needs the fewest new pages, among runs of memory
+ * that stream s may use.  Ties go to the shortest run, then the lowest
+ * address: a total order, so the runs may be visited in any order, and only
+ * runs of general space at least `size` long can hold one. */
+static placement place(gm_heap *h, size_t size, gm_stream s) {
+    struct place_ctx c = {h, size, s, {0, 0, 0, 0, NULL}};
+    /* Lone free blocks are not in the run index; the slow path gets here when
+     * none that s may use fits, except after a synchronisation.  Then the best
+     * fit is the best of them if it is lone itself; if not, walk everything. */
+    gm_block *f = fit_in(h, size, s, NULL);
+    if (f && ((f->prev && gm_general_space(f->prev)) || (f->next && gm_general_space(f->next)))) {
+        place_in(&c, h->head, h->base + h->va_size);
+        return c.best;
+    }
+    ri_each_at_least(&h->runs, size, place_in_run, &c);
+    if (f) consider(h, &c.best, f, f->addr, f->size, size);
+    return c.best;
 }
 
 /* Grant access to freshly mapped pages [p0, *p1).  If that fails, unmap them
@@ -881,8 +1046,10 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
  * range one free block owned by s.  Returns that block, or NULL on a device
  * error (pages mapped so far stay mapped and free: nothing is lost). */
-static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, int remap, int *err) {
-    gm_block *b = h->head;
+static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap,
+                                   int *err) {
+    gm_block *b = from;
+    while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
     uintptr_t end = x + size;
     size_t cuts = 2;
@@ -931,8 +1098,11 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
         }
         if (rc) return NULL;
     }
-    /* The range is now free; merge what ownership kept apart (s and ANY only). */
-    b = h->head;
+    /* The range is now free; merge what ownership kept apart (s and ANY only).
+     * `from` is still a block: it starts a run that s may use, so it never
+     * merges into the block before it, and merges keep the lower record. */
+    b = from;
+    while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
     while (b->addr + b->size < end) {
         gm_block *n = b->next;
@@ -948,6 +1118,15 @@ static gm_block *back_range(gm_heap *h, uintptr_t x, size_t size, gm_stream s, i
     return b->state == GM_BLOCK_FREE ? b : NULL;
 }
 
+/* The range lies in one run of general space: out of the run index while it
+ * changes (`from` survives every change, see above). */
+static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap, int *err) {
+    gm_run_detach(h, from);
+    gm_block *b = back_range_in_run(h, from, x, size, s, remap, err);
+    gm_run_attach(h, from);
+    return b;
+}
+
 /* ---- reports ------------------------------------------------------------------------- */
 
 /* A block whose pages nothing may take: live, pending, or kept for a living pool. */
@@ -955,6 +1134,8 @@ static inline int holds_pages(const gm_block *b) {
     return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b));
 }
 
+/* Pages that such blocks touch.  Only reports ask (they walk every block
+ * anyway); the slow path counts with the run index's page use. */
 size_t gm_used_pages(gm_heap *h) {
     size_t used = 0, last = SIZE_MAX; /* last page counted */
     for (gm_block *b = h->head; b; b = b->next) {
@@ -1044,31 +1225,17 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
-/* Free or pending, and not kept for a living pool. */
-static inline int reclaimable(const gm_block *b) {
-    return (b->state == GM_BLOCK_FREE || b->state == GM_BLOCK_PENDING) && !gm_pinned(b);
-}
-
-/* Wholly free pages outside the page range [ex0, ex1), counted over runs of
- * neighbouring free blocks whatever their owners: after a synchronisation the
- * run merges into one block and its pages can go.  Blocks of living pools
- * (pending ones complete into their pool) break runs. */
+/* Mapped pages that no block keeping its pages touches (gm_keeps_pages: live,
+ * or kept for a living pool), outside the page range [ex0, ex1): pages wholly
+ * under general free or pending blocks, whatever their owners.  After a
+ * synchronisation they are wholly free and can go.  [ex0, ex1) is a
+ * placement's range, which lies in general space: a block that keeps its
+ * pages touches a page of it only by starting or ending there, so live_ep
+ * says which. */
 static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
-    size_t pages = 0;
-    for (const gm_block *b = h->head; b;) {
-        if (!reclaimable(b)) {
-            b = b->next;
-            continue;
-        }
-        uintptr_t lo = b->addr;
-        while (b && reclaimable(b)) b = b->next;
-        uintptr_t hi = b ? b->addr : h->base + h->va_size;
-        size_t p0 = gm_page_ceil(h, lo), p1 = gm_page_floor(h, hi);
-        for (size_t k = 0; k < 2; k++) {
-            size_t a = k ? (p0 > ex1 ? p0 : ex1) : p0, z = k ? p1 : (p1 < ex0 ? p1 : ex0);
-            if (a < z) pages += z - a;
-        }
-    }
+    size_t pages = h->mapped_pages - h->runs.live_pages;
+    if (ex1 > h->n_pages) ex1 = h->n_pages;
+    for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->runs.live_ep[p];
     return pages;
 }
 
@@ -1135,7 +1302,7 @@ placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (pl.new_pages > h->n_spare) return out_of_memory(h, size, s, pl.new_pages - h->n_spare, dev_err);
     int err = GM_OK;
-    b = back_range(h, pl.addr, size, s, recycled, &err);
+    b = back_range(h, pl.first, pl.addr, size, s, recycled, &err);
     if (!b) {
         release_spares(h, h->mapped_pages);
         return err ? GM_EDEVICE : GM_ECORRUPT;
@@ -1217,7 +1384,10 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->spare || !h->live || !owner_get(h, NULL, ANY) || slab_grow(h)) ? GM_ENOMEM : GM_OK;
+    rc = (!h->page_handle || !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) ||
+          slab_grow(h))
+             ? GM_ENOMEM
+             : GM_OK;
     if (rc) {
         create_failed(dev, rc, "host memory for the heap's tables");
     } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
@@ -1235,6 +1405,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->head->size = va;
     h->head->state = GM_BLOCK_UNMAPPED;
     h->head->stream = ANY;
+    gm_run_attach(h, h->head);
     h->st.max_split_size = -1;
     gm_set_cap(h, cfg.cap_bytes);
     *out = h;
@@ -1274,6 +1445,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->live);
     free(h->spare);
     free(h->page_handle);
+    ri_free(&h->runs);
     gm_hist_free(h);
     pthread_mutex_destroy(&h->lock);
     dev->ops->destroy(dev);
@@ -1375,7 +1547,22 @@ static void pending_step(gm_heap *h, gm_stream s) {
 /* b (free, carved) becomes live for s, in pool p. */
 static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context,
                       gm_pool *p) {
-    b->state = GM_BLOCK_LIVE;
+    int kept = gm_keeps_pages(b);
+    if (!gm_general_space(b)) {
+        b->state = GM_BLOCK_LIVE; /* a pool's free block: no run changes */
+    } else if (b->run_len && b->next && gm_general_space(b->next) &&
+               !(b->next->state == GM_BLOCK_FREE && b->run_len - b->size == b->next->size)) {
+        /* Carved from the front of an indexed run: the rest stays one indexed
+         * run (not a lone free block). */
+        ri_move_head(&h->runs, b, b->next, b->run_len - b->size);
+        b->state = GM_BLOCK_LIVE;
+    } else {
+        gm_run_detach(h, b);
+        b->state = GM_BLOCK_LIVE;
+        if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
+        if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
+    }
+    if (!kept) gm_pages_use(h, b, 1);
     b->stream = s;
     b->requested = requested;
     b->context = context;
@@ -1466,6 +1653,7 @@ static void free_block(gm_heap *h, gm_block *b) {
     int capt = capture_on(h, b->stream) || other_capture(h);
     for (uint32_t i = 0; i < b->n_uses && !capt; i++) capt = capture_on(h, b->uses[i]);
     b->state = GM_BLOCK_PENDING;
+    if (!gm_pinned(b)) gm_pages_use(h, b, -1); /* a living pool's keeps its pages */
     pending_append(h, b);
     if (capt) {
         b->wait_sync = 0;
@@ -1639,12 +1827,18 @@ struct to_general_ctx {
     gm_owner *from;
 };
 
-/* A free block of an ending pool joins the general heap, same owner. */
+/* A free block of an ending pool joins the general heap, same owner: it stops
+ * keeping its pages and joins the runs of general space beside it. */
 static int to_general(gm_block *b, void *arg) {
     struct to_general_ctx *c = arg;
-    index_remove(c->h, b);
+    gm_heap *h = c->h;
+    index_remove(h, b);
+    gm_pages_use(h, b, -1);
+    if (b->prev) gm_run_detach(h, b->prev);
+    if (b->next) gm_run_detach(h, b->next);
     b->pool = NULL;
-    index_insert(c->h, b);
+    index_insert(h, b);
+    gm_run_attach(h, b);
     return 0;
 }
 
@@ -1653,6 +1847,9 @@ static int to_general(gm_block *b, void *arg) {
  * blocks of it are live or pending. */
 static void pool_end(gm_heap *h, gm_pool *p) {
     p->use_count = 0;
+    /* Its pending blocks will complete into the general heap. */
+    for (gm_block *b = h->head; b; b = b->next)
+        if (b->pool == p && b->state == GM_BLOCK_PENDING) gm_pages_use(h, b, -1);
     for (size_t i = 0; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
         if (o->pool != p) continue;

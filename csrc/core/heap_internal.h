@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "freeindex.h"
+#include "runindex.h"
 #include "gpumem/gpumem.h"
 
 typedef struct gm_block gm_block;
@@ -32,11 +33,13 @@ struct gm_block {
     uint8_t state;           /* gm_block_state */
     uint8_t wait_sync;       /* pending, but an event could not be recorded: wait for a device sync */
     uint8_t deferred;        /* pending, freed during a capture: its events are not recorded yet */
-    uint8_t mark;            /* scratch for one operation under the lock (pool_set_live) */
+    uint8_t mark;            /* scratch for one operation under the lock (pool_set_live, owner releases); 0 between them */
     gm_pool *pool;           /* the private pool it belongs to, NULL: the general heap */
     uint32_t n_uses, cap_uses;
     gm_stream *uses;         /* streams named by record_stream */
     gm_event *events;        /* pending: one event per use, recorded at free */
+    size_t run_len;          /* head of a run of general space: the run's length (runindex.h); else 0 */
+    gm_block *rprev, *rnext; /* head of a run: its bin in the run index */
 };
 
 /* Free memory owned by one stream (in one pool, or the general heap), and its
@@ -80,6 +83,7 @@ struct gm_heap {
     size_t growth_slack_pages;
 
     gm_block *head;          /* the first block in address order */
+    gm_runindex runs;        /* runs of general space, page use (runindex.h) */
 
     gm_owner **owners;       /* owners[0] is the general heap's GM_STREAM_ANY */
     size_t n_owners, cap_owners;
@@ -131,6 +135,43 @@ static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->bas
 gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
 /* A block that belongs to a pool that still lives: its pages are pinned. */
 static inline int gm_pinned(const gm_block *b) { return b->pool && b->pool->use_count > 0; }
+
+/* General space: what placement and defragmentation may build on -- unmapped
+ * space, and free blocks of the general heap (a free block's pool always
+ * lives: an ending pool's free blocks turn general).  The one place that says
+ * it; the run index, placement, recycling and the checker all ask here. */
+static inline int gm_general_space(const gm_block *b) {
+    return b->state == GM_BLOCK_UNMAPPED || (b->state == GM_BLOCK_FREE && !b->pool);
+}
+
+/* A block whose pages no slow path may take back: live, or kept for a living
+ * pool (free, or pending to return to it).  The page-use counts (runindex.h)
+ * count these. */
+static inline int gm_keeps_pages(const gm_block *b) {
+    return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b));
+}
+
+/* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */
+static inline gm_block *gm_run_head(gm_block *b) {
+    while (b->prev && gm_general_space(b->prev)) b = b->prev;
+    return b;
+}
+static inline void gm_run_detach(gm_heap *h, gm_block *b) {
+    if (!gm_general_space(b)) return;
+    gm_block *head = gm_run_head(b);
+    if (head->run_len) gm_run_unindex(h, head);
+}
+static inline void gm_run_attach(gm_heap *h, gm_block *b) {
+    if (!gm_general_space(b)) return;
+    gm_block *head = gm_run_head(b);
+    if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
+    gm_run_index(h, head);
+}
+static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
+    size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
+    ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
+}
+
 gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);
 
