@@ -9,8 +9,12 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# Implicit declarations are always errors: a function missing from one
+# Python's headers would otherwise compile as returning int and truncate the
+# pointer it returns.
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
-C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden"] + WARN
+C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden",
+           "-Werror=implicit-function-declaration", "-Werror=int-conversion"] + WARN
 CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden"] + WARN
 
 
