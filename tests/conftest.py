@@ -28,6 +28,28 @@ def shared_dir():
     return REPO.parent / "shared"
 
 
+REPO_TRACES = REPO / "gpumem" / "data" / "traces"
+
+
+def traces_dir():
+    """The folder of the recorded traces: gpumem/data/traces in the repo when it
+    is there, else <shared data folder>/traces."""
+    if REPO_TRACES.is_dir():
+        return REPO_TRACES
+    return shared_dir() / "traces"
+
+
+@pytest.fixture(scope="session")
+def traces():
+    """traces_dir(); skips only while the repo carries no traces of its own and
+    no shared folder is given.  Once gpumem/data/traces exists, a missing trace
+    is a failure of the test that wants it, not a skip."""
+    path = traces_dir()
+    if not path.is_dir():
+        pytest.skip(f"no trace folder: neither {REPO_TRACES} nor {path} (set GPUMEM_SHARED)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO
