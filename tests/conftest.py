@@ -10,6 +10,20 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
+# Hypothesis: under CI (the CI variable set, as .ci/run does) the property
+# tests run derandomized -- the same examples on every run, so a bug they can
+# find is found every time, not in some runs -- with more examples and no
+# example database.  GPUMEM_HYPOTHESIS_PROFILE picks a profile by name.
+try:
+    from hypothesis import HealthCheck, settings as _hsettings
+
+    _hsettings.register_profile("dev", deadline=None)
+    _hsettings.register_profile("ci", derandomize=True, database=None, max_examples=400, deadline=None,
+                                print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    _hsettings.load_profile(os.environ.get("GPUMEM_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+except ImportError:  # hypothesis is only needed by the tests that import it
+    pass
+
 MiB = 1 << 20
 GiB = 1 << 30
 PAGE = 2 * MiB

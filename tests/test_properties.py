@@ -179,8 +179,10 @@ class HeapMachine(RuleBasedStateMachine):
         assert snap_live == {p: b["size"] for p, b in self.live.items()}
 
 
+# The loaded profile (tests/conftest.py) decides derandomization; at least
+# 150 examples, more under CI.
 HeapMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=max(150, settings.default.max_examples),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

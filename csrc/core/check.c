@@ -13,6 +13,14 @@
  *      the pending ones.
  *   C6 every statistic with a "current" equals a recount.
  *   C7 no physical page is held twice.
+ *   C8 (check_page_identity) on the simulated device, the physical page at each
+ *      page of the range is the one the heap's page table names, and no page
+ *      the heap thinks unmapped has one.
+ *   C9 (check_streams) stream safety: owners' release bookkeeping is coherent,
+ *      and a free block that every stream may reuse holds only frees proven
+ *      done -- the newest free in it is at or below the proven sequence of the
+ *      stream that made it (a completed event or a device sync).  Pending
+ *      blocks wait for at least one use.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -42,6 +50,75 @@ static int stat_is(const gm_stat *arr, int64_t all, int64_t small, const char *n
         return fail(why, len, "stat %s is %lld (small %lld, large %lld) but a recount gives %lld (small %lld)", name,
                     (long long)arr[GM_POOL_ALL].current, (long long)arr[GM_POOL_SMALL].current,
                     (long long)arr[GM_POOL_LARGE].current, (long long)all, (long long)small);
+    return GM_OK;
+}
+
+/* C8: the device's own page table against the heap's, page by page. */
+static int check_page_identity(gm_heap *h, char *why, size_t len) {
+    if (strcmp(h->dev->kind, "sim")) return GM_OK;
+    for (size_t p = 0; p < h->n_pages; p++) {
+        gm_handle dev_page = gm_sim_page_at(h->dev, gm_page_addr(h, p));
+        if (dev_page != h->page_handle[p])
+            return fail(why, len, "page %zu (%#lx): the heap says physical page %llu, the device has %llu", p,
+                        (unsigned long)gm_page_addr(h, p), (unsigned long long)h->page_handle[p],
+                        (unsigned long long)dev_page);
+    }
+    return GM_OK;
+}
+
+/* C9: stream safety. */
+static int check_streams(gm_heap *h, char *why, size_t len) {
+    if (!h->n_owners || h->owners[0]->stream != GM_STREAM_ANY)
+        return fail(why, len, "owner 0 is not the every-stream owner");
+    for (size_t i = 0; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        for (size_t j = 0; j < i; j++)
+            if (h->owners[j]->stream == o->stream)
+                return fail(why, len, "stream %llu has two owner records", (unsigned long long)o->stream);
+        if (o->safe_seq > h->free_seq)
+            return fail(why, len, "stream %llu: proven free sequence %llu is past the last free %llu",
+                        (unsigned long long)o->stream, (unsigned long long)o->safe_seq,
+                        (unsigned long long)h->free_seq);
+        if (o->releasing) {
+            if (i == 0) return fail(why, len, "the every-stream owner has a release in flight");
+            if (!o->release_event)
+                return fail(why, len, "stream %llu has a release in flight without an event",
+                            (unsigned long long)o->stream);
+            if (o->release_seq > h->free_seq || o->release_seq < o->safe_seq)
+                return fail(why, len, "stream %llu: release sequence %llu outside [%llu, %llu]",
+                            (unsigned long long)o->stream, (unsigned long long)o->release_seq,
+                            (unsigned long long)o->safe_seq, (unsigned long long)h->free_seq);
+        }
+    }
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state == GM_BLOCK_PENDING) {
+            if (!b->n_uses)
+                return fail(why, len, "pending block %#lx waits for no stream", (unsigned long)b->addr);
+            if (b->stream == GM_STREAM_ANY)
+                return fail(why, len, "pending block %#lx was allocated on no stream", (unsigned long)b->addr);
+            continue;
+        }
+        if (b->state == GM_BLOCK_LIVE) {
+            if (b->stream == GM_STREAM_ANY || b->seq == 0 || b->seq > h->alloc_seq)
+                return fail(why, len, "live block %#lx: stream or allocation number is wrong", (unsigned long)b->addr);
+            continue;
+        }
+        if (b->state != GM_BLOCK_FREE) continue;
+        if (b->seq > h->free_seq)
+            return fail(why, len, "free block %#lx: free sequence %llu is past the last free %llu",
+                        (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)h->free_seq);
+        if (b->stream != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
+        gm_owner *src = b->origin == GM_STREAM_ANY ? NULL : gm_owner_find(h, b->origin);
+        if (!src)
+            return fail(why, len, "free block %#lx (every stream) holds free %llu of no known stream",
+                        (unsigned long)b->addr, (unsigned long long)b->seq);
+        if (b->seq > src->safe_seq)
+            return fail(why, len,
+                        "free block %#lx is reusable by every stream, but its free %llu on stream %llu is not "
+                        "proven done (proven up to %llu)",
+                        (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)b->origin,
+                        (unsigned long long)src->safe_seq);
+    }
     return GM_OK;
 }
 
@@ -175,6 +252,7 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
         (rc = stat_is(st->reserved_bytes, held * (int64_t)P, 0, "reserved_bytes", why, len)))
         return rc;
     if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
+    if ((rc = check_page_identity(h, why, len)) || (rc = check_streams(h, why, len))) return rc;
     return GM_OK;
 }
 

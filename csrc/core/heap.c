@@ -239,6 +239,7 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
     r->state = b->state;
     r->stream = b->stream;
     r->seq = b->seq;
+    r->origin = b->origin;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
@@ -252,7 +253,10 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
     a->size += b->size;
     a->next = b->next;
     if (b->next) b->next->prev = a;
-    if (b->seq > a->seq) a->seq = b->seq;
+    if (b->seq > a->seq) {
+        a->seq = b->seq;
+        a->origin = b->origin;
+    }
     block_del(h, b);
 }
 
@@ -262,6 +266,7 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
     b->state = GM_BLOCK_FREE;
     b->stream = owner;
     b->seq = seq;
+    b->origin = owner;
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
@@ -286,6 +291,7 @@ static void make_unmapped(gm_heap *h, gm_block *b) {
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;
+    b->origin = ANY;
     if (b->prev && b->prev->state == GM_BLOCK_UNMAPPED) {
         gm_block *p = b->prev;
         absorb(h, p, b);
@@ -455,6 +461,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
                 event_put(h, o->release_event);
                 o->releasing = 0;
             }
+            o->safe_seq = h->free_seq;
             moved += release_blocks(h, o, UINT64_MAX);
             continue;
         }
@@ -467,6 +474,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
         if (event_done(h, o->release_event)) {
             event_put(h, o->release_event);
             o->releasing = 0;
+            o->safe_seq = o->release_seq;
             moved += release_blocks(h, o, o->release_seq);
         }
     }

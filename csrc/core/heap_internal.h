@@ -26,6 +26,10 @@ struct gm_block {
     /* live/pending: allocation number.  free: the free-sequence number of the
      * latest free merged into it (owner releases compare against it). */
     uint64_t seq;
+    /* free: the stream whose free gave `seq` (the newest free merged in).  The
+     * checker holds a block that every stream may reuse to the proof for that
+     * free (gm_owner.safe_seq). */
+    gm_stream origin;
     uint8_t state;           /* gm_block_state */
     uint8_t wait_sync;       /* pending, but an event could not be recorded: wait for a device sync */
     uint32_t n_uses, cap_uses;
@@ -40,6 +44,7 @@ typedef struct gm_owner {
     int releasing;           /* an event is recorded; blocks freed up to release_seq follow it */
     gm_event release_event;
     uint64_t release_seq;
+    uint64_t safe_seq;       /* frees up to here are proven done (a completed event or a device sync) */
 } gm_owner;
 
 struct gm_heap {

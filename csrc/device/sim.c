@@ -876,3 +876,16 @@ int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size)
             return 0;
     return 1;
 }
+
+gm_handle gm_sim_page_at(const gm_device *dev, uintptr_t va)
+{
+    const sim_device *s = as_sim_c(dev);
+    if (!s)
+        return 0;
+    for (size_t i = 0; i < s->n_resv; i++) {
+        const sim_resv *r = &s->resv[i];
+        if (va >= r->va && va - r->va < r->size)
+            return r->handle[(va - r->va) / s->base.page_size];
+    }
+    return 0;
+}

@@ -145,6 +145,9 @@ typedef struct gm_sim_info {
 void gm_sim_info_get(const gm_device *dev, gm_sim_info *info);
 /* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
 int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size);
+/* The physical page (handle) the device has mapped at the page holding `va`,
+ * or 0 if none is mapped there or va lies in no reservation. */
+gm_handle gm_sim_page_at(const gm_device *dev, uintptr_t va);
 
 /* ---- the CUDA driver device ---------------------------------------------- */
 
