@@ -77,17 +77,32 @@ def shared():
     return path
 
 
-def _cuda_available():
+def cuda_devices():
+    """(number of CUDA devices, why none).  Zero only when there is really no
+    GPU to test: torch missing, a CPU-only torch build, or no NVIDIA device on
+    the machine.  Anything else -- torch failing to import for another reason,
+    CUDA detection raising, or a CUDA build of torch on a machine with NVIDIA
+    device files that still reports no GPU (a broken driver install) -- raises,
+    so that a broken setup fails instead of skipping every GPU test."""
     try:
         import torch
-    except Exception:
-        return False, "torch is not installed"
-    try:
-        if not torch.cuda.is_available():
-            return False, "CUDA is not available"
-    except Exception as exc:  # a broken driver install should skip, not error
-        return False, f"CUDA check failed: {exc}"
-    return True, ""
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        return 0, "torch is not installed"
+    if not torch.version.cuda:
+        return 0, "torch is a CPU-only build"
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), ""
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
+        raise RuntimeError("this machine has NVIDIA device files and torch is a CUDA build, but "
+                           "torch.cuda.is_available() is False: the CUDA install is broken")
+    return 0, "no CUDA GPU on this machine"
+
+
+def _cuda_available():
+    n, why = cuda_devices()
+    return n > 0, why
 
 
 def pytest_configure(config):

@@ -18,18 +18,10 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _cuda_devices():
-    try:
-        import torch
-    except ImportError:
-        return 0
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
+from conftest import cuda_devices
 
-
-N_CUDA = _cuda_devices()
+# Zero only without a GPU; a broken CUDA install raises here (see conftest).
+N_CUDA = cuda_devices()[0]
 
 PRELUDE = """
 import json, os, sys

@@ -44,7 +44,7 @@ class Mutation:
 MUTATIONS = [
     Mutation("growth_limit_removed", "growth limit removed: the heap grows freely to the cap",
              "grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);",
-             "grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);"),
+             "grow(h, pl.new_pages - h->n_spare, ((void)growth_limit(h, size), h->cap_pages), &dev_err);"),
     Mutation("stream_reuse_early", "stream owner: blocks freed after the release event are handed to every stream",
              "moved += release_blocks(h, o, o->release_seq);",
              "moved += release_blocks(h, o, h->free_seq);"),
@@ -83,7 +83,7 @@ MUTATIONS = [
              "        (void)0;"),
     Mutation("placement_ignores_shared_pages", "carving ignores which end shares a page with a live neighbour",
              "return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;",
-             "(void)hi;\n    return b->addr;"),
+             "(void)hi;\n    (void)fresh_pages;\n    return b->addr;"),
     Mutation("free_history_dropped", "history: frees are not recorded",
              "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
              "\n"),
@@ -141,6 +141,7 @@ def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
         rc, out, _ = run(["make", "-s", "fuzz"], tree, env, 600)
         if rc != 0:
             res["caught_by"].append("fuzz build failed")
+            res["build_log"] = out[-2000:]
             return res
         for args in FUZZ_RUNS:
             rc, out, secs = run(["./csrc/tests/fuzz"] + args, tree, env, timeout)
