@@ -93,16 +93,22 @@ DEFAULT_TESTS = ["tests"]
 FUZZ_RUNS = [["200000", "1"], ["--threads", "4", "100000", "2"]]
 
 
+_PRISTINE = None
+
+
 def copy_tree(dst: str) -> None:
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
-    for rel in files.decode().split("\0"):
-        if not rel:
-            continue
-        src = os.path.join(ROOT, rel)
-        if not os.path.isfile(src):
-            continue
-        os.makedirs(os.path.join(dst, os.path.dirname(rel)), exist_ok=True)
-        shutil.copy2(src, os.path.join(dst, rel))
+    """The tracked files as they were when the run started (edits made while
+    it runs do not leak into later mutants)."""
+    global _PRISTINE
+    if _PRISTINE is None:
+        _PRISTINE = tempfile.mkdtemp(prefix="gpumem-pristine-")
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
+        for rel in files.decode().split("\0"):
+            src = os.path.join(ROOT, rel)
+            if rel and os.path.isfile(src):
+                os.makedirs(os.path.join(_PRISTINE, os.path.dirname(rel)), exist_ok=True)
+                shutil.copy2(src, os.path.join(_PRISTINE, rel))
+    shutil.copytree(_PRISTINE, dst, dirs_exist_ok=True)
 
 
 def apply(tree: str, m: Mutation) -> None:
@@ -171,7 +177,12 @@ def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
 def short(caught: list[str], limit: int = 4) -> str:
     if not caught:
         return "**not caught**"
-    names = [c.replace("pytest tests/", "").replace("pytest ", "") for c in caught]
+    names = []
+    for c in caught:
+        if c.startswith("fuzz "):
+            c = "C fuzz driver (" + c.split(":", 1)[0][5:] + ")"
+        names.append(re.sub(r"\[.*\]$", "[...]", c.replace("pytest tests/", "").replace("pytest ", "")))
+    names = list(dict.fromkeys(names))
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return "; ".join(names[:limit]) + more
 
@@ -216,6 +227,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    if _PRISTINE:
+        shutil.rmtree(_PRISTINE, ignore_errors=True)
     return 0
 
 
