@@ -277,3 +277,63 @@ def traces_or_none():
 
     d = traces_dir()
     return d if d.is_dir() else None
+
+
+# ---- names users control, in the offline HTML ---------------------------------------------
+
+EVIL = '<script>alert("x")</script>'
+
+
+def _evil_allocator():
+    """A function whose file name and function name both hold a script tag,
+    as a user's own code may (any string can be a code object's name)."""
+    src = "def f(h, n):\n    return h.malloc(n)\n"
+    ns = {}
+    exec(compile(src, f"/tmp/{EVIL}.py", "exec"), ns)
+    f = ns["f"]
+    f.__code__ = f.__code__.replace(co_name=f"alloc{EVIL}")
+    return f
+
+
+def _assert_escaped(page, must_show):
+    assert "<script" not in page.lower(), "a user-controlled name reached the HTML unescaped"
+    for text in must_show:
+        assert html_escape(text) in page, f"{text!r} is missing from the page (escaped)"
+
+
+def html_escape(s):
+    import html
+
+    return html.escape(s, quote=True)
+
+
+def test_html_escapes_file_and_function_names(make_heap, tmp_path):
+    h = make_heap(capacity=256 * MiB)
+    gpumem.record_history(True, device=h, stacks="python", max_entries=100)
+    try:
+        alloc = _evil_allocator()
+        keep = [alloc(h, 3 * MiB), alloc(h, 5000)]
+        snap = gpumem.snapshot(h)
+        assert any(EVIL in b.site for b in snap.blocks if b.state == "live")
+        page = snap.to_html(tmp_path / "s.html", title=f"run {EVIL}")
+        _assert_escaped(page, [f"/tmp/{EVIL}.py", f"alloc{EVIL}", f"run {EVIL}"])
+        assert (tmp_path / "s.html").read_text() == page
+        _assert_escaped(snap._repr_html_(), [f"alloc{EVIL}"])
+        _assert_escaped(snap.to_svg(), [f"alloc{EVIL}"])
+        for p in keep:
+            h.free(p)
+    finally:
+        gpumem.record_history(False, device=h)
+
+
+def test_html_escapes_the_trace_name(tmp_path):
+    """`gpumem replay TRACE --html` labels the page with the trace's name."""
+    d = tmp_path / EVIL.replace("/", "_")
+    d.mkdir()
+    trace = d / f"{EVIL.replace('/', '_')}.trace"
+    trace.write_text("alloc 4096 3000000 0\nalloc 8388608 5000 0\nfree_completed 4096 3000000 0\n")
+    out = tmp_path / "o.html"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["replay", str(trace), "--html", str(out), "--capacity", "64MiB"]) == 0
+    page = out.read_text()
+    _assert_escaped(page, [EVIL.replace("/", "_")])
