@@ -1093,6 +1093,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->va_size = va;
     h->n_pages = va / page;
     pthread_mutex_init(&h->lock, NULL);
+    gm_fork_register(h);
     h->live_mask = 1023;
     size_t max_pages = total / page + 1;
     h->cap_spare = h->n_pages > max_pages ? h->n_pages : max_pages;
@@ -1126,6 +1127,16 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
 void gm_heap_destroy(gm_heap *h) {
     if (!h) return;
     gm_device *dev = h->dev;
+    gm_fork_unregister(h);
+    /* A fork()ed child: the GPU's memory, events and context are the parent's,
+     * and CUDA cannot be called here.  Free host memory only. */
+    int host_only = h->inherited && strcmp(dev->kind, "sim");
+    if (host_only) {
+        for (size_t i = 0; i < h->n_owners; i++) h->owners[i]->releasing = 0;
+        for (gm_block *b = h->pending_head; b; b = b->lnext) b->n_uses = 0;
+        h->n_pages = h->n_spare = h->n_event_pool = 0;
+        h->va_size = 0;
+    }
     if (h->page_handle) {
         for (size_t p = 0; p < h->n_pages; p++) {
             if (!h->page_handle[p]) continue;
@@ -1156,7 +1167,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->page_handle);
     gm_hist_free(h);
     pthread_mutex_destroy(&h->lock);
-    dev->ops->destroy(dev);
+    if (!host_only) dev->ops->destroy(dev);
     free(h);
 }
 

@@ -98,6 +98,10 @@ struct gm_heap {
 
     int have_oom;
     gm_oom_info last_oom;
+
+    /* fork.c */
+    gm_heap *fork_next;      /* registry of live heaps */
+    int inherited;           /* this process is a fork()ed child of the one that made the heap */
 };
 
 /* ---- shared helpers (heap.c) ---- */
@@ -108,6 +112,11 @@ static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->bas
 gm_owner *gm_owner_find(gm_heap *h, gm_stream s);
 gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);
+
+/* ---- fork.c ---- */
+void gm_fork_register(gm_heap *h);
+void gm_fork_unregister(gm_heap *h);
+int gm_heap_inherited(const gm_heap *h);
 
 /* ---- stats.c ---- */
 static inline void gm_stat_add(gm_stat *s, int64_t delta) {
