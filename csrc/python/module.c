@@ -930,6 +930,20 @@ static PyObject *Heap_sim_calls(HeapObject *self, PyObject *op_o)
     return PyLong_FromUnsignedLongLong(gm_sim_calls(self->dev, op));
 }
 
+/* Test-only: GPUMEM_CUDA_FAULTS bookkeeping of a CUDA heap. */
+static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o)
+{
+    gm_dev_op op;
+    if (ensure_open(self) < 0 || op_from_name(op_o, &op) < 0)
+        return NULL;
+    if (strcmp(self->dev->kind, "cuda")) {
+        PyErr_Format(PyExc_TypeError, "this call needs a cuda heap, not a %s one", self->dev->kind);
+        return NULL;
+    }
+    uint64_t fired = 0, calls = gm_cuda_fault_calls(self->dev, op, &fired);
+    return Py_BuildValue("(KK)", (unsigned long long)calls, (unsigned long long)fired);
+}
+
 static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"stream", "held", NULL};
@@ -1085,6 +1099,8 @@ static PyMethodDef Heap_methods[] = {
      .ml_doc = "sim_fail_random(op, p, seed=0)"},
     {.ml_name = "sim_calls", .ml_meth = (PyCFunction)Heap_sim_calls, .ml_flags = METH_O,
      .ml_doc = "sim_calls(op) -> calls of op so far"},
+    {.ml_name = "cuda_fault_calls", .ml_meth = (PyCFunction)Heap_cuda_fault_calls, .ml_flags = METH_O,
+     .ml_doc = "cuda_fault_calls(op) -> (calls, failed by GPUMEM_CUDA_FAULTS); test-only, CUDA heaps"},
     {.ml_name = "sim_hold_stream", .ml_meth = KW(Heap_sim_hold_stream), .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_hold_stream(stream, held=True)"},
     {.ml_name = "sim_set_external", .ml_meth = (PyCFunction)Heap_sim_set_external, .ml_flags = METH_VARARGS,
