@@ -20,6 +20,12 @@ try:
     _hsettings.register_profile("dev", deadline=None)
     _hsettings.register_profile("ci", derandomize=True, database=None, max_examples=400, deadline=None,
                                 print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    # tools/mutate.py: the CI examples, without shrinking (a planted bug only
+    # needs to be caught, and shrinking it would dominate the run).
+    from hypothesis import Phase
+
+    _hsettings.register_profile("mutate", parent=_hsettings.get_profile("ci"),
+                                phases=[Phase.explicit, Phase.reuse, Phase.generate])
     _hsettings.load_profile(os.environ.get("GPUMEM_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 except ImportError:  # hypothesis is only needed by the tests that import it
     pass

@@ -9,9 +9,9 @@ and report which of them caught it.
     python3 tools/mutate.py --list
 
 Each run copies the tracked files into a temporary folder, so the working
-tree is never modified and nothing needs reverting.  The tests run with CI=1
-(derandomized hypothesis, see tests/conftest.py), so the table is the same on
-every run.  A mutation is "caught" when the fuzz driver or at least one test
+tree is never modified and nothing needs reverting.  The tests run with CI=1 and
+the "mutate" hypothesis profile (the CI profile's derandomized examples, no
+shrinking; see tests/conftest.py), so the table is the same on every run.  A mutation is "caught" when the fuzz driver or at least one test
 fails; the baseline (no mutation) must pass everything, or the table means
 nothing and the script says so.
 """
@@ -137,7 +137,7 @@ def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
         copy_tree(tree)
         if m:
             apply(tree, m)
-        env = dict(os.environ, CI="1", PYTHONDONTWRITEBYTECODE="1")
+        env = dict(os.environ, CI="1", PYTHONDONTWRITEBYTECODE="1", GPUMEM_HYPOTHESIS_PROFILE="mutate")
         env.setdefault("GPUMEM_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
         rc, out, _ = run([python, "setup.py", "-q", "build_ext", "--inplace"], tree, env, 600)
         if rc != 0:
