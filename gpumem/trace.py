@@ -57,6 +57,8 @@ class TraceError(ValueError):
     def __init__(self, path, where, reason: str):
         self.path = os.fspath(path)
         self.where = where
+        # One line whatever the cause said (pickle's own messages span two).
+        reason = " ".join(reason.replace("\r", "\n").split("\n"))
         self.reason = reason
         loc = self.path if where is None else f"{self.path}:{where}"
         super().__init__(f"{loc}: {reason}")

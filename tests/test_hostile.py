@@ -47,7 +47,8 @@ def check_input(path):
     try:
         tr = load_trace(path)
     except TraceError as e:
-        assert "\n" not in str(e), f"TraceError is not one line: {e!r}"
+        if "\n" in str(e):
+            raise Crash(f"TraceError is not one line: {e!r}")
         outcome = "rejected"
         tr = None
     except Exception:
@@ -195,6 +196,16 @@ FOUND = [
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1 << 62, "stream": 0}]]},
      "larger than any allocation"),
 ]
+
+
+def test_pickle_error_messages_stay_on_one_line(tmp_path):
+    """Found by the offline run: pickle's persistent-id error spans two lines."""
+    path = tmp_path / "pid.pickle"
+    path.write_bytes(b"\x80\x04P0\n.")  # PERSID opcode, no persistent_load
+    with pytest.raises(TraceError) as exc:
+        load_trace(path)
+    assert "\n" not in str(exc.value) and "persistent" in str(exc.value)
+    assert check_input(path) == "rejected"
 
 
 @pytest.mark.parametrize("obj,message", FOUND)
