@@ -1,6 +1,9 @@
 """A soak of gpumem under a training loop whose conditions keep changing.
 
-    python benchmarks/gpu_soak.py [--minutes 10] [--json FILE]
+    python benchmarks/gpu_soak.py [--minutes 10] [--json FILE] [--phase both|gpumem|native]
+
+(--phase gpumem then --phase native, with the same --json, splits the soak and
+the native replay into two commands.)
 
 One process trains a GPT-2 (random weights from a config, nothing downloaded;
 torch's TransformerEncoder when transformers is missing) with gpumem installed:
@@ -196,10 +199,23 @@ def train(args, schedule=None):
     return out
 
 
+def native_replay(schedule_path):
+    p = subprocess.run([sys.executable, __file__, "--replay", schedule_path], capture_output=True, text=True,
+                       env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not line:
+        print(f"native replay failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[-1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--json")
+    ap.add_argument("--json", default="gpu_soak.json", help="results (and, with --phase, the hand-over file)")
+    ap.add_argument("--phase", choices=["both", "gpumem", "native"], default="both",
+                    help="gpumem: the soak only (writes --json); native: the native replay of the schedule "
+                         "in --json, compared with its losses; both: one after the other")
     ap.add_argument("--replay", help=argparse.SUPPRESS)  # internal: native replay of a schedule file
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -207,18 +223,20 @@ def main():
         with open(a.replay) as f:
             print(json.dumps(train(a, json.load(f))), flush=True)
         return
-    g = train(a)
-    sched = (a.json or "gpu_soak") + ".schedule.json"
+    if a.phase in ("both", "gpumem"):
+        g = train(a)
+        with open(a.json, "w") as f:
+            json.dump(g, f)
+    else:
+        with open(a.json) as f:
+            g = json.load(f)
+    if a.phase == "gpumem":
+        print(f"soak done: {g['steps']} steps, {g['ooms']} OOMs survived; run --phase native --json {a.json} next")
+        return
+    sched = a.json + ".schedule.json"
     with open(sched, "w") as f:
         json.dump(g["schedule"], f)
-    p = subprocess.run([sys.executable, __file__, "--replay", sched], capture_output=True, text=True,
-                       env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode or not line:
-        print(f"native replay failed:\n{p.stderr[-3000:]}", file=sys.stderr)
-        n = None
-    else:
-        n = json.loads(line[-1])
+    n = native_replay(sched)
     diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
     report = {k: g[k] for k in ("minutes", "steps", "ooms", "checksum_failures", "leaked_bytes", "checker",
                                 "reserved_after_empty_cache", "pages_live_tensors_touch", "cap_changes",
@@ -231,9 +249,9 @@ def main():
     print(f"| {report['minutes']} | {report['steps']} | {report['ooms']} | {report['checksum_failures']} | "
           f"{report['leaked_bytes']} | {report['checker']} | {report['max_loss_diff']} |")
     print("reserved / live every 10 steps:", " ".join(f"{s}:{r}" for s, r in report["ratio"]))
-    for path in filter(None, [a.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_soak.json")]):
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+    g["report"] = report
+    with open(a.json, "w") as f:
+        json.dump(g, f, indent=1)
     sys.exit(0 if report["checksum_failures"] == 0 and report["leaked_bytes"] == 0 else 1)
 
 
