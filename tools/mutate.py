@@ -83,7 +83,7 @@ MUTATIONS = [
              "        (void)0;"),
     Mutation("placement_ignores_shared_pages", "carving ignores which end shares a page with a live neighbour",
              "return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;",
-             "(void)hi;\n    (void)fresh_pages;\n    return b->addr;"),
+             "(void)h;\n    (void)hi;\n    (void)fresh_pages;\n    return b->addr;"),
     Mutation("free_history_dropped", "history: frees are not recorded",
              "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
              "\n"),
