@@ -3,9 +3,10 @@ CC ?= cc
 CFLAGS_COMMON = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icsrc/include -Icsrc/core -pthread
 CORE_SRC = $(wildcard csrc/core/*.c) $(wildcard csrc/device/*.c)
 
-.PHONY: fuzz asan clean
+.PHONY: fuzz asan tsan clean
 fuzz: csrc/tests/fuzz
 asan: csrc/tests/fuzz_asan
+tsan: csrc/tests/fuzz_tsan
 
 csrc/tests/fuzz: csrc/tests/fuzz.c $(CORE_SRC)
 	$(CC) $(CFLAGS_COMMON) -O2 -g -o $@ $^ -ldl
@@ -13,5 +14,9 @@ csrc/tests/fuzz: csrc/tests/fuzz.c $(CORE_SRC)
 csrc/tests/fuzz_asan: csrc/tests/fuzz.c $(CORE_SRC)
 	$(CC) $(CFLAGS_COMMON) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -o $@ $^ -ldl
 
+# ThreadSanitizer: run with --threads (the single-threaded run has nothing to race).
+csrc/tests/fuzz_tsan: csrc/tests/fuzz.c $(CORE_SRC)
+	$(CC) $(CFLAGS_COMMON) -O1 -g -fno-omit-frame-pointer -fsanitize=thread -o $@ $^ -ldl
+
 clean:
-	rm -f csrc/tests/fuzz csrc/tests/fuzz_asan
+	rm -f csrc/tests/fuzz csrc/tests/fuzz_asan csrc/tests/fuzz_tsan

@@ -13,8 +13,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
+# Implicit declarations are always errors: a function missing from one
+# Python's headers would otherwise compile as returning int and truncate the
+# pointer it returns.
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
-C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden"] + WARN
+C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden",
+           "-Werror=implicit-function-declaration", "-Werror=int-conversion"] + WARN
 # torch's pool hooks pass std::function objects across the boundary: the C++
 # standard library ABI must be torch's (1 for every torch since 2.7; gpumem.torch
 # checks torch._C._GLIBCXX_USE_CXX11_ABI against gpumem._C._torch_cxx11_abi()).

@@ -127,18 +127,37 @@ def _load_plain(path: str) -> dict:
         return _PlainUnpickler(f).load()
 
 
-def _torch_oom_point(data: dict, device: int) -> Optional[OomPoint]:
+def _size_field(path: str, where: str, e: dict, key: str, default=None) -> int:
+    """A byte count of a snapshot entry: a non-negative 64-bit int, else TraceError."""
+    from .trace import TraceError
+
+    if key not in e and default is not None:
+        return default
+    v = e.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceError(path, where, f"malformed event: {key} is {type(v).__name__}, not int")
+    if not 0 <= v < 1 << 64:
+        raise TraceError(path, where, f"{key} {v} is not a 64-bit unsigned value")
+    return v
+
+
+def _torch_oom_point(data: dict, device: int, path: str = "snapshot") -> Optional[OomPoint]:
     """The first 'oom' event of a torch snapshot, with torch's reserved and live
-    memory at that moment, counted from its segment and alloc events."""
+    memory at that moment, counted from its segment and alloc events.  The
+    events were checked by load_trace; the fields only this reads are checked
+    here (TraceError)."""
+    from .trace import TraceError
+
     reserved = live = 0
     seg_events = 0
     for i, e in enumerate(data["device_traces"][device]):
+        where = f"device_traces[{device}][{i}]"
         a = e.get("action")
         if a in ("segment_alloc", "segment_map"):
-            reserved += e["size"]
+            reserved += _size_field(path, where, e, "size")
             seg_events += 1
         elif a in ("segment_free", "segment_unmap"):
-            reserved -= e["size"]
+            reserved -= _size_field(path, where, e, "size")
             seg_events += 1
         elif a == "alloc":
             live += e["size"]
@@ -147,9 +166,17 @@ def _torch_oom_point(data: dict, device: int) -> Optional[OomPoint]:
         elif a == "oom":
             if seg_events == 0:
                 # no segment events recorded: the snapshot's own segments stand in
-                reserved = sum(s.get("total_size", 0) for s in data.get("segments", [])
-                               if s.get("device", device) == device)
-            return OomPoint(i, int(e["size"]), int(e.get("device_free", 0)), reserved, live)
+                segs = data.get("segments", [])
+                if not isinstance(segs, list) or not all(isinstance(s, dict) for s in segs):
+                    raise TraceError(path, "segments", "malformed snapshot: segments is not a list of dicts")
+                reserved = sum(_size_field(path, f"segments[{k}]", s, "total_size", 0)
+                               for k, s in enumerate(segs) if s.get("device", device) == device)
+            from .trace import MAX_ALLOC
+
+            request = _size_field(path, where, e, "size")
+            if request > MAX_ALLOC:
+                raise TraceError(path, where, f"size {request} is larger than any allocation gpumem serves (4 PiB)")
+            return OomPoint(i, request, _size_field(path, where, e, "device_free", 0), max(reserved, 0), live)
     return None
 
 
@@ -176,12 +203,20 @@ def run_explain(args) -> int:
         _error_line(str(e))
         return EXIT_USAGE
     src = trace.path  # the file a short name resolved to
-    oom = _torch_oom_point(_load_plain(src), device) if trace.format == "snapshot" else None
-    if oom is not None:
-        trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
+    try:
+        oom = _torch_oom_point(_load_plain(src), device, src) if trace.format == "snapshot" else None
+        if oom is not None:
+            trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
+    except TraceError as e:
+        _error_line(str(e))
+        return EXIT_USAGE
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
         _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
+        return EXIT_USAGE
+    if capacity <= 0:
+        _error_line(f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
+                    f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE")
         return EXIT_USAGE
     res = replay(trace, capacity, timing=False)
     ok = res.ooms == 0

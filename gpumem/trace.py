@@ -46,6 +46,8 @@ _IGNORED = frozenset(
      "user_defined"}
 )
 _MAX_U64 = (1 << 64) - 1
+# The core refuses larger requests as invalid (gm_malloc), not as out of memory.
+MAX_ALLOC = 1 << 52
 _MAX_SLOTS = (1 << 32) - 1
 
 
@@ -55,6 +57,8 @@ class TraceError(ValueError):
     def __init__(self, path, where, reason: str):
         self.path = os.fspath(path)
         self.where = where
+        # One line whatever the cause said (pickle's own messages span two).
+        reason = " ".join(reason.replace("\r", "\n").split("\n"))
         self.reason = reason
         loc = self.path if where is None else f"{self.path}:{where}"
         super().__init__(f"{loc}: {reason}")
@@ -226,6 +230,8 @@ def _check_fields(path, where, addr, size, stream) -> None:
         raise TraceError(path, where, f"negative size {size}")
     if size > _MAX_U64:
         raise TraceError(path, where, f"size {size} does not fit in 64 bits")
+    if size > MAX_ALLOC:
+        raise TraceError(path, where, f"size {size} is larger than any allocation gpumem serves (4 PiB)")
     if addr < 0 or addr > _MAX_U64:
         raise TraceError(path, where, f"address {addr} is not a 64-bit unsigned value")
     if stream < 0 or stream > _MAX_U64:

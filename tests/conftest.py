@@ -10,6 +10,26 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
+# Hypothesis: under CI (the CI variable set, as .ci/run does) the property
+# tests run derandomized -- the same examples on every run, so a bug they can
+# find is found every time, not in some runs -- with more examples and no
+# example database.  GPUMEM_HYPOTHESIS_PROFILE picks a profile by name.
+try:
+    from hypothesis import HealthCheck, settings as _hsettings
+
+    _hsettings.register_profile("dev", deadline=None)
+    _hsettings.register_profile("ci", derandomize=True, database=None, max_examples=400, deadline=None,
+                                print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    # tools/mutate.py: the CI examples, without shrinking (a planted bug only
+    # needs to be caught, and shrinking it would dominate the run).
+    from hypothesis import Phase
+
+    _hsettings.register_profile("mutate", parent=_hsettings.get_profile("ci"),
+                                phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    _hsettings.load_profile(os.environ.get("GPUMEM_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+except ImportError:  # hypothesis is only needed by the tests that import it
+    pass
+
 MiB = 1 << 20
 GiB = 1 << 30
 PAGE = 2 * MiB
@@ -60,22 +80,53 @@ def all_traces():
     return shipped + extra
 
 
+REPO_TRACES = REPO / "gpumem" / "data" / "traces"
+
+
+def traces_dir():
+    """The folder of the shipped traces (gpumem/data/traces); it must exist."""
+    if not REPO_TRACES.is_dir():
+        raise FileNotFoundError(f"{REPO_TRACES} is missing: the shipped traces are part of the repository")
+    return REPO_TRACES
+
+
+@pytest.fixture(scope="session")
+def traces():
+    """traces_dir(): a missing folder fails the test that wants it, never skips it."""
+    return traces_dir()
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO
 
 
-def _cuda_available():
+def cuda_devices():
+    """(number of CUDA devices, why none).  Zero only when there is really no
+    GPU to test: torch missing, a CPU-only torch build, or no NVIDIA device on
+    the machine.  Anything else -- torch failing to import for another reason,
+    CUDA detection raising, or a CUDA build of torch on a machine with NVIDIA
+    device files that still reports no GPU (a broken driver install) -- raises,
+    so that a broken setup fails instead of skipping every GPU test."""
     try:
         import torch
-    except Exception:
-        return False, "torch is not installed"
-    try:
-        if not torch.cuda.is_available():
-            return False, "CUDA is not available"
-    except Exception as exc:  # a broken driver install should skip, not error
-        return False, f"CUDA check failed: {exc}"
-    return True, ""
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        return 0, "torch is not installed"
+    if not torch.version.cuda:
+        return 0, "torch is a CPU-only build"
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), ""
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
+        raise RuntimeError("this machine has NVIDIA device files and torch is a CUDA build, but "
+                           "torch.cuda.is_available() is False: the CUDA install is broken")
+    return 0, "no CUDA GPU on this machine"
+
+
+def _cuda_available():
+    n, why = cuda_devices()
+    return n > 0, why
 
 
 def pytest_configure(config):

@@ -18,22 +18,25 @@ OPS = (
     "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
     "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
 )
-# Ops the workload is sure to call often enough that the injected fault fires.
-MUST_FIRE = {"create", "map", "set_access", "unmap", "release", "event_record"}
 CAPACITY = 64 * MiB
 S1, S2 = 0x1000, 0x2000
 EXPECTED = (gpumem.OutOfMemoryError, gpumem.DeviceError)
 
 
 class Run:
-    """Workload state: live pointers and what went wrong along the way."""
+    """Workload state: live pointers, what went wrong along the way, and a log
+    of every step's outcome ("ok" or the error's type) with the device calls of
+    `watch` made so far, to compare a faulty run with a clean one."""
 
-    def __init__(self, h):
+    def __init__(self, h, watch=None):
         self.h = h
         self.live = []
         self.errors = []
+        self.watch = watch
+        self.log = []  # (step name, outcome, calls of `watch` after the step)
 
     def step(self, fn, *args, **kw):
+        outcome = "ok"
         try:
             return fn(*args, **kw)
         except EXPECTED as exc:
@@ -41,10 +44,13 @@ class Run:
             if isinstance(exc, gpumem.OutOfMemoryError):
                 assert str(exc).startswith("CUDA out of memory.")
             self.errors.append(exc)
+            outcome = type(exc).__name__
             return None
         finally:
             # Every failure must leave the heap consistent, right away.
             assert_ok(self.h)
+            name = f"{len(self.log)}:{fn.__name__}{args[:1] if args else ''}"
+            self.log.append((name, outcome, self.h.sim_calls(self.watch) if self.watch else 0))
 
     def malloc(self, size, stream=0, pool=None):
         p = self.step(self.h.malloc, size, stream=stream, pool=pool)
@@ -82,6 +88,11 @@ def workload(run):
         run.malloc(MiB + 512, stream=S1)  # must not take p's range while S2 is held
     h.sim_hold_stream(S2, False)
     run.malloc(MiB + 512)
+    # Give everything back, so that the pages below start on page boundaries:
+    # freeing every other one then leaves wholly free pages to remap.
+    for p in list(run.live):
+        run.free(p)
+    run.step(h.empty_cache)
     # Fill the small device with pages, punch holes, ask for a large block:
     # defragmentation remaps pages (and an over-large request OOMs, which reads
     # mem_info/processes for the report).
@@ -178,22 +189,92 @@ def test_random_faults_in_pools(make_heap, seed):
     finish(run)
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("nth", [1, 2, 3, 5, 9, 17])
-def test_single_fault(make_heap, op, nth):
+_BASELINE = {}
+
+
+def baseline(op):
+    """The workload on a healthy device: its step log (watching `op`'s calls)
+    and how many calls of `op` it makes.  Deterministic, so computed once."""
+    if op not in _BASELINE:
+        h = gpumem.Heap(device="sim", capacity=CAPACITY)
+        try:
+            before = h.sim_calls(op)
+            run = Run(h, watch=op)
+            workload(run)
+            stats = h.stats()
+            finish(run)
+        finally:
+            h.close()
+        log = [(name, outcome, calls - before) for name, outcome, calls in run.log]
+        _BASELINE[op] = (log, log[-1][2] if log else 0, stats)
+    return _BASELINE[op]
+
+
+# The workload calls these ops (the others -- reserve, unreserve,
+# event_destroy -- only at heap creation and destruction, tested below).
+CALLED = ("create", "release", "map", "unmap", "set_access", "event_create", "event_record", "event_query",
+          "synchronize", "mem_info", "processes")
+# Which call fails, as a fraction of the calls the clean workload makes: the
+# first, the second, a quarter, half way, three quarters, the last.
+POSITIONS = ("first", "second", "quarter", "half", "three_quarters", "last")
+
+
+def nth_call(total, where):
+    return {"first": 1, "second": 2, "quarter": max(1, total // 4), "half": max(1, total // 2),
+            "three_quarters": max(1, 3 * total // 4), "last": total}[where]
+
+
+def test_clean_workload_walks_the_slow_paths():
+    """The baseline itself: the workload grows, defragments (remaps pages),
+    empties the cache and hits exactly the OOMs it was written to hit."""
+    log, _, stats = baseline("create")
+    assert stats["num_remaps"] >= 1 and stats["num_pages_remapped"] >= 1, stats
+    assert stats["num_unmaps"] >= 1 and stats["num_device_free"] >= 1
+    assert stats["num_sync_all_streams"] >= 1
+    ooms = [name for name, outcome, _ in log if outcome != "ok"]
+    # The request for the whole capacity cannot fit, and 4 MiB under a 24 MiB
+    # cap with 44 MiB live cannot either; nothing else fails.
+    assert all(o == "OutOfMemoryError" for _, o, _ in log if o != "ok")
+    assert [n.split(":", 1)[1] for n in ooms] == ["malloc(67108864,)", "malloc(4194304,)"], ooms
+
+
+@pytest.mark.parametrize("op", CALLED)
+@pytest.mark.parametrize("where", POSITIONS)
+def test_single_fault(make_heap, op, where):
+    """One call of `op` fails.  The fault must fire; every step before it
+    must go exactly as in the clean run; the step it hits fails cleanly or
+    absorbs it; and afterwards at most a couple of steps may fail that the
+    clean run passed (a request refused because a page went missing)."""
+    base_log, total, _ = baseline(op)
+    assert total >= 1, f"the workload makes no {op} call"
+    nth = nth_call(total, where)
     h = make_heap(capacity=CAPACITY)
+    before = h.sim_calls(op)
     h.sim_fail(op, nth=nth, count=1)
-    calls_before = h.sim_calls(op)
-    run = Run(h)
+    run = Run(h, watch=op)
     workload(run)
-    fired = h.sim_calls(op) - calls_before >= nth
-    if op in MUST_FIRE and nth <= 3:
-        assert fired, f"workload made only {h.sim_calls(op) - calls_before} {op} calls"
-    if fired and op in ("map", "set_access"):
-        # The core keeps count of what the device refused.  (A refused create
-        # is the device being full -- GM_ENOMEM -- not an error.)
-        assert h.stats()["num_device_errors"] >= 1
     h.sim_fail(op, nth=0)
+    made = h.sim_calls(op) - before
+    assert made >= nth, f"the fault never fired: {made} {op} calls, the {nth}th should fail"
+    log = [(name, outcome, calls - before) for name, outcome, calls in run.log]
+    hit = next(i for i, (_, _, calls) in enumerate(log) if calls >= nth)
+    # Deterministic up to the fault: same steps, same outcomes, same calls.
+    assert log[:hit] == base_log[:hit]
+    assert log[hit][0] == base_log[hit][0]
+    if op in ("map", "set_access", "unmap", "release", "synchronize"):
+        # The core keeps count of what the device refused.  (A refused create
+        # is the device being full -- GM_ENOMEM -- not an error; a refused
+        # event call falls back to waiting for the device.)
+        assert h.stats()["num_device_errors"] >= 1
+    newly_failed = [a[0] for a, b in zip(log, base_log) if a[1] != "ok" and b[1] == "ok" and a[0] == b[0]]
+    assert len(newly_failed) <= 2, f"one failed {op} call broke {newly_failed}"
+    for name in newly_failed:
+        assert int(name.split(":")[0]) >= hit, f"{name} failed before the fault fired"
+    if op.startswith("event") or op in ("mem_info", "processes", "create"):
+        # These faults are absorbed (a device wait instead of an event, a
+        # report without the process list, ...) or turn into an OOM of the step
+        # they hit; they never raise DeviceError.
+        assert all(o in ("ok", "OutOfMemoryError") for _, o, _ in log)
     finish(run)
 
 

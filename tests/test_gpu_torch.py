@@ -18,18 +18,10 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _cuda_devices():
-    try:
-        import torch
-    except ImportError:
-        return 0
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
+from conftest import cuda_devices
 
-
-N_CUDA = _cuda_devices()
+# Zero only without a GPU; a broken CUDA install raises here (see conftest).
+N_CUDA = cuda_devices()[0]
 
 PRELUDE = """
 import json, os, sys
@@ -356,7 +348,9 @@ def test_torch_memory_api_routed(tmp_path):
     assert ("alloc", r["b"]) in acts and any(a == "free_requested" for a, _ in acts), acts[:10]
     assert r["dumped_segments"] >= 1
     assert r["acc"] == 0
-    assert "does not yet support" in r["after_uninstall"] or "not" in r["after_uninstall"], r["after_uninstall"]
+    # uninstall leaves torch's pluggable allocator in place (it cannot be
+    # swapped back), so torch's own stats call refuses, as docs/torch.md says.
+    assert "does not yet support" in r["after_uninstall"], r["after_uninstall"]
     assert r["reinstalled"] == 1024
 
 
@@ -676,8 +670,7 @@ def test_patch_and_restore_torch_functions():
     _install._patch(torch)
     try:
         assert torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] == 0
-        assert torch._C._cuda_memorySnapshot(None) == {"segments": [], "device_traces": [[]]} or \
-            torch._C._cuda_memorySnapshot(None)["segments"] == []
+        assert torch._C._cuda_memorySnapshot(None) == {"segments": [], "device_traces": [[]]}
     finally:
         gt.uninstall()
     assert {n: getattr(torch._C, n, None) for n in names} == before

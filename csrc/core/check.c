@@ -24,6 +24,11 @@
  *      a deferred block has no event recorded and is pending.
  *   C10 the run index and the page-use counts equal a recount (runindex.h R1, R2,
  *       P1, P2).
+ *   C11 (check_streams) stream safety: owners' release bookkeeping is coherent,
+ *      and a free block that every stream may reuse holds only frees proven
+ *      done -- the newest free in it is at or below the proven sequence of the
+ *      stream that made it (a completed event or a device sync).  Pending
+ *      blocks wait for at least one use.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -53,6 +58,62 @@ static int stat_is(const gm_stat *arr, int64_t all, int64_t small, const char *n
         return fail(why, len, "stat %s is %lld (small %lld, large %lld) but a recount gives %lld (small %lld)", name,
                     (long long)arr[GM_POOL_ALL].current, (long long)arr[GM_POOL_SMALL].current,
                     (long long)arr[GM_POOL_LARGE].current, (long long)all, (long long)small);
+    return GM_OK;
+}
+
+/* C11: stream safety. */
+static int check_streams(gm_heap *h, char *why, size_t len) {
+    if (!h->n_owners || h->owners[0]->stream != GM_STREAM_ANY)
+        return fail(why, len, "owner 0 is not the every-stream owner");
+    for (size_t i = 0; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        for (size_t j = 0; j < i; j++)
+            if (h->owners[j]->stream == o->stream && h->owners[j]->pool == o->pool)
+                return fail(why, len, "stream %llu has two owner records", (unsigned long long)o->stream);
+        if (o->safe_seq > h->free_seq)
+            return fail(why, len, "stream %llu: proven free sequence %llu is past the last free %llu",
+                        (unsigned long long)o->stream, (unsigned long long)o->safe_seq,
+                        (unsigned long long)h->free_seq);
+        if (o->releasing) {
+            if (o->stream == GM_STREAM_ANY) return fail(why, len, "an every-stream owner has a release in flight");
+            if (!o->release_event)
+                return fail(why, len, "stream %llu has a release in flight without an event",
+                            (unsigned long long)o->stream);
+            if (o->release_seq > h->free_seq || o->release_seq < o->safe_seq)
+                return fail(why, len, "stream %llu: release sequence %llu outside [%llu, %llu]",
+                            (unsigned long long)o->stream, (unsigned long long)o->release_seq,
+                            (unsigned long long)o->safe_seq, (unsigned long long)h->free_seq);
+        }
+    }
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state == GM_BLOCK_PENDING) {
+            if (!b->n_uses)
+                return fail(why, len, "pending block %#lx waits for no stream", (unsigned long)b->addr);
+            if (b->stream == GM_STREAM_ANY)
+                return fail(why, len, "pending block %#lx was allocated on no stream", (unsigned long)b->addr);
+            continue;
+        }
+        if (b->state == GM_BLOCK_LIVE) {
+            if (b->stream == GM_STREAM_ANY || b->seq == 0 || b->seq > h->alloc_seq)
+                return fail(why, len, "live block %#lx: stream or allocation number is wrong", (unsigned long)b->addr);
+            continue;
+        }
+        if (b->state != GM_BLOCK_FREE) continue;
+        if (b->seq > h->free_seq)
+            return fail(why, len, "free block %#lx: free sequence %llu is past the last free %llu",
+                        (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)h->free_seq);
+        if (b->stream != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
+        gm_owner *src = b->origin == GM_STREAM_ANY ? NULL : gm_owner_find(h, b->pool, b->origin);
+        if (!src)
+            return fail(why, len, "free block %#lx (every stream) holds free %llu of no known stream",
+                        (unsigned long)b->addr, (unsigned long long)b->seq);
+        if (b->seq > src->safe_seq)
+            return fail(why, len,
+                        "free block %#lx is reusable by every stream, but its free %llu on stream %llu is not "
+                        "proven done (proven up to %llu)",
+                        (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)b->origin,
+                        (unsigned long long)src->safe_seq);
+    }
     return GM_OK;
 }
 
@@ -192,6 +253,9 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
 #undef STAT_IS
         return rc;
     if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
+
+    /* C11 */
+    if ((rc = check_streams(h, why, len))) return rc;
 
     /* C10 */
     return gm_runs_check(h, why, len);

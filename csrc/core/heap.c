@@ -298,6 +298,7 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
     r->stream = b->stream;
     r->seq = b->seq;
     r->pool = b->pool;
+    r->origin = b->origin;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
@@ -321,7 +322,10 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
     a->size += b->size;
     a->next = b->next;
     if (b->next) b->next->prev = a;
-    if (b->seq > a->seq) a->seq = b->seq;
+    if (b->seq > a->seq) {
+        a->seq = b->seq;
+        a->origin = b->origin;
+    }
     block_del(h, b);
     if (keeps) gm_pages_use(h, a, 1);
 }
@@ -348,6 +352,7 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
     if (kept != keeps) gm_pages_use(h, b, keeps ? 1 : -1);
     b->stream = owner;
     b->seq = seq;
+    b->origin = owner;
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
@@ -375,6 +380,7 @@ static gm_block *make_unmapped(gm_heap *h, gm_block *b) {
     b->stream = ANY;
     b->seq = 0;
     b->pool = NULL;
+    b->origin = ANY;
     if (b->prev && b->prev->state == GM_BLOCK_UNMAPPED) {
         gm_block *p = b->prev;
         absorb(h, p, b);
@@ -655,6 +661,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
                 event_put(h, o->release_event);
                 o->releasing = 0;
             }
+            o->safe_seq = h->free_seq;
             moved += release_blocks(&c, o, UINT64_MAX);
             continue;
         }
@@ -667,6 +674,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
         if (event_done(h, o->release_event)) {
             event_put(h, o->release_event);
             o->releasing = 0;
+            o->safe_seq = o->release_seq;
             moved += release_blocks(&c, o, o->release_seq);
         }
     }
@@ -1378,6 +1386,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->va_size = va;
     h->n_pages = va / page;
     pthread_mutex_init(&h->lock, NULL);
+    gm_fork_register(h);
     h->live_mask = 1023;
     size_t max_pages = total / page + 1;
     h->cap_spare = h->n_pages > max_pages ? h->n_pages : max_pages;
@@ -1415,6 +1424,16 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
 void gm_heap_destroy(gm_heap *h) {
     if (!h) return;
     gm_device *dev = h->dev;
+    gm_fork_unregister(h);
+    /* A fork()ed child: the GPU's memory, events and context are the parent's,
+     * and CUDA cannot be called here.  Free host memory only. */
+    int host_only = h->inherited && strcmp(dev->kind, "sim");
+    if (host_only) {
+        for (size_t i = 0; i < h->n_owners; i++) h->owners[i]->releasing = 0;
+        for (gm_block *b = h->pending_head; b; b = b->lnext) b->n_uses = 0;
+        h->n_pages = h->n_spare = h->n_event_pool = 0;
+        h->va_size = 0;
+    }
     if (h->page_handle) {
         for (size_t p = 0; p < h->n_pages; p++) {
             if (!h->page_handle[p]) continue;
@@ -1448,7 +1467,7 @@ void gm_heap_destroy(gm_heap *h) {
     ri_free(&h->runs);
     gm_hist_free(h);
     pthread_mutex_destroy(&h->lock);
-    dev->ops->destroy(dev);
+    if (!host_only) dev->ops->destroy(dev);
     free(h);
 }
 

@@ -30,6 +30,10 @@ struct gm_block {
     /* live/pending: allocation number.  free: the free-sequence number of the
      * latest free merged into it (owner releases compare against it). */
     uint64_t seq;
+    /* free: the stream whose free gave `seq` (the newest free merged in).  The
+     * checker holds a block that every stream may reuse to the proof for that
+     * free (gm_owner.safe_seq). */
+    gm_stream origin;
     uint8_t state;           /* gm_block_state */
     uint8_t wait_sync;       /* pending, but an event could not be recorded: wait for a device sync */
     uint8_t deferred;        /* pending, freed during a capture: its events are not recorded yet */
@@ -51,6 +55,7 @@ struct gm_owner {
     int releasing;           /* an event is recorded; blocks freed up to release_seq follow it */
     gm_event release_event;
     uint64_t release_seq;
+    uint64_t safe_seq;       /* frees up to here are proven done (a completed event or a device sync) */
 };
 
 /* A private pool.  Its free blocks sit in its own owners' indexes.  The record
@@ -125,6 +130,10 @@ struct gm_heap {
     int capture_count;       /* gm_capture_begin minus gm_capture_end */
     int no_sync;             /* this operation runs during a capture: no sync/event/unmap/release */
     size_t n_deferred;       /* pending blocks whose events wait for the capture to end */
+
+    /* fork.c */
+    gm_heap *fork_next;      /* registry of live heaps */
+    int inherited;           /* this process is a fork()ed child of the one that made the heap */
 };
 
 /* ---- shared helpers (heap.c) ---- */
@@ -174,6 +183,11 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
 
 gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);
+
+/* ---- fork.c ---- */
+void gm_fork_register(gm_heap *h);
+void gm_fork_unregister(gm_heap *h);
+int gm_heap_inherited(const gm_heap *h);
 
 /* ---- stats.c ---- */
 static inline void gm_stat_add(gm_stat *s, int64_t delta) {

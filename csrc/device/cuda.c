@@ -325,7 +325,89 @@ typedef struct cuda_device {
      * memory (which CUDA makes peer-accessible once peer access is on). */
     cu_access_desc access[16];
     size_t n_access;
+    /* Test-only fault injection (GPUMEM_CUDA_FAULTS, see parse_faults). */
+    uint64_t calls[GM_OP__COUNT];
+    uint64_t fail_from[GM_OP__COUNT], fail_to[GM_OP__COUNT]; /* 1-based call numbers; from 0: none */
+    uint64_t fired[GM_OP__COUNT];
 } cuda_device;
+
+/* ---- test-only fault injection ------------------------------------------------
+ *
+ * GPUMEM_CUDA_FAULTS="op:nth[:count],..." makes the nth call of `op` on each
+ * device opened afterwards (and the count - 1 calls after it) fail without
+ * reaching the driver, as a real failure would: cuMemCreate with
+ * CUDA_ERROR_OUT_OF_MEMORY (another process took the memory), every other call
+ * with an error.  Ops are named as for the simulated device's sim_fail
+ * (create, map, set_access, unmap, release, event_record, synchronize, ...).
+ * Unset -- the default -- nothing is counted and nothing fails.  A malformed
+ * value makes opening the device fail, so a test can never run without the
+ * faults it asked for. */
+static const char *const op_names[GM_OP__COUNT] = {
+    "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
+    "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
+};
+
+static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errlen)
+{
+    char buf[512];
+    if (strlen(spec) >= sizeof buf) {
+        snprintf(err, errlen, "GPUMEM_CUDA_FAULTS is too long");
+        return -1;
+    }
+    strcpy(buf, spec);
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char name[32] = "";
+        unsigned long long nth = 0, count = 1;
+        int used = 0;
+        int got = sscanf(tok, " %31[a-z_]:%llu%n:%llu%n", name, &nth, &used, &count, &used);
+        int op = -1;
+        for (int i = 0; i < GM_OP__COUNT; i++)
+            if (!strcmp(name, op_names[i]))
+                op = i;
+        if (got < 2 || op < 0 || nth == 0 || count == 0 || tok[used] != '\0') {
+            snprintf(err, errlen,
+                     "GPUMEM_CUDA_FAULTS: bad entry '%s' (want op:nth[:count], e.g. create:3,map:5:2)", tok);
+            return -1;
+        }
+        c->fail_from[op] = nth;
+        c->fail_to[op] = nth + count - 1;
+    }
+    return 0;
+}
+
+/* Count a call of `op`; 1 if it is one to fail. */
+static int inject(cuda_device *c, gm_dev_op op)
+{
+    uint64_t n = ++c->calls[op];
+    if (!c->fail_from[op] || n < c->fail_from[op] || n > c->fail_to[op])
+        return 0;
+    c->fired[op]++;
+    return 1;
+}
+
+#define INJECT(c, op, call)                                                                             \
+    do {                                                                                                \
+        if (inject(c, op)) {                                                                            \
+            int oom_ = (op) == GM_OP_CREATE;                                                            \
+            snprintf((c)->base.last_error, sizeof (c)->base.last_error,                                 \
+                     "%s: %s (injected by GPUMEM_CUDA_FAULTS)", call,                                   \
+                     oom_ ? "out of memory (CUDA_ERROR_OUT_OF_MEMORY)" : "injected failure");           \
+            return oom_ ? GM_ENOMEM : GM_EDEVICE;                                                       \
+        }                                                                                               \
+    } while (0)
+
+uint64_t gm_cuda_fault_calls(const gm_device *dev, gm_dev_op op, uint64_t *fired)
+{
+    if (fired)
+        *fired = 0;
+    if (!dev || strcmp(dev->kind, "cuda") || (unsigned)op >= GM_OP__COUNT)
+        return 0;
+    const cuda_device *c = (const cuda_device *)dev;
+    if (fired)
+        *fired = c->fired[op];
+    return c->calls[op];
+}
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
@@ -426,6 +508,7 @@ static void fill_prop(const cuda_device *c, cu_alloc_prop *prop)
 static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_RESERVE, "cuMemAddressReserve");
     CUdeviceptr p = 0;
     CU_CALL(c, "cuMemAddressReserve", cu.MemAddressReserve(&p, size, dev->page_size, 0, 0));
     *va = (uintptr_t)p;
@@ -435,6 +518,7 @@ static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va)
 static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_UNRESERVE, "cuMemAddressFree");
     CU_CALL(c, "cuMemAddressFree", cu.MemAddressFree((CUdeviceptr)va, size));
     return GM_OK;
 }
@@ -442,6 +526,7 @@ static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size)
 static int cuda_create(gm_device *dev, gm_handle *handle)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_CREATE, "cuMemCreate");
     cu_alloc_prop prop;
     fill_prop(c, &prop);
     CUmemGenericAllocationHandle h = 0;
@@ -453,6 +538,7 @@ static int cuda_create(gm_device *dev, gm_handle *handle)
 static int cuda_release(gm_device *dev, gm_handle handle)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_RELEASE, "cuMemRelease");
     CU_CALL(c, "cuMemRelease", cu.MemRelease((CUmemGenericAllocationHandle)handle));
     return GM_OK;
 }
@@ -460,6 +546,7 @@ static int cuda_release(gm_device *dev, gm_handle handle)
 static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_MAP, "cuMemMap");
     CU_CALL_RELAXED(c, "cuMemMap",
             cu.MemMap((CUdeviceptr)va, dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
     return GM_OK;
@@ -470,6 +557,7 @@ static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle)
 static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_UNMAP, "cuMemUnmap");
     CU_CALL(c, "cuMemUnmap", cu.MemUnmap((CUdeviceptr)va, size));
     return GM_OK;
 }
@@ -477,6 +565,7 @@ static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size)
 static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_SET_ACCESS, "cuMemSetAccess");
     CU_CALL_RELAXED(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, c->access, c->n_access));
     return GM_OK;
 }
@@ -484,6 +573,7 @@ static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size)
 static int cuda_event_create(gm_device *dev, gm_event *ev)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_EVENT_CREATE, "cuEventCreate");
     CUevent e = NULL;
     CU_CALL(c, "cuEventCreate", cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING));
     *ev = (gm_event)(uintptr_t)e;
@@ -493,6 +583,7 @@ static int cuda_event_create(gm_device *dev, gm_event *ev)
 static int cuda_event_destroy(gm_device *dev, gm_event ev)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_EVENT_DESTROY, "cuEventDestroy");
     CU_CALL(c, "cuEventDestroy", cu.EventDestroy((CUevent)(uintptr_t)ev));
     return GM_OK;
 }
@@ -500,6 +591,7 @@ static int cuda_event_destroy(gm_device *dev, gm_event ev)
 static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_EVENT_RECORD, "cuEventRecord");
     CU_CALL(c, "cuEventRecord",
             cu.EventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
     return GM_OK;
@@ -508,6 +600,7 @@ static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream)
 static int cuda_event_query(gm_device *dev, gm_event ev)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_EVENT_QUERY, "cuEventQuery");
     int pushed, rc = enter(c, &pushed);
     if (rc != GM_OK)
         return rc;
@@ -523,6 +616,7 @@ static int cuda_event_query(gm_device *dev, gm_event ev)
 static int cuda_synchronize(gm_device *dev)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_SYNCHRONIZE, "cuCtxSynchronize");
     CU_CALL(c, "cuCtxSynchronize", cu.CtxSynchronize());
     return GM_OK;
 }
@@ -530,6 +624,7 @@ static int cuda_synchronize(gm_device *dev)
 static int cuda_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_MEM_INFO, "cuMemGetInfo");
     CU_CALL(c, "cuMemGetInfo", cu.MemGetInfo(free_bytes, total_bytes));
     return GM_OK;
 }
@@ -561,6 +656,7 @@ static int nvml_ready(cuda_device *c)
 static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n)
 {
     cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_PROCESSES, "nvmlDeviceGetComputeRunningProcesses");
     if (!nvml_ready(c)) {
         set_error(c, "processes: %s", c->nvml_err);
         return GM_ENOTSUP;
@@ -674,6 +770,14 @@ static gm_device *create_fail(char *err, size_t errlen, const char *fmt, ...)
 
 gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
 {
+    const char *faults = getenv("GPUMEM_CUDA_FAULTS");
+    if (faults && *faults) {
+        /* Checked before anything else, so a bad value fails on any machine. */
+        static cuda_device probe;
+        char why[200];
+        if (parse_faults(&probe, faults, why, sizeof why) < 0)
+            return create_fail(err, errlen, "%s", why);
+    }
     pthread_once(&cu_once, cu_load);
     if (!cu_ok)
         return create_fail(err, errlen, "%s", cu_err);
@@ -705,6 +809,10 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
     cuda_device *c = calloc(1, sizeof *c);
     if (!c)
         return create_fail(err, errlen, "out of host memory");
+    if (faults && *faults && parse_faults(c, faults, err, errlen) < 0) {
+        free(c);
+        return NULL;
+    }
     c->base.ops = &cuda_ops;
     c->base.kind = "cuda";
     c->base.ordinal = ordinal;

@@ -18,6 +18,16 @@
  */
 #include "history_glue.h"
 
+#if PY_VERSION_HEX < 0x030B0000
+/* Before 3.11, Python.h does not declare PyFrame_GetBack (it lives in
+ * frameobject.h).  Without this include C falls back to an implicit
+ * `int PyFrame_GetBack()`, which cuts the returned pointer to 32 bits: the
+ * first walk to a caller's frame then dereferences garbage (the 3.9/3.10
+ * segfault).  setup.py makes implicit declarations an error so this cannot
+ * come back silently. */
+#include <frameobject.h>
+#endif
+
 #include <stdatomic.h>
 #include <string.h>
 

@@ -1,11 +1,14 @@
 /*
  * sim_glue.c -- Heap.sim_*: fault injection and introspection of the simulated device
- * (gpumem/sim.h).  Each raises TypeError on a CUDA heap.
+ * (gpumem/sim.h), each a TypeError on a CUDA heap; and Heap.cuda_fault_calls, the
+ * CUDA device's test-only fault injection (GPUMEM_CUDA_FAULTS), a TypeError on a
+ * sim heap.
  */
 #include "heap_object.h"
 
 #include <string.h>
 
+#include "gpumem/cuda.h"
 #include "gpumem/sim.h"
 
 #include "common.h"
@@ -201,6 +204,20 @@ static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUS
     return PyLong_FromUnsignedLongLong(gm_sim_capture_violations(self->dev));
 }
 
+/* Test-only: GPUMEM_CUDA_FAULTS bookkeeping of a CUDA heap. */
+static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o)
+{
+    gm_dev_op op;
+    if (gm_py_heap_open(self) < 0 || op_from_name(op_o, &op) < 0)
+        return NULL;
+    if (strcmp(self->dev->kind, "cuda")) {
+        PyErr_Format(PyExc_TypeError, "this call needs a cuda heap, not a %s one", self->dev->kind);
+        return NULL;
+    }
+    uint64_t fired = 0, calls = gm_cuda_fault_calls(self->dev, op, &fired);
+    return Py_BuildValue("(KK)", (unsigned long long)calls, (unsigned long long)fired);
+}
+
 PyMethodDef gm_py_sim_methods[] = {
     {.ml_name = "sim_fail", .ml_meth = KW(Heap_sim_fail), .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_fail(op, nth=1, count=1): make device calls fail"},
@@ -229,5 +246,7 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_flags = METH_NOARGS, .ml_doc = "sim_capture_violations() -> calls refused by capture mode"},
     {.ml_name = "sim_page_at", .ml_meth = (PyCFunction)Heap_sim_page_at, .ml_flags = METH_O,
      .ml_doc = "sim_page_at(addr) -> id of the physical page mapped there (0: none)"},
+    {.ml_name = "cuda_fault_calls", .ml_meth = (PyCFunction)Heap_cuda_fault_calls, .ml_flags = METH_O,
+     .ml_doc = "cuda_fault_calls(op) -> (calls, failed by GPUMEM_CUDA_FAULTS); test-only, CUDA heaps"},
     {.ml_name = NULL},
 };

@@ -998,6 +998,20 @@ static void *thread_main(void *arg)
                 fprintf(stderr, "gm_check: %s\n", why);
                 tfail(a, op, "gm_check failed under concurrency", 0, 0);
             }
+        } else if (x < 985) {
+            /* Readers run beside the writers: what the Python side and the
+             * OOM report call from other threads. */
+            gm_snapshot *snap = NULL;
+            if (gm_snapshot_take(tw->heap, &snap) != GM_OK) tfail(a, op, "gm_snapshot_take failed", 0, 0);
+            gm_snapshot_free(snap);
+        } else if (x < 988) {
+            gm_hist_entry e[16];
+            uint64_t dropped = 0;
+            if (gm_history_read(tw->heap, e, 16, &dropped) > 16) tfail(a, op, "history read past its buffer", 0, 0);
+        } else if (x < 990) {
+            gm_oom_info info;
+            gm_memory_report(tw->heap, 4 * MiB, &info);
+            (void)gm_last_oom(tw->heap, &info);
         } else {
             gm_stats st;
             gm_get_stats(tw->heap, &st);
@@ -1025,6 +1039,7 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     gm_config_default(&cfg);
     int rc = gm_heap_create(tw.dev, &cfg, &tw.heap);
     if (rc != GM_OK) fail("gm_heap_create returned %d", rc);
+    if (g_history) gm_history_enable(tw.heap, g_history); /* history writes under the threads too */
     targ *args = calloc((size_t)nthreads, sizeof *args);
     pthread_t *th = calloc((size_t)nthreads, sizeof *th);
     if (!args || !th) { perror("calloc"); exit(2); }

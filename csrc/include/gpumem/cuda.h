@@ -19,6 +19,10 @@ extern "C" {
  * use; returns NULL and writes a reason into err when that is impossible
  * (no driver, no such device, no VMM support). */
 gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen);
+/* Test-only fault injection on CUDA devices (GPUMEM_CUDA_FAULTS, see cuda.c):
+ * calls of `op` made so far, and in *fired how many of them were made to fail.
+ * 0 for a device that is not a CUDA device. */
+uint64_t gm_cuda_fault_calls(const gm_device *dev, gm_dev_op op, uint64_t *fired);
 
 #ifdef __cplusplus
 }

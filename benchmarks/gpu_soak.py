@@ -1,0 +1,259 @@
+"""A soak of gpumem under a training loop whose conditions keep changing.
+
+    python benchmarks/gpu_soak.py [--minutes 10] [--json FILE] [--phase both|gpumem|native]
+
+(--phase gpumem then --phase native, with the same --json, splits the soak and
+the native replay into two commands.)
+
+One process trains a GPT-2 (random weights from a config, nothing downloaded;
+torch's TransformerEncoder when transformers is missing) with gpumem installed:
+
+  * sequence lengths vary every step, activation checkpointing is on;
+  * a side stream copies and reduces tensors the main stream made, handed over
+    with record_stream;
+  * the memory cap moves every few steps (set_per_process_memory_fraction);
+    an OOM is caught, the batch halved and the step retried, and the batch
+    regrows after a run of good steps;
+  * empty_cache() is called at random, and history with Python stacks is
+    switched on and off;
+  * long-lived tensors carry checksums, verified every step.
+
+At the end everything but the long-lived tensors is dropped and the cache
+emptied: reserved memory must equal the pages those tensors touch (no leak),
+and the invariant checker must pass.  Then a second process replays the same
+executed schedule (same shapes, same seeds, no cap) on torch's native
+allocator, and the losses are compared step by step.
+
+Reports: minutes, steps, OOMs survived, checksum failures, leaked bytes, the
+largest loss difference, and reserved / live over time.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+SEED = 1234
+
+
+def build(torch, dev):
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        m = GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=768, n_head=12, n_positions=1024)).to(dev)
+        m.gradient_checkpointing_enable()
+        m.config.use_cache = False
+
+        def loss_of(x):
+            return m(input_ids=x, labels=x).loss
+        vocab = m.config.vocab_size
+    except ImportError:
+        from torch.utils.checkpoint import checkpoint
+
+        vocab = 32000
+        emb = torch.nn.Embedding(vocab, 768).to(dev)
+        layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
+                                     for _ in range(8)).to(dev)
+        head = torch.nn.Linear(768, vocab).to(dev)
+        m = torch.nn.ModuleList([emb, layers, head])
+
+        def loss_of(x):
+            h = emb(x)
+            for layer in layers:
+                h = checkpoint(layer, h, use_reentrant=False)
+            return torch.nn.functional.cross_entropy(head(h).flatten(0, 1), x.flatten())
+    return m, loss_of, vocab
+
+
+def checksum(torch, t):
+    return int(t.view(torch.int32).sum(dtype=torch.int64))
+
+
+def train(args, schedule=None):
+    """The gpumem run (schedule None: make one) or the native replay of one."""
+    import torch
+
+    use_gpumem = schedule is None
+    if use_gpumem:
+        import gpumem
+
+        gpumem.install()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    random.seed(SEED)
+    torch.manual_seed(SEED)
+    dev = "cuda"
+    total = torch.cuda.get_device_properties(0).total_memory
+    model, loss_of, vocab = build(torch, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    side = torch.cuda.Stream()
+    # Long-lived tensors of assorted sizes, with their checksums.
+    keep = [torch.randint(-2**31, 2**31 - 1, (random.randint(1 << 10, 16 << 20),), dtype=torch.int32, device=dev)
+            for _ in range(12)]
+    sums = [checksum(torch, t) for t in keep]
+    rng = random.Random(SEED + 1)
+    out = {"allocator": "gpumem" if use_gpumem else "native", "steps": 0, "ooms": 0, "checksum_failures": 0,
+           "losses": [], "schedule": [], "ratio": [], "empty_cache_calls": 0, "history_toggles": 0,
+           "cap_changes": 0}
+    batch, max_batch, good = 8, 8, 0
+    t_end = time.time() + 60 * args.minutes
+    history_on = False
+    base = None
+    cap = [1.0]  # the fraction the schedule set
+
+    def one_step(b, L, step_seed):
+        torch.manual_seed(step_seed)
+        x = torch.randint(0, vocab, (b, L), device=dev)
+        loss = loss_of(x)
+        loss.backward()
+        # The side stream reduces a copy of the batch the main stream made.
+        y = x.float()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            s = y.sum()
+        y.record_stream(side)
+        del y
+        if use_gpumem:
+            # optimizer state and updates run uncapped, so that an OOM never
+            # leaves a half-updated model behind
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if use_gpumem:
+            torch.cuda.set_per_process_memory_fraction(cap[0])
+        torch.cuda.current_stream().wait_stream(side)
+        return float(loss), float(s)
+
+    plan = iter(schedule or [])
+    while True:
+        if schedule is None:
+            if time.time() > t_end:
+                break
+            L = rng.choice([128, 192, 256, 384, 512, 768, 1024])
+            step_seed = rng.randrange(1 << 30)
+            step_i = out["steps"]
+            if use_gpumem and step_i % 5 == 0 and base is not None:
+                cap[0] = 1.0 if rng.random() < 0.3 else min(1.0, base * rng.uniform(1.05, 2.5))
+                torch.cuda.set_per_process_memory_fraction(cap[0])
+                out["cap_changes"] += 1
+            if use_gpumem and rng.random() < 0.1:
+                torch.cuda.empty_cache()
+                out["empty_cache_calls"] += 1
+            if use_gpumem and step_i % 7 == 0:
+                history_on = not history_on
+                gpumem.record_history(history_on, stacks="python")
+                out["history_toggles"] += 1
+            while True:
+                try:
+                    loss, s = one_step(batch, L, step_seed)
+                    break
+                except torch.OutOfMemoryError:
+                    out["ooms"] += 1
+                    opt.zero_grad(set_to_none=True)
+                    if batch == 1:  # even one sequence does not fit under this cap: lift it
+                        cap[0] = 1.0
+                        torch.cuda.set_per_process_memory_fraction(1.0)
+                    batch = max(1, batch // 2)
+                    good = 0
+            out["schedule"].append([batch, L, step_seed])
+            good += 1
+            if good >= 10 and batch < max_batch:
+                batch *= 2
+                good = 0
+        else:
+            item = next(plan, None)
+            if item is None:
+                break
+            b, L, step_seed = item
+            loss, s = one_step(b, L, step_seed)
+        torch.cuda.synchronize()
+        out["losses"].append(loss)
+        out["steps"] += 1
+        if base is None:
+            base = torch.cuda.memory_reserved() / total
+        bad = sum(checksum(torch, t) != c for t, c in zip(keep, sums))
+        out["checksum_failures"] += bad
+        if out["steps"] % 10 == 0:
+            live = torch.cuda.memory_allocated()
+            out["ratio"].append([out["steps"], round(torch.cuda.memory_reserved() / max(live, 1), 4)])
+    if use_gpumem:
+        gpumem.record_history(False)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    del model, opt, loss_of
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    out["minutes"] = round((time.time() - (t_end - 60 * args.minutes)) / 60, 2)
+    if use_gpumem:
+        snap = gpumem.snapshot()
+        s = snap.summary
+        out["reserved_after_empty_cache"] = s.reserved_bytes
+        out["pages_live_tensors_touch"] = s.used_page_bytes
+        out["leaked_bytes"] = s.reserved_bytes - s.used_page_bytes
+        gpumem._C._torch_check(0)  # raises on a broken invariant
+        out["checker"] = "passed"
+    out["checksum_failures"] += sum(checksum(torch, t) != c for t, c in zip(keep, sums))
+    return out
+
+
+def native_replay(schedule_path):
+    p = subprocess.run([sys.executable, __file__, "--replay", schedule_path], capture_output=True, text=True,
+                       env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not line:
+        print(f"native replay failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--json", default="gpu_soak.json", help="results (and, with --phase, the hand-over file)")
+    ap.add_argument("--phase", choices=["both", "gpumem", "native"], default="both",
+                    help="gpumem: the soak only (writes --json); native: the native replay of the schedule "
+                         "in --json, compared with its losses; both: one after the other")
+    ap.add_argument("--replay", help=argparse.SUPPRESS)  # internal: native replay of a schedule file
+    a = ap.parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if a.replay:
+        with open(a.replay) as f:
+            print(json.dumps(train(a, json.load(f))), flush=True)
+        return
+    if a.phase in ("both", "gpumem"):
+        g = train(a)
+        with open(a.json, "w") as f:
+            json.dump(g, f)
+    else:
+        with open(a.json) as f:
+            g = json.load(f)
+    if a.phase == "gpumem":
+        print(f"soak done: {g['steps']} steps, {g['ooms']} OOMs survived; run --phase native --json {a.json} next")
+        return
+    sched = a.json + ".schedule.json"
+    with open(sched, "w") as f:
+        json.dump(g["schedule"], f)
+    n = native_replay(sched)
+    diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
+    report = {k: g[k] for k in ("minutes", "steps", "ooms", "checksum_failures", "leaked_bytes", "checker",
+                                "reserved_after_empty_cache", "pages_live_tensors_touch", "cap_changes",
+                                "empty_cache_calls", "history_toggles", "ratio")}
+    report["native_steps"] = n["steps"] if n else None
+    report["max_loss_diff"] = max(diffs) if diffs else None
+    report["losses_equal"] = bool(n) and n["steps"] == g["steps"] and all(d == 0 for d in diffs)
+    print("| minutes | steps | OOMs survived | checksum failures | leaked bytes | checker | max |loss - native| |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {report['minutes']} | {report['steps']} | {report['ooms']} | {report['checksum_failures']} | "
+          f"{report['leaked_bytes']} | {report['checker']} | {report['max_loss_diff']} |")
+    print("reserved / live every 10 steps:", " ".join(f"{s}:{r}" for s, r in report["ratio"]))
+    g["report"] = report
+    with open(a.json, "w") as f:
+        json.dump(g, f, indent=1)
+    sys.exit(0 if report["checksum_failures"] == 0 and report["leaked_bytes"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

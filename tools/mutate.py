@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Mutation testing of the core: plant one bug at a time in csrc/core/heap.c,
+build a copy of the repository with it, run the C fuzz driver and the tests,
+and report which of them caught it.
+
+    python3 tools/mutate.py                 # every mutation, default tests
+    python3 tools/mutate.py -m growth_limit_removed -m stream_reuse_early
+    python3 tools/mutate.py --tests tests/test_core.py --json out.json
+    python3 tools/mutate.py --list
+
+Each run copies the tracked files into a temporary folder, so the working
+tree is never modified and nothing needs reverting.  The tests run with CI=1 and
+the "mutate" hypothesis profile (the CI profile's derandomized examples, no
+shrinking; see tests/conftest.py), so the table is the same on every run.  A mutation is "caught" when the fuzz driver or at least one test
+fails; the baseline (no mutation) must pass everything, or the table means
+nothing and the script says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAP = "csrc/core/heap.c"
+
+
+@dataclass
+class Mutation:
+    name: str
+    bug: str
+    old: str
+    new: str
+    path: str = HEAP
+
+
+MUTATIONS = [
+    Mutation("growth_limit_removed", "growth limit removed: the heap grows freely to the cap",
+             "grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);",
+             "grow(h, pl.new_pages - h->n_spare, ((void)growth_limit(h, size), h->cap_pages), &dev_err);"),
+    Mutation("stream_reuse_early", "stream owner: blocks freed after the release event are handed to every stream",
+             "moved += release_blocks(h, o, o->release_seq);",
+             "moved += release_blocks(h, o, h->free_seq);"),
+    Mutation("release_without_event", "stream owner: memory handed to every stream without waiting for the event",
+             "if (event_done(h, o->release_event)) {",
+             "if (1) {"),
+    Mutation("merge_different_owners", "free blocks of two different streams merge",
+             "    else if (a == ANY) *out = b;\n    else return 0;",
+             "    else if (a == ANY) *out = b;\n    else *out = a;"),
+    Mutation("pending_ignores_events", "record_stream: a pending block is freed before its events complete",
+             "if (synced || event_done(h, b->events[i])) {",
+             "if (1) {"),
+    Mutation("record_stream_ignored", "record_stream records nothing",
+             "    if (s == b->stream) goto done;\n    for (uint32_t i = 0; i < b->n_uses; i++)",
+             "    goto done;\n    for (uint32_t i = 0; i < b->n_uses; i++)"),
+    Mutation("unmap_shared_page", "defragmentation unmaps pages a free block shares with a live neighbour",
+             "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n        if (p0 >= p1) continue;",
+             "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n        if (p0 >= p1) continue;"),
+    Mutation("stat_requested_off_by_one", "stats: requested_bytes off by one at free",
+             "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);",
+             "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested + 1);"),
+    Mutation("stat_ooms_uncounted", "stats: num_ooms not counted",
+             "    h->st.num_ooms++;\n",
+             "\n"),
+    Mutation("no_merge_with_next", "a freed block does not merge with its upper free neighbour",
+             "if (n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {",
+             "if (0 && n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {"),
+    Mutation("cap_off_by_one_page", "growth stops one page under the cap (OOM too early)",
+             "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);\n    if ((!pl.ok",
+             "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages - 1, &dev_err);\n    if ((!pl.ok"),
+    Mutation("empty_cache_keeps_a_page", "empty_cache keeps one spare page",
+             "    /* What cannot go backs live blocks (or an unmap failed). */\n    return release_spares(h, target);",
+             "    /* What cannot go backs live blocks (or an unmap failed). */\n    return release_spares(h, target + 1);"),
+    Mutation("peak_live_not_tracked", "the growth limit forgets the peak of live memory",
+             "        h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;",
+             "        (void)0;"),
+    Mutation("placement_ignores_shared_pages", "carving ignores which end shares a page with a live neighbour",
+             "return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;",
+             "(void)h;\n    (void)hi;\n    (void)fresh_pages;\n    return b->addr;"),
+    Mutation("free_history_dropped", "history: frees are not recorded",
+             "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
+             "\n"),
+]
+
+DEFAULT_TESTS = ["tests"]
+FUZZ_RUNS = [["200000", "1"], ["--threads", "4", "100000", "2"]]
+
+
+_PRISTINE = None
+
+
+def copy_tree(dst: str) -> None:
+    """The tracked files as they were when the run started (edits made while
+    it runs do not leak into later mutants)."""
+    global _PRISTINE
+    if _PRISTINE is None:
+        _PRISTINE = tempfile.mkdtemp(prefix="gpumem-pristine-")
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
+        for rel in files.decode().split("\0"):
+            src = os.path.join(ROOT, rel)
+            if rel and os.path.isfile(src):
+                os.makedirs(os.path.join(_PRISTINE, os.path.dirname(rel)), exist_ok=True)
+                shutil.copy2(src, os.path.join(_PRISTINE, rel))
+    shutil.copytree(_PRISTINE, dst, dirs_exist_ok=True)
+
+
+def apply(tree: str, m: Mutation) -> None:
+    path = os.path.join(tree, m.path)
+    text = open(path).read()
+    n = text.count(m.old)
+    if n != 1:
+        raise SystemExit(f"mutation {m.name}: the text to replace occurs {n} times in {m.path} (want 1)")
+    open(path, "w").write(text.replace(m.old, m.new))
+
+
+def run(cmd, cwd, env, timeout):
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout + p.stderr, time.time() - t0
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return "timeout", out, time.time() - t0
+
+
+def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
+    tree = tempfile.mkdtemp(prefix="gpumem-mutant-")
+    res = {"mutation": m.name if m else "none", "bug": m.bug if m else "(no mutation)", "caught_by": []}
+    try:
+        copy_tree(tree)
+        if m:
+            apply(tree, m)
+        env = dict(os.environ, CI="1", PYTHONDONTWRITEBYTECODE="1", GPUMEM_HYPOTHESIS_PROFILE="mutate")
+        env.setdefault("GPUMEM_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
+        rc, out, _ = run([python, "setup.py", "-q", "build_ext", "--inplace"], tree, env, 600)
+        if rc != 0:
+            res["caught_by"].append("build failed")
+            res["build_log"] = out[-2000:]
+            return res
+        rc, out, _ = run(["make", "-s", "fuzz"], tree, env, 600)
+        if rc != 0:
+            res["caught_by"].append("fuzz build failed")
+            res["build_log"] = out[-2000:]
+            return res
+        for args in FUZZ_RUNS:
+            rc, out, secs = run(["./csrc/tests/fuzz"] + args, tree, env, timeout)
+            if rc != 0:
+                first = next((ln for ln in out.splitlines() if "FAIL" in ln or "fail" in ln), out.strip()[-200:])
+                res["caught_by"].append(f"fuzz {' '.join(args)}: {first[:160]}")
+        rc, out, secs = run([python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests],
+                            tree, env, timeout)
+        res["pytest_seconds"] = round(secs, 1)
+        failed = sorted(set(re.findall(r"^FAILED (\S+?)(?: - |$)", out, re.M)))
+        failed += sorted(set(re.findall(r"^ERROR (\S+?)(?: - |$)", out, re.M)))
+        res["pytest_failed"] = failed
+        if rc == "timeout":
+            res["caught_by"].append("pytest timed out (hang)")
+        elif rc not in (0, 1, 5) or (rc == 1 and not failed):
+            res["caught_by"].append(f"pytest died (exit {rc})")
+        res["caught_by"] += [f"pytest {t}" for t in failed]
+        res["pytest_summary"] = (out.strip().splitlines() or [""])[-1]
+        return res
+    finally:
+        if keep:
+            print(f"  kept {tree}", file=sys.stderr)
+        else:
+            shutil.rmtree(tree, ignore_errors=True)
+
+
+def short(caught: list[str], limit: int = 4) -> str:
+    if not caught:
+        return "**not caught**"
+    names = []
+    for c in caught:
+        if c.startswith("fuzz "):
+            c = "C fuzz driver (" + c.split(":", 1)[0][5:] + ")"
+        names.append(re.sub(r"\[.*\]$", "[...]", c.replace("pytest tests/", "").replace("pytest ", "")))
+    names = list(dict.fromkeys(names))
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return "; ".join(names[:limit]) + more
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--mutation", action="append", help="run only these (repeatable)")
+    ap.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="pytest arguments (default: tests)")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per fuzz or pytest run")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    ap.add_argument("--keep", action="store_true", help="keep the mutated trees")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args(argv)
+    if a.list:
+        for m in MUTATIONS:
+            print(f"{m.name:32s} {m.bug}")
+        return 0
+    chosen = [m for m in MUTATIONS if not a.mutation or m.name in a.mutation]
+    unknown = set(a.mutation or []) - {m.name for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"unknown mutation(s): {', '.join(sorted(unknown))}")
+    results = []
+    if not a.no_baseline:
+        base = evaluate(None, a.tests, a.python, a.timeout, a.keep)
+        print(f"baseline: {base.get('pytest_summary', '')}", flush=True)
+        if base["caught_by"]:
+            print("the unmutated tree fails; fix that first:\n  " + "\n  ".join(base["caught_by"]), file=sys.stderr)
+            return 2
+        results.append(base)
+    for m in chosen:
+        r = evaluate(m, a.tests, a.python, a.timeout, a.keep)
+        results.append(r)
+        print(f"{m.name}: {short(r['caught_by'])}", flush=True)
+    print("\n| bug planted in heap.c | caught by |\n|---|---|")
+    for r in results:
+        if r["mutation"] != "none":
+            print(f"| {r['bug']} (`{r['mutation']}`) | {short(r['caught_by'])} |")
+    caught = sum(1 for r in results if r["mutation"] != "none" and r["caught_by"])
+    print(f"\n{caught} of {len(chosen)} planted bugs caught")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if _PRISTINE:
+        shutil.rmtree(_PRISTINE, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
