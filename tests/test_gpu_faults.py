@@ -83,7 +83,6 @@ SCENARIO = textwrap.dedent("""
     # 1. A clean run counts the calls of OP made before the phase starts.
     before = {{}}
     h = gpumem.Heap(device="cuda")
-    free0 = h.mem_info()[0]
     clean = []
     def mark(name):
         before.setdefault(name, h.cuda_fault_calls(OP)[0])
@@ -94,6 +93,12 @@ SCENARIO = textwrap.dedent("""
     in_phase = h.cuda_fault_calls(OP)[0] - before[PHASE] if PHASE == PHASES[-1] else \\
         before[PHASES[PHASES.index(PHASE) + 1]] - before[PHASE]
     h.close()
+    # What the device has free after a clean run: the driver keeps some memory
+    # of its own after the first heap's mappings (tens of MiB on an H100), so
+    # the faulty run is compared with this, not with the very start.
+    h0 = gpumem.Heap(device="cuda")
+    free0 = h0.mem_info()[0]
+    h0.close()
     if in_phase == 0:
         print(json.dumps({{"applicable": False}}))
         sys.exit(0)
@@ -159,8 +164,8 @@ def test_one_failed_call(op, phase):
     if op in ("map", "set_access", "unmap", "release", "synchronize"):
         assert r["device_errors"] >= 1, r
     assert r["reserved_after"] == 0, r
-    # Every page went back to the driver (the CUDA context itself may move by
-    # a page or two between two heaps).
+    # Every page went back to the driver: as much is free after the faulty run
+    # as after the clean one (the CUDA context may move by a page or two).
     assert abs(r["free_before"] - r["free_after"]) <= 4 << 20, (r["free_before"], r["free_after"])
 
 
