@@ -34,7 +34,7 @@ from typing import List, Optional, Tuple
 
 from . import _C
 from ._C import ERROR_NAMES
-from ._resolve import resolve_heap
+from ._resolve import TorchHeap, resolve_heap
 from .snapshot import Snapshot
 from ._units import format_size as _fs
 from ._units import parse_size
@@ -420,13 +420,27 @@ def last_oom(device=None) -> Optional[Report]:
     return _build(heap, info, is_oom=True)
 
 
-def format_oom(heap, info, fallback: str) -> str:
-    """The OutOfMemoryError message for Heap.malloc (registered with gpumem._C):
-    the core's one-line message, then the report.  GPUMEM_EXPLAIN_OOM=0 keeps
-    the one line alone."""
+def format_oom(heap, info, fallback: str, processes=None) -> str:
+    """The OutOfMemoryError message, registered with gpumem._C as the one
+    formatter of every OOM: `heap` is a gpumem.Heap (Heap.malloc), or the CUDA
+    device number of torch's heap (torch's allocations; `processes` is then what
+    the device listed, or None).  The core's one-line message, then the report.
+    GPUMEM_EXPLAIN_OOM=0 keeps the one line alone.  A report that fails to build
+    leaves the one line with a note, since the OOM itself must still be reported."""
     if os.environ.get("GPUMEM_EXPLAIN_OOM", "1") == "0" or not info:
         return fallback
+    if isinstance(heap, int):
+        try:
+            heap = _torch_heap(heap, processes)
+            return _build(heap, dict(info), is_oom=True).text(first_line=fallback)
+        except Exception as e:  # noqa: BLE001 - a broken report must not hide the OOM
+            return f"{fallback} (gpumem.explain failed: {type(e).__name__}: {e})"
     return _build(heap, dict(info), is_oom=True).text(first_line=fallback)
+
+
+def _torch_heap(device: int, processes):
+    """The heap torch's allocations on `device` go to (tests replace this)."""
+    return TorchHeap(device, processes=processes)
 
 
 def _register() -> None:

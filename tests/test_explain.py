@@ -159,7 +159,7 @@ def test_oom_message_is_the_report(heap, monkeypatch):
     heap.sim_set_external(4242, 900 * MiB)
     e = oom(heap, 400 * MiB)
     first, _, rest = str(e).partition("\n")
-    assert first.startswith("CUDA out of memory. Tried to allocate 400.00 MiB;")
+    assert first.startswith("CUDA out of memory. Tried to allocate 400.00 MiB. The device has a total capacity of")
     assert rest.strip() == last_oom(heap).text().split("\n", 1)[1].strip()
     monkeypatch.setenv("GPUMEM_EXPLAIN_OOM", "0")
     assert "\n" not in str(oom(heap, 400 * MiB))

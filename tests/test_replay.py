@@ -362,9 +362,9 @@ def test_oom_message(tmp_path):
         with pytest.raises(gpumem.OutOfMemoryError) as info:
             h.malloc(GiB)
         msg = str(info.value)
-        assert msg.startswith("CUDA out of memory. Tried to allocate 1.00 GiB;"), msg
+        assert msg.startswith("CUDA out of memory. Tried to allocate 1.00 GiB. "), msg
         first, _, rest = msg.partition("\n")
-        assert "64.00 MiB total" in first
+        assert "a total capacity of 64.00 MiB" in first
         # gpumem.explain's report follows the one-line summary (see tests/test_explain.py)
         assert "[too_big]" in rest
         assert info.value.info["request"] == GiB

@@ -7,6 +7,7 @@ bindings do before they allocate -- with a sim heap standing in for the CUDA
 heap, and the routing of torch's memory API is called as torch would call it.
 """
 import ctypes
+import importlib
 import threading
 
 import pytest
@@ -16,6 +17,8 @@ from gpumem import _C
 from gpumem.torch import _install, _viz as _torch_viz
 from gpumem import torch as gt
 from gpumem._resolve import NoHeapError, TorchHeap
+
+explain_module = importlib.import_module("gpumem.explain")
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -76,7 +79,7 @@ def oom_heap(monkeypatch):
         seen.append((device, processes))
         return Stand_in(processes)
 
-    monkeypatch.setattr(_torch_viz, "_heap_for", heap_for)
+    monkeypatch.setattr(explain_module, "_torch_heap", heap_for)
     monkeypatch.delenv("GPUMEM_EXPLAIN_OOM", raising=False)
     yield h, seen
     for p in keep:
@@ -119,10 +122,13 @@ def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
     def broken(device, processes):
         raise RuntimeError("no heap today")
 
-    monkeypatch.setattr(_torch_viz, "_heap_for", broken)
+    monkeypatch.setattr(explain_module, "_torch_heap", broken)
     assert call_formatter(info) == f"{line} (gpumem.explain failed: RuntimeError: no heap today)"
-    monkeypatch.setattr(_torch_viz, "render_oom", lambda *a: 42)   # not a str: the line alone
-    assert call_formatter(info) == line
+    previous = _C._set_oom_formatter(lambda *a: 42)   # not a str: the line alone
+    try:
+        assert call_formatter(info) == line
+    finally:
+        _C._set_oom_formatter(previous)
 
 
 def test_explain_oom_0_keeps_one_line(oom_heap, monkeypatch):

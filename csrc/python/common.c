@@ -192,6 +192,42 @@ void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out)
     gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
 }
 
+size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed)
+{
+    if (!len)
+        return 0;
+    gm_oom_sizes z;
+    gm_oom_sizes_format(o, &z);
+    char where[32] = "", device[160];
+    if (gpu >= 0)
+        snprintf(where, sizeof where, " on GPU %d", gpu);
+    if (!o->device_total)
+        snprintf(device, sizeof device, "The device's memory is unknown.");
+    else if (gpu >= 0)
+        snprintf(device, sizeof device, "GPU %d has a total capacity of %s of which %s is free.", gpu, z.device_total,
+                 z.device_free);
+    else
+        snprintf(device, sizeof device, "The device has a total capacity of %s of which %s is free.", z.device_total,
+                 z.device_free);
+    char other[400] = "", fail[400] = "";
+    if (others)
+        snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
+    if (o->device_error != GM_OK)
+        snprintf(fail, sizeof fail, " A device call failed: %s (%s: %s).", gm_strerror(o->device_error),
+                 gm_py_code_name(o->device_error), failed && failed[0] ? failed : "no detail");
+    int w = snprintf(buf, len,
+                     "CUDA out of memory. Tried to allocate %s%s. %s This process has %s allocated%s, %s reserved "
+                     "by gpumem (%s cached, %s waiting for other streams), under a cap of %s. The largest block "
+                     "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s",
+                     z.request, where, device, z.live, gpu >= 0 ? " by PyTorch (gpumem)" : "", z.reserved, z.cached,
+                     z.pending, z.cap, z.largest, other, fail);
+    if (w < 0) {
+        buf[0] = '\0';
+        return 0;
+    }
+    return (size_t)w < len ? (size_t)w : len - 1;
+}
+
 PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state)
 {
     PyObject *d = PyDict_New();

@@ -62,6 +62,14 @@ typedef struct gm_oom_sizes {
 
 void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
 
+/* The one-line out-of-memory message, the one place it is built:
+ *   "CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0. GPU 0 has a total capacity of ... "
+ * `gpu` >= 0 names torch's device (allocations then count as PyTorch's); -1 is
+ * a gpumem.Heap.  `others` words the memory other processes hold (NULL: not
+ * said); `failed` the device's reason when a device call failed (NULL: none
+ * given).  Writes at most len bytes (NUL-terminated); returns the length. */
+size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed);
+
 #ifdef __cplusplus
 }
 #endif

@@ -223,30 +223,14 @@ static PyObject *no_such_pool(const gm_pool_id *id)
 }
 
 /* ---- the out-of-memory message ---------------------------------------------------
- * All byte counts in messages go through gm_fmt_bytes (common.c), and the
- * whole message is built by oom_message alone, so that a richer explanation
- * can replace it in one place. */
+ * The one-line text is gm_oom_line's (common.c), shared with torch's path; a
+ * registered formatter (oom_glue.c: gpumem.explain's) may word it instead. */
 
 static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
 {
-    gm_oom_sizes z;
-    gm_oom_sizes_format(o, &z);
-
-    char device[96];
-    if (o->device_total)
-        snprintf(device, sizeof device, "device has %s total, %s free", z.device_total, z.device_free);
-    else
-        snprintf(device, sizeof device, "device memory unknown");
-
-    char failed[400] = "";
-    if (o->device_error != GM_OK)
-        snprintf(failed, sizeof failed, "; a device call failed: %s (%s)", code_name(o->device_error),
-                 self->dev->last_error[0] ? self->dev->last_error : "no detail");
-
-    return PyUnicode_FromFormat(
-        "CUDA out of memory. Tried to allocate %s; %s; this process holds %s live, %s reserved "
-        "(%s cached, %s pending); the largest block defragmentation could make now is %s; cap %s%s.",
-        z.request, device, z.live, z.reserved, z.cached, z.pending, z.largest, z.cap, failed);
+    char buf[1024];
+    size_t n = gm_oom_line(buf, sizeof buf, o, -1, NULL, self->dev->last_error);
+    return PyUnicode_FromStringAndSize(buf, (Py_ssize_t)n);
 }
 
 /* Raise gm_py_OutOfMemoryError for the last failed allocation, with .info = the report. */

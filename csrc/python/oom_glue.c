@@ -1,10 +1,16 @@
 /*
- * oom_glue.c -- the Python formatter of gpumem.Heap's out-of-memory messages
- * (oom_glue.h).  The torch path words its messages in torch_viz.c.
+ * oom_glue.c -- the one Python formatter of out-of-memory messages
+ * (oom_glue.h): gpumem.Heap's here, torch's through torch_viz.c.
  */
 #include "oom_glue.h"
 
 static PyObject *oom_formatter; /* callable or NULL */
+
+PyObject *gm_py_oom_formatter(void)
+{
+    Py_XINCREF(oom_formatter);
+    return oom_formatter;
+}
 
 static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn)
 {
@@ -68,7 +74,7 @@ PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback)
 
 static PyMethodDef oom_methods[] = {
     {.ml_name = "_set_oom_formatter", .ml_meth = py_set_oom_formatter, .ml_flags = METH_O,
-     .ml_doc = "_set_oom_formatter(fn or None) -> previous; fn(heap, info, text) -> OOM message"},
+     .ml_doc = "_set_oom_formatter(fn or None) -> previous; fn(heap or device, info, text, processes=None) -> OOM message"},
     {.ml_name = NULL},
 };
 

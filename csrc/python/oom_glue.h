@@ -1,7 +1,8 @@
 /*
- * oom_glue.h -- how a gpumem.Heap words its out-of-memory error: the core's
- * one-line text, or what a registered Python formatter (gpumem.explain's)
- * makes of the report.
+ * oom_glue.h -- how out-of-memory errors are worded: the one-line text
+ * (gm_oom_line, common.c), or what the one registered Python formatter
+ * (gpumem.explain's) makes of the report, for a gpumem.Heap and for torch's
+ * heaps alike.
  */
 #ifndef GPUMEM_OOM_GLUE_H
 #define GPUMEM_OOM_GLUE_H
@@ -13,6 +14,11 @@
  * fallback) words it.  Returns a new reference; NULL only if fallback was NULL.
  * A formatter that fails leaves the fallback text with a note saying so. */
 PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback);
+
+/* The registered formatter (a new reference), or NULL when none is.  torch's
+ * path (torch_viz.c) calls it too, as formatter(device, info, fallback,
+ * processes): one formatter words every OOM message.  Call with the GIL. */
+PyObject *gm_py_oom_formatter(void);
 
 /* Adds _set_oom_formatter to gpumem._C.  Returns 0, or -1 with an exception set. */
 int gm_oom_glue_add(PyObject *module);

@@ -467,7 +467,7 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
     if (!len)
         return 0;
     gm_heap *h = gm_torch_heap(device);
-    gm_proc_usage procs[64];
+    gm_proc_usage procs[64] = {};
     long n_procs = -1;
     char proc_err[256] = "";
     if (h) {
@@ -488,9 +488,6 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
             return (size_t)w < len ? (size_t)w : len - 1;
         }
     }
-
-    gm_oom_sizes z;
-    gm_oom_sizes_format(o, &z);
 
     /* Other processes: everything NVML lists but this one. */
     std::string others;
@@ -519,24 +516,7 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
         if (!list.empty())
             others += " (" + list + ")";
     }
-
-    std::string failed;
-    if (o->device_error != GM_OK && h)
-        failed = std::string(" A device call failed: ") + gm_strerror(o->device_error) + " (" +
-                 gm_heap_device(h)->last_error + ").";
-
-    int w = snprintf(buf, len,
-                     "CUDA out of memory. Tried to allocate %s on GPU %d. GPU %d has a total "
-                     "capacity of %s of which %s is free. This process has %s allocated by "
-                     "PyTorch (gpumem), %s reserved by gpumem (%s cached, %s waiting for other "
-                     "streams), under a cap of %s. The largest block gpumem could make now, "
-                     "after releasing its cache and defragmenting, is %s. Memory held by other "
-                     "processes: %s.%s",
-                     z.request, device, device, z.device_total, z.device_free, z.live, z.reserved,
-                     z.cached, z.pending, z.cap, z.largest, others.c_str(), failed.c_str());
-    if (w < 0)
-        return 0;
-    return (size_t)w < len ? (size_t)w : len - 1;
+    return gm_oom_line(buf, len, o, device, others.c_str(), h ? gm_heap_device(h)->last_error : nullptr);
 }
 
 /* ---- the entry points torch calls ---------------------------------------------- */

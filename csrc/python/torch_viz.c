@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "history_glue.h"
+#include "oom_glue.h"
 #include "torch_alloc.h"
 
 int gm_torch_viz_add(PyObject *module);
@@ -90,27 +91,23 @@ static size_t copy_text(const char *text, size_t len, char *buf, size_t buflen)
     return cut + tail;
 }
 
-/* The Python callable that words the message, render(device, info, procs,
- * fallback) -> str: handed down by gpumem.torch (_torch_set_oom_renderer), so
- * that nothing here names the layer above.  Guarded by the GIL. */
-static PyObject *g_renderer = NULL;
-
 /* Returns the length written, or (size_t)-1 to keep the fallback in buf. */
 static size_t render(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs, char *buf,
                      size_t buflen, size_t flen)
 {
     size_t out = (size_t)-1;
     PyObject *args = NULL, *text = NULL;
-    if (g_renderer == NULL)
+    /* The formatter every OOM goes through (oom_glue.c; gpumem.explain's),
+     * given the device, so that nothing here names a layer above. */
+    PyObject *renderer = gm_py_oom_formatter();
+    if (renderer == NULL)
         return out;
-    PyObject *renderer = g_renderer;
-    Py_INCREF(renderer);
     PyObject *fallback = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)flen, "replace");
     PyObject *pl = n_procs < 0 ? (Py_INCREF(Py_None), Py_None) : procs_list(procs, (size_t)n_procs);
     PyObject *di = info_dict(info);
     if (!fallback || !pl || !di)
         goto done;
-    args = Py_BuildValue("(iOOO)", device, di, pl, fallback);
+    args = Py_BuildValue("(iOOO)", device, di, fallback, pl);
     if (!args)
         goto done;
     text = PyObject_Call(renderer, args, NULL);
@@ -122,9 +119,9 @@ static size_t render(const gm_oom_info *info, int device, const gm_proc_usage *p
     }
 done:
     if (PyErr_Occurred()) {
-        /* render_oom catches its own failures; reaching here means Python
-         * itself failed (no memory, a broken install).  Say so on stderr once
-         * per failure, the exception still carries the core's text. */
+        /* gpumem.explain.format_oom catches its own failures; reaching here
+         * means Python itself failed (no memory, a broken install).  Say so on
+         * stderr once per failure, the exception still carries the core's text. */
         PyErr_WriteUnraisable(NULL);
     }
     Py_XDECREF(text);
@@ -230,21 +227,7 @@ static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a)
     return PyUnicode_FromString(gm_heap_device(h)->name);
 }
 
-/* _torch_set_oom_renderer(callable or None) */
-static PyObject *v_set_renderer(PyObject *Py_UNUSED(m), PyObject *fn)
-{
-    if (fn != Py_None && !PyCallable_Check(fn))
-        return PyErr_Format(PyExc_TypeError, "the OOM renderer must be callable or None");
-    PyObject *old = g_renderer;
-    g_renderer = fn == Py_None ? NULL : fn;
-    Py_XINCREF(g_renderer);
-    Py_XDECREF(old);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef viz_methods[] = {
-    {.ml_name = "_torch_set_oom_renderer", .ml_meth = v_set_renderer, .ml_flags = METH_O,
-     .ml_doc = "_torch_set_oom_renderer(fn): fn(device, info, procs, fallback) -> str words torch's OOM message"},
     {.ml_name = "_torch_viz_hooks", .ml_meth = v_hooks, .ml_flags = METH_NOARGS,
      .ml_doc = "_torch_viz_hooks() -> {'context': address, 'oom_formatter': address} for gpumem.torch's setters"},
     {.ml_name = "_torch_processes", .ml_meth = v_processes, .ml_flags = METH_O,

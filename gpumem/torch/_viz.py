@@ -4,16 +4,14 @@ gpumem.torch's install calls these; they connect it to snapshot / history /
 explain (the layers below, which never import this one: history reaches
 set_stack_hook through the hook install registers in gpumem._heap):
 
-  on_install()            registers the OOM formatter (csrc/python/torch_viz.c), so that
-                          torch.OutOfMemoryError carries gpumem.explain's report
-                          (GPUMEM_EXPLAIN_OOM=0: the one line alone), and the stack hook
-                          when stacks are already being recorded
+  on_install()            sets torch's OOM hook (csrc/python/torch_viz.c), which words
+                          torch.OutOfMemoryError with the one formatter gpumem.explain
+                          registers for every OOM (GPUMEM_EXPLAIN_OOM=0: the one line
+                          alone), and the stack hook when stacks are already being recorded
   set_stack_hook(on)      Python stacks for allocations torch makes (record_history)
   record_torch_history()  torch.cuda.memory._record_memory_history, routed to record_history
   torch_snapshot_dict()   torch.cuda.memory._snapshot / memory_snapshot / _dump_snapshot:
                           Snapshot.to_torch() of every device's heap
-  render_oom()            words the OOM message: registered with gpumem._C at import
-                          (_torch_set_oom_renderer) and called from C with the GIL
 """
 from __future__ import annotations
 
@@ -22,11 +20,10 @@ import os
 from .. import _C
 from .._heap import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
 from .._resolve import TorchHeap
-from ..explain import format_oom
 from ..history import _record
 from ..snapshot import Snapshot
 
-__all__ = ["on_install", "set_stack_hook", "record_torch_history", "torch_snapshot_dict", "render_oom"]
+__all__ = ["on_install", "set_stack_hook", "record_torch_history", "torch_snapshot_dict"]
 
 
 def _hooks():
@@ -43,28 +40,6 @@ def on_install() -> None:
     _C._torch_set_oom_formatter(_hooks()["oom_formatter"] if explain else 0)
     if _C._stacks_info()["enabled"]:
         set_stack_hook(True)
-
-
-def _heap_for(device: int, processes) -> TorchHeap:
-    return TorchHeap(device, processes=processes)
-
-
-def render_oom(device: int, info: dict, processes, fallback: str) -> str:
-    """The OutOfMemoryError message for an allocation torch made on `device`:
-    `fallback` (the core's one line, which starts "CUDA out of memory.") and then
-    the report.  Never raises: a report that fails to build leaves the one line
-    with a note, since the OOM itself must still be reported."""
-    try:
-        return format_oom(_heap_for(device, processes), info, fallback)
-    except Exception as e:  # noqa: BLE001 - a broken report must not hide the OOM
-        return f"{fallback} (gpumem.explain failed: {type(e).__name__}: {e})"
-
-
-def _render(device, info, processes, fallback):
-    return render_oom(device, info, processes, fallback)  # looked up per call (tests replace it)
-
-
-_C._torch_set_oom_renderer(_render)  # handed down: csrc/python/torch_viz.c never imports this layer
 
 
 def record_torch_history(enabled, *args, **kwargs) -> None:
