@@ -1,4 +1,4 @@
-"""Stream safety as an invariant of the checker (check.c, C9).
+"""Stream safety as an invariant of the checker (check.c, C11).
 
 Memory a stream freed goes to other streams only once an event recorded on
 that stream has completed, and only the frees made before the event was
@@ -7,6 +7,7 @@ simulated device (a held stream keeps its events pending) and call check()
 after each step, so a release that runs ahead of its event fails here
 deterministically, not only in the randomized tests.
 """
+import gpumem
 from conftest import MiB, assert_ok
 
 S1, S2 = 0x1000, 0x2000
@@ -33,3 +34,22 @@ def test_frees_after_the_release_event_stay_with_their_stream(make_heap):
     for q in (keep, pad, big, p):
         h.free(q)
     assert_ok(h)
+
+
+def test_a_pools_proof_of_a_stream_survives_the_pools_end():
+    """A block freed on a side stream inside a pool, handed to every stream of
+    the pool once its event completed, stays proven when the pool ends and the
+    block joins the general heap (found by the state machine on Python 3.9)."""
+    h = gpumem.Heap(device="sim", capacity=4 << 30)
+    try:
+        h.pool_retain((1, 1))
+        side = h.malloc(1, stream=4096, pool=(1, 1))
+        h.malloc(1, stream=0, pool=(1, 1))
+        h.free(side)
+        h.malloc(2096129, stream=0, pool=(1, 1))  # the slow path hands the side stream's block to everyone
+        h.check()
+        h.pool_release((1, 1))
+        h.check()
+        assert any(b[0] == side and b[6] == "free" and b[7] is None for b in h.snapshot()["blocks"])  # free, general
+    finally:
+        h.close()

@@ -1876,6 +1876,10 @@ static void pool_end(gm_heap *h, gm_pool *p) {
             event_put(h, o->release_event);
             o->releasing = 0;
         }
+        /* What was proven done on this stream stays proven: the general
+         * owner of the stream inherits the proof with the blocks. */
+        gm_owner *g = o->stream == ANY ? NULL : owner_get(h, NULL, o->stream);
+        if (g && g->safe_seq < o->safe_seq) g->safe_seq = o->safe_seq;
         struct to_general_ctx c = {h, o};
         fi_each(&o->idx, to_general, &c);
     }
