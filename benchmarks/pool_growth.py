@@ -15,7 +15,7 @@ apply, as they would to a MemPool used without a graph) and for a model of one c
 segments: best fit among its free ranges, else the segment grows at its end by
 what its free tail lacks, in 2 MiB pages), which is the figure to approach.
 
-Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--label NAME]
+Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-outputs] [--label NAME]
        [--out benchmarks/results/pool_growth.json]
 """
 import argparse
@@ -99,6 +99,8 @@ def run_gpumem(a, shapes, capture=True):
             out = forward(a, b * t, alloc, h.free, b)  # warm-up: its output goes back
             h.free(out)
             outputs.append(forward(a, b * t, alloc, h.free, b))  # recorded: its output stays
+            if a.drop_outputs:
+                h.free(outputs.pop())
             if capture:
                 h.capture_end()
             st = h.stats()
@@ -183,7 +185,9 @@ def run_segment(a, shapes):
         alloc(general, n)
     for b, t in shapes:
         free(forward(a, b * t, lambda n: alloc(pool, n), free, b))
-        forward(a, b * t, lambda n: alloc(pool, n), free, b)
+        out = forward(a, b * t, lambda n: alloc(pool, n), free, b)
+        if a.drop_outputs:
+            free(out)
     return {"peak_live": peak, "peak_reserved": general.mapped + pool.mapped}
 
 
@@ -196,6 +200,8 @@ def main(argv=None):
     ap.add_argument("--mlp", type=int, default=5504)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--capacity", default="80GiB")
+    ap.add_argument("--drop-outputs", action="store_true",
+                    help="free each recorded pass's output too (the caller drops it)")
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pool_growth.json"))
     a = ap.parse_args(argv)
