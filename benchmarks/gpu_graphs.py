@@ -55,7 +55,11 @@ res = {"mode": mode, "peak_reserved": torch.cuda.max_memory_reserved(), "peak_al
        "reserved_end": torch.cuda.memory_reserved(), "latency_ms": lat, "wall_s": time.perf_counter() - t0,
        "torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
 if mode == "gpumem":
-    res["pools"] = len(gpumem._C._torch_pools(0))
+    pools = gpumem._C._torch_pools(0)
+    res["pools"] = len(pools)
+    res["pool_live_bytes"] = sum(p["live_bytes"] for p in pools)
+    res["pool_free_bytes"] = sum(p["free_bytes"] for p in pools)
+    res["pool_pinned_pages"] = sum(p["pinned_pages"] for p in pools)
     res["num_remaps"] = torch.cuda.memory_stats()["num_remaps"]
 print("RESULT " + json.dumps(res), flush=True)
 """

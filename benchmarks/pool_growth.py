@@ -10,11 +10,12 @@ CUDA graph's static output does.  The sizes follow a Llama-style model: hidden
 2048, 16 heads, MLP 5504, vocabulary 32000, 4 layers, bf16 (--hidden etc.).
 
 Printed: peak live and peak reserved memory, and reserved / live, for gpumem
-and for a model of one contiguous growable segment per pool (expandable
+(also with no capture under way, where the growth limit and defragmentation
+apply, as they would to a MemPool used without a graph) and for a model of one contiguous growable segment per pool (expandable
 segments: best fit among its free ranges, else the segment grows at its end by
 what its free tail lacks, in 2 MiB pages), which is the figure to approach.
 
-Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--label NAME]
+Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-outputs] [--label NAME]
        [--out benchmarks/results/pool_growth.json]
 """
 import argparse
@@ -74,7 +75,7 @@ def forward(a, tokens, alloc, free, batch):
     return logits
 
 
-def run_gpumem(a, shapes):
+def run_gpumem(a, shapes, capture=True):
     peak_live = 0
     with gpumem.Heap(device="sim", capacity=a.capacity) as h:
         def live():
@@ -93,11 +94,15 @@ def run_gpumem(a, shapes):
 
         per_shape = []
         for b, t in shapes:
-            h.capture_begin()
+            if capture:
+                h.capture_begin()
             out = forward(a, b * t, alloc, h.free, b)  # warm-up: its output goes back
             h.free(out)
             outputs.append(forward(a, b * t, alloc, h.free, b))  # recorded: its output stays
-            h.capture_end()
+            if a.drop_outputs:
+                h.free(outputs.pop())
+            if capture:
+                h.capture_end()
             st = h.stats()
             per_shape.append({"shape": f"{b}x{t}", "reserved": st["reserved_bytes.all.current"],
                               "live": st["allocated_bytes.all.current"],
@@ -180,7 +185,9 @@ def run_segment(a, shapes):
         alloc(general, n)
     for b, t in shapes:
         free(forward(a, b * t, lambda n: alloc(pool, n), free, b))
-        forward(a, b * t, lambda n: alloc(pool, n), free, b)
+        out = forward(a, b * t, lambda n: alloc(pool, n), free, b)
+        if a.drop_outputs:
+            free(out)
     return {"peak_live": peak, "peak_reserved": general.mapped + pool.mapped}
 
 
@@ -193,16 +200,19 @@ def main(argv=None):
     ap.add_argument("--mlp", type=int, default=5504)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--capacity", default="80GiB")
+    ap.add_argument("--drop-outputs", action="store_true",
+                    help="free each recorded pass's output too (the caller drops it)")
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pool_growth.json"))
     a = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     g = run_gpumem(a, shapes)
+    nc = run_gpumem(a, shapes, capture=False)
     s = run_segment(a, shapes)
     print(f"one graph pool, shapes {a.shapes}; {a.layers} layers, hidden {a.hidden}, MLP {a.mlp}, "
           f"vocabulary {a.vocab}, bf16 (simulated device)")
     print(f"{'':28s}{'peak live GiB':>15s}{'peak reserved GiB':>19s}{'reserved/live':>15s}")
-    for name, r in (("gpumem", g), ("one growable segment/pool", s)):
+    for name, r in (("gpumem", g), ("gpumem, no capture", nc), ("one growable segment/pool", s)):
         print(f"{name:28s}{r['peak_live'] / GiB:15.3f}{r['peak_reserved'] / GiB:19.3f}"
               f"{r['peak_reserved'] / r['peak_live']:15.3f}")
     for p in g["per_shape"]:
@@ -210,13 +220,14 @@ def main(argv=None):
               f"{p['live'] / GiB:.3f} GiB, pool free {p['pool_free_bytes'] / GiB:.3f} GiB")
     print(f"gpumem / segment model, peak reserved: {g['peak_reserved'] / s['peak_reserved']:.3f}; check: {g['check']}")
     out = {"benchmark": "pool_growth", "label": a.label, "python": platform.python_version(),
-           "args": {k: v for k, v in vars(a).items() if k != "out"}, "gpumem": g, "segment_model": s}
+           "args": {k: v for k, v in vars(a).items() if k != "out"}, "gpumem": g, "gpumem_no_capture": nc,
+           "segment_model": s}
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
         print("wrote", a.out)
-    return 0 if g["check"] == "ok" else 1
+    return 0 if g["check"] == nc["check"] == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -528,3 +528,131 @@ def test_capture_on_another_stream_known_from_a_deferred_free(make_heap):
     h.empty_cache()
     assert h.sim_info()["pages_created"] == 0
     assert_ok(h)
+
+
+# ---- a pool's free memory grows in place ----------------------------------------------------
+
+
+def _reserved(h):
+    return h.stats()["reserved_bytes.all.current"]
+
+
+def test_pool_request_extends_the_pools_free_block_into_unmapped_space(make_heap):
+    """A pool request larger than the pool's last free block, next to unmapped
+    space, is placed over that block and needs only the missing pages."""
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(4 * MiB, pool=P)  # pages 0-1, unmapped space after
+    h.free(a)
+    before = _reserved(h)
+    b = h.malloc(10 * MiB, pool=P)
+    assert b == a, "the pool's free block was not extended"
+    assert _reserved(h) - before == 3 * PAGE  # pages 2-4 only
+    info = h.pool_info(P)
+    assert (info["live_bytes"], info["free_bytes"], info["free_blocks"]) == (10 * MiB, 0, 0)
+    assert pool_blocks(h, P) == [(a, 10 * MiB, "live")]
+    assert_ok(h)
+    h.free(b)
+    assert pool_blocks(h, P) == [(a, 10 * MiB, "free")]
+    h.empty_cache()
+    assert _reserved(h) == 5 * PAGE, "the extended block's pages are the pool's, kept"
+    h.pool_release(P)
+    assert_ok(h)
+
+
+def test_pool_extension_spans_pool_general_and_unmapped_space(make_heap):
+    """[pool free][general free][unmapped]: one placement over all three."""
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(3 * MiB, pool=P)  # pages 0-1; [3, 4) MiB stays general free
+    h.free(a)
+    assert [(b["addr"], b["size"], b["pool"]) for b in blocks(h) if b["state"] == "free"] == [
+        (a, 3 * MiB, P), (a + 3 * MiB, MiB, None)]
+    before = _reserved(h)
+    b = h.malloc(7 * MiB, pool=P)
+    assert b == a
+    assert _reserved(h) - before == 2 * PAGE  # pages 2-3
+    assert pool_blocks(h, P) == [(a, 7 * MiB, "live")]
+    assert_ok(h)
+    h.free(b)
+    h.pool_release(P)
+    assert_ok(h)
+
+
+def test_pool_extension_keeps_to_its_pool_and_stream_rules(make_heap):
+    """Another pool's free block, and a free block of the pool that the
+    requesting stream may not use yet, are never extended."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.pool_retain(Q)
+    q = h.malloc(4 * MiB, stream=S1, pool=Q)  # pages 0-1
+    h.free(q)
+    before = _reserved(h)
+    x = h.malloc(10 * MiB, stream=S1, pool=P)
+    assert not overlaps(x, 10 * MiB, [(q, 4 * MiB)]), "a pool request took another pool's free memory"
+    assert _reserved(h) - before == 5 * PAGE
+    h.free(x)  # P's, owned by S1, unmapped space after it
+    before = _reserved(h)
+    z = h.malloc(12 * MiB, stream=S1, pool=P)  # S1 may use it: its block grows by one page
+    assert z == x and _reserved(h) - before == PAGE
+    h.free(z)
+    h.sim_hold_stream(S1, True)  # S1's work still runs: S2 may not use z's memory
+    y = h.malloc(20 * MiB, stream=S2, pool=P)
+    assert not overlaps(y, 20 * MiB, [(z, 12 * MiB)])
+    assert h.sim_capture_violations() == 0
+    h.sim_hold_stream(S1, False)
+    assert_ok(h)
+    h.free(y)
+    h.pool_release(P)
+    h.pool_release(Q)
+    assert_ok(h)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_pools_growing_among_general_traffic_keep_every_invariant(make_heap, seed):
+    """Pool requests a little larger than a free block of their pool, among
+    general traffic, streams, empty_cache and a cap: invariants hold after
+    every step, no pool gets another's memory, and extensions do happen."""
+    rng = random.Random(seed)
+    h = make_heap(capacity=256 * MiB)
+    pools = (P, Q)
+    for pid in pools:
+        h.pool_retain(pid)
+    live = {P: [], Q: [], None: []}
+    extended = 0
+    for step in range(500):
+        r = rng.random()
+        try:
+            if r < 0.5:
+                pid = rng.choice((P, Q, None))
+                frees = [(a, n) for a, n, st in pool_blocks(h, pid) if st == "free"] if pid else []
+                if frees and rng.random() < 0.7:
+                    size = rng.choice(frees)[1] + rng.randrange(1, 3 * PAGE)
+                else:
+                    size = rng.randrange(512, 6 * MiB)
+                others = [(a, n) for q in pools if q != pid for a, n, st in pool_blocks(h, q) if st == "free"]
+                p = h.malloc(size, stream=rng.choice((S1, S2)), pool=pid)
+                n = h.block_size(p)
+                assert not overlaps(p, n, others), f"step {step}: a block of {pid} took another pool's memory"
+                extended += any(p <= a and a + m <= p + n and m < n for a, m in frees)
+                live[pid].append(p)
+            elif r < 0.9:
+                lst = live[rng.choice((P, Q, None))]
+                if lst:
+                    h.free(lst.pop(rng.randrange(len(lst))))
+            elif r < 0.95:
+                h.empty_cache()
+            else:
+                h.set_cap(rng.choice((128 * MiB, 192 * MiB, 0)))
+        except gpumem.OutOfMemoryError:
+            pass
+        assert_ok(h)
+    assert extended > 0, "no pool request extended a free block of its pool"
+    for lst in live.values():
+        for p in lst:
+            h.free(p)
+    for pid in pools:
+        h.pool_release(pid)
+    h.empty_cache()
+    assert_ok(h)
+    assert h.stats()["reserved_bytes.all.current"] == 0

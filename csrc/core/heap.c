@@ -72,7 +72,12 @@
  *   same pool.  An allocation in a pool takes the pool's free blocks first, then
  *   the general heap's (fast path, then the slow path as usual), and the block
  *   it carves becomes the pool's; freed, it goes back to the pool.  Placement
- *   never uses a pool's free block for anything else.
+ *   never uses a pool's free block for anything else -- except to grow the
+ *   pool: for a request in pool P on stream s, P's free blocks that s may use
+ *   count as run space too (mapped, they need no new page), so one placement
+ *   may span [P free][general free][unmapped].  A graph recorded at a larger
+ *   shape then extends the memory of the smaller shapes' graphs in place,
+ *   instead of leaving it stranded beside wholly new memory.
  *
  *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
  *     |  page 0  |  page 1  |  page 2  |  page 3  |
@@ -944,36 +949,45 @@ typedef struct placement {
     size_t new_pages;
     size_t run;
     gm_block *first; /* the run's first block, at or before addr */
+    int pooled;      /* the range takes free blocks of the requesting pool */
 } placement;
 
-/* Pages in [x, x+size) with nothing mapped, walking from `first` (a block at or before x). */
-static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, size_t size) {
+/* Pages in [x, x+size) with nothing mapped, walking from `first` (a block at
+ * or before x); *pooled: whether a pool's free block lies in the range. */
+static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, size_t size, int *pooled) {
     size_t pages = 0;
     uintptr_t end = x + size;
+    *pooled = 0;
     for (const gm_block *b = first; b && b->addr < end; b = b->next) {
-        if (b->state != GM_BLOCK_UNMAPPED || b->addr + b->size <= x) continue;
+        if (b->addr + b->size <= x) continue;
+        if (b->pool) *pooled = 1;
+        if (b->state != GM_BLOCK_UNMAPPED) continue;
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
         pages += gm_page_ceil(h, hi) - gm_page_floor(h, lo);
     }
     return pages;
 }
 
+/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`. */
+static void consider_at(const gm_heap *h, placement *best, gm_block *first, uintptr_t x, size_t len, size_t size) {
+    int pooled;
+    size_t need = unmapped_in(h, first, x, size, &pooled);
+    if (!best->ok || need < best->new_pages || (need == best->new_pages && len < best->run) ||
+        (need == best->new_pages && len == best->run && x < best->addr))
+        *best = (placement){1, x, need, len, first, pooled};
+}
+
 static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len,
                      size_t size) {
-    uintptr_t cand[2] = {start, start + len - size};
-    for (int k = 0; k < 2; k++) {
-        size_t need = unmapped_in(h, first, cand[k], size);
-        if (!best->ok || need < best->new_pages || (need == best->new_pages && len < best->run) ||
-            (need == best->new_pages && len == best->run && cand[k] < best->addr))
-            *best = (placement){1, cand[k], need, len, first};
-        if (len == size) break;
-    }
+    consider_at(h, best, first, start, len, size);
+    if (len != size) consider_at(h, best, first, start + len - size, len, size);
 }
 
 struct place_ctx {
-    const gm_heap *h;
+    gm_heap *h;
     size_t size;
     gm_stream s;
+    gm_pool *pool; /* the requesting pool, or NULL */
     placement best;
 };
 
@@ -1004,22 +1018,62 @@ static int place_in_run(gm_block *head, void *arg) {
     return 0;
 }
 
+/* A block an allocation in c->pool on c->s may build on: general space the
+ * stream may use, or a free block of that pool the stream may use. */
+static int usable(const struct place_ctx *c, const gm_block *b) {
+    if (b->state == GM_BLOCK_UNMAPPED) return 1;
+    if (b->state != GM_BLOCK_FREE || (b->pool && b->pool != c->pool)) return 0;
+    return b->stream == c->s || b->stream == ANY;
+}
+
+/* One of the pool's free blocks that c->s may use: the run of usable blocks
+ * around it (general space and the pool's free blocks together) is a place
+ * to build on.  The first such pool block of each run measures the run;
+ * candidates are the run's ends and, so that the pool's mapped memory is
+ * extended rather than left behind, each of its pool blocks' two ends. */
+static int place_pooled_one(gm_block *b, void *arg) {
+    struct place_ctx *c = arg;
+    gm_block *first = b;
+    while (first->prev && usable(c, first->prev)) {
+        first = first->prev;
+        if (first->pool) return 0; /* an earlier pool block measures this run */
+    }
+    size_t len = 0;
+    for (const gm_block *x = first; x && usable(c, x); x = x->next) len += x->size;
+    if (len < c->size) return 0;
+    uintptr_t lo = first->addr, hi = first->addr + len;
+    consider(c->h, &c->best, first, lo, len, c->size);
+    for (gm_block *x = b; x && x->addr < hi; x = x->next) {
+        if (!x->pool) continue;
+        if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size);
+        if (x->addr + x->size >= lo + c->size) consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size);
+    }
+    return 0;
+}
+
+static void place_pooled(struct place_ctx *c) {
+    gm_owner *own = gm_owner_find(c->h, c->pool, c->s);
+    if (own) fi_each(&own->idx, place_pooled_one, c);
+    fi_each(&c->pool->any->idx, place_pooled_one, c);
+}
+
 /* Where [addr, addr+size) needs the fewest new pages, among runs of memory
  * that stream s may use.  Ties go to the shortest run, then the lowest
  * address: a total order, so the runs may be visited in any order, and only
  * runs of general space at least `size` long can hold one. */
-static placement place(gm_heap *h, size_t size, gm_stream s) {
-    struct place_ctx c = {h, size, s, {0, 0, 0, 0, NULL}};
+static placement place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
+    struct place_ctx c = {h, size, s, pool, {0, 0, 0, 0, NULL, 0}};
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
     gm_block *f = fit_in(h, size, s, NULL);
     if (f && ((f->prev && gm_general_space(f->prev)) || (f->next && gm_general_space(f->next)))) {
         place_in(&c, h->head, h->base + h->va_size);
-        return c.best;
+    } else {
+        ri_each_at_least(&h->runs, size, place_in_run, &c);
+        if (f) consider(h, &c.best, f, f->addr, f->size, size);
     }
-    ri_each_at_least(&h->runs, size, place_in_run, &c);
-    if (f) consider(h, &c.best, f, f->addr, f->size, size);
+    if (pool) place_pooled(&c);
     return c.best;
 }
 
@@ -1051,16 +1105,39 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     return rc;
 }
 
+/* The free blocks of a pool under [x, end) become general free space, same
+ * owner (the parts outside the range stay the pool's): they stop keeping
+ * their pages, which the block carved from the range keeps again.  b is a
+ * block at or before x.  The caller keeps the runs out of the run index. */
+static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr_t end) {
+    while (b->addr + b->size <= x) b = b->next;
+    for (; b && b->addr < end; b = b->next) {
+        if (b->state != GM_BLOCK_FREE || !b->pool) continue;
+        index_remove(h, b);
+        if (b->addr < x) {
+            gm_block *r = split(h, b, x - b->addr);
+            index_insert(h, b);
+            b = r;
+        }
+        if (b->addr + b->size > end) index_insert(h, split(h, b, end - b->addr));
+        gm_pages_use(h, b, -1);
+        b->pool = NULL;
+        index_insert(h, b);
+    }
+}
+
 /* Map every unmapped page under [x, x+size) with spare pages, and make the
- * range one free block owned by s.  Returns that block, or NULL on a device
- * error (pages mapped so far stay mapped and free: nothing is lost). */
-static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap,
-                                   int *err) {
+ * range one free block owned by s: general space, after the free blocks of
+ * `pool` (if any) under it join it.  Returns that block, or NULL on a device
+ * error (pages mapped so far stay mapped and free, the pool's blocks stay
+ * the pool's: nothing is lost). */
+static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, gm_pool *pool,
+                                   int remap, int *err) {
     gm_block *b = from;
     while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
     uintptr_t end = x + size;
-    size_t cuts = 2;
+    size_t cuts = 4;
     for (gm_block *c = b; c && c->addr < end; c = c->next) cuts += 2 * (c->state == GM_BLOCK_UNMAPPED);
     if (slab_reserve(h, cuts)) {
         *err = GM_ENOMEM;
@@ -1109,6 +1186,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
     /* The range is now free; merge what ownership kept apart (s and ANY only).
      * `from` is still a block: it starts a run that s may use, so it never
      * merges into the block before it, and merges keep the lower record. */
+    if (pool) pool_blocks_to_general(h, from, x, end);
     b = from;
     while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
@@ -1126,13 +1204,37 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
     return b->state == GM_BLOCK_FREE ? b : NULL;
 }
 
-/* The range lies in one run of general space: out of the run index while it
- * changes (`from` survives every change, see above). */
-static gm_block *back_range(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, int remap, int *err) {
-    gm_run_detach(h, from);
-    gm_block *b = back_range_in_run(h, from, x, size, s, remap, err);
-    gm_run_attach(h, from);
-    return b;
+/* Back placement pl.  A range in one run of general space: that run is out of
+ * the run index while it changes (`from` survives every change, see above).
+ * A range that takes free blocks of `pool` joins runs on either side of them:
+ * every run the range and its two neighbours are in is out meanwhile (`lo`,
+ * the block before the range's first, survives: merges keep lower records). */
+static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s, gm_pool *pool, int remap,
+                            int *err) {
+    gm_block *from = pl->first;
+    if (!pl->pooled) {
+        if (from->pool) {
+            /* A run with pool blocks, but none under the range: start from the
+             * general block after the last pool block before it. */
+            gm_block *b = from;
+            while (b->addr + b->size <= pl->addr) b = b->next;
+            while (!b->prev->pool) b = b->prev;
+            from = b;
+        }
+        gm_run_detach(h, from);
+        gm_block *b = back_range_in_run(h, from, pl->addr, size, s, NULL, remap, err);
+        gm_run_attach(h, from);
+        return b;
+    }
+    uintptr_t end = pl->addr + size;
+    gm_block *lo = from;
+    while (lo->addr + lo->size <= pl->addr) lo = lo->next;
+    if (lo->prev) lo = lo->prev;
+    for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
+    gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, err);
+    for (gm_block *b = lo; b && b->addr <= end; b = b->next)
+        if (gm_general_space(b) && !gm_run_head(b)->run_len) gm_run_attach(h, b);
+    return r;
 }
 
 /* ---- reports ------------------------------------------------------------------------- */
@@ -1247,21 +1349,32 @@ static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
     return pages;
 }
 
-/* Cached pages a defragmentation could move behind placement pl. */
+/* Cached pages a defragmentation could move behind placement pl.  A range
+ * that takes a pool's free blocks holds pages those keep that no block starts
+ * or ends in (cached_pages cannot tell them from cached ones): counted back. */
 static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
-    return cached_pages(h, gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size));
+    size_t ex0 = gm_page_floor(h, pl.addr), ex1 = gm_page_ceil(h, pl.addr + size);
+    size_t pages = cached_pages(h, ex0, ex1);
+    for (const gm_block *b = pl.first; pl.pooled && b && b->addr < pl.addr + size; b = b->next) {
+        if (!gm_keeps_pages(b)) continue;
+        size_t p0 = gm_page_floor(h, b->addr) + 1, p1 = gm_page_floor(h, b->addr + b->size - 1);
+        if (p0 < ex0) p0 = ex0;
+        if (p1 > ex1) p1 = ex1;
+        if (p1 > p0) pages += p1 - p0;
+    }
+    return pages;
 }
 
 /* Wait for the device, place again (every stream's free memory is usable
  * now), and unmap cached pages into spares for the placement's shortfall. */
-static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, int *synced, int *recycled,
-                       int *dev_err) {
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, int *synced,
+                       int *recycled, int *dev_err) {
     if (synchronize(h) != GM_OK) {
         *dev_err = GM_EDEVICE;
         return;
     }
     *synced = 1;
-    *pl = place(h, size, s);
+    *pl = place(h, size, s, pool);
     if (!pl->ok || pl->new_pages <= h->n_spare) return;
     size_t got = recycle(h, pl->new_pages - h->n_spare, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size));
     if (got) {
@@ -1279,7 +1392,7 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_bl
     int dev_err = GM_OK, recycled = 0, synced = 0;
     placement pl;
     if (h->no_sync) {
-        pl = place(h, size, s);
+        pl = place(h, size, s, pool);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
         synced = 1; /* as if: no defragmentation below */
         goto placed;
@@ -1294,23 +1407,23 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_bl
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
-    pl = place(h, size, s);
+    pl = place(h, size, s, pool);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
      * there is only if the device or the cap refused. */
     if (!pl.ok || (pl.new_pages > h->n_spare && cached_pages_outside(h, pl, size) >= pl.new_pages - h->n_spare))
-        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
+        defragment(h, &pl, size, s, pool, &synced, &recycled, &dev_err);
     if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     if ((!pl.ok || pl.new_pages > h->n_spare) && !synced) {
-        defragment(h, &pl, size, s, &synced, &recycled, &dev_err);
+        defragment(h, &pl, size, s, pool, &synced, &recycled, &dev_err);
         if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
     }
 placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (pl.new_pages > h->n_spare) return out_of_memory(h, size, s, pl.new_pages - h->n_spare, dev_err);
     int err = GM_OK;
-    b = back_range(h, pl.first, pl.addr, size, s, recycled, &err);
+    b = back_range(h, &pl, size, s, pool, recycled, &err);
     if (!b) {
         release_spares(h, h->mapped_pages);
         return err ? GM_EDEVICE : GM_ECORRUPT;

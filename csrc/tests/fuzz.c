@@ -430,6 +430,12 @@ static void op_malloc(world *w, rng_t *r)
     if (chance(r, 250000)) {
         int k = (int)rnd_below(r, NPOOLS);
         if (w->pool_uses[k]) pool = k;
+        /* Half the time a little more than memory the pool keeps free: the
+         * placement may extend that block (a graph recorded at a larger shape). */
+        if (pool >= 0 && w->npf && chance(r, 500000)) {
+            const prange *pr = &w->pf[rnd_below(r, w->npf)];
+            if (pr->pool == pool) size = pr->size + 1 + (size_t)rnd_below(r, 4 * w->page);
+        }
     }
     gm_pool_id pid = pool_id(pool < 0 ? 0 : pool);
     gm_stats before;
