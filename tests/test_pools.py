@@ -656,3 +656,25 @@ def test_pools_growing_among_general_traffic_keep_every_invariant(make_heap, see
     h.empty_cache()
     assert_ok(h)
     assert h.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_pool_request_prefers_the_pools_free_memory_on_a_tie(make_heap):
+    """Two places need the same new pages: a short run of general memory, and
+    the pool's free block before unmapped space.  The pool's request takes the
+    pool's memory, which serves nothing else, and leaves the general memory."""
+    h = make_heap()
+    h.pool_retain(P)
+    g = h.malloc(4 * MiB)                # pages 0-1
+    h1 = h.malloc(4 * MiB)               # pages 2-3
+    h.malloc(2 * MiB)                    # page 4, stays live
+    a = h.malloc(4 * MiB, pool=P)        # pages 5-6
+    h.free(h1)
+    h.empty_cache()                      # pages 2-3 unmapped
+    h.free(g)                            # [0, 4) MiB general free, mapped
+    h.free(a)                            # the pool's, unmapped space after it
+    before = _reserved(h)
+    b = h.malloc(8 * MiB, pool=P)        # here or at g: two new pages either way
+    assert b == a
+    assert _reserved(h) - before == 2 * PAGE
+    assert [(x["addr"], x["size"]) for x in blocks(h) if x["state"] == "free" and x["pool"] is None][0] == (g, 4 * MiB)
+    assert_ok(h)

@@ -968,13 +968,19 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
     return pages;
 }
 
-/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`. */
+/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
+ * Fewest new pages first; then, for a pool's request, a range that takes the
+ * pool's free memory (which serves nothing else) over one that takes only
+ * general memory; then the shortest run; then the lowest address. */
 static void consider_at(const gm_heap *h, placement *best, gm_block *first, uintptr_t x, size_t len, size_t size) {
     int pooled;
     size_t need = unmapped_in(h, first, x, size, &pooled);
-    if (!best->ok || need < best->new_pages || (need == best->new_pages && len < best->run) ||
-        (need == best->new_pages && len == best->run && x < best->addr))
-        *best = (placement){1, x, need, len, first, pooled};
+    int better = !best->ok || need < best->new_pages;
+    if (!better && need == best->new_pages) {
+        if (pooled != best->pooled) better = pooled > best->pooled;
+        else better = len < best->run || (len == best->run && x < best->addr);
+    }
+    if (better) *best = (placement){1, x, need, len, first, pooled};
 }
 
 static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len,
