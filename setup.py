@@ -5,6 +5,7 @@ GPUMEM_WERROR=1 (set by CI) turns warnings into errors.
 csrc/torch_ext/checkpoint.cpp is not compiled here (it needs torch's headers):
 it ships inside the package, and gpumem.torch builds it on first use.
 """
+
 import glob
 import os
 import shutil
@@ -17,8 +18,14 @@ from setuptools.command.build_py import build_py
 # Python's headers would otherwise compile as returning int and truncate the
 # pointer it returns.
 WARN = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("GPUMEM_WERROR") == "1" else [])
-C_FLAGS = ["-std=c11", "-O2", "-D_GNU_SOURCE", "-fvisibility=hidden",
-           "-Werror=implicit-function-declaration", "-Werror=int-conversion"] + WARN
+C_FLAGS = [
+    "-std=c11",
+    "-O2",
+    "-D_GNU_SOURCE",
+    "-fvisibility=hidden",
+    "-Werror=implicit-function-declaration",
+    "-Werror=int-conversion",
+] + WARN
 # torch's pool hooks pass std::function objects across the boundary: the C++
 # standard library ABI must be torch's (1 for every torch since 2.7; gpumem.torch
 # checks torch._C._GLIBCXX_USE_CXX11_ABI against gpumem._C._torch_cxx11_abi()).

@@ -6,9 +6,9 @@ Each size is timed as R repeats of N iterations of `torch.empty(n, dtype=uint8, 
 whose result is dropped at once (allocate + free), after a warm-up; the median repeat is
 reported in microseconds per iteration.
 """
+
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -53,8 +53,11 @@ def main():
         return
     res = {}
     for use in ("native", "gpumem"):
-        p = subprocess.run([sys.executable, __file__, "--one", use, "--iters", str(a.iters), "--repeats",
-                            str(a.repeats)], capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, __file__, "--one", use, "--iters", str(a.iters), "--repeats", str(a.repeats)],
+            capture_output=True,
+            text=True,
+        )
         line = [l for l in p.stdout.splitlines() if l.startswith("{")]
         if p.returncode or not line:
             print(p.stderr[-3000:], file=sys.stderr)
@@ -63,9 +66,16 @@ def main():
     print("| size | native us | gpumem us | gpumem / native |")
     print("|---|---|---|---|")
     for n in SIZES:
-        print(f"| {n} B | {res['native'][n]:.2f} | {res['gpumem'][n]:.2f} | {res['gpumem'][n] / res['native'][n]:.3f} |")
-    doc = {"sizes": SIZES, "native_us": [res["native"][n] for n in SIZES], "gpumem_us": [res["gpumem"][n] for n in SIZES],
-           "iters": a.iters, "repeats": a.repeats}
+        print(
+            f"| {n} B | {res['native'][n]:.2f} | {res['gpumem'][n]:.2f} | {res['gpumem'][n] / res['native'][n]:.3f} |"
+        )
+    doc = {
+        "sizes": SIZES,
+        "native_us": [res["native"][n] for n in SIZES],
+        "gpumem_us": [res["gpumem"][n] for n in SIZES],
+        "iters": a.iters,
+        "repeats": a.repeats,
+    }
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)

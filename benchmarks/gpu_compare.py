@@ -12,6 +12,7 @@ them), gpu_compare_logs.txt into --out, and copies the JSON, markdown, tar and l
 figure that fails is recorded with its reason and the run goes on.  docs/benchmarks.md explains
 the figures, the fair cap and the time plan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,32 +89,68 @@ def _json_obj(text: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     here = os.path.dirname(os.path.abspath(__file__))
-    p = argparse.ArgumentParser(prog="gpu_compare.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces", default=os.path.join(here, "..", "gpumem", "data", "traces"),
-                   help="directory of *.trace.gz (default: the traces shipped in gpumem/data/traces)")
-    p.add_argument("--only-traces", type=lambda s: [x for x in s.split(",") if x], default=None,
-                   metavar="NAME,...", help="replay only these traces")
-    p.add_argument("--figures", type=_figures, default=list(ALL_FIGURES), metavar="1,2,...",
-                   help="figures to make (default all)")
-    p.add_argument("--contenders", type=_contenders, default=list(CONTENDERS), metavar="NAME,...",
-                   help=f"allocators (default {','.join(CONTENDERS)})")
-    p.add_argument("--quick", action="store_true",
-                   help="coarser and shorter: 32 MiB resolution, 8 training steps, one fig-5 length")
-    p.add_argument("--deadline", type=float, default=540.0, metavar="S",
-                   help="seconds for the whole run; figures share it (default 540)")
+    p = argparse.ArgumentParser(
+        prog="gpu_compare.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--traces",
+        default=os.path.join(here, "..", "gpumem", "data", "traces"),
+        help="directory of *.trace.gz (default: the traces shipped in gpumem/data/traces)",
+    )
+    p.add_argument(
+        "--only-traces",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        metavar="NAME,...",
+        help="replay only these traces",
+    )
+    p.add_argument(
+        "--figures", type=_figures, default=list(ALL_FIGURES), metavar="1,2,...", help="figures to make (default all)"
+    )
+    p.add_argument(
+        "--contenders",
+        type=_contenders,
+        default=list(CONTENDERS),
+        metavar="NAME,...",
+        help=f"allocators (default {','.join(CONTENDERS)})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="coarser and shorter: 32 MiB resolution, 8 training steps, one fig-5 length",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=540.0,
+        metavar="S",
+        help="seconds for the whole run; figures share it (default 540)",
+    )
     p.add_argument("--resolution", type=_size, default=None, help="figure 1 search resolution (default 8MiB)")
     p.add_argument("--fig4-steps", type=int, default=None, help="training steps per run (default 12)")
     p.add_argument("--fig5-cap", type=_size, default=8 * GiB, help="figure 5 cap (default 8GiB)")
-    p.add_argument("--fig5-lengths", type=_ints, default=None,
-                   help="figure 5 sequence lengths, headline first (default 1024,512,2048)")
-    p.add_argument("--gpumem-options", type=_json_obj, default={}, metavar="JSON",
-                   help="keyword options for gpumem.install(), as a JSON object")
+    p.add_argument(
+        "--fig5-lengths",
+        type=_ints,
+        default=None,
+        help="figure 5 sequence lengths, headline first (default 1024,512,2048)",
+    )
+    p.add_argument(
+        "--gpumem-options",
+        type=_json_obj,
+        default={},
+        metavar="JSON",
+        help="keyword options for gpumem.install(), as a JSON object",
+    )
     p.add_argument("--out", default=os.path.join(here, "results"), help="output directory")
-    p.add_argument("--copy-to", default=None, metavar="DIR",
-                   help="also copy the JSON, markdown, plots tar and logs here")
-    p.add_argument("--spawn", action="store_true",
-                   help="a fresh interpreter per attempt instead of a fork of the worker server")
+    p.add_argument(
+        "--copy-to", default=None, metavar="DIR", help="also copy the JSON, markdown, plots tar and logs here"
+    )
+    p.add_argument(
+        "--spawn", action="store_true", help="a fresh interpreter per attempt instead of a fork of the worker server"
+    )
     p.add_argument("--dry-run", action="store_true", help="fake backend: no torch, no GPU (tests the plumbing)")
     p.add_argument("--replot", metavar="JSON", help="only rebuild the markdown and plots from a results file")
     return p
@@ -155,6 +192,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.traces):
         parser.error(f"--traces {args.traces!r} is not a directory")
     from compare.runner import Run, on_sigterm
+
     signal.signal(signal.SIGTERM, on_sigterm)
     command = "python benchmarks/gpu_compare.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return Run(args, command).run()

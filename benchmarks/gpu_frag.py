@@ -10,6 +10,7 @@ free pages behind a new address range and succeeds.
     python benchmarks/gpu_frag.py [--json FILE]      # both, each in a fresh process
     python benchmarks/gpu_frag.py --one native|gpumem
 """
+
 import argparse
 import json
 import os
@@ -44,7 +45,7 @@ def scenario(use):
         made.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
         live += size
     n = len(made)
-    kept = made[::3]   # every third stays; the rest are freed together, leaving holes between them
+    kept = made[::3]  # every third stays; the rest are freed together, leaving holes between them
     del made
     st = torch.cuda.memory_stats()
     allocated, reserved = st["allocated_bytes.all.current"], st["reserved_bytes.all.current"]
@@ -61,11 +62,24 @@ def scenario(use):
         ok, err = False, str(e).split(". ")[0] + ". " + str(e).split(". ")[1]
     dt = time.perf_counter() - t0
     segs = torch.cuda.memory_snapshot()
-    return dict(segments=len(segs), expandable=any(sg.get("is_expandable") for sg in segs),
-                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), allocator=use, total=total, fill_fraction=round(fill_fraction, 4), tensors=n, kept=len(kept),
-                allocated=allocated, reserved=reserved, free_in_holes=free_in_holes, request=request,
-                big_ok=ok, error=err, seconds=round(dt, 3),
-                device_free_before_request=torch.cuda.mem_get_info()[0])
+    return dict(
+        segments=len(segs),
+        expandable=any(sg.get("is_expandable") for sg in segs),
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        allocator=use,
+        total=total,
+        fill_fraction=round(fill_fraction, 4),
+        tensors=n,
+        kept=len(kept),
+        allocated=allocated,
+        reserved=reserved,
+        free_in_holes=free_in_holes,
+        request=request,
+        big_ok=ok,
+        error=err,
+        seconds=round(dt, 3),
+        device_free_before_request=torch.cuda.mem_get_info()[0],
+    )
 
 
 def main():
@@ -85,12 +99,16 @@ def main():
             sys.exit(1)
         rows.append(json.loads(line[-1]))
     g = lambda b: f"{b / GiB:.2f}"
-    print("| allocator | filled | kept / made | allocated GiB | reserved GiB | free in holes GiB | request GiB | result |")
+    print(
+        "| allocator | filled | kept / made | allocated GiB | reserved GiB | free in holes GiB | request GiB | result |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         res = f"ok ({r['seconds']} s)" if r["big_ok"] else "OutOfMemoryError: " + r["error"][:90]
-        print(f"| {r['allocator']} | {r['fill_fraction']:.1%} | {r['kept']} / {r['tensors']} | {g(r['allocated'])} | "
-              f"{g(r['reserved'])} | {g(r['free_in_holes'])} | {g(r['request'])} | {res} |")
+        print(
+            f"| {r['allocator']} | {r['fill_fraction']:.1%} | {r['kept']} / {r['tensors']} | {g(r['allocated'])} | "
+            f"{g(r['reserved'])} | {g(r['free_in_holes'])} | {g(r['request'])} | {res} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

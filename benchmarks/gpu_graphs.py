@@ -10,6 +10,7 @@ expandable_segments, median latency <= 1.00 x native.
 Usage on a GPU machine: python benchmarks/gpu_graphs.py [--out benchmarks/results/gpu_graphs.json]
     [--shapes 2x256,8x512,16x1024] [--iters 30]
 """
+
 import argparse
 import json
 import os
@@ -51,7 +52,8 @@ with torch.no_grad():
     for bs, seq in shapes:
         f(torch.randint(0, cfg.vocab_size, (bs, seq), device="cuda"), use_cache=False).logits
 torch.cuda.synchronize()
-res = {"mode": mode, "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
+res = {"mode": mode, "peak_reserved": torch.cuda.max_memory_reserved(),
+       "peak_allocated": torch.cuda.max_memory_allocated(),
        "reserved_end": torch.cuda.memory_reserved(), "latency_ms": lat, "wall_s": time.perf_counter() - t0,
        "torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
 if mode == "gpumem":
@@ -74,12 +76,17 @@ def run(mode, shapes, iters):
     env.pop("GPUMEM_CONF", None)
     if mode == "expandable_segments":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    p = subprocess.run([sys.executable, "-c", WORKER, "gpumem" if mode == "gpumem" else "native",
-                        json.dumps(shapes), str(iters)], env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-c", WORKER, "gpumem" if mode == "gpumem" else "native", json.dumps(shapes), str(iters)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         raise SystemExit(f"{mode} failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = json.loads(lines[-1][len("RESULT ") :])
     r["mode"] = mode
     return r
 
@@ -94,17 +101,24 @@ def main(argv=None):
     results = {m: run(m, shapes, args.iters) for m in MODES}
     nat = results["native"]
     keys = [f"{b}x{s}" for b, s in shapes]
-    print(f"torch.compile(mode='reduce-overhead'), 4-layer Llama (bf16), shapes {', '.join(keys)}; "
-          f"{nat['device']}, torch {nat['torch']}")
-    head = "| allocator | peak reserved GiB | x native | peak live GiB | " + \
-           " | ".join(f"{k} ms (x native)" for k in keys) + " |"
+    print(
+        f"torch.compile(mode='reduce-overhead'), 4-layer Llama (bf16), shapes {', '.join(keys)}; "
+        f"{nat['device']}, torch {nat['torch']}"
+    )
+    head = (
+        "| allocator | peak reserved GiB | x native | peak live GiB | "
+        + " | ".join(f"{k} ms (x native)" for k in keys)
+        + " |"
+    )
     print(head)
     print("|" + "---|" * (4 + len(keys)))
     for m in MODES:
         r = results[m]
         cells = [f"{r['latency_ms'][k]:.3f} ({r['latency_ms'][k] / nat['latency_ms'][k]:.2f})" for k in keys]
-        print(f"| {m} | {r['peak_reserved'] / GiB:.2f} | {r['peak_reserved'] / nat['peak_reserved']:.2f} | "
-              f"{r['peak_allocated'] / GiB:.2f} | " + " | ".join(cells) + " |")
+        print(
+            f"| {m} | {r['peak_reserved'] / GiB:.2f} | {r['peak_reserved'] / nat['peak_reserved']:.2f} | "
+            f"{r['peak_allocated'] / GiB:.2f} | " + " | ".join(cells) + " |"
+        )
     g, e = results["gpumem"], results["expandable_segments"]
     goals = {
         "reserved_le_0.75_native": g["peak_reserved"] <= 0.75 * nat["peak_reserved"],

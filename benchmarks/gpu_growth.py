@@ -4,6 +4,7 @@ Each row: a fresh heap on cuda:0; one malloc that needs N new pages (cuMemCreate
 one cuMemSetAccess per run), its free, then empty_cache (cuMemUnmap + cuMemRelease per page).  Median
 of 5.  Also times a remap: N pages moved behind a new address by defragmentation.
 Usage on a machine with a GPU: python benchmarks/gpu_growth.py [--json PATH]"""
+
 import json
 import statistics
 import sys

@@ -27,6 +27,7 @@ allocator, and the losses are compared step by step.
 Reports: minutes, steps, OOMs survived, checksum failures, leaked bytes, the
 largest loss difference, and reserved / live over time.
 """
+
 import argparse
 import json
 import os
@@ -48,14 +49,16 @@ def build(torch, dev):
 
         def loss_of(x):
             return m(input_ids=x, labels=x).loss
+
         vocab = m.config.vocab_size
     except ImportError:
         from torch.utils.checkpoint import checkpoint
 
         vocab = 32000
         emb = torch.nn.Embedding(vocab, 768).to(dev)
-        layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
-                                     for _ in range(8)).to(dev)
+        layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True) for _ in range(8)
+        ).to(dev)
         head = torch.nn.Linear(768, vocab).to(dev)
         m = torch.nn.ModuleList([emb, layers, head])
 
@@ -64,6 +67,7 @@ def build(torch, dev):
             for layer in layers:
                 h = checkpoint(layer, h, use_reentrant=False)
             return torch.nn.functional.cross_entropy(head(h).flatten(0, 1), x.flatten())
+
     return m, loss_of, vocab
 
 
@@ -89,13 +93,24 @@ def train(args, schedule=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     side = torch.cuda.Stream()
     # Long-lived tensors of assorted sizes, with their checksums.
-    keep = [torch.randint(-2**31, 2**31 - 1, (random.randint(1 << 10, 16 << 20),), dtype=torch.int32, device=dev)
-            for _ in range(12)]
+    keep = [
+        torch.randint(-(2**31), 2**31 - 1, (random.randint(1 << 10, 16 << 20),), dtype=torch.int32, device=dev)
+        for _ in range(12)
+    ]
     sums = [checksum(torch, t) for t in keep]
     rng = random.Random(SEED + 1)
-    out = {"allocator": "gpumem" if use_gpumem else "native", "steps": 0, "ooms": 0, "checksum_failures": 0,
-           "losses": [], "schedule": [], "ratio": [], "empty_cache_calls": 0, "history_toggles": 0,
-           "cap_changes": 0}
+    out = {
+        "allocator": "gpumem" if use_gpumem else "native",
+        "steps": 0,
+        "ooms": 0,
+        "checksum_failures": 0,
+        "losses": [],
+        "schedule": [],
+        "ratio": [],
+        "empty_cache_calls": 0,
+        "history_toggles": 0,
+        "cap_changes": 0,
+    }
     batch, max_batch, good = 8, 8, 0
     t_end = time.time() + 60 * args.minutes
     history_on = False
@@ -180,7 +195,7 @@ def train(args, schedule=None):
     if use_gpumem:
         gpumem.record_history(False)
         torch.cuda.set_per_process_memory_fraction(1.0)
-    del model, opt, loss_of
+    model = opt = loss_of = None  # free them before the next phase (one_step closes over them)
     import gc
 
     gc.collect()
@@ -200,8 +215,12 @@ def train(args, schedule=None):
 
 
 def native_replay(schedule_path):
-    p = subprocess.run([sys.executable, __file__, "--replay", schedule_path], capture_output=True, text=True,
-                       env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
+    p = subprocess.run(
+        [sys.executable, __file__, "--replay", schedule_path],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"),
+    )
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not line:
         print(f"native replay failed:\n{p.stderr[-3000:]}", file=sys.stderr)
@@ -213,9 +232,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--json", default="gpu_soak.json", help="results (and, with --phase, the hand-over file)")
-    ap.add_argument("--phase", choices=["both", "gpumem", "native"], default="both",
-                    help="gpumem: the soak only (writes --json); native: the native replay of the schedule "
-                         "in --json, compared with its losses; both: one after the other")
+    ap.add_argument(
+        "--phase",
+        choices=["both", "gpumem", "native"],
+        default="both",
+        help="gpumem: the soak only (writes --json); native: the native replay of the schedule "
+        "in --json, compared with its losses; both: one after the other",
+    )
     ap.add_argument("--replay", help=argparse.SUPPRESS)  # internal: native replay of a schedule file
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -238,16 +261,32 @@ def main():
         json.dump(g["schedule"], f)
     n = native_replay(sched)
     diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
-    report = {k: g[k] for k in ("minutes", "steps", "ooms", "checksum_failures", "leaked_bytes", "checker",
-                                "reserved_after_empty_cache", "pages_live_tensors_touch", "cap_changes",
-                                "empty_cache_calls", "history_toggles", "ratio")}
+    report = {
+        k: g[k]
+        for k in (
+            "minutes",
+            "steps",
+            "ooms",
+            "checksum_failures",
+            "leaked_bytes",
+            "checker",
+            "reserved_after_empty_cache",
+            "pages_live_tensors_touch",
+            "cap_changes",
+            "empty_cache_calls",
+            "history_toggles",
+            "ratio",
+        )
+    }
     report["native_steps"] = n["steps"] if n else None
     report["max_loss_diff"] = max(diffs) if diffs else None
     report["losses_equal"] = bool(n) and n["steps"] == g["steps"] and all(d == 0 for d in diffs)
     print("| minutes | steps | OOMs survived | checksum failures | leaked bytes | checker | max |loss - native| |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {report['minutes']} | {report['steps']} | {report['ooms']} | {report['checksum_failures']} | "
-          f"{report['leaked_bytes']} | {report['checker']} | {report['max_loss_diff']} |")
+    print(
+        f"| {report['minutes']} | {report['steps']} | {report['ooms']} | {report['checksum_failures']} | "
+        f"{report['leaked_bytes']} | {report['checker']} | {report['max_loss_diff']} |"
+    )
     print("reserved / live every 10 steps:", " ".join(f"{s}:{r}" for s, r in report["ratio"]))
     g["report"] = report
     with open(a.json, "w") as f:

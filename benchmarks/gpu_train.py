@@ -8,9 +8,9 @@ native and gpumem.  A step is timed from its first kernel launch to a device
 synchronisation; the first WARMUP steps (cuDNN/cuBLAS set-up) are left out and the
 median of the rest is reported.  Both allocators see the same shapes in the same order.
 """
+
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -49,13 +49,22 @@ def run(name, use, steps):
             L = random.choice([128, 192, 256, 384, 512, 640, 768, 1024])
             x = torch.randint(0, 50257, (8, L), device=dev)
             out = m(input_ids=x, labels=x)
-            out.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     elif name == "llama_lora_ckpt":
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
-                          num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+        cfg = LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=5504,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        )
         m = LlamaForCausalLM(cfg).to(dev, dtype=torch.bfloat16)
         m.gradient_checkpointing_enable()
         m.enable_input_require_grads()
@@ -67,7 +76,9 @@ def run(name, use, steps):
             L = random.choice([256, 512, 768, 1024, 1536, 2048])
             x = torch.randint(0, 32000, (4, L), device=dev)
             out = m(input_ids=x, labels=x)
-            out.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     elif name == "resnet50_multires":
         import torchvision
 
@@ -76,24 +87,36 @@ def run(name, use, steps):
         k = [0]
 
         def step():
-            s = [160, 224, 288][k[0] % 3]; B = random.choice([32, 64, 96]); k[0] += 1
+            s = [160, 224, 288][k[0] % 3]
+            B = random.choice([32, 64, 96])
+            k[0] += 1
             x = torch.randn(B, 3, s, s, device=dev).to(memory_format=torch.channels_last)
             y = torch.randint(0, 1000, (B,), device=dev)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = torch.nn.functional.cross_entropy(m(x), y)
-            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     else:
         raise SystemExit(f"unknown workload {name}")
     for _ in range(steps):
         timed(step)
     st = torch.cuda.memory_stats()
     body = times[WARMUP:]
-    return dict(workload=name, allocator=use, median_ms=statistics.median(body) * 1e3,
-                mean_ms=statistics.mean(body) * 1e3, steps=len(body),
-                peak_allocated=st["allocated_bytes.all.peak"], peak_reserved=st["reserved_bytes.all.peak"],
-                step_ms=[round(t * 1e3, 3) for t in times], num_remaps=st.get("num_remaps"),
-                num_device_alloc=st.get("num_device_alloc"), num_sync_all_streams=st.get("num_sync_all_streams"),
-                num_alloc_retries=st.get("num_alloc_retries"))
+    return dict(
+        workload=name,
+        allocator=use,
+        median_ms=statistics.median(body) * 1e3,
+        mean_ms=statistics.mean(body) * 1e3,
+        steps=len(body),
+        peak_allocated=st["allocated_bytes.all.peak"],
+        peak_reserved=st["reserved_bytes.all.peak"],
+        step_ms=[round(t * 1e3, 3) for t in times],
+        num_remaps=st.get("num_remaps"),
+        num_device_alloc=st.get("num_device_alloc"),
+        num_sync_all_streams=st.get("num_sync_all_streams"),
+        num_alloc_retries=st.get("num_alloc_retries"),
+    )
 
 
 STEPS = {"gpt2_varlen": 24, "resnet50_multires": 24, "llama_lora_ckpt": 16}
@@ -119,7 +142,9 @@ def main():
                     print(f"{name} {use} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                     continue
                 rows.append(json.loads(line[-1]))
-    print("| workload | native ms (median step) | gpumem ms | gpumem / native | peak reserved native GiB | gpumem GiB |")
+    print(
+        "| workload | native ms (median step) | gpumem ms | gpumem / native | peak reserved native GiB | gpumem GiB |"
+    )
     print("|---|---|---|---|---|---|")
     for name in a.workloads.split(","):
         n = [r for r in rows if r["workload"] == name and r["allocator"] == "native"]
@@ -129,8 +154,10 @@ def main():
             continue
         nm = statistics.median(r["median_ms"] for r in n)
         gm = statistics.median(r["median_ms"] for r in g)
-        print(f"| {name} | {nm:.2f} | {gm:.2f} | {gm / nm:.3f} | {max(r['peak_reserved'] for r in n) / 2**30:.2f} | "
-              f"{max(r['peak_reserved'] for r in g) / 2**30:.2f} |")
+        print(
+            f"| {name} | {nm:.2f} | {gm:.2f} | {gm / nm:.3f} | {max(r['peak_reserved'] for r in n) / 2**30:.2f} | "
+            f"{max(r['peak_reserved'] for r in g) / 2**30:.2f} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,6 +13,7 @@ Times Heap.malloc + Heap.free pairs called from Python at a given stack depth
 
 Usage: python benchmarks/history_overhead.py [--pairs N] [--depths 1,10,30] [--json]
 """
+
 import argparse
 import json
 import sys
@@ -53,8 +54,12 @@ def measure(mode, depth, pairs, rounds):
     for _ in range(rounds):
         _C._stacks_clear()
         with gpumem.Heap(device="sim", capacity="8GiB") as h:
-            gpumem.record_history(mode not in ("off", "sites-off"), device=h,
-                                  stacks="python" if "stacks" in mode else None, max_entries=100_000)
+            gpumem.record_history(
+                mode not in ("off", "sites-off"),
+                device=h,
+                stacks="python" if "stacks" in mode else None,
+                max_entries=100_000,
+            )
             h.free(h.malloc(MiB))  # map the first page outside the timed loop
             fn = new_sites if mode in ("stacks-new", "sites-off") else loop
             best = min(best, at_depth(depth, lambda: fn(h, pairs)))
@@ -78,8 +83,9 @@ def main(argv=None):
             ns = measure(mode, depth, pairs, a.rounds)
             ref = "sites-off" if mode in ("stacks-new", "sites-off") else "off"
             base.setdefault(ref, ns)
-            rows.append({"depth": depth, "mode": mode, "ns_per_pair": round(ns, 1),
-                         "overhead_ns": round(ns - base[ref], 1)})
+            rows.append(
+                {"depth": depth, "mode": mode, "ns_per_pair": round(ns, 1), "overhead_ns": round(ns - base[ref], 1)}
+            )
     if a.json:
         print(json.dumps({"python": sys.version.split()[0], "rows": rows}))
         return

@@ -11,13 +11,15 @@ CUDA graph's static output does.  The sizes follow a Llama-style model: hidden
 
 Printed: peak live and peak reserved memory, and reserved / live, for gpumem
 (also with no capture under way, where the growth limit and defragmentation
-apply, as they would to a MemPool used without a graph) and for a model of one contiguous growable segment per pool (expandable
+apply, as they would to a MemPool used without a graph) and for a model of one contiguous growable segment per
+pool (expandable
 segments: best fit among its free ranges, else the segment grows at its end by
 what its free tail lacks, in 2 MiB pages), which is the figure to approach.
 
 Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-outputs] [--label NAME]
        [--out benchmarks/results/pool_growth.json]
 """
+
 import argparse
 import json
 import os
@@ -78,6 +80,7 @@ def forward(a, tokens, alloc, free, batch):
 def run_gpumem(a, shapes, capture=True):
     peak_live = 0
     with gpumem.Heap(device="sim", capacity=a.capacity) as h:
+
         def live():
             nonlocal peak_live
             st = h.stats()
@@ -104,14 +107,24 @@ def run_gpumem(a, shapes, capture=True):
             if capture:
                 h.capture_end()
             st = h.stats()
-            per_shape.append({"shape": f"{b}x{t}", "reserved": st["reserved_bytes.all.current"],
-                              "live": st["allocated_bytes.all.current"],
-                              "pool_free_bytes": h.pool_info(POOL)["free_bytes"]})
+            per_shape.append(
+                {
+                    "shape": f"{b}x{t}",
+                    "reserved": st["reserved_bytes.all.current"],
+                    "live": st["allocated_bytes.all.current"],
+                    "pool_free_bytes": h.pool_info(POOL)["free_bytes"],
+                }
+            )
         st = h.stats()
         err = h.check()
-        res = {"peak_live": peak_live, "peak_reserved": st["reserved_bytes.all.peak"],
-               "num_device_alloc": st["num_device_alloc"], "num_remaps": st["num_remaps"],
-               "per_shape": per_shape, "check": err or "ok"}
+        res = {
+            "peak_live": peak_live,
+            "peak_reserved": st["reserved_bytes.all.peak"],
+            "num_device_alloc": st["num_device_alloc"],
+            "num_remaps": st["num_remaps"],
+            "per_shape": per_shape,
+            "check": err or "ok",
+        }
         for p in outputs + w:
             h.free(p)
         h.pool_release(POOL)
@@ -123,7 +136,7 @@ class Segment:
 
     def __init__(self):
         self.free = []  # (addr, size), sorted by address
-        self.top = 0    # bytes used from the segment's start
+        self.top = 0  # bytes used from the segment's start
         self.mapped = 0
         self.sizes = {}
 
@@ -200,8 +213,9 @@ def main(argv=None):
     ap.add_argument("--mlp", type=int, default=5504)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--capacity", default="80GiB")
-    ap.add_argument("--drop-outputs", action="store_true",
-                    help="free each recorded pass's output too (the caller drops it)")
+    ap.add_argument(
+        "--drop-outputs", action="store_true", help="free each recorded pass's output too (the caller drops it)"
+    )
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pool_growth.json"))
     a = ap.parse_args(argv)
@@ -209,19 +223,31 @@ def main(argv=None):
     g = run_gpumem(a, shapes)
     nc = run_gpumem(a, shapes, capture=False)
     s = run_segment(a, shapes)
-    print(f"one graph pool, shapes {a.shapes}; {a.layers} layers, hidden {a.hidden}, MLP {a.mlp}, "
-          f"vocabulary {a.vocab}, bf16 (simulated device)")
+    print(
+        f"one graph pool, shapes {a.shapes}; {a.layers} layers, hidden {a.hidden}, MLP {a.mlp}, "
+        f"vocabulary {a.vocab}, bf16 (simulated device)"
+    )
     print(f"{'':28s}{'peak live GiB':>15s}{'peak reserved GiB':>19s}{'reserved/live':>15s}")
     for name, r in (("gpumem", g), ("gpumem, no capture", nc), ("one growable segment/pool", s)):
-        print(f"{name:28s}{r['peak_live'] / GiB:15.3f}{r['peak_reserved'] / GiB:19.3f}"
-              f"{r['peak_reserved'] / r['peak_live']:15.3f}")
+        print(
+            f"{name:28s}{r['peak_live'] / GiB:15.3f}{r['peak_reserved'] / GiB:19.3f}"
+            f"{r['peak_reserved'] / r['peak_live']:15.3f}"
+        )
     for p in g["per_shape"]:
-        print(f"  gpumem after {p['shape']:>8s}: reserved {p['reserved'] / GiB:.3f} GiB, live "
-              f"{p['live'] / GiB:.3f} GiB, pool free {p['pool_free_bytes'] / GiB:.3f} GiB")
+        print(
+            f"  gpumem after {p['shape']:>8s}: reserved {p['reserved'] / GiB:.3f} GiB, live "
+            f"{p['live'] / GiB:.3f} GiB, pool free {p['pool_free_bytes'] / GiB:.3f} GiB"
+        )
     print(f"gpumem / segment model, peak reserved: {g['peak_reserved'] / s['peak_reserved']:.3f}; check: {g['check']}")
-    out = {"benchmark": "pool_growth", "label": a.label, "python": platform.python_version(),
-           "args": {k: v for k, v in vars(a).items() if k != "out"}, "gpumem": g, "gpumem_no_capture": nc,
-           "segment_model": s}
+    out = {
+        "benchmark": "pool_growth",
+        "label": a.label,
+        "python": platform.python_version(),
+        "args": {k: v for k, v in vars(a).items() if k != "out"},
+        "gpumem": g,
+        "gpumem_no_capture": nc,
+        "segment_model": s,
+    }
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:

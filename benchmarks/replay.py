@@ -10,6 +10,7 @@ prints the table.  The ratios are comparable to the native / expandable_segments
 cudaMallocAsync columns of gpumem/data/traces/README.md, which were measured the same
 way on an H100 (their search was to 32 MiB; this one is to 1 MiB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,13 +70,17 @@ def measure(path: pathlib.Path, capacity: int) -> dict:
 
 
 def markdown(rows) -> str:
-    out = ["| trace | events | peak live (GiB) | min capacity / peak live | peak reserved / peak live | "
-           "ns/op (median) | remaps |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| trace | events | peak live (GiB) | min capacity / peak live | peak reserved / peak live | "
+        "ns/op (median) | remaps |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['trace']} | {r['events']} | {r['peak_live_bytes'] / (1 << 30):.3f} | "
-                   f"{r['min_capacity_over_peak_live']:.4f} | {r['peak_reserved_over_peak_live']:.4f} | "
-                   f"{r['ns_per_op']:.0f} | {r['remaps']} |")
+        out.append(
+            f"| {r['trace']} | {r['events']} | {r['peak_live_bytes'] / (1 << 30):.3f} | "
+            f"{r['min_capacity_over_peak_live']:.4f} | {r['peak_reserved_over_peak_live']:.4f} | "
+            f"{r['ns_per_op']:.0f} | {r['remaps']} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -98,7 +103,8 @@ def main(argv=None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "replay.md").write_text(
-        f"<!-- written by benchmarks/replay.py; default capacity {format_size(args.capacity)} -->\n" + table)
+        f"<!-- written by benchmarks/replay.py; default capacity {format_size(args.capacity)} -->\n" + table
+    )
     meta = {
         "gpumem_version": gpumem.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -22,6 +22,7 @@ Usage: python benchmarks/slowpath_scaling.py [--points 1000,5000,...] [--reps 21
        [--defrag-points 1000,10000,100000] [--defrag-reps 5]
        [--json benchmarks/results/slowpath_scaling.json]
 """
+
 import argparse
 import json
 import os
@@ -64,8 +65,10 @@ def measure(live, reps, block=4096, request=64 * MiB, seed=0):
         slow = st["num_alloc_retries"] - st0["num_alloc_retries"]
         remaps = st["num_remaps"] - st0["num_remaps"]
         if slow != reps or remaps:
-            raise SystemExit(f"at {live} live blocks: {slow} of {reps} allocations took the slow path, "
-                             f"{remaps} remaps; the benchmark no longer measures what it says")
+            raise SystemExit(
+                f"at {live} live blocks: {slow} of {reps} allocations took the slow path, "
+                f"{remaps} remaps; the benchmark no longer measures what it says"
+            )
         return {
             "live_blocks": live,
             "reps": reps,
@@ -100,16 +103,24 @@ def measure_defrag(live, reps, block=4096, request=64 * MiB, seed=0):
                 raise SystemExit(f"at {live} live blocks the request did not defragment once")
             wall.append((t1 - t0) / 1e3)
             cpu.append((c1 - c0) / 1e3)
-    return {"live_blocks": live, "reps": reps, "median_us": statistics.median(wall), "min_us": min(wall),
-            "median_cpu_us": statistics.median(cpu)}
+    return {
+        "live_blocks": live,
+        "reps": reps,
+        "median_us": statistics.median(wall),
+        "min_us": min(wall),
+        "median_cpu_us": statistics.median(cpu),
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=",".join(map(str, DEFAULT_POINTS)))
     ap.add_argument("--reps", type=int, default=21)
-    ap.add_argument("--defrag-points", default=",".join(map(str, DEFAULT_DEFRAG_POINTS)),
-                    help="live-block counts for the defragmentation table ('' to skip it)")
+    ap.add_argument(
+        "--defrag-points",
+        default=",".join(map(str, DEFAULT_DEFRAG_POINTS)),
+        help="live-block counts for the defragmentation table ('' to skip it)",
+    )
     ap.add_argument("--defrag-reps", type=int, default=5)
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "slowpath_scaling.json"))
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")

@@ -18,6 +18,7 @@ allocator and its stats (not the CUDA device allocator gpumem replaces),
 segment sizes and segment_alloc/segment_free events in snapshots (gpumem maps
 pages, it has no cudaMalloc segments), and the cuBLAS workspace sizes.
 """
+
 import argparse
 import json
 import subprocess
@@ -145,11 +146,11 @@ def record_stream_keeps_memory_from_reuse(torch):
     side = torch.cuda.Stream()
     host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
     with torch.cuda.stream(side):
-        sleep_ms(torch, 50)                    # the side stream is busy...
-        tmp = host.cuda(non_blocking=True)     # ...and then copies into tmp
+        sleep_ms(torch, 50)  # the side stream is busy...
+        tmp = host.cuda(non_blocking=True)  # ...and then copies into tmp
     ptr = tmp.data_ptr()
     tmp.record_stream(side)
-    del tmp                                    # freed while the side stream may still write it
+    del tmp  # freed while the side stream may still write it
     again = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
     assert again.data_ptr() != ptr, "memory in use by a side stream was handed out again"
     side.synchronize()
@@ -160,7 +161,7 @@ def record_stream_keeps_memory_from_reuse(torch):
 def record_stream_on_a_view_protects_the_storage(torch):
     side = torch.cuda.Stream()
     base = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
-    view = base[1 << 20:]
+    view = base[1 << 20 :]
     base_ptr = base.data_ptr()
     with torch.cuda.stream(side):
         sleep_ms(torch, 50)
@@ -180,7 +181,7 @@ def freed_on_one_stream_not_reused_by_a_busy_other(torch):
         sleep_ms(torch, 50)
         a.fill_(7)
         pa = a.data_ptr()
-        del a                                  # s1 may still be filling it
+        del a  # s1 may still be filling it
     with torch.cuda.stream(s2):
         b = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
         assert b.data_ptr() != pa, "a block another stream is still writing was given to s2"
@@ -295,8 +296,7 @@ def run_one(name, allocator):
     except Skip as e:
         return {"status": "skip", "why": str(e)}
     except Exception as e:
-        return {"status": "fail", "why": f"{type(e).__name__}: {str(e)[:300]}",
-                "trace": traceback.format_exc()[-1500:]}
+        return {"status": "fail", "why": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-1500:]}
 
 
 def main():
@@ -314,11 +314,15 @@ def main():
         row = {"case": name}
         for alloc in ("gpumem", "native"):
             t0 = time.time()
-            p = subprocess.run([sys.executable, __file__, "--one", name, alloc], capture_output=True, text=True,
-                               timeout=600)
+            p = subprocess.run(
+                [sys.executable, __file__, "--one", name, alloc], capture_output=True, text=True, timeout=600
+            )
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-            r = json.loads(line[-1]) if line else {"status": "fail",
-                                                   "why": f"process died (exit {p.returncode}): {p.stderr[-500:]}"}
+            r = (
+                json.loads(line[-1])
+                if line
+                else {"status": "fail", "why": f"process died (exit {p.returncode}): {p.stderr[-500:]}"}
+            )
             r["seconds"] = round(time.time() - t0, 1)
             row[alloc] = r
         rows.append(row)
@@ -326,8 +330,10 @@ def main():
         print(f"{name:52s} gpumem {g:5s} native {n:5s} {row['gpumem'].get('why', '')[:100]}", flush=True)
     applicable = [r for r in rows if r["native"]["status"] == "pass"]
     passed = sum(r["gpumem"]["status"] == "pass" for r in applicable)
-    print(f"\n{passed} of {len(applicable)} applicable cases pass under gpumem "
-          f"({len(rows) - len(applicable)} fail natively too and are not counted)")
+    print(
+        f"\n{passed} of {len(applicable)} applicable cases pass under gpumem "
+        f"({len(rows) - len(applicable)} fail natively too and are not counted)"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

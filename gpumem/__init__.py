@@ -3,6 +3,7 @@
 Importing gpumem needs neither torch nor a GPU: the CUDA driver is loaded only
 when a Heap(device="cuda") is created.
 """
+
 from ._units import format_size, parse_size
 
 __version__ = "0.1.0"

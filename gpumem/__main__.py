@@ -6,6 +6,7 @@ Subcommands register themselves in COMMANDS (name -> (add_arguments, run)), so a
 new one is a function pair, not a change to the dispatcher.  Every error the
 user can cause is one line on stderr, "gpumem: error: ...", and exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---- progress ------------------------------------------------------------------
+
 
 class ProgressBar:
     """A one-line bar on stderr, redrawn at most ~10 times a second."""
@@ -90,16 +92,30 @@ def _want_progress(args, n_events: int) -> bool:
 
 # ---- replay ----------------------------------------------------------------------
 
+
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("traces", nargs="+", metavar="TRACE",
-                   help="a text trace (.trace or .trace.gz), a torch snapshot pickle (.pickle, .pickle.gz), "
-                        "or the name of a trace shipped with gpumem (e.g. gpt2_varlen)")
-    p.add_argument("--capacity", type=_size_arg, default=80 << 30, metavar="SIZE",
-                   help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB")
-    p.add_argument("--min-capacity", action="store_true",
-                   help="also binary-search the smallest capacity (to 1 MiB) that replays with no OOM")
-    p.add_argument("--device", type=int, default=None, metavar="N",
-                   help="which device of a torch snapshot to replay (default 0)")
+    p.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE",
+        help="a text trace (.trace or .trace.gz), a torch snapshot pickle (.pickle, .pickle.gz), "
+        "or the name of a trace shipped with gpumem (e.g. gpt2_varlen)",
+    )
+    p.add_argument(
+        "--capacity",
+        type=_size_arg,
+        default=80 << 30,
+        metavar="SIZE",
+        help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB",
+    )
+    p.add_argument(
+        "--min-capacity",
+        action="store_true",
+        help="also binary-search the smallest capacity (to 1 MiB) that replays with no OOM",
+    )
+    p.add_argument(
+        "--device", type=int, default=None, metavar="N", help="which device of a torch snapshot to replay (default 0)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per trace per line")
     p.add_argument("--no-timing", action="store_true", help="skip the separate timing pass (ns_per_op)")
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
@@ -114,8 +130,11 @@ def _replay_one(args, path: str) -> dict:
         if args.min_capacity:
             if bar:
                 bar.note("searching the smallest capacity...")
-            probe = (lambda cap, ok: bar.note(f"min-capacity probe {format_size(cap)}: {'fits' if ok else 'OOM'}")) \
-                if bar else None
+            probe = (
+                (lambda cap, ok: bar.note(f"min-capacity probe {format_size(cap)}: {'fits' if ok else 'OOM'}"))
+                if bar
+                else None
+            )
             result.min_capacity_bytes = min_capacity(trace, on_probe=probe)
     finally:
         if bar:
@@ -136,18 +155,38 @@ def _ratio(num: Optional[int], den: int) -> str:
 
 def _print_table(rows: List[dict], stream=None) -> None:
     stream = stream or sys.stdout
-    header = ["trace", "events", "capacity", "peak live", "peak reserved", "reserved/live", "min capacity",
-              "min/live", "OOMs", "remaps", "ns/op"]
+    header = [
+        "trace",
+        "events",
+        "capacity",
+        "peak live",
+        "peak reserved",
+        "reserved/live",
+        "min capacity",
+        "min/live",
+        "OOMs",
+        "remaps",
+        "ns/op",
+    ]
     lines = [header]
     for r in rows:
         live = r["peak_live_bytes"]
         mc = r.get("min_capacity_bytes")
-        lines.append([
-            r["name"], str(r["events"]), format_size(r["capacity_bytes"]), format_size(live),
-            format_size(r["peak_reserved_bytes"]), _ratio(r["peak_reserved_bytes"], live),
-            format_size(mc) if mc is not None else "-", _ratio(mc, live), str(r["ooms"]), str(r["remaps"]),
-            f"{r['ns_per_op']:.0f}" if r.get("ns_per_op") is not None else "-",
-        ])
+        lines.append(
+            [
+                r["name"],
+                str(r["events"]),
+                format_size(r["capacity_bytes"]),
+                format_size(live),
+                format_size(r["peak_reserved_bytes"]),
+                _ratio(r["peak_reserved_bytes"], live),
+                format_size(mc) if mc is not None else "-",
+                _ratio(mc, live),
+                str(r["ooms"]),
+                str(r["remaps"]),
+                f"{r['ns_per_op']:.0f}" if r.get("ns_per_op") is not None else "-",
+            ]
+        )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     for n, row in enumerate(lines):
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -179,8 +218,11 @@ def run_replay(args) -> int:
 
 COMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "replay": ("replay allocation traces on a simulated device", _add_replay_args, run_replay),
-    "explain": ("would gpumem have fitted a torch snapshot that ran out of memory (or at --capacity)?",
-                _cli_viz.add_explain_args, _cli_viz.run_explain),
+    "explain": (
+        "would gpumem have fitted a torch snapshot that ran out of memory (or at --capacity)?",
+        _cli_viz.add_explain_args,
+        _cli_viz.run_explain,
+    ),
 }
 
 

@@ -1,14 +1,15 @@
 """The visibility parts of the command line (registered by gpumem/__main__.py):
 
-    python -m gpumem replay TRACE --snapshot OUT.pickle --html OUT.html
-        also write the sim heap at the moment of peak live memory, as a torch
-        snapshot pickle (torch.cuda._memory_viz, pytorch.org/memory_viz) and/or
-        as the offline HTML memory map;
+python -m gpumem replay TRACE --snapshot OUT.pickle --html OUT.html
+    also write the sim heap at the moment of peak live memory, as a torch
+    snapshot pickle (torch.cuda._memory_viz, pytorch.org/memory_viz) and/or
+    as the offline HTML memory map;
 
-    python -m gpumem explain SNAPSHOT [--capacity SIZE] [--device N] [--json]
-        for a torch snapshot (or a gpumem text trace) that ends in an OOM, or
-        at a given capacity: would gpumem have fitted it, and in how much memory.
+python -m gpumem explain SNAPSHOT [--capacity SIZE] [--device N] [--json]
+    for a torch snapshot (or a gpumem text trace) that ends in an OOM, or
+    at a given capacity: would gpumem have fitted it, and in how much memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from ._units import format_size, parse_size
 from .replay import min_capacity, replay
 from .trace import TraceError, _Builder, _PlainUnpickler, load_trace
 
-HISTORY_CAP = 1_000_000   # ring entries kept for the snapshot's device_traces
+HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
@@ -43,12 +44,21 @@ def _size_arg(text: str) -> int:
 
 # ---- replay --snapshot / --html -------------------------------------------------------
 
+
 def add_replay_options(p) -> None:
-    p.add_argument("--snapshot", metavar="OUT.pickle", default=None,
-                   help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)")
-    p.add_argument("--html", metavar="OUT.html", default=None,
-                   help="write the offline HTML memory map of the sim heap at peak live memory, with live, "
-                        "reserved and cap over the whole trace (one TRACE only)")
+    p.add_argument(
+        "--snapshot",
+        metavar="OUT.pickle",
+        default=None,
+        help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)",
+    )
+    p.add_argument(
+        "--html",
+        metavar="OUT.html",
+        default=None,
+        help="write the offline HTML memory map of the sim heap at peak live memory, with live, "
+        "reserved and cap over the whole trace (one TRACE only)",
+    )
 
 
 def check_replay_options(args, usage_error) -> None:
@@ -98,22 +108,31 @@ def write_peak_outputs(args, trace) -> dict:
 
 # ---- explain ------------------------------------------------------------------------------
 
+
 def add_explain_args(p) -> None:
-    p.add_argument("snapshot", metavar="SNAPSHOT",
-                   help="a torch memory snapshot pickle (.pickle, .pickle.gz) or a gpumem text trace")
-    p.add_argument("--capacity", type=_size_arg, default=None, metavar="SIZE",
-                   help="the device size to judge against (default: what torch had when it ran out of memory)")
+    p.add_argument(
+        "snapshot",
+        metavar="SNAPSHOT",
+        help="a torch memory snapshot pickle (.pickle, .pickle.gz) or a gpumem text trace",
+    )
+    p.add_argument(
+        "--capacity",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="the device size to judge against (default: what torch had when it ran out of memory)",
+    )
     p.add_argument("--device", type=int, default=None, metavar="N", help="device of a snapshot (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 @dataclass
 class OomPoint:
-    index: int           # position in device_traces[d]
-    size: int            # bytes requested
-    device_free: int     # what CUDA reported free
-    reserved: int        # torch's segments at that moment
-    live: int            # torch's live bytes at that moment
+    index: int  # position in device_traces[d]
+    size: int  # bytes requested
+    device_free: int  # what CUDA reported free
+    reserved: int  # torch's segments at that moment
+    live: int  # torch's live bytes at that moment
 
     @property
     def capacity(self) -> int:
@@ -169,8 +188,11 @@ def _torch_oom_point(data: dict, device: int, path: str = "snapshot") -> Optiona
                 segs = data.get("segments", [])
                 if not isinstance(segs, list) or not all(isinstance(s, dict) for s in segs):
                     raise TraceError(path, "segments", "malformed snapshot: segments is not a list of dicts")
-                reserved = sum(_size_field(path, f"segments[{k}]", s, "total_size", 0)
-                               for k, s in enumerate(segs) if s.get("device", device) == device)
+                reserved = sum(
+                    _size_field(path, f"segments[{k}]", s, "total_size", 0)
+                    for k, s in enumerate(segs)
+                    if s.get("device", device) == device
+                )
             from .trace import MAX_ALLOC
 
             request = _size_field(path, where, e, "size")
@@ -215,19 +237,32 @@ def run_explain(args) -> int:
         _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
         return EXIT_USAGE
     if capacity <= 0:
-        _error_line(f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
-                    f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE")
+        _error_line(
+            f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
+            f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE"
+        )
         return EXIT_USAGE
     res = replay(trace, capacity, timing=False)
     ok = res.ooms == 0
     need = min_capacity(trace)
     out = {
-        "trace": path, "device": device, "events": trace.n_events, "peak_live_bytes": trace.peak_live_bytes,
-        "capacity_bytes": capacity, "gpumem_fits": ok, "gpumem_min_capacity_bytes": need,
+        "trace": path,
+        "device": device,
+        "events": trace.n_events,
+        "peak_live_bytes": trace.peak_live_bytes,
+        "capacity_bytes": capacity,
+        "gpumem_fits": ok,
+        "gpumem_min_capacity_bytes": need,
         "gpumem_peak_reserved_bytes": res.peak_reserved_bytes,
-        "torch_oom": None if oom is None else {"event": oom.index, "request_bytes": oom.size,
-                                               "device_free_bytes": oom.device_free,
-                                               "reserved_bytes": oom.reserved, "live_bytes": oom.live},
+        "torch_oom": None
+        if oom is None
+        else {
+            "event": oom.index,
+            "request_bytes": oom.size,
+            "device_free_bytes": oom.device_free,
+            "reserved_bytes": oom.reserved,
+            "live_bytes": oom.live,
+        },
     }
     if args.json:
         print(json.dumps(out))
@@ -235,16 +270,21 @@ def run_explain(args) -> int:
     name = os.path.basename(path)
     lines = [f"{name}: {trace.n_events} events (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
     if oom:
-        lines.append(f"torch ran out of memory at event {oom.index}: asked for {format_size(oom.size)} with "
-                     f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
-                     f"{format_size(oom.device_free)} free on the device, so it had about "
-                     f"{format_size(oom.capacity)} to work with")
-        lines.append(f"  (reserved - live = {format_size(oom.reserved - oom.live)} cached or fragmented in "
-                     f"torch's segments)")
+        lines.append(
+            f"torch ran out of memory at event {oom.index}: asked for {format_size(oom.size)} with "
+            f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
+            f"{format_size(oom.device_free)} free on the device, so it had about "
+            f"{format_size(oom.capacity)} to work with"
+        )
+        lines.append(
+            f"  (reserved - live = {format_size(oom.reserved - oom.live)} cached or fragmented in torch's segments)"
+        )
     verdict = "FITS" if ok else "does NOT fit"
     what = "the trace up to and including the failed request" if oom else "the trace"
-    lines.append(f"gpumem on a {format_size(capacity)} device: {what} {verdict}"
-                 + (f" (peak reserved {format_size(res.peak_reserved_bytes)})" if ok else f" ({res.ooms} OOMs)"))
+    lines.append(
+        f"gpumem on a {format_size(capacity)} device: {what} {verdict}"
+        + (f" (peak reserved {format_size(res.peak_reserved_bytes)})" if ok else f" ({res.ooms} OOMs)")
+    )
     ratio = need / trace.peak_live_bytes if trace.peak_live_bytes else float("nan")
     lines.append(f"gpumem needs at least {format_size(need)} for it ({ratio:.3f} x peak live, to 1 MiB)")
     print("\n".join(lines))

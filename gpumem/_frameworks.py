@@ -6,14 +6,24 @@ stack of the allocation in the other bits.  This module sits at the bottom of
 the package (gpumem/_heap.py draws the layers): snapshot and _resolve read it;
 the allocators themselves live in gpumem/_shared.py, above explain.
 """
+
 from __future__ import annotations
 
 import sys
 import threading
 from typing import Dict
 
-__all__ = ["FRAMEWORK_SHIFT", "FRAMEWORK_MASK", "FRAMEWORKS", "INSTALLED", "framework_tag", "framework_of",
-           "mark_installed", "mark_uninstalled", "current_device"]
+__all__ = [
+    "FRAMEWORK_SHIFT",
+    "FRAMEWORK_MASK",
+    "FRAMEWORKS",
+    "INSTALLED",
+    "framework_tag",
+    "framework_of",
+    "mark_installed",
+    "mark_uninstalled",
+    "current_device",
+]
 
 FRAMEWORK_SHIFT = 55
 FRAMEWORK_MASK = 0xFF << FRAMEWORK_SHIFT

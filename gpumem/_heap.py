@@ -15,6 +15,7 @@ Nothing imports a module above it.  The torch layer reaches the layers below by
 registering its hooks here at install (register_torch_hooks), never the other
 way round; tests/test_layers.py checks that the import graph has no circle.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
@@ -32,24 +33,24 @@ class HeapLike(Protocol):
     device) and gpumem._resolve.TorchHeap (the heap torch's allocations go to)
     both provide it.  Dicts are those of gpumem._C (csrc/python/common.c)."""
 
-    device_kind: str      # "sim" or "cuda"
+    device_kind: str  # "sim" or "cuda"
     closed: bool
 
     @property
     def device_name(self) -> str: ...
     @property
     def page_size(self) -> int: ...
-    def snapshot(self) -> dict: ...           # va_base, page_size, blocks, pages, stats, ...
-    def stats(self) -> dict: ...              # torch's memory_stats keys
+    def snapshot(self) -> dict: ...  # va_base, page_size, blocks, pages, stats, ...
+    def stats(self) -> dict: ...  # torch's memory_stats keys
     def memory_report(self, size: int = 0) -> dict: ...
     def last_oom(self) -> Optional[dict]: ...
-    def history(self) -> Tuple[Sequence[tuple], int]: ...   # (entries, dropped)
+    def history(self) -> Tuple[Sequence[tuple], int]: ...  # (entries, dropped)
     def history_enable(self, max_entries: int) -> None: ...
     def get_cap(self) -> int: ...
-    def mem_info(self) -> Tuple[int, int]: ...               # (free, total)
-    def device_processes(self): ...                          # [(pid, bytes)] or None
-    def pools(self) -> list: ...                             # living private pools (dicts)
-    def pool_live(self, pool) -> list: ...                   # [(addr, size)] of a pool
+    def mem_info(self) -> Tuple[int, int]: ...  # (free, total)
+    def device_processes(self): ...  # [(pid, bytes)] or None
+    def pools(self) -> list: ...  # living private pools (dicts)
+    def pool_live(self, pool) -> list: ...  # [(addr, size)] of a pool
 
 
 # Hooks of the torch layer (gpumem.torch), set when it installs:

@@ -1,5 +1,6 @@
 """Which heap a visibility call means: a Heap passed in, or the one gpumem
 installed as PyTorch's allocator for a CUDA device."""
+
 from __future__ import annotations
 
 import sys

@@ -11,6 +11,7 @@ instead (a simulated one in tests).
 Each block's context carries the framework (gpumem/_frameworks.py) and, when
 stacks are recorded, the Python stack of the allocation.
 """
+
 from __future__ import annotations
 
 from . import _C
@@ -65,8 +66,10 @@ class Backend:
 
     def _oom(self, size: int, device: int):
         info = _C._torch_last_oom(int(device))
-        first = (f"CUDA out of memory. Tried to allocate {format_size(size)} on GPU {device} for "
-                 f"{self.framework} (gpumem's heap, shared with torch).")
+        first = (
+            f"CUDA out of memory. Tried to allocate {format_size(size)} on GPU {device} for "
+            f"{self.framework} (gpumem's heap, shared with torch)."
+        )
         text = format_oom(self.explain_heap(device), info, first) if info else first
         exc = _C.OutOfMemoryError(text)
         exc.info = info

@@ -9,6 +9,7 @@ hover.  Every block is one <g class="block"> with a <title> (the tooltip: size,
 requested size, stream, allocation site), split into one <rect> per row it
 crosses.  Nothing refers to anything outside the document.
 """
+
 from __future__ import annotations
 
 import html
@@ -19,8 +20,12 @@ from ._units import format_size
 
 __all__ = ["render_svg", "render_fragment", "render_page", "plot_matplotlib", "BLOCK_COLORS", "PAGE_COLORS"]
 
-BLOCK_COLORS = {"live": ("#3b6fb6", "#5b8fd6"), "pending": ("#e8871e", "#f0a550"),
-                "free": ("#9fd39a", "#9fd39a"), "unmapped": ("#ececec", "#ececec")}
+BLOCK_COLORS = {
+    "live": ("#3b6fb6", "#5b8fd6"),
+    "pending": ("#e8871e", "#f0a550"),
+    "free": ("#9fd39a", "#9fd39a"),
+    "unmapped": ("#ececec", "#ececec"),
+}
 PAGE_COLORS = {"used": "#1f3f73", "cached": "#8fc1e3", "unmapped": "#d6d6d6"}
 PAGE_STATE_NAMES = {0: "unmapped", 1: "used", 2: "cached"}
 
@@ -84,23 +89,33 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
     s = snap.summary
     out: List[str] = []
     w = out.append
-    w(f'<svg xmlns="http://www.w3.org/2000/svg" class="gpumem-map" width="{width}" height="{height}" '
-      f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">')
-    w("<style>.gpumem-map .block:hover rect{stroke:#000;stroke-width:1.2}"
-      ".gpumem-map text{fill:#222}</style>")
+    w(
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="gpumem-map" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
+    )
+    w("<style>.gpumem-map .block:hover rect{stroke:#000;stroke-width:1.2}.gpumem-map text{fill:#222}</style>")
     title = snap.label or snap.device_name
-    w(f'<text x="4" y="14" font-size="13" font-weight="bold">{_esc(title)}: '
-      f'{_esc(format_size(s.live_bytes))} live, {_esc(format_size(s.reserved_bytes))} reserved, '
-      f'{_esc(format_size(s.free_mapped_bytes))} free in mapped pages, fragmentation {s.fragmentation:.1%}</text>')
-    w(f'<text x="4" y="30">one row = {_esc(format_size(row_bytes))} of address space ({ppr} pages of '
-      f'{_esc(format_size(snap.page_size))}); {s.n_segments} mapped segments; '
-      f'{snap.spare_pages} spare pages held unmapped</text>')
+    w(
+        f'<text x="4" y="14" font-size="13" font-weight="bold">{_esc(title)}: '
+        f"{_esc(format_size(s.live_bytes))} live, {_esc(format_size(s.reserved_bytes))} reserved, "
+        f"{_esc(format_size(s.free_mapped_bytes))} free in mapped pages, fragmentation {s.fragmentation:.1%}</text>"
+    )
+    w(
+        f'<text x="4" y="30">one row = {_esc(format_size(row_bytes))} of address space ({ppr} pages of '
+        f"{_esc(format_size(snap.page_size))}); {s.n_segments} mapped segments; "
+        f"{snap.spare_pages} spare pages held unmapped</text>"
+    )
     # legend
     x = 4
-    for name, color in (("live", BLOCK_COLORS["live"][0]), ("pending", BLOCK_COLORS["pending"][0]),
-                        ("free", BLOCK_COLORS["free"][0]), ("unmapped", BLOCK_COLORS["unmapped"][0]),
-                        ("page used", PAGE_COLORS["used"]), ("page cached", PAGE_COLORS["cached"]),
-                        ("page unmapped", PAGE_COLORS["unmapped"])):
+    for name, color in (
+        ("live", BLOCK_COLORS["live"][0]),
+        ("pending", BLOCK_COLORS["pending"][0]),
+        ("free", BLOCK_COLORS["free"][0]),
+        ("unmapped", BLOCK_COLORS["unmapped"][0]),
+        ("page used", PAGE_COLORS["used"]),
+        ("page cached", PAGE_COLORS["cached"]),
+        ("page unmapped", PAGE_COLORS["unmapped"]),
+    ):
         w(f'<rect x="{x}" y="38" width="12" height="10" fill="{color}" stroke="#999" stroke-width="0.5"/>')
         w(f'<text x="{x + 16}" y="47">{name}</text>')
         x += 22 + 7 * len(name)
@@ -123,8 +138,10 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
         x1 = LEFT + (j - row * ppr) * snap.page_size * scale
         y = HEADER_H + row * row_h
         name = PAGE_STATE_NAMES.get(st, "?")
-        w(f'<rect class="page {name}" x="{x0:.2f}" y="{y}" width="{max(x1 - x0, 0.5):.2f}" height="{PAGE_H - 1}" '
-          f'fill="{PAGE_COLORS.get(name, "#f0f")}"><title>{_esc(f"pages {i}..{j - 1}: {name} ({j - i} x {format_size(snap.page_size)})")}</title></rect>')
+        w(
+            f'<rect class="page {name}" x="{x0:.2f}" y="{y}" width="{max(x1 - x0, 0.5):.2f}" height="{PAGE_H - 1}" '
+            f'fill="{PAGE_COLORS.get(name, "#f0f")}"><title>{_esc(f"pages {i}..{j - 1}: {name} ({j - i} x {format_size(snap.page_size)})")}</title></rect>'  # noqa: E501
+        )
         i = j
     page_px = snap.page_size * scale
     if page_px >= 4:
@@ -150,8 +167,10 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
         else:
             fill = color[0]
         title = _esc(_block_title(snap, b))
-        w(f'<g class="block {b.state}" data-addr="{b.addr}" data-size="{b.size}" data-state="{b.state}">'
-          f'<title>{title}</title>')
+        w(
+            f'<g class="block {b.state}" data-addr="{b.addr}" data-size="{b.size}" data-state="{b.state}">'
+            f"<title>{title}</title>"
+        )
         for row, o0, o1 in _pieces(b.addr - snap.va_base, b.end - snap.va_base, row_bytes):
             x0 = LEFT + o0 * scale
             bw = max((o1 - o0) * scale, 0.6)
@@ -175,8 +194,10 @@ _CSS = """
 
 
 def _summary_table(snap) -> str:
-    rows = "".join(f"<tr><th>{_esc(a)}</th><td class='num'>{_esc(b)}</td><td class='why'>{_esc(c)}</td></tr>"
-                   for a, b, c in snap.summary.rows())
+    rows = "".join(
+        f"<tr><th>{_esc(a)}</th><td class='num'>{_esc(b)}</td><td class='why'>{_esc(c)}</td></tr>"
+        for a, b, c in snap.summary.rows()
+    )
     return f"<table class='summary'>{rows}</table>"
 
 
@@ -184,10 +205,11 @@ def _sites_table(snap, n: int = 10) -> str:
     sites = snap.top_sites(n)
     if not sites:
         return ""
-    rows = "".join(f"<tr><td>{_esc(site)}</td><td class='num'>{_esc(format_size(b))}</td><td class='num'>{k}</td></tr>"
-                   for site, b, k in sites)
-    return ("<table class='sites'><tr><th>allocation site</th><th>live</th><th>blocks</th></tr>"
-            f"{rows}</table>")
+    rows = "".join(
+        f"<tr><td>{_esc(site)}</td><td class='num'>{_esc(format_size(b))}</td><td class='num'>{k}</td></tr>"
+        for site, b, k in sites
+    )
+    return f"<table class='sites'><tr><th>allocation site</th><th>live</th><th>blocks</th></tr>{rows}</table>"
 
 
 def _timeline_svg(snap) -> str:
@@ -198,18 +220,22 @@ def _timeline_svg(snap) -> str:
 def render_fragment(snap) -> str:
     """What Jupyter shows for a Snapshot: summary table, memory map, memory over
     time (when the snapshot has a history or a replay's timeline), top sites."""
-    return (f"<div class='gpumem-report'><style>{_CSS}</style>{_summary_table(snap)}"
-            f"{render_svg(snap)}{_timeline_svg(snap)}{_sites_table(snap)}</div>")
+    return (
+        f"<div class='gpumem-report'><style>{_CSS}</style>{_summary_table(snap)}"
+        f"{render_svg(snap)}{_timeline_svg(snap)}{_sites_table(snap)}</div>"
+    )
 
 
 def render_page(snap, title: Optional[str] = None) -> str:
     title = title or f"gpumem snapshot: {snap.label or snap.device_name}"
-    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<title>{_esc(title)}</title></head><body>"
-            f"<h2 style='font-family:sans-serif'>{_esc(title)}</h2>{render_fragment(snap)}"
-            "<p style='font-family:sans-serif;color:#666;font-size:12px'>Hover a block for its size, stream "
-            "and allocation site, a mark of the timeline for what happened there. Made by gpumem; this file "
-            "needs no network.</p></body></html>\n")
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{_esc(title)}</title></head><body>"
+        f"<h2 style='font-family:sans-serif'>{_esc(title)}</h2>{render_fragment(snap)}"
+        "<p style='font-family:sans-serif;color:#666;font-size:12px'>Hover a block for its size, stream "
+        "and allocation site, a mark of the timeline for what happened there. Made by gpumem; this file "
+        "needs no network.</p></body></html>\n"
+    )
 
 
 def plot_matplotlib(snap, ax=None, max_rows: int = 32):
@@ -244,8 +270,11 @@ def plot_matplotlib(snap, ax=None, max_rows: int = 32):
     ax.set_yticks([r + 0.5 for r in range(rows)])
     ax.set_yticklabels([f"+{format_size(r * row_bytes)}" for r in range(rows)], fontsize=7)
     s = snap.summary
-    ax.set_title(f"{snap.label or snap.device_name}: {format_size(s.live_bytes)} live, "
-                 f"{format_size(s.reserved_bytes)} reserved, fragmentation {s.fragmentation:.1%}", fontsize=10)
+    ax.set_title(
+        f"{snap.label or snap.device_name}: {format_size(s.live_bytes)} live, "
+        f"{format_size(s.reserved_bytes)} reserved, fragmentation {s.fragmentation:.1%}",
+        fontsize=10,
+    )
     handles = [Patch(color=BLOCK_COLORS[k][0], label=k) for k in ("live", "pending", "free", "unmapped")]
     handles += [Patch(color=PAGE_COLORS[k], label=f"page {k}") for k in ("used", "cached", "unmapped")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)

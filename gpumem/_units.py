@@ -5,6 +5,7 @@ powers of 1000, as the IEC standard says; a bare K/M/G/T is binary, because that
 what GPU users mean by "80G".  format_size mirrors the C extension's formatting so
 that error messages and CLI output look alike.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,12 +14,23 @@ from fractions import Fraction
 __all__ = ["parse_size", "format_size"]
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-    "p": 1 << 50, "pib": 1 << 50, "pb": 10**15,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+    "p": 1 << 50,
+    "pib": 1 << 50,
+    "pb": 10**15,
 }
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$", re.ASCII)

@@ -15,6 +15,7 @@ whichever object owns it, and is freed when that object goes.
 An allocation that does not fit raises cupy.cuda.memory.OutOfMemoryError (a
 subclass of it whose text is gpumem's explanation; .report has it structured).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,7 +26,7 @@ from ._shared import Backend
 __all__ = ["install", "uninstall", "allocator", "installed", "empty_cache", "OutOfMemoryError"]
 
 _state = {"backend": None, "previous": None, "allocator": None}
-OutOfMemoryError = None   # the subclass of cupy's, made on first use
+OutOfMemoryError = None  # the subclass of cupy's, made on first use
 
 
 def _oom_class():

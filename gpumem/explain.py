@@ -25,6 +25,7 @@ Numbers come from the core's report (gm_memory_report / gm_last_oom), a
 snapshot of the heap, the device's free/total and, where NVML works, the
 processes on the device.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,17 @@ from ._units import parse_size
 
 __all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
 
-CAUSE_KINDS = ("too_big", "other_processes", "outside_allocator", "live_tensors", "pending", "fragmentation",
-               "private_pools", "cap", "device_error")
+CAUSE_KINDS = (
+    "too_big",
+    "other_processes",
+    "outside_allocator",
+    "live_tensors",
+    "pending",
+    "fragmentation",
+    "private_pools",
+    "cap",
+    "device_error",
+)
 
 
 @dataclass
@@ -56,14 +66,14 @@ class Cause:
 @dataclass
 class Report:
     device: str
-    request: int                  # bytes asked for (0: no request, a state report)
+    request: int  # bytes asked for (0: no request, a state report)
     stream: int
-    is_oom: bool                  # built from a failed allocation
-    fits: bool                    # could the request be served now
+    is_oom: bool  # built from a failed allocation
+    fits: bool  # could the request be served now
     device_total: int
     device_free: int
-    cap_bytes: int                # effective cap (device total when none)
-    user_cap: int                 # the cap set on the heap (0 = none)
+    cap_bytes: int  # effective cap (device total when none)
+    user_cap: int  # the cap set on the heap (0 = none)
     reserved_bytes: int
     live_bytes: int
     n_live: int
@@ -75,18 +85,18 @@ class Report:
     largest_possible: int
     pages_needed: int
     page_size: int
-    processes: Optional[List[Tuple[int, int]]]   # None: no NVML
+    processes: Optional[List[Tuple[int, int]]]  # None: no NVML
     self_pid: int
-    self_usage: Optional[int]                    # NVML's figure for this process
+    self_usage: Optional[int]  # NVML's figure for this process
     outside_allocator: Optional[int]
     other_processes: List[Tuple[int, int]]
-    unattributed: int                            # used on the device but by no one we can name
+    unattributed: int  # used on the device but by no one we can name
     top_sites: List[Tuple[str, int, int]]
     device_error: int
-    n_pools: int = 0                             # living private pools (CUDA graphs, MemPools)
-    pool_live_bytes: int = 0                     # live + pending in living private pools
-    pool_free_bytes: int = 0                     # free, kept for living private pools
-    by_framework: dict = field(default_factory=dict)   # {framework: (live bytes, blocks)}
+    n_pools: int = 0  # living private pools (CUDA graphs, MemPools)
+    pool_live_bytes: int = 0  # live + pending in living private pools
+    pool_free_bytes: int = 0  # free, kept for living private pools
+    by_framework: dict = field(default_factory=dict)  # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
     notebook_refs: List[str] = field(default_factory=list)
@@ -112,40 +122,76 @@ class Report:
         if first_line is not None:
             L.append(first_line)
         elif self.is_oom:
-            L.append(f"CUDA out of memory. Tried to allocate {_fs(self.request)} on {self.device} "
-                     f"(stream {self.stream}); gpumem could make at most {_fs(self.largest_possible)} "
-                     f"even after defragmenting: {_fs(self.shortfall)} short.")
+            L.append(
+                f"CUDA out of memory. Tried to allocate {_fs(self.request)} on {self.device} "
+                f"(stream {self.stream}); gpumem could make at most {_fs(self.largest_possible)} "
+                f"even after defragmenting: {_fs(self.shortfall)} short."
+            )
         elif self.request:
             verdict = "fits" if self.fits else f"does NOT fit ({_fs(self.shortfall)} short)"
-            L.append(f"A request of {_fs(self.request)} on {self.device} {verdict}: the largest block gpumem "
-                     f"could make now is {_fs(self.largest_possible)}.")
+            L.append(
+                f"A request of {_fs(self.request)} on {self.device} {verdict}: the largest block gpumem "
+                f"could make now is {_fs(self.largest_possible)}."
+            )
         else:
-            L.append(f"Memory on {self.device}: the largest block gpumem could make now is "
-                     f"{_fs(self.largest_possible)}.")
+            L.append(
+                f"Memory on {self.device}: the largest block gpumem could make now is {_fs(self.largest_possible)}."
+            )
         L.append("")
         L.append(f"Where the device's {_fs(self.device_total)} are:")
-        rows = [("held by this heap (reserved)", self.reserved_bytes, ""),
-                ("  live tensors", self.live_bytes, f"{self.n_live} blocks"),
-                ("  pending free (other streams)", self.pending_bytes, ""),
-                ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
-                ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these")]
+        rows = [
+            ("held by this heap (reserved)", self.reserved_bytes, ""),
+            ("  live tensors", self.live_bytes, f"{self.n_live} blocks"),
+            ("  pending free (other streams)", self.pending_bytes, ""),
+            ("  free in pages shared with live", self.stranded_bytes, "stranded: not movable"),
+            ("  wholly free pages (cached)", self.cached_bytes, "defragmentation reuses these"),
+        ]
         if self.pool_live_bytes or self.pool_free_bytes:
-            rows.insert(2, ("  of which in private pools", self.pool_live_bytes, f"{self.n_pools} pool(s): CUDA graphs / MemPools"))
-            rows.insert(4, ("  free, kept for private pools", self.pool_free_bytes,
-                            "reusable only by their pool until it is released"))
+            rows.insert(
+                2,
+                (
+                    "  of which in private pools",
+                    self.pool_live_bytes,
+                    f"{self.n_pools} pool(s): CUDA graphs / MemPools",
+                ),
+            )
+            rows.insert(
+                4,
+                (
+                    "  free, kept for private pools",
+                    self.pool_free_bytes,
+                    "reusable only by their pool until it is released",
+                ),
+            )
         if self.outside_allocator is not None:
-            rows.append(("this process, outside the allocator", self.outside_allocator,
-                         f"NVML {_fs(self.self_usage or 0)} for PID {self.self_pid} - reserved"))
+            rows.append(
+                (
+                    "this process, outside the allocator",
+                    self.outside_allocator,
+                    f"NVML {_fs(self.self_usage or 0)} for PID {self.self_pid} - reserved",
+                )
+            )
         for pid, b in self.other_processes:
             rows.append((f"other process PID {pid}", b, ""))
         if self.unattributed:
-            rows.append(("used outside this heap, owner unknown", self.unattributed,
-                         "no NVML: other processes and this one's CUDA context together"
-                         if self.processes is None else "not listed by NVML"))
+            rows.append(
+                (
+                    "used outside this heap, owner unknown",
+                    self.unattributed,
+                    "no NVML: other processes and this one's CUDA context together"
+                    if self.processes is None
+                    else "not listed by NVML",
+                )
+            )
         rows.append(("free on the device", self.device_free, ""))
         if self.user_cap:
-            rows.append(("cap on this heap", self.user_cap, f"{_fs(max(0, self.device_total - self.user_cap))} "
-                                                            "of the device kept out of reach"))
+            rows.append(
+                (
+                    "cap on this heap",
+                    self.user_cap,
+                    f"{_fs(max(0, self.device_total - self.user_cap))} of the device kept out of reach",
+                )
+            )
         w = max(len(r[0]) for r in rows)
         for label, b, note in rows:
             L.append(f"  {label:<{w}}  {_fs(b):>11}" + (f"   {note}" if note else ""))
@@ -194,14 +240,22 @@ def _notebook_refs() -> List[str]:
             if torch is not None and isinstance(v, torch.Tensor) and v.is_cuda:
                 tensors.append(f"Out[{k}] ({_fs(v.element_size() * v.nelement())})")
         if tensors:
-            refs.append("the output cache holds CUDA tensors: " + ", ".join(tensors[:10])
-                        + (" ..." if len(tensors) > 10 else "") + "; `%reset -f out` drops them")
+            refs.append(
+                "the output cache holds CUDA tensors: "
+                + ", ".join(tensors[:10])
+                + (" ..." if len(tensors) > 10 else "")
+                + "; `%reset -f out` drops them"
+            )
         elif out:
-            refs.append(f"the output cache Out[...] holds {len(out)} results (e.g. Out[{max(out)}]); "
-                        "results displayed by a cell stay alive there: `%reset -f out` drops them")
+            refs.append(
+                f"the output cache Out[...] holds {len(out)} results (e.g. Out[{max(out)}]); "
+                "results displayed by a cell stay alive there: `%reset -f out` drops them"
+            )
     if getattr(sys, "last_traceback", None) is not None:
-        refs.append("sys.last_traceback keeps the frames (and tensors) of the last error alive: "
-                    "`sys.last_traceback = sys.last_value = None` releases them")
+        refs.append(
+            "sys.last_traceback keeps the frames (and tensors) of the last error alive: "
+            "`sys.last_traceback = sys.last_value = None` releases them"
+        )
     return refs
 
 
@@ -214,7 +268,7 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
     reserved = int(info["reserved_bytes"])
     try:
         procs = heap.device_processes()
-    except Exception:          # a failing NVML must not hide the OOM
+    except Exception:  # a failing NVML must not hide the OOM
         procs = None
     me = os.getpid()
     self_usage = outside = None
@@ -234,18 +288,37 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
     user_cap = heap.get_cap()
     page = snap.page_size
     r = Report(
-        device=heap.device_name, request=request, stream=int(info.get("stream", 0)), is_oom=is_oom,
+        device=heap.device_name,
+        request=request,
+        stream=int(info.get("stream", 0)),
+        is_oom=is_oom,
         fits=request <= int(info["largest_possible"]) if request else True,
-        device_total=total, device_free=dfree, cap_bytes=int(info["cap_bytes"]), user_cap=user_cap,
-        reserved_bytes=reserved, live_bytes=int(info["live_bytes"]), n_live=s.n_live,
-        pending_bytes=int(info["pending_bytes"]), cached_bytes=int(info["cached_bytes"]),
-        free_mapped_bytes=int(info["free_mapped_bytes"]), stranded_bytes=s.stranded_bytes,
-        largest_free_mapped=int(info["largest_free_mapped"]), largest_possible=int(info["largest_possible"]),
-        pages_needed=int(info["pages_needed"]), page_size=page, processes=procs, self_pid=me,
-        self_usage=self_usage, outside_allocator=outside, other_processes=others, unattributed=unattributed,
-        top_sites=snap.top_sites(5), device_error=int(info.get("device_error", 0)),
+        device_total=total,
+        device_free=dfree,
+        cap_bytes=int(info["cap_bytes"]),
+        user_cap=user_cap,
+        reserved_bytes=reserved,
+        live_bytes=int(info["live_bytes"]),
+        n_live=s.n_live,
+        pending_bytes=int(info["pending_bytes"]),
+        cached_bytes=int(info["cached_bytes"]),
+        free_mapped_bytes=int(info["free_mapped_bytes"]),
+        stranded_bytes=s.stranded_bytes,
+        largest_free_mapped=int(info["largest_free_mapped"]),
+        largest_possible=int(info["largest_possible"]),
+        pages_needed=int(info["pages_needed"]),
+        page_size=page,
+        processes=procs,
+        self_pid=me,
+        self_usage=self_usage,
+        outside_allocator=outside,
+        other_processes=others,
+        unattributed=unattributed,
+        top_sites=snap.top_sites(5),
+        device_error=int(info.get("device_error", 0)),
         n_pools=len(snap.pools),
-        pool_live_bytes=int(info.get("pool_live_bytes", 0)), pool_free_bytes=int(info.get("pool_free_bytes", 0)),
+        pool_live_bytes=int(info.get("pool_live_bytes", 0)),
+        pool_free_bytes=int(info.get("pool_free_bytes", 0)),
         by_framework=snap.by_framework(),
     )
     _diagnose(r, heap)
@@ -260,11 +333,21 @@ def _diagnose(r: Report, heap) -> None:
     advice: List[str] = []
     short = r.shortfall if r.request else 0
     if r.request and r.device_total and r.request > r.device_total:
-        causes.append(Cause("too_big", r.request - r.device_total,
-                            f"the request ({_fs(r.request)}) is larger than the whole device ({_fs(r.device_total)})"))
+        causes.append(
+            Cause(
+                "too_big",
+                r.request - r.device_total,
+                f"the request ({_fs(r.request)}) is larger than the whole device ({_fs(r.device_total)})",
+            )
+        )
     elif r.request and r.user_cap and r.request > r.user_cap:
-        causes.append(Cause("too_big", r.request - r.user_cap,
-                            f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})"))
+        causes.append(
+            Cause(
+                "too_big",
+                r.request - r.user_cap,
+                f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})",
+            )
+        )
     if not r.request or short or r.is_oom:
         ranked: List[Cause] = []
         if r.live_bytes:
@@ -272,59 +355,110 @@ def _diagnose(r: Report, heap) -> None:
             if r.top_sites and all(site.startswith("<no stack") for site, _, _ in r.top_sites):
                 details = ["no allocation sites recorded: gpumem.record_history(stacks='python') keeps them"]
             if any(k in ("cupy", "numba") for k in r.by_framework):
-                details.insert(0, "by framework: " + ", ".join(
-                    f"{k} {_fs(b)} in {n} block{'s' if n != 1 else ''}" for k, (b, n) in r.by_framework.items()))
-            ranked.append(Cause("live_tensors", r.live_bytes,
-                                f"live tensors hold {_fs(r.live_bytes)} in {r.n_live} blocks", details))
+                details.insert(
+                    0,
+                    "by framework: "
+                    + ", ".join(
+                        f"{k} {_fs(b)} in {n} block{'s' if n != 1 else ''}" for k, (b, n) in r.by_framework.items()
+                    ),
+                )
+            ranked.append(
+                Cause(
+                    "live_tensors", r.live_bytes, f"live tensors hold {_fs(r.live_bytes)} in {r.n_live} blocks", details
+                )
+            )
         if r.other_processes:
             tot = sum(b for _, b in r.other_processes)
-            ranked.append(Cause("other_processes", tot,
-                                f"{len(r.other_processes)} other process(es) hold {_fs(tot)} on this device",
-                                [f"PID {pid}: {_fs(b)}" for pid, b in r.other_processes[:8]]))
+            ranked.append(
+                Cause(
+                    "other_processes",
+                    tot,
+                    f"{len(r.other_processes)} other process(es) hold {_fs(tot)} on this device",
+                    [f"PID {pid}: {_fs(b)}" for pid, b in r.other_processes[:8]],
+                )
+            )
         if r.outside_allocator:
-            ranked.append(Cause("outside_allocator", r.outside_allocator,
-                                f"this process holds {_fs(r.outside_allocator)} outside the allocator "
-                                f"(CUDA context, library workspaces): NVML reports {_fs(r.self_usage or 0)} for "
-                                f"PID {r.self_pid}, the heap reserved {_fs(r.reserved_bytes)}"))
+            ranked.append(
+                Cause(
+                    "outside_allocator",
+                    r.outside_allocator,
+                    f"this process holds {_fs(r.outside_allocator)} outside the allocator "
+                    f"(CUDA context, library workspaces): NVML reports {_fs(r.self_usage or 0)} for "
+                    f"PID {r.self_pid}, the heap reserved {_fs(r.reserved_bytes)}",
+                )
+            )
         if r.unattributed and r.processes is None:
-            ranked.append(Cause("other_processes", r.unattributed,
-                                f"{_fs(r.unattributed)} of the device is used outside this heap, by other "
-                                "processes or this process's CUDA context (NVML is not available to tell which)"))
+            ranked.append(
+                Cause(
+                    "other_processes",
+                    r.unattributed,
+                    f"{_fs(r.unattributed)} of the device is used outside this heap, by other "
+                    "processes or this process's CUDA context (NVML is not available to tell which)",
+                )
+            )
         if r.pool_free_bytes:
-            ranked.append(Cause("private_pools", r.pool_free_bytes,
-                                f"{_fs(r.pool_free_bytes)} are free but kept for private pools (CUDA graphs, "
-                                f"MemPools), which also hold {_fs(r.pool_live_bytes)} live: no other allocation "
-                                "may reuse them, and their pages are never moved or released",
-                                ["a graph's memory stays reserved for it while the graph lives: delete graphs "
-                                 "no longer replayed (torch._dynamo.reset() for torch.compile's), and share one "
-                                 "pool between graphs run in sequence (torch.cuda.graph_pool_handle())"]))
+            ranked.append(
+                Cause(
+                    "private_pools",
+                    r.pool_free_bytes,
+                    f"{_fs(r.pool_free_bytes)} are free but kept for private pools (CUDA graphs, "
+                    f"MemPools), which also hold {_fs(r.pool_live_bytes)} live: no other allocation "
+                    "may reuse them, and their pages are never moved or released",
+                    [
+                        "a graph's memory stays reserved for it while the graph lives: delete graphs "
+                        "no longer replayed (torch._dynamo.reset() for torch.compile's), and share one "
+                        "pool between graphs run in sequence (torch.cuda.graph_pool_handle())"
+                    ],
+                )
+            )
         if r.pending_bytes:
-            ranked.append(Cause("pending", r.pending_bytes,
-                                f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
-                                "(record_stream) before they can be reused"))
+            ranked.append(
+                Cause(
+                    "pending",
+                    r.pending_bytes,
+                    f"{_fs(r.pending_bytes)} are freed but wait for work on other streams "
+                    "(record_stream) before they can be reused",
+                )
+            )
         frag = r.stranded_bytes
         if frag and (short == 0 or frag >= r.page_size):
-            ranked.append(Cause(
-                "fragmentation", frag,
-                f"{_fs(frag)} are free but stranded in pages that also hold live blocks",
-                [f"defragmentation already reuses wholly free pages ({_fs(r.cached_bytes)} cached now) by "
-                 f"remapping them behind a new address; it cannot reclaim the {_fs(frag)} stranded, because "
-                 "gpumem never moves live data",
-                 f"largest free range in mapped memory: {_fs(r.largest_free_mapped)}; "
-                 f"largest block possible after defragmenting: {_fs(r.largest_possible)}"]))
+            ranked.append(
+                Cause(
+                    "fragmentation",
+                    frag,
+                    f"{_fs(frag)} are free but stranded in pages that also hold live blocks",
+                    [
+                        f"defragmentation already reuses wholly free pages ({_fs(r.cached_bytes)} cached now) by "
+                        f"remapping them behind a new address; it cannot reclaim the {_fs(frag)} stranded, because "
+                        "gpumem never moves live data",
+                        f"largest free range in mapped memory: {_fs(r.largest_free_mapped)}; "
+                        f"largest block possible after defragmenting: {_fs(r.largest_possible)}",
+                    ],
+                )
+            )
         if r.user_cap and r.user_cap < r.device_total:
             beyond = max(0, min(r.device_total - r.user_cap, r.device_free))
             if beyond:
-                ranked.append(Cause("cap", beyond,
-                                    f"a cap of {_fs(r.user_cap)} keeps {_fs(beyond)} of free device memory out "
-                                    f"of reach (device {_fs(r.device_total)})"))
+                ranked.append(
+                    Cause(
+                        "cap",
+                        beyond,
+                        f"a cap of {_fs(r.user_cap)} keeps {_fs(beyond)} of free device memory out "
+                        f"of reach (device {_fs(r.device_total)})",
+                    )
+                )
         ranked.sort(key=lambda c: -c.bytes)
         causes.extend(ranked)
     if r.device_error:
         # Listed last: a failed call (e.g. a synchronize refused while streams
         # still run) is how the shortage showed, rarely why memory is short.
-        causes.append(Cause("device_error", 0, f"a device call failed ({_code_name(r.device_error)}) while "
-                                                "gpumem tried to free or get memory"))
+        causes.append(
+            Cause(
+                "device_error",
+                0,
+                f"a device call failed ({_code_name(r.device_error)}) while gpumem tried to free or get memory",
+            )
+        )
     # Advice follows the causes, in their order (main cause first: by the bytes
     # each accounts for), one set per kind of cause.
     seen = set()
@@ -333,7 +467,7 @@ def _diagnose(r: Report, heap) -> None:
             continue
         seen.add(c.kind)
         if c.kind == "live_tensors" and "too_big" in seen:
-            continue    # the too_big advice already says to split the work
+            continue  # the too_big advice already says to split the work
         advice.extend(_advice_for(c.kind, r, short))
     r.causes = causes
     r.advice = advice
@@ -346,9 +480,11 @@ def _framework_advice(r: Report) -> List[str]:
         if fw in r.by_framework:
             b, n = r.by_framework[fw]
             name = "CuPy" if fw == "cupy" else "Numba"
-            out.append(f"{name} holds {_fs(b)} in {n} array(s) of this heap: compute in chunks (e.g. a matmul "
-                       f"by blocks of rows, C[i:j] = A[i:j] @ B, each copied out or reduced before the next) so "
-                       f"that only one chunk of the result is live at a time, and `del` arrays you are done with.")
+            out.append(
+                f"{name} holds {_fs(b)} in {n} array(s) of this heap: compute in chunks (e.g. a matmul "
+                f"by blocks of rows, C[i:j] = A[i:j] @ B, each copied out or reduced before the next) so "
+                f"that only one chunk of the result is live at a time, and `del` arrays you are done with."
+            )
     return out
 
 
@@ -357,42 +493,60 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
     if kind == "too_big":
         if r.user_cap and r.request <= r.device_total:
             return [f"The request is larger than the cap: raise the cap ({_fs(r.user_cap)}), or split the work."]
-        return ["No setting makes one tensor larger than the GPU fit: split the work (smaller batch, chunk "
-                "the computation), use a smaller dtype (bf16/fp16, 8-bit optimizers), or shard it over devices."]
+        return [
+            "No setting makes one tensor larger than the GPU fit: split the work (smaller batch, chunk "
+            "the computation), use a smaller dtype (bf16/fp16, 8-bit optimizers), or shard it over devices."
+        ]
     if kind == "live_tensors":
         limit = r.user_cap if r.user_cap else r.device_total
-        share = f" ({100.0 * r.live_bytes / limit:.0f}% of the {_fs(limit)} {'cap' if r.user_cap else 'device'})" \
-            if limit else ""
-        return [f"Live tensors hold {_fs(r.live_bytes)}{share}: the work is too big for this memory. Use a "
-                "smaller batch (or shorter sequences / smaller images) and gradient accumulation (e.g. half the "
-                "batch, two backward() per optimizer.step()) to keep the effective batch; activation "
-                "checkpointing (torch.utils.checkpoint) trades compute for activation memory.",
-                "Inference: run under torch.no_grad() / torch.inference_mode() so no activations are "
-                "kept for backward; split a large batch into chunks.",
-                "`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
-                "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes."] + \
-            _framework_advice(r)
+        share = (
+            f" ({100.0 * r.live_bytes / limit:.0f}% of the {_fs(limit)} {'cap' if r.user_cap else 'device'})"
+            if limit
+            else ""
+        )
+        return [
+            f"Live tensors hold {_fs(r.live_bytes)}{share}: the work is too big for this memory. Use a "
+            "smaller batch (or shorter sequences / smaller images) and gradient accumulation (e.g. half the "
+            "batch, two backward() per optimizer.step()) to keep the effective batch; activation "
+            "checkpointing (torch.utils.checkpoint) trades compute for activation memory.",
+            "Inference: run under torch.no_grad() / torch.inference_mode() so no activations are "
+            "kept for backward; split a large batch into chunks.",
+            "`del` tensors you no longer need (losses kept for logging: keep loss.item(), not loss), "
+            "then gpumem/torch.cuda.empty_cache() to give the pages back to other processes.",
+        ] + _framework_advice(r)
     if kind == "other_processes":
         pids = ", ".join(str(p) for p, _ in r.other_processes[:5]) or "see nvidia-smi"
-        return [f"Free the GPU from other processes (PIDs {pids}): stop them, or give them another GPU "
-                "with CUDA_VISIBLE_DEVICES."]
+        return [
+            f"Free the GPU from other processes (PIDs {pids}): stop them, or give them another GPU "
+            "with CUDA_VISIBLE_DEVICES."
+        ]
     if kind == "outside_allocator":
-        return [f"Leave room for the {_fs(r.outside_allocator or 0)} this process holds outside the allocator: "
-                "cap gpumem lower, or shrink library workspaces (CUBLAS_WORKSPACE_CONFIG=:4096:8, "
-                "torch.backends.cudnn.benchmark=False)."]
+        return [
+            f"Leave room for the {_fs(r.outside_allocator or 0)} this process holds outside the allocator: "
+            "cap gpumem lower, or shrink library workspaces (CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+            "torch.backends.cudnn.benchmark=False)."
+        ]
     if kind == "pending":
-        return ["Synchronize the side streams (or avoid record_stream on short-lived tensors) so that "
-                "pending blocks become reusable."]
+        return [
+            "Synchronize the side streams (or avoid record_stream on short-lived tensors) so that "
+            "pending blocks become reusable."
+        ]
     if kind == "fragmentation" and (r.is_oom or short):
-        return ["Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
-                "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
-                "the small tensors the top sites list."]
+        return [
+            "Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
+            "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
+            "the small tensors the top sites list."
+        ]
     if kind == "private_pools":
-        return ["Release CUDA graphs and MemPools you no longer replay (del the graph / pool, or "
-                "graph.reset()): their pools' memory then returns to the heap."]
+        return [
+            "Release CUDA graphs and MemPools you no longer replay (del the graph / pool, or "
+            "graph.reset()): their pools' memory then returns to the heap."
+        ]
     if kind == "cap":
-        return [f"Raise or remove the cap (heap.set_cap / torch.cuda.set_per_process_memory_fraction): "
-                f"the device has {_fs(r.device_free)} free beyond it."]
+        return [
+            f"Raise or remove the cap (heap.set_cap / torch.cuda.set_per_process_memory_fraction): "
+            f"the device has {_fs(r.device_free)} free beyond it."
+        ]
     return []
 
 

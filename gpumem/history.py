@@ -13,6 +13,7 @@ the GIL (autograd's worker threads, C++ code) get no stack, as the issue asks.
     ...
     for e in gpumem.history(heap).entries: print(e.action, e.size, e.site)
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,17 @@ from . import _C
 from ._heap import torch_hook
 from ._resolve import resolve_heap, torch_active
 
-__all__ = ["record_history", "history", "History", "HistoryEntry", "Frame", "frames_for", "site_of",
-           "stack_table_info", "DEFAULT_MAX_ENTRIES"]
+__all__ = [
+    "record_history",
+    "history",
+    "History",
+    "HistoryEntry",
+    "Frame",
+    "frames_for",
+    "site_of",
+    "stack_table_info",
+    "DEFAULT_MAX_ENTRIES",
+]
 
 DEFAULT_MAX_ENTRIES = 100_000
 _TAG = 1 << 63
@@ -101,7 +111,7 @@ class HistoryEntry:
 @dataclass
 class History:
     entries: List[HistoryEntry]
-    dropped: int          # older events the ring overwrote
+    dropped: int  # older events the ring overwrote
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -114,8 +124,15 @@ def history(device=None) -> History:
     return History([HistoryEntry(*e) for e in raw], dropped)
 
 
-def record_history(enabled=True, stacks: Optional[str] = "python", max_entries: int = DEFAULT_MAX_ENTRIES,
-                   device=None, *, max_depth: int = 64, max_stacks: int = 1 << 16) -> None:
+def record_history(
+    enabled=True,
+    stacks: Optional[str] = "python",
+    max_entries: int = DEFAULT_MAX_ENTRIES,
+    device=None,
+    *,
+    max_depth: int = 64,
+    max_stacks: int = 1 << 16,
+) -> None:
     """Start or stop recording allocator events (and Python stacks) on a heap.
 
     enabled: True / "all" keeps the last `max_entries` events in the core's ring;
@@ -140,8 +157,9 @@ def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stac
     elif stacks == "python":
         want_stacks = True
     elif stacks == "all":
-        raise ValueError("stacks='all' (C++ frames) is not supported: gpumem records Python stacks only; "
-                         "use stacks='python'")
+        raise ValueError(
+            "stacks='all' (C++ frames) is not supported: gpumem records Python stacks only; use stacks='python'"
+        )
     else:
         raise ValueError(f"stacks must be 'python' or None, not {stacks!r}")
     if enabled in (True, "all"):

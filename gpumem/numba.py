@@ -10,6 +10,7 @@ the legacy default stream, under one cap, one empty_cache and one snapshot() /
 explain(), where Numba's blocks say "numba".  Pinned and mapped host memory stay
 Numba's own (HostOnlyCUDAMemoryManager).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,8 +51,9 @@ def memory_manager(heap=None):
             # gpumem.OutOfMemoryError (a RuntimeError) carries the explanation
             ptr = backend.malloc(max(int(size), 1), device, 0)
             # The finalizer must not refer to the MemoryPointer, or it would never run.
-            return cuda.MemoryPointer(self.context, ctypes.c_void_p(ptr), size,
-                                      finalizer=functools.partial(_free, device, ptr))
+            return cuda.MemoryPointer(
+                self.context, ctypes.c_void_p(ptr), size, finalizer=functools.partial(_free, device, ptr)
+            )
 
         def get_memory_info(self):
             from . import _C
@@ -64,8 +66,10 @@ def memory_manager(heap=None):
             return cuda.MemoryInfo(free=free, total=total)
 
         def get_ipc_handle(self, memory):
-            raise NotImplementedError("gpumem's Numba memory manager does not export CUDA IPC handles: "
-                                      "gpumem's pages are not cuMemAlloc allocations")
+            raise NotImplementedError(
+                "gpumem's Numba memory manager does not export CUDA IPC handles: "
+                "gpumem's pages are not cuMemAlloc allocations"
+            )
 
         def reset(self):
             super().reset()

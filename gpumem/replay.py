@@ -6,6 +6,7 @@ and not the interpreter.  Memory figures come from one pass and timings from a
 separate pass on a fresh heap, so that taking per-op timestamps cannot disturb
 what is measured, nor a progress bar the timings.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -34,11 +35,11 @@ class ReplayResult:
     allocs: int
     frees: int
     capacity_bytes: int
-    peak_live_bytes: int          # largest sum of live sizes as requested
-    peak_allocated_bytes: int     # the same, in the heap's 512-byte-rounded block sizes
+    peak_live_bytes: int  # largest sum of live sizes as requested
+    peak_allocated_bytes: int  # the same, in the heap's 512-byte-rounded block sizes
     peak_reserved_bytes: int
     ooms: int
-    first_oom_event: int          # -1 if none
+    first_oom_event: int  # -1 if none
     remaps: int
     num_maps: int
     num_unmaps: int
@@ -96,8 +97,10 @@ def replay_trace(heap, trace: Trace, progress: Optional[Progress] = None, chunk:
 
 def _raise_on_error(r: dict, trace: Trace, offset: int) -> None:
     if r.get("error", 0):
-        raise RuntimeError(f"{trace.path}: replay stopped by {r.get('error_name', r['error'])} "
-                           f"near event {offset + r['allocs'] + r['frees']}")
+        raise RuntimeError(
+            f"{trace.path}: replay stopped by {r.get('error_name', r['error'])} "
+            f"near event {offset + r['allocs'] + r['frees']}"
+        )
 
 
 def time_trace(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None) -> float:
@@ -112,9 +115,15 @@ def time_trace(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None) 
     return float(statistics.median(r["op_ns"]))
 
 
-def replay(trace: Trace, capacity: int = DEFAULT_CAPACITY, *, timing: bool = True,
-           progress: Optional[Progress] = None, heap_kwargs: Optional[dict] = None,
-           chunk: int = CHUNK_EVENTS) -> ReplayResult:
+def replay(
+    trace: Trace,
+    capacity: int = DEFAULT_CAPACITY,
+    *,
+    timing: bool = True,
+    progress: Optional[Progress] = None,
+    heap_kwargs: Optional[dict] = None,
+    chunk: int = CHUNK_EVENTS,
+) -> ReplayResult:
     """Replay `trace` on a fresh sim heap of `capacity` bytes and measure it."""
     heap = _heap(capacity, heap_kwargs)
     try:
@@ -158,8 +167,13 @@ def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None) -> boo
         heap.close()
 
 
-def min_capacity(trace: Trace, precision: int = MiB, heap_kwargs: Optional[dict] = None,
-                 on_probe: Optional[Callable[[int, bool], None]] = None, limit: int = 1 << 50) -> int:
+def min_capacity(
+    trace: Trace,
+    precision: int = MiB,
+    heap_kwargs: Optional[dict] = None,
+    on_probe: Optional[Callable[[int, bool], None]] = None,
+    limit: int = 1 << 50,
+) -> int:
     """Smallest capacity (a multiple of `precision`) at which `trace` replays with no OOM.
 
     Nothing fits below the trace's peak live bytes, so the search starts there;

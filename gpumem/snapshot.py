@@ -42,6 +42,7 @@ The summary's figures and their definitions:
     pool_free_bytes      free bytes kept for private pools: only their pool may
                          reuse them, and their pages are never moved or released
 """
+
 from __future__ import annotations
 
 import gzip
@@ -66,8 +67,15 @@ PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached"}
 # gpumem block state -> torch's block state
 TORCH_STATE = {"live": "active_allocated", "pending": "active_pending_free", "free": "inactive"}
 # history action -> torch TraceEntry action (empty_cache shows as its unmaps)
-TORCH_ACTION = {"alloc": "alloc", "free_requested": "free_requested", "free_completed": "free_completed",
-                "map": "segment_map", "remap": "segment_map", "unmap": "segment_unmap", "oom": "oom"}
+TORCH_ACTION = {
+    "alloc": "alloc",
+    "free_requested": "free_requested",
+    "free_completed": "free_completed",
+    "map": "segment_map",
+    "remap": "segment_map",
+    "unmap": "segment_unmap",
+    "oom": "oom",
+}
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,8 @@ class Block:
     stream: int
     context: int
     alloc_seq: int
-    state: str            # live / pending / free / unmapped
-    pool: Optional[Tuple[int, int]] = None   # the private pool (torch's MempoolId_t), None: none
+    state: str  # live / pending / free / unmapped
+    pool: Optional[Tuple[int, int]] = None  # the private pool (torch's MempoolId_t), None: none
 
     @property
     def end(self) -> int:
@@ -96,7 +104,7 @@ class Block:
 
     @property
     def framework(self) -> str:
-        """"cupy" / "numba" for blocks those frameworks allocated through gpumem,
+        """ "cupy" / "numba" for blocks those frameworks allocated through gpumem,
         "" for the heap's own user (torch, on the heaps gpumem serves torch with)."""
         return framework_of(self.context)
 
@@ -116,6 +124,7 @@ def segment_pool_id(blocks) -> Tuple[int, int]:
 @dataclass
 class Segment:
     """A maximal run of mapped pages and the blocks that tile it."""
+
     addr: int
     size: int
     blocks: List[Block]
@@ -144,29 +153,42 @@ class Summary:
     cap_bytes: int
     device_total: int
     device_free: int
-    pool_live_bytes: int = 0      # live and pending blocks of private pools
-    pool_free_bytes: int = 0      # free blocks kept for private pools (not in free_mapped_bytes)
+    pool_live_bytes: int = 0  # live and pending blocks of private pools
+    pool_free_bytes: int = 0  # free blocks kept for private pools (not in free_mapped_bytes)
 
     def rows(self) -> List[Tuple[str, str, str]]:
         """(label, value, what it means) for tables."""
         f = format_size
         return [
-            ("live", f"{f(self.live_bytes)} in {self.n_live} blocks",
-             f"requested {f(self.requested_bytes)}"),
+            ("live", f"{f(self.live_bytes)} in {self.n_live} blocks", f"requested {f(self.requested_bytes)}"),
             ("pending", f(self.pending_bytes), "freed, waiting for other streams"),
             ("reserved", f(self.reserved_bytes), "physical memory held (mapped + spare pages)"),
             ("free but mapped", f(self.free_mapped_bytes), f"in {self.n_free} free blocks"),
             ("largest free range", f(self.largest_free_range), "served without any device call"),
-            ("fragmentation", f"{self.fragmentation:.1%}",
-             "1 - largest free range / free mapped: free memory outside its largest piece"),
-            ("defrag could reclaim", f(self.defrag_reclaimable),
-             "wholly free pages: remappable behind any address, or released by empty_cache"),
+            (
+                "fragmentation",
+                f"{self.fragmentation:.1%}",
+                "1 - largest free range / free mapped: free memory outside its largest piece",
+            ),
+            (
+                "defrag could reclaim",
+                f(self.defrag_reclaimable),
+                "wholly free pages: remappable behind any address, or released by empty_cache",
+            ),
             ("stranded", f(self.stranded_bytes), "free bytes in pages shared with live blocks"),
             ("largest block possible", f(self.largest_possible), "after defragmenting and growing to the cap"),
             ("cap", f(self.cap_bytes), f"device {f(self.device_total)} total, {f(self.device_free)} free"),
-        ] + ([("private pools", f"{f(self.pool_live_bytes)} live, {f(self.pool_free_bytes)} free",
-               "kept for CUDA graphs / MemPools: their pages never move")]
-             if self.pool_live_bytes or self.pool_free_bytes else [])
+        ] + (
+            [
+                (
+                    "private pools",
+                    f"{f(self.pool_live_bytes)} live, {f(self.pool_free_bytes)} free",
+                    "kept for CUDA graphs / MemPools: their pages never move",
+                )
+            ]
+            if self.pool_live_bytes or self.pool_free_bytes
+            else []
+        )
 
     def text(self) -> str:
         w = max(len(r[0]) for r in self.rows())
@@ -181,7 +203,7 @@ class Snapshot:
     top: int
     page_size: int
     blocks: List[Block]
-    pages: bytes                      # gm_page_state per page of [va_base, va_base + top)
+    pages: bytes  # gm_page_state per page of [va_base, va_base + top)
     spare_pages: int
     cap_bytes: int
     stats: Dict[str, int]
@@ -192,9 +214,9 @@ class Snapshot:
     history_dropped: int = 0
     oom: Optional[dict] = None
     label: str = ""
-    default_framework: Optional[str] = None   # who owns untagged blocks: "torch" on torch's heaps
-    timeline: Optional[object] = None   # a gpumem.timeline.Timeline to show instead of the history's
-    pools: List[dict] = field(default_factory=list)     # the heap's living private pools (dicts)
+    default_framework: Optional[str] = None  # who owns untagged blocks: "torch" on torch's heaps
+    timeline: Optional[object] = None  # a gpumem.timeline.Timeline to show instead of the history's
+    pools: List[dict] = field(default_factory=list)  # the heap's living private pools (dicts)
 
     # ---- construction -----------------------------------------------------------
 
@@ -205,14 +227,25 @@ class Snapshot:
         hist, dropped = heap.history() if with_history else ([], 0)
         pools = list(heap.pools())
         return cls(
-            device_name=heap.device_name, device_kind=heap.device_kind,
-            va_base=raw["va_base"], top=raw["top"], page_size=raw["page_size"],
-            blocks=[Block(*b) for b in raw["blocks"]], pages=bytes(raw["pages"]),
-            spare_pages=raw["spare_pages"], cap_bytes=raw["cap_bytes"], stats=dict(raw["stats"]),
-            device_total=report["device_total"], device_free=report["device_free"],
+            device_name=heap.device_name,
+            device_kind=heap.device_kind,
+            va_base=raw["va_base"],
+            top=raw["top"],
+            page_size=raw["page_size"],
+            blocks=[Block(*b) for b in raw["blocks"]],
+            pages=bytes(raw["pages"]),
+            spare_pages=raw["spare_pages"],
+            cap_bytes=raw["cap_bytes"],
+            stats=dict(raw["stats"]),
+            device_total=report["device_total"],
+            device_free=report["device_free"],
             largest_possible=report["largest_possible"],
-            history=[HistoryEntry(*e) for e in hist], history_dropped=dropped,
-            oom=heap.last_oom(), label=label, default_framework=default_framework(heap), pools=pools,
+            history=[HistoryEntry(*e) for e in hist],
+            history_dropped=dropped,
+            oom=heap.last_oom(),
+            label=label,
+            default_framework=default_framework(heap),
+            pools=pools,
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -243,8 +276,10 @@ class Snapshot:
             while k < len(blocks) and blocks[k].addr < hi:
                 b = blocks[k]
                 if b.addr < lo or b.end > hi or b.state == "unmapped":
-                    raise ValueError(f"block {b.addr:#x}+{b.size} ({b.state}) crosses the mapped run "
-                                     f"[{lo:#x}, {hi:#x}): the heap broke an invariant")
+                    raise ValueError(
+                        f"block {b.addr:#x}+{b.size} ({b.state}) crosses the mapped run "
+                        f"[{lo:#x}, {hi:#x}): the heap broke an invariant"
+                    )
                 inside.append(b)
                 k += 1
             segs.append(Segment(lo, hi - lo, inside))
@@ -278,7 +313,9 @@ class Snapshot:
             live_bytes=sum(b.size for b in live),
             requested_bytes=sum(b.requested for b in live),
             pending_bytes=sum(b.size for b in pending),
-            reserved_bytes=int(self.stats.get("reserved_bytes.all.current", (counts.get(1, 0) + counts.get(2, 0)) * ps + spare)),
+            reserved_bytes=int(
+                self.stats.get("reserved_bytes.all.current", (counts.get(1, 0) + counts.get(2, 0)) * ps + spare)
+            ),
             mapped_bytes=(counts.get(1, 0) + counts.get(2, 0)) * ps,
             used_page_bytes=counts.get(1, 0) * ps,
             cached_bytes=cached + spare,
@@ -289,10 +326,15 @@ class Snapshot:
             defrag_reclaimable=cached + spare,
             stranded_bytes=free_mapped - cached,
             largest_possible=self.largest_possible,
-            n_live=len(live), n_pending=len(pending), n_free=len(free),
+            n_live=len(live),
+            n_pending=len(pending),
+            n_free=len(free),
             n_segments=len(self.segments),
-            cap_bytes=self.cap_bytes, device_total=self.device_total, device_free=self.device_free,
-            pool_live_bytes=pool_live, pool_free_bytes=pool_free,
+            cap_bytes=self.cap_bytes,
+            device_total=self.device_total,
+            device_free=self.device_free,
+            pool_live_bytes=pool_live,
+            pool_free_bytes=pool_free,
         )
 
     def by_framework(self) -> Dict[str, Tuple[int, int]]:
@@ -353,27 +395,31 @@ class Snapshot:
             blocks = []
             for b in seg.blocks:
                 active = b.state in ("live", "pending")
-                blocks.append({
-                    "address": b.addr,
-                    "size": b.size,
-                    "requested_size": b.requested if active else 0,
-                    "state": TORCH_STATE[b.state],
-                    "frames": [f._asdict() for f in b.frames],
-                })
-            segments.append({
-                "device": device,
-                "address": seg.addr,
-                "total_size": seg.size,
-                "allocated_size": sum(b.size for b in seg.blocks if b.state == "live"),
-                "active_size": sum(b.size for b in seg.blocks if b.state in ("live", "pending")),
-                "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
-                "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
-                "segment_type": "large" if seg.size > (1 << 20) else "small",
-                "segment_pool_id": segment_pool_id(seg.blocks),
-                "is_expandable": True,
-                "frames": [],
-                "blocks": blocks,
-            })
+                blocks.append(
+                    {
+                        "address": b.addr,
+                        "size": b.size,
+                        "requested_size": b.requested if active else 0,
+                        "state": TORCH_STATE[b.state],
+                        "frames": [f._asdict() for f in b.frames],
+                    }
+                )
+            segments.append(
+                {
+                    "device": device,
+                    "address": seg.addr,
+                    "total_size": seg.size,
+                    "allocated_size": sum(b.size for b in seg.blocks if b.state == "live"),
+                    "active_size": sum(b.size for b in seg.blocks if b.state in ("live", "pending")),
+                    "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
+                    "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
+                    "segment_type": "large" if seg.size > (1 << 20) else "small",
+                    "segment_pool_id": segment_pool_id(seg.blocks),
+                    "is_expandable": True,
+                    "frames": [],
+                    "blocks": blocks,
+                }
+            )
         trace = []
         last_oom_free = (self.oom or {}).get("device_free", 0)
         for e in self.history:
@@ -455,9 +501,11 @@ class Snapshot:
 
     def __repr__(self) -> str:
         s = self.summary
-        return (f"<gpumem.Snapshot {self.device_name}: {format_size(s.live_bytes)} live in {s.n_live} blocks, "
-                f"{format_size(s.reserved_bytes)} reserved, {s.n_segments} segments, "
-                f"fragmentation {s.fragmentation:.1%}>")
+        return (
+            f"<gpumem.Snapshot {self.device_name}: {format_size(s.live_bytes)} live in {s.n_live} blocks, "
+            f"{format_size(s.reserved_bytes)} reserved, {s.n_segments} segments, "
+            f"fragmentation {s.fragmentation:.1%}>"
+        )
 
     def __str__(self) -> str:
         return f"{self!r}\n{self.summary.text()}"

@@ -16,6 +16,7 @@ several events, and each point is then the largest value within its step
 (counting the state the step starts from), so no peak is lost between points.
 The cap is drawn when it is within reach of the curves or when a request failed.
 """
+
 from __future__ import annotations
 
 import html
@@ -48,11 +49,11 @@ class Timeline:
     live: List[int]
     reserved: List[int]
     n_events: int
-    cap_bytes: int = 0                     # 0: no cap known
-    step: int = 1                          # events per point (1: exact)
-    remaps: List[Tuple[int, int]] = field(default_factory=list)   # (event, how many remaps there)
-    ooms: List[Tuple[int, int]] = field(default_factory=list)     # (event, bytes requested; 0 unknown)
-    source: str = "trace"                  # "trace" or "history"
+    cap_bytes: int = 0  # 0: no cap known
+    step: int = 1  # events per point (1: exact)
+    remaps: List[Tuple[int, int]] = field(default_factory=list)  # (event, how many remaps there)
+    ooms: List[Tuple[int, int]] = field(default_factory=list)  # (event, bytes requested; 0 unknown)
+    source: str = "trace"  # "trace" or "history"
 
     # ---- figures ------------------------------------------------------------------------
 
@@ -77,9 +78,11 @@ class Timeline:
 
     def __repr__(self) -> str:
         px, pl = self.peak_live
-        return (f"<gpumem.Timeline {self.label}: {len(self.x)} points over {self.n_events} events, "
-                f"peak live {format_size(pl)} at event {px}, peak reserved {format_size(self.peak_reserved[1])}, "
-                f"{self.n_remaps} remaps, {len(self.ooms)} OOMs>")
+        return (
+            f"<gpumem.Timeline {self.label}: {len(self.x)} points over {self.n_events} events, "
+            f"peak live {format_size(pl)} at event {px}, peak reserved {format_size(self.peak_reserved[1])}, "
+            f"{self.n_remaps} remaps, {len(self.ooms)} OOMs>"
+        )
 
     # ---- pictures -----------------------------------------------------------------------
 
@@ -92,11 +95,13 @@ class Timeline:
     def to_html(self, path=None, title: Optional[str] = None) -> str:
         """A self-contained HTML page (inline SVG, no network); written to `path` when given."""
         title = title or f"gpumem: memory over time, {self.label}"
-        page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-                f"<title>{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
-                f"<h2>{html.escape(title)}</h2>{self.to_svg()}"
-                "<p style='color:#666;font-size:12px'>Made by gpumem; this file needs no network.</p>"
-                "</body></html>\n")
+        page = (
+            "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
+            f"<h2>{html.escape(title)}</h2>{self.to_svg()}"
+            "<p style='color:#666;font-size:12px'>Made by gpumem; this file needs no network.</p>"
+            "</body></html>\n"
+        )
         if path is not None:
             with open(os.fspath(path), "w", encoding="utf-8") as f:
                 f.write(page)
@@ -109,8 +114,10 @@ class Timeline:
 
 # ---- building ----------------------------------------------------------------------------
 
-def from_trace(trace, capacity: int = 80 << 30, points: int = DEFAULT_POINTS,
-               heap_kwargs: Optional[dict] = None) -> Timeline:
+
+def from_trace(
+    trace, capacity: int = 80 << 30, points: int = DEFAULT_POINTS, heap_kwargs: Optional[dict] = None
+) -> Timeline:
     """Replay `trace` (a gpumem.trace.Trace, a path or a shipped trace's name) on a
     fresh sim heap of `capacity` bytes, reading live and reserved memory every
     ceil(events / points) events (the largest value of each step)."""
@@ -130,8 +137,10 @@ def from_trace(trace, capacity: int = 80 << 30, points: int = DEFAULT_POINTS,
             heap.reset_peak_stats()
             r = heap.replay(events, trace.n_slots, slots=slots)
             if r.get("error", 0):
-                raise RuntimeError(f"{trace.path}: replay stopped by {r.get('error_name', r['error'])} "
-                                   f"near event {start + r['allocs'] + r['frees']}")
+                raise RuntimeError(
+                    f"{trace.path}: replay stopped by {r.get('error_name', r['error'])} "
+                    f"near event {start + r['allocs'] + r['frees']}"
+                )
             s = heap.stats()
             end = start + len(events) // 24
             x.append(end)
@@ -149,8 +158,18 @@ def from_trace(trace, capacity: int = 80 << 30, points: int = DEFAULT_POINTS,
                     ooms.extend([(end, 0)] * (r["ooms"] - 1))
     finally:
         heap.close()
-    return Timeline(label=trace.name, x=x, live=live, reserved=reserved, n_events=n, cap_bytes=capacity,
-                    step=step, remaps=remaps, ooms=ooms, source="trace")
+    return Timeline(
+        label=trace.name,
+        x=x,
+        live=live,
+        reserved=reserved,
+        n_events=n,
+        cap_bytes=capacity,
+        step=step,
+        remaps=remaps,
+        ooms=ooms,
+        source="trace",
+    )
 
 
 def _event_size(trace, i: int) -> int:
@@ -158,8 +177,14 @@ def _event_size(trace, i: int) -> int:
     return int(w[3 * i + 1]) if 0 <= i < trace.n_events else 0
 
 
-def from_history(entries, *, final_live: Optional[int] = None, final_reserved: Optional[int] = None,
-                 cap_bytes: int = 0, label: str = "history") -> Timeline:
+def from_history(
+    entries,
+    *,
+    final_live: Optional[int] = None,
+    final_reserved: Optional[int] = None,
+    cap_bytes: int = 0,
+    label: str = "history",
+) -> Timeline:
     """A timeline from history entries (HistoryEntry or the (time, action, addr,
     size, stream, context) tuples Heap.history() gives), oldest first.
 
@@ -200,8 +225,18 @@ def from_history(entries, *, final_live: Optional[int] = None, final_reserved: O
     if dl or dr:
         live = [v + dl for v in live]
         reserved = [v + dr for v in reserved]
-    return Timeline(label=label, x=x, live=live, reserved=reserved, n_events=len(actions), cap_bytes=cap_bytes,
-                    step=1, remaps=remaps, ooms=ooms, source="history")
+    return Timeline(
+        label=label,
+        x=x,
+        live=live,
+        reserved=reserved,
+        n_events=len(actions),
+        cap_bytes=cap_bytes,
+        step=1,
+        remaps=remaps,
+        ooms=ooms,
+        source="history",
+    )
 
 
 def from_snapshot(snap) -> Optional[Timeline]:
@@ -210,11 +245,17 @@ def from_snapshot(snap) -> Optional[Timeline]:
     if not snap.history:
         return None
     s = snap.summary
-    return from_history(snap.history, final_live=s.live_bytes, final_reserved=s.reserved_bytes,
-                        cap_bytes=snap.cap_bytes, label=snap.label or snap.device_name)
+    return from_history(
+        snap.history,
+        final_live=s.live_bytes,
+        final_reserved=s.reserved_bytes,
+        cap_bytes=snap.cap_bytes,
+        label=snap.label or snap.device_name,
+    )
 
 
 # ---- the SVG -------------------------------------------------------------------------------
+
 
 def _esc(s) -> str:
     return html.escape(str(s), quote=True)
@@ -272,16 +313,22 @@ def render_svg(tl: Timeline, width: int = 960, height: int = 300) -> str:
 
     out: List[str] = []
     w = out.append
-    w(f'<svg xmlns="http://www.w3.org/2000/svg" class="gpumem-timeline" width="{width}" height="{height}" '
-      f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">')
-    w("<style>.gpumem-timeline text{fill:#222}.gpumem-timeline .tl-remap:hover,"
-      ".gpumem-timeline .tl-oom:hover{stroke-width:3}</style>")
+    w(
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="gpumem-timeline" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
+    )
+    w(
+        "<style>.gpumem-timeline text{fill:#222}.gpumem-timeline .tl-remap:hover,"
+        ".gpumem-timeline .tl-oom:hover{stroke-width:3}</style>"
+    )
     px, pl = tl.peak_live
     every = "" if tl.step == 1 else f"; each point is the largest of {tl.step} events"
     w(f'<text x="4" y="14" font-size="13" font-weight="bold">Memory over time: {_esc(tl.label)}</text>')
-    w(f'<text x="4" y="30">peak live {_esc(format_size(pl))} at event {px}, peak reserved '
-      f'{_esc(format_size(peak_r))}, {tl.n_remaps} remaps, {len(tl.ooms)} OOMs'
-      f'{_esc(every)}</text>')
+    w(
+        f'<text x="4" y="30">peak live {_esc(format_size(pl))} at event {px}, peak reserved '
+        f"{_esc(format_size(peak_r))}, {tl.n_remaps} remaps, {len(tl.ooms)} OOMs"
+        f"{_esc(every)}</text>"
+    )
     # axes and grid
     w(f'<rect x="{left}" y="{top_pad}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>')
     for v in _byte_ticks(top):
@@ -297,8 +344,10 @@ def render_svg(tl: Timeline, width: int = 960, height: int = 300) -> str:
         w(f'<path d="M{xv:.1f} {top_pad + ph}v4" stroke="#888"/>')
         w(f'<text x="{xv:.1f}" y="{top_pad + ph + 15}" text-anchor="middle" font-size="10">{int(k * xs)}</text>')
         k += 1
-    w(f'<text x="{left + pw / 2:.0f}" y="{height - 6}" text-anchor="middle">'
-      f'{"trace event" if tl.source == "trace" else "history entry"}</text>')
+    w(
+        f'<text x="{left + pw / 2:.0f}" y="{height - 6}" text-anchor="middle">'
+        f"{'trace event' if tl.source == 'trace' else 'history entry'}</text>"
+    )
 
     def area(ys_index, cls, color, title):
         d = [f"M{X(pts[0][0]):.1f} {Y(0):.1f}"]
@@ -306,46 +355,65 @@ def render_svg(tl: Timeline, width: int = 960, height: int = 300) -> str:
         for p in pts:
             xv, yv = X(p[0]), Y(p[ys_index])
             if prev is not None:
-                d.append(f"L{xv:.1f} {prev:.1f}")   # steps: the value holds until the next event
+                d.append(f"L{xv:.1f} {prev:.1f}")  # steps: the value holds until the next event
             d.append(f"L{xv:.1f} {yv:.1f}")
             prev = yv
         d.append(f"L{X(pts[-1][0]):.1f} {Y(0):.1f}Z")
-        w(f'<path class="{cls}" d="{"".join(d)}" fill="{color}" stroke="{color}" stroke-width="0.8">'
-          f'<title>{_esc(title)}</title></path>')
+        w(
+            f'<path class="{cls}" d="{"".join(d)}" fill="{color}" stroke="{color}" stroke-width="0.8">'
+            f"<title>{_esc(title)}</title></path>"
+        )
 
     area(2, "tl-reserved", RESERVED_COLOR, f"reserved (held from the device); peak {format_size(peak_r)}")
     area(1, "tl-live", LIVE_COLOR, f"live (allocated to tensors); peak {format_size(peak_l)}")
     if show_cap:
         yc = Y(tl.cap_bytes)
-        w(f'<g class="tl-cap"><title>{_esc(f"cap {format_size(tl.cap_bytes)}")}</title>'
-          f'<path d="M{left} {yc:.1f}h{pw}" stroke="{CAP_COLOR}" stroke-dasharray="6 4" stroke-width="1.5"/>'
-          f'<text x="{left + pw - 4}" y="{yc - 4:.1f}" text-anchor="end" fill="{CAP_COLOR}">'
-          f'cap {_esc(format_size(tl.cap_bytes))}</text></g>')
+        w(
+            f'<g class="tl-cap"><title>{_esc(f"cap {format_size(tl.cap_bytes)}")}</title>'
+            f'<path d="M{left} {yc:.1f}h{pw}" stroke="{CAP_COLOR}" stroke-dasharray="6 4" stroke-width="1.5"/>'
+            f'<text x="{left + pw - 4}" y="{yc - 4:.1f}" text-anchor="end" fill="{CAP_COLOR}">'
+            f"cap {_esc(format_size(tl.cap_bytes))}</text></g>"
+        )
     elif tl.cap_bytes:
-        w(f'<text class="tl-cap" x="{left + pw - 4}" y="{top_pad + 12}" text-anchor="end" fill="{CAP_COLOR}">'
-          f'cap {_esc(format_size(tl.cap_bytes))} (above the chart)</text>')
+        w(
+            f'<text class="tl-cap" x="{left + pw - 4}" y="{top_pad + 12}" text-anchor="end" fill="{CAP_COLOR}">'
+            f"cap {_esc(format_size(tl.cap_bytes))} (above the chart)</text>"
+        )
     for e, n in tl.remaps:
         xv = X(e)
-        w(f'<path class="tl-remap" d="M{xv:.1f} {top_pad + ph}v-9" stroke="{REMAP_COLOR}" stroke-width="1.5">'
-          f'<title>{_esc(f"{n} remap(s) by event {e}: free pages mapped again behind a new address")}</title></path>')
+        w(
+            f'<path class="tl-remap" d="M{xv:.1f} {top_pad + ph}v-9" stroke="{REMAP_COLOR}" stroke-width="1.5">'
+            f"<title>{_esc(f'{n} remap(s) by event {e}: free pages mapped again behind a new address')}</title></path>"
+        )
     for e, size in tl.ooms:
         xv = X(e)
         what = f"OOM at event {e}" + (f": a request of {format_size(size)} failed" if size else "")
-        w(f'<path class="tl-oom" d="M{xv:.1f} {top_pad}v{ph}" stroke="{OOM_COLOR}" stroke-width="1.5">'
-          f'<title>{_esc(what)}</title></path>')
+        w(
+            f'<path class="tl-oom" d="M{xv:.1f} {top_pad}v{ph}" stroke="{OOM_COLOR}" stroke-width="1.5">'
+            f"<title>{_esc(what)}</title></path>"
+        )
     # the peak
     xp, yp = X(px), Y(pl)
-    w(f'<g class="tl-peak"><title>{_esc(f"peak live {format_size(pl)} at event {px}")}</title>'
-      f'<circle cx="{xp:.1f}" cy="{yp:.1f}" r="4" fill="#fff" stroke="#000" stroke-width="1.5"/>'
-      f'<text x="{min(xp + 6, left + pw - 90):.1f}" y="{max(yp - 6, top_pad + 10):.1f}" font-size="10">'
-      f'peak {_esc(format_size(pl))}</text></g>')
+    w(
+        f'<g class="tl-peak"><title>{_esc(f"peak live {format_size(pl)} at event {px}")}</title>'
+        f'<circle cx="{xp:.1f}" cy="{yp:.1f}" r="4" fill="#fff" stroke="#000" stroke-width="1.5"/>'
+        f'<text x="{min(xp + 6, left + pw - 90):.1f}" y="{max(yp - 6, top_pad + 10):.1f}" font-size="10">'
+        f"peak {_esc(format_size(pl))}</text></g>"
+    )
     # legend
     x = left + 4
-    items = [("live", LIVE_COLOR), ("reserved", RESERVED_COLOR), ("cap", CAP_COLOR), ("remap", REMAP_COLOR),
-             ("OOM", OOM_COLOR)]
+    items = [
+        ("live", LIVE_COLOR),
+        ("reserved", RESERVED_COLOR),
+        ("cap", CAP_COLOR),
+        ("remap", REMAP_COLOR),
+        ("OOM", OOM_COLOR),
+    ]
     for name, color in items:
-        w(f'<rect x="{x}" y="36" width="12" height="6" fill="{color}"/><text x="{x + 15}" y="43" '
-          f'font-size="10">{name}</text>')
+        w(
+            f'<rect x="{x}" y="36" width="12" height="6" fill="{color}"/><text x="{x + 15}" y="43" '
+            f'font-size="10">{name}</text>'
+        )
         x += 26 + 6 * len(name)
     w("</svg>")
     return "".join(out)
@@ -380,8 +448,14 @@ def plot_matplotlib(tl: Timeline, ax=None):
     px, pl = tl.peak_live
     ax.plot([px], [pl / unit], marker="o", markerfacecolor="white", markeredgecolor="black")
     right = px > 0.75 * max(tl.n_events, 1)
-    ax.annotate(f"peak live {format_size(pl)}", (px, pl / unit), textcoords="offset points",
-                xytext=(-6 if right else 6, 6), ha="right" if right else "left", fontsize=8)
+    ax.annotate(
+        f"peak live {format_size(pl)}",
+        (px, pl / unit),
+        textcoords="offset points",
+        xytext=(-6 if right else 6, 6),
+        ha="right" if right else "left",
+        fontsize=8,
+    )
     ax.set_xlim(0, max(tl.n_events, 1))
     ax.set_ylim(0, top * 1.08 / unit)
     ax.set_xlabel("trace event" if tl.source == "trace" else "history entry")

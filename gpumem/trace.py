@@ -18,6 +18,7 @@ Every problem with a file is a TraceError (a ValueError) whose message is one li
 ``FILE:WHERE: reason``, WHERE being a line number for text and
 ``device_traces[D][I]`` for snapshots.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -42,8 +43,16 @@ R_FREE = 1
 
 # Actions that exist in torch's TraceEntry but do not change which blocks are live.
 _IGNORED = frozenset(
-    {"free_requested", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "snapshot", "oom",
-     "user_defined"}
+    {
+        "free_requested",
+        "segment_alloc",
+        "segment_free",
+        "segment_map",
+        "segment_unmap",
+        "snapshot",
+        "oom",
+        "user_defined",
+    }
 )
 _MAX_U64 = (1 << 64) - 1
 # The core refuses larger requests as invalid (gm_malloc), not as out of memory.
@@ -69,14 +78,14 @@ class Trace:
     """A loaded trace, packed for Heap.replay."""
 
     path: str
-    format: str                # "text" or "snapshot"
+    format: str  # "text" or "snapshot"
     device: int
-    words: array               # 3 'Q' words per event (see EVENT_SIZE)
+    words: array  # 3 'Q' words per event (see EVENT_SIZE)
     n_slots: int
     allocs: int
     frees: int
-    peak_live_bytes: int       # largest sum of live sizes over the trace
-    peak_event: int            # index of the event at which live first reached its peak (-1 if none)
+    peak_live_bytes: int  # largest sum of live sizes over the trace
+    peak_event: int  # index of the event at which live first reached its peak (-1 if none)
     meta: dict = field(default_factory=dict)
 
     @property
@@ -103,7 +112,7 @@ class Trace:
         mv = self.events
         for start in range(0, self.n_events, events_per_chunk):
             stop = min(start + events_per_chunk, self.n_events)
-            yield start, mv[start * EVENT_SIZE: stop * EVENT_SIZE]
+            yield start, mv[start * EVENT_SIZE : stop * EVENT_SIZE]
 
     def decode(self):
         """Yield (op, slot, size, stream) per event; for tests and debugging."""
@@ -118,7 +127,7 @@ class _Builder:
     def __init__(self, path: str):
         self.path = path
         self.words = array("Q")
-        self.live = {}            # addr -> (slot, size, where it was allocated)
+        self.live = {}  # addr -> (slot, size, where it was allocated)
         self.spare_slots = []
         self.n_slots = 0
         self.allocs = 0
@@ -130,7 +139,9 @@ class _Builder:
     def alloc(self, addr: int, size: int, stream: int, where) -> None:
         prior = self.live.get(addr)
         if prior is not None:
-            raise TraceError(self.path, where, f"alloc at address {addr:#x}, which is still live (allocated at {prior[2]})")
+            raise TraceError(
+                self.path, where, f"alloc at address {addr:#x}, which is still live (allocated at {prior[2]})"
+            )
         if self.spare_slots:
             slot = self.spare_slots.pop()
         else:
@@ -149,8 +160,13 @@ class _Builder:
     def free(self, addr: int, stream: int, where, unknown_reason=None) -> None:
         entry = self.live.pop(addr, None)
         if entry is None:
-            raise TraceError(self.path, where, unknown_reason() if unknown_reason else
-                             f"free of unknown address {addr:#x} (never allocated, or already freed)")
+            raise TraceError(
+                self.path,
+                where,
+                unknown_reason()
+                if unknown_reason
+                else f"free of unknown address {addr:#x} (never allocated, or already freed)",
+            )
         slot, size, _ = entry
         self.spare_slots.append(slot)
         self.words.extend((R_FREE | slot << 32, size, stream))
@@ -160,8 +176,18 @@ class _Builder:
     def finish(self, fmt: str, device: int, meta: dict) -> Trace:
         if sys.byteorder != "little":
             self.words.byteswap()
-        return Trace(self.path, fmt, device, self.words, self.n_slots, self.allocs, self.frees,
-                     self.peak_live, self.peak_event, meta)
+        return Trace(
+            self.path,
+            fmt,
+            device,
+            self.words,
+            self.n_slots,
+            self.allocs,
+            self.frees,
+            self.peak_live,
+            self.peak_event,
+            meta,
+        )
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -176,7 +202,7 @@ def _parse_meta(comment: str) -> dict:
     if start < 0 or end < start:
         return {}
     try:
-        meta = json.loads(comment[start:end + 1])
+        meta = json.loads(comment[start : end + 1])
     except ValueError:
         return {}
     return meta if isinstance(meta, dict) else {}
@@ -200,13 +226,17 @@ def _load_text(path: str, stream, device: Optional[int]) -> Trace:
                     meta = _parse_meta(line)
                 continue
             if len(parts) != 4:
-                raise TraceError(path, lineno, f"malformed line: expected 'action addr size stream', got {_short(line)}")
+                raise TraceError(
+                    path, lineno, f"malformed line: expected 'action addr size stream', got {_short(line)}"
+                )
             try:
                 addr = int(parts[1])
                 size = int(parts[2])
                 stream_id = int(parts[3])
             except ValueError:
-                raise TraceError(path, lineno, f"malformed line: addr, size and stream must be integers, got {_short(line)}") from None
+                raise TraceError(
+                    path, lineno, f"malformed line: addr, size and stream must be integers, got {_short(line)}"
+                ) from None
             if action == "alloc":
                 _check_fields(path, lineno, addr, size, stream_id)
                 b.alloc(addr, size, stream_id, lineno)
@@ -263,8 +293,12 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
     except Exception as e:  # any unpickling failure is a bad file, not a crash
         raise TraceError(path, None, f"not a readable pickle: {e}") from None
     if not isinstance(data, dict) or "device_traces" not in data:
-        raise TraceError(path, None, "not a torch memory snapshot: no 'device_traces' (record with "
-                                     "torch.cuda.memory._record_memory_history first)")
+        raise TraceError(
+            path,
+            None,
+            "not a torch memory snapshot: no 'device_traces' (record with "
+            "torch.cuda.memory._record_memory_history first)",
+        )
     traces = data["device_traces"]
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceError(path, None, "malformed snapshot: device_traces is not a list of lists")
@@ -275,10 +309,10 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
     def owner_of(addr):
         """Which other device allocated `addr`, for a clearer message."""
         for other, entries in enumerate(traces):
-            if other != d and any(isinstance(e, dict) and e.get("action") == "alloc" and e.get("addr") == addr
-                                  for e in entries):
-                return (f"free of address {addr:#x}, which is not live on device {d}: "
-                        f"it was allocated on device {other}")
+            if other != d and any(
+                isinstance(e, dict) and e.get("action") == "alloc" and e.get("addr") == addr for e in entries
+            ):
+                return f"free of address {addr:#x}, which is not live on device {d}: it was allocated on device {other}"
         return f"free of unknown address {addr:#x} (never allocated, or already freed)"
 
     b = _Builder(path)

@@ -3,6 +3,7 @@
 Everything here runs on the simulated device; tests that need a real GPU take
 the `gpu` marker and are skipped when torch or CUDA is missing.
 """
+
 import os
 import pathlib
 
@@ -18,14 +19,22 @@ try:
     from hypothesis import HealthCheck, settings as _hsettings
 
     _hsettings.register_profile("dev", deadline=None)
-    _hsettings.register_profile("ci", derandomize=True, database=None, max_examples=400, deadline=None,
-                                print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    _hsettings.register_profile(
+        "ci",
+        derandomize=True,
+        database=None,
+        max_examples=400,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     # tools/mutate.py: the CI examples, without shrinking (a planted bug only
     # needs to be caught, and shrinking it would dominate the run).
     from hypothesis import Phase
 
-    _hsettings.register_profile("mutate", parent=_hsettings.get_profile("ci"),
-                                phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    _hsettings.register_profile(
+        "mutate", parent=_hsettings.get_profile("ci"), phases=[Phase.explicit, Phase.reuse, Phase.generate]
+    )
     _hsettings.load_profile(os.environ.get("GPUMEM_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 except ImportError:  # hypothesis is only needed by the tests that import it
     pass
@@ -38,8 +47,14 @@ PAGE = 2 * MiB
 # The traces and the snapshot shipped in gpumem/data.  Tests take them from the
 # gpumem under test (a source checkout or an installed wheel); a missing one is a
 # failure (gpumem.data.UnknownDataError), never a skip.
-TRACE_NAMES = ("bert_varlen", "gpt2_generate", "gpt2_varlen", "llama_lora_ckpt", "resnet50_multires",
-               "seed_fragmentation")
+TRACE_NAMES = (
+    "bert_varlen",
+    "gpt2_generate",
+    "gpt2_varlen",
+    "llama_lora_ckpt",
+    "resnet50_multires",
+    "seed_fragmentation",
+)
 
 
 def trace_file(name):
@@ -75,8 +90,7 @@ def all_traces():
     extra_dir = extra_traces_dir()
     extra = []
     if extra_dir is not None:
-        extra = [p for p in sorted(extra_dir.glob("*.trace.gz"))
-                 if p.name[: -len(".trace.gz")] not in TRACE_NAMES]
+        extra = [p for p in sorted(extra_dir.glob("*.trace.gz")) if p.name[: -len(".trace.gz")] not in TRACE_NAMES]
     return shipped + extra
 
 
@@ -119,8 +133,10 @@ def cuda_devices():
     if torch.cuda.is_available():
         return torch.cuda.device_count(), ""
     if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
-        raise RuntimeError("this machine has NVIDIA device files and torch is a CUDA build, but "
-                           "torch.cuda.is_available() is False: the CUDA install is broken")
+        raise RuntimeError(
+            "this machine has NVIDIA device files and torch is a CUDA build, but "
+            "torch.cuda.is_available() is False: the CUDA install is broken"
+        )
     return 0, "no CUDA GPU on this machine"
 
 

@@ -1,6 +1,7 @@
 """The offline HTML map renders in headless Chromium: the screenshot is not blank
 and shows the block colours.  Skipped when no Chromium is installed, except on
 CI, where .ci/run installs Debian's `chromium` and a missing browser is a failure."""
+
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ def chromium():
 
 
 def hex_rgb(c):
-    return tuple(int(c[i:i + 2], 16) for i in (1, 3, 5))
+    return tuple(int(c[i : i + 2], 16) for i in (1, 3, 5))
 
 
 def test_offline_html_renders_in_headless_chromium(tmp_path):
@@ -38,9 +39,19 @@ def test_offline_html_renders_in_headless_chromium(tmp_path):
         page = tmp_path / "map.html"
         gpumem.snapshot(h).to_html(page)
     shot = tmp_path / "shot.png"
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--no-first-run", "--no-default-browser-check", f"--user-data-dir={tmp_path / 'profile'}",
-           "--window-size=1100,900", f"--screenshot={shot}", page.as_uri()]
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--no-default-browser-check",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1100,900",
+        f"--screenshot={shot}",
+        page.as_uri(),
+    ]
     # The page must render with no network: nothing here can be fetched anyway,
     # and the check below needs the SVG's own colours on screen.
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -69,9 +80,19 @@ def test_timeline_renders_in_headless_chromium(tmp_path):
     page = tmp_path / "timeline.html"
     gpumem.memory_over_time("seed_fragmentation", capacity="1.5GiB").to_html(page)
     shot = tmp_path / "shot.png"
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--no-first-run", "--no-default-browser-check", f"--user-data-dir={tmp_path / 'profile'}",
-           "--window-size=1000,420", f"--screenshot={shot}", page.as_uri()]
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--no-default-browser-check",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1000,420",
+        f"--screenshot={shot}",
+        page.as_uri(),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert shot.exists(), f"no screenshot (exit {r.returncode}): {r.stderr[-2000:]}"
     present = {c for _, c in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)}

@@ -1,4 +1,5 @@
 """The command line: python -m gpumem replay ..."""
+
 import gzip
 import json
 import os
@@ -16,8 +17,21 @@ from conftest import GiB, MiB, REPO, all_traces, trace_file
 
 SEED = trace_file("seed_fragmentation")
 
-JSON_KEYS = {"trace", "events", "peak_live_bytes", "peak_reserved_bytes", "ns_per_op", "ooms", "remaps",
-             "num_maps", "num_unmaps", "allocs", "frees", "capacity_bytes", "first_oom_event"}
+JSON_KEYS = {
+    "trace",
+    "events",
+    "peak_live_bytes",
+    "peak_reserved_bytes",
+    "ns_per_op",
+    "ooms",
+    "remaps",
+    "num_maps",
+    "num_unmaps",
+    "allocs",
+    "frees",
+    "capacity_bytes",
+    "first_oom_event",
+}
 
 
 def run_cli(*args):
@@ -25,8 +39,14 @@ def run_cli(*args):
     env = dict(os.environ)
     pkg_parent = str(pathlib.Path(gpumem.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "gpumem", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=str(REPO), timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "gpumem", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO),
+        timeout=600,
+    )
 
 
 def write_text(path, lines):
@@ -58,6 +78,7 @@ def recount_peak(path):
 
 # ---- bad input: one line on stderr, exit 2, no traceback --------------------------
 
+
 def bad_inputs(tmp_path):
     ok = "alloc 4096 512 0"
     corrupt = tmp_path / "corrupt.trace.gz"
@@ -65,10 +86,18 @@ def bad_inputs(tmp_path):
     corrupt.write_bytes(good[: len(good) // 2])
     snap = tmp_path / "cross.pickle.gz"
     with gzip.open(snap, "wb") as f:
-        pickle.dump({"device_traces": [
-            [{"action": "alloc", "addr": 1, "size": 512, "stream": 0},
-             {"action": "free_completed", "addr": 99, "size": 512, "stream": 0}],
-            [{"action": "alloc", "addr": 99, "size": 512, "stream": 0}]]}, f)
+        pickle.dump(
+            {
+                "device_traces": [
+                    [
+                        {"action": "alloc", "addr": 1, "size": 512, "stream": 0},
+                        {"action": "free_completed", "addr": 99, "size": 512, "stream": 0},
+                    ],
+                    [{"action": "alloc", "addr": 99, "size": 512, "stream": 0}],
+                ]
+            },
+            f,
+        )
     return [
         (tmp_path / "missing.trace.gz", "no such file"),
         (write_text(tmp_path / "unknown.trace.gz", [ok, "foo 1 2 3"]), ":3: unknown action 'foo'"),
@@ -101,14 +130,17 @@ def test_bad_inputs_subprocess(tmp_path):
         assert p.stderr.count("\n") == 1 and fragment in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["replay"], "required"),
-    (["replay", "x.gz", "--capacity", "12 parsecs"], "unknown size unit"),
-    (["replay", "x.gz", "--capacity", "0"], "positive"),
-    (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
-    (["nosuchcommand"], "invalid choice"),
-    ([], "required"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["replay"], "required"),
+        (["replay", "x.gz", "--capacity", "12 parsecs"], "unknown size unit"),
+        (["replay", "x.gz", "--capacity", "0"], "positive"),
+        (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
+        (["nosuchcommand"], "invalid choice"),
+        ([], "required"),
+    ],
+)
 def test_usage_errors(argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -126,6 +158,7 @@ def test_good_and_bad_traces_together(tmp_path, capsys):
 
 
 # ---- output ----------------------------------------------------------------------
+
 
 def test_json_keys_and_consistency():
     traces = all_traces()
@@ -168,8 +201,9 @@ def test_ooms_reported_not_fatal(tmp_path, capsys):
 
 
 def test_table_output(tmp_path, capsys):
-    t = write_text(tmp_path / "tiny.trace.gz", ["alloc 4096 1048576 0", "alloc 8192 2097152 0",
-                                                "free_completed 4096 0 0"])
+    t = write_text(
+        tmp_path / "tiny.trace.gz", ["alloc 4096 1048576 0", "alloc 8192 2097152 0", "free_completed 4096 0 0"]
+    )
     assert main(["replay", str(t), "--min-capacity", "--no-progress"]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
@@ -182,8 +216,9 @@ def test_table_output(tmp_path, capsys):
 def test_snapshot_device_option(tmp_path, capsys):
     path = tmp_path / "two.pickle"
     ev = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}  # noqa: E731
-    path.write_bytes(pickle.dumps({"device_traces": [[ev("alloc", 1, 512)],
-                                                     [ev("alloc", 1, 2 * MiB), ev("alloc", 2, MiB)]]}))
+    path.write_bytes(
+        pickle.dumps({"device_traces": [[ev("alloc", 1, 512)], [ev("alloc", 1, 2 * MiB), ev("alloc", 2, MiB)]]})
+    )
     assert main(["replay", str(path), "--json", "--device", "1", "--no-timing"]) == 0
     (r,) = json_rows(capsys.readouterr().out)
     assert r["device"] == 1 and r["peak_live_bytes"] == 3 * MiB and r["format"] == "snapshot"

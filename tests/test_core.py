@@ -1,4 +1,5 @@
 """Unit tests of the allocator core, through the extension, on the sim device."""
+
 import re
 
 import pytest
@@ -83,8 +84,16 @@ def test_properties_of_heap(make_heap):
 
 @pytest.mark.parametrize(
     "size,block",
-    [(1, 512), (511, 512), (512, 512), (513, 1024), (1000, 1024), (MiB, MiB), (MiB + 1, MiB + 512),
-     (5 * MiB + 3, 5 * MiB + 512)],
+    [
+        (1, 512),
+        (511, 512),
+        (512, 512),
+        (513, 1024),
+        (1000, 1024),
+        (MiB, MiB),
+        (MiB + 1, MiB + 512),
+        (5 * MiB + 3, 5 * MiB + 512),
+    ],
 )
 def test_rounding_to_512(heap, size, block):
     p = heap.malloc(size)
@@ -495,8 +504,16 @@ def test_closed_heap_raises(make_heap):
     h = make_heap(capacity="256MiB")
     p = h.malloc(100)
     h.close()
-    for call in (lambda: h.malloc(1), lambda: h.free(p), h.stats, h.check, h.empty_cache, h.snapshot,
-                 lambda: h.set_cap(0), h.sim_info):
+    for call in (
+        lambda: h.malloc(1),
+        lambda: h.free(p),
+        h.stats,
+        h.check,
+        h.empty_cache,
+        h.snapshot,
+        lambda: h.set_cap(0),
+        h.sim_info,
+    ):
         with pytest.raises(ValueError):
             call()
 
@@ -631,8 +648,11 @@ def test_name_lists_come_from_the_core():
     assert sorted(_C.ERROR_NAMES) == list(range(len(_C.ERROR_NAMES)))
     with gpumem.Heap(device="sim", capacity="1GiB") as h:
         stats = h.stats()
-    expected = {f"{name}.{pool}.{field}" for name in _C.POOLED_STAT_NAMES
-                for pool in ("all", "small_pool", "large_pool")
-                for field in ("current", "peak", "allocated", "freed")}
+    expected = {
+        f"{name}.{pool}.{field}"
+        for name in _C.POOLED_STAT_NAMES
+        for pool in ("all", "small_pool", "large_pool")
+        for field in ("current", "peak", "allocated", "freed")
+    }
     expected |= set(_C.COUNTER_NAMES)
     assert set(stats) == expected

@@ -1,6 +1,7 @@
 """The traces and snapshot shipped with gpumem (gpumem/data) and their short names.
 
 These tests need no source tree: they run against an installed wheel too."""
+
 import gzip
 import json
 import os
@@ -28,7 +29,7 @@ def test_every_trace_is_shipped():
             head = f.readline()
         # the first line is the comment that carries the native allocator's figures
         assert head.startswith("# action addr size stream"), head
-        meta = json.loads(head[head.index("{"): head.rindex("}") + 1])
+        meta = json.loads(head[head.index("{") : head.rindex("}") + 1])
         assert meta["peak_allocated"] > 0
 
 
@@ -90,7 +91,13 @@ def test_python_dash_m_from_another_directory(tmp_path):
     env = dict(os.environ)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(gpumem.__file__)))
     env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-m", "gpumem", "replay", "seed_fragmentation", "--json", "--no-timing"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "gpumem", "replay", "seed_fragmentation", "--json", "--no-timing"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["peak_live_bytes"] == 1608515584

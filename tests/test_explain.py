@@ -1,5 +1,6 @@
 """explain() / last_oom(): each cause named, with its numbers, in a case built to
 have that cause (sim device; other processes and NVML faked at the device)."""
+
 import os
 import sys
 
@@ -205,11 +206,17 @@ def test_notebook_references():
 
 # ---- advice follows the causes, by the bytes each accounts for -----------------------
 
+
 def _advice_kind(line):
     """Which cause an advice line answers (by its wording)."""
-    for kind, words in (("live_tensors", "smaller batch"), ("outside_allocator", "outside the allocator"),
-                        ("other_processes", "Free the GPU from other processes"), ("cap", "Raise or remove the cap"),
-                        ("pending", "Synchronize the side streams"), ("fragmentation", "Stranded memory")):
+    for kind, words in (
+        ("live_tensors", "smaller batch"),
+        ("outside_allocator", "outside the allocator"),
+        ("other_processes", "Free the GPU from other processes"),
+        ("cap", "Raise or remove the cap"),
+        ("pending", "Synchronize the side streams"),
+        ("fragmentation", "Stranded memory"),
+    ):
         if words in line:
             return kind
     return None

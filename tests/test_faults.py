@@ -7,6 +7,7 @@ Whatever fails must surface as OutOfMemoryError or DeviceError, or be absorbed;
 afterwards the heap must pass check(), every live block must still be mapped,
 and once everything is freed nothing may be left on the device.
 """
+
 import re
 
 import pytest
@@ -15,8 +16,20 @@ import gpumem
 from conftest import MiB, PAGE, assert_ok, drain_and_assert_empty
 
 OPS = (
-    "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
-    "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
+    "reserve",
+    "unreserve",
+    "create",
+    "release",
+    "map",
+    "unmap",
+    "set_access",
+    "event_create",
+    "event_destroy",
+    "event_record",
+    "event_query",
+    "synchronize",
+    "mem_info",
+    "processes",
 )
 CAPACITY = 64 * MiB
 S1, S2 = 0x1000, 0x2000
@@ -133,8 +146,12 @@ def pool_workload(run):
         run.free(p)
     for size in (3 * MiB, 4096, 6 * MiB):
         run.malloc(size, stream=S1, pool=POOL)
-    pinned = {pg: h.sim_page_at(pg) for b in h.snapshot()["blocks"] if b[7] == POOL
-              for pg in range(b[0] // PAGE * PAGE, b[0] + b[1], PAGE)}  # every page under the pool's blocks
+    pinned = {
+        pg: h.sim_page_at(pg)
+        for b in h.snapshot()["blocks"]
+        if b[7] == POOL
+        for pg in range(b[0] // PAGE * PAGE, b[0] + b[1], PAGE)
+    }  # every page under the pool's blocks
     pages = [run.malloc(PAGE) for _ in range(CAPACITY // PAGE)]
     for p in pages[::2]:
         if p is not None:
@@ -212,16 +229,33 @@ def baseline(op):
 
 # The workload calls these ops (the others -- reserve, unreserve,
 # event_destroy -- only at heap creation and destruction, tested below).
-CALLED = ("create", "release", "map", "unmap", "set_access", "event_create", "event_record", "event_query",
-          "synchronize", "mem_info", "processes")
+CALLED = (
+    "create",
+    "release",
+    "map",
+    "unmap",
+    "set_access",
+    "event_create",
+    "event_record",
+    "event_query",
+    "synchronize",
+    "mem_info",
+    "processes",
+)
 # Which call fails, as a fraction of the calls the clean workload makes: the
 # first, the second, a quarter, half way, three quarters, the last.
 POSITIONS = ("first", "second", "quarter", "half", "three_quarters", "last")
 
 
 def nth_call(total, where):
-    return {"first": 1, "second": 2, "quarter": max(1, total // 4), "half": max(1, total // 2),
-            "three_quarters": max(1, 3 * total // 4), "last": total}[where]
+    return {
+        "first": 1,
+        "second": 2,
+        "quarter": max(1, total // 4),
+        "half": max(1, total // 2),
+        "three_quarters": max(1, 3 * total // 4),
+        "last": total,
+    }[where]
 
 
 def test_clean_workload_walks_the_slow_paths():
@@ -400,13 +434,13 @@ def test_failed_event_record_does_not_share_an_event(make_heap):
     p = h.malloc(4 * MiB)
     h.record_stream(p, S1)
     h.sim_fail("event_record", nth=1)
-    h.free(p)          # the record fails: p waits for a device sync instead
-    h.empty_cache()    # that sync
+    h.free(p)  # the record fails: p waits for a device sync instead
+    h.empty_cache()  # that sync
     x = h.malloc(4 * MiB, stream=S2)
     y = h.malloc(4 * MiB)
     h.record_stream(x, S1)
     h.record_stream(y, S3)
-    h.sim_hold_stream(S1, True)   # a kernel on S1 still reads x
+    h.sim_hold_stream(S1, True)  # a kernel on S1 still reads x
     h.free(x)
     h.free(y)
     z = h.malloc(4 * MiB, stream=S2)

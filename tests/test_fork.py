@@ -7,6 +7,7 @@ interpreter's finalization: neither may hang on a lock held by a thread that
 does not exist in the child.  Each scenario runs in its own interpreter, so a
 hang is a timeout of that process and never of the test run.
 """
+
 import os
 import subprocess
 import sys
@@ -34,6 +35,8 @@ PRELUDE = textwrap.dedent("""
                 if i % 64 == 63:
                     for k in range(64):
                         f.write(f"free_completed {{4096 * (k + 1)}} 0 0\\n")
+            for k in range(n % 64):  # the last window too: a replay leaves nothing live
+                f.write(f"free_completed {{4096 * (k + 1)}} 0 0\\n")
         return load_trace(path)
 """)
 
@@ -42,15 +45,17 @@ def run_script(body, tmp_path, timeout=120):
     script = tmp_path / "scenario.py"
     script.write_text(PRELUDE.format(repo=REPO) + textwrap.dedent(body))
     try:
-        return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
-                              cwd=str(tmp_path))
+        return subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path)
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the scenario hung (killed after {timeout}s); output so far: {exc.stdout!r} {exc.stderr!r}")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 def test_fork_while_another_thread_is_in_the_heap(tmp_path):
-    r = run_script("""
+    r = run_script(
+        """
         h = gpumem.Heap(device="sim", capacity=1 << 30)
         gpumem.record_history(True, device=h, stacks="python", max_entries=10000)
         inherited = [h.malloc(MiB) for _ in range(4)]
@@ -112,7 +117,9 @@ def test_fork_while_another_thread_is_in_the_heap(tmp_path):
         h.check()
         print(f"forks ok: {i + 1 - hung} of 25, parent replays {replays[0]}", flush=True)
         sys.exit(1 if hung else 0)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "forks ok: 25 of 25" in r.stdout, r.stdout
 
@@ -120,7 +127,8 @@ def test_fork_while_another_thread_is_in_the_heap(tmp_path):
 def test_exit_with_live_blocks_history_and_busy_threads(tmp_path):
     """The interpreter exits while heaps hold live blocks, history with Python
     stacks is on, and daemon threads are still inside the allocator."""
-    r = run_script("""
+    r = run_script(
+        """
         heaps = [gpumem.Heap(device="sim", capacity=1 << 30) for _ in range(2)]
         for h in heaps:
             gpumem.record_history(True, device=h, stacks="python", max_entries=1000)
@@ -139,6 +147,9 @@ def test_exit_with_live_blocks_history_and_busy_threads(tmp_path):
         time.sleep(0.3)
         print("exiting", flush=True)
         sys.exit(0)
-    """, tmp_path, timeout=60)
+    """,
+        tmp_path,
+        timeout=60,
+    )
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "exiting" and r.stderr == "", (r.stdout, r.stderr)

@@ -1,5 +1,6 @@
 """benchmarks/gpu_compare.py without a GPU: trace packing, the searches, the results schema and
 tables, and a whole --dry-run through the worker servers with a fake backend (failures injected)."""
+
 import gzip
 import json
 import os
@@ -45,19 +46,22 @@ def test_parse_pairs_frees_reuses_slots_and_finds_peak():
     assert ev[2][1] == ev[0][1] and ev[3][1] == ev[0][1]
     assert t.n_slots == 2
     assert t.streams == [0, 7]
-    assert ev[1][3] == 1 and ev[5][3] == 1      # stream index, not the handle
+    assert ev[1][3] == 1 and ev[5][3] == 1  # stream index, not the handle
     assert t.peak_live == 1024 + 4096 and t.peak_event == 3
     assert t.allocs == 4 and t.frees == 2
     assert t.meta == {"peak_allocated": 123}
 
 
-@pytest.mark.parametrize("body, msg", [
-    ("free_completed 5 512 0\n", "unknown address"),
-    ("alloc 5 512 0\nalloc 5 512 0\n", "still live"),
-    ("alloc 5 512\n", "expected"),
-    ("mystery 5 512 0\n", "unknown action"),
-    ("alloc x 512 0\n", "integers"),
-])
+@pytest.mark.parametrize(
+    "body, msg",
+    [
+        ("free_completed 5 512 0\n", "unknown address"),
+        ("alloc 5 512 0\nalloc 5 512 0\n", "still live"),
+        ("alloc 5 512\n", "expected"),
+        ("mystery 5 512 0\n", "unknown action"),
+        ("alloc x 512 0\n", "integers"),
+    ],
+)
 def test_parse_rejects_bad_traces(body, msg):
     with pytest.raises(tr.TraceFormatError, match=msg):
         tr.parse_lines(body.splitlines(True), "bad.trace")
@@ -89,11 +93,12 @@ def test_find_traces_orders_by_size_and_filters(tmp_path):
 
 def test_shipped_trace_peak_live_matches_readme():
     t = tr.load_text_trace(str(trace_file("seed_fragmentation")))
-    assert round(t.peak_live / GiB, 3) == 1.498      # the README's table
+    assert round(t.peak_live / GiB, 3) == 1.498  # the README's table
     assert t.allocs == 401
 
 
 # ---- searches -------------------------------------------------------------------------------------
+
 
 def run_min(threshold, fail_below, seeds=(), res=8 * MiB, align=2 * MiB, ceiling=80 * GiB, margin=None, limit=100):
     s = MinPassSearch(fail_below, ceiling, res, align, seeds=seeds, margin=margin)
@@ -140,7 +145,7 @@ def test_min_pass_search_exhausts_when_nothing_fits():
 def test_min_pass_search_flags_contradictions():
     s = MinPassSearch(GiB, 8 * GiB, 8 * MiB, 2 * MiB)
     s.record(3 * GiB, True)
-    s.record(4 * GiB, False)          # failed above a pass
+    s.record(4 * GiB, False)  # failed above a pass
     assert s.result()["nonmonotone"]
     assert s.hi == 3 * GiB
 
@@ -179,6 +184,7 @@ def test_max_pass_seeded_with_the_answer_takes_two_tries():
 
 # ---- contenders and arguments ---------------------------------------------------------------------
 
+
 def test_parse_contenders():
     assert parse_contenders("native, gpumem,native") == ["native", "gpumem"]
     assert parse_contenders("expandable_segments,cudaMallocAsync") == ["expandable", "async"]
@@ -195,12 +201,15 @@ def test_server_env_sets_only_the_contenders_alloc_conf():
     assert server_env("native", base)["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--figures", "7"], "figures are among"),
-    (["--contenders", "foo"], "unknown contender"),
-    (["--fig5-cap", "lots"], "not a size"),
-    (["--gpumem-options", "[1]"], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--figures", "7"], "figures are among"),
+        (["--contenders", "foo"], "unknown contender"),
+        (["--fig5-cap", "lots"], "not a size"),
+        (["--gpumem-options", "[1]"], "JSON object"),
+    ],
+)
 def test_cli_rejects_bad_arguments(argv, msg):
     p = subprocess.run([sys.executable, SCRIPT, "--dry-run"] + argv, capture_output=True, text=True)
     assert p.returncode == 2
@@ -209,13 +218,33 @@ def test_cli_rejects_bad_arguments(argv, msg):
 
 # ---- report ---------------------------------------------------------------------------------------
 
+
 def minimal_doc():
-    return {"schema": report.SCHEMA, "fake": True, "command": "x", "started": "now", "options": {"contenders": ["native", "gpumem"]},
-            "contenders": {"native": {"status": "ok"}, "gpumem": {"status": "unavailable", "reason": "not built"}},
-            "traces": {"t": {"peak_live": GiB}}, "labels": {"native": "native", "gpumem": "gpumem"},
-            "figures": {"1": {"status": "done", "rows": [
-                {"trace": "t", "contender": "native", "status": "ok", "ratio": 1.0421, "min_cap": int(1.0421 * GiB)},
-                {"trace": "t", "contender": "gpumem", "status": "unavailable", "reason": "not built"}]}}}
+    return {
+        "schema": report.SCHEMA,
+        "fake": True,
+        "command": "x",
+        "started": "now",
+        "options": {"contenders": ["native", "gpumem"]},
+        "contenders": {"native": {"status": "ok"}, "gpumem": {"status": "unavailable", "reason": "not built"}},
+        "traces": {"t": {"peak_live": GiB}},
+        "labels": {"native": "native", "gpumem": "gpumem"},
+        "figures": {
+            "1": {
+                "status": "done",
+                "rows": [
+                    {
+                        "trace": "t",
+                        "contender": "native",
+                        "status": "ok",
+                        "ratio": 1.0421,
+                        "min_cap": int(1.0421 * GiB),
+                    },
+                    {"trace": "t", "contender": "gpumem", "status": "unavailable", "reason": "not built"},
+                ],
+            }
+        },
+    }
 
 
 def test_validate_accepts_a_good_doc_and_names_problems():
@@ -249,6 +278,7 @@ def test_format_helpers():
 
 # ---- the whole pipeline on the fake backend --------------------------------------------------------
 
+
 def write_trace(path, n, seed):
     rng = random.Random(seed)
     live = []
@@ -273,10 +303,29 @@ def test_dry_run_end_to_end_with_injected_failures(tmp_path):
     write_trace(tdir / "beta.trace.gz", 900, 2)
     out, copy = tmp_path / "out", tmp_path / "copy"
     env = dict(os.environ, GPU_COMPARE_FAKE_FAIL="rmm:unavailable,async:crash@replay")
-    p = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--traces", str(tdir), "--out", str(out),
-                        "--copy-to", str(copy), "--deadline", "120", "--figures", "1,2,3,5,6",
-                        "--contenders", "native,async,rmm,gpumem"],
-                       capture_output=True, text=True, env=env, timeout=280)
+    p = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--dry-run",
+            "--traces",
+            str(tdir),
+            "--out",
+            str(out),
+            "--copy-to",
+            str(copy),
+            "--deadline",
+            "120",
+            "--figures",
+            "1,2,3,5,6",
+            "--contenders",
+            "native,async,rmm,gpumem",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads((out / "gpu_compare.json").read_text())
     assert report.validate(doc) == []
@@ -286,6 +335,7 @@ def test_dry_run_end_to_end_with_injected_failures(tmp_path):
     f1 = {(r["trace"], r["contender"]): r for r in doc["figures"]["1"]["rows"]}
     # the fake overheads (fake.OVERHEAD) are what the searches must find, to the resolution
     from compare.fake import OVERHEAD
+
     for t in ("alpha", "beta"):
         for c in ("native", "gpumem"):
             r = f1[(t, c)]
@@ -295,7 +345,7 @@ def test_dry_run_end_to_end_with_injected_failures(tmp_path):
         # async's replay child dies: recorded, not fatal
         assert f1[(t, "async")]["status"] == "failed" and "died" in f1[(t, "async")]["reason"]
     f3 = {(r["trace"], r["contender"]): r for r in doc["figures"]["3"]["rows"]}
-    assert f3[("alpha", "native")]["capped_status"] == "oom"        # 1.05 < native's fake 1.06
+    assert f3[("alpha", "native")]["capped_status"] == "oom"  # 1.05 < native's fake 1.06
     assert f3[("alpha", "gpumem")]["capped_status"] == "ok" and f3[("alpha", "gpumem")]["slowdown"] > 0
     f5 = {(r["length"], r["contender"]): r for r in doc["figures"]["5"]["rows"]}
     assert f5[(1024, "gpumem")]["max_batch"] >= f5[(1024, "native")]["max_batch"] > 0
@@ -310,21 +360,28 @@ def test_dry_run_end_to_end_with_injected_failures(tmp_path):
         return
     assert (out / "gpu_compare_fig1.png").exists() and (copy / "gpu_compare_plots.tar").exists()
     # --replot rebuilds the same tables from the JSON alone
-    rp = subprocess.run([sys.executable, SCRIPT, "--replot", str(out / "gpu_compare.json"), "--out", str(tmp_path / "re")],
-                        capture_output=True, text=True, timeout=120)
+    rp = subprocess.run(
+        [sys.executable, SCRIPT, "--replot", str(out / "gpu_compare.json"), "--out", str(tmp_path / "re")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rp.returncode == 0, rp.stderr
     assert (tmp_path / "re" / "gpu_compare.md").read_text() == md
 
 
 # ---- the replay loop itself, on the CPU (needs torch) ----------------------------------------------
 
+
 def test_replay_pass_on_cpu_counts_and_reports_oom():
     torch = pytest.importorskip("torch")
     from compare.worker import replay_pass
+
     t = tr.parse_lines(TEXT.splitlines(True), "x.trace")
     dev = torch.device("cpu")
-    r = replay_pass(t.events(), t.n_slots, [None, None], torch.empty, dev, lambda s: None, lambda: None,
-                    lambda: 1000, 1000)
+    r = replay_pass(
+        t.events(), t.n_slots, [None, None], torch.empty, dev, lambda s: None, lambda: None, lambda: 1000, 1000
+    )
     assert r["status"] == "ok" and r["allocs"] == 4 and r["live_at_end"] == 4096 + 256
 
     budget = {"left": 1024 + 512 + 100}
@@ -335,6 +392,7 @@ def test_replay_pass_on_cpu_counts_and_reports_oom():
         budget["left"] -= n
         return torch.empty(n, dtype=dtype, device=device)
 
-    r = replay_pass(t.events(), t.n_slots, [None, None], tight_empty, dev, lambda s: None, lambda: None,
-                    lambda: 1000, 1000)
+    r = replay_pass(
+        t.events(), t.n_slots, [None, None], tight_empty, dev, lambda s: None, lambda: None, lambda: 1000, 1000
+    )
     assert r["status"] == "oom" and r["event"] == 3 and r["live_at_failure"] == 1024

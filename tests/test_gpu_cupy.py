@@ -5,6 +5,7 @@ process, and a cap must not leak into the next case).  They skip only when
 torch with CUDA, CuPy or Numba is missing.  The same allocator paths on the
 simulated device: tests/test_shared.py.
 """
+
 import importlib.util
 import json
 import os
@@ -41,11 +42,12 @@ def run_py(code, env=None, timeout=600):
     e.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if env:
         e.update(env)
-    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=e, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
+    )
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_torch_and_cupy_share_one_heap_under_a_cap():
@@ -54,7 +56,8 @@ def test_torch_and_cupy_share_one_heap_under_a_cap():
     the cap; on one heap each reuses the pages the other freed.  Results are
     checked, also across DLPack after the producer's reference is gone."""
     need("cupy")
-    r = run_py("""
+    r = run_py(
+        """
         import torch, cupy
         gpumem.install()
         import gpumem.cupy
@@ -88,7 +91,9 @@ def test_torch_and_cupy_share_one_heap_under_a_cap():
             kept=[float(keep_t[-1]), float(keep_c[-1])], dl_ok=dl_ok,
             frameworks_in_explain=dict((k, list(v)) for k, v in rep.by_framework.items()),
             mid_default=mid.default_framework)
-    """, env={"GPUMEM_CONF": "cap:3GiB"})
+    """,
+        env={"GPUMEM_CONF": "cap:3GiB"},
+    )
     assert r["sums"] == [1000.0, 2000.0, 2000.0, 3000.0, 3000.0, 4000.0], r
     assert r["dl_ok"] and r["kept"] == [float((1 << 20) - 1)] * 2, r
     assert r["cap"] == 3 * GiB

@@ -11,6 +11,7 @@ never a crash or a leak.
 Every case runs in its own interpreter: the variable is read when a CUDA
 device is opened, and a crash must fail one case, not the run.
 """
+
 import json
 import os
 import subprocess
@@ -128,17 +129,20 @@ SCENARIO = textwrap.dedent("""
                       "device_errors": st["num_device_errors"], "free_before": free0, "free_after": free1}}))
 """)
 
-CASES = [(op, phase) for phase, ops in (
-    ("growth", ("create", "map", "set_access")),
-    ("defrag", ("synchronize", "unmap", "map", "set_access")),
-    ("empty_cache", ("synchronize", "unmap", "release")),
-    ("streams", ("event_create", "event_record", "event_query")),
-) for op in ops]
+CASES = [
+    (op, phase)
+    for phase, ops in (
+        ("growth", ("create", "map", "set_access")),
+        ("defrag", ("synchronize", "unmap", "map", "set_access")),
+        ("empty_cache", ("synchronize", "unmap", "release")),
+        ("streams", ("event_create", "event_record", "event_query")),
+    )
+    for op in ops
+]
 
 
 def run(code, *args, timeout=300, env=None):
-    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                       env=env)
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert p.returncode == 0, f"exit {p.returncode}\nstdout: {p.stdout[-3000:]}\nstderr: {p.stderr[-3000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -234,9 +238,17 @@ def test_second_process_grabs_memory_while_gpumem_grows():
 def test_malformed_fault_spec_refuses_to_open_the_device(spec):
     """No GPU needed: the variable is checked before the driver is loaded, so a
     typo can never run a test without the faults it asked for."""
-    code = ("import gpumem\ntry:\n    gpumem.Heap(device='cuda')\nexcept gpumem.DeviceError as e:\n"
-            "    print(e)\nelse:\n    print('opened')\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
-                       env=dict(os.environ, GPUMEM_CUDA_FAULTS=spec))
+    code = (
+        "import gpumem\ntry:\n    gpumem.Heap(device='cuda')\nexcept gpumem.DeviceError as e:\n"
+        "    print(e)\nelse:\n    print('opened')\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=dict(os.environ, GPUMEM_CUDA_FAULTS=spec),
+    )
     assert p.returncode == 0, p.stderr
     assert f"GPUMEM_CUDA_FAULTS: bad entry '{spec}'" in p.stdout, p.stdout

@@ -5,10 +5,10 @@ Every case runs twice in fresh interpreters (torch's allocator is chosen once
 per process): USE = False under the native allocator, USE = True under
 gpumem.  They skip cleanly without torch or CUDA.
 """
+
 import pytest
 
 from test_gpu_torch import DETERMINISM, N_CUDA, run_py
-
 
 
 def both(code, deterministic=True, **kw):
@@ -74,8 +74,8 @@ def test_graph_intermediates_are_never_handed_out_again():
     assert native["intact"], native
     assert ours["intact"], ours
     assert ours["vals"] == native["vals"] and ours["vals2"] == native["vals2"], (native, ours)
-    assert ours["pools"] == 2            # the shared handle's pool and g1's own
-    assert ours["pools_after"] == 0      # graphs deleted: their pools end
+    assert ours["pools"] == 2  # the shared handle's pool and g1's own
+    assert ours["pools_after"] == 0  # graphs deleted: their pools end
 
 
 CAPTURE_API = """
@@ -314,9 +314,11 @@ def test_oom_during_capture_then_a_good_capture():
 @pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
 def test_torch_allocator_with_change_current_allocator_equals_install():
     native = run_py("USE = False\n" + DETERMINISM + GRAPHS)
-    head = ("USE = True\ntorch.cuda.memory.change_current_allocator(gpumem.torch_allocator())\n"
-            "assert gpumem.status()['installed'] and gpumem.status()['pool_hooks']\n"
-            "torch.zeros(1, device='cuda')  # torch.cuda.memory_stats() is {} until CUDA is initialised\n"
-            "assert torch.cuda.memory_stats()['num_remaps'] == 0\n" + DETERMINISM)
+    head = (
+        "USE = True\ntorch.cuda.memory.change_current_allocator(gpumem.torch_allocator())\n"
+        "assert gpumem.status()['installed'] and gpumem.status()['pool_hooks']\n"
+        "torch.zeros(1, device='cuda')  # torch.cuda.memory_stats() is {} until CUDA is initialised\n"
+        "assert torch.cuda.memory_stats()['num_remaps'] == 0\n" + DETERMINISM
+    )
     ours = run_py(head + GRAPHS)
     assert ours["intact"] and ours["vals"] == native["vals"] and ours["pools"] == 2, (native, ours)

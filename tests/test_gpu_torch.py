@@ -6,6 +6,7 @@ cap must not leak into the next case.  They skip cleanly without torch or CUDA.
 The CPU tests at the end check what needs no GPU: options, GPUMEM_CONF, import
 without torch, the shape of the routed memory API.
 """
+
 import json
 import os
 import pathlib
@@ -18,7 +19,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-from conftest import cuda_devices
+from conftest import cuda_devices  # noqa: E402
 
 # Zero only without a GPU; a broken CUDA install raises here (see conftest).
 N_CUDA = cuda_devices()[0]
@@ -49,14 +50,16 @@ def run_py(code, env=None, timeout=900):
     e.pop("GPUMEM_CONF", None)
     if env:
         e.update(env)
-    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=e, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
+    )
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ---- GPU ---------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
@@ -92,12 +95,15 @@ def test_many_sizes_and_kernels():
     assert r["bad"] == 0 and r["overlap"] == 0 and r["inside"], r
 
 
-TRAIN = """
+TRAIN = (
+    """
 import sys
 which, steps, use = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if use == "gpumem":
     gpumem.install()
-""" + DETERMINISM + """
+"""
+    + DETERMINISM
+    + """
 if which == "gpt2":
     from transformers import GPT2Config, GPT2LMHeadModel
     m = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12)).cuda()
@@ -124,6 +130,7 @@ else:
 st = torch.cuda.memory_stats()
 out(losses=losses, peak=st["allocated_bytes.all.peak"], backend=gpumem.status()["allocator_active"])
 """
+)
 
 
 @pytest.mark.gpu
@@ -137,8 +144,9 @@ def test_training_losses_equal_native(model, steps, tmp_path):
     def go(use):
         e = dict(os.environ, PYTHONPATH=str(REPO), CUBLAS_WORKSPACE_CONFIG=":4096:8")
         e.pop("GPUMEM_CONF", None)
-        p = subprocess.run([sys.executable, str(script), model, str(steps), use], env=e, capture_output=True,
-                           text=True, timeout=900)
+        p = subprocess.run(
+            [sys.executable, str(script), model, str(steps), use], env=e, capture_output=True, text=True, timeout=900
+        )
         lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
         assert p.returncode == 0 and lines, p.stderr[-4000:]
         return json.loads(lines[-1][7:])
@@ -234,7 +242,8 @@ def test_cap_from_fraction_and_from_conf():
     assert r["refused"] and r["lifted"], r
     assert r["reserved"] <= 0.10 * r["total"] + (2 << 20)
     assert abs(r["frac"] - 0.10) < 0.01
-    r = run_py("""
+    r = run_py(
+        """
         gpumem.install()
         try:
             torch.empty(3 << 30, dtype=torch.uint8, device="cuda"); refused = False
@@ -242,7 +251,9 @@ def test_cap_from_fraction_and_from_conf():
             refused = "CUDA out of memory." in str(e)
         a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
         out(refused=refused, cap=gpumem._C._torch_get_cap(0), oom_type=gpumem._C._torch_options()["oom_mode"])
-    """, env={"GPUMEM_CONF": "cap:2GiB,oom:runtime"})
+    """,
+        env={"GPUMEM_CONF": "cap:2GiB,oom:runtime"},
+    )
     assert r["refused"] and r["cap"] == 2 << 30 and r["oom_type"] == "runtime", r
 
 
@@ -280,8 +291,15 @@ def test_oom_raises_then_context_stays_healthy():
         out(**res)
     """)
     assert r["msg"].startswith("CUDA out of memory."), r["msg"]
-    for word in ("Tried to allocate", "total capacity", "is free", "allocated by PyTorch", "reserved by gpumem",
-                 "largest block", "other processes"):
+    for word in (
+        "Tried to allocate",
+        "total capacity",
+        "is free",
+        "allocated by PyTorch",
+        "reserved by gpumem",
+        "largest block",
+        "other processes",
+    ):
         assert word in r["msg"], (word, r["msg"])
     assert r["is_torch_oom"], r["type"]
     assert r["bwd"] != "no error" and r["bwd_msg"].startswith("CUDA out of memory."), r
@@ -375,8 +393,13 @@ def test_fragmentation_scenario_native_fails_gpumem_succeeds():
     assert "def scenario" in code
     res = {}
     for use in ("native", "gpumem"):
-        p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_frag.py"), "--one", use],
-                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / "gpu_frag.py"), "--one", use],
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
         assert p.returncode == 0 and lines, p.stderr[-3000:]
         res[use] = json.loads(lines[-1])
@@ -415,6 +438,7 @@ def test_two_devices_peer_copy():
 
 
 # ---- the visibility layer on torch's heaps (gpumem/torch/_viz.py, csrc/python/torch_viz.c) -----
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
@@ -545,14 +569,17 @@ def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
 
 # ---- CPU: no GPU needed ----------------------------------------------------------------------
 
+
 def test_import_without_torch():
     code = "import sys; sys.modules['torch'] = None\nimport gpumem, gpumem.torch\nprint(gpumem.status()['installed'])"
-    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True
+    )
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
-    code = "import sys; sys.modules['torch'] = None\nimport gpumem\ntry:\n gpumem.install()\nexcept RuntimeError as e: print(e)"
-    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                       capture_output=True, text=True)
+    code = "import sys; sys.modules['torch'] = None\nimport gpumem\ntry:\n gpumem.install()\nexcept RuntimeError as e: print(e)"  # noqa: E501
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True
+    )
     assert "needs PyTorch" in p.stdout, (p.stdout, p.stderr)
 
 
@@ -569,8 +596,7 @@ def test_conf_parsing_and_options():
     for bad in ("cap", "cap:", "nosuch:1", ":3"):
         with pytest.raises(ValueError):
             gt.parse_conf(bad)
-    for bad in ({"cap": 1.5}, {"cap": "-1GiB"}, {"growth_slack": -1}, {"history": -2}, {"oom": "x"},
-                {"bogus": 1}):
+    for bad in ({"cap": 1.5}, {"cap": "-1GiB"}, {"growth_slack": -1}, {"history": -2}, {"oom": "x"}, {"bogus": 1}):
         with pytest.raises(ValueError):
             gt.normalize_options(bad)
 
@@ -589,9 +615,21 @@ def test_configure_rejects_bad_values_in_c():
     with pytest.raises(ValueError):
         C._torch_stats(-1)
     ep = C._torch_entry_points()
-    assert set(ep) == {"alloc", "free", "empty_cache", "memory_fraction", "record_stream", "init",
-                       "begin_allocate_to_pool", "end_allocate_to_pool", "release_pool", "pool_begin", "pool_end",
-                       "pool_release", "raw_delete"}
+    assert set(ep) == {
+        "alloc",
+        "free",
+        "empty_cache",
+        "memory_fraction",
+        "record_stream",
+        "init",
+        "begin_allocate_to_pool",
+        "end_allocate_to_pool",
+        "release_pool",
+        "pool_begin",
+        "pool_end",
+        "pool_release",
+        "raw_delete",
+    }
     assert len(set(ep.values())) == len(ep) and all(v > 0 for v in ep.values())
 
 
@@ -601,8 +639,11 @@ def test_exported_symbols_for_ctypes():
     C = pytest.importorskip("gpumem._C")
     lib = ctypes.CDLL(C.__file__)
     ep = C._torch_entry_points()
-    for name, key in (("gpumem_torch_alloc", "alloc"), ("gpumem_torch_free", "free"),
-                      ("gpumem_torch_record_stream", "record_stream")):
+    for name, key in (
+        ("gpumem_torch_alloc", "alloc"),
+        ("gpumem_torch_free", "free"),
+        ("gpumem_torch_record_stream", "record_stream"),
+    ):
         assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value == ep[key]
 
 
@@ -610,14 +651,29 @@ def test_nested_stats_have_native_shape():
     from gpumem import torch as gt
 
     n = gt.nested_stats(0)
-    for g in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
-              "active_bytes", "inactive_split_bytes", "requested_bytes"):
+    for g in (
+        "allocation",
+        "segment",
+        "active",
+        "inactive_split",
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_bytes",
+        "inactive_split_bytes",
+        "requested_bytes",
+    ):
         for p in ("all", "small_pool", "large_pool"):
             assert set(n[g][p]) == {"current", "peak", "allocated", "freed"}
     for k in ("oversize_allocations", "oversize_segments"):
         assert set(n[k]) == {"current", "peak", "allocated", "freed"}
-    for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
-              "max_split_size"):
+    for k in (
+        "num_alloc_retries",
+        "num_ooms",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+        "max_split_size",
+    ):
         assert k in n
 
 
@@ -632,30 +688,57 @@ def test_one_segments_conversion_in_torch_format():
     base = 1 << 40
 
     def snap(blocks, pages):
-        return Snapshot(device_name="cuda:0", device_kind="cuda", va_base=base, top=len(pages) * P, page_size=P,
-                        blocks=blocks, pages=bytes(pages), spare_pages=0, cap_bytes=0, stats={})
+        return Snapshot(
+            device_name="cuda:0",
+            device_kind="cuda",
+            va_base=base,
+            top=len(pages) * P,
+            page_size=P,
+            blocks=blocks,
+            pages=bytes(pages),
+            spare_pages=0,
+            cap_bytes=0,
+            stats={},
+        )
 
-    s = snap([Block(base, 1024, 1000, 7, 0, 1, "live"), Block(base + 1024, 1024, 900, 7, 0, 2, "pending"),
-              Block(base + 2048, 2 * P - 2048, 0, 7, 0, 0, "free"), Block(base + 2 * P, P, 0, 0, 0, 0, "unmapped"),
-              Block(base + 3 * P, 512, 512, 3, 0, 3, "live", (0, 5)),
-              Block(base + 3 * P + 512, P - 512, 0, 3, 0, 0, "free", (0, 5))],
-             [1, 1, 0, 1])
+    s = snap(
+        [
+            Block(base, 1024, 1000, 7, 0, 1, "live"),
+            Block(base + 1024, 1024, 900, 7, 0, 2, "pending"),
+            Block(base + 2048, 2 * P - 2048, 0, 7, 0, 0, "free"),
+            Block(base + 2 * P, P, 0, 0, 0, 0, "unmapped"),
+            Block(base + 3 * P, 512, 512, 3, 0, 3, "live", (0, 5)),
+            Block(base + 3 * P + 512, P - 512, 0, 3, 0, 0, "free", (0, 5)),
+        ],
+        [1, 1, 0, 1],
+    )
     t = s.to_torch(0)
     segs = t["segments"]
     assert [(g["address"], g["total_size"], g["segment_pool_id"]) for g in segs] == [
-        (base, 2 * P, (0, 0)), (base + 3 * P, P, (0, 5))]
+        (base, 2 * P, (0, 0)),
+        (base + 3 * P, P, (0, 5)),
+    ]
     assert [b["state"] for b in segs[0]["blocks"]] == ["active_allocated", "active_pending_free", "inactive"]
     assert segs[0]["allocated_size"] == 1024 and segs[0]["active_size"] == 2048
     assert segs[0]["requested_size"] == 1900 and segs[0]["stream"] == 7
     # a general block then a pool block in one mapped run: two segments that tile it
-    s2 = snap([Block(base, P, P, 0, 0, 1, "live"), Block(base + P, P // 2, P, 0, 0, 2, "live", (4, 0)),
-               Block(base + P + P // 2, P // 2, 0, 0, 0, 0, "free", (4, 0))], [1, 1])
+    s2 = snap(
+        [
+            Block(base, P, P, 0, 0, 1, "live"),
+            Block(base + P, P // 2, P, 0, 0, 2, "live", (4, 0)),
+            Block(base + P + P // 2, P // 2, 0, 0, 0, 0, "free", (4, 0)),
+        ],
+        [1, 1],
+    )
     assert [(g["address"], g["total_size"], g["segment_pool_id"]) for g in s2.to_torch(0)["segments"]] == [
-        (base, P, (0, 0)), (base + P, P, (4, 0))]
+        (base, P, (0, 0)),
+        (base + P, P, (4, 0)),
+    ]
     bad = snap([Block(base, 2 * P, 0, 0, 0, 0, "free")], [1, 0])
     with pytest.raises(ValueError, match="crosses the mapped run"):
         bad.to_torch(0)
     import gpumem.torch._install as inst
+
     assert not hasattr(inst, "_segments") and not hasattr(inst, "_BLOCK_STATES")
 
 
@@ -664,8 +747,7 @@ def test_patch_and_restore_torch_functions():
     from gpumem import torch as gt
     from gpumem.torch import _install
 
-    names = ["_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_memorySnapshot",
-             "_cuda_record_memory_history"]
+    names = ["_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_memorySnapshot", "_cuda_record_memory_history"]
     before = {n: getattr(torch._C, n, None) for n in names}
     _install._patch(torch)
     try:

@@ -1,5 +1,6 @@
 """Allocation history: the core's ring wraps, Python stacks are interned per
 allocation site, allocations without the GIL get none, and the table is bounded."""
+
 import ctypes
 import sys
 import threading
@@ -29,8 +30,8 @@ def test_ring_wraps_keeping_the_newest(heap):
     allocs = [e for e in h.entries if e.action == "alloc"]
     assert len(h) == 8
     # the ring holds the last 8 events, oldest first, and counts what it overwrote
-    assert [e.addr for e in allocs] == ptrs[-len(allocs):]
-    assert [e.size for e in allocs] == [MiB + 512 * i for i in range(30)][-len(allocs):]
+    assert [e.addr for e in allocs] == ptrs[-len(allocs) :]
+    assert [e.size for e in allocs] == [MiB + 512 * i for i in range(30)][-len(allocs) :]
     assert all(a.time_ns <= b.time_ns for a, b in zip(h.entries, h.entries[1:]))
     total = h.dropped + len(h)
     assert total >= 30 and h.dropped == total - 8
@@ -44,10 +45,10 @@ def test_ring_wraps_keeping_the_newest(heap):
 
 def test_ring_exactly_full_and_resized(heap):
     record_history(True, device=heap, stacks=None, max_entries=4)
-    heap.free(heap.malloc(MiB))         # map, alloc, free_requested, free_completed
+    heap.free(heap.malloc(MiB))  # map, alloc, free_requested, free_completed
     h = history(heap)
     assert [e.action for e in h.entries] == ["map", "alloc", "free_requested", "free_completed"] and h.dropped == 0
-    record_history(True, device=heap, stacks=None, max_entries=2)   # resizing drops the old ring
+    record_history(True, device=heap, stacks=None, max_entries=2)  # resizing drops the old ring
     assert len(history(heap)) == 0
     record_history(False, device=heap)
     heap.free(heap.malloc(MiB))
@@ -63,7 +64,7 @@ def test_python_stacks_are_interned_per_site(heap):
     before = stack_table_info()["stacks"]
     ptrs = allocate_here(heap, 50)
     info = stack_table_info()
-    assert info["stacks"] == before + 1          # 50 allocations, one stack record
+    assert info["stacks"] == before + 1  # 50 allocations, one stack record
     snap = gpumem.snapshot(heap)
     live = [b for b in snap.blocks if b.state == "live"]
     assert len({b.context for b in live}) == 1
@@ -99,7 +100,7 @@ def test_stacks_off_gives_no_context(heap):
 def test_no_gil_no_stack(heap):
     """A thread that does not hold the GIL (autograd workers, C++ threads) gets 0."""
     record_history(True, device=heap, stacks="python")
-    lib = ctypes.CDLL(_C.__file__)     # CDLL calls release the GIL
+    lib = ctypes.CDLL(_C.__file__)  # CDLL calls release the GIL
     fn = lib.gm_py_capture_context
     fn.restype = ctypes.c_uint64
     before = stack_table_info()["no_gil"]
@@ -123,7 +124,7 @@ def test_stack_table_is_bounded(heap):
     record_history(True, device=heap, stacks="python", max_stacks=2, max_depth=3)
     try:
         a = heap.malloc(MiB)
-        b = heap.malloc(MiB)
+        _b = heap.malloc(MiB)
         c = heap.malloc(MiB)
         info = stack_table_info()
         assert info["stacks"] == 2 and info["overflow"] == 1 and info["frames"] <= 6
@@ -132,7 +133,7 @@ def test_stack_table_is_bounded(heap):
         assert "stack table full" in blocks[c].frames[0].name
         old = blocks[a].context
         _C._stacks_clear()
-        assert _C._stack_frames(old) is None      # ids from before a clear resolve to nothing
+        assert _C._stack_frames(old) is None  # ids from before a clear resolve to nothing
     finally:
         record_history(True, device=heap, stacks=None, max_stacks=1 << 16, max_depth=64)
 
@@ -144,7 +145,7 @@ def test_record_history_rejects_bad_arguments(heap):
         record_history(True, device=heap, max_entries=0)
     with pytest.raises(ValueError):
         record_history("sometimes", device=heap)
-    record_history("state", device=heap)   # stacks for blocks, no event ring
+    record_history("state", device=heap)  # stacks for blocks, no event ring
     p = heap.malloc(MiB)
     assert len(history(heap)) == 0
     assert [b.frames for b in gpumem.snapshot(heap).blocks if b.addr == p][0]

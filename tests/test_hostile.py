@@ -14,6 +14,7 @@ runs a mutation loop over the recorded traces and generated files for that
 long and prints the inputs tried and the crashes found (each crashing input is
 saved under $GPUMEM_FUZZ_OUT, default a temporary folder).
 """
+
 import contextlib
 import gzip
 import io
@@ -33,8 +34,20 @@ from gpumem import __main__ as cli
 from gpumem.trace import TraceError, load_trace
 
 MiB = 1 << 20
-ACTIONS = ["alloc", "free_completed", "free_requested", "segment_alloc", "segment_free", "segment_map",
-           "segment_unmap", "snapshot", "oom", "user_defined", "boom", ""]
+ACTIONS = [
+    "alloc",
+    "free_completed",
+    "free_requested",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+    "user_defined",
+    "boom",
+    "",
+]
 
 
 class Crash(Exception):
@@ -84,49 +97,69 @@ def check_input(path):
 
 # ---- generated inputs -------------------------------------------------------------------
 
-ints = st.one_of(st.integers(-3, 70 * MiB), st.integers(-(1 << 70), 1 << 70),
-                 st.sampled_from([0, 1, 512, (1 << 64) - 1, 1 << 64, -1]))
+ints = st.one_of(
+    st.integers(-3, 70 * MiB),
+    st.integers(-(1 << 70), 1 << 70),
+    st.sampled_from([0, 1, 512, (1 << 64) - 1, 1 << 64, -1]),
+)
 text_line = st.one_of(
     st.tuples(st.sampled_from(ACTIONS), ints, ints, ints).map(lambda t: " ".join(map(str, t))),
     st.text(max_size=40),
-    st.sampled_from(["# action addr size stream {\"x\": 1}", "# {", "#", "   ", "alloc 1 2", "alloc a b c"]),
+    st.sampled_from(['# action addr size stream {"x": 1}', "# {", "#", "   ", "alloc 1 2", "alloc a b c"]),
 )
 
 
 def plain_values(leaf):
-    return st.recursive(leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                     st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                        max_leaves=12)
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+        max_leaves=12,
+    )
 
 
 leaf = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True), st.text(max_size=10), st.binary(max_size=8))
 event = st.fixed_dictionaries(
     {"action": st.sampled_from(ACTIONS)},
-    optional={"addr": ints, "size": st.one_of(ints, leaf), "stream": ints, "device_free": st.one_of(ints, leaf),
-              "frames": plain_values(leaf)})
+    optional={
+        "addr": ints,
+        "size": st.one_of(ints, leaf),
+        "stream": ints,
+        "device_free": st.one_of(ints, leaf),
+        "frames": plain_values(leaf),
+    },
+)
 # Most generated snapshots end in an OOM, so that the explain CLI's own reading
 # of the segment and oom events is reached, not only the loader's.
-oom_event = st.fixed_dictionaries({"action": st.just("oom")},
-                                  optional={"size": st.one_of(ints, leaf), "device_free": st.one_of(ints, leaf)})
+oom_event = st.fixed_dictionaries(
+    {"action": st.just("oom")}, optional={"size": st.one_of(ints, leaf), "device_free": st.one_of(ints, leaf)}
+)
 device_trace = st.tuples(st.lists(st.one_of(event, leaf), max_size=12), st.lists(oom_event, max_size=1)).map(
-    lambda t: t[0] + t[1])
+    lambda t: t[0] + t[1]
+)
 snapshot = st.one_of(
-    st.fixed_dictionaries({"device_traces": st.lists(device_trace, max_size=3)},
-                          optional={"segments": st.one_of(st.lists(plain_values(leaf), max_size=3), leaf),
-                                    "allocator_settings": plain_values(leaf)}),
+    st.fixed_dictionaries(
+        {"device_traces": st.lists(device_trace, max_size=3)},
+        optional={
+            "segments": st.one_of(st.lists(plain_values(leaf), max_size=3), leaf),
+            "allocator_settings": plain_values(leaf),
+        },
+    ),
     plain_values(leaf),
 )
 
 
 def write(tmp, name, data, compress):
     path = os.path.join(tmp, name + (".gz" if compress else ""))
-    with (gzip.open(path, "wb") if compress else open(path, "wb")) as f:
+    with gzip.open(path, "wb") if compress else open(path, "wb") as f:
         f.write(data)
     return path
 
 
-FAST = settings(max_examples=max(60, settings.default.max_examples // 4), deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=max(60, settings.default.max_examples // 4),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @FAST
@@ -148,8 +181,11 @@ def _seed_files():
     frees = [{"action": "free_completed", "addr": 4096 * i, "size": 1000 * (i + 1), "stream": 0} for i in range(3)]
     oom = [{"action": "oom", "size": 3 * MiB, "device_free": MiB}]
     snap = {"device_traces": [alloc + frees + oom], "segments": []}
-    text = "# action addr size stream {}\n" + "".join(f"alloc {4096 * i} {1000 * (i + 1)} 0\n" for i in range(6)) \
+    text = (
+        "# action addr size stream {}\n"
+        + "".join(f"alloc {4096 * i} {1000 * (i + 1)} 0\n" for i in range(6))
         + "".join(f"free_completed {4096 * i} {1000 * (i + 1)} 0\n" for i in range(3))
+    )
     return [("s.pickle", pickle.dumps(snap, protocol=4)), ("t.trace", text.encode())]
 
 
@@ -157,9 +193,15 @@ SEEDS = _seed_files()
 
 
 @FAST
-@given(seed=st.sampled_from(range(len(SEEDS))), compress=st.booleans(),
-       edits=st.lists(st.tuples(st.sampled_from(["flip", "cut", "dup", "ins"]), st.integers(0, 1 << 16),
-                                st.integers(0, 255)), min_size=1, max_size=6))
+@given(
+    seed=st.sampled_from(range(len(SEEDS))),
+    compress=st.booleans(),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["flip", "cut", "dup", "ins"]), st.integers(0, 1 << 16), st.integers(0, 255)),
+        min_size=1,
+        max_size=6,
+    ),
+)
 def test_mutated_files(seed, compress, edits):
     name, data = SEEDS[seed]
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,11 +214,11 @@ def mutate(data, edits):
             data = bytearray([byte])
         i = pos % len(data)
         if op == "flip":
-            data[i] ^= (byte or 1)
+            data[i] ^= byte or 1
         elif op == "cut":
             del data[i:]
         elif op == "dup":
-            data[i:i] = data[i:i + 1 + byte % 16]
+            data[i:i] = data[i : i + 1 + byte % 16]
         else:
             data.insert(i, byte)
     return bytes(data)
@@ -193,8 +235,7 @@ FOUND = [
     ({"device_traces": [[{"action": "oom", "size": 1 << 80}]]}, "not a 64-bit unsigned value"),
     ({"device_traces": [[{"action": "oom", "size": 1 << 60}]]}, "larger than any allocation"),
     ({"device_traces": [[{"action": "oom", "size": 5}]]}, "leaves no capacity to judge against"),
-    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1 << 62, "stream": 0}]]},
-     "larger than any allocation"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1 << 62, "stream": 0}]]}, "larger than any allocation"),
 ]
 
 
@@ -215,7 +256,7 @@ def test_found_inputs_get_one_error_line(tmp_path, obj, message):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(["explain", str(path)]) == 2
-    line, = err.getvalue().splitlines()
+    (line,) = err.getvalue().splitlines()
     assert line.startswith(f"gpumem: error: {path}") and message in line, line
 
 
@@ -243,6 +284,7 @@ def test_pickle_that_would_run_code_is_refused(tmp_path):
 
 # ---- the offline run ----------------------------------------------------------------------
 
+
 def test_offline_fuzz(traces_or_none, capsys):
     """A mutation loop over real and generated files; a couple of seconds in
     the suite, GPUMEM_FUZZ_SECONDS long offline."""
@@ -262,8 +304,10 @@ def test_offline_fuzz(traces_or_none, capsys):
     with tempfile.TemporaryDirectory() as tmp:
         while time.monotonic() < t_end:
             name, data = rng.choice(seeds)
-            edits = [(rng.choice(["flip", "cut", "dup", "ins"]), rng.randrange(1 << 16), rng.randrange(256))
-                     for _ in range(rng.randint(1, 8))]
+            edits = [
+                (rng.choice(["flip", "cut", "dup", "ins"]), rng.randrange(1 << 16), rng.randrange(256))
+                for _ in range(rng.randint(1, 8))
+            ]
             blob = mutate(bytearray(data), edits)
             path = write(tmp, name, blob, rng.random() < 0.3)
             tried += 1
@@ -275,9 +319,11 @@ def test_offline_fuzz(traces_or_none, capsys):
                     f.write(src.read())
                 crashes.append((keep, str(e).splitlines()[-1]))
     with capsys.disabled():
-        print(f"\nhostile-input fuzz: {tried} inputs in {budget:.0f}s ({outcomes['loaded']} loaded, "
-              f"{outcomes['rejected']} rejected with TraceError), {len(crashes)} crashes"
-              + (f"; saved under {out_dir}" if crashes else ""))
+        print(
+            f"\nhostile-input fuzz: {tried} inputs in {budget:.0f}s ({outcomes['loaded']} loaded, "
+            f"{outcomes['rejected']} rejected with TraceError), {len(crashes)} crashes"
+            + (f"; saved under {out_dir}" if crashes else "")
+        )
     assert tried > 0
     assert not crashes, crashes[:5]
 

@@ -5,6 +5,7 @@ inside functions too) and must have no circle; the torch layer (gpumem.torch)
 is a leaf nothing below imports; and every module imports in a fresh
 interpreter in several orders.
 """
+
 import ast
 import itertools
 import os
@@ -30,7 +31,7 @@ def _module_name(path: pathlib.Path) -> str:
 
 def _modules():
     mods = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
-    mods["gpumem._C"] = None   # the extension: a leaf
+    mods["gpumem._C"] = None  # the extension: a leaf
     return mods
 
 
@@ -79,7 +80,7 @@ def _find_cycle(graph):
         stack.append(m)
         for n in sorted(graph[m]):
             if color[n] == GREY:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if color[n] == WHITE:
                 found = visit(n)
                 if found:
@@ -117,8 +118,12 @@ def test_nothing_below_imports_the_torch_layer():
 
 def test_bottom_layers_import_only_the_bottom():
     graph = import_graph()
-    allowed = {"gpumem._units": set(), "gpumem._heap": set(), "gpumem._frameworks": set(),
-               "gpumem._resolve": {"gpumem._C", "gpumem._heap", "gpumem._frameworks"}}
+    allowed = {
+        "gpumem._units": set(),
+        "gpumem._heap": set(),
+        "gpumem._frameworks": set(),
+        "gpumem._resolve": {"gpumem._C", "gpumem._heap", "gpumem._frameworks"},
+    }
     for mod, ok in allowed.items():
         assert graph[mod] <= ok, f"{mod} imports {sorted(graph[mod] - ok)}"
     # the visibility layer reads heaps through the interface, never through gpumem.torch
@@ -159,18 +164,30 @@ def test_every_module_imports_in_any_order(which):
 
 
 def test_pairs_of_layers_import_both_ways():
-    for a, b in itertools.permutations(["gpumem.torch", "gpumem.snapshot", "gpumem.history", "gpumem.explain",
-                                        "gpumem._resolve", "gpumem.torch._viz", "gpumem.torch._pools"], 2):
+    for a, b in itertools.permutations(
+        [
+            "gpumem.torch",
+            "gpumem.snapshot",
+            "gpumem.history",
+            "gpumem.explain",
+            "gpumem._resolve",
+            "gpumem.torch._viz",
+            "gpumem.torch._pools",
+        ],
+        2,
+    ):
         if a < b:
             _run([a, b])
             _run([b, a])
 
 
 def test_import_gpumem_and_its_torch_layer_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import gpumem, gpumem.torch, gpumem.replay, gpumem.torch._viz, gpumem.torch._pools\n"
-            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None and m == 'torch']\n"
-            "print('ok')")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import gpumem, gpumem.torch, gpumem.replay, gpumem.torch._viz, gpumem.torch._pools\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None and m == 'torch']\n"
+        "print('ok')"
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

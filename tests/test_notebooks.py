@@ -1,6 +1,7 @@
 """The notebooks run top to bottom on a CPU-only machine (simulated device) and
 show pictures.  They are committed without outputs; this executes them with
 nbclient.  GPUMEM_NOTEBOOK_OUT=DIR keeps the executed copies there."""
+
 import os
 import pathlib
 import sys
@@ -32,15 +33,16 @@ def test_notebook_runs_and_shows_pictures(path, monkeypatch, tmp_path):
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
     pytest.importorskip("ipykernel")
-    trace_file("seed_fragmentation")   # the notebooks read the shipped traces: fail, not skip, without them
+    trace_file("seed_fragmentation")  # the notebooks read the shipped traces: fail, not skip, without them
     # The kernel is a child process: it must import this checkout's gpumem.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     t0 = time.monotonic()
-    client.execute()   # raises CellExecutionError on the first failing cell
+    client.execute()  # raises CellExecutionError on the first failing cell
     took = time.monotonic() - t0
     keep = os.environ.get("GPUMEM_NOTEBOOK_OUT")
     if keep:

@@ -19,6 +19,7 @@ page here or there does not fail; removing the growth limit (the heap then
 grows freely to the cap) takes seed_fragmentation to 1.147 and fails.  The
 pages remapped are pinned too: defragmentation is cheap but not free.
 """
+
 import math
 
 import pytest

@@ -7,6 +7,7 @@ memory back.  While a capture is under way the heap makes no call that would
 invalidate it: the simulated device in capture mode refuses and counts every
 such call, so these tests prove there were none.
 """
+
 import random
 
 import pytest
@@ -19,8 +20,10 @@ S1, S2 = 0x1000, 0x2000
 
 
 def blocks(h):
-    return [dict(zip(("addr", "size", "requested", "stream", "context", "seq", "state", "pool"), b))
-            for b in h.snapshot()["blocks"]]
+    return [
+        dict(zip(("addr", "size", "requested", "stream", "context", "seq", "state", "pool"), b))
+        for b in h.snapshot()["blocks"]
+    ]
 
 
 def pool_blocks(h, pid):
@@ -291,13 +294,13 @@ def test_set_live_rejects_and_changes_nothing(make_heap):
     assert (f, r) == (a + MiB, a + 2 * MiB)
     before = h.snapshot()["blocks"]
     bad = [
-        [(g, MiB)],                      # a general block
-        [(q, MiB)],                      # another pool's block
-        [(f + 100, 4096)],               # not 512-aligned
-        [(a, MiB), (f, MiB + 512)],      # runs into r, which stays live or pending
-        [(a, MiB), (a + 512, 512)],      # overlapping
-        [(f, 0)],                        # empty
-        [(r, 512)],                      # r would be pending, not free
+        [(g, MiB)],  # a general block
+        [(q, MiB)],  # another pool's block
+        [(f + 100, 4096)],  # not 512-aligned
+        [(a, MiB), (f, MiB + 512)],  # runs into r, which stays live or pending
+        [(a, MiB), (a + 512, 512)],  # overlapping
+        [(f, 0)],  # empty
+        [(r, 512)],  # r would be pending, not free
         [(h.snapshot()["va_base"] + (1 << 40), 512)],  # free address space, not the pool's
     ]
     for listed in bad:
@@ -316,8 +319,15 @@ def test_set_live_rejects_and_changes_nothing(make_heap):
 
 
 def test_pool_ids_are_checked(heap):
-    for bad, exc in [("x", TypeError), ((1,), ValueError), ((1, 2, 3), ValueError), ((-1, 2), ValueError),
-                     ((0, 0), ValueError), ((1, "a"), TypeError), (None, TypeError)]:
+    for bad, exc in [
+        ("x", TypeError),
+        ((1,), ValueError),
+        ((1, 2, 3), ValueError),
+        ((-1, 2), ValueError),
+        ((0, 0), ValueError),
+        ((1, "a"), TypeError),
+        (None, TypeError),
+    ]:
         with pytest.raises(exc):
             heap.pool_retain(bad)
     with pytest.raises(ValueError, match="no pool"):
@@ -350,7 +360,10 @@ def _fragmented(h):
     h.free(pend)  # pending on an event
     h.free(s1)  # owned by S1
     assert {(b["state"], b["stream"]) for b in blocks(h) if b["state"] in ("free", "pending")} == {
-        ("free", 0), ("free", S1), ("pending", S1)}
+        ("free", 0),
+        ("free", S1),
+        ("pending", S1),
+    }
     return ps
 
 
@@ -567,7 +580,9 @@ def test_pool_extension_spans_pool_general_and_unmapped_space(make_heap):
     a = h.malloc(3 * MiB, pool=P)  # pages 0-1; [3, 4) MiB stays general free
     h.free(a)
     assert [(b["addr"], b["size"], b["pool"]) for b in blocks(h) if b["state"] == "free"] == [
-        (a, 3 * MiB, P), (a + 3 * MiB, MiB, None)]
+        (a, 3 * MiB, P),
+        (a + 3 * MiB, MiB, None),
+    ]
     before = _reserved(h)
     b = h.malloc(7 * MiB, pool=P)
     assert b == a
@@ -664,16 +679,16 @@ def test_pool_request_prefers_the_pools_free_memory_on_a_tie(make_heap):
     pool's memory, which serves nothing else, and leaves the general memory."""
     h = make_heap()
     h.pool_retain(P)
-    g = h.malloc(4 * MiB)                # pages 0-1
-    h1 = h.malloc(4 * MiB)               # pages 2-3
-    h.malloc(2 * MiB)                    # page 4, stays live
-    a = h.malloc(4 * MiB, pool=P)        # pages 5-6
+    g = h.malloc(4 * MiB)  # pages 0-1
+    h1 = h.malloc(4 * MiB)  # pages 2-3
+    h.malloc(2 * MiB)  # page 4, stays live
+    a = h.malloc(4 * MiB, pool=P)  # pages 5-6
     h.free(h1)
-    h.empty_cache()                      # pages 2-3 unmapped
-    h.free(g)                            # [0, 4) MiB general free, mapped
-    h.free(a)                            # the pool's, unmapped space after it
+    h.empty_cache()  # pages 2-3 unmapped
+    h.free(g)  # [0, 4) MiB general free, mapped
+    h.free(a)  # the pool's, unmapped space after it
     before = _reserved(h)
-    b = h.malloc(8 * MiB, pool=P)        # here or at g: two new pages either way
+    b = h.malloc(8 * MiB, pool=P)  # here or at g: two new pages either way
     assert b == a
     assert _reserved(h) - before == 2 * PAGE
     assert [(x["addr"], x["size"]) for x in blocks(h) if x["state"] == "free" and x["pool"] is None][0] == (g, 4 * MiB)

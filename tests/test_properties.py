@@ -6,6 +6,7 @@ captures (the sim refusing every call a capture forbids) on a small sim device
 (so that OOM, defragmentation and the cap all come into play) and after every
 step compares the heap with a model kept here.
 """
+
 import re
 
 import pytest
@@ -153,7 +154,8 @@ class HeapMachine(RuleBasedStateMachine):
                 limit = (self.cap or CAPACITY) // PAGE
                 need = -(-size // PAGE) + 1
                 assert self._live_pages() + need > limit, (
-                    f"OOM for {size} with {self._live_pages()} live pages of {limit}")
+                    f"OOM for {size} with {self._live_pages()} live pages of {limit}"
+                )
             return
         bs = self.h.block_size(p)
         assert p % 512 == 0 and bs >= _round(size) and bs % 512 == 0
@@ -162,11 +164,13 @@ class HeapMachine(RuleBasedStateMachine):
         for a, sz, s, all_mask, own_mask in self.quarantine:
             if p < a + sz and a < p + bs:
                 assert not all_mask and not (own_mask and stream != s), (
-                    f"{p:#x} reuses a block freed behind held streams {all_mask | own_mask}")
+                    f"{p:#x} reuses a block freed behind held streams {all_mask | own_mask}"
+                )
         assert self.h.sim_is_accessible(p, bs)
         self._take_kept(p, bs, pool)
-        self.live[p] = dict(size=bs, req=size, stream=stream, recorded=set(), pool=pool,
-                            gen=self.gen[pool] if pool else 0)
+        self.live[p] = dict(
+            size=bs, req=size, stream=stream, recorded=set(), pool=pool, gen=self.gen[pool] if pool else 0
+        )
         reserved = self.h.stats()["reserved_bytes.all.current"]
         if self.cap and reserved > self.cap:
             # Above the cap only because set_cap lowered it under what is in
@@ -246,7 +250,8 @@ class HeapMachine(RuleBasedStateMachine):
         assert stats["requested_bytes.all.current"] == sum(b["req"] for b in self.live.values())
         for pool in ("small_pool", "large_pool"):
             assert stats[f"allocated_bytes.{pool}.current"] == sum(
-                b["size"] for b in self.live.values() if pool_of(b["size"]) == pool)
+                b["size"] for b in self.live.values() if pool_of(b["size"]) == pool
+            )
         assert stats["reserved_bytes.all.current"] <= CAPACITY
         assert stats["reserved_bytes.all.current"] == self.h.sim_info()["pages_created"] * PAGE
         for p, b in self.live.items():
@@ -258,8 +263,9 @@ class HeapMachine(RuleBasedStateMachine):
         assert self.h.capturing == int(self.capturing)
         assert {p["id"]: p["use_count"] for p in self.h.pools()} == self.pools
         for pid in self.pools:
-            mine = sorted((a, b["size"]) for a, b in self.live.items()
-                          if b["pool"] == pid and b["gen"] == self.gen[pid])
+            mine = sorted(
+                (a, b["size"]) for a, b in self.live.items() if b["pool"] == pid and b["gen"] == self.gen[pid]
+            )
             assert self.h.pool_live(pid) == mine
         for a, n, _ in self.kept:
             assert self.h.sim_is_accessible(a, n), f"kept {a:#x}+{n} lost its pages"

@@ -1,4 +1,5 @@
 """Trace loading (both formats), size parsing, and replay on the simulated device."""
+
 import gzip
 import os
 import pickle
@@ -15,7 +16,7 @@ from conftest import GiB, MiB, all_traces, snapshot_file, trace_file
 TRACES = all_traces()
 
 
-def write_text(path, lines, compress=True, header="# action addr size stream  (test; {\"workload\": \"t\"})"):
+def write_text(path, lines, compress=True, header='# action addr size stream  (test; {"workload": "t"})'):
     body = "\n".join(([header] if header else []) + list(lines)) + "\n"
     if compress:
         with gzip.open(path, "wt") as f:
@@ -29,10 +30,12 @@ def snapshot_dict(*devices):
     """A torch-shaped snapshot: device_traces[d] is a list of TraceEntry dicts."""
     traces = []
     for events in devices:
-        traces.append([
-            {"action": a, "addr": addr, "size": size, "stream": stream, "time_us": i, "frames": []}
-            for i, (a, addr, size, stream) in enumerate(events)
-        ])
+        traces.append(
+            [
+                {"action": a, "addr": addr, "size": size, "stream": stream, "time_us": i, "frames": []}
+                for i, (a, addr, size, stream) in enumerate(events)
+            ]
+        )
     return {"segments": [], "device_traces": traces, "allocator_settings": {}}
 
 
@@ -74,17 +77,31 @@ SMALL = [
 
 # ---- sizes ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,expected", [
-    ("24GiB", 24 * GiB), ("1.5 GB", 1_500_000_000), ("512MiB", 512 * MiB), ("100", 100),
-    ("80G", 80 * GiB), ("2 kib", 2048), ("4kB", 4000), ("0.5GiB", GiB // 2), ("  7 B ", 7), ("1e3", 1000),
-    (4096, 4096),
-])
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("24GiB", 24 * GiB),
+        ("1.5 GB", 1_500_000_000),
+        ("512MiB", 512 * MiB),
+        ("100", 100),
+        ("80G", 80 * GiB),
+        ("2 kib", 2048),
+        ("4kB", 4000),
+        ("0.5GiB", GiB // 2),
+        ("  7 B ", 7),
+        ("1e3", 1000),
+        (4096, 4096),
+    ],
+)
 def test_parse_size_accepts(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("junk", ["", "GiB", "-1", "-1GiB", "1.2.3", "12 XB", "1 2 GiB", "nan", "inf", "0x10",
-                                  "١٠", None, 1.5, True, -5, [1]])
+@pytest.mark.parametrize(
+    "junk",
+    ["", "GiB", "-1", "-1GiB", "1.2.3", "12 XB", "1 2 GiB", "nan", "inf", "0x10", "١٠", None, 1.5, True, -5, [1]],
+)
 def test_parse_size_rejects(junk):
     with pytest.raises(ValueError):
         parse_size(junk)
@@ -102,8 +119,16 @@ def test_format_size():
 
 
 def test_package_exports():
-    for name in ("Heap", "OutOfMemoryError", "InvalidPointerError", "CorruptionError", "DeviceError",
-                 "parse_size", "format_size", "__version__"):
+    for name in (
+        "Heap",
+        "OutOfMemoryError",
+        "InvalidPointerError",
+        "CorruptionError",
+        "DeviceError",
+        "parse_size",
+        "format_size",
+        "__version__",
+    ):
         assert hasattr(gpumem, name), name
     assert gpumem.Heap is gpumem._C.Heap
     assert issubclass(gpumem.OutOfMemoryError, RuntimeError)
@@ -114,10 +139,12 @@ def test_package_exports():
 
 # ---- text traces ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("compress", [True, False])
 def test_text_trace_pairs_frees_with_allocs(tmp_path, compress):
-    path = write_text(tmp_path / ("t.trace.gz" if compress else "t.trace"), [" ".join(map(str, e)) for e in SMALL],
-                      compress=compress)
+    path = write_text(
+        tmp_path / ("t.trace.gz" if compress else "t.trace"), [" ".join(map(str, e)) for e in SMALL], compress=compress
+    )
     t = load_trace(path)
     assert t.format == "text" and t.name == "t"
     assert t.meta == {"workload": "t"}
@@ -175,8 +202,11 @@ def test_text_errors(tmp_path):
     expect_error(write_text(tmp_path / "d.gz", ok + ["alloc 4096 512"]), "malformed line", 3)
     expect_error(write_text(tmp_path / "e.gz", ok + ["alloc 0x10 512 0"]), "malformed line", 3)
     expect_error(write_text(tmp_path / "f.gz", ok + ["alloc 4096 512 0"]), "still live", 3)
-    expect_error(write_text(tmp_path / "g.gz", ok + ["free_completed 4096 512 0", "free_completed 4096 512 0"]),
-                 "free of unknown address", 4)
+    expect_error(
+        write_text(tmp_path / "g.gz", ok + ["free_completed 4096 512 0", "free_completed 4096 512 0"]),
+        "free of unknown address",
+        4,
+    )
     expect_error(write_text(tmp_path / "h.gz", ok), "one device", None, device=1)
     expect_error(tmp_path, "directory")
 
@@ -206,11 +236,13 @@ def test_binary_junk_is_not_a_trace(tmp_path):
 
 # ---- torch snapshots ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("compress", [True, False])
 def test_snapshot_pickle(tmp_path, compress):
     name = "snap.pickle.gz" if compress else "snap.pickle"
-    path = write_pickle(tmp_path / name, snapshot_dict(SMALL + [("oom", 0, 1 << 40, 0), ("snapshot", 0, 0, 0)]),
-                        compress)
+    path = write_pickle(
+        tmp_path / name, snapshot_dict(SMALL + [("oom", 0, 1 << 40, 0), ("snapshot", 0, 0, 0)]), compress
+    )
     t = load_trace(path)
     text = load_trace(write_text(tmp_path / "same.trace.gz", [" ".join(map(str, e)) for e in SMALL]))
     assert t.format == "snapshot" and t.device == 0
@@ -240,10 +272,10 @@ def test_snapshot_errors(tmp_path):
     def snap(events, name):
         return write_pickle(tmp_path / name, snapshot_dict(events), True)
 
-    expect_error(snap([("alloc", 1, 512, 0), ("boom", 1, 512, 0)], "a.pickle.gz"), "unknown action 'boom'",
-                 "device_traces[0][1]")
-    expect_error(snap([("free_completed", 1, 512, 0)], "b.pickle.gz"), "free of unknown address",
-                 "device_traces[0][0]")
+    expect_error(
+        snap([("alloc", 1, 512, 0), ("boom", 1, 512, 0)], "a.pickle.gz"), "unknown action 'boom'", "device_traces[0][1]"
+    )
+    expect_error(snap([("free_completed", 1, 512, 0)], "b.pickle.gz"), "free of unknown address", "device_traces[0][0]")
     expect_error(snap([("alloc", 1, -1, 0)], "c.pickle.gz"), "negative size", "device_traces[0][0]")
     bad = snapshot_dict([("alloc", 1, 512, 0)])
     del bad["device_traces"][0][0]["size"]
@@ -390,9 +422,12 @@ def test_min_capacity_synthetic(tmp_path):
     assert fits(t, mc) and not fits(t, mc - MiB)
 
 
-@pytest.mark.parametrize("path", [p for p in TRACES if "gpt2_generate" not in p.name] +
-                         [pytest.param(p, marks=pytest.mark.slow) for p in TRACES if "gpt2_generate" in p.name],
-                         ids=lambda p: p.name.split(".")[0])
+@pytest.mark.parametrize(
+    "path",
+    [p for p in TRACES if "gpt2_generate" not in p.name]
+    + [pytest.param(p, marks=pytest.mark.slow) for p in TRACES if "gpt2_generate" in p.name],
+    ids=lambda p: p.name.split(".")[0],
+)
 def test_min_capacity_shipped(path):
     t = load_trace(path)
     mc = min_capacity(t)

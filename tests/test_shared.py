@@ -2,6 +2,7 @@
 simulated device: blocks say which framework allocated them, snapshot and
 explain count by framework, and an OOM carries the explanation.  The same code
 on a GPU, over the per-device heaps torch uses: tests/test_gpu_cupy.py."""
+
 import gc
 
 import pytest
@@ -72,9 +73,9 @@ def test_oom_of_a_framework_is_explained_with_the_framework(make_heap):
     assert "by framework: cupy 1.49 GiB in 2 blocks" in text
     assert "CuPy holds 1.49 GiB in 2 array(s)" in text and "compute in chunks" in text
     r = last_oom(h)
-    assert r.main_cause.kind == "live_tensors" and r.by_framework == {"cupy": (2 * n, 2)}   # n % 512 == 0
+    assert r.main_cause.kind == "live_tensors" and r.by_framework == {"cupy": (2 * n, 2)}  # n % 512 == 0
     assert not explain(n, h).fits
-    assert explain(n // 10, h).fits                      # a chunk of 1000 rows
+    assert explain(n // 10, h).fits  # a chunk of 1000 rows
     chunk = cp.malloc(n // 10, 0, 0)
     cp.free(chunk, 0)
     cp.free(a, 0)
@@ -104,7 +105,7 @@ def test_numba_memory_manager_on_a_sim_heap(make_heap):
     assert info.total == GiB and info.free == h.mem_info()[0]
     del mp
     gc.collect()
-    assert h.stats()["allocated_bytes.all.current"] == 0     # the finalizer gave it back
+    assert h.stats()["allocated_bytes.all.current"] == 0  # the finalizer gave it back
     with pytest.raises(gpumem.OutOfMemoryError, match="CUDA out of memory"):
         m.memalloc(2 * GiB)
     with pytest.raises(NotImplementedError):

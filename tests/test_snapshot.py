@@ -1,5 +1,6 @@
 """gpumem.snapshot(): structure, summary arithmetic, torch's format (read by torch's
 own _memory_viz), the SVG/HTML map, matplotlib, and the CLI's --snapshot/--html/explain."""
+
 import gzip
 import html.parser
 import json
@@ -11,7 +12,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import gpumem
-from gpumem.snapshot import Snapshot, TORCH_STATE
+from gpumem.snapshot import Snapshot
 from gpumem.trace import _PlainUnpickler, load_trace
 
 from conftest import REPO, snapshot_file, trace_file
@@ -111,7 +112,7 @@ def test_torch_format_matches_the_sample_field_by_field(heap):
     gpumem.record_history(True, device=heap, stacks=None, max_entries=1000)
     p = heap.malloc(3 * MiB)
     heap.free(p)
-    heap.malloc(64 * MiB)   # more than the cached pages: new pages get mapped
+    heap.malloc(64 * MiB)  # more than the cached pages: new pages get mapped
     ours = gpumem.snapshot(heap).to_torch()
     ref = _sample()
     assert set(ref) <= set(ours)
@@ -142,9 +143,9 @@ def test_dump_is_plain_pickle_protocol_4_and_replays(heap, tmp_path):
     gpumem.dump_snapshot(out, device=heap)
     raw = out.read_bytes()
     assert raw[:2] == b"\x80\x04"
-    data = _PlainUnpickler(open(out, "rb")).load()   # refuses any global: plain data only
+    data = _PlainUnpickler(open(out, "rb")).load()  # refuses any global: plain data only
     assert data["segments"]
-    t = load_trace(out)                               # gpumem's own loader reads it back as a trace
+    t = load_trace(out)  # gpumem's own loader reads it back as a trace
     assert t.allocs == 5 and t.frees == 1
     Snapshot.dump(gpumem.snapshot(heap), tmp_path / "snap.pickle.gz")
     with gzip.open(tmp_path / "snap.pickle.gz") as f:
@@ -163,7 +164,7 @@ def test_torch_memory_viz_reads_our_pickle(heap, tmp_path):
     with open(out, "rb") as f:
         data = pickle.load(f)
     s = gpumem.snapshot(heap).summary
-    text = mv.segsum(data)   # asserts its own accounting: blocks must add up to segments
+    text = mv.segsum(data)  # asserts its own accounting: blocks must add up to segments
     assert f"segments: {s.n_segments}" in text
     assert f"total_reserved: {mv.Bytes(s.mapped_bytes)}" in text
     assert f"total_allocated: {mv.Bytes(s.requested_bytes)}" in text
@@ -210,14 +211,14 @@ def test_svg_is_well_formed_with_one_group_per_block(heap):
             row_bytes = row_bytes or ratio
             assert ratio == pytest.approx(row_bytes, rel=0.02)
     pages = [r for r in root.iter(f"{SVG}rect") if "page" in (r.get("class") or "")]
-    assert {r.get("class").split()[1] for r in pages} == {"used", "cached"} | (
-        {"unmapped"} if 0 in s.pages else set())
+    assert {r.get("class").split()[1] for r in pages} == {"used", "cached"} | ({"unmapped"} if 0 in s.pages else set())
 
 
 def test_svg_hover_names_allocation_site():
     with gpumem.Heap(device="sim", capacity=64 * MiB) as h:
         gpumem.record_history(True, device=h, stacks="python")
         try:
+
             def allocate_weights():
                 return h.malloc(3 * MiB)
 
@@ -263,7 +264,7 @@ def test_html_is_self_contained_and_balanced(heap, tmp_path):
     c.close()
     assert c.stack == [] and c.external == []
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
-    svg = page[page.index("<svg"): page.index("</svg>") + 6]
+    svg = page[page.index("<svg") : page.index("</svg>") + 6]
     assert len(_svg_blocks(ET.fromstring(svg))) == len(s.blocks)
     frag = s._repr_html_()
     assert "<svg" in frag and "fragmentation" in frag
@@ -301,8 +302,9 @@ def test_snapshot_without_installed_heap_says_what_to_do():
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "gpumem", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "gpumem", *map(str, args)], capture_output=True, text=True, cwd=cwd or REPO, timeout=300
+    )
 
 
 def trace_path(name):
@@ -323,7 +325,8 @@ def test_cli_replay_snapshot_and_html_at_peak(tmp_path):
     assert live == row["snapshot_live_bytes"]
     assert live >= trace.peak_live_bytes and live - trace.peak_live_bytes < 512 * trace.allocs
     assert page.read_text().count('class="block live"') == sum(
-        1 for s in data["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+        1 for s in data["segments"] for b in s["blocks"] if b["state"] == "active_allocated"
+    )
     r2 = run_cli("replay", tr, tr, "--snapshot", out)
     assert r2.returncode == 2 and "one TRACE" in r2.stderr
 

@@ -7,6 +7,7 @@ simulated device (a held stream keeps its events pending) and call check()
 after each step, so a release that runs ahead of its event fails here
 deterministically, not only in the randomized tests.
 """
+
 import gpumem
 from conftest import MiB, assert_ok
 
@@ -16,17 +17,17 @@ S1, S2 = 0x1000, 0x2000
 def test_frees_after_the_release_event_stay_with_their_stream(make_heap):
     h = make_heap(capacity=256 * MiB)
     a = h.malloc(8 * MiB, stream=S1)
-    keep = h.malloc(512, stream=S1)         # keeps a and b apart
+    keep = h.malloc(512, stream=S1)  # keeps a and b apart
     b = h.malloc(8 * MiB, stream=S1)
     pad = h.malloc(512, stream=S1)
-    h.free(a)                               # free #1 on S1
-    h.sim_hold_stream(S1, True)             # S1 has work in flight
-    big = h.malloc(200 * MiB, stream=S2)    # S2 runs short: an event is recorded on S1 (covers free #1)
+    h.free(a)  # free #1 on S1
+    h.sim_hold_stream(S1, True)  # S1 has work in flight
+    big = h.malloc(200 * MiB, stream=S2)  # S2 runs short: an event is recorded on S1 (covers free #1)
     assert_ok(h)
-    h.free(b)                               # free #2 on S1, after the event
+    h.free(b)  # free #2 on S1, after the event
     assert_ok(h)
-    h.sim_hold_stream(S1, False)            # the event completes: free #1 may go to every stream
-    p = h.malloc(4 * MiB, stream=S2)        # another short request processes the release
+    h.sim_hold_stream(S1, False)  # the event completes: free #1 may go to every stream
+    p = h.malloc(4 * MiB, stream=S2)  # another short request processes the release
     assert_ok(h)
     # b's range (freed after the event was recorded) must not have been handed
     # to S2 by that release.

@@ -3,6 +3,7 @@
 malloc/free/empty_cache release the GIL while in the core, so these threads
 really run the core at the same time; the heap's own lock must keep it whole.
 """
+
 import random
 import threading
 

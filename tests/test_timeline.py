@@ -1,6 +1,7 @@
 """Memory over time (gpumem.timeline): live, reserved and cap over a trace's
 replay or a heap's history, with the peak, the remaps and the OOMs marked; as
 inline SVG in the offline HTML and through matplotlib."""
+
 import gzip
 import json
 import xml.etree.ElementTree as ET
@@ -48,7 +49,7 @@ def test_exact_timeline_of_a_small_trace_matches_the_trace():
     t = load_trace(path)
     tl = from_trace(t, 80 * GiB)
     assert tl.step == 1 and tl.x == list(range(t.n_events + 1))
-    assert tl.live == live_by_event(path)            # every event, exactly
+    assert tl.live == live_by_event(path)  # every event, exactly
     r = replay(t, 80 * GiB, timing=False)
     assert tl.peak_live == (t.peak_event + 1, r.peak_live_bytes)
     assert max(tl.reserved) == r.peak_reserved_bytes
@@ -105,7 +106,7 @@ def test_history_timeline_of_a_heap(make_heap):
 
 def test_history_that_lost_its_start_is_anchored_at_the_heap(make_heap):
     h = make_heap(capacity=GiB)
-    keep = [h.malloc(20 * MiB) for _ in range(5)]          # before recording: not in the history
+    keep = [h.malloc(20 * MiB) for _ in range(5)]  # before recording: not in the history
     gpumem.record_history(True, device=h, stacks=None)
     more = h.malloc(7 * MiB)
     snap = gpumem.snapshot(h)
@@ -117,9 +118,16 @@ def test_history_that_lost_its_start_is_anchored_at_the_heap(make_heap):
 
 
 def test_from_history_counts_maps_remaps_and_unmaps():
-    entries = [(0, "map", 0, 8 * MiB, 0, 0), (1, "alloc", 0, 6 * MiB, 0, 0), (2, "free_requested", 0, 6 * MiB, 0, 0),
-               (3, "free_completed", 0, 6 * MiB, 0, 0), (4, "unmap", 0, 4 * MiB, 0, 0),
-               (5, "remap", 0, 4 * MiB, 0, 0), (6, "alloc", 0, 8 * MiB, 0, 0), (7, "oom", 0, 64 * MiB, 0, 0)]
+    entries = [
+        (0, "map", 0, 8 * MiB, 0, 0),
+        (1, "alloc", 0, 6 * MiB, 0, 0),
+        (2, "free_requested", 0, 6 * MiB, 0, 0),
+        (3, "free_completed", 0, 6 * MiB, 0, 0),
+        (4, "unmap", 0, 4 * MiB, 0, 0),
+        (5, "remap", 0, 4 * MiB, 0, 0),
+        (6, "alloc", 0, 8 * MiB, 0, 0),
+        (7, "oom", 0, 64 * MiB, 0, 0),
+    ]
     tl = from_history(entries, cap_bytes=16 * MiB, label="<b>&x")
     assert tl.live == [0, 0, 6 * MiB, 0, 0, 0, 8 * MiB, 8 * MiB]
     assert tl.reserved == [0, 8 * MiB, 8 * MiB, 8 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 8 * MiB]
@@ -157,8 +165,9 @@ def test_snapshot_without_history_has_no_timeline(make_heap):
 
 def test_replay_html_shows_the_whole_trace_over_time(tmp_path, capsys):
     out = tmp_path / "r.html"
-    assert main(["replay", "seed_fragmentation", "--html", str(out), "--json", "--no-timing",
-                 "--capacity", "1.5GiB"]) == 0
+    assert (
+        main(["replay", "seed_fragmentation", "--html", str(out), "--json", "--no-timing", "--capacity", "1.5GiB"]) == 0
+    )
     row = json.loads(capsys.readouterr().out)
     page = out.read_text()
     assert "gpumem-timeline" in page and "gpumem-map" in page
@@ -167,7 +176,7 @@ def test_replay_html_shows_the_whole_trace_over_time(tmp_path, capsys):
     tl_svg = ET.fromstring("<svg" + svgs[0].split("</svg>")[0] + "</svg>")
     assert len([e for e in tl_svg.iter() if e.get("class") == "tl-oom"]) == row["ooms"] >= 1
     ticks = [int(e.text) for e in tl_svg.iter(SVG + "text") if (e.text or "").isdigit()]
-    assert max(ticks) == 800 and row["events"] == 802      # the x axis runs to the trace's end
+    assert max(ticks) == 800 and row["events"] == 802  # the x axis runs to the trace's end
     assert len([e for e in tl_svg.iter() if e.get("class") == "tl-remap"]) >= 1
     assert [e for e in tl_svg.iter() if e.get("class") == "tl-peak"]
 

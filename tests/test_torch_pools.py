@@ -9,6 +9,7 @@ Then the Python side: the C++ ABI guard on the hooks, cudagraph trees'
 checkpoint functions on a sim-backed heap, and the torch-header checkpoint
 module built against the installed (CPU) torch.
 """
+
 import json
 import os
 import subprocess
@@ -56,11 +57,12 @@ _C._torch_open_sim(0, 1 << 30)
 def run_py(code):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
+    )
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_filter_routes_allocations_and_pool_blocks_stay_in_the_pool():
@@ -186,9 +188,11 @@ def test_pool_hooks_are_set_only_when_the_cxx_abi_matches():
         with pytest.raises(RuntimeError, match="GPUMEM_CXX11_ABI"):
             _pools.refuse_capture(None)
         assert _pools.set_pool_hooks(same, h, entry) is True
-        assert h.calls == [("set_begin_allocate_to_pool", entry["begin_allocate_to_pool"]),
-                           ("set_end_allocate_to_pool_fn", entry["end_allocate_to_pool"]),
-                           ("set_release_pool", entry["release_pool"])]
+        assert h.calls == [
+            ("set_begin_allocate_to_pool", entry["begin_allocate_to_pool"]),
+            ("set_end_allocate_to_pool_fn", entry["end_allocate_to_pool"]),
+            ("set_release_pool", entry["release_pool"]),
+        ]
     finally:
         _pools._hooks_error = None
 
@@ -255,7 +259,7 @@ def test_checkpoint_module_swaps_storage_deleters(tmp_path, monkeypatch):
     assert freed == [ptr]
     # torch's _free_And_Remove_DeleterFn for such a storage: freed now, never again
     storage = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), 4096)
-    assert not _checkpoint.free_and_remove(storage._cdata, d)     # not ours: untouched
+    assert not _checkpoint.free_and_remove(storage._cdata, d)  # not ours: untouched
     _checkpoint.add_deleters([storage._cdata], [ptr], d, 0)
     assert _checkpoint.free_and_remove(storage._cdata, d) and freed == [ptr, ptr]
     assert not _checkpoint.has_deleter(storage._cdata, d)
@@ -317,8 +321,21 @@ def test_std_function_hooks_called_the_way_torch_calls_them(tmp_path):
     src = tmp_path / "caller.cpp"
     src.write_text(HOOK_CALLER)
     lib = tmp_path / "caller.so"
-    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={_C._torch_cxx11_abi()}",
-                    str(src), "-o", str(lib)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-shared",
+            "-fPIC",
+            f"-D_GLIBCXX_USE_CXX11_ABI={_C._torch_cxx11_abi()}",
+            str(src),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     r = run_py(f"""
         caller = ctypes.CDLL({str(lib)!r})
         u64 = ctypes.c_uint64

@@ -6,6 +6,7 @@ directly through ctypes -- a CFUNCTYPE call releases the GIL, as torch's op
 bindings do before they allocate -- with a sim heap standing in for the CUDA
 heap, and the routing of torch's memory API is called as torch would call it.
 """
+
 import ctypes
 import importlib
 import threading
@@ -26,18 +27,40 @@ GiB = 1 << 30
 
 class OomInfo(ctypes.Structure):
     """gm_oom_info (csrc/include/gpumem/gpumem.h)."""
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "request", "stream", "device_total", "device_free", "cap_bytes", "live_bytes", "pending_bytes",
-        "reserved_bytes", "cached_bytes", "free_mapped_bytes", "largest_free_mapped", "largest_possible",
-        "pages_needed")] + [("device_error", ctypes.c_int)]
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "request",
+            "stream",
+            "device_total",
+            "device_free",
+            "cap_bytes",
+            "live_bytes",
+            "pending_bytes",
+            "reserved_bytes",
+            "cached_bytes",
+            "free_mapped_bytes",
+            "largest_free_mapped",
+            "largest_possible",
+            "pages_needed",
+        )
+    ] + [("device_error", ctypes.c_int)]
 
 
 class ProcUsage(ctypes.Structure):
     _fields_ = [("pid", ctypes.c_uint32), ("bytes", ctypes.c_uint64)]
 
 
-FORMATTER_ARGS = (ctypes.c_long, ctypes.POINTER(OomInfo), ctypes.c_int, ctypes.POINTER(ProcUsage), ctypes.c_long,
-                  ctypes.c_char_p, ctypes.c_size_t)
+FORMATTER_ARGS = (
+    ctypes.c_long,
+    ctypes.POINTER(OomInfo),
+    ctypes.c_int,
+    ctypes.POINTER(ProcUsage),
+    ctypes.c_long,
+    ctypes.c_char_p,
+    ctypes.c_size_t,
+)
 # CFUNCTYPE calls release the GIL (torch's bindings do); PYFUNCTYPE ones keep it.
 no_gil_formatter = ctypes.CFUNCTYPE(*FORMATTER_ARGS)(_C._torch_viz_hooks()["oom_formatter"])
 gil_formatter = ctypes.PYFUNCTYPE(*FORMATTER_ARGS)(_C._torch_viz_hooks()["oom_formatter"])
@@ -124,7 +147,7 @@ def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
 
     monkeypatch.setattr(explain_module, "_torch_heap", broken)
     assert call_formatter(info) == f"{line} (gpumem.explain failed: RuntimeError: no heap today)"
-    previous = _C._set_oom_formatter(lambda *a: 42)   # not a str: the line alone
+    previous = _C._set_oom_formatter(lambda *a: 42)  # not a str: the line alone
     try:
         assert call_formatter(info) == line
     finally:
@@ -145,7 +168,7 @@ def test_long_report_is_cut_at_a_line_end(oom_heap):
     full = call_formatter(info)
     line = full.split("\n")[0]
     buflen = len(line.encode()) + 200
-    assert len(full.encode()) >= buflen    # otherwise this tests nothing
+    assert len(full.encode()) >= buflen  # otherwise this tests nothing
     cut = call_formatter(info, buflen=buflen)
     assert cut.endswith("\n[report truncated: gpumem.last_oom() returns all of it]")
     body = cut[: -len("\n[report truncated: gpumem.last_oom() returns all of it]")]
@@ -172,7 +195,7 @@ context_hook = ctypes.CFUNCTYPE(ctypes.c_uint64)(_C._torch_viz_hooks()["context"
 
 
 def allocation_site():
-    return context_hook()          # the GIL is released around this call
+    return context_hook()  # the GIL is released around this call
 
 
 def test_stack_hook_takes_the_gil_back_in_python_threads():
@@ -189,7 +212,7 @@ def test_stack_hook_takes_the_gil_back_in_python_threads():
         frames = _C._stack_frames(c)
         assert frames and frames[0]["name"] == "allocation_site" and frames[0]["filename"] == __file__
     assert _C._stack_frames(ctx)[1]["name"] == "test_stack_hook_takes_the_gil_back_in_python_threads"
-    assert allocation_site() == 0      # capture off
+    assert allocation_site() == 0  # capture off
 
 
 def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
@@ -201,10 +224,10 @@ def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
     h = gpumem.Heap(device="sim", capacity=GiB)
     try:
         gpumem.record_history(True, device=h)
-        assert calls == []             # gpumem.torch registered no hooks: not torch's allocator
+        assert calls == []  # gpumem.torch registered no hooks: not torch's allocator
         _heap.register_torch_hooks(active=lambda: False, stack_hook=_torch_viz.set_stack_hook)
         gpumem.record_history(True, device=h, stacks="python")
-        assert calls == []             # registered, but not the allocator
+        assert calls == []  # registered, but not the allocator
         _heap.register_torch_hooks(active=lambda: True)
         gpumem.record_history(True, device=h, stacks="python")
         gpumem.record_history(True, device=h, stacks=None)
@@ -219,14 +242,17 @@ def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
 # ---- which heap, and torch's memory API ---------------------------------------------------
 
 
-@pytest.mark.parametrize("call", [
-    lambda tmp: gpumem.snapshot(),
-    lambda tmp: gpumem.explain(),
-    lambda tmp: gpumem.last_oom(),
-    lambda tmp: gpumem.dump_snapshot(tmp / "s.pickle"),
-    lambda tmp: gpumem.record_history(True),
-    lambda tmp: gpumem.snapshot("cuda:0"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda tmp: gpumem.snapshot(),
+        lambda tmp: gpumem.explain(),
+        lambda tmp: gpumem.last_oom(),
+        lambda tmp: gpumem.dump_snapshot(tmp / "s.pickle"),
+        lambda tmp: gpumem.record_history(True),
+        lambda tmp: gpumem.snapshot("cuda:0"),
+    ],
+)
 def test_no_heap_given_and_gpumem_not_installed(call, tmp_path):
     assert not gt.status()["allocator_active"]
     with pytest.raises(NoHeapError, match=r"gpumem.install\(\).*or pass a gpumem.Heap"):
@@ -245,13 +271,13 @@ def test_torch_record_memory_history_routes_to_record_history(monkeypatch):
     calls = []
     monkeypatch.setattr(_C, "_torch_history_enable", lambda n: calls.append(n))
     try:
-        _install._record_history("all", "all", "all", 1000)          # torch's defaults: C++ + Python asked
+        _install._record_history("all", "all", "all", 1000)  # torch's defaults: C++ + Python asked
         assert calls[-1] == 1000 and _C._stacks_info()["enabled"]
         _install._record_history("state", "alloc", "python", 5)
         assert calls[-1] == 0 and _C._stacks_info()["enabled"]
-        _install._record_history("all", None, "python", 1 << 62)     # context=None: no stacks; ring bounded
+        _install._record_history("all", None, "python", 1 << 62)  # context=None: no stacks; ring bounded
         assert calls[-1] == gt.MAX_HISTORY and not _C._stacks_info()["enabled"]
-        _install._record_history(True, True, 7)                      # the legacy form
+        _install._record_history(True, True, 7)  # the legacy form
         assert calls[-1] == 7 and _C._stacks_info()["enabled"]
         _install._record_history(False)
         assert calls[-1] == 0 and not _C._stacks_info()["enabled"]

@@ -11,10 +11,12 @@ and report which of them caught it.
 Each run copies the tracked files into a temporary folder, so the working
 tree is never modified and nothing needs reverting.  The tests run with CI=1 and
 the "mutate" hypothesis profile (the CI profile's derandomized examples, no
-shrinking; see tests/conftest.py), so the table is the same on every run.  A mutation is "caught" when the fuzz driver or at least one test
+shrinking; see tests/conftest.py), so the table is the same on every run.  A mutation is "caught" when the fuzz
+driver or at least one test
 fails; the baseline (no mutation) must pass everything, or the table means
 nothing and the script says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,51 +44,91 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("growth_limit_removed", "growth limit removed: the heap grows freely to the cap",
-             "grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);",
-             "grow(h, pl.new_pages - h->n_spare, ((void)growth_limit(h, size), h->cap_pages), &dev_err);"),
-    Mutation("stream_reuse_early", "stream owner: blocks freed after the release event are handed to every stream",
-             "moved += release_blocks(h, o, o->release_seq);",
-             "moved += release_blocks(h, o, h->free_seq);"),
-    Mutation("release_without_event", "stream owner: memory handed to every stream without waiting for the event",
-             "if (event_done(h, o->release_event)) {",
-             "if (1) {"),
-    Mutation("merge_different_owners", "free blocks of two different streams merge",
-             "    else if (a == ANY) *out = b;\n    else return 0;",
-             "    else if (a == ANY) *out = b;\n    else *out = a;"),
-    Mutation("pending_ignores_events", "record_stream: a pending block is freed before its events complete",
-             "if (synced || event_done(h, b->events[i])) {",
-             "if (1) {"),
-    Mutation("record_stream_ignored", "record_stream records nothing",
-             "    if (s == b->stream) goto done;\n    for (uint32_t i = 0; i < b->n_uses; i++)",
-             "    goto done;\n    for (uint32_t i = 0; i < b->n_uses; i++)"),
-    Mutation("unmap_shared_page", "defragmentation unmaps pages a free block shares with a live neighbour",
-             "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n        if (p0 >= p1) continue;",
-             "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n        if (p0 >= p1) continue;"),
-    Mutation("stat_requested_off_by_one", "stats: requested_bytes off by one at free",
-             "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);",
-             "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested + 1);"),
-    Mutation("stat_ooms_uncounted", "stats: num_ooms not counted",
-             "    h->st.num_ooms++;\n",
-             "\n"),
-    Mutation("no_merge_with_next", "a freed block does not merge with its upper free neighbour",
-             "if (n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {",
-             "if (0 && n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {"),
-    Mutation("cap_off_by_one_page", "growth stops one page under the cap (OOM too early)",
-             "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);\n    if ((!pl.ok",
-             "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages - 1, &dev_err);\n    if ((!pl.ok"),
-    Mutation("empty_cache_keeps_a_page", "empty_cache keeps one spare page",
-             "    /* What cannot go backs live blocks (or an unmap failed). */\n    return release_spares(h, target);",
-             "    /* What cannot go backs live blocks (or an unmap failed). */\n    return release_spares(h, target + 1);"),
-    Mutation("peak_live_not_tracked", "the growth limit forgets the peak of live memory",
-             "        h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;",
-             "        (void)0;"),
-    Mutation("placement_ignores_shared_pages", "carving ignores which end shares a page with a live neighbour",
-             "return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;",
-             "(void)h;\n    (void)hi;\n    (void)fresh_pages;\n    return b->addr;"),
-    Mutation("free_history_dropped", "history: frees are not recorded",
-             "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
-             "\n"),
+    Mutation(
+        "growth_limit_removed",
+        "growth limit removed: the heap grows freely to the cap",
+        "grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);",
+        "grow(h, pl.new_pages - h->n_spare, ((void)growth_limit(h, size), h->cap_pages), &dev_err);",
+    ),
+    Mutation(
+        "stream_reuse_early",
+        "stream owner: blocks freed after the release event are handed to every stream",
+        "moved += release_blocks(h, o, o->release_seq);",
+        "moved += release_blocks(h, o, h->free_seq);",
+    ),
+    Mutation(
+        "release_without_event",
+        "stream owner: memory handed to every stream without waiting for the event",
+        "if (event_done(h, o->release_event)) {",
+        "if (1) {",
+    ),
+    Mutation(
+        "merge_different_owners",
+        "free blocks of two different streams merge",
+        "    else if (a == ANY) *out = b;\n    else return 0;",
+        "    else if (a == ANY) *out = b;\n    else *out = a;",
+    ),
+    Mutation(
+        "pending_ignores_events",
+        "record_stream: a pending block is freed before its events complete",
+        "if (synced || event_done(h, b->events[i])) {",
+        "if (1) {",
+    ),
+    Mutation(
+        "record_stream_ignored",
+        "record_stream records nothing",
+        "    if (s == b->stream) goto done;\n    for (uint32_t i = 0; i < b->n_uses; i++)",
+        "    goto done;\n    for (uint32_t i = 0; i < b->n_uses; i++)",
+    ),
+    Mutation(
+        "unmap_shared_page",
+        "defragmentation unmaps pages a free block shares with a live neighbour",
+        "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n        if (p0 >= p1) continue;",  # noqa: E501
+        "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n        if (p0 >= p1) continue;",  # noqa: E501
+    ),
+    Mutation(
+        "stat_requested_off_by_one",
+        "stats: requested_bytes off by one at free",
+        "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);",
+        "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested + 1);",
+    ),
+    Mutation("stat_ooms_uncounted", "stats: num_ooms not counted", "    h->st.num_ooms++;\n", "\n"),
+    Mutation(
+        "no_merge_with_next",
+        "a freed block does not merge with its upper free neighbour",
+        "if (n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {",
+        "if (0 && n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {",
+    ),
+    Mutation(
+        "cap_off_by_one_page",
+        "growth stops one page under the cap (OOM too early)",
+        "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);\n    if ((!pl.ok",  # noqa: E501
+        "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages - 1, &dev_err);\n    if ((!pl.ok",  # noqa: E501
+    ),
+    Mutation(
+        "empty_cache_keeps_a_page",
+        "empty_cache keeps one spare page",
+        "    /* What cannot go backs live blocks (or an unmap failed). */\n    return release_spares(h, target);",
+        "    /* What cannot go backs live blocks (or an unmap failed). */\n    return release_spares(h, target + 1);",
+    ),
+    Mutation(
+        "peak_live_not_tracked",
+        "the growth limit forgets the peak of live memory",
+        "        h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;",
+        "        (void)0;",
+    ),
+    Mutation(
+        "placement_ignores_shared_pages",
+        "carving ignores which end shares a page with a live neighbour",
+        "return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;",
+        "(void)h;\n    (void)hi;\n    (void)fresh_pages;\n    return b->addr;",
+    ),
+    Mutation(
+        "free_history_dropped",
+        "history: frees are not recorded",
+        "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
+        "\n",
+    ),
 ]
 
 DEFAULT_TESTS = ["tests"]
@@ -154,8 +196,7 @@ def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
             if rc != 0:
                 first = next((ln for ln in out.splitlines() if "FAIL" in ln or "fail" in ln), out.strip()[-200:])
                 res["caught_by"].append(f"fuzz {' '.join(args)}: {first[:160]}")
-        rc, out, secs = run([python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests],
-                            tree, env, timeout)
+        rc, out, secs = run([python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests], tree, env, timeout)
         res["pytest_seconds"] = round(secs, 1)
         failed = sorted(set(re.findall(r"^FAILED (\S+?)(?: - |$)", out, re.M)))
         failed += sorted(set(re.findall(r"^ERROR (\S+?)(?: - |$)", out, re.M)))

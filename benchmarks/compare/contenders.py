@@ -10,6 +10,7 @@ The native variants differ only by PYTORCH_CUDA_ALLOC_CONF, which torch reads wh
 library is loaded (the backend is chosen by a static initialiser), so it is set in the worker
 server's environment before `import torch`, never changed afterwards.
 """
+
 from __future__ import annotations
 
 import os
@@ -86,15 +87,22 @@ class Installed:
 
 def _torch_stats() -> Optional[dict]:
     import torch
+
     try:
         s = torch.cuda.memory_stats()
     except Exception as e:  # pluggable allocators may not keep torch's statistics
         return {"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
     if not s:
         return {"unavailable": "torch.cuda.memory_stats() is empty"}
-    keys = {"reserved_peak": "reserved_bytes.all.peak", "reserved_current": "reserved_bytes.all.current",
-            "allocated_peak": "allocated_bytes.all.peak", "retries": "num_alloc_retries", "ooms": "num_ooms",
-            "device_allocs": "num_device_alloc", "device_frees": "num_device_free"}
+    keys = {
+        "reserved_peak": "reserved_bytes.all.peak",
+        "reserved_current": "reserved_bytes.all.current",
+        "allocated_peak": "allocated_bytes.all.peak",
+        "retries": "num_alloc_retries",
+        "ooms": "num_ooms",
+        "device_allocs": "num_device_alloc",
+        "device_frees": "num_device_free",
+    }
     return {k: s[v] for k, v in keys.items() if v in s}
 
 
@@ -104,14 +112,18 @@ def install(contender: str, cap_free: Optional[int], options: dict) -> Installed
     under the cap (None without a cap)."""
     if contender in ("native", "expandable", "async"):
         import torch
+
         torch.cuda.init()
         backend = torch.cuda.memory.get_allocator_backend()
         want = "cudaMallocAsync" if contender == "async" else "native"
         if backend != want:
-            raise Unavailable(f"torch reports allocator backend {backend!r}, expected {want!r} "
-                              f"(PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r})")
-        return Installed(contender, {"backend": backend,
-                                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, _torch_stats)
+            raise Unavailable(
+                f"torch reports allocator backend {backend!r}, expected {want!r} "
+                f"(PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r})"
+            )
+        return Installed(
+            contender, {"backend": backend, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, _torch_stats
+        )
     if contender == "rmm":
         return _install_rmm(cap_free, options)
     if contender == "gpumem":
@@ -124,8 +136,9 @@ def _install_rmm(cap_free: Optional[int], options: dict) -> Installed:
         import rmm
         import rmm.mr
     except Exception as e:
-        raise Unavailable(f"import rmm failed: {type(e).__name__}: {e} (install rmm-cu13: "
-                          f"docs/benchmarks.md)") from None
+        raise Unavailable(
+            f"import rmm failed: {type(e).__name__}: {e} (install rmm-cu13: docs/benchmarks.md)"
+        ) from None
     try:
         from rmm.allocators.torch import rmm_torch_allocator
     except Exception as e:
@@ -151,7 +164,7 @@ def _install_rmm(cap_free: Optional[int], options: dict) -> Installed:
                 tried.append(f"{size}: {str(e).splitlines()[0][:80]}")
                 size -= 8 * MiB
     if pool is None:
-        for initial in (0, 2 * MiB):   # an empty start, or the smallest a version insists on
+        for initial in (0, 2 * MiB):  # an empty start, or the smallest a version insists on
             try:
                 pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=initial)
                 break
@@ -161,6 +174,7 @@ def _install_rmm(cap_free: Optional[int], options: dict) -> Installed:
             raise Unavailable(f"rmm.mr.PoolMemoryResource could not be created: {'; '.join(tried)}")
     rmm.mr.set_current_device_resource(pool)
     import torch
+
     try:
         torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
     except Exception as e:
@@ -171,27 +185,35 @@ def _install_rmm(cap_free: Optional[int], options: dict) -> Installed:
         # The pool never gives memory back, so its size now is its peak.
         return {"reserved_peak": pool.pool_size(), "reserved_current": pool.pool_size()}
 
-    return Installed("rmm", {"rmm": getattr(rmm, "__version__", "?"), "pool": mode,
-                             "initial_pool_size": initial, "pool_tries": tried[:4]}, stats)
+    return Installed(
+        "rmm",
+        {"rmm": getattr(rmm, "__version__", "?"), "pool": mode, "initial_pool_size": initial, "pool_tries": tried[:4]},
+        stats,
+    )
 
 
 def _install_gpumem(options: dict) -> Installed:
     try:
         import gpumem
     except Exception as e:
-        raise Unavailable(f"import gpumem failed: {type(e).__name__}: {e} (install it on the device: "
-                          f"pip install --no-build-isolation --no-deps -e .)") from None
+        raise Unavailable(
+            f"import gpumem failed: {type(e).__name__}: {e} (install it on the device: "
+            f"pip install --no-build-isolation --no-deps -e .)"
+        ) from None
     install_fn = getattr(gpumem, "install", None)
     if install_fn is None:
-        raise Unavailable(f"gpumem.install is missing (gpumem {getattr(gpumem, '__version__', '?')} from "
-                          f"{os.path.dirname(getattr(gpumem, '__file__', '?') or '?')}: the PyTorch "
-                          f"integration is not merged into this tree)")
+        raise Unavailable(
+            f"gpumem.install is missing (gpumem {getattr(gpumem, '__version__', '?')} from "
+            f"{os.path.dirname(getattr(gpumem, '__file__', '?') or '?')}: the PyTorch "
+            f"integration is not merged into this tree)"
+        )
     opts = dict(options.get("gpumem_options") or {})
     try:
         install_fn(**opts)
     except Exception as e:
         raise Unavailable(f"gpumem.install({opts}) failed: {type(e).__name__}: {e}") from None
     import torch
+
     torch.cuda.init()
     return Installed("gpumem", {"gpumem": getattr(gpumem, "__version__", "?"), "options": opts}, _torch_stats)
 
@@ -201,6 +223,7 @@ def is_oom(exc: BaseException) -> bool:
     torch.OutOfMemoryError, rmm::out_of_memory as a std::bad_alloc, gpumem's 'CUDA out of memory.')."""
     try:
         import torch
+
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             return True
     except Exception:
@@ -208,5 +231,14 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True
     msg = str(exc).lower()
-    return any(k in msg for k in ("out of memory", "out_of_memory", "bad_alloc", "outofmemory",
-                                  "cudaerrormemoryallocation", "memory allocation"))
+    return any(
+        k in msg
+        for k in (
+            "out of memory",
+            "out_of_memory",
+            "bad_alloc",
+            "outofmemory",
+            "cudaerrormemoryallocation",
+            "memory allocation",
+        )
+    )

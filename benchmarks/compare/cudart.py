@@ -10,6 +10,7 @@ state); otherwise it is looked for inside the torch install (nvidia/cu13/lib wit
 nvidia/cuda_runtime/lib with CUDA 12 ones, torch/lib for builds that bundle it) and then on the
 system path.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,7 +21,7 @@ import time
 from typing import List, Optional, Tuple
 
 MiB = 1 << 20
-HOG_GRANULE = 2 * MiB   # cudaMalloc hands out 2 MiB pages for large requests
+HOG_GRANULE = 2 * MiB  # cudaMalloc hands out 2 MiB pages for large requests
 
 
 class CudaError(RuntimeError):
@@ -30,14 +31,18 @@ class CudaError(RuntimeError):
 def candidate_paths() -> List[str]:
     """Where libcudart may be, most specific first."""
     names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    out: List[str] = list(names)          # already loaded by torch, or on the loader's path
+    out: List[str] = list(names)  # already loaded by torch, or on the loader's path
     roots = []
     for p in sys.path:
         if p and (os.path.isdir(os.path.join(p, "nvidia")) or os.path.isdir(os.path.join(p, "torch"))):
             roots.append(p)
     for root in roots:
-        for pattern in ("nvidia/cu13/lib/libcudart.so*", "nvidia/cuda_runtime/lib/libcudart.so*",
-                        "nvidia/*/lib/libcudart.so*", "torch/lib/libcudart*.so*"):
+        for pattern in (
+            "nvidia/cu13/lib/libcudart.so*",
+            "nvidia/cuda_runtime/lib/libcudart.so*",
+            "nvidia/*/lib/libcudart.so*",
+            "torch/lib/libcudart*.so*",
+        ):
             out.extend(sorted(glob.glob(os.path.join(root, pattern)), reverse=True))
     for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"):
         out.extend(sorted(glob.glob(os.path.join(d, "libcudart.so*")), reverse=True))
@@ -53,7 +58,7 @@ class CudaRT:
     def __init__(self, path: Optional[str] = None):
         tried = []
         self.lib = None
-        for p in ([path] if path else candidate_paths()):
+        for p in [path] if path else candidate_paths():
             try:
                 self.lib = ctypes.CDLL(p)
                 self.path = p

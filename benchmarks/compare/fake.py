@@ -6,6 +6,7 @@ measurement, and results say "fake": true.
 GPU_COMPARE_FAKE_FAIL makes chosen contenders fail, to exercise the failure paths:
 "rmm:unavailable,gpumem:crash@replay,async:error@train" (what@task; no @: every task).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,16 @@ def _maybe_fail(ctx, task: str):
 
 def info(ctx, task):
     return _maybe_fail(ctx, "info") or {
-        "status": "ok", "fake": True, "torch": "fake", "torch_cuda": None, "device_name": "fake GPU",
-        "total_memory": 80 * GiB, "driver": 0, "python": "fake",
-        "device": {"free_at_start": 79 * GiB, "total": 80 * GiB, "allocator": {"fake": ctx.contender}}}
+        "status": "ok",
+        "fake": True,
+        "torch": "fake",
+        "torch_cuda": None,
+        "device_name": "fake GPU",
+        "total_memory": 80 * GiB,
+        "driver": 0,
+        "python": "fake",
+        "device": {"free_at_start": 79 * GiB, "total": 80 * GiB, "allocator": {"fake": ctx.contender}},
+    }
 
 
 def replay(ctx, task):
@@ -64,19 +72,41 @@ def replay(ctx, task):
             live += -size if op else size
             peak = max(peak, live)
             if cap is not None and live * k > cap:
-                passes.append({"status": "oom", "reason": "fake: CUDA out of memory.", "event": i,
-                               "live_at_failure": live, "wall_s": time.perf_counter() - t0})
+                passes.append(
+                    {
+                        "status": "oom",
+                        "reason": "fake: CUDA out of memory.",
+                        "event": i,
+                        "live_at_failure": live,
+                        "wall_s": time.perf_counter() - t0,
+                    }
+                )
                 break
         else:
             wall = (time.perf_counter() - t0) / SPEED[ctx.contender]
             reserved = int(peak * (k + 0.01))
-            passes.append({"status": "ok", "wall_s": wall, "events": len(events), "peak_used_sampled": reserved,
-                           "allocator_stats": {"reserved_peak": reserved}, "live_at_end": live})
+            passes.append(
+                {
+                    "status": "ok",
+                    "wall_s": wall,
+                    "events": len(events),
+                    "peak_used_sampled": reserved,
+                    "allocator_stats": {"reserved_peak": reserved},
+                    "live_at_end": live,
+                }
+            )
             continue
         break
     eff = None if cap is None else cap + 1024 * 1024
-    return {"status": passes[0]["status"], "reason": passes[0].get("reason"), "trace": trace.name, "cap": cap,
-            "fake": True, "device": {"cap_effective": eff, "allocator": {"fake": ctx.contender}}, "passes": passes}
+    return {
+        "status": passes[0]["status"],
+        "reason": passes[0].get("reason"),
+        "trace": trace.name,
+        "cap": cap,
+        "fake": True,
+        "device": {"cap_effective": eff, "allocator": {"fake": ctx.contender}},
+        "passes": passes,
+    }
 
 
 def train(ctx, task):
@@ -84,12 +114,22 @@ def train(ctx, task):
     if bad:
         return bad
     base = STEP_S[task["workload"]] / SPEED[ctx.contender]
-    steps = [{"step": i + 1, "batch": 8, "size": 512, "seconds": base * (3.0 if i == 0 else 1.0 + 0.01 * (i % 3))}
-             for i in range(int(task["steps"]))]
+    steps = [
+        {"step": i + 1, "batch": 8, "size": 512, "seconds": base * (3.0 if i == 0 else 1.0 + 0.01 * (i % 3))}
+        for i in range(int(task["steps"]))
+    ]
     from compare.workloads import median_from
-    return {"status": "ok", "fake": True, "workload": task["workload"], "build_s": 0.5, "steps": steps,
-            "median_s": median_from(steps, int(task.get("median_from", 5))),
-            "allocator_stats": {"reserved_peak": 3 * GiB}, "device": {}}
+
+    return {
+        "status": "ok",
+        "fake": True,
+        "workload": task["workload"],
+        "build_s": 0.5,
+        "steps": steps,
+        "median_s": median_from(steps, int(task.get("median_from", 5))),
+        "allocator_stats": {"reserved_peak": 3 * GiB},
+        "device": {},
+    }
 
 
 def max_batch(ctx, task):
@@ -97,6 +137,7 @@ def max_batch(ctx, task):
     if bad:
         return bad
     from compare.search import MaxPassSearch
+
     cap = task["cap"]
     k = OVERHEAD[ctx.contender]
     weights = 2 * GiB
@@ -107,9 +148,18 @@ def max_batch(ctx, task):
         if "only" in spec:
             b = int(spec["only"])
             ok = fits(b)
-            results.append({"length": n, "max_pass": b if ok else None, "min_fail": None if ok else b,
-                            "converged": True, "nonmonotone": False, "probes": [[b, ok]],
-                            "tries": [{"batch": b, "ok": ok, "reason": None if ok else "oom: fake"}], "stopped": None})
+            results.append(
+                {
+                    "length": n,
+                    "max_pass": b if ok else None,
+                    "min_fail": None if ok else b,
+                    "converged": True,
+                    "nonmonotone": False,
+                    "probes": [[b, ok]],
+                    "tries": [{"batch": b, "ok": ok, "reason": None if ok else "oom: fake"}],
+                    "stopped": None,
+                }
+            )
             continue
         s = MaxPassSearch(int(spec.get("ceiling", 256)), seeds=spec.get("seeds", ()))
         tries = []

@@ -3,9 +3,9 @@
 Everything here works from the JSON alone, so `gpu_compare.py --replot FILE` rebuilds tables and
 plots on a machine without a GPU from what a device run sent back.
 """
+
 from __future__ import annotations
 
-import io
 import json
 import os
 import tarfile
@@ -37,6 +37,7 @@ FIGURE_STATUSES = {"done", "partial", "skipped", "not run"}
 
 # ---- schema ---------------------------------------------------------------------------------------
 
+
 def validate(doc: dict) -> List[str]:
     """Problems with a results document (empty when it is well formed)."""
     problems = []
@@ -52,8 +53,15 @@ def validate(doc: dict) -> List[str]:
 
     if need(doc, "schema", str, "doc") not in (None, SCHEMA):
         problems.append(f"doc.schema: {doc['schema']!r}, expected {SCHEMA!r}")
-    for key, typ in (("fake", bool), ("command", str), ("started", str), ("options", dict),
-                     ("contenders", dict), ("traces", dict), ("figures", dict)):
+    for key, typ in (
+        ("fake", bool),
+        ("command", str),
+        ("started", str),
+        ("options", dict),
+        ("contenders", dict),
+        ("traces", dict),
+        ("figures", dict),
+    ):
         need(doc, key, typ, "doc")
     for name, c in (doc.get("contenders") or {}).items():
         st = need(c, "status", str, f"contenders.{name}")
@@ -82,6 +90,7 @@ def validate(doc: dict) -> List[str]:
 
 
 # ---- formatting -----------------------------------------------------------------------------------
+
 
 def fmt_bytes(n: Optional[int]) -> str:
     if n is None:
@@ -152,8 +161,10 @@ def table_fig1(fig: dict, contenders: List[str], labels: Dict[str, str], traces:
         line += [cell_fig1(idx[(t, c)]) if (t, c) in idx else "-" for c in contenders]
         if sim:
             s = sim.get(t) or {}
-            line += [fmt_ratio(s.get("sim_ratio")), fmt_ratio(s.get("gpu_over_sim"), 4)
-                     + ("" if s.get("within_1pct") in (None, True) else " ✗")]
+            line += [
+                fmt_ratio(s.get("sim_ratio")),
+                fmt_ratio(s.get("gpu_over_sim"), 4) + ("" if s.get("within_1pct") in (None, True) else " ✗"),
+            ]
         body.append(line)
     return md_table(header, body)
 
@@ -193,9 +204,15 @@ def table_fig3(fig: dict, contenders, labels) -> str:
                 line.append(s)
                 continue
             un = r.get("uncapped_wall_s")
-            cap_cell = "OOM" if r.get("capped_status") == "oom" else (
-                f"{r['capped_wall_s']:.3f} s (×{r['slowdown']:.2f})" if r.get("capped_wall_s") is not None
-                else _short(r.get("capped_status") or "-", 20))
+            cap_cell = (
+                "OOM"
+                if r.get("capped_status") == "oom"
+                else (
+                    f"{r['capped_wall_s']:.3f} s (×{r['slowdown']:.2f})"
+                    if r.get("capped_wall_s") is not None
+                    else _short(r.get("capped_status") or "-", 20)
+                )
+            )
             line.append(f"{un:.3f} s / {cap_cell}" if un is not None else f"- / {cap_cell}")
         body.append(line)
     return md_table(header, body)
@@ -218,7 +235,9 @@ def table_fig4(fig: dict, contenders, labels) -> str:
                 line.append(s)
                 continue
             rel = r.get("rel_to_native")
-            line.append(f"{r['median_s'] * 1e3:.1f} ms" + (f" ({(rel - 1) * 100:+.1f}%)" if rel and c != "native" else ""))
+            line.append(
+                f"{r['median_s'] * 1e3:.1f} ms" + (f" ({(rel - 1) * 100:+.1f}%)" if rel and c != "native" else "")
+            )
         body.append(line)
     return md_table(header, body)
 
@@ -280,10 +299,12 @@ def markdown(doc: dict) -> str:
     out = [f"# gpumem vs other allocators on {dev.get('device_name', 'the GPU')}", ""]
     if doc.get("fake"):
         out += ["**FAKE BACKEND (--dry-run): these numbers are made up and measure nothing.**", ""]
-    out += [f"- command: `{doc.get('command')}`",
-            f"- started {doc.get('started')}, took {doc.get('elapsed_s', 0):.0f} s",
-            f"- torch {dev.get('torch', '?')} (CUDA {dev.get('torch_cuda', '?')}), driver {dev.get('driver', '?')}, "
-            f"{fmt_bytes(dev.get('total_memory'))}"]
+    out += [
+        f"- command: `{doc.get('command')}`",
+        f"- started {doc.get('started')}, took {doc.get('elapsed_s', 0):.0f} s",
+        f"- torch {dev.get('torch', '?')} (CUDA {dev.get('torch_cuda', '?')}), driver {dev.get('driver', '?')}, "
+        f"{fmt_bytes(dev.get('total_memory'))}",
+    ]
     for c, info in doc.get("contenders", {}).items():
         if info.get("status") != "ok":
             out.append(f"- {labels.get(c, c)}: **{info.get('status')}**: {info.get('reason')}")
@@ -319,14 +340,15 @@ def markdown(doc: dict) -> str:
 
 # ---- plots ----------------------------------------------------------------------------------------
 
+
 def _bars(ax, groups, contenders, labels, value, ylabel, baseline=None):
     import numpy as np
+
     x = np.arange(len(groups))
     width = 0.8 / max(1, len(contenders))
     for i, c in enumerate(contenders):
         ys = [value(g, c) for g in groups]
-        ax.bar(x + i * width - 0.4 + width / 2, [y if y is not None else 0 for y in ys], width,
-               label=labels.get(c, c))
+        ax.bar(x + i * width - 0.4 + width / 2, [y if y is not None else 0 for y in ys], width, label=labels.get(c, c))
         for xi, y in zip(x, ys):
             if y is None:
                 ax.text(xi + i * width - 0.4 + width / 2, baseline or 0, "×", ha="center", va="bottom", fontsize=8)
@@ -341,8 +363,10 @@ def _bars(ax, groups, contenders, labels, value, ylabel, baseline=None):
 def plots(doc: dict, directory: str) -> List[str]:
     """One PNG per figure present; a figure whose plot fails is reported and skipped."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     os.makedirs(directory, exist_ok=True)
     contenders = doc.get("options", {}).get("contenders") or list(doc.get("contenders", {}))
     labels = doc.get("labels", {})
@@ -361,6 +385,7 @@ def plots(doc: dict, directory: str) -> List[str]:
                 def val(g, c, idx=idx):
                     r = idx.get((g, c))
                     return r.get("ratio") if r and r.get("status") in ("ok", "partial") else None
+
                 ys = [v for g in groups for c in contenders if (v := val(g, c)) is not None]
                 _bars(ax, groups, contenders, labels, val, "÷ peak live", baseline=1.0)
                 if ys:
@@ -372,7 +397,10 @@ def plots(doc: dict, directory: str) -> List[str]:
                 def val(g, c, idx=idx):
                     r = idx.get((g, c))
                     return r.get("slowdown") if r and r.get("slowdown") is not None else None
-                _bars(ax, groups, contenders, labels, val, "capped (1.05 × peak live) ÷ uncapped wall time", baseline=1.0)
+
+                _bars(
+                    ax, groups, contenders, labels, val, "capped (1.05 × peak live) ÷ uncapped wall time", baseline=1.0
+                )
             elif k == "4":
                 idx = _index(rows, "workload")
                 groups = _order(rows, "workload")
@@ -380,6 +408,7 @@ def plots(doc: dict, directory: str) -> List[str]:
                 def val(g, c, idx=idx):
                     r = idx.get((g, c))
                     return r.get("rel_to_native") if r and r.get("status") == "ok" else None
+
                 _bars(ax, groups, contenders, labels, val, "median step time ÷ native", baseline=1.0)
             elif k == "5":
                 idx = _index(rows, "length")
@@ -388,8 +417,15 @@ def plots(doc: dict, directory: str) -> List[str]:
                 def val(g, c, idx=idx):
                     r = idx.get((g, c))
                     return r.get("max_batch") if r and r.get("status") in ("ok", "partial") else None
-                _bars(ax, [str(g) for g in groups], contenders, labels,
-                      lambda g, c: val(int(g), c), "largest batch (8 GiB cap)")
+
+                _bars(
+                    ax,
+                    [str(g) for g in groups],
+                    contenders,
+                    labels,
+                    lambda g, c: val(int(g), c),
+                    "largest batch (8 GiB cap)",
+                )
                 ax.set_xlabel("sequence length")
             elif k == "6":
                 idx = _index(rows, "size")

@@ -9,6 +9,7 @@ round-robin, one probe per search per round, so when its time runs out every (tr
 has a bracket of about the same width rather than some finished and others untouched; results
 say which searches converged to the resolution and which stopped at a wider bracket.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,7 +26,7 @@ from typing import Dict, List, Optional
 
 from . import report
 from . import traces as tr
-from .contenders import CONTENDERS, LABELS, server_env
+from .contenders import LABELS, server_env
 from .search import MinPassSearch, MaxPassSearch, align_up, seeds_around  # noqa: F401
 
 MiB = 1 << 20
@@ -87,9 +88,15 @@ class Server:
         self.err = open(os.path.join(self.logs, f"server-{self.contender}.log"), "ab")
         # Its own process group (same session), so that a wedged server goes down with the
         # attempt it forked: an orphan holding GPU memory would spoil every later cap.
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                     env=server_env(self.contender), cwd=tempfile.gettempdir(),
-                                     preexec_fn=os.setpgrp)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env=server_env(self.contender),
+            cwd=tempfile.gettempdir(),
+            preexec_fn=os.setpgrp,
+        )
         self._buf = b""
 
     def _readline(self, timeout: float) -> Optional[dict]:
@@ -196,12 +203,28 @@ class Run:
         self.packed: Dict[str, tr.PackedTrace] = {}
         self.sim_proc = None
         self.doc = {
-            "schema": report.SCHEMA, "fake": bool(args.dry_run), "command": command, "started": _now_iso(),
-            "options": {"contenders": args.contenders, "figures": args.figures, "quick": args.quick,
-                        "resolution": args.resolution, "deadline_s": args.deadline, "fig5_cap": args.fig5_cap,
-                        "fig5_lengths": args.fig5_lengths, "fig4_steps": args.fig4_steps, "rmm_pool_fig1": "all",
-                        "gpumem_options": args.gpumem_options, "mode": "spawn" if args.spawn else "fork"},
-            "labels": dict(LABELS), "contenders": {}, "traces": {}, "device": None, "figures": {},
+            "schema": report.SCHEMA,
+            "fake": bool(args.dry_run),
+            "command": command,
+            "started": _now_iso(),
+            "options": {
+                "contenders": args.contenders,
+                "figures": args.figures,
+                "quick": args.quick,
+                "resolution": args.resolution,
+                "deadline_s": args.deadline,
+                "fig5_cap": args.fig5_cap,
+                "fig5_lengths": args.fig5_lengths,
+                "fig4_steps": args.fig4_steps,
+                "rmm_pool_fig1": "all",
+                "gpumem_options": args.gpumem_options,
+                "mode": "spawn" if args.spawn else "fork",
+            },
+            "labels": dict(LABELS),
+            "contenders": {},
+            "traces": {},
+            "device": None,
+            "figures": {},
         }
 
     # -- bookkeeping --------------------------------------------------------------------------------
@@ -253,8 +276,10 @@ class Run:
             tr.save_packed(t, self.cache)
             self.packed[t.name] = t
             self.doc["traces"][t.name] = t.summary()
-            self.log(f"trace {t.name}: {t.n_events} events, peak live {report.fmt_bytes(t.peak_live)} "
-                     f"({time.perf_counter() - t0:.1f} s to parse)")
+            self.log(
+                f"trace {t.name}: {t.n_events} events, peak live {report.fmt_bytes(t.peak_live)} "
+                f"({time.perf_counter() - t0:.1f} s to parse)"
+            )
 
     def start_sim(self) -> None:
         """gpumem's simulated min capacity, on the CPU, beside the GPU work (figure 1 compares)."""
@@ -267,8 +292,13 @@ class Run:
         try:
             # cwd elsewhere: -m puts the cwd first on sys.path, and a source tree's gpumem/ there
             # (no built extension) would shadow the installed one.
-            self.sim_proc = subprocess.Popen(cmd + [os.path.abspath(p) for p in paths], stdout=self.sim_out,
-                                             stderr=self.sim_err, cwd=self.work, env=server_env("gpumem"))
+            self.sim_proc = subprocess.Popen(
+                cmd + [os.path.abspath(p) for p in paths],
+                stdout=self.sim_out,
+                stderr=self.sim_err,
+                cwd=self.work,
+                env=server_env("gpumem"),
+            )
             self.log("gpumem simulated min-capacity search started on the CPU")
         except OSError as e:
             self.sim_proc = None
@@ -297,11 +327,13 @@ class Run:
                 reason = "no result: " + self.sim_err.read().decode("utf-8", "replace")[-400:]
         if not res and self.args.dry_run:
             from .fake import OVERHEAD
-            res = {n: {"min_capacity": int(t.peak_live * OVERHEAD["gpumem"]), "peak_live": t.peak_live, "fake": True}
-                   for n, t in self.packed.items()}
+
+            res = {
+                n: {"min_capacity": int(t.peak_live * OVERHEAD["gpumem"]), "peak_live": t.peak_live, "fake": True}
+                for n, t in self.packed.items()
+            }
         self._sim = res
-        self.doc["gpumem_sim"] = {"status": "ok" if res else "failed", "reason": reason,
-                                  "traces": res}
+        self.doc["gpumem_sim"] = {"status": "ok" if res else "failed", "reason": reason, "traces": res}
         return res
 
     def start_servers(self) -> None:
@@ -328,8 +360,11 @@ class Run:
                 continue
             r = self.servers[c].call({"task": "info", "options": self.options(c, None)}, timeout=120)
             st = r.get("status")
-            entry = {"status": "ok" if st == "ok" else ("unavailable" if st == "unavailable" else "error"),
-                     "ready": self.servers[c].ready, "info": r}
+            entry = {
+                "status": "ok" if st == "ok" else ("unavailable" if st == "unavailable" else "error"),
+                "ready": self.servers[c].ready,
+                "info": r,
+            }
             if st != "ok":
                 entry["reason"] = r.get("reason") or st
                 if r.get("log_tail"):
@@ -337,11 +372,15 @@ class Run:
             else:
                 self.available.append(c)
                 if self.doc["device"] is None:
-                    self.doc["device"] = {k: r.get(k) for k in ("device_name", "total_memory", "driver", "torch",
-                                                              "torch_cuda", "python", "fake")}
+                    self.doc["device"] = {
+                        k: r.get(k)
+                        for k in ("device_name", "total_memory", "driver", "torch", "torch_cuda", "python", "fake")
+                    }
             self.doc["contenders"][c] = entry
-            self.log(f"{c}: {entry['status']}" + (f" ({entry.get('reason')})" if st != "ok" else
-                                                   f" in {r.get('elapsed_s')} s"))
+            self.log(
+                f"{c}: {entry['status']}"
+                + (f" ({entry.get('reason')})" if st != "ok" else f" in {r.get('elapsed_s')} s")
+            )
 
     def options(self, contender: str, stage: Optional[str]) -> dict:
         o = {"gpumem_options": self.args.gpumem_options}
@@ -365,8 +404,14 @@ class Run:
                 continue
             e = self.doc["contenders"].get(c, {})
             for v in values:
-                rows.append({key: v, "contender": c, "status": "unavailable",
-                             "reason": e.get("reason") or "contender not available"})
+                rows.append(
+                    {
+                        key: v,
+                        "contender": c,
+                        "status": "unavailable",
+                        "reason": e.get("reason") or "contender not available",
+                    }
+                )
         return rows
 
     # -- figures ------------------------------------------------------------------------------------------
@@ -377,19 +422,33 @@ class Run:
             if time.monotonic() > deadline:
                 f["rows"] += [{"size": s, "contender": c, "status": "skipped", "reason": "time budget"} for s in sizes]
                 continue
-            r = self.servers[c].call({"task": "microbench", "sizes": sizes, "iters": 300 if self.args.quick else 1000,
-                                      "repeats": 5, "options": self.options(c, "6"), "timeout_s": 60})
+            r = self.servers[c].call(
+                {
+                    "task": "microbench",
+                    "sizes": sizes,
+                    "iters": 300 if self.args.quick else 1000,
+                    "repeats": 5,
+                    "options": self.options(c, "6"),
+                    "timeout_s": 60,
+                }
+            )
             if r.get("status") == "ok":
-                f["rows"] += [{"size": x["size"], "contender": c, "status": "ok", "us": x["us"], "us_min": x["us_min"]}
-                              for x in r["rows"]]
+                f["rows"] += [
+                    {"size": x["size"], "contender": c, "status": "ok", "us": x["us"], "us_min": x["us_min"]}
+                    for x in r["rows"]
+                ]
             else:
-                f["rows"] += [{"size": s, "contender": c, "status": "failed", "reason": r.get("reason") or r.get("status")}
-                              for s in sizes]
+                f["rows"] += [
+                    {"size": s, "contender": c, "status": "failed", "reason": r.get("reason") or r.get("status")}
+                    for s in sizes
+                ]
             self.log(f"fig6 {c}: {r.get('status')} in {r.get('elapsed_s')} s")
         f["rows"] += self.unavailable_rows("size", sizes)
         f["status"] = "done"
-        f["notes"].append("Each cell: median of 5 repeats of N back-to-back torch.empty(size, uint8) + del on the "
-                          "default stream, after 20 warm-up pairs; no cap.")
+        f["notes"].append(
+            "Each cell: median of 5 repeats of N back-to-back torch.empty(size, uint8) + del on the "
+            "default stream, after 20 warm-up pairs; no cap."
+        )
 
     def _replay_row_common(self, t: str, c: str, r: dict) -> dict:
         return {"trace": t, "contender": c}
@@ -408,9 +467,16 @@ class Run:
                         if f is not None:
                             f["rows"].append({"trace": t, "contender": c, "status": "skipped", "reason": "time budget"})
                     continue
-                r = self.servers[c].call({"task": "replay", "trace": t, "cap": None, "passes": 2,
-                                          "options": self.options(c, "23"),
-                                          "timeout_s": 60 + self.packed[t].n_events * 40e-6})
+                r = self.servers[c].call(
+                    {
+                        "task": "replay",
+                        "trace": t,
+                        "cap": None,
+                        "passes": 2,
+                        "options": self.options(c, "23"),
+                        "timeout_s": 60 + self.packed[t].n_events * 40e-6,
+                    }
+                )
                 est[t] = max(est.get(t, 0), float(r.get("elapsed_s") or 0))
                 ok = r.get("status") == "ok"
                 p = r.get("passes") or [{}]
@@ -418,18 +484,35 @@ class Run:
                     if ok:
                         st = p[0].get("allocator_stats") or {}
                         sampled = p[0].get("peak_used_sampled")
-                        reserved, source = (st["reserved_peak"], "stats") if st.get("reserved_peak") else (sampled, "sampled")
-                        f2["rows"].append({"trace": t, "contender": c, "status": "ok", "reserved": reserved,
-                                           "source": source, "ratio": reserved / peak if reserved else None,
-                                           "stats_reserved_peak": st.get("reserved_peak"), "sampled_peak": sampled,
-                                           "sampled_ratio": sampled / peak if sampled else None})
+                        reserved, source = (
+                            (st["reserved_peak"], "stats") if st.get("reserved_peak") else (sampled, "sampled")
+                        )
+                        f2["rows"].append(
+                            {
+                                "trace": t,
+                                "contender": c,
+                                "status": "ok",
+                                "reserved": reserved,
+                                "source": source,
+                                "ratio": reserved / peak if reserved else None,
+                                "stats_reserved_peak": st.get("reserved_peak"),
+                                "sampled_peak": sampled,
+                                "sampled_ratio": sampled / peak if sampled else None,
+                            }
+                        )
                     else:
                         f2["rows"].append(self._failed_row("trace", t, c, r))
                 if f3 is not None:
                     if ok:
-                        f3["rows"].append({"trace": t, "contender": c, "status": "ok",
-                                           "uncapped_wall_s": p[0].get("wall_s"),
-                                           "uncapped_warm_wall_s": p[1].get("wall_s") if len(p) > 1 else None})
+                        f3["rows"].append(
+                            {
+                                "trace": t,
+                                "contender": c,
+                                "status": "ok",
+                                "uncapped_wall_s": p[0].get("wall_s"),
+                                "uncapped_warm_wall_s": p[1].get("wall_s") if len(p) > 1 else None,
+                            }
+                        )
                     else:
                         f3["rows"].append(self._failed_row("trace", t, c, r))
                     if ok and "1" not in self.args.figures:
@@ -441,23 +524,38 @@ class Run:
                 f["rows"] += self.unavailable_rows("trace", names)
                 f["status"] = "partial" if any(x["status"] == "skipped" for x in f["rows"]) else "done"
         if f2 is not None:
-            f2["notes"].append("Peak reserved during one replay from a fresh process: the allocator's own figure "
-                               "(torch's reserved_bytes.all.peak; RMM: pool size) where it keeps one; * marks the "
-                               "allocator-neutral figure instead (device memory in use, sampled every 64 allocations "
-                               "with cudaMemGetInfo, minus what was in use before the allocator started).")
+            f2["notes"].append(
+                "Peak reserved during one replay from a fresh process: the allocator's own figure "
+                "(torch's reserved_bytes.all.peak; RMM: pool size) where it keeps one; * marks the "
+                "allocator-neutral figure instead (device memory in use, sampled every 64 allocations "
+                "with cudaMemGetInfo, minus what was in use before the allocator started)."
+            )
         if f3 is not None:
-            f3["notes"].append("Cells: uncapped wall time / wall time capped at 1.05 × peak live (× its ratio to "
-                               "uncapped). Both are the first replay in a fresh process (cold: growing the pool "
-                               "counts); the JSON also holds a second, warm, uncapped pass.")
+            f3["notes"].append(
+                "Cells: uncapped wall time / wall time capped at 1.05 × peak live (× its ratio to "
+                "uncapped). Both are the first replay in a fresh process (cold: growing the pool "
+                "counts); the JSON also holds a second, warm, uncapped pass."
+            )
 
     def _capped_probe(self, row: dict, t: str, c: str, peak: int) -> None:
         """Figure 3's capped run when figure 1 (whose searches probe 1.05 × peak live) is not made."""
         cap = align_up(int(peak * 1.05), ALIGN)
-        r = self.servers[c].call({"task": "replay", "trace": t, "cap": cap, "passes": 1,
-                                  "options": self.options(c, "1"), "timeout_s": 60 + self.packed[t].n_events * 60e-6})
+        r = self.servers[c].call(
+            {
+                "task": "replay",
+                "trace": t,
+                "cap": cap,
+                "passes": 1,
+                "options": self.options(c, "1"),
+                "timeout_s": 60 + self.packed[t].n_events * 60e-6,
+            }
+        )
         p0 = (r.get("passes") or [{}])[0]
-        row.update(capped_cap=cap, capped_cap_effective=(r.get("device") or {}).get("cap_effective"),
-                   capped_status=r.get("status"))
+        row.update(
+            capped_cap=cap,
+            capped_cap_effective=(r.get("device") or {}).get("cap_effective"),
+            capped_status=r.get("status"),
+        )
         if r.get("status") == "ok" and p0.get("wall_s") is not None:
             row["capped_wall_s"] = p0["wall_s"]
             if row.get("uncapped_wall_s"):
@@ -467,8 +565,12 @@ class Run:
 
     def _failed_row(self, key, v, c, r) -> dict:
         st = r.get("status")
-        row = {key: v, "contender": c, "status": "oom" if st == "oom" else "failed",
-               "reason": (r.get("reason") or st or "?")}
+        row = {
+            key: v,
+            "contender": c,
+            "status": "oom" if st == "oom" else "failed",
+            "reason": (r.get("reason") or st or "?"),
+        }
         if r.get("log_tail"):
             row["log_tail"] = r["log_tail"][-600:]
         return row
@@ -478,8 +580,11 @@ class Run:
         res = self.args.resolution
         f["resolution"] = res
         want3 = "3" in self.args.figures
-        sim = self.sim_results(wait=min(60.0, max(1.0, deadline - time.monotonic() - 30))) \
-            if "gpumem" in self.available else {}
+        sim = (
+            self.sim_results(wait=min(60.0, max(1.0, deadline - time.monotonic() - 30)))
+            if "gpumem" in self.available
+            else {}
+        )
         ceiling = self.ceiling()
         searches = []
         for t in self.packed:
@@ -494,9 +599,19 @@ class Run:
                 margin = max(2 * res, int(guess * 0.002), 16 * MiB)
                 seeds = ([align_up(int(peak * 1.05), ALIGN)] if want3 else []) + seeds_around(guess, margin)
                 s = MinPassSearch(peak, ceiling, res, ALIGN, seeds=seeds, margin=margin)
-                searches.append({"trace": t, "contender": c, "search": s, "probes": [], "est": 3.0,
-                                 "c105": align_up(int(peak * 1.05), ALIGN), "error": None, "stopped": None,
-                                 "any_ok": False})
+                searches.append(
+                    {
+                        "trace": t,
+                        "contender": c,
+                        "search": s,
+                        "probes": [],
+                        "est": 3.0,
+                        "c105": align_up(int(peak * 1.05), ALIGN),
+                        "error": None,
+                        "stopped": None,
+                        "any_ok": False,
+                    }
+                )
         active = list(searches)
         last_ckpt = time.monotonic()
         rounds = 0
@@ -514,15 +629,31 @@ class Run:
                     continue
                 t, c = e["trace"], e["contender"]
                 n = self.packed[t].n_events
-                r = self.servers[c].call({"task": "replay", "trace": t, "cap": v, "passes": 1,
-                                          "options": self.options(c, "1"), "timeout_s": 60 + n * 60e-6})
+                r = self.servers[c].call(
+                    {
+                        "task": "replay",
+                        "trace": t,
+                        "cap": v,
+                        "passes": 1,
+                        "options": self.options(c, "1"),
+                        "timeout_s": 60 + n * 60e-6,
+                    }
+                )
                 st = r.get("status")
                 p0 = (r.get("passes") or [{}])[0]
                 eff = (r.get("device") or {}).get("cap_effective")
-                e["probes"].append({"cap": v, "cap_effective": eff, "status": st, "wall_s": p0.get("wall_s"),
-                                    "elapsed_s": r.get("elapsed_s"), "reason": r.get("reason"),
-                                    "live_at_failure": p0.get("live_at_failure")})
-                if c == "rmm":   # the pool it got under this cap
+                e["probes"].append(
+                    {
+                        "cap": v,
+                        "cap_effective": eff,
+                        "status": st,
+                        "wall_s": p0.get("wall_s"),
+                        "elapsed_s": r.get("elapsed_s"),
+                        "reason": r.get("reason"),
+                        "live_at_failure": p0.get("live_at_failure"),
+                    }
+                )
+                if c == "rmm":  # the pool it got under this cap
                     e["probes"][-1]["allocator"] = (r.get("device") or {}).get("allocator")
                 e["est"] = float(r.get("elapsed_s") or e["est"]) * 1.2 + 0.5
                 if st == "ok":
@@ -535,8 +666,10 @@ class Run:
                     if r.get("log_tail"):
                         e["log_tail"] = r["log_tail"][-600:]
                     active.remove(e)
-                self.log(f"fig1 {t} {c}: cap {report.fmt_bytes(v)} ({v / self.packed[t].peak_live:.4f}) -> {st}"
-                         f" in {r.get('elapsed_s')} s")
+                self.log(
+                    f"fig1 {t} {c}: cap {report.fmt_bytes(v)} ({v / self.packed[t].peak_live:.4f}) -> {st}"
+                    f" in {r.get('elapsed_s')} s"
+                )
                 if time.monotonic() - last_ckpt > 30:
                     self._fig1_rows(f, searches, sim, want3)
                     self.checkpoint()
@@ -552,17 +685,27 @@ class Run:
             peak = self.packed[t].peak_live
             eff = {p["cap"]: p["cap_effective"] or p["cap"] for p in e["probes"]}
             r = s.result()
-            row = {"trace": t, "contender": c, "peak_live": peak, "probes": e["probes"],
-                   "search": {k: r[k] for k in ("min_pass", "max_fail", "resolution_reached", "converged",
-                                                "exhausted", "nonmonotone")}}
+            row = {
+                "trace": t,
+                "contender": c,
+                "peak_live": peak,
+                "probes": e["probes"],
+                "search": {
+                    k: r[k]
+                    for k in ("min_pass", "max_fail", "resolution_reached", "converged", "exhausted", "nonmonotone")
+                },
+            }
             hi = r["min_pass"]
             if e["error"]:
                 row.update(status="failed", reason=e["error"])
                 if e.get("log_tail"):
                     row["log_tail"] = e["log_tail"]
             elif hi is None:
-                why = ("nothing up to the device's free memory passed" if r["exhausted"] else
-                       f"no passing cap found before the search stopped ({e['stopped'] or 'unfinished'})")
+                why = (
+                    "nothing up to the device's free memory passed"
+                    if r["exhausted"]
+                    else f"no passing cap found before the search stopped ({e['stopped'] or 'unfinished'})"
+                )
                 row.update(status="failed", reason=why)
             else:
                 row["min_cap"] = eff.get(hi, hi)
@@ -573,19 +716,29 @@ class Run:
                     row["status"] = "ok"
                 else:
                     row["status"] = "partial"
-                    row["reason"] = (f"stopped at a {report.fmt_bytes(r['resolution_reached'])} bracket "
-                                     f"({e['stopped'] or 'unfinished'})" if r["resolution_reached"] else "unfinished")
+                    row["reason"] = (
+                        f"stopped at a {report.fmt_bytes(r['resolution_reached'])} bracket "
+                        f"({e['stopped'] or 'unfinished'})"
+                        if r["resolution_reached"]
+                        else "unfinished"
+                    )
             if r["nonmonotone"]:
                 row["note"] = "a probe contradicted monotonicity (passed below a failure or failed above a pass)"
             rows.append(row)
             if c == "gpumem" and t in sim:
                 sc = sim[t]["min_capacity"]
-                sim_cmp[t] = {"sim_min_capacity": sc, "sim_ratio": sc / peak, "gpu_min_cap": row.get("min_cap"),
-                              "gpu_status": row["status"], "resolution": f.get("resolution"),
-                              "fake": bool(sim[t].get("fake"))}
+                sim_cmp[t] = {
+                    "sim_min_capacity": sc,
+                    "sim_ratio": sc / peak,
+                    "gpu_min_cap": row.get("min_cap"),
+                    "gpu_status": row["status"],
+                    "resolution": f.get("resolution"),
+                    "fake": bool(sim[t].get("fake")),
+                }
                 if row.get("min_cap"):
-                    sim_cmp[t].update(gpu_over_sim=row["min_cap"] / sc,
-                                      within_1pct=abs(row["min_cap"] / sc - 1) <= 0.01)
+                    sim_cmp[t].update(
+                        gpu_over_sim=row["min_cap"] / sc, within_1pct=abs(row["min_cap"] / sc - 1) <= 0.01
+                    )
             if want3:
                 p = next((p for p in e["probes"] if p["cap"] == e["c105"]), None)
                 rows3.append({"trace": t, "contender": c, "cap": e["c105"], "probe": p})
@@ -598,11 +751,13 @@ class Run:
             f"process replays the trace with torch.empty/del, ÷ peak live; binary search to "
             f"{report.fmt_bytes(f.get('resolution'))} unless marked ≤ (bracket not closed in the time budget; "
             f"(>x) is the largest failing cap).",
-            "RMM's pool is created with all the free memory under the cap (initial_pool_size), as RMM users size pools.",
+            "RMM's pool is created with all the free memory under the cap (initial_pool_size), as RMM users size pools.",  # noqa: E501
         ]
         if sim_cmp:
-            f["notes"].append("gpumem sim: `python -m gpumem replay --min-capacity` on the simulated device (1 MiB "
-                              "search); GPU ÷ sim should be within 1% (✗ marks a miss).")
+            f["notes"].append(
+                "gpumem sim: `python -m gpumem replay --min-capacity` on the simulated device (1 MiB "
+                "search); GPU ÷ sim should be within 1% (✗ marks a miss)."
+            )
         if want3:
             self._capped_into_fig3(rows3)
 
@@ -612,8 +767,12 @@ class Run:
         for x in rows3:
             r = idx.get((x["trace"], x["contender"]))
             if r is None:
-                r = {"trace": x["trace"], "contender": x["contender"], "status": "failed",
-                     "reason": "no uncapped run (figure 2/3 stage not run)"}
+                r = {
+                    "trace": x["trace"],
+                    "contender": x["contender"],
+                    "status": "failed",
+                    "reason": "no uncapped run (figure 2/3 stage not run)",
+                }
                 f3["rows"].append(r)
                 idx[(x["trace"], x["contender"])] = r
             p = x["probe"]
@@ -638,24 +797,40 @@ class Run:
             left = deadline - time.monotonic()
             per = left / max(1, len(self.available) - i)
             if left < 10:
-                f["rows"] += [{"length": n, "contender": c, "status": "skipped", "reason": "time budget"} for n in lengths]
+                f["rows"] += [
+                    {"length": n, "contender": c, "status": "skipped", "reason": "time budget"} for n in lengths
+                ]
                 continue
             specs = []
             for n in lengths:
                 g = guess.get(n) or max(1, int((cap - 2.4 * GiB) / (n * 400_000)))
                 specs.append({"length": n, "seeds": [g, g + 1], "ceiling": 512})
-            budget = max(10.0, per - 6)   # the rest is for the fresh-process check below
-            r = self.servers[c].call({"task": "max_batch", "cap": cap, "lengths": specs, "steps_per_try": 2,
-                                      "budget_s": budget, "options": self.options(c, "5"),
-                                      "timeout_s": budget + 120})
+            budget = max(10.0, per - 6)  # the rest is for the fresh-process check below
+            r = self.servers[c].call(
+                {
+                    "task": "max_batch",
+                    "cap": cap,
+                    "lengths": specs,
+                    "steps_per_try": 2,
+                    "budget_s": budget,
+                    "options": self.options(c, "5"),
+                    "timeout_s": budget + 120,
+                }
+            )
             self.log(f"fig5 {c}: {r.get('status')} in {r.get('elapsed_s')} s")
             if r.get("status") != "ok":
                 f["rows"] += [self._failed_row("length", n, c, r) for n in lengths]
                 continue
             for x in r["results"]:
                 n = x["length"]
-                row = {"length": n, "contender": c, "max_batch": x.get("max_pass"), "min_fail": x.get("min_fail"),
-                       "tries": x.get("tries"), "cap_effective": (r.get("device") or {}).get("cap_effective")}
+                row = {
+                    "length": n,
+                    "contender": c,
+                    "max_batch": x.get("max_pass"),
+                    "min_fail": x.get("min_fail"),
+                    "tries": x.get("tries"),
+                    "cap_effective": (r.get("device") or {}).get("cap_effective"),
+                }
                 if x.get("stopped") and not x.get("stopped").startswith("time"):
                     row.update(status="failed", reason=x["stopped"])
                 elif x.get("converged"):
@@ -670,9 +845,17 @@ class Run:
             main = next((row for row in f["rows"] if row["contender"] == c and row["length"] == lengths[0]), None)
             if main and main["status"] == "ok" and main.get("max_batch") and time.monotonic() + 8 < deadline:
                 b = main["max_batch"] + 1
-                v = self.servers[c].call({"task": "max_batch", "cap": cap, "steps_per_try": 2, "budget_s": 60,
-                                          "lengths": [{"length": lengths[0], "only": b}],
-                                          "options": self.options(c, "5"), "timeout_s": 150})
+                v = self.servers[c].call(
+                    {
+                        "task": "max_batch",
+                        "cap": cap,
+                        "steps_per_try": 2,
+                        "budget_s": 60,
+                        "lengths": [{"length": lengths[0], "only": b}],
+                        "options": self.options(c, "5"),
+                        "timeout_s": 150,
+                    }
+                )
                 vr = (v.get("results") or [{}])[0] if v.get("status") == "ok" else {}
                 if v.get("status") == "ok" and vr.get("max_pass") == b:
                     main["verified"] = False
@@ -709,6 +892,7 @@ class Run:
 
     def fig4(self, deadline: float) -> None:
         from .workloads import WORKLOADS
+
         f = self.doc["figures"].setdefault("4", {"status": "not run", "rows": [], "notes": []})
         self._preload()
         steps = self.args.fig4_steps
@@ -718,14 +902,30 @@ class Run:
                 if time.monotonic() + est.get(w, 15.0) > deadline:
                     f["rows"].append({"workload": w, "contender": c, "status": "skipped", "reason": "time budget"})
                     continue
-                r = self.servers[c].call({"task": "train", "workload": w, "steps": steps, "median_from": 5,
-                                          "options": self.options(c, "4"), "timeout_s": 240})
+                r = self.servers[c].call(
+                    {
+                        "task": "train",
+                        "workload": w,
+                        "steps": steps,
+                        "median_from": 5,
+                        "options": self.options(c, "4"),
+                        "timeout_s": 240,
+                    }
+                )
                 est[w] = max(est.get(w, 0.0), float(r.get("elapsed_s") or 0))
                 self.log(f"fig4 {w} {c}: {r.get('status')} median {r.get('median_s')} in {r.get('elapsed_s')} s")
                 if r.get("status") == "ok" and r.get("median_s"):
-                    f["rows"].append({"workload": w, "contender": c, "status": "ok", "median_s": r["median_s"],
-                                      "steps": r["steps"], "build_s": r.get("build_s"),
-                                      "allocator_stats": r.get("allocator_stats")})
+                    f["rows"].append(
+                        {
+                            "workload": w,
+                            "contender": c,
+                            "status": "ok",
+                            "median_s": r["median_s"],
+                            "steps": r["steps"],
+                            "build_s": r.get("build_s"),
+                            "allocator_stats": r.get("allocator_stats"),
+                        }
+                    )
                 else:
                     f["rows"].append(self._failed_row("workload", w, c, r))
             self.checkpoint()
@@ -735,8 +935,10 @@ class Run:
                 r["rel_to_native"] = r["median_s"] / base[r["workload"]]
         f["rows"] += self.unavailable_rows("workload", WORKLOADS)
         f["status"] = "partial" if any(x["status"] == "skipped" for x in f["rows"]) else "done"
-        f["notes"] = [f"{steps} steps from a fresh process with capture.py's shape draws (same seed for all); "
-                      f"median of steps 5..{steps}, each timed between torch.cuda.synchronize() calls; no cap."]
+        f["notes"] = [
+            f"{steps} steps from a fresh process with capture.py's shape draws (same seed for all); "
+            f"median of steps 5..{steps}, each timed between torch.cuda.synchronize() calls; no cap."
+        ]
 
     # -- the whole run -----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -749,8 +951,11 @@ class Run:
             self.checkpoint()
             if not self.available:
                 self.log("no contender works here; see the JSON for the reasons")
-            stages = [s for s in STAGE_ORDER if (s == "23" and ("2" in self.args.figures or "3" in self.args.figures))
-                      or s in self.args.figures]
+            stages = [
+                s
+                for s in STAGE_ORDER
+                if (s == "23" and ("2" in self.args.figures or "3" in self.args.figures)) or s in self.args.figures
+            ]
             for i, stage in enumerate(stages):
                 if not self.available:
                     break
@@ -760,6 +965,7 @@ class Run:
                     getattr(self, "fig" + stage)(dl)
                 except Exception as e:  # one figure's bug must not lose the others
                     import traceback
+
                     key = stage[0]
                     f = self.doc["figures"].setdefault(key, {"rows": [], "notes": []})
                     f["status"] = "partial"

@@ -9,6 +9,7 @@ and say so in the result when a probe contradicts that.
 MinPassSearch: smallest capacity in which a replay passes (figure 1).
 MaxPassSearch: largest batch that trains (figure 5).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Tuple
@@ -31,8 +32,15 @@ class MinPassSearch:
     something; `margin` is the first gallop step when a seed lands on the wrong side.
     """
 
-    def __init__(self, fail_below: int, ceiling: int, resolution: int, align: int = 1,
-                 seeds: Iterable[int] = (), margin: Optional[int] = None):
+    def __init__(
+        self,
+        fail_below: int,
+        ceiling: int,
+        resolution: int,
+        align: int = 1,
+        seeds: Iterable[int] = (),
+        margin: Optional[int] = None,
+    ):
         if align <= 0 or resolution <= 0:
             raise ValueError("align and resolution must be positive")
         if ceiling < fail_below:
@@ -42,7 +50,7 @@ class MinPassSearch:
         self.ceiling = align_down(ceiling, align)
         # lo: largest value known (or proven) to fail; hi: smallest value seen to pass.
         self.lo = align_up(fail_below, align) - align
-        self.lo_proven = False            # True once a probe failed (not just the theoretical bound)
+        self.lo_proven = False  # True once a probe failed (not just the theoretical bound)
         self.hi: Optional[int] = None
         self.seeds = [align_up(int(s), align) for s in seeds]
         self.margin = max(self.resolution, align_up(margin or self.resolution, align))
@@ -50,7 +58,7 @@ class MinPassSearch:
         self.down_step = self.margin
         self.probes: List[Tuple[int, bool]] = []
         self.nonmonotone = False
-        self.exhausted = False            # the ceiling failed: no value passes
+        self.exhausted = False  # the ceiling failed: no value passes
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -96,24 +104,29 @@ class MinPassSearch:
             if self.hi is not None and value > self.hi:
                 return
             if value <= self.lo:
-                self.nonmonotone = True   # passed below a proven failure: keep the smaller pass
+                self.nonmonotone = True  # passed below a proven failure: keep the smaller pass
                 self.lo = align_down(value - 1, self.align) if value > self.align else 0
             self.hi = value
         else:
             if value >= self.ceiling:
                 self.exhausted = self.hi is None
             if self.hi is not None and value >= self.hi:
-                self.nonmonotone = True   # failed above a pass: the pass stands, note it
+                self.nonmonotone = True  # failed above a pass: the pass stands, note it
                 return
             if value > self.lo:
                 self.lo = value
                 self.lo_proven = True
 
     def result(self) -> dict:
-        return {"min_pass": self.hi, "max_fail": self.lo if self.lo_proven else None,
-                "resolution_reached": (self.hi - self.lo) if self.hi is not None else None,
-                "converged": self.done and not self.exhausted, "exhausted": self.exhausted,
-                "nonmonotone": self.nonmonotone, "probes": [[v, ok] for v, ok in self.probes]}
+        return {
+            "min_pass": self.hi,
+            "max_fail": self.lo if self.lo_proven else None,
+            "resolution_reached": (self.hi - self.lo) if self.hi is not None else None,
+            "converged": self.done and not self.exhausted,
+            "exhausted": self.exhausted,
+            "nonmonotone": self.nonmonotone,
+            "probes": [[v, ok] for v, ok in self.probes],
+        }
 
 
 class MaxPassSearch:
@@ -123,8 +136,8 @@ class MaxPassSearch:
         if ceiling < 1:
             raise ValueError("ceiling must be at least 1")
         self.ceiling = ceiling
-        self.lo = 0                       # largest known pass (0: none yet)
-        self.hi = ceiling + 1             # smallest known fail
+        self.lo = 0  # largest known pass (0: none yet)
+        self.hi = ceiling + 1  # smallest known fail
         self.seeds = [int(s) for s in seeds]
         self.probes: List[Tuple[int, bool]] = []
         self.nonmonotone = False
@@ -141,7 +154,7 @@ class MaxPassSearch:
             if self.lo < s < self.hi:
                 return s
         if self.hi == self.ceiling + 1 and self.lo > 0:
-            return min(self.ceiling, self.lo * 2)    # gallop up while nothing failed
+            return min(self.ceiling, self.lo * 2)  # gallop up while nothing failed
         return (self.lo + self.hi) // 2
 
     def record(self, value: int, ok: bool) -> None:
@@ -158,9 +171,13 @@ class MaxPassSearch:
             self.hi = min(self.hi, value)
 
     def result(self) -> dict:
-        return {"max_pass": self.lo or None, "min_fail": self.hi if self.hi <= self.ceiling else None,
-                "converged": self.done, "nonmonotone": self.nonmonotone,
-                "probes": [[v, ok] for v, ok in self.probes]}
+        return {
+            "max_pass": self.lo or None,
+            "min_fail": self.hi if self.hi <= self.ceiling else None,
+            "converged": self.done,
+            "nonmonotone": self.nonmonotone,
+            "probes": [[v, ok] for v, ok in self.probes],
+        }
 
 
 def seeds_around(guess: int, margin: int) -> List[int]:

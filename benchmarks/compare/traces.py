@@ -10,6 +10,7 @@ most blocks ever live at once.
 Parsing a 700k-line trace takes about a second of Python, so the orchestrator parses each
 trace once and writes a binary cache that workers load in milliseconds.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -24,8 +25,18 @@ OP_ALLOC = 0
 OP_FREE = 1
 WORDS_PER_EVENT = 4  # op, slot, size, stream index
 
-_IGNORED = frozenset({"free_requested", "segment_alloc", "segment_free", "segment_map", "segment_unmap",
-                      "snapshot", "oom", "user_defined"})
+_IGNORED = frozenset(
+    {
+        "free_requested",
+        "segment_alloc",
+        "segment_free",
+        "segment_map",
+        "segment_unmap",
+        "snapshot",
+        "oom",
+        "user_defined",
+    }
+)
 
 
 class TraceFormatError(ValueError):
@@ -36,13 +47,13 @@ class TraceFormatError(ValueError):
 class PackedTrace:
     name: str
     path: str
-    words: array                  # 'q', WORDS_PER_EVENT per event
+    words: array  # 'q', WORDS_PER_EVENT per event
     n_slots: int
     allocs: int
     frees: int
-    peak_live: int                # largest sum of live sizes: no allocator can do with less
-    peak_event: int               # index of the event at which live first reached peak_live
-    streams: List[int]            # trace stream handle for each stream index (index 0 is the first seen)
+    peak_live: int  # largest sum of live sizes: no allocator can do with less
+    peak_event: int  # index of the event at which live first reached peak_live
+    streams: List[int]  # trace stream handle for each stream index (index 0 is the first seen)
     meta: dict = field(default_factory=dict)
 
     @property
@@ -53,13 +64,20 @@ class PackedTrace:
         """(op, slot, size, stream index) tuples; a list, because the replay loop iterates it
         many times and tuple unpacking of a list is the cheapest loop Python has."""
         w = self.words
-        return [tuple(w[i:i + WORDS_PER_EVENT]) for i in range(0, len(w), WORDS_PER_EVENT)]
+        return [tuple(w[i : i + WORDS_PER_EVENT]) for i in range(0, len(w), WORDS_PER_EVENT)]
 
     def summary(self) -> dict:
-        return {"name": self.name, "events": self.n_events, "allocs": self.allocs, "frees": self.frees,
-                "n_slots": self.n_slots, "peak_live": self.peak_live, "peak_event": self.peak_event,
-                "streams": len(self.streams), "native": {k: self.meta[k] for k in
-                                                         ("peak_allocated", "peak_reserved") if k in self.meta}}
+        return {
+            "name": self.name,
+            "events": self.n_events,
+            "allocs": self.allocs,
+            "frees": self.frees,
+            "n_slots": self.n_slots,
+            "peak_live": self.peak_live,
+            "peak_event": self.peak_event,
+            "streams": len(self.streams),
+            "native": {k: self.meta[k] for k in ("peak_allocated", "peak_reserved") if k in self.meta},
+        }
 
 
 def trace_name(path: str) -> str:
@@ -75,7 +93,7 @@ def _meta_of(comment: str) -> dict:
     if start < 0 or end < start:
         return {}
     try:
-        meta = json.loads(comment[start:end + 1])
+        meta = json.loads(comment[start : end + 1])
     except ValueError:
         return {}
     return meta if isinstance(meta, dict) else {}
@@ -83,7 +101,7 @@ def _meta_of(comment: str) -> dict:
 
 def parse_lines(lines, path: str = "<trace>") -> PackedTrace:
     words = array("q")
-    live: Dict[int, Tuple[int, int]] = {}     # addr -> (slot, size)
+    live: Dict[int, Tuple[int, int]] = {}  # addr -> (slot, size)
     spare: List[int] = []
     n_slots = allocs = frees = 0
     live_bytes = peak = 0
@@ -153,19 +171,20 @@ def find_traces(directory: str, only: Optional[List[str]] = None) -> List[str]:
     optionally restricted to the names in `only` (unknown names are an error)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"traces directory {directory!r} does not exist")
-    paths = [os.path.join(directory, f) for f in os.listdir(directory)
-             if f.endswith((".trace.gz", ".trace"))]
+    paths = [os.path.join(directory, f) for f in os.listdir(directory) if f.endswith((".trace.gz", ".trace"))]
     if only:
         names = {trace_name(p): p for p in paths}
         missing = [n for n in only if n not in names]
         if missing:
-            raise FileNotFoundError(f"no trace named {', '.join(missing)} in {directory} "
-                                    f"(have: {', '.join(sorted(names))})")
+            raise FileNotFoundError(
+                f"no trace named {', '.join(missing)} in {directory} (have: {', '.join(sorted(names))})"
+            )
         paths = [names[n] for n in only]
     return sorted(paths, key=lambda p: (os.path.getsize(p), p))
 
 
 # ---- binary cache (orchestrator writes, workers read) ------------------------------------------
+
 
 def save_packed(trace: PackedTrace, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
@@ -177,9 +196,18 @@ def save_packed(trace: PackedTrace, directory: str) -> str:
     with open(base + ".bin.tmp", "wb") as f:
         words.tofile(f)
     os.replace(base + ".bin.tmp", base + ".bin")
-    header = {"name": trace.name, "path": trace.path, "n_slots": trace.n_slots, "allocs": trace.allocs,
-              "frees": trace.frees, "peak_live": trace.peak_live, "peak_event": trace.peak_event,
-              "streams": trace.streams, "meta": trace.meta, "words": len(trace.words)}
+    header = {
+        "name": trace.name,
+        "path": trace.path,
+        "n_slots": trace.n_slots,
+        "allocs": trace.allocs,
+        "frees": trace.frees,
+        "peak_live": trace.peak_live,
+        "peak_event": trace.peak_event,
+        "streams": trace.streams,
+        "meta": trace.meta,
+        "words": len(trace.words),
+    }
     with open(base + ".json", "w") as f:
         json.dump(header, f)
     return base
@@ -193,5 +221,15 @@ def load_packed(base: str) -> PackedTrace:
         words.fromfile(f, h["words"])
     if sys.byteorder != "little":
         words.byteswap()
-    return PackedTrace(h["name"], h["path"], words, h["n_slots"], h["allocs"], h["frees"], h["peak_live"],
-                       h["peak_event"], h["streams"], h.get("meta", {}))
+    return PackedTrace(
+        h["name"],
+        h["path"],
+        words,
+        h["n_slots"],
+        h["allocs"],
+        h["frees"],
+        h["peak_live"],
+        h["peak_event"],
+        h["streams"],
+        h.get("meta", {}),
+    )

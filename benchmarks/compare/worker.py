@@ -16,6 +16,7 @@ result).  Every result has "status": ok | oom | error | crashed | timeout | unav
 "reason" unless ok.  Children write their stdout/stderr to the contender's log file, so nothing
 but results reaches the protocol stream.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,11 @@ from compare import traces as tr  # noqa: E402
 from compare.contenders import Unavailable, install, is_oom  # noqa: E402
 
 MiB = 1 << 20
-SAMPLE_EVERY = 64         # allocs between two cudaMemGetInfo samples of device memory in use
+SAMPLE_EVERY = 64  # allocs between two cudaMemGetInfo samples of device memory in use
 
 
 # ---- tasks (run in the child) ---------------------------------------------------------------------
+
 
 class Context:
     """What a child inherits from its server: the contender, the trace cache, options."""
@@ -70,13 +72,14 @@ class Device:
 
     def __init__(self, ctx: Context, cap: Optional[int], options: dict):
         from compare.cudart import CudaRT
+
         self.rt = CudaRT()
         self.rt.init()
         free, total = self.rt.stable_free()
         self.info = {"free_at_start": free, "total": total, "cudart": self.rt.path}
         if cap:
             self.info.update(self.rt.impose_cap(cap))
-        self.base_free = self.rt.mem_info()[0]    # free after the cap: the allocator's whole budget
+        self.base_free = self.rt.mem_info()[0]  # free after the cap: the allocator's whole budget
         self.installed = install(ctx.contender, self.base_free if cap else None, options)
         self.info["allocator"] = self.installed.detail
 
@@ -87,23 +90,33 @@ class Device:
 
 def task_info(ctx: Context, task: dict) -> dict:
     import torch
+
     dev = Device(ctx, None, task.get("options", {}))
     p = torch.cuda.get_device_properties(0)
     drv = ctypes.c_int()
     dev.rt.lib.cudaDriverGetVersion(ctypes.byref(drv))
-    x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")   # the allocator works at all
+    x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # the allocator works at all
     del x
-    return {"status": "ok", "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "device_name": p.name, "total_memory": p.total_memory, "driver": drv.value,
-            "python": sys.version.split()[0], "device": dev.info}
+    return {
+        "status": "ok",
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device_name": p.name,
+        "total_memory": p.total_memory,
+        "driver": drv.value,
+        "python": sys.version.split()[0],
+        "device": dev.info,
+    }
 
 
-def replay_pass(events, n_slots, streams, empty, device, set_stream, sync, free_bytes, base_free: int,
-                sample: bool = True) -> dict:
+def replay_pass(
+    events, n_slots, streams, empty, device, set_stream, sync, free_bytes, base_free: int, sample: bool = True
+) -> dict:
     """Replay `events` once: torch.empty at each alloc (on its stream), drop the tensor at each
     free.  The torch entry points come in as arguments so tests can run this on the CPU.
     `free_bytes()` is the device's free memory; it is sampled every SAMPLE_EVERY allocs."""
     import torch
+
     slots = [None] * n_slots
     u8 = torch.uint8
     cuda = device
@@ -111,7 +124,7 @@ def replay_pass(events, n_slots, streams, empty, device, set_stream, sync, free_
     cur = 0
     set_stream(streams[0])
     n_alloc = 0
-    max_used_free = None    # smallest free seen
+    max_used_free = None  # smallest free seen
     i = -1
     sync()
     t0 = time.perf_counter()
@@ -133,8 +146,14 @@ def replay_pass(events, n_slots, streams, empty, device, set_stream, sync, free_
         wall = time.perf_counter() - t0
         live = sum(t.numel() for t in slots if t is not None)
         set_stream(streams[0])
-        out = {"status": "oom" if is_oom(e) else "error", "reason": _first_line(e), "event": i,
-               "allocs_done": n_alloc, "live_at_failure": live, "wall_s": wall}
+        out = {
+            "status": "oom" if is_oom(e) else "error",
+            "reason": _first_line(e),
+            "event": i,
+            "allocs_done": n_alloc,
+            "live_at_failure": live,
+            "wall_s": wall,
+        }
         del slots
         return out
     sync()
@@ -145,12 +164,19 @@ def replay_pass(events, n_slots, streams, empty, device, set_stream, sync, free_
     set_stream(streams[0])
     live_end = sum(t.numel() for t in slots if t is not None)
     del slots
-    return {"status": "ok", "wall_s": wall, "events": len(events), "allocs": n_alloc,
-            "peak_used_sampled": base_free - max_used_free, "live_at_end": live_end}
+    return {
+        "status": "ok",
+        "wall_s": wall,
+        "events": len(events),
+        "allocs": n_alloc,
+        "peak_used_sampled": base_free - max_used_free,
+        "live_at_end": live_end,
+    }
 
 
 def task_replay(ctx: Context, task: dict) -> dict:
     import torch
+
     trace, events = ctx.trace(task["trace"])
     cap = task.get("cap")
     dev = Device(ctx, cap, task.get("options", {}))
@@ -159,8 +185,17 @@ def task_replay(ctx: Context, task: dict) -> dict:
         streams = [torch.cuda.default_stream()]
     passes = []
     for p in range(max(1, int(task.get("passes", 1)))):
-        r = replay_pass(events, trace.n_slots, streams, torch.empty, torch.device("cuda", 0), torch.cuda.set_stream,
-                        torch.cuda.synchronize, lambda: dev.rt.mem_info()[0], dev.base_free)
+        r = replay_pass(
+            events,
+            trace.n_slots,
+            streams,
+            torch.empty,
+            torch.device("cuda", 0),
+            torch.cuda.set_stream,
+            torch.cuda.synchronize,
+            lambda: dev.rt.mem_info()[0],
+            dev.base_free,
+        )
         if p == 0:
             r["allocator_stats"] = dev.installed.stats()
         r["used_after"] = dev.used()
@@ -169,26 +204,43 @@ def task_replay(ctx: Context, task: dict) -> dict:
         if r["status"] != "ok":
             break
     first = passes[0]
-    return {"status": first["status"], "reason": first.get("reason"), "trace": trace.name, "cap": cap,
-            "device": dev.info, "passes": passes}
+    return {
+        "status": first["status"],
+        "reason": first.get("reason"),
+        "trace": trace.name,
+        "cap": cap,
+        "device": dev.info,
+        "passes": passes,
+    }
 
 
 def task_train(ctx: Context, task: dict) -> dict:
     import torch
     from compare import workloads
+
     dev = Device(ctx, task.get("cap"), task.get("options", {}))
     t0 = time.perf_counter()
     try:
         w = workloads.build(task["workload"], "cuda", seed=task.get("seed", 1234))
         build_s = time.perf_counter() - t0
-        steps = workloads.timed_steps(w, int(task["steps"]), seed=task.get("seed", 1234),
-                                      sync=torch.cuda.synchronize)
+        steps = workloads.timed_steps(w, int(task["steps"]), seed=task.get("seed", 1234), sync=torch.cuda.synchronize)
     except Exception as e:
-        return {"status": "oom" if is_oom(e) else "error", "reason": _first_line(e), "device": dev.info,
-                "traceback": traceback.format_exc()[-2000:]}
-    return {"status": "ok", "workload": task["workload"], "build_s": build_s, "steps": steps,
-            "median_s": workloads.median_from(steps, int(task.get("median_from", 5))),
-            "allocator_stats": dev.installed.stats(), "used_after": dev.used(), "device": dev.info}
+        return {
+            "status": "oom" if is_oom(e) else "error",
+            "reason": _first_line(e),
+            "device": dev.info,
+            "traceback": traceback.format_exc()[-2000:],
+        }
+    return {
+        "status": "ok",
+        "workload": task["workload"],
+        "build_s": build_s,
+        "steps": steps,
+        "median_s": workloads.median_from(steps, int(task.get("median_from", 5))),
+        "allocator_stats": dev.installed.stats(),
+        "used_after": dev.used(),
+        "device": dev.info,
+    }
 
 
 def _try_batch(w, b: int, n: int, steps: int) -> Optional[str]:
@@ -198,6 +250,7 @@ def _try_batch(w, b: int, n: int, steps: int) -> Optional[str]:
         for _ in range(steps):
             w.step(b, n)
         import torch
+
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -211,17 +264,21 @@ def task_max_batch(ctx: Context, task: dict) -> dict:
     import torch
     from compare import workloads
     from compare.search import MaxPassSearch
+
     deadline = time.monotonic() + float(task.get("budget_s", 60))
     dev = Device(ctx, task.get("cap"), task.get("options", {}))
     try:
         w = workloads.build(task.get("workload", "llama_lora_ckpt"), "cuda", seed=task.get("seed", 1234))
     except Exception as e:
-        return {"status": "oom" if is_oom(e) else "error", "reason": "building the model: " + _first_line(e),
-                "device": dev.info}
+        return {
+            "status": "oom" if is_oom(e) else "error",
+            "reason": "building the model: " + _first_line(e),
+            "device": dev.info,
+        }
     results = []
     for spec in task["lengths"]:
         n = int(spec["length"])
-        if "only" in spec:                  # a single try (fresh-process check of one batch)
+        if "only" in spec:  # a single try (fresh-process check of one batch)
             s = MaxPassSearch(int(spec["only"]), seeds=[int(spec["only"])])
             s.lo = int(spec["only"]) - 1
         else:
@@ -252,6 +309,7 @@ def task_max_batch(ctx: Context, task: dict) -> dict:
 
 def task_microbench(ctx: Context, task: dict) -> dict:
     import torch
+
     dev = Device(ctx, None, task.get("options", {}))
     empty, u8, cuda = torch.empty, torch.uint8, torch.device("cuda", 0)
     rows = []
@@ -274,14 +332,20 @@ def task_microbench(ctx: Context, task: dict) -> dict:
     return {"status": "ok", "rows": rows, "device": dev.info}
 
 
-TASKS = {"info": task_info, "replay": task_replay, "train": task_train, "max_batch": task_max_batch,
-         "microbench": task_microbench}
+TASKS = {
+    "info": task_info,
+    "replay": task_replay,
+    "train": task_train,
+    "max_batch": task_max_batch,
+    "microbench": task_microbench,
+}
 
 
 def execute(ctx: Context, task: dict) -> dict:
     kind = task.get("task")
     if ctx.fake:
         from compare import fake
+
         fn = fake.TASKS.get(kind)
     else:
         fn = TASKS.get(kind)
@@ -292,11 +356,15 @@ def execute(ctx: Context, task: dict) -> dict:
     except Unavailable as e:
         return {"status": "unavailable", "reason": str(e)}
     except Exception as e:
-        return {"status": "oom" if is_oom(e) else "error", "reason": _first_line(e),
-                "traceback": traceback.format_exc()[-3000:]}
+        return {
+            "status": "oom" if is_oom(e) else "error",
+            "reason": _first_line(e),
+            "traceback": traceback.format_exc()[-3000:],
+        }
 
 
 # ---- the server --------------------------------------------------------------------------------
+
 
 def driver_initialized() -> Optional[bool]:
     """Whether this process has initialised the CUDA driver (then forked children cannot use
@@ -372,17 +440,23 @@ def run_forked(ctx: Context, task: dict, log_path: str) -> dict:
             pass
     _, status = os.waitpid(pid, 0)
     if timed_out:
-        return {"status": "timeout", "reason": f"no result within {timeout:.0f} s; killed",
-                "log_tail": _log_tail(log_path, start)}
+        return {
+            "status": "timeout",
+            "reason": f"no result within {timeout:.0f} s; killed",
+            "log_tail": _log_tail(log_path, start),
+        }
     raw = b"".join(chunks)
     if raw:
         try:
             return json.loads(raw)
         except ValueError:
             pass
-    how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit status {os.WEXITSTATUS(status)}")
-    return {"status": "crashed", "reason": f"the attempt's process died ({how}) without a result",
-            "log_tail": _log_tail(log_path, start)}
+    how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit status {os.WEXITSTATUS(status)}"
+    return {
+        "status": "crashed",
+        "reason": f"the attempt's process died ({how}) without a result",
+        "log_tail": _log_tail(log_path, start),
+    }
 
 
 def run_spawned(args, task: dict, log_path: str) -> dict:
@@ -393,19 +467,26 @@ def run_spawned(args, task: dict, log_path: str) -> dict:
     start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     with open(log_path, "ab") as log:
         try:
-            p = subprocess.run(cmd, input=json.dumps(task).encode(), stdout=subprocess.PIPE, stderr=log,
-                               timeout=timeout + 10)   # + the interpreter's start
+            p = subprocess.run(
+                cmd, input=json.dumps(task).encode(), stdout=subprocess.PIPE, stderr=log, timeout=timeout + 10
+            )  # + the interpreter's start
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "reason": f"no result within {timeout:.0f} s; killed",
-                    "log_tail": _log_tail(log_path, start)}
+            return {
+                "status": "timeout",
+                "reason": f"no result within {timeout:.0f} s; killed",
+                "log_tail": _log_tail(log_path, start),
+            }
     lines = p.stdout.decode("utf-8", "replace").strip().splitlines()
     if lines:
         try:
             return json.loads(lines[-1])
         except ValueError:
             pass
-    return {"status": "crashed", "reason": f"the attempt's process died (exit status {p.returncode}) without a result",
-            "log_tail": _log_tail(log_path, start)}
+    return {
+        "status": "crashed",
+        "reason": f"the attempt's process died (exit status {p.returncode}) without a result",
+        "log_tail": _log_tail(log_path, start),
+    }
 
 
 def preload(ctx: Context, modules) -> dict:
@@ -429,6 +510,7 @@ def serve(args) -> int:
     if not args.fake:
         t0 = time.perf_counter()
         import torch
+
         versions["torch"] = torch.__version__
         versions["import_s"] = round(time.perf_counter() - t0, 2)
     mode = "spawn" if args.spawn else "fork"
@@ -455,9 +537,12 @@ def serve(args) -> int:
                 break
             else:
                 if mode == "fork" and not args.fake and driver_initialized():
-                    mode = "spawn"   # something in this server initialised CUDA: forks would be broken
-                    print(f"{args.contender}: CUDA driver initialised in the server; spawning per task",
-                          file=sys.stderr, flush=True)
+                    mode = "spawn"  # something in this server initialised CUDA: forks would be broken
+                    print(
+                        f"{args.contender}: CUDA driver initialised in the server; spawning per task",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 res = run_forked(ctx, task, log_path) if mode == "fork" else run_spawned(args, task, log_path)
             res.setdefault("elapsed_s", round(time.perf_counter() - t0, 3))
             res["mode"] = mode
@@ -470,7 +555,7 @@ def once(args) -> int:
     ctx = Context(args.contender, args.cache, args.fake)
     task = json.loads(sys.stdin.read())
     real_stdout = os.dup(1)
-    os.dup2(2, 1)            # whatever the task prints goes to the log, not the result line
+    os.dup2(2, 1)  # whatever the task prints goes to the log, not the result line
     res = execute(ctx, task)
     os.write(real_stdout, (json.dumps(res) + "\n").encode())
     return 0

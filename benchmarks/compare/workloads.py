@@ -5,6 +5,7 @@ Models are built directly on the GPU (``with torch.device``) in their training d
 1B-parameter Llama on the CPU takes seconds of random initialisation per attempt, and building it
 in fp32 before casting would put a transient 4 GiB on the device that is no part of training.
 """
+
 from __future__ import annotations
 
 import random
@@ -13,15 +14,23 @@ from typing import Callable, List, Optional, Tuple
 
 WORKLOADS = ["gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
 
-LLAMA_CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
-                    num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+LLAMA_CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
 
 
 class Workload:
     """A model with its optimizer and a step function step(batch, length)."""
 
-    def __init__(self, name: str, model, opt, step: Callable[[int, int], None],
-                 draw: Callable[[random.Random], Tuple[int, int]]):
+    def __init__(
+        self, name: str, model, opt, step: Callable[[int, int], None], draw: Callable[[random.Random], Tuple[int, int]]
+    ):
         self.name, self.model, self.opt, self._step, self.draw = name, model, opt, step, draw
 
     def step(self, batch: int, length: int) -> None:
@@ -31,6 +40,7 @@ class Workload:
 def _gpt2(dev):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
+
     with torch.device(dev):
         m = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12))
     m.train()
@@ -43,13 +53,13 @@ def _gpt2(dev):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Workload("gpt2_varlen", m, opt, step,
-                    lambda rng: (8, rng.choice([128, 192, 256, 384, 512, 640, 768, 1024])))
+    return Workload("gpt2_varlen", m, opt, step, lambda rng: (8, rng.choice([128, 192, 256, 384, 512, 640, 768, 1024])))
 
 
 def _resnet(dev):
     import torch
     import torchvision
+
     with torch.device(dev):
         m = torchvision.models.resnet50()
     m = m.to(memory_format=torch.channels_last)
@@ -78,6 +88,7 @@ def _llama(dev):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from peft import LoraConfig, get_peft_model
+
     cfg = LlamaConfig(**LLAMA_CONFIG)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -86,7 +97,7 @@ def _llama(dev):
             m = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
-    m = m.to(torch.bfloat16)   # no-op when built in bf16; guards a version that ignores the default
+    m = m.to(torch.bfloat16)  # no-op when built in bf16; guards a version that ignores the default
     m.gradient_checkpointing_enable()
     m.enable_input_require_grads()
     m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.05))
@@ -100,8 +111,7 @@ def _llama(dev):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Workload("llama_lora_ckpt", m, opt, step,
-                    lambda rng: (4, rng.choice([256, 512, 768, 1024, 1536, 2048])))
+    return Workload("llama_lora_ckpt", m, opt, step, lambda rng: (4, rng.choice([256, 512, 768, 1024, 1536, 2048])))
 
 
 BUILDERS = {"gpt2_varlen": _gpt2, "resnet50_multires": _resnet, "llama_lora_ckpt": _llama}
@@ -109,14 +119,14 @@ BUILDERS = {"gpt2_varlen": _gpt2, "resnet50_multires": _resnet, "llama_lora_ckpt
 
 def build(name: str, dev: str = "cuda", seed: int = 1234) -> Workload:
     import torch
+
     if name not in BUILDERS:
         raise ValueError(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
     torch.manual_seed(seed)
     return BUILDERS[name](dev)
 
 
-def timed_steps(w: Workload, steps: int, seed: int = 1234, sync: Optional[Callable[[], None]] = None
-                ) -> List[dict]:
+def timed_steps(w: Workload, steps: int, seed: int = 1234, sync: Optional[Callable[[], None]] = None) -> List[dict]:
     """Run `steps` steps with the capture's shape draws; each step is timed between device syncs."""
     rng = random.Random(seed)
     out = []

@@ -87,8 +87,7 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
     }
     for (const gm_block *b = h->head; b; b = b->next) {
         if (b->state == GM_BLOCK_PENDING) {
-            if (!b->n_uses)
-                return fail(why, len, "pending block %#lx waits for no stream", (unsigned long)b->addr);
+            if (!b->n_uses) return fail(why, len, "pending block %#lx waits for no stream", (unsigned long)b->addr);
             if (b->stream == GM_STREAM_ANY)
                 return fail(why, len, "pending block %#lx was allocated on no stream", (unsigned long)b->addr);
             continue;
@@ -183,7 +182,8 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
     /* C2 counts, C7. */
     size_t mapped = 0;
     for (size_t p = 0; p < h->n_pages; p++) mapped += h->page_handle[p] != 0;
-    if (mapped != h->mapped_pages) return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
+    if (mapped != h->mapped_pages)
+        return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
     gm_handle *all = malloc((mapped + h->n_spare + 1) * sizeof *all);
     if (all) {
         size_t k = 0;
@@ -233,7 +233,8 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
                     (long long)n_free, (long long)b_free);
 
     /* C5 */
-    if (h->n_live != (size_t)n_live) return fail(why, len, "live table counts %zu, blocks %lld", h->n_live, (long long)n_live);
+    if (h->n_live != (size_t)n_live)
+        return fail(why, len, "live table counts %zu, blocks %lld", h->n_live, (long long)n_live);
     size_t in_list = 0;
     for (const gm_block *b = h->pending_head; b; b = b->lnext, in_list++)
         if (b->state != GM_BLOCK_PENDING) return fail(why, len, "pending list holds a non-pending block");
@@ -308,8 +309,8 @@ static int check_pool_blocks(gm_heap *h, char *why, size_t len) {
             rc = fail(why, len,
                       "pool (%llu, %llu) counts %zu live blocks / %zu bytes and %zu free / %zu, a recount gives "
                       "%zu / %zu and %zu / %zu",
-                      (unsigned long long)p->id.first, (unsigned long long)p->id.second, p->live_blocks,
-                      p->live_bytes, p->free_blocks, p->free_bytes, live_n[i], live_b[i], free_n[i], free_b[i]);
+                      (unsigned long long)p->id.first, (unsigned long long)p->id.second, p->live_blocks, p->live_bytes,
+                      p->free_blocks, p->free_bytes, live_n[i], live_b[i], free_n[i], free_b[i]);
         for (size_t j = 0; j < i && !rc; j++)
             if (h->pools[j]->use_count > 0 && p->use_count > 0 && h->pools[j]->id.first == p->id.first &&
                 h->pools[j]->id.second == p->id.second)
@@ -358,8 +359,8 @@ static int check_pinned_pages(gm_heap *h, char *why, size_t len) {
     if (!used) return GM_OK;
     size_t n = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
-        int holds = b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING ||
-                    (b->state == GM_BLOCK_FREE && gm_pinned(b));
+        int holds =
+            b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b));
         if (!holds) continue;
         for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++) {
             if (!used[p]) n++;
@@ -378,7 +379,8 @@ static int check_deferred(gm_heap *h, char *why, size_t len) {
     size_t n = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
         if (!b->deferred) continue;
-        if (b->state != GM_BLOCK_PENDING) return fail(why, len, "block %#lx is deferred but not pending", (unsigned long)b->addr);
+        if (b->state != GM_BLOCK_PENDING)
+            return fail(why, len, "block %#lx is deferred but not pending", (unsigned long)b->addr);
         if (b->wait_sync) return fail(why, len, "deferred block %#lx also waits for a sync", (unsigned long)b->addr);
         for (uint32_t i = 0; i < b->n_uses; i++)
             if (b->events[i]) return fail(why, len, "deferred block %#lx has an event", (unsigned long)b->addr);

@@ -3,10 +3,12 @@
 
 const char *gm_strerror(int code) {
     switch (code) {
-#define GM_ERROR_CASE(name, value, text) \
-    case name: return text;
+#define GM_ERROR_CASE(name, value, text)                                                                               \
+    case name:                                                                                                         \
+        return text;
         GM_EACH_ERROR(GM_ERROR_CASE)
 #undef GM_ERROR_CASE
-    default: return "unknown error";
+    default:
+        return "unknown error";
     }
 }

@@ -39,8 +39,10 @@ void fi_insert(gm_freeindex *fi, gm_block *b) {
     b->lprev = prev;
     b->lnext = cur;
     if (cur) cur->lprev = b;
-    if (prev) prev->lnext = b;
-    else *slot = b;
+    if (prev)
+        prev->lnext = b;
+    else
+        *slot = b;
     fi->sl_bitmap[fl] |= 1u << sl;
     fi->fl_bitmap |= 1ull << fl;
     fi->count++;
@@ -49,8 +51,10 @@ void fi_insert(gm_freeindex *fi, gm_block *b) {
 
 void fi_remove(gm_freeindex *fi, gm_block *b) {
     unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
-    if (b->lprev) b->lprev->lnext = b->lnext;
-    else fi->bins[fl][sl] = b->lnext;
+    if (b->lprev)
+        b->lprev->lnext = b->lnext;
+    else
+        fi->bins[fl][sl] = b->lnext;
     if (b->lnext) b->lnext->lprev = b->lprev;
     b->lprev = b->lnext = NULL;
     if (!fi->bins[fl][sl]) {
@@ -166,8 +170,8 @@ int fi_check(const gm_freeindex *fi, char *why, size_t whylen) {
         }
     }
     if (count != fi->count || bytes != fi->bytes) {
-        snprintf(why, whylen, "freeindex: holds %zu blocks / %zu bytes but counts %zu / %zu", count, bytes,
-                 fi->count, fi->bytes);
+        snprintf(why, whylen, "freeindex: holds %zu blocks / %zu bytes but counts %zu / %zu", count, bytes, fi->count,
+                 fi->bytes);
         return 1;
     }
     return 0;

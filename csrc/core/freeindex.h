@@ -29,8 +29,8 @@
 #include <stdint.h>
 
 #define FI_SL_BITS 5u
-#define FI_SL (1u << FI_SL_BITS)
-#define FI_FL 44u /* 2^48 units of 512 B: far beyond any device */
+#define FI_SL      (1u << FI_SL_BITS)
+#define FI_FL      44u /* 2^48 units of 512 B: far beyond any device */
 
 struct gm_block;
 

@@ -126,7 +126,9 @@ static inline size_t align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1
 /* ---- block records ------------------------------------------------------- */
 
 static int slab_grow(gm_heap *h) {
-    enum { CHUNK = 512 };
+    enum {
+        CHUNK = 512
+    };
     if (h->n_slab_chunks == h->cap_slab_chunks) {
         size_t cap = h->cap_slab_chunks ? 2 * h->cap_slab_chunks : 16;
         void **c = realloc(h->slab_chunks, cap * sizeof *c);
@@ -282,9 +284,12 @@ static void index_remove(gm_heap *h, gm_block *b) {
 /* The stricter of two owners, or 0 if the blocks may not merge.  (Blocks of
  * different pools never merge either: callers check that first.) */
 static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
-    if (a == b || b == ANY) *out = a;
-    else if (a == ANY) *out = b;
-    else return 0;
+    if (a == b || b == ANY)
+        *out = a;
+    else if (a == ANY)
+        *out = b;
+    else
+        return 0;
     return 1;
 }
 
@@ -474,10 +479,14 @@ static int event_done(gm_heap *h, gm_event ev) {
 /* ---- pending blocks ----------------------------------------------------------- */
 
 static void pending_unlink(gm_heap *h, gm_block *b) {
-    if (b->lprev) b->lprev->lnext = b->lnext;
-    else h->pending_head = b->lnext;
-    if (b->lnext) b->lnext->lprev = b->lprev;
-    else h->pending_tail = b->lprev;
+    if (b->lprev)
+        b->lprev->lnext = b->lnext;
+    else
+        h->pending_head = b->lnext;
+    if (b->lnext)
+        b->lnext->lprev = b->lprev;
+    else
+        h->pending_tail = b->lprev;
     b->lprev = b->lnext = NULL;
     h->n_pending--;
 }
@@ -485,8 +494,10 @@ static void pending_unlink(gm_heap *h, gm_block *b) {
 static void pending_append(gm_heap *h, gm_block *b) {
     b->lnext = NULL;
     b->lprev = h->pending_tail;
-    if (h->pending_tail) h->pending_tail->lnext = b;
-    else h->pending_head = b;
+    if (h->pending_tail)
+        h->pending_tail->lnext = b;
+    else
+        h->pending_head = b;
     h->pending_tail = b;
     h->n_pending++;
 }
@@ -550,9 +561,9 @@ struct release_ctx {
     gm_heap *h;
     uint64_t threshold;
     size_t n;
-    gm_block **chains;       /* first blocks of the runs of free blocks that changed, each marked */
+    gm_block **chains; /* first blocks of the runs of free blocks that changed, each marked */
     size_t n_chains, cap_chains;
-    int all;                 /* no memory to list them: coalesce the whole heap */
+    int all; /* no memory to list them: coalesce the whole heap */
 };
 
 /* b now belongs to everyone: a free neighbour may merge with it, so remember
@@ -977,14 +988,15 @@ static void consider_at(const gm_heap *h, placement *best, gm_block *first, uint
     size_t need = unmapped_in(h, first, x, size, &pooled);
     int better = !best->ok || need < best->new_pages;
     if (!better && need == best->new_pages) {
-        if (pooled != best->pooled) better = pooled > best->pooled;
-        else better = len < best->run || (len == best->run && x < best->addr);
+        if (pooled != best->pooled)
+            better = pooled > best->pooled;
+        else
+            better = len < best->run || (len == best->run && x < best->addr);
     }
     if (better) *best = (placement){1, x, need, len, first, pooled};
 }
 
-static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len,
-                     size_t size) {
+static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len, size_t size) {
     consider_at(h, best, first, start, len, size);
     if (len != size) consider_at(h, best, first, start + len - size, len, size);
 }
@@ -1052,7 +1064,8 @@ static int place_pooled_one(gm_block *b, void *arg) {
     for (gm_block *x = b; x && x->addr < hi; x = x->next) {
         if (!x->pool) continue;
         if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size);
-        if (x->addr + x->size >= lo + c->size) consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size);
+        if (x->addr + x->size >= lo + c->size)
+            consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size);
     }
     return 0;
 }
@@ -1373,8 +1386,8 @@ static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
 
 /* Wait for the device, place again (every stream's free memory is usable
  * now), and unmap cached pages into spares for the placement's shortfall. */
-static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, int *synced,
-                       int *recycled, int *dev_err) {
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, int *synced, int *recycled,
+                       int *dev_err) {
     if (synchronize(h) != GM_OK) {
         *dev_err = GM_EDEVICE;
         return;
@@ -1453,8 +1466,10 @@ const char *gm_create_error(void) { return create_error; }
 
 /* Keep the reason before the device (and its last_error) goes away. */
 static int create_failed(gm_device *dev, int rc, const char *what) {
-    if (dev && dev->last_error[0]) snprintf(create_error, sizeof create_error, "%s: %s", what, dev->last_error);
-    else snprintf(create_error, sizeof create_error, "%s: %s", what, gm_strerror(rc));
+    if (dev && dev->last_error[0])
+        snprintf(create_error, sizeof create_error, "%s: %s", what, dev->last_error);
+    else
+        snprintf(create_error, sizeof create_error, "%s: %s", what, gm_strerror(rc));
     return rc;
 }
 
@@ -1463,14 +1478,16 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     create_error[0] = 0;
     if (!dev) return create_failed(NULL, GM_EINVAL, "no device");
     gm_config cfg;
-    if (cfg_in) cfg = *cfg_in;
-    else gm_config_default(&cfg);
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        gm_config_default(&cfg);
     size_t page = dev->page_size;
     if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100) {
         dev->last_error[0] = 0;
         create_failed(dev, GM_EINVAL,
                       cfg.growth_slack < 0 || cfg.growth_slack > 100 ? "growth_slack must be in [0, 100]"
-                                                                      : "device page size is not a power of two >= 512");
+                                                                     : "device page size is not a power of two >= 512");
         dev->ops->destroy(dev);
         return GM_EINVAL;
     }
@@ -1605,9 +1622,7 @@ static int device_capturing(gm_heap *h, gm_stream s, int if_unknown) {
 
 /* Whether a call on behalf of stream s now could invalidate a capture: the
  * heap was told so, or the device says s is capturing (or cannot say). */
-static int capture_on(gm_heap *h, gm_stream s) {
-    return h->capture_count > 0 || device_capturing(h, s, 1);
-}
+static int capture_on(gm_heap *h, gm_stream s) { return h->capture_count > 0 || device_capturing(h, s, 1); }
 
 /* Record the events of a pending block, one per record_stream use; if one
  * cannot be recorded, the block waits for the next device synchronisation. */
@@ -1723,8 +1738,7 @@ static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm
     gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
 }
 
-int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id,
-                   uintptr_t *out) {
+int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, uintptr_t *out) {
     if (!out) return GM_EINVAL;
     *out = 0;
     if (s == ANY) return GM_EINVAL;
@@ -2004,8 +2018,10 @@ static void pool_end(gm_heap *h, gm_pool *p) {
     }
     size_t k = 0;
     for (size_t i = 0; i < h->n_owners; i++) {
-        if (h->owners[i]->pool == p) free(h->owners[i]);
-        else h->owners[k++] = h->owners[i];
+        if (h->owners[i]->pool == p)
+            free(h->owners[i]);
+        else
+            h->owners[k++] = h->owners[i];
     }
     h->n_owners = k;
     h->last_owner = NULL;
@@ -2045,7 +2061,6 @@ static void pool_fill(gm_heap *h, const gm_pool *p, gm_pool_info *out) {
     out->free_bytes = p->free_bytes;
     out->pinned_pages = pool_pages(h, p);
 }
-
 
 int gm_pool_info_get(gm_heap *h, gm_pool_id id, gm_pool_info *out) {
     pthread_mutex_lock(&h->lock);
@@ -2140,8 +2155,10 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
     size_t to_alloc = 0;
     for (size_t k = 0; k < n; k++) {
         gm_block *b = gm_live_find(h, l[k].addr);
-        if (b && b->pool == p && b->size == l[k].size) b->mark = 1;
-        else to_alloc++;
+        if (b && b->pool == p && b->size == l[k].size)
+            b->mark = 1;
+        else
+            to_alloc++;
     }
     for (size_t k = 0; k < n; k++) {
         gm_block *b = gm_live_find(h, l[k].addr);

@@ -34,11 +34,11 @@ struct gm_block {
      * checker holds a block that every stream may reuse to the proof for that
      * free (gm_owner.safe_seq). */
     gm_stream origin;
-    uint8_t state;           /* gm_block_state */
-    uint8_t wait_sync;       /* pending, but an event could not be recorded: wait for a device sync */
-    uint8_t deferred;        /* pending, freed during a capture: its events are not recorded yet */
-    uint8_t mark;            /* scratch for one operation under the lock (pool_set_live, owner releases); 0 between them */
-    gm_pool *pool;           /* the private pool it belongs to, NULL: the general heap */
+    uint8_t state;     /* gm_block_state */
+    uint8_t wait_sync; /* pending, but an event could not be recorded: wait for a device sync */
+    uint8_t deferred;  /* pending, freed during a capture: its events are not recorded yet */
+    uint8_t mark;      /* scratch for one operation under the lock (pool_set_live, owner releases); 0 between them */
+    gm_pool *pool;     /* the private pool it belongs to, NULL: the general heap */
     uint32_t n_uses, cap_uses;
     gm_stream *uses;         /* streams named by record_stream */
     gm_event *events;        /* pending: one event per use, recorded at free */
@@ -49,69 +49,69 @@ struct gm_block {
 /* Free memory owned by one stream (in one pool, or the general heap), and its
  * release in flight. */
 struct gm_owner {
-    gm_pool *pool;           /* NULL: the general heap */
+    gm_pool *pool; /* NULL: the general heap */
     gm_stream stream;
     gm_freeindex idx;
-    int releasing;           /* an event is recorded; blocks freed up to release_seq follow it */
+    int releasing; /* an event is recorded; blocks freed up to release_seq follow it */
     gm_event release_event;
     uint64_t release_seq;
-    uint64_t safe_seq;       /* frees up to here are proven done (a completed event or a device sync) */
+    uint64_t safe_seq; /* frees up to here are proven done (a completed event or a device sync) */
 };
 
 /* A private pool.  Its free blocks sit in its own owners' indexes.  The record
  * outlives the pool's end (use_count 0) while blocks of it are live or pending. */
 struct gm_pool {
     gm_pool_id id;
-    int64_t use_count;       /* 0: ended */
-    size_t live_blocks, live_bytes;  /* live and pending */
-    size_t free_blocks, free_bytes;  /* free blocks in its indexes */
-    gm_owner *any;           /* its GM_STREAM_ANY owner, made with the pool */
+    int64_t use_count;              /* 0: ended */
+    size_t live_blocks, live_bytes; /* live and pending */
+    size_t free_blocks, free_bytes; /* free blocks in its indexes */
+    gm_owner *any;                  /* its GM_STREAM_ANY owner, made with the pool */
 };
 
 struct gm_heap {
     pthread_mutex_t lock;
     gm_device *dev;
-    size_t page;             /* page size */
+    size_t page; /* page size */
     unsigned page_shift;
-    uintptr_t base;          /* reserved range [base, base + va_size) */
+    uintptr_t base; /* reserved range [base, base + va_size) */
     size_t va_size;
     size_t n_pages;
-    gm_handle *page_handle;  /* per page: the physical page mapped there, 0 if none */
+    gm_handle *page_handle; /* per page: the physical page mapped there, 0 if none */
     size_t mapped_pages;
-    gm_handle *spare;        /* physical pages held but not mapped */
+    gm_handle *spare; /* physical pages held but not mapped */
     size_t n_spare, cap_spare;
 
     size_t device_total;
-    size_t cap_pages;        /* the effective cap, in pages */
-    size_t user_cap;         /* 0: none */
+    size_t cap_pages; /* the effective cap, in pages */
+    size_t user_cap;  /* 0: none */
     double growth_slack;
     size_t growth_slack_pages;
 
-    gm_block *head;          /* the first block in address order */
-    gm_runindex runs;        /* runs of general space, page use (runindex.h) */
+    gm_block *head;   /* the first block in address order */
+    gm_runindex runs; /* runs of general space, page use (runindex.h) */
 
-    gm_owner **owners;       /* owners[0] is the general heap's GM_STREAM_ANY */
+    gm_owner **owners; /* owners[0] is the general heap's GM_STREAM_ANY */
     size_t n_owners, cap_owners;
-    gm_owner *last_owner;    /* one-entry cache for the common single-stream case */
+    gm_owner *last_owner; /* one-entry cache for the common single-stream case */
 
-    gm_block **live;         /* live table: chained hash on addr */
+    gm_block **live; /* live table: chained hash on addr */
     size_t live_mask, n_live;
 
     gm_block *pending_head, *pending_tail; /* freed blocks waiting for events, FIFO */
     size_t n_pending;
 
-    gm_event *event_pool;    /* created events not in use */
+    gm_event *event_pool; /* created events not in use */
     size_t n_event_pool, cap_event_pool;
 
-    gm_block *slab_free;     /* unused block records */
+    gm_block *slab_free; /* unused block records */
     size_t n_slab_free;
     void **slab_chunks;
     size_t n_slab_chunks, cap_slab_chunks;
 
     uint64_t alloc_seq, free_seq;
     gm_stats st;
-    size_t live_bytes;       /* == st.allocated_bytes[ALL].current, kept unsigned */
-    size_t peak_live;        /* since creation: the growth limit follows it */
+    size_t live_bytes; /* == st.allocated_bytes[ALL].current, kept unsigned */
+    size_t peak_live;  /* since creation: the growth limit follows it */
 
     /* history ring */
     gm_hist_entry *hist;
@@ -124,21 +124,23 @@ struct gm_heap {
     /* private pools: living ones and ended ones that still have blocks */
     gm_pool **pools;
     size_t n_pools, cap_pools;
-    size_t pool_free_bytes;  /* free bytes held by living pools */
+    size_t pool_free_bytes; /* free bytes held by living pools */
 
     /* stream capture */
-    int capture_count;       /* gm_capture_begin minus gm_capture_end */
-    int no_sync;             /* this operation runs during a capture: no sync/event/unmap/release */
-    size_t n_deferred;       /* pending blocks whose events wait for the capture to end */
+    int capture_count; /* gm_capture_begin minus gm_capture_end */
+    int no_sync;       /* this operation runs during a capture: no sync/event/unmap/release */
+    size_t n_deferred; /* pending blocks whose events wait for the capture to end */
 
     /* fork.c */
-    gm_heap *fork_next;      /* registry of live heaps */
-    int inherited;           /* this process is a fork()ed child of the one that made the heap */
+    gm_heap *fork_next; /* registry of live heaps */
+    int inherited;      /* this process is a fork()ed child of the one that made the heap */
 };
 
 /* ---- shared helpers (heap.c) ---- */
 static inline size_t gm_page_floor(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base) >> h->page_shift); }
-static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base + h->page - 1) >> h->page_shift); }
+static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) {
+    return (size_t)((a - h->base + h->page - 1) >> h->page_shift);
+}
 static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
 
 gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
@@ -220,7 +222,8 @@ void gm_stats_reset_accumulated(gm_stats *st);
 
 /* ---- history.c ---- */
 void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream, uint64_t context);
-static inline void gm_hist(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream, uint64_t context) {
+static inline void gm_hist(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream,
+                           uint64_t context) {
     if (h->hist_cap) gm_hist_push(h, action, addr, size, stream, context);
 }
 void gm_hist_free(gm_heap *h);

@@ -50,8 +50,10 @@ void ri_insert(gm_runindex *ri, gm_block *b) {
 
 void ri_remove(gm_runindex *ri, gm_block *b) {
     unsigned sl, fl = ri_fl_sl(b->run_len, &sl);
-    if (b->rprev) b->rprev->rnext = b->rnext;
-    else ri->bins[fl][sl] = b->rnext;
+    if (b->rprev)
+        b->rprev->rnext = b->rnext;
+    else
+        ri->bins[fl][sl] = b->rnext;
     if (b->rnext) b->rnext->rprev = b->rprev;
     b->rprev = b->rnext = NULL;
     if (!ri->bins[fl][sl]) {
@@ -73,7 +75,8 @@ void ri_move_head(gm_runindex *ri, gm_block *old, gm_block *head, size_t len) {
     /* Same bin: the new head takes the old one's place in the list. */
     head->rprev = old->rprev;
     head->rnext = old->rnext;
-    if (head->rprev) head->rprev->rnext = head;
+    if (head->rprev)
+        head->rprev->rnext = head;
     else {
         unsigned sl, fl = ri_fl_sl(len, &sl);
         ri->bins[fl][sl] = head;
@@ -175,8 +178,9 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     }
     if (listed != runs || listed_bytes != bytes || ri->count != runs || ri->bytes != bytes) {
         if (why && whylen)
-            snprintf(why, whylen, "run index: %zu runs / %zu bytes exist, the bins hold %zu / %zu, the counters say %zu / %zu",
-                     runs, bytes, listed, listed_bytes, ri->count, ri->bytes);
+            snprintf(why, whylen,
+                     "run index: %zu runs / %zu bytes exist, the bins hold %zu / %zu, the counters say %zu / %zu", runs,
+                     bytes, listed, listed_bytes, ri->count, ri->bytes);
         return GM_ECORRUPT;
     }
     /* P1, P2: recount page use. */
@@ -194,8 +198,8 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     for (size_t p = 0; p < h->n_pages; p++) {
         if (live[p] != ri->live_ep[p]) {
             if (why && whylen)
-                snprintf(why, whylen, "page use: page %zu starts or ends %u blocks that keep pages, the count says %u", p,
-                         live[p], ri->live_ep[p]);
+                snprintf(why, whylen, "page use: page %zu starts or ends %u blocks that keep pages, the count says %u",
+                         p, live[p], ri->live_ep[p]);
             rc = GM_ECORRUPT;
             break;
         }

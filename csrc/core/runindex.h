@@ -54,8 +54,8 @@
 #include <stdint.h>
 
 #define RI_SL_BITS 5u
-#define RI_SL (1u << RI_SL_BITS)
-#define RI_FL 44u
+#define RI_SL      (1u << RI_SL_BITS)
+#define RI_FL      44u
 
 struct gm_block;
 struct gm_heap;
@@ -64,10 +64,10 @@ typedef struct gm_runindex {
     uint64_t fl_bitmap;
     uint32_t sl_bitmap[RI_FL];
     struct gm_block *bins[RI_FL][RI_SL];
-    size_t count;         /* runs */
-    size_t bytes;         /* their total length */
-    uint32_t *live_ep;    /* per page: blocks keeping pages that start or end in it */
-    size_t live_pages;    /* pages those blocks touch */
+    size_t count;      /* runs */
+    size_t bytes;      /* their total length */
+    uint32_t *live_ep; /* per page: blocks keeping pages that start or end in it */
+    size_t live_pages; /* pages those blocks touch */
 } gm_runindex;
 
 int ri_init(gm_runindex *ri, size_t n_pages);

@@ -42,9 +42,11 @@ int gm_snapshot_take(gm_heap *h, gm_snapshot **out) {
     for (size_t p = 0; p < s->n_pages; p++) s->pages[p] = h->page_handle[p] ? GM_PAGE_CACHED : GM_PAGE_UNMAPPED;
     size_t i = 0;
     for (const gm_block *b = h->head; b != end; b = b->next, i++) {
-        s->blocks[i] = (gm_block_info){b->addr, b->size, b->requested, b->stream, b->context,
-                                       b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING ? b->seq : 0,
-                                       b->state, b->pool ? b->pool->id : (gm_pool_id){0, 0}};
+        s->blocks[i] =
+            (gm_block_info){b->addr,      b->size,
+                            b->requested, b->stream,
+                            b->context,   b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING ? b->seq : 0,
+                            b->state,     b->pool ? b->pool->id : (gm_pool_id){0, 0}};
         /* Pages kept for a living pool are in use too: empty_cache leaves them. */
         if (b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b)))
             for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++)

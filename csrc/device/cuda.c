@@ -99,11 +99,9 @@ typedef struct cu_api {
     CUresult (*MemGetAllocationGranularity)(size_t *, const cu_alloc_prop *, int);
     CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
     CUresult (*MemAddressFree)(CUdeviceptr, size_t);
-    CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const cu_alloc_prop *,
-                          unsigned long long);
+    CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const cu_alloc_prop *, unsigned long long);
     CUresult (*MemRelease)(CUmemGenericAllocationHandle);
-    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                       unsigned long long);
+    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
     CUresult (*MemUnmap)(CUdeviceptr, size_t);
     CUresult (*MemSetAccess)(CUdeviceptr, size_t, const cu_access_desc *, size_t);
     CUresult (*EventCreate)(CUevent *, unsigned int);
@@ -116,12 +114,15 @@ typedef struct cu_api {
  * unversioned twin has a different ABI (cuMemGetInfo took unsigned ints) has
  * no fallback. */
 typedef struct sym_entry {
-    size_t offset;          /* of the function pointer in its table */
-    const char *names[2];   /* tried in order; the second may be NULL */
+    size_t offset;        /* of the function pointer in its table */
+    const char *names[2]; /* tried in order; the second may be NULL */
 } sym_entry;
 
 static const sym_entry cu_symbols[] = {
-#define SYM(field, ...) {offsetof(cu_api, field), {__VA_ARGS__}}
+#define SYM(field, ...)                                                                                                \
+    {                                                                                                                  \
+        offsetof(cu_api, field), { __VA_ARGS__ }                                                                       \
+    }
     SYM(Init, "cuInit"),
     SYM(GetErrorName, "cuGetErrorName"),
     SYM(GetErrorString, "cuGetErrorString"),
@@ -164,13 +165,10 @@ static char cu_err[256];
 
 /* Function pointers come back from dlsym as void *; copying the bytes is the
  * conversion ISO C leaves defined enough for -Wpedantic to stay quiet. */
-static int load_symbols(void *lib, void *table, const sym_entry *syms, size_t n,
-                        const char **missing)
-{
+static int load_symbols(void *lib, void *table, const sym_entry *syms, size_t n, const char **missing) {
     for (size_t i = 0; i < n; i++) {
         void *p = NULL;
-        for (int k = 0; k < 2 && syms[i].names[k] && !p; k++)
-            p = dlsym(lib, syms[i].names[k]);
+        for (int k = 0; k < 2 && syms[i].names[k] && !p; k++) p = dlsym(lib, syms[i].names[k]);
         if (!p) {
             *missing = syms[i].names[0];
             return 0;
@@ -180,36 +178,28 @@ static int load_symbols(void *lib, void *table, const sym_entry *syms, size_t n,
     return 1;
 }
 
-static const char *cu_name(CUresult r)
-{
+static const char *cu_name(CUresult r) {
     const char *s = NULL;
-    if (!cu.GetErrorName || cu.GetErrorName(r, &s) != CUDA_SUCCESS || !s)
-        return "CUDA_ERROR_UNKNOWN";
+    if (!cu.GetErrorName || cu.GetErrorName(r, &s) != CUDA_SUCCESS || !s) return "CUDA_ERROR_UNKNOWN";
     return s;
 }
 
-static const char *cu_desc(CUresult r)
-{
+static const char *cu_desc(CUresult r) {
     const char *s = NULL;
-    if (!cu.GetErrorString || cu.GetErrorString(r, &s) != CUDA_SUCCESS || !s)
-        return "unrecognised error code";
+    if (!cu.GetErrorString || cu.GetErrorString(r, &s) != CUDA_SUCCESS || !s) return "unrecognised error code";
     return s;
 }
 
-static void cu_load(void)
-{
+static void cu_load(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         const char *why = dlerror();
-        snprintf(cu_err, sizeof cu_err, "libcuda.so.1 not found: %s",
-                 why ? why : "dlopen failed");
+        snprintf(cu_err, sizeof cu_err, "libcuda.so.1 not found: %s", why ? why : "dlopen failed");
         return;
     }
     const char *missing = NULL;
-    if (!load_symbols(lib, &cu, cu_symbols, sizeof cu_symbols / sizeof cu_symbols[0],
-                      &missing)) {
-        snprintf(cu_err, sizeof cu_err,
-                 "libcuda.so.1 lacks %s: the driver is too old for virtual memory management",
+    if (!load_symbols(lib, &cu, cu_symbols, sizeof cu_symbols / sizeof cu_symbols[0], &missing)) {
+        snprintf(cu_err, sizeof cu_err, "libcuda.so.1 lacks %s: the driver is too old for virtual memory management",
                  missing);
         memset(&cu, 0, sizeof cu);
         dlclose(lib);
@@ -221,11 +211,9 @@ static void cu_load(void)
         return; /* keep the library: cu_name / cu_desc still work */
     }
     void *p = dlsym(lib, "cuStreamIsCapturing");
-    if (p)
-        memcpy(&cuStreamIsCapturing_, &p, sizeof p);
+    if (p) memcpy(&cuStreamIsCapturing_, &p, sizeof p);
     p = dlsym(lib, "cuThreadExchangeStreamCaptureMode");
-    if (p)
-        memcpy(&cuThreadExchangeStreamCaptureMode_, &p, sizeof p);
+    if (p) memcpy(&cuThreadExchangeStreamCaptureMode_, &p, sizeof p);
     cu_ok = 1;
 }
 
@@ -233,7 +221,10 @@ static void cu_load(void)
 
 typedef int nvmlReturn_t;
 typedef struct nvmlDevice_st *nvmlDevice_t;
-enum { NVML_SUCCESS = 0, NVML_ERROR_INSUFFICIENT_SIZE = 7 };
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7
+};
 
 /* nvmlDeviceGetComputeRunningProcesses_v2/_v3 fill this layout
  * (nvmlProcessInfo_v2_t); the unversioned v1 stops after usedGpuMemory.  Both
@@ -264,13 +255,11 @@ static pthread_once_t nv_once = PTHREAD_ONCE_INIT;
 static int nv_ok;
 static char nv_err[200];
 
-static void nv_load(void)
-{
+static void nv_load(void) {
     void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         const char *why = dlerror();
-        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 not found: %s",
-                 why ? why : "dlopen failed");
+        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 not found: %s", why ? why : "dlopen failed");
         return;
     }
     static const sym_entry syms[] = {
@@ -301,8 +290,7 @@ static void nv_load(void)
         }
     }
     if (!nv.DeviceGetComputeRunningProcesses) {
-        snprintf(nv_err, sizeof nv_err,
-                 "libnvidia-ml.so.1 lacks nvmlDeviceGetComputeRunningProcesses");
+        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 lacks nvmlDeviceGetComputeRunningProcesses");
         memset(&nv, 0, sizeof nv);
         dlclose(lib);
         return;
@@ -343,12 +331,11 @@ typedef struct cuda_device {
  * value makes opening the device fail, so a test can never run without the
  * faults it asked for. */
 static const char *const op_names[GM_OP__COUNT] = {
-    "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
-    "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
+    "reserve",      "unreserve",     "create",       "release",     "map",         "unmap",    "set_access",
+    "event_create", "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
 };
 
-static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errlen)
-{
+static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errlen) {
     char buf[512];
     if (strlen(spec) >= sizeof buf) {
         snprintf(err, errlen, "GPUMEM_CUDA_FAULTS is too long");
@@ -363,11 +350,10 @@ static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errl
         int got = sscanf(tok, " %31[a-z_]:%llu%n:%llu%n", name, &nth, &used, &count, &used);
         int op = -1;
         for (int i = 0; i < GM_OP__COUNT; i++)
-            if (!strcmp(name, op_names[i]))
-                op = i;
+            if (!strcmp(name, op_names[i])) op = i;
         if (got < 2 || op < 0 || nth == 0 || count == 0 || tok[used] != '\0') {
-            snprintf(err, errlen,
-                     "GPUMEM_CUDA_FAULTS: bad entry '%s' (want op:nth[:count], e.g. create:3,map:5:2)", tok);
+            snprintf(err, errlen, "GPUMEM_CUDA_FAULTS: bad entry '%s' (want op:nth[:count], e.g. create:3,map:5:2)",
+                     tok);
             return -1;
         }
         c->fail_from[op] = nth;
@@ -377,43 +363,36 @@ static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errl
 }
 
 /* Count a call of `op`; 1 if it is one to fail. */
-static int inject(cuda_device *c, gm_dev_op op)
-{
+static int inject(cuda_device *c, gm_dev_op op) {
     uint64_t n = ++c->calls[op];
-    if (!c->fail_from[op] || n < c->fail_from[op] || n > c->fail_to[op])
-        return 0;
+    if (!c->fail_from[op] || n < c->fail_from[op] || n > c->fail_to[op]) return 0;
     c->fired[op]++;
     return 1;
 }
 
-#define INJECT(c, op, call)                                                                             \
-    do {                                                                                                \
-        if (inject(c, op)) {                                                                            \
-            int oom_ = (op) == GM_OP_CREATE;                                                            \
-            snprintf((c)->base.last_error, sizeof (c)->base.last_error,                                 \
-                     "%s: %s (injected by GPUMEM_CUDA_FAULTS)", call,                                   \
-                     oom_ ? "out of memory (CUDA_ERROR_OUT_OF_MEMORY)" : "injected failure");           \
-            return oom_ ? GM_ENOMEM : GM_EDEVICE;                                                       \
-        }                                                                                               \
+#define INJECT(c, op, call)                                                                                            \
+    do {                                                                                                               \
+        if (inject(c, op)) {                                                                                           \
+            int oom_ = (op) == GM_OP_CREATE;                                                                           \
+            snprintf((c)->base.last_error, sizeof(c)->base.last_error, "%s: %s (injected by GPUMEM_CUDA_FAULTS)",      \
+                     call, oom_ ? "out of memory (CUDA_ERROR_OUT_OF_MEMORY)" : "injected failure");                    \
+            return oom_ ? GM_ENOMEM : GM_EDEVICE;                                                                      \
+        }                                                                                                              \
     } while (0)
 
-uint64_t gm_cuda_fault_calls(const gm_device *dev, gm_dev_op op, uint64_t *fired)
-{
-    if (fired)
-        *fired = 0;
-    if (!dev || strcmp(dev->kind, "cuda") || (unsigned)op >= GM_OP__COUNT)
-        return 0;
+uint64_t gm_cuda_fault_calls(const gm_device *dev, gm_dev_op op, uint64_t *fired) {
+    if (fired) *fired = 0;
+    if (!dev || strcmp(dev->kind, "cuda") || (unsigned)op >= GM_OP__COUNT) return 0;
     const cuda_device *c = (const cuda_device *)dev;
-    if (fired)
-        *fired = c->fired[op];
+    if (fired) *fired = c->fired[op];
     return c->calls[op];
 }
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
-static void set_error(cuda_device *c, const char *fmt, ...)
-{
+static void
+set_error(cuda_device *c, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(c->base.last_error, sizeof c->base.last_error, fmt, ap);
@@ -421,20 +400,17 @@ static void set_error(cuda_device *c, const char *fmt, ...)
 }
 
 /* "cuMemCreate: out of memory (CUDA_ERROR_OUT_OF_MEMORY)" */
-static int cu_fail(cuda_device *c, const char *call, CUresult r)
-{
+static int cu_fail(cuda_device *c, const char *call, CUresult r) {
     set_error(c, "%s: %s (%s)", call, cu_desc(r), cu_name(r));
     return r == CUDA_ERROR_OUT_OF_MEMORY ? GM_ENOMEM : GM_EDEVICE;
 }
 
-static int push(cuda_device *c)
-{
+static int push(cuda_device *c) {
     CUresult r = cu.CtxPushCurrent(c->ctx);
     return r == CUDA_SUCCESS ? GM_OK : cu_fail(c, "cuCtxPushCurrent", r);
 }
 
-static void pop(void)
-{
+static void pop(void) {
     CUcontext ignored;
     cu.CtxPopCurrent(&ignored);
 }
@@ -442,62 +418,52 @@ static void pop(void)
 /* Make the device's primary context current for one call.  Under torch it
  * almost always is already, and a push/pop pair around every page's create
  * and map would double the driver calls of growing the heap. */
-static int enter(cuda_device *c, int *pushed)
-{
+static int enter(cuda_device *c, int *pushed) {
     CUcontext cur = NULL;
     *pushed = 0;
-    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == c->ctx)
-        return GM_OK;
+    if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == c->ctx) return GM_OK;
     int rc = push(c);
     *pushed = rc == GM_OK;
     return rc;
 }
 
-static void leave(int pushed)
-{
-    if (pushed)
-        pop();
+static void leave(int pushed) {
+    if (pushed) pop();
 }
 
 /* Run one driver call inside the device's primary context. */
-#define CU_CALL(c, name, call)                         \
-    do {                                               \
-        int pushed_;                                   \
-        int entered_ = enter(c, &pushed_);             \
-        if (entered_ != GM_OK)                         \
-            return entered_;                           \
-        CUresult r_ = (call);                          \
-        leave(pushed_);                                \
-        if (r_ != CUDA_SUCCESS)                        \
-            return cu_fail(c, name, r_);               \
+#define CU_CALL(c, name, call)                                                                                         \
+    do {                                                                                                               \
+        int pushed_;                                                                                                   \
+        int entered_ = enter(c, &pushed_);                                                                             \
+        if (entered_ != GM_OK) return entered_;                                                                        \
+        CUresult r_ = (call);                                                                                          \
+        leave(pushed_);                                                                                                \
+        if (r_ != CUDA_SUCCESS) return cu_fail(c, name, r_);                                                           \
     } while (0)
 
 /* The same, with this thread's capture mode relaxed around the call, as torch
  * does around cudaMalloc: creating and mapping memory is legal while a graph
  * is being captured on another stream, but the default (global) mode refuses
  * "unsafe" calls from any thread then. */
-#define CU_CALL_RELAXED(c, name, call)                                     \
-    do {                                                                   \
-        int mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;                        \
-        int swapped_ = cuThreadExchangeStreamCaptureMode_ &&               \
-                       cuThreadExchangeStreamCaptureMode_(&mode_) == CUDA_SUCCESS; \
-        int pushed_;                                                       \
-        int entered_ = enter(c, &pushed_);                                 \
-        CUresult r_ = CUDA_SUCCESS;                                        \
-        if (entered_ == GM_OK) {                                           \
-            r_ = (call);                                                   \
-            leave(pushed_);                                                \
-        }                                                                  \
-        if (swapped_)                                                      \
-            cuThreadExchangeStreamCaptureMode_(&mode_);                    \
-        if (entered_ != GM_OK)                                             \
-            return entered_;                                               \
-        if (r_ != CUDA_SUCCESS)                                            \
-            return cu_fail(c, name, r_);                                   \
+#define CU_CALL_RELAXED(c, name, call)                                                                                 \
+    do {                                                                                                               \
+        int mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;                                                                    \
+        int swapped_ =                                                                                                 \
+            cuThreadExchangeStreamCaptureMode_ && cuThreadExchangeStreamCaptureMode_(&mode_) == CUDA_SUCCESS;          \
+        int pushed_;                                                                                                   \
+        int entered_ = enter(c, &pushed_);                                                                             \
+        CUresult r_ = CUDA_SUCCESS;                                                                                    \
+        if (entered_ == GM_OK) {                                                                                       \
+            r_ = (call);                                                                                               \
+            leave(pushed_);                                                                                            \
+        }                                                                                                              \
+        if (swapped_) cuThreadExchangeStreamCaptureMode_(&mode_);                                                      \
+        if (entered_ != GM_OK) return entered_;                                                                        \
+        if (r_ != CUDA_SUCCESS) return cu_fail(c, name, r_);                                                           \
     } while (0)
 
-static void fill_prop(const cuda_device *c, cu_alloc_prop *prop)
-{
+static void fill_prop(const cuda_device *c, cu_alloc_prop *prop) {
     memset(prop, 0, sizeof *prop);
     prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop->requested_handle_types = CU_MEM_HANDLE_TYPE_NONE;
@@ -505,8 +471,7 @@ static void fill_prop(const cuda_device *c, cu_alloc_prop *prop)
     prop->location.id = c->cudev;
 }
 
-static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va)
-{
+static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_RESERVE, "cuMemAddressReserve");
     CUdeviceptr p = 0;
@@ -515,16 +480,14 @@ static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va)
     return GM_OK;
 }
 
-static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size)
-{
+static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_UNRESERVE, "cuMemAddressFree");
     CU_CALL(c, "cuMemAddressFree", cu.MemAddressFree((CUdeviceptr)va, size));
     return GM_OK;
 }
 
-static int cuda_create(gm_device *dev, gm_handle *handle)
-{
+static int cuda_create(gm_device *dev, gm_handle *handle) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_CREATE, "cuMemCreate");
     cu_alloc_prop prop;
@@ -535,43 +498,38 @@ static int cuda_create(gm_device *dev, gm_handle *handle)
     return GM_OK;
 }
 
-static int cuda_release(gm_device *dev, gm_handle handle)
-{
+static int cuda_release(gm_device *dev, gm_handle handle) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_RELEASE, "cuMemRelease");
     CU_CALL(c, "cuMemRelease", cu.MemRelease((CUmemGenericAllocationHandle)handle));
     return GM_OK;
 }
 
-static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle)
-{
+static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_MAP, "cuMemMap");
     CU_CALL_RELAXED(c, "cuMemMap",
-            cu.MemMap((CUdeviceptr)va, dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
+                    cu.MemMap((CUdeviceptr)va, dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
     return GM_OK;
 }
 
 /* One call for the whole range: the driver accepts a range made of several
  * whole mappings, and only refuses to cut one in two. */
-static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size)
-{
+static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_UNMAP, "cuMemUnmap");
     CU_CALL(c, "cuMemUnmap", cu.MemUnmap((CUdeviceptr)va, size));
     return GM_OK;
 }
 
-static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size)
-{
+static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_SET_ACCESS, "cuMemSetAccess");
     CU_CALL_RELAXED(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, c->access, c->n_access));
     return GM_OK;
 }
 
-static int cuda_event_create(gm_device *dev, gm_event *ev)
-{
+static int cuda_event_create(gm_device *dev, gm_event *ev) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_EVENT_CREATE, "cuEventCreate");
     CUevent e = NULL;
@@ -580,49 +538,40 @@ static int cuda_event_create(gm_device *dev, gm_event *ev)
     return GM_OK;
 }
 
-static int cuda_event_destroy(gm_device *dev, gm_event ev)
-{
+static int cuda_event_destroy(gm_device *dev, gm_event ev) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_EVENT_DESTROY, "cuEventDestroy");
     CU_CALL(c, "cuEventDestroy", cu.EventDestroy((CUevent)(uintptr_t)ev));
     return GM_OK;
 }
 
-static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream)
-{
+static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_EVENT_RECORD, "cuEventRecord");
-    CU_CALL(c, "cuEventRecord",
-            cu.EventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
+    CU_CALL(c, "cuEventRecord", cu.EventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
     return GM_OK;
 }
 
-static int cuda_event_query(gm_device *dev, gm_event ev)
-{
+static int cuda_event_query(gm_device *dev, gm_event ev) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_EVENT_QUERY, "cuEventQuery");
     int pushed, rc = enter(c, &pushed);
-    if (rc != GM_OK)
-        return rc;
+    if (rc != GM_OK) return rc;
     CUresult r = cu.EventQuery((CUevent)(uintptr_t)ev);
     leave(pushed);
-    if (r == CUDA_SUCCESS)
-        return GM_OK;
-    if (r == CUDA_ERROR_NOT_READY)
-        return GM_ENOTREADY;
+    if (r == CUDA_SUCCESS) return GM_OK;
+    if (r == CUDA_ERROR_NOT_READY) return GM_ENOTREADY;
     return cu_fail(c, "cuEventQuery", r);
 }
 
-static int cuda_synchronize(gm_device *dev)
-{
+static int cuda_synchronize(gm_device *dev) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_SYNCHRONIZE, "cuCtxSynchronize");
     CU_CALL(c, "cuCtxSynchronize", cu.CtxSynchronize());
     return GM_OK;
 }
 
-static int cuda_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes)
-{
+static int cuda_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_MEM_INFO, "cuMemGetInfo");
     CU_CALL(c, "cuMemGetInfo", cu.MemGetInfo(free_bytes, total_bytes));
@@ -631,8 +580,7 @@ static int cuda_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes
 
 /* NVML is brought up for this device on first use and its failure remembered,
  * so a machine without it pays for the attempt once. */
-static int nvml_ready(cuda_device *c)
-{
+static int nvml_ready(cuda_device *c) {
     if (c->nvml_state == 0) {
         pthread_once(&nv_once, nv_load);
         nvmlReturn_t r;
@@ -641,8 +589,8 @@ static int nvml_ready(cuda_device *c)
         } else if ((r = nv.Init()) != NVML_SUCCESS) {
             snprintf(c->nvml_err, sizeof c->nvml_err, "nvmlInit: %s", nv.ErrorString(r));
         } else if ((r = nv.DeviceGetHandleByPciBusId(c->pci_bus_id, &c->nvdev)) != NVML_SUCCESS) {
-            snprintf(c->nvml_err, sizeof c->nvml_err, "nvmlDeviceGetHandleByPciBusId(%s): %s",
-                     c->pci_bus_id, nv.ErrorString(r));
+            snprintf(c->nvml_err, sizeof c->nvml_err, "nvmlDeviceGetHandleByPciBusId(%s): %s", c->pci_bus_id,
+                     nv.ErrorString(r));
             nv.Shutdown();
         } else {
             c->nvml_state = 1;
@@ -653,8 +601,7 @@ static int nvml_ready(cuda_device *c)
     return c->nvml_state == 1;
 }
 
-static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n)
-{
+static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_PROCESSES, "nvmlDeviceGetComputeRunningProcesses");
     if (!nvml_ready(c)) {
@@ -671,10 +618,8 @@ static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t
     for (int attempt = 0; attempt < 4; attempt++) {
         count = room;
         r = nv.DeviceGetComputeRunningProcesses(c->nvdev, &count, buf);
-        if (r != NVML_ERROR_INSUFFICIENT_SIZE)
-            break;
-        if (buf != stack_buf)
-            free(buf);
+        if (r != NVML_ERROR_INSUFFICIENT_SIZE) break;
+        if (buf != stack_buf) free(buf);
         room = count + 16;
         buf = malloc((size_t)room * nv_stride);
         if (!buf) {
@@ -684,8 +629,7 @@ static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t
     }
     if (r != NVML_SUCCESS) {
         set_error(c, "nvmlDeviceGetComputeRunningProcesses: %s", nv.ErrorString(r));
-        if (buf != stack_buf)
-            free(buf);
+        if (buf != stack_buf) free(buf);
         return GM_EDEVICE;
     }
     for (unsigned int i = 0; i < count && i < cap; i++) {
@@ -697,40 +641,32 @@ static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t
         out[i].bytes = rec.used_gpu_memory == NVML_VALUE_NOT_AVAILABLE ? 0 : rec.used_gpu_memory;
     }
     *n = count;
-    if (buf != stack_buf)
-        free(buf);
+    if (buf != stack_buf) free(buf);
     return GM_OK;
 }
 
-static int cuda_capture_status(gm_device *dev, gm_stream stream, int *capturing)
-{
+static int cuda_capture_status(gm_device *dev, gm_stream stream, int *capturing) {
     cuda_device *c = (cuda_device *)dev;
     int status = CU_STREAM_CAPTURE_STATUS_NONE;
     *capturing = 0;
-    if (!cuStreamIsCapturing_)
-        return GM_OK; /* a driver without graphs captures nothing */
+    if (!cuStreamIsCapturing_) return GM_OK; /* a driver without graphs captures nothing */
     int pushed, rc = enter(c, &pushed);
-    if (rc != GM_OK)
-        return rc;
+    if (rc != GM_OK) return rc;
     CUresult r = cuStreamIsCapturing_((CUstream)(uintptr_t)stream, &status);
     leave(pushed);
     if (r >= CUDA_ERROR_STREAM_CAPTURE_FIRST && r <= CUDA_ERROR_STREAM_CAPTURE_LAST) {
         *capturing = 1;
         return GM_OK;
     }
-    if (r != CUDA_SUCCESS)
-        return cu_fail(c, "cuStreamIsCapturing", r);
+    if (r != CUDA_SUCCESS) return cu_fail(c, "cuStreamIsCapturing", r);
     *capturing = status != CU_STREAM_CAPTURE_STATUS_NONE;
     return GM_OK;
 }
 
-static void cuda_destroy(gm_device *dev)
-{
+static void cuda_destroy(gm_device *dev) {
     cuda_device *c = (cuda_device *)dev;
-    if (!c)
-        return;
-    if (c->nvml_state == 1)
-        nv.Shutdown();
+    if (!c) return;
+    if (c->nvml_state == 1) nv.Shutdown();
     cu.DevicePrimaryCtxRelease(c->cudev);
     free(c);
 }
@@ -757,8 +693,8 @@ static const gm_device_ops cuda_ops = {
 #if defined(__GNUC__)
 __attribute__((format(printf, 3, 4)))
 #endif
-static gm_device *create_fail(char *err, size_t errlen, const char *fmt, ...)
-{
+static gm_device *
+create_fail(char *err, size_t errlen, const char *fmt, ...) {
     if (err && errlen) {
         va_list ap;
         va_start(ap, fmt);
@@ -768,19 +704,16 @@ static gm_device *create_fail(char *err, size_t errlen, const char *fmt, ...)
     return NULL;
 }
 
-gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
-{
+gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen) {
     const char *faults = getenv("GPUMEM_CUDA_FAULTS");
     if (faults && *faults) {
         /* Checked before anything else, so a bad value fails on any machine. */
         static cuda_device probe;
         char why[200];
-        if (parse_faults(&probe, faults, why, sizeof why) < 0)
-            return create_fail(err, errlen, "%s", why);
+        if (parse_faults(&probe, faults, why, sizeof why) < 0) return create_fail(err, errlen, "%s", why);
     }
     pthread_once(&cu_once, cu_load);
-    if (!cu_ok)
-        return create_fail(err, errlen, "%s", cu_err);
+    if (!cu_ok) return create_fail(err, errlen, "%s", cu_err);
 
     CUresult r;
     int count = 0;
@@ -791,24 +724,19 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
                            count == 1 ? "" : "s");
     CUdevice cudev;
     if ((r = cu.DeviceGet(&cudev, ordinal)) != CUDA_SUCCESS)
-        return create_fail(err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r),
-                           cu_name(r));
+        return create_fail(err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
     char gpu[64] = "unknown GPU";
-    if (cu.DeviceGetName(gpu, (int)sizeof gpu, cudev) != CUDA_SUCCESS)
-        snprintf(gpu, sizeof gpu, "unknown GPU");
+    if (cu.DeviceGetName(gpu, (int)sizeof gpu, cudev) != CUDA_SUCCESS) snprintf(gpu, sizeof gpu, "unknown GPU");
     gpu[sizeof gpu - 1] = '\0';
     int vmm = 0;
-    if ((r = cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                                   cudev)) != CUDA_SUCCESS)
+    if ((r = cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cudev)) !=
+        CUDA_SUCCESS)
         return create_fail(err, errlen, "cuDeviceGetAttribute: %s (%s)", cu_desc(r), cu_name(r));
     if (!vmm)
-        return create_fail(err, errlen,
-                           "device %d (%s) does not support virtual memory management", ordinal,
-                           gpu);
+        return create_fail(err, errlen, "device %d (%s) does not support virtual memory management", ordinal, gpu);
 
     cuda_device *c = calloc(1, sizeof *c);
-    if (!c)
-        return create_fail(err, errlen, "out of host memory");
+    if (!c) return create_fail(err, errlen, "out of host memory");
     if (faults && *faults && parse_faults(c, faults, err, errlen) < 0) {
         free(c);
         return NULL;
@@ -835,8 +763,7 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
 
     if ((r = cu.DevicePrimaryCtxRetain(&c->ctx, cudev)) != CUDA_SUCCESS) {
         free(c);
-        return create_fail(err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal,
-                           cu_desc(r), cu_name(r));
+        return create_fail(err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
     }
     cu_alloc_prop prop;
     fill_prop(c, &prop);
@@ -849,8 +776,7 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen)
         cu.DevicePrimaryCtxRelease(cudev);
         free(c);
         if (r != CUDA_SUCCESS)
-            return create_fail(err, errlen, "cuMemGetAllocationGranularity: %s (%s)",
-                               cu_desc(r), cu_name(r));
+            return create_fail(err, errlen, "cuMemGetAllocationGranularity: %s (%s)", cu_desc(r), cu_name(r));
         return create_fail(err, errlen, "cuMemGetAllocationGranularity returned 0");
     }
     c->base.page_size = gran;

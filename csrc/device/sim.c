@@ -29,8 +29,8 @@
 #define SIM_VA_BASE ((uintptr_t)0x7f0000000000ull)
 /* Unreserved space left between reservations, so that running off the end of
  * one lands in a hole the device rejects instead of in the next range. */
-#define SIM_VA_GAP ((size_t)1 << 30)
-#define SIM_NONE UINT32_MAX
+#define SIM_VA_GAP  ((size_t)1 << 30)
+#define SIM_NONE    UINT32_MAX
 
 typedef struct sim_page {
     uintptr_t mapped_at; /* 0 when not mapped (no reservation starts at 0) */
@@ -41,14 +41,14 @@ typedef struct sim_page {
 typedef struct sim_resv {
     uintptr_t va;
     size_t size, npages;
-    size_t mapped;      /* pages mapped: unreserve checks this in O(1) */
-    gm_handle *handle;  /* per page: the handle mapped there, 0 if none */
-    uint8_t *access;    /* per page: access granted since it was mapped */
+    size_t mapped;     /* pages mapped: unreserve checks this in O(1) */
+    gm_handle *handle; /* per page: the handle mapped there, 0 if none */
+    uint8_t *access;   /* per page: access granted since it was mapped */
 } sim_resv;
 
 typedef struct sim_event {
-    uint64_t epoch;       /* the stream's epoch when recorded */
-    uint32_t stream_idx;  /* into streams[], SIM_NONE if it recorded on no held stream */
+    uint64_t epoch;      /* the stream's epoch when recorded */
+    uint32_t stream_idx; /* into streams[], SIM_NONE if it recorded on no held stream */
     uint32_t next_free;
     uint8_t alive;
 } sim_event;
@@ -63,9 +63,9 @@ typedef struct sim_stream {
 } sim_stream;
 
 typedef struct sim_fault {
-    uint64_t from, to;   /* call numbers (1-based) that fail; from = 0: none */
-    double p;            /* probability of a random failure */
-    uint64_t rng;        /* splitmix64 state */
+    uint64_t from, to; /* call numbers (1-based) that fail; from = 0: none */
+    double p;          /* probability of a random failure */
+    uint64_t rng;      /* splitmix64 state */
 } sim_fault;
 
 typedef struct sim_ext {
@@ -106,34 +106,29 @@ typedef struct sim_device {
     uint64_t ext_total;
     int nvml;
 
-    int capture_all;           /* gm_sim_set_capture */
-    size_t capturing_streams;  /* streams marked capturing */
+    int capture_all;          /* gm_sim_set_capture */
+    size_t capturing_streams; /* streams marked capturing */
     uint64_t capture_violations;
 } sim_device;
 
 static const gm_device_ops sim_ops;
 
 static const char *const op_names[GM_OP__COUNT] = {
-    "reserve", "unreserve", "create", "release", "map", "unmap", "set_access",
-    "event_create", "event_destroy", "event_record", "event_query", "synchronize",
-    "mem_info", "processes",
+    "reserve",      "unreserve",     "create",       "release",     "map",         "unmap",    "set_access",
+    "event_create", "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
 };
 
-static sim_device *as_sim(gm_device *dev)
-{
-    return (dev && dev->ops == &sim_ops) ? (sim_device *)dev : NULL;
-}
+static sim_device *as_sim(gm_device *dev) { return (dev && dev->ops == &sim_ops) ? (sim_device *)dev : NULL; }
 
-static const sim_device *as_sim_c(const gm_device *dev)
-{
+static const sim_device *as_sim_c(const gm_device *dev) {
     return (dev && dev->ops == &sim_ops) ? (const sim_device *)dev : NULL;
 }
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 3, 4)))
 #endif
-static int fail(sim_device *s, int code, const char *fmt, ...)
-{
+static int
+fail(sim_device *s, int code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(s->base.last_error, sizeof s->base.last_error, fmt, ap);
@@ -141,8 +136,7 @@ static int fail(sim_device *s, int code, const char *fmt, ...)
     return code;
 }
 
-static uint64_t splitmix64(uint64_t *state)
-{
+static uint64_t splitmix64(uint64_t *state) {
     uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -152,50 +146,38 @@ static uint64_t splitmix64(uint64_t *state)
 /* Count the call and decide, before looking at its arguments, whether it is to
  * fail: the fault schedule then depends only on the call sequence.  An invalid
  * call still answers GM_EINVAL, so injection never hides an allocator bug. */
-static int sim_enter(sim_device *s, gm_dev_op op)
-{
+static int sim_enter(sim_device *s, gm_dev_op op) {
     sim_fault *f = &s->fault[op];
     uint64_t n = ++s->calls[op];
     int inject = f->from != 0 && n >= f->from && n <= f->to;
     if (f->p > 0.0) {
         /* 53 random bits -> [0, 1) */
         double u = (double)(splitmix64(&f->rng) >> 11) * (1.0 / 9007199254740992.0);
-        if (u < f->p)
-            inject = 1;
+        if (u < f->p) inject = 1;
     }
     return inject;
 }
 
-static int injected(sim_device *s, gm_dev_op op)
-{
-    return fail(s, op == GM_OP_CREATE ? GM_ENOMEM : GM_EDEVICE, "injected fault in %s",
-                op_names[op]);
+static int injected(sim_device *s, gm_dev_op op) {
+    return fail(s, op == GM_OP_CREATE ? GM_ENOMEM : GM_EDEVICE, "injected fault in %s", op_names[op]);
 }
 
 /* A call a real capture would not survive: refused and counted while one is on. */
-static int capture_forbids(sim_device *s, gm_dev_op op)
-{
-    if (!s->capture_all && !s->capturing_streams)
-        return 0;
+static int capture_forbids(sim_device *s, gm_dev_op op) {
+    if (!s->capture_all && !s->capturing_streams) return 0;
     s->capture_violations++;
-    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)",
-         op_names[op]);
+    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)", op_names[op]);
     return 1;
 }
 
-static uint64_t sat_add(uint64_t a, uint64_t b)
-{
-    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
-}
+static uint64_t sat_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
 
 /* ---- reservations ------------------------------------------------------- */
 
-static sim_resv *find_resv(sim_device *s, uintptr_t va)
-{
+static sim_resv *find_resv(sim_device *s, uintptr_t va) {
     if (s->last_resv < s->n_resv) {
         sim_resv *r = &s->resv[s->last_resv];
-        if (va >= r->va && va - r->va < r->size)
-            return r;
+        if (va >= r->va && va - r->va < r->size) return r;
     }
     for (size_t i = 0; i < s->n_resv; i++) {
         sim_resv *r = &s->resv[i];
@@ -209,13 +191,10 @@ static sim_resv *find_resv(sim_device *s, uintptr_t va)
 
 /* The reservation holding all of [va, va+size), which must be whole pages;
  * NULL with last_error set otherwise. */
-static sim_resv *range_resv(sim_device *s, const char *op, uintptr_t va, size_t size,
-                            size_t *first)
-{
+static sim_resv *range_resv(sim_device *s, const char *op, uintptr_t va, size_t size, size_t *first) {
     size_t ps = s->base.page_size;
     if (size == 0 || size % ps != 0 || va % ps != 0) {
-        fail(s, GM_EINVAL, "%s: range 0x%" PRIxPTR "+%zu is not whole pages of %zu bytes", op,
-             va, size, ps);
+        fail(s, GM_EINVAL, "%s: range 0x%" PRIxPTR "+%zu is not whole pages of %zu bytes", op, va, size, ps);
         return NULL;
     }
     sim_resv *r = find_resv(s, va);
@@ -224,34 +203,29 @@ static sim_resv *range_resv(sim_device *s, const char *op, uintptr_t va, size_t 
         return NULL;
     }
     if (size > r->size - (va - r->va)) {
-        fail(s, GM_EINVAL, "%s: range 0x%" PRIxPTR "+%zu runs past the end of reservation 0x%" PRIxPTR "+%zu",
-             op, va, size, r->va, r->size);
+        fail(s, GM_EINVAL, "%s: range 0x%" PRIxPTR "+%zu runs past the end of reservation 0x%" PRIxPTR "+%zu", op, va,
+             size, r->va, r->size);
         return NULL;
     }
     *first = (va - r->va) / ps;
     return r;
 }
 
-static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va)
-{
+static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_RESERVE);
     size_t ps = dev->page_size;
-    if (!va)
-        return fail(s, GM_EINVAL, "reserve: NULL output pointer");
+    if (!va) return fail(s, GM_EINVAL, "reserve: NULL output pointer");
     if (size == 0 || size % ps != 0)
-        return fail(s, GM_EINVAL, "reserve: size %zu is not a positive multiple of the page size %zu",
-                    size, ps);
-    if (inject)
-        return injected(s, GM_OP_RESERVE);
+        return fail(s, GM_EINVAL, "reserve: size %zu is not a positive multiple of the page size %zu", size, ps);
+    if (inject) return injected(s, GM_OP_RESERVE);
     uintptr_t at = s->next_va;
     if (size > UINTPTR_MAX - at || SIM_VA_GAP > UINTPTR_MAX - at - size)
         return fail(s, GM_ENOMEM, "reserve: out of virtual address space for %zu bytes", size);
     if (s->n_resv == s->cap_resv) {
         size_t nc = s->cap_resv ? 2 * s->cap_resv : 4;
         sim_resv *nr = realloc(s->resv, nc * sizeof *nr);
-        if (!nr)
-            return fail(s, GM_ENOMEM, "reserve: out of host memory");
+        if (!nr) return fail(s, GM_ENOMEM, "reserve: out of host memory");
         s->resv = nr;
         s->cap_resv = nc;
     }
@@ -278,21 +252,17 @@ static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va)
     return GM_OK;
 }
 
-static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size)
-{
+static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_UNRESERVE);
-    if (capture_forbids(s, GM_OP_UNRESERVE))
-        return GM_EDEVICE;
+    if (capture_forbids(s, GM_OP_UNRESERVE)) return GM_EDEVICE;
     sim_resv *r = find_resv(s, va);
     if (!r || r->va != va || r->size != size)
-        return fail(s, GM_EINVAL, "unreserve: 0x%" PRIxPTR "+%zu is not exactly a reservation",
-                    va, size);
+        return fail(s, GM_EINVAL, "unreserve: 0x%" PRIxPTR "+%zu is not exactly a reservation", va, size);
     if (r->mapped)
-        return fail(s, GM_EINVAL, "unreserve: reservation 0x%" PRIxPTR "+%zu still has %zu pages mapped",
-                    va, size, r->mapped);
-    if (inject)
-        return injected(s, GM_OP_UNRESERVE);
+        return fail(s, GM_EINVAL, "unreserve: reservation 0x%" PRIxPTR "+%zu still has %zu pages mapped", va, size,
+                    r->mapped);
+    if (inject) return injected(s, GM_OP_UNRESERVE);
     free(r->handle);
     free(r->access);
     size_t i = (size_t)(r - s->resv);
@@ -304,20 +274,16 @@ static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size)
 
 /* ---- physical pages ------------------------------------------------------ */
 
-static uint64_t used_bytes(const sim_device *s)
-{
+static uint64_t used_bytes(const sim_device *s) {
     uint64_t pages = (uint64_t)s->pages_created * s->base.page_size;
     return sat_add(sat_add(pages, s->ext_total), s->self_outside);
 }
 
-static int sim_create(gm_device *dev, gm_handle *handle)
-{
+static int sim_create(gm_device *dev, gm_handle *handle) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_CREATE);
-    if (!handle)
-        return fail(s, GM_EINVAL, "create: NULL output pointer");
-    if (inject)
-        return injected(s, GM_OP_CREATE);
+    if (!handle) return fail(s, GM_EINVAL, "create: NULL output pointer");
+    if (inject) return injected(s, GM_OP_CREATE);
     uint64_t used = used_bytes(s);
     if (used > s->capacity || s->capacity - used < dev->page_size)
         return fail(s, GM_ENOMEM,
@@ -328,16 +294,13 @@ static int sim_create(gm_device *dev, gm_handle *handle)
     uint32_t id = s->free_head;
     if (id != SIM_NONE) {
         s->free_head = s->pages[id].next_free;
-        if (s->free_head == SIM_NONE)
-            s->free_tail = SIM_NONE;
+        if (s->free_head == SIM_NONE) s->free_tail = SIM_NONE;
     } else {
         if (s->n_pages_slots == s->cap_pages) {
-            if (s->cap_pages >= UINT32_MAX / 2)
-                return fail(s, GM_ENOMEM, "create: too many pages");
+            if (s->cap_pages >= UINT32_MAX / 2) return fail(s, GM_ENOMEM, "create: too many pages");
             uint32_t nc = s->cap_pages * 2;
             sim_page *np = realloc(s->pages, (size_t)nc * sizeof *np);
-            if (!np)
-                return fail(s, GM_ENOMEM, "create: out of host memory");
+            if (!np) return fail(s, GM_ENOMEM, "create: out of host memory");
             s->pages = np;
             s->cap_pages = nc;
         }
@@ -352,8 +315,7 @@ static int sim_create(gm_device *dev, gm_handle *handle)
 }
 
 /* The live page record for a handle, or NULL with last_error set. */
-static sim_page *live_page(sim_device *s, const char *op, gm_handle handle)
-{
+static sim_page *live_page(sim_device *s, const char *op, gm_handle handle) {
     if (handle == 0 || handle >= s->n_pages_slots)
         fail(s, GM_EINVAL, "%s: unknown handle %llu", op, (unsigned long long)handle);
     else if (!s->pages[handle].alive)
@@ -363,20 +325,16 @@ static sim_page *live_page(sim_device *s, const char *op, gm_handle handle)
     return NULL;
 }
 
-static int sim_release(gm_device *dev, gm_handle handle)
-{
+static int sim_release(gm_device *dev, gm_handle handle) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_RELEASE);
-    if (capture_forbids(s, GM_OP_RELEASE))
-        return GM_EDEVICE;
+    if (capture_forbids(s, GM_OP_RELEASE)) return GM_EDEVICE;
     sim_page *p = live_page(s, "release", handle);
-    if (!p)
-        return GM_EINVAL;
+    if (!p) return GM_EINVAL;
     if (p->mapped_at)
-        return fail(s, GM_EINVAL, "release: handle %llu is still mapped at 0x%" PRIxPTR "",
-                    (unsigned long long)handle, p->mapped_at);
-    if (inject)
-        return injected(s, GM_OP_RELEASE);
+        return fail(s, GM_EINVAL, "release: handle %llu is still mapped at 0x%" PRIxPTR "", (unsigned long long)handle,
+                    p->mapped_at);
+    if (inject) return injected(s, GM_OP_RELEASE);
     p->alive = 0;
     p->next_free = SIM_NONE;
     if (s->free_tail == SIM_NONE)
@@ -390,25 +348,21 @@ static int sim_release(gm_device *dev, gm_handle handle)
 
 /* ---- mapping ------------------------------------------------------------- */
 
-static int sim_map(gm_device *dev, uintptr_t va, gm_handle handle)
-{
+static int sim_map(gm_device *dev, uintptr_t va, gm_handle handle) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_MAP);
     size_t first;
     sim_resv *r = range_resv(s, "map", va, dev->page_size, &first);
-    if (!r)
-        return GM_EINVAL;
+    if (!r) return GM_EINVAL;
     sim_page *p = live_page(s, "map", handle);
-    if (!p)
-        return GM_EINVAL;
+    if (!p) return GM_EINVAL;
     if (r->handle[first])
-        return fail(s, GM_EINVAL, "map: page at 0x%" PRIxPTR " is already mapped (handle %llu)",
-                    va, (unsigned long long)r->handle[first]);
+        return fail(s, GM_EINVAL, "map: page at 0x%" PRIxPTR " is already mapped (handle %llu)", va,
+                    (unsigned long long)r->handle[first]);
     if (p->mapped_at)
-        return fail(s, GM_EINVAL, "map: handle %llu is already mapped at 0x%" PRIxPTR "",
-                    (unsigned long long)handle, p->mapped_at);
-    if (inject)
-        return injected(s, GM_OP_MAP);
+        return fail(s, GM_EINVAL, "map: handle %llu is already mapped at 0x%" PRIxPTR "", (unsigned long long)handle,
+                    p->mapped_at);
+    if (inject) return injected(s, GM_OP_MAP);
     r->handle[first] = handle;
     r->access[first] = 0; /* CUDA grants nothing to a fresh mapping */
     r->mapped++;
@@ -417,23 +371,19 @@ static int sim_map(gm_device *dev, uintptr_t va, gm_handle handle)
     return GM_OK;
 }
 
-static int sim_unmap(gm_device *dev, uintptr_t va, size_t size)
-{
+static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_UNMAP);
-    if (capture_forbids(s, GM_OP_UNMAP))
-        return GM_EDEVICE;
+    if (capture_forbids(s, GM_OP_UNMAP)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = range_resv(s, "unmap", va, size, &first);
-    if (!r)
-        return GM_EINVAL;
+    if (!r) return GM_EINVAL;
     size_t n = size / dev->page_size;
     for (size_t i = 0; i < n; i++)
         if (!r->handle[first + i])
             return fail(s, GM_EINVAL, "unmap: page at 0x%" PRIxPTR " in 0x%" PRIxPTR "+%zu is not mapped",
                         (va + i * dev->page_size), va, size);
-    if (inject)
-        return injected(s, GM_OP_UNMAP);
+    if (inject) return injected(s, GM_OP_UNMAP);
     for (size_t i = 0; i < n; i++) {
         s->pages[r->handle[first + i]].mapped_at = 0;
         r->handle[first + i] = 0;
@@ -444,29 +394,25 @@ static int sim_unmap(gm_device *dev, uintptr_t va, size_t size)
     return GM_OK;
 }
 
-static int sim_set_access(gm_device *dev, uintptr_t va, size_t size)
-{
+static int sim_set_access(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_SET_ACCESS);
     size_t first;
     sim_resv *r = range_resv(s, "set_access", va, size, &first);
-    if (!r)
-        return GM_EINVAL;
+    if (!r) return GM_EINVAL;
     size_t n = size / dev->page_size;
     for (size_t i = 0; i < n; i++)
         if (!r->handle[first + i])
             return fail(s, GM_EINVAL, "set_access: page at 0x%" PRIxPTR " in 0x%" PRIxPTR "+%zu is not mapped",
                         (va + i * dev->page_size), va, size);
-    if (inject)
-        return injected(s, GM_OP_SET_ACCESS);
+    if (inject) return injected(s, GM_OP_SET_ACCESS);
     memset(r->access + first, 1, n);
     return GM_OK;
 }
 
 /* ---- streams and events -------------------------------------------------- */
 
-static uint32_t stream_slot(const sim_device *s, gm_stream stream)
-{
+static uint32_t stream_slot(const sim_device *s, gm_stream stream) {
     uint64_t x = stream;
     x = (x ^ (x >> 33)) * 0xff51afd7ed558ccdull;
     x ^= x >> 33;
@@ -474,41 +420,33 @@ static uint32_t stream_slot(const sim_device *s, gm_stream stream)
 }
 
 /* Index of the stream's record, or SIM_NONE if it was never held. */
-static uint32_t stream_find(const sim_device *s, gm_stream stream)
-{
-    if (!s->hash_cap)
-        return SIM_NONE;
+static uint32_t stream_find(const sim_device *s, gm_stream stream) {
+    if (!s->hash_cap) return SIM_NONE;
     for (uint32_t i = stream_slot(s, stream);; i = (i + 1) & (s->hash_cap - 1)) {
         uint32_t e = s->stream_hash[i];
-        if (!e)
-            return SIM_NONE;
-        if (s->streams[e - 1].stream == stream)
-            return e - 1;
+        if (!e) return SIM_NONE;
+        if (s->streams[e - 1].stream == stream) return e - 1;
     }
 }
 
-static uint32_t stream_add(sim_device *s, gm_stream stream)
-{
+static uint32_t stream_add(sim_device *s, gm_stream stream) {
     if (s->n_streams == s->cap_streams) {
         uint32_t nc = s->cap_streams ? 2 * s->cap_streams : 8;
         sim_stream *ns = realloc(s->streams, (size_t)nc * sizeof *ns);
-        if (!ns)
-            return SIM_NONE;
+        if (!ns) return SIM_NONE;
         s->streams = ns;
         s->cap_streams = nc;
     }
     if ((s->n_streams + 1) * 2 > s->hash_cap) {
         uint32_t nc = s->hash_cap ? 2 * s->hash_cap : 16;
         uint32_t *nh = calloc(nc, sizeof *nh);
-        if (!nh)
-            return SIM_NONE;
+        if (!nh) return SIM_NONE;
         free(s->stream_hash);
         s->stream_hash = nh;
         s->hash_cap = nc;
         for (uint32_t k = 0; k < s->n_streams; k++) {
             uint32_t i = stream_slot(s, s->streams[k].stream);
-            while (nh[i])
-                i = (i + 1) & (nc - 1);
+            while (nh[i]) i = (i + 1) & (nc - 1);
             nh[i] = k + 1;
         }
     }
@@ -518,14 +456,12 @@ static uint32_t stream_add(sim_device *s, gm_stream stream)
     s->streams[k].held = 0;
     s->streams[k].capturing = 0;
     uint32_t i = stream_slot(s, stream);
-    while (s->stream_hash[i])
-        i = (i + 1) & (s->hash_cap - 1);
+    while (s->stream_hash[i]) i = (i + 1) & (s->hash_cap - 1);
     s->stream_hash[i] = k + 1;
     return k;
 }
 
-static sim_event *live_event(sim_device *s, const char *op, gm_event ev)
-{
+static sim_event *live_event(sim_device *s, const char *op, gm_event ev) {
     if (ev == 0 || ev >= s->n_event_slots)
         fail(s, GM_EINVAL, "%s: unknown event %llu", op, (unsigned long long)ev);
     else if (!s->events[ev].alive)
@@ -535,25 +471,20 @@ static sim_event *live_event(sim_device *s, const char *op, gm_event ev)
     return NULL;
 }
 
-static int sim_event_create(gm_device *dev, gm_event *ev)
-{
+static int sim_event_create(gm_device *dev, gm_event *ev) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_EVENT_CREATE);
-    if (!ev)
-        return fail(s, GM_EINVAL, "event_create: NULL output pointer");
-    if (inject)
-        return injected(s, GM_OP_EVENT_CREATE);
+    if (!ev) return fail(s, GM_EINVAL, "event_create: NULL output pointer");
+    if (inject) return injected(s, GM_OP_EVENT_CREATE);
     uint32_t id = s->event_free;
     if (id != SIM_NONE) {
         s->event_free = s->events[id].next_free;
     } else {
         if (s->n_event_slots == s->cap_events) {
-            if (s->cap_events >= UINT32_MAX / 2)
-                return fail(s, GM_EDEVICE, "event_create: too many events");
+            if (s->cap_events >= UINT32_MAX / 2) return fail(s, GM_EDEVICE, "event_create: too many events");
             uint32_t nc = s->cap_events * 2;
             sim_event *ne = realloc(s->events, (size_t)nc * sizeof *ne);
-            if (!ne)
-                return fail(s, GM_EDEVICE, "event_create: out of host memory");
+            if (!ne) return fail(s, GM_EDEVICE, "event_create: out of host memory");
             s->events = ne;
             s->cap_events = nc;
         }
@@ -568,15 +499,12 @@ static int sim_event_create(gm_device *dev, gm_event *ev)
     return GM_OK;
 }
 
-static int sim_event_destroy(gm_device *dev, gm_event ev)
-{
+static int sim_event_destroy(gm_device *dev, gm_event ev) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_EVENT_DESTROY);
     sim_event *e = live_event(s, "event_destroy", ev);
-    if (!e)
-        return GM_EINVAL;
-    if (inject)
-        return injected(s, GM_OP_EVENT_DESTROY);
+    if (!e) return GM_EINVAL;
+    if (inject) return injected(s, GM_OP_EVENT_DESTROY);
     e->alive = 0;
     e->next_free = s->event_free;
     s->event_free = (uint32_t)ev;
@@ -584,17 +512,13 @@ static int sim_event_destroy(gm_device *dev, gm_event ev)
     return GM_OK;
 }
 
-static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream)
-{
+static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_EVENT_RECORD);
-    if (capture_forbids(s, GM_OP_EVENT_RECORD))
-        return GM_EDEVICE;
+    if (capture_forbids(s, GM_OP_EVENT_RECORD)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_record", ev);
-    if (!e)
-        return GM_EINVAL;
-    if (inject)
-        return injected(s, GM_OP_EVENT_RECORD);
+    if (!e) return GM_EINVAL;
+    if (inject) return injected(s, GM_OP_EVENT_RECORD);
     uint32_t k = s->held_count ? stream_find(s, stream) : SIM_NONE;
     if (k != SIM_NONE && s->streams[k].held) {
         e->stream_idx = k;
@@ -605,69 +529,54 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream)
     return GM_OK;
 }
 
-static int sim_event_query(gm_device *dev, gm_event ev)
-{
+static int sim_event_query(gm_device *dev, gm_event ev) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_EVENT_QUERY);
-    if (capture_forbids(s, GM_OP_EVENT_QUERY))
-        return GM_EDEVICE;
+    if (capture_forbids(s, GM_OP_EVENT_QUERY)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_query", ev);
-    if (!e)
-        return GM_EINVAL;
-    if (inject)
-        return injected(s, GM_OP_EVENT_QUERY);
+    if (!e) return GM_EINVAL;
+    if (inject) return injected(s, GM_OP_EVENT_QUERY);
     if (e->stream_idx != SIM_NONE) {
         const sim_stream *st = &s->streams[e->stream_idx];
-        if (st->held && st->epoch == e->epoch)
-            return GM_ENOTREADY;
+        if (st->held && st->epoch == e->epoch) return GM_ENOTREADY;
     }
     return GM_OK;
 }
 
-static int sim_synchronize(gm_device *dev)
-{
+static int sim_synchronize(gm_device *dev) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_SYNCHRONIZE);
-    if (capture_forbids(s, GM_OP_SYNCHRONIZE))
-        return GM_EDEVICE;
+    if (capture_forbids(s, GM_OP_SYNCHRONIZE)) return GM_EDEVICE;
     if (s->held_count) {
         for (uint32_t k = 0; k < s->n_streams; k++)
             if (s->streams[k].held)
                 return fail(s, GM_EINVAL, "synchronize: would deadlock: stream %llu is held",
                             (unsigned long long)s->streams[k].stream);
     }
-    if (inject)
-        return injected(s, GM_OP_SYNCHRONIZE);
+    if (inject) return injected(s, GM_OP_SYNCHRONIZE);
     /* Nothing is held, so every recorded event is already complete. */
     return GM_OK;
 }
 
 /* ---- memory accounting --------------------------------------------------- */
 
-static int sim_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes)
-{
+static int sim_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_MEM_INFO);
-    if (!free_bytes || !total_bytes)
-        return fail(s, GM_EINVAL, "mem_info: NULL output pointer");
-    if (inject)
-        return injected(s, GM_OP_MEM_INFO);
+    if (!free_bytes || !total_bytes) return fail(s, GM_EINVAL, "mem_info: NULL output pointer");
+    if (inject) return injected(s, GM_OP_MEM_INFO);
     uint64_t used = used_bytes(s);
     *total_bytes = s->capacity;
     *free_bytes = used >= s->capacity ? 0 : (size_t)(s->capacity - used);
     return GM_OK;
 }
 
-static int sim_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n)
-{
+static int sim_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_PROCESSES);
-    if (!n || (cap && !out))
-        return fail(s, GM_EINVAL, "processes: NULL output pointer");
-    if (!s->nvml)
-        return fail(s, GM_ENOTSUP, "processes: NVML is not available");
-    if (inject)
-        return injected(s, GM_OP_PROCESSES);
+    if (!n || (cap && !out)) return fail(s, GM_EINVAL, "processes: NULL output pointer");
+    if (!s->nvml) return fail(s, GM_ENOTSUP, "processes: NVML is not available");
+    if (inject) return injected(s, GM_OP_PROCESSES);
     *n = 1 + s->n_ext;
     if (cap > 0) {
         out[0].pid = s->self_pid ? s->self_pid : (uint32_t)getpid();
@@ -680,21 +589,17 @@ static int sim_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t 
     return GM_OK;
 }
 
-static int sim_capture_status(gm_device *dev, gm_stream stream, int *capturing)
-{
+static int sim_capture_status(gm_device *dev, gm_stream stream, int *capturing) {
     sim_device *s = (sim_device *)dev;
-    if (!capturing)
-        return fail(s, GM_EINVAL, "capture_status: NULL output pointer");
+    if (!capturing) return fail(s, GM_EINVAL, "capture_status: NULL output pointer");
     uint32_t k = s->capturing_streams ? stream_find(s, stream) : SIM_NONE;
     *capturing = s->capture_all || (k != SIM_NONE && s->streams[k].capturing);
     return GM_OK;
 }
 
-static void sim_destroy(gm_device *dev)
-{
+static void sim_destroy(gm_device *dev) {
     sim_device *s = as_sim(dev);
-    if (!s)
-        return;
+    if (!s) return;
     for (size_t i = 0; i < s->n_resv; i++) {
         free(s->resv[i].handle);
         free(s->resv[i].access);
@@ -708,23 +613,18 @@ static void sim_destroy(gm_device *dev)
     free(s);
 }
 
-static int sim_verify_accessible(const gm_device *dev, uintptr_t va, size_t size)
-{
+static int sim_verify_accessible(const gm_device *dev, uintptr_t va, size_t size) {
     return gm_sim_is_accessible(dev, va, size);
 }
 
-static void sim_verify_pages(const gm_device *dev, size_t *created, size_t *mapped)
-{
+static void sim_verify_pages(const gm_device *dev, size_t *created, size_t *mapped) {
     gm_sim_info si;
     gm_sim_info_get(dev, &si);
     *created = si.pages_created;
     *mapped = si.pages_mapped;
 }
 
-static gm_handle sim_verify_handle_at(const gm_device *dev, uintptr_t va)
-{
-    return gm_sim_handle_at(dev, va);
-}
+static gm_handle sim_verify_handle_at(const gm_device *dev, uintptr_t va) { return gm_sim_handle_at(dev, va); }
 
 static const gm_device_verify sim_verify = {
     .accessible = sim_verify_accessible,
@@ -754,8 +654,7 @@ static const gm_device_ops sim_ops = {
 
 /* ---- public -------------------------------------------------------------- */
 
-static void format_capacity(char *buf, size_t len, size_t bytes)
-{
+static void format_capacity(char *buf, size_t len, size_t bytes) {
     static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
     int u = 0;
     size_t v = bytes;
@@ -766,11 +665,9 @@ static void format_capacity(char *buf, size_t len, size_t bytes)
     snprintf(buf, len, "sim:%zu%s", v, unit[u]);
 }
 
-gm_device *gm_sim_create(size_t capacity, size_t page_size)
-{
+gm_device *gm_sim_create(size_t capacity, size_t page_size) {
     sim_device *s = calloc(1, sizeof *s);
-    if (!s)
-        return NULL;
+    if (!s) return NULL;
     s->cap_pages = 64;
     s->cap_events = 64;
     s->pages = malloc(s->cap_pages * sizeof *s->pages);
@@ -791,17 +688,14 @@ gm_device *gm_sim_create(size_t capacity, size_t page_size)
     s->free_head = s->free_tail = SIM_NONE;
     s->n_event_slots = 1;
     s->event_free = SIM_NONE;
-    s->next_va = SIM_VA_BASE + (s->base.page_size - SIM_VA_BASE % s->base.page_size) %
-                                   s->base.page_size;
+    s->next_va = SIM_VA_BASE + (s->base.page_size - SIM_VA_BASE % s->base.page_size) % s->base.page_size;
     s->nvml = 1;
     return &s->base;
 }
 
-void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count)
-{
+void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count) {
     sim_device *s = as_sim(dev);
-    if (!s || (unsigned)op >= GM_OP__COUNT)
-        return;
+    if (!s || (unsigned)op >= GM_OP__COUNT) return;
     sim_fault *f = &s->fault[op];
     if (nth == 0 || count == 0) {
         f->from = f->to = 0;
@@ -811,35 +705,27 @@ void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count)
     f->to = sat_add(f->from, count - 1);
 }
 
-void gm_sim_fail_random(gm_device *dev, gm_dev_op op, double p, uint64_t seed)
-{
+void gm_sim_fail_random(gm_device *dev, gm_dev_op op, double p, uint64_t seed) {
     sim_device *s = as_sim(dev);
-    if (!s || (unsigned)op >= GM_OP__COUNT)
-        return;
+    if (!s || (unsigned)op >= GM_OP__COUNT) return;
     s->fault[op].p = p > 0.0 ? p : 0.0; /* NaN and negatives turn it off */
     s->fault[op].rng = seed;
 }
 
-uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op)
-{
+uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op) {
     const sim_device *s = as_sim_c(dev);
-    if (!s || (unsigned)op >= GM_OP__COUNT)
-        return 0;
+    if (!s || (unsigned)op >= GM_OP__COUNT) return 0;
     return s->calls[op];
 }
 
-void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held)
-{
+void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held) {
     sim_device *s = as_sim(dev);
-    if (!s)
-        return;
+    if (!s) return;
     uint32_t k = stream_find(s, stream);
     if (k == SIM_NONE) {
-        if (!held)
-            return; /* never held: nothing recorded on it is pending */
+        if (!held) return; /* never held: nothing recorded on it is pending */
         k = stream_add(s, stream);
-        if (k == SIM_NONE)
-            return; /* out of host memory: the stream simply stays unheld */
+        if (k == SIM_NONE) return; /* out of host memory: the stream simply stays unheld */
     }
     sim_stream *st = &s->streams[k];
     if (held && !st->held) {
@@ -852,14 +738,11 @@ void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held)
     }
 }
 
-void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes)
-{
+void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes) {
     sim_device *s = as_sim(dev);
-    if (!s)
-        return;
+    if (!s) return;
     size_t i = 0;
-    while (i < s->n_ext && s->ext[i].pid != pid)
-        i++;
+    while (i < s->n_ext && s->ext[i].pid != pid) i++;
     if (i < s->n_ext) {
         s->ext_total -= s->ext[i].bytes;
         if (bytes == 0) {
@@ -868,13 +751,11 @@ void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes)
             return;
         }
     } else {
-        if (bytes == 0)
-            return;
+        if (bytes == 0) return;
         if (s->n_ext == s->cap_ext) {
             size_t nc = s->cap_ext ? 2 * s->cap_ext : 4;
             sim_ext *ne = realloc(s->ext, nc * sizeof *ne);
-            if (!ne)
-                return;
+            if (!ne) return;
             s->ext = ne;
             s->cap_ext = nc;
         }
@@ -885,30 +766,23 @@ void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes)
     s->ext_total = sat_add(s->ext_total, bytes);
 }
 
-void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes)
-{
+void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes) {
     sim_device *s = as_sim(dev);
-    if (!s)
-        return;
+    if (!s) return;
     s->self_pid = self_pid; /* 0: report getpid() */
     s->self_outside = outside_bytes;
 }
 
-void gm_sim_set_nvml(gm_device *dev, int available)
-{
+void gm_sim_set_nvml(gm_device *dev, int available) {
     sim_device *s = as_sim(dev);
-    if (s)
-        s->nvml = available != 0;
+    if (s) s->nvml = available != 0;
 }
 
-void gm_sim_info_get(const gm_device *dev, gm_sim_info *info)
-{
+void gm_sim_info_get(const gm_device *dev, gm_sim_info *info) {
     const sim_device *s = as_sim_c(dev);
-    if (!info)
-        return;
+    if (!info) return;
     memset(info, 0, sizeof *info);
-    if (!s)
-        return;
+    if (!s) return;
     info->capacity = s->capacity;
     info->page_size = s->base.page_size;
     info->pages_created = s->pages_created;
@@ -917,49 +791,35 @@ void gm_sim_info_get(const gm_device *dev, gm_sim_info *info)
     info->reservations = s->n_resv;
 }
 
-int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size)
-{
+int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size) {
     const sim_device *s = as_sim_c(dev);
-    if (!s)
-        return 0;
-    if (size == 0)
-        return 1;
-    if (size - 1 > UINTPTR_MAX - va)
-        return 0;
+    if (!s) return 0;
+    if (size == 0) return 1;
+    if (size - 1 > UINTPTR_MAX - va) return 0;
     size_t ps = s->base.page_size;
     const sim_resv *r = NULL;
     for (size_t i = 0; i < s->n_resv && !r; i++)
-        if (va >= s->resv[i].va && va - s->resv[i].va < s->resv[i].size)
-            r = &s->resv[i];
-    if (!r)
-        return 0;
+        if (va >= s->resv[i].va && va - s->resv[i].va < s->resv[i].size) r = &s->resv[i];
+    if (!r) return 0;
     uintptr_t last = va + (size - 1);
-    if (last - r->va >= r->size)
-        return 0;
+    if (last - r->va >= r->size) return 0;
     for (size_t p = (va - r->va) / ps; p <= (last - r->va) / ps; p++)
-        if (!r->handle[p] || !r->access[p])
-            return 0;
+        if (!r->handle[p] || !r->access[p]) return 0;
     return 1;
 }
 
-void gm_sim_set_capture(gm_device *dev, int on)
-{
+void gm_sim_set_capture(gm_device *dev, int on) {
     sim_device *s = as_sim(dev);
-    if (s)
-        s->capture_all = on != 0;
+    if (s) s->capture_all = on != 0;
 }
 
-void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on)
-{
+void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on) {
     sim_device *s = as_sim(dev);
-    if (!s)
-        return;
+    if (!s) return;
     uint32_t k = stream_find(s, stream);
     if (k == SIM_NONE) {
-        if (!on)
-            return;
-        if ((k = stream_add(s, stream)) == SIM_NONE)
-            return; /* out of host memory: the stream simply is not marked */
+        if (!on) return;
+        if ((k = stream_add(s, stream)) == SIM_NONE) return; /* out of host memory: the stream simply is not marked */
     }
     sim_stream *st = &s->streams[k];
     if (on && !st->capturing) {
@@ -971,21 +831,17 @@ void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on)
     }
 }
 
-uint64_t gm_sim_capture_violations(const gm_device *dev)
-{
+uint64_t gm_sim_capture_violations(const gm_device *dev) {
     const sim_device *s = as_sim_c(dev);
     return s ? s->capture_violations : 0;
 }
 
-gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va)
-{
+gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va) {
     const sim_device *s = as_sim_c(dev);
-    if (!s)
-        return 0;
+    if (!s) return 0;
     for (size_t i = 0; i < s->n_resv; i++) {
         const sim_resv *r = &s->resv[i];
-        if (va >= r->va && va - r->va < r->size)
-            return r->handle[(va - r->va) / s->base.page_size];
+        if (va >= r->va && va - r->va < r->size) return r->handle[(va - r->va) / s->base.page_size];
     }
     return 0;
 }

@@ -6,27 +6,20 @@
 #include <inttypes.h>
 #include <stdio.h>
 
-int gm_py_put(PyObject *d, const char *key, PyObject *value)
-{
-    if (value == NULL)
-        return -1;
+int gm_py_put(PyObject *d, const char *key, PyObject *value) {
+    if (value == NULL) return -1;
     int rc = PyDict_SetItemString(d, key, value);
     Py_DECREF(value);
     return rc;
 }
 
-int gm_py_put_u64(PyObject *d, const char *key, uint64_t v)
-{
+int gm_py_put_u64(PyObject *d, const char *key, uint64_t v) {
     return gm_py_put(d, key, PyLong_FromUnsignedLongLong(v));
 }
 
-int gm_py_put_i64(PyObject *d, const char *key, int64_t v)
-{
-    return gm_py_put(d, key, PyLong_FromLongLong(v));
-}
+int gm_py_put_i64(PyObject *d, const char *key, int64_t v) { return gm_py_put(d, key, PyLong_FromLongLong(v)); }
 
-PyObject *gm_py_stats_dict(const gm_stats *s)
-{
+PyObject *gm_py_stats_dict(const gm_stats *s) {
     static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
     static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
     const struct {
@@ -46,8 +39,7 @@ PyObject *gm_py_stats_dict(const gm_stats *s)
 #undef PLAIN
     };
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     char key[96];
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         for (int p = 0; p < GM_POOL__COUNT; p++) {
@@ -55,30 +47,24 @@ PyObject *gm_py_stats_dict(const gm_stats *s)
             const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
             for (int f = 0; f < 4; f++) {
                 snprintf(key, sizeof key, "%s.%s.%s", groups[g].name, pools[p], fields[f]);
-                if (gm_py_put_i64(d, key, vals[f]) < 0)
-                    goto fail;
+                if (gm_py_put_i64(d, key, vals[f]) < 0) goto fail;
             }
         }
     }
     for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
-        if (gm_py_put_i64(d, plain[i].name, plain[i].v) < 0)
-            goto fail;
+        if (gm_py_put_i64(d, plain[i].name, plain[i].v) < 0) goto fail;
     return d;
 fail:
     Py_DECREF(d);
     return NULL;
 }
 
-PyObject *gm_py_oom_dict(const gm_oom_info *o)
-{
+PyObject *gm_py_oom_dict(const gm_oom_info *o) {
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     if (gm_py_put_u64(d, "request", o->request) < 0 || gm_py_put_u64(d, "stream", o->stream) < 0 ||
-        gm_py_put_u64(d, "device_total", o->device_total) < 0 ||
-        gm_py_put_u64(d, "device_free", o->device_free) < 0 ||
-        gm_py_put_u64(d, "cap_bytes", o->cap_bytes) < 0 ||
-        gm_py_put_u64(d, "live_bytes", o->live_bytes) < 0 ||
+        gm_py_put_u64(d, "device_total", o->device_total) < 0 || gm_py_put_u64(d, "device_free", o->device_free) < 0 ||
+        gm_py_put_u64(d, "cap_bytes", o->cap_bytes) < 0 || gm_py_put_u64(d, "live_bytes", o->live_bytes) < 0 ||
         gm_py_put_u64(d, "pending_bytes", o->pending_bytes) < 0 ||
         gm_py_put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
         gm_py_put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
@@ -95,14 +81,12 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o)
     return d;
 }
 
-PyObject *gm_py_history(gm_heap *h, const char *unknown_action)
-{
-    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",
-                                        "unmap", "remap",          "oom",            "empty_cache"};
+PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
+    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map", "unmap", "remap",
+                                        "oom",   "empty_cache"};
     size_t cap = gm_history_len(h);
     gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
-    if (buf == NULL)
-        return PyErr_NoMemory();
+    if (buf == NULL) return PyErr_NoMemory();
     uint64_t dropped = 0;
     /* A thread inside the core without the GIL may add entries between the two
      * calls; read returns how many it really copied, so use that. */
@@ -115,9 +99,9 @@ PyObject *gm_py_history(gm_heap *h, const char *unknown_action)
     for (size_t i = 0; i < n; i++) {
         const gm_hist_entry *e = &buf[i];
         const char *act = e->action < sizeof names / sizeof names[0] ? names[e->action] : unknown_action;
-        PyObject *t = Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act,
-                                    (unsigned long long)e->addr, (unsigned long long)e->size,
-                                    (unsigned long long)e->stream, (unsigned long long)e->context);
+        PyObject *t =
+            Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act, (unsigned long long)e->addr,
+                          (unsigned long long)e->size, (unsigned long long)e->stream, (unsigned long long)e->context);
         if (t == NULL) {
             Py_DECREF(list);
             PyMem_Free(buf);
@@ -129,8 +113,7 @@ PyObject *gm_py_history(gm_heap *h, const char *unknown_action)
     return Py_BuildValue("(NK)", list, (unsigned long long)dropped);
 }
 
-PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
-{
+PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state) {
     static const char *const states[] = {
         [GM_BLOCK_LIVE] = "live",
         [GM_BLOCK_FREE] = "free",
@@ -138,21 +121,17 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
         [GM_BLOCK_UNMAPPED] = "unmapped",
     };
     PyObject *blocks = PyList_New((Py_ssize_t)snap->n_blocks);
-    if (blocks == NULL)
-        return NULL;
+    if (blocks == NULL) return NULL;
     for (size_t i = 0; i < snap->n_blocks; i++) {
         const gm_block_info *b = &snap->blocks[i];
-        const char *st = (b->state >= 0 && (size_t)b->state < sizeof states / sizeof states[0])
-                             ? states[b->state]
-                             : unknown_state;
-        PyObject *pool = (b->pool.first || b->pool.second)
-                             ? Py_BuildValue("(KK)", (unsigned long long)b->pool.first,
-                                             (unsigned long long)b->pool.second)
-                             : (Py_INCREF(Py_None), Py_None);
-        PyObject *t = pool ? Py_BuildValue("(KKKKKKsN)", (unsigned long long)b->addr,
-                                           (unsigned long long)b->size, (unsigned long long)b->requested,
-                                           (unsigned long long)b->stream, (unsigned long long)b->context,
-                                           (unsigned long long)b->alloc_seq, st, pool)
+        const char *st =
+            (b->state >= 0 && (size_t)b->state < sizeof states / sizeof states[0]) ? states[b->state] : unknown_state;
+        PyObject *pool = (b->pool.first || b->pool.second) ? Py_BuildValue("(KK)", (unsigned long long)b->pool.first,
+                                                                           (unsigned long long)b->pool.second)
+                                                           : (Py_INCREF(Py_None), Py_None);
+        PyObject *t = pool ? Py_BuildValue("(KKKKKKsN)", (unsigned long long)b->addr, (unsigned long long)b->size,
+                                           (unsigned long long)b->requested, (unsigned long long)b->stream,
+                                           (unsigned long long)b->context, (unsigned long long)b->alloc_seq, st, pool)
                            : NULL;
         if (t == NULL) {
             Py_DECREF(blocks);
@@ -163,8 +142,7 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state)
     return blocks;
 }
 
-void gm_fmt_bytes(char *buf, size_t len, uint64_t n)
-{
+void gm_fmt_bytes(char *buf, size_t len, uint64_t n) {
     static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
     if (n < 1024) {
         snprintf(buf, len, "%" PRIu64 " B", n);
@@ -179,8 +157,7 @@ void gm_fmt_bytes(char *buf, size_t len, uint64_t n)
     snprintf(buf, len, "%.2f %s", v, units[u]);
 }
 
-void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out)
-{
+void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out) {
     gm_fmt_bytes(out->request, sizeof out->request, o->request);
     gm_fmt_bytes(out->device_total, sizeof out->device_total, o->device_total);
     gm_fmt_bytes(out->device_free, sizeof out->device_free, o->device_free);
@@ -192,15 +169,12 @@ void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out)
     gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
 }
 
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed)
-{
-    if (!len)
-        return 0;
+size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed) {
+    if (!len) return 0;
     gm_oom_sizes z;
     gm_oom_sizes_format(o, &z);
     char where[32] = "", device[160];
-    if (gpu >= 0)
-        snprintf(where, sizeof where, " on GPU %d", gpu);
+    if (gpu >= 0) snprintf(where, sizeof where, " on GPU %d", gpu);
     if (!o->device_total)
         snprintf(device, sizeof device, "The device's memory is unknown.");
     else if (gpu >= 0)
@@ -210,8 +184,7 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const c
         snprintf(device, sizeof device, "The device has a total capacity of %s of which %s is free.", z.device_total,
                  z.device_free);
     char other[400] = "", fail[400] = "";
-    if (others)
-        snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
+    if (others) snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
     if (o->device_error != GM_OK)
         snprintf(fail, sizeof fail, " A device call failed: %s (%s: %s).", gm_strerror(o->device_error),
                  gm_py_code_name(o->device_error), failed && failed[0] ? failed : "no detail");
@@ -228,11 +201,9 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const c
     return (size_t)w < len ? (size_t)w : len - 1;
 }
 
-PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state)
-{
+PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state) {
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     if (gm_py_put_u64(d, "va_base", snap->va_base) < 0 || gm_py_put_u64(d, "va_size", snap->va_size) < 0 ||
         gm_py_put_u64(d, "page_size", snap->page_size) < 0 || gm_py_put_u64(d, "top", snap->top) < 0 ||
         gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
@@ -245,33 +216,32 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
     return d;
 }
 
-const char *gm_py_code_name(int code)
-{
+const char *gm_py_code_name(int code) {
     switch (code) {
-#define NAME_CASE(name, value, text) \
-    case name: return #name;
+#define NAME_CASE(name, value, text)                                                                                   \
+    case name:                                                                                                         \
+        return #name;
         GM_EACH_ERROR(NAME_CASE)
 #undef NAME_CASE
-    default: return "GM_E?";
+    default:
+        return "GM_E?";
     }
 }
 
-int gm_py_add_name_lists(PyObject *m)
-{
+int gm_py_add_name_lists(PyObject *m) {
     PyObject *errors = PyDict_New();
-    if (errors == NULL)
-        return -1;
-#define ERROR_ITEM(name, value, text)                                                   \
-    {                                                                                   \
-        PyObject *k = PyLong_FromLong(value);                                           \
-        PyObject *v = PyUnicode_FromString(#name);                                      \
-        int bad = k == NULL || v == NULL || PyDict_SetItem(errors, k, v) < 0;           \
-        Py_XDECREF(k);                                                                  \
-        Py_XDECREF(v);                                                                  \
-        if (bad) {                                                                      \
-            Py_DECREF(errors);                                                          \
-            return -1;                                                                  \
-        }                                                                               \
+    if (errors == NULL) return -1;
+#define ERROR_ITEM(name, value, text)                                                                                  \
+    {                                                                                                                  \
+        PyObject *k = PyLong_FromLong(value);                                                                          \
+        PyObject *v = PyUnicode_FromString(#name);                                                                     \
+        int bad = k == NULL || v == NULL || PyDict_SetItem(errors, k, v) < 0;                                          \
+        Py_XDECREF(k);                                                                                                 \
+        Py_XDECREF(v);                                                                                                 \
+        if (bad) {                                                                                                     \
+            Py_DECREF(errors);                                                                                         \
+            return -1;                                                                                                 \
+        }                                                                                                              \
     }
     GM_EACH_ERROR(ERROR_ITEM)
 #undef ERROR_ITEM
@@ -293,8 +263,7 @@ int gm_py_add_name_lists(PyObject *m)
     };
     for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
         PyObject *t = PyTuple_New((Py_ssize_t)lists[i].n);
-        if (t == NULL)
-            return -1;
+        if (t == NULL) return -1;
         for (size_t j = 0; j < lists[i].n; j++) {
             PyObject *v = PyUnicode_FromString(lists[i].names[j]);
             if (v == NULL) {

@@ -56,8 +56,8 @@ void gm_fmt_bytes(char *buf, size_t len, uint64_t n);
 
 /* The byte counts an out-of-memory message names, formatted by gm_fmt_bytes. */
 typedef struct gm_oom_sizes {
-    char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32],
-        pending[32], largest[32], cap[32];
+    char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32], pending[32], largest[32],
+        cap[32];
 } gm_oom_sizes;
 
 void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);

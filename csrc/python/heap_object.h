@@ -14,20 +14,25 @@
 #include "gpumem/gpumem.h"
 
 typedef struct {
-    PyObject_HEAD
-    gm_heap *heap;   /* NULL once closed */
-    gm_device *dev;  /* owned by heap; valid while heap is */
+    PyObject_HEAD gm_heap *heap; /* NULL once closed */
+    gm_device *dev;              /* owned by heap; valid while heap is */
     int is_sim;
-    int busy;        /* threads inside the core without the GIL */
+    int busy; /* threads inside the core without the GIL */
 } HeapObject;
 
 /* Clearing the device's last_error first makes any reason found there after a
  * failure this call's own.  Only done when no other thread is inside the core:
  * then nothing else can be writing it (we hold the GIL, they would need it to
  * enter). */
-#define ENTER_CORE(self) do { if (!(self)->busy) (self)->dev->last_error[0] = '\0'; \
-    (self)->busy++; Py_BEGIN_ALLOW_THREADS
-#define LEAVE_CORE(self) Py_END_ALLOW_THREADS (self)->busy--; } while (0)
+#define ENTER_CORE(self)                                                                                               \
+    do {                                                                                                               \
+        if (!(self)->busy) (self)->dev->last_error[0] = '\0';                                                          \
+        (self)->busy++;                                                                                                \
+    Py_BEGIN_ALLOW_THREADS
+#define LEAVE_CORE(self)                                                                                               \
+    Py_END_ALLOW_THREADS(self)->busy--;                                                                                \
+    }                                                                                                                  \
+    while (0)
 
 /* A C function with keywords, as a PyMethodDef wants it. */
 #define KW(fn) (PyCFunction)(void (*)(void))(fn)

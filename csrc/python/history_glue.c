@@ -42,7 +42,10 @@ typedef struct {
     uint32_t depth;
 } stack_rec;
 
-enum { DEFAULT_MAX_DEPTH = 64, HARD_MAX_DEPTH = 1024 };
+enum {
+    DEFAULT_MAX_DEPTH = 64,
+    HARD_MAX_DEPTH = 1024
+};
 
 static atomic_int stacks_on;
 static size_t max_stacks = 1u << 16;
@@ -52,7 +55,7 @@ static frame_key *pool;
 static size_t pool_len, pool_cap;
 static stack_rec *stacks;
 static size_t n_stacks, cap_stacks;
-static uint32_t *table; /* stack index + 1; 0 = empty slot */
+static uint32_t *table;  /* stack index + 1; 0 = empty slot */
 static size_t table_cap; /* power of two */
 static uint32_t generation = 1;
 static uint64_t n_captured, n_new, n_overflow, n_truncated;
@@ -62,22 +65,17 @@ static atomic_ullong n_no_gil;
  * when the table is cleared, so ids handed out before resolve to nothing
  * instead of to some newer stack.  Bits 55..62 stay clear for a framework tag
  * (GM_CTX_FRAMEWORK_MASK), which lookups ignore. */
-#define GEN_MASK 0x7fffffu
+#define GEN_MASK       0x7fffffu
 #define OVERFLOW_INDEX UINT32_MAX
 
-static uint64_t make_id(uint32_t index)
-{
-    return GM_PYCTX_TAG | ((uint64_t)(generation & GEN_MASK) << 32) | index;
-}
+static uint64_t make_id(uint32_t index) { return GM_PYCTX_TAG | ((uint64_t)(generation & GEN_MASK) << 32) | index; }
 
-static uint64_t mix(uint64_t h, uint64_t v)
-{
+static uint64_t mix(uint64_t h, uint64_t v) {
     h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
     return h * 0xff51afd7ed558ccdull;
 }
 
-static uint64_t hash_frames(const frame_key *f, size_t n)
-{
+static uint64_t hash_frames(const frame_key *f, size_t n) {
     uint64_t h = 0xcbf29ce484222325ull ^ n;
     for (size_t i = 0; i < n; i++) {
         h = mix(h, (uint64_t)(uintptr_t)f[i].code);
@@ -86,27 +84,21 @@ static uint64_t hash_frames(const frame_key *f, size_t n)
     return h ? h : 1;
 }
 
-static int same(const stack_rec *r, const frame_key *f, size_t n)
-{
-    if (r->depth != n)
-        return 0;
+static int same(const stack_rec *r, const frame_key *f, size_t n) {
+    if (r->depth != n) return 0;
     const frame_key *p = pool + r->first;
     for (size_t i = 0; i < n; i++)
-        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti)
-            return 0;
+        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti) return 0;
     return 1;
 }
 
-static int table_grow(void)
-{
+static int table_grow(void) {
     size_t ncap = table_cap ? 2 * table_cap : 1024;
     uint32_t *nt = calloc(ncap, sizeof *nt);
-    if (!nt)
-        return -1;
+    if (!nt) return -1;
     for (size_t i = 0; i < n_stacks; i++) {
         size_t j = (size_t)stacks[i].hash & (ncap - 1);
-        while (nt[j])
-            j = (j + 1) & (ncap - 1);
+        while (nt[j]) j = (j + 1) & (ncap - 1);
         nt[j] = (uint32_t)i + 1;
     }
     free(table);
@@ -116,25 +108,20 @@ static int table_grow(void)
 }
 
 /* Store a new stack; returns its index, or OVERFLOW_INDEX when full or out of memory. */
-static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot)
-{
-    if (n_stacks >= max_stacks || n_stacks >= UINT32_MAX - 1)
-        return OVERFLOW_INDEX;
+static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot) {
+    if (n_stacks >= max_stacks || n_stacks >= UINT32_MAX - 1) return OVERFLOW_INDEX;
     if (pool_len + n > pool_cap) {
         size_t ncap = pool_cap ? 2 * pool_cap : 4096;
-        while (ncap < pool_len + n)
-            ncap *= 2;
+        while (ncap < pool_len + n) ncap *= 2;
         frame_key *np = realloc(pool, ncap * sizeof *np);
-        if (!np)
-            return OVERFLOW_INDEX;
+        if (!np) return OVERFLOW_INDEX;
         pool = np;
         pool_cap = ncap;
     }
     if (n_stacks == cap_stacks) {
         size_t ncap = cap_stacks ? 2 * cap_stacks : 1024;
         stack_rec *ns = realloc(stacks, ncap * sizeof *ns);
-        if (!ns)
-            return OVERFLOW_INDEX;
+        if (!ns) return OVERFLOW_INDEX;
         stacks = ns;
         cap_stacks = ncap;
     }
@@ -148,30 +135,24 @@ static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot
     table[slot] = idx + 1;
     n_new++;
     /* Keep the load under one half so probes stay short. */
-    if (2 * n_stacks > table_cap)
-        table_grow(); /* on failure the table is just fuller; still correct */
+    if (2 * n_stacks > table_cap) table_grow(); /* on failure the table is just fuller; still correct */
     return idx;
 }
 
-static uint32_t intern(const frame_key *f, size_t n)
-{
-    if (!table && table_grow() < 0)
-        return OVERFLOW_INDEX;
+static uint32_t intern(const frame_key *f, size_t n) {
+    if (!table && table_grow() < 0) return OVERFLOW_INDEX;
     uint64_t h = hash_frames(f, n);
     size_t j = (size_t)h & (table_cap - 1);
     for (;;) {
         uint32_t e = table[j];
-        if (!e)
-            return intern_new(h, f, n, j);
+        if (!e) return intern_new(h, f, n, j);
         const stack_rec *r = &stacks[e - 1];
-        if (r->hash == h && same(r, f, n))
-            return e - 1;
+        if (r->hash == h && same(r, f, n)) return e - 1;
         j = (j + 1) & (table_cap - 1);
     }
 }
 
-static int frame_lasti(PyFrameObject *f)
-{
+static int frame_lasti(PyFrameObject *f) {
 #if PY_VERSION_HEX >= 0x030B0000
     return PyFrame_GetLasti(f);
 #else
@@ -180,17 +161,14 @@ static int frame_lasti(PyFrameObject *f)
 #endif
 }
 
-uint64_t gm_py_capture_context(void)
-{
-    if (!atomic_load_explicit(&stacks_on, memory_order_relaxed))
-        return 0;
+uint64_t gm_py_capture_context(void) {
+    if (!atomic_load_explicit(&stacks_on, memory_order_relaxed)) return 0;
     if (!Py_IsInitialized() || !PyGILState_Check()) {
         atomic_fetch_add_explicit(&n_no_gil, 1, memory_order_relaxed);
         return 0;
     }
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
-    if (!f)
-        return 0;
+    if (!f) return 0;
     frame_key scratch[HARD_MAX_DEPTH];
     size_t n = 0;
     Py_INCREF(f);
@@ -212,13 +190,11 @@ uint64_t gm_py_capture_context(void)
     }
     n_captured++;
     uint32_t idx = intern(scratch, n);
-    if (idx == OVERFLOW_INDEX)
-        n_overflow++;
+    if (idx == OVERFLOW_INDEX) n_overflow++;
     return make_id(idx);
 }
 
-int gm_py_finalizing(void)
-{
+int gm_py_finalizing(void) {
 #if PY_VERSION_HEX >= 0x030D0000
     return Py_IsFinalizing();
 #else
@@ -226,16 +202,13 @@ int gm_py_finalizing(void)
 #endif
 }
 
-uint64_t gm_py_capture_context_reacquire(void)
-{
-    if (!atomic_load_explicit(&stacks_on, memory_order_relaxed))
-        return 0;
+uint64_t gm_py_capture_context_reacquire(void) {
+    if (!atomic_load_explicit(&stacks_on, memory_order_relaxed)) return 0;
     if (!Py_IsInitialized() || gm_py_finalizing()) {
         atomic_fetch_add_explicit(&n_no_gil, 1, memory_order_relaxed);
         return 0;
     }
-    if (PyGILState_Check())
-        return gm_py_capture_context();
+    if (PyGILState_Check()) return gm_py_capture_context();
     /* PyGILState_Ensure would make a thread state for a thread Python never
      * saw, only to find no frame in it: skip those without touching Python. */
     if (PyGILState_GetThisThreadState() == NULL) {
@@ -250,13 +223,11 @@ uint64_t gm_py_capture_context_reacquire(void)
 
 /* ---- Python-facing functions ------------------------------------------------ */
 
-static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds)
-{
+static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"enabled", "max_depth", "max_stacks", NULL};
     int enabled;
     Py_ssize_t depth = -1, nmax = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nn:_stacks_enable", kwlist, &enabled, &depth, &nmax))
-        return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nn:_stacks_enable", kwlist, &enabled, &depth, &nmax)) return NULL;
     if (depth != -1) {
         if (depth < 1 || depth > HARD_MAX_DEPTH)
             return PyErr_Format(PyExc_ValueError, "max_depth must be in 1..%d, not %zd", HARD_MAX_DEPTH, depth);
@@ -271,13 +242,11 @@ static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObje
     Py_RETURN_NONE;
 }
 
-static PyObject *py_capture(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
-{
+static PyObject *py_capture(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromUnsignedLongLong(gm_py_capture_context());
 }
 
-static PyObject *attr_or_none(PyObject *o, const char *name)
-{
+static PyObject *attr_or_none(PyObject *o, const char *name) {
     PyObject *v = PyObject_GetAttrString(o, name);
     if (!v) {
         PyErr_Clear();
@@ -288,13 +257,10 @@ static PyObject *attr_or_none(PyObject *o, const char *name)
 
 /* _stack_frames(ctx) -> list of {"filename", "name", "line"}, innermost first
  * (torch's order), or None if ctx is no id of this table. */
-static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o)
-{
+static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
     unsigned long long ctx = PyLong_AsUnsignedLongLong(ctx_o);
-    if (ctx == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & GEN_MASK) != (generation & GEN_MASK))
-        Py_RETURN_NONE;
+    if (ctx == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (!(ctx & GM_PYCTX_TAG) || ((ctx >> 32) & GEN_MASK) != (generation & GEN_MASK)) Py_RETURN_NONE;
     uint32_t idx = (uint32_t)ctx;
     if (idx == OVERFLOW_INDEX) {
         PyObject *l = PyList_New(1);
@@ -308,12 +274,10 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o)
         PyList_SET_ITEM(l, 0, d);
         return l;
     }
-    if (idx >= n_stacks)
-        Py_RETURN_NONE;
+    if (idx >= n_stacks) Py_RETURN_NONE;
     const stack_rec *r = &stacks[idx];
     PyObject *l = PyList_New(r->depth);
-    if (!l)
-        return NULL;
+    if (!l) return NULL;
     for (uint32_t i = 0; i < r->depth; i++) {
         const frame_key *k = &pool[r->first + i];
 #if PY_VERSION_HEX >= 0x030B0000
@@ -333,10 +297,8 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o)
     return l;
 }
 
-static void clear_table(void)
-{
-    for (size_t i = 0; i < pool_len; i++)
-        Py_DECREF(pool[i].code);
+static void clear_table(void) {
+    for (size_t i = 0; i < pool_len; i++) Py_DECREF(pool[i].code);
     free(pool);
     free(stacks);
     free(table);
@@ -349,40 +311,43 @@ static void clear_table(void)
     generation++;
 }
 
-static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
-{
+static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     clear_table();
     Py_RETURN_NONE;
 }
 
-static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored))
-{
+static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     size_t bytes = pool_cap * sizeof *pool + cap_stacks * sizeof *stacks + table_cap * sizeof *table;
     return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K}", "enabled",
                          atomic_load(&stacks_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
-                         (Py_ssize_t)pool_len, "max_stacks", (Py_ssize_t)max_stacks, "max_depth",
-                         (Py_ssize_t)max_depth, "table_bytes", (Py_ssize_t)bytes, "captured",
-                         (unsigned long long)n_captured, "new", (unsigned long long)n_new, "overflow",
-                         (unsigned long long)n_overflow, "truncated", (unsigned long long)n_truncated, "no_gil",
-                         (unsigned long long)atomic_load(&n_no_gil));
+                         (Py_ssize_t)pool_len, "max_stacks", (Py_ssize_t)max_stacks, "max_depth", (Py_ssize_t)max_depth,
+                         "table_bytes", (Py_ssize_t)bytes, "captured", (unsigned long long)n_captured, "new",
+                         (unsigned long long)n_new, "overflow", (unsigned long long)n_overflow, "truncated",
+                         (unsigned long long)n_truncated, "no_gil", (unsigned long long)atomic_load(&n_no_gil));
 }
 
 static PyMethodDef glue_methods[] = {
-    {.ml_name = "_stacks_enable", .ml_meth = (PyCFunction)(void (*)(void))py_stacks_enable,
+    {.ml_name = "_stacks_enable",
+     .ml_meth = (PyCFunction)(void (*)(void))py_stacks_enable,
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "_stacks_enable(enabled, max_depth=None, max_stacks=None): capture Python stacks per malloc"},
-    {.ml_name = "_stack_capture", .ml_meth = py_capture, .ml_flags = METH_NOARGS,
+    {.ml_name = "_stack_capture",
+     .ml_meth = py_capture,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "_stack_capture() -> context id of the caller's stack (0 when capture is off)"},
-    {.ml_name = "_stack_frames", .ml_meth = py_stack_frames, .ml_flags = METH_O,
+    {.ml_name = "_stack_frames",
+     .ml_meth = py_stack_frames,
+     .ml_flags = METH_O,
      .ml_doc = "_stack_frames(ctx) -> [{filename, name, line}] innermost first, or None"},
-    {.ml_name = "_stacks_clear", .ml_meth = py_stacks_clear, .ml_flags = METH_NOARGS,
+    {.ml_name = "_stacks_clear",
+     .ml_meth = py_stacks_clear,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "drop every interned stack; ids handed out before resolve to None"},
-    {.ml_name = "_stacks_info", .ml_meth = py_stacks_info, .ml_flags = METH_NOARGS,
+    {.ml_name = "_stacks_info",
+     .ml_meth = py_stacks_info,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "_stacks_info() -> dict of the stack table's size and counters"},
     {.ml_name = NULL},
 };
 
-int gm_history_glue_add(PyObject *module)
-{
-    return PyModule_AddFunctions(module, glue_methods);
-}
+int gm_history_glue_add(PyObject *module) { return PyModule_AddFunctions(module, glue_methods); }

@@ -22,10 +22,10 @@
  * made here keep those bits clear (the generation has 23 bits, bits 32..54), so
  * a framework tag can be or'ed into any context. */
 #define GM_CTX_FRAMEWORK_SHIFT 55
-#define GM_CTX_FRAMEWORK_MASK (UINT64_C(0xff) << GM_CTX_FRAMEWORK_SHIFT)
-#define GM_FRAMEWORK_DEFAULT 0 /* the heap's own user: torch on the per-device heaps */
-#define GM_FRAMEWORK_CUPY 1
-#define GM_FRAMEWORK_NUMBA 2
+#define GM_CTX_FRAMEWORK_MASK  (UINT64_C(0xff) << GM_CTX_FRAMEWORK_SHIFT)
+#define GM_FRAMEWORK_DEFAULT   0 /* the heap's own user: torch on the per-device heaps */
+#define GM_FRAMEWORK_CUPY      1
+#define GM_FRAMEWORK_NUMBA     2
 
 /* The context id of the calling thread's Python stack, or 0 when capture is
  * off, the thread does not hold the GIL (an autograd or C++ thread), or there
@@ -35,7 +35,8 @@
 #if defined(__GNUC__)
 __attribute__((visibility("default")))
 #endif
-uint64_t gm_py_capture_context(void);
+uint64_t
+gm_py_capture_context(void);
 
 /* The same for allocator hooks called where the GIL was given up on purpose:
  * torch's op bindings release it before dispatching, so the allocation runs in
@@ -47,7 +48,8 @@ uint64_t gm_py_capture_context(void);
 #if defined(__GNUC__)
 __attribute__((visibility("default")))
 #endif
-uint64_t gm_py_capture_context_reacquire(void);
+uint64_t
+gm_py_capture_context_reacquire(void);
 
 /* Nonzero while Python is shutting down: no thread may take the GIL then. */
 int gm_py_finalizing(void);

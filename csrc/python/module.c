@@ -45,10 +45,8 @@ PyObject *gm_py_DeviceError;
 
 /* ---- the Heap object --------------------------------------------------------- */
 
-
 /* Every method starts here: a closed heap is a ValueError, as for a closed file. */
-int gm_py_heap_open(HeapObject *self)
-{
+int gm_py_heap_open(HeapObject *self) {
     if (self->heap == NULL) {
         PyErr_SetString(PyExc_ValueError, "operation on a closed gpumem.Heap");
         return -1;
@@ -56,10 +54,8 @@ int gm_py_heap_open(HeapObject *self)
     return 0;
 }
 
-int gm_py_heap_sim(HeapObject *self, int changes_device)
-{
-    if (gm_py_heap_open(self) < 0)
-        return -1;
+int gm_py_heap_sim(HeapObject *self, int changes_device) {
+    if (gm_py_heap_open(self) < 0) return -1;
     if (!self->is_sim) {
         PyErr_Format(PyExc_TypeError, "this call needs a sim heap, not a %s one", self->dev->kind);
         return -1;
@@ -76,23 +72,21 @@ int gm_py_heap_sim(HeapObject *self, int changes_device)
  * The device's reason, if it gave one, ends the message: a GM_EINVAL from
  * set_cap may come from the device ("synchronize: would deadlock ..."), not
  * from the argument. */
-PyObject *gm_py_raise(HeapObject *self, int code, const char *what)
-{
+PyObject *gm_py_raise(HeapObject *self, int code, const char *what) {
     const char *detail = (self && self->dev && self->dev->last_error[0]) ? self->dev->last_error : NULL;
     const char *sep = detail ? ": " : "";
-    if (!detail)
-        detail = "";
+    if (!detail) detail = "";
     switch (code) {
     case GM_EINVAL:
         PyErr_Format(PyExc_ValueError, "%s: invalid argument (GM_EINVAL)%s%s", what, sep, detail);
         break;
     case GM_EUNKNOWN_PTR:
-        PyErr_Format(gm_py_InvalidPointerError, "%s: pointer was never handed out by this heap (GM_EUNKNOWN_PTR)", what);
+        PyErr_Format(gm_py_InvalidPointerError, "%s: pointer was never handed out by this heap (GM_EUNKNOWN_PTR)",
+                     what);
         break;
     case GM_EDOUBLE_FREE:
         PyErr_Format(gm_py_InvalidPointerError,
-                     "%s: pointer is not live: freed twice, or not the start of an allocation (GM_EDOUBLE_FREE)",
-                     what);
+                     "%s: pointer is not live: freed twice, or not the start of an allocation (GM_EDOUBLE_FREE)", what);
         break;
     case GM_EDEVICE:
     case GM_ENODRIVER:
@@ -119,8 +113,7 @@ PyObject *gm_py_raise(HeapObject *self, int code, const char *what)
 /* A non-negative integer no larger than `max`.  Sizes, pointers and streams all
  * come through here so that a negative or huge value is a ValueError, never a
  * silent wrap-around. */
-int gm_py_to_u64(PyObject *obj, const char *what, uint64_t max, uint64_t *out)
-{
+int gm_py_to_u64(PyObject *obj, const char *what, uint64_t max, uint64_t *out) {
     PyObject *idx = PyNumber_Index(obj);
     if (idx == NULL) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
@@ -162,44 +155,36 @@ int gm_py_to_u64(PyObject *obj, const char *what, uint64_t max, uint64_t *out)
     return 0;
 }
 
-int gm_py_to_size(PyObject *obj, const char *what, size_t *out)
-{
+int gm_py_to_size(PyObject *obj, const char *what, size_t *out) {
     uint64_t v;
-    if (gm_py_to_u64(obj, what, (uint64_t)SIZE_MAX, &v) < 0)
-        return -1;
+    if (gm_py_to_u64(obj, what, (uint64_t)SIZE_MAX, &v) < 0) return -1;
     *out = (size_t)v;
     return 0;
 }
 
 /* Sizes for the constructor and set_cap may also be strings such as "24GiB";
  * their grammar lives in gpumem/_units.py so that Python and C agree. */
-int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out)
-{
-    if (!PyUnicode_Check(obj))
-        return gm_py_to_size(obj, what, out);
+int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out) {
+    if (!PyUnicode_Check(obj)) return gm_py_to_size(obj, what, out);
     PyObject *units = PyImport_ImportModule("gpumem._units");
-    if (units == NULL)
-        return -1;
+    if (units == NULL) return -1;
     PyObject *n = PyObject_CallMethod(units, "parse_size", "O", obj);
     Py_DECREF(units);
-    if (n == NULL)
-        return -1;
+    if (n == NULL) return -1;
     int rc = gm_py_to_size(n, what, out);
     Py_DECREF(n);
     return rc;
 }
 
 /* A private pool's id: torch's MempoolId_t, a pair of non-negative ints, not (0, 0). */
-static int to_pool_id(PyObject *obj, gm_pool_id *out)
-{
+static int to_pool_id(PyObject *obj, gm_pool_id *out) {
     if (!PyTuple_Check(obj) && !PyList_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "pool id must be a pair of ints (torch's MempoolId_t), not %.100s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
     PyObject *seq = PySequence_Fast(obj, "pool id must be a pair of ints");
-    if (seq == NULL)
-        return -1;
+    if (seq == NULL) return -1;
     int rc = -1;
     if (PySequence_Fast_GET_SIZE(seq) != 2) {
         PyErr_Format(PyExc_ValueError, "pool id must be a pair of ints (torch's MempoolId_t), got %zd items",
@@ -215,8 +200,7 @@ static int to_pool_id(PyObject *obj, gm_pool_id *out)
     return rc;
 }
 
-static PyObject *no_such_pool(const gm_pool_id *id)
-{
+static PyObject *no_such_pool(const gm_pool_id *id) {
     PyErr_Format(PyExc_ValueError, "no pool (%llu, %llu) lives on this heap (retain it first)",
                  (unsigned long long)id->first, (unsigned long long)id->second);
     return NULL;
@@ -226,22 +210,18 @@ static PyObject *no_such_pool(const gm_pool_id *id)
  * The one-line text is gm_oom_line's (common.c), shared with torch's path; a
  * registered formatter (oom_glue.c: gpumem.explain's) may word it instead. */
 
-static PyObject *oom_message(HeapObject *self, const gm_oom_info *o)
-{
+static PyObject *oom_message(HeapObject *self, const gm_oom_info *o) {
     char buf[1024];
     size_t n = gm_oom_line(buf, sizeof buf, o, -1, NULL, self->dev->last_error);
     return PyUnicode_FromStringAndSize(buf, (Py_ssize_t)n);
 }
 
 /* Raise gm_py_OutOfMemoryError for the last failed allocation, with .info = the report. */
-static PyObject *raise_oom(HeapObject *self)
-{
+static PyObject *raise_oom(HeapObject *self) {
     gm_oom_info info;
-    if (gm_last_oom(self->heap, &info) != GM_OK)
-        return gm_py_raise(self, GM_ENOMEM, "malloc");
+    if (gm_last_oom(self->heap, &info) != GM_OK) return gm_py_raise(self, GM_ENOMEM, "malloc");
     PyObject *d = gm_py_oom_dict(&info);
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     /* gpumem.explain words the message when it is loaded (history_glue.c). */
     PyObject *msg = gm_py_format_oom((PyObject *)self, d, oom_message(self, &info));
     if (msg == NULL) {
@@ -263,8 +243,7 @@ static PyObject *raise_oom(HeapObject *self)
 
 /* ---- construction and lifetime ---------------------------------------------------- */
 
-static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     (void)args;
     (void)kwds;
     HeapObject *self = (HeapObject *)type->tp_alloc(type, 0);
@@ -277,16 +256,15 @@ static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
-static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"device", "capacity", "page_size", "ordinal", "va_size", "cap",
-                             "growth_slack", "growth_slack_pages", NULL};
+static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"device", "capacity",     "page_size",          "ordinal", "va_size",
+                             "cap",    "growth_slack", "growth_slack_pages", NULL};
     const char *device = "sim";
     PyObject *capacity_o = Py_None, *page_size_o = NULL, *va_size_o = NULL, *cap_o = NULL;
     PyObject *slack_o = Py_None, *slack_pages_o = Py_None;
     int ordinal = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
-                                     &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o, &ordinal,
+                                     &va_size_o, &cap_o, &slack_o, &slack_pages_o))
         return -1;
     if (self->heap != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
@@ -294,14 +272,10 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
     }
 
     size_t capacity = (size_t)80 << 30, page_size = 0, va_size = 0, cap = 0;
-    if (capacity_o != Py_None && gm_py_to_size_or_str(capacity_o, "capacity", &capacity) < 0)
-        return -1;
-    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &page_size) < 0)
-        return -1;
-    if (va_size_o && gm_py_to_size_or_str(va_size_o, "va_size", &va_size) < 0)
-        return -1;
-    if (cap_o && gm_py_to_size_or_str(cap_o, "cap", &cap) < 0)
-        return -1;
+    if (capacity_o != Py_None && gm_py_to_size_or_str(capacity_o, "capacity", &capacity) < 0) return -1;
+    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &page_size) < 0) return -1;
+    if (va_size_o && gm_py_to_size_or_str(va_size_o, "va_size", &va_size) < 0) return -1;
+    if (cap_o && gm_py_to_size_or_str(cap_o, "cap", &cap) < 0) return -1;
 
     gm_config cfg;
     gm_config_default(&cfg);
@@ -309,8 +283,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
     cfg.cap_bytes = cap;
     if (slack_o != Py_None) {
         double g = PyFloat_AsDouble(slack_o);
-        if (g == -1.0 && PyErr_Occurred())
-            return -1;
+        if (g == -1.0 && PyErr_Occurred()) return -1;
         if (!(g >= 0.0)) {
             PyErr_SetString(PyExc_ValueError, "growth_slack must be a non-negative fraction");
             return -1;
@@ -376,8 +349,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-static void Heap_dealloc(HeapObject *self)
-{
+static void Heap_dealloc(HeapObject *self) {
     /* No method can be running: each holds a reference to self. */
     if (self->heap != NULL) {
         gm_heap_destroy(self->heap);
@@ -386,10 +358,8 @@ static void Heap_dealloc(HeapObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (self->heap == NULL)
-        Py_RETURN_NONE;
+static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->heap == NULL) Py_RETURN_NONE;
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "cannot close a heap while another thread is inside it");
         return NULL;
@@ -401,84 +371,64 @@ static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_enter(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_enter(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     Py_INCREF(self);
     return (PyObject *)self;
 }
 
-static PyObject *Heap_exit(HeapObject *self, PyObject *args)
-{
+static PyObject *Heap_exit(HeapObject *self, PyObject *args) {
     (void)args;
     PyObject *r = Heap_close(self, NULL);
-    if (r == NULL)
-        return NULL;
+    if (r == NULL) return NULL;
     Py_DECREF(r);
     Py_RETURN_FALSE;
 }
 
-static PyObject *Heap_repr(HeapObject *self)
-{
-    if (self->heap == NULL)
-        return PyUnicode_FromString("<gpumem.Heap closed>");
+static PyObject *Heap_repr(HeapObject *self) {
+    if (self->heap == NULL) return PyUnicode_FromString("<gpumem.Heap closed>");
     return PyUnicode_FromFormat("<gpumem.Heap %s>", self->dev->name);
 }
 
 /* ---- allocation ------------------------------------------------------------------- */
 
-
-static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"size", "stream", "context", "pool", NULL};
     PyObject *size_o, *stream_o = NULL, *context_o = NULL, *pool_o = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:malloc", kwlist, &size_o, &stream_o, &context_o, &pool_o))
         return NULL;
     gm_pool_id pool = {0, 0};
     int in_pool = pool_o && pool_o != Py_None;
-    if (in_pool && to_pool_id(pool_o, &pool) < 0)
-        return NULL;
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+    if (in_pool && to_pool_id(pool_o, &pool) < 0) return NULL;
+    if (gm_py_heap_open(self) < 0) return NULL;
     size_t size;
     uint64_t stream = 0, context = 0;
-    if (gm_py_to_size(size_o, "size", &size) < 0)
-        return NULL;
-    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
-        return NULL;
-    if (context_o && gm_py_to_u64(context_o, "context", UINT64_MAX, &context) < 0)
-        return NULL;
-    if (context == 0)
-        context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
+    if (gm_py_to_size(size_o, "size", &size) < 0) return NULL;
+    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0) return NULL;
+    if (context_o && gm_py_to_u64(context_o, "context", UINT64_MAX, &context) < 0) return NULL;
+    if (context == 0) context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
     rc = gm_malloc_pool(self->heap, size, (gm_stream)stream, context, in_pool ? &pool : NULL, &ptr);
     LEAVE_CORE(self);
-    if (rc == GM_ENOMEM)
-        return raise_oom(self);
+    if (rc == GM_ENOMEM) return raise_oom(self);
     if (rc == GM_EINVAL && in_pool) {
         gm_pool_info info;
-        if (gm_pool_info_get(self->heap, pool, &info) != GM_OK)
-            return no_such_pool(&pool);
+        if (gm_pool_info_get(self->heap, pool, &info) != GM_OK) return no_such_pool(&pool);
     }
     if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "malloc: size %zu is not a size this heap can serve (GM_EINVAL)", size);
         return NULL;
     }
-    if (rc != GM_OK)
-        return gm_py_raise(self, rc, "malloc");
+    if (rc != GM_OK) return gm_py_raise(self, rc, "malloc");
     return PyLong_FromUnsignedLongLong((unsigned long long)ptr);
 }
 
-static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o)
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     uint64_t ptr;
-    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0)
-        return NULL;
+    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_free(self->heap, (uintptr_t)ptr);
@@ -491,13 +441,10 @@ static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o)
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_record_stream(HeapObject *self, PyObject *args)
-{
+static PyObject *Heap_record_stream(HeapObject *self, PyObject *args) {
     PyObject *ptr_o, *stream_o;
-    if (!PyArg_ParseTuple(args, "OO:record_stream", &ptr_o, &stream_o))
-        return NULL;
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+    if (!PyArg_ParseTuple(args, "OO:record_stream", &ptr_o, &stream_o)) return NULL;
+    if (gm_py_heap_open(self) < 0) return NULL;
     uint64_t ptr, stream;
     if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
         return NULL;
@@ -513,36 +460,27 @@ static PyObject *Heap_record_stream(HeapObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_block_size(HeapObject *self, PyObject *ptr_o)
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_block_size(HeapObject *self, PyObject *ptr_o) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     uint64_t ptr;
-    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0)
-        return NULL;
+    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0) return NULL;
     return PyLong_FromSize_t(gm_block_size(self->heap, (uintptr_t)ptr));
 }
 
-static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_empty_cache(self->heap);
     LEAVE_CORE(self);
-    if (rc != GM_OK)
-        return gm_py_raise(self, rc, "empty_cache");
+    if (rc != GM_OK) return gm_py_raise(self, rc, "empty_cache");
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o)
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     size_t cap;
-    if (gm_py_to_size_or_str(cap_o, "cap", &cap) < 0)
-        return NULL;
+    if (gm_py_to_size_or_str(cap_o, "cap", &cap) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_set_cap(self->heap, cap);
@@ -551,49 +489,38 @@ static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o)
         PyErr_Format(PyExc_ValueError, "set_cap: %zu bytes is not a valid cap (GM_EINVAL)", cap);
         return NULL;
     }
-    if (rc != GM_OK)
-        return gm_py_raise(self, rc, "set_cap");
+    if (rc != GM_OK) return gm_py_raise(self, rc, "set_cap");
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_get_cap(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_get_cap(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     return PyLong_FromSize_t(gm_get_cap(self->heap));
 }
 
 /* ---- statistics, checks, snapshots -------------------------------------------------- */
 
-static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_stats s;
     gm_get_stats(self->heap, &s);
     return gm_py_stats_dict(&s);
 }
 
-static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_reset_peak_stats(self->heap);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_reset_accumulated_stats(self->heap);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     char why[512] = "";
     int rc;
     ENTER_CORE(self);
@@ -603,19 +530,15 @@ static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored))
         PyErr_SetString(gm_py_CorruptionError, why[0] ? why : "invariant broken (no reason given)");
         return NULL;
     }
-    if (rc != GM_OK)
-        return gm_py_raise(self, rc, "check");
+    if (rc != GM_OK) return gm_py_raise(self, rc, "check");
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_snapshot *snap = NULL;
     int rc = gm_snapshot_take(self->heap, &snap);
-    if (rc != GM_OK)
-        return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "snapshot");
+    if (rc != GM_OK) return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "snapshot");
     PyObject *d = gm_py_snapshot_dict(snap, "unknown");
     gm_snapshot_free(snap);
     return d;
@@ -623,35 +546,26 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 /* ---- history ---------------------------------------------------------------------- */
 
-static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o)
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     size_t n;
-    if (gm_py_to_size(n_o, "max_entries", &n) < 0)
-        return NULL;
+    if (gm_py_to_size(n_o, "max_entries", &n) < 0) return NULL;
     int rc = gm_history_enable(self->heap, n);
-    if (rc == GM_ENOMEM)
-        return PyErr_NoMemory();
-    if (rc != GM_OK)
-        return gm_py_raise(self, rc, "history_enable");
+    if (rc == GM_ENOMEM) return PyErr_NoMemory();
+    if (rc != GM_OK) return gm_py_raise(self, rc, "history_enable");
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     return gm_py_history(self->heap, "unknown");
 }
 
 /* ---- out-of-memory reports ------------------------------------------------------------ */
 
 /* mem_info() -> (free, total) of the whole device, taken under the heap's lock. */
-static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, 0, &info);
     return Py_BuildValue("(KK)", (unsigned long long)info.device_free, (unsigned long long)info.device_total);
@@ -659,10 +573,8 @@ static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
 
 /* device_processes() -> [(pid, bytes)] holding memory on the device (this process
  * included), or None when there is no source (no NVML: GM_ENOTSUP). */
-static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     if (self->is_sim && self->busy) {
         /* The sim device is guarded by the heap's lock only; see ensure_sim. */
         PyErr_SetString(PyExc_RuntimeError, "device_processes: another thread is inside this heap");
@@ -671,8 +583,7 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
     size_t cap = 64, n = 0;
     for (;;) {
         gm_proc_usage *buf = PyMem_Calloc(cap, sizeof *buf);
-        if (buf == NULL)
-            return PyErr_NoMemory();
+        if (buf == NULL) return PyErr_NoMemory();
         int rc = self->dev->ops->processes(self->dev, buf, cap, &n);
         if (rc == GM_ENOTSUP) {
             PyMem_Free(buf);
@@ -700,27 +611,20 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
     }
 }
 
-static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_oom_info info;
-    if (gm_last_oom(self->heap, &info) != GM_OK)
-        Py_RETURN_NONE;
+    if (gm_last_oom(self->heap, &info) != GM_OK) Py_RETURN_NONE;
     return gm_py_oom_dict(&info);
 }
 
-static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"size", NULL};
     PyObject *size_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:memory_report", kwlist, &size_o))
-        return NULL;
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:memory_report", kwlist, &size_o)) return NULL;
+    if (gm_py_heap_open(self) < 0) return NULL;
     size_t size = 0;
-    if (size_o && gm_py_to_size(size_o, "size", &size) < 0)
-        return NULL;
+    if (size_o && gm_py_to_size(size_o, "size", &size) < 0) return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, size, &info);
     return gm_py_oom_dict(&info);
@@ -728,8 +632,7 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
 
 /* ---- private pools and stream capture ----------------------------------------------------- */
 
-static PyObject *pool_info_dict(const gm_pool_info *p)
-{
+static PyObject *pool_info_dict(const gm_pool_info *p) {
     return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
                          (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
                          (Py_ssize_t)p->live_blocks, "live_bytes", (Py_ssize_t)p->live_bytes, "free_blocks",
@@ -737,50 +640,39 @@ static PyObject *pool_info_dict(const gm_pool_info *p)
                          (Py_ssize_t)p->pinned_pages);
 }
 
-static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o)
-{
+static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
-        return NULL;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     int rc = gm_pool_retain(self->heap, id);
-    if (rc != GM_OK)
-        return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "pool_retain");
+    if (rc != GM_OK) return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "pool_retain");
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o)
-{
+static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
-        return NULL;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_pool_release(self->heap, id);
     LEAVE_CORE(self);
-    if (rc == GM_EINVAL)
-        return no_such_pool(&id);
+    if (rc == GM_EINVAL) return no_such_pool(&id);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o)
-{
+static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
-        return NULL;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     gm_pool_info info;
     int rc;
     ENTER_CORE(self);
     rc = gm_pool_info_get(self->heap, id, &info);
     LEAVE_CORE(self);
-    if (rc != GM_OK)
-        return no_such_pool(&id);
+    if (rc != GM_OK) return no_such_pool(&id);
     return pool_info_dict(&info);
 }
 
-static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_pool_info *buf = NULL;
     size_t cap = 0, n;
     /* Another thread may add pools between the sizing call and the real one. */
@@ -788,12 +680,10 @@ static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored))
         ENTER_CORE(self);
         n = gm_pool_list(self->heap, buf, cap);
         LEAVE_CORE(self);
-        if (n <= cap)
-            break;
+        if (n <= cap) break;
         PyMem_Free(buf);
         cap = n + 4;
-        if (!(buf = PyMem_Malloc(cap * sizeof *buf)))
-            return PyErr_NoMemory();
+        if (!(buf = PyMem_Malloc(cap * sizeof *buf))) return PyErr_NoMemory();
     }
     PyObject *list = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; list && i < n; i++) {
@@ -807,14 +697,11 @@ static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored))
     return list;
 }
 
-static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o)
-{
+static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
-        return NULL;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     gm_pool_info info;
-    if (gm_pool_info_get(self->heap, id, &info) != GM_OK)
-        return no_such_pool(&id);
+    if (gm_pool_info_get(self->heap, id, &info) != GM_OK) return no_such_pool(&id);
     uintptr_t *addrs = NULL;
     size_t *sizes = NULL, cap = info.live_blocks, n;
     for (;;) {
@@ -830,8 +717,7 @@ static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o)
         ENTER_CORE(self);
         n = gm_pool_live(self->heap, id, addrs, sizes, cap);
         LEAVE_CORE(self);
-        if (n <= cap)
-            break;
+        if (n <= cap) break;
         cap = n + 16;
     }
     PyObject *list = PyList_New((Py_ssize_t)n);
@@ -847,21 +733,17 @@ static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o)
     return list;
 }
 
-static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"id", "blocks", "stream", NULL};
     PyObject *id_o, *blocks_o, *stream_o = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:pool_set_live", kwlist, &id_o, &blocks_o, &stream_o))
         return NULL;
     gm_pool_id id;
     uint64_t stream = 0;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0)
-        return NULL;
-    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX - 1, &stream) < 0)
-        return NULL;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX - 1, &stream) < 0) return NULL;
     PyObject *seq = PySequence_Fast(blocks_o, "pool_set_live: blocks must be a sequence of (addr, size) pairs");
-    if (seq == NULL)
-        return NULL;
+    if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     uintptr_t *addrs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *addrs);
     size_t *sizes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *sizes);
@@ -910,18 +792,14 @@ out:
     return result;
 }
 
-static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     gm_capture_begin(self->heap);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     if (!gm_capturing(self->heap)) {
         PyErr_SetString(PyExc_RuntimeError, "capture_end without capture_begin");
         return NULL;
@@ -932,38 +810,29 @@ static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored)
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_get_capturing(HeapObject *self, void *Py_UNUSED(closure))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_get_capturing(HeapObject *self, void *Py_UNUSED(closure)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     return PyLong_FromLong(gm_capturing(self->heap));
 }
 
 /* ---- properties ------------------------------------------------------------------------- */
 
-static PyObject *Heap_get_device_kind(HeapObject *self, void *Py_UNUSED(closure))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_get_device_kind(HeapObject *self, void *Py_UNUSED(closure)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     return PyUnicode_FromString(self->dev->kind);
 }
 
-static PyObject *Heap_get_device_name(HeapObject *self, void *Py_UNUSED(closure))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_get_device_name(HeapObject *self, void *Py_UNUSED(closure)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     return PyUnicode_FromString(self->dev->name);
 }
 
-static PyObject *Heap_get_page_size(HeapObject *self, void *Py_UNUSED(closure))
-{
-    if (gm_py_heap_open(self) < 0)
-        return NULL;
+static PyObject *Heap_get_page_size(HeapObject *self, void *Py_UNUSED(closure)) {
+    if (gm_py_heap_open(self) < 0) return NULL;
     return PyLong_FromSize_t(self->dev->page_size);
 }
 
-static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure))
-{
+static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->heap == NULL);
 }
 
@@ -974,60 +843,112 @@ static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure))
 static PyMethodDef Heap_methods[64];
 
 static PyMethodDef Heap_core_methods[] = {
-    {.ml_name = "malloc", .ml_meth = KW(Heap_malloc), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "malloc",
+     .ml_meth = KW(Heap_malloc),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "malloc(size, stream=0, context=0, pool=None) -> address\n"
                "pool: a private pool's id, a pair of ints (torch's MempoolId_t)"},
-    {.ml_name = "pool_retain", .ml_meth = (PyCFunction)Heap_pool_retain, .ml_flags = METH_O,
+    {.ml_name = "pool_retain",
+     .ml_meth = (PyCFunction)Heap_pool_retain,
+     .ml_flags = METH_O,
      .ml_doc = "pool_retain(id): create the private pool id (a pair of ints), or add a use to it"},
-    {.ml_name = "pool_release", .ml_meth = (PyCFunction)Heap_pool_release, .ml_flags = METH_O,
+    {.ml_name = "pool_release",
+     .ml_meth = (PyCFunction)Heap_pool_release,
+     .ml_flags = METH_O,
      .ml_doc = "pool_release(id): drop a use; at zero the pool ends and its free blocks join the heap"},
-    {.ml_name = "pool_info", .ml_meth = (PyCFunction)Heap_pool_info, .ml_flags = METH_O,
+    {.ml_name = "pool_info",
+     .ml_meth = (PyCFunction)Heap_pool_info,
+     .ml_flags = METH_O,
      .ml_doc = "pool_info(id) -> dict (id, use_count, live_blocks, live_bytes, free_blocks, free_bytes, "
                "pinned_pages)"},
-    {.ml_name = "pools", .ml_meth = (PyCFunction)Heap_pools, .ml_flags = METH_NOARGS,
+    {.ml_name = "pools",
+     .ml_meth = (PyCFunction)Heap_pools,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "pools() -> [pool_info dict] of the living pools"},
-    {.ml_name = "pool_live", .ml_meth = (PyCFunction)Heap_pool_live, .ml_flags = METH_O,
+    {.ml_name = "pool_live",
+     .ml_meth = (PyCFunction)Heap_pool_live,
+     .ml_flags = METH_O,
      .ml_doc = "pool_live(id) -> [(addr, size)] of the pool's live blocks, in address order"},
-    {.ml_name = "pool_set_live", .ml_meth = KW(Heap_pool_set_live), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "pool_set_live",
+     .ml_meth = KW(Heap_pool_set_live),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "pool_set_live(id, blocks, stream=0): make exactly blocks [(addr, size)] the pool's live blocks"},
-    {.ml_name = "capture_begin", .ml_meth = (PyCFunction)Heap_capture_begin, .ml_flags = METH_NOARGS,
+    {.ml_name = "capture_begin",
+     .ml_meth = (PyCFunction)Heap_capture_begin,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "capture_begin(): a graph capture starts (nests): no sync, event or unmap until it ends"},
-    {.ml_name = "capture_end", .ml_meth = (PyCFunction)Heap_capture_end, .ml_flags = METH_NOARGS,
+    {.ml_name = "capture_end",
+     .ml_meth = (PyCFunction)Heap_capture_end,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "capture_end(): the capture ends; frees it deferred get their events"},
     {.ml_name = "free", .ml_meth = (PyCFunction)Heap_free, .ml_flags = METH_O, .ml_doc = "free(ptr)"},
-    {.ml_name = "record_stream", .ml_meth = (PyCFunction)Heap_record_stream, .ml_flags = METH_VARARGS,
+    {.ml_name = "record_stream",
+     .ml_meth = (PyCFunction)Heap_record_stream,
+     .ml_flags = METH_VARARGS,
      .ml_doc = "record_stream(ptr, stream): ptr is in use on stream too"},
-    {.ml_name = "block_size", .ml_meth = (PyCFunction)Heap_block_size, .ml_flags = METH_O,
+    {.ml_name = "block_size",
+     .ml_meth = (PyCFunction)Heap_block_size,
+     .ml_flags = METH_O,
      .ml_doc = "block_size(ptr) -> bytes of the live block at ptr, 0 if not live"},
-    {.ml_name = "empty_cache", .ml_meth = (PyCFunction)Heap_empty_cache, .ml_flags = METH_NOARGS,
+    {.ml_name = "empty_cache",
+     .ml_meth = (PyCFunction)Heap_empty_cache,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "release every physical page that backs no live block"},
-    {.ml_name = "set_cap", .ml_meth = (PyCFunction)Heap_set_cap, .ml_flags = METH_O,
+    {.ml_name = "set_cap",
+     .ml_meth = (PyCFunction)Heap_set_cap,
+     .ml_flags = METH_O,
      .ml_doc = "set_cap(bytes): cap physical memory (0 = the device)"},
-    {.ml_name = "get_cap", .ml_meth = (PyCFunction)Heap_get_cap, .ml_flags = METH_NOARGS,
+    {.ml_name = "get_cap",
+     .ml_meth = (PyCFunction)Heap_get_cap,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "get_cap() -> bytes (0 = no cap)"},
-    {.ml_name = "stats", .ml_meth = (PyCFunction)Heap_stats, .ml_flags = METH_NOARGS,
+    {.ml_name = "stats",
+     .ml_meth = (PyCFunction)Heap_stats,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "stats() -> dict with torch.cuda.memory_stats key names"},
-    {.ml_name = "reset_peak_stats", .ml_meth = (PyCFunction)Heap_reset_peak_stats, .ml_flags = METH_NOARGS,
+    {.ml_name = "reset_peak_stats",
+     .ml_meth = (PyCFunction)Heap_reset_peak_stats,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "set every peak to its current value"},
-    {.ml_name = "reset_accumulated_stats", .ml_meth = (PyCFunction)Heap_reset_accumulated_stats,
-     .ml_flags = METH_NOARGS, .ml_doc = "zero the allocated/freed and event counters"},
-    {.ml_name = "check", .ml_meth = (PyCFunction)Heap_check, .ml_flags = METH_NOARGS,
+    {.ml_name = "reset_accumulated_stats",
+     .ml_meth = (PyCFunction)Heap_reset_accumulated_stats,
+     .ml_flags = METH_NOARGS,
+     .ml_doc = "zero the allocated/freed and event counters"},
+    {.ml_name = "check",
+     .ml_meth = (PyCFunction)Heap_check,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "check(): raise gm_py_CorruptionError if an invariant is broken"},
-    {.ml_name = "snapshot", .ml_meth = (PyCFunction)Heap_snapshot, .ml_flags = METH_NOARGS,
+    {.ml_name = "snapshot",
+     .ml_meth = (PyCFunction)Heap_snapshot,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "snapshot() -> dict of blocks, pages and stats"},
-    {.ml_name = "history_enable", .ml_meth = (PyCFunction)Heap_history_enable, .ml_flags = METH_O,
+    {.ml_name = "history_enable",
+     .ml_meth = (PyCFunction)Heap_history_enable,
+     .ml_flags = METH_O,
      .ml_doc = "history_enable(max_entries): keep the last max_entries events (0 = off)"},
-    {.ml_name = "history", .ml_meth = (PyCFunction)Heap_history, .ml_flags = METH_NOARGS,
+    {.ml_name = "history",
+     .ml_meth = (PyCFunction)Heap_history,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "history() -> ([(time_ns, action, addr, size, stream, context)], dropped)"},
-    {.ml_name = "mem_info", .ml_meth = (PyCFunction)Heap_mem_info, .ml_flags = METH_NOARGS,
+    {.ml_name = "mem_info",
+     .ml_meth = (PyCFunction)Heap_mem_info,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "mem_info() -> (free, total) bytes of the whole device"},
-    {.ml_name = "device_processes", .ml_meth = (PyCFunction)Heap_device_processes, .ml_flags = METH_NOARGS,
+    {.ml_name = "device_processes",
+     .ml_meth = (PyCFunction)Heap_device_processes,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "device_processes() -> [(pid, bytes)] on the device, or None without NVML"},
-    {.ml_name = "last_oom", .ml_meth = (PyCFunction)Heap_last_oom, .ml_flags = METH_NOARGS,
+    {.ml_name = "last_oom",
+     .ml_meth = (PyCFunction)Heap_last_oom,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "last_oom() -> report of the last failed allocation, or None"},
-    {.ml_name = "memory_report", .ml_meth = KW(Heap_memory_report), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "memory_report",
+     .ml_meth = KW(Heap_memory_report),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "memory_report(size=0) -> the OOM report for a request of size bytes now"},
-    {.ml_name = "close", .ml_meth = (PyCFunction)Heap_close, .ml_flags = METH_NOARGS,
+    {.ml_name = "close",
+     .ml_meth = (PyCFunction)Heap_close,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "destroy the heap and its device; later calls raise ValueError"},
     {.ml_name = "__enter__", .ml_meth = (PyCFunction)Heap_enter, .ml_flags = METH_NOARGS},
     {.ml_name = "__exit__", .ml_meth = (PyCFunction)Heap_exit, .ml_flags = METH_VARARGS},
@@ -1039,14 +960,14 @@ static PyGetSetDef Heap_getset[] = {
     {.name = "device_name", .get = (getter)Heap_get_device_name, .doc = "e.g. \"sim:80GiB\""},
     {.name = "page_size", .get = (getter)Heap_get_page_size, .doc = "physical page size in bytes"},
     {.name = "closed", .get = (getter)Heap_get_closed, .doc = "True once close() was called"},
-    {.name = "capturing", .get = (getter)Heap_get_capturing,
+    {.name = "capturing",
+     .get = (getter)Heap_get_capturing,
      .doc = "capture_begin() calls not yet ended (0: no capture)"},
     {.name = NULL},
 };
 
 static PyTypeObject HeapType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "gpumem.Heap",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpumem.Heap",
     .tp_basicsize = sizeof(HeapObject),
     .tp_itemsize = 0,
     .tp_dealloc = (destructor)Heap_dealloc,
@@ -1061,51 +982,46 @@ static PyTypeObject HeapType = {
     .tp_new = Heap_new,
 };
 
-static PyObject *mod_strerror(PyObject *Py_UNUSED(mod), PyObject *code_o)
-{
+static PyObject *mod_strerror(PyObject *Py_UNUSED(mod), PyObject *code_o) {
     int code = (int)PyLong_AsLong(code_o);
-    if (code == -1 && PyErr_Occurred())
-        return NULL;
+    if (code == -1 && PyErr_Occurred()) return NULL;
     return PyUnicode_FromString(gm_strerror(code));
 }
 
-static PyObject *mod_format_bytes(PyObject *Py_UNUSED(mod), PyObject *n_o)
-{
+static PyObject *mod_format_bytes(PyObject *Py_UNUSED(mod), PyObject *n_o) {
     uint64_t n;
-    if (gm_py_to_u64(n_o, "n", UINT64_MAX, &n) < 0)
-        return NULL;
+    if (gm_py_to_u64(n_o, "n", UINT64_MAX, &n) < 0) return NULL;
     char buf[32];
     gm_fmt_bytes(buf, sizeof buf, n);
     return PyUnicode_FromString(buf);
 }
 
 static PyMethodDef module_methods[] = {
-    {.ml_name = "strerror", .ml_meth = (PyCFunction)mod_strerror, .ml_flags = METH_O,
+    {.ml_name = "strerror",
+     .ml_meth = (PyCFunction)mod_strerror,
+     .ml_flags = METH_O,
      .ml_doc = "strerror(code) -> the core's text for a GM_E* code"},
-    {.ml_name = "format_bytes", .ml_meth = (PyCFunction)mod_format_bytes, .ml_flags = METH_O,
+    {.ml_name = "format_bytes",
+     .ml_meth = (PyCFunction)mod_format_bytes,
+     .ml_flags = METH_O,
      .ml_doc = "format_bytes(n) -> the size formatting used in error messages"},
     {.ml_name = NULL},
 };
 
-int gm_torch_glue_add(PyObject *module); /* torch_glue.c */
-int gm_torch_viz_add(PyObject *module);  /* torch_viz.c */
+int gm_torch_glue_add(PyObject *module);  /* torch_glue.c */
+int gm_torch_viz_add(PyObject *module);   /* torch_viz.c */
 int gm_shared_glue_add(PyObject *module); /* shared_glue.c */
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "gpumem._C",
-    .m_doc = "gpumem's C core: the Heap type and its exceptions.",
-    .m_size = -1,
-    .m_methods = module_methods,
+    PyModuleDef_HEAD_INIT, .m_name = "gpumem._C",       .m_doc = "gpumem's C core: the Heap type and its exceptions.",
+    .m_size = -1,          .m_methods = module_methods,
 };
 
-static int add_exception(PyObject *m, PyObject **slot, const char *name, PyObject *base, const char *doc)
-{
+static int add_exception(PyObject *m, PyObject **slot, const char *name, PyObject *base, const char *doc) {
     char full[64];
     snprintf(full, sizeof full, "gpumem.%s", name);
     *slot = PyErr_NewExceptionWithDoc(full, doc, base, NULL);
-    if (*slot == NULL)
-        return -1;
+    if (*slot == NULL) return -1;
     Py_INCREF(*slot);
     if (PyModule_AddObject(m, name, *slot) < 0) {
         Py_DECREF(*slot);
@@ -1114,9 +1030,7 @@ static int add_exception(PyObject *m, PyObject **slot, const char *name, PyObjec
     return 0;
 }
 
-
-static int gather_methods(void)
-{
+static int gather_methods(void) {
     const PyMethodDef *tables[] = {Heap_core_methods, gm_py_replay_methods, gm_py_sim_methods};
     size_t n = 0;
     for (size_t t = 0; t < sizeof tables / sizeof tables[0]; t++)
@@ -1130,13 +1044,10 @@ static int gather_methods(void)
     return 0;
 }
 
-PyMODINIT_FUNC PyInit__C(void)
-{
-    if (gather_methods() < 0 || PyType_Ready(&HeapType) < 0)
-        return NULL;
+PyMODINIT_FUNC PyInit__C(void) {
+    if (gather_methods() < 0 || PyType_Ready(&HeapType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module_def);
-    if (m == NULL)
-        return NULL;
+    if (m == NULL) return NULL;
     if (add_exception(m, &gm_py_OutOfMemoryError, "OutOfMemoryError", PyExc_RuntimeError,
                       "An allocation failed even after releasing the cache and defragmenting.") < 0 ||
         add_exception(m, &gm_py_InvalidPointerError, "InvalidPointerError", PyExc_ValueError,
@@ -1151,8 +1062,7 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(&HeapType);
         goto fail;
     }
-    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0)
-        goto fail;
+    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0) goto fail;
     if (gm_py_add_name_lists(m) < 0) /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c) */
         goto fail;
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||

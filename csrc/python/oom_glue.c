@@ -6,17 +6,14 @@
 
 static PyObject *oom_formatter; /* callable or NULL */
 
-PyObject *gm_py_oom_formatter(void)
-{
+PyObject *gm_py_oom_formatter(void) {
     Py_XINCREF(oom_formatter);
     return oom_formatter;
 }
 
-static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn)
-{
+static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn) {
     if (fn != Py_None && !PyCallable_Check(fn))
-        return PyErr_Format(PyExc_TypeError, "OOM formatter must be callable or None, not %.80s",
-                            Py_TYPE(fn)->tp_name);
+        return PyErr_Format(PyExc_TypeError, "OOM formatter must be callable or None, not %.80s", Py_TYPE(fn)->tp_name);
     PyObject *old = oom_formatter;
     if (fn == Py_None) {
         oom_formatter = NULL;
@@ -24,15 +21,12 @@ static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn)
         Py_INCREF(fn);
         oom_formatter = fn;
     }
-    if (old)
-        return old; /* hand back the previous one, so callers can restore it */
+    if (old) return old; /* hand back the previous one, so callers can restore it */
     Py_RETURN_NONE;
 }
 
-PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback)
-{
-    if (!fallback || !oom_formatter)
-        return fallback;
+PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback) {
+    if (!fallback || !oom_formatter) return fallback;
     /* The formatter may raise or return junk; the OOM must still be reported,
      * so any failure keeps the core's own text and says the explanation broke.
      * The pending exception (none is expected here) is kept aside. */
@@ -52,8 +46,7 @@ PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback)
         PyObject *t2, *v2, *tb2;
         PyErr_Fetch(&t2, &v2, &tb2);
         why = v2 ? PyObject_Str(v2) : NULL;
-        if (!why)
-            PyErr_Clear();
+        if (!why) PyErr_Clear();
         Py_XDECREF(t2);
         Py_XDECREF(v2);
         Py_XDECREF(tb2);
@@ -73,12 +66,12 @@ PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback)
 }
 
 static PyMethodDef oom_methods[] = {
-    {.ml_name = "_set_oom_formatter", .ml_meth = py_set_oom_formatter, .ml_flags = METH_O,
-     .ml_doc = "_set_oom_formatter(fn or None) -> previous; fn(heap or device, info, text, processes=None) -> OOM message"},
+    {.ml_name = "_set_oom_formatter",
+     .ml_meth = py_set_oom_formatter,
+     .ml_flags = METH_O,
+     .ml_doc =
+         "_set_oom_formatter(fn or None) -> previous; fn(heap or device, info, text, processes=None) -> OOM message"},
     {.ml_name = NULL},
 };
 
-int gm_oom_glue_add(PyObject *module)
-{
-    return PyModule_AddFunctions(module, oom_methods);
-}
+int gm_oom_glue_add(PyObject *module) { return PyModule_AddFunctions(module, oom_methods); }

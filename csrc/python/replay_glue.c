@@ -9,13 +9,11 @@
 
 #include "common.h"
 
-
 /* replay(events, n_slots, timing=False, stop_at=-1, slots=None)
  * `slots`, when given, is a writable buffer of n_slots 8-byte words that the
  * caller keeps between calls, so that a trace can be replayed in chunks (for a
  * progress bar) with frees naming slots that an earlier chunk allocated. */
-static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"events", "n_slots", "timing", "stop_at", "slots", NULL};
     Py_buffer ev = {0}, sl = {0};
     PyObject *n_slots_o, *slots_o = Py_None;
@@ -31,8 +29,7 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
     uint64_t *op_ns = NULL;
     size_t n_slots;
 
-    if (gm_py_heap_open(self) < 0 || gm_py_to_size(n_slots_o, "n_slots", &n_slots) < 0)
-        goto done;
+    if (gm_py_heap_open(self) < 0 || gm_py_to_size(n_slots_o, "n_slots", &n_slots) < 0) goto done;
     if (ev.len % (Py_ssize_t)sizeof(gm_replay_event) != 0) {
         PyErr_Format(PyExc_ValueError, "events: %zd bytes is not a whole number of %zu-byte events", ev.len,
                      sizeof(gm_replay_event));
@@ -61,16 +58,15 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
             goto done;
         }
         if (events[i].slot >= n_slots) {
-            PyErr_Format(PyExc_ValueError, "events[%zu]: slot %u is not below n_slots=%zu", i,
-                         (unsigned)events[i].slot, n_slots);
+            PyErr_Format(PyExc_ValueError, "events[%zu]: slot %u is not below n_slots=%zu", i, (unsigned)events[i].slot,
+                         n_slots);
             goto done;
         }
     }
 
     uintptr_t *slots;
     if (slots_o != Py_None) {
-        if (PyObject_GetBuffer(slots_o, &sl, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
+        if (PyObject_GetBuffer(slots_o, &sl, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
         if ((size_t)sl.len != n_slots * sizeof(uintptr_t) || (uintptr_t)sl.buf % _Alignof(uintptr_t) != 0) {
             PyErr_Format(PyExc_ValueError, "slots must be an aligned writable buffer of n_slots*%zu = %zu bytes",
                          sizeof(uintptr_t), n_slots * sizeof(uintptr_t));
@@ -106,12 +102,13 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
     }
 
     result = PyDict_New();
-    if (result == NULL)
-        goto done;
+    if (result == NULL) goto done;
     if (gm_py_put_u64(result, "allocs", res.allocs) < 0 || gm_py_put_u64(result, "frees", res.frees) < 0 ||
-        gm_py_put_u64(result, "ooms", res.ooms) < 0 || gm_py_put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
+        gm_py_put_u64(result, "ooms", res.ooms) < 0 ||
+        gm_py_put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
         gm_py_put_u64(result, "peak_reserved_bytes", res.peak_reserved_bytes) < 0 ||
-        gm_py_put_i64(result, "first_oom_event", res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
+        gm_py_put_i64(result, "first_oom_event",
+                      res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
         gm_py_put_u64(result, "peak_event", res.peak_event) < 0 || gm_py_put_i64(result, "error", res.error) < 0 ||
         gm_py_put(result, "error_name", PyUnicode_FromString(gm_py_code_name(res.error))) < 0) {
         Py_CLEAR(result);
@@ -122,17 +119,14 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds)
         PyObject *arr = NULL;
         if (array_mod != NULL) {
             PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(n * sizeof *op_ns));
-            if (raw != NULL)
-                arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
+            if (raw != NULL) arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
             Py_XDECREF(raw);
             Py_DECREF(array_mod);
         }
-        if (gm_py_put(result, "op_ns", arr) < 0)
-            Py_CLEAR(result);
+        if (gm_py_put(result, "op_ns", arr) < 0) Py_CLEAR(result);
     }
 done:
-    if (sl.obj)
-        PyBuffer_Release(&sl);
+    if (sl.obj) PyBuffer_Release(&sl);
     PyBuffer_Release(&ev);
     PyMem_Free(copy);
     PyMem_Free(own_slots);
@@ -141,7 +135,9 @@ done:
 }
 
 PyMethodDef gm_py_replay_methods[] = {
-    {.ml_name = "replay", .ml_meth = KW(Heap_replay), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "replay",
+     .ml_meth = KW(Heap_replay),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "replay(events, n_slots, timing=False, stop_at=-1, slots=None) -> dict\n"
                "events: packed struct '<IIQQ' (op, slot, size, stream); slots: optional writable\n"
                "buffer of n_slots 8-byte words kept by the caller across chunked calls."},

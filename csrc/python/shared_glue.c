@@ -27,28 +27,22 @@
 
 int gm_shared_glue_add(PyObject *module);
 
-static int parse_device(int device)
-{
+static int parse_device(int device) {
     if (device < 0 || device >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %d out of range [0, %d)", device,
-                     GM_TORCH_MAX_DEVICES);
+        PyErr_Format(PyExc_ValueError, "device index %d out of range [0, %d)", device, GM_TORCH_MAX_DEVICES);
         return -1;
     }
     return 0;
 }
 
 /* The heap of `device`, created now if need be; NULL with an exception set. */
-static gm_heap *heap_of(int device)
-{
+static gm_heap *heap_of(int device) {
     gm_heap *h = gm_torch_heap(device);
-    if (h)
-        return h;
+    if (h) return h;
     char err[512] = "";
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gm_torch_open(device, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    if (rc != GM_OK || !(h = gm_torch_heap(device))) {
+    Py_BEGIN_ALLOW_THREADS rc = gm_torch_open(device, err, sizeof err);
+    Py_END_ALLOW_THREADS if (rc != GM_OK || !(h = gm_torch_heap(device))) {
         PyErr_Format(PyExc_RuntimeError, "gpumem cannot open a heap on CUDA device %d: %s", device,
                      err[0] ? err : gm_strerror(rc));
         return NULL;
@@ -56,21 +50,16 @@ static gm_heap *heap_of(int device)
     return h;
 }
 
-static PyObject *s_malloc(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *s_malloc(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     unsigned long long size, stream, context;
-    if (!PyArg_ParseTuple(args, "iKKK:_shared_malloc", &device, &size, &stream, &context))
-        return NULL;
-    if (parse_device(device) < 0)
-        return NULL;
+    if (!PyArg_ParseTuple(args, "iKKK:_shared_malloc", &device, &size, &stream, &context)) return NULL;
+    if (parse_device(device) < 0) return NULL;
     gm_heap *h = heap_of(device);
-    if (!h)
-        return NULL;
+    if (!h) return NULL;
     uintptr_t p = 0;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gm_malloc(h, (size_t)size, (gm_stream)stream, (uint64_t)context, &p);
+    Py_BEGIN_ALLOW_THREADS rc = gm_malloc(h, (size_t)size, (gm_stream)stream, (uint64_t)context, &p);
     if (rc == GM_ENOMEM) {
         /* What other streams freed since may be reusable now. */
         gm_empty_cache(h);
@@ -78,28 +67,21 @@ static PyObject *s_malloc(PyObject *Py_UNUSED(m), PyObject *args)
     }
     if (rc == GM_ENOMEM || rc == GM_EINVAL)
         gm_empty_cache(h); /* a failed try may have grown the heap: give that back */
-    Py_END_ALLOW_THREADS
-    if (rc == GM_OK)
-        return PyLong_FromUnsignedLongLong((unsigned long long)p);
-    if (rc == GM_ENOMEM || rc == GM_EINVAL)
-        Py_RETURN_NONE;
-    return PyErr_Format(PyExc_RuntimeError, "gpumem: allocation of %llu bytes on GPU %d failed: %s (%s)",
-                        size, device, gm_strerror(rc), gm_heap_device(h)->last_error);
+    Py_END_ALLOW_THREADS if (rc == GM_OK) return PyLong_FromUnsignedLongLong((unsigned long long)p);
+    if (rc == GM_ENOMEM || rc == GM_EINVAL) Py_RETURN_NONE;
+    return PyErr_Format(PyExc_RuntimeError, "gpumem: allocation of %llu bytes on GPU %d failed: %s (%s)", size, device,
+                        gm_strerror(rc), gm_heap_device(h)->last_error);
 }
 
-static PyObject *s_free(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *s_free(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     unsigned long long ptr;
-    if (!PyArg_ParseTuple(args, "iK:_shared_free", &device, &ptr))
-        return NULL;
-    if (parse_device(device) < 0)
-        return NULL;
+    if (!PyArg_ParseTuple(args, "iK:_shared_free", &device, &ptr)) return NULL;
+    if (parse_device(device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
     int rc = GM_EUNKNOWN_PTR;
     if (h) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = gm_free(h, (uintptr_t)ptr);
+        Py_BEGIN_ALLOW_THREADS rc = gm_free(h, (uintptr_t)ptr);
         Py_END_ALLOW_THREADS
     }
     if (rc != GM_OK)
@@ -108,24 +90,23 @@ static PyObject *s_free(PyObject *Py_UNUSED(m), PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *s_tags(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *s_tags(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return Py_BuildValue("{s:i,s:K,s:i,s:i}", "shift", GM_CTX_FRAMEWORK_SHIFT, "mask",
                          (unsigned long long)GM_CTX_FRAMEWORK_MASK, "cupy", GM_FRAMEWORK_CUPY, "numba",
                          GM_FRAMEWORK_NUMBA);
 }
 
 static PyMethodDef shared_methods[] = {
-    {.ml_name = "_shared_malloc", .ml_meth = s_malloc, .ml_flags = METH_VARARGS,
+    {.ml_name = "_shared_malloc",
+     .ml_meth = s_malloc,
+     .ml_flags = METH_VARARGS,
      .ml_doc = "_shared_malloc(device, size, stream, context) -> address, or None when out of memory"},
-    {.ml_name = "_shared_free", .ml_meth = s_free, .ml_flags = METH_VARARGS,
-     .ml_doc = "_shared_free(device, address)"},
-    {.ml_name = "_framework_tags", .ml_meth = s_tags, .ml_flags = METH_NOARGS,
+    {.ml_name = "_shared_free", .ml_meth = s_free, .ml_flags = METH_VARARGS, .ml_doc = "_shared_free(device, address)"},
+    {.ml_name = "_framework_tags",
+     .ml_meth = s_tags,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "_framework_tags() -> where a context keeps the framework tag, and the tags"},
     {NULL, NULL, 0, NULL},
 };
 
-int gm_shared_glue_add(PyObject *module)
-{
-    return PyModule_AddFunctions(module, shared_methods);
-}
+int gm_shared_glue_add(PyObject *module) { return PyModule_AddFunctions(module, shared_methods); }

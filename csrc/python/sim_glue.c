@@ -13,42 +13,38 @@
 
 #include "common.h"
 
-static int op_from_name(PyObject *name, gm_dev_op *out)
-{
+static int op_from_name(PyObject *name, gm_dev_op *out) {
     static const char *const names[GM_OP__COUNT] = {
-        "reserve", "unreserve", "create", "release", "map", "unmap", "set_access", "event_create",
-        "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
+        "reserve",      "unreserve",     "create",       "release",     "map",         "unmap",    "set_access",
+        "event_create", "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
     };
     if (!PyUnicode_Check(name)) {
         PyErr_Format(PyExc_TypeError, "op must be a str, not %.100s", Py_TYPE(name)->tp_name);
         return -1;
     }
     const char *s = PyUnicode_AsUTF8(name);
-    if (s == NULL)
-        return -1;
+    if (s == NULL) return -1;
     for (int i = 0; i < GM_OP__COUNT; i++) {
         if (strcmp(s, names[i]) == 0) {
             *out = (gm_dev_op)i;
             return 0;
         }
     }
-    PyErr_Format(PyExc_ValueError, "unknown device op %R (expected one of reserve, unreserve, create, release, map, "
+    PyErr_Format(PyExc_ValueError,
+                 "unknown device op %R (expected one of reserve, unreserve, create, release, map, "
                  "unmap, set_access, event_create, event_destroy, event_record, event_query, synchronize, "
-                 "mem_info, processes)", name);
+                 "mem_info, processes)",
+                 name);
     return -1;
 }
 
-
-static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"op", "nth", "count", NULL};
     PyObject *op_o, *nth_o = NULL, *count_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:sim_fail", kwlist, &op_o, &nth_o, &count_o))
-        return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:sim_fail", kwlist, &op_o, &nth_o, &count_o)) return NULL;
     gm_dev_op op;
     uint64_t nth = 1, count = 1;
-    if (gm_py_heap_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0) return NULL;
     if ((nth_o && gm_py_to_u64(nth_o, "nth", UINT64_MAX, &nth) < 0) ||
         (count_o && gm_py_to_u64(count_o, "count", UINT64_MAX, &count) < 0))
         return NULL;
@@ -56,59 +52,47 @@ static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_fail_random(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_sim_fail_random(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"op", "p", "seed", NULL};
     PyObject *op_o, *seed_o = NULL;
     double p;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|O:sim_fail_random", kwlist, &op_o, &p, &seed_o))
-        return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|O:sim_fail_random", kwlist, &op_o, &p, &seed_o)) return NULL;
     gm_dev_op op;
     uint64_t seed = 0;
-    if (gm_py_heap_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0) return NULL;
     if (!(p >= 0.0 && p <= 1.0)) {
         char msg[64];
         snprintf(msg, sizeof msg, "p must lie in [0, 1], got %g", p);
         PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
-    if (seed_o && gm_py_to_u64(seed_o, "seed", UINT64_MAX, &seed) < 0)
-        return NULL;
+    if (seed_o && gm_py_to_u64(seed_o, "seed", UINT64_MAX, &seed) < 0) return NULL;
     gm_sim_fail_random(self->dev, op, p, seed);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_calls(HeapObject *self, PyObject *op_o)
-{
+static PyObject *Heap_sim_calls(HeapObject *self, PyObject *op_o) {
     gm_dev_op op;
-    if (gm_py_heap_sim(self, 0) < 0 || op_from_name(op_o, &op) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 0) < 0 || op_from_name(op_o, &op) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(gm_sim_calls(self->dev, op));
 }
 
-static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"stream", "held", NULL};
     PyObject *stream_o;
     int held = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_hold_stream", kwlist, &stream_o, &held))
-        return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_hold_stream", kwlist, &stream_o, &held)) return NULL;
     uint64_t stream;
-    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0) return NULL;
     gm_sim_hold_stream(self->dev, (gm_stream)stream, held);
     Py_RETURN_NONE;
 }
 
-static PyObject *sim_set_bytes(HeapObject *self, PyObject *args, int external)
-{
+static PyObject *sim_set_bytes(HeapObject *self, PyObject *args, int external) {
     PyObject *pid_o, *bytes_o;
-    if (!PyArg_ParseTuple(args, external ? "OO:sim_set_external" : "OO:sim_set_self", &pid_o, &bytes_o))
-        return NULL;
+    if (!PyArg_ParseTuple(args, external ? "OO:sim_set_external" : "OO:sim_set_self", &pid_o, &bytes_o)) return NULL;
     uint64_t pid, bytes;
-    if (gm_py_heap_sim(self, 1) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 1) < 0) return NULL;
     if (gm_py_to_u64(pid_o, "pid", UINT32_MAX, &pid) < 0 || gm_py_to_u64(bytes_o, "bytes", UINT64_MAX, &bytes) < 0)
         return NULL;
     if (external)
@@ -118,44 +102,31 @@ static PyObject *sim_set_bytes(HeapObject *self, PyObject *args, int external)
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_set_external(HeapObject *self, PyObject *args)
-{
-    return sim_set_bytes(self, args, 1);
-}
+static PyObject *Heap_sim_set_external(HeapObject *self, PyObject *args) { return sim_set_bytes(self, args, 1); }
 
-static PyObject *Heap_sim_set_self(HeapObject *self, PyObject *args)
-{
-    return sim_set_bytes(self, args, 0);
-}
+static PyObject *Heap_sim_set_self(HeapObject *self, PyObject *args) { return sim_set_bytes(self, args, 0); }
 
-static PyObject *Heap_sim_set_nvml(HeapObject *self, PyObject *avail_o)
-{
-    if (gm_py_heap_sim(self, 1) < 0)
-        return NULL;
+static PyObject *Heap_sim_set_nvml(HeapObject *self, PyObject *avail_o) {
+    if (gm_py_heap_sim(self, 1) < 0) return NULL;
     int avail = PyObject_IsTrue(avail_o);
-    if (avail < 0)
-        return NULL;
+    if (avail < 0) return NULL;
     gm_sim_set_nvml(self->dev, avail);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_info(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_sim(self, 0) < 0)
-        return NULL;
+static PyObject *Heap_sim_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_sim(self, 0) < 0) return NULL;
     gm_sim_info info;
     gm_sim_info_get(self->dev, &info);
     return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n}", "capacity", (Py_ssize_t)info.capacity, "page_size",
-                         (Py_ssize_t)info.page_size, "pages_created", (Py_ssize_t)info.pages_created,
-                         "pages_mapped", (Py_ssize_t)info.pages_mapped, "events_alive",
-                         (Py_ssize_t)info.events_alive, "reservations", (Py_ssize_t)info.reservations);
+                         (Py_ssize_t)info.page_size, "pages_created", (Py_ssize_t)info.pages_created, "pages_mapped",
+                         (Py_ssize_t)info.pages_mapped, "events_alive", (Py_ssize_t)info.events_alive, "reservations",
+                         (Py_ssize_t)info.reservations);
 }
 
-static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args)
-{
+static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args) {
     PyObject *addr_o, *size_o;
-    if (!PyArg_ParseTuple(args, "OO:sim_is_accessible", &addr_o, &size_o))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "OO:sim_is_accessible", &addr_o, &size_o)) return NULL;
     uint64_t addr;
     size_t size;
     if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
@@ -164,52 +135,40 @@ static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args)
     return PyBool_FromLong(gm_sim_is_accessible(self->dev, (uintptr_t)addr, size));
 }
 
-static PyObject *Heap_sim_set_capture(HeapObject *self, PyObject *on_o)
-{
-    if (gm_py_heap_sim(self, 1) < 0)
-        return NULL;
+static PyObject *Heap_sim_set_capture(HeapObject *self, PyObject *on_o) {
+    if (gm_py_heap_sim(self, 1) < 0) return NULL;
     int on = PyObject_IsTrue(on_o);
-    if (on < 0)
-        return NULL;
+    if (on < 0) return NULL;
     gm_sim_set_capture(self->dev, on);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_set_stream_capture(HeapObject *self, PyObject *args, PyObject *kwds)
-{
+static PyObject *Heap_sim_set_stream_capture(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"stream", "on", NULL};
     PyObject *stream_o;
     int on = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_set_stream_capture", kwlist, &stream_o, &on))
-        return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_set_stream_capture", kwlist, &stream_o, &on)) return NULL;
     uint64_t stream;
-    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0) return NULL;
     gm_sim_set_stream_capture(self->dev, (gm_stream)stream, on);
     Py_RETURN_NONE;
 }
 
-static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o)
-{
+static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o) {
     uint64_t addr;
-    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0)
-        return NULL;
+    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0) return NULL;
     return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
 }
 
-static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored))
-{
-    if (gm_py_heap_sim(self, 0) < 0)
-        return NULL;
+static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_sim(self, 0) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(gm_sim_capture_violations(self->dev));
 }
 
 /* Test-only: GPUMEM_CUDA_FAULTS bookkeeping of a CUDA heap. */
-static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o)
-{
+static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o) {
     gm_dev_op op;
-    if (gm_py_heap_open(self) < 0 || op_from_name(op_o, &op) < 0)
-        return NULL;
+    if (gm_py_heap_open(self) < 0 || op_from_name(op_o, &op) < 0) return NULL;
     if (strcmp(self->dev->kind, "cuda")) {
         PyErr_Format(PyExc_TypeError, "this call needs a cuda heap, not a %s one", self->dev->kind);
         return NULL;
@@ -219,34 +178,61 @@ static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o)
 }
 
 PyMethodDef gm_py_sim_methods[] = {
-    {.ml_name = "sim_fail", .ml_meth = KW(Heap_sim_fail), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "sim_fail",
+     .ml_meth = KW(Heap_sim_fail),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_fail(op, nth=1, count=1): make device calls fail"},
-    {.ml_name = "sim_fail_random", .ml_meth = KW(Heap_sim_fail_random), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "sim_fail_random",
+     .ml_meth = KW(Heap_sim_fail_random),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_fail_random(op, p, seed=0)"},
-    {.ml_name = "sim_calls", .ml_meth = (PyCFunction)Heap_sim_calls, .ml_flags = METH_O,
+    {.ml_name = "sim_calls",
+     .ml_meth = (PyCFunction)Heap_sim_calls,
+     .ml_flags = METH_O,
      .ml_doc = "sim_calls(op) -> calls of op so far"},
-    {.ml_name = "sim_hold_stream", .ml_meth = KW(Heap_sim_hold_stream), .ml_flags = METH_VARARGS | METH_KEYWORDS,
+    {.ml_name = "sim_hold_stream",
+     .ml_meth = KW(Heap_sim_hold_stream),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_hold_stream(stream, held=True)"},
-    {.ml_name = "sim_set_external", .ml_meth = (PyCFunction)Heap_sim_set_external, .ml_flags = METH_VARARGS,
+    {.ml_name = "sim_set_external",
+     .ml_meth = (PyCFunction)Heap_sim_set_external,
+     .ml_flags = METH_VARARGS,
      .ml_doc = "sim_set_external(pid, bytes): memory held by another process"},
-    {.ml_name = "sim_set_self", .ml_meth = (PyCFunction)Heap_sim_set_self, .ml_flags = METH_VARARGS,
+    {.ml_name = "sim_set_self",
+     .ml_meth = (PyCFunction)Heap_sim_set_self,
+     .ml_flags = METH_VARARGS,
      .ml_doc = "sim_set_self(pid, bytes): this process's memory outside the allocator"},
-    {.ml_name = "sim_set_nvml", .ml_meth = (PyCFunction)Heap_sim_set_nvml, .ml_flags = METH_O,
+    {.ml_name = "sim_set_nvml",
+     .ml_meth = (PyCFunction)Heap_sim_set_nvml,
+     .ml_flags = METH_O,
      .ml_doc = "sim_set_nvml(available)"},
-    {.ml_name = "sim_info", .ml_meth = (PyCFunction)Heap_sim_info, .ml_flags = METH_NOARGS,
+    {.ml_name = "sim_info",
+     .ml_meth = (PyCFunction)Heap_sim_info,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "sim_info() -> dict"},
-    {.ml_name = "sim_is_accessible", .ml_meth = (PyCFunction)Heap_sim_is_accessible, .ml_flags = METH_VARARGS,
+    {.ml_name = "sim_is_accessible",
+     .ml_meth = (PyCFunction)Heap_sim_is_accessible,
+     .ml_flags = METH_VARARGS,
      .ml_doc = "sim_is_accessible(addr, size) -> bool"},
-    {.ml_name = "sim_set_capture", .ml_meth = (PyCFunction)Heap_sim_set_capture, .ml_flags = METH_O,
+    {.ml_name = "sim_set_capture",
+     .ml_meth = (PyCFunction)Heap_sim_set_capture,
+     .ml_flags = METH_O,
      .ml_doc = "sim_set_capture(on): the device refuses and counts calls a capture forbids"},
-    {.ml_name = "sim_set_stream_capture", .ml_meth = KW(Heap_sim_set_stream_capture),
+    {.ml_name = "sim_set_stream_capture",
+     .ml_meth = KW(Heap_sim_set_stream_capture),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_set_stream_capture(stream, on=True): the device reports stream as capturing"},
-    {.ml_name = "sim_capture_violations", .ml_meth = (PyCFunction)Heap_sim_capture_violations,
-     .ml_flags = METH_NOARGS, .ml_doc = "sim_capture_violations() -> calls refused by capture mode"},
-    {.ml_name = "sim_page_at", .ml_meth = (PyCFunction)Heap_sim_page_at, .ml_flags = METH_O,
+    {.ml_name = "sim_capture_violations",
+     .ml_meth = (PyCFunction)Heap_sim_capture_violations,
+     .ml_flags = METH_NOARGS,
+     .ml_doc = "sim_capture_violations() -> calls refused by capture mode"},
+    {.ml_name = "sim_page_at",
+     .ml_meth = (PyCFunction)Heap_sim_page_at,
+     .ml_flags = METH_O,
      .ml_doc = "sim_page_at(addr) -> id of the physical page mapped there (0: none)"},
-    {.ml_name = "cuda_fault_calls", .ml_meth = (PyCFunction)Heap_cuda_fault_calls, .ml_flags = METH_O,
+    {.ml_name = "cuda_fault_calls",
+     .ml_meth = (PyCFunction)Heap_cuda_fault_calls,
+     .ml_flags = METH_O,
      .ml_doc = "cuda_fault_calls(op) -> (calls, failed by GPUMEM_CUDA_FAULTS); test-only, CUDA heaps"},
     {.ml_name = NULL},
 };

@@ -66,9 +66,8 @@ struct python_error : public std::exception {
 
     python_error() = default;
     python_error(const python_error &other)
-        : std::exception(other), type(other.type), value(other.value),
-          traceback(other.traceback), message(other.message)
-    {
+        : std::exception(other), type(other.type), value(other.value), traceback(other.traceback),
+          message(other.message) {
         if (type || value || traceback) {
             PyGILState_STATE st = PyGILState_Ensure();
             Py_XINCREF(type);
@@ -78,15 +77,13 @@ struct python_error : public std::exception {
         }
     }
     python_error(python_error &&other) noexcept
-        : std::exception(other), type(other.type), value(other.value),
-          traceback(other.traceback), message(std::move(other.message))
-    {
+        : std::exception(other), type(other.type), value(other.value), traceback(other.traceback),
+          message(std::move(other.message)) {
         other.type = other.value = other.traceback = nullptr;
     }
     python_error &operator=(const python_error &) = delete;
     python_error &operator=(python_error &&) = delete;
-    ~python_error() override
-    {
+    ~python_error() override {
         if ((type || value || traceback) && Py_IsInitialized()) {
             PyGILState_STATE st = PyGILState_Ensure();
             Py_XDECREF(type);
@@ -117,8 +114,8 @@ struct active_pool {
 
 struct slot {
     std::atomic<gm_heap *> heap{nullptr};
-    std::mutex mu;            /* creation, and device calls made outside the heap */
-    double fraction = -1.0;   /* from set_per_process_memory_fraction; < 0: none */
+    std::mutex mu;          /* creation, and device calls made outside the heap */
+    double fraction = -1.0; /* from set_per_process_memory_fraction; < 0: none */
     /* Effective cap: a request above it fails at once, before the core would
      * grow the heap to the cap trying. */
     std::atomic<size_t> limit{SIZE_MAX};
@@ -138,11 +135,10 @@ std::atomic<gm_torch_context_fn> g_context_fn{nullptr};
 std::atomic<gm_torch_oom_formatter> g_formatter{nullptr};
 PyObject *g_oom_class = nullptr; /* guarded by the GIL */
 
-std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cache{0},
-    c_record_stream{0}, c_fraction{0};
+std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cache{0}, c_record_stream{0},
+    c_fraction{0};
 
-gm_torch_options options_snapshot()
-{
+gm_torch_options options_snapshot() {
     std::lock_guard<std::mutex> g(g_opts_mu);
     if (!g_opts_ready) {
         gm_torch_options_default(&g_opts);
@@ -151,15 +147,13 @@ gm_torch_options options_snapshot()
     return g_opts;
 }
 
-void refresh_limit(slot &s, gm_heap *h)
-{
+void refresh_limit(slot &s, gm_heap *h) {
     gm_oom_info info;
     gm_memory_report(h, 0, &info);
     s.limit.store(info.cap_bytes ? info.cap_bytes : SIZE_MAX, std::memory_order_relaxed);
 }
 
-size_t device_total(gm_heap *h)
-{
+size_t device_total(gm_heap *h) {
     gm_oom_info info;
     gm_memory_report(h, 0, &info);
     return info.device_total;
@@ -167,15 +161,12 @@ size_t device_total(gm_heap *h)
 
 /* The cap a heap should have: an explicit set_per_process_memory_fraction wins
  * over the install options. */
-size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction)
-{
-    if (fraction >= 0)
-        return fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
+size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction) {
+    if (fraction >= 0) return fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
     size_t cap = o.cap_bytes;
     if (o.cap_fraction > 0 && o.cap_fraction < 1.0) {
         size_t f = (size_t)(o.cap_fraction * (double)device_total(h));
-        if (!cap || f < cap)
-            cap = f;
+        if (!cap || f < cap) cap = f;
     }
     return cap;
 }
@@ -183,8 +174,7 @@ size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction)
 bool valid_device(int device) { return device >= 0 && device < GM_TORCH_MAX_DEVICES; }
 
 /* sim_capacity > 0 puts a simulated device behind the slot instead of CUDA. */
-gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0)
-{
+gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
     slot &s = g_slots[device];
     std::lock_guard<std::mutex> g(s.mu);
     gm_heap *h = s.heap.load(std::memory_order_acquire);
@@ -206,28 +196,23 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0)
     gm_config cfg;
     gm_config_default(&cfg);
     cfg.va_size = o.va_size;
-    if (o.growth_slack >= 0)
-        cfg.growth_slack = o.growth_slack;
-    if (o.growth_slack_pages >= 0)
-        cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
+    if (o.growth_slack >= 0) cfg.growth_slack = o.growth_slack;
+    if (o.growth_slack_pages >= 0) cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
     int rc = gm_heap_create(dev, &cfg, &h);
     if (rc != GM_OK) {
-        *why = std::string("gpumem cannot create a heap on CUDA device ") + std::to_string(device) +
-               ": " + gm_strerror(rc);
+        *why = std::string("gpumem cannot create a heap on CUDA device ") + std::to_string(device) + ": " +
+               gm_strerror(rc);
         return nullptr;
     }
     size_t cap = wanted_cap(h, o, s.fraction);
-    if (cap)
-        gm_set_cap(h, cap);
-    if (o.history_entries)
-        gm_history_enable(h, o.history_entries);
+    if (cap) gm_set_cap(h, cap);
+    if (o.history_entries) gm_history_enable(h, o.history_entries);
     refresh_limit(s, h);
     s.heap.store(h, std::memory_order_release);
     return h;
 }
 
-[[noreturn]] void throw_oom(const std::string &msg)
-{
+[[noreturn]] void throw_oom(const std::string &msg) {
     c_ooms.fetch_add(1, std::memory_order_relaxed);
     gm_torch_options o = options_snapshot();
     if (o.oom_mode == GM_TORCH_OOM_TORCH && Py_IsInitialized()) {
@@ -254,10 +239,8 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0)
 
 /* The pool an allocation on `stream` goes to: the first active pool whose
  * filter accepts the stream (torch's allocator picks the same way), or false. */
-bool route(slot &s, gm_stream stream, gm_pool_id *out)
-{
-    if (s.n_active.load(std::memory_order_acquire) == 0)
-        return false;
+bool route(slot &s, gm_stream stream, gm_pool_id *out) {
+    if (s.n_active.load(std::memory_order_acquire) == 0) return false;
     std::unique_lock<std::mutex> g(s.pool_mu);
     for (const active_pool &a : s.active) {
         if (a.filter((gm_cuda_stream_t)(uintptr_t)stream)) {
@@ -268,27 +251,20 @@ bool route(slot &s, gm_stream stream, gm_pool_id *out)
     return false;
 }
 
-gm_heap *heap_or_throw(int device)
-{
+gm_heap *heap_or_throw(int device) {
     if (!valid_device(device))
-        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) +
-                                 " is out of range");
+        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) + " is out of range");
     gm_heap *h = g_slots[device].heap.load(std::memory_order_acquire);
     if (!h) {
         std::string why;
-        if (!(h = open_heap(device, &why)))
-            throw std::runtime_error(why);
+        if (!(h = open_heap(device, &why))) throw std::runtime_error(why);
     }
     return h;
 }
 
-std::string pool_name(gm_pool_id id)
-{
-    return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
-}
+std::string pool_name(gm_pool_id id) { return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")"; }
 
-void pool_begin(int device, gm_pool_id id, gm_torch_filter filter)
-{
+void pool_begin(int device, gm_pool_id id, gm_torch_filter filter) {
     gm_heap *h = heap_or_throw(device);
     int rc = gm_pool_retain(h, id);
     if (rc != GM_OK)
@@ -307,11 +283,9 @@ void pool_begin(int device, gm_pool_id id, gm_torch_filter filter)
     gm_capture_begin(h);
 }
 
-bool pool_end(int device, gm_pool_id id)
-{
+bool pool_end(int device, gm_pool_id id) {
     gm_heap *h = valid_device(device) ? gm_torch_heap(device) : nullptr;
-    if (!h)
-        return false;
+    if (!h) return false;
     slot &s = g_slots[device];
     bool found = false;
     {
@@ -325,22 +299,18 @@ bool pool_end(int device, gm_pool_id id)
         }
         s.n_active.store(s.active.size(), std::memory_order_release);
     }
-    if (found)
-        gm_capture_end(h);
+    if (found) gm_capture_end(h);
     return found;
 }
 
-int pool_release(int device, gm_pool_id id)
-{
+int pool_release(int device, gm_pool_id id) {
     gm_heap *h = valid_device(device) ? gm_torch_heap(device) : nullptr;
     return h ? gm_pool_release(h, id) : GM_EINVAL;
 }
 
-std::string oom_message(int device, gm_heap *h, size_t size)
-{
+std::string oom_message(int device, gm_heap *h, size_t size) {
     gm_oom_info info;
-    if (gm_last_oom(h, &info) != GM_OK || info.request < size)
-        gm_memory_report(h, size, &info);
+    if (gm_last_oom(h, &info) != GM_OK || info.request < size) gm_memory_report(h, size, &info);
     std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
     size_t n = gm_torch_format_oom(device, &info, &buf[0], buf.size());
     buf.resize(n);
@@ -351,16 +321,14 @@ std::string oom_message(int device, gm_heap *h, size_t size)
 
 /* ---- options, registry access ----------------------------------------------- */
 
-extern "C" void gm_torch_options_default(gm_torch_options *o)
-{
+extern "C" void gm_torch_options_default(gm_torch_options *o) {
     std::memset(o, 0, sizeof *o);
     o->growth_slack = -1.0;
     o->growth_slack_pages = -1;
     o->oom_mode = GM_TORCH_OOM_TORCH;
 }
 
-extern "C" int gm_torch_configure(const gm_torch_options *o)
-{
+extern "C" int gm_torch_configure(const gm_torch_options *o) {
     if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 ||
         (o->oom_mode != GM_TORCH_OOM_TORCH && o->oom_mode != GM_TORCH_OOM_RUNTIME) ||
         o->history_entries > ((size_t)1 << 32))
@@ -372,8 +340,7 @@ extern "C" int gm_torch_configure(const gm_torch_options *o)
     }
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
         gm_heap *h = g_slots[d].heap.load(std::memory_order_acquire);
-        if (!h)
-            continue;
+        if (!h) continue;
         double fraction;
         {
             std::lock_guard<std::mutex> g(g_slots[d].mu);
@@ -387,54 +354,44 @@ extern "C" int gm_torch_configure(const gm_torch_options *o)
 
 extern "C" void gm_torch_get_options(gm_torch_options *o) { *o = options_snapshot(); }
 
-extern "C" gm_heap *gm_torch_heap(int device)
-{
-    if (!valid_device(device))
-        return nullptr;
+extern "C" gm_heap *gm_torch_heap(int device) {
+    if (!valid_device(device)) return nullptr;
     return g_slots[device].heap.load(std::memory_order_acquire);
 }
 
-extern "C" int gm_torch_open(int device, char *err, size_t errlen)
-{
+extern "C" int gm_torch_open(int device, char *err, size_t errlen) {
     if (!valid_device(device)) {
         snprintf(err, errlen, "device index %d out of range [0, %d)", device, GM_TORCH_MAX_DEVICES);
         return GM_EINVAL;
     }
     std::string why;
-    if (open_heap(device, &why))
-        return GM_OK;
+    if (open_heap(device, &why)) return GM_OK;
     snprintf(err, errlen, "%s", why.c_str());
     return GM_EDEVICE;
 }
 
-extern "C" int gm_torch_open_sim(int device, size_t capacity, char *err, size_t errlen)
-{
+extern "C" int gm_torch_open_sim(int device, size_t capacity, char *err, size_t errlen) {
     if (!valid_device(device) || !capacity) {
         snprintf(err, errlen, "bad device %d or capacity %zu", device, capacity);
         return GM_EINVAL;
     }
     std::string why;
-    if (open_heap(device, &why, capacity))
-        return GM_OK;
+    if (open_heap(device, &why, capacity)) return GM_OK;
     snprintf(err, errlen, "%s", why.c_str());
     return GM_EINVAL;
 }
 
-extern "C" int gm_torch_set_cap(int device, size_t cap_bytes)
-{
+extern "C" int gm_torch_set_cap(int device, size_t cap_bytes) {
     gm_heap *h = gm_torch_heap(device);
-    if (!h)
-        return GM_EINVAL;
+    if (!h) return GM_EINVAL;
     int rc = gm_set_cap(h, cap_bytes);
     refresh_limit(g_slots[device], h);
     return rc;
 }
 
-extern "C" int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, size_t *n)
-{
+extern "C" int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, size_t *n) {
     gm_heap *h = gm_torch_heap(device);
-    if (!h)
-        return GM_EINVAL;
+    if (!h) return GM_EINVAL;
     gm_device *dev = gm_heap_device(h);
     std::lock_guard<std::mutex> g(g_slots[device].mu);
     return dev->ops->processes(dev, out, cap, n);
@@ -442,16 +399,14 @@ extern "C" int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, si
 
 extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
 
-extern "C" void gm_torch_set_oom_class(void *py_class)
-{
+extern "C" void gm_torch_set_oom_class(void *py_class) {
     PyObject *old = g_oom_class;
     g_oom_class = (PyObject *)py_class;
     Py_XINCREF(g_oom_class);
     Py_XDECREF(old);
 }
 
-extern "C" void gm_torch_get_counters(gm_torch_counters *c)
-{
+extern "C" void gm_torch_get_counters(gm_torch_counters *c) {
     c->ooms = c_ooms.load();
     c->oom_retries = c_oom_retries.load();
     c->free_errors = c_free_errors.load();
@@ -462,10 +417,8 @@ extern "C" void gm_torch_get_counters(gm_torch_counters *c)
 
 /* ---- the message --------------------------------------------------------------- */
 
-extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *buf, size_t len)
-{
-    if (!len)
-        return 0;
+extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *buf, size_t len) {
+    if (!len) return 0;
     gm_heap *h = gm_torch_heap(device);
     gm_proc_usage procs[64] = {};
     long n_procs = -1;
@@ -499,8 +452,7 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
         int shown = 0;
         uint32_t self = (uint32_t)getpid();
         for (long i = 0; i < n_procs; i++) {
-            if (procs[i].pid == self)
-                continue;
+            if (procs[i].pid == self) continue;
             sum += procs[i].bytes;
             if (shown < 4) {
                 char one[64], b[32];
@@ -513,16 +465,14 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
         char s[32];
         gm_fmt_bytes(s, sizeof s, sum);
         others = s;
-        if (!list.empty())
-            others += " (" + list + ")";
+        if (!list.empty()) others += " (" + list + ")";
     }
     return gm_oom_line(buf, len, o, device, others.c_str(), h ? gm_heap_device(h)->last_error : nullptr);
 }
 
 /* ---- the entry points torch calls ---------------------------------------------- */
 
-extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
-{
+extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     gm_heap *h = heap_or_throw(device);
     gm_pool_id pool_id;
     const gm_pool_id *pool = route(g_slots[device], (gm_stream)(uintptr_t)stream, &pool_id) ? &pool_id : nullptr;
@@ -537,8 +487,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
         throw_oom(buf);
     }
     int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
-    if (rc == GM_OK)
-        return (void *)p;
+    if (rc == GM_OK) return (void *)p;
     /* During a capture nothing may synchronise: no empty_cache, no retry. */
     bool capturing = gm_capturing(h) != 0;
     if (rc == GM_ENOMEM && !capturing) {
@@ -557,46 +506,40 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream)
         /* A failed attempt may have grown the heap to its cap on the way; give
          * that back, as torch's own allocator does, or memory taken outside the
          * allocator (cuBLAS handles, NCCL) fails next -- seen on an H100. */
-        if (!capturing)
-            gm_empty_cache(h);
+        if (!capturing) gm_empty_cache(h);
         throw_oom(msg);
     }
-    throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) +
-                             " bytes on GPU " + std::to_string(device) +
-                             " failed: " + gm_strerror(rc) + " (" +
+    throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) + " bytes on GPU " +
+                             std::to_string(device) + " failed: " + gm_strerror(rc) + " (" +
                              gm_heap_device(h)->last_error + ")");
 }
 
 /* Called from tensor destructors: throwing here would terminate the process,
  * so a pointer no heap knows is counted and reported once on stderr. */
-extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stream)
-{
+extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stream) {
     (void)size;
     (void)stream;
     gm_heap *h = gm_torch_heap(device);
     int rc = h ? gm_free(h, (uintptr_t)ptr) : GM_EUNKNOWN_PTR;
     if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
-        fprintf(stderr, "gpumem: free of %p on GPU %d failed: %s (further errors are counted "
-                        "in gpumem.torch.status())\n",
+        fprintf(stderr,
+                "gpumem: free of %p on GPU %d failed: %s (further errors are counted "
+                "in gpumem.torch.status())\n",
                 ptr, device, gm_strerror(rc));
 }
 
-extern "C" void gpumem_torch_empty_cache(void)
-{
+extern "C" void gpumem_torch_empty_cache(void) {
     c_empty_cache.fetch_add(1, std::memory_order_relaxed);
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
         gm_heap *h = gm_torch_heap(d);
         /* Unmapping during a capture would invalidate it: skipped then. */
-        if (h && !gm_capturing(h))
-            gm_empty_cache(h);
+        if (h && !gm_capturing(h)) gm_empty_cache(h);
     }
 }
 
-extern "C" void gpumem_torch_memory_fraction(double fraction, int device)
-{
+extern "C" void gpumem_torch_memory_fraction(double fraction, int device) {
     c_fraction.fetch_add(1, std::memory_order_relaxed);
-    if (!valid_device(device))
-        return;
+    if (!valid_device(device)) return;
     gm_heap *h;
     {
         std::lock_guard<std::mutex> g(g_slots[device].mu);
@@ -609,20 +552,17 @@ extern "C" void gpumem_torch_memory_fraction(double fraction, int device)
     }
 }
 
-extern "C" void gpumem_torch_record_stream(void *ptr, void *stream)
-{
+extern "C" void gpumem_torch_record_stream(void *ptr, void *stream) {
     c_record_stream.fetch_add(1, std::memory_order_relaxed);
     int rc = GM_EUNKNOWN_PTR;
     for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
         gm_heap *h = gm_torch_heap(d);
-        if (h)
-            rc = gm_record_stream(h, (uintptr_t)ptr, (gm_stream)(uintptr_t)stream);
+        if (h) rc = gm_record_stream(h, (uintptr_t)ptr, (gm_stream)(uintptr_t)stream);
     }
     if (rc != GM_OK) {
         char p[32];
         snprintf(p, sizeof p, "%p", ptr);
-        throw std::runtime_error(std::string("gpumem: record_stream on ") + p + ": " +
-                                 gm_strerror(rc));
+        throw std::runtime_error(std::string("gpumem: record_stream on ") + p + ": " + gm_strerror(rc));
     }
 }
 
@@ -637,29 +577,24 @@ extern "C" void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn) { g_fo
 /* torch's hooks: exactly the C++ types of the std::function torch builds from
  * the address (CUDAPluggableAllocator's begin/end/release setters).  Errors
  * are thrown, and torch turns them into Python exceptions. */
-void gpumem_torch_begin_allocate_to_pool(int device, gm_torch_mempool_id pool, gm_torch_filter filter)
-{
-    if (!filter)
-        throw std::runtime_error("gpumem: begin_allocate_to_pool without a stream filter");
+void gpumem_torch_begin_allocate_to_pool(int device, gm_torch_mempool_id pool, gm_torch_filter filter) {
+    if (!filter) throw std::runtime_error("gpumem: begin_allocate_to_pool without a stream filter");
     pool_begin(device, gm_pool_id{pool.first, pool.second}, std::move(filter));
 }
 
-void gpumem_torch_end_allocate_to_pool(int device, gm_torch_mempool_id pool)
-{
+void gpumem_torch_end_allocate_to_pool(int device, gm_torch_mempool_id pool) {
     pool_end(device, gm_pool_id{pool.first, pool.second});
 }
 
-void gpumem_torch_release_pool(int device, gm_torch_mempool_id pool)
-{
+void gpumem_torch_release_pool(int device, gm_torch_mempool_id pool) {
     int rc = pool_release(device, gm_pool_id{pool.first, pool.second});
     if (rc != GM_OK)
         throw std::runtime_error("gpumem: cannot release pool (" + std::to_string(pool.first) + ", " +
-                                 std::to_string(pool.second) + ") on GPU " + std::to_string(device) +
-                                 ": " + gm_strerror(rc));
+                                 std::to_string(pool.second) + ") on GPU " + std::to_string(device) + ": " +
+                                 gm_strerror(rc));
 }
 
-extern "C" uintptr_t gm_torch_pool_hook(int which)
-{
+extern "C" uintptr_t gm_torch_pool_hook(int which) {
     void (*begin)(int, gm_torch_mempool_id, gm_torch_filter) = gpumem_torch_begin_allocate_to_pool;
     void (*end)(int, gm_torch_mempool_id) = gpumem_torch_end_allocate_to_pool;
     void (*release)(int, gm_torch_mempool_id) = gpumem_torch_release_pool;
@@ -675,9 +610,7 @@ extern "C" uintptr_t gm_torch_pool_hook(int which)
     }
 }
 
-extern "C" int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t second,
-                                       gm_torch_stream_filter_fn filter)
-{
+extern "C" int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t second, gm_torch_stream_filter_fn filter) {
     gm_torch_filter f;
     if (filter)
         f = [filter](gm_cuda_stream_t s) { return filter((void *)s) != 0; };
@@ -691,38 +624,32 @@ extern "C" int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t seco
     return GM_OK;
 }
 
-extern "C" int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second)
-{
+extern "C" int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second) {
     return pool_end(device, gm_pool_id{first, second}) ? GM_OK : GM_EINVAL;
 }
 
-extern "C" int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second)
-{
+extern "C" int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second) {
     return pool_release(device, gm_pool_id{first, second});
 }
 
-extern "C" void gpumem_torch_raw_delete(void *ptr)
-{
+extern "C" void gpumem_torch_raw_delete(void *ptr) {
     int rc = GM_EUNKNOWN_PTR;
     for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
         gm_heap *h = gm_torch_heap(d);
-        if (h)
-            rc = gm_free(h, (uintptr_t)ptr);
+        if (h) rc = gm_free(h, (uintptr_t)ptr);
     }
     if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
-        fprintf(stderr, "gpumem: free of %p failed: %s (further errors are counted in "
-                        "gpumem.torch.status())\n",
+        fprintf(stderr,
+                "gpumem: free of %p failed: %s (further errors are counted in "
+                "gpumem.torch.status())\n",
                 ptr, gm_strerror(rc));
 }
 
-extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap)
-{
-    if (!valid_device(device))
-        return 0;
+extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap) {
+    if (!valid_device(device)) return 0;
     slot &s = g_slots[device];
     std::lock_guard<std::mutex> g(s.pool_mu);
-    for (size_t i = 0; i < s.active.size() && i < cap; i++)
-        out[i] = s.active[i].id;
+    for (size_t i = 0; i < s.active.size() && i < cap; i++) out[i] = s.active[i].id;
     return s.active.size();
 }
 

@@ -23,19 +23,19 @@ extern "C" {
 #define GM_TORCH_MAX_DEVICES 64
 
 enum gm_torch_oom_mode {
-    GM_TORCH_OOM_TORCH = 0,   /* raise the configured Python class (torch.OutOfMemoryError) */
-    GM_TORCH_OOM_RUNTIME = 1  /* throw std::runtime_error: Python sees RuntimeError */
+    GM_TORCH_OOM_TORCH = 0,  /* raise the configured Python class (torch.OutOfMemoryError) */
+    GM_TORCH_OOM_RUNTIME = 1 /* throw std::runtime_error: Python sees RuntimeError */
 };
 
 /* Options for heaps created from now on (cap_* also apply to existing heaps). */
 typedef struct gm_torch_options {
-    size_t va_size;            /* 0: the core's default */
-    size_t cap_bytes;          /* 0: none (unless cap_fraction) */
-    double cap_fraction;       /* 0: none; else a fraction of device total */
-    double growth_slack;       /* < 0: the core's default */
-    long growth_slack_pages;   /* < 0: the core's default */
-    size_t history_entries;    /* 0: history off */
-    int oom_mode;              /* gm_torch_oom_mode */
+    size_t va_size;          /* 0: the core's default */
+    size_t cap_bytes;        /* 0: none (unless cap_fraction) */
+    double cap_fraction;     /* 0: none; else a fraction of device total */
+    double growth_slack;     /* < 0: the core's default */
+    long growth_slack_pages; /* < 0: the core's default */
+    size_t history_entries;  /* 0: history off */
+    int oom_mode;            /* gm_torch_oom_mode */
 } gm_torch_options;
 
 void gm_torch_options_default(gm_torch_options *o);
@@ -81,14 +81,13 @@ size_t gm_torch_format_oom(int device, const gm_oom_info *info, char *buf, size_
  *   or a negative number to keep the default message.  It gets the processes
  *   that hold memory on the device (n_procs < 0 when unknown). */
 typedef uint64_t (*gm_torch_context_fn)(void);
-typedef long (*gm_torch_oom_formatter)(const gm_oom_info *info, int device,
-                                       const gm_proc_usage *procs, long n_procs,
+typedef long (*gm_torch_oom_formatter)(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs,
                                        char *buf, size_t buflen);
 
 typedef struct gm_torch_counters {
-    uint64_t ooms;              /* exceptions thrown for out of memory */
-    uint64_t oom_retries;       /* allocations that succeeded after empty_cache */
-    uint64_t free_errors;       /* frees of pointers no heap knew */
+    uint64_t ooms;        /* exceptions thrown for out of memory */
+    uint64_t oom_retries; /* allocations that succeeded after empty_cache */
+    uint64_t free_errors; /* frees of pointers no heap knew */
     uint64_t empty_cache_calls;
     uint64_t record_stream_calls;
     uint64_t fraction_calls;
@@ -133,7 +132,11 @@ GM_TORCH_EXPORT int gpumem_torch_pool_release(int device, uint64_t first, uint64
 /* Free a block by address on whichever heap holds it: the deleter of storages
  * whose blocks a checkpoint restored (gpumem.torch._checkpoint). */
 GM_TORCH_EXPORT void gpumem_torch_raw_delete(void *ptr);
-enum { GM_TORCH_HOOK_BEGIN = 0, GM_TORCH_HOOK_END = 1, GM_TORCH_HOOK_RELEASE = 2 };
+enum {
+    GM_TORCH_HOOK_BEGIN = 0,
+    GM_TORCH_HOOK_END = 1,
+    GM_TORCH_HOOK_RELEASE = 2
+};
 /* Address of torch's std::function-taking pool hook `which` (GM_TORCH_HOOK_*). */
 uintptr_t gm_torch_pool_hook(int which);
 /* Pools active on a device now (routing allocations), for status and tests. */

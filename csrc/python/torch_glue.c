@@ -21,14 +21,11 @@
 int gm_torch_glue_add(PyObject *module);
 
 /* Parse a device argument: a non-negative int below GM_TORCH_MAX_DEVICES. */
-static int get_device(PyObject *o, int *device)
-{
+static int get_device(PyObject *o, int *device) {
     long d = PyLong_AsLong(o);
-    if (d == -1 && PyErr_Occurred())
-        return -1;
+    if (d == -1 && PyErr_Occurred()) return -1;
     if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d,
-                     GM_TORCH_MAX_DEVICES);
+        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
         return -1;
     }
     *device = (int)d;
@@ -37,11 +34,10 @@ static int get_device(PyObject *o, int *device)
 
 /* ---- configuration -------------------------------------------------------------- */
 
-static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw)
-{
-    static char *names[] = {"va_size", "cap_bytes", "cap_fraction", "growth_slack",
-                            "growth_slack_pages", "history_entries", "oom_mode", "oom_class",
-                            NULL};
+static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
+    static char *names[] = {"va_size",      "cap_bytes",          "cap_fraction",
+                            "growth_slack", "growth_slack_pages", "history_entries",
+                            "oom_mode",     "oom_class",          NULL};
     gm_torch_options o;
     gm_torch_get_options(&o);
     unsigned long long va = o.va_size, cap = o.cap_bytes, hist = o.history_entries;
@@ -49,8 +45,8 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
     long slack_pages = o.growth_slack_pages;
     const char *mode = NULL;
     PyObject *cls = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKzO", names, &va, &cap, &frac, &slack,
-                                     &slack_pages, &hist, &mode, &cls))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKzO", names, &va, &cap, &frac, &slack, &slack_pages, &hist,
+                                     &mode, &cls))
         return NULL;
     o.va_size = (size_t)va;
     o.cap_bytes = (size_t)cap;
@@ -64,18 +60,15 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
         else if (strcmp(mode, "runtime") == 0)
             o.oom_mode = GM_TORCH_OOM_RUNTIME;
         else
-            return PyErr_Format(PyExc_ValueError, "oom_mode must be 'torch' or 'runtime', not '%s'",
-                                mode);
+            return PyErr_Format(PyExc_ValueError, "oom_mode must be 'torch' or 'runtime', not '%s'", mode);
     }
     if (gm_torch_configure(&o) != GM_OK)
-        return PyErr_Format(PyExc_ValueError,
-                            "invalid gpumem options (cap_fraction must lie in [0, 1], "
-                            "growth_slack <= 100, history_entries <= 2**32)");
+        return PyErr_Format(PyExc_ValueError, "invalid gpumem options (cap_fraction must lie in [0, 1], "
+                                              "growth_slack <= 100, history_entries <= 2**32)");
     if (cls != NULL) {
         if (cls == Py_None)
             gm_torch_set_oom_class(NULL);
-        else if (PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls,
-                                                      (PyTypeObject *)PyExc_BaseException))
+        else if (PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_BaseException))
             gm_torch_set_oom_class(cls);
         else
             return PyErr_Format(PyExc_TypeError, "oom_class must be an exception class or None");
@@ -83,20 +76,17 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
     Py_RETURN_NONE;
 }
 
-static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_torch_options o;
     gm_torch_get_options(&o);
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     if (gm_py_put_u64(d, "va_size", o.va_size) < 0 || gm_py_put_u64(d, "cap_bytes", o.cap_bytes) < 0 ||
         gm_py_put(d, "cap_fraction", PyFloat_FromDouble(o.cap_fraction)) < 0 ||
         gm_py_put(d, "growth_slack", PyFloat_FromDouble(o.growth_slack)) < 0 ||
         gm_py_put_i64(d, "growth_slack_pages", o.growth_slack_pages) < 0 ||
         gm_py_put_u64(d, "history_entries", o.history_entries) < 0 ||
-        gm_py_put(d, "oom_mode",
-            PyUnicode_FromString(o.oom_mode == GM_TORCH_OOM_TORCH ? "torch" : "runtime")) < 0) {
+        gm_py_put(d, "oom_mode", PyUnicode_FromString(o.oom_mode == GM_TORCH_OOM_TORCH ? "torch" : "runtime")) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -104,30 +94,25 @@ static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
 }
 
 /* Function pointers as integers: the addresses torch's hook setters take. */
-static PyObject *addr(void (*fn)(void))
-{
+static PyObject *addr(void (*fn)(void)) {
     uintptr_t a;
     memcpy(&a, &fn, sizeof a);
     return PyLong_FromUnsignedLongLong((unsigned long long)a);
 }
 
-static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     if (gm_py_put(d, "alloc", addr((void (*)(void))gpumem_torch_alloc)) < 0 ||
         gm_py_put(d, "free", addr((void (*)(void))gpumem_torch_free)) < 0 ||
         gm_py_put(d, "empty_cache", addr((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
         gm_py_put(d, "memory_fraction", addr((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
         gm_py_put(d, "record_stream", addr((void (*)(void))gpumem_torch_record_stream)) < 0 ||
         gm_py_put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0 ||
-        gm_py_put(d, "begin_allocate_to_pool",
-                  PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_BEGIN))) < 0 ||
-        gm_py_put(d, "end_allocate_to_pool",
-                  PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_END))) < 0 ||
-        gm_py_put(d, "release_pool",
-                  PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_RELEASE))) < 0 ||
+        gm_py_put(d, "begin_allocate_to_pool", PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_BEGIN))) <
+            0 ||
+        gm_py_put(d, "end_allocate_to_pool", PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_END))) < 0 ||
+        gm_py_put(d, "release_pool", PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_RELEASE))) < 0 ||
         gm_py_put(d, "pool_begin", addr((void (*)(void))gpumem_torch_pool_begin)) < 0 ||
         gm_py_put(d, "pool_end", addr((void (*)(void))gpumem_torch_pool_end)) < 0 ||
         gm_py_put(d, "pool_release", addr((void (*)(void))gpumem_torch_pool_release)) < 0 ||
@@ -138,11 +123,9 @@ static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     return d;
 }
 
-static PyObject *g_set_context_hook(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_set_context_hook(PyObject *Py_UNUSED(m), PyObject *a) {
     unsigned long long v = PyLong_AsUnsignedLongLong(a);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     gm_torch_context_fn fn = NULL;
     uintptr_t u = (uintptr_t)v;
     memcpy(&fn, &u, sizeof fn);
@@ -150,11 +133,9 @@ static PyObject *g_set_context_hook(PyObject *Py_UNUSED(m), PyObject *a)
     Py_RETURN_NONE;
 }
 
-static PyObject *g_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *a) {
     unsigned long long v = PyLong_AsUnsignedLongLong(a);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     gm_torch_oom_formatter fn = NULL;
     uintptr_t u = (uintptr_t)v;
     memcpy(&fn, &u, sizeof fn);
@@ -164,14 +145,11 @@ static PyObject *g_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *a)
 
 /* ---- the registry ---------------------------------------------------------------- */
 
-static PyObject *g_devices(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *g_devices(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     PyObject *l = PyList_New(0);
-    if (l == NULL)
-        return NULL;
+    if (l == NULL) return NULL;
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
-        if (!gm_torch_heap(d))
-            continue;
+        if (!gm_torch_heap(d)) continue;
         PyObject *i = PyLong_FromLong(d);
         if (i == NULL || PyList_Append(l, i) < 0) {
             Py_XDECREF(i);
@@ -183,188 +161,144 @@ static PyObject *g_devices(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     return l;
 }
 
-static PyObject *g_device_count(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *g_device_count(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return PyLong_FromLong(gm_torch_device_count());
 }
 
-static PyObject *g_open(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_open(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0)
-        return NULL;
+    if (get_device(a, &device) < 0) return NULL;
     char err[300] = "";
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gm_torch_open(device, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    if (rc != GM_OK)
-        return PyErr_Format(PyExc_RuntimeError, "%s", err);
+    Py_BEGIN_ALLOW_THREADS rc = gm_torch_open(device, err, sizeof err);
+    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_RuntimeError, "%s", err);
     Py_RETURN_NONE;
 }
 
-#define HEAP_OR_NONE(arg, h)                                                                      \
-    int device_;                                                                                  \
-    if (get_device((arg), &device_) < 0)                                                          \
-        return NULL;                                                                              \
-    gm_heap *h = gm_torch_heap(device_);                                                          \
-    if (h == NULL)                                                                                \
-        Py_RETURN_NONE;
+#define HEAP_OR_NONE(arg, h)                                                                                           \
+    int device_;                                                                                                       \
+    if (get_device((arg), &device_) < 0) return NULL;                                                                  \
+    gm_heap *h = gm_torch_heap(device_);                                                                               \
+    if (h == NULL) Py_RETURN_NONE;
 
-static PyObject *g_stats(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_stats(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     gm_stats s;
     gm_get_stats(h, &s);
     return gm_py_stats_dict(&s);
 }
 
-static PyObject *g_reset_peak(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_reset_peak(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     gm_reset_peak_stats(h);
     Py_RETURN_TRUE;
 }
 
-static PyObject *g_reset_accumulated(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_reset_accumulated(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     gm_reset_accumulated_stats(h);
     Py_RETURN_TRUE;
 }
 
-static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_snapshot(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     gm_snapshot *snap = NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gm_snapshot_take(h, &snap);
-    Py_END_ALLOW_THREADS
-    if (rc != GM_OK)
-        return PyErr_Format(PyExc_RuntimeError, "gpumem snapshot failed: %s", gm_strerror(rc));
+    Py_BEGIN_ALLOW_THREADS rc = gm_snapshot_take(h, &snap);
+    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_RuntimeError, "gpumem snapshot failed: %s",
+                                                              gm_strerror(rc));
     PyObject *d = gm_py_snapshot_dict(snap, "?");
     gm_snapshot_free(snap);
     return d;
 }
 
-static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a) {
     unsigned long long n = PyLong_AsUnsignedLongLong(a);
-    if (n == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    if (n > (1ull << 32))
-        return PyErr_Format(PyExc_ValueError, "history of %llu entries is too long", n);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (n > (1ull << 32)) return PyErr_Format(PyExc_ValueError, "history of %llu entries is too long", n);
     gm_torch_options o;
     gm_torch_get_options(&o);
     o.history_entries = (size_t)n;
-    if (gm_torch_configure(&o) != GM_OK)
-        return PyErr_Format(PyExc_ValueError, "invalid history length");
+    if (gm_torch_configure(&o) != GM_OK) return PyErr_Format(PyExc_ValueError, "invalid history length");
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
         gm_heap *h = gm_torch_heap(d);
-        if (h && gm_history_enable(h, (size_t)n) != GM_OK)
-            return PyErr_NoMemory();
+        if (h && gm_history_enable(h, (size_t)n) != GM_OK) return PyErr_NoMemory();
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *g_history(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_history(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     return gm_py_history(h, "?");
 }
 
-static PyObject *g_memory_report(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_memory_report(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev_o;
     unsigned long long size = 0;
-    if (!PyArg_ParseTuple(args, "O|K", &dev_o, &size))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "O|K", &dev_o, &size)) return NULL;
     HEAP_OR_NONE(dev_o, h)
     gm_oom_info info;
-    Py_BEGIN_ALLOW_THREADS
-    gm_memory_report(h, (size_t)size, &info);
-    Py_END_ALLOW_THREADS
-    return gm_py_oom_dict(&info);
+    Py_BEGIN_ALLOW_THREADS gm_memory_report(h, (size_t)size, &info);
+    Py_END_ALLOW_THREADS return gm_py_oom_dict(&info);
 }
 
-static PyObject *g_last_oom(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_last_oom(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     gm_oom_info info;
-    if (gm_last_oom(h, &info) != GM_OK)
-        Py_RETURN_NONE;
+    if (gm_last_oom(h, &info) != GM_OK) Py_RETURN_NONE;
     return gm_py_oom_dict(&info);
 }
 
 /* The message an allocation of `size` bytes would fail with now. */
-static PyObject *g_format_oom(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_format_oom(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev_o;
     unsigned long long size = 0;
-    if (!PyArg_ParseTuple(args, "O|K", &dev_o, &size))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "O|K", &dev_o, &size)) return NULL;
     HEAP_OR_NONE(dev_o, h)
     gm_oom_info info;
     char buf[GM_TORCH_OOM_MSG_MAX];
-    Py_BEGIN_ALLOW_THREADS
-    gm_memory_report(h, (size_t)size, &info);
+    Py_BEGIN_ALLOW_THREADS gm_memory_report(h, (size_t)size, &info);
     gm_torch_format_oom(device_, &info, buf, sizeof buf);
-    Py_END_ALLOW_THREADS
-    return PyUnicode_FromString(buf);
+    Py_END_ALLOW_THREADS return PyUnicode_FromString(buf);
 }
 
-static PyObject *g_empty_cache(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
-    Py_BEGIN_ALLOW_THREADS
-    gpumem_torch_empty_cache();
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+static PyObject *g_empty_cache(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
+    Py_BEGIN_ALLOW_THREADS gpumem_torch_empty_cache();
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-static PyObject *g_set_cap(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_set_cap(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev_o;
     unsigned long long cap;
-    if (!PyArg_ParseTuple(args, "OK", &dev_o, &cap))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "OK", &dev_o, &cap)) return NULL;
     HEAP_OR_NONE(dev_o, h)
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gm_torch_set_cap(device_, (size_t)cap);
-    Py_END_ALLOW_THREADS
-    if (rc != GM_OK)
-        return PyErr_Format(PyExc_RuntimeError, "gpumem set_cap: %s", gm_strerror(rc));
+    Py_BEGIN_ALLOW_THREADS rc = gm_torch_set_cap(device_, (size_t)cap);
+    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_RuntimeError, "gpumem set_cap: %s",
+                                                              gm_strerror(rc));
     Py_RETURN_TRUE;
 }
 
-static PyObject *g_get_cap(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_get_cap(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     return PyLong_FromUnsignedLongLong(gm_get_cap(h));
 }
 
-static PyObject *g_check(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_check(PyObject *Py_UNUSED(m), PyObject *a) {
     HEAP_OR_NONE(a, h)
     char why[512] = "";
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gm_check(h, why, sizeof why);
-    Py_END_ALLOW_THREADS
-    if (rc != GM_OK)
-        return PyErr_Format(PyExc_RuntimeError, "gpumem heap of device %d is corrupt: %s", device_,
-                            why);
+    Py_BEGIN_ALLOW_THREADS rc = gm_check(h, why, sizeof why);
+    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_RuntimeError,
+                                                              "gpumem heap of device %d is corrupt: %s", device_, why);
     Py_RETURN_TRUE;
 }
 
-static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_torch_counters c;
     gm_torch_get_counters(&c);
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     if (gm_py_put_u64(d, "ooms", c.ooms) < 0 || gm_py_put_u64(d, "oom_retries", c.oom_retries) < 0 ||
         gm_py_put_u64(d, "free_errors", c.free_errors) < 0 ||
         gm_py_put_u64(d, "empty_cache_calls", c.empty_cache_calls) < 0 ||
@@ -379,26 +313,21 @@ static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
 /* ---- private pools ------------------------------------------------------------------ */
 
 /* A pool id: torch's MempoolId_t as a pair of non-negative ints. */
-static int get_pool_id(PyObject *o, gm_pool_id *id)
-{
+static int get_pool_id(PyObject *o, gm_pool_id *id) {
     unsigned long long a, b;
-    if (!PyArg_ParseTuple(o, "KK;a pool id is a pair of ints", &a, &b))
-        return -1;
+    if (!PyArg_ParseTuple(o, "KK;a pool id is a pair of ints", &a, &b)) return -1;
     id->first = a;
     id->second = b;
     return 0;
 }
 
-static PyObject *pool_id_tuple(gm_pool_id id)
-{
+static PyObject *pool_id_tuple(gm_pool_id id) {
     return Py_BuildValue("(KK)", (unsigned long long)id.first, (unsigned long long)id.second);
 }
 
-static PyObject *pool_info_dict(const gm_pool_info *p)
-{
+static PyObject *pool_info_dict(const gm_pool_info *p) {
     PyObject *d = PyDict_New();
-    if (d == NULL)
-        return NULL;
+    if (d == NULL) return NULL;
     if (gm_py_put(d, "id", pool_id_tuple(p->id)) < 0 || gm_py_put_i64(d, "use_count", p->use_count) < 0 ||
         gm_py_put_u64(d, "live_blocks", p->live_blocks) < 0 || gm_py_put_u64(d, "live_bytes", p->live_bytes) < 0 ||
         gm_py_put_u64(d, "free_blocks", p->free_blocks) < 0 || gm_py_put_u64(d, "free_bytes", p->free_bytes) < 0 ||
@@ -411,77 +340,60 @@ static PyObject *pool_info_dict(const gm_pool_info *p)
 
 /* (device, (first, second)) -> the heap and the id; NULL heap (no error) when
  * torch has not allocated on the device. */
-static int device_pool_args(PyObject *args, int *device, gm_pool_id *id, gm_heap **h)
-{
+static int device_pool_args(PyObject *args, int *device, gm_pool_id *id, gm_heap **h) {
     PyObject *dev, *pool;
-    if (!PyArg_ParseTuple(args, "OO", &dev, &pool) || get_device(dev, device) < 0 ||
-        get_pool_id(pool, id) < 0)
+    if (!PyArg_ParseTuple(args, "OO", &dev, &pool) || get_device(dev, device) < 0 || get_pool_id(pool, id) < 0)
         return -1;
     *h = gm_torch_heap(*device);
     return 0;
 }
 
-static PyObject *pool_error(int rc, const char *what, gm_pool_id id)
-{
-    return PyErr_Format(rc == GM_EINVAL ? PyExc_ValueError : PyExc_RuntimeError,
-                        "gpumem: %s pool (%llu, %llu): %s", what, (unsigned long long)id.first,
-                        (unsigned long long)id.second, gm_strerror(rc));
+static PyObject *pool_error(int rc, const char *what, gm_pool_id id) {
+    return PyErr_Format(rc == GM_EINVAL ? PyExc_ValueError : PyExc_RuntimeError, "gpumem: %s pool (%llu, %llu): %s",
+                        what, (unsigned long long)id.first, (unsigned long long)id.second, gm_strerror(rc));
 }
 
-static PyObject *g_pool_retain(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_pool_retain(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     gm_pool_id id;
     gm_heap *h;
-    if (device_pool_args(args, &device, &id, &h) < 0)
-        return NULL;
+    if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
     if (h == NULL) {
         char err[512] = "";
-        if (gm_torch_open(device, err, sizeof err) != GM_OK)
-            return PyErr_Format(PyExc_RuntimeError, "%s", err);
+        if (gm_torch_open(device, err, sizeof err) != GM_OK) return PyErr_Format(PyExc_RuntimeError, "%s", err);
         h = gm_torch_heap(device);
     }
     int rc = gm_pool_retain(h, id);
-    if (rc != GM_OK)
-        return pool_error(rc, "cannot retain", id);
+    if (rc != GM_OK) return pool_error(rc, "cannot retain", id);
     Py_RETURN_NONE;
 }
 
-static PyObject *g_pool_release(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_pool_release(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     gm_pool_id id;
     gm_heap *h;
-    if (device_pool_args(args, &device, &id, &h) < 0)
-        return NULL;
+    if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
     int rc = h ? gm_pool_release(h, id) : GM_EINVAL;
-    if (rc != GM_OK)
-        return pool_error(rc, "cannot release", id);
+    if (rc != GM_OK) return pool_error(rc, "cannot release", id);
     Py_RETURN_NONE;
 }
 
-static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     gm_pool_id id;
     gm_heap *h;
     gm_pool_info info;
-    if (device_pool_args(args, &device, &id, &h) < 0)
-        return NULL;
-    if (h == NULL || gm_pool_info_get(h, id, &info) != GM_OK)
-        Py_RETURN_NONE;
+    if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
+    if (h == NULL || gm_pool_info_get(h, id, &info) != GM_OK) Py_RETURN_NONE;
     return pool_info_dict(&info);
 }
 
-static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0)
-        return NULL;
+    if (get_device(a, &device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
     PyObject *out = PyList_New(0);
-    if (out == NULL || h == NULL)
-        return out;
+    if (out == NULL || h == NULL) return out;
     size_t cap = 16, n;
     gm_pool_info *buf = NULL;
     for (;;) {
@@ -492,8 +404,7 @@ static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a)
             return PyErr_NoMemory();
         }
         n = gm_pool_list(h, buf, cap);
-        if (n <= cap)
-            break;
+        if (n <= cap) break;
         cap = n + 16;
     }
     for (size_t i = 0; i < n; i++) {
@@ -511,15 +422,12 @@ static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a)
 }
 
 /* [(addr, size), ...] of the pool's live blocks, address order. */
-static PyObject *g_pool_live(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_pool_live(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     gm_pool_id id;
     gm_heap *h;
-    if (device_pool_args(args, &device, &id, &h) < 0)
-        return NULL;
-    if (h == NULL)
-        return PyList_New(0);
+    if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
+    if (h == NULL) return PyList_New(0);
     size_t cap = 64, n;
     uintptr_t *addrs = NULL;
     size_t *sizes = NULL;
@@ -534,8 +442,7 @@ static PyObject *g_pool_live(PyObject *Py_UNUSED(m), PyObject *args)
             return PyErr_NoMemory();
         }
         n = gm_pool_live(h, id, addrs, sizes, cap);
-        if (n <= cap)
-            break;
+        if (n <= cap) break;
         cap = n + 64;
     }
     PyObject *out = PyList_New((Py_ssize_t)n);
@@ -553,8 +460,7 @@ static PyObject *g_pool_live(PyObject *Py_UNUSED(m), PyObject *args)
 }
 
 /* _torch_pool_set_live(device, pool, [(addr, size), ...], stream) */
-static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev, *pool, *blocks;
     unsigned long long stream;
     int device;
@@ -563,11 +469,9 @@ static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args)
         get_pool_id(pool, &id) < 0)
         return NULL;
     gm_heap *h = gm_torch_heap(device);
-    if (h == NULL)
-        return PyErr_Format(PyExc_ValueError, "gpumem has no heap on cuda:%d", device);
+    if (h == NULL) return PyErr_Format(PyExc_ValueError, "gpumem has no heap on cuda:%d", device);
     PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of (addr, size)");
-    if (seq == NULL)
-        return NULL;
+    if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     uintptr_t *addrs = PyMem_Calloc((size_t)n + 1, sizeof *addrs);
     size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof *sizes);
@@ -578,8 +482,7 @@ static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long a, b;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK;a block is (addr, size)", &a, &b))
-            goto done;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK;a block is (addr, size)", &a, &b)) goto done;
         addrs[i] = (uintptr_t)a;
         sizes[i] = (size_t)b;
     }
@@ -597,15 +500,12 @@ done:
     return ret;
 }
 
-static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0)
-        return NULL;
+    if (get_device(a, &device) < 0) return NULL;
     gm_pool_id ids[64];
     size_t n = gm_torch_active_pools(device, ids, 64);
-    if (n > 64)
-        n = 64;
+    if (n > 64) n = 64;
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out != NULL && i < n; i++) {
         PyObject *t = pool_id_tuple(ids[i]);
@@ -618,36 +518,31 @@ static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a)
     return out;
 }
 
-static PyObject *g_capturing(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *g_capturing(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0)
-        return NULL;
+    if (get_device(a, &device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
-    if (h == NULL)
-        Py_RETURN_NONE;
+    if (h == NULL) Py_RETURN_NONE;
     return PyBool_FromLong(gm_capturing(h));
 }
 
-static PyObject *g_cxx11_abi(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *g_cxx11_abi(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return PyLong_FromLong(gm_torch_cxx11_abi());
 }
 
-static PyObject *g_open_sim(PyObject *Py_UNUSED(m), PyObject *args)
-{
+static PyObject *g_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev;
     unsigned long long capacity;
     int device;
-    if (!PyArg_ParseTuple(args, "OK", &dev, &capacity) || get_device(dev, &device) < 0)
-        return NULL;
+    if (!PyArg_ParseTuple(args, "OK", &dev, &capacity) || get_device(dev, &device) < 0) return NULL;
     char err[512] = "";
     if (gm_torch_open_sim(device, (size_t)capacity, err, sizeof err) != GM_OK)
         return PyErr_Format(PyExc_ValueError, "%s", err);
     Py_RETURN_NONE;
 }
 
-#define M(name, fn, flags, doc) {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
+#define M(name, fn, flags, doc)                                                                                        \
+    {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
 
 static PyMethodDef glue_methods[] = {
     M("_torch_configure", g_configure, METH_VARARGS | METH_KEYWORDS,
@@ -671,8 +566,7 @@ static PyMethodDef glue_methods[] = {
     M("_torch_history_enable", g_history_enable, METH_O,
       "_torch_history_enable(max_entries): on every heap, now and later (0 turns it off)"),
     M("_torch_history", g_history, METH_O, "_torch_history(device) -> (entries, dropped) or None"),
-    M("_torch_memory_report", g_memory_report, METH_VARARGS,
-      "_torch_memory_report(device, size=0) -> dict or None"),
+    M("_torch_memory_report", g_memory_report, METH_VARARGS, "_torch_memory_report(device, size=0) -> dict or None"),
     M("_torch_last_oom", g_last_oom, METH_O, "_torch_last_oom(device) -> dict or None"),
     M("_torch_format_oom", g_format_oom, METH_VARARGS,
       "_torch_format_oom(device, size=0) -> the message such a request would fail with"),

@@ -40,23 +40,19 @@ static _Thread_local int formatting;
 
 static const char TRUNCATED[] = "\n[report truncated: gpumem.last_oom() returns all of it]";
 
-static PyObject *info_dict(const gm_oom_info *o)
-{
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i}",
-                         "request", (unsigned long long)o->request, "stream", (unsigned long long)o->stream,
-                         "device_total", (unsigned long long)o->device_total, "device_free",
-                         (unsigned long long)o->device_free, "cap_bytes", (unsigned long long)o->cap_bytes,
-                         "live_bytes", (unsigned long long)o->live_bytes, "pending_bytes",
-                         (unsigned long long)o->pending_bytes, "reserved_bytes",
-                         (unsigned long long)o->reserved_bytes, "cached_bytes", (unsigned long long)o->cached_bytes,
-                         "free_mapped_bytes", (unsigned long long)o->free_mapped_bytes, "largest_free_mapped",
-                         (unsigned long long)o->largest_free_mapped, "largest_possible",
-                         (unsigned long long)o->largest_possible, "pages_needed", (unsigned long long)o->pages_needed,
-                         "device_error", o->device_error);
+static PyObject *info_dict(const gm_oom_info *o) {
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i}", "request", (unsigned long long)o->request,
+        "stream", (unsigned long long)o->stream, "device_total", (unsigned long long)o->device_total, "device_free",
+        (unsigned long long)o->device_free, "cap_bytes", (unsigned long long)o->cap_bytes, "live_bytes",
+        (unsigned long long)o->live_bytes, "pending_bytes", (unsigned long long)o->pending_bytes, "reserved_bytes",
+        (unsigned long long)o->reserved_bytes, "cached_bytes", (unsigned long long)o->cached_bytes, "free_mapped_bytes",
+        (unsigned long long)o->free_mapped_bytes, "largest_free_mapped", (unsigned long long)o->largest_free_mapped,
+        "largest_possible", (unsigned long long)o->largest_possible, "pages_needed",
+        (unsigned long long)o->pages_needed, "device_error", o->device_error);
 }
 
-static PyObject *procs_list(const gm_proc_usage *p, size_t n)
-{
+static PyObject *procs_list(const gm_proc_usage *p, size_t n) {
     PyObject *l = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; l != NULL && i < n; i++) {
         PyObject *t = Py_BuildValue("(kK)", (unsigned long)p[i].pid, (unsigned long long)p[i].bytes);
@@ -69,23 +65,19 @@ static PyObject *procs_list(const gm_proc_usage *p, size_t n)
 }
 
 /* Copy `text` into buf; a report too long for it is cut at a line end and says so. */
-static size_t copy_text(const char *text, size_t len, char *buf, size_t buflen)
-{
+static size_t copy_text(const char *text, size_t len, char *buf, size_t buflen) {
     if (len < buflen) {
         memcpy(buf, text, len + 1);
         return len;
     }
     size_t room = buflen > sizeof TRUNCATED ? buflen - sizeof TRUNCATED : 0;
     size_t cut = room;
-    while (cut > 0 && text[cut] != '\n')
-        cut--;
+    while (cut > 0 && text[cut] != '\n') cut--;
     if (cut == 0) /* no line end to cut at: back up to a UTF-8 character start */
-        for (cut = room; cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80; cut--)
-            ;
+        for (cut = room; cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80; cut--);
     memcpy(buf, text, cut);
     size_t tail = sizeof TRUNCATED - 1;
-    if (cut + tail >= buflen)
-        tail = buflen - 1 - cut;
+    if (cut + tail >= buflen) tail = buflen - 1 - cut;
     memcpy(buf + cut, TRUNCATED, tail);
     buf[cut + tail] = '\0';
     return cut + tail;
@@ -93,29 +85,24 @@ static size_t copy_text(const char *text, size_t len, char *buf, size_t buflen)
 
 /* Returns the length written, or (size_t)-1 to keep the fallback in buf. */
 static size_t render(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs, char *buf,
-                     size_t buflen, size_t flen)
-{
+                     size_t buflen, size_t flen) {
     size_t out = (size_t)-1;
     PyObject *args = NULL, *text = NULL;
     /* The formatter every OOM goes through (oom_glue.c; gpumem.explain's),
      * given the device, so that nothing here names a layer above. */
     PyObject *renderer = gm_py_oom_formatter();
-    if (renderer == NULL)
-        return out;
+    if (renderer == NULL) return out;
     PyObject *fallback = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)flen, "replace");
     PyObject *pl = n_procs < 0 ? (Py_INCREF(Py_None), Py_None) : procs_list(procs, (size_t)n_procs);
     PyObject *di = info_dict(info);
-    if (!fallback || !pl || !di)
-        goto done;
+    if (!fallback || !pl || !di) goto done;
     args = Py_BuildValue("(iOOO)", device, di, fallback, pl);
-    if (!args)
-        goto done;
+    if (!args) goto done;
     text = PyObject_Call(renderer, args, NULL);
     if (text && PyUnicode_Check(text)) {
         Py_ssize_t n;
         const char *s = PyUnicode_AsUTF8AndSize(text, &n);
-        if (s)
-            out = copy_text(s, (size_t)n, buf, buflen);
+        if (s) out = copy_text(s, (size_t)n, buf, buflen);
     }
 done:
     if (PyErr_Occurred()) {
@@ -133,16 +120,13 @@ done:
     return out;
 }
 
-long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs,
-                               char *buf, size_t buflen)
-{
-    if (formatting || !info || !buf || buflen < 2)
-        return -1;
+long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs, char *buf,
+                               size_t buflen) {
+    if (formatting || !info || !buf || buflen < 2) return -1;
     formatting = 1;
     size_t flen = gm_torch_format_oom(device, info, buf, buflen);
     formatting = 0;
-    if (!Py_IsInitialized() || gm_py_finalizing())
-        return (long)flen;
+    if (!Py_IsInitialized() || gm_py_finalizing()) return (long)flen;
     PyGILState_STATE st = PyGILState_Ensure();
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
@@ -154,24 +138,20 @@ long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_pro
 
 /* ---- Python-facing ------------------------------------------------------------------ */
 
-static PyObject *fn_addr(void (*fn)(void))
-{
+static PyObject *fn_addr(void (*fn)(void)) {
     uintptr_t a;
     memcpy(&a, &fn, sizeof a);
     return PyLong_FromUnsignedLongLong((unsigned long long)a);
 }
 
-static PyObject *v_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
-{
+static PyObject *v_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return Py_BuildValue("{s:N,s:N}", "context", fn_addr((void (*)(void))gm_py_capture_context_reacquire),
                          "oom_formatter", fn_addr((void (*)(void))gm_py_torch_oom_formatter));
 }
 
-static int get_device(PyObject *o, int *device)
-{
+static int get_device(PyObject *o, int *device) {
     long d = PyLong_AsLong(o);
-    if (d == -1 && PyErr_Occurred())
-        return -1;
+    if (d == -1 && PyErr_Occurred()) return -1;
     if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
         PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
         return -1;
@@ -181,21 +161,16 @@ static int get_device(PyObject *o, int *device)
 }
 
 /* _torch_processes(device) -> [(pid, bytes)], or None without NVML or without a heap there. */
-static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0)
-        return NULL;
+    if (get_device(a, &device) < 0) return NULL;
     size_t cap = 64, n = 0;
     for (;;) {
         gm_proc_usage *p = PyMem_Calloc(cap, sizeof *p);
-        if (!p)
-            return PyErr_NoMemory();
+        if (!p) return PyErr_NoMemory();
         int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = gm_torch_processes(device, p, cap, &n);
-        Py_END_ALLOW_THREADS
-        if (rc == GM_ENOTSUP || rc == GM_EINVAL) {
+        Py_BEGIN_ALLOW_THREADS rc = gm_torch_processes(device, p, cap, &n);
+        Py_END_ALLOW_THREADS if (rc == GM_ENOTSUP || rc == GM_EINVAL) {
             PyMem_Free(p);
             Py_RETURN_NONE;
         }
@@ -216,23 +191,26 @@ static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a)
 }
 
 /* _torch_device_name(device) -> e.g. "cuda:0 (NVIDIA H100 80GB HBM3)", or None without a heap. */
-static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a)
-{
+static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0)
-        return NULL;
+    if (get_device(a, &device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
-    if (!h)
-        Py_RETURN_NONE;
+    if (!h) Py_RETURN_NONE;
     return PyUnicode_FromString(gm_heap_device(h)->name);
 }
 
 static PyMethodDef viz_methods[] = {
-    {.ml_name = "_torch_viz_hooks", .ml_meth = v_hooks, .ml_flags = METH_NOARGS,
+    {.ml_name = "_torch_viz_hooks",
+     .ml_meth = v_hooks,
+     .ml_flags = METH_NOARGS,
      .ml_doc = "_torch_viz_hooks() -> {'context': address, 'oom_formatter': address} for gpumem.torch's setters"},
-    {.ml_name = "_torch_processes", .ml_meth = v_processes, .ml_flags = METH_O,
+    {.ml_name = "_torch_processes",
+     .ml_meth = v_processes,
+     .ml_flags = METH_O,
      .ml_doc = "_torch_processes(device) -> [(pid, bytes)] on the device, or None"},
-    {.ml_name = "_torch_device_name", .ml_meth = v_device_name, .ml_flags = METH_O,
+    {.ml_name = "_torch_device_name",
+     .ml_meth = v_device_name,
+     .ml_flags = METH_O,
      .ml_doc = "_torch_device_name(device) -> the heap's device name, or None"},
     {.ml_name = NULL},
 };

@@ -30,11 +30,11 @@
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
 
-#define MiB ((size_t)1 << 20)
-#define GiB ((size_t)1 << 30)
-#define NSTREAMS 3
+#define MiB        ((size_t)1 << 20)
+#define GiB        ((size_t)1 << 30)
+#define NSTREAMS   3
 #define FREED_RING 64
-#define NPOOLS 3
+#define NPOOLS     3
 
 /* Streams are arbitrary handle values; 0 is the legacy default stream. */
 static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000ull};
@@ -42,25 +42,23 @@ static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000
 /* ---- reporting ------------------------------------------------------------ */
 
 static uint64_t g_seed;
-static gm_heap *g_heap;          /* for the history dump on failure */
-static uintptr_t g_addr;         /* address the failure is about (0 if none) */
-static size_t g_history;         /* --history N: entries to keep */
-static uint64_t g_op;             /* op index, for messages (single-thread mode) */
+static gm_heap *g_heap;  /* for the history dump on failure */
+static uintptr_t g_addr; /* address the failure is about (0 if none) */
+static size_t g_history; /* --history N: entries to keep */
+static uint64_t g_op;    /* op index, for messages (single-thread mode) */
 static const char *g_phase = "setup";
 
-static void fail(const char *fmt, ...)
-{
+static void fail(const char *fmt, ...) {
     va_list ap;
-    fprintf(stderr, "FUZZ FAILURE at op %" PRIu64 " (seed %" PRIu64 ", phase %s): ", g_op, g_seed,
-            g_phase);
+    fprintf(stderr, "FUZZ FAILURE at op %" PRIu64 " (seed %" PRIu64 ", phase %s): ", g_op, g_seed, g_phase);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
     if (g_heap && g_history && g_addr) {
         /* What happened at this address lately: usually the whole story. */
-        static const char *names[] = {"alloc", "free_requested", "free_completed", "map", "unmap",
-                                      "remap", "oom", "empty_cache"};
+        static const char *names[] = {"alloc", "free_requested", "free_completed", "map", "unmap", "remap",
+                                      "oom",   "empty_cache"};
         gm_hist_entry *e = calloc(g_history, sizeof *e);
         size_t n = e ? gm_history_read(g_heap, e, g_history, NULL) : 0;
         fprintf(stderr, "history touching %#" PRIxPTR " (oldest first):\n", g_addr);
@@ -79,9 +77,10 @@ static void fail(const char *fmt, ...)
 
 /* ---- rng (splitmix64: tiny, good enough, identical on every platform) ---- */
 
-typedef struct { uint64_t s; } rng_t;
-static uint64_t rnd(rng_t *r)
-{
+typedef struct {
+    uint64_t s;
+} rng_t;
+static uint64_t rnd(rng_t *r) {
     uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -92,8 +91,7 @@ static int chance(rng_t *r, unsigned per_million) { return rnd_below(r, 1000000)
 
 /* Log-uniform over [1, 2^28): pick an octave, then a point inside it.  Avoids
  * libm so the Makefile's link line stays as it is. */
-static size_t rnd_size(rng_t *r)
-{
+static size_t rnd_size(rng_t *r) {
     unsigned e = (unsigned)rnd_below(r, 28);
     size_t lo = (size_t)1 << e;
     return lo + (size_t)rnd_below(r, lo);
@@ -105,12 +103,12 @@ static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 typedef struct blk {
     uintptr_t addr;
-    size_t size;      /* gm_block_size at allocation */
-    size_t req;       /* bytes asked for */
-    int stream;       /* index into STREAMS */
-    unsigned recorded;/* bitmask of streams named with gm_record_stream */
-    int pool;         /* index of the private pool, -1: the general heap */
-    uint32_t gen;     /* which life of that pool */
+    size_t size;       /* gm_block_size at allocation */
+    size_t req;        /* bytes asked for */
+    int stream;        /* index into STREAMS */
+    unsigned recorded; /* bitmask of streams named with gm_record_stream */
+    int pool;          /* index of the private pool, -1: the general heap */
+    uint32_t gen;      /* which life of that pool */
 } blk;
 
 typedef struct shadow {
@@ -120,38 +118,40 @@ typedef struct shadow {
 } shadow;
 
 /* Index of the first block with addr > a. */
-static size_t sh_upper(const shadow *s, uintptr_t a)
-{
+static size_t sh_upper(const shadow *s, uintptr_t a) {
     size_t lo = 0, hi = s->n;
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
-        if (s->v[mid].addr <= a) lo = mid + 1; else hi = mid;
+        if (s->v[mid].addr <= a)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
     return lo;
 }
 
 /* Returns the block that [a, a+size) overlaps, or NULL. */
-static const blk *sh_overlap(const shadow *s, uintptr_t a, size_t size)
-{
+static const blk *sh_overlap(const shadow *s, uintptr_t a, size_t size) {
     size_t i = sh_upper(s, a);
     if (i > 0 && s->v[i - 1].addr + s->v[i - 1].size > a) return &s->v[i - 1];
     if (i < s->n && s->v[i].addr < a + size) return &s->v[i];
     return NULL;
 }
 
-static long sh_find(const shadow *s, uintptr_t a)
-{
+static long sh_find(const shadow *s, uintptr_t a) {
     size_t i = sh_upper(s, a);
     if (i > 0 && s->v[i - 1].addr == a) return (long)(i - 1);
     return -1;
 }
 
-static void sh_insert(shadow *s, blk b)
-{
+static void sh_insert(shadow *s, blk b) {
     if (s->n == s->cap) {
         s->cap = s->cap ? s->cap * 2 : 1024;
         s->v = realloc(s->v, s->cap * sizeof *s->v);
-        if (!s->v) { perror("realloc"); exit(2); }
+        if (!s->v) {
+            perror("realloc");
+            exit(2);
+        }
     }
     size_t i = sh_upper(s, b.addr);
     memmove(&s->v[i + 1], &s->v[i], (s->n - i) * sizeof *s->v);
@@ -161,8 +161,7 @@ static void sh_insert(shadow *s, blk b)
     s->req_bytes += b.req;
 }
 
-static blk sh_remove(shadow *s, size_t i)
-{
+static blk sh_remove(shadow *s, size_t i) {
     blk b = s->v[i];
     memmove(&s->v[i], &s->v[i + 1], (s->n - i - 1) * sizeof *s->v);
     s->n--;
@@ -209,27 +208,28 @@ typedef struct world {
     size_t nq, qcap;
     int held[NSTREAMS];
     int faults_on;
-    size_t cap;               /* what we last set */
-    int pool_uses[NPOOLS];    /* 0: not living */
+    size_t cap;            /* what we last set */
+    int pool_uses[NPOOLS]; /* 0: not living */
     uint32_t pool_gen[NPOOLS];
-    prange *pf;               /* freed into living pools */
+    prange *pf; /* freed into living pools */
     size_t npf, pfcap;
     int capturing;
     /* counters for the summary */
-    uint64_t n_malloc, n_malloc_ok, n_oom, n_devfail, n_free, n_bad_free, n_record, n_empty,
-        n_setcap, n_hold, n_check, n_fault_phases, n_quar_checked, n_pool_malloc, n_pool_ops, n_set_live,
-        n_captures;
+    uint64_t n_malloc, n_malloc_ok, n_oom, n_devfail, n_free, n_bad_free, n_record, n_empty, n_setcap, n_hold, n_check,
+        n_fault_phases, n_quar_checked, n_pool_malloc, n_pool_ops, n_set_live, n_captures;
 } world;
 
 static gm_pool_id pool_id(int i) { return (gm_pool_id){0x100u + (uint64_t)i, 7}; }
 
-static void pf_push(world *w, uintptr_t a, size_t size, int pool)
-{
+static void pf_push(world *w, uintptr_t a, size_t size, int pool) {
     if (!size) return;
     if (w->npf == w->pfcap) {
         w->pfcap = w->pfcap ? 2 * w->pfcap : 64;
         w->pf = realloc(w->pf, w->pfcap * sizeof *w->pf);
-        if (!w->pf) { perror("realloc"); exit(2); }
+        if (!w->pf) {
+            perror("realloc");
+            exit(2);
+        }
     }
     w->pf[w->npf++] = (prange){a, size, pool, gm_sim_handle_at(w->dev, a), gm_sim_handle_at(w->dev, a + size - 1)};
 }
@@ -237,44 +237,48 @@ static void pf_push(world *w, uintptr_t a, size_t size, int pool)
 /* A block of `pool` (-1: general) was handed out at [a, a+size): it must not
  * overlap memory kept for another pool; what it takes of its own pool's
  * memory leaves the kept set. */
-static void pf_take(world *w, uintptr_t a, size_t size, int pool)
-{
+static void pf_take(world *w, uintptr_t a, size_t size, int pool) {
     size_t n = w->npf;
     for (size_t i = 0; i < n; i++) {
         prange r = w->pf[i];
         if (!(a < r.addr + r.size && r.addr < a + size)) continue;
         g_addr = r.addr;
         if (r.pool != pool)
-            fail("block %#" PRIxPTR "+%zu (pool %d) reuses %#" PRIxPTR "+%zu kept for pool %d", a, size, pool,
-                 r.addr, r.size, r.pool);
+            fail("block %#" PRIxPTR "+%zu (pool %d) reuses %#" PRIxPTR "+%zu kept for pool %d", a, size, pool, r.addr,
+                 r.size, r.pool);
         /* Cut [a, a+size) out of r: up to two pieces stay. */
         w->pf[i] = w->pf[--w->npf];
-        if (i < w->npf) { i--; n--; } else { n = w->npf; }
+        if (i < w->npf) {
+            i--;
+            n--;
+        } else {
+            n = w->npf;
+        }
         if (r.addr < a) pf_push(w, r.addr, a - r.addr, r.pool);
         if (a + size < r.addr + r.size) pf_push(w, a + size, r.addr + r.size - (a + size), r.pool);
     }
 }
 
-static void pf_drop_pool(world *w, int pool)
-{
+static void pf_drop_pool(world *w, int pool) {
     size_t j = 0;
     for (size_t i = 0; i < w->npf; i++)
         if (w->pf[i].pool != pool) w->pf[j++] = w->pf[i];
     w->npf = j;
 }
 
-static void q_add(world *w, const blk *b, unsigned all_mask, unsigned other_mask)
-{
+static void q_add(world *w, const blk *b, unsigned all_mask, unsigned other_mask) {
     if (w->nq == w->qcap) {
         w->qcap = w->qcap ? w->qcap * 2 : 64;
         w->q = realloc(w->q, w->qcap * sizeof *w->q);
-        if (!w->q) { perror("realloc"); exit(2); }
+        if (!w->q) {
+            perror("realloc");
+            exit(2);
+        }
     }
     w->q[w->nq++] = (quar){b->addr, b->size, b->stream, all_mask, other_mask, g_op};
 }
 
-static void q_release_stream(world *w, int si)
-{
+static void q_release_stream(world *w, int si) {
     size_t j = 0;
     for (size_t i = 0; i < w->nq; i++) {
         w->q[i].all_mask &= ~(1u << si);
@@ -284,8 +288,7 @@ static void q_release_stream(world *w, int si)
     w->nq = j;
 }
 
-static void q_check_alloc(world *w, uintptr_t a, size_t size, int si)
-{
+static void q_check_alloc(world *w, uintptr_t a, size_t size, int si) {
     for (size_t i = 0; i < w->nq; i++) {
         const quar *q = &w->q[i];
         if (a < q->addr + q->size && q->addr < a + size) {
@@ -303,29 +306,27 @@ static void q_check_alloc(world *w, uintptr_t a, size_t size, int si)
 
 /* ---- checks ---------------------------------------------------------------- */
 
-static void check_stats(world *w, const char *after)
-{
+static void check_stats(world *w, const char *after) {
     gm_stats st;
     gm_get_stats(w->heap, &st);
     if ((uint64_t)st.allocated_bytes[GM_POOL_ALL].current != w->live.bytes)
-        fail("after %s: allocated_bytes.all.current = %" PRId64 " but the live blocks sum to %" PRIu64,
-             after, st.allocated_bytes[GM_POOL_ALL].current, w->live.bytes);
+        fail("after %s: allocated_bytes.all.current = %" PRId64 " but the live blocks sum to %" PRIu64, after,
+             st.allocated_bytes[GM_POOL_ALL].current, w->live.bytes);
     if ((uint64_t)st.allocation[GM_POOL_ALL].current != w->live.n)
         fail("after %s: allocation.all.current = %" PRId64 " but %zu blocks are live", after,
              st.allocation[GM_POOL_ALL].current, w->live.n);
     if ((uint64_t)st.requested_bytes[GM_POOL_ALL].current != w->live.req_bytes)
-        fail("after %s: requested_bytes.all.current = %" PRId64 " but live requests sum to %" PRIu64,
-             after, st.requested_bytes[GM_POOL_ALL].current, w->live.req_bytes);
+        fail("after %s: requested_bytes.all.current = %" PRId64 " but live requests sum to %" PRIu64, after,
+             st.requested_bytes[GM_POOL_ALL].current, w->live.req_bytes);
     if (st.reserved_bytes[GM_POOL_ALL].current < st.allocated_bytes[GM_POOL_ALL].current)
-        fail("after %s: reserved %" PRId64 " < allocated %" PRId64, after,
-             st.reserved_bytes[GM_POOL_ALL].current, st.allocated_bytes[GM_POOL_ALL].current);
+        fail("after %s: reserved %" PRId64 " < allocated %" PRId64, after, st.reserved_bytes[GM_POOL_ALL].current,
+             st.allocated_bytes[GM_POOL_ALL].current);
     if ((size_t)st.reserved_bytes[GM_POOL_ALL].current > w->capacity)
         fail("after %s: reserved %" PRId64 " exceeds the device capacity %zu", after,
              st.reserved_bytes[GM_POOL_ALL].current, w->capacity);
 }
 
-static void run_check(world *w, const char *where)
-{
+static void run_check(world *w, const char *where) {
     char why[512] = "";
     int rc = gm_check(w->heap, why, sizeof why);
     w->n_check++;
@@ -343,11 +344,11 @@ static void run_check(world *w, const char *where)
         long k = sh_find(&w->live, bi->addr);
         if (k < 0) fail("snapshot has live block %#" PRIxPTR "+%zu the shadow does not know", bi->addr, bi->size);
         if (w->live.v[k].size != bi->size || w->live.v[k].req != bi->requested)
-            fail("snapshot block %#" PRIxPTR ": size %zu req %zu, shadow says %zu / %zu", bi->addr,
-                 bi->size, bi->requested, w->live.v[k].size, w->live.v[k].req);
+            fail("snapshot block %#" PRIxPTR ": size %zu req %zu, shadow says %zu / %zu", bi->addr, bi->size,
+                 bi->requested, w->live.v[k].size, w->live.v[k].req);
         if (bi->stream != STREAMS[w->live.v[k].stream])
-            fail("snapshot block %#" PRIxPTR ": stream %#" PRIx64 ", allocated on %#" PRIx64, bi->addr,
-                 bi->stream, STREAMS[w->live.v[k].stream]);
+            fail("snapshot block %#" PRIxPTR ": stream %#" PRIx64 ", allocated on %#" PRIx64, bi->addr, bi->stream,
+                 STREAMS[w->live.v[k].stream]);
         nl++;
     }
     if (nl != w->live.n) fail("snapshot has %zu live blocks, shadow %zu", nl, w->live.n);
@@ -383,18 +384,19 @@ static void run_check(world *w, const char *where)
 
 /* Pages touched by live blocks: physical memory that no defragmentation can
  * take back.  Used to tell a legitimate OOM from a missed one. */
-static int cmp_prange(const void *x, const void *y)
-{
+static int cmp_prange(const void *x, const void *y) {
     uintptr_t a = ((const prange *)x)->addr, b = ((const prange *)y)->addr;
     return a < b ? -1 : a > b;
 }
 
 /* ... and memory kept for living pools pins its pages too. */
-static size_t live_pages(const world *w)
-{
+static size_t live_pages(const world *w) {
     size_t n = w->live.n + w->npf, pages = 0;
     prange *all = malloc((n ? n : 1) * sizeof *all);
-    if (!all) { perror("malloc"); exit(2); }
+    if (!all) {
+        perror("malloc");
+        exit(2);
+    }
     for (size_t i = 0; i < w->live.n; i++) all[i] = (prange){w->live.v[i].addr, w->live.v[i].size, 0, 0, 0};
     for (size_t i = 0; i < w->npf; i++) all[w->live.n + i] = w->pf[i];
     qsort(all, n, sizeof *all, cmp_prange);
@@ -414,15 +416,13 @@ static size_t live_pages(const world *w)
 
 /* ---- operations ------------------------------------------------------------ */
 
-static int any_held(const world *w)
-{
+static int any_held(const world *w) {
     for (int i = 0; i < NSTREAMS; i++)
         if (w->held[i]) return 1;
     return 0;
 }
 
-static void op_malloc(world *w, rng_t *r)
-{
+static void op_malloc(world *w, rng_t *r) {
     size_t size = rnd_size(r);
     int si = (int)rnd_below(r, NSTREAMS);
     uint64_t ctx = rnd(r);
@@ -445,7 +445,10 @@ static void op_malloc(world *w, rng_t *r)
     w->n_pool_malloc += pool >= 0;
     int rc = gm_malloc_pool(w->heap, size, STREAMS[si], ctx, pool < 0 ? NULL : &pid, &p);
     if (rc == GM_ENOMEM || rc == GM_EDEVICE) {
-        if (rc == GM_ENOMEM) w->n_oom++; else w->n_devfail++;
+        if (rc == GM_ENOMEM)
+            w->n_oom++;
+        else
+            w->n_devfail++;
         if (rc == GM_EDEVICE && !w->faults_on) fail("gm_malloc(%zu) returned GM_EDEVICE with no fault injected", size);
         /* Defragmentation must turn every page not touched by a live block into
          * room, so without faults, holds or pending work an OOM is only fair when
@@ -460,8 +463,7 @@ static void op_malloc(world *w, rng_t *r)
                      size, have, need, limit / w->page);
         }
         gm_oom_info oi;
-        if (rc == GM_ENOMEM && gm_last_oom(w->heap, &oi) != GM_OK)
-            fail("gm_last_oom has no report after an OOM");
+        if (rc == GM_ENOMEM && gm_last_oom(w->heap, &oi) != GM_OK) fail("gm_last_oom has no report after an OOM");
         if (rc == GM_ENOMEM && oi.request < round_up(size, GM_ALIGN))
             fail("OOM report names request %zu for a %zu-byte malloc", oi.request, size);
         if (p != 0) fail("failed gm_malloc wrote %#" PRIxPTR " to *out", p);
@@ -472,14 +474,13 @@ static void op_malloc(world *w, rng_t *r)
     if (p == 0) fail("gm_malloc(%zu) returned GM_OK and a NULL pointer", size);
     if (p % GM_ALIGN) fail("gm_malloc(%zu) returned %#" PRIxPTR ", not 512-aligned", size, p);
     size_t bs = gm_block_size(w->heap, p);
-    if (bs < round_up(size, GM_ALIGN) || bs % GM_ALIGN)
-        fail("gm_malloc(%zu) gave a block of %zu bytes", size, bs);
+    if (bs < round_up(size, GM_ALIGN) || bs % GM_ALIGN) fail("gm_malloc(%zu) gave a block of %zu bytes", size, bs);
     if (p < w->va_base || p + bs > w->va_base + w->va_size)
         fail("block %#" PRIxPTR "+%zu lies outside the heap's range", p, bs);
     const blk *o = sh_overlap(&w->live, p, bs);
     if (o)
-        fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu overlapping live block %#" PRIxPTR "+%zu", size, p,
-             bs, o->addr, o->size);
+        fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu overlapping live block %#" PRIxPTR "+%zu", size, p, bs, o->addr,
+             o->size);
     g_addr = p;
     if (!gm_sim_is_accessible(w->dev, p, bs))
         fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu that is not mapped with access", size, p, bs);
@@ -497,14 +498,12 @@ static void op_malloc(world *w, rng_t *r)
     check_stats(w, "malloc");
 }
 
-static void remember_freed(world *w, uintptr_t a)
-{
+static void remember_freed(world *w, uintptr_t a) {
     w->freed[w->nfreed % FREED_RING] = a;
     w->nfreed++;
 }
 
-static void op_free(world *w, rng_t *r)
-{
+static void op_free(world *w, rng_t *r) {
     if (!w->live.n) return;
     size_t i = (size_t)rnd_below(r, w->live.n);
     blk b = w->live.v[i];
@@ -512,8 +511,10 @@ static void op_free(world *w, rng_t *r)
     unsigned all_mask = 0, other_mask = 0;
     for (int s = 0; s < NSTREAMS; s++) {
         if (!w->held[s]) continue;
-        if (s == b.stream) other_mask |= 1u << s;
-        else if (b.recorded & (1u << s)) all_mask |= 1u << s;
+        if (s == b.stream)
+            other_mask |= 1u << s;
+        else if (b.recorded & (1u << s))
+            all_mask |= 1u << s;
     }
     w->n_free++;
     int rc = gm_free(w->heap, b.addr);
@@ -534,8 +535,7 @@ static void op_free(world *w, rng_t *r)
     check_stats(w, "free");
 }
 
-static void op_record(world *w, rng_t *r)
-{
+static void op_record(world *w, rng_t *r) {
     if (!w->live.n) return;
     size_t i = (size_t)rnd_below(r, w->live.n);
     int si = (int)rnd_below(r, NSTREAMS);
@@ -550,8 +550,7 @@ static void op_record(world *w, rng_t *r)
 
 /* Frees of pointers that are not live must fail with the right code and leave
  * the heap as it was. */
-static void op_bad_free(world *w, rng_t *r)
-{
+static void op_bad_free(world *w, rng_t *r) {
     uintptr_t p;
     int want;
     unsigned kind = (unsigned)rnd_below(r, 4);
@@ -599,13 +598,11 @@ static void op_bad_free(world *w, rng_t *r)
         fail("rejected gm_free(%#" PRIxPTR ") touched the device", p);
 }
 
-static void op_empty(world *w)
-{
+static void op_empty(world *w) {
     w->n_empty++;
     int rc = gm_empty_cache(w->heap);
     /* Unmapping waits for the device; with a stream held the sim refuses. */
-    if (rc != GM_OK && !w->faults_on && !any_held(w))
-        fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
+    if (rc != GM_OK && !w->faults_on && !any_held(w)) fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
     check_stats(w, "empty_cache");
     if (!w->faults_on && !any_held(w) && !w->capturing) {
         /* Nothing may stay cached: every page held is touched by a live block. */
@@ -624,8 +621,8 @@ static void op_empty(world *w)
             }
             fail("after gm_empty_cache reserved is %" PRId64 " but live blocks touch %zu pages (%zu bytes); "
                  "snapshot: %zu used, %zu cached, %zu spare pages, %zu pending blocks",
-                 st.reserved_bytes[GM_POOL_ALL].current, lp, lp * w->page, used, cached,
-                 snap ? snap->spare_pages : 0, pending);
+                 st.reserved_bytes[GM_POOL_ALL].current, lp, lp * w->page, used, cached, snap ? snap->spare_pages : 0,
+                 pending);
         }
         gm_sim_info si;
         gm_sim_info_get(w->dev, &si);
@@ -635,8 +632,7 @@ static void op_empty(world *w)
     }
 }
 
-static void op_setcap(world *w, rng_t *r)
-{
+static void op_setcap(world *w, rng_t *r) {
     size_t cap = 0;
     if (!chance(r, 250000)) {
         /* Mostly caps above what is live (sometimes below, which must still work:
@@ -658,8 +654,7 @@ static void op_setcap(world *w, rng_t *r)
     check_stats(w, "set_cap");
 }
 
-static void op_hold(world *w, rng_t *r)
-{
+static void op_hold(world *w, rng_t *r) {
     int si = (int)rnd_below(r, NSTREAMS);
     w->n_hold++;
     if (w->held[si]) {
@@ -673,8 +668,7 @@ static void op_hold(world *w, rng_t *r)
 }
 
 /* Retain or release a private pool.  At its end its kept memory joins the heap. */
-static void op_pool(world *w, rng_t *r)
-{
+static void op_pool(world *w, rng_t *r) {
     int i = (int)rnd_below(r, NPOOLS);
     w->n_pool_ops++;
     if (!w->pool_uses[i] || chance(r, 400000)) {
@@ -690,8 +684,7 @@ static void op_pool(world *w, rng_t *r)
 
 /* Checkpoint a pool (gm_pool_live), drop some of its live blocks with
  * gm_pool_set_live, and sometimes restore the checkpoint. */
-static void op_set_live(world *w, rng_t *r)
-{
+static void op_set_live(world *w, rng_t *r) {
     int i = (int)rnd_below(r, NPOOLS);
     if (!w->pool_uses[i]) return;
     w->n_set_live++;
@@ -699,7 +692,10 @@ static void op_set_live(world *w, rng_t *r)
     uintptr_t *addrs = malloc((n + 1) * sizeof *addrs);
     size_t *sizes = malloc((n + 1) * sizeof *sizes), *keep_sizes = malloc((n + 1) * sizeof *sizes);
     uintptr_t *keep = malloc((n + 1) * sizeof *keep);
-    if (!addrs || !sizes || !keep || !keep_sizes) { perror("malloc"); exit(2); }
+    if (!addrs || !sizes || !keep || !keep_sizes) {
+        perror("malloc");
+        exit(2);
+    }
     if (gm_pool_live(w->heap, pool_id(i), addrs, sizes, n) != n) fail("gm_pool_live changed under us");
     size_t nk = 0;
     int restorable = 1;
@@ -718,14 +714,19 @@ static void op_set_live(world *w, rng_t *r)
     int rc = gm_pool_set_live(w->heap, pool_id(i), keep, keep_sizes, nk, STREAMS[0]);
     if (rc != GM_OK) fail("gm_pool_set_live with a subset of the live blocks returned %d", rc);
     for (size_t k = 0, m = 0; k < n; k++) {
-        if (m < nk && keep[m] == addrs[k]) { m++; continue; }
+        if (m < nk && keep[m] == addrs[k]) {
+            m++;
+            continue;
+        }
         long j = sh_find(&w->live, addrs[k]);
         blk b = sh_remove(&w->live, (size_t)j);
         unsigned all_mask = 0, other_mask = 0;
         for (int s = 0; s < NSTREAMS; s++) {
             if (!w->held[s]) continue;
-            if (s == b.stream) other_mask |= 1u << s;
-            else if (b.recorded & (1u << s)) all_mask |= 1u << s;
+            if (s == b.stream)
+                other_mask |= 1u << s;
+            else if (b.recorded & (1u << s))
+                all_mask |= 1u << s;
         }
         if (all_mask || other_mask) q_add(w, &b, all_mask, other_mask);
         pf_push(w, b.addr, b.size, i);
@@ -739,7 +740,10 @@ static void op_set_live(world *w, rng_t *r)
                  restorable ? "can be restored" : "cannot (a dropped block is pending)");
         if (rc == GM_OK) {
             for (size_t k = 0, m = 0; k < n; k++) {
-                if (m < nk && keep[m] == addrs[k]) { m++; continue; }
+                if (m < nk && keep[m] == addrs[k]) {
+                    m++;
+                    continue;
+                }
                 /* Restored: the caller vouches for its stream order, so what
                  * the quarantine said about the range no longer applies. */
                 size_t qj = 0;
@@ -759,8 +763,7 @@ static void op_set_live(world *w, rng_t *r)
 
 /* Start or end a capture: the heap is told, and the sim refuses every call a
  * real capture would not survive. */
-static void op_capture(world *w)
-{
+static void op_capture(world *w) {
     if (!w->capturing) {
         gm_capture_begin(w->heap);
         gm_sim_set_capture(w->dev, 1);
@@ -774,8 +777,7 @@ static void op_capture(world *w)
     if (gm_capturing(w->heap) != w->capturing) fail("gm_capturing says %d", gm_capturing(w->heap));
 }
 
-static void set_faults(world *w, rng_t *r, int on)
-{
+static void set_faults(world *w, rng_t *r, int on) {
     for (int op = 0; op < GM_OP__COUNT; op++) {
         double p = 0;
         if (on) {
@@ -790,8 +792,7 @@ static void set_faults(world *w, rng_t *r, int on)
 
 /* ---- single-threaded run ----------------------------------------------------- */
 
-static void open_world(world *w, size_t capacity)
-{
+static void open_world(world *w, size_t capacity) {
     memset(w, 0, sizeof *w);
     w->capacity = capacity;
     w->dev = gm_sim_create(capacity, 0);
@@ -812,8 +813,7 @@ static void open_world(world *w, size_t capacity)
 }
 
 /* Free everything, release everything, and check that nothing is left. */
-static void close_world(world *w)
-{
+static void close_world(world *w) {
     g_phase = "teardown";
     set_faults(w, NULL, 0);
     if (w->capturing) op_capture(w);
@@ -823,7 +823,11 @@ static void close_world(world *w)
             if (!--w->pool_uses[i]) pf_drop_pool(w, i);
         }
     for (int s = 0; s < NSTREAMS; s++)
-        if (w->held[s]) { gm_sim_hold_stream(w->dev, STREAMS[s], 0); w->held[s] = 0; q_release_stream(w, s); }
+        if (w->held[s]) {
+            gm_sim_hold_stream(w->dev, STREAMS[s], 0);
+            w->held[s] = 0;
+            q_release_stream(w, s);
+        }
     while (w->live.n) {
         blk b = sh_remove(&w->live, w->live.n - 1);
         int rc = gm_free(w->heap, b.addr);
@@ -834,11 +838,11 @@ static void close_world(world *w)
     run_check(w, "teardown");
     gm_stats st;
     gm_get_stats(w->heap, &st);
-    if (st.reserved_bytes[GM_POOL_ALL].current || st.segment[GM_POOL_ALL].current ||
-        st.active[GM_POOL_ALL].current || st.active_bytes[GM_POOL_ALL].current)
+    if (st.reserved_bytes[GM_POOL_ALL].current || st.segment[GM_POOL_ALL].current || st.active[GM_POOL_ALL].current ||
+        st.active_bytes[GM_POOL_ALL].current)
         fail("teardown: reserved %" PRId64 ", segments %" PRId64 ", active %" PRId64 "/%" PRId64 " bytes left",
-             st.reserved_bytes[GM_POOL_ALL].current, st.segment[GM_POOL_ALL].current,
-             st.active[GM_POOL_ALL].current, st.active_bytes[GM_POOL_ALL].current);
+             st.reserved_bytes[GM_POOL_ALL].current, st.segment[GM_POOL_ALL].current, st.active[GM_POOL_ALL].current,
+             st.active_bytes[GM_POOL_ALL].current);
     gm_sim_info si;
     gm_sim_info_get(w->dev, &si);
     if (si.pages_created || si.pages_mapped)
@@ -850,8 +854,7 @@ static void close_world(world *w)
     free(w->pf);
 }
 
-static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
-{
+static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
     rng_t r = {seed};
     world w;
     open_world(&w, capacity);
@@ -874,17 +877,28 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
         unsigned x = (unsigned)rnd_below(&r, 1000000);
         /* Keep the live set bounded: with a full device, lean to frees. */
         unsigned p_malloc = w.live.n > 3000 ? 400000 : 520000;
-        if (x < p_malloc) op_malloc(&w, &r);
-        else if (x < 940000) op_free(&w, &r);
-        else if (x < 970000) op_record(&w, &r);
-        else if (x < 985000) op_bad_free(&w, &r);
-        else if (x < 992000) op_hold(&w, &r);
-        else if (x < 996000) op_empty(&w);
-        else if (x < 997000) op_setcap(&w, &r);
-        else if (x < 998000) op_pool(&w, &r);
-        else if (x < 998600) op_capture(&w);
-        else if (x < 999000) op_set_live(&w, &r);
-        else if (x < 999800) op_record(&w, &r);
+        if (x < p_malloc)
+            op_malloc(&w, &r);
+        else if (x < 940000)
+            op_free(&w, &r);
+        else if (x < 970000)
+            op_record(&w, &r);
+        else if (x < 985000)
+            op_bad_free(&w, &r);
+        else if (x < 992000)
+            op_hold(&w, &r);
+        else if (x < 996000)
+            op_empty(&w);
+        else if (x < 997000)
+            op_setcap(&w, &r);
+        else if (x < 998000)
+            op_pool(&w, &r);
+        else if (x < 998600)
+            op_capture(&w);
+        else if (x < 999000)
+            op_set_live(&w, &r);
+        else if (x < 999800)
+            op_record(&w, &r);
         else {
             /* A burst of frees: drains the heap now and then so that the
              * empty/regrow paths run too. */
@@ -898,15 +912,15 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet)
     gm_get_stats(w.heap, &st);
     close_world(&w);
     if (!quiet)
-        printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB: %" PRIu64 " mallocs (%" PRIu64
-               " ok, %" PRIu64 " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64
-               " bad frees, %" PRIu64 " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64
-               " set_cap, %" PRIu64 " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64
-               " captures, %" PRIu64 " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64
-               " remaps, %" PRId64 " pages created, %" PRId64 " retries, %" PRId64 " syncs\n",
-               ops, seed, capacity >> 20, w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free,
-               w.n_bad_free, w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc, w.n_pool_ops,
-               w.n_set_live, w.n_captures, w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
+        printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB: %" PRIu64 " mallocs (%" PRIu64 " ok, %" PRIu64
+               " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64 " bad frees, %" PRIu64
+               " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64 " set_cap, %" PRIu64
+               " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64 " captures, %" PRIu64
+               " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64 " remaps, %" PRId64
+               " pages created, %" PRId64 " retries, %" PRId64 " syncs\n",
+               ops, seed, capacity >> 20, w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free, w.n_bad_free,
+               w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc, w.n_pool_ops, w.n_set_live, w.n_captures,
+               w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
                st.num_sync_all_streams);
     return 0;
 }
@@ -936,15 +950,13 @@ typedef struct targ {
     size_t nmine, capmine;
 } targ;
 
-static void tfail(targ *a, uint64_t op, const char *msg, uintptr_t p, size_t size)
-{
-    fprintf(stderr, "FUZZ FAILURE thread %d op %" PRIu64 " (seed %" PRIu64 "): %s (%#" PRIxPTR "+%zu)\n", a->id,
-            op, a->tw->seed, msg, p, size);
+static void tfail(targ *a, uint64_t op, const char *msg, uintptr_t p, size_t size) {
+    fprintf(stderr, "FUZZ FAILURE thread %d op %" PRIu64 " (seed %" PRIu64 "): %s (%#" PRIxPTR "+%zu)\n", a->id, op,
+            a->tw->seed, msg, p, size);
     exit(1);
 }
 
-static void *thread_main(void *arg)
-{
+static void *thread_main(void *arg) {
     targ *a = arg;
     tworld *tw = a->tw;
     rng_t r = {tw->seed * 1000003u + (uint64_t)a->id};
@@ -961,7 +973,10 @@ static void *thread_main(void *arg)
             uintptr_t p = 0;
             int rc = gm_malloc_pool(tw->heap, size, stream, (uint64_t)a->id, rnd_below(&r, 4) ? NULL : &pid, &p);
             a->mallocs++;
-            if (rc == GM_ENOMEM) { a->ooms++; continue; }
+            if (rc == GM_ENOMEM) {
+                a->ooms++;
+                continue;
+            }
             if (rc != GM_OK) tfail(a, op, "gm_malloc failed", 0, size);
             size_t bs = gm_block_size(tw->heap, p);
             if (p % GM_ALIGN || bs < round_up(size, GM_ALIGN)) tfail(a, op, "bad block", p, bs);
@@ -973,7 +988,10 @@ static void *thread_main(void *arg)
             if (a->nmine == a->capmine) {
                 a->capmine = a->capmine ? 2 * a->capmine : 256;
                 a->mine = realloc(a->mine, a->capmine * sizeof *a->mine);
-                if (!a->mine) { perror("realloc"); exit(2); }
+                if (!a->mine) {
+                    perror("realloc");
+                    exit(2);
+                }
             }
             a->mine[a->nmine++] = p;
         } else if (x < 960 && a->nmine) {
@@ -1030,8 +1048,7 @@ static void *thread_main(void *arg)
     return NULL;
 }
 
-static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacity, int quiet)
-{
+static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
     tworld tw;
     memset(&tw, 0, sizeof tw);
     pthread_mutex_init(&tw.mu, NULL);
@@ -1048,14 +1065,20 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     if (g_history) gm_history_enable(tw.heap, g_history); /* history writes under the threads too */
     targ *args = calloc((size_t)nthreads, sizeof *args);
     pthread_t *th = calloc((size_t)nthreads, sizeof *th);
-    if (!args || !th) { perror("calloc"); exit(2); }
+    if (!args || !th) {
+        perror("calloc");
+        exit(2);
+    }
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     g_phase = "threads";
     for (int i = 0; i < nthreads; i++) {
         args[i].tw = &tw;
         args[i].id = i;
-        if (pthread_create(&th[i], NULL, thread_main, &args[i]) != 0) { perror("pthread_create"); exit(2); }
+        if (pthread_create(&th[i], NULL, thread_main, &args[i]) != 0) {
+            perror("pthread_create");
+            exit(2);
+        }
     }
     for (int i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -1088,8 +1111,7 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     close_world(&w); /* frees w.live.v (== tw.live.v) */
     if (!quiet)
         printf("fuzz: OK %d threads x %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB in %.2f s: %" PRIu64
-               " mallocs (%" PRIu64 " oom), %" PRIu64 " frees; core: %" PRId64 " remaps, %" PRId64
-               " pages created\n",
+               " mallocs (%" PRIu64 " oom), %" PRIu64 " frees; core: %" PRId64 " remaps, %" PRId64 " pages created\n",
                nthreads, tw.ops_per_thread, seed, capacity >> 20,
                (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9, mallocs, ooms, frees,
                st.num_remaps, st.num_device_alloc);
@@ -1101,8 +1123,7 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
 
 /* ---- main ------------------------------------------------------------------- */
 
-static uint64_t parse_u64(const char *s, const char *what)
-{
+static uint64_t parse_u64(const char *s, const char *what) {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 0);
@@ -1111,8 +1132,10 @@ static uint64_t parse_u64(const char *s, const char *what)
         exit(2);
     }
     /* Allow a size suffix for --capacity. */
-    if (*end == 'G') v <<= 30;
-    else if (*end == 'M') v <<= 20;
+    if (*end == 'G')
+        v <<= 30;
+    else if (*end == 'M')
+        v <<= 20;
     else if (*end) {
         fprintf(stderr, "fuzz: bad %s '%s'\n", what, s);
         exit(2);
@@ -1120,22 +1143,30 @@ static uint64_t parse_u64(const char *s, const char *what)
     return v;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     uint64_t ops = 1000000, seed = 1;
     int threads = 0, quiet = 0, npos = 0;
     size_t capacity = 4 * GiB;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = (int)parse_u64(argv[++i], "thread count");
-        else if (!strcmp(argv[i], "--capacity") && i + 1 < argc) capacity = parse_u64(argv[++i], "capacity");
-        else if (!strcmp(argv[i], "--quiet")) quiet = 1;
-        else if (!strcmp(argv[i], "--history") && i + 1 < argc) g_history = (size_t)parse_u64(argv[++i], "history size");
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            threads = (int)parse_u64(argv[++i], "thread count");
+        else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
+            capacity = parse_u64(argv[++i], "capacity");
+        else if (!strcmp(argv[i], "--quiet"))
+            quiet = 1;
+        else if (!strcmp(argv[i], "--history") && i + 1 < argc)
+            g_history = (size_t)parse_u64(argv[++i], "history size");
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--quiet] [ops=1000000] [seed=1]\n", argv[0]);
+            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--quiet] [ops=1000000] [seed=1]\n",
+                   argv[0]);
             return 0;
-        } else if (argv[i][0] != '-' && npos == 0) { ops = parse_u64(argv[i], "op count"); npos++; }
-        else if (argv[i][0] != '-' && npos == 1) { seed = parse_u64(argv[i], "seed"); npos++; }
-        else {
+        } else if (argv[i][0] != '-' && npos == 0) {
+            ops = parse_u64(argv[i], "op count");
+            npos++;
+        } else if (argv[i][0] != '-' && npos == 1) {
+            seed = parse_u64(argv[i], "seed");
+            npos++;
+        } else {
             fprintf(stderr, "fuzz: unknown argument '%s' (try --help)\n", argv[i]);
             return 2;
         }

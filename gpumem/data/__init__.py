@@ -12,14 +12,24 @@ format and the figures PyTorch's allocators reached on them.
 
 ``python -m gpumem replay gpt2_varlen`` takes these short names too.
 """
+
 from __future__ import annotations
 
 import os
 import pathlib
 from typing import List
 
-__all__ = ["DATA_DIR", "TRACES_DIR", "SNAPSHOTS_DIR", "UnknownDataError", "list_traces", "trace_path",
-           "list_snapshots", "snapshot_path", "is_short_name"]
+__all__ = [
+    "DATA_DIR",
+    "TRACES_DIR",
+    "SNAPSHOTS_DIR",
+    "UnknownDataError",
+    "list_traces",
+    "trace_path",
+    "list_snapshots",
+    "snapshot_path",
+    "is_short_name",
+]
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent
 TRACES_DIR = DATA_DIR / "traces"

@@ -14,6 +14,7 @@ or ``GPUMEM_CONF="cap:0.9" python -m gpumem.torch train.py ARGS``.
 Nothing else in gpumem imports this package; it hands its hooks down
 (gpumem._heap.register_torch_hooks).  Importing it does not import torch.
 """
+
 from .._heap import MAX_HISTORY
 from ._install import (
     ENV_VAR,
@@ -36,6 +37,21 @@ from ._pools import MemPool
 InstallError.__module__ = __name__
 MemPool.__module__ = __name__
 
-__all__ = ["install", "torch_allocator", "uninstall", "is_installed", "status", "InstallError", "MemPool", "parse_conf",
-           "normalize_options", "nested_stats", "memory_snapshot_dict", "set_context_hook", "set_oom_formatter",
-           "ENV_VAR", "OPTION_NAMES", "MAX_HISTORY"]
+__all__ = [
+    "install",
+    "torch_allocator",
+    "uninstall",
+    "is_installed",
+    "status",
+    "InstallError",
+    "MemPool",
+    "parse_conf",
+    "normalize_options",
+    "nested_stats",
+    "memory_snapshot_dict",
+    "set_context_hook",
+    "set_oom_formatter",
+    "ENV_VAR",
+    "OPTION_NAMES",
+    "MAX_HISTORY",
+]

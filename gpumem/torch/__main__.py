@@ -1,5 +1,6 @@
 """python -m gpumem.torch SCRIPT [ARGS...]: install gpumem as torch's allocator
 (options from GPUMEM_CONF), then run SCRIPT as __main__."""
+
 import runpy
 import sys
 

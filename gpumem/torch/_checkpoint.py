@@ -8,6 +8,7 @@ names (CXX, else c++), torch's include directories and C++ ABI, linked to
 libc10 only, cached under $GPUMEM_CACHE_DIR (default ~/.cache/gpumem) by torch
 version and source hash, and checked at load against the running torch.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +40,8 @@ def source_path() -> pathlib.Path:
 
 def _cache_dir() -> pathlib.Path:
     root = os.environ.get("GPUMEM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpumem")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpumem"
+    )
     return pathlib.Path(root)
 
 
@@ -53,20 +55,38 @@ def _build(torch, src: pathlib.Path, out: pathlib.Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=str(out.parent))
     os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f'-DGM_TORCH_VERSION="{torch.__version__}"', *includes, str(src), "-o", tmp, f"-L{libdir}", "-lc10",
-           f"-Wl,-rpath,{libdir}"]
+    cmd = [
+        cxx,
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f'-DGM_TORCH_VERSION="{torch.__version__}"',
+        *includes,
+        str(src),
+        "-o",
+        tmp,
+        f"-L{libdir}",
+        "-lc10",
+        f"-Wl,-rpath,{libdir}",
+    ]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
         os.unlink(tmp)
-        raise CheckpointBuildError(f"gpumem: cannot run the C++ compiler {cxx!r} to build {src.name} ({e}); "
-                                   "torch.compile(mode='reduce-overhead') needs it under gpumem. Install a C++ "
-                                   "compiler (g++) or set CXX.") from e
+        raise CheckpointBuildError(
+            f"gpumem: cannot run the C++ compiler {cxx!r} to build {src.name} ({e}); "
+            "torch.compile(mode='reduce-overhead') needs it under gpumem. Install a C++ "
+            "compiler (g++) or set CXX."
+        ) from e
     if p.returncode != 0:
         os.unlink(tmp)
-        raise CheckpointBuildError(f"gpumem: building {src.name} against torch {torch.__version__} failed:\n"
-                                   f"{' '.join(cmd)}\n{p.stderr[-4000:]}")
+        raise CheckpointBuildError(
+            f"gpumem: building {src.name} against torch {torch.__version__} failed:\n"
+            f"{' '.join(cmd)}\n{p.stderr[-4000:]}"
+        )
     os.replace(tmp, out)
 
 
@@ -79,8 +99,12 @@ def load():
     import torch
 
     src = source_path()
-    key = hashlib.sha256(src.read_bytes() + torch.__version__.encode() + sys.version.encode() +
-                         str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        src.read_bytes()
+        + torch.__version__.encode()
+        + sys.version.encode()
+        + str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()
+    ).hexdigest()[:16]
     tag = sysconfig.get_config_var("SOABI") or "py"
     out = _cache_dir() / f"checkpoint-{tag}-{key}.so"
     if not out.exists():
@@ -92,12 +116,12 @@ def load():
     lib.gm_ckpt_torch_version.restype = ctypes.c_char_p
     built_for = lib.gm_ckpt_torch_version().decode()
     if built_for != torch.__version__:
-        raise CheckpointBuildError(f"gpumem: {out} was built for torch {built_for}, this is torch "
-                                   f"{torch.__version__}; delete it to rebuild")
+        raise CheckpointBuildError(
+            f"gpumem: {out} was built for torch {built_for}, this is torch {torch.__version__}; delete it to rebuild"
+        )
     u64p = ctypes.POINTER(ctypes.c_uint64)
     lib.gm_ckpt_add_deleters.restype = ctypes.c_long
-    lib.gm_ckpt_add_deleters.argtypes = [u64p, ctypes.c_size_t, u64p, ctypes.c_size_t, ctypes.c_void_p,
-                                         ctypes.c_int]
+    lib.gm_ckpt_add_deleters.argtypes = [u64p, ctypes.c_size_t, u64p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int]
     lib.gm_ckpt_release_deleters.restype = None
     lib.gm_ckpt_release_deleters.argtypes = [u64p, ctypes.c_size_t, u64p, ctypes.c_size_t]
     lib.gm_ckpt_free_and_remove.restype = ctypes.c_int
@@ -121,8 +145,10 @@ def add_deleters(storages, allocd, deleter: int, device: int) -> None:
     a, na = _array(allocd)
     bad = lib.gm_ckpt_add_deleters(s, n, a, na, ctypes.c_void_p(deleter), int(device))
     if bad >= 0:
-        raise RuntimeError(f"gpumem: storage {int(storages[bad]):#x} to add a deleter to does not point at a "
-                           "block the checkpoint allocated")
+        raise RuntimeError(
+            f"gpumem: storage {int(storages[bad]):#x} to add a deleter to does not point at a "
+            "block the checkpoint allocated"
+        )
 
 
 def release_deleters(storages, freed) -> None:

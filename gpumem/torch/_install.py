@@ -28,6 +28,7 @@ Keyword arguments override GPUMEM_CONF.
 
 Importing this module does not import torch; install() does.
 """
+
 import os
 
 from .. import _C
@@ -40,10 +41,30 @@ OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "va_size", "history
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
-_POOLED = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
-           "active_bytes", "inactive_split_bytes", "requested_bytes")
-_PLAIN = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
-          "num_maps", "num_unmaps", "num_remaps", "num_pages_remapped", "num_device_errors", "max_split_size")
+_POOLED = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+_PLAIN = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_sync_all_streams",
+    "num_device_alloc",
+    "num_device_free",
+    "num_maps",
+    "num_unmaps",
+    "num_remaps",
+    "num_pages_remapped",
+    "num_device_errors",
+    "max_split_size",
+)
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
 
 _state = {"allocator": None, "installed": False, "patched": {}, "options": {}, "pool_hooks": False}
@@ -54,6 +75,7 @@ class InstallError(RuntimeError):
 
 
 # ---- options -----------------------------------------------------------------------
+
 
 def parse_conf(text):
     """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings)."""
@@ -92,8 +114,15 @@ def normalize_options(options):
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown gpumem option(s) {', '.join(sorted(unknown))} (known: {', '.join(OPTION_NAMES)})")
-    kw = {"cap_bytes": 0, "cap_fraction": 0.0, "va_size": 0, "growth_slack": -1.0, "growth_slack_pages": -1,
-          "history_entries": 0, "oom_mode": "torch"}
+    kw = {
+        "cap_bytes": 0,
+        "cap_fraction": 0.0,
+        "va_size": 0,
+        "growth_slack": -1.0,
+        "growth_slack_pages": -1,
+        "history_entries": 0,
+        "oom_mode": "torch",
+    }
     cap = options.get("cap")
     if cap not in (None, 0, "0", "none", ""):
         # A plain number up to 1 is a fraction of the device; anything else is bytes.
@@ -153,6 +182,7 @@ def _device_list(device, torch):
 
 # ---- install / uninstall ----------------------------------------------------------------
 
+
 def _prepare(options, what):
     """(torch, _torch_configure kwargs, merged options), or InstallError."""
     merged = parse_conf(os.environ.get(ENV_VAR, ""))
@@ -174,7 +204,8 @@ def _make_allocator(torch, kw, what):
         raise InstallError(
             f"gpumem.{what}() came too late: CUDA is already initialised in this process, so torch's own "
             f"allocator is in use and cannot be replaced. Call gpumem.{what}() before anything touches "
-            "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`.")
+            "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`."
+        )
     _C._torch_configure(**kw)
     alloc = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
     hooks = alloc.allocator()
@@ -214,8 +245,8 @@ def install(device=None, **options):
             _original_change_allocator(torch)(alloc)
         except RuntimeError as e:
             raise InstallError(
-                f"gpumem.install() could not replace torch's allocator ({e}); call it before anything touches "
-                "CUDA") from e
+                f"gpumem.install() could not replace torch's allocator ({e}); call it before anything touches CUDA"
+            ) from e
         _state["allocator"] = alloc
     else:
         _C._torch_configure(**kw)
@@ -285,9 +316,14 @@ def is_installed():
 
 def status():
     """What gpumem does in this process: whether it is installed, options, per-device figures."""
-    out = {"installed": _state["installed"], "allocator_active": _state["allocator"] is not None,
-           "options": dict(_state["options"]), "patched": sorted(n for _, n in _state["patched"]),
-           "pool_hooks": _state["pool_hooks"], "devices": {}}
+    out = {
+        "installed": _state["installed"],
+        "allocator_active": _state["allocator"] is not None,
+        "options": dict(_state["options"]),
+        "patched": sorted(n for _, n in _state["patched"]),
+        "pool_hooks": _state["pool_hooks"],
+        "devices": {},
+    }
     C = _C
     out["counters"] = C._torch_counters()
     for d in C._torch_devices():
@@ -394,8 +430,9 @@ def _patch(torch):
 def _replace(owner, name, fn):
     key = (owner, name)
     if key not in _state["patched"]:
-        _state["patched"][key] = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else \
-            getattr(owner, name, _MISSING)
+        _state["patched"][key] = (
+            owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+        )
     if callable(fn) and not isinstance(fn, type):
         try:
             fn.__name__ = name
@@ -406,6 +443,7 @@ def _replace(owner, name, fn):
 
 
 # ---- hooks for other parts of gpumem ----------------------------------------------------------
+
 
 def set_context_hook(address):
     """Install a C function uint64_t (*)(void) (by address, 0 clears) called before each

@@ -19,6 +19,7 @@ What torch expects of an allocator here is written down in docs/torch.md
   pool's live blocks (gpumem._C._torch_pool_live / _torch_pool_set_live) and the
   small torch-header module in _checkpoint.py.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,10 +31,12 @@ from . import _checkpoint
 
 __all__ = ["MemPool", "set_pool_hooks", "replacements", "refuse_capture", "CheckpointState"]
 
-_NO_HOOKS = ("gpumem cannot take part in CUDA graph capture in this process: the C++ standard library ABI of "
-             "gpumem._C (_GLIBCXX_USE_CXX11_ABI={ours}) differs from torch's ({theirs}), so torch's graph pool "
-             "hooks could not be set.  Rebuild gpumem with GPUMEM_CXX11_ABI={theirs} "
-             "(GPUMEM_CXX11_ABI={theirs} pip install -e .).")
+_NO_HOOKS = (
+    "gpumem cannot take part in CUDA graph capture in this process: the C++ standard library ABI of "
+    "gpumem._C (_GLIBCXX_USE_CXX11_ABI={ours}) differs from torch's ({theirs}), so torch's graph pool "
+    "hooks could not be set.  Rebuild gpumem with GPUMEM_CXX11_ABI={theirs} "
+    "(GPUMEM_CXX11_ABI={theirs} pip install -e .)."
+)
 _hooks_error = None
 
 
@@ -121,7 +124,7 @@ class MemPool:
 
         try:
             return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
-        except TypeError:   # a torch whose memory_snapshot has no include_traces
+        except TypeError:  # a torch whose memory_snapshot has no include_traces
             return torch.cuda.memory_snapshot(self._id)
 
     def __del__(self):
@@ -137,6 +140,7 @@ class MemPool:
 
 
 # ---- cudagraph trees --------------------------------------------------------------------
+
 
 class CheckpointState:
     """torch._C._cuda_getCheckpointState's answer under gpumem: the live blocks
@@ -258,6 +262,7 @@ def replacements(torch, pool_hooks: bool) -> dict:
     if original_standard is not None:
         out["_has_Standard_Deleter"] = has_standard_deleter
     if not pool_hooks:
+
         def refuse(*args, **kwargs):
             raise RuntimeError(_hooks_error or "gpumem's graph pool hooks are not set")
 

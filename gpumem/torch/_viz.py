@@ -13,6 +13,7 @@ set_stack_hook through the hook install registers in gpumem._heap):
   torch_snapshot_dict()   torch.cuda.memory._snapshot / memory_snapshot / _dump_snapshot:
                           Snapshot.to_torch() of every device's heap
 """
+
 from __future__ import annotations
 
 import os

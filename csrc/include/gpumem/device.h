@@ -122,11 +122,11 @@ typedef struct gm_device_verify {
 
 struct gm_device {
     const gm_device_ops *ops;
-    const char *kind;        /* "sim" or "cuda" */
-    int ordinal;             /* device index */
-    size_t page_size;        /* physical granularity, 2 MiB on every current GPU */
-    char name[96];           /* "sim:80GiB", "cuda:0 (NVIDIA H100 80GB HBM3)" */
-    char last_error[256];    /* why the last failing call failed */
+    const char *kind;     /* "sim" or "cuda" */
+    int ordinal;          /* device index */
+    size_t page_size;     /* physical granularity, 2 MiB on every current GPU */
+    char name[96];        /* "sim:80GiB", "cuda:0 (NVIDIA H100 80GB HBM3)" */
+    char last_error[256]; /* why the last failing call failed */
 };
 
 #ifdef __cplusplus

@@ -19,25 +19,25 @@ extern "C" {
 /* ---- error codes ---------------------------------------------------------
  * The one list of them: X(name, value, sentence).  gm_strerror and the Python
  * module (which exports the names as gpumem._C.ERROR_NAMES) expand it. */
-#define GM_EACH_ERROR(X)                                                                              \
-    X(GM_OK, 0, "success")                                                                            \
-    /* no room even after releasing the cache and defragmenting */                                   \
-    X(GM_ENOMEM, 1, "out of memory")                                                                  \
-    /* bad argument (size too large, bad cap, ...) */                                                 \
-    X(GM_EINVAL, 2, "invalid argument")                                                               \
-    /* pointer was never handed out by this heap */                                                  \
-    X(GM_EUNKNOWN_PTR, 3, "pointer was not allocated by this heap")                                   \
-    /* pointer lies in this heap but is not live: freed twice, or not the start of an allocation */  \
-    X(GM_EDOUBLE_FREE, 4, "pointer is not a live allocation (double free, or not the start of a block)") \
-    /* a device call failed; dev->last_error says why */                                             \
-    X(GM_EDEVICE, 5, "a device call failed")                                                          \
-    /* an event has not completed yet (device level) */                                              \
-    X(GM_ENOTREADY, 6, "event not complete")                                                          \
-    /* the device cannot do this (no NVML, ...) */                                                    \
-    X(GM_ENOTSUP, 7, "not supported by this device")                                                  \
-    /* libcuda could not be loaded */                                                                 \
-    X(GM_ENODRIVER, 8, "CUDA driver library could not be loaded")                                     \
-    /* the invariant checker found a broken invariant */                                             \
+#define GM_EACH_ERROR(X)                                                                                               \
+    X(GM_OK, 0, "success")                                                                                             \
+    /* no room even after releasing the cache and defragmenting */                                                     \
+    X(GM_ENOMEM, 1, "out of memory")                                                                                   \
+    /* bad argument (size too large, bad cap, ...) */                                                                  \
+    X(GM_EINVAL, 2, "invalid argument")                                                                                \
+    /* pointer was never handed out by this heap */                                                                    \
+    X(GM_EUNKNOWN_PTR, 3, "pointer was not allocated by this heap")                                                    \
+    /* pointer lies in this heap but is not live: freed twice, or not the start of an allocation */                    \
+    X(GM_EDOUBLE_FREE, 4, "pointer is not a live allocation (double free, or not the start of a block)")               \
+    /* a device call failed; dev->last_error says why */                                                               \
+    X(GM_EDEVICE, 5, "a device call failed")                                                                           \
+    /* an event has not completed yet (device level) */                                                                \
+    X(GM_ENOTREADY, 6, "event not complete")                                                                           \
+    /* the device cannot do this (no NVML, ...) */                                                                     \
+    X(GM_ENOTSUP, 7, "not supported by this device")                                                                   \
+    /* libcuda could not be loaded */                                                                                  \
+    X(GM_ENODRIVER, 8, "CUDA driver library could not be loaded")                                                      \
+    /* the invariant checker found a broken invariant */                                                               \
     X(GM_ECORRUPT, 9, "heap invariant broken")
 
 enum {
@@ -47,9 +47,9 @@ enum {
 };
 const char *gm_strerror(int code);
 
-#define GM_ALIGN 512u                  /* every block starts and ends on 512 B */
-#define GM_SMALL_SIZE (1u << 20)       /* torch's small pool: blocks <= 1 MiB */
-#define GM_STREAM_ANY UINT64_MAX       /* owner of free memory any stream may use */
+#define GM_ALIGN      512u       /* every block starts and ends on 512 B */
+#define GM_SMALL_SIZE (1u << 20) /* torch's small pool: blocks <= 1 MiB */
+#define GM_STREAM_ANY UINT64_MAX /* owner of free memory any stream may use */
 
 /* ---- configuration ------------------------------------------------------- */
 typedef struct gm_config {
@@ -103,38 +103,43 @@ size_t gm_get_cap(gm_heap *heap);
 typedef struct gm_stat {
     int64_t current, peak, allocated, freed;
 } gm_stat;
-enum { GM_POOL_ALL = 0, GM_POOL_SMALL = 1, GM_POOL_LARGE = 2, GM_POOL__COUNT = 3 };
+enum {
+    GM_POOL_ALL = 0,
+    GM_POOL_SMALL = 1,
+    GM_POOL_LARGE = 2,
+    GM_POOL__COUNT = 3
+};
 
 /* The one list of statistics.  Pooled ones are torch Stats per pool, named
  * "<name>.<all|small_pool|large_pool>.<current|peak|allocated|freed>"; counters
  * are plain integers under their own name.  stats.c, the checker and the Python
  * module (gpumem._C.POOLED_STAT_NAMES / COUNTER_NAMES) expand these lists. */
-#define GM_EACH_POOLED_STAT(X)                                      \
-    X(allocation)           /* live blocks */                       \
-    X(segment)              /* physical pages held */               \
-    X(active)               /* live + freed-but-pending blocks */   \
-    X(inactive_split)       /* free blocks in mapped memory */      \
-    X(allocated_bytes)                                              \
-    X(reserved_bytes)                                               \
-    X(active_bytes)                                                 \
-    X(inactive_split_bytes)                                         \
+#define GM_EACH_POOLED_STAT(X)                                                                                         \
+    X(allocation)     /* live blocks */                                                                                \
+    X(segment)        /* physical pages held */                                                                        \
+    X(active)         /* live + freed-but-pending blocks */                                                            \
+    X(inactive_split) /* free blocks in mapped memory */                                                               \
+    X(allocated_bytes)                                                                                                 \
+    X(reserved_bytes)                                                                                                  \
+    X(active_bytes)                                                                                                    \
+    X(inactive_split_bytes)                                                                                            \
     X(requested_bytes)
-#define GM_EACH_COUNTER(X)                                                      \
-    X(num_alloc_retries)    /* allocations that took the slow path */           \
-    X(num_ooms)                                                                 \
-    X(num_sync_all_streams) /* device synchronisations before unmapping */      \
-    X(num_device_alloc)     /* physical pages created */                        \
-    X(num_device_free)      /* physical pages released */                       \
-    X(num_maps)             /* page map calls */                                \
-    X(num_unmaps)           /* page unmap calls */                              \
-    X(num_remaps)           /* defragmentations: pages moved behind a new address */ \
-    X(num_pages_remapped)                                                       \
+#define GM_EACH_COUNTER(X)                                                                                             \
+    X(num_alloc_retries) /* allocations that took the slow path */                                                     \
+    X(num_ooms)                                                                                                        \
+    X(num_sync_all_streams) /* device synchronisations before unmapping */                                             \
+    X(num_device_alloc)     /* physical pages created */                                                               \
+    X(num_device_free)      /* physical pages released */                                                              \
+    X(num_maps)             /* page map calls */                                                                       \
+    X(num_unmaps)           /* page unmap calls */                                                                     \
+    X(num_remaps)           /* defragmentations: pages moved behind a new address */                                   \
+    X(num_pages_remapped)                                                                                              \
     X(num_device_errors)
 /* Counters that reset_accumulated leaves alone. */
 #define GM_EACH_SETTING(X) X(max_split_size) /* torch compat: -1 (no limit) */
 
 typedef struct gm_stats {
-#define GM_STAT_POOLED_FIELD(name) gm_stat name[GM_POOL__COUNT];
+#define GM_STAT_POOLED_FIELD(name)  gm_stat name[GM_POOL__COUNT];
 #define GM_STAT_COUNTER_FIELD(name) int64_t name;
     GM_EACH_POOLED_STAT(GM_STAT_POOLED_FIELD)
     GM_EACH_COUNTER(GM_STAT_COUNTER_FIELD)
@@ -162,43 +167,43 @@ int gm_check(gm_heap *heap, char *why, size_t whylen);
 
 /* torch's MempoolId_t: a private pool's name (see "private pools" below). */
 typedef struct gm_pool_id {
-    uint64_t first, second;    /* {0, 0} is no pool */
+    uint64_t first, second; /* {0, 0} is no pool */
 } gm_pool_id;
 
 /* ---- snapshots ------------------------------------------------------------ */
 enum gm_block_state {
-    GM_BLOCK_LIVE = 0,     /* handed out */
-    GM_BLOCK_FREE = 1,     /* free, backed by mapped pages */
-    GM_BLOCK_PENDING = 2,  /* freed, waiting for stream events */
-    GM_BLOCK_UNMAPPED = 3  /* free address space with no physical memory behind */
+    GM_BLOCK_LIVE = 0,    /* handed out */
+    GM_BLOCK_FREE = 1,    /* free, backed by mapped pages */
+    GM_BLOCK_PENDING = 2, /* freed, waiting for stream events */
+    GM_BLOCK_UNMAPPED = 3 /* free address space with no physical memory behind */
 };
 enum gm_page_state {
     GM_PAGE_UNMAPPED = 0,
-    GM_PAGE_USED = 1,      /* mapped, touched by a live or pending block */
-    GM_PAGE_CACHED = 2     /* mapped, wholly free: what empty_cache would release */
+    GM_PAGE_USED = 1,  /* mapped, touched by a live or pending block */
+    GM_PAGE_CACHED = 2 /* mapped, wholly free: what empty_cache would release */
 };
 typedef struct gm_block_info {
     uintptr_t addr;
     size_t size;
-    size_t requested;      /* bytes asked for (live/pending) */
-    gm_stream stream;      /* allocation stream, or owner of free memory */
-    uint64_t context;      /* allocation site id */
-    uint64_t alloc_seq;    /* allocation number */
-    int state;             /* gm_block_state */
-    gm_pool_id pool;       /* the private pool it belongs to; {0, 0}: none */
+    size_t requested;   /* bytes asked for (live/pending) */
+    gm_stream stream;   /* allocation stream, or owner of free memory */
+    uint64_t context;   /* allocation site id */
+    uint64_t alloc_seq; /* allocation number */
+    int state;          /* gm_block_state */
+    gm_pool_id pool;    /* the private pool it belongs to; {0, 0}: none */
 } gm_block_info;
 
 typedef struct gm_snapshot {
     uintptr_t va_base;
     size_t va_size;
     size_t page_size;
-    size_t top;              /* bytes of the range in use; blocks tile [base, base+top) */
+    size_t top; /* bytes of the range in use; blocks tile [base, base+top) */
     size_t n_blocks;
-    gm_block_info *blocks;   /* address order, tiling [base, base+top) */
-    size_t n_pages;          /* pages in [base, base+top) */
-    uint8_t *pages;          /* gm_page_state per page */
-    size_t spare_pages;      /* physical pages held but not mapped */
-    size_t cap_bytes;        /* effective cap */
+    gm_block_info *blocks; /* address order, tiling [base, base+top) */
+    size_t n_pages;        /* pages in [base, base+top) */
+    uint8_t *pages;        /* gm_page_state per page */
+    size_t spare_pages;    /* physical pages held but not mapped */
+    size_t cap_bytes;      /* effective cap */
     gm_stats stats;
 } gm_snapshot;
 int gm_snapshot_take(gm_heap *heap, gm_snapshot **out);
@@ -207,21 +212,21 @@ void gm_snapshot_free(gm_snapshot *snap);
 /* ---- history --------------------------------------------------------------- */
 enum gm_hist_action {
     GM_H_ALLOC = 0,
-    GM_H_FREE_REQUESTED = 1,  /* gm_free called */
-    GM_H_FREE_COMPLETED = 2,  /* reusable (at once, or when events completed) */
-    GM_H_MAP = 3,             /* pages mapped behind addr */
-    GM_H_UNMAP = 4,           /* pages unmapped (empty_cache, cap) */
-    GM_H_REMAP = 5,           /* defragmentation: pages moved to addr */
+    GM_H_FREE_REQUESTED = 1, /* gm_free called */
+    GM_H_FREE_COMPLETED = 2, /* reusable (at once, or when events completed) */
+    GM_H_MAP = 3,            /* pages mapped behind addr */
+    GM_H_UNMAP = 4,          /* pages unmapped (empty_cache, cap) */
+    GM_H_REMAP = 5,          /* defragmentation: pages moved to addr */
     GM_H_OOM = 6,
     GM_H_EMPTY_CACHE = 7
 };
 typedef struct gm_hist_entry {
-    uint64_t time_ns;   /* CLOCK_MONOTONIC */
+    uint64_t time_ns; /* CLOCK_MONOTONIC */
     uint64_t addr;
     uint64_t size;
     gm_stream stream;
     uint64_t context;
-    uint32_t action;    /* gm_hist_action */
+    uint32_t action; /* gm_hist_action */
 } gm_hist_entry;
 /* Keep the last `max_entries` events (0 turns history off and drops it). */
 int gm_history_enable(gm_heap *heap, size_t max_entries);
@@ -232,21 +237,21 @@ size_t gm_history_len(gm_heap *heap);
 
 /* ---- out-of-memory report -------------------------------------------------- */
 typedef struct gm_oom_info {
-    size_t request;            /* bytes asked for (rounded) */
+    size_t request; /* bytes asked for (rounded) */
     gm_stream stream;
     size_t device_total, device_free; /* mem_info at the time (0 if unknown) */
-    size_t cap_bytes;          /* effective cap (device total if none) */
-    size_t live_bytes;         /* allocated_bytes current */
-    size_t pending_bytes;      /* freed, waiting for stream events */
-    size_t reserved_bytes;     /* physical memory held by the heap */
-    size_t cached_bytes;       /* reserved and backing no live/pending block */
-    size_t free_mapped_bytes;  /* free bytes inside mapped pages */
-    size_t largest_free_mapped;/* largest free range already backed */
-    size_t largest_possible;   /* largest block defragmentation could make now */
-    size_t pages_needed;       /* physical pages the request still lacked */
-    int device_error;          /* GM_OK, or the device call that failed */
-    size_t pool_live_bytes;    /* live and pending bytes of living private pools */
-    size_t pool_free_bytes;    /* free bytes kept for living private pools (not in
+    size_t cap_bytes;                 /* effective cap (device total if none) */
+    size_t live_bytes;                /* allocated_bytes current */
+    size_t pending_bytes;             /* freed, waiting for stream events */
+    size_t reserved_bytes;            /* physical memory held by the heap */
+    size_t cached_bytes;              /* reserved and backing no live/pending block */
+    size_t free_mapped_bytes;         /* free bytes inside mapped pages */
+    size_t largest_free_mapped;       /* largest free range already backed */
+    size_t largest_possible;          /* largest block defragmentation could make now */
+    size_t pages_needed;              /* physical pages the request still lacked */
+    int device_error;                 /* GM_OK, or the device call that failed */
+    size_t pool_live_bytes;           /* live and pending bytes of living private pools */
+    size_t pool_free_bytes;           /* free bytes kept for living private pools (not in
                                   free_mapped_bytes: no other request can have them) */
 } gm_oom_info;
 /* The report of the last failed allocation; GM_EINVAL if there was none. */
@@ -270,18 +275,18 @@ void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
  * are freed. */
 typedef struct gm_pool_info {
     gm_pool_id id;
-    int64_t use_count;         /* 0 once ended (then it is no longer listed) */
-    size_t live_blocks, live_bytes;       /* live and pending blocks of the pool */
-    size_t free_blocks, free_bytes;       /* free blocks kept for the pool */
-    size_t pinned_pages;       /* pages that back any block of the pool */
+    int64_t use_count;              /* 0 once ended (then it is no longer listed) */
+    size_t live_blocks, live_bytes; /* live and pending blocks of the pool */
+    size_t free_blocks, free_bytes; /* free blocks kept for the pool */
+    size_t pinned_pages;            /* pages that back any block of the pool */
 } gm_pool_info;
 /* Create the pool with use count 1, or add one use to it. */
 int gm_pool_retain(gm_heap *heap, gm_pool_id id);
 /* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool. */
 int gm_pool_release(gm_heap *heap, gm_pool_id id);
 /* gm_malloc, in `pool` (NULL: the general heap).  GM_EINVAL for an unknown pool. */
-int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context,
-                   const gm_pool_id *pool, uintptr_t *out);
+int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, const gm_pool_id *pool,
+                   uintptr_t *out);
 int gm_pool_info_get(gm_heap *heap, gm_pool_id id, gm_pool_info *out);
 /* The living pools: writes up to `cap`, returns how many there are. */
 size_t gm_pool_list(gm_heap *heap, gm_pool_info *out, size_t cap);
@@ -298,8 +303,8 @@ size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *size
  * vouches that the listed memory's earlier uses are ordered before `stream`
  * (as torch's checkpoint restore does); free memory around a listed range
  * keeps its owner. */
-int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes,
-                     size_t n, gm_stream stream);
+int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes, size_t n,
+                     gm_stream stream);
 
 /* ---- stream capture ------------------------------------------------------------
  * While a CUDA graph is being captured on any stream of the device, the heap
@@ -315,26 +320,29 @@ int gm_capturing(gm_heap *heap);
  * the capture ends; then its events are recorded. */
 
 /* ---- trace replay (runs in C so that timing measures the core) ------------ */
-enum gm_replay_op { GM_R_ALLOC = 0, GM_R_FREE = 1 };
+enum gm_replay_op {
+    GM_R_ALLOC = 0,
+    GM_R_FREE = 1
+};
 typedef struct gm_replay_event {
-    uint32_t op;       /* gm_replay_op */
-    uint32_t slot;     /* which allocation: frees name the slot of their alloc */
-    uint64_t size;     /* alloc only */
+    uint32_t op;   /* gm_replay_op */
+    uint32_t slot; /* which allocation: frees name the slot of their alloc */
+    uint64_t size; /* alloc only */
     gm_stream stream;
 } gm_replay_event;
 typedef struct gm_replay_result {
     uint64_t allocs, frees, ooms;
-    uint64_t peak_live_bytes;      /* largest sum of live sizes that were served */
+    uint64_t peak_live_bytes; /* largest sum of live sizes that were served */
     uint64_t peak_reserved_bytes;
-    uint64_t first_oom_event;      /* index of the first failed alloc, or UINT64_MAX */
-    uint64_t peak_event;           /* index of the event at which live peaked */
-    int error;                     /* GM_OK, or a non-OOM error that stopped the replay */
+    uint64_t first_oom_event; /* index of the first failed alloc, or UINT64_MAX */
+    uint64_t peak_event;      /* index of the event at which live peaked */
+    int error;                /* GM_OK, or a non-OOM error that stopped the replay */
 } gm_replay_result;
 /* Replay `n` events.  `slots` must hold one uintptr_t per distinct slot (zeroed).
  * If op_ns is not NULL, each event's wall time in ns is stored there.
  * If stop_at is not UINT64_MAX, replay stops after that event index. */
-int gm_replay(gm_heap *heap, const gm_replay_event *ev, size_t n, uintptr_t *slots,
-              uint64_t *op_ns, uint64_t stop_at, gm_replay_result *res);
+int gm_replay(gm_heap *heap, const gm_replay_event *ev, size_t n, uintptr_t *slots, uint64_t *op_ns, uint64_t stop_at,
+              gm_replay_result *res);
 
 #ifdef __cplusplus
 }

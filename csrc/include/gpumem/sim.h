@@ -56,10 +56,10 @@ uint64_t gm_sim_capture_violations(const gm_device *dev);
 /* Introspection for the invariant checker and tests. */
 typedef struct gm_sim_info {
     size_t capacity, page_size;
-    size_t pages_created;     /* physical pages alive */
-    size_t pages_mapped;      /* pages mapped somewhere */
+    size_t pages_created; /* physical pages alive */
+    size_t pages_mapped;  /* pages mapped somewhere */
     size_t events_alive;
-    size_t reservations;      /* reserved VA ranges alive */
+    size_t reservations; /* reserved VA ranges alive */
 } gm_sim_info;
 void gm_sim_info_get(const gm_device *dev, gm_sim_info *info);
 /* The physical page mapped at va (0 if none): which page lies behind an address. */
