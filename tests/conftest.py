@@ -4,8 +4,12 @@ Everything here runs on the simulated device; tests that need a real GPU take
 the `gpu` marker and are skipped when torch or CUDA is missing.
 """
 
+import json
 import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -266,3 +270,21 @@ def pages_touched(blocks, page=PAGE):
     for addr, size in blocks:
         pages.update(range(addr // page, (addr + size - 1) // page + 1))
     return len(pages)
+
+
+def run_python(code, prelude, env=None, timeout=600, unset=("GPUMEM_CONF",)):
+    """Run prelude + code in a fresh interpreter that imports this checkout's
+    gpumem; return the dict the code printed with out(...) (a line "RESULT
+    <json>").  `unset` names environment variables the child must not inherit."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    for name in unset:
+        e.pop(name, None)
+    if env:
+        e.update(env)
+    p = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])

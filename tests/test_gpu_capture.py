@@ -11,14 +11,10 @@ Each case runs in a fresh interpreter (an invalidated capture would poison the
 CUDA context).  Skipped without torch or a CUDA GPU.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from conftest import run_python
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -38,16 +34,8 @@ N_CUDA = _cuda_devices()
 
 
 def run_py(code, timeout=600):
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("GPUMEM_CONF", None)
     prelude = "import json, torch, gpumem\ndef out(**kw):\n    print('RESULT ' + json.dumps(kw), flush=True)\n"
-    p = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_python(code, prelude, timeout=timeout)
 
 
 @pytest.mark.gpu

@@ -7,14 +7,10 @@ simulated device: tests/test_shared.py.
 """
 
 import importlib.util
-import json
-import os
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from conftest import run_python
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -36,18 +32,7 @@ def need(module):
 
 
 def run_py(code, env=None, timeout=600):
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("GPUMEM_CONF", None)
-    e.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
-    if env:
-        e.update(env)
-    p = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
-    )
-    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_python(code, PRELUDE, env=env, timeout=timeout, unset=("GPUMEM_CONF", "NUMBA_CUDA_MEMORY_MANAGER"))
 
 
 def test_torch_and_cupy_share_one_heap_under_a_cap():

@@ -12,14 +12,13 @@ import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-from conftest import cuda_devices  # noqa: E402
+from conftest import cuda_devices, run_python  # noqa: E402
 
 # Zero only without a GPU; a broken CUDA install raises here (see conftest).
 N_CUDA = cuda_devices()[0]
@@ -44,18 +43,8 @@ torch.backends.cudnn.allow_tf32 = False
 
 def run_py(code, env=None, timeout=900):
     """Run code in a fresh interpreter; return the dict it printed with out(...)."""
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    e.pop("GPUMEM_CONF", None)
-    if env:
-        e.update(env)
-    p = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
-    )
-    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    env = {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"), **(env or {})}
+    return run_python(code, PRELUDE, env=env, timeout=timeout)
 
 
 # ---- GPU ---------------------------------------------------------------------------------

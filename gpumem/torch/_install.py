@@ -41,30 +41,8 @@ OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "va_size", "history
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
-_POOLED = (
-    "allocation",
-    "segment",
-    "active",
-    "inactive_split",
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "inactive_split_bytes",
-    "requested_bytes",
-)
-_PLAIN = (
-    "num_alloc_retries",
-    "num_ooms",
-    "num_sync_all_streams",
-    "num_device_alloc",
-    "num_device_free",
-    "num_maps",
-    "num_unmaps",
-    "num_remaps",
-    "num_pages_remapped",
-    "num_device_errors",
-    "max_split_size",
-)
+_POOLED = _C.POOLED_STAT_NAMES  # the core's one list of statistics (gpumem.h)
+_PLAIN = _C.COUNTER_NAMES
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
 
 _state = {"allocator": None, "installed": False, "patched": {}, "options": {}, "pool_hooks": False}
