@@ -53,8 +53,8 @@ MUTATIONS = [
     Mutation(
         "stream_reuse_early",
         "stream owner: blocks freed after the release event are handed to every stream",
-        "moved += release_blocks(h, o, o->release_seq);",
-        "moved += release_blocks(h, o, h->free_seq);",
+        "moved += release_blocks(&c, o, o->release_seq);",
+        "moved += release_blocks(&c, o, h->free_seq);",
     ),
     Mutation(
         "release_without_event",
@@ -65,8 +65,8 @@ MUTATIONS = [
     Mutation(
         "merge_different_owners",
         "free blocks of two different streams merge",
-        "    else if (a == ANY) *out = b;\n    else return 0;",
-        "    else if (a == ANY) *out = b;\n    else *out = a;",
+        "    else if (a == ANY)\n        *out = b;\n    else\n        return 0;",
+        "    else if (a == ANY)\n        *out = b;\n    else\n        *out = a;",
     ),
     Mutation(
         "pending_ignores_events",
@@ -83,8 +83,8 @@ MUTATIONS = [
     Mutation(
         "unmap_shared_page",
         "defragmentation unmaps pages a free block shares with a live neighbour",
-        "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n        if (p0 >= p1) continue;",  # noqa: E501
-        "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n        if (p0 >= p1) continue;",  # noqa: E501
+        "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n    if (p0 >= p1) return 0;",
+        "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n    if (p0 >= p1) return 0;",
     ),
     Mutation(
         "stat_requested_off_by_one",
@@ -96,8 +96,8 @@ MUTATIONS = [
     Mutation(
         "no_merge_with_next",
         "a freed block does not merge with its upper free neighbour",
-        "if (n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {",
-        "if (0 && n && n->state == GM_BLOCK_FREE && owners_merge(b->stream, n->stream, &o)) {",
+        "if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {",
+        "if (0 && n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {",
     ),
     Mutation(
         "cap_off_by_one_page",
