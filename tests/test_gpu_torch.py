@@ -398,7 +398,7 @@ def test_fragmentation_scenario_native_fails_gpumem_succeeds():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices (an nvidia-h200-x2 machine); not run here")
+@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
 def test_two_devices_each_get_a_heap():
     r = run_py("""
         gpumem.install()
@@ -414,7 +414,7 @@ def test_two_devices_each_get_a_heap():
 # (cuMemSetAccess in csrc/device/cuda.c): cudaDeviceEnablePeerAccess does not reach
 # virtual-memory mappings, so without them a.to("cuda:1") failed with "invalid argument".
 @pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices (an nvidia-h200-x2 machine); not run here")
+@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
 def test_two_devices_peer_copy():
     r = run_py("""
         gpumem.install()
