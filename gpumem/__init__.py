@@ -70,7 +70,7 @@ def status():
     return _torch.status()
 
 
-# Visibility (helper viz): snapshots, history, OOM explanations.  Importing
+# Visibility: snapshots, history, memory over time, OOM explanations.  Importing
 # explain registers the formatter that words OutOfMemoryError messages.
 if "_import_error" not in globals():
     from .explain import explain, last_oom  # noqa: E402,F401
