@@ -1,6 +1,6 @@
 """Command line: python -m gpumem SUBCOMMAND ...
 
-    python -m gpumem replay TRACE [TRACE...] [--capacity SIZE] [--min-capacity] [--json]
+    python -m gpumem replay TRACE [TRACE...] [--capacity SIZE] [--min-capacity] [--event-delay N] [--json]
 
 Subcommands register themselves in COMMANDS (name -> (add_arguments, run)), so a
 new one is a function pair, not a change to the dispatcher.  Every error the
@@ -93,6 +93,16 @@ def _want_progress(args, n_events: int) -> bool:
 # ---- replay ----------------------------------------------------------------------
 
 
+def _event_delay_arg(text: str) -> int:
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"event delay must be a whole number of operations: {text!r}") from None
+    if n < 0 or n >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"event delay must be between 0 and 2**64-1: {text!r}")
+    return n
+
+
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "traces",
@@ -116,6 +126,14 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", type=int, default=None, metavar="N", help="which device of a torch snapshot to replay (default 0)"
     )
+    p.add_argument(
+        "--event-delay",
+        type=_event_delay_arg,
+        default=0,
+        metavar="N",
+        help="events on streams other than 0 complete only after N further device operations, "
+        "as queued GPU work would (default 0: at once); matters for multi-stream traces",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per trace per line")
     p.add_argument("--no-timing", action="store_true", help="skip the separate timing pass (ns_per_op)")
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
@@ -126,7 +144,7 @@ def _replay_one(args, path: str) -> dict:
     trace = load_trace(path, device=args.device)
     bar = ProgressBar(trace.name) if _want_progress(args, trace.n_events) else None
     try:
-        result = replay(trace, args.capacity, timing=not args.no_timing, progress=bar)
+        result = replay(trace, args.capacity, timing=not args.no_timing, progress=bar, event_delay=args.event_delay)
         if args.min_capacity:
             if bar:
                 bar.note("searching the smallest capacity...")
@@ -135,7 +153,7 @@ def _replay_one(args, path: str) -> dict:
                 if bar
                 else None
             )
-            result.min_capacity_bytes = min_capacity(trace, on_probe=probe)
+            result.min_capacity_bytes = min_capacity(trace, on_probe=probe, event_delay=args.event_delay)
     finally:
         if bar:
             bar.close()

@@ -5,6 +5,14 @@ The replay loop itself runs in C (Heap.replay), so the timings measure the core
 and not the interpreter.  Memory figures come from one pass and timings from a
 separate pass on a fresh heap, so that taking per-op timestamps cannot disturb
 what is measured, nor a progress bar the timings.
+
+By default the simulated device completes every event at once: memory a stream
+freed is safe for the others as soon as they ask.  `event_delay=N` makes events
+recorded on any stream but the legacy default stream 0 complete only after N
+further device operations (or at a synchronize), as work still queued on a real
+GPU would: a trace with several streams then reuses across streams later, and
+its peak reserved memory is closer to what the GPU sees.  Single-stream traces
+(stream 0 only) are unaffected.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ class ReplayResult:
     num_alloc_retries: int
     ns_per_op: Optional[float] = None
     min_capacity_bytes: Optional[int] = None
+    event_delay: int = 0  # see the module docstring
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -62,10 +71,21 @@ class ReplayResult:
         return d
 
 
-def _heap(capacity: int, heap_kwargs: Optional[dict]):
+def _check_event_delay(event_delay) -> int:
+    if isinstance(event_delay, bool) or not isinstance(event_delay, int):
+        raise TypeError(f"event_delay must be an int, not {type(event_delay).__name__}")
+    if event_delay < 0:
+        raise ValueError(f"event_delay must not be negative, got {event_delay}")
+    return event_delay
+
+
+def _heap(capacity: int, heap_kwargs: Optional[dict], event_delay: int = 0):
     from ._C import Heap  # the extension is only needed once something replays
 
-    return Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    if event_delay:
+        heap.sim_set_event_delay(event_delay)
+    return heap
 
 
 def replay_trace(heap, trace: Trace, progress: Optional[Progress] = None, chunk: int = CHUNK_EVENTS) -> dict:
@@ -103,11 +123,11 @@ def _raise_on_error(r: dict, trace: Trace, offset: int) -> None:
         )
 
 
-def time_trace(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None) -> float:
+def time_trace(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0) -> float:
     """Median wall time of one event in the core, in ns, from a fresh heap."""
     if trace.n_events == 0:
         return 0.0
-    heap = _heap(capacity, heap_kwargs)
+    heap = _heap(capacity, heap_kwargs, _check_event_delay(event_delay))
     try:
         r = heap.replay(trace.events, trace.n_slots, timing=True)
     finally:
@@ -123,9 +143,15 @@ def replay(
     progress: Optional[Progress] = None,
     heap_kwargs: Optional[dict] = None,
     chunk: int = CHUNK_EVENTS,
+    event_delay: int = 0,
 ) -> ReplayResult:
-    """Replay `trace` on a fresh sim heap of `capacity` bytes and measure it."""
-    heap = _heap(capacity, heap_kwargs)
+    """Replay `trace` on a fresh sim heap of `capacity` bytes and measure it.
+
+    `event_delay`: events on streams other than 0 complete only after that many
+    further device operations (see the module docstring); 0 completes them at once.
+    """
+    event_delay = _check_event_delay(event_delay)
+    heap = _heap(capacity, heap_kwargs, event_delay)
     try:
         counts = replay_trace(heap, trace, progress, chunk)
         s = heap.stats()
@@ -152,15 +178,16 @@ def replay(
         num_device_alloc=s["num_device_alloc"],
         num_device_free=s["num_device_free"],
         num_alloc_retries=s["num_alloc_retries"],
+        event_delay=event_delay,
     )
     if timing:
-        result.ns_per_op = time_trace(trace, capacity, heap_kwargs)
+        result.ns_per_op = time_trace(trace, capacity, heap_kwargs, event_delay)
     return result
 
 
-def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None) -> bool:
+def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0) -> bool:
     """True if `trace` replays with no OOM on a fresh heap of `capacity` bytes."""
-    heap = _heap(capacity, heap_kwargs)
+    heap = _heap(capacity, heap_kwargs, _check_event_delay(event_delay))
     try:
         return replay_trace(heap, trace)["ooms"] == 0
     finally:
@@ -173,6 +200,7 @@ def min_capacity(
     heap_kwargs: Optional[dict] = None,
     on_probe: Optional[Callable[[int, bool], None]] = None,
     limit: int = 1 << 50,
+    event_delay: int = 0,
 ) -> int:
     """Smallest capacity (a multiple of `precision`) at which `trace` replays with no OOM.
 
@@ -183,9 +211,10 @@ def min_capacity(
     """
     if precision <= 0:
         raise ValueError("precision must be positive")
+    event_delay = _check_event_delay(event_delay)
 
     def probe(units: int) -> bool:
-        ok = fits(trace, units * precision, heap_kwargs)
+        ok = fits(trace, units * precision, heap_kwargs, event_delay)
         if on_probe:
             on_probe(units * precision, ok)
         return ok

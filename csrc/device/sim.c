@@ -48,6 +48,8 @@ typedef struct sim_resv {
 
 typedef struct sim_event {
     uint64_t epoch;      /* the stream's epoch when recorded */
+    uint64_t recorded;   /* the device clock when recorded; 0 if never */
+    uint64_t due;        /* event delay: not complete while the clock is below this; 0 for none */
     uint32_t stream_idx; /* into streams[], SIM_NONE if it recorded on no held stream */
     uint32_t next_free;
     uint8_t alive;
@@ -106,6 +108,10 @@ typedef struct sim_device {
     uint64_t ext_total;
     int nvml;
 
+    uint64_t clock;       /* device operations so far, all kinds */
+    uint64_t event_delay; /* gm_sim_set_event_delay */
+    uint64_t synced;      /* clock at the last synchronize: completes what was recorded up to it */
+
     int capture_all;          /* gm_sim_set_capture */
     size_t capturing_streams; /* streams marked capturing */
     uint64_t capture_violations;
@@ -149,6 +155,7 @@ static uint64_t splitmix64(uint64_t *state) {
 static int sim_enter(sim_device *s, gm_dev_op op) {
     sim_fault *f = &s->fault[op];
     uint64_t n = ++s->calls[op];
+    s->clock++;
     int inject = f->from != 0 && n >= f->from && n <= f->to;
     if (f->p > 0.0) {
         /* 53 random bits -> [0, 1) */
@@ -493,6 +500,8 @@ static int sim_event_create(gm_device *dev, gm_event *ev) {
     s->events[id].alive = 1;
     s->events[id].stream_idx = SIM_NONE; /* never recorded: complete, as in CUDA */
     s->events[id].epoch = 0;
+    s->events[id].recorded = 0;
+    s->events[id].due = 0;
     s->events[id].next_free = SIM_NONE;
     s->events_alive++;
     *ev = id;
@@ -526,6 +535,11 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     } else {
         e->stream_idx = SIM_NONE;
     }
+    /* With an event delay, work on any stream but the legacy default one is
+     * still running: the event completes once `event_delay` further operations
+     * have run (the query that asks is not one of them) or at a synchronize. */
+    e->recorded = s->clock;
+    e->due = (s->event_delay && stream != 0) ? sat_add(sat_add(s->clock, s->event_delay), 1) : 0;
     return GM_OK;
 }
 
@@ -540,6 +554,7 @@ static int sim_event_query(gm_device *dev, gm_event ev) {
         const sim_stream *st = &s->streams[e->stream_idx];
         if (st->held && st->epoch == e->epoch) return GM_ENOTREADY;
     }
+    if (s->clock < e->due && e->recorded > s->synced) return GM_ENOTREADY;
     return GM_OK;
 }
 
@@ -554,7 +569,8 @@ static int sim_synchronize(gm_device *dev) {
                             (unsigned long long)s->streams[k].stream);
     }
     if (inject) return injected(s, GM_OP_SYNCHRONIZE);
-    /* Nothing is held, so every recorded event is already complete. */
+    /* Nothing is held, so every recorded event is complete, late ones too. */
+    s->synced = s->clock;
     return GM_OK;
 }
 
@@ -736,6 +752,11 @@ void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held) {
         st->epoch++; /* completes every event recorded during the hold */
         s->held_count--;
     }
+}
+
+void gm_sim_set_event_delay(gm_device *dev, uint64_t ops) {
+    sim_device *s = as_sim(dev);
+    if (s) s->event_delay = ops;
 }
 
 void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes) {

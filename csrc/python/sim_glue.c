@@ -88,6 +88,13 @@ static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_sim_set_event_delay(HeapObject *self, PyObject *ops_o) {
+    uint64_t ops;
+    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(ops_o, "ops", UINT64_MAX, &ops) < 0) return NULL;
+    gm_sim_set_event_delay(self->dev, ops);
+    Py_RETURN_NONE;
+}
+
 static PyObject *sim_set_bytes(HeapObject *self, PyObject *args, int external) {
     PyObject *pid_o, *bytes_o;
     if (!PyArg_ParseTuple(args, external ? "OO:sim_set_external" : "OO:sim_set_self", &pid_o, &bytes_o)) return NULL;
@@ -194,6 +201,11 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_meth = KW(Heap_sim_hold_stream),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_hold_stream(stream, held=True)"},
+    {.ml_name = "sim_set_event_delay",
+     .ml_meth = (PyCFunction)Heap_sim_set_event_delay,
+     .ml_flags = METH_O,
+     .ml_doc = "sim_set_event_delay(ops): an event recorded on a stream other than 0 completes only after ops\n"
+               "further device operations (a query does not count itself) or at a synchronize; 0 = at once"},
     {.ml_name = "sim_set_external",
      .ml_meth = (PyCFunction)Heap_sim_set_external,
      .ml_flags = METH_VARARGS,

@@ -856,6 +856,7 @@ static void close_world(world *w) {
 
 static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
     rng_t r = {seed};
+    rng_t delay_rng = {seed ^ 0x5eed0fde1a7ull}; /* its own stream: the op sequence is the same */
     world w;
     open_world(&w, capacity);
     uint64_t phase_end = 0;
@@ -868,6 +869,9 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
             g_phase = faults ? "faults" : "normal";
             w.n_fault_phases += faults;
             phase_end = g_op + 2000 + rnd_below(&r, 8000);
+            /* Events that complete late in half of the phases. */
+            static const uint64_t delays[] = {0, 0, 0, 0, 1, 3, 20, 200};
+            gm_sim_set_event_delay(w.dev, delays[rnd_below(&delay_rng, 8)]);
             if (faults) {
                 /* Faults leave the heap in states a clean run never reaches;
                  * check it before and after each such phase. */

@@ -33,6 +33,13 @@ uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op);
  * how tests stand for a kernel still running on a side stream. */
 void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held);
 
+/* Late events: an event recorded on any stream but the legacy default stream 0
+ * completes only after `ops` further device operations (of any kind; the
+ * event_query that asks is not counted, so a polling loop ends) or at the next
+ * synchronize, whichever comes first.  It only ever adds to a hold.  0, the
+ * default, completes events at once.  Applies to events recorded after the call. */
+void gm_sim_set_event_delay(gm_device *dev, uint64_t ops);
+
 /* Memory held by "other processes": lowers what create can hand out, and is
  * reported by mem_info and processes. */
 void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes);

@@ -1,0 +1,265 @@
+"""Late events on the simulated device (Heap.sim_set_event_delay) and replays with them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import all_traces
+
+MiB = 1 << 20
+S1 = 0x7F0000001000
+S2 = 0x7F0000002000
+OPS = [
+    "reserve",
+    "unreserve",
+    "create",
+    "release",
+    "map",
+    "unmap",
+    "set_access",
+    "event_create",
+    "event_destroy",
+    "event_record",
+    "event_query",
+    "synchronize",
+    "mem_info",
+    "processes",
+]
+
+
+def device_ops(heap):
+    return sum(heap.sim_calls(op) for op in OPS)
+
+
+def state(heap, addr):
+    return {blk[0]: blk[6] for blk in heap.snapshot()["blocks"]}.get(addr)
+
+
+def pending_after_record_stream(heap, delay, hold=False):
+    """A block used on S2 and freed: the heap records an event on S2 for it."""
+    spare = heap.malloc(16 * MiB)  # room for the polling mallocs below, so they need no device op
+    heap.free(spare)
+    heap.sim_set_event_delay(delay)
+    p = heap.malloc(2 * MiB)
+    heap.record_stream(p, S2)
+    if hold:
+        heap.sim_hold_stream(S2, True)  # before the free: the event is recorded under the hold
+    records = heap.sim_calls("event_record")
+    heap.free(p)
+    assert heap.sim_calls("event_record") == records + 1
+    assert state(heap, p) == "pending"
+    return p
+
+
+def poll(heap):
+    """One small malloc + free on stream 0: the heap polls pending events, one query each."""
+    before = {op: heap.sim_calls(op) for op in OPS}
+    q = heap.malloc(512)
+    heap.free(q)
+    changed = {op: heap.sim_calls(op) - before[op] for op in OPS if heap.sim_calls(op) != before[op]}
+    assert changed == {"event_query": 1}, changed
+
+
+@pytest.mark.parametrize("delay", [1, 5, 40])
+def test_event_not_ready_before_delay_ops_ready_after(heap, delay):
+    p = pending_after_record_stream(heap, delay)
+    recorded_at = device_ops(heap)  # the record was the free's last device call
+    for _ in range(delay):
+        poll(heap)
+        assert state(heap, p) == "pending", f"complete after {device_ops(heap) - recorded_at - 1} ops, delay {delay}"
+    poll(heap)  # the query after `delay` further operations
+    assert state(heap, p) == "free"
+    assert device_ops(heap) - recorded_at == delay + 1
+    heap.check()
+
+
+def test_other_device_operations_count(heap):
+    p = pending_after_record_stream(heap, 6)
+    recorded_at = device_ops(heap)
+    creates = heap.sim_calls("create")
+    queries = heap.sim_calls("event_query")
+    # Blocks the heap must grow for: device calls that are not queries.
+    others = [heap.malloc(20 * MiB) for _ in range(2)]
+    assert heap.sim_calls("create") > creates
+    assert device_ops(heap) - recorded_at > 6 + (heap.sim_calls("event_query") - queries)
+    if state(heap, p) == "pending":
+        poll(heap)
+    assert state(heap, p) == "free"
+    # Queries alone would have needed 7: the growth's calls counted too.
+    assert heap.sim_calls("event_query") - queries < 7
+    for q in others:
+        heap.free(q)
+    heap.check()
+
+
+def test_synchronize_completes_late_events(heap):
+    p = pending_after_record_stream(heap, 10**9)
+    for _ in range(5):
+        poll(heap)
+    assert state(heap, p) == "pending"
+    syncs = heap.sim_calls("synchronize")
+    heap.empty_cache()  # waits for the device
+    assert heap.sim_calls("synchronize") == syncs + 1
+    assert state(heap, p) != "pending"
+    heap.check()
+
+
+def test_delay_zero_completes_at_once(heap):
+    p = pending_after_record_stream(heap, 0)
+    poll(heap)
+    assert state(heap, p) == "free"
+
+
+def test_events_on_stream_zero_are_never_late(heap):
+    heap.sim_set_event_delay(10**6)
+    p = heap.malloc(4 * MiB, stream=0)
+    heap.free(p)
+    # S2 takes stream 0's freed memory once an event on stream 0 completes: at once.
+    assert heap.malloc(4 * MiB, stream=S2) == p
+    heap.check()
+
+
+def test_cross_stream_reuse_waits_for_the_delay(make_heap):
+    def second_stream_gets_first_block(delay):
+        heap = make_heap()
+        heap.sim_set_event_delay(delay)
+        p = heap.malloc(4 * MiB, stream=S1)
+        heap.free(p)
+        q = heap.malloc(4 * MiB, stream=S2)
+        heap.check()
+        return q == p
+
+    assert second_stream_gets_first_block(0)
+    assert not second_stream_gets_first_block(50)
+
+
+def test_delay_with_held_stream_needs_both(heap):
+    p = pending_after_record_stream(heap, 3, hold=True)
+    for _ in range(5):
+        poll(heap)
+    assert state(heap, p) == "pending"  # the delay has passed, the hold has not
+    heap.sim_hold_stream(S2, False)
+    poll(heap)
+    assert state(heap, p) == "free"
+    heap.check()
+
+
+def test_bad_delay(heap):
+    with pytest.raises(ValueError):
+        heap.sim_set_event_delay(-1)
+    with pytest.raises(TypeError):
+        heap.sim_set_event_delay(1.5)
+    with pytest.raises(ValueError):
+        heap.sim_set_event_delay(1 << 64)
+    heap.sim_set_event_delay((1 << 64) - 1)
+
+
+# ---- replay ----------------------------------------------------------------------------
+
+
+def two_stream_trace(path, steps=12, blocks=8):
+    """256 MiB live on stream 0; each step stream A allocates and frees a batch, then B."""
+    addr = 1 << 32
+    lines = [f"alloc {addr} {256 * MiB} 0"]
+    addr += 256 * MiB
+    for step in range(steps):
+        sizes = [(3 + (step * 7 + i * 5) % 8) * MiB for i in range(blocks)]
+        for stream in (S1, S2):
+            batch = []
+            for size in sizes:
+                lines.append(f"alloc {addr} {size} {stream}")
+                batch.append((addr, size))
+                addr += size
+            lines.extend(f"free_completed {a} {size} {stream}" for a, size in batch)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_two_stream_trace_grows_with_late_events(tmp_path):
+    from gpumem.replay import min_capacity, replay
+    from gpumem.trace import load_trace
+
+    trace = load_trace(two_stream_trace(tmp_path / "two.trace"))
+    at_once = replay(trace, timing=False)
+    assert at_once.event_delay == 0
+    # Events at once: B reuses A's batch, nothing beyond peak live.
+    assert at_once.peak_reserved_bytes == -(-at_once.peak_live_bytes // (2 * MiB)) * 2 * MiB
+    for delay in (1, 10, 100):
+        late = replay(trace, timing=False, event_delay=delay)
+        assert late.event_delay == delay and late.ooms == 0
+        assert late.peak_live_bytes == at_once.peak_live_bytes
+        assert late.peak_reserved_bytes > at_once.peak_reserved_bytes, delay
+        wide = replay(trace, timing=False, event_delay=delay, heap_kwargs={"growth_slack": 1.0})
+        assert wide.peak_reserved_bytes > at_once.peak_reserved_bytes, delay
+    # Late events fit in the same memory: the heap waits for the device rather than fail.
+    assert min_capacity(trace, event_delay=100) == min_capacity(trace)
+
+
+def test_late_events_keep_the_heap_consistent(tmp_path, make_heap):
+    from gpumem.replay import replay_trace
+    from gpumem.trace import load_trace
+
+    trace = load_trace(two_stream_trace(tmp_path / "two.trace", steps=6))
+    for delay in (0, 1, 10, 100):
+        heap = make_heap(growth_slack=1.0)
+        heap.sim_set_event_delay(delay)
+        r = replay_trace(heap, trace, progress=lambda done, total: heap.check(), chunk=16)
+        assert r["ooms"] == 0
+        heap.check()
+
+
+@pytest.mark.parametrize("path", all_traces(), ids=lambda p: p.name)
+def test_single_stream_traces_ignore_the_delay(path):
+    from gpumem.replay import replay
+    from gpumem.trace import load_trace
+
+    trace = load_trace(str(path))
+    base = replay(trace, timing=False).to_json()
+    zero = replay(trace, timing=False, event_delay=0).to_json()
+    late = replay(trace, timing=False, event_delay=100).to_json()
+    assert zero == base
+    assert late.pop("event_delay") == 100
+    base.pop("event_delay")
+    assert late == base
+
+
+def test_replay_rejects_bad_delay(tmp_path):
+    from gpumem.replay import min_capacity, replay
+    from gpumem.trace import load_trace
+
+    trace = load_trace(two_stream_trace(tmp_path / "two.trace", steps=1))
+    with pytest.raises(ValueError):
+        replay(trace, timing=False, event_delay=-1)
+    with pytest.raises(TypeError):
+        replay(trace, timing=False, event_delay=2.0)
+    with pytest.raises(ValueError):
+        min_capacity(trace, event_delay=-5)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gpumem", *args], capture_output=True, text=True)
+
+
+def test_cli_event_delay(tmp_path):
+    path = two_stream_trace(tmp_path / "two.trace", steps=4)
+    rows = {}
+    for delay in ("0", "100"):
+        r = run_cli("replay", path, "--event-delay", delay, "--json", "--no-timing", "--no-progress")
+        assert r.returncode == 0, r.stderr
+        rows[delay] = json.loads(r.stdout)
+        assert rows[delay]["event_delay"] == int(delay)
+    assert rows["100"]["peak_reserved_bytes"] > rows["0"]["peak_reserved_bytes"]
+    r = run_cli("replay", path, "--no-timing", "--no-progress", "--json")
+    assert json.loads(r.stdout)["event_delay"] == 0
+
+
+@pytest.mark.parametrize("bad", ["-1", "x", "1.5", str(1 << 64)])
+def test_cli_bad_event_delay(tmp_path, bad):
+    path = two_stream_trace(tmp_path / "two.trace", steps=1)
+    r = run_cli("replay", path, f"--event-delay={bad}", "--no-timing", "--no-progress")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "event delay" in lines[0], r.stderr
