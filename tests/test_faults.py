@@ -447,3 +447,23 @@ def test_failed_event_record_does_not_share_an_event(make_heap):
     assert z != x, "x was reused while the stream named by record_stream is still running"
     h.sim_hold_stream(S1, False)
     drain_and_assert_empty(h, [z])
+
+
+def test_failed_unmap_in_defragmentation_still_grows_to_the_cap(make_heap):
+    """A defragmentation whose unmap fails recycles nothing; the request must
+    then grow to the cap, every page of it: here 13 pages hold the 3 live,
+    the 2 cached that could not be unmapped and the 8 requested."""
+    h = make_heap(capacity=64 * MiB, growth_slack=0.0, growth_slack_pages=0)
+    xs = [h.malloc(PAGE) for _ in range(6)]
+    for x in xs[1::2]:
+        h.free(x)  # three wholly free pages between live ones
+    h.set_cap(13 * PAGE)
+    h.sim_fail("unmap", nth=1)
+    p = h.malloc(8 * PAGE)  # past the growth limit: defragment, whose unmap fails
+    st = h.stats()
+    assert st["num_device_errors"] == 1 and h.sim_calls("unmap") >= 1
+    assert st["reserved_bytes.all.current"] == 13 * PAGE
+    assert h.sim_is_accessible(p, 8 * PAGE)
+    assert_ok(h)
+    h.sim_fail("unmap", nth=0)
+    drain_and_assert_empty(h, [p] + xs[::2])
