@@ -6,27 +6,14 @@ import sys
 
 import pytest
 
+from gpumem import _C
+
 from conftest import all_traces
 
 MiB = 1 << 20
 S1 = 0x7F0000001000
 S2 = 0x7F0000002000
-OPS = [
-    "reserve",
-    "unreserve",
-    "create",
-    "release",
-    "map",
-    "unmap",
-    "set_access",
-    "event_create",
-    "event_destroy",
-    "event_record",
-    "event_query",
-    "synchronize",
-    "mem_info",
-    "processes",
-]
+OPS = _C.DEVICE_OPS  # every call a device can be asked to make (device.h)
 
 
 def device_ops(heap):

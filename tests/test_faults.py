@@ -13,24 +13,10 @@ import re
 import pytest
 
 import gpumem
+from gpumem import _C
 from conftest import MiB, PAGE, assert_ok, drain_and_assert_empty
 
-OPS = (
-    "reserve",
-    "unreserve",
-    "create",
-    "release",
-    "map",
-    "unmap",
-    "set_access",
-    "event_create",
-    "event_destroy",
-    "event_record",
-    "event_query",
-    "synchronize",
-    "mem_info",
-    "processes",
-)
+OPS = _C.DEVICE_OPS  # every call a device can be asked to make (device.h)
 CAPACITY = 64 * MiB
 S1, S2 = 0x1000, 0x2000
 EXPECTED = (gpumem.OutOfMemoryError, gpumem.DeviceError)

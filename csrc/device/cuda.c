@@ -330,11 +330,6 @@ typedef struct cuda_device {
  * Unset -- the default -- nothing is counted and nothing fails.  A malformed
  * value makes opening the device fail, so a test can never run without the
  * faults it asked for. */
-static const char *const op_names[GM_OP__COUNT] = {
-    "reserve",      "unreserve",     "create",       "release",     "map",         "unmap",    "set_access",
-    "event_create", "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
-};
-
 static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errlen) {
     char buf[512];
     if (strlen(spec) >= sizeof buf) {
@@ -350,7 +345,7 @@ static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errl
         int got = sscanf(tok, " %31[a-z_]:%llu%n:%llu%n", name, &nth, &used, &count, &used);
         int op = -1;
         for (int i = 0; i < GM_OP__COUNT; i++)
-            if (!strcmp(name, op_names[i])) op = i;
+            if (!strcmp(name, gm_dev_op_name((gm_dev_op)i))) op = i;
         if (got < 2 || op < 0 || nth == 0 || count == 0 || tok[used] != '\0') {
             snprintf(err, errlen, "GPUMEM_CUDA_FAULTS: bad entry '%s' (want op:nth[:count], e.g. create:3,map:5:2)",
                      tok);

@@ -119,11 +119,6 @@ typedef struct sim_device {
 
 static const gm_device_ops sim_ops;
 
-static const char *const op_names[GM_OP__COUNT] = {
-    "reserve",      "unreserve",     "create",       "release",     "map",         "unmap",    "set_access",
-    "event_create", "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
-};
-
 static sim_device *as_sim(gm_device *dev) { return (dev && dev->ops == &sim_ops) ? (sim_device *)dev : NULL; }
 
 static const sim_device *as_sim_c(const gm_device *dev) {
@@ -166,14 +161,14 @@ static int sim_enter(sim_device *s, gm_dev_op op) {
 }
 
 static int injected(sim_device *s, gm_dev_op op) {
-    return fail(s, op == GM_OP_CREATE ? GM_ENOMEM : GM_EDEVICE, "injected fault in %s", op_names[op]);
+    return fail(s, op == GM_OP_CREATE ? GM_ENOMEM : GM_EDEVICE, "injected fault in %s", gm_dev_op_name(op));
 }
 
 /* A call a real capture would not survive: refused and counted while one is on. */
 static int capture_forbids(sim_device *s, gm_dev_op op) {
     if (!s->capture_all && !s->capturing_streams) return 0;
     s->capture_violations++;
-    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)", op_names[op]);
+    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)", gm_dev_op_name(op));
     return 1;
 }
 

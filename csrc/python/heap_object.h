@@ -57,4 +57,7 @@ int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out);
 extern PyMethodDef gm_py_replay_methods[];
 extern PyMethodDef gm_py_sim_methods[];
 
+/* Adds DEVICE_OPS, the device calls' names (sim_glue.c). */
+int gm_py_add_device_ops(PyObject *m);
+
 #endif /* GPUMEM_HEAP_OBJECT_H */

@@ -1063,8 +1063,8 @@ PyMODINIT_FUNC PyInit__C(void) {
         goto fail;
     }
     if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0) goto fail;
-    if (gm_py_add_name_lists(m) < 0) /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c) */
-        goto fail;
+    /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c); DEVICE_OPS (sim_glue.c) */
+    if (gm_py_add_name_lists(m) < 0 || gm_py_add_device_ops(m) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;

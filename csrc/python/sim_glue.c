@@ -6,6 +6,7 @@
  */
 #include "heap_object.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "gpumem/cuda.h"
@@ -14,10 +15,6 @@
 #include "common.h"
 
 static int op_from_name(PyObject *name, gm_dev_op *out) {
-    static const char *const names[GM_OP__COUNT] = {
-        "reserve",      "unreserve",     "create",       "release",     "map",         "unmap",    "set_access",
-        "event_create", "event_destroy", "event_record", "event_query", "synchronize", "mem_info", "processes",
-    };
     if (!PyUnicode_Check(name)) {
         PyErr_Format(PyExc_TypeError, "op must be a str, not %.100s", Py_TYPE(name)->tp_name);
         return -1;
@@ -25,17 +22,37 @@ static int op_from_name(PyObject *name, gm_dev_op *out) {
     const char *s = PyUnicode_AsUTF8(name);
     if (s == NULL) return -1;
     for (int i = 0; i < GM_OP__COUNT; i++) {
-        if (strcmp(s, names[i]) == 0) {
+        if (strcmp(s, gm_dev_op_name((gm_dev_op)i)) == 0) {
             *out = (gm_dev_op)i;
             return 0;
         }
     }
-    PyErr_Format(PyExc_ValueError,
-                 "unknown device op %R (expected one of reserve, unreserve, create, release, map, "
-                 "unmap, set_access, event_create, event_destroy, event_record, event_query, synchronize, "
-                 "mem_info, processes)",
-                 name);
+    char known[256] = "";
+    for (int i = 0; i < GM_OP__COUNT; i++) {
+        size_t used = strlen(known);
+        snprintf(known + used, sizeof known - used, "%s%s", i ? ", " : "", gm_dev_op_name((gm_dev_op)i));
+    }
+    PyErr_Format(PyExc_ValueError, "unknown device op %R (expected one of %s)", name, known);
     return -1;
+}
+
+/* gpumem._C.DEVICE_OPS: the device calls' names, in gm_dev_op order. */
+int gm_py_add_device_ops(PyObject *m) {
+    PyObject *t = PyTuple_New(GM_OP__COUNT);
+    if (t == NULL) return -1;
+    for (int i = 0; i < GM_OP__COUNT; i++) {
+        PyObject *v = PyUnicode_FromString(gm_dev_op_name((gm_dev_op)i));
+        if (v == NULL) {
+            Py_DECREF(t);
+            return -1;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    if (PyModule_AddObject(m, "DEVICE_OPS", t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds) {

@@ -37,24 +37,40 @@ typedef uint64_t gm_handle; /* a physical page */
 typedef uint64_t gm_event;  /* a stream event */
 typedef uint64_t gm_stream; /* a cudaStream_t's value; 0 is the legacy default stream */
 
-/* Every call a device can be asked to make, for fault injection and counts. */
+/* Every call a device can be asked to make, for fault injection and counts:
+ * the one list of them, X(ENUM_SUFFIX, name). */
+#define GM_EACH_DEV_OP(X)                                                                                              \
+    X(RESERVE, reserve)                                                                                                \
+    X(UNRESERVE, unreserve)                                                                                            \
+    X(CREATE, create)                                                                                                  \
+    X(RELEASE, release)                                                                                                \
+    X(MAP, map)                                                                                                        \
+    X(UNMAP, unmap)                                                                                                    \
+    X(SET_ACCESS, set_access)                                                                                          \
+    X(EVENT_CREATE, event_create)                                                                                      \
+    X(EVENT_DESTROY, event_destroy)                                                                                    \
+    X(EVENT_RECORD, event_record)                                                                                      \
+    X(EVENT_QUERY, event_query)                                                                                        \
+    X(SYNCHRONIZE, synchronize)                                                                                        \
+    X(MEM_INFO, mem_info)                                                                                              \
+    X(PROCESSES, processes)
+
 typedef enum gm_dev_op {
-    GM_OP_RESERVE = 0,
-    GM_OP_UNRESERVE,
-    GM_OP_CREATE,
-    GM_OP_RELEASE,
-    GM_OP_MAP,
-    GM_OP_UNMAP,
-    GM_OP_SET_ACCESS,
-    GM_OP_EVENT_CREATE,
-    GM_OP_EVENT_DESTROY,
-    GM_OP_EVENT_RECORD,
-    GM_OP_EVENT_QUERY,
-    GM_OP_SYNCHRONIZE,
-    GM_OP_MEM_INFO,
-    GM_OP_PROCESSES,
+#define GM_DEV_OP_ENUM(upper, lower) GM_OP_##upper,
+    GM_EACH_DEV_OP(GM_DEV_OP_ENUM)
+#undef GM_DEV_OP_ENUM
     GM_OP__COUNT
 } gm_dev_op;
+
+/* "create" for GM_OP_CREATE: the names fault injection and tests use. */
+static inline const char *gm_dev_op_name(gm_dev_op op) {
+    static const char *const names[GM_OP__COUNT] = {
+#define GM_DEV_OP_NAME(upper, lower) #lower,
+        GM_EACH_DEV_OP(GM_DEV_OP_NAME)
+#undef GM_DEV_OP_NAME
+    };
+    return (unsigned)op < GM_OP__COUNT ? names[op] : "?";
+}
 
 /* Memory that one process holds on the device, as NVML reports it. */
 typedef struct gm_proc_usage {
