@@ -54,3 +54,25 @@ def test_a_pools_proof_of_a_stream_survives_the_pools_end():
         assert any(b[0] == side and b[6] == "free" and b[7] is None for b in h.snapshot()["blocks"])  # free, general
     finally:
         h.close()
+
+
+def test_a_proof_made_in_a_pool_covers_the_stream_everywhere():
+    """A pool's request builds on the pool's free block that a side stream freed
+    (handed to every stream of the pool once its event completed); what is left
+    of that range afterwards is general memory, and the side stream's proof,
+    kept by the pool's owner of that stream, covers it (found by the state
+    machine)."""
+    h = gpumem.Heap(device="sim", capacity=4 << 30)
+    try:
+        h.pool_retain((2, 5))
+        a = h.malloc(1, stream=0, pool=(2, 5))
+        h.pool_retain((1, 1))
+        b = h.malloc(1, stream=4096, pool=(1, 1))
+        h.free(a)
+        h.free(b)
+        h.malloc(2096641, stream=0, pool=(1, 1))  # extends over b's block
+        h.check()
+        h.malloc(1, stream=4096)
+        h.check()
+    finally:
+        h.close()

@@ -102,16 +102,24 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
             return fail(why, len, "free block %#lx: free sequence %llu is past the last free %llu",
                         (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)h->free_seq);
         if (b->stream != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
-        gm_owner *src = b->origin == GM_STREAM_ANY ? NULL : gm_owner_find(h, b->pool, b->origin);
-        if (!src)
+        /* What a completed event or a sync proved of a stream holds in every
+         * pool: the proof is the best any owner of that stream keeps. */
+        int known = 0;
+        uint64_t proven = 0;
+        for (size_t i = 0; b->origin != GM_STREAM_ANY && i < h->n_owners; i++) {
+            if (h->owners[i]->stream != b->origin) continue;
+            known = 1;
+            if (h->owners[i]->safe_seq > proven) proven = h->owners[i]->safe_seq;
+        }
+        if (!known)
             return fail(why, len, "free block %#lx (every stream) holds free %llu of no known stream",
                         (unsigned long)b->addr, (unsigned long long)b->seq);
-        if (b->seq > src->safe_seq)
+        if (b->seq > proven)
             return fail(why, len,
                         "free block %#lx is reusable by every stream, but its free %llu on stream %llu is not "
                         "proven done (proven up to %llu)",
                         (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)b->origin,
-                        (unsigned long long)src->safe_seq);
+                        (unsigned long long)proven);
     }
     return GM_OK;
 }
