@@ -2,8 +2,10 @@
 
     python benchmarks/gpu_soak.py [--minutes 10] [--json FILE] [--phase both|gpumem|native]
 
-(--phase gpumem then --phase native, with the same --json, splits the soak and
-the native replay into two commands.)
+(With --phase both, the default, the native replay runs in a second process
+beside the soak, following the steps as the soak takes them, so the whole
+takes about --minutes; --phase gpumem then --phase native, with the same
+--json, runs them one after the other instead.)
 
 One process trains a GPT-2 (random weights from a config, nothing downloaded;
 torch's TransformerEncoder when transformers is missing) with gpumem installed:
@@ -75,8 +77,29 @@ def checksum(torch, t):
     return int(t.view(torch.int32).sum(dtype=torch.int64))
 
 
-def train(args, schedule=None):
-    """The gpumem run (schedule None: make one) or the native replay of one."""
+def follow(path):
+    """The steps the soak writes to `path`, one JSON line each, as they come;
+    the soak ends the file with a line "end"."""
+    with open(path) as f:
+        buf = ""
+        while True:
+            part = f.readline()
+            if not part:
+                time.sleep(0.02)
+                continue
+            buf += part
+            if not buf.endswith("\n"):
+                continue  # a line still being written
+            line, buf = buf.strip(), ""
+            if line == "end":
+                return
+            yield json.loads(line)
+
+
+def train(args, schedule=None, log=None):
+    """The gpumem run (schedule None: make one, writing each executed step to
+    the file `log` as it goes) or the native replay of a schedule (a list, or
+    the steps `follow` reads)."""
     import torch
 
     use_gpumem = schedule is None
@@ -140,7 +163,7 @@ def train(args, schedule=None):
         torch.cuda.current_stream().wait_stream(side)
         return float(loss), float(s)
 
-    plan = iter(schedule or [])
+    plan = iter(schedule if schedule is not None else [])
     while True:
         if schedule is None:
             if time.time() > t_end:
@@ -172,6 +195,9 @@ def train(args, schedule=None):
                     batch = max(1, batch // 2)
                     good = 0
             out["schedule"].append([batch, L, step_seed])
+            if log is not None:
+                log.write(json.dumps([batch, L, step_seed]) + "\n")
+                log.flush()
             good += 1
             if good >= 10 and batch < max_batch:
                 batch *= 2
@@ -214,16 +240,31 @@ def train(args, schedule=None):
     return out
 
 
-def native_replay(schedule_path):
-    p = subprocess.run(
-        [sys.executable, __file__, "--replay", schedule_path],
-        capture_output=True,
+def native_replay(schedule_path, follow_it=False):
+    """Start the native replay of the schedule in `schedule_path` in a second
+    process (following the file as the soak writes it, with `follow_it`);
+    `finish` waits for it and returns its results, or None."""
+    # Its warnings go to a file: a full pipe would stall it behind the soak.
+    err = open(schedule_path + ".native.log", "w+")
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--follow" if follow_it else "--replay", schedule_path],
+        stdout=subprocess.PIPE,
+        stderr=err,
         text=True,
         env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"),
     )
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    p.err_file = err
+    return p
+
+
+def finish(p):
+    out, _ = p.communicate()
+    p.err_file.seek(0)
+    err = p.err_file.read()
+    p.err_file.close()
+    line = [ln for ln in out.splitlines() if ln.startswith("{")]
     if p.returncode or not line:
-        print(f"native replay failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+        print(f"native replay failed:\n{err[-3000:]}", file=sys.stderr)
         return None
     return json.loads(line[-1])
 
@@ -240,14 +281,29 @@ def main():
         "in --json, compared with its losses; both: one after the other",
     )
     ap.add_argument("--replay", help=argparse.SUPPRESS)  # internal: native replay of a schedule file
+    ap.add_argument("--follow", help=argparse.SUPPRESS)  # internal: native replay following a growing file
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if a.replay:
-        with open(a.replay) as f:
-            print(json.dumps(train(a, json.load(f))), flush=True)
+    if a.replay or a.follow:
+        if a.replay:
+            with open(a.replay) as f:
+                steps = json.load(f)
+        else:
+            steps = follow(a.follow)
+        print(json.dumps(train(a, steps)), flush=True)
         return
+    native = None
     if a.phase in ("both", "gpumem"):
-        g = train(a)
+        steps_path = a.json + ".steps.jsonl"
+        with open(steps_path, "w") as log:
+            if a.phase == "both":
+                # The native replay runs beside the soak, a step behind it.
+                native = native_replay(steps_path, follow_it=True)
+            try:
+                g = train(a, log=log)
+            finally:
+                log.write("end\n")
+                log.flush()
         with open(a.json, "w") as f:
             json.dump(g, f)
     else:
@@ -256,10 +312,12 @@ def main():
     if a.phase == "gpumem":
         print(f"soak done: {g['steps']} steps, {g['ooms']} OOMs survived; run --phase native --json {a.json} next")
         return
-    sched = a.json + ".schedule.json"
-    with open(sched, "w") as f:
-        json.dump(g["schedule"], f)
-    n = native_replay(sched)
+    if native is None:
+        sched = a.json + ".schedule.json"
+        with open(sched, "w") as f:
+            json.dump(g["schedule"], f)
+        native = native_replay(sched)
+    n = finish(native)
     diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
     report = {
         k: g[k]
