@@ -315,3 +315,41 @@ def test_exit_with_live_torch_blocks_history_and_busy_threads(tmp_path):
     )
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "exiting" and r.stderr == "", (r.stdout, r.stderr)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_fork_while_another_thread_holds_the_frameworks_lock(tmp_path):
+    """gpumem._frameworks keeps which frameworks share the per-device heaps
+    under a Python lock: a child forked while another thread holds it must
+    still mark a framework installed."""
+    r = run_script(
+        """
+        from gpumem import _frameworks
+        held, done = threading.Event(), threading.Event()
+
+        def holder():
+            with _frameworks._lock:
+                held.set()
+                done.wait()
+
+        t = threading.Thread(target=holder)
+        t.start()
+        held.wait()
+
+        def child():
+            _frameworks.mark_installed("cupy")
+            assert "cupy" in _frameworks.INSTALLED
+            _frameworks.mark_uninstalled("cupy")
+
+        status = fork_child(child)
+        done.set()
+        t.join()
+        child()
+        print("child status", status, flush=True)
+        sys.exit(0 if status == 0 else 1)
+    """,
+        tmp_path,
+        timeout=60,
+    )
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "child status 0" in r.stdout, r.stdout
