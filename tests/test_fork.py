@@ -41,6 +41,28 @@ PRELUDE = textwrap.dedent("""
                 f.write(f"free_completed {{4096 * (k + 1)}} 0 0\\n")
         return load_trace(path)
 
+    def keep_busy(work):
+        # Run work() over and over in another thread; returns, once it has run
+        # once, a function that stops the thread and gives how often it ran.
+        stop, runs = threading.Event(), [0]
+
+        def loop():
+            while not stop.is_set():
+                work()
+                runs[0] += 1
+
+        t = threading.Thread(target=loop)
+        t.start()
+        while runs[0] == 0:
+            time.sleep(0.001)
+
+        def finish():
+            stop.set()
+            t.join()
+            return runs[0]
+
+        return finish
+
     def fork_child(body, wait=15):
         # Run body() in a fork()ed child that then exits through finalization;
         # return its exit status (-1: still running after `wait` s, killed).
@@ -88,18 +110,8 @@ def test_fork_while_another_thread_is_in_the_heap(tmp_path):
         gpumem.record_history(True, device=h, stacks="python", max_entries=10000)
         inherited = [h.malloc(MiB) for _ in range(4)]
         tr = busy_trace("busy.trace")
-        stop = threading.Event()
-        replays = [0]
+        finish = keep_busy(lambda: h.replay(tr.events, tr.n_slots))
 
-        def hammer():
-            while not stop.is_set():
-                h.replay(tr.events, tr.n_slots)
-                replays[0] += 1
-
-        t = threading.Thread(target=hammer)
-        t.start()
-        while replays[0] == 0:
-            time.sleep(0.001)
         def child():
             # frees what it inherited, reads stats, checks, and exits through
             # finalization -- never touching a device
@@ -119,12 +131,11 @@ def test_fork_while_another_thread_is_in_the_heap(tmp_path):
                 print(f"fork {i}: child status {status}", flush=True)
                 hung += 1
                 break  # one is enough; the rest would only wait as long
-        stop.set()
-        t.join()
+        replays = finish()
         for p in inherited:
             h.free(p)
         h.check()
-        print(f"forks ok: {i + 1 - hung} of 25, parent replays {replays[0]}", flush=True)
+        print(f"forks ok: {i + 1 - hung} of 25, parent replays {replays}", flush=True)
         sys.exit(1 if hung else 0)
     """,
         tmp_path,
@@ -247,19 +258,12 @@ def test_fork_while_a_pool_filter_waits_for_the_gil(tmp_path):
 
         f = FILTER(slow_filter)
         assert begin(0, 1, 0, f) == 0
-        stop = threading.Event()
-        routed = [0]
 
-        def hammer():
-            while not stop.is_set():
-                p = alloc(MiB, 0, 7)
-                free(p, MiB, 0, 7)
-                routed[0] += 1
+        def routed_alloc_free():
+            p = alloc(MiB, 0, 7)
+            free(p, MiB, 0, 7)
 
-        t = threading.Thread(target=hammer)
-        t.start()
-        while routed[0] == 0:
-            time.sleep(0.001)
+        finish = keep_busy(routed_alloc_free)
 
         def child():
             p = alloc(MiB, 0, 7)          # routed through the same filter, here in the child
@@ -269,11 +273,10 @@ def test_fork_while_a_pool_filter_waits_for_the_gil(tmp_path):
             _C._torch_check(0)
 
         statuses = [fork_child(child) for _ in range(10)]
-        stop.set()
-        t.join()
+        routed = finish()
         assert end(0, 1, 0) == 0 and release(0, 1, 0) == 0
         use_the_boundary()
-        print("child statuses", statuses, "routed", routed[0] > 10, flush=True)
+        print("child statuses", statuses, "routed", routed > 0, flush=True)
         sys.exit(0 if statuses == [0] * 10 else 1)
     """,
         tmp_path,
