@@ -10,6 +10,8 @@ import sys
 import time
 import torch
 
+from compare import workloads
+
 name = sys.argv[1]
 outdir = sys.argv[2]
 record = os.environ.get("RECORD", "1") == "1"
@@ -19,68 +21,23 @@ random.seed(1234)
 torch.manual_seed(1234)
 
 
-def wl_gpt2_varlen():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def train(workload, steps):
+    # the model, optimizer, step and shape draws that figures 4 and 5 and gpu_train.py time
+    w = workloads.build(workload, dev, seed=None, on_device=False)
+    for _ in range(steps):
+        w.step(*w.draw(random))
 
-    m = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12)).to(dev)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    for step in range(14):
-        L = random.choice([128, 192, 256, 384, 512, 640, 768, 1024])
-        B = 8
-        x = torch.randint(0, 50257, (B, L), device=dev)
-        out = m(input_ids=x, labels=x)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, x
+
+def wl_gpt2_varlen():
+    train("gpt2_varlen", 14)
 
 
 def wl_llama_lora_ckpt():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5504,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
-    m = LlamaForCausalLM(cfg).to(dev, dtype=torch.bfloat16)
-    m.gradient_checkpointing_enable()
-    m.enable_input_require_grads()
-    m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.05))
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
-    m.train()
-    for step in range(12):
-        L = random.choice([256, 512, 768, 1024, 1536, 2048])
-        B = 4
-        x = torch.randint(0, 32000, (B, L), device=dev)
-        out = m(input_ids=x, labels=x)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, x
+    train("llama_lora_ckpt", 12)
 
 
 def wl_resnet50_multires():
-    import torchvision
-
-    m = torchvision.models.resnet50().to(dev).to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    for step in range(15):
-        s = [160, 224, 288][step % 3]
-        B = random.choice([32, 64, 96])
-        x = torch.randn(B, 3, s, s, device=dev).to(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (B,), device=dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del x, y, loss
+    train("resnet50_multires", 15)
 
 
 def wl_gpt2_generate():

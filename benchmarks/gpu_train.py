@@ -1,5 +1,6 @@
-"""Training step time, torch's caching allocator vs gpumem, on the three workloads of
-benchmarks/capture_trace.py (random weights, nothing downloaded).
+"""Training step time, torch's caching allocator vs gpumem, on the three training workloads of
+benchmarks/compare/workloads.py, those benchmarks/capture_trace.py records (random weights, nothing
+downloaded).
 
     python benchmarks/gpu_train.py [--json FILE] [--rounds R] [--workloads a,b,c]
 
@@ -16,6 +17,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from compare import workloads
 
 WARMUP = 3
 
@@ -39,66 +42,13 @@ def run(name, use, steps):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
 
-    if name == "gpt2_varlen":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        m = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12)).to(dev)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-        def step():
-            L = random.choice([128, 192, 256, 384, 512, 640, 768, 1024])
-            x = torch.randint(0, 50257, (8, L), device=dev)
-            out = m(input_ids=x, labels=x)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif name == "llama_lora_ckpt":
-        from peft import LoraConfig, get_peft_model
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5504,
-            num_hidden_layers=16,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            vocab_size=32000,
-            max_position_embeddings=4096,
-        )
-        m = LlamaForCausalLM(cfg).to(dev, dtype=torch.bfloat16)
-        m.gradient_checkpointing_enable()
-        m.enable_input_require_grads()
-        m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.05))
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
-        m.train()
-
-        def step():
-            L = random.choice([256, 512, 768, 1024, 1536, 2048])
-            x = torch.randint(0, 32000, (4, L), device=dev)
-            out = m(input_ids=x, labels=x)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif name == "resnet50_multires":
-        import torchvision
-
-        m = torchvision.models.resnet50().to(dev).to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-        k = [0]
-
-        def step():
-            s = [160, 224, 288][k[0] % 3]
-            B = random.choice([32, 64, 96])
-            k[0] += 1
-            x = torch.randn(B, 3, s, s, device=dev).to(memory_format=torch.channels_last)
-            y = torch.randint(0, 1000, (B,), device=dev)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    else:
+    if name not in workloads.BUILDERS:
         raise SystemExit(f"unknown workload {name}")
+    w = workloads.build(name, dev, seed=None, on_device=False)
+
+    def step():
+        w.step(*w.draw(random))
+
     for _ in range(steps):
         timed(step)
     st = torch.cuda.memory_stats()

@@ -9,6 +9,7 @@ the allocators themselves live in gpumem/_shared.py, above explain.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Dict
@@ -34,6 +35,18 @@ _TAGS = {name: fw for fw, name in FRAMEWORKS.items()}
 # consults it so that snapshot() / explain() find those heaps without torch).
 INSTALLED = set()
 _lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork()ed child (a DataLoader worker) has only the forking thread: a
+    # lock another thread held at the fork would stay held there for good.
+    # The set itself is never half updated (the GIL covers add/discard).
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def framework_tag(name: str) -> int:

@@ -32,7 +32,17 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Tuple
 
-__all__ = ["TraceError", "Trace", "load_trace", "EVENT_SIZE", "R_ALLOC", "R_FREE"]
+__all__ = [
+    "TraceError",
+    "Trace",
+    "load_trace",
+    "EVENT_SIZE",
+    "R_ALLOC",
+    "R_FREE",
+    "ACTIONS",
+    "REPLAYED_ACTIONS",
+    "IGNORED_ACTIONS",
+]
 
 # Layout of gm_replay_event: struct "<IIQQ" (op, slot, size, stream).  It is built
 # as three little-endian 64-bit words per event, (op | slot << 32, size, stream),
@@ -41,19 +51,22 @@ EVENT_SIZE = 24
 R_ALLOC = 0
 R_FREE = 1
 
-# Actions that exist in torch's TraceEntry but do not change which blocks are live.
-_IGNORED = frozenset(
-    {
-        "free_requested",
-        "segment_alloc",
-        "segment_free",
-        "segment_map",
-        "segment_unmap",
-        "snapshot",
-        "oom",
-        "user_defined",
-    }
+# The actions of torch's TraceEntry that a trace may hold (any other is an
+# error): those that drive the replay, then those that do not change which
+# blocks are live.
+REPLAYED_ACTIONS = ("alloc", "free_completed")
+IGNORED_ACTIONS = (
+    "free_requested",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+    "user_defined",
 )
+ACTIONS = REPLAYED_ACTIONS + IGNORED_ACTIONS
+_IGNORED = frozenset(IGNORED_ACTIONS)
 _MAX_U64 = (1 << 64) - 1
 # The core refuses larger requests as invalid (gm_malloc), not as out of memory.
 MAX_ALLOC = 1 << 52

@@ -272,6 +272,34 @@ def pages_touched(blocks, page=PAGE):
     return len(pages)
 
 
+# Python source that binds the C entry points torch's CUDAPluggableAllocator
+# calls (csrc/python/torch_alloc.cpp) through ctypes, for scripts that drive
+# the torch boundary without torch: a ctypes call drops the GIL, as torch's
+# ops do.  Needs `_C` (gpumem._C) imported.
+TORCH_BOUNDARY = """
+import ctypes
+lib = ctypes.CDLL(_C.__file__)
+alloc = lib.gpumem_torch_alloc
+alloc.restype = ctypes.c_void_p
+alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+free = lib.gpumem_torch_free
+free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+FILTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+begin = lib.gpumem_torch_pool_begin
+begin.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, FILTER]
+end = lib.gpumem_torch_pool_end
+end.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+release = lib.gpumem_torch_pool_release
+release.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+empty_cache = lib.gpumem_torch_empty_cache
+memory_fraction = lib.gpumem_torch_memory_fraction
+memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+ANY = ctypes.cast(None, FILTER)   # a pool that takes every stream
+def live(pool):
+    return {a for a, _ in _C._torch_pool_live(0, pool)}
+"""
+
+
 def run_python(code, prelude, env=None, timeout=600, unset=("GPUMEM_CONF",)):
     """Run prelude + code in a fresh interpreter that imports this checkout's
     gpumem; return the dict the code printed with out(...) (a line "RESULT

@@ -556,6 +556,67 @@ def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
     assert r["allocator"] == "gpumem" and r["memory_snapshot"] == len(r["mine_segments"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_dataloader_workers_forked_while_threads_allocate():
+    """DataLoader workers fork()ed while two threads allocate on side streams
+    through gpumem (history with stacks on): each worker takes the boundary's
+    and the heap's locks (no CUDA), every epoch delivers every item, and the
+    parent's allocator still works after."""
+    r = run_py(
+        """
+        import threading, time
+        from torch.utils.data import DataLoader, Dataset
+        gpumem.install()
+        gpumem.record_history(True, stacks="python")
+        keep = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        stop = threading.Event()
+        counts = [0, 0]
+
+        def hammer(i):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                while not stop.is_set():
+                    t = torch.empty((1 + counts[i] % 7) << 20, dtype=torch.uint8, device="cuda")
+                    t.fill_(1)
+                    del t
+                    counts[i] += 1
+
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        while min(counts) == 0:
+            time.sleep(0.001)
+
+        class Squares(Dataset):
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, i):
+                # in a fork()ed worker: the options and pool locks, the heap's lock
+                gpumem._C._torch_options()
+                gpumem._C._torch_active_pools(0)
+                gpumem._C._torch_stats(0)
+                return torch.tensor([i * i])
+
+        epochs = []
+        for _ in range(3):
+            dl = DataLoader(Squares(), batch_size=8, num_workers=2, multiprocessing_context="fork", timeout=60)
+            epochs.append(sorted(int(x) for b in dl for x in b.flatten()) == [i * i for i in range(64)])
+        stop.set()
+        for t in threads:
+            t.join()
+        x = torch.randn(512, 512, device="cuda")
+        ok = bool(torch.isfinite(x @ x).all().item())
+        torch.cuda.synchronize()
+        gpumem._C._torch_check(torch.cuda.current_device())
+        out(epochs=epochs, allocated=min(counts), ok=ok, live=len(keep))
+    """,
+        timeout=600,
+    )
+    assert r["epochs"] == [True, True, True] and r["ok"], r
+    assert r["allocated"] > 0 and r["live"] == 4, r
+
+
 # ---- CPU: no GPU needed ----------------------------------------------------------------------
 
 

@@ -31,23 +31,12 @@ from hypothesis import strategies as st
 
 import gpumem
 from gpumem import __main__ as cli
+from gpumem.trace import ACTIONS as TRACE_ACTIONS
 from gpumem.trace import TraceError, load_trace
 
 MiB = 1 << 20
-ACTIONS = [
-    "alloc",
-    "free_completed",
-    "free_requested",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-    "user_defined",
-    "boom",
-    "",
-]
+# Every action the loader knows, then two it must refuse.
+ACTIONS = [*TRACE_ACTIONS, "boom", ""]
 
 
 class Crash(Exception):
@@ -237,6 +226,25 @@ FOUND = [
     ({"device_traces": [[{"action": "oom", "size": 5}]]}, "leaves no capacity to judge against"),
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1 << 62, "stream": 0}]]}, "larger than any allocation"),
 ]
+
+
+@pytest.mark.parametrize("action", TRACE_ACTIONS)
+def test_every_trace_action_loads_and_only_alloc_and_free_replay(tmp_path, action):
+    """Each action gpumem.trace lists is read, in text and in a snapshot; only
+    alloc and free_completed become replay events; an unknown action is refused."""
+    addr = 8192 if action == "alloc" else 4096  # a second alloc needs its own address
+    text = tmp_path / "one.trace"
+    text.write_text(f"alloc 4096 512 0\n{action} {addr} 512 0\n")
+    snap = tmp_path / "one.pickle"
+    events = [dict(action="alloc", addr=4096, size=512, stream=0), dict(action=action, addr=addr, size=512, stream=0)]
+    snap.write_bytes(pickle.dumps({"device_traces": [events]}))
+    for path in (text, snap):
+        tr = load_trace(path)
+        assert (tr.allocs, tr.frees) == (1 + (action == "alloc"), int(action == "free_completed")), (path, action)
+        assert tr.n_events == tr.allocs + tr.frees
+    text.write_text("alloc 4096 512 0\nboom 4096 512 0\n")
+    with pytest.raises(TraceError, match="boom"):
+        load_trace(text)
 
 
 def test_pickle_error_messages_stay_on_one_line(tmp_path):

@@ -18,40 +18,28 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, TORCH_BOUNDARY
 
-PRELUDE = """
+PRELUDE = (
+    """
 import ctypes, json
 from gpumem import _C
 MiB = 1 << 20
-lib = ctypes.CDLL(_C.__file__)
-alloc = lib.gpumem_torch_alloc
-alloc.restype = ctypes.c_void_p
-alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-free = lib.gpumem_torch_free
-free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-FILTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-begin = lib.gpumem_torch_pool_begin
-begin.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, FILTER]
-end = lib.gpumem_torch_pool_end
-end.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
-release = lib.gpumem_torch_pool_release
-release.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
-empty_cache = lib.gpumem_torch_empty_cache
+"""
+    + TORCH_BOUNDARY
+    + """
 _keep = []   # the C side keeps the function pointer: the ctypes thunk must outlive it
 def stream_is(*ok):
     f = FILTER(lambda s: int((s or 0) in ok))
     _keep.append(f)
     return f
-ANY = ctypes.cast(None, FILTER)
-def live(pool):
-    return {a for a, _ in _C._torch_pool_live(0, pool)}
 def check():
     _C._torch_check(0)
 def out(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
 _C._torch_open_sim(0, 1 << 30)
 """
+)
 
 
 def run_py(code):

@@ -1,9 +1,13 @@
-"""Training workloads of figures 4 and 5: the models of benchmarks/capture_trace.py (random weights,
-nothing downloaded), with the same per-step shape draws, so step times compare like for like.
+"""The training workloads of gpumem's benchmarks (random weights, nothing downloaded): one place
+for their models, optimizers, steps and per-step shape draws, used by figures 4 and 5
+(gpu_compare.py), benchmarks/capture_trace.py (which recorded the shipped traces of these three)
+and benchmarks/gpu_train.py, so that step times and traces compare like for like.
 
-Models are built directly on the GPU (``with torch.device``) in their training dtype: building a
-1B-parameter Llama on the CPU takes seconds of random initialisation per attempt, and building it
-in fp32 before casting would put a transient 4 GiB on the device that is no part of training.
+For figures 4 and 5 models are built directly on the GPU (``with torch.device``) in their training
+dtype: building a 1B-parameter Llama on the CPU takes seconds of random initialisation per attempt,
+and building it in fp32 before casting would put a transient 4 GiB on the device that is no part of
+training.  capture_trace.py and gpu_train.py build on the CPU and move the model (``on_device=False``),
+as they always have.
 """
 
 from __future__ import annotations
@@ -37,31 +41,56 @@ class Workload:
         self._step(batch, length)
 
 
-def _gpt2(dev):
+def _place(make: Callable, dev, on_device: bool, dtype=None):
+    """The model make() builds, on `dev`: built there (on_device; in `dtype` if given) or built on
+    the CPU and moved (and cast)."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    with torch.device(dev):
-        m = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12))
-    m.train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    if not on_device:
+        return make().to(dev) if dtype is None else make().to(dev, dtype=dtype)
+    if dtype is None:
+        with torch.device(dev):
+            return make()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            m = make()
+    finally:
+        torch.set_default_dtype(prev)
+    return m.to(dtype)  # no-op when built in dtype; guards a version that ignores the default
+
+
+def _lm_step(m, opt, vocab: int, dev) -> Callable[[int, int], None]:
+    """A causal language model's training step on b x n random tokens (the labels are the input)."""
+    import torch
 
     def step(b, n):
-        x = torch.randint(0, 50257, (b, n), device=dev)
+        x = torch.randint(0, vocab, (b, n), device=dev)
         out = m(input_ids=x, labels=x)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _gpt2(dev, on_device):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = _place(lambda: GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12)), dev, on_device)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    step = _lm_step(m, opt, 50257, dev)
     return Workload("gpt2_varlen", m, opt, step, lambda rng: (8, rng.choice([128, 192, 256, 384, 512, 640, 768, 1024])))
 
 
-def _resnet(dev):
+def _resnet(dev, on_device):
     import torch
     import torchvision
 
-    with torch.device(dev):
-        m = torchvision.models.resnet50()
+    m = _place(torchvision.models.resnet50, dev, on_device)
     m = m.to(memory_format=torch.channels_last)
     m.train()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -84,46 +113,35 @@ def _resnet(dev):
     return Workload("resnet50_multires", m, opt, step, draw)
 
 
-def _llama(dev):
+def _llama(dev, on_device):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from peft import LoraConfig, get_peft_model
 
     cfg = LlamaConfig(**LLAMA_CONFIG)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            m = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    m = m.to(torch.bfloat16)  # no-op when built in bf16; guards a version that ignores the default
+    m = _place(lambda: LlamaForCausalLM(cfg), dev, on_device, dtype=torch.bfloat16)
     m.gradient_checkpointing_enable()
     m.enable_input_require_grads()
     m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.05))
     m.train()
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
-
-    def step(b, n):
-        x = torch.randint(0, 32000, (b, n), device=dev)
-        out = m(input_ids=x, labels=x)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = _lm_step(m, opt, 32000, dev)
     return Workload("llama_lora_ckpt", m, opt, step, lambda rng: (4, rng.choice([256, 512, 768, 1024, 1536, 2048])))
 
 
 BUILDERS = {"gpt2_varlen": _gpt2, "resnet50_multires": _resnet, "llama_lora_ckpt": _llama}
 
 
-def build(name: str, dev: str = "cuda", seed: int = 1234) -> Workload:
+def build(name: str, dev: str = "cuda", seed: Optional[int] = 1234, on_device: bool = True) -> Workload:
+    """Workload `name` on `dev`, torch's generator seeded with `seed` first (None: as it is).
+    on_device=False builds the model on the CPU and moves it (see the top of this file)."""
     import torch
 
     if name not in BUILDERS:
         raise ValueError(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
-    torch.manual_seed(seed)
-    return BUILDERS[name](dev)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return BUILDERS[name](dev, on_device)
 
 
 def timed_steps(w: Workload, steps: int, seed: int = 1234, sync: Optional[Callable[[], None]] = None) -> List[dict]:

@@ -31,6 +31,21 @@
  * <functional> and <utility> -- no libtorch.  The one thing that must agree with
  * torch is the standard library ABI (_GLIBCXX_USE_CXX11_ABI); gpumem.torch
  * compares it with torch's before setting them.
+ *
+ * Locks, and fork(): the boundary's own locks are, in the order they may nest,
+ *   slot.mu (one device's; never two at once)  ->  g_opts_mu,
+ *   slot.pool_mu (never nested with another boundary lock),
+ * and each may be held while calling into the core (heap creation takes the
+ * core's registry lock, caps and reports the heap's lock); the core never calls
+ * back out while it holds a lock of its own.  None is held while calling
+ * anything that may wait for the GIL: route() calls the pools' stream filters
+ * (which may be Python callables) on a copy of the list, outside pool_mu; the
+ * context hook, the OOM formatter and the Python exception are all reached
+ * with no lock held.  That is what lets fork() take them all: fork_lock_all
+ * (handed to the core's one pthread_atfork registration, core/fork.c) takes
+ * every slot.mu in device order, g_opts_mu, every pool_mu, before the core
+ * takes its own, and a forked child (a DataLoader worker) gets them back
+ * released instead of held by a thread that does not exist there.
  */
 #include <Python.h>
 
@@ -42,8 +57,12 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <chrono>
+#include <future>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -112,6 +131,8 @@ struct active_pool {
     gm_torch_filter filter;
 };
 
+typedef std::vector<active_pool> active_list;
+
 struct slot {
     std::atomic<gm_heap *> heap{nullptr};
     std::mutex mu;          /* creation, and device calls made outside the heap */
@@ -119,10 +140,13 @@ struct slot {
     /* Effective cap: a request above it fails at once, before the core would
      * grow the heap to the cap trying. */
     std::atomic<size_t> limit{SIZE_MAX};
-    /* Pools being allocated to, in the order begun; n_active lets the hot
-     * path skip the lock while none is. */
+    /* Pools being allocated to, in the order begun.  pool_mu guards the
+     * pointer only: a list once published is never changed (begin and end
+     * publish a new one), so route() copies the pointer and runs the filters
+     * without the lock.  n_active lets the hot path skip the lock while no
+     * pool is active. */
     std::mutex pool_mu;
-    std::vector<active_pool> active;
+    std::shared_ptr<const active_list> active;
     std::atomic<size_t> n_active{0};
 };
 
@@ -137,6 +161,25 @@ PyObject *g_oom_class = nullptr; /* guarded by the GIL */
 
 std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cache{0}, c_record_stream{0},
     c_fraction{0};
+
+/* fork(): every boundary lock, in the order of the comment at the top. */
+void fork_lock_all() {
+    for (slot &s : g_slots) s.mu.lock();
+    g_opts_mu.lock();
+    for (slot &s : g_slots) s.pool_mu.lock();
+}
+
+void fork_unlock_all() {
+    for (slot &s : g_slots) s.pool_mu.unlock();
+    g_opts_mu.unlock();
+    for (slot &s : g_slots) s.mu.unlock();
+}
+
+/* Handed to the core when the library is loaded: before any thread can have
+ * called in, and whether Python imported it or torch and ctypes opened it. */
+struct fork_registration {
+    fork_registration() { gm_fork_also(fork_lock_all, fork_unlock_all); }
+} g_fork_registration;
 
 gm_torch_options options_snapshot() {
     std::lock_guard<std::mutex> g(g_opts_mu);
@@ -241,8 +284,13 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
  * filter accepts the stream (torch's allocator picks the same way), or false. */
 bool route(slot &s, gm_stream stream, gm_pool_id *out) {
     if (s.n_active.load(std::memory_order_acquire) == 0) return false;
-    std::unique_lock<std::mutex> g(s.pool_mu);
-    for (const active_pool &a : s.active) {
+    std::shared_ptr<const active_list> list;
+    {
+        std::lock_guard<std::mutex> g(s.pool_mu);
+        list = s.active;
+    }
+    if (!list) return false;
+    for (const active_pool &a : *list) {
         if (a.filter((gm_cuda_stream_t)(uintptr_t)stream)) {
             *out = a.id;
             return true;
@@ -272,9 +320,13 @@ void pool_begin(int device, gm_pool_id id, gm_torch_filter filter) {
                                  std::to_string(device) + ": " + gm_strerror(rc));
     slot &s = g_slots[device];
     {
+        std::shared_ptr<const active_list> old; /* dropped after the lock */
         std::lock_guard<std::mutex> g(s.pool_mu);
-        s.active.push_back(active_pool{id, std::move(filter)});
-        s.n_active.store(s.active.size(), std::memory_order_release);
+        auto next = s.active ? std::make_shared<active_list>(*s.active) : std::make_shared<active_list>();
+        next->push_back(active_pool{id, std::move(filter)});
+        s.n_active.store(next->size(), std::memory_order_release);
+        old = std::move(s.active);
+        s.active = std::move(next);
     }
     /* torch calls begin before cudaStreamBeginCapture (and for MemPool's
      * calling-thread filter, with no capture at all), so the driver cannot say
@@ -288,16 +340,22 @@ bool pool_end(int device, gm_pool_id id) {
     if (!h) return false;
     slot &s = g_slots[device];
     bool found = false;
+    std::shared_ptr<const active_list> old; /* dropped after the lock: it may hold the last filter */
     {
         std::lock_guard<std::mutex> g(s.pool_mu);
-        auto it = std::find_if(s.active.begin(), s.active.end(), [&](const active_pool &a) {
-            return a.id.first == id.first && a.id.second == id.second;
-        });
-        if (it != s.active.end()) {
-            s.active.erase(it);
-            found = true;
+        if (s.active) {
+            auto it = std::find_if(s.active->begin(), s.active->end(), [&](const active_pool &a) {
+                return a.id.first == id.first && a.id.second == id.second;
+            });
+            if (it != s.active->end()) {
+                auto next = std::make_shared<active_list>(s.active->begin(), it);
+                next->insert(next->end(), it + 1, s.active->end());
+                s.n_active.store(next->size(), std::memory_order_release);
+                old = std::move(s.active);
+                s.active = std::move(next);
+                found = true;
+            }
         }
-        s.n_active.store(s.active.size(), std::memory_order_release);
     }
     if (found) gm_capture_end(h);
     return found;
@@ -649,8 +707,34 @@ extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap)
     if (!valid_device(device)) return 0;
     slot &s = g_slots[device];
     std::lock_guard<std::mutex> g(s.pool_mu);
-    for (size_t i = 0; i < s.active.size() && i < cap; i++) out[i] = s.active[i].id;
-    return s.active.size();
+    if (!s.active) return 0;
+    for (size_t i = 0; i < s.active->size() && i < cap; i++) out[i] = (*s.active)[i].id;
+    return s.active->size();
 }
 
 extern "C" int gm_torch_cxx11_abi(void) { return _GLIBCXX_USE_CXX11_ABI; }
+
+/* ---- test hook ------------------------------------------------------------------ */
+
+extern "C" int gm_torch_test_hold_lock(int which, int device, double seconds) {
+    if (!valid_device(device) || !(seconds >= 0 && seconds <= 60)) return GM_EINVAL;
+    std::mutex *mu = which == GM_TORCH_TEST_LOCK_SLOT      ? &g_slots[device].mu
+                     : which == GM_TORCH_TEST_LOCK_OPTIONS ? &g_opts_mu
+                     : which == GM_TORCH_TEST_LOCK_POOLS   ? &g_slots[device].pool_mu
+                                                           : nullptr;
+    if (!mu) return GM_EINVAL;
+    std::promise<void> held;
+    std::future<void> taken = held.get_future();
+    try {
+        std::thread([mu, seconds, held = std::move(held)]() mutable {
+            mu->lock();
+            held.set_value();
+            std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+            mu->unlock();
+        }).detach();
+    } catch (const std::exception &) {
+        return GM_ENOMEM;
+    }
+    taken.wait();
+    return GM_OK;
+}

@@ -145,6 +145,17 @@ size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap);
  * std::function hooks are only set when torch was built with the same. */
 int gm_torch_cxx11_abi(void);
 
+/* Test hook (tests/test_fork.py): a new thread takes one of the boundary's
+ * locks -- device's slot lock, the options lock, or device's pool lock -- and
+ * holds it for `seconds`; returns once that thread holds it.  GM_EINVAL for a
+ * bad argument. */
+enum {
+    GM_TORCH_TEST_LOCK_SLOT = 0,
+    GM_TORCH_TEST_LOCK_OPTIONS = 1,
+    GM_TORCH_TEST_LOCK_POOLS = 2
+};
+int gm_torch_test_hold_lock(int which, int device, double seconds);
+
 #ifdef __cplusplus
 }
 #endif

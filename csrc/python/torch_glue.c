@@ -541,6 +541,29 @@ static PyObject *g_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Test hook: see gm_torch_test_hold_lock (torch_alloc.h). */
+static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
+    const char *which_s;
+    PyObject *dev;
+    double seconds;
+    int device, which;
+    if (!PyArg_ParseTuple(args, "sOd", &which_s, &dev, &seconds) || get_device(dev, &device) < 0) return NULL;
+    if (!strcmp(which_s, "slot"))
+        which = GM_TORCH_TEST_LOCK_SLOT;
+    else if (!strcmp(which_s, "options"))
+        which = GM_TORCH_TEST_LOCK_OPTIONS;
+    else if (!strcmp(which_s, "pools"))
+        which = GM_TORCH_TEST_LOCK_POOLS;
+    else
+        return PyErr_Format(PyExc_ValueError, "lock must be 'slot', 'options' or 'pools', not %R",
+                            PyTuple_GET_ITEM(args, 0));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = gm_torch_test_hold_lock(which, device, seconds);
+    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_ValueError, "cannot hold the lock: %s",
+                                                              gm_strerror(rc));
+    Py_RETURN_NONE;
+}
+
 #define M(name, fn, flags, doc)                                                                                        \
     {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
 
@@ -592,6 +615,9 @@ static PyMethodDef glue_methods[] = {
       "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
     M("_torch_open_sim", g_open_sim, METH_VARARGS,
       "_torch_open_sim(device, capacity): serve device with a simulated heap (tests)"),
+    M("_test_hold_boundary_lock", g_test_hold_lock, METH_VARARGS,
+      "_test_hold_boundary_lock(lock, device, seconds): test hook; a new native thread takes the torch "
+      "boundary's lock ('slot' or 'pools' of device, or 'options') and holds it for seconds; returns once held"),
     {.ml_name = NULL},
 };
 

@@ -12,7 +12,9 @@
  * injection, and checks every result against a shadow model kept here,
  * independently of the core.  Threaded mode hammers one heap from N pthreads (each on its own
  * stream) and checks overlap through a shared shadow; each thread keeps a
- * private pool for part of its blocks.
+ * private pool for part of its blocks.  Both first check fork() with a lock
+ * handed to the core by gm_fork_also (the order fork takes the locks in, and a
+ * forked child's heap).
  *
  * Exit status 0 on success; on the first violation it prints the op index and
  * seed (enough to reproduce: the run is deterministic for a given seed in
@@ -25,7 +27,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
@@ -1127,6 +1131,67 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
 
 /* ---- main ------------------------------------------------------------------- */
 
+/* ---- fork(): locks handed to the core with gm_fork_also -------------------------
+ * As the torch boundary does, a lock of our own is held while calling into the
+ * core.  fork() must take it before any heap lock (or the call below, made
+ * from inside the prepare step, would wait for a heap lock fork already holds:
+ * SIGALRM then ends the run), release it in the parent and in the child, and
+ * leave the heaps usable in the child. */
+static pthread_mutex_t also_mu = PTHREAD_MUTEX_INITIALIZER;
+static gm_heap *also_heap; /* the heap the lock's holder calls into; NULL after the check */
+static int also_locks, also_unlocks;
+
+static void also_lock(void) {
+    pthread_mutex_lock(&also_mu);
+    if (also_heap) {
+        gm_oom_info info;
+        gm_memory_report(also_heap, 0, &info);
+    }
+    also_locks++;
+}
+
+static void also_unlock(void) {
+    also_unlocks++;
+    pthread_mutex_unlock(&also_mu);
+}
+
+static void check_fork_also(void) {
+    g_phase = "fork";
+    if (gm_fork_also(also_lock, NULL) != GM_EINVAL) fail("gm_fork_also accepted a NULL unlock");
+    if (gm_fork_also(also_lock, also_unlock) != GM_OK || gm_fork_also(also_lock, also_unlock) != GM_OK)
+        fail("gm_fork_also refused a pair");
+    gm_device *dev = gm_sim_create(256 * MiB, 0);
+    gm_config cfg;
+    gm_config_default(&cfg);
+    if (!dev || gm_heap_create(dev, &cfg, &also_heap) != GM_OK) fail("gm_heap_create failed");
+    uintptr_t p;
+    if (gm_malloc(also_heap, 3 * MiB, 0, 0, &p) != GM_OK) fail("gm_malloc failed");
+    alarm(60);
+    pid_t pid = fork();
+    if (pid < 0) fail("fork: %s", strerror(errno));
+    if (pid == 0) {
+        /* One pair counted once; our lock free again; the heap still works. */
+        uintptr_t q;
+        char why[256];
+        int ok = also_locks == 1 && also_unlocks == 1 && pthread_mutex_trylock(&also_mu) == 0 &&
+                 gm_free(also_heap, p) == GM_OK && gm_malloc(also_heap, MiB, 0, 0, &q) == GM_OK &&
+                 gm_free(also_heap, q) == GM_OK && gm_check(also_heap, why, sizeof why) == GM_OK;
+        _exit(ok ? 0 : 1);
+    }
+    int status;
+    if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail("forked child: status %#x (locks %d, unlocks %d in the parent)", status, also_locks, also_unlocks);
+    alarm(0);
+    if (also_locks != 1 || also_unlocks != 1 || pthread_mutex_trylock(&also_mu) != 0)
+        fail("parent after fork: locks %d, unlocks %d, or our lock still held", also_locks, also_unlocks);
+    pthread_mutex_unlock(&also_mu);
+    if (gm_free(also_heap, p) != GM_OK) fail("gm_free after fork failed");
+    gm_heap *h = also_heap;
+    also_heap = NULL;
+    gm_heap_destroy(h);
+    g_phase = "setup";
+}
+
 static uint64_t parse_u64(const char *s, const char *what) {
     char *end;
     errno = 0;
@@ -1180,6 +1245,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     g_seed = seed;
+    check_fork_also();
     if (threads > 0) return run_threads(threads, ops, seed, capacity, quiet);
     return run_single(ops, seed, capacity, quiet);
 }

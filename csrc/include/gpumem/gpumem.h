@@ -77,6 +77,19 @@ const char *gm_create_error(void);
 void gm_heap_destroy(gm_heap *heap);
 gm_device *gm_heap_device(gm_heap *heap);
 
+/* ---- fork() ----------------------------------------------------------------
+ * fork() waits until every heap is between operations and the child gets
+ * every heap's lock released (core/fork.c).  Code that holds locks of its own
+ * around calls into the core hands them here, so that fork holds them too:
+ * lock() is called in the fork's prepare step before any heap lock is taken
+ * (such locks are taken before heap locks in normal code), unlock() in the
+ * parent and in the child after the heaps' locks are released.  Neither may
+ * wait for anything a thread may hold while it waits for fork (the Python
+ * GIL, say).  Call it before any thread can hold those locks (at load time);
+ * at most GM_FORK_MAX_ALSO pairs, each counted once.  GM_OK or GM_EINVAL. */
+#define GM_FORK_MAX_ALSO 4
+int gm_fork_also(void (*lock)(void), void (*unlock)(void));
+
 /* ---- allocation ---------------------------------------------------------- */
 
 /* Allocate `size` bytes (rounded up to 512) for use on `stream`.  `context` is
