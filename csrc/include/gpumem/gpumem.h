@@ -38,7 +38,11 @@ extern "C" {
     /* libcuda could not be loaded */                                                                                  \
     X(GM_ENODRIVER, 8, "CUDA driver library could not be loaded")                                                      \
     /* the invariant checker found a broken invariant */                                                               \
-    X(GM_ECORRUPT, 9, "heap invariant broken")
+    X(GM_ECORRUPT, 9, "heap invariant broken")                                                                         \
+    /* the pool's physical memory is paused (gm_pool_pause): resume it first */                                        \
+    X(GM_EPAUSED, 10, "the pool is paused (resume it first)")                                                          \
+    /* the call may not run while a CUDA graph is being captured */                                                    \
+    X(GM_ECAPTURING, 11, "not allowed while a CUDA graph is being captured")
 
 enum {
 #define GM_ERROR_ENUM(name, value, text) name = value,
@@ -279,10 +283,15 @@ typedef struct gm_pool_info {
     size_t live_blocks, live_bytes; /* live and pending blocks of the pool */
     size_t free_blocks, free_bytes; /* free blocks kept for the pool */
     size_t pinned_pages;            /* pages that back any block of the pool */
+    int paused;                     /* gm_pool_pause'd: its own pages are released */
+    size_t paused_pages;            /* pages released by the pause (0 unless paused) */
+    size_t shared_pages;            /* pages the pause kept: other blocks share them */
+    size_t backup_bytes;            /* host bytes holding the paused pages' contents */
 } gm_pool_info;
 /* Create the pool with use count 1, or add one use to it. */
 int gm_pool_retain(gm_heap *heap, gm_pool_id id);
-/* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool. */
+/* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool,
+ * GM_EPAUSED (nothing changes) while the pool is paused. */
 int gm_pool_release(gm_heap *heap, gm_pool_id id);
 /* gm_malloc, in `pool` (NULL: the general heap).  GM_EINVAL for an unknown pool. */
 int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, const gm_pool_id *pool,
@@ -305,6 +314,40 @@ size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *size
  * keeps its owner. */
 int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes, size_t n,
                      gm_stream stream);
+
+/* ---- pausing a pool's physical memory ------------------------------------------
+ * gm_pool_pause waits for the device, then unmaps and releases every page that
+ * only blocks of the pool touch (live, pending or free); the address range stays
+ * reserved and every block keeps its address.  Pages that blocks outside the
+ * pool share stay mapped (shared_pages).  With GM_PAUSE_BACKUP the released
+ * pages' contents are first copied to pinned host memory (the device's
+ * host_alloc / copy ops; GM_ENOTSUP without them).  While paused:
+ *   - an allocation in the pool, gm_pool_set_live and gm_pool_release fail with
+ *     GM_EPAUSED and change nothing; freeing a block of the pool works (the
+ *     block goes back to the pool's free memory, no device call);
+ *   - no other request, defragmentation, empty_cache or cap ever maps, moves
+ *     or counts those pages: they are not free space;
+ *   - touching the memory is the caller's error (on CUDA, an illegal-address
+ *     fault that ends the CUDA context).
+ * gm_pool_resume maps a page behind each released address again (spare pages
+ * first, then new ones, then cached pages taken back from the heap; the cap
+ * applies), grants access once per contiguous run, and copies the backup back
+ * (without one the contents are undefined).  Neither may run during a capture
+ * (GM_ECAPTURING).  A device failure during pause leaves the pool paused with
+ * the pages released so far (the error is returned; resume maps those back); a
+ * failure during resume unwinds to fully paused, backup kept.  GM_EPAUSED:
+ * pausing a paused pool; GM_EINVAL: resuming one that is not, or an unknown
+ * pool. */
+enum {
+    GM_PAUSE_BACKUP = 1
+};
+typedef struct gm_pause_info {
+    size_t pages;        /* pages released (pause) or mapped again (resume) */
+    size_t shared_pages; /* pages kept mapped because blocks outside the pool share them */
+    size_t backup_bytes; /* bytes copied to (pause) or back from (resume) host memory */
+} gm_pause_info;
+int gm_pool_pause(gm_heap *heap, gm_pool_id id, unsigned flags, gm_pause_info *out);
+int gm_pool_resume(gm_heap *heap, gm_pool_id id, gm_pause_info *out);
 
 /* ---- stream capture ------------------------------------------------------------
  * While a CUDA graph is being captured on any stream of the device, the heap
