@@ -2301,9 +2301,12 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
     gm_paused_page *l = NULL;
     void *backup = NULL;
     size_t n = 0, shared = 0, done = 0;
-    if (!p) rc = GM_EINVAL;
-    else if (p->paused) rc = GM_EPAUSED;
-    else if (pause_refused(h)) rc = GM_ECAPTURING;
+    if (!p)
+        rc = GM_EINVAL;
+    else if (p->paused)
+        rc = GM_EPAUSED;
+    else if (pause_refused(h))
+        rc = GM_ECAPTURING;
     else if ((flags & GM_PAUSE_BACKUP) && (!ops->host_alloc || !ops->host_free || !ops->copy_dtoh || !ops->copy_htod))
         rc = GM_ENOTSUP;
     if (rc) goto out;
@@ -2408,8 +2411,10 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK, dev_err = GM_OK;
     gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
-    if (!p || !p->paused) rc = GM_EINVAL;
-    else if (pause_refused(h)) rc = GM_ECAPTURING;
+    if (!p || !p->paused)
+        rc = GM_EINVAL;
+    else if (pause_refused(h))
+        rc = GM_ECAPTURING;
     if (rc) goto out;
     size_t n = p->n_paused, mapped = 0;
     gm_paused_page *l = p->paused_list;

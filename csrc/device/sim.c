@@ -32,7 +32,7 @@
 #define SIM_VA_GAP  ((size_t)1 << 30)
 #define SIM_NONE    UINT32_MAX
 /* Content of a page nobody wrote: this tag with a counter (gm_sim_read). */
-#define SIM_FRESH ((uint64_t)0xF4E5000000000000ull)
+#define SIM_FRESH   ((uint64_t)0xF4E5000000000000ull)
 
 typedef struct sim_page {
     uintptr_t mapped_at; /* 0 when not mapped (no reservation starts at 0) */

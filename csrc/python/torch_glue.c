@@ -333,8 +333,10 @@ static PyObject *pool_info_dict(const gm_pool_info *p) {
         gm_py_put_u64(d, "live_blocks", p->live_blocks) < 0 || gm_py_put_u64(d, "live_bytes", p->live_bytes) < 0 ||
         gm_py_put_u64(d, "free_blocks", p->free_blocks) < 0 || gm_py_put_u64(d, "free_bytes", p->free_bytes) < 0 ||
         gm_py_put_u64(d, "pinned_pages", p->pinned_pages) < 0 ||
-        gm_py_put(d, "paused", PyBool_FromLong(p->paused)) < 0 || gm_py_put_u64(d, "paused_pages", p->paused_pages) < 0 ||
-        gm_py_put_u64(d, "shared_pages", p->shared_pages) < 0 || gm_py_put_u64(d, "backup_bytes", p->backup_bytes) < 0) {
+        gm_py_put(d, "paused", PyBool_FromLong(p->paused)) < 0 ||
+        gm_py_put_u64(d, "paused_pages", p->paused_pages) < 0 ||
+        gm_py_put_u64(d, "shared_pages", p->shared_pages) < 0 ||
+        gm_py_put_u64(d, "backup_bytes", p->backup_bytes) < 0) {
         Py_DECREF(d);
         return NULL;
     }

@@ -183,8 +183,9 @@ enum gm_block_state {
 };
 enum gm_page_state {
     GM_PAGE_UNMAPPED = 0,
-    GM_PAGE_USED = 1,  /* mapped, touched by a live or pending block */
-    GM_PAGE_CACHED = 2 /* mapped, wholly free: what empty_cache would release */
+    GM_PAGE_USED = 1,   /* mapped, touched by a live or pending block */
+    GM_PAGE_CACHED = 2, /* mapped, wholly free: what empty_cache would release */
+    GM_PAGE_PAUSED = 3  /* released by gm_pool_pause: the pool's blocks stay, no memory behind them */
 };
 typedef struct gm_block_info {
     uintptr_t addr;
