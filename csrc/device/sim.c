@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "gpumem/gpumem.h"
@@ -116,7 +117,11 @@ typedef struct sim_device {
     uint64_t synced;      /* clock at the last synchronize: completes what was recorded up to it */
 
     uint64_t next_content; /* a fresh page's content: never written, never repeated */
-    size_t host_blocks;    /* host_alloc'd blocks not freed yet */
+    struct sim_host {
+        void *ptr;
+        size_t size;
+    } *host; /* host_alloc'd blocks not freed yet */
+    size_t host_blocks, cap_host;
 
     int capture_all;          /* gm_sim_set_capture */
     size_t capturing_streams; /* streams marked capturing */
@@ -421,27 +426,49 @@ static int sim_set_access(gm_device *dev, uintptr_t va, size_t size) {
 
 /* ---- host memory and copies ---------------------------------------------- */
 
-/* Host memory is real (calloc: untouched pages cost nothing); a copy moves one
- * 8-byte value per page, the page's content, to or from the start of that
- * page's slice of the host buffer. */
+/* Host memory is real, mapped anonymous and untouched (a backup of gigabytes
+ * costs what the copies write); a copy moves one 8-byte value per page, the
+ * page's content, to or from the start of that page's slice of the buffer. */
 static int sim_host_alloc(gm_device *dev, size_t size, void **out) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_HOST_ALLOC);
     if (!out || !size) return fail(s, GM_EINVAL, "host_alloc: NULL output pointer or size 0");
     if (inject) return fail(s, GM_ENOMEM, "injected fault in host_alloc");
-    if (!(*out = calloc(1, size))) return fail(s, GM_ENOMEM, "host_alloc: out of host memory for %zu bytes", size);
-    s->host_blocks++;
+    if (s->host_blocks == s->cap_host) {
+        size_t nc = s->cap_host ? 2 * s->cap_host : 4;
+        struct sim_host *nh = realloc(s->host, nc * sizeof *nh);
+        if (!nh) return fail(s, GM_ENOMEM, "host_alloc: out of host memory");
+        s->host = nh;
+        s->cap_host = nc;
+    }
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return fail(s, GM_ENOMEM, "host_alloc: out of host memory for %zu bytes", size);
+    s->host[s->host_blocks++] = (struct sim_host){p, size};
+    *out = p;
     return GM_OK;
 }
 
 static int sim_host_free(gm_device *dev, void *ptr) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_HOST_FREE);
-    if (!ptr || !s->host_blocks) return fail(s, GM_EINVAL, "host_free: no host block to free");
-    free(ptr); /* even when failing: a failed free must not leak in tests */
-    s->host_blocks--;
+    size_t k = 0;
+    while (k < s->host_blocks && s->host[k].ptr != ptr) k++;
+    if (k == s->host_blocks) return fail(s, GM_EINVAL, "host_free: %p is not a host block of this device", ptr);
+    /* Freed even when the call fails: a failing free must not leak in tests. */
+    munmap(ptr, s->host[k].size);
+    s->host[k] = s->host[--s->host_blocks];
     if (inject) return injected(s, GM_OP_HOST_FREE);
     return GM_OK;
+}
+
+/* Whether [p, p+size) lies inside one host block. */
+static int in_host(const sim_device *s, const void *p, size_t size) {
+    for (size_t k = 0; k < s->host_blocks; k++) {
+        const char *b = s->host[k].ptr;
+        if ((const char *)p >= b && size <= s->host[k].size && (size_t)((const char *)p - b) <= s->host[k].size - size)
+            return 1;
+    }
+    return 0;
 }
 
 /* The reservation slice of [va, va+size): whole pages, mapped, accessible. */
@@ -464,7 +491,8 @@ static int sim_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) 
     if (capture_forbids(s, GM_OP_COPY_DTOH)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = copy_range(s, "copy_dtoh", src, size, &first);
-    if (!r || !dst) return r ? fail(s, GM_EINVAL, "copy_dtoh: NULL destination") : GM_EINVAL;
+    if (!r) return GM_EINVAL;
+    if (!in_host(s, dst, size)) return fail(s, GM_EINVAL, "copy_dtoh: %p+%zu is not inside a host block", dst, size);
     if (inject) return injected(s, GM_OP_COPY_DTOH);
     for (size_t i = 0; i < size / dev->page_size; i++)
         memcpy((char *)dst + i * dev->page_size, &s->pages[r->handle[first + i]].content, sizeof(uint64_t));
@@ -477,7 +505,8 @@ static int sim_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t 
     if (capture_forbids(s, GM_OP_COPY_HTOD)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = copy_range(s, "copy_htod", dst, size, &first);
-    if (!r || !src) return r ? fail(s, GM_EINVAL, "copy_htod: NULL source") : GM_EINVAL;
+    if (!r) return GM_EINVAL;
+    if (!in_host(s, src, size)) return fail(s, GM_EINVAL, "copy_htod: %p+%zu is not inside a host block", src, size);
     if (inject) return injected(s, GM_OP_COPY_HTOD);
     for (size_t i = 0; i < size / dev->page_size; i++)
         memcpy(&s->pages[r->handle[first + i]].content, (const char *)src + i * dev->page_size, sizeof(uint64_t));
@@ -687,6 +716,8 @@ static void sim_destroy(gm_device *dev) {
         free(s->resv[i].handle);
         free(s->resv[i].access);
     }
+    for (size_t k = 0; k < s->host_blocks; k++) munmap(s->host[k].ptr, s->host[k].size);
+    free(s->host);
     free(s->resv);
     free(s->pages);
     free(s->events);
