@@ -131,7 +131,10 @@ class HeapMachine(RuleBasedStateMachine):
     @precondition(lambda self: set(self.pools) - set(self.paused))
     @rule(data=st.data(), backup=st.booleans())
     def pause(self, data, backup):
-        pid = data.draw(st.sampled_from(sorted(set(self.pools) - set(self.paused))))
+        self._pause(data.draw(st.sampled_from(sorted(set(self.pools) - set(self.paused)))), backup, data)
+
+    def _pause(self, pid, backup, data):
+        """Pause pid; whether it paused."""
         taken = {a for vals in self.saved.values() for a in vals}  # one value per page
         saved = {}
         for a, n in self._mine(pid):
@@ -143,23 +146,34 @@ class HeapMachine(RuleBasedStateMachine):
         if self.capturing:
             with pytest.raises(RuntimeError, match="GM_ECAPTURING"):
                 self.h.pool_pause(pid, backup=backup)
-            return
+            return False
         try:
             r = self.h.pool_pause(pid, backup=backup)
         except gpumem.DeviceError as exc:  # a held stream never finishes: no device wait
             assert self.held and "would deadlock" in str(exc), str(exc)
             assert not self.h.pool_info(pid)["paused"]
-            return
+            return False
         self.paused[pid] = backup
         self.saved[pid] = saved if backup else {}
         assert before - self.h.stats()["reserved_bytes.all.current"] == r["bytes"]
         for a, n in self._mine(pid):
             assert self.h.block_size(a) == n
+        return True
 
     @precondition(lambda self: self.paused)
     @rule(data=st.data())
     def resume(self, data):
-        pid = data.draw(st.sampled_from(sorted(self.paused)))
+        self._resume(data.draw(st.sampled_from(sorted(self.paused))))
+
+    @precondition(lambda self: set(self.pools) - set(self.paused) and not self.capturing and not self.held)
+    @rule(data=st.data())
+    def pause_and_resume_at_once(self, data):
+        """A round trip with a backup while the pool's blocks are all still there."""
+        pid = data.draw(st.sampled_from(sorted(set(self.pools) - set(self.paused))))
+        assert self._pause(pid, True, data)
+        self._resume(pid)
+
+    def _resume(self, pid):
         if self.capturing:
             with pytest.raises(RuntimeError, match="GM_ECAPTURING"):
                 self.h.pool_resume(pid)
