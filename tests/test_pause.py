@@ -474,3 +474,67 @@ def test_sizes(make_heap):
     assert h.sim_calls("set_access") - access0 <= 2
     assert all(h.sim_is_accessible(b, 64 * MiB) for b in blocks)
     assert_ok(h)
+
+
+# ---- the torch layer, without a GPU -----------------------------------------------------
+
+
+def test_torch_layer_refuses_without_install_and_bad_pools():
+    import gpumem.torch as gt
+
+    with pytest.raises(RuntimeError, match="not torch's allocator"):
+        gpumem.pause((0, 5))
+    with pytest.raises(RuntimeError, match="not torch's allocator"):
+        gpumem.resume((0, 5))
+    with pytest.raises(TypeError, match="MemPool or a pool id"):
+        gt._pause._pool_and_device("pool", 0)
+    with pytest.raises(TypeError, match="MemPool or a pool id"):
+        gt._pause._pool_and_device((1, -2), 0)
+    with pytest.raises(ValueError, match="names no pool"):
+        gt._pause._pool_and_device((0, 0), 0)
+
+    class Pool:  # what torch.cuda.MemPool / gpumem's MemPool look like
+        id = (0, 9)
+        device = 1
+
+    assert gt._pause._pool_and_device(Pool(), None) == ((0, 9), 1)
+    assert gt._pause._pool_and_device((3, 4), 2) == ((3, 4), 2)
+
+
+def test_torch_heap_pause_and_resume_on_a_simulated_device():
+    """The glue torch's path uses (_torch_pool_pause/_resume), on a sim-backed torch heap."""
+    from test_torch_pools import run_py
+
+    r = run_py(
+        """
+        _C._torch_pool_retain(0, (0, 5))
+        begin(0, 0, 5, ANY)
+        p = alloc(10 * MiB, 0, None)
+        end(0, 0, 5)
+        a = _C._torch_pool_pause(0, (0, 5), True)
+        info = _C._torch_pool_info(0, (0, 5))
+        errs = []
+        for fn in (lambda: _C._torch_pool_pause(0, (0, 5)), lambda: _C._torch_pool_release(0, (0, 5)),
+                   lambda: _C._torch_pool_resume(0, (0, 6)), lambda: _C._torch_pool_pause(0, (0, 6))):
+            try:
+                fn()
+            except (RuntimeError, ValueError) as e:
+                errs.append(type(e).__name__ + ": " + str(e))
+        check()
+        b = _C._torch_pool_resume(0, (0, 5))
+        try:
+            _C._torch_pool_resume(0, (0, 5))
+        except RuntimeError as e:
+            errs.append(str(e))
+        check()
+        out(a=a, b=b, paused=info["paused"], paused_pages=info["paused_pages"], errs=errs,
+            after=_C._torch_pool_info(0, (0, 5))["paused"])
+        """
+    )
+    assert r["a"]["pages"] == 5 and r["a"]["backup_bytes"] == 10 * MiB
+    assert r["b"]["pages"] == 5 and r["b"]["backup_bytes"] == 10 * MiB
+    assert r["paused"] and r["paused_pages"] == 5 and not r["after"]
+    e = r["errs"]
+    assert "GM_EPAUSED" in e[0] and "paused" in e[1]
+    assert e[2].startswith("ValueError") and e[3].startswith("ValueError")
+    assert "not paused" in e[4]
