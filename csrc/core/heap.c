@@ -93,6 +93,23 @@
  *   pool_set_live restores a checkpoint: it frees the pool's unlisted live
  *   blocks and carves the listed ones out of the pool's free memory.
  *
+ * PAUSE
+ *
+ *   gm_pool_pause releases the physical pages that only one living pool's
+ *   blocks touch, after a device wait (and, asked to, a copy to pinned host
+ *   memory); the blocks stay as they are, live, pending or free, at their
+ *   addresses, and the pool lists the pages it released.  Nothing needs a
+ *   new block state: a paused page holds only blocks of its pool, so it holds
+ *   no general space, and while the pool is paused it gets no new block --
+ *   its allocations and set_live are refused, and it cannot end (release is
+ *   refused), which is what would turn its free blocks general.  Placement,
+ *   recycling and empty_cache look at general space only, so they never see
+ *   those pages.  The page-use counts still count them (the pool's blocks
+ *   keep their pages), so cached_pages and the reports take paused_pages
+ *   off.  gm_pool_resume maps pages behind the listed addresses again, one
+ *   set_access per contiguous run, copies the backup back, and on any
+ *   failure unmaps what it mapped: the pool is then as paused as before.
+ *
  * CAPTURE
  *
  *   While a CUDA graph is captured, a synchronisation, an event query or
