@@ -39,7 +39,7 @@ def one_size(torch, gpumem, size, backup, rounds):
             probes.append((t, at, v))
     torch.cuda.synchronize()
     pinned = gpumem._C._torch_pool_info(torch.cuda.current_device(), pool.id)["pinned_pages"]
-    pause_s, resume_s, returned, released, shared = [], [], [], [], []
+    pause_s, resume_s, returned, released, shared, phases = [], [], [], [], [], []
     intact = True
     for _ in range(rounds):
         torch.cuda.synchronize()
@@ -56,6 +56,7 @@ def one_size(torch, gpumem, size, backup, rounds):
         returned.append(free1 - free0)
         released.append(r.pages)
         shared.append(r.shared_pages)
+        phases.append({"pause": r.phases, "resume": r2.phases})
         assert r2.pages == r.pages
         if backup:
             intact = intact and all(bool(torch.equal(t[at : at + 4096], v)) for t, at, v in probes)
@@ -76,6 +77,9 @@ def one_size(torch, gpumem, size, backup, rounds):
         "pause_ms_all": [1e3 * s for s in pause_s],
         "resume_ms_all": [1e3 * s for s in resume_s],
         "resume_us_per_page": 1e6 * statistics.median(resume_s) / max(released[0], 1),
+        # the core's own split of each call (seconds): median over the rounds
+        "pause_phases_ms": {k: 1e3 * statistics.median(p["pause"][k] for p in phases) for k in phases[0]["pause"]},
+        "resume_phases_ms": {k: 1e3 * statistics.median(p["resume"][k] for p in phases) for k in phases[0]["resume"]},
         "contents_ok": intact if backup else None,
         "rounds": rounds,
     }
@@ -116,14 +120,17 @@ def main(argv=None):
     print()
     print(
         "| pool | backup | pages | shared | returned (mem_get_info) | % of pool pages | pause ms | resume ms "
-        "| resume us/page | contents |"
+        "| resume us/page | pause: sync / copy / unmap+release ms | resume: pages / map+access / copy ms | contents |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        pp, rp = r["pause_phases_ms"], r["resume_phases_ms"]
         print(
             f"| {r['size_bytes'] / GiB:g} GiB | {'yes' if r['backup'] else 'no'} | {r['pages_released']} "
             f"| {r['shared_pages']} | {r['returned_bytes'] / GiB:.3f} GiB | {r['returned_pct']:.2f}% "
             f"| {r['pause_ms']:.1f} | {r['resume_ms']:.1f} | {r['resume_us_per_page']:.1f} "
+            f"| {pp['sync']:.1f} / {pp['copy']:.1f} / {pp['map']:.1f} "
+            f"| {rp['pages']:.1f} / {rp['map']:.1f} / {rp['copy']:.1f} "
             f"| {'-' if r['contents_ok'] is None else ('ok' if r['contents_ok'] else 'CHANGED')} |"
         )
     for s in skipped:

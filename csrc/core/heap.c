@@ -132,6 +132,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "heap_internal.h"
 
@@ -2308,8 +2309,15 @@ static int pool_own_pages(gm_heap *h, const gm_pool *p, gm_paused_page **out, si
 
 static int pause_refused(gm_heap *h) { return capture_on(h, 0) || other_capture(h); }
 
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out) {
-    gm_pause_info info = {0, 0, 0};
+    gm_pause_info info = {0};
+    uint64_t t0 = mono_ns(), t1 = t0, t2 = t0;
     const gm_device_ops *ops = h->dev->ops;
     if (flags & ~(unsigned)GM_PAUSE_BACKUP) return GM_EINVAL;
     pthread_mutex_lock(&h->lock);
@@ -2329,6 +2337,7 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
     if (rc) goto out;
     /* Nothing may still be running on the pages, and pending frees complete. */
     if ((rc = synchronize(h)) || (rc = pool_own_pages(h, p, &l, &n, &shared))) goto out;
+    t1 = t2 = mono_ns();
     if (n && (flags & GM_PAUSE_BACKUP)) {
         if ((rc = ops->host_alloc(h->dev, n * h->page, &backup))) {
             h->st.num_device_errors++;
@@ -2346,6 +2355,7 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
             goto out;
         }
     }
+    t2 = mono_ns();
     /* Unmap run by run, releasing each physical page (one that will not go is
      * kept as a spare).  A failed unmap stops here: the pool is paused with
      * the pages released so far. */
@@ -2383,7 +2393,7 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
     p->backup = backup;
     l = NULL;
     backup = NULL;
-    info = (gm_pause_info){done, shared, p->backup ? done * h->page : 0};
+    info = (gm_pause_info){done, shared, p->backup ? done * h->page : 0, t1 - t0, 0, t2 - t1, mono_ns() - t2};
 out:
     if (backup) ops->host_free(h->dev, backup);
     free(l);
@@ -2423,7 +2433,8 @@ static void unresume(gm_heap *h, gm_pool *p, size_t n) {
 }
 
 int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
-    gm_pause_info info = {0, 0, 0};
+    gm_pause_info info = {0};
+    uint64_t t0 = mono_ns(), t1 = t0, t2 = t0;
     const gm_device_ops *ops = h->dev->ops;
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK, dev_err = GM_OK;
@@ -2442,6 +2453,7 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
         rc = dev_err ? GM_EDEVICE : GM_ENOMEM;
         goto fail;
     }
+    t1 = mono_ns();
     /* 2. Map each page at its address; grant access once per run. */
     for (size_t i = 0, j; i < n; i = j) {
         j = run_end(l, i, n);
@@ -2465,6 +2477,7 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
             goto fail;
         }
     }
+    t2 = mono_ns();
     /* 3. The contents. */
     for (size_t i = 0, j; p->backup && i < n; i = j) {
         j = run_end(l, i, n);
@@ -2479,8 +2492,9 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
         j = run_end(l, i, n);
         gm_hist(h, GM_H_MAP, gm_page_addr(h, l[i].page), (j - i) * h->page, ANY, 0);
     }
-    info = (gm_pause_info){n, p->shared_pages, p->backup ? n * h->page : 0};
+    info = (gm_pause_info){n, p->shared_pages, p->backup ? n * h->page : 0, 0, t1 - t0, 0, t2 - t1};
     if (p->backup && ops->host_free(h->dev, p->backup)) h->st.num_device_errors++;
+    info.copy_ns = mono_ns() - t2;
     free(p->paused_list);
     p->paused_list = NULL;
     p->backup = NULL;

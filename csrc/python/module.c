@@ -669,9 +669,11 @@ static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
 /* pool_pause / pool_resume: the core's gm_pause_info, and the seconds the call took. */
 static PyObject *pause_result(HeapObject *self, const gm_pause_info *info, double seconds) {
     size_t page = self->dev->page_size;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d}", "pages", (Py_ssize_t)info->pages, "bytes",
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
                          (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
-                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds);
+                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
+                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
+                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
 }
 
 static double now_s(void) {

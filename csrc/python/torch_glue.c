@@ -404,9 +404,11 @@ static double mono_s(void) {
 
 static PyObject *pause_dict(gm_heap *h, const gm_pause_info *info, double seconds) {
     size_t page = gm_heap_device(h)->page_size;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d}", "pages", (Py_ssize_t)info->pages, "bytes",
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
                          (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
-                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds);
+                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
+                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
+                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
 }
 
 static PyObject *pause_fail(gm_heap *h, int rc, const char *what, gm_pool_id id) {

@@ -34,6 +34,10 @@ class PauseResult:
     share them (a page is 2 MiB; a pool's small blocks can share one with
     other tensors).  backup_bytes: bytes copied to pinned host memory (pause)
     or back (resume); 0 without a backup.  seconds: time the call took.
+    phases: where that time went, in seconds -- "sync" (the device wait
+    before a pause), "pages" (getting physical pages for a resume), "copy"
+    (the backup's host memory and copies), "map" (unmap and release, or map
+    and set access).
     """
 
     pool: tuple
@@ -43,6 +47,7 @@ class PauseResult:
     shared_pages: int
     backup_bytes: int
     seconds: float
+    phases: dict
 
 
 def _pool_and_device(pool, device):
@@ -87,7 +92,14 @@ def _require_installed():
 
 def _result(pid, device, d) -> PauseResult:
     return PauseResult(
-        pid, device, int(d["pages"]), int(d["bytes"]), int(d["shared_pages"]), int(d["backup_bytes"]), d["seconds"]
+        pid,
+        device,
+        int(d["pages"]),
+        int(d["bytes"]),
+        int(d["shared_pages"]),
+        int(d["backup_bytes"]),
+        d["seconds"],
+        dict(d["phases"]),
     )
 
 

@@ -346,6 +346,11 @@ typedef struct gm_pause_info {
     size_t pages;        /* pages released (pause) or mapped again (resume) */
     size_t shared_pages; /* pages kept mapped because blocks outside the pool share them */
     size_t backup_bytes; /* bytes copied to (pause) or back from (resume) host memory */
+    /* Where the time went, in ns: waiting for the device (pause), getting the
+     * physical pages (resume: spares, new ones, taken back), the copies and
+     * the host allocation or free, and the mapping work (pause: unmap and
+     * release; resume: map and set_access). */
+    uint64_t sync_ns, pages_ns, copy_ns, map_ns;
 } gm_pause_info;
 int gm_pool_pause(gm_heap *heap, gm_pool_id id, unsigned flags, gm_pause_info *out);
 int gm_pool_resume(gm_heap *heap, gm_pool_id id, gm_pause_info *out);
