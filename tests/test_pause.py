@@ -272,6 +272,9 @@ def test_what_a_paused_pool_refuses(make_heap):
     with pytest.raises(RuntimeError, match="paused; resume it"):
         h.pool_release(P)
     assert h.pool_info(P)["use_count"] == 1
+    h.pool_retain(P)  # a use_mem_pool around a refused allocation: uses come and go
+    h.pool_release(P)
+    assert h.pool_info(P)["use_count"] == 1 and h.pool_info(P)["paused"]
     with pytest.raises(RuntimeError, match="GM_EPAUSED"):
         h.pool_set_live(P, [])
     assert h.block_size(a) == PAGE
@@ -514,6 +517,7 @@ def test_torch_heap_pause_and_resume_on_a_simulated_device():
         a = _C._torch_pool_pause(0, (0, 5), True)
         info = _C._torch_pool_info(0, (0, 5))
         errs = []
+        _C._torch_pool_release(0, (0, 5))  # begin's use: uses may come and go while paused
         for fn in (lambda: _C._torch_pool_pause(0, (0, 5)), lambda: _C._torch_pool_release(0, (0, 5)),
                    lambda: _C._torch_pool_resume(0, (0, 6)), lambda: _C._torch_pool_pause(0, (0, 6))):
             try:

@@ -2041,6 +2041,8 @@ static void pool_end(gm_heap *h, gm_pool *p) {
          * owner of the stream inherits the proof with the blocks. */
         gm_owner *g = o->stream == ANY ? NULL : owner_get(h, NULL, o->stream);
         if (g && g->safe_seq < o->safe_seq) g->safe_seq = o->safe_seq;
+        /* A release in flight on g then covers at least what is proven. */
+        if (g && g->releasing && g->release_seq < g->safe_seq) g->release_seq = g->safe_seq;
         struct to_general_ctx c = {h, o};
         fi_each(&o->idx, to_general, &c);
     }
@@ -2062,8 +2064,9 @@ int gm_pool_release(gm_heap *h, gm_pool_id id) {
     pthread_mutex_lock(&h->lock);
     gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
     /* A paused pool cannot end: its blocks' pages are gone, and ending would
-     * hand its free memory to the general heap.  Resume it first. */
-    int rc = !p ? GM_EINVAL : p->paused ? GM_EPAUSED : GM_OK;
+     * hand its free memory to the general heap.  Resume it first.  Other uses
+     * (a use_mem_pool around a refused allocation) come and go. */
+    int rc = !p ? GM_EINVAL : (p->paused && p->use_count == 1) ? GM_EPAUSED : GM_OK;
     if (!rc && --p->use_count == 0) pool_end(h, p);
     pthread_mutex_unlock(&h->lock);
     return rc;

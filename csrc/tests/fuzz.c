@@ -716,8 +716,8 @@ static void op_pool(world *w, rng_t *r) {
         return;
     }
     int rc = gm_pool_release(w->heap, pool_id(i));
-    if (w->paused[i]) {
-        if (rc != GM_EPAUSED) fail("gm_pool_release of paused pool %d returned %d", i, rc);
+    if (w->paused[i] && w->pool_uses[i] == 1) { /* a paused pool cannot end */
+        if (rc != GM_EPAUSED) fail("gm_pool_release of paused pool %d's last use returned %d", i, rc);
         return;
     }
     if (rc != GM_OK) fail("gm_pool_release(%d) returned %d", i, rc);

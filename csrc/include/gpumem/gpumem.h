@@ -292,7 +292,7 @@ typedef struct gm_pool_info {
 /* Create the pool with use count 1, or add one use to it. */
 int gm_pool_retain(gm_heap *heap, gm_pool_id id);
 /* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool,
- * GM_EPAUSED (nothing changes) while the pool is paused. */
+ * GM_EPAUSED (nothing changes) for the last use of a paused pool. */
 int gm_pool_release(gm_heap *heap, gm_pool_id id);
 /* gm_malloc, in `pool` (NULL: the general heap).  GM_EINVAL for an unknown pool. */
 int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, const gm_pool_id *pool,
@@ -323,9 +323,10 @@ int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const
  * pool share stay mapped (shared_pages).  With GM_PAUSE_BACKUP the released
  * pages' contents are first copied to pinned host memory (the device's
  * host_alloc / copy ops; GM_ENOTSUP without them).  While paused:
- *   - an allocation in the pool, gm_pool_set_live and gm_pool_release fail with
- *     GM_EPAUSED and change nothing; freeing a block of the pool works (the
- *     block goes back to the pool's free memory, no device call);
+ *   - an allocation in the pool, gm_pool_set_live and releasing the pool's last
+ *     use fail with GM_EPAUSED and change nothing (other uses come and go);
+ *     freeing a block of the pool works (the block goes back to the pool's
+ *     free memory, no device call);
  *   - no other request, defragmentation, empty_cache or cap ever maps, moves
  *     or counts those pages: they are not free space;
  *   - touching the memory is the caller's error (on CUDA, an illegal-address
