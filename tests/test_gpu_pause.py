@@ -147,3 +147,80 @@ def test_a_cuda_graph_replays_after_pause_and_resume():
     assert with_backup["kept"], r  # the graph's output came back with the backup
     assert with_backup["replay_ok"] and without["replay_ok"], r
     assert r["keep_ok"] and r["x_ok"], r
+
+
+FAULT = """
+# GPUMEM_CUDA_FAULTS is read when a device opens: a first heap, without faults,
+# counts the calls of OP made before the pause (or the resume); a second one,
+# opened with OP's next call set to fail, runs the same steps.
+P, PAGE = (1, 1), 2 << 20
+
+def setup():
+    h = gpumem.Heap(device="cuda")
+    h.pool_retain(P)
+    blocks = [h.malloc(64 * PAGE, pool=P) for _ in range(4)]
+    h.malloc(4096)                                   # general, after the pool's run of pages
+    return h, blocks
+
+h, blocks = setup()
+before_pause = h.cuda_fault_calls(OP)[0]
+h.pool_pause(P, backup=True)
+before_resume = h.cuda_fault_calls(OP)[0]
+h.pool_resume(P)
+h.close()
+os.environ["GPUMEM_CUDA_FAULTS"] = f"{OP}:{(before_pause if WHEN == 'pause' else before_resume) + 1}"
+h, blocks = setup()
+res = {}
+def attempt(name, fn):
+    try:
+        fn()
+        res[name] = "ok"
+    except (gpumem.DeviceError, gpumem.OutOfMemoryError, RuntimeError) as e:
+        res[name] = type(e).__name__ + ": " + str(e).splitlines()[0]
+    h.check()
+    res[name + "_paused"] = h.pool_info(P)["paused"]
+attempt("pause", lambda: h.pool_pause(P, backup=True))
+if not res["pause_paused"]:
+    attempt("pause_again", lambda: h.pool_pause(P, backup=True))
+attempt("resume", lambda: h.pool_resume(P))
+if res["resume_paused"]:
+    attempt("resume_again", lambda: h.pool_resume(P))
+res["back"] = all(h.block_size(b) == 64 * PAGE for b in blocks)
+for b in blocks:
+    h.free(b)
+h.pool_release(P)
+h.empty_cache()
+h.check()
+res["fault_calls"] = h.cuda_fault_calls(OP)
+out(**res)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@pytest.mark.parametrize(
+    "op,fails",
+    [
+        ("host_alloc", "pause"),
+        ("copy_dtoh", "pause"),
+        ("unmap", "pause"),
+        ("release", None),  # absorbed: the page stays with the heap as a spare
+        ("create", "resume"),
+        ("map", "resume"),
+        ("set_access", "resume"),
+        ("copy_htod", "resume"),
+    ],
+)
+def test_a_failed_driver_call_leaves_the_pool_paused_or_not_never_half(op, fails):
+    when = "resume" if fails == "resume" else "pause"
+    r = run_py(f"OP, WHEN = {op!r}, {when!r}\n" + FAULT)
+    assert r["fault_calls"][1] == 1, r  # the fault fired once
+    if fails == "pause":
+        assert r["pause"] != "ok" and not r["pause_paused"], r  # nothing changed
+        assert r["pause_again"] == "ok", r
+    elif fails == "resume":
+        assert r["pause"] == "ok" and r["resume"] != "ok" and r["resume_paused"], r  # unwound to paused
+        assert r["resume_again"] == "ok" and not r["resume_again_paused"], r
+    else:
+        assert r["pause"] == "ok" and r["resume"] == "ok", r
+    assert r["back"], r
