@@ -255,7 +255,8 @@ class Snapshot:
 
     @property
     def segments(self) -> List[Segment]:
-        """Maximal runs of mapped pages with the blocks inside them, in address order."""
+        """Maximal runs of mapped pages with the blocks inside them, in address order.  A paused
+        pool's released pages count as part of a run: its blocks are still there."""
         segs: List[Segment] = []
         ps = self.page_size
         i, n = 0, len(self.pages)
