@@ -162,6 +162,7 @@ def setup():
     h.malloc(4096)                                   # general, after the pool's run of pages
     return h, blocks
 
+os.environ["GPUMEM_CUDA_FAULTS"] = "processes:1000000000"  # counts every call, fails none here
 h, blocks = setup()
 before_pause = h.cuda_fault_calls(OP)[0]
 h.pool_pause(P, backup=True)

@@ -326,7 +326,6 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
     /* C6 */
     const gm_stats *st = &h->st;
     int rc;
-    (void)paused;
     int64_t held = (int64_t)(h->mapped_pages + h->n_spare);
 #define STAT_IS(name, all, small) (rc = stat_is(st->name, all, small, #name, why, len))
     if (STAT_IS(allocation, n_live, n_live_s) || STAT_IS(allocated_bytes, b_live, b_live_s) ||

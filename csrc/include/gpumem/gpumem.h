@@ -165,7 +165,9 @@ void gm_reset_accumulated_stats(gm_heap *heap);
  * free blocks that could merge have merged; the free index holds exactly the
  * free blocks; the live table holds exactly the live blocks; every statistic
  * equals a recount; private pools' blocks, owners and counters agree, and
- * their pages count as used; blocks freed during a capture wait consistently.
+ * their pages count as used; blocks freed during a capture wait consistently;
+ * a paused pool's released pages are unmapped (the device agrees) and hold
+ * only that pool's blocks.
  * Returns GM_OK or GM_ECORRUPT with a reason. */
 int gm_check(gm_heap *heap, char *why, size_t whylen);
 
