@@ -13,7 +13,7 @@
  * injection, and checks every result against a shadow model kept here,
  * independently of the core.  Threaded mode hammers one heap from N pthreads (each on its own
  * stream) and checks overlap through a shared shadow; each thread keeps a
- * private pool for part of its blocks.
+ * private pool for part of its blocks, and pauses and resumes it now and then.
  *
  * Exit status 0 on success; on the first violation it prints the op index and
  * seed (enough to reproduce: the run is deterministic for a given seed in
@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1147,6 +1148,7 @@ static void *thread_main(void *arg) {
     gm_stream stream = 0x1000u * (gm_stream)(a->id + 1);
     gm_pool_id pid = {0x200u + (uint64_t)a->id, 1};
     if (gm_pool_retain(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_retain failed", 0, 0);
+    int paused = 0;
     for (uint64_t op = 0; op < tw->ops_per_thread; op++) {
         unsigned x = (unsigned)rnd_below(&r, 1000);
         if (x < 500 && a->nmine < 4096) {
@@ -1155,8 +1157,12 @@ static void *thread_main(void *arg) {
             size_t size = rnd_size(&r) >> (rnd_below(&r, 2) ? 0 : 6);
             if (!size) size = 1;
             uintptr_t p = 0;
-            int rc = gm_malloc_pool(tw->heap, size, stream, (uint64_t)a->id, rnd_below(&r, 4) ? NULL : &pid, &p);
+            int in_pool = !rnd_below(&r, 4);
+            int rc = gm_malloc_pool(tw->heap, size, stream, (uint64_t)a->id, in_pool ? &pid : NULL, &p);
             a->mallocs++;
+            if ((rc == GM_EPAUSED) != (in_pool && paused))
+                tfail(a, op, "gm_malloc_pool: paused pool mismatch", 0, size);
+            if (rc == GM_EPAUSED) continue;
             if (rc == GM_ENOMEM) {
                 a->ooms++;
                 continue;
@@ -1220,6 +1226,14 @@ static void *thread_main(void *arg) {
             gm_oom_info info;
             gm_memory_report(tw->heap, 4 * MiB, &info);
             (void)gm_last_oom(tw->heap, &info);
+        } else if (x < 993) {
+            /* Pause or resume this thread's pool while the others work. */
+            int rc = paused ? gm_pool_resume(tw->heap, pid, NULL)
+                            : gm_pool_pause(tw->heap, pid, rnd_below(&r, 2) ? GM_PAUSE_BACKUP : 0, NULL);
+            if (rc == GM_OK)
+                paused = !paused;
+            else if (!(paused && rc == GM_ENOMEM))
+                tfail(a, op, paused ? "gm_pool_resume failed" : "gm_pool_pause failed", 0, (size_t)rc);
         } else {
             gm_stats st;
             gm_get_stats(tw->heap, &st);
@@ -1227,6 +1241,14 @@ static void *thread_main(void *arg) {
                 tfail(a, op, "negative statistic", 0, 0);
         }
     }
+    /* A paused pool cannot end: bring it back (others may hold the memory a while). */
+    for (int tries = 0; paused && tries < 100000; tries++) {
+        if (gm_pool_resume(tw->heap, pid, NULL) == GM_OK)
+            paused = 0;
+        else
+            sched_yield();
+    }
+    if (paused) tfail(a, 0, "gm_pool_resume never found the memory at the end", 0, 0);
     /* The pool ends; its live blocks join the heap when freed at teardown. */
     if (gm_pool_release(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_release failed", 0, 0);
     return NULL;
