@@ -539,6 +539,6 @@ def test_torch_heap_pause_and_resume_on_a_simulated_device():
     assert r["b"]["pages"] == 5 and r["b"]["backup_bytes"] == 10 * MiB
     assert r["paused"] and r["paused_pages"] == 5 and not r["after"]
     e = r["errs"]
-    assert "GM_EPAUSED" in e[0] and "paused" in e[1]
+    assert "already paused (GM_EPAUSED)" in e[0] and "paused" in e[1]
     assert e[2].startswith("ValueError") and e[3].startswith("ValueError")
     assert "not paused" in e[4]

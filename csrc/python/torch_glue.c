@@ -414,6 +414,14 @@ static PyObject *pause_dict(gm_heap *h, const gm_pause_info *info, double second
 static PyObject *pause_fail(gm_heap *h, int rc, const char *what, gm_pool_id id) {
     const char *why = gm_heap_device(h)->last_error;
     if (rc == GM_EINVAL) return pool_error(rc, what, id);
+    if (rc == GM_EPAUSED)
+        return PyErr_Format(PyExc_RuntimeError, "gpumem: %s pool (%llu, %llu): it is already paused (GM_EPAUSED)", what,
+                            (unsigned long long)id.first, (unsigned long long)id.second);
+    if (rc == GM_ECAPTURING)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "gpumem: %s pool (%llu, %llu): not allowed while a CUDA graph is being captured "
+                            "(or a use_mem_pool block is open) (GM_ECAPTURING)",
+                            what, (unsigned long long)id.first, (unsigned long long)id.second);
     return PyErr_Format(PyExc_RuntimeError, "gpumem: %s pool (%llu, %llu): %s (%s)%s%s", what,
                         (unsigned long long)id.first, (unsigned long long)id.second, gm_strerror(rc),
                         gm_py_code_name(rc), (rc == GM_EDEVICE || rc == GM_ENOMEM) && why[0] ? ": " : "",
