@@ -513,6 +513,11 @@ def test_torch_heap_pause_and_resume_on_a_simulated_device():
         _C._torch_pool_retain(0, (0, 5))
         begin(0, 0, 5, ANY)
         p = alloc(10 * MiB, 0, None)
+        try:  # an open begin counts as a capture
+            _C._torch_pool_pause(0, (0, 5))
+            capturing = "no error"
+        except RuntimeError as e:
+            capturing = str(e)
         end(0, 0, 5)
         a = _C._torch_pool_pause(0, (0, 5), True)
         info = _C._torch_pool_info(0, (0, 5))
@@ -531,10 +536,11 @@ def test_torch_heap_pause_and_resume_on_a_simulated_device():
         except RuntimeError as e:
             errs.append(str(e))
         check()
-        out(a=a, b=b, paused=info["paused"], paused_pages=info["paused_pages"], errs=errs,
+        out(a=a, b=b, capturing=capturing, paused=info["paused"], paused_pages=info["paused_pages"], errs=errs,
             after=_C._torch_pool_info(0, (0, 5))["paused"])
         """
     )
+    assert "GM_ECAPTURING" in r["capturing"], r["capturing"]
     assert r["a"]["pages"] == 5 and r["a"]["backup_bytes"] == 10 * MiB
     assert r["b"]["pages"] == 5 and r["b"]["backup_bytes"] == 10 * MiB
     assert r["paused"] and r["paused_pages"] == 5 and not r["after"]
