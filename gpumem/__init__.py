@@ -70,6 +70,27 @@ def status():
     return _torch.status()
 
 
+def pause(pool, backup=False, device=None):
+    """Release a private pool's physical memory, keeping its addresses; see gpumem.torch.pause."""
+    from . import torch as _torch
+
+    return _torch.pause(pool, backup=backup, device=device)
+
+
+def resume(pool, device=None):
+    """Map memory behind a paused pool again (restoring its backup); see gpumem.torch.resume."""
+    from . import torch as _torch
+
+    return _torch.resume(pool, device=device)
+
+
+def paused(pool, backup=False, device=None):
+    """Context manager: pause(pool) on entry, resume(pool) on exit; see gpumem.torch.paused."""
+    from . import torch as _torch
+
+    return _torch.paused(pool, backup=backup, device=device)
+
+
 # Visibility: snapshots, history, memory over time, OOM explanations.  Importing
 # explain registers the formatter that words OutOfMemoryError messages.
 if "_import_error" not in globals():
@@ -83,6 +104,9 @@ __all__ = [
     "torch_allocator",
     "uninstall",
     "status",
+    "pause",
+    "resume",
+    "paused",
     "snapshot",
     "dump_snapshot",
     "Snapshot",

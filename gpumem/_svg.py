@@ -26,8 +26,8 @@ BLOCK_COLORS = {
     "free": ("#9fd39a", "#9fd39a"),
     "unmapped": ("#ececec", "#ececec"),
 }
-PAGE_COLORS = {"used": "#1f3f73", "cached": "#8fc1e3", "unmapped": "#d6d6d6"}
-PAGE_STATE_NAMES = {0: "unmapped", 1: "used", 2: "cached"}
+PAGE_COLORS = {"used": "#1f3f73", "cached": "#8fc1e3", "unmapped": "#d6d6d6", "paused": "#f2c6a0"}
+PAGE_STATE_NAMES = {0: "unmapped", 1: "used", 2: "cached", 3: "paused"}
 
 WIDTH = 960
 PAGE_H = 7

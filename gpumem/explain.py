@@ -96,6 +96,8 @@ class Report:
     n_pools: int = 0  # living private pools (CUDA graphs, MemPools)
     pool_live_bytes: int = 0  # live + pending in living private pools
     pool_free_bytes: int = 0  # free, kept for living private pools
+    paused_pools: int = 0  # pools paused now (gpumem.pause): their pages are released
+    paused_bytes: int = 0  # memory those pauses released (not reserved; resume takes it back)
     by_framework: dict = field(default_factory=dict)  # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
@@ -162,6 +164,14 @@ class Report:
                     self.pool_free_bytes,
                     "reusable only by their pool until it is released",
                 ),
+            )
+        if self.paused_pools:
+            rows.append(
+                (
+                    "paused pools (released, not held)",
+                    self.paused_bytes,
+                    f"{self.paused_pools} pool(s); resume needs this much back",
+                )
             )
         if self.outside_allocator is not None:
             rows.append(
@@ -317,6 +327,8 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         top_sites=snap.top_sites(5),
         device_error=int(info.get("device_error", 0)),
         n_pools=len(snap.pools),
+        paused_pools=sum(1 for p in snap.pools if p.get("paused")),
+        paused_bytes=sum(int(p.get("paused_pages", 0)) for p in snap.pools) * page,
         pool_live_bytes=int(info.get("pool_live_bytes", 0)),
         pool_free_bytes=int(info.get("pool_free_bytes", 0)),
         by_framework=snap.by_framework(),

@@ -63,7 +63,7 @@ from .trace import Trace
 
 __all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "memory_over_time", "TORCH_STATE"]
 
-PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached"}
+PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached", 3: "paused"}  # 3: released by a pool pause
 # gpumem block state -> torch's block state
 TORCH_STATE = {"live": "active_allocated", "pending": "active_pending_free", "free": "inactive"}
 # history action -> torch TraceEntry action (empty_cache shows as its unmaps)
@@ -255,7 +255,8 @@ class Snapshot:
 
     @property
     def segments(self) -> List[Segment]:
-        """Maximal runs of mapped pages with the blocks inside them, in address order."""
+        """Maximal runs of mapped pages with the blocks inside them, in address order.  A paused
+        pool's released pages count as part of a run: its blocks are still there."""
         segs: List[Segment] = []
         ps = self.page_size
         i, n = 0, len(self.pages)

@@ -1,7 +1,8 @@
 """Stateful property test: random operation sequences against a shadow model.
 
 Hypothesis drives malloc/free/record_stream/empty_cache/set_cap, stream
-holds, private pools (retain, release, allocations in a pool) and stream
+holds, private pools (retain, release, allocations in a pool, pause and resume
+with the contents of a backup checked) and stream
 captures (the sim refusing every call a capture forbids) on a small sim device
 (so that OOM, defragmentation and the cap all come into play) and after every
 step compares the heap with a model kept here.
@@ -55,6 +56,8 @@ class HeapMachine(RuleBasedStateMachine):
         self.gen = {pid: 0 for pid in POOLS}  # which life of each pool id
         self.kept = []  # (addr, size, pool id): freed into a living pool, only it may reuse
         self.capturing = False
+        self.paused = {}  # paused pool id -> whether with a backup
+        self.saved = {}  # pool id -> {page address: value written before its pause}
 
     @initialize()
     def open_heap(self):
@@ -67,14 +70,18 @@ class HeapMachine(RuleBasedStateMachine):
             if self.capturing:
                 self.h.sim_set_capture(False)
                 self.h.capture_end()
-            for pid in list(self.pools):
-                for _ in range(self.pools.pop(pid)):
-                    self.h.pool_release(pid)
             for s in STREAMS:
                 self.h.sim_hold_stream(s, False)
             for p in list(self.live):
                 self.h.free(p)
             self.live.clear()
+            self.h.set_cap(0)
+            # Paused pools last, one at a time: together they may need more than the device has.
+            for pid in sorted(self.pools, key=lambda q: q in self.paused):
+                if pid in self.paused:
+                    self.h.pool_resume(pid)
+                for _ in range(self.pools.pop(pid)):
+                    self.h.pool_release(pid)
             self.h.empty_cache()
             self.h.check()
             info = self.h.sim_info()
@@ -111,7 +118,78 @@ class HeapMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pools)
     @rule(size=sizes, stream=st.sampled_from(STREAMS), data=st.data())
     def malloc_in_pool(self, size, stream, data):
-        self._malloc(size, stream, data.draw(st.sampled_from(sorted(self.pools))))
+        pid = data.draw(st.sampled_from(sorted(self.pools)))
+        if pid in self.paused:
+            with pytest.raises(RuntimeError, match="GM_EPAUSED"):
+                self.h.malloc(size, stream=stream, pool=pid)
+            return
+        self._malloc(size, stream, pid)
+
+    def _mine(self, pid):
+        return [(a, b["size"]) for a, b in self.live.items() if b["pool"] == pid and b["gen"] == self.gen[pid]]
+
+    @precondition(lambda self: set(self.pools) - set(self.paused))
+    @rule(data=st.data(), backup=st.booleans())
+    def pause(self, data, backup):
+        self._pause(data.draw(st.sampled_from(sorted(set(self.pools) - set(self.paused)))), backup, data)
+
+    def _pause(self, pid, backup, data):
+        """Pause pid; whether it paused."""
+        taken = {a for vals in self.saved.values() for a in vals}  # one value per page
+        saved = {}
+        for a, n in self._mine(pid):
+            for page in range(a // PAGE, (a + n - 1) // PAGE + 1):
+                if page * PAGE not in taken and page * PAGE not in saved:
+                    saved[page * PAGE] = data.draw(st.integers(0, 2**48))
+                    self.h.sim_write(page * PAGE, saved[page * PAGE])
+        before = self.h.stats()["reserved_bytes.all.current"]
+        if self.capturing:
+            with pytest.raises(RuntimeError, match="GM_ECAPTURING"):
+                self.h.pool_pause(pid, backup=backup)
+            return False
+        try:
+            r = self.h.pool_pause(pid, backup=backup)
+        except gpumem.DeviceError as exc:  # a held stream never finishes: no device wait
+            assert self.held and "would deadlock" in str(exc), str(exc)
+            assert not self.h.pool_info(pid)["paused"]
+            return False
+        self.paused[pid] = backup
+        self.saved[pid] = saved if backup else {}
+        assert before - self.h.stats()["reserved_bytes.all.current"] == r["bytes"]
+        for a, n in self._mine(pid):
+            assert self.h.block_size(a) == n
+        return True
+
+    @precondition(lambda self: self.paused)
+    @rule(data=st.data())
+    def resume(self, data):
+        self._resume(data.draw(st.sampled_from(sorted(self.paused))))
+
+    @precondition(lambda self: set(self.pools) - set(self.paused) and not self.capturing and not self.held)
+    @rule(data=st.data())
+    def pause_and_resume_at_once(self, data):
+        """A round trip with a backup while the pool's blocks are all still there."""
+        pid = data.draw(st.sampled_from(sorted(set(self.pools) - set(self.paused))))
+        assert self._pause(pid, True, data)
+        self._resume(pid)
+
+    def _resume(self, pid):
+        if self.capturing:
+            with pytest.raises(RuntimeError, match="GM_ECAPTURING"):
+                self.h.pool_resume(pid)
+            return
+        try:
+            self.h.pool_resume(pid)
+        except gpumem.OutOfMemoryError:  # its memory went to others meanwhile
+            assert self.h.pool_info(pid)["paused"]
+            return
+        del self.paused[pid]
+        mine = self._mine(pid)
+        for page, value in self.saved.pop(pid, {}).items():
+            if any(a < page + PAGE and page < a + n for a, n in mine):
+                assert self.h.sim_read(page) == value, f"page {page:#x} lost its contents over a pause"
+        for a, n in mine:
+            assert self.h.sim_is_accessible(a, n)
 
     @rule(pid=st.sampled_from(POOLS))
     def pool_retain(self, pid):
@@ -124,6 +202,10 @@ class HeapMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def pool_release(self, data):
         pid = data.draw(st.sampled_from(sorted(self.pools)))
+        if pid in self.paused and self.pools[pid] == 1:  # a paused pool cannot end
+            with pytest.raises(RuntimeError, match="paused"):
+                self.h.pool_release(pid)
+            return
         self.h.pool_release(pid)
         self.pools[pid] -= 1
         if not self.pools[pid]:
@@ -214,8 +296,9 @@ class HeapMachine(RuleBasedStateMachine):
     def empty_cache(self):
         self._may_refuse(self.h.empty_cache)
         if not self.held and not self.capturing:
-            assert self.h.stats()["reserved_bytes.all.current"] == self._live_pages() * PAGE
-            assert self.h.sim_info()["pages_created"] == self._live_pages()
+            held = self._live_pages() - sum(p["paused_pages"] for p in self.h.pools())  # paused: released
+            assert self.h.stats()["reserved_bytes.all.current"] == held * PAGE
+            assert self.h.sim_info()["pages_created"] == held
 
     @rule(cap=st.sampled_from([0, 8 * MiB, 32 * MiB, 64 * MiB, CAPACITY]))
     def set_cap(self, cap):
@@ -256,7 +339,8 @@ class HeapMachine(RuleBasedStateMachine):
         assert stats["reserved_bytes.all.current"] == self.h.sim_info()["pages_created"] * PAGE
         for p, b in self.live.items():
             assert self.h.block_size(p) == b["size"]
-            assert self.h.sim_is_accessible(p, b["size"])
+            paused = b["pool"] in self.paused and b["gen"] == self.gen[b["pool"]]
+            assert paused or self.h.sim_is_accessible(p, b["size"])
         snap_live = {blk[0]: blk[1] for blk in self.h.snapshot()["blocks"] if blk[6] == "live"}
         assert snap_live == {p: b["size"] for p, b in self.live.items()}
         assert self.h.sim_capture_violations() == 0
@@ -267,8 +351,9 @@ class HeapMachine(RuleBasedStateMachine):
                 (a, b["size"]) for a, b in self.live.items() if b["pool"] == pid and b["gen"] == self.gen[pid]
             )
             assert self.h.pool_live(pid) == mine
-        for a, n, _ in self.kept:
-            assert self.h.sim_is_accessible(a, n), f"kept {a:#x}+{n} lost its pages"
+        for a, n, pid in self.kept:
+            assert pid in self.paused or self.h.sim_is_accessible(a, n), f"kept {a:#x}+{n} lost its pages"
+        assert {p["id"] for p in self.h.pools() if p["paused"]} == set(self.paused)
 
 
 # The loaded profile (tests/conftest.py) decides derandomization; at least

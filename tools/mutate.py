@@ -129,6 +129,24 @@ MUTATIONS = [
         "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
         "\n",
     ),
+    Mutation(
+        "pause_releases_shared_page",
+        "pause: a page the pool shares with other blocks is released too",
+        "if (m[q] == 1) {",
+        "if (m[q] & 1) {",
+    ),
+    Mutation(
+        "resume_skips_backup",
+        "resume: the backup is not copied back",
+        "for (size_t i = 0, j; p->backup && i < n; i = j) {",
+        "for (size_t i = 0, j; 0 && p->backup && i < n; i = j) {",
+    ),
+    Mutation(
+        "paused_pool_allocates",
+        "an allocation in a paused pool is served",
+        "if (pool && pool->paused) {",
+        "if (pool && pool->paused && 0) {",
+    ),
 ]
 
 DEFAULT_TESTS = ["tests"]

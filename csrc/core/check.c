@@ -24,6 +24,13 @@
  *      a deferred block has no event recorded and is pending.
  *   C10 the run index and the page-use counts equal a recount (runindex.h R1, R2,
  *       P1, P2).
+ *   C12 paused pools: a paused pool lives; its list of released pages is
+ *      ascending, in range, with distinct backup slots, and the pages have no
+ *      physical page behind them (C2's device check agrees); every block that
+ *      touches one is a live, pending or free block of that pool -- nothing
+ *      else was placed there, and no unmapped space covers it; the heap's
+ *      paused_pages is the sum; a pool that is not paused keeps no list or
+ *      backup.  C2 exempts exactly those pages from being mapped.
  *   C11 (check_streams) stream safety: owners' release bookkeeping is coherent,
  *      and a free block that every stream may reuse holds only frees proven
  *      done -- the newest free in it is at or below the proven sequence of the
@@ -124,7 +131,59 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
     return GM_OK;
 }
 
+static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t len);
+
+/* C12, the pools' side: each page a paused pool released, mapped to that pool
+ * (*owner, calloc'd over every page; NULL when no page is paused). */
+static int check_paused(gm_heap *h, const gm_pool ***owner, char *why, size_t len) {
+    *owner = NULL;
+    size_t total = 0;
+    for (size_t i = 0; i < h->n_pools; i++) {
+        const gm_pool *p = h->pools[i];
+        if (!p->paused) {
+            if (p->n_paused || p->paused_list || p->backup || p->shared_pages)
+                return fail(why, len, "pool (%llu, %llu) is not paused but keeps paused pages",
+                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
+            continue;
+        }
+        if (p->use_count <= 0) return fail(why, len, "an ended pool is paused");
+        total += p->n_paused;
+    }
+    if (total != h->paused_pages)
+        return fail(why, len, "pools list %zu paused pages but the heap counts %zu", total, h->paused_pages);
+    if (!total) return GM_OK;
+    const gm_pool **own = calloc(h->n_pages, sizeof *own);
+    if (!own) return GM_OK; /* no host memory: nothing to say */
+    for (size_t i = 0; i < h->n_pools; i++) {
+        const gm_pool *p = h->pools[i];
+        for (size_t k = 0; k < p->n_paused; k++) {
+            const gm_paused_page *e = &p->paused_list[k];
+            if (e->page >= h->n_pages || (k && (e->page <= e[-1].page || e->slot <= e[-1].slot)) || own[e->page]) {
+                free(own);
+                return fail(why, len, "paused pool (%llu, %llu): its page list is out of order or repeats a page",
+                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
+            }
+            if (h->page_handle[e->page]) {
+                free(own);
+                return fail(why, len, "page %zu of paused pool (%llu, %llu) is mapped", e->page,
+                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
+            }
+            own[e->page] = p;
+        }
+    }
+    *owner = own;
+    return GM_OK;
+}
+
 static int check_locked(gm_heap *h, char *why, size_t len) {
+    const gm_pool **paused = NULL;
+    int rc = check_paused(h, &paused, why, len);
+    if (!rc) rc = check_blocks(h, paused, why, len);
+    free(paused);
+    return rc;
+}
+
+static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
     const size_t P = h->page;
     const gm_device_verify *verify = h->dev->ops->verify; /* NULL: the device cannot tell */
     /* C1, C2, C3 in one walk. */
@@ -148,8 +207,10 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
         case GM_BLOCK_UNMAPPED:
             if ((b->addr - h->base) % P || b->size % P)
                 return fail(why, len, "unmapped block %#lx+%zu is not whole pages", (unsigned long)b->addr, b->size);
-            for (size_t p = p0; p < p1; p++)
+            for (size_t p = p0; p < p1; p++) {
                 if (h->page_handle[p]) return fail(why, len, "page %zu is mapped inside unmapped space", p);
+                if (paused && paused[p]) return fail(why, len, "paused page %zu lies in unmapped space", p);
+            }
             if (last && last->state == GM_BLOCK_UNMAPPED)
                 return fail(why, len, "two unmapped neighbours at %#lx were not merged", (unsigned long)b->addr);
             continue;
@@ -177,13 +238,26 @@ static int check_locked(gm_heap *h, char *why, size_t len) {
         default:
             return fail(why, len, "block %#lx has bad state %d", (unsigned long)b->addr, b->state);
         }
-        for (size_t p = p0; p < p1; p++)
+        int touches_paused = 0;
+        for (size_t p = p0; p < p1; p++) {
+            if (paused && paused[p]) {
+                if (paused[p] != b->pool)
+                    return fail(why, len, "block %#lx+%zu lies on page %zu, paused by a pool it is not in",
+                                (unsigned long)b->addr, b->size, p);
+                touches_paused = 1;
+                continue;
+            }
             if (!h->page_handle[p])
                 return fail(why, len, "page %zu under %s block %#lx+%zu is not mapped", p,
                             b->state == GM_BLOCK_FREE ? "free" : "live/pending", (unsigned long)b->addr, b->size);
+        }
         /* Free blocks too: they are handed out without another device call. */
-        if (verify && !verify->accessible(h->dev, b->addr, b->size))
+        if (verify && !touches_paused && !verify->accessible(h->dev, b->addr, b->size))
             return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
+        for (size_t p = p0; verify && touches_paused && p < p1; p++)
+            if (!paused[p] && !verify->accessible(h->dev, gm_page_addr(h, p), P))
+                return fail(why, len, "the device says page %zu under block %#lx is not accessible", p,
+                            (unsigned long)b->addr);
     }
     if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
 

@@ -93,6 +93,23 @@
  *   pool_set_live restores a checkpoint: it frees the pool's unlisted live
  *   blocks and carves the listed ones out of the pool's free memory.
  *
+ * PAUSE
+ *
+ *   gm_pool_pause releases the physical pages that only one living pool's
+ *   blocks touch, after a device wait (and, asked to, a copy to pinned host
+ *   memory); the blocks stay as they are, live, pending or free, at their
+ *   addresses, and the pool lists the pages it released.  Nothing needs a
+ *   new block state: a paused page holds only blocks of its pool, so it holds
+ *   no general space, and while the pool is paused it gets no new block --
+ *   its allocations and set_live are refused, and it cannot end (release is
+ *   refused), which is what would turn its free blocks general.  Placement,
+ *   recycling and empty_cache look at general space only, so they never see
+ *   those pages.  The page-use counts still count them (the pool's blocks
+ *   keep their pages), so cached_pages and the reports take paused_pages
+ *   off.  gm_pool_resume maps pages behind the listed addresses again, one
+ *   set_access per contiguous run, copies the backup back, and on any
+ *   failure unmaps what it mapped: the pool is then as paused as before.
+ *
  * CAPTURE
  *
  *   While a CUDA graph is captured, a synchronisation, an event query or
@@ -115,6 +132,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "heap_internal.h"
 
@@ -1290,7 +1308,7 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     o->live_bytes = h->live_bytes;
     o->pending_bytes = (size_t)h->st.active_bytes[GM_POOL_ALL].current - h->live_bytes;
     o->reserved_bytes = held_pages(h) * h->page;
-    size_t used = gm_used_pages(h);
+    size_t used = gm_used_pages(h) - h->paused_pages; /* paused pages are used but not held */
     o->cached_bytes = (held_pages(h) - used) * h->page;
     size_t run = 0, best_run = 0;
     /* Free memory kept for living pools serves no other request: it is
@@ -1362,7 +1380,8 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
  * pages touches a page of it only by starting or ending there, so live_ep
  * says which. */
 static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
-    size_t pages = h->mapped_pages - h->runs.live_pages;
+    /* Paused pages are counted in live_pages but are not mapped. */
+    size_t pages = h->mapped_pages + h->paused_pages - h->runs.live_pages;
     if (ex1 > h->n_pages) ex1 = h->n_pages;
     for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->runs.live_ep[p];
     return pages;
@@ -1586,7 +1605,12 @@ void gm_heap_destroy(gm_heap *h) {
         free(h->owners[i]);
     }
     for (size_t i = 0; i < h->n_event_pool; i++) dev->ops->event_destroy(dev, h->event_pool[i]);
-    for (size_t i = 0; i < h->n_pools; i++) free(h->pools[i]);
+    for (size_t i = 0; i < h->n_pools; i++) {
+        gm_pool *p = h->pools[i];
+        if (p->backup && dev->ops->host_free && !host_only) dev->ops->host_free(dev, p->backup);
+        free(p->paused_list);
+        free(p);
+    }
     free(h->pools);
     if (h->va_size && h->base) dev->ops->unreserve(dev, h->base, h->va_size);
     for (gm_block *b = h->head; b; b = b->next) {
@@ -1749,6 +1773,10 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
     gm_pool *pool = NULL;
     if (pool_id && !(pool = pool_find(h, pool_id))) {
         rc = GM_EINVAL;
+        goto done;
+    }
+    if (pool && pool->paused) {
+        rc = GM_EPAUSED;
         goto done;
     }
     h->no_sync = h->capture_count > 0;
@@ -2013,6 +2041,8 @@ static void pool_end(gm_heap *h, gm_pool *p) {
          * owner of the stream inherits the proof with the blocks. */
         gm_owner *g = o->stream == ANY ? NULL : owner_get(h, NULL, o->stream);
         if (g && g->safe_seq < o->safe_seq) g->safe_seq = o->safe_seq;
+        /* A release in flight on g then covers at least what is proven. */
+        if (g && g->releasing && g->release_seq < g->safe_seq) g->release_seq = g->safe_seq;
         struct to_general_ctx c = {h, o};
         fi_each(&o->idx, to_general, &c);
     }
@@ -2033,9 +2063,13 @@ static void pool_end(gm_heap *h, gm_pool *p) {
 int gm_pool_release(gm_heap *h, gm_pool_id id) {
     pthread_mutex_lock(&h->lock);
     gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
-    if (p && --p->use_count == 0) pool_end(h, p);
+    /* A paused pool cannot end: its blocks' pages are gone, and ending would
+     * hand its free memory to the general heap.  Resume it first.  Other uses
+     * (a use_mem_pool around a refused allocation) come and go. */
+    int rc = !p ? GM_EINVAL : (p->paused && p->use_count == 1) ? GM_EPAUSED : GM_OK;
+    if (!rc && --p->use_count == 0) pool_end(h, p);
     pthread_mutex_unlock(&h->lock);
-    return p ? GM_OK : GM_EINVAL;
+    return rc;
 }
 
 /* Pages any block of p touches, each counted once. */
@@ -2060,6 +2094,10 @@ static void pool_fill(gm_heap *h, const gm_pool *p, gm_pool_info *out) {
     out->free_blocks = p->free_blocks;
     out->free_bytes = p->free_bytes;
     out->pinned_pages = pool_pages(h, p);
+    out->paused = p->paused;
+    out->paused_pages = p->n_paused;
+    out->shared_pages = p->shared_pages;
+    out->backup_bytes = p->backup ? p->n_paused * h->page : 0;
 }
 
 int gm_pool_info_get(gm_heap *h, gm_pool_id id, gm_pool_info *out) {
@@ -2140,6 +2178,10 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
     int rc = GM_EINVAL;
     gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
     if (!p) goto out;
+    if (p->paused) {
+        rc = GM_EPAUSED;
+        goto out;
+    }
     /* 1. Validate, changing nothing: the list is disjoint, inside the range,
      * 512-aligned; the pool's live blocks are marked kept (1) or to free (2);
      * every other listed range lies in free memory of the pool once the blocks
@@ -2221,5 +2263,253 @@ out:
     for (gm_block *b = h->head; b; b = b->next) b->mark = 0;
     pthread_mutex_unlock(&h->lock);
     free(l);
+    return rc;
+}
+
+/* ---- pausing a pool ------------------------------------------------------------------------ */
+
+/* The end of the run of list entries that starts at i: consecutive pages with
+ * consecutive backup slots, which one device call covers. */
+static size_t run_end(const gm_paused_page *l, size_t i, size_t n) {
+    size_t j = i + 1;
+    while (j < n && l[j].page == l[j - 1].page + 1 && l[j].slot == l[j - 1].slot + 1) j++;
+    return j;
+}
+
+/* The pages that only blocks of p touch, ascending (*out, malloc'd), and how
+ * many pages p's blocks share with other blocks. */
+static int pool_own_pages(gm_heap *h, const gm_pool *p, gm_paused_page **out, size_t *n, size_t *shared) {
+    size_t top = 0;
+    *out = NULL;
+    *n = *shared = 0;
+    for (const gm_block *b = h->head; b; b = b->next)
+        if (b->pool == p) top = gm_page_ceil(h, b->addr + b->size);
+    if (!top) return GM_OK;
+    uint8_t *m = calloc(top, 1);
+    gm_paused_page *l = malloc(top * sizeof *l);
+    if (!m || !l) {
+        free(m);
+        free(l);
+        return GM_ENOMEM;
+    }
+    uintptr_t end = gm_page_addr(h, top);
+    for (const gm_block *b = h->head; b && b->addr < end; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED) continue; /* whole pages: never shares one */
+        size_t p1 = gm_page_ceil(h, b->addr + b->size);
+        for (size_t q = gm_page_floor(h, b->addr); q < p1 && q < top; q++) m[q] |= b->pool == p ? 1 : 2;
+    }
+    for (size_t q = 0; q < top; q++) {
+        if (m[q] == 1) {
+            l[*n] = (gm_paused_page){q, *n};
+            (*n)++;
+        }
+        *shared += m[q] == 3;
+    }
+    free(m);
+    *out = l;
+    return GM_OK;
+}
+
+static int pause_refused(gm_heap *h) { return capture_on(h, 0) || other_capture(h); }
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out) {
+    gm_pause_info info = {0};
+    uint64_t t0 = mono_ns(), t1 = t0, t2 = t0;
+    const gm_device_ops *ops = h->dev->ops;
+    if (flags & ~(unsigned)GM_PAUSE_BACKUP) return GM_EINVAL;
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_OK;
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    gm_paused_page *l = NULL;
+    void *backup = NULL;
+    size_t n = 0, shared = 0, done = 0;
+    if (!p)
+        rc = GM_EINVAL;
+    else if (p->paused)
+        rc = GM_EPAUSED;
+    else if (pause_refused(h))
+        rc = GM_ECAPTURING;
+    else if ((flags & GM_PAUSE_BACKUP) && (!ops->host_alloc || !ops->host_free || !ops->copy_dtoh || !ops->copy_htod))
+        rc = GM_ENOTSUP;
+    if (rc) goto out;
+    /* Nothing may still be running on the pages, and pending frees complete. */
+    if ((rc = synchronize(h)) || (rc = pool_own_pages(h, p, &l, &n, &shared))) goto out;
+    t1 = t2 = mono_ns();
+    if (n && (flags & GM_PAUSE_BACKUP)) {
+        if ((rc = ops->host_alloc(h->dev, n * h->page, &backup))) {
+            h->st.num_device_errors++;
+            goto out;
+        }
+        for (size_t i = 0, j; i < n && !rc; i = j) {
+            j = run_end(l, i, n);
+            rc = ops->copy_dtoh(h->dev, (char *)backup + i * h->page, gm_page_addr(h, l[i].page), (j - i) * h->page);
+        }
+        if (rc) {
+            h->st.num_device_errors++;
+            ops->host_free(h->dev, backup);
+            backup = NULL;
+            rc = GM_EDEVICE;
+            goto out;
+        }
+    }
+    t2 = mono_ns();
+    /* Unmap run by run, releasing each physical page (one that will not go is
+     * kept as a spare).  A failed unmap stops here: the pool is paused with
+     * the pages released so far. */
+    for (size_t i = 0, j; i < n; i = j) {
+        j = run_end(l, i, n);
+        uintptr_t a = gm_page_addr(h, l[i].page);
+        if (ops->unmap(h->dev, a, (j - i) * h->page)) {
+            h->st.num_device_errors++;
+            rc = GM_EDEVICE;
+            break;
+        }
+        for (size_t k = i; k < j; k++) {
+            size_t q = l[k].page;
+            gm_handle hd = h->page_handle[q];
+            h->page_handle[q] = 0;
+            h->mapped_pages--;
+            h->paused_pages++;
+            h->st.num_unmaps++;
+            if (ops->release(h->dev, hd)) {
+                h->st.num_device_errors++;
+                spare_push(h, hd);
+                continue;
+            }
+            count_held(h, -1);
+            h->st.num_device_free++;
+        }
+        gm_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
+        done = j;
+    }
+    if (!done && n) goto out; /* nothing changed */
+    p->paused = 1;
+    p->paused_list = l;
+    p->n_paused = done;
+    p->shared_pages = shared;
+    p->backup = backup;
+    l = NULL;
+    backup = NULL;
+    info = (gm_pause_info){done, shared, p->backup ? done * h->page : 0, t1 - t0, 0, t2 - t1, mono_ns() - t2};
+out:
+    if (backup) ops->host_free(h->dev, backup);
+    free(l);
+    pthread_mutex_unlock(&h->lock);
+    if (out) *out = info;
+    return rc;
+}
+
+/* Unmap the first `n` entries of p's list again (a resume that failed): their
+ * physical pages become spares.  A page that will not unmap stays mapped and
+ * leaves the list (its contents are then undefined). */
+static void unresume(gm_heap *h, gm_pool *p, size_t n) {
+    size_t k = 0;
+    for (size_t i = 0; i < p->n_paused; i++) {
+        gm_paused_page e = p->paused_list[i];
+        if (i >= n) {
+            p->paused_list[k++] = e;
+            continue;
+        }
+        uintptr_t a = gm_page_addr(h, e.page);
+        int rc = GM_EDEVICE;
+        for (int attempt = 0; attempt < 8 && rc; attempt++)
+            if ((rc = h->dev->ops->unmap(h->dev, a, h->page))) h->st.num_device_errors++;
+        if (rc) {
+            for (int attempt = 0; attempt < 8; attempt++)
+                if (h->dev->ops->set_access(h->dev, a, h->page) == GM_OK) break;
+            continue;
+        }
+        spare_push(h, h->page_handle[e.page]);
+        h->page_handle[e.page] = 0;
+        h->mapped_pages--;
+        h->paused_pages++;
+        h->st.num_unmaps++;
+        p->paused_list[k++] = e;
+    }
+    p->n_paused = k;
+}
+
+int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
+    gm_pause_info info = {0};
+    uint64_t t0 = mono_ns(), t1 = t0, t2 = t0;
+    const gm_device_ops *ops = h->dev->ops;
+    pthread_mutex_lock(&h->lock);
+    int rc = GM_OK, dev_err = GM_OK;
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (!p || !p->paused)
+        rc = GM_EINVAL;
+    else if (pause_refused(h))
+        rc = GM_ECAPTURING;
+    if (rc) goto out;
+    size_t n = p->n_paused, mapped = 0;
+    gm_paused_page *l = p->paused_list;
+    /* 1. The pages: spares, new ones up to the cap, then cached ones taken back. */
+    if (n > h->n_spare) grow(h, n - h->n_spare, h->cap_pages, &dev_err);
+    if (n > h->n_spare && cached_pages(h, 0, 0) && synchronize(h) == GM_OK) recycle(h, n - h->n_spare, 0, 0);
+    if (n > h->n_spare) {
+        rc = dev_err ? GM_EDEVICE : GM_ENOMEM;
+        goto fail;
+    }
+    t1 = mono_ns();
+    /* 2. Map each page at its address; grant access once per run. */
+    for (size_t i = 0, j; i < n; i = j) {
+        j = run_end(l, i, n);
+        for (size_t k = i; k < j; k++) {
+            gm_handle hd = h->spare[h->n_spare - 1];
+            if (ops->map(h->dev, gm_page_addr(h, l[k].page), hd)) {
+                h->st.num_device_errors++;
+                rc = GM_EDEVICE;
+                goto fail;
+            }
+            h->n_spare--;
+            h->page_handle[l[k].page] = hd;
+            h->mapped_pages++;
+            h->paused_pages--;
+            h->st.num_maps++;
+            mapped = k + 1;
+        }
+        if (ops->set_access(h->dev, gm_page_addr(h, l[i].page), (j - i) * h->page)) {
+            h->st.num_device_errors++;
+            rc = GM_EDEVICE;
+            goto fail;
+        }
+    }
+    t2 = mono_ns();
+    /* 3. The contents. */
+    for (size_t i = 0, j; p->backup && i < n; i = j) {
+        j = run_end(l, i, n);
+        if (ops->copy_htod(h->dev, gm_page_addr(h, l[i].page), (const char *)p->backup + l[i].slot * h->page,
+                           (j - i) * h->page)) {
+            h->st.num_device_errors++;
+            rc = GM_EDEVICE;
+            goto fail;
+        }
+    }
+    for (size_t i = 0, j; i < n; i = j) {
+        j = run_end(l, i, n);
+        gm_hist(h, GM_H_MAP, gm_page_addr(h, l[i].page), (j - i) * h->page, ANY, 0);
+    }
+    info = (gm_pause_info){n, p->shared_pages, p->backup ? n * h->page : 0, 0, t1 - t0, 0, t2 - t1};
+    if (p->backup && ops->host_free(h->dev, p->backup)) h->st.num_device_errors++;
+    info.copy_ns = mono_ns() - t2;
+    free(p->paused_list);
+    p->paused_list = NULL;
+    p->backup = NULL;
+    p->n_paused = p->shared_pages = 0;
+    p->paused = 0;
+    goto out;
+fail:
+    /* Back to fully paused; the pages gathered go back to the device. */
+    unresume(h, p, mapped);
+    release_spares(h, h->mapped_pages);
+out:
+    pthread_mutex_unlock(&h->lock);
+    if (out) *out = info;
     return rc;
 }

@@ -15,6 +15,7 @@
 typedef struct gm_block gm_block;
 typedef struct gm_pool gm_pool;
 typedef struct gm_owner gm_owner;
+typedef struct gm_paused_page gm_paused_page;
 
 struct gm_block {
     uintptr_t addr;
@@ -66,6 +67,20 @@ struct gm_pool {
     size_t live_blocks, live_bytes; /* live and pending */
     size_t free_blocks, free_bytes; /* free blocks in its indexes */
     gm_owner *any;                  /* its GM_STREAM_ANY owner, made with the pool */
+    /* gm_pool_pause: the pages released, in ascending order (their addresses
+     * keep the pool's blocks but no physical page), the pages kept because
+     * other blocks share them, and the host copy of the released pages'
+     * contents (NULL: none). */
+    int paused;
+    gm_paused_page *paused_list;
+    size_t n_paused, shared_pages;
+    void *backup;
+};
+
+/* A page released by gm_pool_pause; its contents (with a backup) lie at
+ * backup + slot * page_size. */
+struct gm_paused_page {
+    size_t page, slot;
 };
 
 struct gm_heap {
@@ -125,6 +140,7 @@ struct gm_heap {
     gm_pool **pools;
     size_t n_pools, cap_pools;
     size_t pool_free_bytes; /* free bytes held by living pools */
+    size_t paused_pages;    /* pages of paused pools: counted as used, not held */
 
     /* stream capture */
     int capture_count; /* gm_capture_begin minus gm_capture_end */

@@ -52,6 +52,11 @@ int gm_snapshot_take(gm_heap *h, gm_snapshot **out) {
             for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++)
                 s->pages[p] = GM_PAGE_USED;
     }
+    /* A paused pool's released pages keep its blocks but no memory. */
+    for (size_t i = 0; i < h->n_pools; i++)
+        for (size_t k = 0; k < h->pools[i]->n_paused; k++)
+            if (h->pools[i]->paused_list[k].page < s->n_pages)
+                s->pages[h->pools[i]->paused_list[k].page] = GM_PAGE_PAUSED;
     pthread_mutex_unlock(&h->lock);
     *out = s;
     return GM_OK;

@@ -108,6 +108,10 @@ typedef struct cu_api {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventQuery)(CUevent);
+    CUresult (*MemHostAlloc)(void **, size_t, unsigned int);
+    CUresult (*MemFreeHost)(void *);
+    CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
+    CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
 } cu_api;
 
 /* Symbol names, newest first where the driver exports versions.  A _v2 whose
@@ -151,6 +155,10 @@ static const sym_entry cu_symbols[] = {
     SYM(EventDestroy, "cuEventDestroy_v2"),
     SYM(EventRecord, "cuEventRecord"),
     SYM(EventQuery, "cuEventQuery"),
+    SYM(MemHostAlloc, "cuMemHostAlloc"),
+    SYM(MemFreeHost, "cuMemFreeHost"),
+    SYM(MemcpyDtoH, "cuMemcpyDtoH_v2"),
+    SYM(MemcpyHtoD, "cuMemcpyHtoD_v2"),
 #undef SYM
 };
 
@@ -559,6 +567,37 @@ static int cuda_event_query(gm_device *dev, gm_event ev) {
     return cu_fail(c, "cuEventQuery", r);
 }
 
+/* Pinned (page-locked) host memory, so that copies run at full bus speed. */
+static int cuda_host_alloc(gm_device *dev, size_t size, void **out) {
+    cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_HOST_ALLOC, "cuMemHostAlloc");
+    *out = NULL;
+    CU_CALL(c, "cuMemHostAlloc", cu.MemHostAlloc(out, size, 0));
+    return GM_OK;
+}
+
+static int cuda_host_free(gm_device *dev, void *ptr) {
+    cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_HOST_FREE, "cuMemFreeHost");
+    CU_CALL(c, "cuMemFreeHost", cu.MemFreeHost(ptr));
+    return GM_OK;
+}
+
+/* Synchronous copies: done when the call returns. */
+static int cuda_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) {
+    cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_COPY_DTOH, "cuMemcpyDtoH");
+    CU_CALL(c, "cuMemcpyDtoH", cu.MemcpyDtoH(dst, (CUdeviceptr)src, size));
+    return GM_OK;
+}
+
+static int cuda_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t size) {
+    cuda_device *c = (cuda_device *)dev;
+    INJECT(c, GM_OP_COPY_HTOD, "cuMemcpyHtoD");
+    CU_CALL(c, "cuMemcpyHtoD", cu.MemcpyHtoD((CUdeviceptr)dst, src, size));
+    return GM_OK;
+}
+
 static int cuda_synchronize(gm_device *dev) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_SYNCHRONIZE, "cuCtxSynchronize");
@@ -681,6 +720,10 @@ static const gm_device_ops cuda_ops = {
     .synchronize = cuda_synchronize,
     .mem_info = cuda_mem_info,
     .processes = cuda_processes,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .copy_dtoh = cuda_copy_dtoh,
+    .copy_htod = cuda_copy_htod,
     .destroy = cuda_destroy,
     .capture_status = cuda_capture_status,
 };

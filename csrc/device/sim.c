@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "gpumem/gpumem.h"
@@ -31,9 +32,12 @@
  * one lands in a hole the device rejects instead of in the next range. */
 #define SIM_VA_GAP  ((size_t)1 << 30)
 #define SIM_NONE    UINT32_MAX
+/* Content of a page nobody wrote: this tag with a counter (gm_sim_read). */
+#define SIM_FRESH   ((uint64_t)0xF4E5000000000000ull)
 
 typedef struct sim_page {
     uintptr_t mapped_at; /* 0 when not mapped (no reservation starts at 0) */
+    uint64_t content;    /* what the page holds: one value stands for its bytes (gm_sim_write) */
     uint32_t next_free;  /* free-list link while !alive */
     uint8_t alive;
 } sim_page;
@@ -111,6 +115,13 @@ typedef struct sim_device {
     uint64_t clock;       /* device operations so far, all kinds */
     uint64_t event_delay; /* gm_sim_set_event_delay */
     uint64_t synced;      /* clock at the last synchronize: completes what was recorded up to it */
+
+    uint64_t next_content; /* a fresh page's content: never written, never repeated */
+    struct sim_host {
+        void *ptr;
+        size_t size;
+    } *host; /* host_alloc'd blocks not freed yet */
+    size_t host_blocks, cap_host;
 
     int capture_all;          /* gm_sim_set_capture */
     size_t capturing_streams; /* streams marked capturing */
@@ -310,6 +321,7 @@ static int sim_create(gm_device *dev, gm_handle *handle) {
     }
     s->pages[id].alive = 1;
     s->pages[id].mapped_at = 0;
+    s->pages[id].content = SIM_FRESH | ++s->next_content;
     s->pages[id].next_free = SIM_NONE;
     s->pages_created++;
     *handle = id;
@@ -409,6 +421,95 @@ static int sim_set_access(gm_device *dev, uintptr_t va, size_t size) {
                         (va + i * dev->page_size), va, size);
     if (inject) return injected(s, GM_OP_SET_ACCESS);
     memset(r->access + first, 1, n);
+    return GM_OK;
+}
+
+/* ---- host memory and copies ---------------------------------------------- */
+
+/* Host memory is real, mapped anonymous and untouched (a backup of gigabytes
+ * costs what the copies write); a copy moves one 8-byte value per page, the
+ * page's content, to or from the start of that page's slice of the buffer. */
+static int sim_host_alloc(gm_device *dev, size_t size, void **out) {
+    sim_device *s = (sim_device *)dev;
+    int inject = sim_enter(s, GM_OP_HOST_ALLOC);
+    if (!out || !size) return fail(s, GM_EINVAL, "host_alloc: NULL output pointer or size 0");
+    if (inject) return fail(s, GM_ENOMEM, "injected fault in host_alloc");
+    if (s->host_blocks == s->cap_host) {
+        size_t nc = s->cap_host ? 2 * s->cap_host : 4;
+        struct sim_host *nh = realloc(s->host, nc * sizeof *nh);
+        if (!nh) return fail(s, GM_ENOMEM, "host_alloc: out of host memory");
+        s->host = nh;
+        s->cap_host = nc;
+    }
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return fail(s, GM_ENOMEM, "host_alloc: out of host memory for %zu bytes", size);
+    s->host[s->host_blocks++] = (struct sim_host){p, size};
+    *out = p;
+    return GM_OK;
+}
+
+static int sim_host_free(gm_device *dev, void *ptr) {
+    sim_device *s = (sim_device *)dev;
+    int inject = sim_enter(s, GM_OP_HOST_FREE);
+    size_t k = 0;
+    while (k < s->host_blocks && s->host[k].ptr != ptr) k++;
+    if (k == s->host_blocks) return fail(s, GM_EINVAL, "host_free: %p is not a host block of this device", ptr);
+    /* Freed even when the call fails: a failing free must not leak in tests. */
+    munmap(ptr, s->host[k].size);
+    s->host[k] = s->host[--s->host_blocks];
+    if (inject) return injected(s, GM_OP_HOST_FREE);
+    return GM_OK;
+}
+
+/* Whether [p, p+size) lies inside one host block. */
+static int in_host(const sim_device *s, const void *p, size_t size) {
+    for (size_t k = 0; k < s->host_blocks; k++) {
+        const char *b = s->host[k].ptr;
+        if ((const char *)p >= b && size <= s->host[k].size && (size_t)((const char *)p - b) <= s->host[k].size - size)
+            return 1;
+    }
+    return 0;
+}
+
+/* The reservation slice of [va, va+size): whole pages, mapped, accessible. */
+static sim_resv *copy_range(sim_device *s, const char *op, uintptr_t va, size_t size, size_t *first) {
+    sim_resv *r = range_resv(s, op, va, size, first);
+    if (!r) return NULL;
+    for (size_t i = 0; i < size / s->base.page_size; i++) {
+        if (!r->handle[*first + i] || !r->access[*first + i]) {
+            fail(s, GM_EINVAL, "%s: page at 0x%" PRIxPTR " is not mapped and accessible", op,
+                 va + i * s->base.page_size);
+            return NULL;
+        }
+    }
+    return r;
+}
+
+static int sim_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) {
+    sim_device *s = (sim_device *)dev;
+    int inject = sim_enter(s, GM_OP_COPY_DTOH);
+    if (capture_forbids(s, GM_OP_COPY_DTOH)) return GM_EDEVICE;
+    size_t first;
+    sim_resv *r = copy_range(s, "copy_dtoh", src, size, &first);
+    if (!r) return GM_EINVAL;
+    if (!in_host(s, dst, size)) return fail(s, GM_EINVAL, "copy_dtoh: %p+%zu is not inside a host block", dst, size);
+    if (inject) return injected(s, GM_OP_COPY_DTOH);
+    for (size_t i = 0; i < size / dev->page_size; i++)
+        memcpy((char *)dst + i * dev->page_size, &s->pages[r->handle[first + i]].content, sizeof(uint64_t));
+    return GM_OK;
+}
+
+static int sim_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t size) {
+    sim_device *s = (sim_device *)dev;
+    int inject = sim_enter(s, GM_OP_COPY_HTOD);
+    if (capture_forbids(s, GM_OP_COPY_HTOD)) return GM_EDEVICE;
+    size_t first;
+    sim_resv *r = copy_range(s, "copy_htod", dst, size, &first);
+    if (!r) return GM_EINVAL;
+    if (!in_host(s, src, size)) return fail(s, GM_EINVAL, "copy_htod: %p+%zu is not inside a host block", src, size);
+    if (inject) return injected(s, GM_OP_COPY_HTOD);
+    for (size_t i = 0; i < size / dev->page_size; i++)
+        memcpy(&s->pages[r->handle[first + i]].content, (const char *)src + i * dev->page_size, sizeof(uint64_t));
     return GM_OK;
 }
 
@@ -615,6 +716,8 @@ static void sim_destroy(gm_device *dev) {
         free(s->resv[i].handle);
         free(s->resv[i].access);
     }
+    for (size_t k = 0; k < s->host_blocks; k++) munmap(s->host[k].ptr, s->host[k].size);
+    free(s->host);
     free(s->resv);
     free(s->pages);
     free(s->events);
@@ -658,6 +761,10 @@ static const gm_device_ops sim_ops = {
     .synchronize = sim_synchronize,
     .mem_info = sim_mem_info,
     .processes = sim_processes,
+    .host_alloc = sim_host_alloc,
+    .host_free = sim_host_free,
+    .copy_dtoh = sim_copy_dtoh,
+    .copy_htod = sim_copy_htod,
     .destroy = sim_destroy,
     .capture_status = sim_capture_status,
     .verify = &sim_verify,
@@ -860,4 +967,33 @@ gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va) {
         if (va >= r->va && va - r->va < r->size) return r->handle[(va - r->va) / s->base.page_size];
     }
     return 0;
+}
+
+/* The page mapped (and accessible) at va: NULL if none. */
+static sim_page *page_at(sim_device *s, uintptr_t va) {
+    sim_resv *r = find_resv(s, va);
+    if (!r) return NULL;
+    size_t k = (va - r->va) / s->base.page_size;
+    return r->handle[k] && r->access[k] ? &s->pages[r->handle[k]] : NULL;
+}
+
+int gm_sim_write(gm_device *dev, uintptr_t va, uint64_t value) {
+    sim_device *s = as_sim(dev);
+    sim_page *p = s ? page_at(s, va) : NULL;
+    if (!p) return GM_EINVAL;
+    p->content = value;
+    return GM_OK;
+}
+
+int gm_sim_read(gm_device *dev, uintptr_t va, uint64_t *value) {
+    sim_device *s = as_sim(dev);
+    sim_page *p = s ? page_at(s, va) : NULL;
+    if (!p) return GM_EINVAL;
+    *value = p->content;
+    return GM_OK;
+}
+
+size_t gm_sim_host_blocks(const gm_device *dev) {
+    const sim_device *s = as_sim_c(dev);
+    return s ? s->host_blocks : 0;
 }

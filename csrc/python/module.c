@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
@@ -633,11 +634,13 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
 /* ---- private pools and stream capture ----------------------------------------------------- */
 
 static PyObject *pool_info_dict(const gm_pool_info *p) {
-    return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
+    return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n,s:O,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
                          (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
                          (Py_ssize_t)p->live_blocks, "live_bytes", (Py_ssize_t)p->live_bytes, "free_blocks",
                          (Py_ssize_t)p->free_blocks, "free_bytes", (Py_ssize_t)p->free_bytes, "pinned_pages",
-                         (Py_ssize_t)p->pinned_pages);
+                         (Py_ssize_t)p->pinned_pages, "paused", p->paused ? Py_True : Py_False, "paused_pages",
+                         (Py_ssize_t)p->paused_pages, "shared_pages", (Py_ssize_t)p->shared_pages, "backup_bytes",
+                         (Py_ssize_t)p->backup_bytes);
 }
 
 static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
@@ -656,7 +659,91 @@ static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
     rc = gm_pool_release(self->heap, id);
     LEAVE_CORE(self);
     if (rc == GM_EINVAL) return no_such_pool(&id);
+    if (rc == GM_EPAUSED)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "pool_release: pool (%llu, %llu) is paused; resume it before releasing it (GM_EPAUSED)",
+                            (unsigned long long)id.first, (unsigned long long)id.second);
     Py_RETURN_NONE;
+}
+
+/* pool_pause / pool_resume: the core's gm_pause_info, and the seconds the call took. */
+static PyObject *pause_result(HeapObject *self, const gm_pause_info *info, double seconds) {
+    size_t page = self->dev->page_size;
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
+                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
+                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
+                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
+                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *pause_error(HeapObject *self, int rc, const gm_pool_id *id, const char *what) {
+    if (rc == GM_EPAUSED)
+        return PyErr_Format(PyExc_RuntimeError, "%s: pool (%llu, %llu) is already paused (GM_EPAUSED)", what,
+                            (unsigned long long)id->first, (unsigned long long)id->second);
+    if (rc == GM_ECAPTURING)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "%s: not allowed while a CUDA graph is being captured (GM_ECAPTURING); pause or resume "
+                            "before or after the capture",
+                            what);
+    return gm_py_raise(self, rc, what);
+}
+
+static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"id", "backup", NULL};
+    PyObject *id_o;
+    int backup = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:pool_pause", kwlist, &id_o, &backup)) return NULL;
+    gm_pool_id id;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    gm_pool_info pi;
+    if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
+    gm_pause_info info;
+    int rc;
+    double t0 = now_s(), t1;
+    ENTER_CORE(self);
+    rc = gm_pool_pause(self->heap, id, backup ? GM_PAUSE_BACKUP : 0, &info);
+    LEAVE_CORE(self);
+    t1 = now_s();
+    if (rc == GM_EINVAL) return no_such_pool(&id);
+    if (rc != GM_OK) {
+        /* A device failure part way leaves the pool paused with what was released. */
+        if (gm_pool_info_get(self->heap, id, &pi) == GM_OK && pi.paused && rc == GM_EDEVICE) {
+            gm_py_raise(self, rc, "pool_pause (the pool is paused with the pages released before the failure)");
+            return NULL;
+        }
+        return pause_error(self, rc, &id, "pool_pause");
+    }
+    return pause_result(self, &info, t1 - t0);
+}
+
+static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
+    gm_pool_id id;
+    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    gm_pool_info pi;
+    if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
+    if (!pi.paused)
+        return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
+                            (unsigned long long)id.first, (unsigned long long)id.second);
+    gm_pause_info info;
+    int rc;
+    double t0 = now_s(), t1;
+    ENTER_CORE(self);
+    rc = gm_pool_resume(self->heap, id, &info);
+    LEAVE_CORE(self);
+    t1 = now_s();
+    if (rc == GM_EINVAL) {
+        if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
+        return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
+                            (unsigned long long)id.first, (unsigned long long)id.second);
+    }
+    if (rc != GM_OK) return pause_error(self, rc, &id, "pool_resume (the pool stays paused)");
+    return pause_result(self, &info, t1 - t0);
 }
 
 static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
@@ -860,7 +947,7 @@ static PyMethodDef Heap_core_methods[] = {
      .ml_meth = (PyCFunction)Heap_pool_info,
      .ml_flags = METH_O,
      .ml_doc = "pool_info(id) -> dict (id, use_count, live_blocks, live_bytes, free_blocks, free_bytes, "
-               "pinned_pages)"},
+               "pinned_pages, paused, paused_pages, shared_pages, backup_bytes)"},
     {.ml_name = "pools",
      .ml_meth = (PyCFunction)Heap_pools,
      .ml_flags = METH_NOARGS,
@@ -873,6 +960,17 @@ static PyMethodDef Heap_core_methods[] = {
      .ml_meth = KW(Heap_pool_set_live),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "pool_set_live(id, blocks, stream=0): make exactly blocks [(addr, size)] the pool's live blocks"},
+    {.ml_name = "pool_pause",
+     .ml_meth = KW(Heap_pool_pause),
+     .ml_flags = METH_VARARGS | METH_KEYWORDS,
+     .ml_doc = "pool_pause(id, backup=False) -> dict (pages, bytes, shared_pages, backup_bytes, seconds): release "
+               "the physical pages only the pool's blocks use, keeping their addresses; backup: copy their contents "
+               "to pinned host memory first"},
+    {.ml_name = "pool_resume",
+     .ml_meth = (PyCFunction)Heap_pool_resume,
+     .ml_flags = METH_O,
+     .ml_doc = "pool_resume(id) -> dict (pages, bytes, shared_pages, backup_bytes, seconds): map fresh pages "
+               "behind the paused addresses and restore the backup, if any"},
     {.ml_name = "capture_begin",
      .ml_meth = (PyCFunction)Heap_capture_begin,
      .ml_flags = METH_NOARGS,

@@ -184,6 +184,34 @@ static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o) {
     return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
 }
 
+/* The simulated device's contents: one value per physical page. */
+static PyObject *Heap_sim_write(HeapObject *self, PyObject *args) {
+    PyObject *addr_o, *value_o;
+    uint64_t addr, value;
+    if (!PyArg_ParseTuple(args, "OO:sim_write", &addr_o, &value_o)) return NULL;
+    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
+        gm_py_to_u64(value_o, "value", UINT64_MAX, &value) < 0)
+        return NULL;
+    if (gm_sim_write(self->dev, (uintptr_t)addr, value) != GM_OK)
+        return PyErr_Format(PyExc_ValueError, "sim_write: illegal address 0x%llx (no accessible page there)",
+                            (unsigned long long)addr);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Heap_sim_read(HeapObject *self, PyObject *addr_o) {
+    uint64_t addr, value = 0;
+    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0) return NULL;
+    if (gm_sim_read(self->dev, (uintptr_t)addr, &value) != GM_OK)
+        return PyErr_Format(PyExc_ValueError, "sim_read: illegal address 0x%llx (no accessible page there)",
+                            (unsigned long long)addr);
+    return PyLong_FromUnsignedLongLong((unsigned long long)value);
+}
+
+static PyObject *Heap_sim_host_blocks(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_heap_sim(self, 0) < 0) return NULL;
+    return PyLong_FromSize_t(gm_sim_host_blocks(self->dev));
+}
+
 static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     if (gm_py_heap_sim(self, 0) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(gm_sim_capture_violations(self->dev));
@@ -259,6 +287,19 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_meth = (PyCFunction)Heap_sim_page_at,
      .ml_flags = METH_O,
      .ml_doc = "sim_page_at(addr) -> id of the physical page mapped there (0: none)"},
+    {.ml_name = "sim_write",
+     .ml_meth = (PyCFunction)Heap_sim_write,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "sim_write(addr, value): the page mapped at addr now holds value (ValueError: illegal address)"},
+    {.ml_name = "sim_read",
+     .ml_meth = (PyCFunction)Heap_sim_read,
+     .ml_flags = METH_O,
+     .ml_doc = "sim_read(addr) -> the value the page mapped at addr holds; a fresh page's has 0xF4E5 in its top "
+               "16 bits (ValueError: illegal address)"},
+    {.ml_name = "sim_host_blocks",
+     .ml_meth = (PyCFunction)Heap_sim_host_blocks,
+     .ml_flags = METH_NOARGS,
+     .ml_doc = "sim_host_blocks() -> pinned host blocks allocated and not freed"},
     {.ml_name = "cuda_fault_calls",
      .ml_meth = (PyCFunction)Heap_cuda_fault_calls,
      .ml_flags = METH_O,

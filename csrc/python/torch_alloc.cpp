@@ -567,6 +567,10 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
         if (!capturing) gm_empty_cache(h);
         throw_oom(msg);
     }
+    if (rc == GM_EPAUSED) /* the allocation's pool is paused (gpumem.pause): no device call was made */
+        throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) + " bytes on GPU " +
+                                 std::to_string(device) +
+                                 " failed: its pool is paused (gpumem.pause); call gpumem.resume(pool) first");
     throw std::runtime_error(std::string("gpumem: allocation of ") + std::to_string(size) + " bytes on GPU " +
                              std::to_string(device) + " failed: " + gm_strerror(rc) + " (" +
                              gm_heap_device(h)->last_error + ")");

@@ -14,6 +14,7 @@
 
 #include <inttypes.h>
 #include <string.h>
+#include <time.h>
 
 #include "common.h"
 #include "torch_alloc.h"
@@ -331,7 +332,11 @@ static PyObject *pool_info_dict(const gm_pool_info *p) {
     if (gm_py_put(d, "id", pool_id_tuple(p->id)) < 0 || gm_py_put_i64(d, "use_count", p->use_count) < 0 ||
         gm_py_put_u64(d, "live_blocks", p->live_blocks) < 0 || gm_py_put_u64(d, "live_bytes", p->live_bytes) < 0 ||
         gm_py_put_u64(d, "free_blocks", p->free_blocks) < 0 || gm_py_put_u64(d, "free_bytes", p->free_bytes) < 0 ||
-        gm_py_put_u64(d, "pinned_pages", p->pinned_pages) < 0) {
+        gm_py_put_u64(d, "pinned_pages", p->pinned_pages) < 0 ||
+        gm_py_put(d, "paused", PyBool_FromLong(p->paused)) < 0 ||
+        gm_py_put_u64(d, "paused_pages", p->paused_pages) < 0 ||
+        gm_py_put_u64(d, "shared_pages", p->shared_pages) < 0 ||
+        gm_py_put_u64(d, "backup_bytes", p->backup_bytes) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -386,6 +391,78 @@ static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args) {
     if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
     if (h == NULL || gm_pool_info_get(h, id, &info) != GM_OK) Py_RETURN_NONE;
     return pool_info_dict(&info);
+}
+
+/* _torch_pool_pause(device, pool, backup) / _torch_pool_resume(device, pool):
+ * {pages, bytes, shared_pages, backup_bytes, seconds}.  Errors: ValueError for
+ * an unknown pool; RuntimeError naming the reason otherwise. */
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *pause_dict(gm_heap *h, const gm_pause_info *info, double seconds) {
+    size_t page = gm_heap_device(h)->page_size;
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
+                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
+                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
+                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
+                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
+}
+
+static PyObject *pause_fail(gm_heap *h, int rc, const char *what, gm_pool_id id) {
+    const char *why = gm_heap_device(h)->last_error;
+    if (rc == GM_EINVAL) return pool_error(rc, what, id);
+    if (rc == GM_EPAUSED)
+        return PyErr_Format(PyExc_RuntimeError, "gpumem: %s pool (%llu, %llu): it is already paused (GM_EPAUSED)", what,
+                            (unsigned long long)id.first, (unsigned long long)id.second);
+    if (rc == GM_ECAPTURING)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "gpumem: %s pool (%llu, %llu): not allowed while a CUDA graph is being captured "
+                            "(or a use_mem_pool block is open) (GM_ECAPTURING)",
+                            what, (unsigned long long)id.first, (unsigned long long)id.second);
+    return PyErr_Format(PyExc_RuntimeError, "gpumem: %s pool (%llu, %llu): %s (%s)%s%s", what,
+                        (unsigned long long)id.first, (unsigned long long)id.second, gm_strerror(rc),
+                        gm_py_code_name(rc), (rc == GM_EDEVICE || rc == GM_ENOMEM) && why[0] ? ": " : "",
+                        (rc == GM_EDEVICE || rc == GM_ENOMEM) ? why : "");
+}
+
+static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *dev, *pool;
+    int device, backup = 0;
+    gm_pool_id id;
+    if (!PyArg_ParseTuple(args, "OO|p", &dev, &pool, &backup) || get_device(dev, &device) < 0 ||
+        get_pool_id(pool, &id) < 0)
+        return NULL;
+    gm_heap *h = gm_torch_heap(device);
+    if (h == NULL) return pool_error(GM_EINVAL, "cannot pause", id);
+    gm_pause_info info;
+    int rc;
+    double t0 = mono_s(), t1;
+    Py_BEGIN_ALLOW_THREADS rc = gm_pool_pause(h, id, backup ? GM_PAUSE_BACKUP : 0, &info);
+    Py_END_ALLOW_THREADS t1 = mono_s();
+    if (rc != GM_OK) return pause_fail(h, rc, "cannot pause", id);
+    return pause_dict(h, &info, t1 - t0);
+}
+
+static PyObject *g_pool_resume(PyObject *Py_UNUSED(m), PyObject *args) {
+    int device;
+    gm_pool_id id;
+    gm_heap *h;
+    if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
+    if (h == NULL) return pool_error(GM_EINVAL, "cannot resume", id);
+    gm_pause_info info;
+    int rc;
+    double t0 = mono_s(), t1;
+    Py_BEGIN_ALLOW_THREADS rc = gm_pool_resume(h, id, &info);
+    Py_END_ALLOW_THREADS t1 = mono_s();
+    gm_pool_info pi;
+    if (rc == GM_EINVAL && gm_pool_info_get(h, id, &pi) == GM_OK)
+        return PyErr_Format(PyExc_RuntimeError, "gpumem: cannot resume pool (%llu, %llu): it is not paused",
+                            (unsigned long long)id.first, (unsigned long long)id.second);
+    if (rc != GM_OK) return pause_fail(h, rc, "cannot resume", id);
+    return pause_dict(h, &info, t1 - t0);
 }
 
 static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
@@ -603,6 +680,10 @@ static PyMethodDef glue_methods[] = {
     M("_torch_pool_release", g_pool_release, METH_VARARGS,
       "_torch_pool_release(device, (a, b)): drop one use; at zero the pool ends"),
     M("_torch_pool_info", g_pool_info, METH_VARARGS, "_torch_pool_info(device, (a, b)) -> dict or None"),
+    M("_torch_pool_pause", g_pool_pause, METH_VARARGS,
+      "_torch_pool_pause(device, (a, b), backup=False) -> dict: release the pool's own pages, keeping addresses"),
+    M("_torch_pool_resume", g_pool_resume, METH_VARARGS,
+      "_torch_pool_resume(device, (a, b)) -> dict: map pages behind a paused pool again (restoring a backup)"),
     M("_torch_pools", g_pools, METH_O, "_torch_pools(device) -> [dict] of the living pools"),
     M("_torch_pool_live", g_pool_live, METH_VARARGS,
       "_torch_pool_live(device, (a, b)) -> [(addr, size)] of the pool's live blocks"),

@@ -6,15 +6,16 @@
  * Single-threaded mode drives one heap with a random mix of gm_malloc (sizes
  * log-uniform from 1 B to 256 MiB on 3 streams), gm_free, gm_record_stream,
  * stream holds, gm_empty_cache, gm_set_cap, private pools (retain/release,
- * allocations in a pool, checkpoint and restore with gm_pool_live/set_live),
+ * allocations in a pool, checkpoint and restore with gm_pool_live/set_live,
+ * pause and resume with and without a backup, whose contents are checked),
  * stream captures (gm_capture_begin/end with the sim in capture mode, which
  * refuses and counts every call a capture forbids) and phases of random fault
  * injection, and checks every result against a shadow model kept here,
  * independently of the core.  Threaded mode hammers one heap from N pthreads (each on its own
  * stream) and checks overlap through a shared shadow; each thread keeps a
- * private pool for part of its blocks.  Both first check fork() with a lock
- * handed to the core by gm_fork_also (the order fork takes the locks in, and a
- * forked child's heap).
+ * private pool for part of its blocks, and pauses and resumes it now and then.
+ * Both first check fork() with a lock handed to the core by gm_fork_also (the
+ * order fork takes the locks in, and a forked child's heap).
  *
  * Exit status 0 on success; on the first violation it prints the op index and
  * seed (enough to reproduce: the run is deterministic for a given seed in
@@ -23,6 +24,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -218,12 +220,26 @@ typedef struct world {
     prange *pf; /* freed into living pools */
     size_t npf, pfcap;
     int capturing;
+    int paused[NPOOLS]; /* gm_pool_pause'd (as the heap says after each call) */
+    /* With a backup: the content of each page under the pool's live blocks at
+     * the pause, which a resume must give back. */
+    struct {
+        uintptr_t addr;
+        uint64_t value;
+    } saved[NPOOLS][64];
+    size_t nsaved[NPOOLS];
+    int backed[NPOOLS];
+    uint64_t n_pauses, n_resumes, n_restored;
     /* counters for the summary */
     uint64_t n_malloc, n_malloc_ok, n_oom, n_devfail, n_free, n_bad_free, n_record, n_empty, n_setcap, n_hold, n_check,
         n_fault_phases, n_quar_checked, n_pool_malloc, n_pool_ops, n_set_live, n_captures;
 } world;
 
 static gm_pool_id pool_id(int i) { return (gm_pool_id){0x100u + (uint64_t)i, 7}; }
+
+/* Whether block b's pool is paused now (a block of an earlier life of the pool
+ * is general memory). */
+static int blk_paused(const world *w, const blk *b);
 
 static void pf_push(world *w, uintptr_t a, size_t size, int pool) {
     if (!size) return;
@@ -310,6 +326,17 @@ static void q_check_alloc(world *w, uintptr_t a, size_t size, int si) {
 
 /* ---- checks ---------------------------------------------------------------- */
 
+/* Pages the heap's paused pools released: their blocks stay, their memory is
+ * neither reserved nor on the device. */
+static size_t paused_pages(world *w) {
+    size_t n = 0;
+    for (int i = 0; i < NPOOLS; i++) {
+        gm_pool_info pi;
+        if (gm_pool_info_get(w->heap, pool_id(i), &pi) == GM_OK) n += pi.paused_pages;
+    }
+    return n;
+}
+
 static void check_stats(world *w, const char *after) {
     gm_stats st;
     gm_get_stats(w->heap, &st);
@@ -322,9 +349,10 @@ static void check_stats(world *w, const char *after) {
     if ((uint64_t)st.requested_bytes[GM_POOL_ALL].current != w->live.req_bytes)
         fail("after %s: requested_bytes.all.current = %" PRId64 " but live requests sum to %" PRIu64, after,
              st.requested_bytes[GM_POOL_ALL].current, w->live.req_bytes);
-    if (st.reserved_bytes[GM_POOL_ALL].current < st.allocated_bytes[GM_POOL_ALL].current)
-        fail("after %s: reserved %" PRId64 " < allocated %" PRId64, after, st.reserved_bytes[GM_POOL_ALL].current,
-             st.allocated_bytes[GM_POOL_ALL].current);
+    int64_t paused = (int64_t)(paused_pages(w) * w->page);
+    if (st.reserved_bytes[GM_POOL_ALL].current + paused < st.allocated_bytes[GM_POOL_ALL].current)
+        fail("after %s: reserved %" PRId64 " + paused %" PRId64 " < allocated %" PRId64, after,
+             st.reserved_bytes[GM_POOL_ALL].current, paused, st.allocated_bytes[GM_POOL_ALL].current);
     if ((size_t)st.reserved_bytes[GM_POOL_ALL].current > w->capacity)
         fail("after %s: reserved %" PRId64 " exceeds the device capacity %zu", after,
              st.reserved_bytes[GM_POOL_ALL].current, w->capacity);
@@ -359,11 +387,13 @@ static void run_check(world *w, const char *where) {
     gm_snapshot_free(snap);
 
     for (size_t i = 0; i < w->live.n; i++)
-        if (!gm_sim_is_accessible(w->dev, w->live.v[i].addr, w->live.v[i].size))
+        if (!blk_paused(w, &w->live.v[i]) && !gm_sim_is_accessible(w->dev, w->live.v[i].addr, w->live.v[i].size))
             fail("live block %#" PRIxPTR "+%zu is no longer accessible", w->live.v[i].addr, w->live.v[i].size);
-    /* Memory kept for a living pool stays mapped, behind the same pages. */
+    /* Memory kept for a living pool stays mapped, behind the same pages (a
+     * paused pool's is checked by gm_check's C12, and gets new pages at resume). */
     for (size_t i = 0; i < w->npf; i++) {
         const prange *r = &w->pf[i];
+        if (w->paused[r->pool]) continue;
         g_addr = r->addr;
         if (!gm_sim_is_accessible(w->dev, r->addr, r->size) || gm_sim_handle_at(w->dev, r->addr) != r->h0 ||
             gm_sim_handle_at(w->dev, r->addr + r->size - 1) != r->h1)
@@ -372,6 +402,8 @@ static void run_check(world *w, const char *where) {
     for (int i = 0; i < NPOOLS; i++) {
         gm_pool_info pi;
         int rc2 = gm_pool_info_get(w->heap, pool_id(i), &pi);
+        if (rc2 == GM_OK && pi.paused != w->paused[i])
+            fail("pool %d: the heap says %spaused, the shadow %d", i, pi.paused ? "" : "not ", w->paused[i]);
         if ((rc2 == GM_OK) != (w->pool_uses[i] > 0) || (rc2 == GM_OK && pi.use_count != w->pool_uses[i]))
             fail("pool %d: the heap says %s (use count %lld), the shadow %d uses", i, rc2 ? "unknown" : "living",
                  rc2 ? 0LL : (long long)pi.use_count, w->pool_uses[i]);
@@ -448,6 +480,13 @@ static void op_malloc(world *w, rng_t *r) {
     w->n_malloc++;
     w->n_pool_malloc += pool >= 0;
     int rc = gm_malloc_pool(w->heap, size, STREAMS[si], ctx, pool < 0 ? NULL : &pid, &p);
+    if ((rc == GM_EPAUSED) != (pool >= 0 && w->paused[pool]))
+        fail("gm_malloc_pool in pool %d (%spaused) returned %d", pool, pool >= 0 && w->paused[pool] ? "" : "not ", rc);
+    if (rc == GM_EPAUSED) {
+        if (p != 0) fail("refused gm_malloc wrote %#" PRIxPTR " to *out", p);
+        check_stats(w, "malloc in a paused pool");
+        return;
+    }
     if (rc == GM_ENOMEM || rc == GM_EDEVICE) {
         if (rc == GM_ENOMEM)
             w->n_oom++;
@@ -612,7 +651,7 @@ static void op_empty(world *w) {
         /* Nothing may stay cached: every page held is touched by a live block. */
         gm_stats st;
         gm_get_stats(w->heap, &st);
-        size_t lp = live_pages(w);
+        size_t lp = live_pages(w) - paused_pages(w); /* paused pages are touched but released */
         if ((size_t)st.reserved_bytes[GM_POOL_ALL].current != lp * w->page) {
             gm_snapshot *snap = NULL;
             size_t used = 0, cached = 0, pending = 0;
@@ -682,8 +721,111 @@ static void op_pool(world *w, rng_t *r) {
         return;
     }
     int rc = gm_pool_release(w->heap, pool_id(i));
+    if (w->paused[i] && w->pool_uses[i] == 1) { /* a paused pool cannot end */
+        if (rc != GM_EPAUSED) fail("gm_pool_release of paused pool %d's last use returned %d", i, rc);
+        return;
+    }
     if (rc != GM_OK) fail("gm_pool_release(%d) returned %d", i, rc);
     if (!--w->pool_uses[i]) pf_drop_pool(w, i);
+}
+
+static int blk_paused(const world *w, const blk *b) {
+    return b->pool >= 0 && w->paused[b->pool] && b->gen == w->pool_gen[b->pool];
+}
+
+static void sync_paused(world *w, int i, const char *what, int rc) {
+    gm_pool_info pi;
+    if (gm_pool_info_get(w->heap, pool_id(i), &pi) != GM_OK) fail("%s: pool %d vanished (rc %d)", what, i, rc);
+    w->paused[i] = pi.paused;
+}
+
+/* Pause a living pool (with a backup half the time), or resume a paused one. */
+static void op_capture(world *w);
+
+static void op_pause(world *w, rng_t *r) {
+    int i = (int)rnd_below(r, NPOOLS);
+    if (!w->pool_uses[i]) return;
+    /* Holds and captures last long: end them most of the time, so that pauses
+     * succeed often enough to matter. */
+    if (w->capturing && rnd_below(r, 4)) op_capture(w);
+    for (int s = 0; s < NSTREAMS; s++)
+        if (w->held[s] && rnd_below(r, 4)) {
+            gm_sim_hold_stream(w->dev, STREAMS[s], 0);
+            w->held[s] = 0;
+            q_release_stream(w, s);
+        }
+    if (!w->paused[i]) {
+        int backup = (int)rnd_below(r, 2);
+        w->nsaved[i] = 0;
+        w->backed[i] = 0;
+        for (size_t k = 0; backup && k < w->live.n && w->nsaved[i] < 64; k++) {
+            const blk *b = &w->live.v[k];
+            if (b->pool != i || b->gen != w->pool_gen[i]) continue;
+            for (uintptr_t a = b->addr / w->page * w->page; a < b->addr + b->size && w->nsaved[i] < 64; a += w->page) {
+                /* One value per page: two blocks may share one, also with a
+                 * block of another pool whose saved values must stay. */
+                int dup = 0;
+                for (int j = 0; j < NPOOLS && !dup; j++)
+                    for (size_t k2 = 0; k2 < w->nsaved[j] && !dup; k2++) dup = w->saved[j][k2].addr == a;
+                if (dup) continue;
+                uint64_t v = rnd(r);
+                if (gm_sim_write(w->dev, a, v) != GM_OK)
+                    fail("live block %#" PRIxPTR " has no page at %#" PRIxPTR, b->addr, a);
+                w->saved[i][w->nsaved[i]].addr = a;
+                w->saved[i][w->nsaved[i]++].value = v;
+            }
+        }
+        gm_pause_info info;
+        int rc = gm_pool_pause(w->heap, pool_id(i), backup ? GM_PAUSE_BACKUP : 0, &info);
+        w->n_pauses++;
+        if (w->capturing) {
+            if (rc != GM_ECAPTURING) fail("gm_pool_pause during a capture returned %d", rc);
+            return;
+        }
+        if (rc != GM_OK && !w->faults_on && !any_held(w)) /* a held stream never finishes: no sync */
+            fail("gm_pool_pause(%d) returned %d (%s) with no fault injected", i, rc, gm_strerror(rc));
+        sync_paused(w, i, "pause", rc);
+        if (rc == GM_OK && !w->paused[i]) fail("gm_pool_pause(%d) succeeded but the pool is not paused", i);
+        w->backed[i] = backup;
+        return;
+    }
+    gm_pause_info info;
+    int rc = gm_pool_resume(w->heap, pool_id(i), &info);
+    w->n_resumes++;
+    if (w->capturing) {
+        if (rc != GM_ECAPTURING) fail("gm_pool_resume during a capture returned %d", rc);
+        return;
+    }
+    /* Without faults only a lack of memory may stop a resume. */
+    if (rc != GM_OK && rc != GM_ENOMEM && !w->faults_on)
+        fail("gm_pool_resume(%d) returned %d (%s) with no fault injected", i, rc, gm_strerror(rc));
+    sync_paused(w, i, "resume", rc);
+    if ((rc == GM_OK) == w->paused[i])
+        fail("gm_pool_resume(%d) returned %d and the pool is %spaused", i, rc, w->paused[i] ? "" : "not ");
+    if (rc != GM_OK) return;
+    /* New pages behind the pool's kept memory. */
+    for (size_t k = 0; k < w->npf; k++) {
+        prange *pr = &w->pf[k];
+        if (pr->pool != i) continue;
+        pr->h0 = gm_sim_handle_at(w->dev, pr->addr);
+        pr->h1 = gm_sim_handle_at(w->dev, pr->addr + pr->size - 1);
+    }
+    for (size_t k = 0; w->backed[i] && k < w->nsaved[i]; k++) {
+        uintptr_t a = w->saved[i][k].addr;
+        int still = 0; /* the page still lies under a live block of the pool */
+        for (size_t j = 0; j < w->live.n && !still; j++) {
+            const blk *b = &w->live.v[j];
+            still = b->pool == i && b->gen == w->pool_gen[i] && b->addr < a + w->page && a < b->addr + b->size;
+        }
+        if (!still) continue;
+        uint64_t v = 0;
+        if (gm_sim_read(w->dev, a, &v) != GM_OK) fail("resumed pool %d has no page at %#" PRIxPTR, i, a);
+        if (v != w->saved[i][k].value)
+            fail("pool %d resumed from a backup: page %#" PRIxPTR " holds %#" PRIx64 ", not %#" PRIx64, i, a, v,
+                 w->saved[i][k].value);
+        w->n_restored++;
+    }
+    check_stats(w, "resume");
 }
 
 /* Checkpoint a pool (gm_pool_live), drop some of its live blocks with
@@ -691,6 +833,11 @@ static void op_pool(world *w, rng_t *r) {
 static void op_set_live(world *w, rng_t *r) {
     int i = (int)rnd_below(r, NPOOLS);
     if (!w->pool_uses[i]) return;
+    if (w->paused[i]) {
+        if (gm_pool_set_live(w->heap, pool_id(i), NULL, NULL, 0, STREAMS[0]) != GM_EPAUSED)
+            fail("gm_pool_set_live on paused pool %d did not answer GM_EPAUSED", i);
+        return;
+    }
     w->n_set_live++;
     size_t n = gm_pool_live(w->heap, pool_id(i), NULL, NULL, 0);
     uintptr_t *addrs = malloc((n + 1) * sizeof *addrs);
@@ -821,6 +968,37 @@ static void close_world(world *w) {
     g_phase = "teardown";
     set_faults(w, NULL, 0);
     if (w->capturing) op_capture(w);
+    /* Everything freed (in a paused pool that is bookkeeping), then the paused
+     * pools can come back: their memory may have gone to others meanwhile. */
+    for (int s = 0; s < NSTREAMS; s++)
+        if (w->held[s]) {
+            gm_sim_hold_stream(w->dev, STREAMS[s], 0);
+            w->held[s] = 0;
+            q_release_stream(w, s);
+        }
+    while (w->live.n) {
+        blk b = sh_remove(&w->live, w->live.n - 1);
+        if (gm_free(w->heap, b.addr) != GM_OK) fail("teardown gm_free(%#" PRIxPTR ") failed", b.addr);
+    }
+    /* Other pools' free memory is theirs until they end. */
+    for (int i = 0; i < NPOOLS; i++)
+        while (w->pool_uses[i] && !w->paused[i]) {
+            if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
+            if (!--w->pool_uses[i]) pf_drop_pool(w, i);
+        }
+    gm_set_cap(w->heap, 0); /* a cap below the paused pages would refuse them */
+    w->cap = 0;
+    for (int i = 0; i < NPOOLS; i++) {
+        if (!w->paused[i]) continue;
+        /* Paused pools may together need more than the device has: one at a time. */
+        int rc = gm_pool_resume(w->heap, pool_id(i), NULL);
+        if (rc != GM_OK) fail("teardown gm_pool_resume(%d) returned %d", i, rc);
+        w->paused[i] = 0;
+        while (w->pool_uses[i]) {
+            if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
+            if (!--w->pool_uses[i]) pf_drop_pool(w, i);
+        }
+    }
     for (int i = 0; i < NPOOLS; i++)
         while (w->pool_uses[i]) {
             if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
@@ -887,8 +1065,10 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
         unsigned p_malloc = w.live.n > 3000 ? 400000 : 520000;
         if (x < p_malloc)
             op_malloc(&w, &r);
-        else if (x < 940000)
+        else if (x < 938500)
             op_free(&w, &r);
+        else if (x < 940000)
+            op_pause(&w, &r);
         else if (x < 970000)
             op_record(&w, &r);
         else if (x < 985000)
@@ -923,13 +1103,14 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
         printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB: %" PRIu64 " mallocs (%" PRIu64 " ok, %" PRIu64
                " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64 " bad frees, %" PRIu64
                " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64 " set_cap, %" PRIu64
-               " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64 " captures, %" PRIu64
-               " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64 " remaps, %" PRId64
-               " pages created, %" PRId64 " retries, %" PRId64 " syncs\n",
+               " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64 " pauses, %" PRIu64
+               " resumes (%" PRIu64 " pages restored), %" PRIu64 " captures, %" PRIu64 " fault phases, %" PRIu64
+               " checks, %" PRIu64 " quarantine hits; core: %" PRId64 " remaps, %" PRId64 " pages created, %" PRId64
+               " retries, %" PRId64 " syncs\n",
                ops, seed, capacity >> 20, w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free, w.n_bad_free,
-               w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc, w.n_pool_ops, w.n_set_live, w.n_captures,
-               w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
-               st.num_sync_all_streams);
+               w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc, w.n_pool_ops, w.n_set_live, w.n_pauses,
+               w.n_resumes, w.n_restored, w.n_captures, w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps,
+               st.num_device_alloc, st.num_alloc_retries, st.num_sync_all_streams);
     return 0;
 }
 
@@ -971,6 +1152,7 @@ static void *thread_main(void *arg) {
     gm_stream stream = 0x1000u * (gm_stream)(a->id + 1);
     gm_pool_id pid = {0x200u + (uint64_t)a->id, 1};
     if (gm_pool_retain(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_retain failed", 0, 0);
+    int paused = 0;
     for (uint64_t op = 0; op < tw->ops_per_thread; op++) {
         unsigned x = (unsigned)rnd_below(&r, 1000);
         if (x < 500 && a->nmine < 4096) {
@@ -979,8 +1161,12 @@ static void *thread_main(void *arg) {
             size_t size = rnd_size(&r) >> (rnd_below(&r, 2) ? 0 : 6);
             if (!size) size = 1;
             uintptr_t p = 0;
-            int rc = gm_malloc_pool(tw->heap, size, stream, (uint64_t)a->id, rnd_below(&r, 4) ? NULL : &pid, &p);
+            int in_pool = !rnd_below(&r, 4);
+            int rc = gm_malloc_pool(tw->heap, size, stream, (uint64_t)a->id, in_pool ? &pid : NULL, &p);
             a->mallocs++;
+            if ((rc == GM_EPAUSED) != (in_pool && paused))
+                tfail(a, op, "gm_malloc_pool: paused pool mismatch", 0, size);
+            if (rc == GM_EPAUSED) continue;
             if (rc == GM_ENOMEM) {
                 a->ooms++;
                 continue;
@@ -1044,6 +1230,14 @@ static void *thread_main(void *arg) {
             gm_oom_info info;
             gm_memory_report(tw->heap, 4 * MiB, &info);
             (void)gm_last_oom(tw->heap, &info);
+        } else if (x < 993) {
+            /* Pause or resume this thread's pool while the others work. */
+            int rc = paused ? gm_pool_resume(tw->heap, pid, NULL)
+                            : gm_pool_pause(tw->heap, pid, rnd_below(&r, 2) ? GM_PAUSE_BACKUP : 0, NULL);
+            if (rc == GM_OK)
+                paused = !paused;
+            else if (!(paused && rc == GM_ENOMEM))
+                tfail(a, op, paused ? "gm_pool_resume failed" : "gm_pool_pause failed", 0, (size_t)rc);
         } else {
             gm_stats st;
             gm_get_stats(tw->heap, &st);
@@ -1051,6 +1245,14 @@ static void *thread_main(void *arg) {
                 tfail(a, op, "negative statistic", 0, 0);
         }
     }
+    /* A paused pool cannot end: bring it back (others may hold the memory a while). */
+    for (int tries = 0; paused && tries < 100000; tries++) {
+        if (gm_pool_resume(tw->heap, pid, NULL) == GM_OK)
+            paused = 0;
+        else
+            sched_yield();
+    }
+    if (paused) tfail(a, 0, "gm_pool_resume never found the memory at the end", 0, 0);
     /* The pool ends; its live blocks join the heap when freed at teardown. */
     if (gm_pool_release(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_release failed", 0, 0);
     return NULL;

@@ -9,6 +9,7 @@ or ``GPUMEM_CONF="cap:0.9" python -m gpumem.torch train.py ARGS``.
     _install   install()/uninstall()/status(), options, torch's memory API answered by gpumem
     _viz       snapshots, history and explained OOMs for the heaps torch allocates from
     _pools     private pools: CUDA graphs, torch.cuda.MemPool, torch.compile's cudagraph trees
+    _pause     pause()/resume()/paused(): release a pool's physical memory, keeping its addresses
     _checkpoint  the small torch-header module cudagraph trees' checkpoints need, built on first use
 
 Nothing else in gpumem imports this package; it hands its hooks down
@@ -32,10 +33,12 @@ from ._install import (
     torch_allocator,
     uninstall,
 )
+from ._pause import PauseResult, pause, paused, resume
 from ._pools import MemPool
 
 InstallError.__module__ = __name__
 MemPool.__module__ = __name__
+PauseResult.__module__ = __name__
 
 __all__ = [
     "install",
@@ -45,6 +48,10 @@ __all__ = [
     "status",
     "InstallError",
     "MemPool",
+    "pause",
+    "resume",
+    "paused",
+    "PauseResult",
     "parse_conf",
     "normalize_options",
     "nested_stats",

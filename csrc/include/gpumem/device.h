@@ -53,7 +53,11 @@ typedef uint64_t gm_stream; /* a cudaStream_t's value; 0 is the legacy default s
     X(EVENT_QUERY, event_query)                                                                                        \
     X(SYNCHRONIZE, synchronize)                                                                                        \
     X(MEM_INFO, mem_info)                                                                                              \
-    X(PROCESSES, processes)
+    X(PROCESSES, processes)                                                                                            \
+    X(HOST_ALLOC, host_alloc)                                                                                          \
+    X(HOST_FREE, host_free)                                                                                            \
+    X(COPY_DTOH, copy_dtoh)                                                                                            \
+    X(COPY_HTOD, copy_htod)
 
 typedef enum gm_dev_op {
 #define GM_DEV_OP_ENUM(upper, lower) GM_OP_##upper,
@@ -113,6 +117,14 @@ typedef struct gm_device_ops {
      * Writes at most `cap` entries, sets *n to the number there are.
      * GM_ENOTSUP when no source (NVML) is available. */
     int (*processes)(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n);
+    /* Optional (NULL where the device has none; pausing with a backup then
+     * answers GM_ENOTSUP).  Pinned host memory of `size` bytes, and its free. */
+    int (*host_alloc)(gm_device *dev, size_t size, void **out);
+    int (*host_free)(gm_device *dev, void *ptr);
+    /* Copy whole mapped, accessible pages to and from host memory, finished
+     * when the call returns (the caller has synchronised the device). */
+    int (*copy_dtoh)(gm_device *dev, void *dst, uintptr_t src, size_t size);
+    int (*copy_htod)(gm_device *dev, uintptr_t dst, const void *src, size_t size);
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);
     /* Whether `stream` is being captured into a graph now (*capturing 1 or

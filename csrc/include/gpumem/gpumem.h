@@ -38,7 +38,11 @@ extern "C" {
     /* libcuda could not be loaded */                                                                                  \
     X(GM_ENODRIVER, 8, "CUDA driver library could not be loaded")                                                      \
     /* the invariant checker found a broken invariant */                                                               \
-    X(GM_ECORRUPT, 9, "heap invariant broken")
+    X(GM_ECORRUPT, 9, "heap invariant broken")                                                                         \
+    /* the pool's physical memory is paused (gm_pool_pause): resume it first */                                        \
+    X(GM_EPAUSED, 10, "the pool is paused (resume it first)")                                                          \
+    /* the call may not run while a CUDA graph is being captured */                                                    \
+    X(GM_ECAPTURING, 11, "not allowed while a CUDA graph is being captured")
 
 enum {
 #define GM_ERROR_ENUM(name, value, text) name = value,
@@ -174,7 +178,9 @@ void gm_reset_accumulated_stats(gm_heap *heap);
  * free blocks that could merge have merged; the free index holds exactly the
  * free blocks; the live table holds exactly the live blocks; every statistic
  * equals a recount; private pools' blocks, owners and counters agree, and
- * their pages count as used; blocks freed during a capture wait consistently.
+ * their pages count as used; blocks freed during a capture wait consistently;
+ * a paused pool's released pages are unmapped (the device agrees) and hold
+ * only that pool's blocks.
  * Returns GM_OK or GM_ECORRUPT with a reason. */
 int gm_check(gm_heap *heap, char *why, size_t whylen);
 
@@ -192,8 +198,9 @@ enum gm_block_state {
 };
 enum gm_page_state {
     GM_PAGE_UNMAPPED = 0,
-    GM_PAGE_USED = 1,  /* mapped, touched by a live or pending block */
-    GM_PAGE_CACHED = 2 /* mapped, wholly free: what empty_cache would release */
+    GM_PAGE_USED = 1,   /* mapped, touched by a live or pending block */
+    GM_PAGE_CACHED = 2, /* mapped, wholly free: what empty_cache would release */
+    GM_PAGE_PAUSED = 3  /* released by gm_pool_pause: the pool's blocks stay, no memory behind them */
 };
 typedef struct gm_block_info {
     uintptr_t addr;
@@ -292,10 +299,15 @@ typedef struct gm_pool_info {
     size_t live_blocks, live_bytes; /* live and pending blocks of the pool */
     size_t free_blocks, free_bytes; /* free blocks kept for the pool */
     size_t pinned_pages;            /* pages that back any block of the pool */
+    int paused;                     /* gm_pool_pause'd: its own pages are released */
+    size_t paused_pages;            /* pages released by the pause (0 unless paused) */
+    size_t shared_pages;            /* pages the pause kept: other blocks share them */
+    size_t backup_bytes;            /* host bytes holding the paused pages' contents */
 } gm_pool_info;
 /* Create the pool with use count 1, or add one use to it. */
 int gm_pool_retain(gm_heap *heap, gm_pool_id id);
-/* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool. */
+/* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool,
+ * GM_EPAUSED (nothing changes) for the last use of a paused pool. */
 int gm_pool_release(gm_heap *heap, gm_pool_id id);
 /* gm_malloc, in `pool` (NULL: the general heap).  GM_EINVAL for an unknown pool. */
 int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, const gm_pool_id *pool,
@@ -318,6 +330,46 @@ size_t gm_pool_live(gm_heap *heap, gm_pool_id id, uintptr_t *addrs, size_t *size
  * keeps its owner. */
 int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes, size_t n,
                      gm_stream stream);
+
+/* ---- pausing a pool's physical memory ------------------------------------------
+ * gm_pool_pause waits for the device, then unmaps and releases every page that
+ * only blocks of the pool touch (live, pending or free); the address range stays
+ * reserved and every block keeps its address.  Pages that blocks outside the
+ * pool share stay mapped (shared_pages).  With GM_PAUSE_BACKUP the released
+ * pages' contents are first copied to pinned host memory (the device's
+ * host_alloc / copy ops; GM_ENOTSUP without them).  While paused:
+ *   - an allocation in the pool, gm_pool_set_live and releasing the pool's last
+ *     use fail with GM_EPAUSED and change nothing (other uses come and go);
+ *     freeing a block of the pool works (the block goes back to the pool's
+ *     free memory, no device call);
+ *   - no other request, defragmentation, empty_cache or cap ever maps, moves
+ *     or counts those pages: they are not free space;
+ *   - touching the memory is the caller's error (on CUDA, an illegal-address
+ *     fault that ends the CUDA context).
+ * gm_pool_resume maps a page behind each released address again (spare pages
+ * first, then new ones, then cached pages taken back from the heap; the cap
+ * applies), grants access once per contiguous run, and copies the backup back
+ * (without one the contents are undefined).  Neither may run during a capture
+ * (GM_ECAPTURING).  A device failure during pause leaves the pool paused with
+ * the pages released so far (the error is returned; resume maps those back); a
+ * failure during resume unwinds to fully paused, backup kept.  GM_EPAUSED:
+ * pausing a paused pool; GM_EINVAL: resuming one that is not, or an unknown
+ * pool. */
+enum {
+    GM_PAUSE_BACKUP = 1
+};
+typedef struct gm_pause_info {
+    size_t pages;        /* pages released (pause) or mapped again (resume) */
+    size_t shared_pages; /* pages kept mapped because blocks outside the pool share them */
+    size_t backup_bytes; /* bytes copied to (pause) or back from (resume) host memory */
+    /* Where the time went, in ns: waiting for the device (pause), getting the
+     * physical pages (resume: spares, new ones, taken back), the copies and
+     * the host allocation or free, and the mapping work (pause: unmap and
+     * release; resume: map and set_access). */
+    uint64_t sync_ns, pages_ns, copy_ns, map_ns;
+} gm_pause_info;
+int gm_pool_pause(gm_heap *heap, gm_pool_id id, unsigned flags, gm_pause_info *out);
+int gm_pool_resume(gm_heap *heap, gm_pool_id id, gm_pause_info *out);
 
 /* ---- stream capture ------------------------------------------------------------
  * While a CUDA graph is being captured on any stream of the device, the heap

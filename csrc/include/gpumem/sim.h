@@ -60,6 +60,16 @@ void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on);
 /* Calls refused by capture mode so far. */
 uint64_t gm_sim_capture_violations(const gm_device *dev);
 
+/* Contents: the simulated device keeps one 64-bit value per physical page in
+ * place of its bytes.  A new page holds a value no write ever used (tagged
+ * 0xF4E5 in its top 16 bits); copy_dtoh / copy_htod move it with the page.
+ * Writing or reading an address whose page is not mapped and accessible is
+ * GM_EINVAL -- the simulated illegal-address fault. */
+int gm_sim_write(gm_device *dev, uintptr_t va, uint64_t value);
+int gm_sim_read(gm_device *dev, uintptr_t va, uint64_t *value);
+/* Pinned host blocks (host_alloc) not freed yet. */
+size_t gm_sim_host_blocks(const gm_device *dev);
+
 /* Introspection for the invariant checker and tests. */
 typedef struct gm_sim_info {
     size_t capacity, page_size;
