@@ -1,10 +1,14 @@
 """What CUDA's virtual memory calls cost, per 2 MiB page, by how the pages are grouped.
 
-For N pages (N = 1, 64, 512, 5120), three ways to back N * 2 MiB of reserved address space:
+For N pages (N = 1, 64, 512, 5120), five ways to back N * 2 MiB of reserved address space:
 
   pages    N handles of one page each: N cuMemCreate, N cuMemMap, one cuMemSetAccess over the range
   pages+   the same, but one cuMemSetAccess per page
   chunk    one handle of N pages: one cuMemCreate, one cuMemMap, one cuMemSetAccess
+  pages/t4 as pages, with the creations, the maps and the access grants (one per quarter of the
+           range) spread over 4 threads
+  chunk/p  one handle of N pages mapped page by page (N cuMemMap at offsets into it), one
+           cuMemSetAccess: pages that can still be unmapped one at a time, from one creation
 
 and back again (cuMemUnmap per mapping, cuMemRelease per handle).  Each phase is timed on the host
 around the driver calls (they are synchronous), median of --repeats, in microseconds per page.  This
@@ -61,6 +65,8 @@ def driver():
         "cuMemMap": [u64, sz, sz, u64, u64],
         "cuMemUnmap": [u64, sz],
         "cuMemSetAccess": [u64, sz, ptr, sz],
+        "cuCtxGetCurrent": [ptr],
+        "cuCtxSetCurrent": [ptr],
     }
     for name, args in signatures.items():
         fn = getattr(cu, name)
@@ -73,6 +79,46 @@ def check(rc, what):
         raise RuntimeError(f"{what} failed with CUDA error {rc}")
 
 
+def threaded(cu, n, va, handles, prop, desc, k):
+    """The "pages" way with each phase split over k threads (ctypes lets go of the GIL in calls)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+    ctx = ctypes.c_void_p()
+    check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "context")
+
+    def bind():  # the driver's calls need the context current on each worker thread
+        check(cu.cuCtxSetCurrent(ctx), "context")
+
+    def create(part):
+        for i in part:
+            check(cu.cuMemCreate(ctypes.byref(handles[i]), PAGE, ctypes.byref(prop), 0), "create")
+
+    def map_(part):
+        for i in part:
+            check(cu.cuMemMap(va.value + i * PAGE, PAGE, 0, handles[i].value, 0), "map")
+
+    def access(part):
+        if len(part):
+            check(cu.cuMemSetAccess(va.value + part[0] * PAGE, len(part) * PAGE, ctypes.byref(desc), 1), "access")
+
+    def unmap(part):
+        for i in part:
+            check(cu.cuMemUnmap(va.value + i * PAGE, PAGE), "unmap")
+
+    def release(part):
+        for i in part:
+            check(cu.cuMemRelease(handles[i].value), "release")
+
+    t = [time.perf_counter()]
+    with ThreadPoolExecutor(k, initializer=bind) as pool:
+        for phase in (create, map_, access, unmap, release):
+            list(pool.map(phase, parts))
+            t.append(time.perf_counter())
+    check(cu.cuMemAddressFree(va.value, n * PAGE), "free")
+    return [b - a for a, b in zip(t, t[1:])]
+
+
 def one(cu, n, how, ordinal=0):
     """Times (create, map, set_access, unmap, release) in seconds for n pages backed `how`."""
     prop = AllocProp()
@@ -81,15 +127,19 @@ def one(cu, n, how, ordinal=0):
     desc = AccessDesc(Location(1, ordinal), 3)  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     va = ctypes.c_uint64()
     check(cu.cuMemAddressReserve(ctypes.byref(va), n * PAGE, 0, 0, 0), "reserve")
-    size = n * PAGE if how == "chunk" else PAGE
-    count = 1 if how == "chunk" else n
-    handles = [ctypes.c_uint64() for _ in range(count)]
+    one_handle = how in ("chunk", "chunk/p")
+    size = n * PAGE if how == "chunk" else PAGE  # the size of each mapping
+    count = 1 if how == "chunk" else n  # mappings
+    handles = [ctypes.c_uint64() for _ in range(1 if one_handle else n)]
+    if how == "pages/t4":
+        return threaded(cu, n, va, handles, prop, desc, 4)
     t = [time.perf_counter()]
     for h in handles:
-        check(cu.cuMemCreate(ctypes.byref(h), size, ctypes.byref(prop), 0), "create")
+        check(cu.cuMemCreate(ctypes.byref(h), n * PAGE if one_handle else PAGE, ctypes.byref(prop), 0), "create")
     t.append(time.perf_counter())
-    for i, h in enumerate(handles):
-        check(cu.cuMemMap(va.value + i * size, size, 0, h.value, 0), "map")
+    for i in range(count):
+        h, offset = (handles[0], i * size) if one_handle else (handles[i], 0)
+        check(cu.cuMemMap(va.value + i * size, size, offset, h.value, 0), "map")
     t.append(time.perf_counter())
     if how == "pages+":
         for i in range(count):
@@ -123,8 +173,8 @@ def main():
     print("| pages | how | " + " | ".join(f"{p} us/page" for p in phases) + " | total us/page |")
     print("|---|---|" + "---|" * (len(phases) + 1))
     for n in map(int, a.pages.split(",")):
-        for how in ("pages", "pages+", "chunk"):
-            if how == "pages+" and n == 1:
+        for how in ("pages", "pages+", "pages/t4", "chunk", "chunk/p"):
+            if how != "pages" and how != "chunk" and n < 4:
                 continue
             runs = [one(cu, n, how) for _ in range(a.repeats)]
             med = [statistics.median(r[i] for r in runs) * 1e6 / n for i in range(len(phases))]
