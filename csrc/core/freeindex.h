@@ -57,6 +57,11 @@ int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(struct gm_block 
  * bins, not one insertion at a time); fn, if given, sees each block that
  * moves, and must change neither index.  src is left empty. */
 void fi_move_all(gm_freeindex *dst, gm_freeindex *src, void (*fn)(struct gm_block *b, void *arg), void *arg);
+/* Move the blocks of src for which pred holds into dst, the same way, in
+ * O(blocks of both in the bins src uses); fn, if given, sees each block that
+ * moves, and must change neither index. */
+void fi_move_if(gm_freeindex *dst, gm_freeindex *src, int (*pred)(const struct gm_block *b, void *arg),
+                void (*fn)(struct gm_block *b, void *arg), void *arg);
 /* Check I1-I4; returns 0 or writes a reason. */
 int fi_check(const gm_freeindex *fi, char *why, size_t whylen);
 

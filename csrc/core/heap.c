@@ -281,6 +281,29 @@ static void index_remove(gm_heap *h, gm_block *b) {
     gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
+/* A block of h->lazy_stream that became everyone's at a synchronisation
+ * (gm_free_owner) but still sits in its stream's index. */
+static int handed_over(const gm_block *b, void *arg) { return b->epoch < ((const gm_heap *)arg)->epoch; }
+
+static void to_everyone(gm_block *b, void *arg) {
+    (void)arg;
+    b->stream = ANY;
+}
+
+/* Move the blocks that a synchronisation handed to every stream, but left in
+ * lazy_stream's indexes, into everyone's (gm_heap.lazy_stream says why they
+ * may wait).  Nothing merges: every free block is lazy_stream's or
+ * everyone's, and such neighbours have merged already.  The statistics count
+ * free blocks, whoever owns them: they stay. */
+static void settle_release(gm_heap *h) {
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->stream == ANY || !o->idx.count) continue;
+        fi_move_if(o->pool ? &o->pool->any->idx : &h->owners[0]->idx, &o->idx, handed_over, to_everyone, h);
+    }
+    h->lazy_stream = ANY;
+}
+
 /* The stricter of two owners, or 0 if the blocks may not merge.  (Blocks of
  * different pools never merge either: callers check that first.) */
 static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
@@ -309,6 +332,7 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
     r->seq = b->seq;
     r->pool = b->pool;
     r->origin = b->origin;
+    r->epoch = b->epoch;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
@@ -322,8 +346,13 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
 }
 
 /* a absorbs its upper neighbour b; neither is in any list.  Both keep their
- * pages (free blocks of one living pool) or neither does. */
+ * pages (free blocks of one living pool) or neither does.  Free blocks: the
+ * caller gives a the owner owners_merge() picks from the two; it is a
+ * stream's (not everyone's) when either part was that stream's, so the
+ * newer epoch of such a part goes with it. */
 static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
+    uint64_t ea = gm_free_owner(h, a) == ANY ? 0 : a->epoch, eb = gm_free_owner(h, b) == ANY ? 0 : b->epoch;
+    a->epoch = ea > eb ? ea : eb;
     int keeps = gm_keeps_pages(a);
     if (keeps) {
         gm_pages_use(h, a, -1);
@@ -343,6 +372,7 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
+    if (owner != ANY && h->lazy_stream != ANY && owner != h->lazy_stream) settle_release(h);
     /* Free in a living pool, it stays out of general space and keeps its pages. */
     int was_general = gm_general_space(b), general = !b->pool, attach = general && !was_general;
     int kept = gm_keeps_pages(b), keeps = gm_pinned(b);
@@ -363,6 +393,7 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
     b->stream = owner;
     b->seq = seq;
     b->origin = owner;
+    b->epoch = h->epoch;
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
@@ -814,7 +845,41 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
     return pages < h->cap_pages ? pages : h->cap_pages;
 }
 
-static int synchronize(gm_heap *h) {
+/* After a device synchronisation every free block is everyone's.  When all
+ * that are not everyone's already belong to one stream (in any pools), that
+ * hands nothing new to the stream itself, and no neighbours can merge that
+ * have not (owners_merge lets a stream's blocks merge with everyone's): the
+ * blocks stay in their indexes, and a new epoch makes them everyone's
+ * (gm_heap.lazy_stream).  The proofs and releases in flight are settled
+ * here, as release_owners does.  0 when more than one stream owns blocks, or
+ * when one does but `requester` (ANY: none) is another: it goes on to look
+ * for memory, and would not see them. */
+static int release_lazily(gm_heap *h, gm_stream requester) {
+    gm_stream s = ANY;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        if (o->stream == ANY || !o->idx.count) continue;
+        if (s != ANY && o->stream != s) return 0;
+        s = o->stream;
+    }
+    if (s != ANY && ((requester != ANY && s != requester) || (h->lazy_stream != ANY && s != h->lazy_stream))) return 0;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->stream == ANY) continue;
+        if (o->releasing) {
+            event_put(h, o->release_event);
+            o->releasing = 0;
+        }
+        o->safe_seq = h->free_seq;
+    }
+    if (s != ANY) h->epoch++;
+    h->lazy_stream = s;
+    return 1;
+}
+
+/* Wait for the device: every free block becomes everyone's.  `requester`:
+ * the stream whose allocation goes on after it, or ANY. */
+static int synchronize(gm_heap *h, gm_stream requester) {
     if (h->no_sync) return GM_EDEVICE; /* callers never get here during a capture */
     if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
@@ -822,7 +887,10 @@ static int synchronize(gm_heap *h) {
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
-    release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
+    if (!release_lazily(h, requester)) {
+        release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
+        h->lazy_stream = ANY;      /* it moved every block */
+    }
     return GM_OK;
 }
 
@@ -1388,7 +1456,7 @@ static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
  * now), and unmap cached pages into spares for the placement's shortfall. */
 static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, int *synced, int *recycled,
                        int *dev_err) {
-    if (synchronize(h) != GM_OK) {
+    if (synchronize(h, s) != GM_OK) {
         *dev_err = GM_EDEVICE;
         return;
     }
@@ -1504,6 +1572,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
         dev->ops->destroy(dev);
         return GM_ENOMEM;
     }
+    h->lazy_stream = ANY;
     h->dev = dev;
     h->page = page;
     h->page_shift = (unsigned)__builtin_ctzll((unsigned long long)page);
@@ -1762,6 +1831,8 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         rc = GM_ENOMEM;
         goto done;
     }
+    /* Another stream looks only at its own and everyone's indexes. */
+    if (h->lazy_stream != ANY && s != h->lazy_stream) settle_release(h);
     if (h->n_pending) pending_step(h, s);
     gm_block *b = fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
@@ -1876,7 +1947,7 @@ static int trim(gm_heap *h, size_t target) {
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */
     if (!cached_pages(h, 0, 0)) return GM_OK;
-    if ((rc = synchronize(h))) return rc; /* spares are gone already; nothing else is safe */
+    if ((rc = synchronize(h, ANY))) return rc; /* spares are gone already; nothing else is safe */
     size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0);
     if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */
@@ -1998,6 +2069,7 @@ static int to_general(gm_block *b, void *arg) {
  * merge with their neighbours), its owners go, and the record stays only while
  * blocks of it are live or pending. */
 static void pool_end(gm_heap *h, gm_pool *p) {
+    if (h->lazy_stream != ANY) settle_release(h); /* owners change below: settle who owns what first */
     p->use_count = 0;
     /* Its pending blocks will complete into the general heap. */
     for (gm_block *b = h->head; b; b = b->next)
@@ -2140,6 +2212,7 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
     int rc = GM_EINVAL;
     gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
     if (!p) goto out;
+    if (h->lazy_stream != ANY) settle_release(h); /* blocks change owners below */
     /* 1. Validate, changing nothing: the list is disjoint, inside the range,
      * 512-aligned; the pool's live blocks are marked kept (1) or to free (2);
      * every other listed range lies in free memory of the pool once the blocks
@@ -2198,18 +2271,20 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
             b = r;
         }
         gm_stream last = b->stream;
-        uint64_t last_seq = b->seq;
+        uint64_t last_seq = b->seq, last_epoch = b->epoch;
         while (b->addr + b->size < a + sz) {
             gm_block *nx = b->next;
             index_remove(h, nx);
             last = nx->stream;
             last_seq = nx->seq;
+            last_epoch = nx->epoch;
             absorb(h, b, nx);
         }
         if (b->addr + b->size > a + sz) {
             gm_block *r = split(h, b, sz);
             r->stream = last;
             r->seq = last_seq;
+            r->epoch = last_epoch;
             index_insert(h, r);
         }
         make_live(h, b, sz, sz, stream, 0, p);
