@@ -84,6 +84,30 @@ gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
     return fi->bins[fl][sl];
 }
 
+/* The head of the first non-empty bin at or after bin (fl, sl). */
+static gm_block *first_bin_from(const gm_freeindex *fi, unsigned fl, unsigned sl) {
+    if (fl >= FI_FL) return NULL;
+    uint32_t sl_map = sl < FI_SL ? fi->sl_bitmap[fl] & (~0u << sl) : 0u;
+    if (!sl_map) {
+        uint64_t fl_map = fl + 1u < 64u ? fi->fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
+        if (!fl_map) return NULL;
+        fl = (unsigned)__builtin_ctzll(fl_map);
+        sl_map = fi->sl_bitmap[fl];
+    }
+    return fi->bins[fl][__builtin_ctz(sl_map)];
+}
+
+gm_block *fi_first_from(const gm_freeindex *fi, size_t size) {
+    unsigned sl, fl = fi_fl_sl(size / GM_ALIGN, &sl);
+    return first_bin_from(fi, fl, sl);
+}
+
+gm_block *fi_next(const gm_freeindex *fi, const gm_block *b) {
+    if (b->lnext) return b->lnext;
+    unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
+    return sl + 1u < FI_SL ? first_bin_from(fi, fl, sl + 1u) : first_bin_from(fi, fl + 1u, 0);
+}
+
 int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg) {
     return fi_each_from(fi, 0, fn, arg);
 }

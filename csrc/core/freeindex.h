@@ -53,6 +53,11 @@ int fi_each(const gm_freeindex *fi, int (*fn)(struct gm_block *b, void *arg), vo
 /* The same, over the blocks of at least `size` bytes only (and some a little
  * smaller: those that share the bin of `size`). */
 int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(struct gm_block *b, void *arg), void *arg);
+/* Walk the blocks in index order -- by bin, then (size, addr) within one:
+ * sizes never decrease -- from the first block of the bin of `size` (smaller
+ * blocks that share that bin included); NULL at the end. */
+struct gm_block *fi_first_from(const gm_freeindex *fi, size_t size);
+struct gm_block *fi_next(const gm_freeindex *fi, const struct gm_block *b);
 /* Move every block of src into dst, in O(blocks of both) (a merge of sorted
  * bins, not one insertion at a time); fn, if given, sees each block that
  * moves, and must change neither index.  src is left empty. */

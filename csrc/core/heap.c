@@ -932,53 +932,99 @@ struct cached_run {
     size_t p0, p1;
 };
 
-static int cmp_run(const void *x, const void *y) {
-    const struct cached_run *a = x, *b = y;
-    if (a->b->size != b->b->size) return a->b->size < b->b->size ? -1 : 1;
-    if (a->b->addr != b->b->addr) return a->b->addr < b->b->addr ? 1 : -1;
-    return a->p0 < b->p0 ? -1 : 1; /* two parts of one block: the lower first */
-}
-
-struct cached_ctx {
-    gm_heap *h;
-    size_t ex0, ex1;
-    struct cached_run *runs;
-    size_t n, cap, total;
+/* Blocks in recycling order: the smallest first and, among equal sizes, the
+ * highest address first.  One cursor per index of the general heap walks it
+ * in index order (sizes ascending, addresses ascending among equals, see
+ * freeindex.h); the blocks of the next size from every cursor are gathered
+ * and reversed by address.  Only blocks of at least a page can hold a whole
+ * one, so the walk starts at the bin of a page, and it stops where the caller
+ * has what it wants: it costs the blocks it hands out (and the rest of their
+ * size), not every free block. */
+struct recycle_order {
+    const gm_freeindex **idx;
+    gm_block **cur; /* per index: the next block in index order, NULL at the end */
+    size_t n_idx;
+    gm_block **same; /* the blocks of the current size, highest address first */
+    size_t n_same, cap_same, next;
 };
 
-static int cached_one(gm_block *b, void *arg) {
-    struct cached_ctx *c = arg;
-    gm_heap *h = c->h;
-    if (!gm_general_space(b)) return 0; /* only general free space is recycled */
-    size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
-    if (p0 >= p1) return 0;
-    size_t parts[2][2] = {{p0, p1 < c->ex0 ? p1 : c->ex0}, {p0 > c->ex1 ? p0 : c->ex1, p1}};
-    for (int k = 0; k < 2; k++) {
-        if (parts[k][0] >= parts[k][1]) continue;
-        if (c->n == c->cap) {
-            size_t cap = c->cap ? 2 * c->cap : 64;
-            struct cached_run *r = realloc(c->runs, cap * sizeof *r);
-            if (!r) return 1; /* keep what there is */
-            c->runs = r;
-            c->cap = cap;
+static int cmp_addr_desc(const void *x, const void *y) {
+    const gm_block *a = *(gm_block *const *)x, *b = *(gm_block *const *)y;
+    return a->addr < b->addr ? 1 : -1;
+}
+
+/* The next block in recycling order, NULL at the end (or on host OOM: the
+ * caller then recycles what it has). */
+static gm_block *recycle_next(struct recycle_order *r) {
+    if (r->next < r->n_same) return r->same[r->next++];
+    size_t size = SIZE_MAX;
+    for (size_t i = 0; i < r->n_idx; i++)
+        if (r->cur[i] && r->cur[i]->size < size) size = r->cur[i]->size;
+    if (size == SIZE_MAX) return NULL;
+    r->n_same = r->next = 0;
+    for (size_t i = 0; i < r->n_idx; i++) {
+        /* Equal sizes share a bin, so they are neighbours in the walk. */
+        for (; r->cur[i] && r->cur[i]->size == size; r->cur[i] = fi_next(r->idx[i], r->cur[i])) {
+            if (r->n_same == r->cap_same) {
+                size_t cap = r->cap_same ? 2 * r->cap_same : 64;
+                gm_block **a = realloc(r->same, cap * sizeof *a);
+                if (!a) return NULL;
+                r->same = a;
+                r->cap_same = cap;
+            }
+            r->same[r->n_same++] = r->cur[i];
         }
-        c->runs[c->n++] = (struct cached_run){b, parts[k][0], parts[k][1]};
-        c->total += parts[k][1] - parts[k][0];
     }
-    return 0;
+    qsort(r->same, r->n_same, sizeof *r->same, cmp_addr_desc);
+    return r->same[r->next++];
 }
 
 /* Wholly free pages, outside the page range [ex0, ex1), that free blocks of
- * the general heap cover: these back nothing and can be unmapped.  Writes them to *out (malloc'd).
- * Only blocks of a page or more can hold a whole page: the free indexes give
- * those without a walk over every block. */
-static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
-    struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0};
-    for (size_t i = 0; i < h->n_owners; i++)
-        if (!h->owners[i]->pool && fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
-    *out = c.runs;
-    *pages = c.total;
-    return c.n;
+ * the general heap cover, back nothing and can be unmapped: up to `want` of
+ * them, in the order recycle() takes them, go to *out (malloc'd; the number
+ * of runs is returned, *pages the pages in them). */
+static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
+    struct recycle_order r = {0};
+    struct cached_run *runs = NULL;
+    size_t n = 0, cap = 0, chosen = 0;
+    r.idx = malloc(h->n_owners * sizeof *r.idx);
+    r.cur = malloc(h->n_owners * sizeof *r.cur);
+    if (r.idx && r.cur) {
+        for (size_t i = 0; i < h->n_owners; i++) {
+            if (h->owners[i]->pool || !h->owners[i]->idx.count) continue;
+            r.idx[r.n_idx] = &h->owners[i]->idx;
+            r.cur[r.n_idx++] = fi_first_from(&h->owners[i]->idx, h->page);
+        }
+    }
+    for (gm_block *b; chosen < want && r.n_idx && (b = recycle_next(&r));) {
+        if (!gm_general_space(b)) continue; /* only general free space is recycled */
+        size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
+        if (p0 >= p1) continue;
+        /* Two parts when the range splits the block: the lower first. */
+        size_t parts[2][2] = {{p0, p1 < ex0 ? p1 : ex0}, {p0 > ex1 ? p0 : ex1, p1}};
+        for (int k = 0; k < 2 && chosen < want; k++) {
+            if (parts[k][0] >= parts[k][1]) continue;
+            if (n == cap) {
+                size_t c = cap ? 2 * cap : 64;
+                struct cached_run *a = realloc(runs, c * sizeof *a);
+                if (!a) goto done; /* keep what there is */
+                runs = a;
+                cap = c;
+            }
+            /* From the top of each. */
+            size_t take = parts[k][1] - parts[k][0];
+            if (take > want - chosen) take = want - chosen;
+            runs[n++] = (struct cached_run){b, parts[k][1] - take, parts[k][1]};
+            chosen += take;
+        }
+    }
+done:
+    free(r.idx);
+    free(r.cur);
+    free(r.same);
+    *out = runs;
+    *pages = chosen;
+    return n;
 }
 
 static int cmp_run_addr(const void *x, const void *y) {
@@ -988,27 +1034,18 @@ static int cmp_run_addr(const void *x, const void *y) {
 
 /* Unmap up to `want` cached pages outside [ex0, ex1) into spares.  The caller
  * has synchronised the device.  Pages come first from the smallest free blocks,
- * which can serve the fewest requests, and from the top of each.  The unmaps
- * then run from the highest address down: cutting a block keeps its record as
- * the lower part, so runs below (even of the same block) stay valid. */
+ * which can serve the fewest requests, and from the top of each (cached_runs
+ * picks them).  The unmaps then run from the highest address down: cutting a
+ * block keeps its record as the lower part, so runs below (even of the same
+ * block) stay valid. */
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
-    size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
+    size_t total, n = cached_runs(h, want, ex0, ex1, &runs, &total), got = 0;
     /* Each cut block may need two more records. */
     if (!n || slab_reserve(h, 2 * n + 2)) {
         free(runs);
         return 0;
     }
-    qsort(runs, n, sizeof *runs, cmp_run);
-    for (size_t i = 0; i < n && chosen < want; i++) {
-        size_t take = runs[i].p1 - runs[i].p0;
-        if (take > want - chosen) take = want - chosen;
-        runs[i].p0 = runs[i].p1 - take;
-        chosen += take;
-        runs[got++] = runs[i];
-    }
-    n = got;
-    got = 0;
     qsort(runs, n, sizeof *runs, cmp_run_addr);
     for (size_t i = 0; i < n; i++) {
         size_t before = h->n_spare;
