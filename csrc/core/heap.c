@@ -61,7 +61,10 @@
  *   owner or of ANY, and the result keeps the stricter owner.  Blocks marked
  *   with record_stream get an event per extra stream when freed and stay pending
  *   until all complete.  Unmapping waits for the whole device, after which all
- *   free memory belongs to ANY.
+ *   free memory belongs to ANY.  That hand-over touches no block when the free
+ *   blocks it hands over all belong to the waiting stream: an epoch advances,
+ *   and the blocks move into ANY's index only when another stream comes
+ *   (gm_heap.lazy_stream, gm_free_owner).
  *
  * POOLS
  *
