@@ -19,7 +19,7 @@ which keeps the setup fast (the free index keeps each size bin sorted by
 address) and does not change the heap it leaves behind.
 
 Usage: python benchmarks/slowpath_scaling.py [--points 1000,5000,...] [--reps 21]
-       [--defrag-points 1000,10000,100000] [--defrag-reps 5]
+       [--defrag-points 1000,10000,100000,1000000] [--defrag-reps 5]
        [--json benchmarks/results/slowpath_scaling.json]
 """
 
@@ -36,7 +36,7 @@ import gpumem
 
 MiB = 1 << 20
 DEFAULT_POINTS = [1000, 5000, 10_000, 25_000, 100_000, 1_000_000]
-DEFAULT_DEFRAG_POINTS = [1000, 10_000, 100_000]
+DEFAULT_DEFRAG_POINTS = [1000, 10_000, 100_000, 1_000_000]
 
 
 def holes(h, live, block, rng):

@@ -76,3 +76,58 @@ def test_a_proof_made_in_a_pool_covers_the_stream_everywhere():
         h.check()
     finally:
         h.close()
+
+
+ANY = (1 << 64) - 1
+
+
+def _one_stream_heap(make_heap):
+    """S1 frees a 1 MiB block (a, within pages that live blocks share) and a
+    3 MiB one (whole free pages, so that empty_cache waits for the device)."""
+    h = make_heap(capacity=256 * MiB)
+    h.malloc(512, stream=S1)
+    a = h.malloc(1 * MiB, stream=S1)
+    d = h.malloc(512, stream=S1)  # a's upper neighbour
+    big = h.malloc(3 * MiB, stream=S1)
+    h.malloc(512, stream=S1)
+    h.free(a)
+    h.free(big)
+    return h, a, d
+
+
+def _owner(h, addr):
+    (blk,) = [b for b in h.snapshot()["blocks"] if b[0] == addr]
+    return blk[3]
+
+
+def test_a_synchronisation_hands_one_streams_free_memory_to_every_stream(make_heap):
+    h, a, _ = _one_stream_heap(make_heap)
+    assert _owner(h, a) == S1
+    syncs = h.stats()["num_sync_all_streams"]
+    h.empty_cache()  # waits for the device: every free block is everyone's now
+    assert h.stats()["num_sync_all_streams"] == syncs + 1
+    assert_ok(h)
+    assert _owner(h, a) == ANY
+    retries = h.stats()["num_alloc_retries"]
+    p = h.malloc(1 * MiB, stream=S2)  # S2 takes it at once: no event, no slow path
+    assert p == a
+    assert h.stats()["num_alloc_retries"] == retries
+    assert_ok(h)
+
+
+def test_a_free_after_the_synchronisation_stays_with_its_stream(make_heap):
+    """After the device wait, S1 frees a's neighbour: the merged block holds a
+    free no event has proven done, so it is S1's again, not everyone's."""
+    h, a, d = _one_stream_heap(make_heap)
+    h.empty_cache()
+    assert_ok(h)
+    h.sim_hold_stream(S1, True)  # S1 has work in flight from here on
+    h.free(d)  # merges with a (everyone's)
+    assert_ok(h)
+    assert _owner(h, a) == S1
+    p = h.malloc(1 * MiB, stream=S2)
+    assert_ok(h)
+    assert not (a <= p < a + MiB + 512), "S2 got memory S1 freed after the device wait"
+    h.sim_hold_stream(S1, False)
+    h.free(p)
+    assert_ok(h)

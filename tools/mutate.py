@@ -83,8 +83,10 @@ MUTATIONS = [
     Mutation(
         "unmap_shared_page",
         "defragmentation unmaps pages a free block shares with a live neighbour",
-        "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n    if (p0 >= p1) return 0;",
-        "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n    if (p0 >= p1) return 0;",
+        "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n"
+        "        if (p0 >= p1) continue;",
+        "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n"
+        "        if (p0 >= p1) continue;",
     ),
     Mutation(
         "stat_requested_off_by_one",
@@ -146,6 +148,18 @@ MUTATIONS = [
         "an allocation in a paused pool is served",
         "if (pool && pool->paused) {",
         "if (pool && pool->paused && 0) {",
+    ),
+    Mutation(
+        "hand_over_merge_stays_everyones",
+        "a free merged with a block a device wait handed to every stream is handed over too, unproven",
+        "    a->epoch = ea > eb ? ea : eb;",
+        "    a->epoch = ea < eb ? ea : eb;",
+    ),
+    Mutation(
+        "hand_over_left_in_place",
+        "another stream allocates while a device wait's hand-over still sits in one stream's index",
+        "    if (h->lazy_stream != ANY && s != h->lazy_stream) settle_release(h);",
+        "    if (0) settle_release(h);",
     ),
 ]
 

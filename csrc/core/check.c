@@ -35,7 +35,14 @@
  *      and a free block that every stream may reuse holds only frees proven
  *      done -- the newest free in it is at or below the proven sequence of the
  *      stream that made it (a completed event or a device sync).  Pending
- *      blocks wait for at least one use.
+ *      blocks wait for at least one use.  Who may reuse a free block is
+ *      gm_free_owner's answer:
+ *   C13 a synchronisation's hand-over left in place (gm_heap.lazy_stream):
+ *      no free block's epoch is past the heap's; with lazy_stream ANY no free
+ *      block of a stream is from an earlier epoch (none is everyone's but
+ *      in a stream's index); otherwise every free block is lazy_stream's or
+ *      everyone's by its owner field, so that lazy_stream alone can be
+ *      allocating (and settle_release need merge nothing).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -65,6 +72,27 @@ static int stat_is(const gm_stat *arr, int64_t all, int64_t small, const char *n
         return fail(why, len, "stat %s is %lld (small %lld, large %lld) but a recount gives %lld (small %lld)", name,
                     (long long)arr[GM_POOL_ALL].current, (long long)arr[GM_POOL_SMALL].current,
                     (long long)arr[GM_POOL_LARGE].current, (long long)all, (long long)small);
+    return GM_OK;
+}
+
+/* C13: the hand-over a synchronisation left in place. */
+static int check_hand_over(gm_heap *h, char *why, size_t len) {
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state != GM_BLOCK_FREE || b->stream == GM_STREAM_ANY) continue;
+        if (b->epoch > h->epoch)
+            return fail(why, len, "free block %#lx is from epoch %llu, past the heap's %llu", (unsigned long)b->addr,
+                        (unsigned long long)b->epoch, (unsigned long long)h->epoch);
+        if (h->lazy_stream == GM_STREAM_ANY && b->epoch < h->epoch)
+            return fail(why, len,
+                        "free block %#lx of stream %llu is from an earlier epoch (everyone's) but no hand-over is "
+                        "left in place",
+                        (unsigned long)b->addr, (unsigned long long)b->stream);
+        if (h->lazy_stream != GM_STREAM_ANY && b->stream != h->lazy_stream)
+            return fail(why, len,
+                        "free block %#lx belongs to stream %llu while a hand-over of stream %llu's blocks is left in "
+                        "place",
+                        (unsigned long)b->addr, (unsigned long long)b->stream, (unsigned long long)h->lazy_stream);
+    }
     return GM_OK;
 }
 
@@ -108,7 +136,7 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
         if (b->seq > h->free_seq)
             return fail(why, len, "free block %#lx: free sequence %llu is past the last free %llu",
                         (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)h->free_seq);
-        if (b->stream != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
+        if (gm_free_owner(h, b) != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
         /* What a completed event or a sync proved of a stream holds in every
          * pool: the proof is the best any owner of that stream keeps. */
         int known = 0;
@@ -128,7 +156,7 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
                         (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)b->origin,
                         (unsigned long long)proven);
     }
-    return GM_OK;
+    return check_hand_over(h, why, len);
 }
 
 static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t len);
@@ -227,8 +255,9 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
             n_act++, n_act_s += sm, b_act += (int64_t)b->size, b_act_s += sm ? (int64_t)b->size : 0;
             break;
         case GM_BLOCK_FREE: {
+            gm_stream lo = last ? gm_free_owner(h, last) : 0, bo = gm_free_owner(h, b);
             if (last && last->state == GM_BLOCK_FREE && last->pool == b->pool &&
-                (last->stream == b->stream || last->stream == GM_STREAM_ANY || b->stream == GM_STREAM_ANY))
+                (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY))
                 return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
             if (!gm_owner_find(h, b->pool, b->stream))
                 return fail(why, len, "free block %#lx names an unknown owner", (unsigned long)b->addr);

@@ -84,6 +84,30 @@ gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
     return fi->bins[fl][sl];
 }
 
+/* The head of the first non-empty bin at or after bin (fl, sl). */
+static gm_block *first_bin_from(const gm_freeindex *fi, unsigned fl, unsigned sl) {
+    if (fl >= FI_FL) return NULL;
+    uint32_t sl_map = sl < FI_SL ? fi->sl_bitmap[fl] & (~0u << sl) : 0u;
+    if (!sl_map) {
+        uint64_t fl_map = fl + 1u < 64u ? fi->fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
+        if (!fl_map) return NULL;
+        fl = (unsigned)__builtin_ctzll(fl_map);
+        sl_map = fi->sl_bitmap[fl];
+    }
+    return fi->bins[fl][__builtin_ctz(sl_map)];
+}
+
+gm_block *fi_first_from(const gm_freeindex *fi, size_t size) {
+    unsigned sl, fl = fi_fl_sl(size / GM_ALIGN, &sl);
+    return first_bin_from(fi, fl, sl);
+}
+
+gm_block *fi_next(const gm_freeindex *fi, const gm_block *b) {
+    if (b->lnext) return b->lnext;
+    unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
+    return sl + 1u < FI_SL ? first_bin_from(fi, fl, sl + 1u) : first_bin_from(fi, fl + 1u, 0);
+}
+
 int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg) {
     return fi_each_from(fi, 0, fn, arg);
 }
@@ -105,29 +129,33 @@ int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(gm_block *b, voi
     return 0;
 }
 
+/* Merge the sorted list b (NULL-terminated, lprev not needed) into dst's bin. */
+static void merge_into(gm_block **bin, gm_block *b, void (*fn)(gm_block *b, void *arg), void *arg) {
+    gm_block *a = *bin, *prev = NULL, **link = bin;
+    while (a || b) {
+        gm_block *take;
+        if (!b || (a && before(a, b))) {
+            take = a;
+            a = a->lnext;
+        } else {
+            take = b;
+            b = b->lnext;
+            if (fn) fn(take, arg);
+        }
+        take->lprev = prev;
+        *link = take;
+        link = &take->lnext;
+        prev = take;
+    }
+    *link = NULL;
+}
+
 void fi_move_all(gm_freeindex *dst, gm_freeindex *src, void (*fn)(gm_block *b, void *arg), void *arg) {
     for (unsigned fl = 0; fl < FI_FL; fl++) {
         if (!(src->fl_bitmap & (1ull << fl))) continue;
         for (unsigned sl = 0; sl < FI_SL; sl++) {
-            gm_block *a = dst->bins[fl][sl], *b = src->bins[fl][sl], *prev = NULL;
-            if (!b) continue;
-            gm_block **link = &dst->bins[fl][sl];
-            while (a || b) {
-                gm_block *take;
-                if (!b || (a && before(a, b))) {
-                    take = a;
-                    a = a->lnext;
-                } else {
-                    take = b;
-                    b = b->lnext;
-                    if (fn) fn(take, arg);
-                }
-                take->lprev = prev;
-                *link = take;
-                link = &take->lnext;
-                prev = take;
-            }
-            *link = NULL;
+            if (!src->bins[fl][sl]) continue;
+            merge_into(&dst->bins[fl][sl], src->bins[fl][sl], fn, arg);
             src->bins[fl][sl] = NULL;
         }
         dst->sl_bitmap[fl] |= src->sl_bitmap[fl];
@@ -138,6 +166,44 @@ void fi_move_all(gm_freeindex *dst, gm_freeindex *src, void (*fn)(gm_block *b, v
     dst->count += src->count;
     dst->bytes += src->bytes;
     src->count = src->bytes = 0;
+}
+
+void fi_move_if(gm_freeindex *dst, gm_freeindex *src, int (*pred)(const gm_block *b, void *arg),
+                void (*fn)(gm_block *b, void *arg), void *arg) {
+    for (unsigned fl = 0; fl < FI_FL; fl++) {
+        if (!(src->fl_bitmap & (1ull << fl))) continue;
+        for (unsigned sl = 0; sl < FI_SL; sl++) {
+            /* Split the bin into the blocks that go and those that stay, both in order. */
+            gm_block *go = NULL, **go_tail = &go, *stay = NULL, **stay_tail = &stay, *stay_prev = NULL;
+            size_t n = 0, bytes = 0;
+            for (gm_block *b = src->bins[fl][sl], *next; b; b = next) {
+                next = b->lnext;
+                if (pred(b, arg)) {
+                    *go_tail = b;
+                    go_tail = &b->lnext;
+                    n++;
+                    bytes += b->size;
+                } else {
+                    b->lprev = stay_prev;
+                    *stay_tail = b;
+                    stay_tail = &b->lnext;
+                    stay_prev = b;
+                }
+            }
+            *go_tail = *stay_tail = NULL;
+            if (!go) continue;
+            src->bins[fl][sl] = stay;
+            if (!stay) src->sl_bitmap[fl] &= ~(1u << sl);
+            src->count -= n;
+            src->bytes -= bytes;
+            merge_into(&dst->bins[fl][sl], go, fn, arg);
+            dst->sl_bitmap[fl] |= 1u << sl;
+            dst->fl_bitmap |= 1ull << fl;
+            dst->count += n;
+            dst->bytes += bytes;
+        }
+        if (!src->sl_bitmap[fl]) src->fl_bitmap &= ~(1ull << fl);
+    }
 }
 
 int fi_check(const gm_freeindex *fi, char *why, size_t whylen) {

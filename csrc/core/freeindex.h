@@ -53,10 +53,20 @@ int fi_each(const gm_freeindex *fi, int (*fn)(struct gm_block *b, void *arg), vo
 /* The same, over the blocks of at least `size` bytes only (and some a little
  * smaller: those that share the bin of `size`). */
 int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(struct gm_block *b, void *arg), void *arg);
+/* Walk the blocks in index order -- by bin, then (size, addr) within one:
+ * sizes never decrease -- from the first block of the bin of `size` (smaller
+ * blocks that share that bin included); NULL at the end. */
+struct gm_block *fi_first_from(const gm_freeindex *fi, size_t size);
+struct gm_block *fi_next(const gm_freeindex *fi, const struct gm_block *b);
 /* Move every block of src into dst, in O(blocks of both) (a merge of sorted
  * bins, not one insertion at a time); fn, if given, sees each block that
  * moves, and must change neither index.  src is left empty. */
 void fi_move_all(gm_freeindex *dst, gm_freeindex *src, void (*fn)(struct gm_block *b, void *arg), void *arg);
+/* Move the blocks of src for which pred holds into dst, the same way, in
+ * O(blocks of both in the bins src uses); fn, if given, sees each block that
+ * moves, and must change neither index. */
+void fi_move_if(gm_freeindex *dst, gm_freeindex *src, int (*pred)(const struct gm_block *b, void *arg),
+                void (*fn)(struct gm_block *b, void *arg), void *arg);
 /* Check I1-I4; returns 0 or writes a reason. */
 int fi_check(const gm_freeindex *fi, char *why, size_t whylen);
 

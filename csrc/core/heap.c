@@ -61,7 +61,10 @@
  *   owner or of ANY, and the result keeps the stricter owner.  Blocks marked
  *   with record_stream get an event per extra stream when freed and stay pending
  *   until all complete.  Unmapping waits for the whole device, after which all
- *   free memory belongs to ANY.
+ *   free memory belongs to ANY.  That hand-over touches no block when the free
+ *   blocks it hands over all belong to the waiting stream: an epoch advances,
+ *   and the blocks move into ANY's index only when another stream comes
+ *   (gm_heap.lazy_stream, gm_free_owner).
  *
  * POOLS
  *
@@ -299,6 +302,29 @@ static void index_remove(gm_heap *h, gm_block *b) {
     gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
+/* A block of h->lazy_stream that became everyone's at a synchronisation
+ * (gm_free_owner) but still sits in its stream's index. */
+static int handed_over(const gm_block *b, void *arg) { return b->epoch < ((const gm_heap *)arg)->epoch; }
+
+static void to_everyone(gm_block *b, void *arg) {
+    (void)arg;
+    b->stream = ANY;
+}
+
+/* Move the blocks that a synchronisation handed to every stream, but left in
+ * lazy_stream's indexes, into everyone's (gm_heap.lazy_stream says why they
+ * may wait).  Nothing merges: every free block is lazy_stream's or
+ * everyone's, and such neighbours have merged already.  The statistics count
+ * free blocks, whoever owns them: they stay. */
+static void settle_release(gm_heap *h) {
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->stream == ANY || !o->idx.count) continue;
+        fi_move_if(o->pool ? &o->pool->any->idx : &h->owners[0]->idx, &o->idx, handed_over, to_everyone, h);
+    }
+    h->lazy_stream = ANY;
+}
+
 /* The stricter of two owners, or 0 if the blocks may not merge.  (Blocks of
  * different pools never merge either: callers check that first.) */
 static int owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
@@ -327,6 +353,7 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
     r->seq = b->seq;
     r->pool = b->pool;
     r->origin = b->origin;
+    r->epoch = b->epoch;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
@@ -340,8 +367,13 @@ static gm_block *split(gm_heap *h, gm_block *b, size_t offset) {
 }
 
 /* a absorbs its upper neighbour b; neither is in any list.  Both keep their
- * pages (free blocks of one living pool) or neither does. */
+ * pages (free blocks of one living pool) or neither does.  Free blocks: the
+ * caller gives a the owner owners_merge() picks from the two; it is a
+ * stream's (not everyone's) when either part was that stream's, so the
+ * newer epoch of such a part goes with it. */
 static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
+    uint64_t ea = gm_free_owner(h, a) == ANY ? 0 : a->epoch, eb = gm_free_owner(h, b) == ANY ? 0 : b->epoch;
+    a->epoch = ea > eb ? ea : eb;
     int keeps = gm_keeps_pages(a);
     if (keeps) {
         gm_pages_use(h, a, -1);
@@ -361,6 +393,7 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
+    if (owner != ANY && h->lazy_stream != ANY && owner != h->lazy_stream) settle_release(h);
     /* Free in a living pool, it stays out of general space and keeps its pages. */
     int was_general = gm_general_space(b), general = !b->pool, attach = general && !was_general;
     int kept = gm_keeps_pages(b), keeps = gm_pinned(b);
@@ -381,6 +414,7 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
     b->stream = owner;
     b->seq = seq;
     b->origin = owner;
+    b->epoch = h->epoch;
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
@@ -832,7 +866,41 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
     return pages < h->cap_pages ? pages : h->cap_pages;
 }
 
-static int synchronize(gm_heap *h) {
+/* After a device synchronisation every free block is everyone's.  When all
+ * that are not everyone's already belong to one stream (in any pools), that
+ * hands nothing new to the stream itself, and no neighbours can merge that
+ * have not (owners_merge lets a stream's blocks merge with everyone's): the
+ * blocks stay in their indexes, and a new epoch makes them everyone's
+ * (gm_heap.lazy_stream).  The proofs and releases in flight are settled
+ * here, as release_owners does.  0 when more than one stream owns blocks, or
+ * when one does but `requester` (ANY: none) is another: it goes on to look
+ * for memory, and would not see them. */
+static int release_lazily(gm_heap *h, gm_stream requester) {
+    gm_stream s = ANY;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        if (o->stream == ANY || !o->idx.count) continue;
+        if (s != ANY && o->stream != s) return 0;
+        s = o->stream;
+    }
+    if (s != ANY && ((requester != ANY && s != requester) || (h->lazy_stream != ANY && s != h->lazy_stream))) return 0;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->stream == ANY) continue;
+        if (o->releasing) {
+            event_put(h, o->release_event);
+            o->releasing = 0;
+        }
+        o->safe_seq = h->free_seq;
+    }
+    if (s != ANY) h->epoch++;
+    h->lazy_stream = s;
+    return 1;
+}
+
+/* Wait for the device: every free block becomes everyone's.  `requester`:
+ * the stream whose allocation goes on after it, or ANY. */
+static int synchronize(gm_heap *h, gm_stream requester) {
     if (h->no_sync) return GM_EDEVICE; /* callers never get here during a capture */
     if (h->dev->ops->synchronize(h->dev)) {
         h->st.num_device_errors++;
@@ -840,7 +908,10 @@ static int synchronize(gm_heap *h) {
     }
     h->st.num_sync_all_streams++;
     process_pending(h, 1);
-    release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
+    if (!release_lazily(h, requester)) {
+        release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
+        h->lazy_stream = ANY;      /* it moved every block */
+    }
     return GM_OK;
 }
 
@@ -882,53 +953,99 @@ struct cached_run {
     size_t p0, p1;
 };
 
-static int cmp_run(const void *x, const void *y) {
-    const struct cached_run *a = x, *b = y;
-    if (a->b->size != b->b->size) return a->b->size < b->b->size ? -1 : 1;
-    if (a->b->addr != b->b->addr) return a->b->addr < b->b->addr ? 1 : -1;
-    return a->p0 < b->p0 ? -1 : 1; /* two parts of one block: the lower first */
-}
-
-struct cached_ctx {
-    gm_heap *h;
-    size_t ex0, ex1;
-    struct cached_run *runs;
-    size_t n, cap, total;
+/* Blocks in recycling order: the smallest first and, among equal sizes, the
+ * highest address first.  One cursor per index of the general heap walks it
+ * in index order (sizes ascending, addresses ascending among equals, see
+ * freeindex.h); the blocks of the next size from every cursor are gathered
+ * and reversed by address.  Only blocks of at least a page can hold a whole
+ * one, so the walk starts at the bin of a page, and it stops where the caller
+ * has what it wants: it costs the blocks it hands out (and the rest of their
+ * size), not every free block. */
+struct recycle_order {
+    const gm_freeindex **idx;
+    gm_block **cur; /* per index: the next block in index order, NULL at the end */
+    size_t n_idx;
+    gm_block **same; /* the blocks of the current size, highest address first */
+    size_t n_same, cap_same, next;
 };
 
-static int cached_one(gm_block *b, void *arg) {
-    struct cached_ctx *c = arg;
-    gm_heap *h = c->h;
-    if (!gm_general_space(b)) return 0; /* only general free space is recycled */
-    size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
-    if (p0 >= p1) return 0;
-    size_t parts[2][2] = {{p0, p1 < c->ex0 ? p1 : c->ex0}, {p0 > c->ex1 ? p0 : c->ex1, p1}};
-    for (int k = 0; k < 2; k++) {
-        if (parts[k][0] >= parts[k][1]) continue;
-        if (c->n == c->cap) {
-            size_t cap = c->cap ? 2 * c->cap : 64;
-            struct cached_run *r = realloc(c->runs, cap * sizeof *r);
-            if (!r) return 1; /* keep what there is */
-            c->runs = r;
-            c->cap = cap;
+static int cmp_addr_desc(const void *x, const void *y) {
+    const gm_block *a = *(gm_block *const *)x, *b = *(gm_block *const *)y;
+    return a->addr < b->addr ? 1 : -1;
+}
+
+/* The next block in recycling order, NULL at the end (or on host OOM: the
+ * caller then recycles what it has). */
+static gm_block *recycle_next(struct recycle_order *r) {
+    if (r->next < r->n_same) return r->same[r->next++];
+    size_t size = SIZE_MAX;
+    for (size_t i = 0; i < r->n_idx; i++)
+        if (r->cur[i] && r->cur[i]->size < size) size = r->cur[i]->size;
+    if (size == SIZE_MAX) return NULL;
+    r->n_same = r->next = 0;
+    for (size_t i = 0; i < r->n_idx; i++) {
+        /* Equal sizes share a bin, so they are neighbours in the walk. */
+        for (; r->cur[i] && r->cur[i]->size == size; r->cur[i] = fi_next(r->idx[i], r->cur[i])) {
+            if (r->n_same == r->cap_same) {
+                size_t cap = r->cap_same ? 2 * r->cap_same : 64;
+                gm_block **a = realloc(r->same, cap * sizeof *a);
+                if (!a) return NULL;
+                r->same = a;
+                r->cap_same = cap;
+            }
+            r->same[r->n_same++] = r->cur[i];
         }
-        c->runs[c->n++] = (struct cached_run){b, parts[k][0], parts[k][1]};
-        c->total += parts[k][1] - parts[k][0];
     }
-    return 0;
+    qsort(r->same, r->n_same, sizeof *r->same, cmp_addr_desc);
+    return r->same[r->next++];
 }
 
 /* Wholly free pages, outside the page range [ex0, ex1), that free blocks of
- * the general heap cover: these back nothing and can be unmapped.  Writes them to *out (malloc'd).
- * Only blocks of a page or more can hold a whole page: the free indexes give
- * those without a walk over every block. */
-static size_t cached_runs(gm_heap *h, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
-    struct cached_ctx c = {h, ex0, ex1, NULL, 0, 0, 0};
-    for (size_t i = 0; i < h->n_owners; i++)
-        if (!h->owners[i]->pool && fi_each_from(&h->owners[i]->idx, h->page, cached_one, &c)) break;
-    *out = c.runs;
-    *pages = c.total;
-    return c.n;
+ * the general heap cover, back nothing and can be unmapped: up to `want` of
+ * them, in the order recycle() takes them, go to *out (malloc'd; the number
+ * of runs is returned, *pages the pages in them). */
+static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struct cached_run **out, size_t *pages) {
+    struct recycle_order r = {0};
+    struct cached_run *runs = NULL;
+    size_t n = 0, cap = 0, chosen = 0;
+    r.idx = malloc(h->n_owners * sizeof *r.idx);
+    r.cur = malloc(h->n_owners * sizeof *r.cur);
+    if (r.idx && r.cur) {
+        for (size_t i = 0; i < h->n_owners; i++) {
+            if (h->owners[i]->pool || !h->owners[i]->idx.count) continue;
+            r.idx[r.n_idx] = &h->owners[i]->idx;
+            r.cur[r.n_idx++] = fi_first_from(&h->owners[i]->idx, h->page);
+        }
+    }
+    for (gm_block *b; chosen < want && r.n_idx && (b = recycle_next(&r));) {
+        if (!gm_general_space(b)) continue; /* only general free space is recycled */
+        size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
+        if (p0 >= p1) continue;
+        /* Two parts when the range splits the block: the lower first. */
+        size_t parts[2][2] = {{p0, p1 < ex0 ? p1 : ex0}, {p0 > ex1 ? p0 : ex1, p1}};
+        for (int k = 0; k < 2 && chosen < want; k++) {
+            if (parts[k][0] >= parts[k][1]) continue;
+            if (n == cap) {
+                size_t c = cap ? 2 * cap : 64;
+                struct cached_run *a = realloc(runs, c * sizeof *a);
+                if (!a) goto done; /* keep what there is */
+                runs = a;
+                cap = c;
+            }
+            /* From the top of each. */
+            size_t take = parts[k][1] - parts[k][0];
+            if (take > want - chosen) take = want - chosen;
+            runs[n++] = (struct cached_run){b, parts[k][1] - take, parts[k][1]};
+            chosen += take;
+        }
+    }
+done:
+    free(r.idx);
+    free(r.cur);
+    free(r.same);
+    *out = runs;
+    *pages = chosen;
+    return n;
 }
 
 static int cmp_run_addr(const void *x, const void *y) {
@@ -938,27 +1055,18 @@ static int cmp_run_addr(const void *x, const void *y) {
 
 /* Unmap up to `want` cached pages outside [ex0, ex1) into spares.  The caller
  * has synchronised the device.  Pages come first from the smallest free blocks,
- * which can serve the fewest requests, and from the top of each.  The unmaps
- * then run from the highest address down: cutting a block keeps its record as
- * the lower part, so runs below (even of the same block) stay valid. */
+ * which can serve the fewest requests, and from the top of each (cached_runs
+ * picks them).  The unmaps then run from the highest address down: cutting a
+ * block keeps its record as the lower part, so runs below (even of the same
+ * block) stay valid. */
 static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     struct cached_run *runs;
-    size_t total, n = cached_runs(h, ex0, ex1, &runs, &total), got = 0, chosen = 0;
+    size_t total, n = cached_runs(h, want, ex0, ex1, &runs, &total), got = 0;
     /* Each cut block may need two more records. */
     if (!n || slab_reserve(h, 2 * n + 2)) {
         free(runs);
         return 0;
     }
-    qsort(runs, n, sizeof *runs, cmp_run);
-    for (size_t i = 0; i < n && chosen < want; i++) {
-        size_t take = runs[i].p1 - runs[i].p0;
-        if (take > want - chosen) take = want - chosen;
-        runs[i].p0 = runs[i].p1 - take;
-        chosen += take;
-        runs[got++] = runs[i];
-    }
-    n = got;
-    got = 0;
     qsort(runs, n, sizeof *runs, cmp_run_addr);
     for (size_t i = 0; i < n; i++) {
         size_t before = h->n_spare;
@@ -1407,7 +1515,7 @@ static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
  * now), and unmap cached pages into spares for the placement's shortfall. */
 static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, int *synced, int *recycled,
                        int *dev_err) {
-    if (synchronize(h) != GM_OK) {
+    if (synchronize(h, s) != GM_OK) {
         *dev_err = GM_EDEVICE;
         return;
     }
@@ -1523,6 +1631,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
         dev->ops->destroy(dev);
         return GM_ENOMEM;
     }
+    h->lazy_stream = ANY;
     h->dev = dev;
     h->page = page;
     h->page_shift = (unsigned)__builtin_ctzll((unsigned long long)page);
@@ -1790,6 +1899,8 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         rc = GM_ENOMEM;
         goto done;
     }
+    /* Another stream looks only at its own and everyone's indexes. */
+    if (h->lazy_stream != ANY && s != h->lazy_stream) settle_release(h);
     if (h->n_pending) pending_step(h, s);
     gm_block *b = fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0;
@@ -1904,7 +2015,7 @@ static int trim(gm_heap *h, size_t target) {
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */
     if (!cached_pages(h, 0, 0)) return GM_OK;
-    if ((rc = synchronize(h))) return rc; /* spares are gone already; nothing else is safe */
+    if ((rc = synchronize(h, ANY))) return rc; /* spares are gone already; nothing else is safe */
     size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0);
     if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */
@@ -2026,6 +2137,7 @@ static int to_general(gm_block *b, void *arg) {
  * merge with their neighbours), its owners go, and the record stays only while
  * blocks of it are live or pending. */
 static void pool_end(gm_heap *h, gm_pool *p) {
+    if (h->lazy_stream != ANY) settle_release(h); /* owners change below: settle who owns what first */
     p->use_count = 0;
     /* Its pending blocks will complete into the general heap. */
     for (gm_block *b = h->head; b; b = b->next)
@@ -2182,6 +2294,7 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
         rc = GM_EPAUSED;
         goto out;
     }
+    if (h->lazy_stream != ANY) settle_release(h); /* blocks change owners below */
     /* 1. Validate, changing nothing: the list is disjoint, inside the range,
      * 512-aligned; the pool's live blocks are marked kept (1) or to free (2);
      * every other listed range lies in free memory of the pool once the blocks
@@ -2240,18 +2353,20 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
             b = r;
         }
         gm_stream last = b->stream;
-        uint64_t last_seq = b->seq;
+        uint64_t last_seq = b->seq, last_epoch = b->epoch;
         while (b->addr + b->size < a + sz) {
             gm_block *nx = b->next;
             index_remove(h, nx);
             last = nx->stream;
             last_seq = nx->seq;
+            last_epoch = nx->epoch;
             absorb(h, b, nx);
         }
         if (b->addr + b->size > a + sz) {
             gm_block *r = split(h, b, sz);
             r->stream = last;
             r->seq = last_seq;
+            r->epoch = last_epoch;
             index_insert(h, r);
         }
         make_live(h, b, sz, sz, stream, 0, p);
@@ -2339,7 +2454,7 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
         rc = GM_ENOTSUP;
     if (rc) goto out;
     /* Nothing may still be running on the pages, and pending frees complete. */
-    if ((rc = synchronize(h)) || (rc = pool_own_pages(h, p, &l, &n, &shared))) goto out;
+    if ((rc = synchronize(h, ANY)) || (rc = pool_own_pages(h, p, &l, &n, &shared))) goto out;
     t1 = t2 = mono_ns();
     if (n && (flags & GM_PAUSE_BACKUP)) {
         if ((rc = ops->host_alloc(h->dev, n * h->page, &backup))) {
@@ -2451,7 +2566,7 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
     gm_paused_page *l = p->paused_list;
     /* 1. The pages: spares, new ones up to the cap, then cached ones taken back. */
     if (n > h->n_spare) grow(h, n - h->n_spare, h->cap_pages, &dev_err);
-    if (n > h->n_spare && cached_pages(h, 0, 0) && synchronize(h) == GM_OK) recycle(h, n - h->n_spare, 0, 0);
+    if (n > h->n_spare && cached_pages(h, 0, 0) && synchronize(h, ANY) == GM_OK) recycle(h, n - h->n_spare, 0, 0);
     if (n > h->n_spare) {
         rc = dev_err ? GM_EDEVICE : GM_ENOMEM;
         goto fail;

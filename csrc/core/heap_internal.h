@@ -35,6 +35,9 @@ struct gm_block {
      * checker holds a block that every stream may reuse to the proof for that
      * free (gm_owner.safe_seq). */
     gm_stream origin;
+    /* free, owned by a stream: the heap's epoch when it last became that
+     * stream's (see gm_free_owner). */
+    uint64_t epoch;
     uint8_t state;     /* gm_block_state */
     uint8_t wait_sync; /* pending, but an event could not be recorded: wait for a device sync */
     uint8_t deferred;  /* pending, freed during a capture: its events are not recorded yet */
@@ -108,6 +111,17 @@ struct gm_heap {
     gm_owner **owners; /* owners[0] is the general heap's GM_STREAM_ANY */
     size_t n_owners, cap_owners;
     gm_owner *last_owner; /* one-entry cache for the common single-stream case */
+    /* A device synchronisation hands every free block to every stream.  When
+     * the blocks it hands over all belong to one stream, they stay where they
+     * are instead of moving one by one: the epoch advances, and a free block
+     * of that stream from an earlier epoch is everyone's (gm_free_owner).
+     * lazy_stream names that stream (GM_STREAM_ANY: no such block exists).
+     * Only that stream can tell where the blocks sit -- it searches its own
+     * index and everyone's alike -- so they move into everyone's index (and
+     * lazy_stream goes back to ANY) before any other stream allocates or
+     * frees, and before anything else that reads owners. */
+    uint64_t epoch;
+    gm_stream lazy_stream;
 
     gm_block **live; /* live table: chained hash on addr */
     size_t live_mask, n_live;
@@ -160,6 +174,12 @@ static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) {
 static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
 
 gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
+/* The stream that may reuse free block b at once (GM_STREAM_ANY: every
+ * stream).  Its index is its pool's owner for b->stream; a block of
+ * h->lazy_stream from an earlier epoch is everyone's, though it sits there. */
+static inline gm_stream gm_free_owner(const gm_heap *h, const gm_block *b) {
+    return b->epoch < h->epoch ? GM_STREAM_ANY : b->stream;
+}
 /* A block that belongs to a pool that still lives: its pages are pinned. */
 static inline int gm_pinned(const gm_block *b) { return b->pool && b->pool->use_count > 0; }
 

@@ -44,7 +44,7 @@ int gm_snapshot_take(gm_heap *h, gm_snapshot **out) {
     for (const gm_block *b = h->head; b != end; b = b->next, i++) {
         s->blocks[i] =
             (gm_block_info){b->addr,      b->size,
-                            b->requested, b->stream,
+                            b->requested, b->state == GM_BLOCK_FREE ? gm_free_owner(h, b) : b->stream,
                             b->context,   b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING ? b->seq : 0,
                             b->state,     b->pool ? b->pool->id : (gm_pool_id){0, 0}};
         /* Pages kept for a living pool are in use too: empty_cache leaves them. */
