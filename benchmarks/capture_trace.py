@@ -26,6 +26,8 @@ name, outdir = argv
 record = os.environ.get("RECORD", "1") == "1"
 conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")
 dev = "cpu" if dry_run else "cuda"
+if dry_run:
+    torch.set_num_threads(1)  # small models; several captures may run side by side
 random.seed(1234)
 torch.manual_seed(1234)
 
@@ -100,7 +102,7 @@ def wl_seed_fragmentation():
 
 def multi_stream(workload):
     # side streams hand tensors over with record_stream (compare/multistream.py)
-    return lambda: multistream.run(workload, dev, random, tiny=dry_run)
+    return lambda: multistream.run(workload, dev, random, steps=3 if dry_run else None, tiny=dry_run)
 
 
 def header(res):

@@ -317,7 +317,9 @@ def assemble(doc: dict, cdoc: Optional[dict], sims: Sims, names: List[str], mult
             "multi_stream": n in multi,
             "streams": (ctraces.get(n) or {}).get("streams"),
             "peak_live": (ctraces.get(n) or {}).get("peak_live") or g.get("peak_live"),
-            "gpu": {k: g.get(k) for k in ("status", "reason", "min_cap", "ratio", "ratio_max_fail", "search")},
+            "gpu": {
+                k: g.get(k) for k in ("status", "reason", "min_cap", "ratio", "ratio_max_fail", "search", "probes")
+            },
             "sim": {},
             "gpu_over_sim": {},
         }
