@@ -174,6 +174,8 @@ class Sims:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
         self.futures: Dict[tuple, concurrent.futures.Future] = {}
         self.lock = threading.Lock()
+        self.procs: set = set()
+        self.closed = False
 
     def add(self, name: str, path: str) -> None:
         for d in self.delays:
@@ -183,13 +185,27 @@ class Sims:
         cmd = [sys.executable, "-m", "gpumem", "replay", "--min-capacity", "--json", "--no-timing", "--no-progress"]
         cmd += ["--event-delay", str(delay), path]
         t0 = time.monotonic()
-        try:
+        with self.lock:
+            if self.closed:
+                return {"status": "not run", "reason": "the run ended first"}
             # cwd elsewhere: -m puts the cwd first on sys.path (see compare/runner.py)
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, cwd=self.work, env=self.env)
+            p = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=self.work, env=self.env
+            )
+            self.procs.add(p)
+        try:
+            stdout, stderr = p.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
             return {"status": "timeout", "reason": f"still running after {self.timeout:.0f} s"}
+        finally:
+            with self.lock:
+                self.procs.discard(p)
         wall = round(time.monotonic() - t0, 2)
-        for line in p.stdout.splitlines():
+        if p.returncode < 0:
+            return {"status": "killed", "reason": f"signal {-p.returncode}", "wall_s": wall}
+        for line in stdout.splitlines():
             try:
                 j = json.loads(line)
             except ValueError:
@@ -202,7 +218,7 @@ class Sims:
                     "peak_reserved_uncapped": j.get("peak_reserved_bytes"),
                     "wall_s": wall,
                 }
-        return {"status": "failed", "reason": (p.stderr or p.stdout).strip()[-400:], "wall_s": wall}
+        return {"status": "failed", "reason": (stderr or stdout).strip()[-400:], "wall_s": wall}
 
     def result(self, name: str, delay: int, wait: float) -> dict:
         f = self.futures.get((name, delay))
@@ -214,7 +230,12 @@ class Sims:
             return {"status": "timeout", "reason": "not finished when the run ended"}
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel what has not started and kill what still runs (the run is over)."""
+        with self.lock:
+            self.closed = True
+            for p in self.procs:
+                p.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- the GPU search: compare/runner.py's figure 1, gpumem only, seeded by these sims -------------

@@ -253,9 +253,8 @@ def prefetch_loader(dev, rng: random.Random, steps: int, tiny: bool = False) -> 
         )
         for b, n in shapes
     ]
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if s.cuda else contextlib.nullcontext()
     for x, y in Prefetcher(s, host, channels_last=not tiny):
-        with amp:
+        with torch.autocast("cuda", dtype=torch.bfloat16) if s.cuda else contextlib.nullcontext():
             loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
