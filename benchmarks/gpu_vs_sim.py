@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import glob
 import importlib.util
 import json
 import os
@@ -378,9 +379,10 @@ def main(argv=None) -> int:
         [] if args.only_traces == ["none"] else [trace_name(p) for p in find_traces(args.traces, args.only_traces)]
     )
 
-    # gpumem for the sims and the GPU worker: the installed one, or this checkout's (built in place)
+    # gpumem for the sims and the GPU worker: this checkout's when it is built in place (whatever else
+    # is installed), else the installed one
     env = dict(os.environ)
-    if importlib.util.find_spec("gpumem") is None:
+    if glob.glob(os.path.join(ROOT, "gpumem", "_C*")) or importlib.util.find_spec("gpumem") is None:
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the compare run's worker servers inherit it
     jobs = args.sim_jobs or max(1, min(8, (os.cpu_count() or 2) // 2))
