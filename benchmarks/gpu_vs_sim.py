@@ -375,9 +375,8 @@ def main(argv=None) -> int:
         raise SystemExit(
             f"gpu_vs_sim.py: unknown workload {', '.join(bad)} (from {', '.join(multistream.MULTISTREAM)})"
         )
-    shipped = (
-        [] if args.only_traces == ["none"] else [trace_name(p) for p in find_traces(args.traces, args.only_traces)]
-    )
+    shipped_paths = [] if args.only_traces == ["none"] else find_traces(args.traces, args.only_traces)
+    shipped = [trace_name(p) for p in shipped_paths]
 
     # gpumem for the sims and the GPU worker: this checkout's when it is built in place (whatever else
     # is installed), else the installed one
@@ -406,9 +405,8 @@ def main(argv=None) -> int:
     # the replay set: links to the shipped traces and the captured ones, in one directory
     tdir = os.path.join(work, "traces")
     os.makedirs(tdir)
-    for n in shipped:
-        src = os.path.join(args.traces, n + ".trace.gz")
-        os.symlink(os.path.abspath(src), os.path.join(tdir, n + ".trace.gz"))
+    for n, src in zip(shipped, shipped_paths):
+        os.symlink(os.path.abspath(src), os.path.join(tdir, os.path.basename(src)))
         sims.add(n, src)
     log(f"simulated replays of {len(shipped)} shipped traces started ({jobs} at a time)")
 
