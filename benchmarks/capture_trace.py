@@ -1,6 +1,11 @@
 """Capture allocation traces of real models (random weights, nothing downloaded) with PyTorch's own
 allocator and its memory history. Usage on a machine with a GPU: python3 benchmarks/capture_trace.py WORKLOAD OUTDIR
-(RECORD=0 to only print the native allocator's peak figures; set PYTORCH_CUDA_ALLOC_CONF to compare settings)."""
+(RECORD=0 to only print the native allocator's peak figures; set PYTORCH_CUDA_ALLOC_CONF to compare settings).
+
+The multi-stream workloads (prefetch_loader, overlap_comm, two_stream_pipeline: compare/multistream.py)
+also run without a GPU: `capture_trace.py --dry-run WORKLOAD OUTDIR` runs their small CPU versions and
+writes a synthetic trace of the tensors they allocate on side streams or hand between streams (its
+header says "dry_run": true; it is a test of the plumbing, not a recording)."""
 
 import gzip
 import json
@@ -10,13 +15,19 @@ import sys
 import time
 import torch
 
-from compare import workloads
+from compare import multistream, workloads
 
-name = sys.argv[1]
-outdir = sys.argv[2]
+argv = sys.argv[1:]
+dry_run = "--dry-run" in argv
+argv = [a for a in argv if a != "--dry-run"]
+if len(argv) != 2:
+    sys.exit("usage: capture_trace.py [--dry-run] WORKLOAD OUTDIR")
+name, outdir = argv
 record = os.environ.get("RECORD", "1") == "1"
 conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")
-dev = "cuda"
+dev = "cpu" if dry_run else "cuda"
+if dry_run:
+    torch.set_num_threads(1)  # small models; several captures may run side by side
 random.seed(1234)
 torch.manual_seed(1234)
 
@@ -89,7 +100,36 @@ def wl_seed_fragmentation():
     del big, keep
 
 
+def multi_stream(workload):
+    # side streams hand tensors over with record_stream (compare/multistream.py)
+    return lambda: multistream.run(workload, dev, random, steps=3 if dry_run else None, tiny=dry_run)
+
+
+def header(res):
+    return "# action addr size stream  (from torch.cuda.memory._snapshot device_traces; " + json.dumps(res) + ")\n"
+
+
 W = {k[3:]: v for k, v in globals().items() if k.startswith("wl_")}
+W.update({w: multi_stream(w) for w in multistream.MULTISTREAM})
+if name not in W:
+    sys.exit(f"capture_trace.py: unknown workload {name!r} (choose from {', '.join(sorted(W))})")
+if dry_run:
+    if name not in multistream.MULTISTREAM:
+        sys.exit(f"capture_trace.py: --dry-run runs only {', '.join(multistream.MULTISTREAM)}")
+    t0 = time.time()
+    streams = W[name]()
+    import gc
+
+    gc.collect()
+    lines = streams.trace_lines()
+    res = dict(workload=name, conf=conf, dry_run=True, seconds=round(time.time() - t0, 2), events=len(lines))
+    res["streams"] = len({ln.split()[3] for ln in lines})
+    print(json.dumps(res), flush=True)
+    os.makedirs(outdir, exist_ok=True)
+    with gzip.open(os.path.join(outdir, f"{name}.trace.gz"), "wt") as f:
+        f.write(header(res).replace("from torch.cuda.memory._snapshot device_traces", "synthetic, --dry-run"))
+        f.write("".join(ln + "\n" for ln in lines))
+    sys.exit(0)
 torch.empty(1, device=dev)
 if record:
     torch.cuda.memory._record_memory_history(
@@ -117,14 +157,21 @@ print(json.dumps(res), flush=True)
 if record:
     snap = torch.cuda.memory._snapshot()
     tr = snap["device_traces"][0]
+    # each entry's stream is the cudaStream_t its block belongs to (0: the default stream); a block
+    # handed to other streams with record_stream has its free_completed after its free_requested
+    res["streams"] = len({int(e.get("stream", 0)) for e in tr if e["action"] == "alloc"})
+    res["deferred_frees"] = sum(
+        1
+        for e, nxt in zip(tr, tr[1:] + [None])
+        if e["action"] == "free_requested"
+        and (nxt is None or nxt["action"] != "free_completed" or nxt["addr"] != e["addr"])
+    )
     os.makedirs(outdir, exist_ok=True)
     with gzip.open(os.path.join(outdir, f"{name}.trace.gz"), "wt") as f:
-        f.write(
-            "# action addr size stream  (from torch.cuda.memory._snapshot device_traces; " + json.dumps(res) + ")\n"
-        )
+        f.write(header(res))
         for e in tr:
-            f.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
-    print("trace entries", len(tr), flush=True)
+            f.write(f"{e['action']} {e['addr']} {e['size']} {int(e.get('stream', 0))}\n")
+    print(json.dumps({"trace_entries": len(tr), "streams": res["streams"]}), flush=True)
     if name == "seed_fragmentation":
         import pickle
 
