@@ -650,6 +650,10 @@ void gpumem_torch_end_allocate_to_pool(int device, gm_torch_mempool_id pool) {
 
 void gpumem_torch_release_pool(int device, gm_torch_mempool_id pool) {
     int rc = pool_release(device, gm_pool_id{pool.first, pool.second});
+    /* torch calls this from CUDAGraph::reset(), which ~CUDAGraph calls: an
+     * exception there ends the process.  A paused pool keeps its last use
+     * (it stays paused, its memory returned), as when a MemPool goes away. */
+    if (rc == GM_EPAUSED) return;
     if (rc != GM_OK)
         throw std::runtime_error("gpumem: cannot release pool (" + std::to_string(pool.first) + ", " +
                                  std::to_string(pool.second) + ") on GPU " + std::to_string(device) + ": " +
