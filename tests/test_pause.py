@@ -604,3 +604,16 @@ def test_a_graph_deleted_while_its_pool_is_paused_leaves_it_paused(tmp_path):
         out(paused=info["paused"], use_count=info["use_count"], after=_C._torch_pool_info(0, (9, 0)))
     """)
     assert r["paused"] and r["use_count"] == 1 and r["after"] is None
+
+
+def test_torch_layer_takes_the_device_as_torch_spells_it():
+    torch = pytest.importorskip("torch")
+    import gpumem.torch as gt
+
+    pd = gt._pause._pool_and_device
+    assert pd((1, 2), "cuda:1") == ((1, 2), 1)  # was taken for the current device
+    assert pd((1, 2), torch.device("cuda", 3)) == ((1, 2), 3)
+    assert pd((1, 2), 2) == ((1, 2), 2)
+    for bad in (True, -1, "cpu", 1.0):
+        with pytest.raises((TypeError, ValueError), match="device"):
+            pd((1, 2), bad)
