@@ -225,3 +225,37 @@ def test_a_failed_driver_call_leaves_the_pool_paused_or_not_never_half(op, fails
     else:
         assert r["pause"] == "ok" and r["resume"] == "ok", r
     assert r["back"], r
+
+
+PARTIAL = """
+gpumem.install()
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    a = torch.empty(2 << 20, device="cuda")       # 8 MiB: 4 pages of the pool
+between = torch.empty(1 << 20, device="cuda")     # 4 MiB outside it: the pool's pages are two runs
+with torch.cuda.use_mem_pool(pool):
+    b = torch.empty(2 << 20, device="cuda")
+try:
+    gpumem.pause(pool)                            # the second run's cuMemUnmap fails
+    msg = "no error"
+except RuntimeError as e:
+    msg = str(e)
+info = gpumem._C._torch_pool_info(0, pool.id)
+gpumem._C._torch_check(0)
+gpumem.resume(pool)
+a.fill_(1.0); b.fill_(2.0); between.fill_(3.0)
+ok = bool((a == 1.0).all()) and bool((b == 2.0).all()) and bool((between == 3.0).all())
+gpumem._C._torch_check(0)
+out(msg=msg, paused=info["paused"], paused_pages=info["paused_pages"], ok=ok)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_a_pause_that_fails_part_way_says_the_pool_is_paused():
+    """docs/torch.md: a device failure part way through a pause leaves the pool
+    paused with the pages released so far, and the error says so."""
+    r = run_py(PARTIAL, env={"GPUMEM_CUDA_FAULTS": "unmap:2"})
+    assert r["paused"] and r["paused_pages"] == 4, r
+    assert "the pool is paused with the 4 pages released before the failure" in r["msg"], r
+    assert r["ok"], r

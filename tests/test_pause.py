@@ -547,3 +547,72 @@ def test_torch_heap_pause_and_resume_on_a_simulated_device():
     assert "already paused (GM_EPAUSED)" in e[0] and "paused" in e[1]
     assert e[2].startswith("ValueError") and e[3].startswith("ValueError")
     assert "not paused" in e[4]
+
+
+# torch calls its releasePool hook from CUDAGraph::reset(), which ~CUDAGraph
+# calls: an exception escaping it ends the process (std::terminate).  A graph
+# deleted while its pool is paused must leave the pool paused, not abort.
+GRAPH_DTOR = r"""
+#include <cstdint>
+#include <functional>
+#include <utility>
+using Pool = std::pair<unsigned long long, unsigned long long>;
+using Release = void(int, Pool);
+struct Graph {  /* ~CUDAGraph -> reset() -> releasePool(device, id) */
+    std::function<Release> release;
+    int device;
+    Pool id;
+    ~Graph() { release(device, id); }
+};
+extern "C" void delete_graph(uint64_t addr, int device, uint64_t a, uint64_t b) {
+    Graph g{reinterpret_cast<Release *>(addr), device, Pool{a, b}};
+}
+"""
+
+
+def test_a_graph_deleted_while_its_pool_is_paused_leaves_it_paused(tmp_path):
+    import shutil
+    import subprocess
+
+    from test_torch_pools import run_py
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src, lib = tmp_path / "graph.cpp", tmp_path / "graph.so"
+    src.write_text(GRAPH_DTOR)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={gpumem._C._torch_cxx11_abi()}"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", abi, str(src), "-o", str(lib)], check=True, timeout=300)
+    r = run_py(f"""
+        graph = ctypes.CDLL({str(lib)!r})
+        graph.delete_graph.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+        ep = _C._torch_entry_points()
+        _C._torch_pool_retain(0, (9, 0))  # the graph's use (begin's use is released at its end)
+        begin(0, 9, 0, ANY)
+        p = alloc(6 * MiB, 0, None)
+        end(0, 9, 0)
+        release(0, 9, 0)
+        _C._torch_pool_pause(0, (9, 0))
+        graph.delete_graph(ep["release_pool"], 0, 9, 0)  # aborted the process before the fix
+        info = _C._torch_pool_info(0, (9, 0))
+        check()
+        _C._torch_pool_resume(0, (9, 0))  # the id still names it: it can be resumed and ended
+        free(p, 0, 0, 0)
+        _C._torch_pool_release(0, (9, 0))
+        check()
+        out(paused=info["paused"], use_count=info["use_count"], after=_C._torch_pool_info(0, (9, 0)))
+    """)
+    assert r["paused"] and r["use_count"] == 1 and r["after"] is None
+
+
+def test_torch_layer_takes_the_device_as_torch_spells_it():
+    torch = pytest.importorskip("torch")
+    import gpumem.torch as gt
+
+    pd = gt._pause._pool_and_device
+    assert pd((1, 2), "cuda:1") == ((1, 2), 1)  # was taken for the current device
+    assert pd((1, 2), torch.device("cuda", 3)) == ((1, 2), 3)
+    assert pd((1, 2), 2) == ((1, 2), 2)
+    for bad in (True, -1, "cpu", 1.0):
+        with pytest.raises((TypeError, ValueError), match="device"):
+            pd((1, 2), bad)

@@ -346,3 +346,58 @@ def test_std_function_hooks_called_the_way_torch_calls_them(tmp_path):
         out(ok=True)
     """)
     assert r["ok"]
+
+
+# torch's allocator runs a pool's stream filter under its lock, so once
+# endAllocateToPool returns the filter is never running or called again -- and
+# CUDAGraph's filter reads the graph object, which may then be deleted.  gpumem
+# runs filters outside its lock: ending a pool must wait for the filters in flight.
+def test_ending_a_pool_waits_for_its_filter_in_flight():
+    r = run_py("""
+        import threading, time
+        entered, log = threading.Event(), []
+        def slow(s):
+            entered.set()
+            time.sleep(0.3)
+            log.append("filter returned")
+            return 0
+        f = FILTER(slow)
+        assert begin(0, 0, 5, f) == 0
+        t = threading.Thread(target=lambda: log.append("allocated" if alloc(MiB, 0, 3) else "failed"))
+        t.start()
+        entered.wait()
+        assert end(0, 0, 5) == 0
+        log.append("end returned")
+        t.join()
+        check()
+        out(log=log)
+    """)
+    log = r["log"]
+    assert sorted(log) == ["allocated", "end returned", "filter returned"], r
+    assert log.index("filter returned") < log.index("end returned"), r
+
+
+def test_a_forked_child_ends_a_pool_whose_filter_ran_in_a_vanished_thread():
+    r = run_py("""
+        import os, signal, threading, time
+        entered = threading.Event()
+        def slow(s):
+            entered.set()
+            time.sleep(0.5)
+            return 0
+        f = FILTER(slow)
+        assert begin(0, 0, 5, f) == 0
+        t = threading.Thread(target=lambda: alloc(MiB, 0, 3))
+        t.start()
+        entered.wait()
+        pid = os.fork()
+        if pid == 0:  # the thread in the filter does not exist here
+            signal.alarm(20)
+            os._exit(0 if end(0, 0, 5) == 0 else 3)
+        _, status = os.waitpid(pid, 0)
+        t.join()
+        assert end(0, 0, 5) == 0
+        check()
+        out(status=status)
+    """)
+    assert r["status"] == 0, r

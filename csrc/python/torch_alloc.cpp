@@ -39,7 +39,10 @@
  * core's registry lock, caps and reports the heap's lock); the core never calls
  * back out while it holds a lock of its own.  None is held while calling
  * anything that may wait for the GIL: route() calls the pools' stream filters
- * (which may be Python callables) on a copy of the list, outside pool_mu; the
+ * (which may be Python callables) on a copy of the list, outside pool_mu (and
+ * pool_end, with the GIL released, waits for the calls in flight, so that a
+ * filter is never running once its pool's end returns, as under torch's own
+ * allocator, which calls them under its lock); the
  * context hook, the OOM formatter and the Python exception are all reached
  * with no lock held.  That is what lets fork() take them all: fork_lock_all
  * (handed to the core's one pthread_atfork registration, core/fork.c) takes
@@ -63,6 +66,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <pthread.h>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -131,7 +135,13 @@ struct active_pool {
     gm_torch_filter filter;
 };
 
-typedef std::vector<active_pool> active_list;
+struct active_list : std::vector<active_pool> {
+    using std::vector<active_pool>::vector;
+    active_list() = default;
+    active_list(const active_list &o) : std::vector<active_pool>(o) {}
+    /* route() calls running this list's filters now */
+    mutable std::atomic<long> routing{0};
+};
 
 struct slot {
     std::atomic<gm_heap *> heap{nullptr};
@@ -148,6 +158,11 @@ struct slot {
     std::mutex pool_mu;
     std::shared_ptr<const active_list> active;
     std::atomic<size_t> n_active{0};
+    /* Lists replaced while route() calls were running their filters.  torch
+     * runs filters under its allocator's lock, so once endAllocateToPool
+     * returns a pool's filter -- CUDAGraph's reads the graph object, which
+     * may be deleted next -- is not running: pool_end waits for these. */
+    std::vector<std::shared_ptr<const active_list>> retired;
 };
 
 slot g_slots[GM_TORCH_MAX_DEVICES];
@@ -175,10 +190,22 @@ void fork_unlock_all() {
     for (slot &s : g_slots) s.mu.unlock();
 }
 
+/* A forked child has only the forking thread: route() calls of the others
+ * never finish there, and pool_end must not wait for them. */
+void fork_child_routes() {
+    for (slot &s : g_slots) {
+        if (s.active) s.active->routing.store(0);
+        for (const auto &l : s.retired) l->routing.store(0);
+    }
+}
+
 /* Handed to the core when the library is loaded: before any thread can have
  * called in, and whether Python imported it or torch and ctypes opened it. */
 struct fork_registration {
-    fork_registration() { gm_fork_also(fork_lock_all, fork_unlock_all); }
+    fork_registration() {
+        gm_fork_also(fork_lock_all, fork_unlock_all);
+        pthread_atfork(nullptr, nullptr, fork_child_routes);
+    }
 } g_fork_registration;
 
 gm_torch_options options_snapshot() {
@@ -280,6 +307,9 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
     throw std::runtime_error(msg);
 }
 
+/* route() calls on this thread now: a filter that ends a pool cannot wait for itself. */
+thread_local int t_routing = 0;
+
 /* The pool an allocation on `stream` goes to: the first active pool whose
  * filter accepts the stream (torch's allocator picks the same way), or false. */
 bool route(slot &s, gm_stream stream, gm_pool_id *out) {
@@ -288,8 +318,17 @@ bool route(slot &s, gm_stream stream, gm_pool_id *out) {
     {
         std::lock_guard<std::mutex> g(s.pool_mu);
         list = s.active;
+        if (list) list->routing.fetch_add(1, std::memory_order_relaxed);
     }
     if (!list) return false;
+    struct done {
+        const active_list &l;
+        ~done() {
+            t_routing--;
+            l.routing.fetch_sub(1, std::memory_order_release);
+        }
+    } guard{*list};
+    t_routing++;
     for (const active_pool &a : *list) {
         if (a.filter((gm_cuda_stream_t)(uintptr_t)stream)) {
             *out = a.id;
@@ -297,6 +336,33 @@ bool route(slot &s, gm_stream stream, gm_pool_id *out) {
         }
     }
     return false;
+}
+
+/* Under pool_mu, when `old` is replaced: keep it while route() calls run its
+ * filters; lists no call runs any more go to `dropped` (freed after the lock). */
+void retire(slot &s, const std::shared_ptr<const active_list> &old,
+            std::vector<std::shared_ptr<const active_list>> *dropped) {
+    auto idle = [](const std::shared_ptr<const active_list> &l) {
+        return l->routing.load(std::memory_order_acquire) <= 0;
+    };
+    auto it = std::stable_partition(s.retired.begin(), s.retired.end(), [&](const auto &l) { return !idle(l); });
+    dropped->insert(dropped->end(), std::make_move_iterator(it), std::make_move_iterator(s.retired.end()));
+    s.retired.erase(it, s.retired.end());
+    if (old && !idle(old)) s.retired.push_back(old);
+}
+
+/* Wait until no route() call runs these lists' filters.  A filter may be a
+ * Python callable waiting for the GIL, which this thread may hold. */
+void wait_routes(const std::vector<std::shared_ptr<const active_list>> &lists) {
+    bool busy = false;
+    if (t_routing) return;
+    for (const auto &l : lists) busy = busy || l->routing.load(std::memory_order_acquire) > 0;
+    if (!busy) return;
+    PyThreadState *ts = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+    for (const auto &l : lists)
+        while (l->routing.load(std::memory_order_acquire) > 0)
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (ts) PyEval_RestoreThread(ts);
 }
 
 gm_heap *heap_or_throw(int device) {
@@ -321,12 +387,14 @@ void pool_begin(int device, gm_pool_id id, gm_torch_filter filter) {
     slot &s = g_slots[device];
     {
         std::shared_ptr<const active_list> old; /* dropped after the lock */
+        std::vector<std::shared_ptr<const active_list>> dropped;
         std::lock_guard<std::mutex> g(s.pool_mu);
         auto next = s.active ? std::make_shared<active_list>(*s.active) : std::make_shared<active_list>();
         next->push_back(active_pool{id, std::move(filter)});
         s.n_active.store(next->size(), std::memory_order_release);
         old = std::move(s.active);
         s.active = std::move(next);
+        retire(s, old, &dropped);
     }
     /* torch calls begin before cudaStreamBeginCapture (and for MemPool's
      * calling-thread filter, with no capture at all), so the driver cannot say
@@ -341,6 +409,7 @@ bool pool_end(int device, gm_pool_id id) {
     slot &s = g_slots[device];
     bool found = false;
     std::shared_ptr<const active_list> old; /* dropped after the lock: it may hold the last filter */
+    std::vector<std::shared_ptr<const active_list>> dropped, in_flight;
     {
         std::lock_guard<std::mutex> g(s.pool_mu);
         if (s.active) {
@@ -353,10 +422,13 @@ bool pool_end(int device, gm_pool_id id) {
                 s.n_active.store(next->size(), std::memory_order_release);
                 old = std::move(s.active);
                 s.active = std::move(next);
+                retire(s, old, &dropped);
+                in_flight = s.retired;
                 found = true;
             }
         }
     }
+    wait_routes(in_flight);
     if (found) gm_capture_end(h);
     return found;
 }
@@ -650,6 +722,10 @@ void gpumem_torch_end_allocate_to_pool(int device, gm_torch_mempool_id pool) {
 
 void gpumem_torch_release_pool(int device, gm_torch_mempool_id pool) {
     int rc = pool_release(device, gm_pool_id{pool.first, pool.second});
+    /* torch calls this from CUDAGraph::reset(), which ~CUDAGraph calls: an
+     * exception there ends the process.  A paused pool keeps its last use
+     * (it stays paused, its memory returned), as when a MemPool goes away. */
+    if (rc == GM_EPAUSED) return;
     if (rc != GM_OK)
         throw std::runtime_error("gpumem: cannot release pool (" + std::to_string(pool.first) + ", " +
                                  std::to_string(pool.second) + ") on GPU " + std::to_string(device) + ": " +

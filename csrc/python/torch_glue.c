@@ -442,6 +442,14 @@ static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
     double t0 = mono_s(), t1;
     Py_BEGIN_ALLOW_THREADS rc = gm_pool_pause(h, id, backup ? GM_PAUSE_BACKUP : 0, &info);
     Py_END_ALLOW_THREADS t1 = mono_s();
+    gm_pool_info pi;
+    /* A device failure part way leaves the pool paused with what was released. */
+    if (rc == GM_EDEVICE && gm_pool_info_get(h, id, &pi) == GM_OK && pi.paused)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "gpumem: cannot pause pool (%llu, %llu) fully: %s (%s): %s; the pool is paused with the "
+                            "%zu pages released before the failure (resume it to map them back)",
+                            (unsigned long long)id.first, (unsigned long long)id.second, gm_strerror(rc),
+                            gm_py_code_name(rc), gm_heap_device(h)->last_error, pi.paused_pages);
     if (rc != GM_OK) return pause_fail(h, rc, "cannot pause", id);
     return pause_dict(h, &info, t1 - t0);
 }

@@ -69,16 +69,23 @@ def _pool_and_device(pool, device):
         raise ValueError("gpumem.pause/resume: pool id (0, 0) names no pool")
     if device is None:
         device = getattr(pool, "device", None)
-    if device is None:
+    if device is None or isinstance(device, str) or type(device).__name__ == "device":
         import torch
 
-        device = torch.cuda.current_device()
-    elif not isinstance(device, int):
-        device = getattr(device, "index", None)
+        if device is not None:  # "cuda", "cuda:1", torch.device("cuda", 1)
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"gpumem.pause/resume: not a CUDA device: {device!r}") from e
+            if device.type != "cuda":
+                raise ValueError(f"gpumem.pause/resume: not a CUDA device: {device!r}")
+            device = device.index
         if device is None:
-            import torch
-
             device = torch.cuda.current_device()
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise TypeError(
+            f"gpumem.pause/resume: device must be a CUDA device index, name or torch.device, got {device!r}"
+        )
     return pid, int(device)
 
 

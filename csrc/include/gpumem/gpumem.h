@@ -341,7 +341,7 @@ int gm_pool_set_live(gm_heap *heap, gm_pool_id id, const uintptr_t *addrs, const
  *   - an allocation in the pool, gm_pool_set_live and releasing the pool's last
  *     use fail with GM_EPAUSED and change nothing (other uses come and go);
  *     freeing a block of the pool works (the block goes back to the pool's
- *     free memory, no device call);
+ *     free memory; no device call but a record_stream use's event record);
  *   - no other request, defragmentation, empty_cache or cap ever maps, moves
  *     or counts those pages: they are not free space;
  *   - touching the memory is the caller's error (on CUDA, an illegal-address
