@@ -963,6 +963,24 @@ static void open_world(world *w, size_t capacity) {
     if (w->va_size < capacity) fail("heap reserved only %zu bytes of VA for %zu of memory", w->va_size, capacity);
 }
 
+/* Release every use the fuzzer holds of pool i (the pool ends). */
+static void release_pool_uses(world *w, int i) {
+    while (w->pool_uses[i]) {
+        if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
+        if (!--w->pool_uses[i]) pf_drop_pool(w, i);
+    }
+}
+
+/* Let go of the streams the fuzzer holds, completing what waits on them. */
+static void unhold_streams(world *w) {
+    for (int s = 0; s < NSTREAMS; s++)
+        if (w->held[s]) {
+            gm_sim_hold_stream(w->dev, STREAMS[s], 0);
+            w->held[s] = 0;
+            q_release_stream(w, s);
+        }
+}
+
 /* Free everything, release everything, and check that nothing is left. */
 static void close_world(world *w) {
     g_phase = "teardown";
@@ -970,22 +988,14 @@ static void close_world(world *w) {
     if (w->capturing) op_capture(w);
     /* Everything freed (in a paused pool that is bookkeeping), then the paused
      * pools can come back: their memory may have gone to others meanwhile. */
-    for (int s = 0; s < NSTREAMS; s++)
-        if (w->held[s]) {
-            gm_sim_hold_stream(w->dev, STREAMS[s], 0);
-            w->held[s] = 0;
-            q_release_stream(w, s);
-        }
+    unhold_streams(w);
     while (w->live.n) {
         blk b = sh_remove(&w->live, w->live.n - 1);
         if (gm_free(w->heap, b.addr) != GM_OK) fail("teardown gm_free(%#" PRIxPTR ") failed", b.addr);
     }
     /* Other pools' free memory is theirs until they end. */
     for (int i = 0; i < NPOOLS; i++)
-        while (w->pool_uses[i] && !w->paused[i]) {
-            if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
-            if (!--w->pool_uses[i]) pf_drop_pool(w, i);
-        }
+        if (!w->paused[i]) release_pool_uses(w, i);
     gm_set_cap(w->heap, 0); /* a cap below the paused pages would refuse them */
     w->cap = 0;
     for (int i = 0; i < NPOOLS; i++) {
@@ -994,22 +1004,9 @@ static void close_world(world *w) {
         int rc = gm_pool_resume(w->heap, pool_id(i), NULL);
         if (rc != GM_OK) fail("teardown gm_pool_resume(%d) returned %d", i, rc);
         w->paused[i] = 0;
-        while (w->pool_uses[i]) {
-            if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
-            if (!--w->pool_uses[i]) pf_drop_pool(w, i);
-        }
     }
-    for (int i = 0; i < NPOOLS; i++)
-        while (w->pool_uses[i]) {
-            if (gm_pool_release(w->heap, pool_id(i)) != GM_OK) fail("teardown gm_pool_release(%d) failed", i);
-            if (!--w->pool_uses[i]) pf_drop_pool(w, i);
-        }
-    for (int s = 0; s < NSTREAMS; s++)
-        if (w->held[s]) {
-            gm_sim_hold_stream(w->dev, STREAMS[s], 0);
-            w->held[s] = 0;
-            q_release_stream(w, s);
-        }
+    for (int i = 0; i < NPOOLS; i++) release_pool_uses(w, i);
+    unhold_streams(w);
     while (w->live.n) {
         blk b = sh_remove(&w->live, w->live.n - 1);
         int rc = gm_free(w->heap, b.addr);
