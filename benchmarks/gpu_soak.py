@@ -3,9 +3,9 @@
     python benchmarks/gpu_soak.py [--minutes 10] [--json FILE] [--phase both|gpumem|native]
 
 (With --phase both, the default, the native replay runs in a second process
-beside the soak, following the steps as the soak takes them, so the whole
-takes about --minutes; --phase gpumem then --phase native, with the same
---json, runs them one after the other instead.)
+beside the soak, following the steps as the soak writes them to
+FILE.steps.jsonl, so the whole takes about --minutes; --phase gpumem then
+--phase native, with the same --json, runs them one after the other instead.)
 
 One process trains a GPT-2 (random weights from a config, nothing downloaded;
 torch's TransformerEncoder when transformers is missing) with gpumem installed:
@@ -100,8 +100,8 @@ def follow(path):
 
 def train(args, schedule=None, log=None):
     """The gpumem run (schedule None: make one, writing each executed step to
-    the file `log` as it goes) or the native replay of a schedule (a list, or
-    the steps `follow` reads)."""
+    the file `log` as it goes) or the native replay of the steps `follow`
+    reads from such a file."""
     import torch
 
     use_gpumem = schedule is None
@@ -242,14 +242,14 @@ def train(args, schedule=None, log=None):
     return out
 
 
-def native_replay(schedule_path, attention, follow_it=False):
-    """Start the native replay of the schedule in `schedule_path` in a second
-    process (following the file as the soak writes it, with `follow_it`);
-    `finish` waits for it and returns its results, or None."""
+def native_replay(steps_path, attention):
+    """Start the native replay of the steps the soak writes to `steps_path` in
+    a second process, which follows the file as it grows (or reads a finished
+    one); `finish` waits for it and returns its results, or None."""
     # Its warnings go to a file: a full pipe would stall it behind the soak.
-    err = open(schedule_path + ".native.log", "w+")
+    err = open(steps_path + ".native.log", "w+")
     p = subprocess.Popen(
-        [sys.executable, __file__, "--follow" if follow_it else "--replay", schedule_path, "--attention", attention],
+        [sys.executable, __file__, "--follow", steps_path, "--attention", attention],
         stdout=subprocess.PIPE,
         stderr=err,
         text=True,
@@ -279,8 +279,8 @@ def main():
         "--phase",
         choices=["both", "gpumem", "native"],
         default="both",
-        help="gpumem: the soak only (writes --json); native: the native replay of the schedule "
-        "in --json, compared with its losses; both: one after the other",
+        help="gpumem: the soak only (writes --json and its .steps.jsonl); native: the native replay of "
+        "those steps, compared with the losses in --json; both: the two side by side",
     )
     ap.add_argument(
         "--attention",
@@ -289,25 +289,19 @@ def main():
         help="GPT-2's attention: sdpa (transformers' default; its memory-efficient backward is not deterministic, "
         "so losses may differ from native's in the last bits) or eager (deterministic, more memory)",
     )
-    ap.add_argument("--replay", help=argparse.SUPPRESS)  # internal: native replay of a schedule file
-    ap.add_argument("--follow", help=argparse.SUPPRESS)  # internal: native replay following a growing file
+    ap.add_argument("--follow", help=argparse.SUPPRESS)  # internal: native replay of the soak's steps file
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if a.replay or a.follow:
-        if a.replay:
-            with open(a.replay) as f:
-                steps = json.load(f)
-        else:
-            steps = follow(a.follow)
-        print(json.dumps(train(a, steps)), flush=True)
+    if a.follow:
+        print(json.dumps(train(a, follow(a.follow))), flush=True)
         return
     native = None
+    steps_path = a.json + ".steps.jsonl"
     if a.phase in ("both", "gpumem"):
-        steps_path = a.json + ".steps.jsonl"
         with open(steps_path, "w") as log:
             if a.phase == "both":
                 # The native replay runs beside the soak, a step behind it.
-                native = native_replay(steps_path, a.attention, follow_it=True)
+                native = native_replay(steps_path, a.attention)
             try:
                 g = train(a, log=log)
             finally:
@@ -322,10 +316,7 @@ def main():
         print(f"soak done: {g['steps']} steps, {g['ooms']} OOMs survived; run --phase native --json {a.json} next")
         return
     if native is None:
-        sched = a.json + ".schedule.json"
-        with open(sched, "w") as f:
-            json.dump(g["schedule"], f)
-        native = native_replay(sched, a.attention)
+        native = native_replay(steps_path, a.attention)  # the soak's finished steps file
     n = finish(native)
     diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
     report = {
