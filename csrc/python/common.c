@@ -81,6 +81,17 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o) {
     return d;
 }
 
+PyObject *gm_py_pool_info_dict(const gm_pool_info *p) {
+    return Py_BuildValue("{s:(KK),s:L,s:K,s:K,s:K,s:K,s:K,s:O,s:K,s:K,s:K}", "id", (unsigned long long)p->id.first,
+                         (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
+                         (unsigned long long)p->live_blocks, "live_bytes", (unsigned long long)p->live_bytes,
+                         "free_blocks", (unsigned long long)p->free_blocks, "free_bytes",
+                         (unsigned long long)p->free_bytes, "pinned_pages", (unsigned long long)p->pinned_pages,
+                         "paused", p->paused ? Py_True : Py_False, "paused_pages", (unsigned long long)p->paused_pages,
+                         "shared_pages", (unsigned long long)p->shared_pages, "backup_bytes",
+                         (unsigned long long)p->backup_bytes);
+}
+
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
     static const char *const names[] = {"alloc", "free_requested", "free_completed", "map", "unmap", "remap",
                                         "oom",   "empty_cache"};

@@ -36,6 +36,10 @@ int gm_py_add_name_lists(PyObject *m);
 
 /* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
 PyObject *gm_py_oom_dict(const gm_oom_info *o);
+/* A private pool's gm_pool_info as a dict (Heap.pool_info, gpumem.torch's
+ * pool status): id (first, second), use_count, live_blocks, ...  New reference
+ * or NULL. */
+PyObject *gm_py_pool_info_dict(const gm_pool_info *p);
 
 /* history as (entries, dropped): entries are (time_ns, action, addr, size,
  * stream, context) tuples; an action with no name reads `unknown_action`.

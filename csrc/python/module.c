@@ -633,16 +633,6 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
 
 /* ---- private pools and stream capture ----------------------------------------------------- */
 
-static PyObject *pool_info_dict(const gm_pool_info *p) {
-    return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n,s:O,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
-                         (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
-                         (Py_ssize_t)p->live_blocks, "live_bytes", (Py_ssize_t)p->live_bytes, "free_blocks",
-                         (Py_ssize_t)p->free_blocks, "free_bytes", (Py_ssize_t)p->free_bytes, "pinned_pages",
-                         (Py_ssize_t)p->pinned_pages, "paused", p->paused ? Py_True : Py_False, "paused_pages",
-                         (Py_ssize_t)p->paused_pages, "shared_pages", (Py_ssize_t)p->shared_pages, "backup_bytes",
-                         (Py_ssize_t)p->backup_bytes);
-}
-
 static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
     if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
@@ -755,7 +745,7 @@ static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
     rc = gm_pool_info_get(self->heap, id, &info);
     LEAVE_CORE(self);
     if (rc != GM_OK) return no_such_pool(&id);
-    return pool_info_dict(&info);
+    return gm_py_pool_info_dict(&info);
 }
 
 static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -774,7 +764,7 @@ static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     }
     PyObject *list = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; list && i < n; i++) {
-        PyObject *d = pool_info_dict(&buf[i]);
+        PyObject *d = gm_py_pool_info_dict(&buf[i]);
         if (d == NULL)
             Py_CLEAR(list);
         else

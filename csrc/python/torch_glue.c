@@ -326,23 +326,6 @@ static PyObject *pool_id_tuple(gm_pool_id id) {
     return Py_BuildValue("(KK)", (unsigned long long)id.first, (unsigned long long)id.second);
 }
 
-static PyObject *pool_info_dict(const gm_pool_info *p) {
-    PyObject *d = PyDict_New();
-    if (d == NULL) return NULL;
-    if (gm_py_put(d, "id", pool_id_tuple(p->id)) < 0 || gm_py_put_i64(d, "use_count", p->use_count) < 0 ||
-        gm_py_put_u64(d, "live_blocks", p->live_blocks) < 0 || gm_py_put_u64(d, "live_bytes", p->live_bytes) < 0 ||
-        gm_py_put_u64(d, "free_blocks", p->free_blocks) < 0 || gm_py_put_u64(d, "free_bytes", p->free_bytes) < 0 ||
-        gm_py_put_u64(d, "pinned_pages", p->pinned_pages) < 0 ||
-        gm_py_put(d, "paused", PyBool_FromLong(p->paused)) < 0 ||
-        gm_py_put_u64(d, "paused_pages", p->paused_pages) < 0 ||
-        gm_py_put_u64(d, "shared_pages", p->shared_pages) < 0 ||
-        gm_py_put_u64(d, "backup_bytes", p->backup_bytes) < 0) {
-        Py_DECREF(d);
-        return NULL;
-    }
-    return d;
-}
-
 /* (device, (first, second)) -> the heap and the id; NULL heap (no error) when
  * torch has not allocated on the device. */
 static int device_pool_args(PyObject *args, int *device, gm_pool_id *id, gm_heap **h) {
@@ -390,7 +373,7 @@ static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args) {
     gm_pool_info info;
     if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
     if (h == NULL || gm_pool_info_get(h, id, &info) != GM_OK) Py_RETURN_NONE;
-    return pool_info_dict(&info);
+    return gm_py_pool_info_dict(&info);
 }
 
 /* _torch_pool_pause(device, pool, backup) / _torch_pool_resume(device, pool):
@@ -493,7 +476,7 @@ static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
         cap = n + 16;
     }
     for (size_t i = 0; i < n; i++) {
-        PyObject *d = pool_info_dict(&buf[i]);
+        PyObject *d = gm_py_pool_info_dict(&buf[i]);
         if (d == NULL || PyList_Append(out, d) < 0) {
             Py_XDECREF(d);
             Py_DECREF(out);
