@@ -5,6 +5,7 @@
 
 #include <inttypes.h>
 #include <stdio.h>
+#include <time.h>
 
 int gm_py_put(PyObject *d, const char *key, PyObject *value) {
     if (value == NULL) return -1;
@@ -90,6 +91,21 @@ PyObject *gm_py_pool_info_dict(const gm_pool_info *p) {
                          "paused", p->paused ? Py_True : Py_False, "paused_pages", (unsigned long long)p->paused_pages,
                          "shared_pages", (unsigned long long)p->shared_pages, "backup_bytes",
                          (unsigned long long)p->backup_bytes);
+}
+
+PyObject *gm_py_pause_dict(gm_heap *h, const gm_pause_info *info, double seconds) {
+    size_t page = gm_heap_device(h)->page_size;
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
+                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
+                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
+                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
+                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
+}
+
+double gm_py_monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {

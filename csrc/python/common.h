@@ -40,6 +40,12 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o);
  * pool status): id (first, second), use_count, live_blocks, ...  New reference
  * or NULL. */
 PyObject *gm_py_pool_info_dict(const gm_pool_info *p);
+/* What pausing or resuming a pool did (Heap.pool_pause/pool_resume, gpumem.torch's
+ * pause/resume): {pages, bytes, shared_pages, backup_bytes, seconds, phases}.
+ * New reference or NULL. */
+PyObject *gm_py_pause_dict(gm_heap *h, const gm_pause_info *info, double seconds);
+/* CLOCK_MONOTONIC in seconds: what `seconds` above is measured with. */
+double gm_py_monotonic_s(void);
 
 /* history as (entries, dropped): entries are (time_ns, action, addr, size,
  * stream, context) tuples; an action with no name reads `unknown_action`.

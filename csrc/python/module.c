@@ -23,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
@@ -656,22 +655,6 @@ static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
     Py_RETURN_NONE;
 }
 
-/* pool_pause / pool_resume: the core's gm_pause_info, and the seconds the call took. */
-static PyObject *pause_result(HeapObject *self, const gm_pause_info *info, double seconds) {
-    size_t page = self->dev->page_size;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
-                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
-                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
-                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
-                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static PyObject *pause_error(HeapObject *self, int rc, const gm_pool_id *id, const char *what) {
     if (rc == GM_EPAUSED)
         return PyErr_Format(PyExc_RuntimeError, "%s: pool (%llu, %llu) is already paused (GM_EPAUSED)", what,
@@ -695,11 +678,11 @@ static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwd
     if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
     gm_pause_info info;
     int rc;
-    double t0 = now_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     ENTER_CORE(self);
     rc = gm_pool_pause(self->heap, id, backup ? GM_PAUSE_BACKUP : 0, &info);
     LEAVE_CORE(self);
-    t1 = now_s();
+    t1 = gm_py_monotonic_s();
     if (rc == GM_EINVAL) return no_such_pool(&id);
     if (rc != GM_OK) {
         /* A device failure part way leaves the pool paused with what was released. */
@@ -709,7 +692,7 @@ static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwd
         }
         return pause_error(self, rc, &id, "pool_pause");
     }
-    return pause_result(self, &info, t1 - t0);
+    return gm_py_pause_dict(self->heap, &info, t1 - t0);
 }
 
 static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
@@ -722,18 +705,18 @@ static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
                             (unsigned long long)id.first, (unsigned long long)id.second);
     gm_pause_info info;
     int rc;
-    double t0 = now_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     ENTER_CORE(self);
     rc = gm_pool_resume(self->heap, id, &info);
     LEAVE_CORE(self);
-    t1 = now_s();
+    t1 = gm_py_monotonic_s();
     if (rc == GM_EINVAL) {
         if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
         return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
                             (unsigned long long)id.first, (unsigned long long)id.second);
     }
     if (rc != GM_OK) return pause_error(self, rc, &id, "pool_resume (the pool stays paused)");
-    return pause_result(self, &info, t1 - t0);
+    return gm_py_pause_dict(self->heap, &info, t1 - t0);
 }
 
 static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {

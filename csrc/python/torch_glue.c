@@ -14,7 +14,6 @@
 
 #include <inttypes.h>
 #include <string.h>
-#include <time.h>
 
 #include "common.h"
 #include "torch_alloc.h"
@@ -379,21 +378,6 @@ static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args) {
 /* _torch_pool_pause(device, pool, backup) / _torch_pool_resume(device, pool):
  * {pages, bytes, shared_pages, backup_bytes, seconds}.  Errors: ValueError for
  * an unknown pool; RuntimeError naming the reason otherwise. */
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static PyObject *pause_dict(gm_heap *h, const gm_pause_info *info, double seconds) {
-    size_t page = gm_heap_device(h)->page_size;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
-                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
-                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
-                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
-                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
-}
-
 static PyObject *pause_fail(gm_heap *h, int rc, const char *what, gm_pool_id id) {
     const char *why = gm_heap_device(h)->last_error;
     if (rc == GM_EINVAL) return pool_error(rc, what, id);
@@ -422,9 +406,9 @@ static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
     if (h == NULL) return pool_error(GM_EINVAL, "cannot pause", id);
     gm_pause_info info;
     int rc;
-    double t0 = mono_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     Py_BEGIN_ALLOW_THREADS rc = gm_pool_pause(h, id, backup ? GM_PAUSE_BACKUP : 0, &info);
-    Py_END_ALLOW_THREADS t1 = mono_s();
+    Py_END_ALLOW_THREADS t1 = gm_py_monotonic_s();
     gm_pool_info pi;
     /* A device failure part way leaves the pool paused with what was released. */
     if (rc == GM_EDEVICE && gm_pool_info_get(h, id, &pi) == GM_OK && pi.paused)
@@ -434,7 +418,7 @@ static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
                             (unsigned long long)id.first, (unsigned long long)id.second, gm_strerror(rc),
                             gm_py_code_name(rc), gm_heap_device(h)->last_error, pi.paused_pages);
     if (rc != GM_OK) return pause_fail(h, rc, "cannot pause", id);
-    return pause_dict(h, &info, t1 - t0);
+    return gm_py_pause_dict(h, &info, t1 - t0);
 }
 
 static PyObject *g_pool_resume(PyObject *Py_UNUSED(m), PyObject *args) {
@@ -445,15 +429,15 @@ static PyObject *g_pool_resume(PyObject *Py_UNUSED(m), PyObject *args) {
     if (h == NULL) return pool_error(GM_EINVAL, "cannot resume", id);
     gm_pause_info info;
     int rc;
-    double t0 = mono_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     Py_BEGIN_ALLOW_THREADS rc = gm_pool_resume(h, id, &info);
-    Py_END_ALLOW_THREADS t1 = mono_s();
+    Py_END_ALLOW_THREADS t1 = gm_py_monotonic_s();
     gm_pool_info pi;
     if (rc == GM_EINVAL && gm_pool_info_get(h, id, &pi) == GM_OK)
         return PyErr_Format(PyExc_RuntimeError, "gpumem: cannot resume pool (%llu, %llu): it is not paused",
                             (unsigned long long)id.first, (unsigned long long)id.second);
     if (rc != GM_OK) return pause_fail(h, rc, "cannot resume", id);
-    return pause_dict(h, &info, t1 - t0);
+    return gm_py_pause_dict(h, &info, t1 - t0);
 }
 
 static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
