@@ -255,6 +255,24 @@ const char *gm_py_code_name(int code) {
     }
 }
 
+int gm_py_add_str_tuple(PyObject *m, const char *attr, const char *const *names, size_t n) {
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    if (t == NULL) return -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *v = PyUnicode_FromString(names[i]);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return -1;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, v);
+    }
+    if (PyModule_AddObject(m, attr, t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
 int gm_py_add_name_lists(PyObject *m) {
     PyObject *errors = PyDict_New();
     if (errors == NULL) return -1;
@@ -280,29 +298,8 @@ int gm_py_add_name_lists(PyObject *m) {
     static const char *const pooled[] = {GM_EACH_POOLED_STAT(STR_ITEM)};
     static const char *const counters[] = {GM_EACH_COUNTER(STR_ITEM) GM_EACH_SETTING(STR_ITEM)};
 #undef STR_ITEM
-    const struct {
-        const char *attr;
-        const char *const *names;
-        size_t n;
-    } lists[] = {
-        {"POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]},
-        {"COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]},
-    };
-    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
-        PyObject *t = PyTuple_New((Py_ssize_t)lists[i].n);
-        if (t == NULL) return -1;
-        for (size_t j = 0; j < lists[i].n; j++) {
-            PyObject *v = PyUnicode_FromString(lists[i].names[j]);
-            if (v == NULL) {
-                Py_DECREF(t);
-                return -1;
-            }
-            PyTuple_SET_ITEM(t, (Py_ssize_t)j, v);
-        }
-        if (PyModule_AddObject(m, lists[i].attr, t) < 0) {
-            Py_DECREF(t);
-            return -1;
-        }
-    }
+    if (gm_py_add_str_tuple(m, "POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]) < 0 ||
+        gm_py_add_str_tuple(m, "COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]) < 0)
+        return -1;
     return 0;
 }

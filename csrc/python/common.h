@@ -33,6 +33,8 @@ const char *gm_py_code_name(int code);
 /* Export the name lists to Python: ERROR_NAMES {code: name}, POOLED_STAT_NAMES
  * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists). */
 int gm_py_add_name_lists(PyObject *m);
+/* Add m.attr = a tuple of the n strings in names.  0, or -1 with an exception set. */
+int gm_py_add_str_tuple(PyObject *m, const char *attr, const char *const *names, size_t n);
 
 /* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
 PyObject *gm_py_oom_dict(const gm_oom_info *o);
