@@ -41,8 +41,6 @@ PyObject *gm_py_InvalidPointerError;
 PyObject *gm_py_CorruptionError;
 PyObject *gm_py_DeviceError;
 
-#define code_name gm_py_code_name
-
 /* ---- the Heap object --------------------------------------------------------- */
 
 /* Every method starts here: a closed heap is a ValueError, as for a closed file. */
@@ -91,7 +89,7 @@ PyObject *gm_py_raise(HeapObject *self, int code, const char *what) {
     case GM_EDEVICE:
     case GM_ENODRIVER:
     case GM_ENOTSUP:
-        PyErr_Format(gm_py_DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), code_name(code), sep, detail);
+        PyErr_Format(gm_py_DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), gm_py_code_name(code), sep, detail);
         break;
     case GM_ECORRUPT:
         PyErr_Format(gm_py_CorruptionError, "%s: heap is corrupt (GM_ECORRUPT)%s%s", what, sep, detail);
@@ -101,8 +99,8 @@ PyObject *gm_py_raise(HeapObject *self, int code, const char *what) {
                      detail);
         break;
     default:
-        PyErr_Format(PyExc_RuntimeError, "%s: %s (%s, code %d)%s%s", what, gm_strerror(code), code_name(code), code,
-                     sep, detail);
+        PyErr_Format(PyExc_RuntimeError, "%s: %s (%s, code %d)%s%s", what, gm_strerror(code), gm_py_code_name(code),
+                     code, sep, detail);
         break;
     }
     return NULL;
@@ -340,7 +338,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
         else if (rc == GM_ENOMEM)
             PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
         else
-            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, code_name(rc));
+            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, gm_py_code_name(rc));
         return -1;
     }
     self->heap = heap;
@@ -576,7 +574,7 @@ static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     if (gm_py_heap_open(self) < 0) return NULL;
     if (self->is_sim && self->busy) {
-        /* The sim device is guarded by the heap's lock only; see ensure_sim. */
+        /* The sim device is guarded by the heap's lock only; see gm_py_heap_sim. */
         PyErr_SetString(PyExc_RuntimeError, "device_processes: another thread is inside this heap");
         return NULL;
     }
