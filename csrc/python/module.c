@@ -220,7 +220,7 @@ static PyObject *raise_oom(HeapObject *self) {
     if (gm_last_oom(self->heap, &info) != GM_OK) return gm_py_raise(self, GM_ENOMEM, "malloc");
     PyObject *d = gm_py_oom_dict(&info);
     if (d == NULL) return NULL;
-    /* gpumem.explain words the message when it is loaded (history_glue.c). */
+    /* gpumem.explain words the message when it is loaded (oom_glue.c). */
     PyObject *msg = gm_py_format_oom((PyObject *)self, d, oom_message(self, &info));
     if (msg == NULL) {
         Py_DECREF(d);
