@@ -204,6 +204,12 @@ static PyObject *no_such_pool(const gm_pool_id *id) {
     return NULL;
 }
 
+static PyObject *not_paused(const gm_pool_id *id) {
+    PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused", (unsigned long long)id->first,
+                 (unsigned long long)id->second);
+    return NULL;
+}
+
 /* ---- the out-of-memory message ---------------------------------------------------
  * The one-line text is gm_oom_line's (common.c), shared with torch's path; a
  * registered formatter (oom_glue.c: gpumem.explain's) may word it instead. */
@@ -698,9 +704,7 @@ static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
     if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     gm_pool_info pi;
     if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-    if (!pi.paused)
-        return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
-                            (unsigned long long)id.first, (unsigned long long)id.second);
+    if (!pi.paused) return not_paused(&id);
     gm_pause_info info;
     int rc;
     double t0 = gm_py_monotonic_s(), t1;
@@ -710,8 +714,7 @@ static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
     t1 = gm_py_monotonic_s();
     if (rc == GM_EINVAL) {
         if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-        return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
-                            (unsigned long long)id.first, (unsigned long long)id.second);
+        return not_paused(&id);
     }
     if (rc != GM_OK) return pause_error(self, rc, &id, "pool_resume (the pool stays paused)");
     return gm_py_pause_dict(self->heap, &info, t1 - t0);
