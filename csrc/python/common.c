@@ -5,6 +5,7 @@
 
 #include <inttypes.h>
 #include <stdio.h>
+#include <time.h>
 
 int gm_py_put(PyObject *d, const char *key, PyObject *value) {
     if (value == NULL) return -1;
@@ -79,6 +80,32 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o) {
         return NULL;
     }
     return d;
+}
+
+PyObject *gm_py_pool_info_dict(const gm_pool_info *p) {
+    return Py_BuildValue("{s:(KK),s:L,s:K,s:K,s:K,s:K,s:K,s:O,s:K,s:K,s:K}", "id", (unsigned long long)p->id.first,
+                         (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
+                         (unsigned long long)p->live_blocks, "live_bytes", (unsigned long long)p->live_bytes,
+                         "free_blocks", (unsigned long long)p->free_blocks, "free_bytes",
+                         (unsigned long long)p->free_bytes, "pinned_pages", (unsigned long long)p->pinned_pages,
+                         "paused", p->paused ? Py_True : Py_False, "paused_pages", (unsigned long long)p->paused_pages,
+                         "shared_pages", (unsigned long long)p->shared_pages, "backup_bytes",
+                         (unsigned long long)p->backup_bytes);
+}
+
+PyObject *gm_py_pause_dict(gm_heap *h, const gm_pause_info *info, double seconds) {
+    size_t page = gm_heap_device(h)->page_size;
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
+                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
+                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
+                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
+                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
+}
+
+double gm_py_monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
@@ -228,6 +255,24 @@ const char *gm_py_code_name(int code) {
     }
 }
 
+int gm_py_add_str_tuple(PyObject *m, const char *attr, const char *const *names, size_t n) {
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    if (t == NULL) return -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *v = PyUnicode_FromString(names[i]);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return -1;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, v);
+    }
+    if (PyModule_AddObject(m, attr, t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
 int gm_py_add_name_lists(PyObject *m) {
     PyObject *errors = PyDict_New();
     if (errors == NULL) return -1;
@@ -253,29 +298,8 @@ int gm_py_add_name_lists(PyObject *m) {
     static const char *const pooled[] = {GM_EACH_POOLED_STAT(STR_ITEM)};
     static const char *const counters[] = {GM_EACH_COUNTER(STR_ITEM) GM_EACH_SETTING(STR_ITEM)};
 #undef STR_ITEM
-    const struct {
-        const char *attr;
-        const char *const *names;
-        size_t n;
-    } lists[] = {
-        {"POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]},
-        {"COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]},
-    };
-    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
-        PyObject *t = PyTuple_New((Py_ssize_t)lists[i].n);
-        if (t == NULL) return -1;
-        for (size_t j = 0; j < lists[i].n; j++) {
-            PyObject *v = PyUnicode_FromString(lists[i].names[j]);
-            if (v == NULL) {
-                Py_DECREF(t);
-                return -1;
-            }
-            PyTuple_SET_ITEM(t, (Py_ssize_t)j, v);
-        }
-        if (PyModule_AddObject(m, lists[i].attr, t) < 0) {
-            Py_DECREF(t);
-            return -1;
-        }
-    }
+    if (gm_py_add_str_tuple(m, "POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]) < 0 ||
+        gm_py_add_str_tuple(m, "COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]) < 0)
+        return -1;
     return 0;
 }

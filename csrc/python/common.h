@@ -33,9 +33,21 @@ const char *gm_py_code_name(int code);
 /* Export the name lists to Python: ERROR_NAMES {code: name}, POOLED_STAT_NAMES
  * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists). */
 int gm_py_add_name_lists(PyObject *m);
+/* Add m.attr = a tuple of the n strings in names.  0, or -1 with an exception set. */
+int gm_py_add_str_tuple(PyObject *m, const char *attr, const char *const *names, size_t n);
 
 /* gm_oom_info as a dict (OutOfMemoryError.info).  New reference or NULL. */
 PyObject *gm_py_oom_dict(const gm_oom_info *o);
+/* A private pool's gm_pool_info as a dict (Heap.pool_info, gpumem.torch's
+ * pool status): id (first, second), use_count, live_blocks, ...  New reference
+ * or NULL. */
+PyObject *gm_py_pool_info_dict(const gm_pool_info *p);
+/* What pausing or resuming a pool did (Heap.pool_pause/pool_resume, gpumem.torch's
+ * pause/resume): {pages, bytes, shared_pages, backup_bytes, seconds, phases}.
+ * New reference or NULL. */
+PyObject *gm_py_pause_dict(gm_heap *h, const gm_pause_info *info, double seconds);
+/* CLOCK_MONOTONIC in seconds: what `seconds` above is measured with. */
+double gm_py_monotonic_s(void);
 
 /* history as (entries, dropped): entries are (time_ns, action, addr, size,
  * stream, context) tuples; an action with no name reads `unknown_action`.

@@ -1,6 +1,6 @@
 /*
- * history_glue.c -- interned Python stacks for allocation sites, and the OOM
- * message hook.  See history_glue.h.
+ * history_glue.c -- interned Python stacks for allocation sites.  See
+ * history_glue.h.
  *
  * Why intern in C: stacks are taken on every allocation while capture is on,
  * so the common case -- a stack seen before -- must not build Python objects.

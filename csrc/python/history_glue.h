@@ -1,6 +1,6 @@
 /*
- * history_glue.h -- Python call stacks for gpumem's allocation history, and the
- * hook that lets Python word the out-of-memory message.
+ * history_glue.h -- Python call stacks for gpumem's allocation history (the
+ * out-of-memory message hook is oom_glue.h's).
  *
  * Allocations carry an opaque 64-bit context id (gm_malloc's `context`).  While
  * stack capture is on, gm_py_capture_context() turns the calling thread's Python

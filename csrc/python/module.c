@@ -23,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
@@ -41,8 +40,6 @@ PyObject *gm_py_OutOfMemoryError;
 PyObject *gm_py_InvalidPointerError;
 PyObject *gm_py_CorruptionError;
 PyObject *gm_py_DeviceError;
-
-#define code_name gm_py_code_name
 
 /* ---- the Heap object --------------------------------------------------------- */
 
@@ -92,7 +89,7 @@ PyObject *gm_py_raise(HeapObject *self, int code, const char *what) {
     case GM_EDEVICE:
     case GM_ENODRIVER:
     case GM_ENOTSUP:
-        PyErr_Format(gm_py_DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), code_name(code), sep, detail);
+        PyErr_Format(gm_py_DeviceError, "%s: %s (%s)%s%s", what, gm_strerror(code), gm_py_code_name(code), sep, detail);
         break;
     case GM_ECORRUPT:
         PyErr_Format(gm_py_CorruptionError, "%s: heap is corrupt (GM_ECORRUPT)%s%s", what, sep, detail);
@@ -102,8 +99,8 @@ PyObject *gm_py_raise(HeapObject *self, int code, const char *what) {
                      detail);
         break;
     default:
-        PyErr_Format(PyExc_RuntimeError, "%s: %s (%s, code %d)%s%s", what, gm_strerror(code), code_name(code), code,
-                     sep, detail);
+        PyErr_Format(PyExc_RuntimeError, "%s: %s (%s, code %d)%s%s", what, gm_strerror(code), gm_py_code_name(code),
+                     code, sep, detail);
         break;
     }
     return NULL;
@@ -207,6 +204,12 @@ static PyObject *no_such_pool(const gm_pool_id *id) {
     return NULL;
 }
 
+static PyObject *not_paused(const gm_pool_id *id) {
+    PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused", (unsigned long long)id->first,
+                 (unsigned long long)id->second);
+    return NULL;
+}
+
 /* ---- the out-of-memory message ---------------------------------------------------
  * The one-line text is gm_oom_line's (common.c), shared with torch's path; a
  * registered formatter (oom_glue.c: gpumem.explain's) may word it instead. */
@@ -223,7 +226,7 @@ static PyObject *raise_oom(HeapObject *self) {
     if (gm_last_oom(self->heap, &info) != GM_OK) return gm_py_raise(self, GM_ENOMEM, "malloc");
     PyObject *d = gm_py_oom_dict(&info);
     if (d == NULL) return NULL;
-    /* gpumem.explain words the message when it is loaded (history_glue.c). */
+    /* gpumem.explain words the message when it is loaded (oom_glue.c). */
     PyObject *msg = gm_py_format_oom((PyObject *)self, d, oom_message(self, &info));
     if (msg == NULL) {
         Py_DECREF(d);
@@ -341,7 +344,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
         else if (rc == GM_ENOMEM)
             PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
         else
-            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, code_name(rc));
+            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, gm_py_code_name(rc));
         return -1;
     }
     self->heap = heap;
@@ -577,7 +580,7 @@ static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     if (gm_py_heap_open(self) < 0) return NULL;
     if (self->is_sim && self->busy) {
-        /* The sim device is guarded by the heap's lock only; see ensure_sim. */
+        /* The sim device is guarded by the heap's lock only; see gm_py_heap_sim. */
         PyErr_SetString(PyExc_RuntimeError, "device_processes: another thread is inside this heap");
         return NULL;
     }
@@ -633,16 +636,6 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
 
 /* ---- private pools and stream capture ----------------------------------------------------- */
 
-static PyObject *pool_info_dict(const gm_pool_info *p) {
-    return Py_BuildValue("{s:(KK),s:L,s:n,s:n,s:n,s:n,s:n,s:O,s:n,s:n,s:n}", "id", (unsigned long long)p->id.first,
-                         (unsigned long long)p->id.second, "use_count", (long long)p->use_count, "live_blocks",
-                         (Py_ssize_t)p->live_blocks, "live_bytes", (Py_ssize_t)p->live_bytes, "free_blocks",
-                         (Py_ssize_t)p->free_blocks, "free_bytes", (Py_ssize_t)p->free_bytes, "pinned_pages",
-                         (Py_ssize_t)p->pinned_pages, "paused", p->paused ? Py_True : Py_False, "paused_pages",
-                         (Py_ssize_t)p->paused_pages, "shared_pages", (Py_ssize_t)p->shared_pages, "backup_bytes",
-                         (Py_ssize_t)p->backup_bytes);
-}
-
 static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
     if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
@@ -664,22 +657,6 @@ static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
                             "pool_release: pool (%llu, %llu) is paused; resume it before releasing it (GM_EPAUSED)",
                             (unsigned long long)id.first, (unsigned long long)id.second);
     Py_RETURN_NONE;
-}
-
-/* pool_pause / pool_resume: the core's gm_pause_info, and the seconds the call took. */
-static PyObject *pause_result(HeapObject *self, const gm_pause_info *info, double seconds) {
-    size_t page = self->dev->page_size;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
-                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
-                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
-                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
-                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static PyObject *pause_error(HeapObject *self, int rc, const gm_pool_id *id, const char *what) {
@@ -705,11 +682,11 @@ static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwd
     if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
     gm_pause_info info;
     int rc;
-    double t0 = now_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     ENTER_CORE(self);
     rc = gm_pool_pause(self->heap, id, backup ? GM_PAUSE_BACKUP : 0, &info);
     LEAVE_CORE(self);
-    t1 = now_s();
+    t1 = gm_py_monotonic_s();
     if (rc == GM_EINVAL) return no_such_pool(&id);
     if (rc != GM_OK) {
         /* A device failure part way leaves the pool paused with what was released. */
@@ -719,7 +696,7 @@ static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwd
         }
         return pause_error(self, rc, &id, "pool_pause");
     }
-    return pause_result(self, &info, t1 - t0);
+    return gm_py_pause_dict(self->heap, &info, t1 - t0);
 }
 
 static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
@@ -727,23 +704,20 @@ static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
     if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     gm_pool_info pi;
     if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-    if (!pi.paused)
-        return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
-                            (unsigned long long)id.first, (unsigned long long)id.second);
+    if (!pi.paused) return not_paused(&id);
     gm_pause_info info;
     int rc;
-    double t0 = now_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     ENTER_CORE(self);
     rc = gm_pool_resume(self->heap, id, &info);
     LEAVE_CORE(self);
-    t1 = now_s();
+    t1 = gm_py_monotonic_s();
     if (rc == GM_EINVAL) {
         if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-        return PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused",
-                            (unsigned long long)id.first, (unsigned long long)id.second);
+        return not_paused(&id);
     }
     if (rc != GM_OK) return pause_error(self, rc, &id, "pool_resume (the pool stays paused)");
-    return pause_result(self, &info, t1 - t0);
+    return gm_py_pause_dict(self->heap, &info, t1 - t0);
 }
 
 static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
@@ -755,7 +729,7 @@ static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
     rc = gm_pool_info_get(self->heap, id, &info);
     LEAVE_CORE(self);
     if (rc != GM_OK) return no_such_pool(&id);
-    return pool_info_dict(&info);
+    return gm_py_pool_info_dict(&info);
 }
 
 static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -774,7 +748,7 @@ static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     }
     PyObject *list = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; list && i < n; i++) {
-        PyObject *d = pool_info_dict(&buf[i]);
+        PyObject *d = gm_py_pool_info_dict(&buf[i]);
         if (d == NULL)
             Py_CLEAR(list);
         else

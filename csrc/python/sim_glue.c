@@ -38,21 +38,9 @@ static int op_from_name(PyObject *name, gm_dev_op *out) {
 
 /* gpumem._C.DEVICE_OPS: the device calls' names, in gm_dev_op order. */
 int gm_py_add_device_ops(PyObject *m) {
-    PyObject *t = PyTuple_New(GM_OP__COUNT);
-    if (t == NULL) return -1;
-    for (int i = 0; i < GM_OP__COUNT; i++) {
-        PyObject *v = PyUnicode_FromString(gm_dev_op_name((gm_dev_op)i));
-        if (v == NULL) {
-            Py_DECREF(t);
-            return -1;
-        }
-        PyTuple_SET_ITEM(t, i, v);
-    }
-    if (PyModule_AddObject(m, "DEVICE_OPS", t) < 0) {
-        Py_DECREF(t);
-        return -1;
-    }
-    return 0;
+    const char *names[GM_OP__COUNT];
+    for (int i = 0; i < GM_OP__COUNT; i++) names[i] = gm_dev_op_name((gm_dev_op)i);
+    return gm_py_add_str_tuple(m, "DEVICE_OPS", names, GM_OP__COUNT);
 }
 
 static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds) {

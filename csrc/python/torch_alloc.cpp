@@ -338,17 +338,21 @@ bool route(slot &s, gm_stream stream, gm_pool_id *out) {
     return false;
 }
 
-/* Under pool_mu, when `old` is replaced: keep it while route() calls run its
- * filters; lists no call runs any more go to `dropped` (freed after the lock). */
-void retire(slot &s, const std::shared_ptr<const active_list> &old,
-            std::vector<std::shared_ptr<const active_list>> *dropped) {
+/* Under pool_mu: make `next` the list route() reads.  The list it replaces is
+ * kept while route() calls run its filters; lists no call runs any more go to
+ * `dropped`, to be freed after the lock (they may hold a filter's last reference). */
+void publish(slot &s, std::shared_ptr<const active_list> next,
+             std::vector<std::shared_ptr<const active_list>> *dropped) {
     auto idle = [](const std::shared_ptr<const active_list> &l) {
         return l->routing.load(std::memory_order_acquire) <= 0;
     };
+    s.n_active.store(next->size(), std::memory_order_release);
+    std::shared_ptr<const active_list> old = std::move(s.active);
+    s.active = std::move(next);
     auto it = std::stable_partition(s.retired.begin(), s.retired.end(), [&](const auto &l) { return !idle(l); });
     dropped->insert(dropped->end(), std::make_move_iterator(it), std::make_move_iterator(s.retired.end()));
     s.retired.erase(it, s.retired.end());
-    if (old && !idle(old)) s.retired.push_back(old);
+    if (old) (idle(old) ? *dropped : s.retired).push_back(std::move(old));
 }
 
 /* Wait until no route() call runs these lists' filters.  A filter may be a
@@ -386,15 +390,11 @@ void pool_begin(int device, gm_pool_id id, gm_torch_filter filter) {
                                  std::to_string(device) + ": " + gm_strerror(rc));
     slot &s = g_slots[device];
     {
-        std::shared_ptr<const active_list> old; /* dropped after the lock */
-        std::vector<std::shared_ptr<const active_list>> dropped;
+        std::vector<std::shared_ptr<const active_list>> dropped; /* freed after the lock */
         std::lock_guard<std::mutex> g(s.pool_mu);
         auto next = s.active ? std::make_shared<active_list>(*s.active) : std::make_shared<active_list>();
         next->push_back(active_pool{id, std::move(filter)});
-        s.n_active.store(next->size(), std::memory_order_release);
-        old = std::move(s.active);
-        s.active = std::move(next);
-        retire(s, old, &dropped);
+        publish(s, std::move(next), &dropped);
     }
     /* torch calls begin before cudaStreamBeginCapture (and for MemPool's
      * calling-thread filter, with no capture at all), so the driver cannot say
@@ -408,8 +408,7 @@ bool pool_end(int device, gm_pool_id id) {
     if (!h) return false;
     slot &s = g_slots[device];
     bool found = false;
-    std::shared_ptr<const active_list> old; /* dropped after the lock: it may hold the last filter */
-    std::vector<std::shared_ptr<const active_list>> dropped, in_flight;
+    std::vector<std::shared_ptr<const active_list>> dropped, in_flight; /* freed after the lock */
     {
         std::lock_guard<std::mutex> g(s.pool_mu);
         if (s.active) {
@@ -419,10 +418,7 @@ bool pool_end(int device, gm_pool_id id) {
             if (it != s.active->end()) {
                 auto next = std::make_shared<active_list>(s.active->begin(), it);
                 next->insert(next->end(), it + 1, s.active->end());
-                s.n_active.store(next->size(), std::memory_order_release);
-                old = std::move(s.active);
-                s.active = std::move(next);
-                retire(s, old, &dropped);
+                publish(s, std::move(next), &dropped);
                 in_flight = s.retired;
                 found = true;
             }

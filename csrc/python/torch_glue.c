@@ -14,7 +14,6 @@
 
 #include <inttypes.h>
 #include <string.h>
-#include <time.h>
 
 #include "common.h"
 #include "torch_alloc.h"
@@ -326,23 +325,6 @@ static PyObject *pool_id_tuple(gm_pool_id id) {
     return Py_BuildValue("(KK)", (unsigned long long)id.first, (unsigned long long)id.second);
 }
 
-static PyObject *pool_info_dict(const gm_pool_info *p) {
-    PyObject *d = PyDict_New();
-    if (d == NULL) return NULL;
-    if (gm_py_put(d, "id", pool_id_tuple(p->id)) < 0 || gm_py_put_i64(d, "use_count", p->use_count) < 0 ||
-        gm_py_put_u64(d, "live_blocks", p->live_blocks) < 0 || gm_py_put_u64(d, "live_bytes", p->live_bytes) < 0 ||
-        gm_py_put_u64(d, "free_blocks", p->free_blocks) < 0 || gm_py_put_u64(d, "free_bytes", p->free_bytes) < 0 ||
-        gm_py_put_u64(d, "pinned_pages", p->pinned_pages) < 0 ||
-        gm_py_put(d, "paused", PyBool_FromLong(p->paused)) < 0 ||
-        gm_py_put_u64(d, "paused_pages", p->paused_pages) < 0 ||
-        gm_py_put_u64(d, "shared_pages", p->shared_pages) < 0 ||
-        gm_py_put_u64(d, "backup_bytes", p->backup_bytes) < 0) {
-        Py_DECREF(d);
-        return NULL;
-    }
-    return d;
-}
-
 /* (device, (first, second)) -> the heap and the id; NULL heap (no error) when
  * torch has not allocated on the device. */
 static int device_pool_args(PyObject *args, int *device, gm_pool_id *id, gm_heap **h) {
@@ -390,27 +372,12 @@ static PyObject *g_pool_info(PyObject *Py_UNUSED(m), PyObject *args) {
     gm_pool_info info;
     if (device_pool_args(args, &device, &id, &h) < 0) return NULL;
     if (h == NULL || gm_pool_info_get(h, id, &info) != GM_OK) Py_RETURN_NONE;
-    return pool_info_dict(&info);
+    return gm_py_pool_info_dict(&info);
 }
 
 /* _torch_pool_pause(device, pool, backup) / _torch_pool_resume(device, pool):
  * {pages, bytes, shared_pages, backup_bytes, seconds}.  Errors: ValueError for
  * an unknown pool; RuntimeError naming the reason otherwise. */
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static PyObject *pause_dict(gm_heap *h, const gm_pause_info *info, double seconds) {
-    size_t page = gm_heap_device(h)->page_size;
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:d,s:{s:d,s:d,s:d,s:d}}", "pages", (Py_ssize_t)info->pages, "bytes",
-                         (Py_ssize_t)(info->pages * page), "shared_pages", (Py_ssize_t)info->shared_pages,
-                         "backup_bytes", (Py_ssize_t)info->backup_bytes, "seconds", seconds, "phases", "sync",
-                         (double)info->sync_ns * 1e-9, "pages", (double)info->pages_ns * 1e-9, "copy",
-                         (double)info->copy_ns * 1e-9, "map", (double)info->map_ns * 1e-9);
-}
-
 static PyObject *pause_fail(gm_heap *h, int rc, const char *what, gm_pool_id id) {
     const char *why = gm_heap_device(h)->last_error;
     if (rc == GM_EINVAL) return pool_error(rc, what, id);
@@ -439,9 +406,9 @@ static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
     if (h == NULL) return pool_error(GM_EINVAL, "cannot pause", id);
     gm_pause_info info;
     int rc;
-    double t0 = mono_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     Py_BEGIN_ALLOW_THREADS rc = gm_pool_pause(h, id, backup ? GM_PAUSE_BACKUP : 0, &info);
-    Py_END_ALLOW_THREADS t1 = mono_s();
+    Py_END_ALLOW_THREADS t1 = gm_py_monotonic_s();
     gm_pool_info pi;
     /* A device failure part way leaves the pool paused with what was released. */
     if (rc == GM_EDEVICE && gm_pool_info_get(h, id, &pi) == GM_OK && pi.paused)
@@ -451,7 +418,7 @@ static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
                             (unsigned long long)id.first, (unsigned long long)id.second, gm_strerror(rc),
                             gm_py_code_name(rc), gm_heap_device(h)->last_error, pi.paused_pages);
     if (rc != GM_OK) return pause_fail(h, rc, "cannot pause", id);
-    return pause_dict(h, &info, t1 - t0);
+    return gm_py_pause_dict(h, &info, t1 - t0);
 }
 
 static PyObject *g_pool_resume(PyObject *Py_UNUSED(m), PyObject *args) {
@@ -462,15 +429,15 @@ static PyObject *g_pool_resume(PyObject *Py_UNUSED(m), PyObject *args) {
     if (h == NULL) return pool_error(GM_EINVAL, "cannot resume", id);
     gm_pause_info info;
     int rc;
-    double t0 = mono_s(), t1;
+    double t0 = gm_py_monotonic_s(), t1;
     Py_BEGIN_ALLOW_THREADS rc = gm_pool_resume(h, id, &info);
-    Py_END_ALLOW_THREADS t1 = mono_s();
+    Py_END_ALLOW_THREADS t1 = gm_py_monotonic_s();
     gm_pool_info pi;
     if (rc == GM_EINVAL && gm_pool_info_get(h, id, &pi) == GM_OK)
         return PyErr_Format(PyExc_RuntimeError, "gpumem: cannot resume pool (%llu, %llu): it is not paused",
                             (unsigned long long)id.first, (unsigned long long)id.second);
     if (rc != GM_OK) return pause_fail(h, rc, "cannot resume", id);
-    return pause_dict(h, &info, t1 - t0);
+    return gm_py_pause_dict(h, &info, t1 - t0);
 }
 
 static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
@@ -493,7 +460,7 @@ static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
         cap = n + 16;
     }
     for (size_t i = 0; i < n; i++) {
-        PyObject *d = pool_info_dict(&buf[i]);
+        PyObject *d = gm_py_pool_info_dict(&buf[i]);
         if (d == NULL || PyList_Append(out, d) < 0) {
             Py_XDECREF(d);
             Py_DECREF(out);
