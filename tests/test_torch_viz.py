@@ -45,7 +45,7 @@ class OomInfo(ctypes.Structure):
             "largest_possible",
             "pages_needed",
         )
-    ] + [("device_error", ctypes.c_int)]
+    ] + [("device_error", ctypes.c_int), ("pool_live_bytes", ctypes.c_size_t), ("pool_free_bytes", ctypes.c_size_t)]
 
 
 class ProcUsage(ctypes.Structure):
@@ -124,6 +124,15 @@ def test_formatter_writes_the_core_line_then_the_report(oom_heap):
     # The process list torch_alloc.cpp took is what the report shows, not asked again.
     assert seen == [(0, [(4242, 300 * MiB)])]
     assert "PID 4242" in rest and "[other_processes]" in rest
+
+
+def test_formatter_reports_what_private_pools_keep(oom_heap):
+    h, _ = oom_heap
+    info = dict(h.last_oom(), pool_live_bytes=5 * MiB, pool_free_bytes=96 * MiB)
+    text = call_formatter(info)
+    assert "[private_pools]" in text
+    assert "96.00 MiB are free but kept for private pools" in text and "5.00 MiB live" in text
+    assert "[private_pools]" not in call_formatter(h.last_oom())  # no pool holds anything here
 
 
 def test_formatter_with_and_without_the_gil_agree(oom_heap):

@@ -22,6 +22,7 @@
 
 #include <string.h>
 
+#include "common.h"
 #include "history_glue.h"
 #include "oom_glue.h"
 #include "torch_alloc.h"
@@ -39,18 +40,6 @@ long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_pro
 static _Thread_local int formatting;
 
 static const char TRUNCATED[] = "\n[report truncated: gpumem.last_oom() returns all of it]";
-
-static PyObject *info_dict(const gm_oom_info *o) {
-    return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i}", "request", (unsigned long long)o->request,
-        "stream", (unsigned long long)o->stream, "device_total", (unsigned long long)o->device_total, "device_free",
-        (unsigned long long)o->device_free, "cap_bytes", (unsigned long long)o->cap_bytes, "live_bytes",
-        (unsigned long long)o->live_bytes, "pending_bytes", (unsigned long long)o->pending_bytes, "reserved_bytes",
-        (unsigned long long)o->reserved_bytes, "cached_bytes", (unsigned long long)o->cached_bytes, "free_mapped_bytes",
-        (unsigned long long)o->free_mapped_bytes, "largest_free_mapped", (unsigned long long)o->largest_free_mapped,
-        "largest_possible", (unsigned long long)o->largest_possible, "pages_needed",
-        (unsigned long long)o->pages_needed, "device_error", o->device_error);
-}
 
 static PyObject *procs_list(const gm_proc_usage *p, size_t n) {
     PyObject *l = PyList_New((Py_ssize_t)n);
@@ -94,7 +83,7 @@ static size_t render(const gm_oom_info *info, int device, const gm_proc_usage *p
     if (renderer == NULL) return out;
     PyObject *fallback = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)flen, "replace");
     PyObject *pl = n_procs < 0 ? (Py_INCREF(Py_None), Py_None) : procs_list(procs, (size_t)n_procs);
-    PyObject *di = info_dict(info);
+    PyObject *di = gm_py_oom_dict(info);
     if (!fallback || !pl || !di) goto done;
     args = Py_BuildValue("(iOOO)", device, di, fallback, pl);
     if (!args) goto done;
