@@ -24,15 +24,17 @@ typedef struct {
  * failure this call's own.  Only done when no other thread is inside the core:
  * then nothing else can be writing it (we hold the GIL, they would need it to
  * enter). */
-#define ENTER_CORE(self)                                                                                               \
-    do {                                                                                                               \
-        if (!(self)->busy) (self)->dev->last_error[0] = '\0';                                                          \
-        (self)->busy++;                                                                                                \
-    Py_BEGIN_ALLOW_THREADS
-#define LEAVE_CORE(self)                                                                                               \
-    Py_END_ALLOW_THREADS(self)->busy--;                                                                                \
-    }                                                                                                                  \
-    while (0)
+// clang-format off
+#define ENTER_CORE(self)                                                  \
+    do {                                                                  \
+        if (!(self)->busy) (self)->dev->last_error[0] = '\0';             \
+        (self)->busy++;                                                   \
+        Py_BEGIN_ALLOW_THREADS
+#define LEAVE_CORE(self)                                                  \
+        Py_END_ALLOW_THREADS                                              \
+        (self)->busy--;                                                   \
+    } while (0)
+// clang-format on
 
 /* A C function with keywords, as a PyMethodDef wants it. */
 #define KW(fn) (PyCFunction)(void (*)(void))(fn)
