@@ -59,7 +59,6 @@ from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
 from .timeline import DEFAULT_POINTS, Timeline, from_snapshot, from_trace
-from .trace import Trace
 
 __all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "memory_over_time", "TORCH_STATE"]
 
@@ -528,6 +527,8 @@ def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINT
     shipped trace's name like "gpt2_varlen"), replayed on a sim device of
     `capacity`; or a heap (a gpumem.Heap, or None / a CUDA device for the heap
     gpumem installed there), from its recorded history (gpumem.record_history)."""
+    from .trace import Trace  # not at import: `import gpumem` needs no trace reader
+
     if isinstance(source, (Trace, str, os.PathLike)) and not (isinstance(source, str) and source.startswith("cuda")):
         return from_trace(source, capacity, points=points)
     if isinstance(source, Snapshot):

@@ -27,7 +27,6 @@ from typing import List, Optional, Tuple
 
 from ._C import Heap
 from ._units import format_size, parse_size
-from .trace import Trace, load_trace
 
 __all__ = ["Timeline", "from_trace", "from_history", "from_snapshot"]
 
@@ -120,7 +119,9 @@ def from_trace(
     """Replay `trace` (a gpumem.trace.Trace, a path or a shipped trace's name) on a
     fresh sim heap of `capacity` bytes, reading live and reserved memory every
     ceil(events / points) events (the largest value of each step)."""
-    from .replay import _raise_on_error, _slot_table  # not at import: replay imports statistics
+    # not at import: `import gpumem` needs neither the trace reader nor replay's statistics
+    from .replay import _raise_on_error, _slot_table
+    from .trace import Trace, load_trace
 
     if not isinstance(trace, Trace):
         trace = load_trace(trace)
