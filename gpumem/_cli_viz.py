@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._units import format_size, parse_size
-from .replay import min_capacity, replay
+from .replay import _heap, min_capacity, replay
 from .trace import MAX_ALLOC, TraceError, _Builder, _PlainUnpickler, load_trace
 
 HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
@@ -69,10 +69,9 @@ def check_replay_options(args, usage_error) -> None:
 def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
     """Replay `trace` on a fresh sim heap up to the event where live memory
     peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
-    from ._C import Heap
     from .snapshot import Snapshot
 
-    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    heap = _heap(capacity, heap_kwargs)
     try:
         heap.history_enable(max(1, min(HISTORY_CAP, 4 * trace.n_events)))
         stop = trace.peak_event if trace.peak_event >= 0 else -1

@@ -25,7 +25,6 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from ._C import Heap
 from ._units import format_size, parse_size
 
 __all__ = ["Timeline", "from_trace", "from_history", "from_snapshot"]
@@ -120,7 +119,7 @@ def from_trace(
     fresh sim heap of `capacity` bytes, reading live and reserved memory every
     ceil(events / points) events (the largest value of each step)."""
     # not at import: `import gpumem` needs neither the trace reader nor replay's statistics
-    from .replay import _raise_on_error, _slot_table
+    from .replay import _heap, _raise_on_error, _slot_table
     from .trace import Trace, load_trace
 
     if not isinstance(trace, Trace):
@@ -128,7 +127,7 @@ def from_trace(
     capacity = parse_size(capacity)
     n = trace.n_events
     step = max(1, math.ceil(n / max(1, points)))
-    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    heap = _heap(capacity, heap_kwargs)
     x, live, reserved = [0], [0], [0]
     remaps: List[Tuple[int, int]] = []
     ooms: List[Tuple[int, int]] = []
