@@ -31,12 +31,12 @@ except ImportError:  # not installed: use the checkout (built with build_ext --i
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import gpumem
 from gpumem.replay import DEFAULT_CAPACITY, replay, replay_trace  # noqa: E402
+from gpumem.data import list_traces  # noqa: E402
 from gpumem.trace import load_trace  # noqa: E402
 
 MiB = 1 << 20
 STREAM_A = 0x7F0000001000
 STREAM_B = 0x7F0000002000
-SHIPPED = ["bert_varlen", "gpt2_generate", "gpt2_varlen", "llama_lora_ckpt", "resnet50_multires", "seed_fragmentation"]
 
 
 def two_stream_trace(path: str, steps: int = 20, blocks: int = 8) -> str:
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     delays = [int(d) for d in args.delays.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        traces = [load_trace(name) for name in SHIPPED]
+        traces = [load_trace(name) for name in list_traces()]
         synth = load_trace(two_stream_trace(os.path.join(tmp, "two_stream.trace")))
         for trace in traces + [synth]:
             for d in delays:

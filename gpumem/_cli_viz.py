@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._units import format_size, parse_size
-from .replay import min_capacity, replay
-from .trace import TraceError, _Builder, _PlainUnpickler, load_trace
+from .replay import _heap, min_capacity, replay
+from .trace import MAX_ALLOC, TraceError, _Builder, _PlainUnpickler, load_trace
 
 HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -69,10 +69,9 @@ def check_replay_options(args, usage_error) -> None:
 def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
     """Replay `trace` on a fresh sim heap up to the event where live memory
     peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
-    from ._C import Heap
     from .snapshot import Snapshot
 
-    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    heap = _heap(capacity, heap_kwargs)
     try:
         heap.history_enable(max(1, min(HISTORY_CAP, 4 * trace.n_events)))
         stop = trace.peak_event if trace.peak_event >= 0 else -1
@@ -148,8 +147,6 @@ def _load_plain(path: str) -> dict:
 
 def _size_field(path: str, where: str, e: dict, key: str, default=None) -> int:
     """A byte count of a snapshot entry: a non-negative 64-bit int, else TraceError."""
-    from .trace import TraceError
-
     if key not in e and default is not None:
         return default
     v = e.get(key)
@@ -165,8 +162,6 @@ def _torch_oom_point(data: dict, device: int, path: str = "snapshot") -> Optiona
     memory at that moment, counted from its segment and alloc events.  The
     events were checked by load_trace; the fields only this reads are checked
     here (TraceError)."""
-    from .trace import TraceError
-
     reserved = live = 0
     seg_events = 0
     for i, e in enumerate(data["device_traces"][device]):
@@ -193,8 +188,6 @@ def _torch_oom_point(data: dict, device: int, path: str = "snapshot") -> Optiona
                     for k, s in enumerate(segs)
                     if s.get("device", device) == device
                 )
-            from .trace import MAX_ALLOC
-
             request = _size_field(path, where, e, "size")
             if request > MAX_ALLOC:
                 raise TraceError(path, where, f"size {request} is larger than any allocation gpumem serves (4 PiB)")

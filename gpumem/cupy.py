@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from . import _C
 from ._frameworks import mark_installed, mark_uninstalled
+from .explain import last_oom
 from ._shared import Backend
+from ._units import parse_size
 
 __all__ = ["install", "uninstall", "allocator", "installed", "empty_cache", "OutOfMemoryError"]
 
@@ -71,15 +74,9 @@ def allocator(heap=None):
         stream = cupy.cuda.get_current_stream().ptr
         try:
             return backend.malloc(size, device_id, stream)
-        except Exception as e:
-            from . import OutOfMemoryError as GmOOM
-
-            if not isinstance(e, GmOOM):
-                raise
+        except _C.OutOfMemoryError as e:
             report = None
             try:
-                from .explain import last_oom
-
                 report = last_oom(backend.explain_heap(device_id))
             except Exception:
                 pass
@@ -104,9 +101,6 @@ def install(device=None, *, cap=None, heap=None) -> None:
     import cupy
 
     if cap is not None:
-        from . import _C
-        from ._units import parse_size
-
         _C._torch_configure(cap_bytes=parse_size(cap))
     malloc, backend = allocator(heap)
     if _state["backend"] is None:
@@ -137,8 +131,6 @@ def installed() -> bool:
 def empty_cache() -> None:
     """Give every wholly free page of the per-device heaps back to the device
     (the same call as torch.cuda.empty_cache() with gpumem installed)."""
-    from . import _C
-
     backend: Optional[Backend] = _state["backend"]
     if backend is not None and backend.heap is not None:
         backend.heap.empty_cache()

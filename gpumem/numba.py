@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
+from . import _C
 from ._frameworks import mark_installed
 from ._shared import Backend
 
@@ -39,8 +40,6 @@ def memory_manager(heap=None):
 
         def initialize(self):
             if backend.heap is None:
-                from . import _C
-
                 _C._torch_open(self._device())
 
         def _device(self) -> int:
@@ -56,8 +55,6 @@ def memory_manager(heap=None):
             )
 
         def get_memory_info(self):
-            from . import _C
-
             if backend.heap is not None:
                 free, total = backend.heap.mem_info()
             else:
@@ -76,8 +73,6 @@ def memory_manager(heap=None):
             if backend.heap is not None:
                 backend.heap.empty_cache()
             else:
-                from . import _C
-
                 _C._torch_empty_cache()
 
         @property

@@ -100,7 +100,7 @@ def replay_trace(heap, trace: Trace, progress: Optional[Progress] = None, chunk:
         r = heap.replay(trace.events, trace.n_slots)
         _raise_on_error(r, trace, 0)
         return {k: r[k] for k in ("allocs", "frees", "ooms", "first_oom_event")}
-    slots = array("Q", bytes(8 * max(trace.n_slots, 1)))[: trace.n_slots]
+    slots = _slot_table(trace)
     out = {"allocs": 0, "frees": 0, "ooms": 0, "first_oom_event": -1}
     progress(0, total)
     for start, events in trace.chunks(chunk):
@@ -113,6 +113,11 @@ def replay_trace(heap, trace: Trace, progress: Optional[Progress] = None, chunk:
             out["first_oom_event"] = start + r["first_oom_event"]
         progress(start + len(events) // 24, total)
     return out
+
+
+def _slot_table(trace: Trace) -> array:
+    """A zeroed slot table that chunks of `trace` replayed one after another share."""
+    return array("Q", bytes(8 * max(trace.n_slots, 1)))[: trace.n_slots]
 
 
 def _raise_on_error(r: dict, trace: Trace, offset: int) -> None:

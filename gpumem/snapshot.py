@@ -59,7 +59,6 @@ from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
 from .timeline import DEFAULT_POINTS, Timeline, from_snapshot, from_trace
-from .trace import Trace
 
 __all__ = ["Snapshot", "Block", "Segment", "Summary", "snapshot", "dump_snapshot", "memory_over_time", "TORCH_STATE"]
 
@@ -342,25 +341,22 @@ class Snapshot:
         """{framework: (live bytes, live blocks)}, largest first: "torch", "cupy",
         "numba" on the heaps shared by frameworks; untagged blocks of another
         heap count as "untagged"."""
-        by: Dict[str, List[int]] = {}
         own = self.default_framework or "untagged"
-        for b in self.blocks:
-            if b.state == "live":
-                acc = by.setdefault(b.framework or own, [0, 0])
-                acc[0] += b.size
-                acc[1] += 1
-        return {k: (v[0], v[1]) for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])}
+        return {k: (size, n) for k, size, n in self._live_by(lambda b: b.framework or own)}
 
     def top_sites(self, n: int = 10) -> List[Tuple[str, int, int]]:
         """(site, live bytes, blocks) of the allocation sites holding the most live memory."""
+        return self._live_by(lambda b: b.site or "<no stack recorded>")[:n]
+
+    def _live_by(self, key) -> List[Tuple[str, int, int]]:
+        """(key, live bytes, live blocks) per key(block), most bytes first (first seen first on ties)."""
         by: Dict[str, List[int]] = {}
         for b in self.blocks:
             if b.state == "live":
-                key = b.site or "<no stack recorded>"
-                acc = by.setdefault(key, [0, 0])
+                acc = by.setdefault(key(b), [0, 0])
                 acc[0] += b.size
                 acc[1] += 1
-        return sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda t: -t[1])[:n]
+        return sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda t: -t[1])
 
     # ---- torch's format ---------------------------------------------------------------
 
@@ -531,6 +527,8 @@ def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINT
     shipped trace's name like "gpt2_varlen"), replayed on a sim device of
     `capacity`; or a heap (a gpumem.Heap, or None / a CUDA device for the heap
     gpumem installed there), from its recorded history (gpumem.record_history)."""
+    from .trace import Trace  # not at import: `import gpumem` needs no trace reader
+
     if isinstance(source, (Trace, str, os.PathLike)) and not (isinstance(source, str) and source.startswith("cuda")):
         return from_trace(source, capacity, points=points)
     if isinstance(source, Snapshot):

@@ -22,13 +22,10 @@ from __future__ import annotations
 import html
 import math
 import os
-from array import array
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from ._C import Heap
 from ._units import format_size, parse_size
-from .trace import Trace, load_trace
 
 __all__ = ["Timeline", "from_trace", "from_history", "from_snapshot"]
 
@@ -121,26 +118,26 @@ def from_trace(
     """Replay `trace` (a gpumem.trace.Trace, a path or a shipped trace's name) on a
     fresh sim heap of `capacity` bytes, reading live and reserved memory every
     ceil(events / points) events (the largest value of each step)."""
+    # not at import: `import gpumem` needs neither the trace reader nor replay's statistics
+    from .replay import _heap, _raise_on_error, _slot_table
+    from .trace import Trace, load_trace
+
     if not isinstance(trace, Trace):
         trace = load_trace(trace)
     capacity = parse_size(capacity)
     n = trace.n_events
     step = max(1, math.ceil(n / max(1, points)))
-    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    heap = _heap(capacity, heap_kwargs)
     x, live, reserved = [0], [0], [0]
     remaps: List[Tuple[int, int]] = []
     ooms: List[Tuple[int, int]] = []
     try:
-        slots = array("Q", bytes(8 * max(trace.n_slots, 1)))[: trace.n_slots]
+        slots = _slot_table(trace)
         done_remaps = 0
         for start, events in trace.chunks(step):
             heap.reset_peak_stats()
             r = heap.replay(events, trace.n_slots, slots=slots)
-            if r.get("error", 0):
-                raise RuntimeError(
-                    f"{trace.path}: replay stopped by {r.get('error_name', r['error'])} "
-                    f"near event {start + r['allocs'] + r['frees']}"
-                )
+            _raise_on_error(r, trace, start)
             s = heap.stats()
             end = start + len(events) // 24
             x.append(end)

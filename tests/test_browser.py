@@ -28,6 +28,32 @@ def hex_rgb(c):
     return tuple(int(c[i : i + 2], 16) for i in (1, 3, 5))
 
 
+def screenshot(browser, Image, page, tmp_path, window):
+    """`page` as headless Chromium shows it in a window of `window` ("W,H") pixels, an RGB image."""
+    shot = tmp_path / "shot.png"
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--no-default-browser-check",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        f"--window-size={window}",
+        f"--screenshot={shot}",
+        page.as_uri(),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert shot.exists(), f"no screenshot (exit {r.returncode}): {r.stderr[-2000:]}"
+    return Image.open(shot).convert("RGB")
+
+
+def near(present, rgb):
+    """Whether a colour within 12 (summed over R, G, B) of `rgb` is among `present`."""
+    return any(sum(abs(a - b) for a, b in zip(rgb, c)) <= 12 for c in present)
+
+
 def test_offline_html_renders_in_headless_chromium(tmp_path):
     browser = chromium()
     Image = pytest.importorskip("PIL.Image")
@@ -38,37 +64,17 @@ def test_offline_html_renders_in_headless_chromium(tmp_path):
         h.free(h.malloc(40 * MiB))
         page = tmp_path / "map.html"
         gpumem.snapshot(h).to_html(page)
-    shot = tmp_path / "shot.png"
-    cmd = [
-        browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--no-default-browser-check",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--window-size=1100,900",
-        f"--screenshot={shot}",
-        page.as_uri(),
-    ]
     # The page must render with no network: nothing here can be fetched anyway,
     # and the check below needs the SVG's own colours on screen.
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert shot.exists(), f"no screenshot (exit {r.returncode}): {r.stderr[-2000:]}"
-    img = Image.open(shot).convert("RGB")
+    img = screenshot(browser, Image, page, tmp_path, "1100,900")
     assert img.size == (1100, 900)
     colors = img.getcolors(maxcolors=1 << 20)
     total = img.size[0] * img.size[1]
     white = sum(n for n, c in colors if c == (255, 255, 255))
     assert white < 0.95 * total, "screenshot is (nearly) blank"
     present = {c for _, c in colors}
-
-    def near(rgb):
-        return any(sum(abs(a - b) for a, b in zip(rgb, c)) <= 12 for c in present)
-
     for name in (BLOCK_COLORS["live"][0], BLOCK_COLORS["free"][0], PAGE_COLORS["used"]):
-        assert near(hex_rgb(name)), f"colour {name} not on screen"
+        assert near(present, hex_rgb(name)), f"colour {name} not on screen"
 
 
 def test_timeline_renders_in_headless_chromium(tmp_path):
@@ -79,26 +85,6 @@ def test_timeline_renders_in_headless_chromium(tmp_path):
     Image = pytest.importorskip("PIL.Image")
     page = tmp_path / "timeline.html"
     gpumem.memory_over_time("seed_fragmentation", capacity="1.5GiB").to_html(page)
-    shot = tmp_path / "shot.png"
-    cmd = [
-        browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--no-default-browser-check",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--window-size=1000,420",
-        f"--screenshot={shot}",
-        page.as_uri(),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert shot.exists(), f"no screenshot (exit {r.returncode}): {r.stderr[-2000:]}"
-    present = {c for _, c in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)}
-
-    def near(rgb):
-        return any(sum(abs(a - b) for a, b in zip(rgb, c)) <= 12 for c in present)
-
+    present = {c for _, c in screenshot(browser, Image, page, tmp_path, "1000,420").getcolors(maxcolors=1 << 20)}
     for name in (LIVE_COLOR, RESERVED_COLOR, CAP_COLOR, OOM_COLOR):
-        assert near(hex_rgb(name)), f"colour {name} not on screen"
+        assert near(present, hex_rgb(name)), f"colour {name} not on screen"

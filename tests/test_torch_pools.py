@@ -10,15 +10,11 @@ checkpoint functions on a sim-backed heap, and the torch-header checkpoint
 module built against the installed (CPU) torch.
 """
 
-import json
-import os
 import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from conftest import REPO, TORCH_BOUNDARY
+from conftest import TORCH_BOUNDARY, run_python
 
 PRELUDE = (
     """
@@ -43,14 +39,7 @@ _C._torch_open_sim(0, 1 << 30)
 
 
 def run_py(code):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
-    )
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_python(code, PRELUDE, timeout=300, unset=())
 
 
 def test_filter_routes_allocations_and_pool_blocks_stay_in_the_pool():
