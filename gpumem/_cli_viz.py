@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._units import format_size, parse_size
-from .replay import _heap, min_capacity, replay
+from .replay import _check_event_delay, _heap, min_capacity, replay
 from .trace import MAX_ALLOC, TraceError, _Builder, _PlainUnpickler, load_trace
 
 HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
@@ -66,12 +66,13 @@ def check_replay_options(args, usage_error) -> None:
         raise usage_error("--snapshot and --html take one TRACE (the picture is of one heap)")
 
 
-def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None):
-    """Replay `trace` on a fresh sim heap up to the event where live memory
+def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0):
+    """Replay `trace` on a fresh sim heap (events completing `event_delay`
+    device operations late, as in replay) up to the event where live memory
     peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
     from .snapshot import Snapshot
 
-    heap = _heap(capacity, heap_kwargs)
+    heap = _heap(capacity, heap_kwargs, _check_event_delay(event_delay))
     try:
         heap.history_enable(max(1, min(HISTORY_CAP, 4 * trace.n_events)))
         stop = trace.peak_event if trace.peak_event >= 0 else -1
@@ -89,13 +90,13 @@ def write_peak_outputs(args, trace) -> dict:
     """Write --snapshot / --html for one replayed trace; returns JSON-able notes."""
     if not (args.snapshot or args.html):
         return {}
-    snap, r = peak_snapshot(trace, args.capacity)
+    snap, r = peak_snapshot(trace, args.capacity, event_delay=args.event_delay)
     out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
     if args.html:
         # the whole trace over time, under the map of its peak
         from .timeline import from_trace
 
-        snap.timeline = from_trace(trace, args.capacity)
+        snap.timeline = from_trace(trace, args.capacity, event_delay=args.event_delay)
     if args.snapshot:
         snap.dump(args.snapshot)
         out["snapshot"] = args.snapshot

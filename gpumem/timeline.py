@@ -113,13 +113,18 @@ class Timeline:
 
 
 def from_trace(
-    trace, capacity: int = 80 << 30, points: int = DEFAULT_POINTS, heap_kwargs: Optional[dict] = None
+    trace,
+    capacity: int = 80 << 30,
+    points: int = DEFAULT_POINTS,
+    heap_kwargs: Optional[dict] = None,
+    event_delay: int = 0,
 ) -> Timeline:
     """Replay `trace` (a gpumem.trace.Trace, a path or a shipped trace's name) on a
-    fresh sim heap of `capacity` bytes, reading live and reserved memory every
+    fresh sim heap of `capacity` bytes (events completing `event_delay` device
+    operations late, as in replay), reading live and reserved memory every
     ceil(events / points) events (the largest value of each step)."""
     # not at import: `import gpumem` needs neither the trace reader nor replay's statistics
-    from .replay import _heap, _raise_on_error, _slot_table
+    from .replay import _check_event_delay, _heap, _raise_on_error, _slot_table
     from .trace import Trace, load_trace
 
     if not isinstance(trace, Trace):
@@ -127,7 +132,7 @@ def from_trace(
     capacity = parse_size(capacity)
     n = trace.n_events
     step = max(1, math.ceil(n / max(1, points)))
-    heap = _heap(capacity, heap_kwargs)
+    heap = _heap(capacity, heap_kwargs, _check_event_delay(event_delay))
     x, live, reserved = [0], [0], [0]
     remaps: List[Tuple[int, int]] = []
     ooms: List[Tuple[int, int]] = []

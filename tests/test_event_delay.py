@@ -268,3 +268,34 @@ def test_no_oom_while_pending_memory_would_fit(make_heap):
     assert state(heap, big) in ("free", "live")
     heap.check()
     heap.free(again)
+
+
+def test_cli_pictures_follow_the_event_delay(tmp_path):
+    """--snapshot and --html show the heap the table's replay had: with late events, too."""
+    import pickle
+
+    from gpumem._cli_viz import peak_snapshot
+    from gpumem.timeline import from_trace
+    from gpumem.trace import load_trace
+
+    # The two-stream trace, then a last batch that stays live: the peak comes
+    # after the steps in which late events made the heap grow.
+    path = tmp_path / "late.trace"
+    two_stream_trace(path)
+    end = 1 << 40
+    last = [f"alloc {end + i * 12 * MiB} {12 * MiB} {S1}" for i in range(10)]
+    path.write_text(path.read_text() + "\n".join(last) + "\n")
+    trace = load_trace(str(path))
+
+    def history(torch_snapshot):
+        return [(e["action"], e["addr"], e["size"]) for e in torch_snapshot["device_traces"][0]]
+
+    late = history(peak_snapshot(trace, 80 << 30, event_delay=100)[0].to_torch())
+    # the heaps' histories differ: late events made it map one more segment
+    assert late != history(peak_snapshot(trace, 80 << 30)[0].to_torch())
+    snap = tmp_path / "peak.pickle"
+    r = run_cli("replay", str(path), "--event-delay", "100", "--no-timing", "--no-progress", "--snapshot", str(snap))
+    assert r.returncode == 0, r.stderr
+    with open(snap, "rb") as f:
+        assert history(pickle.load(f)) == late
+    assert from_trace(trace, event_delay=100).reserved != from_trace(trace).reserved
