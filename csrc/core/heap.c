@@ -1250,13 +1250,19 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     return rc;
 }
 
+/* The block that holds address x (inside the reserved range), walking from b. */
+static gm_block *block_holding(gm_block *b, uintptr_t x) {
+    while (b->addr > x) b = b->prev;
+    while (b->addr + b->size <= x) b = b->next;
+    return b;
+}
+
 /* The free blocks of a pool under [x, end) become general free space, same
  * owner (the parts outside the range stay the pool's): they stop keeping
  * their pages, which the block carved from the range keeps again.  b is a
  * block at or before x.  The caller keeps the runs out of the run index. */
 static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr_t end) {
-    while (b->addr + b->size <= x) b = b->next;
-    for (; b && b->addr < end; b = b->next) {
+    for (b = block_holding(b, x); b && b->addr < end; b = b->next) {
         if (b->state != GM_BLOCK_FREE || !b->pool) continue;
         index_remove(h, b);
         if (b->addr < x) {
@@ -1278,9 +1284,7 @@ static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr
  * the pool's: nothing is lost). */
 static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, gm_pool *pool,
                                    int remap, int *err) {
-    gm_block *b = from;
-    while (b->addr > x) b = b->prev;
-    while (b->addr + b->size <= x) b = b->next;
+    gm_block *b = block_holding(from, x);
     uintptr_t end = x + size;
     size_t cuts = 4;
     for (gm_block *c = b; c && c->addr < end; c = c->next) cuts += 2 * (c->state == GM_BLOCK_UNMAPPED);
@@ -1332,9 +1336,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
      * `from` is still a block: it starts a run that s may use, so it never
      * merges into the block before it, and merges keep the lower record. */
     if (pool) pool_blocks_to_general(h, from, x, end);
-    b = from;
-    while (b->addr > x) b = b->prev;
-    while (b->addr + b->size <= x) b = b->next;
+    b = block_holding(from, x);
     while (b->addr + b->size < end) {
         gm_block *n = b->next;
         gm_stream o;
@@ -1361,8 +1363,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
         if (from->pool) {
             /* A run with pool blocks, but none under the range: start from the
              * general block after the last pool block before it. */
-            gm_block *b = from;
-            while (b->addr + b->size <= pl->addr) b = b->next;
+            gm_block *b = block_holding(from, pl->addr);
             while (!b->prev->pool) b = b->prev;
             from = b;
         }
@@ -1372,8 +1373,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
         return b;
     }
     uintptr_t end = pl->addr + size;
-    gm_block *lo = from;
-    while (lo->addr + lo->size <= pl->addr) lo = lo->next;
+    gm_block *lo = block_holding(from, pl->addr);
     if (lo->prev) lo = lo->prev;
     for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
     gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, err);
