@@ -609,6 +609,16 @@ static size_t process_pending(gm_heap *h, int synced) {
 
 /* ---- handing owners' memory to every stream ------------------------------------ */
 
+/* A device synchronisation proved every free on o's stream done: a proof in
+ * flight is moot. */
+static void owner_synced(gm_heap *h, gm_owner *o) {
+    if (o->releasing) {
+        event_put(h, o->release_event);
+        o->releasing = 0;
+    }
+    o->safe_seq = h->free_seq;
+}
+
 struct release_ctx {
     gm_heap *h;
     uint64_t threshold;
@@ -725,11 +735,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
         gm_owner *o = h->owners[i];
         if (o->stream == ANY) continue; /* a pool's: everyone's already */
         if (synced) {
-            if (o->releasing) {
-                event_put(h, o->release_event);
-                o->releasing = 0;
-            }
-            o->safe_seq = h->free_seq;
+            owner_synced(h, o);
             moved += release_blocks(&c, o, UINT64_MAX);
             continue;
         }
@@ -884,15 +890,8 @@ static int release_lazily(gm_heap *h, gm_stream requester) {
         s = o->stream;
     }
     if (s != ANY && ((requester != ANY && s != requester) || (h->lazy_stream != ANY && s != h->lazy_stream))) return 0;
-    for (size_t i = 1; i < h->n_owners; i++) {
-        gm_owner *o = h->owners[i];
-        if (o->stream == ANY) continue;
-        if (o->releasing) {
-            event_put(h, o->release_event);
-            o->releasing = 0;
-        }
-        o->safe_seq = h->free_seq;
-    }
+    for (size_t i = 1; i < h->n_owners; i++)
+        if (h->owners[i]->stream != ANY) owner_synced(h, h->owners[i]);
     if (s != ANY) h->epoch++;
     h->lazy_stream = s;
     return 1;
