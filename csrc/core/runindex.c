@@ -116,14 +116,19 @@ static int bad(char *why, size_t len, const char *msg, const gm_block *b) {
     return GM_ECORRUPT;
 }
 
+/* R1's left side, from the blocks: b is general space, heads its run, and is
+ * not a lone free block. */
+static int heads_indexed_run(const gm_block *b) {
+    if (!gm_general_space(b) || (b->prev && gm_general_space(b->prev))) return 0;
+    return !(b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next)));
+}
+
 int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     const gm_runindex *ri = &h->runs;
     /* R1: recount every run from the blocks. */
     size_t runs = 0, bytes = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
-        int gen = gm_general_space(b), head = gen && !(b->prev && gm_general_space(b->prev));
-        int lone = head && b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next));
-        if (!head || lone) {
+        if (!heads_indexed_run(b)) {
             if (b->run_len) return bad(why, whylen, "a block that heads no indexed run has a run length", b);
             continue;
         }
@@ -149,8 +154,7 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
                 return bad(why, whylen, "a bitmap bit disagrees with its bin", NULL);
             for (; b; prev = b, b = b->rnext) {
                 if (b->rprev != prev) return bad(why, whylen, "a bin is not a doubly linked list", b);
-                if (!b->run_len || !gm_general_space(b) || (b->prev && gm_general_space(b->prev)) ||
-                    (b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next))))
+                if (!b->run_len || !heads_indexed_run(b))
                     return bad(why, whylen, "a bin holds a block that heads no indexed run", b);
                 if (ri_bin(b->run_len) != fl * FI_SL + sl) return bad(why, whylen, "a run sits in the wrong bin", b);
                 listed++;
