@@ -277,6 +277,9 @@ static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
     return o;
 }
 
+/* Everyone's owner in `pool` (NULL: the general heap). */
+static inline gm_owner *everyones(const gm_heap *h, const gm_pool *pool) { return pool ? pool->any : h->owners[0]; }
+
 static void pool_free_add(gm_heap *h, gm_pool *p, int64_t blocks, int64_t bytes) {
     p->free_blocks += (size_t)blocks;
     p->free_bytes += (size_t)bytes;
@@ -320,7 +323,7 @@ static void settle_release(gm_heap *h) {
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
         if (o->stream == ANY || !o->idx.count) continue;
-        fi_move_if(o->pool ? &o->pool->any->idx : &h->owners[0]->idx, &o->idx, handed_over, to_everyone, h);
+        fi_move_if(&everyones(h, o->pool)->idx, &o->idx, handed_over, to_everyone, h);
     }
     h->lazy_stream = ANY;
 }
@@ -679,7 +682,7 @@ static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t thresh
     c->threshold = threshold;
     if (threshold == UINT64_MAX) {
         /* Everything goes: merge the sorted bins instead of inserting one by one. */
-        fi_move_all(o->pool ? &o->pool->any->idx : &c->h->owners[0]->idx, &o->idx, release_moved, c);
+        fi_move_all(&everyones(c->h, o->pool)->idx, &o->idx, release_moved, c);
     } else {
         /* fi_each tolerates moving the visited block out of the index it walks. */
         fi_each(&o->idx, release_one, c);
@@ -763,7 +766,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
 static gm_block *fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     gm_owner *own = s == ANY ? NULL : gm_owner_find(h, pool, s);
     gm_block *a = own ? fi_best_fit(&own->idx, size) : NULL;
-    gm_block *b = fi_best_fit(pool ? &pool->any->idx : &h->owners[0]->idx, size);
+    gm_block *b = fi_best_fit(&everyones(h, pool)->idx, size);
     if (!a) return b;
     if (!b) return a;
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
