@@ -393,6 +393,15 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
     if (keeps) gm_pages_use(h, a, 1);
 }
 
+/* Free neighbours b and n, which may merge into one block of owner o, do. */
+static void merge_free(gm_heap *h, gm_block *b, gm_block *n, gm_stream o) {
+    index_remove(h, b);
+    index_remove(h, n);
+    absorb(h, b, n);
+    b->stream = o;
+    index_insert(h, b);
+}
+
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_stream o;
@@ -464,11 +473,7 @@ static void coalesce_all(gm_heap *h) {
         if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
             owners_merge(b->stream, n->stream, &o)) {
             gm_run_detach(h, b);
-            index_remove(h, b);
-            index_remove(h, n);
-            absorb(h, b, n);
-            b->stream = o;
-            index_insert(h, b);
+            merge_free(h, b, n, o);
             gm_run_attach(h, b);
         } else if (b->state == GM_BLOCK_UNMAPPED && n->state == GM_BLOCK_UNMAPPED) {
             gm_run_detach(h, b);
@@ -702,11 +707,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
         gm_stream o;
         if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
             if (!b->pool && !out) gm_run_detach(h, out = b);
-            index_remove(h, b);
-            index_remove(h, n);
-            absorb(h, b, n);
-            b->stream = o;
-            index_insert(h, b);
+            merge_free(h, b, n, o);
         } else {
             if (out && n->pool) {
                 gm_run_attach(h, out);
@@ -1344,11 +1345,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
         gm_stream o;
         if (b->state != GM_BLOCK_FREE || n->state != GM_BLOCK_FREE || !owners_merge(b->stream, n->stream, &o))
             return NULL; /* cannot happen: place() only chose usable runs */
-        index_remove(h, b);
-        index_remove(h, n);
-        absorb(h, b, n);
-        b->stream = o;
-        index_insert(h, b);
+        merge_free(h, b, n, o);
     }
     return b->state == GM_BLOCK_FREE ? b : NULL;
 }
