@@ -8,16 +8,6 @@
 
 void fi_init(gm_freeindex *fi) { memset(fi, 0, sizeof *fi); }
 
-static inline unsigned fi_fl_sl(size_t units, unsigned *sl) {
-    if (units < FI_SL) {
-        *sl = (unsigned)units;
-        return 0;
-    }
-    unsigned f = 63u - (unsigned)__builtin_clzll((unsigned long long)units);
-    *sl = (unsigned)(units >> (f - FI_SL_BITS)) & (FI_SL - 1u);
-    return f - FI_SL_BITS + 1u;
-}
-
 unsigned fi_bin(size_t size) {
     unsigned sl, fl = fi_fl_sl(size / GM_ALIGN, &sl);
     return fl * FI_SL + sl;
@@ -65,6 +55,12 @@ void fi_remove(gm_freeindex *fi, gm_block *b) {
     fi->bytes -= b->size;
 }
 
+/* The head of the first non-empty bin at or after bin (fl, sl). */
+static inline gm_block *first_bin_from(const gm_freeindex *fi, unsigned fl, unsigned sl) {
+    fl = fi_first_bin(fi->fl_bitmap, fi->sl_bitmap, fl, &sl);
+    return fl < FI_FL ? fi->bins[fl][sl] : NULL;
+}
+
 gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
     if (!fi->count) return NULL;
     unsigned sl, fl = fi_fl_sl(size / GM_ALIGN, &sl);
@@ -73,28 +69,7 @@ gm_block *fi_best_fit(const gm_freeindex *fi, size_t size) {
     for (gm_block *b = fi->bins[fl][sl]; b; b = b->lnext)
         if (b->size >= size) return b;
     /* Any block in a higher bin fits; the head of the first one is the best. */
-    uint32_t sl_map = sl + 1u < FI_SL ? fi->sl_bitmap[fl] & (~0u << (sl + 1u)) : 0u;
-    if (!sl_map) {
-        uint64_t fl_map = fl + 1u < 64u ? fi->fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
-        if (!fl_map) return NULL;
-        fl = (unsigned)__builtin_ctzll(fl_map);
-        sl_map = fi->sl_bitmap[fl];
-    }
-    sl = (unsigned)__builtin_ctz(sl_map);
-    return fi->bins[fl][sl];
-}
-
-/* The head of the first non-empty bin at or after bin (fl, sl). */
-static gm_block *first_bin_from(const gm_freeindex *fi, unsigned fl, unsigned sl) {
-    if (fl >= FI_FL) return NULL;
-    uint32_t sl_map = sl < FI_SL ? fi->sl_bitmap[fl] & (~0u << sl) : 0u;
-    if (!sl_map) {
-        uint64_t fl_map = fl + 1u < 64u ? fi->fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
-        if (!fl_map) return NULL;
-        fl = (unsigned)__builtin_ctzll(fl_map);
-        sl_map = fi->sl_bitmap[fl];
-    }
-    return fi->bins[fl][__builtin_ctz(sl_map)];
+    return first_bin_from(fi, fl, sl + 1u);
 }
 
 gm_block *fi_first_from(const gm_freeindex *fi, size_t size) {
@@ -105,7 +80,7 @@ gm_block *fi_first_from(const gm_freeindex *fi, size_t size) {
 gm_block *fi_next(const gm_freeindex *fi, const gm_block *b) {
     if (b->lnext) return b->lnext;
     unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
-    return sl + 1u < FI_SL ? first_bin_from(fi, fl, sl + 1u) : first_bin_from(fi, fl + 1u, 0);
+    return first_bin_from(fi, fl, sl + 1u);
 }
 
 int fi_each(const gm_freeindex *fi, int (*fn)(gm_block *b, void *arg), void *arg) {

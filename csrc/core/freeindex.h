@@ -42,6 +42,33 @@ typedef struct gm_freeindex {
     size_t bytes;
 } gm_freeindex;
 
+/* The bin of a size of `units` 512-byte units: its first level, and *sl its
+ * second (the run index, runindex.h, bins the same way). */
+static inline unsigned fi_fl_sl(size_t units, unsigned *sl) {
+    if (units < FI_SL) {
+        *sl = (unsigned)units;
+        return 0;
+    }
+    unsigned f = 63u - (unsigned)__builtin_clzll((unsigned long long)units);
+    *sl = (unsigned)(units >> (f - FI_SL_BITS)) & (FI_SL - 1u);
+    return f - FI_SL_BITS + 1u;
+}
+
+/* The first non-empty bin at or after bin (fl, *sl) of an index with these
+ * bitmaps: its first level, and *sl its second; FI_FL if there is none. */
+static inline unsigned fi_first_bin(uint64_t fl_bitmap, const uint32_t *sl_bitmap, unsigned fl, unsigned *sl) {
+    if (fl >= FI_FL) return FI_FL;
+    uint32_t sl_map = *sl < FI_SL ? sl_bitmap[fl] & (~0u << *sl) : 0u;
+    if (!sl_map) {
+        uint64_t fl_map = fl + 1u < 64u ? fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
+        if (!fl_map) return FI_FL;
+        fl = (unsigned)__builtin_ctzll(fl_map);
+        sl_map = sl_bitmap[fl];
+    }
+    *sl = (unsigned)__builtin_ctz(sl_map);
+    return fl;
+}
+
 void fi_init(gm_freeindex *fi);
 unsigned fi_bin(size_t size);
 void fi_insert(gm_freeindex *fi, struct gm_block *b);

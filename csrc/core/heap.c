@@ -277,6 +277,9 @@ static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
     return o;
 }
 
+/* Everyone's owner in `pool` (NULL: the general heap). */
+static inline gm_owner *everyones(const gm_heap *h, const gm_pool *pool) { return pool ? pool->any : h->owners[0]; }
+
 static void pool_free_add(gm_heap *h, gm_pool *p, int64_t blocks, int64_t bytes) {
     p->free_blocks += (size_t)blocks;
     p->free_bytes += (size_t)bytes;
@@ -320,7 +323,7 @@ static void settle_release(gm_heap *h) {
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
         if (o->stream == ANY || !o->idx.count) continue;
-        fi_move_if(o->pool ? &o->pool->any->idx : &h->owners[0]->idx, &o->idx, handed_over, to_everyone, h);
+        fi_move_if(&everyones(h, o->pool)->idx, &o->idx, handed_over, to_everyone, h);
     }
     h->lazy_stream = ANY;
 }
@@ -388,6 +391,15 @@ static void absorb(gm_heap *h, gm_block *a, gm_block *b) {
     }
     block_del(h, b);
     if (keeps) gm_pages_use(h, a, 1);
+}
+
+/* Free neighbours b and n, which may merge into one block of owner o, do. */
+static void merge_free(gm_heap *h, gm_block *b, gm_block *n, gm_stream o) {
+    index_remove(h, b);
+    index_remove(h, n);
+    absorb(h, b, n);
+    b->stream = o;
+    index_insert(h, b);
 }
 
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
@@ -461,11 +473,7 @@ static void coalesce_all(gm_heap *h) {
         if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
             owners_merge(b->stream, n->stream, &o)) {
             gm_run_detach(h, b);
-            index_remove(h, b);
-            index_remove(h, n);
-            absorb(h, b, n);
-            b->stream = o;
-            index_insert(h, b);
+            merge_free(h, b, n, o);
             gm_run_attach(h, b);
         } else if (b->state == GM_BLOCK_UNMAPPED && n->state == GM_BLOCK_UNMAPPED) {
             gm_run_detach(h, b);
@@ -609,6 +617,16 @@ static size_t process_pending(gm_heap *h, int synced) {
 
 /* ---- handing owners' memory to every stream ------------------------------------ */
 
+/* A device synchronisation proved every free on o's stream done: a proof in
+ * flight is moot. */
+static void owner_synced(gm_heap *h, gm_owner *o) {
+    if (o->releasing) {
+        event_put(h, o->release_event);
+        o->releasing = 0;
+    }
+    o->safe_seq = h->free_seq;
+}
+
 struct release_ctx {
     gm_heap *h;
     uint64_t threshold;
@@ -669,7 +687,7 @@ static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t thresh
     c->threshold = threshold;
     if (threshold == UINT64_MAX) {
         /* Everything goes: merge the sorted bins instead of inserting one by one. */
-        fi_move_all(o->pool ? &o->pool->any->idx : &c->h->owners[0]->idx, &o->idx, release_moved, c);
+        fi_move_all(&everyones(c->h, o->pool)->idx, &o->idx, release_moved, c);
     } else {
         /* fi_each tolerates moving the visited block out of the index it walks. */
         fi_each(&o->idx, release_one, c);
@@ -689,11 +707,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
         gm_stream o;
         if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
             if (!b->pool && !out) gm_run_detach(h, out = b);
-            index_remove(h, b);
-            index_remove(h, n);
-            absorb(h, b, n);
-            b->stream = o;
-            index_insert(h, b);
+            merge_free(h, b, n, o);
         } else {
             if (out && n->pool) {
                 gm_run_attach(h, out);
@@ -725,11 +739,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
         gm_owner *o = h->owners[i];
         if (o->stream == ANY) continue; /* a pool's: everyone's already */
         if (synced) {
-            if (o->releasing) {
-                event_put(h, o->release_event);
-                o->releasing = 0;
-            }
-            o->safe_seq = h->free_seq;
+            owner_synced(h, o);
             moved += release_blocks(&c, o, UINT64_MAX);
             continue;
         }
@@ -757,7 +767,7 @@ static size_t release_owners(gm_heap *h, gm_stream requester, int synced) {
 static gm_block *fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     gm_owner *own = s == ANY ? NULL : gm_owner_find(h, pool, s);
     gm_block *a = own ? fi_best_fit(&own->idx, size) : NULL;
-    gm_block *b = fi_best_fit(pool ? &pool->any->idx : &h->owners[0]->idx, size);
+    gm_block *b = fi_best_fit(&everyones(h, pool)->idx, size);
     if (!a) return b;
     if (!b) return a;
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
@@ -884,15 +894,8 @@ static int release_lazily(gm_heap *h, gm_stream requester) {
         s = o->stream;
     }
     if (s != ANY && ((requester != ANY && s != requester) || (h->lazy_stream != ANY && s != h->lazy_stream))) return 0;
-    for (size_t i = 1; i < h->n_owners; i++) {
-        gm_owner *o = h->owners[i];
-        if (o->stream == ANY) continue;
-        if (o->releasing) {
-            event_put(h, o->release_event);
-            o->releasing = 0;
-        }
-        o->safe_seq = h->free_seq;
-    }
+    for (size_t i = 1; i < h->n_owners; i++)
+        if (h->owners[i]->stream != ANY) owner_synced(h, h->owners[i]);
     if (s != ANY) h->epoch++;
     h->lazy_stream = s;
     return 1;
@@ -1250,13 +1253,19 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     return rc;
 }
 
+/* The block that holds address x (inside the reserved range), walking from b. */
+static gm_block *block_holding(gm_block *b, uintptr_t x) {
+    while (b->addr > x) b = b->prev;
+    while (b->addr + b->size <= x) b = b->next;
+    return b;
+}
+
 /* The free blocks of a pool under [x, end) become general free space, same
  * owner (the parts outside the range stay the pool's): they stop keeping
  * their pages, which the block carved from the range keeps again.  b is a
  * block at or before x.  The caller keeps the runs out of the run index. */
 static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr_t end) {
-    while (b->addr + b->size <= x) b = b->next;
-    for (; b && b->addr < end; b = b->next) {
+    for (b = block_holding(b, x); b && b->addr < end; b = b->next) {
         if (b->state != GM_BLOCK_FREE || !b->pool) continue;
         index_remove(h, b);
         if (b->addr < x) {
@@ -1278,9 +1287,7 @@ static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr
  * the pool's: nothing is lost). */
 static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, gm_pool *pool,
                                    int remap, int *err) {
-    gm_block *b = from;
-    while (b->addr > x) b = b->prev;
-    while (b->addr + b->size <= x) b = b->next;
+    gm_block *b = block_holding(from, x);
     uintptr_t end = x + size;
     size_t cuts = 4;
     for (gm_block *c = b; c && c->addr < end; c = c->next) cuts += 2 * (c->state == GM_BLOCK_UNMAPPED);
@@ -1332,19 +1339,13 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
      * `from` is still a block: it starts a run that s may use, so it never
      * merges into the block before it, and merges keep the lower record. */
     if (pool) pool_blocks_to_general(h, from, x, end);
-    b = from;
-    while (b->addr > x) b = b->prev;
-    while (b->addr + b->size <= x) b = b->next;
+    b = block_holding(from, x);
     while (b->addr + b->size < end) {
         gm_block *n = b->next;
         gm_stream o;
         if (b->state != GM_BLOCK_FREE || n->state != GM_BLOCK_FREE || !owners_merge(b->stream, n->stream, &o))
             return NULL; /* cannot happen: place() only chose usable runs */
-        index_remove(h, b);
-        index_remove(h, n);
-        absorb(h, b, n);
-        b->stream = o;
-        index_insert(h, b);
+        merge_free(h, b, n, o);
     }
     return b->state == GM_BLOCK_FREE ? b : NULL;
 }
@@ -1361,8 +1362,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
         if (from->pool) {
             /* A run with pool blocks, but none under the range: start from the
              * general block after the last pool block before it. */
-            gm_block *b = from;
-            while (b->addr + b->size <= pl->addr) b = b->next;
+            gm_block *b = block_holding(from, pl->addr);
             while (!b->prev->pool) b = b->prev;
             from = b;
         }
@@ -1372,8 +1372,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
         return b;
     }
     uintptr_t end = pl->addr + size;
-    gm_block *lo = from;
-    while (lo->addr + lo->size <= pl->addr) lo = lo->next;
+    gm_block *lo = block_holding(from, pl->addr);
     if (lo->prev) lo = lo->prev;
     for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
     gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, err);

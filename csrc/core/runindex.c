@@ -18,21 +18,12 @@ void ri_free(gm_runindex *ri) {
     ri->live_ep = NULL;
 }
 
-/* Lengths in 512-byte units: below 32 units a bin each, then 32 bins per power of two. */
-static inline unsigned ri_fl_sl(size_t len, unsigned *sl) {
-    size_t units = len / GM_ALIGN;
-    if (units < RI_SL) {
-        *sl = (unsigned)units;
-        return 0;
-    }
-    unsigned f = 63u - (unsigned)__builtin_clzll((unsigned long long)units);
-    *sl = (unsigned)(units >> (f - RI_SL_BITS)) & (RI_SL - 1u);
-    return f - RI_SL_BITS + 1u;
-}
+/* Lengths in 512-byte units, binned as freeindex.h bins sizes. */
+static inline unsigned ri_fl_sl(size_t len, unsigned *sl) { return fi_fl_sl(len / GM_ALIGN, sl); }
 
 unsigned ri_bin(size_t len) {
     unsigned sl, fl = ri_fl_sl(len, &sl);
-    return fl * RI_SL + sl;
+    return fl * FI_SL + sl;
 }
 
 void ri_insert(gm_runindex *ri, gm_block *b) {
@@ -90,29 +81,20 @@ void ri_move_head(gm_runindex *ri, gm_block *old, gm_block *head, size_t len) {
 
 int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(gm_block *head, void *arg), void *arg) {
     unsigned sl0, fl0 = ri_fl_sl(len, &sl0);
-    if (fl0 >= RI_FL) return 0;
+    if (fl0 >= FI_FL) return 0;
     /* The request's own bin holds shorter runs too; the bins above hold none. */
     for (gm_block *b = ri->bins[fl0][sl0]; b; b = b->rnext) {
         if (b->run_len < len) continue;
         int rc = fn(b, arg);
         if (rc) return rc;
     }
-    unsigned fl = fl0, sl = sl0 + 1u;
-    for (;;) {
-        uint32_t sl_map = sl < RI_SL ? ri->sl_bitmap[fl] & (~0u << sl) : 0u;
-        if (!sl_map) {
-            uint64_t fl_map = fl + 1u < 64u ? ri->fl_bitmap & (~0ull << (fl + 1u)) : 0ull;
-            if (!fl_map) return 0;
-            fl = (unsigned)__builtin_ctzll(fl_map);
-            sl_map = ri->sl_bitmap[fl];
-        }
-        sl = (unsigned)__builtin_ctz(sl_map);
+    for (unsigned fl = fl0, sl = sl0 + 1u; (fl = fi_first_bin(ri->fl_bitmap, ri->sl_bitmap, fl, &sl)) < FI_FL; sl++) {
         for (gm_block *b = ri->bins[fl][sl]; b; b = b->rnext) {
             int rc = fn(b, arg);
             if (rc) return rc;
         }
-        sl++;
     }
+    return 0;
 }
 
 void gm_run_unindex(gm_heap *h, gm_block *head) {
@@ -134,14 +116,19 @@ static int bad(char *why, size_t len, const char *msg, const gm_block *b) {
     return GM_ECORRUPT;
 }
 
+/* R1's left side, from the blocks: b is general space, heads its run, and is
+ * not a lone free block. */
+static int heads_indexed_run(const gm_block *b) {
+    if (!gm_general_space(b) || (b->prev && gm_general_space(b->prev))) return 0;
+    return !(b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next)));
+}
+
 int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     const gm_runindex *ri = &h->runs;
     /* R1: recount every run from the blocks. */
     size_t runs = 0, bytes = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
-        int gen = gm_general_space(b), head = gen && !(b->prev && gm_general_space(b->prev));
-        int lone = head && b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next));
-        if (!head || lone) {
+        if (!heads_indexed_run(b)) {
             if (b->run_len) return bad(why, whylen, "a block that heads no indexed run has a run length", b);
             continue;
         }
@@ -158,19 +145,18 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
     }
     /* R2: the bins hold exactly those heads. */
     size_t listed = 0, listed_bytes = 0;
-    for (unsigned fl = 0; fl < RI_FL; fl++) {
+    for (unsigned fl = 0; fl < FI_FL; fl++) {
         if (((ri->fl_bitmap >> fl) & 1u) != (ri->sl_bitmap[fl] != 0))
             return bad(why, whylen, "a first-level bit disagrees with its bins", NULL);
-        for (unsigned sl = 0; sl < RI_SL; sl++) {
+        for (unsigned sl = 0; sl < FI_SL; sl++) {
             const gm_block *b = ri->bins[fl][sl], *prev = NULL;
             if (((ri->sl_bitmap[fl] >> sl) & 1u) != (b != NULL))
                 return bad(why, whylen, "a bitmap bit disagrees with its bin", NULL);
             for (; b; prev = b, b = b->rnext) {
                 if (b->rprev != prev) return bad(why, whylen, "a bin is not a doubly linked list", b);
-                if (!b->run_len || !gm_general_space(b) || (b->prev && gm_general_space(b->prev)) ||
-                    (b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next))))
+                if (!b->run_len || !heads_indexed_run(b))
                     return bad(why, whylen, "a bin holds a block that heads no indexed run", b);
-                if (ri_bin(b->run_len) != fl * RI_SL + sl) return bad(why, whylen, "a run sits in the wrong bin", b);
+                if (ri_bin(b->run_len) != fl * FI_SL + sl) return bad(why, whylen, "a run sits in the wrong bin", b);
                 listed++;
                 listed_bytes += b->run_len;
             }

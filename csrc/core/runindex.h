@@ -53,17 +53,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define RI_SL_BITS 5u
-#define RI_SL      (1u << RI_SL_BITS)
-#define RI_FL      44u
+#include "freeindex.h" /* the bins: FI_FL x FI_SL, fi_fl_sl, fi_first_bin */
 
 struct gm_block;
 struct gm_heap;
 
 typedef struct gm_runindex {
     uint64_t fl_bitmap;
-    uint32_t sl_bitmap[RI_FL];
-    struct gm_block *bins[RI_FL][RI_SL];
+    uint32_t sl_bitmap[FI_FL];
+    struct gm_block *bins[FI_FL][FI_SL];
     size_t count;      /* runs */
     size_t bytes;      /* their total length */
     uint32_t *live_ep; /* per page: blocks keeping pages that start or end in it */
