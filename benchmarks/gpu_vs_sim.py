@@ -8,7 +8,8 @@
 In one process tree:
 1. captures the multi-stream workloads (benchmarks/capture_trace.py, one subprocess each, PyTorch's
    own allocator, one after the other) into OUT/traces;
-2. replays those traces and the shipped ones (gpumem/data/traces) on the simulated device,
+2. replays those traces and the shipped ones (gpumem/data/traces; a capture replaces the shipped trace
+   of its name) on the simulated device,
    `python -m gpumem replay --min-capacity --event-delay N` for each delay, on the CPU beside the
    GPU work;
 3. searches gpumem's smallest capacity on the GPU with benchmarks/compare (figure 1 of
@@ -376,6 +377,8 @@ def main(argv=None) -> int:
             f"gpu_vs_sim.py: unknown workload {', '.join(bad)} (from {', '.join(multistream.MULTISTREAM)})"
         )
     shipped_paths = [] if args.only_traces == ["none"] else find_traces(args.traces, args.only_traces)
+    # a workload captured (or taken from --captured) in this run stands for the shipped trace of its name
+    shipped_paths = [p for p in shipped_paths if trace_name(p) not in workloads]
     shipped = [trace_name(p) for p in shipped_paths]
 
     # gpumem for the sims and the GPU worker: this checkout's when it is built in place (whatever else

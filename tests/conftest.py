@@ -56,8 +56,11 @@ TRACE_NAMES = (
     "gpt2_generate",
     "gpt2_varlen",
     "llama_lora_ckpt",
+    "overlap_comm",
+    "prefetch_loader",
     "resnet50_multires",
     "seed_fragmentation",
+    "two_stream_pipeline",
 )
 
 

@@ -70,17 +70,35 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
 class Device:
     """CUDA context, cap and allocator of one child."""
 
-    def __init__(self, ctx: Context, cap: Optional[int], options: dict):
+    def __init__(self, ctx: Context, cap: Optional[int], options: dict, prepare=None):
+        """`prepare()`, if given, makes what the task needs besides the allocator's memory (CUDA
+        streams: PyTorch's first side stream creates its whole stream pool, about 70 MiB of device
+        memory on an H100).  It runs after the allocator is installed and, so that the cap measures
+        the allocator alone, before the cap is taken -- except for an RMM pool sized to the cap,
+        which must be made under it; then prepare() runs last, inside the cap.  Its result is
+        `self.prepared`."""
         from compare.cudart import CudaRT
 
         self.rt = CudaRT()
         self.rt.init()
+        sized_by_cap = ctx.contender == "rmm" and options.get("rmm_pool", "grow") == "all"
+        self.prepared = None
+        self.info = {}
+        if not sized_by_cap:
+            self.installed = install(ctx.contender, None, options)
+            if prepare:
+                free0 = self.rt.mem_info()[0]
+                self.prepared = prepare()
+                self.info["prepare_bytes"] = free0 - self.rt.mem_info()[0]
         free, total = self.rt.stable_free()
-        self.info = {"free_at_start": free, "total": total, "cudart": self.rt.path}
+        self.info.update({"free_at_start": free, "total": total, "cudart": self.rt.path})
         if cap:
             self.info.update(self.rt.impose_cap(cap))
         self.base_free = self.rt.mem_info()[0]  # free after the cap: the allocator's whole budget
-        self.installed = install(ctx.contender, self.base_free if cap else None, options)
+        if sized_by_cap:
+            self.installed = install(ctx.contender, self.base_free if cap else None, options)
+            if prepare:
+                self.prepared = prepare()
         self.info["allocator"] = self.installed.detail
 
     def used(self) -> int:
@@ -179,10 +197,13 @@ def task_replay(ctx: Context, task: dict) -> dict:
 
     trace, events = ctx.trace(task["trace"])
     cap = task.get("cap")
-    dev = Device(ctx, cap, task.get("options", {}))
-    streams = [torch.cuda.default_stream() if s == 0 else torch.cuda.Stream() for s in trace.streams]
-    if not streams:
-        streams = [torch.cuda.default_stream()]
+
+    def make_streams():
+        made = [torch.cuda.default_stream() if s == 0 else torch.cuda.Stream() for s in trace.streams]
+        return made or [torch.cuda.default_stream()]
+
+    dev = Device(ctx, cap, task.get("options", {}), prepare=make_streams)
+    streams = dev.prepared
     passes = []
     for p in range(max(1, int(task.get("passes", 1)))):
         r = replay_pass(
