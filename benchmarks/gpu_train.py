@@ -3,15 +3,21 @@ benchmarks/compare/workloads.py, those benchmarks/capture_trace.py records (rand
 downloaded).
 
     python benchmarks/gpu_train.py [--json FILE] [--rounds R] [--workloads a,b,c]
+                                   [--allocators native,expandable,gpumem,gpumem:GPUMEM_CHUNK_PAGES=1]
 
-Each (workload, allocator) runs in a fresh process of the same kind; rounds alternate
-native and gpumem.  A step is timed from its first kernel launch to a device
-synchronisation; the first WARMUP steps (cuDNN/cuBLAS set-up) are left out and the
-median of the rest is reported.  Both allocators see the same shapes in the same order.
+Each (workload, allocator) runs in a fresh process of the same kind; each round runs every
+allocator once, in the order given, so fresh processes alternate.  `expandable` is the native
+allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; `NAME:VAR=VALUE,...` runs NAME
+with those environment variables set (a gpumem option, say).  A step is timed from its first
+kernel launch to a device synchronisation.  Two figures per run: the median step after the first
+WARMUP steps (cuDNN/cuBLAS set-up; steady state), and the whole run, every step summed, the
+first ones included (where new shapes make the heap grow).  All allocators see the same shapes in
+the same order.
 """
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -26,7 +32,7 @@ WARMUP = 3
 def run(name, use, steps):
     import torch
 
-    if use == "gpumem":
+    if use.split(":")[0] == "gpumem":
         import gpumem
 
         gpumem.install()
@@ -58,6 +64,7 @@ def run(name, use, steps):
         allocator=use,
         median_ms=statistics.median(body) * 1e3,
         mean_ms=statistics.mean(body) * 1e3,
+        total_ms=sum(times) * 1e3,
         steps=len(body),
         peak_allocated=st["allocated_bytes.all.peak"],
         peak_reserved=st["reserved_bytes.all.peak"],
@@ -72,42 +79,74 @@ def run(name, use, steps):
 STEPS = {"gpt2_varlen": 24, "resnet50_multires": 24, "llama_lora_ckpt": 16}
 
 
+def allocator_env(use):
+    """The environment that runs allocator `use` (see the module docstring)."""
+    name, _, extra = use.partition(":")
+    if name not in ("native", "expandable", "gpumem"):
+        raise SystemExit(f"gpu_train.py: unknown allocator {use!r} (native, expandable, gpumem[:VAR=VALUE,...])")
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if name == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    for kv in filter(None, extra.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise SystemExit(f"gpu_train.py: {kv!r} in {use!r} is not VAR=VALUE")
+        env[k] = v
+    return env
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "ALLOCATOR"))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--workloads", default=",".join(STEPS))
+    ap.add_argument(
+        "--allocators",
+        default="native,gpumem",
+        help="allocators, native first, separated by ',' (or ';' when one carries several VAR=VALUE)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(run(a.one[0], a.one[1], STEPS[a.one[0]])), flush=True)
         return
+    # ';' separates allocators when one carries several VAR=VALUE pairs
+    allocators = a.allocators.split(";") if ";" in a.allocators else a.allocators.split(",")
+    envs = {use: allocator_env(use) for use in allocators}
+    if allocators[0] != "native":
+        raise SystemExit("gpu_train.py: the first allocator is the baseline and must be native")
     rows = []
     for name in a.workloads.split(","):
         for _ in range(a.rounds):
-            for use in ("native", "gpumem"):
-                p = subprocess.run([sys.executable, __file__, "--one", name, use], capture_output=True, text=True)
+            for use in allocators:
+                p = subprocess.run(
+                    [sys.executable, __file__, "--one", name, use], capture_output=True, text=True, env=envs[use]
+                )
                 line = [l for l in p.stdout.splitlines() if l.startswith("{")]
                 if p.returncode or not line:
                     print(f"{name} {use} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                     continue
                 rows.append(json.loads(line[-1]))
-    print(
-        "| workload | native ms (median step) | gpumem ms | gpumem / native | peak reserved native GiB | gpumem GiB |"
-    )
-    print("|---|---|---|---|---|---|")
+    print("| workload | allocator | median step ms | ÷ native | whole run ms | ÷ native | peak reserved GiB", end="")
+    print(" | peak live GiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in a.workloads.split(","):
-        n = [r for r in rows if r["workload"] == name and r["allocator"] == "native"]
-        g = [r for r in rows if r["workload"] == name and r["allocator"] == "gpumem"]
-        if not n or not g:
-            print(f"| {name} | {'failed' if not n else ''} | {'failed' if not g else ''} | | | |")
-            continue
-        nm = statistics.median(r["median_ms"] for r in n)
-        gm = statistics.median(r["median_ms"] for r in g)
-        print(
-            f"| {name} | {nm:.2f} | {gm:.2f} | {gm / nm:.3f} | {max(r['peak_reserved'] for r in n) / 2**30:.2f} | "
-            f"{max(r['peak_reserved'] for r in g) / 2**30:.2f} |"
-        )
+        base = None
+        for use in allocators:
+            g = [r for r in rows if r["workload"] == name and r["allocator"] == use]
+            if not g:
+                print(f"| {name} | {use} | failed | | | | | |")
+                continue
+            med = statistics.median(r["median_ms"] for r in g)
+            tot = statistics.median(r["total_ms"] for r in g)
+            if use == "native":
+                base = (med, tot)
+            res = max(r["peak_reserved"] for r in g) / 2**30
+            live = max(r["peak_allocated"] for r in g) / 2**30
+            r_med = f"{med / base[0]:.3f}" if base else ""
+            r_tot = f"{tot / base[1]:.3f}" if base else ""
+            print(f"| {name} | {use} | {med:.2f} | {r_med} | {tot:.1f} | {r_tot} | {res:.2f} | {live:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
