@@ -8,7 +8,13 @@ after warm-up and recording).  Goal (issue 8): gpumem <= 0.75 x native's peak re
 expandable_segments, median latency <= 1.00 x native.
 
 Usage on a GPU machine: python benchmarks/gpu_graphs.py [--out benchmarks/results/gpu_graphs.json]
-    [--shapes 2x256,8x512,16x1024] [--iters 30]
+    [--shapes 2x256,8x512,16x1024] [--iters 30] [--also gpumem:GPUMEM_CHUNK_PAGES=1]
+    [--snapshots DIR]
+
+--also adds variants of gpumem run with environment variables set (a gpumem option, say), each in
+its own fresh process, to the table; the goals compare the plain `gpumem` row.  --snapshots writes
+each gpumem run's memory snapshot at the end (torch's pickle format, `torch.cuda.memory._snapshot()`)
+to DIR, for `python -m gpumem explain` or torch's memory_viz.
 """
 
 import argparse
@@ -22,8 +28,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 
 WORKER = r"""
-import json, os, statistics, sys, time
-mode, shapes, iters = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+import json, os, pickle, statistics, sys, time
+mode, shapes, iters, snap = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 import torch
 if mode == "gpumem":
     import gpumem
@@ -63,21 +69,36 @@ if mode == "gpumem":
     res["pool_free_bytes"] = sum(p["free_bytes"] for p in pools)
     res["pool_pinned_pages"] = sum(p["pinned_pages"] for p in pools)
     res["num_remaps"] = torch.cuda.memory_stats()["num_remaps"]
+    res["num_device_alloc"] = torch.cuda.memory_stats()["num_device_alloc"]
+    if snap:
+        with open(snap, "wb") as fh:
+            pickle.dump(torch.cuda.memory._snapshot(), fh)
 print("RESULT " + json.dumps(res), flush=True)
 """
 
 MODES = ("native", "expandable_segments", "gpumem")
 
 
-def run(mode, shapes, iters):
+def run(mode, shapes, iters, snapshots=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("GPUMEM_CONF", None)
     if mode == "expandable_segments":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    name, _, extra = mode.partition(":")
+    for kv in filter(None, extra.split(",")):
+        k, eq, v = kv.partition("=")
+        if name != "gpumem" or not eq or not k:
+            raise SystemExit(f"gpu_graphs.py: bad variant {mode!r} (want gpumem:VAR=VALUE[,VAR=VALUE])")
+        env[k] = v
+    snap = ""
+    if snapshots and name == "gpumem":
+        os.makedirs(snapshots, exist_ok=True)
+        snap = os.path.join(snapshots, "gpu_graphs-" + mode.replace(":", "-").replace("=", "-") + ".pickle")
     p = subprocess.run(
-        [sys.executable, "-c", WORKER, "gpumem" if mode == "gpumem" else "native", json.dumps(shapes), str(iters)],
+        [sys.executable, "-c", WORKER, "gpumem" if name == "gpumem" else "native"]
+        + [json.dumps(shapes), str(iters), snap],
         env=env,
         capture_output=True,
         text=True,
@@ -96,9 +117,12 @@ def main(argv=None):
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_graphs.json"))
     ap.add_argument("--shapes", default="2x256,8x512,16x1024", help="batch x seq, comma separated")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--also", default="", help="gpumem variants, ';' separated: gpumem:VAR=VALUE[,VAR=VALUE]")
+    ap.add_argument("--snapshots", metavar="DIR", help="write each gpumem run's final snapshot here")
     args = ap.parse_args(argv)
     shapes = [[int(v) for v in s.split("x")] for s in args.shapes.split(",")]
-    results = {m: run(m, shapes, args.iters) for m in MODES}
+    modes = MODES + tuple(filter(None, args.also.split(";")))
+    results = {m: run(m, shapes, args.iters, args.snapshots) for m in modes}
     nat = results["native"]
     keys = [f"{b}x{s}" for b, s in shapes]
     print(
@@ -112,7 +136,7 @@ def main(argv=None):
     )
     print(head)
     print("|" + "---|" * (4 + len(keys)))
-    for m in MODES:
+    for m in modes:
         r = results[m]
         cells = [f"{r['latency_ms'][k]:.3f} ({r['latency_ms'][k] / nat['latency_ms'][k]:.2f})" for k in keys]
         print(
