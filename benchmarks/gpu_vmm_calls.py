@@ -119,6 +119,10 @@ def threaded(cu, n, va, handles, prop, desc, k):
     return [b - a for a, b in zip(t, t[1:])]
 
 
+class Unsupported(RuntimeError):
+    """The driver refuses this way of backing pages."""
+
+
 def one(cu, n, how, ordinal=0):
     """Times (create, map, set_access, unmap, release) in seconds for n pages backed `how`."""
     prop = AllocProp()
@@ -139,7 +143,15 @@ def one(cu, n, how, ordinal=0):
     t.append(time.perf_counter())
     for i in range(count):
         h, offset = (handles[0], i * size) if one_handle else (handles[i], 0)
-        check(cu.cuMemMap(va.value + i * size, size, offset, h.value, 0), "map")
+        rc = cu.cuMemMap(va.value + i * size, size, offset, h.value, 0)
+        if rc and offset:  # mapping at an offset into a handle: the driver may not support it
+            for j in range(i):
+                check(cu.cuMemUnmap(va.value + j * size, size), "unmap")
+            for x in handles:
+                check(cu.cuMemRelease(x.value), "release")
+            check(cu.cuMemAddressFree(va.value, n * PAGE), "free")
+            raise Unsupported(f"cuMemMap at a nonzero offset into a handle failed with CUDA error {rc}")
+        check(rc, "map")
     t.append(time.perf_counter())
     if how == "pages+":
         for i in range(count):
@@ -176,7 +188,12 @@ def main():
         for how in ("pages", "pages+", "pages/t4", "chunk", "chunk/p"):
             if how != "pages" and how != "chunk" and n < 4:
                 continue
-            runs = [one(cu, n, how) for _ in range(a.repeats)]
+            try:
+                runs = [one(cu, n, how) for _ in range(a.repeats)]
+            except Unsupported as e:
+                rows.append({"pages": n, "how": how, "unsupported": str(e)})
+                print(f"| {n} | {how} | " + " | ".join("-" for _ in phases) + f" | not supported: {e} |", flush=True)
+                continue
             med = [statistics.median(r[i] for r in runs) * 1e6 / n for i in range(len(phases))]
             rows.append({"pages": n, "how": how, **{p + "_us_per_page": round(v, 3) for p, v in zip(phases, med)}})
             print(f"| {n} | {how} | " + " | ".join(f"{v:.2f}" for v in med) + f" | {sum(med):.2f} |", flush=True)
