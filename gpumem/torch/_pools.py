@@ -23,6 +23,7 @@ What torch expects of an allocator here is written down in docs/torch.md
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import warnings
 
@@ -201,7 +202,9 @@ def set_checkpoint_pool_state(device, state, stale_storages=(), storages_to_add_
 _raw_delete_c = None
 
 
+@functools.lru_cache(maxsize=None)
 def _raw_delete_address() -> int:
+    """The address of the extension's raw_delete, fixed for the life of the process."""
     return _C._torch_entry_points()["raw_delete"]
 
 
