@@ -336,9 +336,11 @@ def assemble(doc: dict, cdoc: Optional[dict], sims: Sims, names: List[str], mult
     ctraces = (cdoc or {}).get("traces") or {}
     for n in names:
         g = rows.get(n, {"status": "not run", "reason": (f1.get("reason") or "no GPU result")})
+        streams = (ctraces.get(n) or {}).get("streams")
         t = {
-            "multi_stream": n in multi,
-            "streams": (ctraces.get(n) or {}).get("streams"),
+            # captured in this run as a multi-stream workload, or a trace whose allocations use several streams
+            "multi_stream": n in multi or (streams or 1) > 1,
+            "streams": streams,
             "peak_live": (ctraces.get(n) or {}).get("peak_live") or g.get("peak_live"),
             "gpu": {
                 k: g.get(k) for k in ("status", "reason", "min_cap", "ratio", "ratio_max_fail", "search", "probes")
