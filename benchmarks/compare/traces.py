@@ -25,18 +25,13 @@ OP_ALLOC = 0
 OP_FREE = 1
 WORDS_PER_EVENT = 4  # op, slot, size, stream index
 
-_IGNORED = frozenset(
-    {
-        "free_requested",
-        "segment_alloc",
-        "segment_free",
-        "segment_map",
-        "segment_unmap",
-        "snapshot",
-        "oom",
-        "user_defined",
-    }
-)
+try:
+    from gpumem.trace import IGNORED_ACTIONS
+except ImportError:  # gpumem not installed: this checkout's (gpumem.trace needs no compiled part)
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from gpumem.trace import IGNORED_ACTIONS
+
+_IGNORED = frozenset(IGNORED_ACTIONS)
 
 
 class TraceFormatError(ValueError):
