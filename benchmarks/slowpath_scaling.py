@@ -45,6 +45,17 @@ def holes(h, live, block, rng):
     return ptrs, sorted((ptrs[i] for i in gone), reverse=True)
 
 
+def _row(live, reps, wall, cpu):
+    """A table row from the wall and CPU times (us) of the timed allocations."""
+    return {
+        "live_blocks": live,
+        "reps": reps,
+        "median_us": statistics.median(wall),
+        "min_us": min(wall),
+        "median_cpu_us": statistics.median(cpu),
+    }
+
+
 def measure(live, reps, block=4096, request=64 * MiB, seed=0):
     rng = random.Random(seed)
     with gpumem.Heap(device="sim", capacity="80GiB") as h:
@@ -69,14 +80,9 @@ def measure(live, reps, block=4096, request=64 * MiB, seed=0):
                 f"at {live} live blocks: {slow} of {reps} allocations took the slow path, "
                 f"{remaps} remaps; the benchmark no longer measures what it says"
             )
-        return {
-            "live_blocks": live,
-            "reps": reps,
-            "median_us": statistics.median(wall),
-            "min_us": min(wall),
-            "median_cpu_us": statistics.median(cpu),
-            "blocks_in_heap": st["inactive_split.all.current"] + st["allocation.all.current"],
-        }
+        return dict(
+            _row(live, reps, wall, cpu), blocks_in_heap=st["inactive_split.all.current"] + st["allocation.all.current"]
+        )
 
 
 def measure_defrag(live, reps, block=4096, request=64 * MiB, seed=0):
@@ -103,13 +109,18 @@ def measure_defrag(live, reps, block=4096, request=64 * MiB, seed=0):
                 raise SystemExit(f"at {live} live blocks the request did not defragment once")
             wall.append((t1 - t0) / 1e3)
             cpu.append((c1 - c0) / 1e3)
-    return {
-        "live_blocks": live,
-        "reps": reps,
-        "median_us": statistics.median(wall),
-        "min_us": min(wall),
-        "median_cpu_us": statistics.median(cpu),
-    }
+    return _row(live, reps, wall, cpu)
+
+
+def table(points, measure_one, what):
+    """Measure and print one row per point under a header; returns the rows."""
+    rows = []
+    print(f"{'live blocks':>12} {'median us':>10} {'min us':>9} {'cpu us':>9}  (64 MiB request, {what})")
+    for n in points:
+        r = measure_one(n)
+        rows.append(r)
+        print(f"{n:>12,} {r['median_us']:>10.1f} {r['min_us']:>9.1f} {r['median_cpu_us']:>9.1f}", flush=True)
+    return rows
 
 
 def main():
@@ -126,20 +137,9 @@ def main():
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")
     args = ap.parse_args()
     points = [int(x) for x in args.points.split(",") if x]
-    rows = []
-    print(f"{'live blocks':>12} {'median us':>10} {'min us':>9} {'cpu us':>9}  (64 MiB request, slow path)")
-    for n in points:
-        r = measure(n, args.reps)
-        rows.append(r)
-        print(f"{n:>12,} {r['median_us']:>10.1f} {r['min_us']:>9.1f} {r['median_cpu_us']:>9.1f}", flush=True)
-    drows = []
+    rows = table(points, lambda n: measure(n, args.reps), "slow path")
     dpoints = [int(x) for x in args.defrag_points.split(",") if x]
-    if dpoints:
-        print(f"{'live blocks':>12} {'median us':>10} {'min us':>9} {'cpu us':>9}  (64 MiB request, defragments)")
-    for n in dpoints:
-        r = measure_defrag(n, args.defrag_reps)
-        drows.append(r)
-        print(f"{n:>12,} {r['median_us']:>10.1f} {r['min_us']:>9.1f} {r['median_cpu_us']:>9.1f}", flush=True)
+    drows = table(dpoints, lambda n: measure_defrag(n, args.defrag_reps), "defragments") if dpoints else []
     out = {
         "benchmark": "slowpath_scaling",
         "label": args.label,

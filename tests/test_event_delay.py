@@ -1,6 +1,7 @@
 """Late events on the simulated device (Heap.sim_set_event_delay) and replays with them."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,9 +11,11 @@ from gpumem import _C
 
 from conftest import all_traces
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from event_delay import STREAM_A, STREAM_B, two_stream_trace  # noqa: E402  (the benchmark's trace)
+
 MiB = 1 << 20
-S1 = 0x7F0000001000
-S2 = 0x7F0000002000
+S1, S2 = STREAM_A, STREAM_B  # the two-stream trace's streams
 OPS = _C.DEVICE_OPS  # every call a device can be asked to make (device.h)
 
 
@@ -146,29 +149,11 @@ def test_bad_delay(heap):
 # ---- replay ----------------------------------------------------------------------------
 
 
-def two_stream_trace(path, steps=12, blocks=8):
-    """256 MiB live on stream 0; each step stream A allocates and frees a batch, then B."""
-    addr = 1 << 32
-    lines = [f"alloc {addr} {256 * MiB} 0"]
-    addr += 256 * MiB
-    for step in range(steps):
-        sizes = [(3 + (step * 7 + i * 5) % 8) * MiB for i in range(blocks)]
-        for stream in (S1, S2):
-            batch = []
-            for size in sizes:
-                lines.append(f"alloc {addr} {size} {stream}")
-                batch.append((addr, size))
-                addr += size
-            lines.extend(f"free_completed {a} {size} {stream}" for a, size in batch)
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
 def test_two_stream_trace_grows_with_late_events(tmp_path):
     from gpumem.replay import min_capacity, replay
     from gpumem.trace import load_trace
 
-    trace = load_trace(two_stream_trace(tmp_path / "two.trace"))
+    trace = load_trace(two_stream_trace(tmp_path / "two.trace", steps=12))
     at_once = replay(trace, timing=False)
     assert at_once.event_delay == 0
     # Events at once: B reuses A's batch, nothing beyond peak live.
@@ -288,7 +273,7 @@ def test_cli_pictures_follow_the_event_delay(tmp_path):
     # The two-stream trace, then a last batch that stays live: the peak comes
     # after the steps in which late events made the heap grow.
     path = tmp_path / "late.trace"
-    two_stream_trace(path)
+    two_stream_trace(path, steps=12)
     end = 1 << 40
     last = [f"alloc {end + i * 12 * MiB} {12 * MiB} {S1}" for i in range(10)]
     path.write_text(path.read_text() + "\n".join(last) + "\n")

@@ -137,6 +137,30 @@ def _order(rows: List[dict], key: str) -> List:
     return seen
 
 
+def _table(fig: dict, contenders, labels, key: str, lead: List[str], lead_cells, cell, *, order=_order, tail=None):
+    """A markdown table with one line per distinct `key` of the figure's rows, taken in `order`:
+    `lead_cells(k)` under the `lead` headers, then a cell per contender ("-" where it has no row,
+    status_cell where that row has no number, else `cell(row, contender)`), then `tail` (a pair of
+    headers and a function of k giving their cells) when given."""
+    rows = fig.get("rows", [])
+    idx = _index(rows, key)
+    header = lead + [labels.get(c, c) for c in contenders] + (tail[0] if tail else [])
+    body = []
+    for k in order(rows, key):
+        line = lead_cells(k)
+        for c in contenders:
+            r = idx.get((k, c))
+            line.append("-" if r is None else status_cell(r) or cell(r, c))
+        if tail:
+            line += tail[1](k)
+        body.append(line)
+    return md_table(header, body)
+
+
+def _trace_lead(traces: dict):
+    return lambda t: [t, fmt_bytes((traces.get(t) or {}).get("peak_live"))]
+
+
 def cell_fig1(r: dict) -> str:
     s = status_cell(r)
     if s:
@@ -149,139 +173,79 @@ def cell_fig1(r: dict) -> str:
 
 
 def table_fig1(fig: dict, contenders: List[str], labels: Dict[str, str], traces: dict) -> str:
-    rows = fig.get("rows", [])
-    idx = _index(rows, "trace")
     sim = fig.get("gpumem_sim") or {}
-    header = ["trace", "peak live"] + [labels.get(c, c) for c in contenders]
-    if sim:
-        header += ["gpumem sim", "GPU ÷ sim"]
-    body = []
-    for t in _order(rows, "trace"):
-        line = [t, fmt_bytes((traces.get(t) or {}).get("peak_live"))]
-        line += [cell_fig1(idx[(t, c)]) if (t, c) in idx else "-" for c in contenders]
-        if sim:
-            s = sim.get(t) or {}
-            line += [
-                fmt_ratio(s.get("sim_ratio")),
-                fmt_ratio(s.get("gpu_over_sim"), 4) + ("" if s.get("within_1pct") in (None, True) else " ✗"),
-            ]
-        body.append(line)
-    return md_table(header, body)
+
+    def sim_cells(t):
+        s = sim.get(t) or {}
+        within = "" if s.get("within_1pct") in (None, True) else " ✗"
+        return [fmt_ratio(s.get("sim_ratio")), fmt_ratio(s.get("gpu_over_sim"), 4) + within]
+
+    tail = (["gpumem sim", "GPU ÷ sim"], sim_cells) if sim else None
+    return _table(
+        fig,
+        contenders,
+        labels,
+        "trace",
+        ["trace", "peak live"],
+        _trace_lead(traces),
+        lambda r, c: cell_fig1(r),
+        tail=tail,
+    )
 
 
 def table_ratio(fig: dict, contenders, labels, traces, value_key="ratio") -> str:
-    rows = fig.get("rows", [])
-    idx = _index(rows, "trace")
-    header = ["trace", "peak live"] + [labels.get(c, c) for c in contenders]
-    body = []
-    for t in _order(rows, "trace"):
-        line = [t, fmt_bytes((traces.get(t) or {}).get("peak_live"))]
-        for c in contenders:
-            r = idx.get((t, c))
-            if r is None:
-                line.append("-")
-                continue
-            s = status_cell(r)
-            line.append(s or (fmt_ratio(r.get(value_key)) + ("*" if r.get("source") == "sampled" else "")))
-        body.append(line)
-    return md_table(header, body)
+    def cell(r, c):
+        return fmt_ratio(r.get(value_key)) + ("*" if r.get("source") == "sampled" else "")
+
+    return _table(fig, contenders, labels, "trace", ["trace", "peak live"], _trace_lead(traces), cell)
 
 
 def table_fig3(fig: dict, contenders, labels) -> str:
-    rows = fig.get("rows", [])
-    idx = _index(rows, "trace")
-    header = ["trace"] + [labels.get(c, c) for c in contenders]
-    body = []
-    for t in _order(rows, "trace"):
-        line = [t]
-        for c in contenders:
-            r = idx.get((t, c))
-            if r is None:
-                line.append("-")
-                continue
-            s = status_cell(r)
-            if s:
-                line.append(s)
-                continue
-            un = r.get("uncapped_wall_s")
-            cap_cell = (
-                "OOM"
-                if r.get("capped_status") == "oom"
-                else (
-                    f"{r['capped_wall_s']:.3f} s (×{r['slowdown']:.2f})"
-                    if r.get("capped_wall_s") is not None
-                    else _short(r.get("capped_status") or "-", 20)
-                )
-            )
-            line.append(f"{un:.3f} s / {cap_cell}" if un is not None else f"- / {cap_cell}")
-        body.append(line)
-    return md_table(header, body)
+    def cell(r, c):
+        un = r.get("uncapped_wall_s")
+        if r.get("capped_status") == "oom":
+            cap_cell = "OOM"
+        elif r.get("capped_wall_s") is not None:
+            cap_cell = f"{r['capped_wall_s']:.3f} s (×{r['slowdown']:.2f})"
+        else:
+            cap_cell = _short(r.get("capped_status") or "-", 20)
+        return f"{un:.3f} s / {cap_cell}" if un is not None else f"- / {cap_cell}"
+
+    return _table(fig, contenders, labels, "trace", ["trace"], lambda t: [t], cell)
 
 
 def table_fig4(fig: dict, contenders, labels) -> str:
-    rows = fig.get("rows", [])
-    idx = _index(rows, "workload")
-    header = ["workload"] + [labels.get(c, c) for c in contenders]
-    body = []
-    for w in _order(rows, "workload"):
-        line = [w]
-        for c in contenders:
-            r = idx.get((w, c))
-            if r is None:
-                line.append("-")
-                continue
-            s = status_cell(r)
-            if s:
-                line.append(s)
-                continue
-            rel = r.get("rel_to_native")
-            line.append(
-                f"{r['median_s'] * 1e3:.1f} ms" + (f" ({(rel - 1) * 100:+.1f}%)" if rel and c != "native" else "")
-            )
-        body.append(line)
-    return md_table(header, body)
+    def cell(r, c):
+        rel = r.get("rel_to_native")
+        return f"{r['median_s'] * 1e3:.1f} ms" + (f" ({(rel - 1) * 100:+.1f}%)" if rel and c != "native" else "")
+
+    return _table(fig, contenders, labels, "workload", ["workload"], lambda w: [w], cell)
 
 
 def table_fig5(fig: dict, contenders, labels) -> str:
-    rows = fig.get("rows", [])
-    idx = _index(rows, "length")
-    header = ["sequence length"] + [labels.get(c, c) for c in contenders]
-    body = []
-    for n in _order(rows, "length"):
-        line = [str(n)]
-        for c in contenders:
-            r = idx.get((n, c))
-            if r is None:
-                line.append("-")
-                continue
-            s = status_cell(r)
-            if s:
-                line.append(s)
-                continue
-            b = r.get("max_batch")
-            txt = "none" if not b else str(b)
-            if r["status"] == "partial":
-                txt = f"≥{txt}"
-            if r.get("verified") is False:
-                txt += " (fresh check differs)"
-            line.append(txt)
-        body.append(line)
-    return md_table(header, body)
+    def cell(r, c):
+        b = r.get("max_batch")
+        txt = "none" if not b else str(b)
+        if r["status"] == "partial":
+            txt = f"≥{txt}"
+        if r.get("verified") is False:
+            txt += " (fresh check differs)"
+        return txt
+
+    return _table(fig, contenders, labels, "length", ["sequence length"], lambda n: [str(n)], cell)
 
 
 def table_fig6(fig: dict, contenders, labels) -> str:
-    rows = fig.get("rows", [])
-    idx = _index(rows, "size")
-    header = ["size"] + [labels.get(c, c) for c in contenders]
-    body = []
-    for size in sorted(_order(rows, "size")):
-        line = [fmt_size_short(size)]
-        for c in contenders:
-            r = idx.get((size, c))
-            s = status_cell(r) if r else "-"
-            line.append(s or f"{r['us']:.2f}")
-        body.append(line)
-    return md_table(header, body)
+    return _table(
+        fig,
+        contenders,
+        labels,
+        "size",
+        ["size"],
+        lambda size: [fmt_size_short(size)],
+        lambda r, c: f"{r['us']:.2f}",
+        order=lambda rows, key: sorted(_order(rows, key)),
+    )
 
 
 def fmt_size_short(n: int) -> str:
@@ -360,6 +324,18 @@ def _bars(ax, groups, contenders, labels, value, ylabel, baseline=None):
     ax.legend(fontsize=7)
 
 
+def _values(rows: List[dict], key: str, field: str, statuses=None):
+    """The distinct `key`s of the rows, and value(k, contender): the row's `field`, None where there
+    is no such row, no such field, or (with `statuses`) the row's status is not among them."""
+    idx = _index(rows, key)
+
+    def value(k, c):
+        r = idx.get((k, c))
+        return r.get(field) if r and (statuses is None or r.get("status") in statuses) else None
+
+    return _order(rows, key), value
+
+
 def plots(doc: dict, directory: str) -> List[str]:
     """One PNG per figure present; a figure whose plot fails is reported and skipped."""
     import matplotlib
@@ -379,45 +355,21 @@ def plots(doc: dict, directory: str) -> List[str]:
         try:
             fig, ax = plt.subplots(figsize=(9, 4.5))
             if k in ("1", "2"):
-                idx = _index(rows, "trace")
-                groups = _order(rows, "trace")
-
-                def val(g, c, idx=idx):
-                    r = idx.get((g, c))
-                    return r.get("ratio") if r and r.get("status") in ("ok", "partial") else None
-
+                groups, val = _values(rows, "trace", "ratio", ("ok", "partial"))
                 ys = [v for g in groups for c in contenders if (v := val(g, c)) is not None]
                 _bars(ax, groups, contenders, labels, val, "÷ peak live", baseline=1.0)
                 if ys:
                     ax.set_ylim(0.98, max(ys) * 1.02)
             elif k == "3":
-                idx = _index(rows, "trace")
-                groups = _order(rows, "trace")
-
-                def val(g, c, idx=idx):
-                    r = idx.get((g, c))
-                    return r.get("slowdown") if r and r.get("slowdown") is not None else None
-
+                groups, val = _values(rows, "trace", "slowdown")
                 _bars(
                     ax, groups, contenders, labels, val, "capped (1.05 × peak live) ÷ uncapped wall time", baseline=1.0
                 )
             elif k == "4":
-                idx = _index(rows, "workload")
-                groups = _order(rows, "workload")
-
-                def val(g, c, idx=idx):
-                    r = idx.get((g, c))
-                    return r.get("rel_to_native") if r and r.get("status") == "ok" else None
-
+                groups, val = _values(rows, "workload", "rel_to_native", ("ok",))
                 _bars(ax, groups, contenders, labels, val, "median step time ÷ native", baseline=1.0)
             elif k == "5":
-                idx = _index(rows, "length")
-                groups = _order(rows, "length")
-
-                def val(g, c, idx=idx):
-                    r = idx.get((g, c))
-                    return r.get("max_batch") if r and r.get("status") in ("ok", "partial") else None
-
+                groups, val = _values(rows, "length", "max_batch", ("ok", "partial"))
                 _bars(
                     ax,
                     [str(g) for g in groups],

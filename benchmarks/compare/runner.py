@@ -67,6 +67,11 @@ def _now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _skipped(key: str, value, contender: str) -> dict:
+    """The row of a figure for a point the time budget left no room for."""
+    return {key: value, "contender": contender, "status": "skipped", "reason": "time budget"}
+
+
 class Server:
     """A worker server (worker.py) for one contender; talks JSON lines over pipes."""
 
@@ -415,12 +420,16 @@ class Run:
         return rows
 
     # -- figures ------------------------------------------------------------------------------------------
+    def figure(self, k: str) -> dict:
+        """Figure k's part of the results document, made (not run yet) on first use."""
+        return self.doc["figures"].setdefault(k, {"status": "not run", "rows": [], "notes": []})
+
     def fig6(self, deadline: float) -> None:
-        f = self.doc["figures"].setdefault("6", {"status": "not run", "rows": [], "notes": []})
+        f = self.figure("6")
         sizes = FIG6_SIZES
         for c in self.available:
             if time.monotonic() > deadline:
-                f["rows"] += [{"size": s, "contender": c, "status": "skipped", "reason": "time budget"} for s in sizes]
+                f["rows"] += [_skipped("size", s, c) for s in sizes]
                 continue
             r = self.servers[c].call(
                 {
@@ -455,8 +464,8 @@ class Run:
 
     def fig23(self, deadline: float) -> None:
         want2, want3 = "2" in self.args.figures, "3" in self.args.figures
-        f2 = self.doc["figures"].setdefault("2", {"status": "not run", "rows": [], "notes": []}) if want2 else None
-        f3 = self.doc["figures"].setdefault("3", {"status": "not run", "rows": [], "notes": []}) if want3 else None
+        f2 = self.figure("2") if want2 else None
+        f3 = self.figure("3") if want3 else None
         names = list(self.packed)
         est: Dict[str, float] = {}
         for t in names:
@@ -465,7 +474,7 @@ class Run:
                 if time.monotonic() + est.get(t, 3.0) > deadline:
                     for f in (f2, f3):
                         if f is not None:
-                            f["rows"].append({"trace": t, "contender": c, "status": "skipped", "reason": "time budget"})
+                            f["rows"].append(_skipped("trace", t, c))
                     continue
                 r = self.servers[c].call(
                     {
@@ -576,7 +585,7 @@ class Run:
         return row
 
     def fig1(self, deadline: float) -> None:
-        f = self.doc["figures"].setdefault("1", {"status": "not run", "rows": [], "notes": []})
+        f = self.figure("1")
         res = self.args.resolution
         f["resolution"] = res
         want3 = "3" in self.args.figures
@@ -762,7 +771,7 @@ class Run:
             self._capped_into_fig3(rows3)
 
     def _capped_into_fig3(self, rows3: List[dict]) -> None:
-        f3 = self.doc["figures"].setdefault("3", {"status": "not run", "rows": [], "notes": []})
+        f3 = self.figure("3")
         idx = {(r["trace"], r["contender"]): r for r in f3["rows"]}
         for x in rows3:
             r = idx.get((x["trace"], x["contender"]))
@@ -788,7 +797,7 @@ class Run:
                     r["slowdown"] = p["wall_s"] / r["uncapped_wall_s"]
 
     def fig5(self, deadline: float) -> None:
-        f = self.doc["figures"].setdefault("5", {"status": "not run", "rows": [], "notes": []})
+        f = self.figure("5")
         lengths = self.args.fig5_lengths
         cap = self.args.fig5_cap
         guess: Dict[int, int] = {}
@@ -797,9 +806,7 @@ class Run:
             left = deadline - time.monotonic()
             per = left / max(1, len(self.available) - i)
             if left < 10:
-                f["rows"] += [
-                    {"length": n, "contender": c, "status": "skipped", "reason": "time budget"} for n in lengths
-                ]
+                f["rows"] += [_skipped("length", n, c) for n in lengths]
                 continue
             specs = []
             for n in lengths:
@@ -893,14 +900,14 @@ class Run:
     def fig4(self, deadline: float) -> None:
         from .workloads import WORKLOADS
 
-        f = self.doc["figures"].setdefault("4", {"status": "not run", "rows": [], "notes": []})
+        f = self.figure("4")
         self._preload()
         steps = self.args.fig4_steps
         est: Dict[str, float] = {}
         for w in WORKLOADS:
             for c in self.available:
                 if time.monotonic() + est.get(w, 15.0) > deadline:
-                    f["rows"].append({"workload": w, "contender": c, "status": "skipped", "reason": "time budget"})
+                    f["rows"].append(_skipped("workload", w, c))
                     continue
                 r = self.servers[c].call(
                     {

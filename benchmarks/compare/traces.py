@@ -25,18 +25,13 @@ OP_ALLOC = 0
 OP_FREE = 1
 WORDS_PER_EVENT = 4  # op, slot, size, stream index
 
-_IGNORED = frozenset(
-    {
-        "free_requested",
-        "segment_alloc",
-        "segment_free",
-        "segment_map",
-        "segment_unmap",
-        "snapshot",
-        "oom",
-        "user_defined",
-    }
-)
+try:
+    from gpumem.trace import IGNORED_ACTIONS, _parse_meta
+except ImportError:  # gpumem not installed: this checkout's (gpumem.trace needs no compiled part)
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from gpumem.trace import IGNORED_ACTIONS, _parse_meta
+
+_IGNORED = frozenset(IGNORED_ACTIONS)
 
 
 class TraceFormatError(ValueError):
@@ -88,17 +83,6 @@ def trace_name(path: str) -> str:
     return base
 
 
-def _meta_of(comment: str) -> dict:
-    start, end = comment.find("{"), comment.rfind("}")
-    if start < 0 or end < start:
-        return {}
-    try:
-        meta = json.loads(comment[start : end + 1])
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
 def parse_lines(lines, path: str = "<trace>") -> PackedTrace:
     words = array("q")
     live: Dict[int, Tuple[int, int]] = {}  # addr -> (slot, size)
@@ -115,7 +99,7 @@ def parse_lines(lines, path: str = "<trace>") -> PackedTrace:
             continue
         if parts[0].startswith("#"):
             if lineno == 1:
-                meta = _meta_of(line)
+                meta = _parse_meta(line)
             continue
         if len(parts) != 4:
             raise TraceFormatError(f"{path}:{lineno}: expected 'action addr size stream', got {line.strip()[:60]!r}")

@@ -1,11 +1,14 @@
 /*
- * common.c -- what module.c, torch_glue.c and torch_alloc.cpp share (common.h).
+ * common.c -- what the Python glue files and torch_alloc.cpp share (common.h).
  */
 #include "common.h"
 
 #include <inttypes.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
+
+#include "torch_alloc.h"
 
 int gm_py_put(PyObject *d, const char *key, PyObject *value) {
     if (value == NULL) return -1;
@@ -167,6 +170,27 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state) 
         PyList_SET_ITEM(blocks, (Py_ssize_t)i, t);
     }
     return blocks;
+}
+
+int gm_py_check_device(long d) {
+    if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
+        return -1;
+    }
+    return 0;
+}
+
+int gm_py_device_index(PyObject *o, int *device) {
+    long d = PyLong_AsLong(o);
+    if ((d == -1 && PyErr_Occurred()) || gm_py_check_device(d) < 0) return -1;
+    *device = (int)d;
+    return 0;
+}
+
+PyObject *gm_py_fn_address(void (*fn)(void)) {
+    uintptr_t a;
+    memcpy(&a, &fn, sizeof a);
+    return PyLong_FromUnsignedLongLong((unsigned long long)a);
 }
 
 void gm_fmt_bytes(char *buf, size_t len, uint64_t n) {

@@ -27,14 +27,6 @@
 
 int gm_shared_glue_add(PyObject *module);
 
-static int parse_device(int device) {
-    if (device < 0 || device >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %d out of range [0, %d)", device, GM_TORCH_MAX_DEVICES);
-        return -1;
-    }
-    return 0;
-}
-
 /* The heap of `device`, created now if need be; NULL with an exception set. */
 static gm_heap *heap_of(int device) {
     gm_heap *h = gm_torch_heap(device);
@@ -54,7 +46,7 @@ static PyObject *s_malloc(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     unsigned long long size, stream, context;
     if (!PyArg_ParseTuple(args, "iKKK:_shared_malloc", &device, &size, &stream, &context)) return NULL;
-    if (parse_device(device) < 0) return NULL;
+    if (gm_py_check_device(device) < 0) return NULL;
     gm_heap *h = heap_of(device);
     if (!h) return NULL;
     uintptr_t p = 0;
@@ -77,7 +69,7 @@ static PyObject *s_free(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     unsigned long long ptr;
     if (!PyArg_ParseTuple(args, "iK:_shared_free", &device, &ptr)) return NULL;
-    if (parse_device(device) < 0) return NULL;
+    if (gm_py_check_device(device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
     int rc = GM_EUNKNOWN_PTR;
     if (h) {

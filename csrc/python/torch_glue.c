@@ -20,18 +20,6 @@
 
 int gm_torch_glue_add(PyObject *module);
 
-/* Parse a device argument: a non-negative int below GM_TORCH_MAX_DEVICES. */
-static int get_device(PyObject *o, int *device) {
-    long d = PyLong_AsLong(o);
-    if (d == -1 && PyErr_Occurred()) return -1;
-    if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
-        return -1;
-    }
-    *device = (int)d;
-    return 0;
-}
-
 /* ---- configuration -------------------------------------------------------------- */
 
 static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
@@ -93,52 +81,50 @@ static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return d;
 }
 
-/* Function pointers as integers: the addresses torch's hook setters take. */
-static PyObject *addr(void (*fn)(void)) {
-    uintptr_t a;
-    memcpy(&a, &fn, sizeof a);
-    return PyLong_FromUnsignedLongLong((unsigned long long)a);
-}
-
 static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
-    if (gm_py_put(d, "alloc", addr((void (*)(void))gpumem_torch_alloc)) < 0 ||
-        gm_py_put(d, "free", addr((void (*)(void))gpumem_torch_free)) < 0 ||
-        gm_py_put(d, "empty_cache", addr((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
-        gm_py_put(d, "memory_fraction", addr((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
-        gm_py_put(d, "record_stream", addr((void (*)(void))gpumem_torch_record_stream)) < 0 ||
-        gm_py_put(d, "init", addr((void (*)(void))gpumem_torch_init)) < 0 ||
+    if (gm_py_put(d, "alloc", gm_py_fn_address((void (*)(void))gpumem_torch_alloc)) < 0 ||
+        gm_py_put(d, "free", gm_py_fn_address((void (*)(void))gpumem_torch_free)) < 0 ||
+        gm_py_put(d, "empty_cache", gm_py_fn_address((void (*)(void))gpumem_torch_empty_cache)) < 0 ||
+        gm_py_put(d, "memory_fraction", gm_py_fn_address((void (*)(void))gpumem_torch_memory_fraction)) < 0 ||
+        gm_py_put(d, "record_stream", gm_py_fn_address((void (*)(void))gpumem_torch_record_stream)) < 0 ||
+        gm_py_put(d, "init", gm_py_fn_address((void (*)(void))gpumem_torch_init)) < 0 ||
         gm_py_put(d, "begin_allocate_to_pool", PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_BEGIN))) <
             0 ||
         gm_py_put(d, "end_allocate_to_pool", PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_END))) < 0 ||
         gm_py_put(d, "release_pool", PyLong_FromUnsignedLongLong(gm_torch_pool_hook(GM_TORCH_HOOK_RELEASE))) < 0 ||
-        gm_py_put(d, "pool_begin", addr((void (*)(void))gpumem_torch_pool_begin)) < 0 ||
-        gm_py_put(d, "pool_end", addr((void (*)(void))gpumem_torch_pool_end)) < 0 ||
-        gm_py_put(d, "pool_release", addr((void (*)(void))gpumem_torch_pool_release)) < 0 ||
-        gm_py_put(d, "raw_delete", addr((void (*)(void))gpumem_torch_raw_delete)) < 0) {
+        gm_py_put(d, "pool_begin", gm_py_fn_address((void (*)(void))gpumem_torch_pool_begin)) < 0 ||
+        gm_py_put(d, "pool_end", gm_py_fn_address((void (*)(void))gpumem_torch_pool_end)) < 0 ||
+        gm_py_put(d, "pool_release", gm_py_fn_address((void (*)(void))gpumem_torch_pool_release)) < 0 ||
+        gm_py_put(d, "raw_delete", gm_py_fn_address((void (*)(void))gpumem_torch_raw_delete)) < 0) {
         Py_DECREF(d);
         return NULL;
     }
     return d;
 }
 
-static PyObject *g_set_context_hook(PyObject *Py_UNUSED(m), PyObject *a) {
+/* An address from Python (0: none) into the function pointer *fn of `size`
+ * bytes: the other way round from gm_py_fn_address.  0, or -1 with an
+ * exception set. */
+static int get_fn(PyObject *a, void *fn, size_t size) {
     unsigned long long v = PyLong_AsUnsignedLongLong(a);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    gm_torch_context_fn fn = NULL;
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     uintptr_t u = (uintptr_t)v;
-    memcpy(&fn, &u, sizeof fn);
+    memcpy(fn, &u, size);
+    return 0;
+}
+
+static PyObject *g_set_context_hook(PyObject *Py_UNUSED(m), PyObject *a) {
+    gm_torch_context_fn fn = NULL;
+    if (get_fn(a, &fn, sizeof fn) < 0) return NULL;
     gpumem_torch_set_context_hook(fn);
     Py_RETURN_NONE;
 }
 
 static PyObject *g_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *a) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(a);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     gm_torch_oom_formatter fn = NULL;
-    uintptr_t u = (uintptr_t)v;
-    memcpy(&fn, &u, sizeof fn);
+    if (get_fn(a, &fn, sizeof fn) < 0) return NULL;
     gpumem_torch_set_oom_formatter(fn);
     Py_RETURN_NONE;
 }
@@ -167,7 +153,7 @@ static PyObject *g_device_count(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) 
 
 static PyObject *g_open(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0) return NULL;
+    if (gm_py_device_index(a, &device) < 0) return NULL;
     char err[300] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = gm_torch_open(device, err, sizeof err);
@@ -177,7 +163,7 @@ static PyObject *g_open(PyObject *Py_UNUSED(m), PyObject *a) {
 
 #define HEAP_OR_NONE(arg, h)                                                                                           \
     int device_;                                                                                                       \
-    if (get_device((arg), &device_) < 0) return NULL;                                                                  \
+    if (gm_py_device_index((arg), &device_) < 0) return NULL;                                                          \
     gm_heap *h = gm_torch_heap(device_);                                                                               \
     if (h == NULL) Py_RETURN_NONE;
 
@@ -329,7 +315,7 @@ static PyObject *pool_id_tuple(gm_pool_id id) {
  * torch has not allocated on the device. */
 static int device_pool_args(PyObject *args, int *device, gm_pool_id *id, gm_heap **h) {
     PyObject *dev, *pool;
-    if (!PyArg_ParseTuple(args, "OO", &dev, &pool) || get_device(dev, device) < 0 || get_pool_id(pool, id) < 0)
+    if (!PyArg_ParseTuple(args, "OO", &dev, &pool) || gm_py_device_index(dev, device) < 0 || get_pool_id(pool, id) < 0)
         return -1;
     *h = gm_torch_heap(*device);
     return 0;
@@ -399,7 +385,7 @@ static PyObject *g_pool_pause(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev, *pool;
     int device, backup = 0;
     gm_pool_id id;
-    if (!PyArg_ParseTuple(args, "OO|p", &dev, &pool, &backup) || get_device(dev, &device) < 0 ||
+    if (!PyArg_ParseTuple(args, "OO|p", &dev, &pool, &backup) || gm_py_device_index(dev, &device) < 0 ||
         get_pool_id(pool, &id) < 0)
         return NULL;
     gm_heap *h = gm_torch_heap(device);
@@ -442,7 +428,7 @@ static PyObject *g_pool_resume(PyObject *Py_UNUSED(m), PyObject *args) {
 
 static PyObject *g_pools(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0) return NULL;
+    if (gm_py_device_index(a, &device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
     PyObject *out = PyList_New(0);
     if (out == NULL || h == NULL) return out;
@@ -517,7 +503,7 @@ static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args) {
     unsigned long long stream;
     int device;
     gm_pool_id id;
-    if (!PyArg_ParseTuple(args, "OOOK", &dev, &pool, &blocks, &stream) || get_device(dev, &device) < 0 ||
+    if (!PyArg_ParseTuple(args, "OOOK", &dev, &pool, &blocks, &stream) || gm_py_device_index(dev, &device) < 0 ||
         get_pool_id(pool, &id) < 0)
         return NULL;
     gm_heap *h = gm_torch_heap(device);
@@ -554,7 +540,7 @@ done:
 
 static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0) return NULL;
+    if (gm_py_device_index(a, &device) < 0) return NULL;
     gm_pool_id ids[64];
     size_t n = gm_torch_active_pools(device, ids, 64);
     if (n > 64) n = 64;
@@ -571,10 +557,7 @@ static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a) {
 }
 
 static PyObject *g_capturing(PyObject *Py_UNUSED(m), PyObject *a) {
-    int device;
-    if (get_device(a, &device) < 0) return NULL;
-    gm_heap *h = gm_torch_heap(device);
-    if (h == NULL) Py_RETURN_NONE;
+    HEAP_OR_NONE(a, h)
     return PyBool_FromLong(gm_capturing(h));
 }
 
@@ -586,7 +569,7 @@ static PyObject *g_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev;
     unsigned long long capacity;
     int device;
-    if (!PyArg_ParseTuple(args, "OK", &dev, &capacity) || get_device(dev, &device) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "OK", &dev, &capacity) || gm_py_device_index(dev, &device) < 0) return NULL;
     char err[512] = "";
     if (gm_torch_open_sim(device, (size_t)capacity, err, sizeof err) != GM_OK)
         return PyErr_Format(PyExc_ValueError, "%s", err);
@@ -599,7 +582,7 @@ static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *dev;
     double seconds;
     int device, which;
-    if (!PyArg_ParseTuple(args, "sOd", &which_s, &dev, &seconds) || get_device(dev, &device) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "sOd", &which_s, &dev, &seconds) || gm_py_device_index(dev, &device) < 0) return NULL;
     if (!strcmp(which_s, "slot"))
         which = GM_TORCH_TEST_LOCK_SLOT;
     else if (!strcmp(which_s, "options"))

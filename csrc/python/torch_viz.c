@@ -127,32 +127,15 @@ long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_pro
 
 /* ---- Python-facing ------------------------------------------------------------------ */
 
-static PyObject *fn_addr(void (*fn)(void)) {
-    uintptr_t a;
-    memcpy(&a, &fn, sizeof a);
-    return PyLong_FromUnsignedLongLong((unsigned long long)a);
-}
-
 static PyObject *v_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
-    return Py_BuildValue("{s:N,s:N}", "context", fn_addr((void (*)(void))gm_py_capture_context_reacquire),
-                         "oom_formatter", fn_addr((void (*)(void))gm_py_torch_oom_formatter));
-}
-
-static int get_device(PyObject *o, int *device) {
-    long d = PyLong_AsLong(o);
-    if (d == -1 && PyErr_Occurred()) return -1;
-    if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
-        return -1;
-    }
-    *device = (int)d;
-    return 0;
+    return Py_BuildValue("{s:N,s:N}", "context", gm_py_fn_address((void (*)(void))gm_py_capture_context_reacquire),
+                         "oom_formatter", gm_py_fn_address((void (*)(void))gm_py_torch_oom_formatter));
 }
 
 /* _torch_processes(device) -> [(pid, bytes)], or None without NVML or without a heap there. */
 static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0) return NULL;
+    if (gm_py_device_index(a, &device) < 0) return NULL;
     size_t cap = 64, n = 0;
     for (;;) {
         gm_proc_usage *p = PyMem_Calloc(cap, sizeof *p);
@@ -182,7 +165,7 @@ static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a) {
 /* _torch_device_name(device) -> e.g. "cuda:0 (NVIDIA H100 80GB HBM3)", or None without a heap. */
 static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a) {
     int device;
-    if (get_device(a, &device) < 0) return NULL;
+    if (gm_py_device_index(a, &device) < 0) return NULL;
     gm_heap *h = gm_torch_heap(device);
     if (!h) Py_RETURN_NONE;
     return PyUnicode_FromString(gm_heap_device(h)->name);
