@@ -1033,6 +1033,9 @@ static void close_world(world *w) {
         int rc = gm_pool_resume(w->heap, pool_id(i), NULL);
         if (rc != GM_OK) fail("teardown gm_pool_resume(%d) returned %d", i, rc);
         w->paused[i] = 0;
+        /* Its memory turns general for the next: a chunk it shares with
+         * another pool's blocks could not go otherwise. */
+        release_pool_uses(w, i);
     }
     for (int i = 0; i < NPOOLS; i++) release_pool_uses(w, i);
     unhold_streams(w);
