@@ -949,8 +949,7 @@ static void whole_chunks(const gm_heap *h, size_t *p0, size_t *p1) {
  * pages are promised (*grant) and made where they are mapped (map_fresh), as
  * few allocations as the placement's unmapped runs allow; else (grant NULL:
  * single pages wanted) single spares are created now, stopping at the first
- * refusal.  *dev_err keeps a non-OOM
- * failure for the report. */
+ * refusal.  *dev_err keeps a non-OOM failure for the report. */
 static void grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err) {
     size_t promised = grant ? *grant : 0;
     if (h->chunk_pages > 1 && grant) {
