@@ -159,7 +159,7 @@ MUTATIONS = [
         "chunk_unmapped_in_part",
         "chunks: recycling takes the free pages of a chunk that a live block still uses (unmaps it in part)",
         "            whole_chunks(h, &parts[k][0], &parts[k][1]);\n",
-        "",
+        "            (void)whole_chunks;\n",
     ),
     Mutation(
         "locked_pages_counted_cached",
