@@ -125,6 +125,8 @@ def test_oom_counts_free_pages_locked_in_a_partly_used_chunk(make_heap):
     assert_ok(h)
     info = h.last_oom()
     assert info["chunk_locked_bytes"] == 14 * PAGE
+    # What could be made: the 7.5 free pages above x and the device's last page.
+    assert info["largest_possible"] == 17 * MiB
     r = last_oom(h)
     assert r.chunk_locked_bytes == 14 * PAGE
     assert "chunks" in r.cause_kinds

@@ -1608,6 +1608,12 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     if (obtainable > h->cap_pages) obtainable = h->cap_pages;
     size_t avail = obtainable > used ? obtainable - used : 0;
     size_t possible = avail * h->page;
+    if (o->chunk_locked_bytes) {
+        /* Locked pages serve only where they lie: a range can use the free
+         * space around it in place and the pages that can move. */
+        size_t locked = o->chunk_locked_bytes / h->page;
+        possible = (avail > locked ? avail - locked : 0) * h->page + o->largest_free_mapped;
+    }
     o->largest_possible = possible < best_run ? possible : best_run;
     if (o->largest_free_mapped > o->largest_possible) o->largest_possible = o->largest_free_mapped;
 }
