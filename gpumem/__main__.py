@@ -103,6 +103,18 @@ def _event_delay_arg(text: str) -> int:
     return n
 
 
+def _chunk_pages_arg(text: str) -> int:
+    from . import _C
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"chunk pages must be a whole number: {text!r}") from None
+    if not 1 <= n <= _C.CHUNK_PAGES_MAX:
+        raise argparse.ArgumentTypeError(f"chunk pages must be between 1 and {_C.CHUNK_PAGES_MAX}: {text!r}")
+    return n
+
+
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "traces",
@@ -134,6 +146,13 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
         help="events on streams other than 0 complete only after N further device operations, "
         "as queued GPU work would (default 0: at once); matters for multi-stream traces",
     )
+    p.add_argument(
+        "--chunk-pages",
+        type=_chunk_pages_arg,
+        default=None,
+        metavar="N",
+        help="the most 2 MiB pages one physical allocation holds (default: gpumem's, 1)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per trace per line")
     p.add_argument("--no-timing", action="store_true", help="skip the separate timing pass (ns_per_op)")
     p.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
@@ -144,7 +163,15 @@ def _replay_one(args, path: str) -> dict:
     trace = load_trace(path, device=args.device)
     bar = ProgressBar(trace.name) if _want_progress(args, trace.n_events) else None
     try:
-        result = replay(trace, args.capacity, timing=not args.no_timing, progress=bar, event_delay=args.event_delay)
+        kw = {"chunk_pages": args.chunk_pages} if args.chunk_pages else None
+        result = replay(
+            trace,
+            args.capacity,
+            timing=not args.no_timing,
+            progress=bar,
+            heap_kwargs=kw,
+            event_delay=args.event_delay,
+        )
         if args.min_capacity:
             if bar:
                 bar.note("searching the smallest capacity...")
@@ -153,7 +180,9 @@ def _replay_one(args, path: str) -> dict:
                 if bar
                 else None
             )
-            result.min_capacity_bytes = min_capacity(trace, on_probe=probe, event_delay=args.event_delay)
+            result.min_capacity_bytes = min_capacity(
+                trace, heap_kwargs=kw, on_probe=probe, event_delay=args.event_delay
+            )
     finally:
         if bar:
             bar.close()

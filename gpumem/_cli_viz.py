@@ -90,13 +90,14 @@ def write_peak_outputs(args, trace) -> dict:
     """Write --snapshot / --html for one replayed trace; returns JSON-able notes."""
     if not (args.snapshot or args.html):
         return {}
-    snap, r = peak_snapshot(trace, args.capacity, event_delay=args.event_delay)
+    kw = {"chunk_pages": args.chunk_pages} if getattr(args, "chunk_pages", None) else None
+    snap, r = peak_snapshot(trace, args.capacity, heap_kwargs=kw, event_delay=args.event_delay)
     out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
     if args.html:
         # the whole trace over time, under the map of its peak
         from .timeline import from_trace
 
-        snap.timeline = from_trace(trace, args.capacity, event_delay=args.event_delay)
+        snap.timeline = from_trace(trace, args.capacity, heap_kwargs=kw, event_delay=args.event_delay)
     if args.snapshot:
         snap.dump(args.snapshot)
         out["snapshot"] = args.snapshot

@@ -98,6 +98,7 @@ class Report:
     pool_free_bytes: int = 0  # free, kept for living private pools
     paused_pools: int = 0  # pools paused now (gpumem.pause): their pages are released
     paused_bytes: int = 0  # memory those pauses released (not reserved; resume takes it back)
+    chunk_locked_bytes: int = 0  # cached, but in physical allocations (chunk_pages > 1) blocks still use
     by_framework: dict = field(default_factory=dict)  # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
@@ -164,6 +165,14 @@ class Report:
                     self.pool_free_bytes,
                     "reusable only by their pool until it is released",
                 ),
+            )
+        if self.chunk_locked_bytes:
+            rows.append(
+                (
+                    "  of which in partly used chunks",
+                    self.chunk_locked_bytes,
+                    "chunk_pages > 1: freed only with their whole chunk",
+                )
             )
         if self.paused_pools:
             rows.append(
@@ -317,6 +326,7 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
         largest_free_mapped=int(info["largest_free_mapped"]),
         largest_possible=int(info["largest_possible"]),
         pages_needed=int(info["pages_needed"]),
+        chunk_locked_bytes=int(info.get("chunk_locked_bytes", 0)),
         page_size=page,
         processes=procs,
         self_pid=me,
@@ -448,6 +458,16 @@ def _diagnose(r: Report, heap) -> None:
                     ],
                 )
             )
+        if r.chunk_locked_bytes:
+            ranked.append(
+                Cause(
+                    "chunks",
+                    r.chunk_locked_bytes,
+                    f"{_fs(r.chunk_locked_bytes)} are free pages inside physical allocations of several pages "
+                    "(chunk_pages > 1) that live blocks still use: an allocation is unmapped only as a whole, so "
+                    "defragmentation cannot move them",
+                )
+            )
         if r.user_cap and r.user_cap < r.device_total:
             beyond = max(0, min(r.device_total - r.user_cap, r.device_free))
             if beyond:
@@ -548,6 +568,11 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
             "Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
             "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
             "the small tensors the top sites list."
+        ]
+    if kind == "chunks" and (r.is_oom or short):
+        return [
+            "Memory near its limit defragments best page by page: create the heap with chunk_pages=1 "
+            "(GPUMEM_CONF=chunk_pages:1 for torch), which makes every 2 MiB page its own allocation."
         ]
     if kind == "private_pools":
         return [

@@ -137,6 +137,7 @@ def test_bad_inputs_subprocess(tmp_path):
         (["replay", "x.gz", "--capacity", "12 parsecs"], "unknown size unit"),
         (["replay", "x.gz", "--capacity", "0"], "positive"),
         (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
+        (["replay", "x.gz", "--chunk-pages", "0"], "chunk pages must be between 1 and"),
         (["nosuchcommand"], "invalid choice"),
         ([], "required"),
     ],
@@ -191,6 +192,18 @@ def test_json_min_capacity(tmp_path):
     assert ok["ooms"] == 0
     short = json_rows(run_cli("replay", SEED, "--json", "--no-timing", "--capacity", str(mc - 2 * MiB)).stdout)[0]
     assert short["ooms"] > 0
+
+
+def test_chunk_pages_option(capsys):
+    """--chunk-pages 8: fewer device allocations; the default makes one per page."""
+    rows = {}
+    for extra in ([], ["--chunk-pages", "1"], ["--chunk-pages", "8"]):
+        assert main(["replay", str(SEED), "--json", "--no-timing", *extra]) == 0
+        (rows[tuple(extra)],) = json_rows(capsys.readouterr().out)
+    one, default, eight = rows[("--chunk-pages", "1")], rows[()], rows[("--chunk-pages", "8")]
+    assert default["num_device_alloc"] == one["num_device_alloc"]
+    assert eight["num_device_alloc"] < one["num_device_alloc"] / 2
+    assert eight["peak_live_bytes"] == one["peak_live_bytes"]
 
 
 def test_ooms_reported_not_fatal(tmp_path, capsys):

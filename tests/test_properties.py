@@ -4,7 +4,8 @@ Hypothesis drives malloc/free/record_stream/empty_cache/set_cap, stream
 holds, private pools (retain, release, allocations in a pool, pause and resume
 with the contents of a backup checked) and stream
 captures (the sim refusing every call a capture forbids) on a small sim device
-(so that OOM, defragmentation and the cap all come into play) and after every
+(so that OOM, defragmentation and the cap all come into play), with every page
+its own physical allocation or with chunks of up to 4 pages, and after every
 step compares the heap with a model kept here.
 """
 
@@ -59,9 +60,10 @@ class HeapMachine(RuleBasedStateMachine):
         self.paused = {}  # paused pool id -> whether with a backup
         self.saved = {}  # pool id -> {page address: value written before its pause}
 
-    @initialize()
-    def open_heap(self):
-        self.h = gpumem.Heap(device="sim", capacity=CAPACITY)
+    @initialize(chunk_pages=st.sampled_from([1, 4]))
+    def open_heap(self, chunk_pages):
+        self.chunks = chunk_pages
+        self.h = gpumem.Heap(device="sim", capacity=CAPACITY, chunk_pages=chunk_pages)
 
     def teardown(self):
         if self.h is None:
@@ -92,8 +94,22 @@ class HeapMachine(RuleBasedStateMachine):
     # -- helpers --
 
     def _live_pages(self):
-        """Pages nothing may take: under live blocks and memory kept for living pools."""
-        return pages_touched([(a, b["size"]) for a, b in self.live.items()] + [(a, n) for a, n, _ in self.kept])
+        """Pages nothing may take: under live blocks and memory kept for living pools, and
+        with chunks every page of a physical allocation (the device's handle) one of them is in."""
+        blocks = [(a, b["size"]) for a, b in self.live.items()] + [(a, n) for a, n, _ in self.kept]
+        if self.chunks == 1:
+            return pages_touched(blocks)
+        pages = set()
+        for a, n in blocks:
+            pages.update(range(a // PAGE, (a + n - 1) // PAGE + 1))
+        for q in list(pages):
+            h = self.h.sim_page_at(q * PAGE)
+            for step in (-1, 1):
+                r = q + step
+                while h and self.h.sim_page_at(r * PAGE) == h:
+                    pages.add(r)
+                    r += step
+        return len(pages)
 
     def _take_kept(self, p, n, pool):
         """A block of `pool` (None: general) was handed out at [p, p+n)."""

@@ -45,7 +45,12 @@ class OomInfo(ctypes.Structure):
             "largest_possible",
             "pages_needed",
         )
-    ] + [("device_error", ctypes.c_int), ("pool_live_bytes", ctypes.c_size_t), ("pool_free_bytes", ctypes.c_size_t)]
+    ] + [
+        ("device_error", ctypes.c_int),
+        ("pool_live_bytes", ctypes.c_size_t),
+        ("pool_free_bytes", ctypes.c_size_t),
+        ("chunk_locked_bytes", ctypes.c_size_t),
+    ]
 
 
 class ProcUsage(ctypes.Structure):

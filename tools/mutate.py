@@ -47,8 +47,8 @@ MUTATIONS = [
     Mutation(
         "growth_limit_removed",
         "growth limit removed: the heap grows freely to the cap",
-        "grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);",
-        "grow(h, pl.new_pages - h->n_spare, ((void)growth_limit(h, size), h->cap_pages), &dev_err);",
+        "grow(h, lacking(h, &pl, grant), growth_limit(h, size), g, &dev_err);",
+        "grow(h, lacking(h, &pl, grant), ((void)growth_limit(h, size), h->cap_pages), g, &dev_err);",
     ),
     Mutation(
         "stream_reuse_early",
@@ -104,8 +104,8 @@ MUTATIONS = [
     Mutation(
         "cap_off_by_one_page",
         "growth stops one page under the cap (OOM too early)",
-        "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);\n    if ((!pl.ok",  # noqa: E501
-        "    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages - 1, &dev_err);\n    if ((!pl.ok",  # noqa: E501
+        "    if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);\n    if ((!pl.ok",  # noqa: E501
+        "    if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), h->cap_pages - 1, g, &dev_err);\n    if ((!pl.ok",  # noqa: E501
     ),
     Mutation(
         "empty_cache_keeps_a_page",
@@ -154,6 +154,18 @@ MUTATIONS = [
         "a free merged with a block a device wait handed to every stream is handed over too, unproven",
         "    a->epoch = ea > eb ? ea : eb;",
         "    a->epoch = ea < eb ? ea : eb;",
+    ),
+    Mutation(
+        "chunk_unmapped_in_part",
+        "chunks: recycling takes the free pages of a chunk that a live block still uses (unmaps it in part)",
+        "            whole_chunks(h, &parts[k][0], &parts[k][1]);\n",
+        "            (void)whole_chunks;\n",
+    ),
+    Mutation(
+        "locked_pages_counted_cached",
+        "chunks: free pages of a partly used chunk count as cached (and no OOM report names them)",
+        "    if (!h->multi_chunks) return 0;\n    size_t locked = 0, g0 = 0;",
+        "    if (1) return 0;\n    size_t locked = 0, g0 = 0;",
     ),
     Mutation(
         "hand_over_left_in_place",

@@ -43,6 +43,14 @@
  *      in a stream's index); otherwise every free block is lazy_stream's or
  *      everyone's by its owner field, so that lazy_stream alone can be
  *      allocating (and settle_release need merge nothing).
+ *   C14 chunks: every mapped page's chunk metadata is consistent -- the pages
+ *      of a chunk of k are k mapped neighbours with offsets 0..k-1, length k
+ *      and one handle, k <= chunk_pages; no chunk straddles an unmapped page;
+ *      multi_chunks counts the chunks of more than one page; spares are single
+ *      pages (so are loose chunks' pages, counted apart: more than one page
+ *      each); where the device can tell, one handle is behind every page of a
+ *      chunk (C2's per-page check) and the device's pages are the heap's held
+ *      pages.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -290,17 +298,48 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
     }
     if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
 
-    /* C2 counts, C7. */
-    size_t mapped = 0;
+    /* C2 counts, C14, C7. */
+    size_t mapped = 0, multi = 0, loose = 0;
     for (size_t p = 0; p < h->n_pages; p++) mapped += h->page_handle[p] != 0;
     if (mapped != h->mapped_pages)
         return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
-    gm_handle *all = malloc((mapped + h->n_spare + 1) * sizeof *all);
+    for (size_t p = 0; p < h->n_pages;) {
+        if (!h->page_handle[p]) {
+            if (h->chunk_len[p] || h->chunk_off[p])
+                return fail(why, len, "unmapped page %zu has chunk data (length %u, offset %u)", p,
+                            (unsigned)h->chunk_len[p], (unsigned)h->chunk_off[p]);
+            p++;
+            continue;
+        }
+        size_t k = h->chunk_len[p];
+        if (h->chunk_off[p] || !k || k > h->chunk_pages || k > h->n_pages - p)
+            return fail(why, len, "page %zu starts a chunk of %zu pages at offset %u (chunk_pages %zu)", p, k,
+                        (unsigned)h->chunk_off[p], h->chunk_pages);
+        for (size_t i = 1; i < k; i++)
+            if (h->page_handle[p + i] != h->page_handle[p] || h->chunk_off[p + i] != i || h->chunk_len[p + i] != k)
+                return fail(why, len,
+                            "chunk of %zu pages at page %zu: page %zu is not part of it (handle %llu, offset %u, "
+                            "length %u)",
+                            k, p, p + i, (unsigned long long)h->page_handle[p + i], (unsigned)h->chunk_off[p + i],
+                            (unsigned)h->chunk_len[p + i]);
+        multi += k > 1;
+        p += k;
+    }
+    if (multi != h->multi_chunks)
+        return fail(why, len, "%zu chunks of several pages are mapped but the heap counts %zu", multi, h->multi_chunks);
+    for (size_t i = 0; i < h->n_loose; i++) {
+        if (h->loose[i].pages < 2) return fail(why, len, "a loose chunk has %zu pages", h->loose[i].pages);
+        loose += h->loose[i].pages;
+    }
+    if (loose != h->loose_pages)
+        return fail(why, len, "loose chunks hold %zu pages but the heap counts %zu", loose, h->loose_pages);
+    gm_handle *all = malloc((mapped + h->n_spare + h->n_loose + 1) * sizeof *all);
     if (all) {
         size_t k = 0;
         for (size_t p = 0; p < h->n_pages; p++)
-            if (h->page_handle[p]) all[k++] = h->page_handle[p];
+            if (h->page_handle[p] && !h->chunk_off[p]) all[k++] = h->page_handle[p];
         for (size_t i = 0; i < h->n_spare; i++) all[k++] = h->spare[i];
+        for (size_t i = 0; i < h->n_loose; i++) all[k++] = h->loose[i].handle;
         qsort(all, k, sizeof *all, cmp_handle);
         for (size_t i = 1; i < k; i++)
             if (all[i] == all[i - 1]) {
@@ -313,9 +352,10 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
     if (verify) {
         size_t created = 0, dev_mapped = 0;
         verify->pages(h->dev, &created, &dev_mapped);
-        if (dev_mapped != h->mapped_pages || created != h->mapped_pages + h->n_spare)
+        size_t held = h->mapped_pages + h->n_spare + h->loose_pages;
+        if (dev_mapped != h->mapped_pages || created != held)
             return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)", created,
-                        dev_mapped, h->mapped_pages + h->n_spare, h->mapped_pages);
+                        dev_mapped, held, h->mapped_pages);
         /* Not only how many: which physical page sits at each address. */
         for (size_t p = 0; p < h->n_pages; p++) {
             gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
@@ -355,7 +395,7 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
     /* C6 */
     const gm_stats *st = &h->st;
     int rc;
-    int64_t held = (int64_t)(h->mapped_pages + h->n_spare);
+    int64_t held = (int64_t)(h->mapped_pages + h->n_spare + h->loose_pages);
 #define STAT_IS(name, all, small) (rc = stat_is(st->name, all, small, #name, why, len))
     if (STAT_IS(allocation, n_live, n_live_s) || STAT_IS(allocated_bytes, b_live, b_live_s) ||
         STAT_IS(requested_bytes, req, req_s) || STAT_IS(active, n_act, n_act_s) ||

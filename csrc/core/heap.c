@@ -6,8 +6,9 @@
  *
  *   One virtual range is reserved per device, four times the device's memory
  *   (address space costs nothing).  Physical memory comes in pages of 2 MiB,
- *   each a separate device allocation, so any page can be unmapped in one place
- *   and mapped behind another address.
+ *   by default each a separate device allocation, so any page can be unmapped
+ *   in one place and mapped behind another address (see PHYSICAL PAGES AND
+ *   CHUNKS for allocations of several pages).
  *
  *   base                                                          base + va_size
  *   |  page 0  |  page 1  |  page 2  |  page 3  |  page 4  |  page 5  |   ...   |
@@ -50,6 +51,40 @@
  *      this request needs exceed the cap.  The failure leaves a report.
  *   Each remap costs tens of microseconds, so steps 3-4 run only when the free
  *   index has nothing, and the growth limit keeps that rare in a steady loop.
+ *
+ * PHYSICAL PAGES AND CHUNKS
+ *
+ *   A chunk is one device allocation of k >= 1 neighbouring pages.  The
+ *   driver maps and unmaps an allocation only as a whole, and each call costs
+ *   tens of microseconds whatever its size -- granting access to one mapping
+ *   costs as much as to a hundred -- so k pages made as one chunk cost one
+ *   create, one map and one set_access instead of k of each.
+ *
+ *   page      | 10 | 11 | 12 | 13 | 14 | 15 | 16 | 17 |
+ *   handle    | H1 | H2 | H3 | H3 | H3 | H3 | -- | H4 |
+ *   chunk     | 1  | 1  | 4 pages, [12, 16)  |    | 1  |   chunk_off / chunk_len
+ *   blocks    [A ][free ][B          ][free  ][unmapped][C ]
+ *
+ *   Growth makes them: the pages a placement lacks beyond the spares are
+ *   promised under the growth limit and the cap (grow's grant, counted as
+ *   held), then created where they are mapped, as few chunks as cover each
+ *   unmapped run of the placement, each at most chunk_pages long (map_fresh).
+ *   A chunk the device refuses for lack of memory falls back to single pages;
+ *   if even those are refused the request starts over with single spares
+ *   made first, as with chunk_pages 1.  A resumed pool gets one chunk per run
+ *   of its pages the same way.
+ *
+ *   The rule: a chunk's pages are unmapped together or not at all.  Every
+ *   path that gives pages back -- defragmentation, empty_cache and a lowered
+ *   cap, a failed set_access, pause, destroy -- takes a chunk of several pages
+ *   only when all of its pages are free (cached_runs trims runs to whole
+ *   chunks), with one unmap, and releases it: it never becomes a spare, never
+ *   moves.  Defragmentation promised spares, so it creates single pages to
+ *   stand in for it; trimming does not.  A chunk of one page is a page as it
+ *   always was: spares are single pages, and defragmentation moves them.
+ *   Free pages in a chunk that a block still uses are cached but cannot go:
+ *   cached_pages leaves them out (chunk_locked), and an OOM report counts
+ *   them.  chunk_pages 1 (the default) makes every page its own allocation.
  *
  * STREAMS
  *
@@ -141,7 +176,7 @@
 
 #define ANY GM_STREAM_ANY
 
-static size_t held_pages(const gm_heap *h) { return h->mapped_pages + h->n_spare; }
+static size_t held_pages(const gm_heap *h) { return h->mapped_pages + h->n_spare + h->loose_pages; }
 static inline size_t align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 
 /* ---- block records ------------------------------------------------------- */
@@ -827,32 +862,174 @@ static void count_held(gm_heap *h, int64_t pages) {
     gm_stat_pool_add(h->st.reserved_bytes, GM_SMALL_SIZE + 1, pages * (int64_t)h->page);
 }
 
-/* Create up to `want` pages while the heap holds fewer than `limit`.  Stops at
- * the first refusal; *dev_err keeps a non-OOM failure for the report. */
-static size_t grow(gm_heap *h, size_t want, size_t limit, int *dev_err) {
-    size_t made = 0;
-    while (made < want && held_pages(h) < limit) {
-        gm_handle hd;
-        int rc = h->dev->ops->create(h->dev, &hd);
-        if (rc) {
-            if (rc != GM_ENOMEM) {
-                h->st.num_device_errors++;
-                *dev_err = rc;
-            }
-            break;
+/* One new physical allocation of k pages, counted held.  *dev_err (if given)
+ * keeps a failure other than the device's GM_ENOMEM for the report. */
+static int create_chunk(gm_heap *h, size_t k, gm_handle *hd, int *dev_err) {
+    int rc = h->dev->ops->create(h->dev, k, hd);
+    if (rc) {
+        if (rc != GM_ENOMEM) {
+            h->st.num_device_errors++;
+            if (dev_err) *dev_err = rc;
         }
-        spare_push(h, hd);
-        count_held(h, 1);
-        h->st.num_device_alloc++;
-        made++;
+        return rc;
     }
-    return made;
+    count_held(h, (int64_t)k);
+    h->st.num_device_alloc++;
+    return GM_OK;
 }
 
-/* Release spare pages until the heap holds at most `target` (not during a
- * capture: a release would invalidate it; the spares wait for later). */
+/* Give an unmapped chunk of k > 1 pages back to the device; one whose release
+ * fails, or may not be released now (during a capture), waits in h->loose
+ * (still held) for release_spares. */
+static void release_chunk(gm_heap *h, gm_handle hd, size_t k) {
+    if (h->no_sync || h->dev->ops->release(h->dev, hd)) {
+        h->st.num_device_errors += !h->no_sync;
+        h->loose[h->n_loose++] = (struct gm_loose){hd, k};
+        h->loose_pages += k;
+        return;
+    }
+    count_held(h, -(int64_t)k);
+    h->st.num_device_free++;
+}
+
+/* The chunk hd of k pages is mapped at pages [p0, p0+k) now / no longer. */
+static void chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd) {
+    for (size_t i = 0; i < k; i++) {
+        h->page_handle[p0 + i] = hd;
+        h->chunk_off[p0 + i] = (uint32_t)i;
+        h->chunk_len[p0 + i] = (uint32_t)k;
+    }
+    h->mapped_pages += k;
+}
+static void chunk_clear(gm_heap *h, size_t p0, size_t k) {
+    memset(h->page_handle + p0, 0, k * sizeof *h->page_handle);
+    memset(h->chunk_off + p0, 0, k * sizeof *h->chunk_off);
+    memset(h->chunk_len + p0, 0, k * sizeof *h->chunk_len);
+    h->mapped_pages -= k;
+}
+
+/* Unmap the chunk whose first page is p, with one call.  A single page
+ * becomes a spare; a larger chunk goes back to the device, and with
+ * `restock` as many single spares are created to stand in for it (fewer if
+ * the device refuses): defragmentation promised its caller spares. */
+static int unmap_chunk(gm_heap *h, size_t p, int restock) {
+    size_t k = h->chunk_len[p];
+    gm_handle hd = h->page_handle[p];
+    int rc = h->dev->ops->unmap(h->dev, gm_page_addr(h, p), k * h->page);
+    if (rc) {
+        h->st.num_device_errors++;
+        return rc;
+    }
+    chunk_clear(h, p, k);
+    h->st.num_unmaps++;
+    if (k == 1) {
+        spare_push(h, hd);
+        return GM_OK;
+    }
+    h->multi_chunks--;
+    size_t loose = h->n_loose;
+    release_chunk(h, hd, k);
+    for (size_t i = 0; restock && h->n_loose == loose && i < k; i++) { /* only for memory given back */
+        gm_handle one;
+        if (create_chunk(h, 1, &one, NULL)) break;
+        spare_push(h, one);
+    }
+    return GM_OK;
+}
+
+/* Trim the page range [*p0, *p1), all mapped, inward to whole chunks. */
+static void whole_chunks(const gm_heap *h, size_t *p0, size_t *p1) {
+    if (*p0 < *p1 && h->chunk_off[*p0]) *p0 = gm_chunk_end(h, *p0);
+    if (*p0 < *p1 && gm_chunk_end(h, *p1 - 1) > *p1) *p1 = gm_chunk_first(h, *p1 - 1);
+    if (*p1 < *p0) *p1 = *p0;
+}
+
+/* Growth: let the heap create up to `want` more pages while it holds (with
+ * *grant, the pages already promised) fewer than `limit`.  With chunks, the
+ * pages are promised (*grant) and made where they are mapped (map_fresh), as
+ * few allocations as the placement's unmapped runs allow; else (grant NULL:
+ * single pages wanted) single spares are created now, stopping at the first
+ * refusal.  *dev_err keeps a non-OOM failure for the report. */
+static void grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err) {
+    size_t promised = grant ? *grant : 0;
+    if (h->chunk_pages > 1 && grant) {
+        size_t held = held_pages(h) + promised, room = limit > held ? limit - held : 0;
+        *grant += want < room ? want : room;
+        return;
+    }
+    for (size_t made = 0; made < want && held_pages(h) + promised < limit; made++) {
+        gm_handle hd;
+        if (create_chunk(h, 1, &hd, dev_err)) break;
+        spare_push(h, hd);
+    }
+}
+
+/* Map pages [p0, p1), all unmapped: spare pages first, then, while *grant
+ * allows, new chunks of up to chunk_pages pages (a chunk the device refuses
+ * for lack of memory falls back to single pages).  No access is granted.
+ * Returns the end of what got mapped (whole chunks); *err the failure that
+ * stopped it (GM_ENOMEM: the device had nothing left to give). */
+static size_t map_fresh(gm_heap *h, size_t p0, size_t p1, size_t *grant, int *err) {
+    size_t p = p0, most = h->chunk_pages, none = 0;
+    if (!grant) grant = &none;
+    while (p < p1) {
+        size_t k = 1;
+        gm_handle hd;
+        int rc, spare = h->n_spare > 0;
+        if (spare) {
+            hd = h->spare[h->n_spare - 1];
+        } else if (!*grant) {
+            *err = GM_ENOMEM;
+            break;
+        } else {
+            k = p1 - p < most ? p1 - p : most;
+            if (k > *grant) k = *grant;
+            rc = create_chunk(h, k, &hd, NULL);
+            if (rc == GM_ENOMEM && k > 1) {
+                most = k = 1; /* near the device's end: single pages, as many as there are */
+                rc = create_chunk(h, 1, &hd, NULL);
+            }
+            if (rc) {
+                *err = rc;
+                break;
+            }
+            *grant -= k;
+        }
+        if ((rc = h->dev->ops->map(h->dev, gm_page_addr(h, p), k, hd))) {
+            h->st.num_device_errors++;
+            *err = rc;
+            if (spare) break; /* it stays a spare */
+            if (k == 1)
+                spare_push(h, hd);
+            else
+                release_chunk(h, hd, k);
+            break;
+        }
+        if (spare) h->n_spare--;
+        chunk_set(h, p, k, hd);
+        h->multi_chunks += k > 1;
+        h->st.num_maps++;
+        p += k;
+    }
+    return p;
+}
+
+/* Release spare pages (and chunks whose release failed before) until the heap
+ * holds at most `target` (not during a capture: a release would invalidate
+ * it; the spares wait for later). */
 static int release_spares(gm_heap *h, size_t target) {
     if (h->no_sync) return GM_OK;
+    while (h->n_loose && held_pages(h) > target) {
+        struct gm_loose c = h->loose[h->n_loose - 1];
+        if (h->dev->ops->release(h->dev, c.handle)) {
+            h->st.num_device_errors++;
+            return GM_EDEVICE;
+        }
+        h->n_loose--;
+        h->loose_pages -= c.pages;
+        count_held(h, -(int64_t)c.pages);
+        h->st.num_device_free++;
+    }
     while (h->n_spare && held_pages(h) > target) {
         gm_handle hd = h->spare[h->n_spare - 1];
         int rc = h->dev->ops->release(h->dev, hd);
@@ -918,22 +1095,18 @@ static int synchronize(gm_heap *h, gm_stream requester) {
     return GM_OK;
 }
 
-/* Unmap pages [p0, p1), all inside the free block b, keeping their physical
- * pages as spares; the range becomes unmapped address space. */
-static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1) {
+/* Unmap pages [p0, p1), all inside the free block b and made of whole chunks,
+ * one call per chunk: single pages become spares, larger chunks go back to
+ * the device (unmap_chunk; `restock`: replaced by single spares).  The range
+ * becomes unmapped address space. */
+static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
     size_t done = p0;
     int rc = GM_OK;
     if (h->no_sync) return GM_EDEVICE;
-    for (; done < p1; done++) {
-        rc = h->dev->ops->unmap(h->dev, gm_page_addr(h, done), h->page);
-        if (rc) {
-            h->st.num_device_errors++;
-            break;
-        }
-        spare_push(h, h->page_handle[done]);
-        h->page_handle[done] = 0;
-        h->mapped_pages--;
-        h->st.num_unmaps++;
+    while (done < p1) {
+        size_t next = gm_chunk_end(h, done);
+        if ((rc = unmap_chunk(h, done, restock))) break;
+        done = next;
     }
     if (done == p0) return rc;
     /* Cut b into [free][unmapped p0..done)[free]. */
@@ -1024,9 +1197,13 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
         if (!gm_general_space(b)) continue; /* only general free space is recycled */
         size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
         if (p0 >= p1) continue;
-        /* Two parts when the range splits the block: the lower first. */
+        /* Two parts when the range splits the block: the lower first.  Only
+         * whole chunks can go: a chunk that other blocks (or the range) share
+         * a page of stays. */
         size_t parts[2][2] = {{p0, p1 < ex0 ? p1 : ex0}, {p0 > ex1 ? p0 : ex1, p1}};
         for (int k = 0; k < 2 && chosen < want; k++) {
+            if (parts[k][0] >= parts[k][1]) continue;
+            whole_chunks(h, &parts[k][0], &parts[k][1]);
             if (parts[k][0] >= parts[k][1]) continue;
             if (n == cap) {
                 size_t c = cap ? 2 * cap : 64;
@@ -1035,11 +1212,12 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
                 runs = a;
                 cap = c;
             }
-            /* From the top of each. */
+            /* From the top of each, down to a chunk's start. */
             size_t take = parts[k][1] - parts[k][0];
             if (take > want - chosen) take = want - chosen;
-            runs[n++] = (struct cached_run){b, parts[k][1] - take, parts[k][1]};
-            chosen += take;
+            size_t from = gm_chunk_first(h, parts[k][1] - take);
+            runs[n++] = (struct cached_run){b, from, parts[k][1]};
+            chosen += parts[k][1] - from;
         }
     }
 done:
@@ -1056,13 +1234,15 @@ static int cmp_run_addr(const void *x, const void *y) {
     return a->p0 < b->p0 ? 1 : -1;
 }
 
-/* Unmap up to `want` cached pages outside [ex0, ex1) into spares.  The caller
- * has synchronised the device.  Pages come first from the smallest free blocks,
- * which can serve the fewest requests, and from the top of each (cached_runs
- * picks them).  The unmaps then run from the highest address down: cutting a
- * block keeps its record as the lower part, so runs below (even of the same
- * block) stay valid. */
-static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
+/* Unmap at least `want` cached pages outside [ex0, ex1) (or all there are)
+ * into spares (`restock`: a chunk of several pages is replaced by as many
+ * single spares; else it is only released).  Returns the pages unmapped.  The
+ * caller has synchronised the device.  Pages come first from the smallest
+ * free blocks, which can serve the fewest requests, and from the top of each
+ * (cached_runs picks them).  The unmaps then run from the highest address
+ * down: cutting a block keeps its record as the lower part, so runs below
+ * (even of the same block) stay valid. */
+static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock) {
     struct cached_run *runs;
     size_t total, n = cached_runs(h, want, ex0, ex1, &runs, &total), got = 0;
     /* Each cut block may need two more records. */
@@ -1072,9 +1252,9 @@ static size_t recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1) {
     }
     qsort(runs, n, sizeof *runs, cmp_run_addr);
     for (size_t i = 0; i < n; i++) {
-        size_t before = h->n_spare;
-        int rc = unmap_pages(h, runs[i].b, runs[i].p0, runs[i].p1);
-        got += h->n_spare - before;
+        size_t before = h->mapped_pages;
+        int rc = unmap_pages(h, runs[i].b, runs[i].p0, runs[i].p1, restock);
+        got += before - h->mapped_pages;
         if (rc) break;
     }
     free(runs);
@@ -1225,8 +1405,9 @@ static placement place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     return c.best;
 }
 
-/* Grant access to freshly mapped pages [p0, *p1).  If that fails, unmap them
- * again (their physical pages become spares) and lower *p1 to what is left:
+/* Grant access to freshly mapped pages [p0, *p1), whole chunks.  If that
+ * fails, unmap them again chunk by chunk from the top (single pages become
+ * spares, larger chunks are released) and lower *p1 to what is left:
  * a page that is mapped but inaccessible must never back a block.  Failing
  * calls are retried a few times, so that only a device that keeps failing can
  * leave pages behind, and then they are mapped and accessible. */
@@ -1237,15 +1418,8 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
         /* During a capture nothing may be unmapped: only ask again. */
         while (*p1 > p0 && !h->no_sync) {
-            size_t q = *p1 - 1;
-            if (h->dev->ops->unmap(h->dev, gm_page_addr(h, q), h->page)) {
-                h->st.num_device_errors++;
-                break;
-            }
-            spare_push(h, h->page_handle[q]);
-            h->page_handle[q] = 0;
-            h->mapped_pages--;
-            h->st.num_unmaps++;
+            size_t q = gm_chunk_first(h, *p1 - 1); /* a whole chunk: all mapped here, after p0 */
+            if (unmap_chunk(h, q, 0)) break;
             *p1 = q;
         }
         if (*p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK) break;
@@ -1280,13 +1454,13 @@ static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr
     }
 }
 
-/* Map every unmapped page under [x, x+size) with spare pages, and make the
- * range one free block owned by s: general space, after the free blocks of
- * `pool` (if any) under it join it.  Returns that block, or NULL on a device
- * error (pages mapped so far stay mapped and free, the pool's blocks stay
- * the pool's: nothing is lost). */
+/* Map every unmapped page under [x, x+size) with spare pages, then new chunks
+ * *grant allows (map_fresh), and make the range one free block owned by s:
+ * general space, after the free blocks of `pool` (if any) under it join it.
+ * Returns that block, or NULL on a device error (pages mapped so far stay
+ * mapped and free, the pool's blocks stay the pool's: nothing is lost). */
 static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, gm_pool *pool,
-                                   int remap, int *err) {
+                                   int remap, size_t *grant, int *err) {
     gm_block *b = block_holding(from, x);
     uintptr_t end = x + size;
     size_t cuts = 4;
@@ -1301,20 +1475,9 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
             continue;
         }
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
-        size_t p0 = gm_page_floor(h, lo), p1 = gm_page_ceil(h, hi), p = p0;
+        size_t p0 = gm_page_floor(h, lo), p1 = gm_page_ceil(h, hi);
         int rc = GM_OK;
-        for (; p < p1; p++) {
-            gm_handle hd = h->spare[h->n_spare - 1];
-            rc = h->dev->ops->map(h->dev, gm_page_addr(h, p), hd);
-            if (rc) {
-                h->st.num_device_errors++;
-                break;
-            }
-            h->n_spare--;
-            h->page_handle[p] = hd;
-            h->mapped_pages++;
-            h->st.num_maps++;
-        }
+        size_t p = map_fresh(h, p0, p1, grant, &rc);
         if (p > p0) {
             int arc = grant_or_take_back(h, p0, &p);
             if (!rc) rc = arc;
@@ -1356,7 +1519,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
  * every run the range and its two neighbours are in is out meanwhile (`lo`,
  * the block before the range's first, survives: merges keep lower records). */
 static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s, gm_pool *pool, int remap,
-                            int *err) {
+                            size_t *grant, int *err) {
     gm_block *from = pl->first;
     if (!pl->pooled) {
         if (from->pool) {
@@ -1367,7 +1530,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
             from = b;
         }
         gm_run_detach(h, from);
-        gm_block *b = back_range_in_run(h, from, pl->addr, size, s, NULL, remap, err);
+        gm_block *b = back_range_in_run(h, from, pl->addr, size, s, NULL, remap, grant, err);
         gm_run_attach(h, from);
         return b;
     }
@@ -1375,7 +1538,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
     gm_block *lo = block_holding(from, pl->addr);
     if (lo->prev) lo = lo->prev;
     for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
-    gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, err);
+    gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, grant, err);
     for (gm_block *b = lo; b && b->addr <= end; b = b->next)
         if (gm_general_space(b) && !gm_run_head(b)->run_len) gm_run_attach(h, b);
     return r;
@@ -1402,6 +1565,8 @@ size_t gm_used_pages(gm_heap *h) {
     return used;
 }
 
+static size_t chunk_locked(const gm_heap *h, size_t ex0, size_t ex1);
+
 static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     memset(o, 0, sizeof *o);
     o->request = size;
@@ -1417,6 +1582,7 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     o->reserved_bytes = held_pages(h) * h->page;
     size_t used = gm_used_pages(h) - h->paused_pages; /* paused pages are used but not held */
     o->cached_bytes = (held_pages(h) - used) * h->page;
+    o->chunk_locked_bytes = chunk_locked(h, 0, 0) * h->page;
     size_t run = 0, best_run = 0;
     /* Free memory kept for living pools serves no other request: it is
      * reported apart and counts as used here. */
@@ -1442,6 +1608,12 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     if (obtainable > h->cap_pages) obtainable = h->cap_pages;
     size_t avail = obtainable > used ? obtainable - used : 0;
     size_t possible = avail * h->page;
+    if (o->chunk_locked_bytes) {
+        /* Locked pages serve only where they lie: a range can use the free
+         * space around it in place and the pages that can move. */
+        size_t locked = o->chunk_locked_bytes / h->page;
+        possible = (avail > locked ? avail - locked : 0) * h->page + o->largest_free_mapped;
+    }
     o->largest_possible = possible < best_run ? possible : best_run;
     if (o->largest_free_mapped > o->largest_possible) o->largest_possible = o->largest_free_mapped;
 }
@@ -1479,19 +1651,55 @@ static int out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_page
     return GM_ENOMEM;
 }
 
+/* Of the pages [g0, g1) that no block keeping its pages touches, those in a
+ * chunk that reaches past either end: a chunk goes only as a whole. */
+static size_t gap_locked(const gm_heap *h, size_t g0, size_t g1) {
+    size_t a = g0, b = g1;
+    if (h->chunk_len[a] && h->chunk_off[a]) a = gm_chunk_end(h, a) < g1 ? gm_chunk_end(h, a) : g1;
+    if (a < b && h->chunk_len[b - 1] && gm_chunk_end(h, b - 1) > g1)
+        b = gm_chunk_first(h, b - 1) > a ? gm_chunk_first(h, b - 1) : a;
+    return (a - g0) + (g1 - b);
+}
+
+/* Pages that no block keeping its pages touches, outside the page range
+ * [ex0, ex1), but that share a chunk of several pages with one that such a
+ * block touches (or with the range): cached, yet they cannot be unmapped.
+ * A walk over the blocks, made only while chunks of several pages are
+ * mapped: each gap between the page ranges those blocks keep (and the
+ * range) loses the ends that chunks reaching past it cover. */
+static size_t chunk_locked(const gm_heap *h, size_t ex0, size_t ex1) {
+    if (!h->multi_chunks) return 0;
+    size_t locked = 0, g0 = 0; /* the gap being measured starts at page g0 */
+    for (const gm_block *b = h->head;; b = b->next) {
+        if (b && !gm_keeps_pages(b)) continue;
+        size_t f = b ? gm_page_floor(h, b->addr) : h->n_pages;
+        size_t e = b ? gm_page_floor(h, b->addr + b->size - 1) + 1 : h->n_pages;
+        if (ex0 < ex1 && ex0 <= f) {
+            if (ex0 > g0) locked += gap_locked(h, g0, ex0);
+            if (ex1 > g0) g0 = ex1;
+            ex0 = ex1;
+        }
+        if (f > g0) locked += gap_locked(h, g0, f);
+        if (e > g0) g0 = e;
+        if (!b) break;
+    }
+    return locked;
+}
+
 /* Mapped pages that no block keeping its pages touches (gm_keeps_pages: live,
  * or kept for a living pool), outside the page range [ex0, ex1): pages wholly
  * under general free or pending blocks, whatever their owners.  After a
  * synchronisation they are wholly free and can go.  [ex0, ex1) is a
  * placement's range, which lies in general space: a block that keeps its
  * pages touches a page of it only by starting or ending there, so live_ep
- * says which. */
+ * says which.  Pages locked in a chunk that something else uses do not count
+ * (chunk_locked). */
 static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
     /* Paused pages are counted in live_pages but are not mapped. */
     size_t pages = h->mapped_pages + h->paused_pages - h->runs.live_pages;
     if (ex1 > h->n_pages) ex1 = h->n_pages;
     for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->runs.live_ep[p];
-    return pages;
+    return pages - chunk_locked(h, ex0, ex1);
 }
 
 /* Cached pages a defragmentation could move behind placement pl.  A range
@@ -1512,16 +1720,17 @@ static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
 
 /* Wait for the device, place again (every stream's free memory is usable
  * now), and unmap cached pages into spares for the placement's shortfall. */
-static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, int *synced, int *recycled,
-                       int *dev_err) {
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, size_t grant, int *synced,
+                       int *recycled, int *dev_err) {
     if (synchronize(h, s) != GM_OK) {
         *dev_err = GM_EDEVICE;
         return;
     }
     *synced = 1;
     *pl = place(h, size, s, pool);
-    if (!pl->ok || pl->new_pages <= h->n_spare) return;
-    size_t got = recycle(h, pl->new_pages - h->n_spare, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size));
+    if (!pl->ok || pl->new_pages <= h->n_spare + grant) return;
+    size_t got =
+        recycle(h, pl->new_pages - h->n_spare - grant, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size), 1);
     if (got) {
         *recycled = 1;
         h->st.num_remaps++;
@@ -1529,16 +1738,28 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_p
     }
 }
 
+/* Pages placement pl lacks beyond the spares and the pages promised. */
+static inline size_t lacking(const gm_heap *h, const placement *pl, size_t grant) {
+    return pl->new_pages > h->n_spare + grant ? pl->new_pages - h->n_spare - grant : 0;
+}
+
 /* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
- * event, no synchronisation, no unmap or release. */
+ * event, no synchronisation, no unmap or release.  New pages are promised
+ * (grow's *grant) and created as chunks where back_range maps them; if the
+ * device then has too little for them even as single pages, the request
+ * starts over with single spares made up front, as with chunk_pages 1 (the
+ * pages mapped meanwhile stay, free). */
 static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at) {
     h->st.num_alloc_retries++;
+    size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL;
+again:;
     gm_block *b;
     int dev_err = GM_OK, recycled = 0, synced = 0;
     placement pl;
+    grant = 0;
     if (h->no_sync) {
         pl = place(h, size, s, pool);
-        if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+        if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
         synced = 1; /* as if: no defragmentation below */
         goto placed;
     }
@@ -1553,22 +1774,26 @@ static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_bl
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit. */
     pl = place(h, size, s, pool);
-    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, growth_limit(h, size), &dev_err);
+    if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), growth_limit(h, size), g, &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
      * there is only if the device or the cap refused. */
-    if (!pl.ok || (pl.new_pages > h->n_spare && cached_pages_outside(h, pl, size) >= pl.new_pages - h->n_spare))
-        defragment(h, &pl, size, s, pool, &synced, &recycled, &dev_err);
-    if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
-    if ((!pl.ok || pl.new_pages > h->n_spare) && !synced) {
-        defragment(h, &pl, size, s, pool, &synced, &recycled, &dev_err);
-        if (pl.ok && pl.new_pages > h->n_spare) grow(h, pl.new_pages - h->n_spare, h->cap_pages, &dev_err);
+    if (!pl.ok || (lacking(h, &pl, grant) && cached_pages_outside(h, pl, size) >= lacking(h, &pl, grant)))
+        defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
+    if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
+    if ((!pl.ok || lacking(h, &pl, grant)) && !synced) {
+        defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
+        if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
     }
 placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
-    if (pl.new_pages > h->n_spare) return out_of_memory(h, size, s, pl.new_pages - h->n_spare, dev_err);
+    if (lacking(h, &pl, grant)) return out_of_memory(h, size, s, lacking(h, &pl, grant), dev_err);
     int err = GM_OK;
-    b = back_range(h, &pl, size, s, pool, recycled, &err);
+    b = back_range(h, &pl, size, s, pool, recycled, g, &err);
+    if (!b && err == GM_ENOMEM && g) {
+        g = NULL; /* the device is nearly full: single pages, gathered first */
+        goto again;
+    }
     if (!b) {
         release_spares(h, h->mapped_pages);
         return err ? GM_EDEVICE : GM_ECORRUPT;
@@ -1584,6 +1809,7 @@ void gm_config_default(gm_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     cfg->growth_slack = 0.01;
     cfg->growth_slack_pages = 4;
+    cfg->chunk_pages = GM_CHUNK_PAGES_DEFAULT;
 }
 
 static _Thread_local char create_error[320];
@@ -1609,10 +1835,13 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     else
         gm_config_default(&cfg);
     size_t page = dev->page_size;
-    if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100) {
+    if (!cfg.chunk_pages) cfg.chunk_pages = GM_CHUNK_PAGES_DEFAULT;
+    if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100 ||
+        cfg.chunk_pages > GM_CHUNK_PAGES_MAX) {
         dev->last_error[0] = 0;
         create_failed(dev, GM_EINVAL,
                       cfg.growth_slack < 0 || cfg.growth_slack > 100 ? "growth_slack must be in [0, 100]"
+                      : cfg.chunk_pages > GM_CHUNK_PAGES_MAX         ? "chunk_pages must be in [1, 1024]"
                                                                      : "device page size is not a power of two >= 512");
         dev->ops->destroy(dev);
         return GM_EINVAL;
@@ -1637,6 +1866,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->device_total = total;
     h->growth_slack = cfg.growth_slack;
     h->growth_slack_pages = cfg.growth_slack_pages;
+    h->chunk_pages = cfg.chunk_pages;
     if (cfg.va_size > ((size_t)1 << 48)) {
         dev->last_error[0] = 0;
         create_failed(dev, GM_EINVAL, "va_size exceeds the 256 TiB of address space a GPU has");
@@ -1654,10 +1884,13 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     size_t max_pages = total / page + 1;
     h->cap_spare = h->n_pages > max_pages ? h->n_pages : max_pages;
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
+    h->chunk_off = calloc(h->n_pages, sizeof *h->chunk_off);
+    h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
+    h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) ||
-          slab_grow(h))
+    rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->loose || !h->spare || !h->live ||
+          ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) || slab_grow(h))
              ? GM_ENOMEM
              : GM_OK;
     if (rc) {
@@ -1694,17 +1927,18 @@ void gm_heap_destroy(gm_heap *h) {
     if (host_only) {
         for (size_t i = 0; i < h->n_owners; i++) h->owners[i]->releasing = 0;
         for (gm_block *b = h->pending_head; b; b = b->lnext) b->n_uses = 0;
-        h->n_pages = h->n_spare = h->n_event_pool = 0;
+        h->n_pages = h->n_spare = h->n_loose = h->n_event_pool = 0;
         h->va_size = 0;
     }
-    if (h->page_handle) {
+    if (h->page_handle && h->chunk_len) {
         for (size_t p = 0; p < h->n_pages; p++) {
-            if (!h->page_handle[p]) continue;
-            dev->ops->unmap(dev, gm_page_addr(h, p), h->page);
+            if (!h->page_handle[p] || h->chunk_off[p]) continue; /* a chunk at its first page */
+            dev->ops->unmap(dev, gm_page_addr(h, p), h->chunk_len[p] * h->page);
             dev->ops->release(dev, h->page_handle[p]);
         }
     }
     for (size_t i = 0; i < h->n_spare; i++) dev->ops->release(dev, h->spare[i]);
+    for (size_t i = 0; i < h->n_loose; i++) dev->ops->release(dev, h->loose[i].handle);
     for (gm_block *b = h->pending_head; b; b = b->lnext)
         for (uint32_t i = 0; i < b->n_uses; i++)
             if (b->events[i]) dev->ops->event_destroy(dev, b->events[i]);
@@ -1731,6 +1965,9 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->event_pool);
     free(h->live);
     free(h->spare);
+    free(h->loose);
+    free(h->chunk_off);
+    free(h->chunk_len);
     free(h->page_handle);
     ri_free(&h->runs);
     gm_hist_free(h);
@@ -2015,7 +2252,7 @@ static int trim(gm_heap *h, size_t target) {
     /* Pending blocks count as free here: the synchronisation completes them. */
     if (!cached_pages(h, 0, 0)) return GM_OK;
     if ((rc = synchronize(h, ANY))) return rc; /* spares are gone already; nothing else is safe */
-    size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0);
+    size_t want = held_pages(h) - target, got = recycle(h, want, 0, 0, 0);
     if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */
     return release_spares(h, target);
@@ -2424,6 +2661,23 @@ static int pool_own_pages(gm_heap *h, const gm_pool *p, gm_paused_page **out, si
     return GM_OK;
 }
 
+/* Keep of the pages list l (ascending, n entries) those whose chunk lies
+ * wholly in it: a chunk that also backs other blocks stays, all of it, and
+ * its listed pages count as shared.  Slots are renumbered; returns the count. */
+static size_t whole_chunks_only(const gm_heap *h, gm_paused_page *l, size_t n, size_t *shared) {
+    size_t k = 0;
+    for (size_t i = 0; i < n;) {
+        size_t q = l[i].page, c = gm_chunk_first(h, q), e = gm_chunk_end(h, q), len = e - c;
+        if (c == q && i + len <= n && l[i + len - 1].page == e - 1) {
+            for (size_t t = 0; t < len; t++, k++) l[k] = (gm_paused_page){l[i + t].page, k};
+            i += len;
+            continue;
+        }
+        for (; i < n && l[i].page < e; i++) (*shared)++;
+    }
+    return k;
+}
+
 static int pause_refused(gm_heap *h) { return capture_on(h, 0) || other_capture(h); }
 
 static uint64_t mono_ns(void) {
@@ -2454,6 +2708,7 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
     if (rc) goto out;
     /* Nothing may still be running on the pages, and pending frees complete. */
     if ((rc = synchronize(h, ANY)) || (rc = pool_own_pages(h, p, &l, &n, &shared))) goto out;
+    n = whole_chunks_only(h, l, n, &shared);
     t1 = t2 = mono_ns();
     if (n && (flags & GM_PAUSE_BACKUP)) {
         if ((rc = ops->host_alloc(h->dev, n * h->page, &backup))) {
@@ -2473,8 +2728,9 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
         }
     }
     t2 = mono_ns();
-    /* Unmap run by run, releasing each physical page (one that will not go is
-     * kept as a spare).  A failed unmap stops here: the pool is paused with
+    /* Unmap run by run (whole chunks, one call a run), releasing each chunk
+     * (a single page that will not go is kept as a spare, a larger chunk
+     * waits in h->loose).  A failed unmap stops here: the pool is paused with
      * the pages released so far. */
     for (size_t i = 0, j; i < n; i = j) {
         j = run_end(l, i, n);
@@ -2484,20 +2740,23 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
             rc = GM_EDEVICE;
             break;
         }
-        for (size_t k = i; k < j; k++) {
-            size_t q = l[k].page;
+        for (size_t q = l[i].page, end = l[j - 1].page + 1; q < end;) {
+            size_t k = h->chunk_len[q];
             gm_handle hd = h->page_handle[q];
-            h->page_handle[q] = 0;
-            h->mapped_pages--;
-            h->paused_pages++;
-            h->st.num_unmaps++;
-            if (ops->release(h->dev, hd)) {
+            chunk_clear(h, q, k);
+            h->paused_pages += k;
+            h->st.num_unmaps += (int64_t)k;
+            q += k;
+            if (k > 1) {
+                h->multi_chunks--;
+                release_chunk(h, hd, k);
+            } else if (ops->release(h->dev, hd)) {
                 h->st.num_device_errors++;
                 spare_push(h, hd);
-                continue;
+            } else {
+                count_held(h, -1);
+                h->st.num_device_free++;
             }
-            count_held(h, -1);
-            h->st.num_device_free++;
         }
         gm_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
         done = j;
@@ -2519,32 +2778,42 @@ out:
     return rc;
 }
 
-/* Unmap the first `n` entries of p's list again (a resume that failed): their
- * physical pages become spares.  A page that will not unmap stays mapped and
- * leaves the list (its contents are then undefined). */
+/* Unmap the first `n` entries of p's list again (a resume that failed), a
+ * whole chunk a call: single pages become spares, larger chunks are
+ * released.  A chunk that will not unmap stays mapped and its pages leave
+ * the list (their contents are then undefined). */
 static void unresume(gm_heap *h, gm_pool *p, size_t n) {
     size_t k = 0;
-    for (size_t i = 0; i < p->n_paused; i++) {
+    for (size_t i = 0; i < p->n_paused;) {
         gm_paused_page e = p->paused_list[i];
         if (i >= n) {
             p->paused_list[k++] = e;
+            i++;
             continue;
         }
+        size_t c = h->chunk_len[e.page]; /* mapped from this entry on: its pages are the next c entries */
         uintptr_t a = gm_page_addr(h, e.page);
         int rc = GM_EDEVICE;
         for (int attempt = 0; attempt < 8 && rc; attempt++)
-            if ((rc = h->dev->ops->unmap(h->dev, a, h->page))) h->st.num_device_errors++;
+            if ((rc = h->dev->ops->unmap(h->dev, a, c * h->page))) h->st.num_device_errors++;
         if (rc) {
             for (int attempt = 0; attempt < 8; attempt++)
-                if (h->dev->ops->set_access(h->dev, a, h->page) == GM_OK) break;
+                if (h->dev->ops->set_access(h->dev, a, c * h->page) == GM_OK) break;
+            i += c;
             continue;
         }
-        spare_push(h, h->page_handle[e.page]);
-        h->page_handle[e.page] = 0;
-        h->mapped_pages--;
-        h->paused_pages++;
+        gm_handle hd = h->page_handle[e.page];
+        chunk_clear(h, e.page, c);
+        h->paused_pages += c;
         h->st.num_unmaps++;
-        p->paused_list[k++] = e;
+        if (c == 1) {
+            spare_push(h, hd);
+        } else {
+            h->multi_chunks--;
+            release_chunk(h, hd, c);
+        }
+        for (size_t t = 0; t < c; t++) p->paused_list[k++] = p->paused_list[i + t];
+        i += c;
     }
     p->n_paused = k;
 }
@@ -2561,32 +2830,40 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
     else if (pause_refused(h))
         rc = GM_ECAPTURING;
     if (rc) goto out;
-    size_t n = p->n_paused, mapped = 0;
+    size_t n = p->n_paused, mapped = 0, grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL;
     gm_paused_page *l = p->paused_list;
-    /* 1. The pages: spares, new ones up to the cap, then cached ones taken back. */
-    if (n > h->n_spare) grow(h, n - h->n_spare, h->cap_pages, &dev_err);
-    if (n > h->n_spare && cached_pages(h, 0, 0) && synchronize(h, ANY) == GM_OK) recycle(h, n - h->n_spare, 0, 0);
-    if (n > h->n_spare) {
+again:
+    /* 1. The pages: spares, new ones up to the cap (with chunks: promised,
+     * made run by run below), then cached ones taken back. */
+    grant = 0;
+    n = p->n_paused;
+    if (n > h->n_spare) grow(h, n - h->n_spare, h->cap_pages, g, &dev_err);
+    if (n > h->n_spare + grant && cached_pages(h, 0, 0) && synchronize(h, ANY) == GM_OK)
+        recycle(h, n - h->n_spare - grant, 0, 0, 1);
+    if (n > h->n_spare + grant) {
         rc = dev_err ? GM_EDEVICE : GM_ENOMEM;
         goto fail;
     }
     t1 = mono_ns();
-    /* 2. Map each page at its address; grant access once per run. */
+    /* 2. Map each run at its addresses (spares, then chunks of up to
+     * chunk_pages); grant access once per run. */
     for (size_t i = 0, j; i < n; i = j) {
         j = run_end(l, i, n);
-        for (size_t k = i; k < j; k++) {
-            gm_handle hd = h->spare[h->n_spare - 1];
-            if (ops->map(h->dev, gm_page_addr(h, l[k].page), hd)) {
-                h->st.num_device_errors++;
-                rc = GM_EDEVICE;
-                goto fail;
-            }
-            h->n_spare--;
-            h->page_handle[l[k].page] = hd;
-            h->mapped_pages++;
-            h->paused_pages--;
-            h->st.num_maps++;
-            mapped = k + 1;
+        size_t p0 = l[i].page, p1 = l[j - 1].page + 1, got;
+        int err = GM_OK;
+        got = map_fresh(h, p0, p1, g, &err) - p0;
+        h->paused_pages -= got;
+        mapped = i + got;
+        if (got < p1 - p0 && err == GM_ENOMEM && g) {
+            /* The device is nearly full: start over with single pages. */
+            unresume(h, p, mapped);
+            mapped = 0;
+            g = NULL;
+            goto again;
+        }
+        if (got < p1 - p0) {
+            rc = err == GM_ENOMEM ? GM_ENOMEM : GM_EDEVICE;
+            goto fail;
         }
         if (ops->set_access(h->dev, gm_page_addr(h, l[i].page), (j - i) * h->page)) {
             h->st.num_device_errors++;

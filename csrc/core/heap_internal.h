@@ -94,10 +94,31 @@ struct gm_heap {
     uintptr_t base; /* reserved range [base, base + va_size) */
     size_t va_size;
     size_t n_pages;
-    gm_handle *page_handle; /* per page: the physical page mapped there, 0 if none */
+    /* Physical memory comes in chunks: one device allocation of k >= 1
+     * contiguous pages, mapped and unmapped only as a whole (heap.c, PHYSICAL
+     * PAGES).  Per page p, for a chunk of k pages mapped at pages [c, c+k):
+     *
+     *   page        c      c+1    ...   c+k-1
+     *   page_handle H      H      ...   H        the chunk's handle, 0: nothing mapped
+     *   chunk_off   0      1      ...   k-1      p - c
+     *   chunk_len   k      k      ...   k        0: nothing mapped
+     *
+     * so a mapped page finds its chunk in O(1) (gm_chunk_first).  A chunk of
+     * one page is a page as it always was: it may become a spare and move. */
+    gm_handle *page_handle;
+    uint32_t *chunk_off, *chunk_len;
     size_t mapped_pages;
-    gm_handle *spare; /* physical pages held but not mapped */
+    gm_handle *spare; /* single pages held but not mapped (never a chunk of more) */
     size_t n_spare, cap_spare;
+    /* Unmapped chunks of more than one page whose release failed: retried by
+     * release_spares; held meanwhile. */
+    struct gm_loose {
+        gm_handle handle;
+        size_t pages;
+    } *loose;
+    size_t n_loose, loose_pages;
+    size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
+    size_t multi_chunks; /* chunks of more than one page mapped now */
 
     size_t device_total;
     size_t cap_pages; /* the effective cap, in pages */
@@ -172,6 +193,9 @@ static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) {
     return (size_t)((a - h->base + h->page - 1) >> h->page_shift);
 }
 static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
+/* The first page of the chunk mapped at page p, and its length. */
+static inline size_t gm_chunk_first(const gm_heap *h, size_t p) { return p - h->chunk_off[p]; }
+static inline size_t gm_chunk_end(const gm_heap *h, size_t p) { return p - h->chunk_off[p] + h->chunk_len[p]; }
 
 gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
 /* The stream that may reuse free block b at once (GM_STREAM_ANY: every

@@ -490,13 +490,13 @@ static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size) {
     return GM_OK;
 }
 
-static int cuda_create(gm_device *dev, gm_handle *handle) {
+static int cuda_create(gm_device *dev, size_t pages, gm_handle *handle) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_CREATE, "cuMemCreate");
     cu_alloc_prop prop;
     fill_prop(c, &prop);
     CUmemGenericAllocationHandle h = 0;
-    CU_CALL_RELAXED(c, "cuMemCreate", cu.MemCreate(&h, dev->page_size, &prop, 0));
+    CU_CALL_RELAXED(c, "cuMemCreate", cu.MemCreate(&h, pages * dev->page_size, &prop, 0));
     *handle = (gm_handle)h;
     return GM_OK;
 }
@@ -508,11 +508,12 @@ static int cuda_release(gm_device *dev, gm_handle handle) {
     return GM_OK;
 }
 
-static int cuda_map(gm_device *dev, uintptr_t va, gm_handle handle) {
+/* The whole allocation: the driver maps no part of one (offset 0, its size). */
+static int cuda_map(gm_device *dev, uintptr_t va, size_t pages, gm_handle handle) {
     cuda_device *c = (cuda_device *)dev;
     INJECT(c, GM_OP_MAP, "cuMemMap");
     CU_CALL_RELAXED(c, "cuMemMap",
-                    cu.MemMap((CUdeviceptr)va, dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
+                    cu.MemMap((CUdeviceptr)va, pages * dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
     return GM_OK;
 }
 

@@ -35,12 +35,18 @@
 /* Content of a page nobody wrote: this tag with a counter (gm_sim_read). */
 #define SIM_FRESH   ((uint64_t)0xF4E5000000000000ull)
 
+/* One physical allocation of `npages` pages (a handle). */
 typedef struct sim_page {
     uintptr_t mapped_at; /* 0 when not mapped (no reservation starts at 0) */
-    uint64_t content;    /* what the page holds: one value stands for its bytes (gm_sim_write) */
-    uint32_t next_free;  /* free-list link while !alive */
+    uint64_t content;    /* what a one-page allocation holds: one value stands for its bytes (gm_sim_write) */
+    uint64_t *contents;  /* the same per page, for npages > 1 (malloc'd) */
+    size_t npages;
+    uint32_t next_free; /* free-list link while !alive */
     uint8_t alive;
 } sim_page;
+
+/* The content of page k of allocation p. */
+static inline uint64_t *content_of(sim_page *p, size_t k) { return p->npages > 1 ? &p->contents[k] : &p->content; }
 
 typedef struct sim_resv {
     uintptr_t va;
@@ -292,28 +298,34 @@ static uint64_t used_bytes(const sim_device *s) {
     return sat_add(sat_add(pages, s->ext_total), s->self_outside);
 }
 
-static int sim_create(gm_device *dev, gm_handle *handle) {
+static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_CREATE);
     if (!handle) return fail(s, GM_EINVAL, "create: NULL output pointer");
+    if (npages == 0 || npages > (size_t)1 << 32) return fail(s, GM_EINVAL, "create: %zu pages", npages);
     if (inject) return injected(s, GM_OP_CREATE);
     uint64_t used = used_bytes(s);
-    if (used > s->capacity || s->capacity - used < dev->page_size)
+    if (used > s->capacity || (s->capacity - used) / dev->page_size < npages)
         return fail(s, GM_ENOMEM,
-                    "create: out of memory (%zu pages of %zu bytes created, %llu bytes held by "
+                    "create: out of memory for %zu pages (%zu pages of %zu bytes created, %llu bytes held by "
                     "other processes, %llu outside the allocator, capacity %zu)",
-                    s->pages_created, dev->page_size, (unsigned long long)s->ext_total,
+                    npages, s->pages_created, dev->page_size, (unsigned long long)s->ext_total,
                     (unsigned long long)s->self_outside, s->capacity);
+    uint64_t *contents = NULL;
+    if (npages > 1 && !(contents = malloc(npages * sizeof *contents)))
+        return fail(s, GM_ENOMEM, "create: out of host memory");
     uint32_t id = s->free_head;
     if (id != SIM_NONE) {
         s->free_head = s->pages[id].next_free;
         if (s->free_head == SIM_NONE) s->free_tail = SIM_NONE;
     } else {
         if (s->n_pages_slots == s->cap_pages) {
-            if (s->cap_pages >= UINT32_MAX / 2) return fail(s, GM_ENOMEM, "create: too many pages");
             uint32_t nc = s->cap_pages * 2;
-            sim_page *np = realloc(s->pages, (size_t)nc * sizeof *np);
-            if (!np) return fail(s, GM_ENOMEM, "create: out of host memory");
+            sim_page *np = s->cap_pages >= UINT32_MAX / 2 ? NULL : realloc(s->pages, (size_t)nc * sizeof *np);
+            if (!np) {
+                free(contents);
+                return fail(s, GM_ENOMEM, "create: too many allocations");
+            }
             s->pages = np;
             s->cap_pages = nc;
         }
@@ -321,9 +333,11 @@ static int sim_create(gm_device *dev, gm_handle *handle) {
     }
     s->pages[id].alive = 1;
     s->pages[id].mapped_at = 0;
-    s->pages[id].content = SIM_FRESH | ++s->next_content;
+    s->pages[id].npages = npages;
+    s->pages[id].contents = contents;
+    for (size_t k = 0; k < npages; k++) *content_of(&s->pages[id], k) = SIM_FRESH | ++s->next_content;
     s->pages[id].next_free = SIM_NONE;
-    s->pages_created++;
+    s->pages_created += npages;
     *handle = id;
     return GM_OK;
 }
@@ -350,38 +364,47 @@ static int sim_release(gm_device *dev, gm_handle handle) {
                     p->mapped_at);
     if (inject) return injected(s, GM_OP_RELEASE);
     p->alive = 0;
+    s->pages_created -= p->npages;
+    free(p->contents);
+    p->contents = NULL;
     p->next_free = SIM_NONE;
     if (s->free_tail == SIM_NONE)
         s->free_head = (uint32_t)handle;
     else
         s->pages[s->free_tail].next_free = (uint32_t)handle;
     s->free_tail = (uint32_t)handle;
-    s->pages_created--;
     return GM_OK;
 }
 
 /* ---- mapping ------------------------------------------------------------- */
 
-static int sim_map(gm_device *dev, uintptr_t va, gm_handle handle) {
+static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle) {
     sim_device *s = (sim_device *)dev;
     int inject = sim_enter(s, GM_OP_MAP);
     size_t first;
-    sim_resv *r = range_resv(s, "map", va, dev->page_size, &first);
+    if (npages == 0 || npages > SIZE_MAX / dev->page_size) return fail(s, GM_EINVAL, "map: %zu pages", npages);
+    sim_resv *r = range_resv(s, "map", va, npages * dev->page_size, &first);
     if (!r) return GM_EINVAL;
     sim_page *p = live_page(s, "map", handle);
     if (!p) return GM_EINVAL;
-    if (r->handle[first])
-        return fail(s, GM_EINVAL, "map: page at 0x%" PRIxPTR " is already mapped (handle %llu)", va,
-                    (unsigned long long)r->handle[first]);
+    if (p->npages != npages)
+        return fail(s, GM_EINVAL, "map: handle %llu has %zu pages, not %zu (only a whole allocation maps)",
+                    (unsigned long long)handle, p->npages, npages);
+    for (size_t i = 0; i < npages; i++)
+        if (r->handle[first + i])
+            return fail(s, GM_EINVAL, "map: page at 0x%" PRIxPTR " is already mapped (handle %llu)",
+                        va + i * dev->page_size, (unsigned long long)r->handle[first + i]);
     if (p->mapped_at)
         return fail(s, GM_EINVAL, "map: handle %llu is already mapped at 0x%" PRIxPTR "", (unsigned long long)handle,
                     p->mapped_at);
     if (inject) return injected(s, GM_OP_MAP);
-    r->handle[first] = handle;
-    r->access[first] = 0; /* CUDA grants nothing to a fresh mapping */
-    r->mapped++;
+    for (size_t i = 0; i < npages; i++) {
+        r->handle[first + i] = handle;
+        r->access[first + i] = 0; /* CUDA grants nothing to a fresh mapping */
+    }
+    r->mapped += npages;
     p->mapped_at = va;
-    s->pages_mapped++;
+    s->pages_mapped += npages;
     return GM_OK;
 }
 
@@ -393,10 +416,20 @@ static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
     sim_resv *r = range_resv(s, "unmap", va, size, &first);
     if (!r) return GM_EINVAL;
     size_t n = size / dev->page_size;
-    for (size_t i = 0; i < n; i++)
+    /* Whole mappings only: each starts where the last ended, the last ends at va+size. */
+    for (size_t i = 0; i < n;) {
+        uintptr_t at = va + i * dev->page_size;
         if (!r->handle[first + i])
-            return fail(s, GM_EINVAL, "unmap: page at 0x%" PRIxPTR " in 0x%" PRIxPTR "+%zu is not mapped",
-                        (va + i * dev->page_size), va, size);
+            return fail(s, GM_EINVAL, "unmap: page at 0x%" PRIxPTR " in 0x%" PRIxPTR "+%zu is not mapped", at, va,
+                        size);
+        const sim_page *p = &s->pages[r->handle[first + i]];
+        if (p->mapped_at != at || n - i < p->npages)
+            return fail(s, GM_EINVAL,
+                        "unmap: 0x%" PRIxPTR "+%zu cuts the %zu-page mapping of handle %llu at 0x%" PRIxPTR
+                        " (only whole mappings unmap)",
+                        va, size, p->npages, (unsigned long long)r->handle[first + i], p->mapped_at);
+        i += p->npages;
+    }
     if (inject) return injected(s, GM_OP_UNMAP);
     for (size_t i = 0; i < n; i++) {
         s->pages[r->handle[first + i]].mapped_at = 0;
@@ -471,6 +504,12 @@ static int in_host(const sim_device *s, const void *p, size_t size) {
     return 0;
 }
 
+/* The content of page k of reservation r, which is mapped. */
+static uint64_t *page_content(sim_device *s, const sim_resv *r, size_t k) {
+    sim_page *p = &s->pages[r->handle[k]];
+    return content_of(p, (r->va + k * s->base.page_size - p->mapped_at) / s->base.page_size);
+}
+
 /* The reservation slice of [va, va+size): whole pages, mapped, accessible. */
 static sim_resv *copy_range(sim_device *s, const char *op, uintptr_t va, size_t size, size_t *first) {
     sim_resv *r = range_resv(s, op, va, size, first);
@@ -495,7 +534,7 @@ static int sim_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) 
     if (!in_host(s, dst, size)) return fail(s, GM_EINVAL, "copy_dtoh: %p+%zu is not inside a host block", dst, size);
     if (inject) return injected(s, GM_OP_COPY_DTOH);
     for (size_t i = 0; i < size / dev->page_size; i++)
-        memcpy((char *)dst + i * dev->page_size, &s->pages[r->handle[first + i]].content, sizeof(uint64_t));
+        memcpy((char *)dst + i * dev->page_size, page_content(s, r, first + i), sizeof(uint64_t));
     return GM_OK;
 }
 
@@ -509,7 +548,7 @@ static int sim_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t 
     if (!in_host(s, src, size)) return fail(s, GM_EINVAL, "copy_htod: %p+%zu is not inside a host block", src, size);
     if (inject) return injected(s, GM_OP_COPY_HTOD);
     for (size_t i = 0; i < size / dev->page_size; i++)
-        memcpy(&s->pages[r->handle[first + i]].content, (const char *)src + i * dev->page_size, sizeof(uint64_t));
+        memcpy(page_content(s, r, first + i), (const char *)src + i * dev->page_size, sizeof(uint64_t));
     return GM_OK;
 }
 
@@ -719,6 +758,7 @@ static void sim_destroy(gm_device *dev) {
     for (size_t k = 0; k < s->host_blocks; k++) munmap(s->host[k].ptr, s->host[k].size);
     free(s->host);
     free(s->resv);
+    for (uint32_t i = 1; i < s->n_pages_slots; i++) free(s->pages[i].contents);
     free(s->pages);
     free(s->events);
     free(s->streams);
@@ -969,27 +1009,27 @@ gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va) {
     return 0;
 }
 
-/* The page mapped (and accessible) at va: NULL if none. */
-static sim_page *page_at(sim_device *s, uintptr_t va) {
+/* The content of the page mapped (and accessible) at va: NULL if none. */
+static uint64_t *page_at(sim_device *s, uintptr_t va) {
     sim_resv *r = find_resv(s, va);
     if (!r) return NULL;
     size_t k = (va - r->va) / s->base.page_size;
-    return r->handle[k] && r->access[k] ? &s->pages[r->handle[k]] : NULL;
+    return r->handle[k] && r->access[k] ? page_content(s, r, k) : NULL;
 }
 
 int gm_sim_write(gm_device *dev, uintptr_t va, uint64_t value) {
     sim_device *s = as_sim(dev);
-    sim_page *p = s ? page_at(s, va) : NULL;
+    uint64_t *p = s ? page_at(s, va) : NULL;
     if (!p) return GM_EINVAL;
-    p->content = value;
+    *p = value;
     return GM_OK;
 }
 
 int gm_sim_read(gm_device *dev, uintptr_t va, uint64_t *value) {
     sim_device *s = as_sim(dev);
-    sim_page *p = s ? page_at(s, va) : NULL;
+    uint64_t *p = s ? page_at(s, va) : NULL;
     if (!p) return GM_EINVAL;
-    *value = p->content;
+    *value = *p;
     return GM_OK;
 }
 

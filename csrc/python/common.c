@@ -78,7 +78,8 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o) {
         gm_py_put_u64(d, "pages_needed", o->pages_needed) < 0 ||
         gm_py_put_i64(d, "device_error", o->device_error) < 0 ||
         gm_py_put_u64(d, "pool_live_bytes", o->pool_live_bytes) < 0 ||
-        gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0) {
+        gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0 ||
+        gm_py_put_u64(d, "chunk_locked_bytes", o->chunk_locked_bytes) < 0) {
         Py_DECREF(d);
         return NULL;
     }

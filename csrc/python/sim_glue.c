@@ -172,6 +172,22 @@ static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o) {
     return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
 }
 
+/* Ask the device itself to unmap [addr, addr+size): to test what it refuses
+ * (a range that cuts a mapping).  One that succeeds leaves the heap's books
+ * wrong: only for a heap that is thrown away. */
+static PyObject *Heap_sim_unmap(HeapObject *self, PyObject *args) {
+    PyObject *addr_o, *size_o;
+    uint64_t addr;
+    size_t size;
+    if (!PyArg_ParseTuple(args, "OO:sim_unmap", &addr_o, &size_o)) return NULL;
+    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
+        gm_py_to_size(size_o, "size", &size) < 0)
+        return NULL;
+    int rc = self->dev->ops->unmap(self->dev, (uintptr_t)addr, size);
+    if (rc != GM_OK) return PyErr_Format(PyExc_ValueError, "sim_unmap: %s", self->dev->last_error);
+    Py_RETURN_NONE;
+}
+
 /* The simulated device's contents: one value per physical page. */
 static PyObject *Heap_sim_write(HeapObject *self, PyObject *args) {
     PyObject *addr_o, *value_o;
@@ -218,6 +234,11 @@ static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o) {
 }
 
 PyMethodDef gm_py_sim_methods[] = {
+    {.ml_name = "sim_unmap",
+     .ml_meth = (PyCFunction)Heap_sim_unmap,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "sim_unmap(addr, size): the device unmaps [addr, addr+size) itself (ValueError with its reason if it\n"
+               "refuses); for tests of its refusals only -- one that succeeds leaves the heap's books wrong"},
     {.ml_name = "sim_fail",
      .ml_meth = KW(Heap_sim_fail),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,

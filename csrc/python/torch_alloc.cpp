@@ -268,6 +268,7 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
     cfg.va_size = o.va_size;
     if (o.growth_slack >= 0) cfg.growth_slack = o.growth_slack;
     if (o.growth_slack_pages >= 0) cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
+    if (o.chunk_pages) cfg.chunk_pages = o.chunk_pages;
     int rc = gm_heap_create(dev, &cfg, &h);
     if (rc != GM_OK) {
         *why = std::string("gpumem cannot create a heap on CUDA device ") + std::to_string(device) + ": " +
@@ -456,6 +457,7 @@ extern "C" void gm_torch_options_default(gm_torch_options *o) {
 
 extern "C" int gm_torch_configure(const gm_torch_options *o) {
     if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 ||
+        o->chunk_pages > GM_CHUNK_PAGES_MAX ||
         (o->oom_mode != GM_TORCH_OOM_TORCH && o->oom_mode != GM_TORCH_OOM_RUNTIME) ||
         o->history_entries > ((size_t)1 << 32))
         return GM_EINVAL;

@@ -34,6 +34,7 @@ typedef struct gm_torch_options {
     double cap_fraction;     /* 0: none; else a fraction of device total */
     double growth_slack;     /* < 0: the core's default */
     long growth_slack_pages; /* < 0: the core's default */
+    size_t chunk_pages;      /* 0: the core's default (gm_config.chunk_pages) */
     size_t history_entries;  /* 0: history off */
     int oom_mode;            /* gm_torch_oom_mode */
 } gm_torch_options;

@@ -1,7 +1,7 @@
 /*
  * fuzz.c -- random-operation stress driver for the gpumem core on the sim device.
  *
- *   fuzz [--threads N] [--capacity BYTES] [--history N] [--quiet] [ops=1000000] [seed=1]
+ *   fuzz [--threads N] [--capacity BYTES] [--history N] [--chunk-pages N] [--quiet] [ops=1000000] [seed=1]
  *
  * Single-threaded mode drives one heap with a random mix of gm_malloc (sizes
  * log-uniform from 1 B to 256 MiB on 3 streams), gm_free, gm_record_stream,
@@ -16,6 +16,11 @@
  * private pool for part of its blocks, and pauses and resumes it now and then.
  * Both first check fork() with a lock handed to the core by gm_fork_also (the
  * order fork takes the locks in, and a forked child's heap).
+ *
+ * Physical allocations: without --chunk-pages, a single-threaded run does its
+ * first half of the ops on a heap with chunk_pages 1 and the second half on a
+ * fresh one with chunk_pages 2..16 (from the seed); a threaded run uses 1 for
+ * even seeds, 16 for odd ones.
  *
  * Exit status 0 on success; on the first violation it prints the op index and
  * seed (enough to reproduce: the run is deterministic for a given seed in
@@ -48,10 +53,11 @@ static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000
 /* ---- reporting ------------------------------------------------------------ */
 
 static uint64_t g_seed;
-static gm_heap *g_heap;  /* for the history dump on failure */
-static uintptr_t g_addr; /* address the failure is about (0 if none) */
-static size_t g_history; /* --history N: entries to keep */
-static uint64_t g_op;    /* op index, for messages (single-thread mode) */
+static size_t g_chunk_pages; /* --chunk-pages; 0: chosen per run (see the top) */
+static gm_heap *g_heap;      /* for the history dump on failure */
+static uintptr_t g_addr;     /* address the failure is about (0 if none) */
+static size_t g_history;     /* --history N: entries to keep */
+static uint64_t g_op;        /* op index, for messages (single-thread mode) */
 static const char *g_phase = "setup";
 
 static void fail(const char *fmt, ...) {
@@ -426,7 +432,13 @@ static int cmp_prange(const void *x, const void *y) {
 }
 
 /* ... and memory kept for living pools pins its pages too. */
-static size_t live_pages(const world *w) {
+/* The physical allocation behind page index q (an address / page size), by the device's word. */
+static gm_handle handle_of(const world *w, uintptr_t q) { return gm_sim_handle_at(w->dev, q * w->page); }
+
+/* Pages that live blocks and pools' free blocks touch; with `whole`, every
+ * page of a physical allocation (one handle on neighbouring pages) that one
+ * of those pages lies in: what empty_cache cannot give back. */
+static size_t kept_pages(const world *w, int whole) {
     size_t n = w->live.n + w->npf, pages = 0;
     prange *all = malloc((n ? n : 1) * sizeof *all);
     if (!all) {
@@ -440,6 +452,11 @@ static size_t live_pages(const world *w) {
     for (size_t i = 0; i < n; i++) {
         uintptr_t first = all[i].addr / w->page;
         uintptr_t end = (all[i].addr + all[i].size - 1) / w->page + 1;
+        if (whole) {
+            gm_handle h0 = handle_of(w, first), h1 = handle_of(w, end - 1);
+            while (h0 && handle_of(w, first - 1) == h0) first--;
+            while (h1 && handle_of(w, end) == h1) end++;
+        }
         if (first < counted_to) first = counted_to;
         if (end > first) {
             pages += end - first;
@@ -449,6 +466,8 @@ static size_t live_pages(const world *w) {
     free(all);
     return pages;
 }
+
+static size_t live_pages(const world *w) { return kept_pages(w, 0); }
 
 /* ---- operations ------------------------------------------------------------ */
 
@@ -499,11 +518,17 @@ static void op_malloc(world *w, rng_t *r) {
         if (rc == GM_ENOMEM && !w->faults_on && !any_held(w) && w->nq == 0 && !w->capturing) {
             size_t limit = w->cap ? w->cap : w->capacity;
             size_t need = round_up(size, w->page) / w->page + 1;
-            size_t have = live_pages(w);
+            /* Pages of a physical allocation that a live block uses cannot move. */
+            size_t have = kept_pages(w, 1), touched = live_pages(w);
             if (have + need <= limit / w->page)
-                fail("gm_malloc(%zu) failed with GM_ENOMEM although live blocks touch %zu pages, the "
+                fail("gm_malloc(%zu) failed with GM_ENOMEM although live blocks keep %zu pages, the "
                      "request needs at most %zu and the limit is %zu pages",
                      size, have, need, limit / w->page);
+            /* The report names the pages locked that way. */
+            gm_oom_info lo;
+            if (gm_last_oom(w->heap, &lo) == GM_OK && lo.chunk_locked_bytes != (have - touched) * w->page)
+                fail("OOM report: %zu bytes locked in physical allocations, the model says %zu pages",
+                     lo.chunk_locked_bytes, have - touched);
         }
         gm_oom_info oi;
         if (rc == GM_ENOMEM && gm_last_oom(w->heap, &oi) != GM_OK) fail("gm_last_oom has no report after an OOM");
@@ -648,10 +673,13 @@ static void op_empty(world *w) {
     if (rc != GM_OK && !w->faults_on && !any_held(w)) fail("gm_empty_cache returned %d (%s)", rc, gm_strerror(rc));
     check_stats(w, "empty_cache");
     if (!w->faults_on && !any_held(w) && !w->capturing) {
-        /* Nothing may stay cached: every page held is touched by a live block. */
+        /* Nothing may stay cached: every page held is touched by a live block,
+         * or shares a physical allocation with one that is. */
         gm_stats st;
         gm_get_stats(w->heap, &st);
-        size_t lp = live_pages(w) - paused_pages(w); /* paused pages are touched but released */
+        /* Paused pages are touched but released; a physical allocation with a
+         * live page keeps all its pages. */
+        size_t lp = kept_pages(w, 1) - paused_pages(w);
         if ((size_t)st.reserved_bytes[GM_POOL_ALL].current != lp * w->page) {
             gm_snapshot *snap = NULL;
             size_t used = 0, cached = 0, pending = 0;
@@ -943,7 +971,7 @@ static void set_faults(world *w, rng_t *r, int on) {
 
 /* ---- single-threaded run ----------------------------------------------------- */
 
-static void open_world(world *w, size_t capacity) {
+static void open_world(world *w, size_t capacity, size_t chunk_pages) {
     memset(w, 0, sizeof *w);
     w->capacity = capacity;
     w->dev = gm_sim_create(capacity, 0);
@@ -951,6 +979,7 @@ static void open_world(world *w, size_t capacity) {
     w->page = w->dev->page_size;
     gm_config cfg;
     gm_config_default(&cfg);
+    cfg.chunk_pages = chunk_pages;
     int rc = gm_heap_create(w->dev, &cfg, &w->heap);
     if (rc != GM_OK) fail("gm_heap_create returned %d (%s)", rc, gm_strerror(rc));
     gm_snapshot *snap;
@@ -1004,6 +1033,9 @@ static void close_world(world *w) {
         int rc = gm_pool_resume(w->heap, pool_id(i), NULL);
         if (rc != GM_OK) fail("teardown gm_pool_resume(%d) returned %d", i, rc);
         w->paused[i] = 0;
+        /* Its memory turns general for the next: a chunk it shares with
+         * another pool's blocks could not go otherwise. */
+        release_pool_uses(w, i);
     }
     for (int i = 0; i < NPOOLS; i++) release_pool_uses(w, i);
     unhold_streams(w);
@@ -1037,10 +1069,18 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
     rng_t r = {seed};
     rng_t delay_rng = {seed ^ 0x5eed0fde1a7ull}; /* its own stream: the op sequence is the same */
     world w;
-    open_world(&w, capacity);
+    size_t chunks = g_chunk_pages ? g_chunk_pages : 1, later = 2 + seed % 15;
+    open_world(&w, capacity, chunks);
     uint64_t phase_end = 0;
     g_phase = "normal";
     for (g_op = 0; g_op < ops; g_op++) {
+        if (!g_chunk_pages && g_op == ops / 2 && g_op) {
+            /* The second half on a heap that makes chunks of several pages. */
+            run_check(&w, "half");
+            close_world(&w);
+            open_world(&w, capacity, chunks = later);
+            phase_end = g_op;
+        }
         if (g_op == phase_end) {
             /* Phases of a few thousand ops: a third with faults injected. */
             int faults = chance(&r, 330000);
@@ -1097,17 +1137,18 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
     gm_get_stats(w.heap, &st);
     close_world(&w);
     if (!quiet)
-        printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB: %" PRIu64 " mallocs (%" PRIu64 " ok, %" PRIu64
-               " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64 " bad frees, %" PRIu64
+        printf("fuzz: OK %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB chunk_pages %zu%s: %" PRIu64 " mallocs (%" PRIu64
+               " ok, %" PRIu64 " oom, %" PRIu64 " device errors), %" PRIu64 " frees, %" PRIu64 " bad frees, %" PRIu64
                " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64 " set_cap, %" PRIu64
                " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64 " pauses, %" PRIu64
                " resumes (%" PRIu64 " pages restored), %" PRIu64 " captures, %" PRIu64 " fault phases, %" PRIu64
                " checks, %" PRIu64 " quarantine hits; core: %" PRId64 " remaps, %" PRId64 " pages created, %" PRId64
                " retries, %" PRId64 " syncs\n",
-               ops, seed, capacity >> 20, w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free, w.n_bad_free,
-               w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc, w.n_pool_ops, w.n_set_live, w.n_pauses,
-               w.n_resumes, w.n_restored, w.n_captures, w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps,
-               st.num_device_alloc, st.num_alloc_retries, st.num_sync_all_streams);
+               ops, seed, capacity >> 20, chunks, g_chunk_pages ? "" : " (1 in the first half; counts: the second)",
+               w.n_malloc, w.n_malloc_ok, w.n_oom, w.n_devfail, w.n_free, w.n_bad_free, w.n_record, w.n_hold, w.n_empty,
+               w.n_setcap, w.n_pool_malloc, w.n_pool_ops, w.n_set_live, w.n_pauses, w.n_resumes, w.n_restored,
+               w.n_captures, w.n_fault_phases, w.n_check, w.n_quar_checked, st.num_remaps, st.num_device_alloc,
+               st.num_alloc_retries, st.num_sync_all_streams);
     return 0;
 }
 
@@ -1267,6 +1308,7 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     if (!tw.dev) fail("gm_sim_create failed");
     gm_config cfg;
     gm_config_default(&cfg);
+    cfg.chunk_pages = g_chunk_pages ? g_chunk_pages : seed % 2 ? 16 : 1;
     int rc = gm_heap_create(tw.dev, &cfg, &tw.heap);
     if (rc != GM_OK) fail("gm_heap_create returned %d", rc);
     if (g_history) gm_history_enable(tw.heap, g_history); /* history writes under the threads too */
@@ -1424,8 +1466,11 @@ int main(int argc, char **argv) {
             quiet = 1;
         else if (!strcmp(argv[i], "--history") && i + 1 < argc)
             g_history = (size_t)parse_u64(argv[++i], "history size");
+        else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc)
+            g_chunk_pages = (size_t)parse_u64(argv[++i], "chunk pages");
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--quiet] [ops=1000000] [seed=1]\n",
+            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--chunk-pages N] [--quiet] "
+                   "[ops=1000000] [seed=1]\n",
                    argv[0]);
             return 0;
         } else if (argv[i][0] != '-' && npos == 0) {

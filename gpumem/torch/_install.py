@@ -21,6 +21,8 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     cap                 a number up to 1 is a fraction of the device, else bytes ("60GiB", 64424509440)
     growth_slack        how far reserved memory may grow above peak live, as a fraction
     growth_slack_pages  ... plus this many 2 MiB pages
+    chunk_pages         the most 2 MiB pages one physical allocation holds (1, the default: every page its
+                        own; more makes growth and resume cheaper, but a partly used allocation stays whole)
     va_size             virtual address space to reserve per device (default 4 x device memory)
     history             keep the last N allocator events per device (0: off)
     oom                 "torch": raise torch.OutOfMemoryError (default); "runtime": RuntimeError
@@ -37,7 +39,7 @@ from .._units import parse_size
 from . import _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
-OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "va_size", "history", "oom")
+OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "chunk_pages", "va_size", "history", "oom")
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -98,6 +100,7 @@ def normalize_options(options):
         "va_size": 0,
         "growth_slack": -1.0,
         "growth_slack_pages": -1,
+        "chunk_pages": 0,
         "history_entries": 0,
         "oom_mode": "torch",
     }
@@ -133,6 +136,11 @@ def normalize_options(options):
         if v < 0:
             raise ValueError(f"growth_slack_pages must not be negative, got {v}")
         kw["growth_slack_pages"] = v
+    if options.get("chunk_pages") is not None:
+        v = int(options["chunk_pages"])
+        if not 1 <= v <= _C.CHUNK_PAGES_MAX:
+            raise ValueError(f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}], got {options['chunk_pages']!r}")
+        kw["chunk_pages"] = v
     if options.get("history") is not None:
         v = int(options["history"])
         if not 0 <= v <= MAX_HISTORY:

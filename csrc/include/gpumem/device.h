@@ -13,9 +13,11 @@
  *
  * The verbs are those of CUDA's virtual memory management: reserve a virtual
  * range, create physical pages, map a page behind an address, grant access,
- * unmap, release.  Physical pages are always exactly `page_size` bytes, so a
- * page can be unmapped in one place and mapped behind another address -- the
- * move that lets the allocator defragment without copying.
+ * unmap, release.  A physical allocation is a whole number of `page_size`
+ * pages, mapped and unmapped only as a whole (CUDA maps no part of one).  A
+ * single-page allocation can be unmapped in one place and mapped behind
+ * another address -- the move that lets the allocator defragment without
+ * copying; a larger one costs one call where single pages cost one each.
  *
  * A device is used by one heap, under that heap's lock; implementations need no
  * locking of their own for calls made by the heap.
@@ -33,7 +35,7 @@
 extern "C" {
 #endif
 
-typedef uint64_t gm_handle; /* a physical page */
+typedef uint64_t gm_handle; /* a physical allocation of one or more pages */
 typedef uint64_t gm_event;  /* a stream event */
 typedef uint64_t gm_stream; /* a cudaStream_t's value; 0 is the legacy default stream */
 
@@ -93,13 +95,16 @@ typedef struct gm_device_ops {
     /* Reserve `size` bytes of virtual address space, aligned to page_size. */
     int (*reserve)(gm_device *dev, size_t size, uintptr_t *va);
     int (*unreserve)(gm_device *dev, uintptr_t va, size_t size);
-    /* Create / release one physical page of page_size bytes.
-     * create returns GM_ENOMEM when the device has no page to give. */
-    int (*create)(gm_device *dev, gm_handle *handle);
+    /* Create / release one physical allocation of `pages` pages (>= 1).
+     * create returns GM_ENOMEM when the device has not that much to give. */
+    int (*create)(gm_device *dev, size_t pages, gm_handle *handle);
     int (*release)(gm_device *dev, gm_handle handle);
-    /* Map one page behind va (page aligned, inside a reservation). */
-    int (*map)(gm_device *dev, uintptr_t va, gm_handle handle);
-    /* Unmap whole pages: [va, va+size) must be exactly covered by mappings. */
+    /* Map a whole allocation of `pages` pages behind [va, va + pages *
+     * page_size) (page aligned, inside a reservation, nothing mapped there).
+     * `pages` must be the allocation's size: GM_EINVAL otherwise. */
+    int (*map)(gm_device *dev, uintptr_t va, size_t pages, gm_handle handle);
+    /* Unmap whole mappings: [va, va+size) must be exactly covered by them;
+     * a range that cuts a mapping in two is refused (GM_EINVAL). */
     int (*unmap)(gm_device *dev, uintptr_t va, size_t size);
     /* Grant this device read/write access to mapped pages in [va, va+size). */
     int (*set_access)(gm_device *dev, uintptr_t va, size_t size);
@@ -142,9 +147,11 @@ typedef struct gm_device_ops {
 typedef struct gm_device_verify {
     /* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
     int (*accessible)(const gm_device *dev, uintptr_t va, size_t size);
-    /* Physical pages alive, and how many of them are mapped. */
+    /* Physical pages alive (all allocations' pages), and how many of them are
+     * mapped. */
     void (*pages)(const gm_device *dev, size_t *created, size_t *mapped);
-    /* The physical page mapped behind the page-aligned address va, 0 if none. */
+    /* The allocation mapped behind the page-aligned address va, 0 if none
+     * (the same handle for every page of a multi-page allocation). */
     gm_handle (*handle_at)(const gm_device *dev, uintptr_t va);
 } gm_device_verify;
 

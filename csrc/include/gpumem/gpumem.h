@@ -56,6 +56,10 @@ const char *gm_strerror(int code);
 #define GM_STREAM_ANY UINT64_MAX /* owner of free memory any stream may use */
 
 /* ---- configuration ------------------------------------------------------- */
+/* gm_config.chunk_pages: the default, and the most allowed. */
+#define GM_CHUNK_PAGES_DEFAULT 1
+#define GM_CHUNK_PAGES_MAX     1024
+
 typedef struct gm_config {
     /* Virtual address space to reserve; 0 picks 4 x the device's total memory. */
     size_t va_size;
@@ -66,6 +70,10 @@ typedef struct gm_config {
      * of peak live, plus `growth_slack_pages` pages. */
     double growth_slack;
     size_t growth_slack_pages;
+    /* The most pages one physical allocation holds (0: the default, 1: every
+     * page its own allocation).  Growth maps the new pages of a request with
+     * as few allocations as this allows; see README.md. */
+    size_t chunk_pages;
 } gm_config;
 void gm_config_default(gm_config *cfg);
 
@@ -273,6 +281,8 @@ typedef struct gm_oom_info {
     size_t pool_live_bytes;           /* live and pending bytes of living private pools */
     size_t pool_free_bytes;           /* free bytes kept for living private pools (not in
                                   free_mapped_bytes: no other request can have them) */
+    size_t chunk_locked_bytes;        /* free pages inside physical allocations that other
+                                  blocks still use: cached, but not movable */
 } gm_oom_info;
 /* The report of the last failed allocation; GM_EINVAL if there was none. */
 int gm_last_oom(gm_heap *heap, gm_oom_info *out);

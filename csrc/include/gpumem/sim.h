@@ -79,7 +79,8 @@ typedef struct gm_sim_info {
     size_t reservations; /* reserved VA ranges alive */
 } gm_sim_info;
 void gm_sim_info_get(const gm_device *dev, gm_sim_info *info);
-/* The physical page mapped at va (0 if none): which page lies behind an address. */
+/* The physical allocation mapped at va (0 if none): which allocation lies
+ * behind an address (the same handle on every page of a multi-page one). */
 gm_handle gm_sim_handle_at(const gm_device *dev, uintptr_t va);
 /* 1 if every page of [va, va+size) is mapped with access granted, else 0. */
 int gm_sim_is_accessible(const gm_device *dev, uintptr_t va, size_t size);

@@ -1,0 +1,282 @@
+"""Chunks: physical allocations of several pages (Heap(chunk_pages=N)).
+
+A chunk is mapped and unmapped only as a whole, on the simulated device as on
+CUDA.  Growth backs a request's new pages with as few chunks as chunk_pages
+allows; a chunk goes back to the device only when all its pages are free; the
+free pages of a chunk that a block still uses cannot move, and an OOM report
+counts them.  The invariant checker (C14) runs after every step.
+"""
+
+import pytest
+
+import gpumem
+from conftest import MiB, PAGE, assert_ok
+from gpumem.explain import last_oom
+
+P = (3, 1)
+
+
+def created(h):
+    return h.sim_info()["pages_created"]
+
+
+def reserved_pages(h):
+    return h.stats()["reserved_bytes.all.current"] // PAGE
+
+
+def delta(h, before, *ops):
+    return tuple(h.sim_calls(op) - before[op] for op in ops)
+
+
+def calls(h):
+    return {op: h.sim_calls(op) for op in ("create", "map", "set_access", "unmap", "release")}
+
+
+# ---- growth ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_pages, allocations", [(1, 10), (4, 3), (10, 1), (16, 1)])
+def test_growth_makes_as_few_allocations_as_chunk_pages_allows(make_heap, chunk_pages, allocations):
+    h = make_heap(capacity=256 * MiB, chunk_pages=chunk_pages)
+    before, st0 = calls(h), h.stats()
+    p = h.malloc(10 * PAGE)
+    assert delta(h, before, "create", "map") == (allocations, allocations)
+    assert h.sim_calls("set_access") - before["set_access"] == 1  # one grant over the whole run
+    assert h.stats()["num_device_alloc"] - st0["num_device_alloc"] == allocations
+    handles = [h.sim_page_at(p + i * PAGE) for i in range(10)]
+    assert len(set(handles)) == allocations and 0 not in handles
+    assert created(h) == 10 and reserved_pages(h) == 10
+    assert_ok(h)
+
+
+def test_growth_reuses_free_pages_and_covers_only_the_rest(make_heap):
+    # A request over 3 free mapped pages and 2 unmapped ones: one chunk of 2.
+    h = make_heap(capacity=64 * MiB, chunk_pages=8)
+    a = h.malloc(3 * PAGE)
+    h.free(a)
+    before = calls(h)
+    b = h.malloc(5 * PAGE)
+    assert b == a
+    assert delta(h, before, "create", "map") == (1, 1)
+    assert h.sim_page_at(b + 3 * PAGE) == h.sim_page_at(b + 4 * PAGE) != h.sim_page_at(b)
+    assert_ok(h)
+
+
+# ---- giving memory back ----------------------------------------------------------------
+
+
+def test_empty_cache_releases_free_chunks_and_keeps_a_used_one(make_heap):
+    h = make_heap(capacity=256 * MiB, chunk_pages=8)
+    a = h.malloc(8 * PAGE)
+    b = h.malloc(8 * PAGE)
+    assert h.sim_page_at(a) != h.sim_page_at(b)
+    h.free(a)
+    h.free(b)
+    x = h.malloc(MiB)  # carved from one of the free chunks
+    h.empty_cache()
+    assert_ok(h)
+    # The chunk x lies in stays whole (8 pages); the other went back.
+    assert reserved_pages(h) == 8 and created(h) == 8
+    kept = h.sim_page_at(x)
+    assert all(h.sim_page_at(x - x % (8 * PAGE) + i * PAGE) in (kept, 0) for i in range(8))
+    h.free(x)
+    h.empty_cache()
+    assert reserved_pages(h) == 0 and created(h) == 0
+    assert_ok(h)
+
+
+def test_single_pages_give_back_all_but_the_used_page(make_heap):
+    h = make_heap(capacity=256 * MiB, chunk_pages=1)
+    a = h.malloc(8 * PAGE)
+    h.free(a)
+    h.malloc(MiB)
+    h.empty_cache()
+    assert reserved_pages(h) == 1 and created(h) == 1
+    assert_ok(h)
+
+
+def _chunk_with_a_hole(h):
+    """One 15-page chunk, its pages 0-6 and 8-14 free, a 1 MiB block at page 7."""
+    a = h.malloc(15 * PAGE)
+    h.free(a)
+    low = h.malloc(7 * PAGE)
+    x = h.malloc(MiB)
+    h.free(low)
+    assert low == a and x == a + 7 * PAGE
+    return a, x
+
+
+def test_defragmentation_moves_single_pages(make_heap):
+    h = make_heap(capacity=16 * PAGE, chunk_pages=1)
+    a, x = _chunk_with_a_hole(h)
+    # 10 contiguous pages exist only if pages 0-6 move behind the top run.
+    st0 = h.stats()
+    p = h.malloc(10 * PAGE)
+    assert h.stats()["num_pages_remapped"] - st0["num_pages_remapped"] >= 2
+    assert p == x + MiB
+    assert_ok(h)
+
+
+def test_oom_counts_free_pages_locked_in_a_partly_used_chunk(make_heap):
+    h = make_heap(capacity=16 * PAGE, chunk_pages=16)
+    a, x = _chunk_with_a_hole(h)
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(10 * PAGE)
+    assert_ok(h)
+    info = h.last_oom()
+    assert info["chunk_locked_bytes"] == 14 * PAGE
+    # What could be made: the 7.5 free pages above x and the device's last page.
+    assert info["largest_possible"] == 17 * MiB
+    r = last_oom(h)
+    assert r.chunk_locked_bytes == 14 * PAGE
+    assert "chunks" in r.cause_kinds
+    text = r.text()
+    assert "partly used chunks" in text and "chunk_pages=1" in text
+    # With x gone the chunk is wholly free: the same request fits.
+    h.free(x)
+    h.malloc(10 * PAGE)
+    assert_ok(h)
+
+
+def test_no_chunk_no_locked_line(make_heap):
+    h = make_heap(capacity=16 * PAGE, chunk_pages=1)
+    h.malloc(15 * PAGE)
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(4 * PAGE)
+    assert h.last_oom()["chunk_locked_bytes"] == 0
+    r = last_oom(h)
+    assert "chunks" not in r.cause_kinds and "partly used chunks" not in r.text()
+
+
+# ---- pause and resume -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backup", [False, True])
+def test_pause_and_resume_one_allocation_per_run(make_heap, backup):
+    h = make_heap(capacity=256 * MiB, chunk_pages=16)
+    h.pool_retain(P)
+    blk = h.malloc(6 * PAGE, pool=P)
+    values = {blk + i * PAGE: 1000 + i for i in range(6)}
+    for a, v in values.items():
+        h.sim_write(a, v)
+    free0, st0, before = h.mem_info()[0], h.stats(), calls(h)
+    r = h.pool_pause(P, backup=backup)
+    assert r["pages"] == 6 and r["shared_pages"] == 0
+    assert delta(h, before, "unmap", "release") == (1, 1)
+    assert h.mem_info()[0] - free0 == 6 * PAGE and created(h) == 0
+    assert h.stats()["num_device_free"] - st0["num_device_free"] == 1
+    assert_ok(h)
+    before, st1 = calls(h), h.stats()
+    h.pool_resume(P)
+    assert delta(h, before, "create", "map", "set_access") == (1, 1, 1)
+    assert h.stats()["num_device_alloc"] - st1["num_device_alloc"] == 1
+    assert created(h) == 6 and h.sim_is_accessible(blk, 6 * PAGE)
+    for a, v in values.items():
+        got = h.sim_read(a)
+        assert got == v if backup else got >> 48 == 0xF4E5
+    assert_ok(h)
+
+
+def test_resume_makes_runs_of_at_most_chunk_pages(make_heap):
+    h = make_heap(capacity=256 * MiB, chunk_pages=1)
+    h.pool_retain(P)
+    h.malloc(6 * PAGE, pool=P)
+    h.pool_pause(P)
+    before = calls(h)
+    h.pool_resume(P)
+    assert delta(h, before, "create", "map", "set_access") == (6, 6, 1)
+    assert_ok(h)
+
+
+def test_pause_keeps_a_chunk_another_block_shares(make_heap):
+    h = make_heap(capacity=256 * MiB, chunk_pages=16)
+    g = h.malloc(4 * PAGE)  # one chunk of 4 pages
+    h.free(g)
+    h.pool_retain(P)
+    pb = h.malloc(2 * PAGE, pool=P)  # pages 0-1 of it, the pool's alone
+    o = h.malloc(MiB)  # page 2: general
+    assert pb == g and o == g + 2 * PAGE
+    res0 = reserved_pages(h)
+    r = h.pool_pause(P)
+    assert r["pages"] == 0 and r["shared_pages"] == 2
+    assert reserved_pages(h) == res0 and h.sim_is_accessible(pb, 2 * PAGE)
+    assert_ok(h)
+    h.pool_resume(P)
+    assert_ok(h)
+
+
+# ---- faults -----------------------------------------------------------------------------
+
+
+def test_chunk_refused_falls_back_to_single_pages(make_heap):
+    h = make_heap(capacity=256 * MiB, chunk_pages=8)
+    st0, before = h.stats(), calls(h)
+    h.sim_fail("create", nth=1, count=1)  # the device refuses the 6-page chunk (GM_ENOMEM)
+    p = h.malloc(6 * PAGE)
+    h.sim_fail("create", nth=0)
+    assert h.sim_calls("create") - before["create"] == 7
+    assert h.stats()["num_device_alloc"] - st0["num_device_alloc"] == 6
+    assert len({h.sim_page_at(p + i * PAGE) for i in range(6)}) == 6
+    assert_ok(h)
+
+
+def test_device_nearly_full_uses_single_pages_and_defragments(make_heap):
+    # Another process leaves room for 6 pages only: the 8-page chunk is refused,
+    # single pages too after 6, and the request starts over with the pages it
+    # has, which suffice once cached pages move.
+    h = make_heap(capacity=32 * PAGE, chunk_pages=8)
+    a = h.malloc(4 * PAGE)
+    b = h.malloc(MiB)
+    h.free(a)
+    h.sim_set_external(4242, 32 * PAGE - created(h) * PAGE - 6 * PAGE)
+    p = h.malloc(8 * PAGE)
+    assert h.sim_is_accessible(p, 8 * PAGE)
+    assert_ok(h)
+    h.free(p)
+    h.free(b)
+    h.sim_set_external(4242, 0)
+    h.empty_cache()
+    assert created(h) == 0
+    assert_ok(h)
+
+
+@pytest.mark.parametrize("op", ["map", "set_access"])
+def test_map_or_access_failure_leaves_the_heap_sound(make_heap, op):
+    h = make_heap(capacity=256 * MiB, chunk_pages=8)
+    h.malloc(PAGE)
+    h.sim_fail(op, nth=1, count=1)
+    with pytest.raises(gpumem.DeviceError):
+        h.malloc(6 * PAGE)
+    h.sim_fail(op, nth=0)
+    assert_ok(h)
+    p = h.malloc(6 * PAGE)
+    assert h.sim_is_accessible(p, 6 * PAGE)
+    assert_ok(h)
+
+
+def test_the_device_refuses_to_cut_a_chunk(make_heap):
+    h = make_heap(capacity=256 * MiB, chunk_pages=4)
+    p = h.malloc(4 * PAGE)
+    for addr, size in ((p + PAGE, PAGE), (p, 2 * PAGE), (p + 2 * PAGE, 4 * PAGE)):
+        with pytest.raises(ValueError, match="cuts the 4-page mapping|not mapped"):
+            h.sim_unmap(addr, size)
+    assert h.sim_is_accessible(p, 4 * PAGE)
+    assert_ok(h)
+
+
+# ---- the option --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, gpumem._C.CHUNK_PAGES_MAX + 1])
+def test_chunk_pages_is_checked(bad):
+    with pytest.raises(ValueError, match="chunk_pages must be in"):
+        gpumem.Heap(device="sim", capacity=64 * MiB, chunk_pages=bad)
+
+
+def test_torch_option_is_checked():
+    from gpumem.torch._install import normalize_options, parse_conf
+
+    assert normalize_options(parse_conf("chunk_pages:16"))["chunk_pages"] == 16
+    assert normalize_options({})["chunk_pages"] == 0  # the core's default
+    with pytest.raises(ValueError, match="chunk_pages must lie in"):
+        normalize_options({"chunk_pages": 0})
