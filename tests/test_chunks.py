@@ -10,7 +10,7 @@ counts them.  The invariant checker (C14) runs after every step.
 import pytest
 
 import gpumem
-from conftest import MiB, PAGE, assert_ok
+from conftest import GiB, MiB, PAGE, assert_ok
 from gpumem.explain import last_oom
 
 P = (3, 1)
@@ -177,14 +177,31 @@ def test_pause_and_resume_one_allocation_per_run(make_heap, backup):
     assert_ok(h)
 
 
-def test_resume_makes_runs_of_at_most_chunk_pages(make_heap):
-    h = make_heap(capacity=256 * MiB, chunk_pages=1)
+def test_resume_chunks_whatever_chunk_pages_says(make_heap):
+    # A living pool's pages never move, so resume makes each run as few device
+    # allocations as it can (at most 1024 pages each), even where growth makes
+    # single pages.  The pool's memory still goes back when the pool ends.
+    h = make_heap(capacity=4 * GiB, chunk_pages=1)
     h.pool_retain(P)
-    h.malloc(6 * PAGE, pool=P)
+    a = h.malloc(6 * PAGE, pool=P)
     h.pool_pause(P)
     before = calls(h)
     h.pool_resume(P)
-    assert delta(h, before, "create", "map", "set_access") == (6, 6, 1)
+    assert delta(h, before, "create", "map", "set_access") == (1, 1, 1)
+    assert_ok(h)
+    b = h.malloc(1030 * PAGE, pool=P)  # grows as 1030 single pages (chunk_pages=1)
+    h.pool_pause(P)
+    before = calls(h)
+    h.pool_resume(P)
+    # two runs (the 6 pages, then the 1030 right after them: one run of 1036):
+    # 1024 + 12 pages
+    assert delta(h, before, "create", "map", "set_access") == (2, 2, 1)
+    assert_ok(h)
+    h.free(a)
+    h.free(b)
+    h.pool_release(P)
+    h.empty_cache()
+    assert reserved_pages(h) == 0
     assert_ok(h)
 
 

@@ -71,5 +71,5 @@ def test_cuda_chunks_grow_give_back_pause_and_resume():
     assert r["grown"] == 1
     assert r["after_free"] == 0
     assert r["kept"] == 16
-    assert r["paused"] == 32 and r["resumed"] == 2
+    assert r["paused"] == 32 and r["resumed"] == 1  # a resume makes each run one allocation
     assert r["final"] == 0

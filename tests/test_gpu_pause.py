@@ -206,7 +206,7 @@ out(**res)
         ("copy_dtoh", "pause"),
         ("unmap", "pause"),
         ("release", None),  # absorbed: the page stays with the heap as a spare
-        ("create", "resume"),
+        ("create", None),  # absorbed: the device refused a run's one allocation; single pages stand in
         ("map", "resume"),
         ("set_access", "resume"),
         ("copy_htod", "resume"),

@@ -45,7 +45,9 @@
  *      allocating (and settle_release need merge nothing).
  *   C14 chunks: every mapped page's chunk metadata is consistent -- the pages
  *      of a chunk of k are k mapped neighbours with offsets 0..k-1, length k
- *      and one handle, k <= chunk_pages; no chunk straddles an unmapped page;
+ *      and one handle, k <= GM_CHUNK_PAGES_MAX (growth makes at most
+ *      chunk_pages, a resume up to the maximum); no chunk straddles an
+ *      unmapped page;
  *      multi_chunks counts the chunks of more than one page; spares are single
  *      pages (so are loose chunks' pages, counted apart: more than one page
  *      each); where the device can tell, one handle is behind every page of a
@@ -312,9 +314,9 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
             continue;
         }
         size_t k = h->chunk_len[p];
-        if (h->chunk_off[p] || !k || k > h->chunk_pages || k > h->n_pages - p)
-            return fail(why, len, "page %zu starts a chunk of %zu pages at offset %u (chunk_pages %zu)", p, k,
-                        (unsigned)h->chunk_off[p], h->chunk_pages);
+        if (h->chunk_off[p] || !k || k > GM_CHUNK_PAGES_MAX || k > h->n_pages - p)
+            return fail(why, len, "page %zu starts a chunk of %zu pages at offset %u (at most %d)", p, k,
+                        (unsigned)h->chunk_off[p], GM_CHUNK_PAGES_MAX);
         for (size_t i = 1; i < k; i++)
             if (h->page_handle[p + i] != h->page_handle[p] || h->chunk_off[p + i] != i || h->chunk_len[p + i] != k)
                 return fail(why, len,

@@ -72,7 +72,9 @@
  *   A chunk the device refuses for lack of memory falls back to single pages;
  *   if even those are refused the request starts over with single spares
  *   made first, as with chunk_pages 1.  A resumed pool gets one chunk per run
- *   of its pages the same way.
+ *   of its pages (up to GM_CHUNK_PAGES_MAX pages each) whatever chunk_pages
+ *   is: a living pool's pages never move anyway, so until the pool ends its
+ *   chunks lock nothing that could otherwise go.
  *
  *   The rule: a chunk's pages are unmapped together or not at all.  Every
  *   path that gives pages back -- defragmentation, empty_cache and a lowered
@@ -945,14 +947,14 @@ static void whole_chunks(const gm_heap *h, size_t *p0, size_t *p1) {
 }
 
 /* Growth: let the heap create up to `want` more pages while it holds (with
- * *grant, the pages already promised) fewer than `limit`.  With chunks, the
- * pages are promised (*grant) and made where they are mapped (map_fresh), as
- * few allocations as the placement's unmapped runs allow; else (grant NULL:
- * single pages wanted) single spares are created now, stopping at the first
- * refusal.  *dev_err keeps a non-OOM failure for the report. */
+ * *grant, the pages already promised) fewer than `limit`.  With chunks
+ * (grant not NULL), the pages are promised (*grant) and made where they are
+ * mapped (map_fresh), as few allocations as the placement's unmapped runs
+ * allow; else single spares are created now, stopping at the first refusal.
+ * *dev_err keeps a non-OOM failure for the report. */
 static void grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err) {
     size_t promised = grant ? *grant : 0;
-    if (h->chunk_pages > 1 && grant) {
+    if (grant) {
         size_t held = held_pages(h) + promised, room = limit > held ? limit - held : 0;
         *grant += want < room ? want : room;
         return;
@@ -965,12 +967,12 @@ static void grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_
 }
 
 /* Map pages [p0, p1), all unmapped: spare pages first, then, while *grant
- * allows, new chunks of up to chunk_pages pages (a chunk the device refuses
- * for lack of memory falls back to single pages).  No access is granted.
+ * allows, new chunks of up to `most` pages (a chunk the device refuses for
+ * lack of memory falls back to single pages).  No access is granted.
  * Returns the end of what got mapped (whole chunks); *err the failure that
  * stopped it (GM_ENOMEM: the device had nothing left to give). */
-static size_t map_fresh(gm_heap *h, size_t p0, size_t p1, size_t *grant, int *err) {
-    size_t p = p0, most = h->chunk_pages, none = 0;
+static size_t map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant, int *err) {
+    size_t p = p0, none = 0;
     if (!grant) grant = &none;
     while (p < p1) {
         size_t k = 1;
@@ -1477,7 +1479,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
         size_t p0 = gm_page_floor(h, lo), p1 = gm_page_ceil(h, hi);
         int rc = GM_OK;
-        size_t p = map_fresh(h, p0, p1, grant, &rc);
+        size_t p = map_fresh(h, p0, p1, h->chunk_pages, grant, &rc);
         if (p > p0) {
             int arc = grant_or_take_back(h, p0, &p);
             if (!rc) rc = arc;
@@ -2830,7 +2832,7 @@ int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
     else if (pause_refused(h))
         rc = GM_ECAPTURING;
     if (rc) goto out;
-    size_t n = p->n_paused, mapped = 0, grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL;
+    size_t n = p->n_paused, mapped = 0, grant = 0, *g = &grant;
     gm_paused_page *l = p->paused_list;
 again:
     /* 1. The pages: spares, new ones up to the cap (with chunks: promised,
@@ -2845,13 +2847,15 @@ again:
         goto fail;
     }
     t1 = mono_ns();
-    /* 2. Map each run at its addresses (spares, then chunks of up to
-     * chunk_pages); grant access once per run. */
+    /* 2. Map each run at its addresses: spares, then chunks as large as
+     * GM_CHUNK_PAGES_MAX allows, whatever chunk_pages says -- a living pool's
+     * pages never move, so chunks cost nothing until the pool ends -- and
+     * grant access once per run. */
     for (size_t i = 0, j; i < n; i = j) {
         j = run_end(l, i, n);
         size_t p0 = l[i].page, p1 = l[j - 1].page + 1, got;
         int err = GM_OK;
-        got = map_fresh(h, p0, p1, g, &err) - p0;
+        got = map_fresh(h, p0, p1, GM_CHUNK_PAGES_MAX, g, &err) - p0;
         h->paused_pages -= got;
         mapped = i + got;
         if (got < p1 - p0 && err == GM_ENOMEM && g) {
