@@ -8,8 +8,8 @@ Writes, for each JSON file that exists (a missing one is skipped with a line say
                         slowpath_scaling_defrag_before.json)
   gpu_vs_sim.png        smallest capacity ÷ peak live per trace, GPU against the simulated device
                         (gpu_vs_sim.json)
-  gpu_train.png         training step time ÷ native's, median step and whole run, per workload and
-                        allocator (gpu_train.json)
+  gpu_train_chunks.png  training step time ÷ native's, median step and whole run, per workload and
+                        allocator (gpu_train_chunks.json, written by gpu_train.py --json)
 Needs matplotlib.
 """
 
@@ -99,7 +99,7 @@ def plot_gpu_vs_sim(plt, results: str, out: str) -> Optional[str]:
 
 
 def plot_gpu_train(plt, results: str, out: str) -> Optional[str]:
-    rows = _load(results, "gpu_train.json")
+    rows = _load(results, "gpu_train_chunks.json")
     if not rows:
         return None
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
@@ -126,7 +126,7 @@ def plot_gpu_train(plt, results: str, out: str) -> Optional[str]:
     axes[0].set_ylim(0.8, None)
     axes[1].legend(fontsize=8)
     fig.suptitle("Training step time against PyTorch's native allocator")
-    return _save(fig, out, "gpu_train.png")
+    return _save(fig, out, "gpu_train_chunks.png")
 
 
 def _save(fig, out: str, name: str) -> str:
