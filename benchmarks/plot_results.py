@@ -86,7 +86,9 @@ def plot_gpu_vs_sim(plt, results: str, out: str) -> Optional[str]:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.2))
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], gpu, width=0.4, label="GPU (H100)", color="tab:green")
+    device = doc.get("device")
+    gpu_label = "GPU" + (f" ({device.get('device_name')})" if isinstance(device, dict) and device.get("device_name") else "")
+    ax.bar([x - 0.2 for x in xs], gpu, width=0.4, label=gpu_label, color="tab:green")
     ax.bar([x + 0.2 for x in xs], sim, width=0.4, label="simulated device", color="tab:gray")
     ax.axhline(1.01, color="tab:red", linewidth=0.8, linestyle=":", label="multi-stream goal: 1.01")
     ax.set_ylim(0.995, max(max(gpu), max(sim), 1.01) + 0.004)

@@ -7,26 +7,7 @@ case runs in a fresh interpreter.  Skipped without torch or a CUDA GPU.
 """
 
 import pytest
-from conftest import run_python
-
-
-def _cuda_devices():
-    try:
-        import torch
-    except ImportError:
-        return 0
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
-N_CUDA = _cuda_devices()
-
-
-def run_py(code, timeout=600):
-    prelude = "import json, torch, gpumem\ndef out(**kw):\n    print('RESULT ' + json.dumps(kw), flush=True)\n"
-    return run_python(code, prelude, timeout=timeout)
+from test_gpu_torch import N_CUDA, run_py
 
 
 @pytest.mark.gpu
