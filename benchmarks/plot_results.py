@@ -86,8 +86,8 @@ def plot_gpu_vs_sim(plt, results: str, out: str) -> Optional[str]:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.2))
     xs = range(len(names))
-    device = doc.get("device")
-    gpu_label = "GPU" + (f" ({device.get('device_name')})" if isinstance(device, dict) and device.get("device_name") else "")
+    device = doc.get("device") if isinstance(doc.get("device"), dict) else {}
+    gpu_label = f"GPU ({device['device_name']})" if device.get("device_name") else "GPU"
     ax.bar([x - 0.2 for x in xs], gpu, width=0.4, label=gpu_label, color="tab:green")
     ax.bar([x + 0.2 for x in xs], sim, width=0.4, label="simulated device", color="tab:gray")
     ax.axhline(1.01, color="tab:red", linewidth=0.8, linestyle=":", label="multi-stream goal: 1.01")
