@@ -138,6 +138,30 @@ def test_oom_counts_free_pages_locked_in_a_partly_used_chunk(make_heap):
     assert_ok(h)
 
 
+def test_oom_largest_possible_is_one_place_not_two_added(make_heap):
+    # A 4-page chunk holds a small block at each end: pages 1-2 are free but
+    # locked, so the free 3.5 pages between the blocks serve only in place.
+    # Under a cap of 10 pages the unmapped space above gets 6 new pages.  The
+    # largest block is 6 pages: the free middle and the new pages are not
+    # neighbours, so they do not add up.
+    h = make_heap(capacity=4 * GiB, chunk_pages=4)
+    a = h.malloc(4 * PAGE)
+    h.free(a)
+    h.malloc(512)
+    mid = h.malloc(4 * PAGE - 512 - MiB)
+    top = h.malloc(MiB)
+    assert top + MiB == a + 4 * PAGE
+    h.free(mid)
+    h.set_cap(10 * PAGE)
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(7 * PAGE)
+    info = h.last_oom()
+    assert info["chunk_locked_bytes"] == 2 * PAGE
+    assert info["largest_possible"] == 6 * PAGE
+    h.free(h.malloc(info["largest_possible"]))
+    assert_ok(h)
+
+
 def test_no_chunk_no_locked_line(make_heap):
     h = make_heap(capacity=16 * PAGE, chunk_pages=1)
     h.malloc(15 * PAGE)

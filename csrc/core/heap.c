@@ -1568,6 +1568,55 @@ size_t gm_used_pages(gm_heap *h) {
 }
 
 static size_t chunk_locked(const gm_heap *h, size_t ex0, size_t ex1);
+static size_t gap_locked(const gm_heap *h, size_t g0, size_t g1);
+
+/* A run of general space as alternating segments: free (mapped) bytes, and
+ * unmapped pages (fill_report). */
+struct run_seg {
+    size_t bytes, unmapped; /* unmapped: pages, 0 for a free segment */
+};
+
+/* Append block b to the run's segments; 1 on host OOM. */
+static int run_seg_add(struct run_seg **seg, size_t *n, size_t *cap, const gm_block *b, size_t page) {
+    size_t unm = b->state == GM_BLOCK_UNMAPPED ? b->size / page : 0;
+    if (*n && (!unm) == (!(*seg)[*n - 1].unmapped)) {
+        (*seg)[*n - 1].bytes += b->size;
+        (*seg)[*n - 1].unmapped += unm;
+        return 0;
+    }
+    if (*n == *cap) {
+        size_t c = *cap ? 2 * *cap : 64;
+        struct run_seg *a = realloc(*seg, c * sizeof *a);
+        if (!a) return 1;
+        *seg = a;
+        *cap = c;
+    }
+    (*seg)[(*n)++] = (struct run_seg){b->size, unm};
+    return 0;
+}
+
+/* The longest range in a run whose unmapped pages number at most `fill`:
+ * whole segments with at most `fill` unmapped pages between them, then what
+ * is left of `fill` reaches into the unmapped segments on either side. */
+static size_t run_seg_best(const struct run_seg *seg, size_t n, size_t fill, size_t page) {
+    size_t best = 0, j = 0, cost = 0, bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (j < i) j = i, cost = bytes = 0;
+        while (j < n && cost + seg[j].unmapped <= fill) {
+            cost += seg[j].unmapped;
+            bytes += seg[j].bytes;
+            j++;
+        }
+        size_t ext = (j < n ? seg[j].unmapped : 0) + (i > 0 ? seg[i - 1].unmapped : 0), left = fill - cost;
+        size_t v = bytes + (left < ext ? left : ext) * page;
+        if (v > best) best = v;
+        if (j > i) {
+            cost -= seg[i].unmapped;
+            bytes -= seg[i].bytes;
+        }
+    }
+    return best;
+}
 
 static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     memset(o, 0, sizeof *o);
@@ -1585,37 +1634,50 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     size_t used = gm_used_pages(h) - h->paused_pages; /* paused pages are used but not held */
     o->cached_bytes = (held_pages(h) - used) * h->page;
     o->chunk_locked_bytes = chunk_locked(h, 0, 0) * h->page;
-    size_t run = 0, best_run = 0;
-    /* Free memory kept for living pools serves no other request: it is
-     * reported apart and counts as used here. */
-    for (size_t i = 0; i < h->n_pools; i++)
-        if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
-    o->pool_free_bytes = h->pool_free_bytes;
-    for (gm_block *b = h->head; b; b = b->next) {
-        int pinned = gm_pinned(b);
-        if (b->state == GM_BLOCK_FREE && !pinned) {
-            o->free_mapped_bytes += b->size;
-            if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
-        }
-        if ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED) {
-            run += b->size;
-            if (run > best_run) best_run = run;
-        } else {
-            run = 0;
-        }
-    }
     /* Pages a request could end up with: everything the heap holds that backs
      * no live block, plus what the device and the cap still allow. */
     size_t obtainable = held_pages(h) + dfree / h->page;
     if (obtainable > h->cap_pages) obtainable = h->cap_pages;
     size_t avail = obtainable > used ? obtainable - used : 0;
-    size_t possible = avail * h->page;
-    if (o->chunk_locked_bytes) {
-        /* Locked pages serve only where they lie: a range can use the free
-         * space around it in place and the pages that can move. */
-        size_t locked = o->chunk_locked_bytes / h->page;
-        possible = (avail > locked ? avail - locked : 0) * h->page + o->largest_free_mapped;
+    size_t locked = o->chunk_locked_bytes / h->page, movable = avail > locked ? avail - locked : 0;
+    size_t run = 0, best_run = 0, in_place = 0, n_seg = 0, cap_seg = 0;
+    uintptr_t run_start = 0;
+    struct run_seg *seg = NULL;
+    int seg_oom = 0;
+    /* Free memory kept for living pools serves no other request: it is
+     * reported apart and counts as used here. */
+    for (size_t i = 0; i < h->n_pools; i++)
+        if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
+    o->pool_free_bytes = h->pool_free_bytes;
+    for (gm_block *b = h->head;; b = b->next) {
+        int pinned = b && gm_pinned(b);
+        if (b && b->state == GM_BLOCK_FREE && !pinned) {
+            o->free_mapped_bytes += b->size;
+            if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
+        }
+        if (b && ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED)) {
+            if (!run) run_start = b->addr;
+            run += b->size;
+            if (run > best_run) best_run = run;
+            if (locked && !seg_oom) seg_oom = run_seg_add(&seg, &n_seg, &cap_seg, b, h->page);
+            continue;
+        }
+        if (run && locked && !seg_oom) {
+            /* With pages locked in chunks a run's free bytes serve only in
+             * place; its unmapped parts get pages that can move (elsewhere: the
+             * run's own movable pages are in place already) or new ones. */
+            size_t g0 = gm_page_ceil(h, run_start), g1 = gm_page_floor(h, run_start + run), here = 0;
+            for (size_t q = g0; q < g1; q++) here += h->page_handle[q] != 0;
+            if (g0 < g1) here -= gap_locked(h, g0, g1);
+            size_t can = run_seg_best(seg, n_seg, movable > here ? movable - here : 0, h->page);
+            if (can > in_place) in_place = can;
+        }
+        run = n_seg = 0;
+        if (!b) break;
     }
+    free(seg);
+    /* Without the segments (host memory): only what lies free in one place. */
+    size_t possible = !locked ? avail * h->page : seg_oom ? o->largest_free_mapped : in_place;
     o->largest_possible = possible < best_run ? possible : best_run;
     if (o->largest_free_mapped > o->largest_possible) o->largest_possible = o->largest_free_mapped;
 }
