@@ -162,6 +162,24 @@ def test_oom_largest_possible_is_one_place_not_two_added(make_heap):
     assert_ok(h)
 
 
+def test_oom_largest_possible_stays_under_the_cap(make_heap):
+    # A cap lowered below a chunk that a small block keeps: the chunk's free
+    # pages stay mapped, but no request larger than the cap is served.
+    h = make_heap(capacity=4 * GiB, chunk_pages=16)
+    h.free(h.malloc(10 * PAGE))
+    h.malloc(512)
+    h.set_cap(4 * PAGE)
+    assert reserved_pages(h) == 10
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(6 * PAGE)
+    info = h.last_oom()
+    assert info["largest_possible"] == 4 * PAGE
+    h.free(h.malloc(info["largest_possible"]))
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(info["largest_possible"] + 512)
+    assert_ok(h)
+
+
 def test_no_chunk_no_locked_line(make_heap):
     h = make_heap(capacity=16 * PAGE, chunk_pages=1)
     h.malloc(15 * PAGE)

@@ -1680,6 +1680,8 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     size_t possible = !locked ? avail * h->page : seg_oom ? o->largest_free_mapped : in_place;
     o->largest_possible = possible < best_run ? possible : best_run;
     if (o->largest_free_mapped > o->largest_possible) o->largest_possible = o->largest_free_mapped;
+    /* A request larger than the cap is refused whatever lies free. */
+    if (o->largest_possible > o->cap_bytes) o->largest_possible = o->cap_bytes;
 }
 
 void gm_memory_report(gm_heap *h, size_t size, gm_oom_info *out) {
