@@ -467,13 +467,12 @@ def test_capture_access_failing_every_time_leaves_no_inaccessible_free_page(make
     assert_ok(h)  # fails: "the device says block ... is not accessible"
 
 
-@pytest.mark.xfail(strict=True, reason="known: placement picks the run whose own pages are the only ones that can move")
 def test_placement_that_needs_pages_only_its_own_run_holds(make_heap):
     # [small block + 3 free pages of chunk C1 (locked)][2 unmapped][x][C3: 4 free pages][unmapped ...]
     # Under a cap equal to the 10 pages held, 5 pages fit after the small
-    # block once C3 moves there (2 pages needed).  Placement picks C3's run
-    # (1 new page), whose only movable pages are its own: OOM.  chunk_pages 1
-    # serves it (the free pages of C1 move).
+    # block once C3 moves there (2 pages needed).  The range needing the
+    # fewest new pages is in C3's run (1), whose only movable pages are its
+    # own: the request must not fail for that.
     h = make_heap(capacity=4 * GiB, chunk_pages=4)
     a = h.malloc(4 * PAGE)
     g = h.malloc(2 * PAGE)
@@ -487,6 +486,10 @@ def test_placement_that_needs_pages_only_its_own_run_holds(make_heap):
     h.free(c)
     assert reserved_pages(h) == 10
     h.set_cap(10 * PAGE)
+    st0 = h.stats()
     p = h.malloc(5 * PAGE)
+    assert p == a + 512
     assert h.sim_is_accessible(p, 5 * PAGE)
+    assert h.stats()["num_pages_remapped"] - st0["num_pages_remapped"] == 4
+    assert reserved_pages(h) <= 10
     assert_ok(h)
