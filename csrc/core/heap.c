@@ -86,7 +86,9 @@
  *   always was: spares are single pages, and defragmentation moves them.
  *   Free pages in a chunk that a block still uses are cached but cannot go:
  *   cached_pages leaves them out (chunk_locked), and an OOM report counts
- *   them.  chunk_pages 1 (the default) makes every page its own allocation.
+ *   them.  If the range that needs the fewest new pages cannot get them --
+ *   its own cached pages were the only ones that could move -- the slow path
+ *   takes the best range that the movable pages elsewhere cover.  chunk_pages 1 (the default) makes every page its own allocation.
  *
  * STREAMS
  *
@@ -1290,13 +1292,20 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
     return pages;
 }
 
-/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
- * Fewest new pages first; then, for a pool's request, a range that takes the
+/* Fewest new pages first; then, for a pool's request, a range that takes the
  * pool's free memory (which serves nothing else) over one that takes only
  * general memory; then the shortest run; then the lowest address. */
-static void consider_at(const gm_heap *h, placement *best, gm_block *first, uintptr_t x, size_t len, size_t size) {
+static size_t cached_pages_outside(const gm_heap *h, placement pl, size_t size);
+
+/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
+ * With a `budget` (pages at hand; SIZE_MAX: none), a candidate that needs
+ * more than those and the cached pages that could move to it is left out. */
+static void consider_at(const gm_heap *h, placement *best, gm_block *first, uintptr_t x, size_t len, size_t size,
+                        size_t budget) {
     int pooled;
     size_t need = unmapped_in(h, first, x, size, &pooled);
+    if (need > budget && need - budget > cached_pages_outside(h, (placement){1, x, need, len, first, pooled}, size))
+        return;
     int better = !best->ok || need < best->new_pages;
     if (!better && need == best->new_pages) {
         if (pooled != best->pooled)
@@ -1307,9 +1316,10 @@ static void consider_at(const gm_heap *h, placement *best, gm_block *first, uint
     if (better) *best = (placement){1, x, need, len, first, pooled};
 }
 
-static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len, size_t size) {
-    consider_at(h, best, first, start, len, size);
-    if (len != size) consider_at(h, best, first, start + len - size, len, size);
+static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len, size_t size,
+                     size_t budget) {
+    consider_at(h, best, first, start, len, size, budget);
+    if (len != size) consider_at(h, best, first, start + len - size, len, size, budget);
 }
 
 struct place_ctx {
@@ -1317,6 +1327,7 @@ struct place_ctx {
     size_t size;
     gm_stream s;
     gm_pool *pool; /* the requesting pool, or NULL */
+    size_t budget; /* see consider_at */
     placement best;
 };
 
@@ -1336,7 +1347,7 @@ static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
             len += b->size;
             continue;
         }
-        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size);
+        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size, c->budget);
         first = NULL;
         if (!in) return;
     }
@@ -1371,12 +1382,12 @@ static int place_pooled_one(gm_block *b, void *arg) {
     for (const gm_block *x = first; x && usable(c, x); x = x->next) len += x->size;
     if (len < c->size) return 0;
     uintptr_t lo = first->addr, hi = first->addr + len;
-    consider(c->h, &c->best, first, lo, len, c->size);
+    consider(c->h, &c->best, first, lo, len, c->size, c->budget);
     for (gm_block *x = b; x && x->addr < hi; x = x->next) {
         if (!x->pool) continue;
-        if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size);
+        if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size, c->budget);
         if (x->addr + x->size >= lo + c->size)
-            consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size);
+            consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size, c->budget);
     }
     return 0;
 }
@@ -1391,8 +1402,8 @@ static void place_pooled(struct place_ctx *c) {
  * that stream s may use.  Ties go to the shortest run, then the lowest
  * address: a total order, so the runs may be visited in any order, and only
  * runs of general space at least `size` long can hold one. */
-static placement place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
-    struct place_ctx c = {h, size, s, pool, {0, 0, 0, 0, NULL, 0}};
+static placement place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
+    struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0}};
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
@@ -1401,10 +1412,14 @@ static placement place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
         place_in(&c, h->head, h->base + h->va_size);
     } else {
         ri_each_at_least(&h->runs, size, place_in_run, &c);
-        if (f) consider(h, &c.best, f, f->addr, f->size, size);
+        if (f) consider(h, &c.best, f, f->addr, f->size, size, budget);
     }
     if (pool) place_pooled(&c);
     return c.best;
+}
+
+static placement place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
+    return place_within(h, size, s, pool, SIZE_MAX);
 }
 
 /* Grant access to freshly mapped pages [p0, *p1), whole chunks.  If that
@@ -1568,6 +1583,55 @@ size_t gm_used_pages(gm_heap *h) {
 }
 
 static size_t chunk_locked(const gm_heap *h, size_t ex0, size_t ex1);
+static size_t gap_locked(const gm_heap *h, size_t g0, size_t g1);
+
+/* A run of general space as alternating segments: free (mapped) bytes, and
+ * unmapped pages (fill_report). */
+struct run_seg {
+    size_t bytes, unmapped; /* unmapped: pages, 0 for a free segment */
+};
+
+/* Append block b to the run's segments; 1 on host OOM. */
+static int run_seg_add(struct run_seg **seg, size_t *n, size_t *cap, const gm_block *b, size_t page) {
+    size_t unm = b->state == GM_BLOCK_UNMAPPED ? b->size / page : 0;
+    if (*n && (!unm) == (!(*seg)[*n - 1].unmapped)) {
+        (*seg)[*n - 1].bytes += b->size;
+        (*seg)[*n - 1].unmapped += unm;
+        return 0;
+    }
+    if (*n == *cap) {
+        size_t c = *cap ? 2 * *cap : 64;
+        struct run_seg *a = realloc(*seg, c * sizeof *a);
+        if (!a) return 1;
+        *seg = a;
+        *cap = c;
+    }
+    (*seg)[(*n)++] = (struct run_seg){b->size, unm};
+    return 0;
+}
+
+/* The longest range in a run whose unmapped pages number at most `fill`:
+ * whole segments with at most `fill` unmapped pages between them, then what
+ * is left of `fill` reaches into the unmapped segments on either side. */
+static size_t run_seg_best(const struct run_seg *seg, size_t n, size_t fill, size_t page) {
+    size_t best = 0, j = 0, cost = 0, bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (j < i) j = i, cost = bytes = 0;
+        while (j < n && cost + seg[j].unmapped <= fill) {
+            cost += seg[j].unmapped;
+            bytes += seg[j].bytes;
+            j++;
+        }
+        size_t ext = (j < n ? seg[j].unmapped : 0) + (i > 0 ? seg[i - 1].unmapped : 0), left = fill - cost;
+        size_t v = bytes + (left < ext ? left : ext) * page;
+        if (v > best) best = v;
+        if (j > i) {
+            cost -= seg[i].unmapped;
+            bytes -= seg[i].bytes;
+        }
+    }
+    return best;
+}
 
 static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     memset(o, 0, sizeof *o);
@@ -1585,39 +1649,54 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     size_t used = gm_used_pages(h) - h->paused_pages; /* paused pages are used but not held */
     o->cached_bytes = (held_pages(h) - used) * h->page;
     o->chunk_locked_bytes = chunk_locked(h, 0, 0) * h->page;
-    size_t run = 0, best_run = 0;
-    /* Free memory kept for living pools serves no other request: it is
-     * reported apart and counts as used here. */
-    for (size_t i = 0; i < h->n_pools; i++)
-        if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
-    o->pool_free_bytes = h->pool_free_bytes;
-    for (gm_block *b = h->head; b; b = b->next) {
-        int pinned = gm_pinned(b);
-        if (b->state == GM_BLOCK_FREE && !pinned) {
-            o->free_mapped_bytes += b->size;
-            if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
-        }
-        if ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED) {
-            run += b->size;
-            if (run > best_run) best_run = run;
-        } else {
-            run = 0;
-        }
-    }
     /* Pages a request could end up with: everything the heap holds that backs
      * no live block, plus what the device and the cap still allow. */
     size_t obtainable = held_pages(h) + dfree / h->page;
     if (obtainable > h->cap_pages) obtainable = h->cap_pages;
     size_t avail = obtainable > used ? obtainable - used : 0;
-    size_t possible = avail * h->page;
-    if (o->chunk_locked_bytes) {
-        /* Locked pages serve only where they lie: a range can use the free
-         * space around it in place and the pages that can move. */
-        size_t locked = o->chunk_locked_bytes / h->page;
-        possible = (avail > locked ? avail - locked : 0) * h->page + o->largest_free_mapped;
+    size_t locked = o->chunk_locked_bytes / h->page, movable = avail > locked ? avail - locked : 0;
+    size_t run = 0, best_run = 0, in_place = 0, n_seg = 0, cap_seg = 0;
+    uintptr_t run_start = 0;
+    struct run_seg *seg = NULL;
+    int seg_oom = 0;
+    /* Free memory kept for living pools serves no other request: it is
+     * reported apart and counts as used here. */
+    for (size_t i = 0; i < h->n_pools; i++)
+        if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
+    o->pool_free_bytes = h->pool_free_bytes;
+    for (gm_block *b = h->head;; b = b->next) {
+        int pinned = b && gm_pinned(b);
+        if (b && b->state == GM_BLOCK_FREE && !pinned) {
+            o->free_mapped_bytes += b->size;
+            if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
+        }
+        if (b && ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED)) {
+            if (!run) run_start = b->addr;
+            run += b->size;
+            if (run > best_run) best_run = run;
+            if (locked && !seg_oom) seg_oom = run_seg_add(&seg, &n_seg, &cap_seg, b, h->page);
+            continue;
+        }
+        if (run && locked && !seg_oom) {
+            /* With pages locked in chunks a run's free bytes serve only in
+             * place; its unmapped parts get pages that can move (elsewhere: the
+             * run's own movable pages are in place already) or new ones. */
+            size_t g0 = gm_page_ceil(h, run_start), g1 = gm_page_floor(h, run_start + run), here = 0;
+            for (size_t q = g0; q < g1; q++) here += h->page_handle[q] != 0;
+            if (g0 < g1) here -= gap_locked(h, g0, g1);
+            size_t can = run_seg_best(seg, n_seg, movable > here ? movable - here : 0, h->page);
+            if (can > in_place) in_place = can;
+        }
+        run = n_seg = 0;
+        if (!b) break;
     }
+    free(seg);
+    /* Without the segments (host memory): only what lies free in one place. */
+    size_t possible = !locked ? avail * h->page : seg_oom ? o->largest_free_mapped : in_place;
     o->largest_possible = possible < best_run ? possible : best_run;
     if (o->largest_free_mapped > o->largest_possible) o->largest_possible = o->largest_free_mapped;
+    /* A request larger than the cap is refused whatever lies free. */
+    if (o->largest_possible > o->cap_bytes) o->largest_possible = o->cap_bytes;
 }
 
 void gm_memory_report(gm_heap *h, size_t size, gm_oom_info *out) {
@@ -1707,7 +1786,7 @@ static size_t cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
 /* Cached pages a defragmentation could move behind placement pl.  A range
  * that takes a pool's free blocks holds pages those keep that no block starts
  * or ends in (cached_pages cannot tell them from cached ones): counted back. */
-static size_t cached_pages_outside(gm_heap *h, placement pl, size_t size) {
+static size_t cached_pages_outside(const gm_heap *h, placement pl, size_t size) {
     size_t ex0 = gm_page_floor(h, pl.addr), ex1 = gm_page_ceil(h, pl.addr + size);
     size_t pages = cached_pages(h, ex0, ex1);
     for (const gm_block *b = pl.first; pl.pooled && b && b->addr < pl.addr + size; b = b->next) {
@@ -1786,6 +1865,22 @@ again:;
     if ((!pl.ok || lacking(h, &pl, grant)) && !synced) {
         defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
         if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
+    }
+    /* Pages locked in chunks serve only in place: the range that needs the
+     * fewest new pages may be one whose own cached pages are the only ones
+     * that could move.  Then a range the movable pages elsewhere cover. */
+    if (pl.ok && lacking(h, &pl, grant) && synced && h->multi_chunks) {
+        placement alt = place_within(h, size, s, pool, h->n_spare + grant);
+        if (alt.ok) {
+            pl = alt;
+            size_t got =
+                recycle(h, lacking(h, &pl, grant), gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size), 1);
+            if (got) {
+                recycled = 1;
+                h->st.num_remaps++;
+                h->st.num_pages_remapped += (int64_t)got;
+            }
+        }
     }
 placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);

@@ -529,6 +529,10 @@ static void op_malloc(world *w, rng_t *r) {
             if (gm_last_oom(w->heap, &lo) == GM_OK && lo.chunk_locked_bytes != (have - touched) * w->page)
                 fail("OOM report: %zu bytes locked in physical allocations, the model says %zu pages",
                      lo.chunk_locked_bytes, have - touched);
+            /* Nor does it claim that a block as large as the request could be made. */
+            if (pool < 0 && lo.largest_possible >= round_up(size, GM_ALIGN))
+                fail("gm_malloc(%zu) failed with GM_ENOMEM, but its report says a block of %zu bytes could be made",
+                     size, lo.largest_possible);
         }
         gm_oom_info oi;
         if (rc == GM_ENOMEM && gm_last_oom(w->heap, &oi) != GM_OK) fail("gm_last_oom has no report after an OOM");
@@ -1027,15 +1031,28 @@ static void close_world(world *w) {
         if (!w->paused[i]) release_pool_uses(w, i);
     gm_set_cap(w->heap, 0); /* a cap below the paused pages would refuse them */
     w->cap = 0;
-    for (int i = 0; i < NPOOLS; i++) {
-        if (!w->paused[i]) continue;
-        /* Paused pools may together need more than the device has: one at a time. */
-        int rc = gm_pool_resume(w->heap, pool_id(i), NULL);
-        if (rc != GM_OK) fail("teardown gm_pool_resume(%d) returned %d", i, rc);
-        w->paused[i] = 0;
-        /* Its memory turns general for the next: a chunk it shares with
-         * another pool's blocks could not go otherwise. */
-        release_pool_uses(w, i);
+    /* Paused pools may together need more than the device has: one at a
+     * time.  The free pages of a chunk of several pages (growth's, or an
+     * earlier resume's) that another paused pool's kept pages share cannot go
+     * until that pool ends, so a resume refused for lack of memory is tried
+     * again after the others; only a round in which none comes back fails. */
+    for (int progress = 1, left = 1; left && progress;) {
+        progress = left = 0;
+        for (int i = 0; i < NPOOLS; i++) {
+            if (!w->paused[i]) continue;
+            int rc = gm_pool_resume(w->heap, pool_id(i), NULL);
+            if (rc == GM_ENOMEM) {
+                left = 1;
+                continue;
+            }
+            if (rc != GM_OK) fail("teardown gm_pool_resume(%d) returned %d (%s)", i, rc, gm_strerror(rc));
+            w->paused[i] = 0;
+            progress = 1;
+            /* Its memory turns general for the next: a chunk it shares with
+             * another pool's blocks could not go otherwise. */
+            release_pool_uses(w, i);
+        }
+        if (left && !progress) fail("teardown: no paused pool could be resumed");
     }
     for (int i = 0; i < NPOOLS; i++) release_pool_uses(w, i);
     unhold_streams(w);
