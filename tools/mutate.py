@@ -168,6 +168,12 @@ MUTATIONS = [
         "    if (1) return 0;\n    size_t locked = 0, g0 = 0;",
     ),
     Mutation(
+        "inaccessible_pages_freed",
+        "pages whose access grant keeps failing, and which may not be unmapped (a capture), become free space",
+        "    if (!granted && *p1 > p0) {",
+        "    if (0 && !granted && *p1 > p0) {",
+    ),
+    Mutation(
         "hand_over_left_in_place",
         "another stream allocates while a device wait's hand-over still sits in one stream's index",
         "    if (h->lazy_stream != ANY && s != h->lazy_stream) settle_release(h);",

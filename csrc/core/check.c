@@ -52,7 +52,9 @@
  *      pages (so are loose chunks' pages, counted apart: more than one page
  *      each); where the device can tell, one handle is behind every page of a
  *      chunk (C2's per-page check) and the device's pages are the heap's held
- *      pages.
+ *      pages.  Parked pages (mapped during a capture, access refused) are
+ *      whole mapped chunks inside unmapped space, as many as the heap counts;
+ *      nothing else mapped lies in unmapped space.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -246,7 +248,8 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
             if ((b->addr - h->base) % P || b->size % P)
                 return fail(why, len, "unmapped block %#lx+%zu is not whole pages", (unsigned long)b->addr, b->size);
             for (size_t p = p0; p < p1; p++) {
-                if (h->page_handle[p]) return fail(why, len, "page %zu is mapped inside unmapped space", p);
+                if (h->page_handle[p] && !h->parked[p])
+                    return fail(why, len, "page %zu is mapped inside unmapped space", p);
                 if (paused && paused[p]) return fail(why, len, "paused page %zu lies in unmapped space", p);
             }
             if (last && last->state == GM_BLOCK_UNMAPPED)
@@ -301,10 +304,19 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
     if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
 
     /* C2 counts, C14, C7. */
-    size_t mapped = 0, multi = 0, loose = 0;
-    for (size_t p = 0; p < h->n_pages; p++) mapped += h->page_handle[p] != 0;
+    size_t mapped = 0, multi = 0, loose = 0, parked = 0;
+    for (size_t p = 0; p < h->n_pages; p++) {
+        mapped += h->page_handle[p] != 0;
+        if (!h->parked[p]) continue;
+        parked++;
+        if (!h->page_handle[p] || (h->chunk_off[p] && !h->parked[p - 1]) ||
+            (!h->chunk_off[p] && h->chunk_len[p] > h->n_pages - p) ||
+            (!h->chunk_off[p] && memchr(h->parked + p, 0, h->chunk_len[p])))
+            return fail(why, len, "parked page %zu is not part of a wholly parked, mapped chunk", p);
+    }
     if (mapped != h->mapped_pages)
         return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
+    if (parked != h->n_parked) return fail(why, len, "%zu pages parked but the heap counts %zu", parked, h->n_parked);
     for (size_t p = 0; p < h->n_pages;) {
         if (!h->page_handle[p]) {
             if (h->chunk_len[p] || h->chunk_off[p])

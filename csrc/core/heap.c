@@ -161,7 +161,9 @@
  *   set.  Then the fast path is unchanged; pending blocks are not polled; the
  *   slow path skips step 1 (events) and step 4 (defragmentation) and grows up to
  *   the cap; out of memory otherwise, with spares kept (releasing them is
- *   forbidden too).  A free with record_stream uses records no event: the block
+ *   forbidden too).  Pages whose access grant keeps failing then cannot be
+ *   unmapped either: they are parked (gm_heap.parked), mapped and held but in
+ *   unmapped space, where no block gets them, until no capture is on.  A free with record_stream uses records no event: the block
  *   stays pending, marked deferred, until the capture count returns to zero,
  *   when its events are recorded (torch defers them the same way).  empty_cache
  *   and a lowered cap trim nothing until the capture ends.  A capture known only
@@ -980,6 +982,14 @@ static size_t map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *g
         size_t k = 1;
         gm_handle hd;
         int rc, spare = h->n_spare > 0;
+        if (h->parked[p]) {
+            snprintf(h->dev->last_error, sizeof h->dev->last_error,
+                     "the page at %#lx is still mapped: access to it could not be granted during a capture, and it "
+                     "is unmapped once no capture is on",
+                     (unsigned long)gm_page_addr(h, p));
+            *err = GM_EDEVICE;
+            break;
+        }
         if (spare) {
             hd = h->spare[h->n_spare - 1];
         } else if (!*grant) {
@@ -1432,16 +1442,37 @@ static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
     int rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page);
     if (!rc) return GM_OK;
     h->st.num_device_errors++;
-    for (int attempt = 0; attempt < 8 && *p1 > p0; attempt++) {
+    int granted = 0;
+    for (int attempt = 0; attempt < 8 && *p1 > p0 && !granted; attempt++) {
         /* During a capture nothing may be unmapped: only ask again. */
         while (*p1 > p0 && !h->no_sync) {
             size_t q = gm_chunk_first(h, *p1 - 1); /* a whole chunk: all mapped here, after p0 */
             if (unmap_chunk(h, q, 0)) break;
             *p1 = q;
         }
-        if (*p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK) break;
+        granted = *p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK;
+    }
+    if (!granted && *p1 > p0) {
+        /* Still mapped, still inaccessible, and they could not go (a capture,
+         * or a device that refuses the unmap too): park them, out of every
+         * block's reach, until unpark() can unmap them. */
+        memset(h->parked + p0, 1, *p1 - p0);
+        h->n_parked += *p1 - p0;
+        *p1 = p0;
     }
     return rc;
+}
+
+/* Unmap the parked pages (see gm_heap.parked), whole chunks at a time, when
+ * no capture is on.  A chunk that will not unmap stays parked. */
+static void unpark(gm_heap *h) {
+    for (size_t p = 0; p < h->n_pages && h->n_parked; p++) {
+        if (!h->parked[p] || h->chunk_off[p]) continue;
+        size_t k = h->chunk_len[p];
+        if (unmap_chunk(h, p, 0)) continue;
+        memset(h->parked + p, 0, k);
+        h->n_parked -= k;
+    }
 }
 
 /* The block that holds address x (inside the reserved range), walking from b. */
@@ -1844,6 +1875,7 @@ again:;
         synced = 1; /* as if: no defragmentation below */
         goto placed;
     }
+    if (h->n_parked) unpark(h); /* no capture is on */
     /* 1. Memory other streams (or record_stream users) have finished with. */
     size_t moved = h->n_pending ? process_pending(h, 0) : 0;
     if (h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s)) moved += release_owners(h, s, 0);
@@ -1983,10 +2015,11 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->chunk_off = calloc(h->n_pages, sizeof *h->chunk_off);
     h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
+    h->parked = calloc(h->n_pages, 1);
     h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->loose || !h->spare || !h->live ||
+    rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->parked || !h->loose || !h->spare || !h->live ||
           ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) || slab_grow(h))
              ? GM_ENOMEM
              : GM_OK;
@@ -2065,6 +2098,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->loose);
     free(h->chunk_off);
     free(h->chunk_len);
+    free(h->parked);
     free(h->page_handle);
     ri_free(&h->runs);
     gm_hist_free(h);
@@ -2134,7 +2168,10 @@ void gm_capture_begin(gm_heap *h) {
 
 void gm_capture_end(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
-    if (h->capture_count > 0 && --h->capture_count == 0 && h->n_deferred) record_deferred(h);
+    if (h->capture_count > 0 && --h->capture_count == 0) {
+        if (h->n_deferred) record_deferred(h);
+        if (h->n_parked && !other_capture(h)) unpark(h);
+    }
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -2344,6 +2381,7 @@ size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
 static int trim(gm_heap *h, size_t target) {
     /* During a capture nothing may be unmapped or released: later. */
     if (h->capture_count > 0 || other_capture(h)) return GM_OK;
+    if (h->n_parked) unpark(h);
     int rc = release_spares(h, target);
     if (rc || held_pages(h) <= target) return rc;
     /* Pending blocks count as free here: the synchronisation completes them. */

@@ -117,6 +117,13 @@ struct gm_heap {
         size_t pages;
     } *loose;
     size_t n_loose, loose_pages;
+    /* Pages mapped during a capture whose access grant kept failing.  They
+     * may not be unmapped then (that would invalidate the capture) and must
+     * back nothing, so they stay mapped (and held) inside unmapped space until
+     * no capture is on and unpark() unmaps them.  Per page: 1 if parked; they
+     * come in whole chunks. */
+    uint8_t *parked;
+    size_t n_parked;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
     size_t multi_chunks; /* chunks of more than one page mapped now */
 
