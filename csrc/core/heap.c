@@ -178,6 +178,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "gpumem/array.h"
 #include "heap_internal.h"
 
 #define ANY GM_STREAM_ANY
@@ -192,11 +193,9 @@ static int slab_grow(gm_heap *h) {
         CHUNK = 512
     };
     if (h->n_slab_chunks == h->cap_slab_chunks) {
-        size_t cap = h->cap_slab_chunks ? 2 * h->cap_slab_chunks : 16;
-        void **c = realloc(h->slab_chunks, cap * sizeof *c);
+        void **c = gm_array_grow(h->slab_chunks, &h->cap_slab_chunks, 16, sizeof *c);
         if (!c) return GM_ENOMEM;
         h->slab_chunks = c;
-        h->cap_slab_chunks = cap;
     }
     gm_block *chunk = calloc(CHUNK, sizeof *chunk);
     if (!chunk) return GM_ENOMEM;
@@ -304,11 +303,9 @@ static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
     gm_owner *o = gm_owner_find(h, pool, s);
     if (o) return o;
     if (h->n_owners == h->cap_owners) {
-        size_t cap = h->cap_owners ? 2 * h->cap_owners : 4;
-        gm_owner **a = realloc(h->owners, cap * sizeof *a);
+        gm_owner **a = gm_array_grow(h->owners, &h->cap_owners, 4, sizeof *a);
         if (!a) return NULL;
         h->owners = a;
-        h->cap_owners = cap;
     }
     if (!(o = calloc(1, sizeof *o))) return NULL;
     o->pool = pool;
@@ -541,14 +538,12 @@ static int event_get(gm_heap *h, gm_event *ev) {
 
 static void event_put(gm_heap *h, gm_event ev) {
     if (h->n_event_pool == h->cap_event_pool) {
-        size_t cap = h->cap_event_pool ? 2 * h->cap_event_pool : 16;
-        gm_event *p = realloc(h->event_pool, cap * sizeof *p);
+        gm_event *p = gm_array_grow(h->event_pool, &h->cap_event_pool, 16, sizeof *p);
         if (!p) {
             h->dev->ops->event_destroy(h->dev, ev);
             return;
         }
         h->event_pool = p;
-        h->cap_event_pool = cap;
     }
     h->event_pool[h->n_event_pool++] = ev;
 }
@@ -686,14 +681,12 @@ static void released(struct release_ctx *c, gm_block *b) {
     while (first->prev && first->prev->state == GM_BLOCK_FREE) first = first->prev;
     if (first->mark || c->all) return;
     if (c->n_chains == c->cap_chains) {
-        size_t cap = c->cap_chains ? 2 * c->cap_chains : 16;
-        gm_block **a = realloc(c->chains, cap * sizeof *a);
+        gm_block **a = gm_array_grow(c->chains, &c->cap_chains, 16, sizeof *a);
         if (!a) {
             c->all = 1;
             return;
         }
         c->chains = a;
-        c->cap_chains = cap;
     }
     first->mark = 1;
     c->chains[c->n_chains++] = first;
@@ -1177,11 +1170,9 @@ static gm_block *recycle_next(struct recycle_order *r) {
         /* Equal sizes share a bin, so they are neighbours in the walk. */
         for (; r->cur[i] && r->cur[i]->size == size; r->cur[i] = fi_next(r->idx[i], r->cur[i])) {
             if (r->n_same == r->cap_same) {
-                size_t cap = r->cap_same ? 2 * r->cap_same : 64;
-                gm_block **a = realloc(r->same, cap * sizeof *a);
+                gm_block **a = gm_array_grow(r->same, &r->cap_same, 64, sizeof *a);
                 if (!a) return NULL;
                 r->same = a;
-                r->cap_same = cap;
             }
             r->same[r->n_same++] = r->cur[i];
         }
@@ -1220,11 +1211,9 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
             whole_chunks(h, &parts[k][0], &parts[k][1]);
             if (parts[k][0] >= parts[k][1]) continue;
             if (n == cap) {
-                size_t c = cap ? 2 * cap : 64;
-                struct cached_run *a = realloc(runs, c * sizeof *a);
+                struct cached_run *a = gm_array_grow(runs, &cap, 64, sizeof *a);
                 if (!a) goto done; /* keep what there is */
                 runs = a;
-                cap = c;
             }
             /* From the top of each, down to a chunk's start. */
             size_t take = parts[k][1] - parts[k][0];
@@ -1631,11 +1620,9 @@ static int run_seg_add(struct run_seg **seg, size_t *n, size_t *cap, const gm_bl
         return 0;
     }
     if (*n == *cap) {
-        size_t c = *cap ? 2 * *cap : 64;
-        struct run_seg *a = realloc(*seg, c * sizeof *a);
+        struct run_seg *a = gm_array_grow(*seg, cap, 64, sizeof *a);
         if (!a) return 1;
         *seg = a;
-        *cap = c;
     }
     (*seg)[(*n)++] = (struct run_seg){b->size, unm};
     return 0;
@@ -2352,16 +2339,17 @@ int gm_record_stream(gm_heap *h, uintptr_t ptr, gm_stream s) {
     for (uint32_t i = 0; i < b->n_uses; i++)
         if (b->uses[i] == s) goto done;
     if (b->n_uses == b->cap_uses) {
-        uint32_t cap = b->cap_uses ? 2 * b->cap_uses : 2;
-        gm_stream *u = realloc(b->uses, cap * sizeof *u);
+        /* uses and events share cap_uses: it grows once both arrays have grown. */
+        size_t cap_u = b->cap_uses, cap_e = b->cap_uses;
+        gm_stream *u = b->cap_uses <= UINT32_MAX / 2 ? gm_array_grow(b->uses, &cap_u, 2, sizeof *u) : NULL;
         if (u) b->uses = u;
-        gm_event *e = u ? realloc(b->events, cap * sizeof *e) : NULL;
+        gm_event *e = u ? gm_array_grow(b->events, &cap_e, 2, sizeof *e) : NULL;
         if (e) b->events = e;
         if (!u || !e) {
             rc = GM_ENOMEM;
             goto done;
         }
-        b->cap_uses = cap;
+        b->cap_uses = (uint32_t)cap_u;
     }
     b->uses[b->n_uses++] = s;
 done:
@@ -2458,14 +2446,12 @@ int gm_pool_retain(gm_heap *h, gm_pool_id id) {
         goto done;
     }
     if (h->n_pools == h->cap_pools) {
-        size_t cap = h->cap_pools ? 2 * h->cap_pools : 8;
-        gm_pool **a = realloc(h->pools, cap * sizeof *a);
+        gm_pool **a = gm_array_grow(h->pools, &h->cap_pools, 8, sizeof *a);
         if (!a) {
             rc = GM_ENOMEM;
             goto done;
         }
         h->pools = a;
-        h->cap_pools = cap;
     }
     if (!(p = calloc(1, sizeof *p))) {
         rc = GM_ENOMEM;

@@ -22,6 +22,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "gpumem/array.h"
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
 
@@ -242,11 +243,9 @@ static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va) {
     if (size > UINTPTR_MAX - at || SIM_VA_GAP > UINTPTR_MAX - at - size)
         return fail(s, GM_ENOMEM, "reserve: out of virtual address space for %zu bytes", size);
     if (s->n_resv == s->cap_resv) {
-        size_t nc = s->cap_resv ? 2 * s->cap_resv : 4;
-        sim_resv *nr = realloc(s->resv, nc * sizeof *nr);
+        sim_resv *nr = gm_array_grow(s->resv, &s->cap_resv, 4, sizeof *nr);
         if (!nr) return fail(s, GM_ENOMEM, "reserve: out of host memory");
         s->resv = nr;
-        s->cap_resv = nc;
     }
     size_t np = size / ps;
     gm_handle *h = calloc(np, sizeof *h);
@@ -320,14 +319,14 @@ static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
         if (s->free_head == SIM_NONE) s->free_tail = SIM_NONE;
     } else {
         if (s->n_pages_slots == s->cap_pages) {
-            uint32_t nc = s->cap_pages * 2;
-            sim_page *np = s->cap_pages >= UINT32_MAX / 2 ? NULL : realloc(s->pages, (size_t)nc * sizeof *np);
+            size_t nc = s->cap_pages;
+            sim_page *np = s->cap_pages >= UINT32_MAX / 2 ? NULL : gm_array_grow(s->pages, &nc, 64, sizeof *np);
             if (!np) {
                 free(contents);
                 return fail(s, GM_ENOMEM, "create: too many allocations");
             }
             s->pages = np;
-            s->cap_pages = nc;
+            s->cap_pages = (uint32_t)nc;
         }
         id = s->n_pages_slots++;
     }
@@ -468,11 +467,9 @@ static int sim_host_alloc(gm_device *dev, size_t size, void **out) {
     if (!out || !size) return fail(s, GM_EINVAL, "host_alloc: NULL output pointer or size 0");
     if (inject) return fail(s, GM_ENOMEM, "injected fault in host_alloc");
     if (s->host_blocks == s->cap_host) {
-        size_t nc = s->cap_host ? 2 * s->cap_host : 4;
-        struct sim_host *nh = realloc(s->host, nc * sizeof *nh);
+        struct sim_host *nh = gm_array_grow(s->host, &s->cap_host, 4, sizeof *nh);
         if (!nh) return fail(s, GM_ENOMEM, "host_alloc: out of host memory");
         s->host = nh;
-        s->cap_host = nc;
     }
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return fail(s, GM_ENOMEM, "host_alloc: out of host memory for %zu bytes", size);
@@ -573,11 +570,11 @@ static uint32_t stream_find(const sim_device *s, gm_stream stream) {
 
 static uint32_t stream_add(sim_device *s, gm_stream stream) {
     if (s->n_streams == s->cap_streams) {
-        uint32_t nc = s->cap_streams ? 2 * s->cap_streams : 8;
-        sim_stream *ns = realloc(s->streams, (size_t)nc * sizeof *ns);
+        size_t nc = s->cap_streams;
+        sim_stream *ns = s->cap_streams <= UINT32_MAX / 2 ? gm_array_grow(s->streams, &nc, 8, sizeof *ns) : NULL;
         if (!ns) return SIM_NONE;
         s->streams = ns;
-        s->cap_streams = nc;
+        s->cap_streams = (uint32_t)nc;
     }
     if ((s->n_streams + 1) * 2 > s->hash_cap) {
         uint32_t nc = s->hash_cap ? 2 * s->hash_cap : 16;
@@ -624,11 +621,11 @@ static int sim_event_create(gm_device *dev, gm_event *ev) {
     } else {
         if (s->n_event_slots == s->cap_events) {
             if (s->cap_events >= UINT32_MAX / 2) return fail(s, GM_EDEVICE, "event_create: too many events");
-            uint32_t nc = s->cap_events * 2;
-            sim_event *ne = realloc(s->events, (size_t)nc * sizeof *ne);
+            size_t nc = s->cap_events;
+            sim_event *ne = gm_array_grow(s->events, &nc, 64, sizeof *ne);
             if (!ne) return fail(s, GM_EDEVICE, "event_create: out of host memory");
             s->events = ne;
-            s->cap_events = nc;
+            s->cap_events = (uint32_t)nc;
         }
         id = s->n_event_slots++;
     }
@@ -916,11 +913,9 @@ void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes) {
     } else {
         if (bytes == 0) return;
         if (s->n_ext == s->cap_ext) {
-            size_t nc = s->cap_ext ? 2 * s->cap_ext : 4;
-            sim_ext *ne = realloc(s->ext, nc * sizeof *ne);
+            sim_ext *ne = gm_array_grow(s->ext, &s->cap_ext, 4, sizeof *ne);
             if (!ne) return;
             s->ext = ne;
-            s->cap_ext = nc;
         }
         s->ext[s->n_ext].pid = pid;
         s->n_ext++;

@@ -31,6 +31,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "gpumem/array.h"
+
 typedef struct {
     PyCodeObject *code; /* strong reference (pool) or borrowed (scratch) */
     int lasti;          /* byte offset of the current instruction */
@@ -119,11 +121,9 @@ static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot
         pool_cap = ncap;
     }
     if (n_stacks == cap_stacks) {
-        size_t ncap = cap_stacks ? 2 * cap_stacks : 1024;
-        stack_rec *ns = realloc(stacks, ncap * sizeof *ns);
+        stack_rec *ns = gm_array_grow(stacks, &cap_stacks, 1024, sizeof *ns);
         if (!ns) return OVERFLOW_INDEX;
         stacks = ns;
-        cap_stacks = ncap;
     }
     for (size_t i = 0; i < n; i++) {
         Py_INCREF(f[i].code);

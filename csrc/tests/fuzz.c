@@ -14,8 +14,9 @@
  * independently of the core.  Threaded mode hammers one heap from N pthreads (each on its own
  * stream) and checks overlap through a shared shadow; each thread keeps a
  * private pool for part of its blocks, and pauses and resumes it now and then.
- * Both first check fork() with a lock handed to the core by gm_fork_also (the
- * order fork takes the locks in, and a forked child's heap).
+ * Both first check gm_array_grow (doubling, and refusing sizes past size_t) and
+ * fork() with a lock handed to the core by gm_fork_also (the order fork takes
+ * the locks in, and a forked child's heap).
  *
  * Physical allocations: without --chunk-pages, a single-threaded run does its
  * first half of the ops on a heap with chunk_pages 1 and the second half on a
@@ -38,6 +39,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "gpumem/array.h"
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
 
@@ -1413,6 +1415,28 @@ static void also_unlock(void) {
     pthread_mutex_unlock(&also_mu);
 }
 
+/* gm_array_grow: starts at `first`, doubles, keeps the contents; a size past
+ * size_t fails with the array and its capacity untouched. */
+static void check_array_grow(void) {
+    g_phase = "array_grow";
+    size_t cap = 0;
+    uint64_t *a = gm_array_grow(NULL, &cap, 3, sizeof *a);
+    if (!a || cap != 3) fail("gm_array_grow from empty: %p, capacity %zu (want 3)", (void *)a, cap);
+    for (size_t i = 0; i < cap; i++) a[i] = i + 7;
+    uint64_t *b = gm_array_grow(a, &cap, 3, sizeof *b);
+    if (!b || cap != 6) fail("gm_array_grow doubling: %p, capacity %zu (want 6)", (void *)b, cap);
+    for (size_t i = 0; i < 3; i++)
+        if (b[i] != i + 7) fail("gm_array_grow lost element %zu", i);
+    size_t huge[] = {SIZE_MAX / 2 + 1, SIZE_MAX / (2 * sizeof *b) + 1, SIZE_MAX};
+    for (size_t k = 0; k < sizeof huge / sizeof *huge; k++) {
+        size_t c = huge[k];
+        if (gm_array_grow(b, &c, 3, sizeof *b) || c != huge[k])
+            fail("gm_array_grow accepted capacity %zu * 2 elements of %zu bytes", huge[k], sizeof *b);
+    }
+    if (b[2] != 9) fail("gm_array_grow changed the array it refused to grow");
+    free(b);
+}
+
 static void check_fork_also(void) {
     g_phase = "fork";
     if (gm_fork_also(also_lock, NULL) != GM_EINVAL) fail("gm_fork_also accepted a NULL unlock");
@@ -1506,6 +1530,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     g_seed = seed;
+    check_array_grow();
     check_fork_also();
     if (threads > 0) return run_threads(threads, ops, seed, capacity, quiet);
     return run_single(ops, seed, capacity, quiet);
