@@ -88,7 +88,8 @@
  *   cached_pages leaves them out (chunk_locked), and an OOM report counts
  *   them.  If the range that needs the fewest new pages cannot get them --
  *   its own cached pages were the only ones that could move -- the slow path
- *   takes the best range that the movable pages elsewhere cover.  chunk_pages 1 (the default) makes every page its own allocation.
+ *   takes the best range that the movable pages elsewhere cover.  chunk_pages
+ *   1 (the default) makes every page its own allocation.
  *
  * STREAMS
  *
@@ -1817,6 +1818,22 @@ static size_t cached_pages_outside(const gm_heap *h, placement pl, size_t size) 
     return pages;
 }
 
+/* Pages placement pl lacks beyond the spares and the pages promised. */
+static inline size_t lacking(const gm_heap *h, const placement *pl, size_t grant) {
+    return pl->new_pages > h->n_spare + grant ? pl->new_pages - h->n_spare - grant : 0;
+}
+
+/* Unmap cached pages outside placement pl into spares for its shortfall
+ * (the caller has synchronised the device), and count the remap. */
+static void recycle_for(gm_heap *h, const placement *pl, size_t size, size_t grant, int *recycled) {
+    size_t got = recycle(h, lacking(h, pl, grant), gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size), 1);
+    if (got) {
+        *recycled = 1;
+        h->st.num_remaps++;
+        h->st.num_pages_remapped += (int64_t)got;
+    }
+}
+
 /* Wait for the device, place again (every stream's free memory is usable
  * now), and unmap cached pages into spares for the placement's shortfall. */
 static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, size_t grant, int *synced,
@@ -1827,19 +1844,7 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_p
     }
     *synced = 1;
     *pl = place(h, size, s, pool);
-    if (!pl->ok || pl->new_pages <= h->n_spare + grant) return;
-    size_t got =
-        recycle(h, pl->new_pages - h->n_spare - grant, gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size), 1);
-    if (got) {
-        *recycled = 1;
-        h->st.num_remaps++;
-        h->st.num_pages_remapped += (int64_t)got;
-    }
-}
-
-/* Pages placement pl lacks beyond the spares and the pages promised. */
-static inline size_t lacking(const gm_heap *h, const placement *pl, size_t grant) {
-    return pl->new_pages > h->n_spare + grant ? pl->new_pages - h->n_spare - grant : 0;
+    if (pl->ok && lacking(h, pl, grant)) recycle_for(h, pl, size, grant, recycled);
 }
 
 /* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
@@ -1892,13 +1897,7 @@ again:;
         placement alt = place_within(h, size, s, pool, h->n_spare + grant);
         if (alt.ok) {
             pl = alt;
-            size_t got =
-                recycle(h, lacking(h, &pl, grant), gm_page_floor(h, pl.addr), gm_page_ceil(h, pl.addr + size), 1);
-            if (got) {
-                recycled = 1;
-                h->st.num_remaps++;
-                h->st.num_pages_remapped += (int64_t)got;
-            }
+            if (lacking(h, &pl, grant)) recycle_for(h, &pl, size, grant, &recycled);
         }
     }
 placed:
