@@ -521,32 +521,36 @@ static sim_resv *copy_range(sim_device *s, const char *op, uintptr_t va, size_t 
     return r;
 }
 
-static int sim_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) {
+/* Copy whole pages between the device range at va and the host block at
+ * host, one stored value per page: to the host for GM_OP_COPY_DTOH, from it
+ * for GM_OP_COPY_HTOD. */
+static int sim_copy(gm_device *dev, gm_dev_op op, uintptr_t va, void *host, size_t size) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_COPY_DTOH);
-    if (capture_forbids(s, GM_OP_COPY_DTOH)) return GM_EDEVICE;
+    const char *name = gm_dev_op_name(op);
+    int inject = sim_enter(s, op);
+    if (capture_forbids(s, op)) return GM_EDEVICE;
     size_t first;
-    sim_resv *r = copy_range(s, "copy_dtoh", src, size, &first);
+    sim_resv *r = copy_range(s, name, va, size, &first);
     if (!r) return GM_EINVAL;
-    if (!in_host(s, dst, size)) return fail(s, GM_EINVAL, "copy_dtoh: %p+%zu is not inside a host block", dst, size);
-    if (inject) return injected(s, GM_OP_COPY_DTOH);
-    for (size_t i = 0; i < size / dev->page_size; i++)
-        memcpy((char *)dst + i * dev->page_size, page_content(s, r, first + i), sizeof(uint64_t));
+    if (!in_host(s, host, size)) return fail(s, GM_EINVAL, "%s: %p+%zu is not inside a host block", name, host, size);
+    if (inject) return injected(s, op);
+    for (size_t i = 0; i < size / dev->page_size; i++) {
+        char *h = (char *)host + i * dev->page_size;
+        void *d = page_content(s, r, first + i);
+        if (op == GM_OP_COPY_DTOH)
+            memcpy(h, d, sizeof(uint64_t));
+        else
+            memcpy(d, h, sizeof(uint64_t));
+    }
     return GM_OK;
 }
 
+static int sim_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) {
+    return sim_copy(dev, GM_OP_COPY_DTOH, src, dst, size);
+}
+
 static int sim_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t size) {
-    sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_COPY_HTOD);
-    if (capture_forbids(s, GM_OP_COPY_HTOD)) return GM_EDEVICE;
-    size_t first;
-    sim_resv *r = copy_range(s, "copy_htod", dst, size, &first);
-    if (!r) return GM_EINVAL;
-    if (!in_host(s, src, size)) return fail(s, GM_EINVAL, "copy_htod: %p+%zu is not inside a host block", src, size);
-    if (inject) return injected(s, GM_OP_COPY_HTOD);
-    for (size_t i = 0; i < size / dev->page_size; i++)
-        memcpy(page_content(s, r, first + i), (const char *)src + i * dev->page_size, sizeof(uint64_t));
-    return GM_OK;
+    return sim_copy(dev, GM_OP_COPY_HTOD, dst, (void *)(uintptr_t)src, size);
 }
 
 /* ---- streams and events -------------------------------------------------- */

@@ -77,7 +77,7 @@ static PyObject *s_free(PyObject *Py_UNUSED(m), PyObject *args) {
         Py_END_ALLOW_THREADS
     }
     if (rc != GM_OK)
-        return PyErr_Format(PyExc_ValueError, "gpumem: free of %#llx on GPU %d failed: %s", ptr, device,
+        return PyErr_Format(PyExc_ValueError, "gpumem: free of %p on GPU %d failed: %s", (void *)(uintptr_t)ptr, device,
                             gm_strerror(rc));
     Py_RETURN_NONE;
 }

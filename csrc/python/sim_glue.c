@@ -197,8 +197,8 @@ static PyObject *Heap_sim_write(HeapObject *self, PyObject *args) {
         gm_py_to_u64(value_o, "value", UINT64_MAX, &value) < 0)
         return NULL;
     if (gm_sim_write(self->dev, (uintptr_t)addr, value) != GM_OK)
-        return PyErr_Format(PyExc_ValueError, "sim_write: illegal address 0x%llx (no accessible page there)",
-                            (unsigned long long)addr);
+        return PyErr_Format(PyExc_ValueError, "sim_write: illegal address %p (no accessible page there)",
+                            (void *)(uintptr_t)addr);
     Py_RETURN_NONE;
 }
 
@@ -206,8 +206,8 @@ static PyObject *Heap_sim_read(HeapObject *self, PyObject *addr_o) {
     uint64_t addr, value = 0;
     if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0) return NULL;
     if (gm_sim_read(self->dev, (uintptr_t)addr, &value) != GM_OK)
-        return PyErr_Format(PyExc_ValueError, "sim_read: illegal address 0x%llx (no accessible page there)",
-                            (unsigned long long)addr);
+        return PyErr_Format(PyExc_ValueError, "sim_read: illegal address %p (no accessible page there)",
+                            (void *)(uintptr_t)addr);
     return PyLong_FromUnsignedLongLong((unsigned long long)value);
 }
 
