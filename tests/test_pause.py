@@ -43,6 +43,21 @@ def setup_pool(h, sizes=(3 * PAGE, PAGE, 5 * MiB), pool=P):
 # ---- what a pause gives back ------------------------------------------------------------
 
 
+def paused_with_values(h, pages, first):
+    """Pool P gets one block of `pages` pages, page k holding first + k; then it
+    is paused with a backup.  Returns (block, pause result, the values)."""
+    h.pool_retain(P)
+    a = h.malloc(pages * PAGE, pool=P)
+    values = [first + k for k in range(pages)]
+    for k, v in enumerate(values):
+        h.sim_write(a + k * PAGE, v)
+    return a, h.pool_pause(P, backup=True), values
+
+
+def read_pages(h, a, pages):
+    return [h.sim_read(a + k * PAGE) for k in range(pages)]
+
+
 def test_pause_releases_the_pool_pages_and_keeps_addresses(make_heap):
     h = make_heap(capacity=256 * MiB)
     blocks = setup_pool(h)
@@ -138,11 +153,7 @@ def test_backup_restores_contents_and_no_backup_gives_fresh_pages(make_heap, bac
 
 def test_backup_survives_a_failed_resume(make_heap):
     h = make_heap(capacity=256 * MiB)
-    h.pool_retain(P)
-    a = h.malloc(4 * PAGE, pool=P)
-    for k in range(4):
-        h.sim_write(a + k * PAGE, 77 + k)
-    h.pool_pause(P, backup=True)
+    a, _, values = paused_with_values(h, 4, 77)
     h.sim_fail("copy_htod")
     with pytest.raises(gpumem.DeviceError):
         h.pool_resume(P)
@@ -151,7 +162,7 @@ def test_backup_survives_a_failed_resume(make_heap):
     assert h.sim_host_blocks() == 1
     assert_ok(h)
     h.pool_resume(P)
-    assert [h.sim_read(a + k * PAGE) for k in range(4)] == [77, 78, 79, 80]
+    assert read_pages(h, a, 4) == values == [77, 78, 79, 80]
     assert_ok(h)
 
 
@@ -412,27 +423,19 @@ def test_a_pause_that_fails_part_way_leaves_the_pool_paused(make_heap):
 
 def test_a_refused_chunk_resumes_with_single_pages(make_heap):
     h = make_heap(capacity=128 * MiB)
-    h.pool_retain(P)
-    a = h.malloc(6 * PAGE, pool=P)
-    for k in range(6):
-        h.sim_write(a + k * PAGE, 40 + k)
-    h.pool_pause(P, backup=True)
+    a, _, values = paused_with_values(h, 6, 40)
     st = h.stats()
     h.sim_fail("create", 1)  # the one 6-page allocation: the device says it is full
     h.pool_resume(P)
     assert h.stats()["num_device_alloc"] - st["num_device_alloc"] == 6
-    assert [h.sim_read(a + k * PAGE) for k in range(6)] == [40 + k for k in range(6)]
+    assert read_pages(h, a, 6) == values
     assert_ok(h)
 
 
 @pytest.mark.parametrize("op,nth,count", [("create", 1, 100), ("map", 1, 1), ("set_access", 1, 1), ("copy_htod", 1, 1)])
 def test_a_failed_resume_unwinds_to_fully_paused(make_heap, op, nth, count):
     h = make_heap(capacity=128 * MiB)
-    h.pool_retain(P)
-    a = h.malloc(6 * PAGE, pool=P)
-    for k in range(6):
-        h.sim_write(a + k * PAGE, 40 + k)
-    r = h.pool_pause(P, backup=True)
+    a, r, values = paused_with_values(h, 6, 40)
     free_paused = dev_free(h)
     h.sim_fail(op, nth, count)
     with pytest.raises((gpumem.DeviceError, gpumem.OutOfMemoryError)):
@@ -444,7 +447,7 @@ def test_a_failed_resume_unwinds_to_fully_paused(make_heap, op, nth, count):
     assert dev_free(h) == free_paused  # the pages gathered went back
     assert_ok(h)
     h.pool_resume(P)
-    assert [h.sim_read(a + k * PAGE) for k in range(6)] == [40 + k for k in range(6)]
+    assert read_pages(h, a, 6) == values
     assert_ok(h)
 
 
