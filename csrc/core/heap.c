@@ -2914,24 +2914,14 @@ static void unresume(gm_heap *h, gm_pool *p, size_t n) {
         size_t c = h->chunk_len[e.page]; /* mapped from this entry on: its pages are the next c entries */
         uintptr_t a = gm_page_addr(h, e.page);
         int rc = GM_EDEVICE;
-        for (int attempt = 0; attempt < 8 && rc; attempt++)
-            if ((rc = h->dev->ops->unmap(h->dev, a, c * h->page))) h->st.num_device_errors++;
+        for (int attempt = 0; attempt < 8 && rc; attempt++) rc = unmap_chunk(h, e.page, 0);
         if (rc) {
             for (int attempt = 0; attempt < 8; attempt++)
                 if (h->dev->ops->set_access(h->dev, a, c * h->page) == GM_OK) break;
             i += c;
             continue;
         }
-        gm_handle hd = h->page_handle[e.page];
-        chunk_clear(h, e.page, c);
         h->paused_pages += c;
-        h->st.num_unmaps++;
-        if (c == 1) {
-            spare_push(h, hd);
-        } else {
-            h->multi_chunks--;
-            release_chunk(h, hd, c);
-        }
         for (size_t t = 0; t < c; t++) p->paused_list[k++] = p->paused_list[i + t];
         i += c;
     }
