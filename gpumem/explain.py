@@ -98,7 +98,7 @@ class Report:
     pool_free_bytes: int = 0  # free, kept for living private pools
     paused_pools: int = 0  # pools paused now (gpumem.pause): their pages are released
     paused_bytes: int = 0  # memory those pauses released (not reserved; resume takes it back)
-    chunk_locked_bytes: int = 0  # cached, but in physical allocations (chunk_pages > 1) blocks still use
+    chunk_locked_bytes: int = 0  # cached, but in physical allocations of several pages blocks still use
     by_framework: dict = field(default_factory=dict)  # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
@@ -171,7 +171,7 @@ class Report:
                 (
                     "  of which in partly used chunks",
                     self.chunk_locked_bytes,
-                    "chunk_pages > 1: freed only with their whole chunk",
+                    "allocations of several pages: freed only whole",
                 )
             )
         if self.paused_pools:
@@ -464,7 +464,8 @@ def _diagnose(r: Report, heap) -> None:
                     "chunks",
                     r.chunk_locked_bytes,
                     f"{_fs(r.chunk_locked_bytes)} are free pages inside physical allocations of several pages "
-                    "(chunk_pages > 1) that live blocks still use: an allocation is unmapped only as a whole, so "
+                    "(growth with chunk_pages > 1, or a resumed pool) that live blocks still use: an allocation "
+                    "is unmapped only as a whole, so "
                     "defragmentation cannot move them",
                 )
             )
@@ -571,8 +572,10 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
         ]
     if kind == "chunks" and (r.is_oom or short):
         return [
-            "Memory near its limit defragments best page by page: create the heap with chunk_pages=1 "
-            "(GPUMEM_CONF=chunk_pages:1 for torch), which makes every 2 MiB page its own allocation."
+            "Memory near its limit defragments best page by page: with chunk_pages > 1, create the heap "
+            "with chunk_pages=1 (GPUMEM_CONF=chunk_pages:1 for torch), which makes every 2 MiB page it grows "
+            "by its own allocation. A resumed pool's allocations stay whole until all their pages are free, "
+            "even after the pool ends: free its tensors."
         ]
     if kind == "private_pools":
         return [

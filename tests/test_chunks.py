@@ -138,6 +138,31 @@ def test_oom_counts_free_pages_locked_in_a_partly_used_chunk(make_heap):
     assert_ok(h)
 
 
+def test_oom_names_a_resumed_pools_allocation_with_chunk_pages_1(make_heap):
+    # A resume makes each run one allocation even at chunk_pages=1; once the
+    # pool ends, a tensor left in it keeps the whole allocation.
+    h = make_heap(capacity=16 * PAGE, chunk_pages=1)
+    P = (3, 1)
+    h.pool_retain(P)
+    a = h.malloc(8 * PAGE, pool=P)
+    h.pool_pause(P)
+    h.pool_resume(P)
+    h.free(a)
+    x = h.malloc(MiB, pool=P)  # carved from the pool's free memory, inside the resumed allocation
+    h.malloc(MiB)  # general, on the page after it: the allocation's free pages serve no larger run
+    h.pool_release(P)
+    with pytest.raises(gpumem.OutOfMemoryError):
+        h.malloc(12 * PAGE)
+    assert_ok(h)
+    r = last_oom(h)
+    assert r.chunk_locked_bytes == 7 * PAGE
+    assert "chunks" in r.cause_kinds
+    assert "resumed pool" in r.text()
+    h.free(x)
+    h.malloc(12 * PAGE)
+    assert_ok(h)
+
+
 def test_oom_largest_possible_is_one_place_not_two_added(make_heap):
     # A 4-page chunk holds a small block at each end: pages 1-2 are free but
     # locked, so the free 3.5 pages between the blocks serve only in place.
