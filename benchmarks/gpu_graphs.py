@@ -24,6 +24,8 @@ import pathlib
 import subprocess
 import sys
 
+from compare.contenders import variant_env
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 
@@ -80,18 +82,15 @@ MODES = ("native", "expandable_segments", "gpumem")
 
 
 def run(mode, shapes, iters, snapshots=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env.pop("GPUMEM_CONF", None)
-    if mode == "expandable_segments":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     name, _, extra = mode.partition(":")
-    for kv in filter(None, extra.split(",")):
-        k, eq, v = kv.partition("=")
-        if name != "gpumem" or not eq or not k:
-            raise SystemExit(f"gpu_graphs.py: bad variant {mode!r} (want gpumem:VAR=VALUE[,VAR=VALUE])")
-        env[k] = v
+    if extra and name != "gpumem":
+        raise SystemExit(f"gpu_graphs.py: bad variant {mode!r} (want gpumem:VAR=VALUE[,VAR=VALUE])")
+    base = {k: v for k, v in os.environ.items() if k != "GPUMEM_CONF"}
+    try:
+        env = variant_env(mode, base)
+    except ValueError as e:
+        raise SystemExit(f"gpu_graphs.py: bad variant {mode!r}: {e}") from None
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     snap = ""
     if snapshots and name == "gpumem":
         os.makedirs(snapshots, exist_ok=True)

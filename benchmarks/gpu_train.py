@@ -17,7 +17,6 @@ the same order.
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ import sys
 import time
 
 from compare import workloads
+from compare.contenders import variant_env
 
 WARMUP = 3
 
@@ -81,19 +81,12 @@ STEPS = {"gpt2_varlen": 24, "resnet50_multires": 24, "llama_lora_ckpt": 16}
 
 def allocator_env(use):
     """The environment that runs allocator `use` (see the module docstring)."""
-    name, _, extra = use.partition(":")
-    if name not in ("native", "expandable", "gpumem"):
+    if use.partition(":")[0] not in ("native", "expandable", "gpumem"):
         raise SystemExit(f"gpu_train.py: unknown allocator {use!r} (native, expandable, gpumem[:VAR=VALUE,...])")
-    env = dict(os.environ)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if name == "expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    for kv in filter(None, extra.split(",")):
-        k, eq, v = kv.partition("=")
-        if not eq or not k:
-            raise SystemExit(f"gpu_train.py: {kv!r} in {use!r} is not VAR=VALUE")
-        env[k] = v
-    return env
+    try:
+        return variant_env(use)
+    except ValueError as e:
+        raise SystemExit(f"gpu_train.py: {e}") from None
 
 
 def main():

@@ -1,10 +1,12 @@
 """The allocators compared, and how a fresh process puts each in place.
 
 Every attempt runs in a process of its own whose CUDA state is new: the orchestrator and the
-worker servers never initialise CUDA, so each child creates the context, takes the cap with a raw
-cudaMalloc (cudart.py), then installs the allocator under test, in that order, and only then lets
-torch touch the device.  The two pluggable allocators (RMM, gpumem) must be swapped in before
-torch initialises its allocator, which is why torch is kept away from the device until then.
+worker servers never initialise CUDA, so each child creates the context, installs the allocator
+under test, makes what the task needs besides the allocator's memory (its CUDA streams), then
+takes the cap with a raw cudaMalloc (cudart.py), in that order -- except an RMM pool sized to the
+cap, which is made after the cap is taken (worker.Device).  The two pluggable allocators (RMM,
+gpumem) must be swapped in before torch initialises its allocator, which is why torch is kept away
+from the device until then.
 
 The native variants differ only by PYTORCH_CUDA_ALLOC_CONF, which torch reads when its CUDA
 library is loaded (the backend is chosen by a static initialiser), so it is set in the worker
@@ -54,6 +56,25 @@ def parse_contenders(text: str) -> List[str]:
         if n not in out:
             out.append(n)
     return out
+
+
+def variant_env(spec: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Environment of a fresh process that runs allocator variant `spec`: a contender name (an alias
+    such as expandable_segments too), optionally followed by ':VAR=VALUE,...' to set (a gpumem option
+    through GPUMEM_CONF, say).  The process installs gpumem itself when the name is gpumem."""
+    name, _, extra = spec.partition(":")
+    (contender,) = parse_contenders(name)
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    if ALLOC_CONF[contender]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF[contender]
+    for kv in filter(None, extra.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise ValueError(f"{kv!r} in {spec!r} is not VAR=VALUE")
+        env[k] = v
+    return env
 
 
 def server_env(contender: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -107,9 +128,9 @@ def _torch_stats() -> Optional[dict]:
 
 
 def install(contender: str, cap_free: Optional[int], options: dict) -> Installed:
-    """Put `contender` in place in this (child) process.  CUDA's context exists and the cap, if
-    any, is taken; torch has not touched the device yet.  `cap_free` is the free memory left
-    under the cap (None without a cap)."""
+    """Put `contender` in place in this (child) process.  CUDA's context exists; torch has not
+    touched the device yet.  `cap_free` is the free memory left under the cap, for an allocator
+    sized to it (taken before; None when there is no cap or it is taken after)."""
     if contender in ("native", "expandable", "async"):
         import torch
 
