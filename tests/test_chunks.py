@@ -144,12 +144,15 @@ def test_oom_names_a_resumed_pools_allocation_with_chunk_pages_1(make_heap):
     h = make_heap(capacity=16 * PAGE, chunk_pages=1)
     P = (3, 1)
     h.pool_retain(P)
-    a = h.malloc(8 * PAGE, pool=P)
+    g = h.malloc(8 * PAGE)
+    h.malloc(MiB)  # general, on the page after g: the pool's pages will serve no larger run
+    h.free(g)
+    a = h.malloc(8 * PAGE, pool=P)  # the pool takes g's free pages
+    assert a == g
     h.pool_pause(P)
     h.pool_resume(P)
     h.free(a)
     x = h.malloc(MiB, pool=P)  # carved from the pool's free memory, inside the resumed allocation
-    h.malloc(MiB)  # general, on the page after it: the allocation's free pages serve no larger run
     h.pool_release(P)
     with pytest.raises(gpumem.OutOfMemoryError):
         h.malloc(12 * PAGE)

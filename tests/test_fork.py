@@ -267,7 +267,8 @@ def test_fork_while_a_pool_filter_waits_for_the_gil(tmp_path):
 
         def child():
             p = alloc(MiB, 0, 7)          # routed through the same filter, here in the child
-            assert live((1, 0)) == {p}
+            # the parent's thread may have been between its alloc and free at the fork
+            assert p in live((1, 0)) and len(live((1, 0)) - {p}) <= 1
             free(p, MiB, 0, 7)
             assert _C._torch_active_pools(0) == [(1, 0)]
             _C._torch_check(0)

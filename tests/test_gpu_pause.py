@@ -230,11 +230,12 @@ def test_a_failed_driver_call_leaves_the_pool_paused_or_not_never_half(op, fails
 PARTIAL = """
 gpumem.install()
 pool = torch.cuda.MemPool()
+w = torch.empty(2 << 20, device="cuda")           # 8 MiB, general: 4 pages
+between = torch.empty(1 << 20, device="cuda")     # 4 MiB after them: the pool's pages will be two runs
+del w
 with torch.cuda.use_mem_pool(pool):
-    a = torch.empty(2 << 20, device="cuda")       # 8 MiB: 4 pages of the pool
-between = torch.empty(1 << 20, device="cuda")     # 4 MiB outside it: the pool's pages are two runs
-with torch.cuda.use_mem_pool(pool):
-    b = torch.empty(2 << 20, device="cuda")
+    a = torch.empty(2 << 20, device="cuda")       # w's 4 pages, now the pool's
+    b = torch.empty(2 << 20, device="cuda")       # after `between`
 try:
     gpumem.pause(pool)                            # the second run's cuMemUnmap fails
     msg = "no error"

@@ -64,8 +64,8 @@ def test_pause_releases_the_pool_pages_and_keeps_addresses(make_heap):
     free0, res0 = dev_free(h), reserved(h)
     info = h.pool_info(P)
     r = h.pool_pause(P)
-    # 5 MiB ends mid-page: the rest of that page is general free memory
-    assert r["pages"] == 6 and r["shared_pages"] == 1 and r["backup_bytes"] == 0
+    # 5 MiB ends mid-page, before unmapped space: the rest of that page became the pool's
+    assert r["pages"] == 7 and r["shared_pages"] == 0 and r["backup_bytes"] == 0
     assert r["pages"] + r["shared_pages"] == info["pinned_pages"]
     assert r["bytes"] == r["pages"] * PAGE
     assert dev_free(h) - free0 == r["bytes"]  # other processes see it come back
@@ -91,8 +91,8 @@ def test_pages_shared_with_other_blocks_stay_mapped(make_heap):
     h = make_heap(capacity=256 * MiB)
     h.pool_retain(P)
     a = h.malloc(4 * PAGE, pool=P)
-    small = h.malloc(4096, pool=P)  # packs into a page other blocks may use
-    other = h.malloc(8192)  # general: shares small's page
+    other = h.malloc(8192)  # general, on a page of its own
+    small = h.malloc(4096, pool=P)  # packs into the rest of other's page
     shared = set(pages_of(small, 4096)) & set(pages_of(other, 8192))
     assert shared, "the test needs a page both blocks touch"
     r = h.pool_pause(P)
@@ -405,9 +405,11 @@ def test_a_failed_release_keeps_the_page_as_a_spare(make_heap):
 def test_a_pause_that_fails_part_way_leaves_the_pool_paused(make_heap):
     h = make_heap(capacity=64 * MiB)
     h.pool_retain(P)
-    a = h.malloc(2 * PAGE, pool=P)
+    w = h.malloc(2 * PAGE)
     h.malloc(4096)  # general: separates the pool's two runs of pages
-    b = h.malloc(2 * PAGE, pool=P)
+    h.free(w)
+    a = h.malloc(2 * PAGE, pool=P)  # w's pages
+    b = h.malloc(2 * PAGE, pool=P)  # after the general block
     h.sim_fail("unmap", 2)  # the second run will not unmap
     with pytest.raises(gpumem.DeviceError, match="paused with the pages released"):
         h.pool_pause(P)

@@ -125,7 +125,8 @@ def test_release_returns_free_blocks_and_their_pages(make_heap):
     h.empty_cache()
     assert h.sim_info()["pages_created"] == 3, "a pool's free pages must survive empty_cache"
     info = h.pool_info(P)
-    assert (info["use_count"], info["free_bytes"], info["live_bytes"], info["pinned_pages"]) == (2, 5 * MiB, 0, 3)
+    # the rest of page 2 is the pool's too: only unmapped space follows it
+    assert (info["use_count"], info["free_bytes"], info["live_bytes"], info["pinned_pages"]) == (2, 6 * MiB, 0, 3)
     h.pool_release(P)
     assert h.pool_info(P)["use_count"] == 1
     h.empty_cache()
@@ -150,19 +151,20 @@ def test_ended_pool_free_block_joins_the_run_beside_it(make_heap):
     so a larger request is placed over it and needs only the missing page."""
     h = make_heap()
     h.pool_retain(P)
-    a = h.malloc(5 * MiB, pool=P)  # pages 0-2; [5, 6) MiB stays general free
+    a = h.malloc(5 * MiB, pool=P)  # pages 0-2, the rest of page 2 the pool's too
     h.free(a)
-    g = h.malloc(8 * MiB)  # the slow path: only [5, 13) MiB may hold it
-    assert g == a + 5 * MiB, "placement must not build on a living pool's free block"
-    assert h.stats()["reserved_bytes.all.current"] == 7 * PAGE
+    g = h.malloc(8 * MiB)  # the slow path: never over the pool's free block
+    assert not overlaps(g, 8 * MiB, [(a, 6 * MiB)]), "placement must not build on a living pool's free block"
+    assert _reserved(h) == 7 * PAGE
     assert_ok(h)
     h.free(g)
+    h.empty_cache()  # g's pages go; the pool's stay
+    assert _reserved(h) == 3 * PAGE
     h.pool_release(P)
     assert_ok(h)
-    reserved = h.stats()["reserved_bytes.all.current"]
-    b = h.malloc(16 * MiB)  # slow path again: at a, pages 0-7, of which only page 7 is new
+    b = h.malloc(16 * MiB)  # slow path again: at a, pages 0-7, of which pages 3-7 are new
     assert b == a
-    assert h.stats()["reserved_bytes.all.current"] == reserved + PAGE
+    assert _reserved(h) == 8 * PAGE
     assert_ok(h)
 
 
@@ -234,15 +236,16 @@ def test_stats_and_reports_count_pool_memory(make_heap):
     assert st["active_bytes.all.current"] == 1024
     assert st["inactive_split_bytes.all.current"] >= 3 * MiB
     rep = h.memory_report(0)
-    assert rep["pool_live_bytes"] == 1024 and rep["pool_free_bytes"] == 3 * MiB
-    assert rep["free_mapped_bytes"] < 3 * MiB, "a pool's free blocks are not free for others"
+    # b took the rest of page 1, which a's allocation made the pool's
+    assert rep["pool_live_bytes"] == 1024 and rep["pool_free_bytes"] == 4 * MiB - 1024
+    assert rep["free_mapped_bytes"] == 0, "a pool's free blocks are not free for others"
     assert rep["cached_bytes"] == 0
     snap = gpumem.Snapshot.from_heap(h)
-    assert snap.summary.pool_free_bytes == 3 * MiB and snap.summary.pool_live_bytes == 1024
+    assert snap.summary.pool_free_bytes == 4 * MiB - 1024 and snap.summary.pool_live_bytes == 1024
     segs = snap.to_torch()["segments"]
     assert [s["segment_pool_id"] for s in segs] == [P]
     text = str(gpumem.explain(device=h))
-    assert "kept for private pools" in text and "3.00 MiB" in text
+    assert "kept for private pools" in text and "4.00 MiB" in text
     h.free(b)
     h.pool_release(P)
     assert gpumem.Snapshot.from_heap(h).to_torch()["segments"][0]["segment_pool_id"] == (0, 0)
@@ -577,17 +580,21 @@ def test_pool_extension_spans_pool_general_and_unmapped_space(make_heap):
     """[pool free][general free][unmapped]: one placement over all three."""
     h = make_heap()
     h.pool_retain(P)
-    a = h.malloc(3 * MiB, pool=P)  # pages 0-1; [3, 4) MiB stays general free
+    w = h.malloc(2 * MiB)  # general, page 0
+    s = h.malloc(2 * MiB)  # general, page 1
+    h.free(w)
+    a = h.malloc(MiB, pool=P)  # the pool takes w's memory; [1, 2) MiB stays general free
+    h.free(s)
     h.free(a)
     assert [(b["addr"], b["size"], b["pool"]) for b in blocks(h) if b["state"] == "free"] == [
-        (a, 3 * MiB, P),
-        (a + 3 * MiB, MiB, None),
+        (a, MiB, P),
+        (a + MiB, 3 * MiB, None),
     ]
     before = _reserved(h)
     b = h.malloc(7 * MiB, pool=P)
     assert b == a
     assert _reserved(h) - before == 2 * PAGE  # pages 2-3
-    assert pool_blocks(h, P) == [(a, 7 * MiB, "live")]
+    assert pool_blocks(h, P) == [(a, 7 * MiB, "live"), (a + 7 * MiB, MiB, "free")]  # the rest of page 3 too
     assert_ok(h)
     h.free(b)
     h.pool_release(P)
@@ -606,10 +613,10 @@ def test_pool_extension_keeps_to_its_pool_and_stream_rules(make_heap):
     x = h.malloc(10 * MiB, stream=S1, pool=P)
     assert not overlaps(x, 10 * MiB, [(q, 4 * MiB)]), "a pool request took another pool's free memory"
     assert _reserved(h) - before == 5 * PAGE
-    h.free(x)  # P's, owned by S1, unmapped space after it
+    h.free(x)  # P's, owned by S1, unmapped space beside it
     before = _reserved(h)
     z = h.malloc(12 * MiB, stream=S1, pool=P)  # S1 may use it: its block grows by one page
-    assert z == x and _reserved(h) - before == PAGE
+    assert z <= x and x + 10 * MiB <= z + 12 * MiB and _reserved(h) - before == PAGE
     h.free(z)
     h.sim_hold_stream(S1, True)  # S1's work still runs: S2 may not use z's memory
     y = h.malloc(20 * MiB, stream=S2, pool=P)
@@ -692,4 +699,52 @@ def test_pool_request_prefers_the_pools_free_memory_on_a_tie(make_heap):
     assert b == a
     assert _reserved(h) - before == 2 * PAGE
     assert [(x["addr"], x["size"]) for x in blocks(h) if x["state"] == "free" and x["pool"] is None][0] == (g, 4 * MiB)
+    assert_ok(h)
+
+
+def test_a_general_block_never_lands_in_a_pools_last_page(make_heap):
+    """The rest of the last page of a pool's new block, before unmapped space,
+    becomes the pool's: a small general tensor allocated between two
+    recordings goes elsewhere, and the next, larger recording extends the
+    pool's free memory instead of leaving it stranded behind that tensor."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.malloc(3 * MiB)  # general, pages 0-1
+    a = h.malloc(10 * PAGE, pool=P)  # [3, 23) MiB: page 11 is the pool's last
+    assert pool_blocks(h, P) == [(a, 10 * PAGE, "live"), (a + 10 * PAGE, MiB, "free")]
+    h.free(a)
+    g = h.malloc(128 << 10)  # general, between recordings
+    assert not (a <= g < a + 11 * PAGE)
+    before = _reserved(h)
+    b = h.malloc(20 * PAGE, pool=P)
+    assert b == a, "the pool's free memory was left behind"
+    assert _reserved(h) - before == 10 * PAGE
+    assert_ok(h)
+    h.free(b)
+    h.pool_release(P)
+    assert_ok(h)
+
+
+def test_general_growth_leaves_the_space_after_a_pool_to_it(make_heap):
+    """A pool whose last block ends on a page boundary: the general heap's
+    next new page goes elsewhere than right after it, so the pool extends in
+    place; once the pool ends, that space is everyone's again."""
+    h = make_heap()
+    h.pool_retain(P)
+    w = h.malloc(3 * MiB)  # general, pages 0-1
+    a = h.malloc(10 * PAGE - MiB, pool=P)  # [3, 22) MiB: ends at page 11's start
+    h.free(a)
+    g = h.malloc(128 << 10)
+    assert g != a + 10 * PAGE - MiB
+    b = h.malloc(20 * PAGE, pool=P)
+    assert b == a
+    assert_ok(h)
+    h.free(b)
+    h.pool_release(P)
+    h.free(g)
+    h.free(w)
+    h.empty_cache()
+    assert _reserved(h) == 0
+    x = h.malloc(MiB)
+    assert x == w, "with no pool living, growth starts at the lowest address again"
     assert_ok(h)

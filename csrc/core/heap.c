@@ -1274,6 +1274,7 @@ typedef struct placement {
     size_t run;
     gm_block *first; /* the run's first block, at or before addr */
     int pooled;      /* the range takes free blocks of the requesting pool */
+    int beside;      /* the range starts right after another living pool's block */
 } placement;
 
 /* Pages in [x, x+size) with nothing mapped, walking from `first` (a block at
@@ -1294,32 +1295,48 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
 
 /* Fewest new pages first; then, for a pool's request, a range that takes the
  * pool's free memory (which serves nothing else) over one that takes only
- * general memory; then the shortest run; then the lowest address. */
+ * general memory; then a range that leaves the space after the blocks of
+ * other living pools (for the general heap: of every living pool) to them;
+ * then the shortest run; then the lowest address.
+ *
+ * Why the third rule: a pool's blocks hold their pages for as long as the
+ * pool lives, so a pool grows only at its edges.  A CUDA graph recorded at a
+ * larger shape needs its pool's free memory extended, and one small block of
+ * anyone else's just after the pool's last block would leave that free
+ * memory stranded and the larger graph all-new memory.  Together with
+ * claim_page_rest (a pool's new block takes the rest of its last page when
+ * only unmapped space follows), the general heap's growth goes elsewhere in
+ * the address space (there is 4x the device's memory of it), and each pool
+ * grows at its end as one segment of its own would. */
 static size_t cached_pages_outside(const gm_heap *h, placement pl, size_t size);
 
 /* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
  * With a `budget` (pages at hand; SIZE_MAX: none), a candidate that needs
  * more than those and the cached pages that could move to it is left out. */
 static void consider_at(const gm_heap *h, placement *best, gm_block *first, uintptr_t x, size_t len, size_t size,
-                        size_t budget) {
+                        size_t budget, const gm_pool *pool) {
     int pooled;
     size_t need = unmapped_in(h, first, x, size, &pooled);
-    if (need > budget && need - budget > cached_pages_outside(h, (placement){1, x, need, len, first, pooled}, size))
+    if (need > budget && need - budget > cached_pages_outside(h, (placement){1, x, need, len, first, pooled, 0}, size))
         return;
+    /* Inside the run, the block before x is general space or pool's own. */
+    int beside = x == first->addr && first->prev && gm_pinned(first->prev) && first->prev->pool != pool;
     int better = !best->ok || need < best->new_pages;
     if (!better && need == best->new_pages) {
         if (pooled != best->pooled)
             better = pooled > best->pooled;
+        else if (beside != best->beside)
+            better = beside < best->beside;
         else
             better = len < best->run || (len == best->run && x < best->addr);
     }
-    if (better) *best = (placement){1, x, need, len, first, pooled};
+    if (better) *best = (placement){1, x, need, len, first, pooled, beside};
 }
 
 static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len, size_t size,
-                     size_t budget) {
-    consider_at(h, best, first, start, len, size, budget);
-    if (len != size) consider_at(h, best, first, start + len - size, len, size, budget);
+                     size_t budget, const gm_pool *pool) {
+    consider_at(h, best, first, start, len, size, budget, pool);
+    if (len != size) consider_at(h, best, first, start + len - size, len, size, budget, pool);
 }
 
 struct place_ctx {
@@ -1347,7 +1364,7 @@ static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
             len += b->size;
             continue;
         }
-        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size, c->budget);
+        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size, c->budget, c->pool);
         first = NULL;
         if (!in) return;
     }
@@ -1382,12 +1399,12 @@ static int place_pooled_one(gm_block *b, void *arg) {
     for (const gm_block *x = first; x && usable(c, x); x = x->next) len += x->size;
     if (len < c->size) return 0;
     uintptr_t lo = first->addr, hi = first->addr + len;
-    consider(c->h, &c->best, first, lo, len, c->size, c->budget);
+    consider(c->h, &c->best, first, lo, len, c->size, c->budget, c->pool);
     for (gm_block *x = b; x && x->addr < hi; x = x->next) {
         if (!x->pool) continue;
-        if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size, c->budget);
+        if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size, c->budget, c->pool);
         if (x->addr + x->size >= lo + c->size)
-            consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size, c->budget);
+            consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size, c->budget, c->pool);
     }
     return 0;
 }
@@ -1403,7 +1420,7 @@ static void place_pooled(struct place_ctx *c) {
  * address: a total order, so the runs may be visited in any order, and only
  * runs of general space at least `size` long can hold one. */
 static placement place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
-    struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0}};
+    struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0, 0}};
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
@@ -1412,7 +1429,7 @@ static placement place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *poo
         place_in(&c, h->head, h->base + h->va_size);
     } else {
         ri_each_at_least(&h->runs, size, place_in_run, &c);
-        if (f) consider(h, &c.best, f, f->addr, f->size, size, budget);
+        if (f) consider(h, &c.best, f, f->addr, f->size, size, budget, pool);
     }
     if (pool) place_pooled(&c);
     return c.best;
@@ -2227,6 +2244,24 @@ static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm
     gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
 }
 
+/* b, just made live in pool p: when the rest of its last page is a general
+ * free block with only unmapped space after it -- the edge where the pool
+ * grows -- that rest becomes p's free space.  The page is the pool's for as
+ * long as p lives anyway, and a general block there would stand between the
+ * pool's memory and the space it extends into (see consider_at). */
+static void claim_page_rest(gm_heap *h, gm_block *b, gm_pool *p) {
+    gm_block *r = b->next;
+    if (!r || r->state != GM_BLOCK_FREE || r->pool || (r->next && r->next->state != GM_BLOCK_UNMAPPED)) return;
+    size_t last = gm_page_floor(h, b->addr + b->size - 1);
+    if (gm_page_floor(h, r->addr) != last || r->addr + r->size != gm_page_addr(h, last + 1)) return;
+    gm_run_detach(h, r);
+    index_remove(h, r);
+    r->pool = p;
+    gm_pages_use(h, r, 1);
+    index_insert(h, r);
+    if (r->next) gm_run_attach(h, r->next);
+}
+
 int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, uintptr_t *out) {
     if (!out) return GM_EINVAL;
     *out = 0;
@@ -2266,6 +2301,7 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
     }
     b = carve(h, b, at, rsize);
     make_live(h, b, rsize, size, s, context, pool);
+    if (pool) claim_page_rest(h, b, pool);
     *out = b->addr;
 done:
     h->no_sync = 0;
