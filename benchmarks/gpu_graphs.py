@@ -13,8 +13,9 @@ Usage on a GPU machine: python benchmarks/gpu_graphs.py [--out benchmarks/result
 
 --also adds variants of gpumem run with environment variables set (a gpumem option, say), each in
 its own fresh process, to the table; the goals compare the plain `gpumem` row.  --snapshots writes
-each gpumem run's memory snapshot at the end (torch's pickle format, `torch.cuda.memory._snapshot()`)
-to DIR, for `python -m gpumem explain` or torch's memory_viz.
+each gpumem run's memory snapshot at the end (torch's pickle format, `torch.cuda.memory._snapshot()`,
+with the run's allocation history as its device_traces) to DIR, for `python -m gpumem explain`,
+`python -m gpumem replay` or torch's memory_viz.
 """
 
 import argparse
@@ -36,6 +37,8 @@ import torch
 if mode == "gpumem":
     import gpumem
     gpumem.install()
+    if snap:
+        gpumem.record_history(stacks=None, max_entries=4_000_000)
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,

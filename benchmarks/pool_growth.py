@@ -6,7 +6,10 @@ as allocations: general memory holds the weights; then, for each shape in turn
 the pool (torch routes them there between begin/endAllocateToPool, which gpumem
 treats as a capture under way).  Within a pass, intermediates are allocated and
 freed layer by layer; the recorded pass's output (the logits) stays live, as a
-CUDA graph's static output does.  The sizes follow a Llama-style model: hidden
+CUDA graph's static output does.  After each shape's recording a small tensor
+of the general heap is allocated and kept (--between bytes; cudagraph trees
+keeps a few such between recordings): it must not stand in the way of the
+pool's next growth.  The sizes follow a Llama-style model: hidden
 2048, 16 heads, MLP 5504, vocabulary 32000, 4 layers, bf16 (--hidden etc.).
 
 Printed: peak live and peak reserved memory, and reserved / live, for gpumem
@@ -16,7 +19,7 @@ pool (expandable
 segments: best fit among its free ranges, else the segment grows at its end by
 what its free tail lacks, in 2 MiB pages), which is the figure to approach.
 
-Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-outputs] [--label NAME]
+Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-outputs] [--between BYTES] [--label NAME]
        [--out benchmarks/results/pool_growth.json]
 """
 
@@ -106,6 +109,8 @@ def run_gpumem(a, shapes, capture=True):
                 h.free(outputs.pop())
             if capture:
                 h.capture_end()
+            if a.between:
+                w.append(h.malloc(a.between, stream=STREAM))
             st = h.stats()
             per_shape.append(
                 {
@@ -201,6 +206,8 @@ def run_segment(a, shapes):
         out = forward(a, b * t, lambda n: alloc(pool, n), free, b)
         if a.drop_outputs:
             free(out)
+        if a.between:
+            alloc(general, a.between)
     return {"peak_live": peak, "peak_reserved": general.mapped + pool.mapped}
 
 
@@ -215,6 +222,9 @@ def main(argv=None):
     ap.add_argument("--capacity", default="80GiB")
     ap.add_argument(
         "--drop-outputs", action="store_true", help="free each recorded pass's output too (the caller drops it)"
+    )
+    ap.add_argument(
+        "--between", type=int, default=128 << 10, help="bytes of general memory kept after each recording (0: none)"
     )
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pool_growth.json"))

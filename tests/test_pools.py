@@ -748,3 +748,24 @@ def test_general_growth_leaves_the_space_after_a_pool_to_it(make_heap):
     x = h.malloc(MiB)
     assert x == w, "with no pool living, growth starts at the lowest address again"
     assert_ok(h)
+
+
+def test_a_pool_grows_at_its_edge_rather_than_save_a_page_elsewhere(make_heap):
+    """A pool's request that could save one new page by using the rest of a
+    general block's page elsewhere still extends the pool's own free memory:
+    the pool stays one region, as its later, larger graphs need."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.malloc(3 * MiB)  # general, pages 0-1
+    a = h.malloc(10 * PAGE, pool=P)  # [3, 23) MiB; [23, 24) MiB is the pool's free rest
+    g = h.malloc(128 << 10)  # general: far from the pool, 1.875 MiB of its page free
+    assert g > a + 12 * PAGE
+    before = _reserved(h)
+    b = h.malloc(9 * MiB + MiB // 2, pool=P)  # 5 new pages here, 4 beside g
+    assert b == a + 10 * PAGE, "the pool started a second region"
+    assert _reserved(h) - before == 5 * PAGE
+    assert_ok(h)
+    h.free(b)
+    h.free(a)
+    h.pool_release(P)
+    assert_ok(h)

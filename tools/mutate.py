@@ -174,6 +174,24 @@ MUTATIONS = [
         "    if (0 && !granted && *p1 > p0) {",
     ),
     Mutation(
+        "pool_page_rest_left_general",
+        "pools: the rest of a pool's last page stays general, so a small tensor there splits the pool",
+        "    if (pool) claim_page_rest(h, b, pool);\n",
+        "\n",
+    ),
+    Mutation(
+        "pool_edge_ignored",
+        "pools: a pool's request starts a second region elsewhere to save one page",
+        "c.best.new_pages + POOL_EDGE_PAGES) return c.best_pooled;",
+        "c.best.new_pages + POOL_EDGE_PAGES && 0) return c.best_pooled;",
+    ),
+    Mutation(
+        "growth_beside_pool",
+        "pools: the general heap's new memory may start right after a living pool's block",
+        "    p.beside = x == first->addr && first->prev",
+        "    p.beside = 0 && x == first->addr && first->prev",
+    ),
+    Mutation(
         "hand_over_left_in_place",
         "another stream allocates while a device wait's hand-over still sits in one stream's index",
         "    if (h->lazy_stream != ANY && s != h->lazy_stream) settle_release(h);",

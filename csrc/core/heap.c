@@ -120,7 +120,12 @@
  *   count as run space too (mapped, they need no new page), so one placement
  *   may span [P free][general free][unmapped].  A graph recorded at a larger
  *   shape then extends the memory of the smaller shapes' graphs in place,
- *   instead of leaving it stranded beside wholly new memory.
+ *   instead of leaving it stranded beside wholly new memory.  For that the
+ *   pool's edge stays its own: a new pool block takes the rest of its last
+ *   page when only unmapped space follows (claim_page_rest), no other
+ *   growth starts right after a living pool's block, and a pool's request
+ *   extends the pool's free memory when that costs at most one page more
+ *   than the best place elsewhere (consider_at, POOL_EDGE_PAGES).
  *
  *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
  *     |  page 0  |  page 1  |  page 2  |  page 3  |
@@ -1297,47 +1302,23 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
  * pool's free memory (which serves nothing else) over one that takes only
  * general memory; then a range that leaves the space after the blocks of
  * other living pools (for the general heap: of every living pool) to them;
- * then the shortest run; then the lowest address.
+ * then the shortest run; then the lowest address.  One exception: a pool's
+ * request takes the best range over the pool's free memory when that needs
+ * at most POOL_EDGE_PAGES more new pages than the best range elsewhere.
  *
- * Why the third rule: a pool's blocks hold their pages for as long as the
- * pool lives, so a pool grows only at its edges.  A CUDA graph recorded at a
- * larger shape needs its pool's free memory extended, and one small block of
- * anyone else's just after the pool's last block would leave that free
- * memory stranded and the larger graph all-new memory.  Together with
- * claim_page_rest (a pool's new block takes the rest of its last page when
- * only unmapped space follows), the general heap's growth goes elsewhere in
- * the address space (there is 4x the device's memory of it), and each pool
- * grows at its end as one segment of its own would. */
+ * Why: a pool's blocks hold their pages for as long as the pool lives, so a
+ * pool grows only at its edges.  A CUDA graph recorded at a larger shape
+ * needs its pool's free memory extended, and one small block of anyone
+ * else's just after the pool's last block would leave that free memory
+ * stranded and the larger graph all-new memory; so would the pool starting a
+ * second region elsewhere to save the page that a general block's leftover
+ * saves.  Together with claim_page_rest (a pool's new block takes the rest of
+ * its last page when only unmapped space follows), the general heap's growth
+ * goes elsewhere in the address space (there is 4x the device's memory of
+ * it), and each pool grows at its end as one segment of its own would. */
+#define POOL_EDGE_PAGES 1
+
 static size_t cached_pages_outside(const gm_heap *h, placement pl, size_t size);
-
-/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
- * With a `budget` (pages at hand; SIZE_MAX: none), a candidate that needs
- * more than those and the cached pages that could move to it is left out. */
-static void consider_at(const gm_heap *h, placement *best, gm_block *first, uintptr_t x, size_t len, size_t size,
-                        size_t budget, const gm_pool *pool) {
-    int pooled;
-    size_t need = unmapped_in(h, first, x, size, &pooled);
-    if (need > budget && need - budget > cached_pages_outside(h, (placement){1, x, need, len, first, pooled, 0}, size))
-        return;
-    /* Inside the run, the block before x is general space or pool's own. */
-    int beside = x == first->addr && first->prev && gm_pinned(first->prev) && first->prev->pool != pool;
-    int better = !best->ok || need < best->new_pages;
-    if (!better && need == best->new_pages) {
-        if (pooled != best->pooled)
-            better = pooled > best->pooled;
-        else if (beside != best->beside)
-            better = beside < best->beside;
-        else
-            better = len < best->run || (len == best->run && x < best->addr);
-    }
-    if (better) *best = (placement){1, x, need, len, first, pooled, beside};
-}
-
-static void consider(const gm_heap *h, placement *best, gm_block *first, uintptr_t start, size_t len, size_t size,
-                     size_t budget, const gm_pool *pool) {
-    consider_at(h, best, first, start, len, size, budget, pool);
-    if (len != size) consider_at(h, best, first, start + len - size, len, size, budget, pool);
-}
 
 struct place_ctx {
     gm_heap *h;
@@ -1346,7 +1327,33 @@ struct place_ctx {
     gm_pool *pool; /* the requesting pool, or NULL */
     size_t budget; /* see consider_at */
     placement best;
+    placement best_pooled; /* the best that takes the pool's free memory */
 };
+
+static int ranks_before(const placement *a, const placement *b) {
+    if (!b->ok || a->new_pages != b->new_pages) return !b->ok || a->new_pages < b->new_pages;
+    if (a->pooled != b->pooled) return a->pooled > b->pooled;
+    if (a->beside != b->beside) return a->beside < b->beside;
+    return a->run < b->run || (a->run == b->run && a->addr < b->addr);
+}
+
+/* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
+ * With a `budget` (pages at hand; SIZE_MAX: none), a candidate that needs
+ * more than those and the cached pages that could move to it is left out. */
+static void consider_at(struct place_ctx *c, gm_block *first, uintptr_t x, size_t len) {
+    placement p = {1, x, 0, len, first, 0, 0};
+    p.new_pages = unmapped_in(c->h, first, x, c->size, &p.pooled);
+    if (p.new_pages > c->budget && p.new_pages - c->budget > cached_pages_outside(c->h, p, c->size)) return;
+    /* Inside the run, the block before x is general space or the pool's own. */
+    p.beside = x == first->addr && first->prev && gm_pinned(first->prev) && first->prev->pool != c->pool;
+    if (ranks_before(&p, &c->best)) c->best = p;
+    if (p.pooled && ranks_before(&p, &c->best_pooled)) c->best_pooled = p;
+}
+
+static void consider(struct place_ctx *c, gm_block *first, uintptr_t start, size_t len) {
+    consider_at(c, first, start, len);
+    if (len != c->size) consider_at(c, first, start + len - c->size, len);
+}
 
 /* The runs that stream s may use inside one run of general space: its own or
  * everyone's free blocks of the general heap (never a pool's: those are not
@@ -1364,7 +1371,7 @@ static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
             len += b->size;
             continue;
         }
-        if (first && len >= c->size) consider(c->h, &c->best, first, first->addr, len, c->size, c->budget, c->pool);
+        if (first && len >= c->size) consider(c, first, first->addr, len);
         first = NULL;
         if (!in) return;
     }
@@ -1399,12 +1406,11 @@ static int place_pooled_one(gm_block *b, void *arg) {
     for (const gm_block *x = first; x && usable(c, x); x = x->next) len += x->size;
     if (len < c->size) return 0;
     uintptr_t lo = first->addr, hi = first->addr + len;
-    consider(c->h, &c->best, first, lo, len, c->size, c->budget, c->pool);
+    consider(c, first, lo, len);
     for (gm_block *x = b; x && x->addr < hi; x = x->next) {
         if (!x->pool) continue;
-        if (x->addr + c->size <= hi) consider_at(c->h, &c->best, first, x->addr, len, c->size, c->budget, c->pool);
-        if (x->addr + x->size >= lo + c->size)
-            consider_at(c->h, &c->best, first, x->addr + x->size - c->size, len, c->size, c->budget, c->pool);
+        if (x->addr + c->size <= hi) consider_at(c, first, x->addr, len);
+        if (x->addr + x->size >= lo + c->size) consider_at(c, first, x->addr + x->size - c->size, len);
     }
     return 0;
 }
@@ -1420,7 +1426,7 @@ static void place_pooled(struct place_ctx *c) {
  * address: a total order, so the runs may be visited in any order, and only
  * runs of general space at least `size` long can hold one. */
 static placement place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
-    struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0, 0}};
+    struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0, 0}, {0, 0, 0, 0, NULL, 0, 0}};
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
@@ -1429,9 +1435,10 @@ static placement place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *poo
         place_in(&c, h->head, h->base + h->va_size);
     } else {
         ri_each_at_least(&h->runs, size, place_in_run, &c);
-        if (f) consider(h, &c.best, f, f->addr, f->size, size, budget, pool);
+        if (f) consider(&c, f, f->addr, f->size);
     }
     if (pool) place_pooled(&c);
+    if (c.best_pooled.ok && c.best_pooled.new_pages <= c.best.new_pages + POOL_EDGE_PAGES) return c.best_pooled;
     return c.best;
 }
 
