@@ -63,7 +63,9 @@ def test_pause_releases_the_pool_pages_and_keeps_addresses(make_heap):
     blocks = setup_pool(h)
     free0, res0 = dev_free(h), reserved(h)
     info = h.pool_info(P)
+    unmaps = h.stats()["num_unmaps"]
     r = h.pool_pause(P)
+    assert h.stats()["num_unmaps"] - unmaps == 1, "one run of pages: one unmap call"
     # 5 MiB ends mid-page, before unmapped space: the rest of that page became the pool's
     assert r["pages"] == 7 and r["shared_pages"] == 0 and r["backup_bytes"] == 0
     assert r["pages"] + r["shared_pages"] == info["pinned_pages"]

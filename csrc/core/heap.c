@@ -2903,12 +2903,12 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
             rc = GM_EDEVICE;
             break;
         }
+        h->st.num_unmaps++; /* calls, as everywhere */
         for (size_t q = l[i].page, end = l[j - 1].page + 1; q < end;) {
             size_t k = h->chunk_len[q];
             gm_handle hd = h->page_handle[q];
             chunk_clear(h, q, k);
             h->paused_pages += k;
-            h->st.num_unmaps += (int64_t)k;
             q += k;
             if (k > 1) {
                 h->multi_chunks--;
