@@ -177,13 +177,13 @@ MUTATIONS = [
         "pool_page_rest_left_general",
         "pools: the rest of a pool's last page stays general, so a small tensor there splits the pool",
         "    if (pool) claim_page_rest(h, b, pool);\n",
-        "\n",
+        "    if (pool && !b->size) claim_page_rest(h, b, pool);\n",
     ),
     Mutation(
         "pool_edge_ignored",
         "pools: a pool's request starts a second region elsewhere to save one page",
         "c.best.new_pages + POOL_EDGE_PAGES) return c.best_pooled;",
-        "c.best.new_pages + POOL_EDGE_PAGES && 0) return c.best_pooled;",
+        "c.best.new_pages + POOL_EDGE_PAGES) return c.best;",
     ),
     Mutation(
         "growth_beside_pool",
