@@ -769,3 +769,26 @@ def test_a_pool_grows_at_its_edge_rather_than_save_a_page_elsewhere(make_heap):
     h.free(a)
     h.pool_release(P)
     assert_ok(h)
+
+
+def test_the_rest_of_a_pools_page_freed_by_another_stream_stays_that_streams(make_heap):
+    """The rest of a pool block's last page is the pool's only if the
+    requesting stream may use it: another stream's free block there keeps its
+    owner (its work may still run) and stays general."""
+    h = make_heap()
+    h.pool_retain(P)
+    u = h.malloc(MiB, stream=S1)  # [0, 1) MiB; the rest of page 0 is S1's
+    v = h.malloc(MiB, stream=S2)  # S1's rest handed over: [1, 2) MiB
+    assert v == u + MiB
+    h.sim_hold_stream(S2, True)
+    h.free(v)  # S2's, while S2's work runs
+    h.free(u)
+    b = h.malloc(MiB, stream=S1, pool=P)  # u's memory, right before S2's block
+    assert b == u
+    free = [(x["addr"], x["size"], x["stream"], x["pool"]) for x in blocks(h) if x["state"] == "free"]
+    assert free == [(v, MiB, S2, None)]
+    assert_ok(h)
+    h.sim_hold_stream(S2, False)
+    h.free(b)
+    h.pool_release(P)
+    assert_ok(h)

@@ -2259,6 +2259,9 @@ static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm
 static void claim_page_rest(gm_heap *h, gm_block *b, gm_pool *p) {
     gm_block *r = b->next;
     if (!r || r->state != GM_BLOCK_FREE || r->pool || (r->next && r->next->state != GM_BLOCK_UNMAPPED)) return;
+    /* Only memory b's stream may use: the pool has owners for that stream
+     * and ANY; another stream's free block stays where its work is ordered. */
+    if (r->stream != b->stream && r->stream != ANY) return;
     size_t last = gm_page_floor(h, b->addr + b->size - 1);
     if (gm_page_floor(h, r->addr) != last || r->addr + r->size != gm_page_addr(h, last + 1)) return;
     gm_run_detach(h, r);
