@@ -883,12 +883,16 @@ static int create_chunk(gm_heap *h, size_t k, gm_handle *hd, int *dev_err) {
     return GM_OK;
 }
 
-/* Give an unmapped chunk of k > 1 pages back to the device; one whose release
- * fails, or may not be released now (during a capture), waits in h->loose
- * (still held) for release_spares. */
+/* Give an unmapped chunk of k pages back to the device.  One whose release
+ * fails, or may not be released now (during a capture), stays held: a single
+ * page as a spare, a larger chunk in h->loose, for release_spares. */
 static void release_chunk(gm_heap *h, gm_handle hd, size_t k) {
     if (h->no_sync || h->dev->ops->release(h->dev, hd)) {
         h->st.num_device_errors += !h->no_sync;
+        if (k == 1) {
+            spare_push(h, hd);
+            return;
+        }
         h->loose[h->n_loose++] = (struct gm_loose){hd, k};
         h->loose_pages += k;
         return;
@@ -2913,16 +2917,8 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
             chunk_clear(h, q, k);
             h->paused_pages += k;
             q += k;
-            if (k > 1) {
-                h->multi_chunks--;
-                release_chunk(h, hd, k);
-            } else if (ops->release(h->dev, hd)) {
-                h->st.num_device_errors++;
-                spare_push(h, hd);
-            } else {
-                count_held(h, -1);
-                h->st.num_device_free++;
-            }
+            h->multi_chunks -= k > 1;
+            release_chunk(h, hd, k);
         }
         gm_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
         done = j;
