@@ -1425,10 +1425,11 @@ static void place_pooled(struct place_ctx *c) {
     fi_each(&c->pool->any->idx, place_pooled_one, c);
 }
 
-/* Where [addr, addr+size) needs the fewest new pages, among runs of memory
- * that stream s may use.  Ties go to the shortest run, then the lowest
- * address: a total order, so the runs may be visited in any order, and only
- * runs of general space at least `size` long can hold one. */
+/* Where [addr, addr+size) ranks first (ranks_before, and a pool's edge
+ * within POOL_EDGE_PAGES), among runs of memory that stream s may use and,
+ * with a `budget`, that the pages at hand can back (consider_at): a total
+ * order, so the runs may be visited in any order, and only runs of general
+ * space at least `size` long can hold one. */
 static placement place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
     struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0, 0}, {0, 0, 0, 0, NULL, 0, 0}};
     /* Lone free blocks are not in the run index; the slow path gets here when
