@@ -743,7 +743,7 @@ create_fail(char *err, size_t errlen, const char *fmt, ...) {
     return NULL;
 }
 
-gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen) {
+gm_device *gm_cuda_create(int ordinal, size_t page_size, char *err, size_t errlen) {
     const char *faults = getenv("GPUMEM_CUDA_FAULTS");
     if (faults && *faults) {
         /* Checked before anything else, so a bad value fails on any machine. */
@@ -751,6 +751,8 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen) {
         char why[200];
         if (parse_faults(&probe, faults, why, sizeof why) < 0) return create_fail(err, errlen, "%s", why);
     }
+    if (page_size & (page_size - 1))
+        return create_fail(err, errlen, "page_size must be a power of two, got %zu", page_size);
     pthread_once(&cu_once, cu_load);
     if (!cu_ok) return create_fail(err, errlen, "%s", cu_err);
 
@@ -818,6 +820,12 @@ gm_device *gm_cuda_create(int ordinal, char *err, size_t errlen) {
             return create_fail(err, errlen, "cuMemGetAllocationGranularity: %s (%s)", cu_desc(r), cu_name(r));
         return create_fail(err, errlen, "cuMemGetAllocationGranularity returned 0");
     }
-    c->base.page_size = gran;
+    if (page_size && page_size % gran) {
+        cu.DevicePrimaryCtxRelease(cudev);
+        free(c);
+        return create_fail(err, errlen, "page_size %zu is not a multiple of device %d's granularity (%zu bytes)",
+                           page_size, ordinal, gran);
+    }
+    c->base.page_size = page_size ? page_size : gran;
     return &c->base;
 }

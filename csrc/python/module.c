@@ -307,13 +307,13 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
 
     gm_device *dev = NULL;
     int is_sim = 0;
+    if (page_size & (page_size - 1)) {
+        PyErr_Format(PyExc_ValueError, "page_size must be a power of two, got %zu", page_size);
+        return -1;
+    }
     if (strcmp(device, "sim") == 0) {
         if (capacity == 0) {
             PyErr_SetString(PyExc_ValueError, "capacity of a sim device must be positive");
-            return -1;
-        }
-        if (page_size & (page_size - 1)) {
-            PyErr_Format(PyExc_ValueError, "page_size must be a power of two, got %zu", page_size);
             return -1;
         }
         dev = gm_sim_create(capacity, page_size);
@@ -327,14 +327,12 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
             PyErr_SetString(PyExc_ValueError, "capacity applies to the sim device only; use cap= to limit a cuda heap");
             return -1;
         }
-        if (page_size != 0) {
-            PyErr_SetString(PyExc_ValueError, "page_size applies to the sim device only");
-            return -1;
-        }
         char err[256] = "";
-        dev = gm_cuda_create(ordinal, err, sizeof err);
+        dev = gm_cuda_create(ordinal, page_size, err, sizeof err);
         if (dev == NULL) {
-            PyErr_Format(gm_py_DeviceError, "cannot open cuda:%d: %s", ordinal, err[0] ? err : "unknown reason");
+            /* A page size the device cannot use is the caller's mistake, not the device's. */
+            PyObject *type = strncmp(err, "page_size", 9) == 0 ? PyExc_ValueError : gm_py_DeviceError;
+            PyErr_Format(type, "cannot open cuda:%d: %s", ordinal, err[0] ? err : "unknown reason");
             return -1;
         }
     } else {
