@@ -257,7 +257,8 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
     }
     gm_torch_options o = options_snapshot();
     char err[256] = "";
-    gm_device *dev = sim_capacity ? gm_sim_create(sim_capacity, 0) : gm_cuda_create(device, err, sizeof err);
+    gm_device *dev =
+        sim_capacity ? gm_sim_create(sim_capacity, o.page_size) : gm_cuda_create(device, o.page_size, err, sizeof err);
     if (!dev) {
         *why = std::string("gpumem cannot open ") + (sim_capacity ? "a simulated" : "CUDA") + " device " +
                std::to_string(device) + ": " + err;
@@ -457,7 +458,7 @@ extern "C" void gm_torch_options_default(gm_torch_options *o) {
 
 extern "C" int gm_torch_configure(const gm_torch_options *o) {
     if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 ||
-        o->chunk_pages > GM_CHUNK_PAGES_MAX ||
+        o->chunk_pages > GM_CHUNK_PAGES_MAX || (o->page_size & (o->page_size - 1)) ||
         (o->oom_mode != GM_TORCH_OOM_TORCH && o->oom_mode != GM_TORCH_OOM_RUNTIME) ||
         o->history_entries > ((size_t)1 << 32))
         return GM_EINVAL;

@@ -20,9 +20,12 @@ torch makes there.
 Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     cap                 a number up to 1 is a fraction of the device, else bytes ("60GiB", 64424509440)
     growth_slack        how far reserved memory may grow above peak live, as a fraction
-    growth_slack_pages  ... plus this many 2 MiB pages
-    chunk_pages         the most 2 MiB pages one physical allocation holds (1, the default: every page its
+    growth_slack_pages  ... plus this many pages
+    chunk_pages         the most pages one physical allocation holds (1, the default: every page its
                         own; more makes growth and resume cheaper, but a partly used allocation stays whole)
+    page_size           the heap's page ("8MiB"): a power of two, a multiple of the device's granularity
+                        (2 MiB, the default); each page is one physical allocation, still movable, so
+                        larger pages grow with fewer driver calls and defragment more coarsely
     va_size             virtual address space to reserve per device (default 4 x device memory)
     history             keep the last N allocator events per device (0: off)
     oom                 "torch": raise torch.OutOfMemoryError (default); "runtime": RuntimeError
@@ -39,7 +42,7 @@ from .._units import parse_size
 from . import _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
-OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "chunk_pages", "va_size", "history", "oom")
+OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "chunk_pages", "page_size", "va_size", "history", "oom")
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -101,6 +104,7 @@ def normalize_options(options):
         "growth_slack": -1.0,
         "growth_slack_pages": -1,
         "chunk_pages": 0,
+        "page_size": 0,
         "history_entries": 0,
         "oom_mode": "torch",
     }
@@ -141,6 +145,11 @@ def normalize_options(options):
         if not 1 <= v <= _C.CHUNK_PAGES_MAX:
             raise ValueError(f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}], got {options['chunk_pages']!r}")
         kw["chunk_pages"] = v
+    if options.get("page_size") not in (None, 0, "0"):
+        v = _size(options["page_size"], "page_size")
+        if v & (v - 1):
+            raise ValueError(f"page_size must be a power of two, got {options['page_size']!r}")
+        kw["page_size"] = v
     if options.get("history") is not None:
         v = int(options["history"])
         if not 0 <= v <= MAX_HISTORY:
