@@ -54,3 +54,52 @@ def test_cuda_chunks_grow_give_back_pause_and_resume():
     assert r["kept"] == 16
     assert r["paused"] == 32 and r["resumed"] == 1  # a resume makes each run one allocation
     assert r["final"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_cuda_pages_larger_than_the_granularity():
+    # Heap(page_size=8MiB): one driver allocation per 8 MiB page; pages that
+    # still move one at a time under a cap, their contents kept where live
+    # blocks are; a page size the device cannot use is a ValueError; torch
+    # installed with page_size computes what it computes without.
+    r = run_py("""
+        MiB = 1 << 20
+        h = gpumem.Heap(device="cuda", page_size="8MiB", cap=128 * MiB, growth_slack=0.0, growth_slack_pages=0)
+        blocks = [h.malloc(8 * MiB) for _ in range(16)]
+        grown = h.stats()["num_device_alloc"]
+        for b in blocks[::2]:
+            h.free(b)
+        big = h.malloc(16 * MiB)  # no hole fits and the cap allows no growth: free pages move
+        st = h.stats()
+        h.check()
+        h.free(big)
+        for b in blocks[1::2]:
+            h.free(b)
+        h.close()
+        try:
+            gpumem.Heap(device="cuda", page_size=MiB)
+            small = "accepted"
+        except ValueError as e:
+            small = str(e)
+        gpumem.install(page_size="8MiB")
+        g = torch.Generator(device="cpu").manual_seed(3)
+        live, bad = [], 0
+        for i in range(300):
+            n = int(torch.randint(1, 3 << 20, (1,), generator=g))  # int32: up to 12 MiB
+            live.append((i, torch.full((n,), i % 97, device="cuda", dtype=torch.int32)))
+            if len(live) > 40:
+                del live[int(torch.randint(0, len(live), (1,), generator=g))]
+        for i, t in live:
+            bad += int(int(t.sum()) != (i % 97) * t.numel())
+        snap = gpumem._C._torch_snapshot(0)
+        gpumem._C._torch_check(0)
+        out(grown=grown, remapped=st["num_pages_remapped"], reserved=st["reserved_bytes.all.current"], small=small,
+            page=snap["page_size"], bad=bad, torch_reserved=torch.cuda.memory_reserved())
+    """)
+    assert r["grown"] == 16
+    assert r["remapped"] >= 1 and r["reserved"] == 128 << 20, r
+    assert "multiple" in r["small"] and "granularity" in r["small"], r["small"]
+    assert r["page"] == 8 << 20
+    assert r["bad"] == 0, r
+    assert r["torch_reserved"] % (8 << 20) == 0
