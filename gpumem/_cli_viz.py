@@ -42,6 +42,16 @@ def _size_arg(text: str) -> int:
     return n
 
 
+def replay_heap_kwargs(args) -> Optional[dict]:
+    """The heap options --chunk-pages and --page-size ask for (None: gpumem's defaults)."""
+    kw = {}
+    if getattr(args, "chunk_pages", None):
+        kw["chunk_pages"] = args.chunk_pages
+    if getattr(args, "page_size", None):
+        kw["page_size"] = args.page_size
+    return kw or None
+
+
 # ---- replay --snapshot / --html -------------------------------------------------------
 
 
@@ -90,7 +100,7 @@ def write_peak_outputs(args, trace) -> dict:
     """Write --snapshot / --html for one replayed trace; returns JSON-able notes."""
     if not (args.snapshot or args.html):
         return {}
-    kw = {"chunk_pages": args.chunk_pages} if getattr(args, "chunk_pages", None) else None
+    kw = replay_heap_kwargs(args)
     snap, r = peak_snapshot(trace, args.capacity, heap_kwargs=kw, event_delay=args.event_delay)
     out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
     if args.html:

@@ -138,6 +138,7 @@ def test_bad_inputs_subprocess(tmp_path):
         (["replay", "x.gz", "--capacity", "0"], "positive"),
         (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
         (["replay", "x.gz", "--chunk-pages", "0"], "chunk pages must be between 1 and"),
+        (["replay", "x.gz", "--page-size", "3MiB"], "page size must be a power of two"),
         (["nosuchcommand"], "invalid choice"),
         ([], "required"),
     ],
@@ -204,6 +205,19 @@ def test_chunk_pages_option(capsys):
     assert default["num_device_alloc"] == one["num_device_alloc"]
     assert eight["num_device_alloc"] < one["num_device_alloc"] / 2
     assert eight["peak_live_bytes"] == one["peak_live_bytes"]
+
+
+def test_page_size_option(capsys):
+    """--page-size 8MiB: about a quarter of the device allocations, each a whole 8 MiB page."""
+    rows = {}
+    for extra in ([], ["--page-size", "8MiB"]):
+        assert main(["replay", str(SEED), "--json", "--no-timing", "--min-capacity", *extra]) == 0
+        (rows[tuple(extra)],) = json_rows(capsys.readouterr().out)
+    two, eight = rows[()], rows[("--page-size", "8MiB")]
+    assert eight["peak_live_bytes"] == two["peak_live_bytes"]
+    assert eight["num_device_alloc"] <= two["num_device_alloc"] / 3
+    assert eight["peak_reserved_bytes"] % (8 * MiB) == 0 and eight["min_capacity_bytes"] >= eight["peak_live_bytes"]
+    assert eight["ooms"] == two["ooms"] == 0
 
 
 def test_ooms_reported_not_fatal(tmp_path, capsys):
