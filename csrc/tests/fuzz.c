@@ -1,7 +1,8 @@
 /*
  * fuzz.c -- random-operation stress driver for the gpumem core on the sim device.
  *
- *   fuzz [--threads N] [--capacity BYTES] [--history N] [--chunk-pages N] [--quiet] [ops=1000000] [seed=1]
+ *   fuzz [--threads N] [--capacity BYTES] [--history N] [--chunk-pages N] [--page-size BYTES] [--quiet]
+ *        [ops=1000000] [seed=1]
  *
  * Single-threaded mode drives one heap with a random mix of gm_malloc (sizes
  * log-uniform from 1 B to 256 MiB on 3 streams), gm_free, gm_record_stream,
@@ -21,7 +22,9 @@
  * Physical allocations: without --chunk-pages, a single-threaded run does its
  * first half of the ops on a heap with chunk_pages 1 and the second half on a
  * fresh one with chunk_pages 2..16 (from the seed); a threaded run uses 1 for
- * even seeds, 16 for odd ones.
+ * even seeds, 16 for odd ones.  --page-size runs the heap on pages of that
+ * size (a power of two; default the simulated device's 2 MiB), as
+ * Heap(page_size=...) does.
  *
  * Exit status 0 on success; on the first violation it prints the op index and
  * seed (enough to reproduce: the run is deterministic for a given seed in
@@ -56,6 +59,7 @@ static const gm_stream STREAMS[NSTREAMS] = {0, 0x7f0000001000ull, 0x7f0000002000
 
 static uint64_t g_seed;
 static size_t g_chunk_pages; /* --chunk-pages; 0: chosen per run (see the top) */
+static size_t g_page_size;   /* --page-size; 0: the simulated device's default */
 static gm_heap *g_heap;      /* for the history dump on failure */
 static uintptr_t g_addr;     /* address the failure is about (0 if none) */
 static size_t g_history;     /* --history N: entries to keep */
@@ -980,7 +984,7 @@ static void set_faults(world *w, rng_t *r, int on) {
 static void open_world(world *w, size_t capacity, size_t chunk_pages) {
     memset(w, 0, sizeof *w);
     w->capacity = capacity;
-    w->dev = gm_sim_create(capacity, 0);
+    w->dev = gm_sim_create(capacity, g_page_size);
     if (!w->dev) fail("gm_sim_create failed");
     w->page = w->dev->page_size;
     gm_config cfg;
@@ -1323,7 +1327,7 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     tw.seed = seed;
     tw.nthreads = nthreads;
     tw.ops_per_thread = ops / (uint64_t)nthreads;
-    tw.dev = gm_sim_create(capacity, 0);
+    tw.dev = gm_sim_create(capacity, g_page_size);
     if (!tw.dev) fail("gm_sim_create failed");
     gm_config cfg;
     gm_config_default(&cfg);
@@ -1509,9 +1513,11 @@ int main(int argc, char **argv) {
             g_history = (size_t)parse_u64(argv[++i], "history size");
         else if (!strcmp(argv[i], "--chunk-pages") && i + 1 < argc)
             g_chunk_pages = (size_t)parse_u64(argv[++i], "chunk pages");
+        else if (!strcmp(argv[i], "--page-size") && i + 1 < argc)
+            g_page_size = (size_t)parse_u64(argv[++i], "page size");
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--chunk-pages N] [--quiet] "
-                   "[ops=1000000] [seed=1]\n",
+            printf("usage: %s [--threads N] [--capacity BYTES|NG|NM] [--history N] [--chunk-pages N] "
+                   "[--page-size BYTES|NM] [--quiet] [ops=1000000] [seed=1]\n",
                    argv[0]);
             return 0;
         } else if (argv[i][0] != '-' && npos == 0) {
@@ -1527,6 +1533,10 @@ int main(int argc, char **argv) {
     }
     if (capacity < 256 * MiB) {
         fprintf(stderr, "fuzz: capacity must be at least 256 MiB\n");
+        return 2;
+    }
+    if (g_page_size & (g_page_size - 1) || (g_page_size && (g_page_size < 4096 || g_page_size > 64 * MiB))) {
+        fprintf(stderr, "fuzz: page size must be a power of two from 4 KiB to 64 MiB\n");
         return 2;
     }
     g_seed = seed;
