@@ -1,17 +1,23 @@
-"""How big a physical allocation should be: replay every shipped trace at several chunk_pages.
+"""How big a physical allocation should be: replay every shipped trace at several chunk_pages and page sizes.
 
     python3 benchmarks/chunk_pages.py [--traces DIR] [--out DIR] [--values 1,4,8,16,32,64]
+                                      [--page-sizes 4,8,16]
 
-A chunk is one device allocation of up to `chunk_pages` 2 MiB pages, mapped and
-unmapped only as a whole: growth needs fewer device calls (each costs tens of
-microseconds on a GPU), but a chunk that other blocks still use cannot be given
-back or moved.  For each trace (gpumem/data/traces) and value this prints the
-smallest capacity that replays with no OOM (to 1 MiB), the peak reserved at the
-default capacity (80 GiB), and the device allocations (creates) and maps the
-replay made; it writes <out>/chunk_pages.json (default benchmarks/results/).
+Two ways to grow with fewer device calls (each costs tens of microseconds on a GPU):
 
-The default's rule: the largest value whose min capacity and peak reserved stay
-within 0.5% of peak live of chunk_pages=1's, on every trace (printed at the end).
+  chunk_pages=N   one device allocation of up to N 2 MiB pages, mapped and unmapped only as a
+                  whole: a chunk that other blocks still use cannot be given back or moved;
+  page_size=M     pages of M MiB, each its own allocation: every page still moves on its own,
+                  but a block keeps whole M MiB pages, so small blocks keep more memory.
+
+For each trace (gpumem/data/traces) and layout this prints the smallest capacity that
+replays with no OOM (to 1 MiB), the peak reserved at the default capacity (80 GiB), and the
+device allocations (creates) and maps the replay made; it writes <out>/chunk_pages.json
+(default benchmarks/results/).
+
+The default's rule: a layout qualifies when its min capacity and peak reserved stay within
+0.5% of peak live of the default layout's (2 MiB pages, chunk_pages=1), on every trace; the
+qualifying layouts are printed at the end.
 """
 
 from __future__ import annotations
@@ -41,11 +47,24 @@ from replay import default_traces  # noqa: E402
 TOLERANCE = 0.005  # of peak live
 
 
-def measure(trace, value: int) -> dict:
-    kw = {"chunk_pages": value}
+MiB = 1 << 20
+
+
+def layouts(values: str, page_sizes: str) -> list:
+    """(label, heap keyword arguments): the default first, then each chunk_pages, then each page size."""
+    out = [("chunk_pages=1", {"chunk_pages": 1})]
+    for v in sorted({int(v) for v in values.split(",") if v.strip()} - {1}):
+        out.append((f"chunk_pages={v}", {"chunk_pages": v}))
+    for m in sorted({int(m) for m in page_sizes.split(",") if m.strip()} - {2}):
+        out.append((f"page_size={m}MiB", {"page_size": m * MiB}))
+    return out
+
+
+def measure(trace, kw: dict) -> dict:
     r = replay(trace, DEFAULT_CAPACITY, timing=False, heap_kwargs=kw)
     return {
-        "chunk_pages": value,
+        "chunk_pages": kw.get("chunk_pages", 1),
+        "page_size": kw.get("page_size", 2 * MiB),
         "peak_live_bytes": r.peak_live_bytes,
         "min_capacity_bytes": min_capacity(trace, heap_kwargs=kw),
         "peak_reserved_bytes": r.peak_reserved_bytes,
@@ -55,10 +74,10 @@ def measure(trace, value: int) -> dict:
     }
 
 
-def qualifies(rows: dict, value: int) -> bool:
-    """Within TOLERANCE of peak live of chunk_pages=1 on min capacity and peak reserved, every trace."""
-    for by_value in rows.values():
-        base, r = by_value[1], by_value[value]
+def qualifies(rows: dict, label: str) -> bool:
+    """Within TOLERANCE of peak live of the default layout on min capacity and peak reserved, every trace."""
+    for by_label in rows.values():
+        base, r = by_label["chunk_pages=1"], by_label[label]
         slack = TOLERANCE * base["peak_live_bytes"]
         if r["min_capacity_bytes"] > base["min_capacity_bytes"] + slack:
             return False
@@ -72,26 +91,25 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", type=pathlib.Path, default=None, help="directory of traces (default: the shipped ones)")
     ap.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     ap.add_argument("--values", default="1,4,8,16,32,64", help="chunk_pages values, comma-separated (1 is added)")
+    ap.add_argument("--page-sizes", default="4,8,16", help="page sizes in MiB (chunk_pages 1), comma-separated")
     args = ap.parse_args(argv)
-    values = sorted({1, *(int(v) for v in args.values.split(","))})
+    todo = layouts(args.values, args.page_sizes)
     tdir = args.traces or default_traces()
     paths = sorted(p for p in tdir.iterdir() if p.name.endswith((".trace", ".trace.gz")))
     rows: dict = {}
-    lines = [
-        ["trace", "chunk_pages", "min capacity", "Δmin/live", "peak reserved", "Δreserved/live", "creates", "maps"]
-    ]
+    lines = [["trace", "layout", "min capacity", "Δmin/live", "peak reserved", "Δreserved/live", "creates", "maps"]]
     for path in paths:
         trace = load_trace(path)
         rows[trace.name] = {}
-        for v in values:
-            r = measure(trace, v)
-            rows[trace.name][v] = r
-            base = rows[trace.name][1]
+        for label, kw in todo:
+            r = measure(trace, kw)
+            rows[trace.name][label] = r
+            base = rows[trace.name]["chunk_pages=1"]
             live = r["peak_live_bytes"] or 1
             lines.append(
                 [
                     trace.name,
-                    str(v),
+                    label,
                     format_size(r["min_capacity_bytes"]),
                     f"{(r['min_capacity_bytes'] - base['min_capacity_bytes']) / live:+.2%}",
                     format_size(r["peak_reserved_bytes"]),
@@ -101,14 +119,13 @@ def main(argv=None) -> int:
                 ]
             )
             print("  ".join(lines[-1]), file=sys.stderr, flush=True)
-    ok = [v for v in values if qualifies(rows, v)]
-    best = max(ok)
+    ok = [label for label, _ in todo if qualifies(rows, label)]
     widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     for row in lines:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     print(
-        f"\nwithin {TOLERANCE:.1%} of peak live of chunk_pages=1 on every trace: {ok}; "
-        f"largest: {best} (gpumem's default: {gpumem._C.CHUNK_PAGES_DEFAULT})"
+        f"\nwithin {TOLERANCE:.1%} of peak live of 2 MiB pages, chunk_pages=1 on every trace: {', '.join(ok)} "
+        f"(gpumem's default: chunk_pages={gpumem._C.CHUNK_PAGES_DEFAULT}, the device's page)"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     out = {
@@ -116,8 +133,9 @@ def main(argv=None) -> int:
         "machine": platform.machine(),
         "tolerance_of_peak_live": TOLERANCE,
         "qualifying": ok,
-        "largest_qualifying": best,
-        "traces": {name: [by_value[v] for v in values] for name, by_value in rows.items()},
+        "traces": {
+            name: [dict(layout=label, **by_label[label]) for label, _ in todo] for name, by_label in rows.items()
+        },
     }
     (args.out / "chunk_pages.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out / 'chunk_pages.json'}")
