@@ -10,6 +10,8 @@ Writes, for each JSON file that exists (a missing one is skipped with a line say
                         (gpu_vs_sim.json)
   gpu_train_chunks.png  training step time ÷ native's, median step and whole run, per workload and
                         allocator (gpu_train_chunks.json, written by gpu_train.py --json)
+  gpu_train_pages.png   the same, and the run repeated after empty_cache(), for 2 and 8 MiB pages
+                        (gpu_train_pages.json)
 Needs matplotlib.
 """
 
@@ -100,19 +102,27 @@ def plot_gpu_vs_sim(plt, results: str, out: str) -> Optional[str]:
     return _save(fig, out, "gpu_vs_sim.png")
 
 
-def plot_gpu_train(plt, results: str, out: str) -> Optional[str]:
-    rows = _load(results, "gpu_train_chunks.json")
+PANELS = (
+    ("median_ms", "median step"),
+    ("total_ms", "whole run, first steps included"),
+    ("again_total_ms", "whole run again, after empty_cache()"),
+)
+
+
+def _plot_train(plt, results: str, out: str, source: str, target: str) -> Optional[str]:
+    rows = _load(results, source)
     if not rows:
         return None
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     allocators = list(dict.fromkeys(r["allocator"] for r in rows))
     if "native" not in allocators:
-        print("skipped: gpu_train.json has no native runs to compare with", file=sys.stderr)
+        print(f"skipped: {source} has no native runs to compare with", file=sys.stderr)
         return None
     others = [a for a in allocators if a != "native"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    panels = [(k, t) for k, t in PANELS if any(k in r for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), sharey=True)
     width = 0.8 / max(1, len(others))
-    for ax, key, title in zip(axes, ("median_ms", "total_ms"), ("median step", "whole run, first steps included")):
+    for ax, (key, title) in zip(axes, panels):
         for i, a in enumerate(others):
             ratios = []
             for w in workloads:
@@ -125,10 +135,18 @@ def plot_gpu_train(plt, results: str, out: str) -> Optional[str]:
         ax.set_xticklabels(workloads, fontsize=8)
         ax.set_title(title)
     axes[0].set_ylabel("time ÷ native's")
-    axes[0].set_ylim(0.8, None)
-    axes[1].legend(fontsize=8)
+    axes[0].set_ylim(0.6, None)
+    axes[-1].legend(fontsize=7)
     fig.suptitle("Training step time against PyTorch's native allocator")
-    return _save(fig, out, "gpu_train_chunks.png")
+    return _save(fig, out, target)
+
+
+def plot_gpu_train(plt, results: str, out: str) -> Optional[str]:
+    return _plot_train(plt, results, out, "gpu_train_chunks.json", "gpu_train_chunks.png")
+
+
+def plot_gpu_train_pages(plt, results: str, out: str) -> Optional[str]:
+    return _plot_train(plt, results, out, "gpu_train_pages.json", "gpu_train_pages.png")
 
 
 def _save(fig, out: str, name: str) -> str:
@@ -153,7 +171,7 @@ def main(argv=None) -> int:
         print("plot_results.py needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     out = a.out or a.results
-    for plot in (plot_slowpath, plot_gpu_vs_sim, plot_gpu_train):
+    for plot in (plot_slowpath, plot_gpu_vs_sim, plot_gpu_train, plot_gpu_train_pages):
         path = plot(plt, a.results, out)
         if path:
             print("wrote", path)
