@@ -3,7 +3,7 @@
 Each page is one physical allocation, so a heap of 8 MiB pages grows by a quarter of the
 driver calls of one of 2 MiB pages, and every page still moves on its own when the heap
 defragments.  These run on the simulated device and on the option parsing, with no GPU;
-tests/test_gpu_torch.py checks the same on CUDA.
+tests/test_gpu_chunks.py checks the same on CUDA.
 """
 
 import pytest
