@@ -42,6 +42,10 @@ from ._units import parse_size
 
 __all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
 
+# The page of a heap made without page_size: a GPU's VMM granularity (2 MiB on every current GPU),
+# and the simulated device's default.
+DEVICE_PAGE = 2 << 20
+
 CAUSE_KINDS = (
     "too_big",
     "other_processes",
@@ -565,15 +569,22 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
             "pending blocks become reusable."
         ]
     if kind == "fragmentation" and (r.is_oom or short):
-        return [
+        advice = [
             "Stranded memory comes from small long-lived tensors sharing pages with freed ones: "
             "allocate persistent buffers (weights, optimizer state, caches) before the loop, and free "
             "the small tensors the top sites list."
         ]
+        if r.page_size > DEVICE_PAGE:
+            advice.append(
+                f"This heap's pages are {_fs(r.page_size)} (page_size): a block keeps whole pages, so the "
+                f"larger the page the more a small tensor strands. The default page ({_fs(DEVICE_PAGE)}, "
+                "GPUMEM_CONF without page_size for torch) strands less."
+            )
+        return advice
     if kind == "chunks" and (r.is_oom or short):
         return [
             "Memory near its limit defragments best page by page: with chunk_pages > 1, create the heap "
-            "with chunk_pages=1 (GPUMEM_CONF=chunk_pages:1 for torch), which makes every 2 MiB page it grows "
+            "with chunk_pages=1 (GPUMEM_CONF=chunk_pages:1 for torch), which makes every page it grows "
             "by its own allocation. A resumed pool's allocations stay whole until all their pages are free, "
             "even after the pool ends: free its tensors."
         ]

@@ -119,6 +119,22 @@ def test_fragmentation_stranded_and_what_defrag_reclaims():
         assert r.main_cause.bytes == r.stranded_bytes == gpumem.snapshot(h).summary.stranded_bytes
         text = r.text()
         assert "never moves live data" in text and "persistent buffers" in text
+        assert "page_size" not in text  # the default page: nothing to say about it
+
+
+def test_fragmentation_on_large_pages_names_the_page_size():
+    # The same layout on 8 MiB pages: 256 KiB live in each page strands the rest of it.
+    with gpumem.Heap(device="sim", capacity=256 * MiB, page_size=8 * MiB) as h:
+        big, small = [], []
+        for _ in range(32):
+            big.append(h.malloc(8 * MiB - 256 * 1024))
+            small.append(h.malloc(256 * 1024))
+        for p in big:
+            h.free(p)
+        oom(h, 32 * MiB)
+        r = last_oom(h)
+        assert r.main_cause.kind == "fragmentation" and r.page_size == 8 * MiB
+        assert any("page_size" in a and "8.00 MiB" in a for a in r.advice), r.advice
 
 
 def test_cap(heap):
