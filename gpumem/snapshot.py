@@ -1,6 +1,6 @@
 """gpumem.snapshot(): what the heap holds, as numbers, pictures and torch's format.
 
-A heap is one reserved address range.  Physical pages (2 MiB) are mapped behind
+A heap is one reserved address range.  Physical pages (2 MiB unless page_size) are mapped behind
 parts of it; blocks tile the range in address order:
 
     live       handed out (a tensor)

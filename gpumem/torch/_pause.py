@@ -31,7 +31,7 @@ class PauseResult:
 
     pages / bytes: pages released by a pause, or mapped again by a resume.
     shared_pages: pages of the pool kept mapped because blocks outside the pool
-    share them (a page is 2 MiB; a pool's small blocks can share one with
+    share them (a page is 2 MiB by default; a pool's small blocks can share one with
     other tensors).  backup_bytes: bytes copied to pinned host memory (pause)
     or back (resume); 0 without a backup.  seconds: time the call took.
     phases: where that time went, in seconds -- "sync" (the device wait
