@@ -197,6 +197,13 @@ MUTATIONS = [
         "    if (h->lazy_stream != ANY && s != h->lazy_stream) settle_release(h);",
         "    if (0) settle_release(h);",
     ),
+    Mutation(
+        "torch_page_size_ignored",
+        "torch: the heaps torch's allocations get ignore the page_size option",
+        "gm_sim_create(sim_capacity, o.page_size) : gm_cuda_create(device, o.page_size,",
+        "gm_sim_create(sim_capacity, 0) : gm_cuda_create(device, 0,",
+        path="csrc/python/torch_alloc.cpp",
+    ),
 ]
 
 DEFAULT_TESTS = ["tests"]
