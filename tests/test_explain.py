@@ -101,16 +101,21 @@ def test_live_tensors_without_history_says_how_to_get_sites(heap):
     assert "record_history" in r.main_cause.details[0]
 
 
+def strand_every_page(h, keep):
+    """32 pages, each holding a live block of `keep` bytes and the rest of the page freed."""
+    big = []
+    for _ in range(32):
+        big.append(h.malloc(h.page_size - keep))
+        h.malloc(keep)
+    for p in big:
+        h.free(p)
+
+
 def test_fragmentation_stranded_and_what_defrag_reclaims():
     # 64 KiB live in every page, the rest of each page freed: most free memory is
     # stranded beside live data, where neither defragmentation nor empty_cache reaches.
     with gpumem.Heap(device="sim", capacity=64 * MiB) as h:
-        big, small = [], []
-        for _ in range(32):
-            big.append(h.malloc(2 * MiB - 64 * 1024))
-            small.append(h.malloc(64 * 1024))
-        for p in big:
-            h.free(p)
+        strand_every_page(h, 64 * 1024)
         s = gpumem.snapshot(h).summary
         assert s.stranded_bytes > 50 * MiB and s.live_bytes == 2 * MiB
         oom(h, 8 * MiB)
@@ -125,12 +130,7 @@ def test_fragmentation_stranded_and_what_defrag_reclaims():
 def test_fragmentation_on_large_pages_names_the_page_size():
     # The same layout on 8 MiB pages: 256 KiB live in each page strands the rest of it.
     with gpumem.Heap(device="sim", capacity=256 * MiB, page_size=8 * MiB) as h:
-        big, small = [], []
-        for _ in range(32):
-            big.append(h.malloc(8 * MiB - 256 * 1024))
-            small.append(h.malloc(256 * 1024))
-        for p in big:
-            h.free(p)
+        strand_every_page(h, 256 * 1024)
         oom(h, 32 * MiB)
         r = last_oom(h)
         assert r.main_cause.kind == "fragmentation" and r.page_size == 8 * MiB
