@@ -42,14 +42,14 @@ def run(name, use, steps):
     dev = "cuda"
     random.seed(1234)
     torch.manual_seed(1234)
-    times = []
+    times, again = [], []
 
-    def timed(step_fn):
+    def timed(step_fn, into):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step_fn()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        into.append(time.perf_counter() - t0)
 
     if name not in workloads.BUILDERS:
         raise SystemExit(f"unknown workload {name}")
@@ -59,7 +59,7 @@ def run(name, use, steps):
         w.step(*w.draw(random))
 
     for _ in range(steps):
-        timed(step)
+        timed(step, times)
     st = torch.cuda.memory_stats()
     body = times[WARMUP:]
     # The same shapes again after empty_cache(): the caches are cold again but CUDA's one-time set-up
@@ -67,10 +67,8 @@ def run(name, use, steps):
     random.seed(1234)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    again, times = times, []
     for _ in range(steps):
-        timed(step)
-    again, times = times, again
+        timed(step, again)
     return dict(
         workload=name,
         allocator=use,
