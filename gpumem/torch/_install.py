@@ -145,7 +145,7 @@ def normalize_options(options):
         if not 1 <= v <= _C.CHUNK_PAGES_MAX:
             raise ValueError(f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}], got {options['chunk_pages']!r}")
         kw["chunk_pages"] = v
-    if options.get("page_size") not in (None, 0, "0"):
+    if options.get("page_size") is not None:
         v = _size(options["page_size"], "page_size")
         if v & (v - 1):
             raise ValueError(f"page_size must be a power of two, got {options['page_size']!r}")
