@@ -59,10 +59,10 @@ def test_cuda_chunks_grow_give_back_pause_and_resume():
 @pytest.mark.gpu
 @pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
 def test_cuda_pages_larger_than_the_granularity():
-    # Heap(page_size=8MiB): one driver allocation per 8 MiB page; pages that
-    # still move one at a time under a cap, their contents kept where live
-    # blocks are; a page size the device cannot use is a ValueError; torch
-    # installed with page_size computes what it computes without.
+    # Heap(page_size=8MiB): one driver allocation per 8 MiB page; free pages
+    # still move one at a time under a cap; a page size the device cannot use
+    # is a ValueError; torch installed with page_size keeps every tensor's
+    # contents through 300 allocations and frees.
     r = run_py("""
         MiB = 1 << 20
         h = gpumem.Heap(device="cuda", page_size="8MiB", cap=128 * MiB, growth_slack=0.0, growth_slack_pages=0)
