@@ -48,8 +48,13 @@ def test_ring_exactly_full_and_resized(heap):
     heap.free(heap.malloc(MiB))  # map, alloc, free_requested, free_completed
     h = history(heap)
     assert [e.action for e in h.entries] == ["map", "alloc", "free_requested", "free_completed"] and h.dropped == 0
-    record_history(True, device=heap, stacks=None, max_entries=2)  # resizing drops the old ring
-    assert len(history(heap)) == 0
+    record_history(True, device=heap, stacks=None, max_entries=2)  # resizing keeps the newest that fit
+    h = history(heap)
+    assert [e.action for e in h.entries] == ["free_requested", "free_completed"] and h.dropped == 2
+    record_history(True, device=heap, stacks=None, max_entries=8)  # growing keeps them all
+    heap.free(heap.malloc(MiB))
+    assert [e.action for e in history(heap).entries][:2] == ["free_requested", "free_completed"]
+    assert len(history(heap)) == 5 and history(heap).dropped == 2
     record_history(False, device=heap)
     heap.free(heap.malloc(MiB))
     assert len(history(heap)) == 0

@@ -124,7 +124,7 @@ def test_formatter_writes_the_core_line_then_the_report(oom_heap):
     text = call_formatter(info, procs=[(4242, 300 * MiB)])
     first, _, rest = text.partition("\n")
     # The one line torch_alloc.cpp writes itself: device 0 has no torch heap here.
-    assert first.startswith("CUDA out of memory. Tried to allocate 400.00 MiB on GPU 0.")
+    assert first.startswith("CUDA out of memory. Tried to allocate 400.00 MiB. GPU 0 has a total capacity of ")
     assert "Where the device's" in rest and "[live_tensors]" in rest and "What to do:" in rest
     # The process list torch_alloc.cpp took is what the report shows, not asked again.
     assert seen == [(0, [(4242, 300 * MiB)])]

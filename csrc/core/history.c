@@ -42,14 +42,22 @@ void gm_hist_free(gm_heap *h) {
     h->hist_dropped = 0;
 }
 
+/* A new ring keeps the newest events of the old one that fit (the rest count as
+ * dropped), as torch keeps its trace when recording is asked for again; 0 turns
+ * recording off and forgets every event. */
 int gm_history_enable(gm_heap *h, size_t max_entries) {
     if (max_entries > ((size_t)1 << 32)) return GM_EINVAL;
     gm_hist_entry *ring = NULL;
     if (max_entries && !(ring = calloc(max_entries, sizeof *ring))) return GM_ENOMEM;
     pthread_mutex_lock(&h->lock);
+    size_t keep = h->hist_len < max_entries ? h->hist_len : max_entries;
+    uint64_t dropped = h->hist_dropped + (h->hist_len - keep);
+    for (size_t i = 0; i < keep; i++) ring[i] = h->hist[(h->hist_head + h->hist_len - keep + i) % h->hist_cap];
     gm_hist_free(h);
     h->hist = ring;
     h->hist_cap = max_entries;
+    h->hist_len = keep;
+    h->hist_dropped = max_entries ? dropped : 0;
     pthread_mutex_unlock(&h->lock);
     return GM_OK;
 }

@@ -209,6 +209,19 @@ void gm_fmt_bytes(char *buf, size_t len, uint64_t n) {
     snprintf(buf, len, "%.2f %s", v, units[u]);
 }
 
+/* torch's own rule (c10's format_size): "N bytes" up to 1 KiB, then KiB up to
+ * 1 MiB, MiB up to 1 GiB, and GiB above, each bound inclusive. */
+void gm_fmt_torch_bytes(char *buf, size_t len, uint64_t n) {
+    if (n <= 1024)
+        snprintf(buf, len, "%" PRIu64 " bytes", n);
+    else if (n <= ((uint64_t)1 << 20))
+        snprintf(buf, len, "%.2f KiB", (double)n / 1024.0);
+    else if (n <= ((uint64_t)1 << 30))
+        snprintf(buf, len, "%.2f MiB", (double)n / 1048576.0);
+    else
+        snprintf(buf, len, "%.2f GiB", (double)n / 1073741824.0);
+}
+
 void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out) {
     gm_fmt_bytes(out->request, sizeof out->request, o->request);
     gm_fmt_bytes(out->device_total, sizeof out->device_total, o->device_total);
@@ -225,8 +238,14 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const c
     if (!len) return 0;
     gm_oom_sizes z;
     gm_oom_sizes_format(o, &z);
-    char where[32] = "", device[160];
-    if (gpu >= 0) snprintf(where, sizeof where, " on GPU %d", gpu);
+    char device[160];
+    if (gpu >= 0) {
+        /* torch's first sentence, word for word and in torch's units, so that code
+         * and people matching torch's message keep working; gpumem's figures follow. */
+        gm_fmt_torch_bytes(z.request, sizeof z.request, o->request);
+        gm_fmt_torch_bytes(z.device_total, sizeof z.device_total, o->device_total);
+        gm_fmt_torch_bytes(z.device_free, sizeof z.device_free, o->device_free);
+    }
     if (!o->device_total)
         snprintf(device, sizeof device, "The device's memory is unknown.");
     else if (gpu >= 0)
@@ -241,11 +260,11 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const c
         snprintf(fail, sizeof fail, " A device call failed: %s (%s: %s).", gm_strerror(o->device_error),
                  gm_py_code_name(o->device_error), failed && failed[0] ? failed : "no detail");
     int w = snprintf(buf, len,
-                     "CUDA out of memory. Tried to allocate %s%s. %s This process has %s allocated%s, %s reserved "
+                     "CUDA out of memory. Tried to allocate %s. %s This process has %s allocated%s, %s reserved "
                      "by gpumem (%s cached, %s waiting for other streams), under a cap of %s. The largest block "
                      "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s",
-                     z.request, where, device, z.live, gpu >= 0 ? " by PyTorch (gpumem)" : "", z.reserved, z.cached,
-                     z.pending, z.cap, z.largest, other, fail);
+                     z.request, device, z.live, gpu >= 0 ? " by PyTorch (gpumem)" : "", z.reserved, z.cached, z.pending,
+                     z.cap, z.largest, other, fail);
     if (w < 0) {
         buf[0] = '\0';
         return 0;

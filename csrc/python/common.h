@@ -77,6 +77,10 @@ PyObject *gm_py_fn_address(void (*fn)(void));
  * messages go through here. */
 void gm_fmt_bytes(char *buf, size_t len, uint64_t n);
 
+/* n bytes as torch's messages write them: "1024 bytes", "1.50 KiB", "2.00 MiB",
+ * then GiB however large ("800000000.00 GiB"). */
+void gm_fmt_torch_bytes(char *buf, size_t len, uint64_t n);
+
 /* The byte counts an out-of-memory message names, formatted by gm_fmt_bytes. */
 typedef struct gm_oom_sizes {
     char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32], pending[32], largest[32],
@@ -86,9 +90,10 @@ typedef struct gm_oom_sizes {
 void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
 
 /* The one-line out-of-memory message, the one place it is built:
- *   "CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0. GPU 0 has a total capacity of ... "
- * `gpu` >= 0 names torch's device (allocations then count as PyTorch's); -1 is
- * a gpumem.Heap.  `others` words the memory other processes hold (NULL: not
+ *   "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ... "
+ * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, and the
+ * first two sentences are torch's own, sizes in torch's units); -1 is a
+ * gpumem.Heap ("The device has a total capacity of ...").  `others` words the memory other processes hold (NULL: not
  * said); `failed` the device's reason when a device call failed (NULL: none
  * given).  Writes at most len bytes (NUL-terminated); returns the length. */
 size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed);

@@ -172,7 +172,8 @@ bool g_opts_ready = false;
 std::atomic<int> g_device_count{-1};
 std::atomic<gm_torch_context_fn> g_context_fn{nullptr};
 std::atomic<gm_torch_oom_formatter> g_formatter{nullptr};
-PyObject *g_oom_class = nullptr; /* guarded by the GIL */
+PyObject *g_oom_class = nullptr;    /* guarded by the GIL */
+PyObject *g_oom_observer = nullptr; /* guarded by the GIL */
 
 std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cache{0}, c_record_stream{0},
     c_fraction{0};
@@ -232,7 +233,10 @@ size_t device_total(gm_heap *h) {
 /* The cap a heap should have: an explicit set_per_process_memory_fraction wins
  * over the install options. */
 size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction) {
-    if (fraction >= 0) return fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
+    if (fraction >= 0) { /* a fraction of 0 allows nothing, as under torch's allocator (a cap of 0 is none) */
+        size_t f = fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
+        return fraction < 1.0 && f == 0 ? 1 : f;
+    }
     size_t cap = o.cap_bytes;
     if (o.cap_fraction > 0 && o.cap_fraction < 1.0) {
         size_t f = (size_t)(o.cap_fraction * (double)device_total(h));
@@ -436,14 +440,45 @@ int pool_release(int device, gm_pool_id id) {
     return h ? gm_pool_release(h, id) : GM_EINVAL;
 }
 
-std::string oom_message(int device, gm_heap *h, size_t size) {
-    gm_oom_info info;
-    if (gm_last_oom(h, &info) != GM_OK || info.request < size) gm_memory_report(h, size, &info);
+std::string oom_message(int device, gm_heap *h, size_t size, gm_oom_info *info) {
+    if (gm_last_oom(h, info) != GM_OK || info->request < size) gm_memory_report(h, size, info);
     std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
-    size_t n = gm_torch_format_oom(device, &info, &buf[0], buf.size());
+    size_t n = gm_torch_format_oom(device, info, &buf[0], buf.size());
     buf.resize(n);
     return buf;
 }
+
+/* torch's out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer),
+ * which gpumem.torch keeps in Python: called once per failed allocation, after
+ * the message is built and before the exception, with the GIL and no lock held,
+ * and with torch's arguments -- the device, the bytes asked for, the most this
+ * process may use (the cap, else the device's total) and the device's free
+ * bytes.  An observer that raises replaces the OOM with its own exception, as
+ * under torch's allocator. */
+void observe_oom(int device, size_t size, const gm_oom_info &info) {
+    if (!Py_IsInitialized()) return;
+    python_error e;
+    PyGILState_STATE st = PyGILState_Ensure();
+    if (PyObject *fn = g_oom_observer) {
+        Py_INCREF(fn);
+        unsigned long long allowed = info.cap_bytes ? info.cap_bytes : info.device_total;
+        PyObject *r = PyObject_CallFunction(fn, "iKKK", device, (unsigned long long)size, allowed,
+                                            (unsigned long long)info.device_free);
+        Py_DECREF(fn);
+        if (r)
+            Py_DECREF(r);
+        else
+            PyErr_Fetch(&e.type, &e.value, &e.traceback);
+    }
+    PyGILState_Release(st);
+    if (e.type) {
+        e.message = "gpumem: an out-of-memory observer raised";
+        throw e;
+    }
+}
+
+/* torch refuses any request of 1 EiB or more before its allocator looks at it. */
+constexpr size_t kOneExaByte = (size_t)1 << 60;
 
 } // namespace
 
@@ -528,6 +563,13 @@ extern "C" int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, si
 
 extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
 
+extern "C" void gm_torch_set_oom_observer(void *py_callable) {
+    PyObject *old = g_oom_observer;
+    g_oom_observer = (PyObject *)py_callable;
+    Py_XINCREF(g_oom_observer);
+    Py_XDECREF(old);
+}
+
 extern "C" void gm_torch_set_oom_class(void *py_class) {
     PyObject *old = g_oom_class;
     g_oom_class = (PyObject *)py_class;
@@ -608,11 +650,13 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     gm_torch_context_fn ctx_fn = g_context_fn.load(std::memory_order_relaxed);
     uint64_t ctx = ctx_fn ? ctx_fn() : 0;
     uintptr_t p = 0;
+    if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
     if (size > g_slots[device].limit.load(std::memory_order_relaxed)) {
         gm_oom_info info;
         gm_memory_report(h, size, &info);
         std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
         buf.resize(gm_torch_format_oom(device, &info, &buf[0], buf.size()));
+        observe_oom(device, size, info);
         throw_oom(buf);
     }
     int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
@@ -631,7 +675,9 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
         }
     }
     if (rc == GM_ENOMEM || rc == GM_EINVAL) {
-        std::string msg = oom_message(device, h, size);
+        gm_oom_info info;
+        std::string msg = oom_message(device, h, size, &info);
+        observe_oom(device, size, info);
         /* A failed attempt may have grown the heap to its cap on the way; give
          * that back, as torch's own allocator does, or memory taken outside the
          * allocator (cuBLAS handles, NCCL) fails next -- seen on an H100. */
@@ -816,4 +862,25 @@ extern "C" int gm_torch_test_hold_lock(int which, int device, double seconds) {
     }
     taken.wait();
     return GM_OK;
+}
+
+/* The allocation entry point as torch calls it, with what it throws caught:
+ * 0 and *out on success; 1 with *exc (type, value, traceback: new references)
+ * when it threw a Python exception (torch re-raises those); 2 with msg for any
+ * other C++ exception (torch raises a RuntimeError with its text). */
+extern "C" int gm_torch_test_alloc(size_t size, int device, void *stream, uintptr_t *out, void *exc[3], char *msg,
+                                   size_t len) {
+    try {
+        *out = (uintptr_t)gpumem_torch_alloc(size, device, stream);
+        return 0;
+    } catch (python_error &e) {
+        exc[0] = e.type;
+        exc[1] = e.value;
+        exc[2] = e.traceback;
+        e.type = e.value = e.traceback = nullptr;
+        return 1;
+    } catch (const std::exception &e) {
+        snprintf(msg, len, "%s", e.what());
+        return 2;
+    }
 }

@@ -64,6 +64,12 @@ int gm_torch_device_count(void);
  * kept.  Call with the GIL held.  NULL forgets it (RuntimeError then). */
 void gm_torch_set_oom_class(void *py_class);
 
+/* Python callable run on every out-of-memory failure of torch's heaps, before
+ * the exception: fn(device, requested, allowed, device_free), torch's OOM
+ * observer arguments; a strong reference is kept.  Call with the GIL held.
+ * NULL: none. */
+void gm_torch_set_oom_observer(void *py_callable);
+
 /* Room for the out-of-memory message: an explained one (a formatter) runs to a
  * few KiB, with a table, causes and advice. */
 #define GM_TORCH_OOM_MSG_MAX 16384
@@ -157,6 +163,10 @@ enum {
     GM_TORCH_TEST_LOCK_POOLS = 2
 };
 int gm_torch_test_hold_lock(int which, int device, double seconds);
+
+/* Test hook: gpumem_torch_alloc with its exceptions caught (torch_alloc.cpp);
+ * call without the GIL. */
+int gm_torch_test_alloc(size_t size, int device, void *stream, uintptr_t *out, void *exc[3], char *msg, size_t len);
 
 #ifdef __cplusplus
 }

@@ -589,6 +589,35 @@ static PyObject *g_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *g_set_oom_observer(PyObject *Py_UNUSED(m), PyObject *fn) {
+    if (fn != Py_None && !PyCallable_Check(fn))
+        return PyErr_Format(PyExc_TypeError, "an OOM observer must be callable or None, not %.80s",
+                            Py_TYPE(fn)->tp_name);
+    gm_torch_set_oom_observer(fn == Py_None ? NULL : fn);
+    Py_RETURN_NONE;
+}
+
+/* Test hook: torch's allocation entry point, its exceptions raised here as
+ * torch would raise them. */
+static PyObject *g_test_alloc(PyObject *Py_UNUSED(m), PyObject *args) {
+    unsigned long long size, stream = 0;
+    PyObject *dev;
+    int device;
+    if (!PyArg_ParseTuple(args, "KO|K", &size, &dev, &stream) || gm_py_device_index(dev, &device) < 0) return NULL;
+    uintptr_t p = 0;
+    void *exc[3] = {NULL, NULL, NULL};
+    char msg[GM_TORCH_OOM_MSG_MAX] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc =
+        gm_torch_test_alloc((size_t)size, device, (void *)(uintptr_t)stream, &p, exc, msg, sizeof msg);
+    Py_END_ALLOW_THREADS if (rc == 1) {
+        PyErr_Restore((PyObject *)exc[0], (PyObject *)exc[1], (PyObject *)exc[2]);
+        return NULL;
+    }
+    if (rc == 2) return PyErr_Format(PyExc_RuntimeError, "%s", msg);
+    return PyLong_FromUnsignedLongLong((unsigned long long)p);
+}
+
 /* Test hook: see gm_torch_test_hold_lock (torch_alloc.h). */
 static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
     const char *which_s;
@@ -665,6 +694,11 @@ static PyMethodDef glue_methods[] = {
     M("_torch_capturing", g_capturing, METH_O, "_torch_capturing(device) -> bool or None"),
     M("_torch_cxx11_abi", g_cxx11_abi, METH_NOARGS,
       "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
+    M("_torch_set_oom_observer", g_set_oom_observer, METH_O,
+      "_torch_set_oom_observer(fn or None): fn(device, requested, allowed, device_free) runs before each OOM"),
+    M("_torch_test_alloc", g_test_alloc, METH_VARARGS,
+      "_torch_test_alloc(size, device, stream=0) -> address: torch's allocation entry point, raising as torch "
+      "would (tests)"),
     M("_torch_open_sim", g_open_sim, METH_VARARGS,
       "_torch_open_sim(device, capacity): serve device with a simulated heap (tests)"),
     M("_test_hold_boundary_lock", g_test_hold_lock, METH_VARARGS,

@@ -372,13 +372,52 @@ def _record_history(enabled, *args, **kwargs):
     _viz.record_torch_history(enabled, *args, **kwargs)
 
 
+_fractions = {}  # device -> the fraction set_per_process_memory_fraction gave, as given
+_oom_observers = []  # torch._C._cuda_attach_out_of_memory_observer's callables, in order
+
+
+def _set_memory_fraction_fn(original):
+    def set_memory_fraction(fraction, device):
+        original(fraction, device)  # torch's hook sets the cap (csrc/python/torch_alloc.cpp)
+        _fractions[int(device)] = float(fraction)
+
+    return set_memory_fraction
+
+
 def _memory_fraction(device):
+    """get_per_process_memory_fraction: the fraction last set, as torch keeps it; else the
+    cap gpumem was installed with, as a fraction of the device (1.0 without one)."""
+    if int(device) in _fractions:
+        return _fractions[int(device)]
     C = _C
     cap = C._torch_get_cap(int(device))
     if not cap:
         return 1.0
     report = C._torch_memory_report(int(device), 0)
     return min(1.0, cap / report["device_total"]) if report and report["device_total"] else 1.0
+
+
+def _attach_oom_observer(observer):
+    """torch._C._cuda_attach_out_of_memory_observer: `observer(device, requested, allowed,
+    device_free)` runs on every out-of-memory failure, before the exception (torch's
+    CUDAPluggableAllocator does not forward observers, so gpumem keeps them)."""
+    if not callable(observer):
+        raise TypeError(f"an out-of-memory observer must be callable, not {type(observer).__name__}")
+    _oom_observers.append(observer)
+    _C._torch_set_oom_observer(_run_oom_observers)
+
+
+def _run_oom_observers(device, requested, allowed, device_free):
+    for observer in list(_oom_observers):
+        observer(device, requested, allowed, device_free)
+
+
+def _accelerator_stats(device=None):
+    """torch._C._accelerator_getDeviceStats: torch.accelerator.memory_stats() and the
+    functions built on it read the same statistics torch.cuda.memory_stats() does."""
+    import torch
+
+    return nested_stats(torch.cuda.current_device() if device is None else int(device))
 
 
 def _history_enabled():
@@ -410,7 +449,18 @@ def _patch(torch):
         "_cuda_record_memory_history_legacy": _record_history,
         "_cuda_getMemoryFraction": _memory_fraction,
         "_cuda_isHistoryEnabled": _history_enabled,
+        "_cuda_attach_out_of_memory_observer": _attach_oom_observer,
     }
+    if "_cuda_setMemoryFraction" not in {n for _, n in _state["patched"]}:
+        replacements["_cuda_setMemoryFraction"] = _set_memory_fraction_fn(torch._C._cuda_setMemoryFraction)
+    # torch.accelerator's memory functions (torch >= 2.9) on a CUDA device: its C
+    # functions ask the device allocator, which a pluggable allocator does not answer.
+    accelerator = {
+        "_accelerator_getDeviceStats": _accelerator_stats,
+        "_accelerator_resetPeakStats": lambda device=None: reset_peak(_device_or_current(torch, device)),
+        "_accelerator_resetAccumulatedStats": lambda device=None: reset_accumulated(_device_or_current(torch, device)),
+    }
+    replacements.update({k: v for k, v in accelerator.items() if hasattr(torch._C, k)})
     replacements.update(_pools.replacements(torch, _state["pool_hooks"]))
     for name, fn in replacements.items():
         _replace(torch._C, name, fn)
@@ -420,6 +470,10 @@ def _patch(torch):
         _replace(owner, "MemPool", _pools.MemPool)
     if not _state["pool_hooks"]:
         _replace(torch.cuda.graphs.CUDAGraph, "capture_begin", _pools.refuse_capture)
+
+
+def _device_or_current(torch, device):
+    return torch.cuda.current_device() if device is None else int(device)
 
 
 def _replace(owner, name, fn):

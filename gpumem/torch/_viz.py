@@ -43,12 +43,31 @@ def on_install() -> None:
         set_stack_hook(True)
 
 
+# The trace actions torch's _record_memory_history(skip_actions=...) names.
+TORCH_TRACE_ACTIONS = (
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+)
+_skip_actions: frozenset = frozenset()
+
+
 def record_torch_history(enabled, *args, **kwargs) -> None:
-    """torch._C._cuda_record_memory_history(enabled, context, stacks, max_entries, ...)
-    and _cuda_record_memory_history_legacy(enabled: bool, record_context,
+    """torch._C._cuda_record_memory_history(enabled, context, stacks, max_entries,
+    clear_history, compile_context, global_record_annotations, skip_actions) and
+    _cuda_record_memory_history_legacy(enabled: bool, record_context,
     trace_alloc_max_entries, ...), answered by gpumem.record_history on every
     device's heap.  Stacks are Python stacks ("all" asks for C++ frames too; gpumem
-    has only the Python ones); context=None records none."""
+    has only the Python ones); context=None records none.  clear_history drops the
+    events recorded so far; skip_actions leaves those actions out of the trace."""
+    global _skip_actions
+    clear, skip = False, ()
     if isinstance(enabled, bool):
         record_context = args[0] if args else kwargs.get("record_context", True)
         max_entries = args[1] if len(args) > 1 else kwargs.get("trace_alloc_max_entries", 1)
@@ -58,12 +77,22 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         context = args[0] if args else kwargs.get("context", "all")
         stack_kind = args[1] if len(args) > 1 else kwargs.get("stacks", "all")
         max_entries = args[2] if len(args) > 2 else kwargs.get("max_entries", MAX_HISTORY)
+        clear = args[3] if len(args) > 3 else kwargs.get("clear_history", False)
+        skip = args[6] if len(args) > 6 else kwargs.get("skip_actions", None)
         if enabled not in (None, "state", "all"):
             raise ValueError(f"enabled must be None, 'state' or 'all', not {enabled!r}")
         mode = enabled or False
         stacks = "python" if enabled and context and stack_kind in ("python", "all") else None
+    if isinstance(skip, str):
+        skip = (skip,)
+    unknown = sorted(set(skip or ()) - set(TORCH_TRACE_ACTIONS))
+    if unknown:
+        raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {', '.join(TORCH_TRACE_ACTIONS)})")
     n = max(1, min(int(max_entries), MAX_HISTORY))
+    if clear and mode == "all":
+        _C._torch_history_enable(0)  # the ring starts empty
     _record(_C._torch_history_enable, mode, stacks, n)
+    _skip_actions = frozenset(skip or ())
 
 
 def torch_snapshot_dict(arg=None) -> dict:
@@ -79,7 +108,7 @@ def torch_snapshot_dict(arg=None) -> dict:
     for d in devices:
         t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d)
         out["segments"].extend(s for s in t["segments"] if pool == (0, 0) or tuple(s["segment_pool_id"]) == pool)
-        out["device_traces"][d] = t["device_traces"][d]
+        out["device_traces"][d] = [e for e in t["device_traces"][d] if e["action"] not in _skip_actions]
         out.setdefault("allocator_settings", t["allocator_settings"])
         out.setdefault("external_annotations", t["external_annotations"])
     return out

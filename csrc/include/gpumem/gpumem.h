@@ -256,7 +256,8 @@ typedef struct gm_hist_entry {
     uint64_t context;
     uint32_t action; /* gm_hist_action */
 } gm_hist_entry;
-/* Keep the last `max_entries` events (0 turns history off and drops it). */
+/* Keep the last `max_entries` events (0 turns history off and drops it).  Called
+ * again with a new size, the newest events recorded so far that fit are kept. */
 int gm_history_enable(gm_heap *heap, size_t max_entries);
 /* Copy up to `cap` entries, oldest first; returns how many were copied.
  * *dropped (if not NULL) gets how many older entries the ring overwrote. */

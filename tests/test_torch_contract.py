@@ -1,0 +1,195 @@
+"""torch's allocator contract, as users of torch.cuda.memory and torch.accelerator meet it,
+checked without a GPU.
+
+Each case runs in a fresh interpreter with a simulated device behind torch's heap of
+device 0 (_torch_open_sim), and allocates through the very entry point torch calls
+(_torch_test_alloc raises what torch would raise): the out-of-memory message's first
+sentence, the 1 EiB refusal, out-of-memory observers, the memory fraction, the
+accelerator statistics and the history options (skip_actions, clear_history).
+tests/test_gpu_torch.py checks the same through torch on a GPU.
+"""
+
+from conftest import TORCH_BOUNDARY, run_python
+
+PRELUDE = (
+    """
+import ctypes, json
+from gpumem import _C
+from gpumem.torch import _install, _viz
+MiB = 1 << 20
+GiB = 1 << 30
+"""
+    + TORCH_BOUNDARY
+    + """
+def out(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+_C._torch_open_sim(0, 1 << 30)
+"""
+)
+
+
+def run_py(code):
+    return run_python(code, PRELUDE, timeout=300, unset=("GPUMEM_CONF", "GPUMEM_EXPLAIN_OOM"))
+
+
+def test_oom_first_sentence_is_torchs():
+    r = run_py("""
+        def oom(size):
+            try:
+                _C._torch_test_alloc(size, 0)
+            except RuntimeError as e:
+                return str(e)
+        msgs = [oom(800000000 * GiB), oom(3 * GiB)]
+        full = _C._torch_test_alloc(GiB, 0)     # the whole device: every request below fails
+        msgs += [oom(1024), oom(1536), oom(3 * MiB)]
+        out(msgs=msgs)
+    """)
+    big, three, b, kib, mib = r["msgs"]
+    # torch's own words and units (c10's format_size: bytes, KiB, MiB, then GiB however large) ...
+    assert big.startswith(
+        "CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of 1024.00 MiB of which "
+    )
+    assert three.startswith("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 1024.00 MiB")
+    assert b.startswith("CUDA out of memory. Tried to allocate 1024 bytes. GPU 0 has")
+    assert kib.startswith("CUDA out of memory. Tried to allocate 1.50 KiB. GPU 0 has")
+    assert mib.startswith("CUDA out of memory. Tried to allocate 3.00 MiB. GPU 0 has")
+    # ... then gpumem's figures
+    assert all("reserved by gpumem" in m and "The largest block gpumem could make now" in m for m in r["msgs"])
+
+
+def test_one_exbibyte_or_more_is_refused_in_torchs_words():
+    r = run_py("""
+        got = []
+        for size in (1 << 60, (1 << 64) - 1):
+            try:
+                _C._torch_test_alloc(size, 0)
+            except RuntimeError as e:
+                got.append(str(e))
+        try:
+            _C._torch_test_alloc((1 << 60) - (1 << 40), 0)   # just under: the usual message
+        except RuntimeError as e:
+            got.append(str(e))
+        _C._torch_check(0)
+        out(got=got, reserved=_C._torch_stats(0)["reserved_bytes.all.current"])
+    """)
+    a, b, under = r["got"]
+    assert a == b == "CUDA out of memory. Tried to allocate more than 1EB memory."
+    assert under.startswith("CUDA out of memory. Tried to allocate 1073740800.00 GiB. GPU 0 has a total capacity")
+    assert r["reserved"] == 0
+
+
+def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments():
+    r = run_py("""
+        calls = []
+        def first(device, requested, allowed, free):
+            # the heap's state at the failure is there to be snapshotted
+            calls.append(("first", device, requested, allowed, free, _C._torch_stats(0)["allocated_bytes.all.current"]))
+        _install._attach_oom_observer(first)
+        _install._attach_oom_observer(lambda *a: calls.append(("second",) + a))
+        keep = _C._torch_test_alloc(600 * MiB, 0)
+        try:
+            _C._torch_test_alloc(700 * MiB, 0)
+            raised = None
+        except RuntimeError as e:
+            raised = str(e)
+        ok = _C._torch_test_alloc(100 * MiB, 0)      # a success calls no observer
+        n_after_success = len(calls)
+        try:
+            _install._attach_oom_observer(42)
+            bad_type = None
+        except TypeError as e:
+            bad_type = str(e)
+        def broken(*a):
+            raise KeyError("the observer broke")
+        _install._attach_oom_observer(broken)
+        try:
+            _C._torch_test_alloc(700 * MiB, 0)
+            replaced = None
+        except KeyError as e:
+            replaced = repr(e)
+        _C._torch_check(0)
+        out(calls=calls, raised=raised, n_after_success=n_after_success, bad_type=bad_type, replaced=replaced)
+    """)
+    (first, second), rest = r["calls"][:2], r["calls"][2:]
+    assert first[:4] == ["first", 0, 700 << 20, 1 << 30] and first[5] == 600 << 20
+    assert second[:4] == ["second", 0, 700 << 20, 1 << 30] and second[4] == first[4]
+    assert 0 <= first[4] <= 1 << 30
+    assert r["raised"].startswith("CUDA out of memory. Tried to allocate 700.00 MiB.")
+    assert r["n_after_success"] == 2
+    assert "must be callable" in r["bad_type"]
+    # the second failure ran every observer again; the raising one's exception replaced the OOM
+    assert [c[0] for c in rest] == ["first", "second"]
+    assert r["replaced"] == "KeyError('the observer broke')"
+
+
+def test_memory_fraction_round_trips_and_zero_allows_nothing():
+    r = run_py("""
+        set_fraction = _install._set_memory_fraction_fn(lambda f, d: memory_fraction(f, d))
+        before = _install._memory_fraction(0)
+        got = []
+        for f in (1.0, 0.0, 0.123456789, 0.75):
+            set_fraction(f, 0)
+            got.append(_install._memory_fraction(0))
+        set_fraction(0.0, 0)
+        try:
+            _C._torch_test_alloc(512, 0)
+            zero = None
+        except RuntimeError as e:
+            zero = str(e)
+        set_fraction(1.0, 0)
+        p = _C._torch_test_alloc(512, 0)
+        out(before=before, got=got, zero=zero, cap_after=_C._torch_get_cap(0), p=p)
+    """)
+    assert r["before"] == 1.0
+    assert r["got"] == [1.0, 0.0, 0.123456789, 0.75]
+    assert r["zero"].startswith("CUDA out of memory. Tried to allocate 512 bytes.")
+    assert r["cap_after"] == 0 and r["p"]
+
+
+def test_accelerator_stats_are_torch_cuda_stats():
+    r = run_py("""
+        p = _C._torch_test_alloc(1024, 0)
+        nested = _install._accelerator_stats(0)
+        flat = {}
+        def flatten(prefix, v):
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    flatten(f"{prefix}.{k}" if prefix else k, x)
+            else:
+                flat[prefix] = v
+        flatten("", nested)
+        free(p, 0, 0, None)
+        after = _install._accelerator_stats(0)["active_bytes"]["all"]
+        out(flat=flat, after=after)
+    """)
+    flat = r["flat"]
+    assert flat["active_bytes.all.current"] == 1024 and flat["allocated_bytes.all.current"] == 1024
+    assert flat["allocation.all.current"] == 1 and flat["reserved_bytes.all.current"] >= 2 << 20
+    assert r["after"]["current"] == 0 and r["after"]["freed"] == 1024
+
+
+def test_history_skip_actions_and_clear_history():
+    r = run_py("""
+        _viz.record_torch_history("all", "all", "python", 1000, False, False, False, ["free_requested"])
+        a = _C._torch_test_alloc(4 * MiB, 0)
+        free(a, 0, 0, None)
+        kinds = [e["action"] for e in _viz.torch_snapshot_dict()["device_traces"][0]]
+        _viz.record_torch_history("all", "all", "python", 1000, False, False, False, [])
+        kinds_all = [e["action"] for e in _viz.torch_snapshot_dict()["device_traces"][0]]
+        _viz.record_torch_history("all", "all", "python", 1000, True, False, False, [])   # clear_history
+        cleared = [e["action"] for e in _viz.torch_snapshot_dict()["device_traces"][0]]
+        b = _C._torch_test_alloc(4 * MiB, 0)
+        after_clear = [e["action"] for e in _viz.torch_snapshot_dict()["device_traces"][0]]
+        try:
+            _viz.record_torch_history("all", "all", "python", 1000, False, False, False, ["frees"])
+            unknown = None
+        except ValueError as e:
+            unknown = str(e)
+        _viz.record_torch_history(None)
+        out(kinds=kinds, kinds_all=kinds_all, cleared=cleared, after_clear=after_clear, unknown=unknown)
+    """)
+    assert "alloc" in r["kinds"] and "free_completed" in r["kinds"] and "free_requested" not in r["kinds"]
+    assert "free_requested" in r["kinds_all"]  # still recorded: skip_actions only hides what it names
+    assert r["cleared"] == []
+    assert r["after_clear"][-1] == "alloc" and "free_requested" not in r["after_clear"]
+    assert "unknown trace action" in r["unknown"] and "frees" in r["unknown"]
