@@ -806,3 +806,53 @@ def test_patch_and_restore_torch_functions():
     finally:
         gt.uninstall()
     assert {n: getattr(torch._C, n, None) for n in names} == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_torch_contract_oom_observers_fraction_accelerator_and_history_options():
+    r = run_py("""
+        gpumem.install()
+        res = {}
+        x = torch.zeros(1024, device="cuda")
+        seen = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+        try:
+            torch.empty(1024 * 1024 * 1024 * 800000000, dtype=torch.int8, device="cuda")
+        except torch.OutOfMemoryError as e:
+            res["msg"] = str(e)
+        try:
+            torch.empty(1024 * 1024 * 1024 * 8000000000, dtype=torch.int8, device="cuda")
+        except RuntimeError as e:
+            res["eb"] = str(e)
+        res["seen"] = seen
+        res["total"] = torch.cuda.get_device_properties(0).total_memory
+        got = []
+        for f in (1.0, 0.0, 0.3, 1.0):
+            torch.cuda.set_per_process_memory_fraction(f)
+            got.append(torch.cuda.get_per_process_memory_fraction())
+        res["fractions"] = got
+        before = torch.accelerator.memory_stats()["active_bytes.all.current"]
+        t = torch.randn(256, device="cuda")
+        res["acc_delta"] = torch.accelerator.memory_stats()["active_bytes.all.current"] - before
+        res["acc_alloc"] = torch.accelerator.memory_allocated() == torch.cuda.memory_allocated()
+        del t
+        torch.accelerator.reset_peak_memory_stats()
+        res["acc_peak"] = torch.accelerator.max_memory_allocated() == torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(skip_actions=["free_requested"])
+        y = torch.empty(1 << 20, device="cuda")
+        del y
+        actions = {e["action"] for e in torch.cuda.memory._snapshot()["device_traces"][0]}
+        torch.cuda.memory._record_memory_history(None)
+        res["actions"] = sorted(actions)
+        x.fill_(1)
+        res["healthy"] = bool((x == 1).all())
+        out(**res)
+    """)
+    assert r["msg"].startswith("CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of")
+    assert r["eb"] == "CUDA out of memory. Tried to allocate more than 1EB memory."
+    assert len(r["seen"]) == 1 and r["seen"][0][:3] == [0, 800000000 << 30, r["total"]], r["seen"]
+    assert r["fractions"] == [1.0, 0.0, 0.3, 1.0]
+    assert r["acc_delta"] == 1024 and r["acc_alloc"] and r["acc_peak"]
+    assert "alloc" in r["actions"] and "free_requested" not in r["actions"], r["actions"]
+    assert r["healthy"]
