@@ -361,21 +361,29 @@ class Snapshot:
     # ---- torch's format ---------------------------------------------------------------
 
     def _pool_runs(self) -> List[Segment]:
-        """Mapped runs cut where the pool of the blocks changes (torch gives
-        every segment one segment_pool_id): a free block of the general heap
-        stays in the run it lies in; live or pending general blocks and each
-        pool's blocks make runs of their own."""
+        """Mapped runs cut where the pool or the stream of the blocks changes
+        (torch gives every segment one segment_pool_id, and serves each stream
+        from segments of its own): a free block of the general heap stays in the
+        run it lies in, a pool's free block in its pool's run; live or pending
+        blocks make runs of their pool and stream."""
         out: List[Segment] = []
         for seg in self.segments:
             run: List[Block] = []
             pool: Optional[Tuple[int, int]] = None
+            stream: Optional[int] = None
             for b in seg.blocks:
-                p = tuple(b.pool) if b.pool is not None else (0, 0) if b.state in ("live", "pending") else None
-                if p is not None and pool is not None and p != pool:
+                active = b.state in ("live", "pending")
+                p = tuple(b.pool) if b.pool is not None else (0, 0) if active else None
+                s = b.stream if active else None
+                if run and (
+                    (p is not None and pool is not None and p != pool) or (s is not None and stream not in (None, s))
+                ):
                     out.append(Segment(run[0].addr, sum(x.size for x in run), run))
-                    run, pool = [], None
+                    run, pool, stream = [], None, None
                 if pool is None:
                     pool = p
+                if stream is None:
+                    stream = s
                 run.append(b)
             if run:
                 out.append(Segment(run[0].addr, sum(x.size for x in run), run))

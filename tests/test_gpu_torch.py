@@ -845,10 +845,28 @@ def test_torch_contract_oom_observers_fraction_accelerator_and_history_options()
         actions = {e["action"] for e in torch.cuda.memory._snapshot()["device_traces"][0]}
         torch.cuda.memory._record_memory_history(None)
         res["actions"] = sorted(actions)
+        stream = torch.cuda.current_stream().cuda_stream
+        def requested_delta():
+            start = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
+            p = torch._C._cuda_cudaCachingAllocator_raw_alloc(1 << 20, stream)
+            delta = torch.cuda.memory_stats()["requested_bytes.all.allocated"] - start
+            torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+            return delta
+        torch.cuda.caching_allocator_enable(False)
+        res["uncached"] = (requested_delta(), torch._C._cuda_cudaCachingAllocator_is_enabled())
+        torch.cuda.caching_allocator_enable(True)
+        res["cached"] = (requested_delta(), torch._C._cuda_cudaCachingAllocator_is_enabled())
+        z = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del z
+        before = torch.cuda.memory_reserved()
+        torch.accelerator.empty_cache()
+        res["acc_empty"] = (before, torch.cuda.memory_reserved())
         x.fill_(1)
         res["healthy"] = bool((x == 1).all())
         out(**res)
     """)
+    assert r["uncached"] == [0, False] and r["cached"] == [1 << 20, True], (r["uncached"], r["cached"])
+    assert r["acc_empty"][1] < r["acc_empty"][0], r["acc_empty"]
     assert r["msg"].startswith("CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of")
     assert r["eb"] == "CUDA out of memory. Tried to allocate more than 1EB memory."
     assert len(r["seen"]) == 1 and r["seen"][0][:3] == [0, 800000000 << 30, r["total"]], r["seen"]

@@ -193,3 +193,24 @@ def test_history_skip_actions_and_clear_history():
     assert r["cleared"] == []
     assert r["after_clear"][-1] == "alloc" and "free_requested" not in r["after_clear"]
     assert "unknown trace action" in r["unknown"] and "frees" in r["unknown"]
+
+
+def test_torch_segments_serve_one_pool_and_one_stream():
+    # torch serves each stream from segments of its own: adjacent blocks of two streams
+    # in one run of pages show as two segments, each naming its stream.
+    import gpumem
+
+    with gpumem.Heap(device="sim", capacity="1GiB") as h:
+        a = h.malloc(1 << 20, stream=1)
+        b = h.malloc(1 << 20, stream=2)
+        c = h.malloc(1 << 20, stream=2)
+        segs = gpumem.Snapshot.from_heap(h).to_torch()["segments"]
+        mine = [s for s in segs if any(bl["state"] == "active_allocated" for bl in s["blocks"])]
+        by_stream = {s["stream"]: s for s in mine}
+        assert sorted(by_stream) == [1, 2] and len(mine) == 2
+        assert [bl["address"] for bl in by_stream[2]["blocks"] if bl["state"] == "active_allocated"] == [b, c]
+        assert by_stream[1]["blocks"][0]["address"] == a
+        # every byte of the mapped run is in exactly one segment
+        assert sum(s["total_size"] for s in segs) == h.stats()["reserved_bytes.all.current"]
+        for p in (a, b, c):
+            h.free(p)

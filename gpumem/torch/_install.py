@@ -420,6 +420,58 @@ def _accelerator_stats(device=None):
     return nested_stats(torch.cuda.current_device() if device is None else int(device))
 
 
+_caching = {"enabled": True}  # torch.cuda.caching_allocator_enable
+_uncached = {}  # device pointer -> bytes: raw allocations made while caching was off
+
+
+def _driver():
+    """The CUDA driver, for the raw allocations torch makes with its caching allocator
+    turned off (it calls cudaMalloc and cudaFree then; the current context is torch's)."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+    return lib
+
+
+def _set_caching_enabled(value):
+    """torch.cuda.caching_allocator_enable(value): with caching off, torch's raw
+    allocations (caching_allocator_alloc, _cuda_cudaCachingAllocator_raw_alloc) bypass
+    the allocator and its statistics and go to the driver, as under torch's allocator."""
+    _caching["enabled"] = bool(value)
+
+
+def _raw_alloc_fn(original):
+    def raw_alloc(size, stream):
+        if _caching["enabled"] or not int(size):
+            return original(size, stream)
+        import ctypes
+
+        ptr = ctypes.c_uint64(0)
+        rc = _driver().cuMemAlloc_v2(ctypes.byref(ptr), int(size))
+        if rc != 0:
+            raise RuntimeError(f"CUDA driver error {rc} allocating {int(size)} bytes with the caching allocator off")
+        _uncached[ptr.value] = int(size)
+        return ptr.value
+
+    return raw_alloc
+
+
+def _raw_delete_fn(original):
+    def raw_delete(ptr):
+        if int(ptr) in _uncached:
+            del _uncached[int(ptr)]
+            rc = _driver().cuMemFree_v2(int(ptr))
+            if rc != 0:
+                raise RuntimeError(f"CUDA driver error {rc} freeing {int(ptr):#x}")
+            return None
+        return original(ptr)
+
+    raw_delete._gpumem_original = getattr(original, "_gpumem_original", original)
+    return raw_delete
+
+
 def _history_enabled():
     """torch._C._cuda_isHistoryEnabled (cudagraph trees' history recording asks it)."""
     return _C._torch_options()["history_entries"] > 0
@@ -451,8 +503,9 @@ def _patch(torch):
         "_cuda_isHistoryEnabled": _history_enabled,
         "_cuda_attach_out_of_memory_observer": _attach_oom_observer,
     }
-    if "_cuda_setMemoryFraction" not in {n for _, n in _state["patched"]}:
-        replacements["_cuda_setMemoryFraction"] = _set_memory_fraction_fn(torch._C._cuda_setMemoryFraction)
+    if hasattr(torch._C, "_cuda_setMemoryFraction"):
+        original_set = _state["patched"].get((torch._C, "_cuda_setMemoryFraction"), torch._C._cuda_setMemoryFraction)
+        replacements["_cuda_setMemoryFraction"] = _set_memory_fraction_fn(original_set)
     # torch.accelerator's memory functions (torch >= 2.9) on a CUDA device: its C
     # functions ask the device allocator, which a pluggable allocator does not answer.
     accelerator = {
@@ -461,6 +514,31 @@ def _patch(torch):
         "_accelerator_resetAccumulatedStats": lambda device=None: reset_accumulated(_device_or_current(torch, device)),
     }
     replacements.update({k: v for k, v in accelerator.items() if hasattr(torch._C, k)})
+    if hasattr(torch._C, "_accelerator_isAllocatorInitialized"):
+        # torch asks the device allocator registry, which knows nothing of a pluggable
+        # allocator: gpumem's is ready once CUDA is (when torch is on CUDA).
+        original_ready = _state["patched"].get(
+            (torch._C, "_accelerator_isAllocatorInitialized"), torch._C._accelerator_isAllocatorInitialized
+        )
+
+        def allocator_ready():
+            acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+            if acc is not None and acc.type == "cuda":
+                return torch.cuda.is_initialized()
+            return original_ready()
+
+        replacements["_accelerator_isAllocatorInitialized"] = allocator_ready
+    if hasattr(torch._C, "_accelerator_emptyCache"):
+        replacements["_accelerator_emptyCache"] = lambda: torch._C._cuda_emptyCache()
+    replacements["_cuda_cudaCachingAllocator_enable"] = _set_caching_enabled
+    replacements["_cuda_cudaCachingAllocator_is_enabled"] = lambda: _caching["enabled"]
+    for name, wrap in (
+        ("_cuda_cudaCachingAllocator_raw_alloc", _raw_alloc_fn),
+        ("_cuda_cudaCachingAllocator_raw_delete", _raw_delete_fn),
+    ):
+        inner = replacements.get(name) or _state["patched"].get((torch._C, name), getattr(torch._C, name, None))
+        if inner is not None:
+            replacements[name] = wrap(inner)
     replacements.update(_pools.replacements(torch, _state["pool_hooks"]))
     for name, fn in replacements.items():
         _replace(torch._C, name, fn)
