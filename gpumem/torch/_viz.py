@@ -87,7 +87,8 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         skip = (skip,)
     unknown = sorted(set(skip or ()) - set(TORCH_TRACE_ACTIONS))
     if unknown:
-        raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {', '.join(TORCH_TRACE_ACTIONS)})")
+        known = ", ".join(TORCH_TRACE_ACTIONS)
+        raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {known})")
     n = max(1, min(int(max_entries), MAX_HISTORY))
     if clear and mode == "all":
         _C._torch_history_enable(0)  # the ring starts empty
