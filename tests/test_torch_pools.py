@@ -78,14 +78,21 @@ def test_filter_routes_allocations_and_pool_blocks_stay_in_the_pool():
     assert r["ok"]
 
 
-def test_first_active_pool_whose_filter_accepts_wins():
+def test_latest_active_pool_whose_filter_accepts_wins():
+    # torch searches the pools being allocated to newest first (a use_mem_pool nested
+    # in another allocates to the inner pool), and so does gpumem
     r = run_py("""
-        assert begin(0, 0, 5, stream_is(1)) == 0
         assert begin(0, 2, 0, ANY) == 0       # no filter: every stream
-        assert _C._torch_active_pools(0) == [(0, 5), (2, 0)]
+        assert begin(0, 0, 5, stream_is(1)) == 0
+        assert _C._torch_active_pools(0) == [(2, 0), (0, 5)]
         p1 = alloc(MiB, 0, 1)
         p2 = alloc(MiB, 0, 2)
         assert live((0, 5)) == {p1} and live((2, 0)) == {p2}
+        assert begin(0, 0, 7, ANY) == 0       # nested inside both: takes every stream
+        p4 = alloc(MiB, 0, 1)
+        assert live((0, 7)) == {p4}
+        assert end(0, 0, 7) == 0 and release(0, 0, 7) == 0
+        free(p4, 0, 0, 0)
         assert end(0, 0, 5) == 0
         p3 = alloc(MiB, 0, 1)                 # now only the catch-all is active
         assert p3 in live((2, 0))

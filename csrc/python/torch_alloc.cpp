@@ -316,8 +316,9 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
 /* route() calls on this thread now: a filter that ends a pool cannot wait for itself. */
 thread_local int t_routing = 0;
 
-/* The pool an allocation on `stream` goes to: the first active pool whose
- * filter accepts the stream (torch's allocator picks the same way), or false. */
+/* The pool an allocation on `stream` goes to: the most recently begun active
+ * pool whose filter accepts the stream (torch's allocator picks the same way),
+ * or false. */
 bool route(slot &s, gm_stream stream, gm_pool_id *out) {
     if (s.n_active.load(std::memory_order_acquire) == 0) return false;
     std::shared_ptr<const active_list> list;
@@ -335,9 +336,9 @@ bool route(slot &s, gm_stream stream, gm_pool_id *out) {
         }
     } guard{*list};
     t_routing++;
-    for (const active_pool &a : *list) {
-        if (a.filter((gm_cuda_stream_t)(uintptr_t)stream)) {
-            *out = a.id;
+    for (auto a = list->rbegin(); a != list->rend(); ++a) {
+        if (a->filter((gm_cuda_stream_t)(uintptr_t)stream)) {
+            *out = a->id;
             return true;
         }
     }
