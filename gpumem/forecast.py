@@ -695,13 +695,14 @@ class Forecast:
             ax.plot(xs, [(p.native_capacity_bytes or 0) / gib for p in rows], "^-", label="native needs")
         if self.capacity is not None:
             ax.axhline(self.capacity / gib, color="red", linestyle="--", label=f"capacity {format_size(self.capacity)}")
-            for a, style in (("gpumem", ":"), ("native", "-.")):
-                if not self.aligned and a == "native":
-                    continue
+            marks: Dict[int, List[str]] = {}
+            for a in ALLOCATORS if self.aligned else ("gpumem",):
                 v = self.largest(allocator=a)
                 if 0 < v < math.inf:
-                    ax.axvline(v, color="gray", linestyle=style, linewidth=1)
-                    ax.annotate(f"{a}: {v}", (v, self.capacity / gib), rotation=90, va="top", fontsize=8)
+                    marks.setdefault(int(v), []).append(a)
+            for v, names in marks.items():
+                ax.axvline(v, color="gray", linestyle=":", linewidth=1)
+                ax.annotate(f"{', '.join(names)}: {v}", (v, self.capacity / gib), rotation=90, va="top", fontsize=8)
         ax.scatter(self.recorded, [self.peak_live(k) / gib for k in self.recorded], zorder=5, color="black")
         ax.set_xlabel(self.name)
         ax.set_ylabel("GiB")
