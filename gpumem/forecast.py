@@ -92,11 +92,15 @@ class Recording:
 
     @staticmethod
     def granularity_of(trace: Trace) -> int:
+        """What the trace's sizes are rounded to: gpumem's and torch's histories
+        record their blocks' sizes, multiples of 512 bytes."""
         meta = trace.meta or {}
-        settings = meta.get("allocator_settings") or {}
         if meta.get("size_granularity"):
             return int(meta["size_granularity"])
+        settings = meta.get("allocator_settings") or {}
         if isinstance(settings, dict) and settings.get("allocator") == "gpumem":
+            return GPUMEM_GRANULARITY
+        if all(s % GPUMEM_GRANULARITY == 0 for s in trace.words[1::3]):
             return GPUMEM_GRANULARITY
         return 1
 
@@ -843,7 +847,7 @@ class _TorchGpumemRecorder(_HeapRecorder):
 class _TorchNativeRecorder:
     """torch's own caching allocator: its memory history and snapshot."""
 
-    granularity = 1
+    granularity = GPUMEM_GRANULARITY  # torch's history records its blocks' sizes too
 
     def __init__(self, torch, device):
         self.torch = torch
@@ -933,6 +937,7 @@ def forecast(
     device=None,
     warmup: int = 1,
     steps: int = 1,
+    reset: Optional[Callable[[], object]] = None,
     multiple: int = 1,
 ) -> Forecast:
     """Run `step(k)` at each knob value `k` with allocation history on, and
@@ -950,6 +955,9 @@ def forecast(
     warmup: unrecorded steps at each value before its recording, so that one-time
         allocations (optimizer state, library workspaces) happen outside it.
     steps: recorded steps per value (2 models the reuse between steps).
+    reset: called after the warm-up, before each recording, e.g. to drop optimizer
+        state (``opt.state.clear()``) so that each recording's first step makes it
+        again, as the first step of a fresh run at that value does.
     multiple: the knob's granularity in the search for the largest value.
     """
     knobs = _check_knobs(knob)
@@ -963,6 +971,8 @@ def forecast(
         t0 = time.perf_counter()
         for _ in range(warmup):
             step(k)
+        if reset is not None:
+            reset()
         rec.sync()
         live = rec.live_blocks()
         rec.start()

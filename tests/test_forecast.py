@@ -366,7 +366,7 @@ def test_from_traces_matches_the_in_process_forecast(tmp_path):
     assert fc.aligned
     assert fc.peak_live(30) == 100 * MiB + 10 * 2 * MiB * 30
     assert fc.largest() == (GiB - 100 * MiB) // (20 * MiB)
-    assert all(r.granularity == 1 for r in fc.recordings)
+    assert all(r.granularity == 512 for r in fc.recordings)  # every size a multiple of 512
     with pytest.raises(ForecastError, match="2 traces but 3 knob values"):
         Forecast.from_traces(paths, [2, 4, 8])
 
@@ -428,3 +428,26 @@ def test_recording_granularity_of_gpumem_snapshots(tmp_path):
     gpumem.dump_snapshot(path, device=h)
     t = load_trace(path)
     assert Recording.granularity_of(t) == 512
+    odd = tmp_path / "odd.trace"
+    odd.write_text("alloc 4096 1000 0\nalloc 8192 1024 0\n")
+    assert Recording.granularity_of(load_trace(odd)) == 1
+
+
+def test_reset_makes_each_recording_start_like_a_fresh_run():
+    h = sim()
+    state = {}
+
+    def step(k):
+        a = h.malloc(MiB * k)
+        if "opt" not in state:  # optimizer state appears at the end of the first step
+            state["opt"] = h.malloc(50 * MiB)
+        h.free(a)
+
+    def reset():
+        h.free(state.pop("opt"))
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=h, steps=2, reset=reset)
+    assert fc.aligned
+    # the first recorded step makes the state while its activation is live: both count
+    assert fc.peak_live(10) == 50 * MiB + 10 * MiB
+    assert fc.recordings[0].trace.allocs == 3
