@@ -451,3 +451,70 @@ def test_reset_makes_each_recording_start_like_a_fresh_run():
     # the first recorded step makes the state while its activation is live: both count
     assert fc.peak_live(10) == 50 * MiB + 10 * MiB
     assert fc.recordings[0].trace.allocs == 3
+
+
+# ---- the torch part, with a stand-in for torch.cuda -----------------------------------------------
+
+
+class _FakeCuda:
+    """What _TorchNativeRecorder reads of torch.cuda: a snapshot with segments
+    and a device trace, recording switched on and off."""
+
+    def __init__(self):
+        self.traces = []
+        self.segments = [
+            {
+                "device": 0,
+                "address": 1 << 20,
+                "stream": 0,
+                "blocks": [
+                    {"size": 4096, "requested_size": 4000, "state": "active_allocated"},
+                    {"size": 8192, "requested_size": 0, "state": "inactive"},
+                    {"size": 2048, "requested_size": 2048, "state": "active_allocated"},
+                ],
+            }
+        ]
+        self.recording = False
+        self.memory = self
+
+    def synchronize(self, device=None):
+        pass
+
+    def _record_memory_history(self, enabled="all", **kw):
+        self.recording = enabled is not None
+        if kw.get("clear_history"):
+            self.traces = []
+
+    def _snapshot(self):
+        return {"segments": self.segments, "device_traces": [list(self.traces)]}
+
+    def current_device(self):
+        return 0
+
+
+def test_native_torch_recorder_turns_torch_history_into_a_trace():
+    from gpumem.forecast import _to_trace, _TorchNativeRecorder
+
+    class FakeTorch:
+        cuda = _FakeCuda()
+
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    live = rec.live_blocks()
+    # live blocks at their addresses (the inactive one between them skipped), requested sizes
+    assert live == [(1 << 20, 4000, 0), ((1 << 20) + 4096 + 8192, 2048, 0)]
+    rec.start()
+    assert FakeTorch.cuda.recording
+    FakeTorch.cuda.traces += [
+        {"action": "alloc", "addr": 99 << 20, "size": 1024, "stream": 0},
+        {"action": "free_requested", "addr": 1 << 20, "size": 4096, "stream": 0},
+        {"action": "free_completed", "addr": 1 << 20, "size": 4096, "stream": 0},
+        {"action": "segment_alloc", "addr": 99 << 20, "size": 2 << 20, "stream": 0},
+        {"action": "free_completed", "addr": 99 << 20, "size": 1024, "stream": 0},
+    ]
+    events = rec.stop()
+    assert not FakeTorch.cuda.recording
+    t = _to_trace("b=2", live, events, rec.granularity)
+    assert t.allocs == 3 and t.frees == 2  # two live blocks first, then the step's alloc; a block live before it freed
+    assert t.peak_live_bytes == 4000 + 2048 + 1024
+    with pytest.raises(ForecastError, match="inconsistent"):
+        _to_trace("b=2", [], events, 512)  # a free of a block nobody allocated
