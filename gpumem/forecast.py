@@ -270,8 +270,6 @@ class _Model:
         per_alloc = self.sizes(k)
         per_event = [per_alloc[o] for o in self.ordinal]
         words = array("Q", self.template.words)
-        if sys.byteorder != "little":
-            words.byteswap()
         if per_event:
             words[1::3] = array("Q", per_event)
         signed = [s if a else -s for s, a in zip(per_event, self.is_alloc)]
@@ -279,8 +277,6 @@ class _Model:
         for i, v in enumerate(accumulate(signed)):
             if v > peak:
                 peak, peak_event = v, i
-        if sys.byteorder != "little":
-            words.byteswap()
         t = self.template
         return Trace(
             name,
@@ -372,7 +368,7 @@ class Forecast:
             # peak live alone, fitted the same way, is all that can be said
             xs = [float(r.knob) for r in self.recordings]
             ys = [r.trace.peak_live_bytes for r in self.recordings]
-            self._peak_fit = _fit_sizes(xs, ys, max(r.granularity for r in self.recordings) * 64.0)[1]
+            self._peak_fit = _fit_sizes(xs, ys, 0.005 * max(ys))[1]
         self._traces: Dict[int, Trace] = {}
         self._fits: Dict[Tuple[str, int, int], bool] = {}
         self._predictions: Dict[int, Prediction] = {}
@@ -433,7 +429,7 @@ class Forecast:
         out = []
         if not self.aligned:
             out.append(
-                f"{self.alignment.message}. The {self.name} changes what the program allocates, not only how "
+                f"{self.alignment.message}. The recordings differ in what the program allocates, not only in how "
                 "much, so no trace can be synthesised: the peak live figures are a fit of each recording's peak "
                 "alone, neither allocator's capacity is forecast, and a value said to fit may not. Record steps "
                 "that allocate alike (warm up first, the same code path at every value)."
