@@ -405,6 +405,7 @@ def test_cli_forecast_says_when_recordings_do_not_line_up(capsys):
         (["A", "B", "--knob", "2,4", "--cap", "1GiB", "--device-memory", "2GiB"], "not allowed with"),
         (["A", "B", "--knob", "2,4", "--cap", "lots"], "not a size"),
         (["MISSING", "B", "--knob", "2,4"], "no such file"),
+        (["A", "B", "--knob", "2,4", "--html", "/nonexistent-dir/f.html"], "cannot write /nonexistent-dir/f.html"),
     ],
 )
 def test_cli_forecast_errors_are_one_line(tmp_path, capsys, args, fragment):
