@@ -356,9 +356,15 @@ def search(name, allocator, cap, deadline, slots, log):
         if left < 20:
             raise OutOfBudget
         with slots:
-            r = _run_child(["probe", name, allocator, k, cap], deadline - time.monotonic())
+            try:
+                r = _run_child(["probe", name, allocator, k, cap], deadline - time.monotonic())
+            except subprocess.TimeoutExpired:
+                raise OutOfBudget from None
+            except RuntimeError as e:  # the probe crashed: counted as not running, and reported
+                r = {"k": k, "ok": False, "error": str(e)[-2000:], "wall_s": 0.0, "crashed": True}
         probes.append(r)
-        log(f"{name:10s} {allocator:6s} {spec.knob} {k}: {'fits' if r['ok'] else 'OOM'} ({r['wall_s']:.1f} s)")
+        what = "fits" if r["ok"] else ("CRASHED" if r.get("crashed") else "OOM")
+        log(f"{name:10s} {allocator:6s} {spec.knob} {k}: {what} ({r['wall_s']:.1f} s)")
         return r["ok"]
 
     lo = hi = None
