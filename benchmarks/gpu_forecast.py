@@ -356,12 +356,13 @@ def search(name, allocator, cap, deadline, slots, log):
         if left < 20:
             raise OutOfBudget
         with slots:
+            t0 = time.perf_counter()
             try:
                 r = _run_child(["probe", name, allocator, k, cap], deadline - time.monotonic())
             except subprocess.TimeoutExpired:
                 raise OutOfBudget from None
             except RuntimeError as e:  # the probe crashed: counted as not running, and reported
-                r = {"k": k, "ok": False, "error": str(e)[-2000:], "wall_s": 0.0, "crashed": True}
+                r = {"k": k, "ok": False, "error": str(e)[-2000:], "wall_s": time.perf_counter() - t0, "crashed": True}
         probes.append(r)
         what = "fits" if r["ok"] else ("CRASHED" if r.get("crashed") else "OOM")
         log(f"{name:10s} {allocator:6s} {spec.knob} {k}: {what} ({r['wall_s']:.1f} s)")
