@@ -867,23 +867,31 @@ class _TorchNativeRecorder:
                 addr += b["size"]
         return out
 
+    def _events(self) -> list:
+        traces = self._snapshot()["device_traces"]
+        return traces[self.device] if self.device < len(traces) else []
+
     def start(self) -> None:
         m = self.torch.cuda.memory
         m._record_memory_history(enabled=None)
-        m._record_memory_history(context=None, stacks="python", max_entries=_HISTORY_ENTRIES, clear_history=True)
+        kw = dict(context=None, stacks="python", max_entries=_HISTORY_ENTRIES)
+        try:
+            m._record_memory_history(clear_history=True, **kw)
+        except TypeError:  # a torch without clear_history: skip what the history already holds
+            m._record_memory_history(**kw)
+        self.skip = len(self._events())
 
     def stop(self) -> List[Tuple[str, int, int, int]]:
-        snap = self._snapshot()
+        events = self._events()
         self.torch.cuda.memory._record_memory_history(enabled=None)
-        traces = snap["device_traces"]
-        events = traces[self.device] if self.device < len(traces) else []
         if len(events) >= _HISTORY_ENTRIES:
             raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
-        return [(e["action"], e["addr"], e["size"], e["stream"]) for e in events]
+        return [(e["action"], e["addr"], e["size"], e["stream"]) for e in events[self.skip :]]
 
     def capacity(self) -> int:
         free, total = self.torch.cuda.mem_get_info(self.device)
-        return int(total * self.torch.cuda.get_per_process_memory_fraction(self.device))
+        fraction = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
+        return int(total * (fraction(self.device) if fraction else 1.0))
 
 
 def _recorder(heap, device):

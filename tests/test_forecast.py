@@ -519,3 +519,20 @@ def test_native_torch_recorder_turns_torch_history_into_a_trace():
     assert t.peak_live_bytes == 4000 + 2048 + 1024
     with pytest.raises(ForecastError, match="inconsistent"):
         _to_trace("b=2", [], events, 512)  # a free of a block nobody allocated
+
+
+def test_native_torch_recorder_without_clear_history_skips_older_events():
+    from gpumem.forecast import _TorchNativeRecorder
+
+    class OldCuda(_FakeCuda):
+        def _record_memory_history(self, enabled="all", context=None, stacks=None, max_entries=None):
+            self.recording = enabled is not None
+
+    class FakeTorch:
+        cuda = OldCuda()
+
+    FakeTorch.cuda.traces = [{"action": "alloc", "addr": 5 << 20, "size": 512, "stream": 0}]  # from before
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    rec.start()
+    FakeTorch.cuda.traces.append({"action": "alloc", "addr": 6 << 20, "size": 1024, "stream": 0})
+    assert rec.stop() == [("alloc", 6 << 20, 1024, 0)]
