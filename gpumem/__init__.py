@@ -95,6 +95,7 @@ def paused(pool, backup=False, device=None):
 # explain registers the formatter that words OutOfMemoryError messages.
 if "_import_error" not in globals():
     from .explain import explain, last_oom  # noqa: E402,F401
+    from .forecast import Forecast, forecast  # noqa: E402,F401
     from .history import record_history  # noqa: E402,F401
     from .snapshot import Snapshot, dump_snapshot, memory_over_time, snapshot  # noqa: E402,F401
     from .timeline import Timeline  # noqa: E402,F401
@@ -115,6 +116,8 @@ __all__ = [
     "record_history",
     "explain",
     "last_oom",
+    "forecast",
+    "Forecast",
     "Heap",
     "OutOfMemoryError",
     "InvalidPointerError",

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from . import __version__
 from . import _cli_viz
+from . import _cli_forecast
 from ._cli_viz import _error_line, _size_arg, replay_heap_kwargs
 from ._units import format_size
 from .replay import min_capacity, replay
@@ -285,6 +286,7 @@ COMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None], Callab
         _cli_viz.add_explain_args,
         _cli_viz.run_explain,
     ),
+    "forecast": (_cli_forecast.HELP, _cli_forecast.add_forecast_args, _cli_forecast.run_forecast),
 }
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from . import _C
 from ._C import ERROR_NAMES
@@ -107,6 +107,7 @@ class Report:
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
     notebook_refs: List[str] = field(default_factory=list)
+    forecast: List[str] = field(default_factory=list)  # from the last gpumem.forecast, if any
 
     @property
     def shortfall(self) -> int:
@@ -224,6 +225,10 @@ class Report:
             for i, c in enumerate(self.causes, 1):
                 L.append(f"  {i}. [{c.kind}] {c.headline}")
                 L.extend(f"       {d}" for d in c.details)
+        if self.forecast:
+            L.append("")
+            L.append("Forecast (gpumem.forecast):")
+            L.extend(f"  {line}" for line in self.forecast)
         if self.notebook_refs:
             L.append("")
             L.append("References this notebook keeps alive:")
@@ -350,7 +355,22 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
     _diagnose(r, heap)
     if r.causes:
         r.notebook_refs = _notebook_refs()
+    if _forecast_lines is not None and r.cap_bytes:
+        try:
+            r.forecast = list(_forecast_lines(r.cap_bytes))
+        except Exception as e:  # noqa: BLE001 - a failing forecast must not hide the report
+            r.forecast = [f"(the forecast failed: {type(e).__name__}: {e})"]
     return r
+
+
+# Set by gpumem.forecast (a layer above): capacity in bytes -> lines for the report.
+_forecast_lines: Optional[Callable[[int], List[str]]] = None
+
+
+def set_forecast(lines_for_capacity: Optional[Callable[[int], List[str]]]) -> None:
+    """Make reports carry a forecast's lines (None: no more)."""
+    global _forecast_lines
+    _forecast_lines = lines_for_capacity
 
 
 def _diagnose(r: Report, heap) -> None:

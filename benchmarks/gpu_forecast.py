@@ -1,0 +1,586 @@
+"""The forecast against the truth on a GPU: for four models of different kinds, the largest batch
+(or sequence length, or resolution) that fits, forecast from small recorded steps, against the real
+largest value found by binary search with real steps, under torch's native allocator and under gpumem.
+
+    python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 530] [--cap-gib 8] [--models a,b]
+    python benchmarks/gpu_forecast.py --check        # the plan only, no GPU
+
+The models, built from configs with random weights (nothing downloaded):
+
+    llama_lora   a decoder LLM (Llama, 8 layers, bf16) with LoRA and activation checkpointing;
+                 knob: batch at 512 tokens
+    vit          ViT-B/16 training (bf16 autocast) at growing resolution; knob: patches per image
+                 side (16 px each), batch 16
+    gpt2_seq     GPT-2 (124M, eager attention: scores grow with the square of the length) training;
+                 knob: sequence length, batch 4
+    llama_kv     generation with a KV cache (Llama 1.1B, bf16, 192-token prompt, 64 new tokens);
+                 knob: batch
+    resnet50     (only with --models) ResNet-50 training at growing resolution; knob: image side / 32 px
+
+The device is shrunk to --cap-gib for every process (torch.cuda.set_per_process_memory_fraction
+under the native allocator, gpumem.install(cap=...) under gpumem), which keeps the largest values
+small and the searches quick, and lets several searches share the GPU.
+
+1. Forecast: one process per model, under the native allocator, runs gpumem.forecast(step,
+   knob=[...]) with a warm-up step at each value (training: then the optimizer state is dropped and
+   two steps are recorded, as a fresh run makes them), and finds the largest value for each allocator.
+   Its time counts from its first step (warm-ups included) to both answers (the model is already
+   built: a user asking has it in hand).
+2. Truth: for each model and allocator, the largest value that runs (two training steps, or one
+   generation) without OOM, by doubling from twice the largest recorded value and then bisecting,
+   each probe a fresh process (an OOM leaves state behind).  A search's time is the sum of its
+   probes' wall times: what a user searching one crash at a time waits.
+3. Compared: forecast vs truth (within 3%, or 1 when the value is under 33), the forecast's peak
+   allocated bytes (blocks as each allocator rounds them) vs torch.cuda.max_memory_allocated() at
+   the true largest value, and the forecast's time vs the search's.
+"""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+ALLOCATORS = ("native", "gpumem")
+
+
+class Spec:
+    def __init__(self, knob, recorded, multiple, steps, build):
+        self.knob = knob  # what the knob is
+        self.recorded = recorded  # values the forecast records
+        self.multiple = multiple  # the knob's granularity (searched in multiples of it)
+        self.steps = steps  # steps per probe and per recording (training: the first and a steady one)
+        self.build = build  # dev -> (step(k), reset or None)
+
+
+# ---- the models ------------------------------------------------------------------------------
+
+
+def _bf16_build(make, dev):
+    import torch
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            return make()
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_llama_lora(dev):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        use_cache=False,
+    )
+    m = _bf16_build(lambda: LlamaForCausalLM(cfg), dev)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    m.train()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+    seq = 512
+
+    def step(b):
+        x = torch.randint(0, cfg.vocab_size, (b, seq), device=dev)
+        m(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
+def build_resnet50(dev):
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        import torchvision
+
+        m = torchvision.models.resnet50()
+    except ImportError:
+        import timm
+
+        m = timm.create_model("resnet50", pretrained=False)
+    m = m.to(dev).train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    batch = 16
+
+    def step(k):
+        x = torch.randn(batch, 3, 32 * k, 32 * k, device=dev)
+        y = torch.randint(0, 1000, (batch,), device=dev)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
+def build_vit(dev):
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    # patches of 16 px; dynamic_img_size resamples the position embedding to any grid
+    m = timm.create_model("vit_base_patch16_224", pretrained=False, dynamic_img_size=True).to(dev).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    batch = 16
+
+    def step(k):
+        x = torch.randn(batch, 3, 16 * k, 16 * k, device=dev)
+        y = torch.randint(0, 1000, (batch,), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # bf16 attention: flash, memory linear in tokens
+            loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
+def build_gpt2_seq(dev):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=4096)
+    cfg._attn_implementation = "eager"  # attention scores of length x length: the quadratic term
+    with torch.device(dev):
+        m = GPT2LMHeadModel(cfg)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    batch = 4
+
+    def step(n):
+        x = torch.randint(0, cfg.vocab_size, (batch, n), device=dev)
+        m(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
+def build_llama_kv(dev):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
+    m = _bf16_build(lambda: LlamaForCausalLM(cfg), dev).eval()
+    m.generation_config.pad_token_id = 0
+    prompt, new = 192, 64
+
+    @torch.no_grad()
+    def step(b):
+        x = torch.randint(3, cfg.vocab_size, (b, prompt), device=dev)
+        m.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new,
+            min_new_tokens=new,  # every row generates all tokens: the same work at any batch
+            do_sample=False,
+            use_cache=True,
+        )
+
+    return step, None
+
+
+MODELS = {
+    "llama_lora": Spec("batch", [2, 4], 1, 2, build_llama_lora),
+    "vit": Spec("patches/side", [4, 6, 8], 1, 2, build_vit),
+    "gpt2_seq": Spec("seq", [128, 256, 384], 16, 2, build_gpt2_seq),
+    "llama_kv": Spec("batch", [2, 4], 1, 1, build_llama_kv),
+    # not run by default: cuDNN picks algorithms (and workspaces) per shape, which can make the
+    # recordings at different resolutions differ in what they allocate
+    "resnet50": Spec("resolution/32", [2, 3, 4], 1, 2, build_resnet50),
+}
+DEFAULT_MODELS = ["llama_lora", "vit", "gpt2_seq", "llama_kv"]
+
+
+# ---- child processes ------------------------------------------------------------------------
+
+
+def _fresh_device(torch):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what building left cached (e.g. fp32 weights before a cast)
+    torch.cuda.reset_peak_memory_stats()
+
+
+def child_forecast(name, cap, out_dir):
+    t_start = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    import gpumem
+
+    spec = MODELS[name]
+    step, reset = spec.build("cuda")
+    _fresh_device(torch)
+    t0 = time.perf_counter()
+    fc = gpumem.forecast(
+        step,
+        knob=spec.recorded,
+        name=spec.knob,
+        capacity=cap,
+        warmup=1,
+        steps=spec.steps,
+        reset=reset,
+        multiple=spec.multiple,
+    )
+    t_rec = time.perf_counter()
+    largest = {a: fc.largest(allocator=a) for a in (ALLOCATORS if fc.aligned else ("gpumem",))}
+    t1 = time.perf_counter()
+    with open(os.path.join(out_dir, f"{name}.recordings.pickle"), "wb") as f:
+        pickle.dump(fc.recordings, f, protocol=4)
+    print(
+        json.dumps(
+            {
+                "model": name,
+                "aligned": fc.aligned,
+                "alignment": fc.alignment.message,
+                "fit": fc.model.kinds if fc.model else None,
+                "events": fc.alignment.events,
+                "largest": {a: (None if v == math.inf else v) for a, v in largest.items()},
+                "record_s": t_rec - t0,
+                "model_s": t1 - t_rec,
+                "forecast_s": t1 - t0,
+                "process_s": time.perf_counter() - t_start,
+                "summary": fc.summary_lines(),
+            }
+        ),
+        flush=True,
+    )
+
+
+def child_probe(name, allocator, k, cap):
+    t_start = time.perf_counter()
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    frac = cap / total
+    if allocator == "gpumem":
+        sys.path.insert(0, str(REPO))
+        import gpumem
+
+        gpumem.install(cap=frac)
+    else:
+        torch.cuda.set_per_process_memory_fraction(frac)
+    spec = MODELS[name]
+    step, _ = spec.build("cuda")
+    _fresh_device(torch)
+    t0 = time.perf_counter()
+    ok, error = True, None
+    try:
+        for _ in range(spec.steps):
+            step(k)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError as e:
+        ok, error = False, str(e).splitlines()[0][:300]
+    except RuntimeError as e:  # a library's own allocation failing for want of memory
+        if "out of memory" not in str(e) and "ALLOC_FAILED" not in str(e):
+            raise
+        ok, error = False, str(e).splitlines()[0][:300]
+    print(
+        json.dumps(
+            {
+                "k": k,
+                "ok": ok,
+                "error": error,
+                "peak_allocated": torch.cuda.max_memory_allocated(),
+                "peak_reserved": torch.cuda.max_memory_reserved(),
+                "steps_s": time.perf_counter() - t0,
+                "process_s": time.perf_counter() - t_start,
+            }
+        ),
+        flush=True,
+    )
+
+
+# ---- the parent -----------------------------------------------------------------------------
+
+
+class OutOfBudget(Exception):
+    pass
+
+
+def _run_child(args, timeout):
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=max(1.0, timeout),
+        cwd=str(REPO),
+    )
+    wall = time.perf_counter() - t0
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"child {' '.join(map(str, args))} failed (rc {p.returncode}):\n{p.stderr[-2500:]}")
+    out = json.loads(lines[-1])
+    out["wall_s"] = wall
+    return out
+
+
+def search(name, allocator, cap, deadline, slots, log):
+    """The largest value that runs, by doubling then bisecting, one probe process at a time."""
+    spec = MODELS[name]
+    m = spec.multiple
+    probes = []
+
+    def probe(k):
+        left = deadline - time.monotonic()
+        if left < 20:
+            raise OutOfBudget
+        with slots:
+            t0 = time.perf_counter()
+            try:
+                r = _run_child(["probe", name, allocator, k, cap], deadline - time.monotonic())
+            except subprocess.TimeoutExpired:
+                raise OutOfBudget from None
+            except RuntimeError as e:  # the probe crashed: counted as not running, and reported
+                r = {"k": k, "ok": False, "error": str(e)[-2000:], "wall_s": time.perf_counter() - t0, "crashed": True}
+        probes.append(r)
+        what = "fits" if r["ok"] else ("CRASHED" if r.get("crashed") else "OOM")
+        log(f"{name:10s} {allocator:6s} {spec.knob} {k}: {what} ({r['wall_s']:.1f} s)")
+        return r["ok"]
+
+    lo = hi = None
+    complete = True
+    try:
+        k = 2 * max(spec.recorded)
+        while True:
+            if probe(k):
+                lo, k = k, 2 * k
+            else:
+                hi = k
+                break
+        if lo is None:  # even the start failed: halve down
+            k = hi // 2 // m * m
+            while k >= m:
+                if probe(k):
+                    lo = k
+                    break
+                hi, k = k, k // 2 // m * m
+            lo = lo or 0
+        while hi - lo > m:
+            mid = (lo + hi) // 2 // m * m
+            if mid <= lo:
+                break
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+    except OutOfBudget:
+        complete = False
+    at_truth = next((p for p in probes if p["ok"] and p["k"] == lo), None)
+    return {
+        "largest": lo,
+        "first_oom": hi,
+        "complete": complete,
+        "search_s": sum(p["wall_s"] for p in probes),
+        "probes": probes,
+        "measured_peak_allocated": at_truth["peak_allocated"] if at_truth else None,
+        "measured_peak_reserved": at_truth["peak_reserved"] if at_truth else None,
+    }
+
+
+def forecast_peaks(name, out_dir, cap, k):
+    """The forecast's peak live and peak allocated (each allocator) at knob value k."""
+    sys.path.insert(0, str(REPO))
+    from gpumem.forecast import Forecast
+    from gpumem.native_model import replay_native
+    from gpumem.replay import replay
+
+    spec = MODELS[name]
+    with open(os.path.join(out_dir, f"{name}.recordings.pickle"), "rb") as f:
+        recs = pickle.load(f)
+    fc = Forecast(recs, name=spec.knob, capacity=cap, multiple=spec.multiple)
+    if not fc.aligned or not k:
+        return {"peak_live": fc.peak_live(k) if k else None}
+    t = fc.synthesise(k)
+    return {
+        "peak_live": t.peak_live_bytes,
+        "native": replay_native(t).peak_allocated_bytes,
+        "gpumem": replay(t, max(4 * t.peak_live_bytes, GiB), timing=False).peak_allocated_bytes,
+    }
+
+
+def within(forecast, truth):
+    if forecast is None or truth is None:
+        return False
+    return abs(forecast - truth) <= (1 if truth < 33 else 0.03 * truth)
+
+
+def _pct(a, b):
+    return f"{100.0 * (a - b) / b:+.2f}%" if a is not None and b else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    ap.add_argument("--budget-s", type=float, default=530.0, help="stop starting probes after this (default 530)")
+    ap.add_argument("--cap-gib", type=float, default=8.0, help="the device as each process sees it (default 8)")
+    ap.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50)",
+    )
+    ap.add_argument("--jobs", type=int, default=0, help="probe processes at once (default: as many as fit)")
+    ap.add_argument("--check", action="store_true", help="print the plan and exit (no GPU needed)")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        kind, rest = a.child[0], a.child[1:]
+        if kind == "forecast":
+            child_forecast(rest[0], int(rest[1]), rest[2])
+        else:
+            child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]))
+        return
+    models = [m for m in a.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    if a.budget_s <= 0 or a.cap_gib <= 0:
+        ap.error("--budget-s and --cap-gib must be positive")
+    cap = int(a.cap_gib * GiB)
+    if a.check:
+        for name in models:
+            s = MODELS[name]
+            print(f"{name}: {s.knob} recorded at {s.recorded}, multiples of {s.multiple}, {s.steps} step(s) a probe")
+        print(f"cap {a.cap_gib} GiB a process, budget {a.budget_s:.0f} s")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_forecast.py needs a CUDA GPU (--check prints the plan without one)")
+    start = time.monotonic()
+    deadline = start + a.budget_s
+    free, total = torch.cuda.mem_get_info()
+    jobs = a.jobs or max(1, min(8, int((free - 2 * GiB) // (cap + 1.5 * GiB))))
+    lock = threading.Lock()
+
+    def log(msg):
+        with lock:
+            print(f"[{time.monotonic() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    log(f"{torch.cuda.get_device_name(0)}, {total / GiB:.1f} GiB; cap {a.cap_gib} GiB a process, {jobs} at once")
+    out_dir = tempfile.mkdtemp(prefix="gpumem-forecast-")
+    results = {"device": torch.cuda.get_device_name(0), "cap_bytes": cap, "jobs": jobs, "models": {}}
+
+    # 1. forecasts, one process per model, at once
+    with ThreadPoolExecutor(len(models)) as ex:
+        futs = {
+            name: ex.submit(_run_child, ["forecast", name, cap, out_dir], deadline - time.monotonic())
+            for name in models
+        }
+        for name, fut in futs.items():
+            try:
+                results["models"][name] = {"forecast": fut.result()}
+                f = results["models"][name]["forecast"]
+                log(f"{name}: forecast {f['largest']} in {f['forecast_s']:.1f} s; {f['alignment']}")
+            except Exception as e:  # noqa: BLE001 - report and go on with the others
+                results["models"][name] = {"forecast": {"error": str(e)}}
+                log(f"{name}: forecast failed: {e}")
+
+    # 2. the truth: every (model, allocator) search at once, `jobs` probes at a time
+    slots = threading.Semaphore(jobs)
+    with ThreadPoolExecutor(len(models) * len(ALLOCATORS)) as ex:
+        futs = {
+            (name, alloc): ex.submit(search, name, alloc, cap, deadline, slots, log)
+            for name in models
+            for alloc in ALLOCATORS
+        }
+        for (name, alloc), fut in futs.items():
+            try:
+                results["models"][name].setdefault("truth", {})[alloc] = fut.result()
+            except Exception as e:  # noqa: BLE001
+                results["models"][name].setdefault("truth", {})[alloc] = {"error": str(e)}
+                log(f"{name} {alloc}: search failed: {e}")
+
+    # 3. compare
+    rows = []
+    for name in models:
+        r = results["models"][name]
+        f = r["forecast"]
+        for alloc in ALLOCATORS:
+            t = r.get("truth", {}).get(alloc, {})
+            fv = (f.get("largest") or {}).get(alloc)
+            tv = t.get("largest")
+            peaks = {}
+            if "error" not in f and tv:
+                try:
+                    peaks = forecast_peaks(name, out_dir, cap, tv)
+                except Exception as e:  # noqa: BLE001
+                    peaks = {"error": str(e)}
+            t["forecast_peaks_at_truth"] = peaks
+            measured = t.get("measured_peak_allocated")
+            fpeak = peaks.get(alloc)
+            row = {
+                "model": name,
+                "knob": MODELS[name].knob,
+                "allocator": alloc,
+                "forecast": fv,
+                "truth": tv,
+                "truth_complete": t.get("complete"),
+                "within": within(fv, tv),
+                "forecast_peak_allocated": fpeak,
+                "measured_peak_allocated": measured,
+                "peak_within_2pct": bool(fpeak and measured and abs(fpeak - measured) <= 0.02 * measured),
+                "forecast_s": f.get("forecast_s"),
+                "search_s": t.get("search_s"),
+                "aligned": f.get("aligned"),
+            }
+            row["time_ratio"] = row["forecast_s"] / row["search_s"] if row["forecast_s"] and row["search_s"] else None
+            rows.append(row)
+    results["rows"] = rows
+    results["wall_s"] = time.monotonic() - start
+    hdr = (
+        "| model | knob | allocator | forecast | truth | within | peak alloc forecast GiB | measured GiB | diff "
+        "| forecast s | search s | ratio |"
+    )
+    print(hdr)
+    print("|" + "---|" * 12)
+    for w in rows:
+        fp, mp = w["forecast_peak_allocated"], w["measured_peak_allocated"]
+        print(
+            f"| {w['model']} | {w['knob']} | {w['allocator']} | {w['forecast']} | {w['truth']}"
+            f"{'' if w['truth_complete'] else ' (incomplete)'} | {'yes' if w['within'] else 'NO'} "
+            f"| {fp / GiB if fp else 0:.3f} | {mp / GiB if mp else 0:.3f} | {_pct(fp, mp)} "
+            f"| {w['forecast_s'] or 0:.1f} | {w['search_s'] or 0:.1f} "
+            f"| {w['time_ratio'] if w['time_ratio'] is None else round(w['time_ratio'], 3)} |"
+        )
+    print(
+        f"(device {results['device']}, cap {a.cap_gib} GiB a process, {jobs} probes at once, "
+        f"{results['wall_s']:.0f} s in all)"
+    )
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,538 @@
+"""Forecasts from small recorded steps (gpumem.forecast) and the model of torch's
+native caching allocator they compare with (gpumem.native_model), on the
+simulated device."""
+
+import json
+import math
+
+import pytest
+
+import gpumem
+from gpumem import explain as _explain_fn  # noqa: F401  (registers the OOM formatter)
+from gpumem.__main__ import main
+from gpumem.forecast import Forecast, ForecastError, Recording, last_forecast
+from gpumem.native_model import (
+    NativeAllocator,
+    fits_native,
+    min_capacity_native,
+    replay_native,
+    round_size,
+    segment_size,
+)
+from gpumem.trace import load_trace
+
+from conftest import GiB, MiB, trace_file
+
+
+@pytest.fixture(autouse=True)
+def _no_forecast_left_behind():
+    """A forecast made here must not reach other tests' OOM reports."""
+    yield
+    from gpumem.explain import set_forecast
+
+    set_forecast(None)
+
+
+def sim(capacity=16 * GiB):
+    return gpumem.Heap(device="sim", capacity=capacity)
+
+
+class Program:
+    """A training-like step on a sim heap: weights allocated once, then per
+    step `acts` activations of `per_act(k)` bytes, a temporary of `temp(k)`
+    bytes made and dropped while they are live, and a small block."""
+
+    def __init__(self, heap, per_act, temp=lambda k: 0, acts=10, weights=100 * MiB):
+        self.heap = heap
+        self.per_act = per_act
+        self.temp = temp
+        self.acts = acts
+        self.weights = heap.malloc(weights)
+
+    def step(self, k):
+        h = self.heap
+        live = [h.malloc(self.per_act(k)) for _ in range(self.acts)]
+        t = h.malloc(self.temp(k))
+        h.free(t)
+        s = h.malloc(4096)
+        for a in reversed(live):
+            h.free(a)
+        h.free(s)
+
+    def peak(self, k, weights=100 * MiB):
+        """Peak live bytes of one step, by hand (every size is a multiple of 512)."""
+        return weights + self.acts * self.per_act(k) + max(self.temp(k), 4096)
+
+
+# ---- fitting ------------------------------------------------------------------------------
+
+
+def test_linear_sizes_are_forecast_exactly_at_a_far_value():
+    h = sim()
+    # a constant part and a part growing with the knob: a fit that drops either term is off
+    p = Program(h, per_act=lambda k: 7 * MiB + 3 * MiB * k)
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch")
+    assert fc.aligned
+    assert fc.model.kinds["linear"] == 10 and fc.model.kinds["quadratic"] == 0
+    for k in (1, 3, 40, 100):
+        assert fc.peak_live(k) == p.peak(k), k
+        sizes = sorted({s for _, _, s, _ in fc.synthesise(k).decode()})
+        assert 7 * MiB + 3 * MiB * k in sizes
+
+
+def test_three_recordings_find_the_quadratic_term():
+    h = sim()
+    p = Program(h, per_act=lambda k: 2 * MiB * k, temp=lambda k: 3 * MiB * k * k + MiB, acts=2)
+    fc = gpumem.forecast(p.step, knob=[2, 4, 8], heap=h, name="seq")
+    assert fc.model.kinds["quadratic"] == 1
+    assert fc.model.kinds["linear"] == 2
+    for k in (16, 50):
+        assert fc.peak_live(k) == p.peak(k), k
+    # two recordings can only draw a line through the square: it under-forecasts, and says it might
+    two = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="seq")
+    assert two.model.kinds["quadratic"] == 0
+    assert two.peak_live(50) < p.peak(50)
+    assert "record a third value" in two.fit_summary()
+
+
+def test_a_line_through_three_recordings_stays_a_line():
+    h = sim()
+    # 1000 * k bytes is recorded in 512-byte blocks (gpumem's history): rounding must not read as curvature
+    p = Program(h, per_act=lambda k: 1000 * k + 3 * MiB, acts=3)
+    fc = gpumem.forecast(p.step, knob=[2, 4, 8], heap=h)
+    assert fc.model.kinds["quadratic"] == 0
+    assert fc.aligned
+
+
+def test_a_knob_with_no_effect_gives_constant_sizes():
+    h = sim(4 * GiB)
+    p = Program(h, per_act=lambda k: 5 * MiB)
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=4 * GiB)
+    assert not fc.knob_has_effect
+    assert fc.model.kinds == {"constant": fc.model.n_allocs, "linear": 0, "quadratic": 0}
+    assert fc.peak_live(1000) == fc.peak_live(2) == p.peak(2)
+    assert fc.largest() == math.inf
+    assert fc.largest(capacity=100 * MiB) == 0  # not even the weights fit
+    assert any("changes no allocation" in c for c in fc.caveats())
+
+
+# ---- alignment ------------------------------------------------------------------------------
+
+
+def test_misaligned_recordings_are_reported_not_guessed():
+    h = sim()
+
+    def step(k):
+        blocks = [h.malloc(MiB * k) for _ in range(3)]
+        if k >= 4:  # another code path at the larger value
+            blocks.append(h.malloc(MiB))
+        for b in blocks:
+            h.free(b)
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=h, name="batch", capacity=GiB)
+    assert not fc.aligned
+    assert fc.alignment.first_difference == 3  # the fourth event: a free at 2, an alloc at 4
+    msg = fc.alignment.message
+    assert "do not line up" in msg and "event 3" in msg and "6 events at batch 2, 8 at batch 4" in msg
+    with pytest.raises(ForecastError, match="do not line up"):
+        fc.synthesise(8)
+    p = fc.predict(8)
+    assert p.estimate_only and p.gpumem_capacity_bytes is None and p.native_capacity_bytes is None
+    text = fc.text()
+    assert "warning: the recordings do not line up" in text and "neither allocator's capacity" in text
+    assert "at most" in text and "~" in text
+    assert fc.to_json()["largest_is_bound"] is True
+
+
+def test_warmup_keeps_one_time_allocations_out_of_the_recordings():
+    h = sim()
+    state = {}
+
+    def step(k):
+        if "opt" not in state:  # the first step only: optimizer state, and a workspace it drops
+            state["opt"] = h.malloc(50 * MiB)
+            h.free(h.malloc(30 * MiB))
+        a = h.malloc(MiB * k)
+        h.free(a)
+
+    cold = gpumem.forecast(step, knob=[2, 4], heap=h, warmup=0)
+    assert not cold.aligned  # the first recording holds the one-time work
+    h.free(state.pop("opt"))
+    warm = gpumem.forecast(step, knob=[2, 4], heap=h, warmup=1)
+    assert warm.aligned
+    # the state made during warm-up is live before each recorded step: it counts
+    assert warm.peak_live(10) == 50 * MiB + 10 * MiB
+
+
+def test_different_pairing_is_a_misalignment():
+    """Same actions in the same order, but the frees free other blocks."""
+    h = sim()
+
+    def step(k):
+        a = h.malloc(MiB * k)
+        b = h.malloc(MiB)
+        if k == 2:
+            h.free(a)
+            h.free(b)
+        else:
+            h.free(b)
+            h.free(a)
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=h)
+    assert not fc.aligned and fc.alignment.first_difference == 2
+
+
+# ---- predictions ------------------------------------------------------------------------------
+
+
+def test_largest_that_fits_a_known_program():
+    h = sim()
+    # every size a multiple of 2 MiB: neither allocator needs more than peak live
+    p = Program(h, per_act=lambda k: 2 * MiB * k, temp=lambda k: 2 * MiB * k * k)
+    fc = gpumem.forecast(p.step, knob=[2, 4, 8], heap=h, name="batch")
+    by_hand = max(k for k in range(1, 200) if p.peak(k) <= 8 * GiB)
+    assert p.peak(by_hand + 1) > 8 * GiB
+    for allocator in ("gpumem", "native"):
+        assert fc.largest(8 * GiB, allocator) == by_hand, allocator
+        assert fc.largest(p.peak(by_hand) - MiB, allocator) == by_hand - 1, allocator
+    assert fc.largest(p.peak(1) - MiB) == 0
+    pred = fc.predict(by_hand)
+    assert pred.peak_live_bytes == p.peak(by_hand)
+    assert pred.gpumem_capacity_bytes == pred.native_capacity_bytes == p.peak(by_hand)
+    # multiples: the largest multiple of 8 at or below the answer
+    fm = Forecast(fc.recordings, name="batch", capacity=8 * GiB, multiple=8)
+    assert fm.largest() == by_hand // 8 * 8
+
+
+def test_native_needs_more_than_gpumem_where_segments_strand_memory():
+    h = sim()
+    # 3 MiB blocks come from 20 MiB native segments; growing blocks outgrow what was cached
+    p = Program(h, per_act=lambda k: 3 * MiB * k + 512, acts=12)
+    fc = gpumem.forecast(p.step, knob=[1, 2], heap=h, name="batch", capacity=2 * GiB, at=[3])
+    pred = fc.predict(3)
+    assert pred.native_capacity_bytes > pred.gpumem_capacity_bytes >= pred.peak_live_bytes
+    assert fc.largest(allocator="native") <= fc.largest(allocator="gpumem")
+    assert fc.fits(fc.largest(), allocator="gpumem") and not fc.fits(fc.largest() + 1, allocator="gpumem")
+
+
+def test_table_plot_and_html(tmp_path):
+    h = sim()
+    p = Program(h, per_act=lambda k: 2 * MiB * k)
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=GiB, at=[16])
+    assert last_forecast() is fc
+    table = fc.table()
+    assert "batch" in table.splitlines()[0] and "2*" in table and "16" in table
+    largest = fc.largest()
+    assert str(largest) in fc.summary_lines()[1]
+    html = fc._repr_html_()
+    assert "<pre>" in html and "gpumem-forecast" in html
+    pytest.importorskip("matplotlib")
+    fc.plot(tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 1000
+    assert "<svg" in fc.to_html(tmp_path / "f.html")
+
+
+def test_bad_arguments():
+    h = sim()
+    with pytest.raises(ForecastError, match="two or more"):
+        gpumem.forecast(lambda k: None, knob=[2], heap=h)
+    with pytest.raises(ForecastError, match="positive whole numbers"):
+        gpumem.forecast(lambda k: None, knob=[2, 0], heap=h)
+    with pytest.raises(ForecastError, match="must differ"):
+        gpumem.forecast(lambda k: None, knob=[2, 2], heap=h)
+    with pytest.raises(ForecastError, match="steps"):
+        gpumem.forecast(lambda k: None, knob=[2, 4], heap=h, steps=0)
+    fc = gpumem.forecast(lambda k: h.free(h.malloc(k * MiB)), knob=[2, 4], heap=h, capacity=GiB)
+    with pytest.raises(ValueError, match="allocator"):
+        fc.largest(allocator="cudaMallocAsync")
+
+
+# ---- the OOM explanation ----------------------------------------------------------------------
+
+
+def test_oom_report_carries_the_forecast():
+    h = sim(2 * GiB)
+    p = Program(h, per_act=lambda k: 2 * MiB * k)
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", at=[200])
+    largest = fc.largest()
+    assert p.peak(largest) <= 2 * GiB < p.peak(largest + 1)
+    with pytest.raises(gpumem.OutOfMemoryError) as e:
+        p.step(200)
+    need = fc.predict(200).gpumem_capacity_bytes
+    line = f"batch 200 needs {gpumem.format_size(need)}; the largest that fits 2.00 GiB is {largest}"
+    assert line in str(e.value)
+    assert line in gpumem.explain(device=h).text()
+
+
+# ---- the native allocator's model --------------------------------------------------------------
+
+
+def test_native_rounding_and_segment_sizes():
+    assert [round_size(n) for n in (0, 1, 512, 513, 1000, MiB)] == [512, 512, 512, 1024, 1024, MiB]
+    assert segment_size(512) == segment_size(MiB) == 2 * MiB  # small pool
+    assert segment_size(MiB + 512) == segment_size(10 * MiB - 512) == 20 * MiB  # large, under 10 MiB
+    assert segment_size(10 * MiB) == 10 * MiB
+    assert segment_size(11 * MiB + 512) == 12 * MiB  # rounded up to 2 MiB
+
+
+def test_native_small_blocks_share_a_2mib_segment():
+    a = NativeAllocator()
+    x = a.malloc(1000)
+    y = a.malloc(1000)
+    assert y == x + 1024 and a.reserved == 2 * MiB and a.allocated == 2048
+    a.free(x)
+    a.free(y)
+    assert a.empty_cache() == 2 * MiB and a.reserved == 0  # merged back into one free segment
+
+
+def test_native_large_blocks_split_only_above_1mib():
+    a = NativeAllocator()
+    x = a.malloc(3 * MiB)
+    y = a.malloc(3 * MiB)
+    assert a.reserved == 20 * MiB and y == x + 3 * MiB  # one 20 MiB segment, split
+    z = a.malloc(13 * MiB)  # the 14 MiB rest fits; 1 MiB would remain, not more than 1 MiB: kept whole
+    assert z == y + 3 * MiB and a.reserved == 20 * MiB and a.allocated == 20 * MiB
+    w = a.malloc(11 * MiB)  # a new 12 MiB segment, again 1 MiB left: kept whole
+    assert a.reserved == 32 * MiB and a.allocated == 32 * MiB
+    a.free(w)
+    assert a.malloc(11 * MiB + 512) == w and a.allocated == 32 * MiB
+    a.free(w)
+    u = a.malloc(5 * MiB)  # 7 MiB remain: split
+    assert u == w and a.allocated == 25 * MiB
+    assert a.malloc(7 * MiB) == w + 5 * MiB and a.reserved == 32 * MiB
+
+
+def test_native_blocks_stay_with_their_stream():
+    a = NativeAllocator()
+    x = a.malloc(MiB, stream=1)
+    a.free(x)
+    y = a.malloc(MiB, stream=0)
+    assert y != x and a.reserved == 4 * MiB
+
+
+def test_native_releases_cached_segments_before_failing():
+    a = NativeAllocator(capacity=20 * MiB)
+    a.free(a.malloc(3 * MiB))
+    assert a.malloc(1000) is not None  # 2 MiB more would pass 20 MiB: the free segment goes first
+    assert a.reserved == 2 * MiB and a.num_alloc_retries == 1 and a.ooms == 0
+    assert a.malloc(19 * MiB) is None and a.ooms == 1
+
+
+@pytest.mark.parametrize("name", ["gpt2_varlen", "bert_varlen", "llama_lora_ckpt"])
+def test_native_model_matches_torch_on_recorded_traces(name):
+    """The shipped traces' headers hold what torch's allocator reserved and
+    allocated at peak when they were recorded on a GPU."""
+    t = load_trace(trace_file(name))
+    r = replay_native(t)
+    assert r.peak_allocated_bytes == t.meta["peak_allocated"]
+    assert abs(r.peak_reserved_bytes - t.meta["peak_reserved"]) <= 0.002 * t.meta["peak_reserved"]
+    assert r.ooms == 0
+
+
+def test_native_min_capacity_is_tight():
+    t = load_trace(trace_file("seed_fragmentation"))
+    need = min_capacity_native(t)
+    assert need % (2 * MiB) == 0
+    assert fits_native(t, need) and not fits_native(t, need - 2 * MiB)
+    assert t.peak_live_bytes <= need <= replay_native(t).peak_reserved_bytes
+
+
+# ---- recordings from files and the command line ----------------------------------------------
+
+
+def write_trace(path, k):
+    """A text trace of the Program-like step at knob k (sizes grow linearly)."""
+    lines = ["# action addr size stream"]
+    addr = 0
+
+    def alloc(size):
+        nonlocal addr
+        addr += 1 << 32
+        lines.append(f"alloc {addr} {size} 0")
+        return addr
+
+    w = alloc(100 * MiB)
+    acts = [(alloc(2 * MiB * k), 2 * MiB * k) for _ in range(10)]
+    for a, s in reversed(acts):
+        lines.append(f"free_completed {a} {s} 0")
+    assert w
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_from_traces_matches_the_in_process_forecast(tmp_path):
+    paths = [write_trace(tmp_path / f"b{k}.trace", k) for k in (2, 4)]
+    fc = Forecast.from_traces(paths, [2, 4], name="batch", capacity=GiB)
+    assert fc.aligned
+    assert fc.peak_live(30) == 100 * MiB + 10 * 2 * MiB * 30
+    assert fc.largest() == (GiB - 100 * MiB) // (20 * MiB)
+    assert all(r.granularity == 512 for r in fc.recordings)  # every size a multiple of 512
+    with pytest.raises(ForecastError, match="2 traces but 3 knob values"):
+        Forecast.from_traces(paths, [2, 4, 8])
+
+
+def test_cli_forecast(tmp_path, capsys):
+    a = write_trace(tmp_path / "b2.trace", 2)
+    b = write_trace(tmp_path / "b4.trace", 4)
+    rc = main(["forecast", str(a), str(b), "--knob", "2,4", "--cap", "1GiB", "--name", "batch", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["aligned"] and got["largest_gpumem"] == (GiB - 100 * MiB) // (20 * MiB)
+    rc = main(["forecast", str(a), str(b), "--knob", "2,4", "--device-memory", "1GiB", "--at", "64"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "largest knob that fits 1.00 GiB" in out
+    assert any(line.split()[0] == "64" for line in out.splitlines() if line.strip())
+
+
+def test_cli_forecast_says_when_recordings_do_not_line_up(capsys):
+    rc = main(["forecast", "gpt2_varlen", "bert_varlen", "--knob", "2,4", "--cap", "20GiB"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert err.startswith("gpumem: warning: the recordings do not line up") and len(err.splitlines()) == 1
+    assert "neither allocator's capacity is forecast" in out
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["A", "B", "--knob", "2,x"], "knob values must be whole numbers"),
+        (["A", "B", "--knob", "2,-4"], "must be positive"),
+        (["A", "B"], "required: --knob"),
+        (["A", "--knob", "2"], "two or more traces"),
+        (["A", "B", "--knob", "2,4,8"], "2 traces but 3 --knob values"),
+        (["A", "B", "--knob", "2,2"], "must differ"),
+        (["A", "B", "--knob", "2,4", "--cap", "1GiB", "--device-memory", "2GiB"], "not allowed with"),
+        (["A", "B", "--knob", "2,4", "--cap", "lots"], "not a size"),
+        (["MISSING", "B", "--knob", "2,4"], "no such file"),
+        (["A", "B", "--knob", "2,4", "--html", "/nonexistent-dir/f.html"], "cannot write /nonexistent-dir/f.html"),
+    ],
+)
+def test_cli_forecast_errors_are_one_line(tmp_path, capsys, args, fragment):
+    a = write_trace(tmp_path / "a.trace", 2)
+    b = write_trace(tmp_path / "b.trace", 4)
+    argv = ["forecast"] + [
+        str(a) if x == "A" else str(b) if x == "B" else str(tmp_path / "missing.trace") if x == "MISSING" else x
+        for x in args
+    ]
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("gpumem: error: ") and fragment in err, err
+
+
+def test_recording_granularity_of_gpumem_snapshots(tmp_path):
+    h = sim()
+    h.history_enable(100)
+    h.free(h.malloc(1000))
+    path = tmp_path / "s.pickle"
+    gpumem.dump_snapshot(path, device=h)
+    t = load_trace(path)
+    assert Recording.granularity_of(t) == 512
+    odd = tmp_path / "odd.trace"
+    odd.write_text("alloc 4096 1000 0\nalloc 8192 1024 0\n")
+    assert Recording.granularity_of(load_trace(odd)) == 1
+
+
+def test_reset_makes_each_recording_start_like_a_fresh_run():
+    h = sim()
+    state = {}
+
+    def step(k):
+        a = h.malloc(MiB * k)
+        if "opt" not in state:  # optimizer state appears at the end of the first step
+            state["opt"] = h.malloc(50 * MiB)
+        h.free(a)
+
+    def reset():
+        h.free(state.pop("opt"))
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=h, steps=2, reset=reset)
+    assert fc.aligned
+    # the first recorded step makes the state while its activation is live: both count
+    assert fc.peak_live(10) == 50 * MiB + 10 * MiB
+    assert fc.recordings[0].trace.allocs == 3
+
+
+# ---- the torch part, with a stand-in for torch.cuda -----------------------------------------------
+
+
+class _FakeCuda:
+    """What _TorchNativeRecorder reads of torch.cuda: a snapshot with segments
+    and a device trace, recording switched on and off."""
+
+    def __init__(self):
+        self.traces = []
+        self.segments = [
+            {
+                "device": 0,
+                "address": 1 << 20,
+                "stream": 0,
+                "blocks": [
+                    {"size": 4096, "requested_size": 4000, "state": "active_allocated"},
+                    {"size": 8192, "requested_size": 0, "state": "inactive"},
+                    {"size": 2048, "requested_size": 2048, "state": "active_allocated"},
+                ],
+            }
+        ]
+        self.recording = False
+        self.memory = self
+
+    def synchronize(self, device=None):
+        pass
+
+    def _record_memory_history(self, enabled="all", **kw):
+        self.recording = enabled is not None
+        if kw.get("clear_history"):
+            self.traces = []
+
+    def _snapshot(self):
+        return {"segments": self.segments, "device_traces": [list(self.traces)]}
+
+    def current_device(self):
+        return 0
+
+
+def test_native_torch_recorder_turns_torch_history_into_a_trace():
+    from gpumem.forecast import _to_trace, _TorchNativeRecorder
+
+    class FakeTorch:
+        cuda = _FakeCuda()
+
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    live = rec.live_blocks()
+    # live blocks at their addresses (the inactive one between them skipped), requested sizes
+    assert live == [(1 << 20, 4000, 0), ((1 << 20) + 4096 + 8192, 2048, 0)]
+    rec.start()
+    assert FakeTorch.cuda.recording
+    FakeTorch.cuda.traces += [
+        {"action": "alloc", "addr": 99 << 20, "size": 1024, "stream": 0},
+        {"action": "free_requested", "addr": 1 << 20, "size": 4096, "stream": 0},
+        {"action": "free_completed", "addr": 1 << 20, "size": 4096, "stream": 0},
+        {"action": "segment_alloc", "addr": 99 << 20, "size": 2 << 20, "stream": 0},
+        {"action": "free_completed", "addr": 99 << 20, "size": 1024, "stream": 0},
+    ]
+    events = rec.stop()
+    assert not FakeTorch.cuda.recording
+    t = _to_trace("b=2", live, events, rec.granularity)
+    assert t.allocs == 3 and t.frees == 2  # two live blocks first, then the step's alloc; a block live before it freed
+    assert t.peak_live_bytes == 4000 + 2048 + 1024
+    with pytest.raises(ForecastError, match="inconsistent"):
+        _to_trace("b=2", [], events, 512)  # a free of a block nobody allocated
+
+
+def test_native_torch_recorder_without_clear_history_skips_older_events():
+    from gpumem.forecast import _TorchNativeRecorder
+
+    class OldCuda(_FakeCuda):
+        def _record_memory_history(self, enabled="all", context=None, stacks=None, max_entries=None):
+            self.recording = enabled is not None
+
+    class FakeTorch:
+        cuda = OldCuda()
+
+    FakeTorch.cuda.traces = [{"action": "alloc", "addr": 5 << 20, "size": 512, "stream": 0}]  # from before
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    rec.start()
+    FakeTorch.cuda.traces.append({"action": "alloc", "addr": 6 << 20, "size": 1024, "stream": 0})
+    assert rec.stop() == [("alloc", 6 << 20, 1024, 0)]

@@ -1,0 +1,97 @@
+"""gpumem.forecast under torch on a GPU: recorded from torch's own history (native
+allocator) and from gpumem's (gpumem installed), and checked against real runs,
+each in a fresh process (an OOM must not leak into the next).  Skipped without a
+GPU; benchmarks/gpu_forecast.py makes the same check on four real models."""
+
+import textwrap
+
+import pytest
+
+from conftest import cuda_devices, run_python
+
+N_CUDA = cuda_devices()[0]
+CAP = 1 << 30
+
+PRELUDE = """
+import json
+import torch
+import gpumem
+def out(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+"""
+
+
+def _setup(allocator):
+    if allocator == "gpumem":
+        return f"gpumem.install(cap={CAP})\n"
+    return f"torch.cuda.set_per_process_memory_fraction({CAP} / torch.cuda.get_device_properties(0).total_memory)\n"
+
+
+MODEL = """
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+
+
+def step(b):
+    x = torch.randn(b, 64, 1024, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+torch.cuda.reset_peak_memory_stats()
+"""
+
+
+def _run(allocator, body):
+    return run_python(_setup(allocator) + MODEL + textwrap.dedent(body), PRELUDE, timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@pytest.mark.parametrize("allocator", ["native", "gpumem"])
+def test_forecast_against_real_steps(allocator):
+    fc = _run(
+        allocator,
+        f"""
+        from gpumem.native_model import replay_native
+        from gpumem.replay import replay
+
+        fc = gpumem.forecast(step, knob=[2, 4], name="batch", capacity={CAP}, steps=2, reset=opt.state.clear)
+        largest = fc.largest(allocator="{allocator}") if fc.aligned else None
+        peak = None
+        if largest:
+            t = fc.synthesise(largest)
+            if "{allocator}" == "native":
+                peak = replay_native(t).peak_allocated_bytes
+            else:
+                peak = replay(t, 4 << 30, timing=False).peak_allocated_bytes
+        out(aligned=fc.aligned, message=fc.alignment.message, largest=largest, peak=peak)
+        """,
+    )
+    assert fc["aligned"], fc["message"]
+    largest = fc["largest"]
+    assert largest and largest > 4
+
+    def probe(k):
+        return _run(
+            allocator,
+            f"""
+            try:
+                for _ in range(2):
+                    step({k})
+                torch.cuda.synchronize()
+                ok = True
+            except torch.OutOfMemoryError:
+                ok = False
+            out(ok=ok, peak=torch.cuda.max_memory_allocated())
+            """,
+        )
+
+    at = probe(largest)
+    assert at["ok"], f"the forecast's largest batch {largest} ran out of memory"
+    assert abs(at["peak"] - fc["peak"]) <= 0.02 * at["peak"], (at["peak"], fc["peak"])
+    assert not probe(largest + 2)["ok"], f"batch {largest + 2} fits: the forecast's {largest} is too low"
