@@ -10,13 +10,26 @@ set_stack_hook through the hook install registers in gpumem._heap):
                           alone), and the stack hook when stacks are already being recorded
   set_stack_hook(on)      Python stacks for allocations torch makes (record_history)
   record_torch_history()  torch.cuda.memory._record_memory_history, routed to record_history
+  set_memory_metadata()   torch.cuda.memory._set_memory_metadata / _get_memory_metadata
+  get_memory_metadata()
   torch_snapshot_dict()   torch.cuda.memory._snapshot / memory_snapshot / _dump_snapshot:
                           Snapshot.to_torch() of every device's heap
+
+torch's context modes decide which trace entries carry a stack: with "state"
+(or None) none do, with "alloc" each entry carries the stack of its block's
+allocation, with "all" a free and an empty_cache carry the stack of the code
+that called them.  The mode and the user metadata in force change over time, so
+both are kept as timelines (CLOCK_MONOTONIC nanoseconds, the clock the history
+ring stamps its events with) and each entry takes what was in force when it was
+recorded.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from bisect import bisect_right
 
 from .. import _C
 from .._heap import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
@@ -24,7 +37,59 @@ from .._resolve import TorchHeap
 from ..history import _record
 from ..snapshot import Snapshot
 
-__all__ = ["on_install", "set_stack_hook", "record_torch_history", "torch_snapshot_dict"]
+__all__ = [
+    "on_install",
+    "set_stack_hook",
+    "record_torch_history",
+    "set_memory_metadata",
+    "get_memory_metadata",
+    "torch_snapshot_dict",
+]
+
+# The most changes a timeline keeps; older events take the value of the last change dropped.
+TIMELINE_CHANGES = 1 << 16
+
+
+class _Timeline:
+    """A value that changes over time: what was in force at a CLOCK_MONOTONIC time
+    (time.monotonic_ns() reads that clock on Linux).  Bounded: past `limit`
+    changes, the oldest are dropped and the newest of them becomes the value of
+    every earlier time."""
+
+    def __init__(self, initial, limit: int = TIMELINE_CHANGES):
+        self._lock = threading.Lock()
+        self._limit = limit
+        self._before = initial
+        self._times: list = []
+        self._values: list = []
+
+    def set(self, value) -> None:
+        with self._lock:
+            self._times.append(time.monotonic_ns())
+            self._values.append(value)
+            if len(self._times) > self._limit:
+                drop = len(self._times) - self._limit // 2
+                self._before = self._values[drop - 1]
+                del self._times[:drop], self._values[:drop]
+
+    def at(self, t_ns: int):
+        with self._lock:
+            i = bisect_right(self._times, t_ns)
+            return self._values[i - 1] if i else self._before
+
+    def current(self):
+        with self._lock:
+            return self._values[-1] if self._values else self._before
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+
+# torch's context argument in force (None, "state", "alloc", "all").  Before torch's
+# _record_memory_history is first called, entries carry their blocks' stacks.
+_trace_context = _Timeline("alloc")
+# torch.cuda.memory._set_memory_metadata's string in force
+_metadata = _Timeline("")
 
 
 def _hooks():
@@ -64,15 +129,19 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     _cuda_record_memory_history_legacy(enabled: bool, record_context,
     trace_alloc_max_entries, ...), answered by gpumem.record_history on every
     device's heap.  Stacks are Python stacks ("all" asks for C++ frames too; gpumem
-    has only the Python ones); context=None records none.  clear_history drops the
-    events recorded so far; skip_actions leaves those actions out of the trace."""
+    has only the Python ones); context=None records none, "state" only those of the
+    blocks alive, "alloc" those of trace entries too, "all" also the stacks of the
+    code that frees and empties the cache.  clear_history drops the events recorded
+    so far; skip_actions leaves those actions out of the trace."""
     global _skip_actions
     clear, skip = False, ()
     if isinstance(enabled, bool):
         record_context = args[0] if args else kwargs.get("record_context", True)
         max_entries = args[1] if len(args) > 1 else kwargs.get("trace_alloc_max_entries", 1)
+        alloc_context = args[2] if len(args) > 2 else kwargs.get("trace_alloc_record_context", False)
         mode = "all" if enabled else False
         stacks = "python" if enabled and record_context else None
+        context = ("alloc" if alloc_context else "state") if stacks else None
     else:
         context = args[0] if args else kwargs.get("context", "all")
         stack_kind = args[1] if len(args) > 1 else kwargs.get("stacks", "all")
@@ -81,18 +150,47 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         skip = args[6] if len(args) > 6 else kwargs.get("skip_actions", None)
         if enabled not in (None, "state", "all"):
             raise ValueError(f"enabled must be None, 'state' or 'all', not {enabled!r}")
+        if context not in (None, "state", "alloc", "all"):
+            raise ValueError(f"context must be None, 'state', 'alloc' or 'all', not {context!r}")
         mode = enabled or False
         stacks = "python" if enabled and context and stack_kind in ("python", "all") else None
+        context = context if stacks else None
     if isinstance(skip, str):
         skip = (skip,)
     unknown = sorted(set(skip or ()) - set(TORCH_TRACE_ACTIONS))
     if unknown:
-        raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {', '.join(TORCH_TRACE_ACTIONS)})")
+        raise ValueError(
+            f"unknown trace action(s) in skip_actions: {unknown} (known: {', '.join(TORCH_TRACE_ACTIONS)})"
+        )
     n = max(1, min(int(max_entries), MAX_HISTORY))
     if clear and mode == "all":
         _C._torch_history_enable(0)  # the ring starts empty
     _record(_C._torch_history_enable, mode, stacks, n)
     _skip_actions = frozenset(skip or ())
+    _trace_context.set(context)
+    # context="all": frees and empty_cache record the stack of their caller
+    _C._torch_set_event_stacks(context == "all")
+
+
+def set_memory_metadata(metadata) -> None:
+    """torch._C._cuda_setMemoryMetadata: the string every trace entry recorded from
+    now on carries as "user_metadata" ("" clears it)."""
+    if not isinstance(metadata, str):
+        raise TypeError(f"memory metadata must be a str, not {type(metadata).__name__}")
+    _metadata.set(metadata)
+
+
+def get_memory_metadata() -> str:
+    """torch._C._cuda_getMemoryMetadata: the string set last."""
+    return _metadata.current()
+
+
+def _torch_entry(e, entry) -> None:
+    """A trace entry as torch records it: the metadata in force then, and frames
+    only where the context mode in force then gives trace entries any."""
+    entry["user_metadata"] = _metadata.at(e.time_ns)
+    if _trace_context.at(e.time_ns) not in ("alloc", "all"):
+        entry["frames"] = []
 
 
 def torch_snapshot_dict(arg=None) -> dict:
@@ -106,7 +204,7 @@ def torch_snapshot_dict(arg=None) -> dict:
     n = max([_C._torch_device_count()] + [d + 1 for d in devices] + [1])
     out = {"segments": [], "device_traces": [[] for _ in range(n)]}
     for d in devices:
-        t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d)
+        t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d, entry_hook=_torch_entry)
         out["segments"].extend(s for s in t["segments"] if pool == (0, 0) or tuple(s["segment_pool_id"]) == pool)
         out["device_traces"][d] = [e for e in t["device_traces"][d] if e["action"] not in _skip_actions]
         out.setdefault("allocator_settings", t["allocator_settings"])
