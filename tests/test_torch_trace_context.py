@@ -263,3 +263,100 @@ def test_torch_profiler_sees_allocations_and_frees():
     # each allocation as the profiler saw it, and the caller's net: 1 + 3 - 1 MiB
     assert sorted(r["allocs"]) == [1 << 20, 3 << 20], r
     assert r["caller"] == [3 << 20], r
+
+
+# ---- through torch on a GPU ----------------------------------------------------------------
+
+GPU_PRELUDE = """
+import json
+import torch
+import gpumem
+def out(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+"""
+
+
+def _cuda_count():
+    from conftest import cuda_devices
+
+    return cuda_devices()[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() == 0, reason="needs torch with a CUDA GPU")
+def test_memory_views_through_torch_on_a_gpu():
+    r = run_python(
+        """
+        gpumem.install()
+        from torch.cuda._memory_viz import trace_plot, segment_plot, profile_plot, _profile_to_snapshot
+        mem = torch.cuda.memory
+        res = {"plots": [], "free": {}, "segment": {}, "metadata": {}}
+        for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
+            mem.empty_cache()
+            mem._record_memory_history("all", context=context, stacks=stacks)
+            def make_and_drop():
+                x = torch.rand(128, 128, device="cuda")
+                x * x + x * x
+            make_and_drop()
+            ss = mem._snapshot()
+            trace_plot(ss)
+            trace_plot(ss, filter_freed=True)   # drops the alloc/free pairs from ss itself
+            segment_plot(ss)
+            text = json.dumps(ss)
+            res["plots"].append([context, "make_and_drop" in text, str(128 * 128 * 4) in text])
+            mem._record_memory_history(None)
+        for context in ("alloc", "all", "state"):
+            mem.empty_cache()
+            mem._record_memory_history(context=context)
+            x = None
+            def thealloc():
+                global x
+                x = torch.rand(3, 4, device="cuda")
+            def thefree():
+                global x
+                del x
+            thealloc()
+            thefree()
+            text = json.dumps(mem._snapshot())
+            res["free"][context] = ["thealloc" in text, "thefree" in text]
+            mem._record_memory_history(None)
+        for context in ("alloc", "all", "state"):
+            mem.empty_cache()
+            mem._record_memory_history(context=context)
+            y = torch.rand(3, 4, device="cuda")
+            del y
+            mem.empty_cache()
+            res["segment"][context] = "empty_cache" in json.dumps(mem._snapshot())
+            mem._record_memory_history(None)
+        for context in ("alloc", "all", "state"):
+            mem.empty_cache()
+            mem._set_memory_metadata("metadata test")
+            mem._record_memory_history(context=context)
+            z = torch.rand(3, 4, device="cuda")
+            del z
+            mem.empty_cache()
+            mem._set_memory_metadata("")
+            events = mem._snapshot()["device_traces"][0]
+            res["metadata"][context] = [len(events), sorted({e["user_metadata"] for e in events})]
+            mem._record_memory_history(None)
+        res["metadata_now"] = mem._get_memory_metadata()
+        def profiled_work():
+            w = torch.rand(128, 128, device="cuda")
+            return w * w + w * w
+        with torch.profiler.profile(with_stack=True, profile_memory=True, record_shapes=True) as prof:
+            profiled_work()
+        profile_plot(prof)
+        plot = json.dumps(_profile_to_snapshot(prof))
+        res["profile"] = ["profiled_work" in plot, "category" in plot]
+        out(**res)
+        """,
+        GPU_PRELUDE,
+        timeout=600,
+    )
+    assert r["plots"] == [["all", True, True], ["all", True, True], [None, False, True]], r["plots"]
+    assert r["free"] == {"alloc": [True, False], "all": [True, True], "state": [False, False]}, r["free"]
+    assert r["segment"] == {"alloc": False, "all": True, "state": False}, r["segment"]
+    for context, (n, values) in r["metadata"].items():
+        assert n >= 3 and values == ["metadata test"], (context, n, values)
+    assert r["metadata_now"] == ""
+    assert r["profile"] == [True, True], r["profile"]
