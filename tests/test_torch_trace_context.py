@@ -185,6 +185,35 @@ def test_a_stack_recorded_in_one_mode_does_not_show_in_events_of_the_next():
     ], t
 
 
+def test_gpumem_record_history_gives_torchs_view_the_allocation_stacks():
+    """gpumem.record_history's stacks are torch's context="alloc", whatever torch's
+    _record_memory_history last set."""
+    r = run_py("""
+        import gpumem
+        _viz.record_torch_history("all", None, "python")
+        _viz.record_torch_history(None)
+        gpumem.record_history(True)
+        def allocated_here():
+            return alloc(MiB, 0, None)
+        p = allocated_here()
+        def freed_here():
+            free(p, 0, 0, None)
+        freed_here()
+        with_stacks = [(e["action"], names(e)[:1]) for e in trace() if e["action"] != "segment_map"]
+        gpumem.record_history(True, stacks=None)
+        q = allocated_here()
+        without = [(e["action"], names(e)[:1]) for e in trace()][-1]
+        gpumem.record_history(False)
+        out(with_stacks=with_stacks, without=without)
+    """)
+    assert r["with_stacks"] == [
+        ["alloc", ["allocated_here"]],
+        ["free_requested", ["allocated_here"]],
+        ["free_completed", ["allocated_here"]],
+    ], r
+    assert r["without"] == ["alloc", []], r
+
+
 def test_trace_entries_carry_the_metadata_in_force_when_recorded():
     r = run_py("""
         before = _viz.get_memory_metadata()

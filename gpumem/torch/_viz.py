@@ -73,9 +73,21 @@ class _Timeline:
                 del self._times[:drop], self._values[:drop]
 
     def at(self, t_ns: int):
+        return self.reader()(t_ns)
+
+    def reader(self):
+        """A function of time giving the value in force then, over the changes made
+        so far (a copy: reading many events takes the lock once)."""
         with self._lock:
-            i = bisect_right(self._times, t_ns)
-            return self._values[i - 1] if i else self._before
+            before, times, values = self._before, list(self._times), list(self._values)
+        if not times:
+            return lambda t_ns: before
+
+        def at(t_ns: int):
+            i = bisect_right(times, t_ns)
+            return values[i - 1] if i else before
+
+        return at
 
     def current(self):
         with self._lock:
@@ -97,7 +109,14 @@ def _hooks():
 
 
 def set_stack_hook(enabled: bool) -> None:
-    """Take the Python stack of each allocation torch makes (enabled), or stop."""
+    """Take the Python stack of each allocation torch makes (enabled), or stop.
+    gpumem.record_history reaches here too: its stacks are torch's context="alloc"
+    (torch's _record_memory_history has set its own mode before it calls this)."""
+    mode = _trace_context.current()
+    if enabled and mode is None:
+        _trace_context.set("alloc")
+    elif not enabled and mode is not None:
+        _trace_context.set(None)
     _C._torch_set_context_hook(_hooks()["context"] if enabled else 0)
 
 
@@ -165,9 +184,9 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     n = max(1, min(int(max_entries), MAX_HISTORY))
     if clear and mode == "all":
         _C._torch_history_enable(0)  # the ring starts empty
+    _trace_context.set(context)  # before the ring records in the new mode
     _record(_C._torch_history_enable, mode, stacks, n)
     _skip_actions = frozenset(skip or ())
-    _trace_context.set(context)
     # context="all": frees and empty_cache record the stack of their caller
     _C._torch_set_event_stacks(context == "all")
 
@@ -185,12 +204,18 @@ def get_memory_metadata() -> str:
     return _metadata.current()
 
 
-def _torch_entry(e, entry) -> None:
-    """A trace entry as torch records it: the metadata in force then, and frames
-    only where the context mode in force then gives trace entries any."""
-    entry["user_metadata"] = _metadata.at(e.time_ns)
-    if _trace_context.at(e.time_ns) not in ("alloc", "all"):
-        entry["frames"] = []
+def _entry_hook():
+    """Snapshot.to_torch's entry_hook: each trace entry as torch records it, with the
+    metadata in force then, and frames only where the context mode in force then
+    gives trace entries any."""
+    metadata_at, context_at = _metadata.reader(), _trace_context.reader()
+
+    def hook(e, entry) -> None:
+        entry["user_metadata"] = metadata_at(e.time_ns)
+        if context_at(e.time_ns) not in ("alloc", "all"):
+            entry["frames"] = []
+
+    return hook
 
 
 def torch_snapshot_dict(arg=None) -> dict:
@@ -201,10 +226,11 @@ def torch_snapshot_dict(arg=None) -> dict:
     include_traces = not (isinstance(arg, tuple) and len(arg) >= 3 and arg[2] is False)
     pool = tuple(arg[:2]) if isinstance(arg, tuple) and len(arg) >= 2 else (0, 0)
     devices = _C._torch_devices()
+    hook = _entry_hook()
     n = max([_C._torch_device_count()] + [d + 1 for d in devices] + [1])
     out = {"segments": [], "device_traces": [[] for _ in range(n)]}
     for d in devices:
-        t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d, entry_hook=_torch_entry)
+        t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d, entry_hook=hook)
         out["segments"].extend(s for s in t["segments"] if pool == (0, 0) or tuple(s["segment_pool_id"]) == pool)
         out["device_traces"][d] = [e for e in t["device_traces"][d] if e["action"] not in _skip_actions]
         out.setdefault("allocator_settings", t["allocator_settings"])
