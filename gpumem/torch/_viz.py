@@ -187,8 +187,8 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     _trace_context.set(context)  # before the ring records in the new mode
     _record(_C._torch_history_enable, mode, stacks, n)
     _skip_actions = frozenset(skip or ())
-    # context="all": frees and empty_cache record the stack of their caller
-    _C._torch_set_event_stacks(context == "all")
+    # context="all" with a trace to record: frees and empty_cache take their caller's stack
+    _C._torch_set_event_stacks(context == "all" and mode == "all")
 
 
 def set_memory_metadata(metadata) -> None:
