@@ -332,7 +332,7 @@ def test_memory_views_through_torch_on_a_gpu():
             trace_plot(ss, filter_freed=True)   # drops the alloc/free pairs from ss itself
             segment_plot(ss)
             text = json.dumps(ss)
-            res["plots"].append([context, "make_and_drop" in text, str(128 * 128 * 4) in text])
+            res["plots"].append([context, "make_and_drop" in text])
             mem._record_memory_history(None)
         for context in ("alloc", "all", "state"):
             mem.empty_cache()
@@ -382,7 +382,7 @@ def test_memory_views_through_torch_on_a_gpu():
         GPU_PRELUDE,
         timeout=600,
     )
-    assert r["plots"] == [["all", True, True], ["all", True, True], [None, False, True]], r["plots"]
+    assert r["plots"] == [["all", True], ["all", True], [None, False]], r["plots"]
     assert r["free"] == {"alloc": [True, False], "all": [True, True], "state": [False, False]}, r["free"]
     assert r["segment"] == {"alloc": False, "all": True, "state": False}, r["segment"]
     for context, (n, values) in r["metadata"].items():
