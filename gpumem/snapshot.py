@@ -389,11 +389,14 @@ class Snapshot:
                 out.append(Segment(run[0].addr, sum(x.size for x in run), run))
         return out
 
-    def to_torch(self, device: int = 0) -> dict:
+    def to_torch(self, device: int = 0, entry_hook=None) -> dict:
         """This snapshot as torch.cuda.memory._snapshot() returns it, so that
         torch.cuda._memory_viz and the memory_viz web page read it.  Each segment
         is one run of mapped pages (torch does the same for expandable segments);
-        device_traces come from the history ring, oldest first."""
+        device_traces come from the history ring, oldest first.  entry_hook, if
+        given, is called as entry_hook(history_entry, trace_entry) for each trace
+        entry and may change the trace entry (gpumem.torch sets its frames and
+        user_metadata by what was in force when the event was recorded)."""
         segments = []
         for seg in self._pool_runs():
             live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
@@ -443,6 +446,8 @@ class Snapshot:
             }
             if action == "oom":
                 entry["device_free"] = last_oom_free
+            if entry_hook is not None:
+                entry_hook(e, entry)
             trace.append(entry)
         traces: List[list] = [[] for _ in range(device + 1)]
         traces[device] = trace

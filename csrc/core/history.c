@@ -4,7 +4,8 @@
  * Fixed capacity, chosen by gm_history_enable: once full, each new event
  * overwrites the oldest and bumps `dropped`, so memory stays bounded however
  * long the program runs.  Entries carry an opaque context id; the extension
- * module maps ids to Python stacks.
+ * module maps ids to Python stacks.  An event carries the context of its block
+ * (or none), unless the thread that records it has set an event context.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +19,17 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Set by gm_history_event_context around a call: the context its events carry. */
+static _Thread_local uint64_t event_context;
+
+uint64_t gm_history_event_context(uint64_t context) {
+    uint64_t old = event_context;
+    event_context = context;
+    return old;
+}
+
 void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream, uint64_t context) {
+    if (event_context) context = event_context;
     size_t slot = (h->hist_head + h->hist_len) % h->hist_cap;
     if (h->hist_len == h->hist_cap) {
         h->hist_head = (h->hist_head + 1) % h->hist_cap;

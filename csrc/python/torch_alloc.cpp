@@ -66,6 +66,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <unistd.h>
 #include <utility>
@@ -481,6 +482,82 @@ void observe_oom(int device, size_t size, const gm_oom_info &info) {
 /* torch refuses any request of 1 EiB or more before its allocator looks at it. */
 constexpr size_t kOneExaByte = (size_t)1 << 60;
 
+/* ---- where events come from (torch's context="all") ---------------------------- */
+
+/* Set while torch records history with context="all" and Python stacks: a free
+ * and an empty_cache then take the stack of their caller for the events they
+ * record, as torch's allocator does. */
+std::atomic<bool> g_event_stacks{false};
+
+/* The caller's stack for the events a free or an empty_cache records, or 0. */
+uint64_t caller_context() {
+    if (!g_event_stacks.load(std::memory_order_relaxed)) return 0;
+    gm_torch_context_fn fn = g_context_fn.load(std::memory_order_relaxed);
+    return fn ? fn() : 0;
+}
+
+/* The events the core records in this scope carry `context` (none given: their
+ * blocks' own); the one set before comes back at the end, exceptions included. */
+struct event_context_scope {
+    uint64_t previous;
+    explicit event_context_scope(uint64_t context) : previous(gm_history_event_context(context)) {}
+    ~event_context_scope() { gm_history_event_context(previous); }
+    event_context_scope(const event_context_scope &) = delete;
+    event_context_scope &operator=(const event_context_scope &) = delete;
+};
+
+/* ---- torch's profiler (torch.profiler.profile(profile_memory=True)) ---------------
+ *
+ * torch's allocator tells the profiler of every allocation and free through
+ * c10::reportMemoryUsageToProfiler.  gpumem does the same without libtorch's
+ * headers: both functions are looked up by their mangled names in the process
+ * (torch's libc10 is loaded before torch calls an allocator), and c10::Device,
+ * two int8_t fields (DeviceType, DeviceIndex) passed by value, is spelled below.
+ * Nothing is done unless c10::memoryProfilingEnabled() says a profiler listens. */
+struct c10_device {
+    int8_t type; /* c10::DeviceType::CUDA */
+    int8_t index;
+};
+constexpr int8_t kC10DeviceCuda = 1;
+typedef bool (*profiling_enabled_fn)();
+typedef void (*report_memory_fn)(void *ptr, int64_t alloc_size, size_t total_allocated, size_t total_reserved,
+                                 c10_device device);
+std::atomic<profiling_enabled_fn> g_profiling_enabled{nullptr};
+std::atomic<report_memory_fn> g_report_memory{nullptr};
+std::atomic<bool> g_profiler_looked_up{false};
+
+void look_up_profiler() {
+    static const char kEnabled[] = "_ZN3c1022memoryProfilingEnabledEv";
+    static const char kReport[] = "_ZN3c1027reportMemoryUsageToProfilerEPvlmmNS_6DeviceE";
+    void *enabled = dlsym(RTLD_DEFAULT, kEnabled);
+    void *report = dlsym(RTLD_DEFAULT, kReport);
+    if (!enabled || !report) {
+        /* torch loads libc10 with local symbols: ask the library itself, if loaded
+         * (RTLD_NOLOAD never loads it; the handle is kept for the process's life) */
+        if (void *c10 = dlopen("libc10.so", RTLD_LAZY | RTLD_NOLOAD)) {
+            enabled = dlsym(c10, kEnabled);
+            report = dlsym(c10, kReport);
+        }
+    }
+    if (enabled && report) {
+        g_report_memory.store((report_memory_fn)report, std::memory_order_relaxed);
+        g_profiling_enabled.store((profiling_enabled_fn)enabled, std::memory_order_release);
+    }
+    g_profiler_looked_up.store(true, std::memory_order_release);
+}
+
+/* `delta` bytes at ptr were allocated (> 0) or freed (< 0) on device. */
+void report_to_profiler(gm_heap *h, int device, void *ptr, int64_t delta) {
+    if (!g_profiler_looked_up.load(std::memory_order_acquire)) look_up_profiler();
+    profiling_enabled_fn enabled = g_profiling_enabled.load(std::memory_order_acquire);
+    if (!enabled || !enabled()) return;
+    gm_stats st;
+    gm_get_stats(h, &st);
+    g_report_memory.load(std::memory_order_relaxed)(ptr, delta, (size_t)st.allocated_bytes[GM_POOL_ALL].current,
+                                                    (size_t)st.reserved_bytes[GM_POOL_ALL].current,
+                                                    c10_device{kC10DeviceCuda, (int8_t)device});
+}
+
 } // namespace
 
 /* ---- options, registry access ----------------------------------------------- */
@@ -650,6 +727,8 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     const gm_pool_id *pool = route(g_slots[device], (gm_stream)(uintptr_t)stream, &pool_id) ? &pool_id : nullptr;
     gm_torch_context_fn ctx_fn = g_context_fn.load(std::memory_order_relaxed);
     uint64_t ctx = ctx_fn ? ctx_fn() : 0;
+    /* the pages mapped for it, or its out-of-memory event, carry its stack too */
+    event_context_scope events(ctx);
     uintptr_t p = 0;
     if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
     if (size > g_slots[device].limit.load(std::memory_order_relaxed)) {
@@ -661,7 +740,10 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
         throw_oom(buf);
     }
     int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
-    if (rc == GM_OK) return (void *)p;
+    if (rc == GM_OK) {
+        report_to_profiler(h, device, (void *)p, (int64_t)size);
+        return (void *)p;
+    }
     /* During a capture nothing may synchronise: no empty_cache, no retry. */
     bool capturing = gm_capturing(h) != 0;
     if (rc == GM_ENOMEM && !capturing) {
@@ -672,6 +754,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
         rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
         if (rc == GM_OK) {
             c_oom_retries.fetch_add(1, std::memory_order_relaxed);
+            report_to_profiler(h, device, (void *)p, (int64_t)size);
             return (void *)p;
         }
     }
@@ -697,10 +780,11 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
 /* Called from tensor destructors: throwing here would terminate the process,
  * so a pointer no heap knows is counted and reported once on stderr. */
 extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stream) {
-    (void)size;
     (void)stream;
     gm_heap *h = gm_torch_heap(device);
+    event_context_scope events(caller_context());
     int rc = h ? gm_free(h, (uintptr_t)ptr) : GM_EUNKNOWN_PTR;
+    if (rc == GM_OK) report_to_profiler(h, device, ptr, -(int64_t)size);
     if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
         fprintf(stderr,
                 "gpumem: free of %p on GPU %d failed: %s (further errors are counted "
@@ -710,6 +794,7 @@ extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stre
 
 extern "C" void gpumem_torch_empty_cache(void) {
     c_empty_cache.fetch_add(1, std::memory_order_relaxed);
+    event_context_scope events(caller_context());
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
         gm_heap *h = gm_torch_heap(d);
         /* Unmapping during a capture would invalidate it: skipped then. */
@@ -746,9 +831,14 @@ extern "C" void gpumem_torch_record_stream(void *ptr, void *stream) {
     }
 }
 
-extern "C" void gpumem_torch_init(int device_count) { g_device_count.store(device_count); }
+extern "C" void gpumem_torch_init(int device_count) {
+    g_device_count.store(device_count);
+    look_up_profiler(); /* torch is loaded by now */
+}
 
 extern "C" void gpumem_torch_set_context_hook(gm_torch_context_fn fn) { g_context_fn.store(fn); }
+
+extern "C" void gpumem_torch_set_event_stacks(int on) { g_event_stacks.store(on != 0); }
 
 extern "C" void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn) { g_formatter.store(fn); }
 
@@ -817,6 +907,7 @@ extern "C" int gpumem_torch_pool_release(int device, uint64_t first, uint64_t se
 }
 
 extern "C" void gpumem_torch_raw_delete(void *ptr) {
+    event_context_scope events(caller_context());
     int rc = GM_EUNKNOWN_PTR;
     for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
         gm_heap *h = gm_torch_heap(d);

@@ -116,6 +116,9 @@ GM_TORCH_EXPORT void gpumem_torch_memory_fraction(double fraction, int device);
 GM_TORCH_EXPORT void gpumem_torch_record_stream(void *ptr, void *stream);
 GM_TORCH_EXPORT void gpumem_torch_init(int device_count);
 GM_TORCH_EXPORT void gpumem_torch_set_context_hook(gm_torch_context_fn fn);
+/* Whether a free or an empty_cache takes its caller's stack (the context hook's)
+ * for the history events it records (torch's context="all"). */
+GM_TORCH_EXPORT void gpumem_torch_set_event_stacks(int on);
 GM_TORCH_EXPORT void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn);
 
 /* ---- private pools: torch's graph pools and MemPool ---------------------------

@@ -9,7 +9,8 @@
  *   gm_py_torch_oom_formatter  words torch's OutOfMemoryError with the report
  *       of gpumem.explain (the core's one line first, then the table, causes
  *       and advice), falling back to that one line on any failure.
- *   context hook                gm_py_capture_context_reacquire (history_glue.c)
+ *   context hook                gm_py_capture_context_reacquire (history_glue.c), taken
+ *       for allocations, and for frees and empty_cache with _torch_set_event_stacks
  *
  * Why the formatter may take the GIL: torch reaches the allocator from op
  * bindings that released it, or from autograd's device threads, never while
@@ -171,6 +172,14 @@ static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a) {
     return PyUnicode_FromString(gm_heap_device(h)->name);
 }
 
+/* _torch_set_event_stacks(on): frees and empty_cache take their caller's stack for their events. */
+static PyObject *v_set_event_stacks(PyObject *Py_UNUSED(m), PyObject *a) {
+    int on = PyObject_IsTrue(a);
+    if (on < 0) return NULL;
+    gpumem_torch_set_event_stacks(on);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef viz_methods[] = {
     {.ml_name = "_torch_viz_hooks",
      .ml_meth = v_hooks,
@@ -184,6 +193,11 @@ static PyMethodDef viz_methods[] = {
      .ml_meth = v_device_name,
      .ml_flags = METH_O,
      .ml_doc = "_torch_device_name(device) -> the heap's device name, or None"},
+    {.ml_name = "_torch_set_event_stacks",
+     .ml_meth = v_set_event_stacks,
+     .ml_flags = METH_O,
+     .ml_doc =
+         "_torch_set_event_stacks(on): torch's frees and empty_cache record their caller's stack (context='all')"},
     {.ml_name = NULL},
 };
 

@@ -502,6 +502,8 @@ def _patch(torch):
         "_cuda_getMemoryFraction": _memory_fraction,
         "_cuda_isHistoryEnabled": _history_enabled,
         "_cuda_attach_out_of_memory_observer": _attach_oom_observer,
+        "_cuda_setMemoryMetadata": _viz.set_memory_metadata,
+        "_cuda_getMemoryMetadata": _viz.get_memory_metadata,
     }
     if hasattr(torch._C, "_cuda_setMemoryFraction"):
         original_set = _state["patched"].get((torch._C, "_cuda_setMemoryFraction"), torch._C._cuda_setMemoryFraction)

@@ -263,6 +263,11 @@ int gm_history_enable(gm_heap *heap, size_t max_entries);
  * *dropped (if not NULL) gets how many older entries the ring overwrote. */
 size_t gm_history_read(gm_heap *heap, gm_hist_entry *out, size_t cap, uint64_t *dropped);
 size_t gm_history_len(gm_heap *heap);
+/* The context of the events this thread records from now on, in place of the
+ * blocks' own (0: the blocks' own again); returns the one it replaces.  A
+ * caller sets it around a call (a free, an empty_cache) to say where that call
+ * came from: the events the call records then carry its context. */
+uint64_t gm_history_event_context(uint64_t context);
 
 /* ---- out-of-memory report -------------------------------------------------- */
 typedef struct gm_oom_info {
