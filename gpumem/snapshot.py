@@ -66,6 +66,8 @@ PAGE_STATES = {0: "unmapped", 1: "used", 2: "cached", 3: "paused"}  # 3: release
 # gpumem block state -> torch's block state
 TORCH_STATE = {"live": "active_allocated", "pending": "active_pending_free", "free": "inactive"}
 # history action -> torch TraceEntry action (empty_cache shows as its unmaps)
+STREAM_ANY = (1 << 64) - 1  # GM_STREAM_ANY: free memory any stream may use
+
 TORCH_ACTION = {
     "alloc": "alloc",
     "free_requested": "free_requested",
@@ -364,8 +366,8 @@ class Snapshot:
         """Mapped runs cut where the pool or the stream of the blocks changes
         (torch gives every segment one segment_pool_id, and serves each stream
         from segments of its own): a free block of the general heap stays in the
-        run it lies in, a pool's free block in its pool's run; live or pending
-        blocks make runs of their pool and stream."""
+        run it lies in; live or pending blocks, and a pool's free blocks, make
+        runs of their pool and stream."""
         out: List[Segment] = []
         for seg in self.segments:
             run: List[Block] = []
@@ -374,7 +376,8 @@ class Snapshot:
             for b in seg.blocks:
                 active = b.state in ("live", "pending")
                 p = tuple(b.pool) if b.pool is not None else (0, 0) if active else None
-                s = b.stream if active else None
+                # a pool's free block stays its stream's (any stream's: it joins either)
+                s = b.stream if (active or p is not None) and b.stream != STREAM_ANY else None
                 if run and (
                     (p is not None and pool is not None and p != pool) or (s is not None and stream not in (None, s))
                 ):
@@ -399,7 +402,9 @@ class Snapshot:
         user_metadata by what was in force when the event was recorded)."""
         segments = []
         for seg in self._pool_runs():
-            live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending"))
+            live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending")) or Counter(
+                b.stream for b in seg.blocks if b.pool is not None and b.stream != STREAM_ANY
+            )
             blocks = []
             for b in seg.blocks:
                 active = b.state in ("live", "pending")

@@ -214,3 +214,21 @@ def test_torch_segments_serve_one_pool_and_one_stream():
         assert sum(s["total_size"] for s in segs) == h.stats()["reserved_bytes.all.current"]
         for p in (a, b, c):
             h.free(p)
+
+
+def test_a_pools_free_blocks_stay_in_their_streams_segments():
+    # a pool block freed on another stream is that stream's free memory in the pool: a
+    # segment of its own, as torch keeps a stream's blocks in its own segments
+    import gpumem
+
+    with gpumem.Heap(device="sim", capacity="1GiB") as h:
+        h.pool_retain((1, 0))
+        z = h.malloc(3 << 20, stream=7, pool=(1, 0))
+        t = h.malloc(5 << 20, stream=9, pool=(1, 0))
+        h.free(t)
+        segs = [s for s in gpumem.Snapshot.from_heap(h).to_torch()["segments"] if s["segment_pool_id"] == (1, 0)]
+        assert sorted(s["stream"] for s in segs) == [7, 9]
+        (on9,) = [s for s in segs if s["stream"] == 9]
+        assert any(b["address"] == t and b["state"] == "inactive" for b in on9["blocks"])
+        h.free(z)
+        h.pool_release((1, 0))
