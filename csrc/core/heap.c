@@ -1115,9 +1115,9 @@ static int release_spares(gm_heap *h, size_t target) {
  *   Tunables, measured by replaying the shipped traces (docs/benchmarks.md,
  *   "Policy: room vs pressure"):
  *     GM_PRESSURE_DEFAULT 0.875  a headroom of 1/8 of the limit.  Unrecycled,
- *                                the traces' workloads reserve 0.4-3.2% over
- *                                peak live (15% on the synthetic
- *                                seed_fragmentation), so a workload whose peak
+ *                                the traces' workloads reserve 0.4-3.6% over
+ *                                peak live (overlap_comm 9.7%, the synthetic
+ *                                seed_fragmentation 15%), so a workload whose peak
  *                                live stays under ~85% of the limit keeps room
  *                                to the end; past the line the heap tightens
  *                                while the device still has 1/8 left, room for
@@ -1125,9 +1125,9 @@ static int release_spares(gm_heap *h, size_t target) {
  *                                context, cuBLAS and NCCL workspaces, other
  *                                processes) and for the defragmentation that
  *                                follows to find free pages.  The smallest
- *                                capacity per trace stays within 0.3% of peak
- *                                live of the tight heap's (the pinned results).
- *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 32, ROOM_CHUNK_PAGES 64: 1.2-4.5x fewer
+ *                                capacity per trace stays within 0.32% of
+ *                                peak live of the tight heap's.
+ *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 32, ROOM_CHUNK_PAGES 64: 1.2-4.4x fewer
  *                                device allocations on the traces, the
  *                                smallest capacity of each unchanged against
  *                                single pages (+0.02% on gpt2_varlen); chunks
