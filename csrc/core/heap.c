@@ -2001,7 +2001,9 @@ again:;
      * or, with room, under the room line (POLICY). */
     pl = place(h, size, s, pool);
     if (pl.ok && lacking(h, &pl, grant)) {
-        size_t limit = growth_limit(h, size), room = room_line(h), need = lacking(h, &pl, grant);
+        size_t limit = growth_limit(h, size), need = lacking(h, &pl, grant);
+        /* The device is asked what is free only when room would change something. */
+        size_t room = need >= ROOM_CHUNK_MIN || held_pages(h) + grant + need > limit ? room_line(h) : 0;
         if (room > limit) {
             limit = room;
             if (g == NULL && !single && need >= ROOM_CHUNK_MIN &&
