@@ -164,6 +164,19 @@ def test_chunks_only_far_from_pressure_and_for_large_requests():
             assert st["num_device_alloc"] == st["reserved_bytes.all.current"] // PAGE, kw
 
 
+def test_chunk_refused_with_room_falls_back_to_single_pages():
+    with gpumem.Heap(capacity=8 * GiB) as h:
+        h.sim_fail("create", nth=2, count=1)  # the first inner chunk of 64 pages (GM_ENOMEM)
+        p = h.malloc(256 * MiB)
+        h.sim_fail("create", nth=0)
+        st = h.stats()
+        assert st["reserved_bytes.all.current"] == 128 * PAGE
+        assert st["num_device_alloc"] == 128  # single pages after the refusal
+        assert len({h.sim_page_at(p + i * PAGE) for i in range(128)}) == 128
+        h.check()
+        h.free(p)
+
+
 TRACES = ("bert_varlen", "gpt2_generate", "gpt2_varlen", "llama_lora_ckpt", "resnet50_multires", "seed_fragmentation")
 # Peak reserved / peak live of PyTorch's expandable segments on these traces (gpumem/data/traces/README.md),
 # and for seed_fragmentation, a synthetic worst case with no recorded figure near it, gpumem's own with room.

@@ -2042,6 +2042,7 @@ placed:
     if (!b && err == GM_ENOMEM && g) {
         g = NULL; /* the device is nearly full: single pages, gathered first */
         single = 1;
+        most = h->chunk_pages;
         goto again;
     }
     if (!b) {
