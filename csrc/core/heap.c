@@ -1125,17 +1125,19 @@ static int release_spares(gm_heap *h, size_t target) {
  *                                context, cuBLAS and NCCL workspaces, other
  *                                processes) and for the defragmentation that
  *                                follows to find free pages.  The smallest
- *                                capacity per trace stays within 0.32% of
+ *                                capacity per trace stays within 0.27% of
  *                                peak live of the tight heap's.
- *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 32, ROOM_CHUNK_PAGES 64: 1.2-4.4x fewer
- *                                device allocations on the traces, the
- *                                smallest capacity of each unchanged against
- *                                single pages (+0.02% on gpt2_varlen); chunks
+ *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
+ *                                device allocations than single pages on five
+ *                                of the nine traces (none on the others), the
+ *                                smallest capacity of every trace the same as
+ *                                with single pages; chunks
  *                                for smaller requests, or up to half the room
  *                                line, cost up to 8% of peak live on
- *                                seed_fragmentation and 1.4% on llama_lora_ckpt. */
+ *                                seed_fragmentation, 1.4% on llama_lora_ckpt
+ *                                and 0.4% on two_stream_pipeline. */
 #define ROOM_FAR         0.25
-#define ROOM_CHUNK_MIN   32
+#define ROOM_CHUNK_MIN   64
 #define ROOM_CHUNK_PAGES 64
 
 /* The room line in pages: pressure x min(cap, held + device free).  0 when
