@@ -132,7 +132,7 @@ def child(use, names):
         gpumem.install()
     dev = "cuda"
     total = torch.cuda.get_device_properties(0).total_memory
-    llama, live = None, None
+    llama = step = draw = opt = live = None
     for name in names:
         if name in ("llama_varlen", "llama_varlen_cap"):
             if llama is None:
@@ -150,9 +150,8 @@ def child(use, names):
                 r["cap"] = cap
                 torch.cuda.set_per_process_memory_fraction(1.0)
         else:
-            if llama is not None:
-                llama = None
-                gc.collect()
+            llama = step = draw = opt = None  # the Llama and its optimizer go before the next model comes
+            gc.collect()
             from compare import workloads
 
             torch.cuda.empty_cache()
