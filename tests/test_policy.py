@@ -225,3 +225,19 @@ def test_replay_option(traces):
     assert '"remaps": 0,' in room.stdout and '"remaps": 0,' not in tight.stdout
     bad = subprocess.run(run + ["--pressure", "2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "pressure must be a fraction" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_torch_options_carry_pressure():
+    """What install() hands the C++ boundary: kept as given, checked, and -1 for the core's default."""
+    C = gpumem._C
+    before = C._torch_options()["pressure"]
+    assert before == -1.0  # nothing installed: the core's default
+    try:
+        C._torch_configure(pressure=0.0)
+        assert C._torch_options()["pressure"] == 0.0
+        with pytest.raises(ValueError, match="pressure <= 1"):
+            C._torch_configure(pressure=1.5)
+        assert C._torch_options()["pressure"] == 0.0  # a refused call changes nothing
+    finally:
+        C._torch_configure(pressure=before)
+    assert C._torch_options()["pressure"] == before
