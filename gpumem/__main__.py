@@ -116,6 +116,16 @@ def _chunk_pages_arg(text: str) -> int:
     return n
 
 
+def _pressure_arg(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0.0 <= f <= 1.0:
+        raise argparse.ArgumentTypeError(f"pressure must be a fraction between 0 and 1: {text!r}")
+    return f
+
+
 def _page_size_arg(text: str) -> int:
     n = _size_arg(text)
     if n & (n - 1) or n < 4096:
@@ -168,6 +178,13 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="the heap's page, each one physical allocation (default 2MiB, a GPU's granularity); e.g. 8MiB: "
         "growth makes fewer device calls, and a block keeps whole pages",
+    )
+    p.add_argument(
+        "--pressure",
+        type=_pressure_arg,
+        default=None,
+        metavar="F",
+        help="where the heap tightens, as a fraction of its limit (default 0.875; 0: always tight)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per trace per line")
     p.add_argument("--no-timing", action="store_true", help="skip the separate timing pass (ns_per_op)")

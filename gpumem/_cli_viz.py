@@ -43,8 +43,10 @@ def _size_arg(text: str) -> int:
 
 
 def replay_heap_kwargs(args) -> Optional[dict]:
-    """The heap options --chunk-pages and --page-size ask for (None: gpumem's defaults)."""
+    """The heap options --chunk-pages, --page-size and --pressure ask for (None: gpumem's defaults)."""
     kw = {}
+    if getattr(args, "pressure", None) is not None:
+        kw["pressure"] = args.pressure
     if getattr(args, "chunk_pages", None):
         kw["chunk_pages"] = args.chunk_pages
     if getattr(args, "page_size", None):

@@ -488,8 +488,8 @@ def _diagnose(r: Report, heap) -> None:
                     "chunks",
                     r.chunk_locked_bytes,
                     f"{_fs(r.chunk_locked_bytes)} are free pages inside physical allocations of several pages "
-                    "(growth with chunk_pages > 1, or a resumed pool) that live blocks still use: an allocation "
-                    "is unmapped only as a whole, so "
+                    "(growth with chunk_pages > 1 or with room, or a resumed pool) that live blocks still use: "
+                    "an allocation is unmapped only as a whole, so "
                     "defragmentation cannot move them",
                 )
             )
@@ -606,7 +606,9 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
             "Memory near its limit defragments best page by page: with chunk_pages > 1, create the heap "
             "with chunk_pages=1 (GPUMEM_CONF=chunk_pages:1 for torch), which makes every page it grows "
             "by its own allocation. A resumed pool's allocations stay whole until all their pages are free, "
-            "even after the pool ends: free its tensors."
+            "even after the pool ends: free its tensors. While far from its limit the heap also grows large "
+            "requests by such allocations; pressure=0 (GPUMEM_CONF=pressure:0 for torch) makes it grow page "
+            "by page everywhere."
         ]
     if kind == "private_pools":
         return [

@@ -1031,6 +1031,20 @@ static size_t map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *g
     return p;
 }
 
+/* map_fresh for growth with room (POLICY): pages [p0, p1) of a range whose
+ * pages are [r0, r1).  The range's first and last pages, which neighbouring
+ * blocks may share, come as single pages; only pages wholly inside the range
+ * come as chunks of up to `most`, so that a chunk goes back whole once the
+ * block over it is freed. */
+static size_t map_interior(gm_heap *h, size_t p0, size_t p1, size_t r0, size_t r1, size_t most, size_t *grant,
+                           int *err) {
+    size_t a = p0 == r0 && p0 < p1 ? p0 + 1 : p0, z = p1 == r1 && p1 > a ? p1 - 1 : p1;
+    size_t p = map_fresh(h, p0, a, 1, grant, err);
+    if (p == a) p = map_fresh(h, a, z, most, grant, err);
+    if (p == z) p = map_fresh(h, z, p1, 1, grant, err);
+    return p;
+}
+
 /* Release spare pages (and chunks whose release failed before) until the heap
  * holds at most `target` (not during a capture: a release would invalidate
  * it; the spares wait for later). */
@@ -1059,6 +1073,82 @@ static int release_spares(gm_heap *h, size_t target) {
         h->st.num_device_free++;
     }
     return GM_OK;
+}
+
+/* ---- policy: room vs pressure --------------------------------------------------------- */
+
+/* POLICY
+ *
+ *   The growth limit (1% over the peak of live memory) keeps reserved memory
+ *   near live memory, at a price: growth past it recycles -- a device-wide
+ *   synchronisation, then free pages unmapped and mapped again -- where a
+ *   caching allocator would simply take new pages.  On a full device that is
+ *   what lets a workload fit; on a device with room it only costs time.  So
+ *   the slow path first measures pressure:
+ *
+ *     limit     = min(cap, held + what the device reports free)
+ *                 (the device's free memory counts other processes' use)
+ *     room line = pressure x limit                 (gm_config.pressure)
+ *
+ *   With room -- the heap's pages plus the request's stay under the room line
+ *   -- growth takes new pages past the growth limit, freed pages stay cached,
+ *   and the slow path neither recycles nor synchronises.  Past the line the
+ *   heap is tight exactly as before: the growth limit, recycling and
+ *   defragmentation, then growth to the cap.  Crossing the line therefore
+ *   costs one round of defragmentation of what the room left scattered;
+ *   defragmentation moves any wholly free page, so the smallest capacity a
+ *   workload fits in stays near the tight heap's (pressure 0) -- not equal:
+ *   the blocks placed with room lie elsewhere.
+ *
+ *   Growth with room far from pressure -- the heap holding at most ROOM_FAR
+ *   of the room line -- maps a request's new pages as chunks of up to
+ *   ROOM_CHUNK_PAGES pages (one create, map and access grant each, instead
+ *   of one per page) when it needs at least ROOM_CHUNK_MIN of them.  Only the
+ *   pages wholly inside the request's range become chunks; its first and
+ *   last pages, which neighbouring blocks may share, stay single
+ *   (map_interior).  A chunk cannot move while a block still uses one of its
+ *   pages, which is why they are made only for large requests and only far
+ *   from pressure: such a block usually goes whole, and its chunk with it
+ *   (recycling releases a wholly free chunk and makes single pages in its
+ *   place), long before defragmentation needs every page to move.
+ *
+ *   Tunables, measured by replaying the shipped traces (docs/benchmarks.md,
+ *   "Policy: room vs pressure"):
+ *     GM_PRESSURE_DEFAULT 0.875  a headroom of 1/8 of the limit.  Unrecycled,
+ *                                the traces' workloads reserve 0.4-3.6% over
+ *                                peak live (overlap_comm 9.7%, the synthetic
+ *                                seed_fragmentation 15%), so a workload whose peak
+ *                                live stays under ~85% of the limit keeps room
+ *                                to the end; past the line the heap tightens
+ *                                while the device still has 1/8 left, room for
+ *                                what allocates outside the heap (CUDA's
+ *                                context, cuBLAS and NCCL workspaces, other
+ *                                processes) and for the defragmentation that
+ *                                follows to find free pages.  The smallest
+ *                                capacity per trace stays within 0.27% of
+ *                                peak live of the tight heap's.
+ *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
+ *                                device allocations than single pages on five
+ *                                of the nine traces (none on the others), the
+ *                                smallest capacity of every trace the same as
+ *                                with single pages; chunks
+ *                                for smaller requests, or up to half the room
+ *                                line, cost up to 8% of peak live on
+ *                                seed_fragmentation, 1.4% on llama_lora_ckpt
+ *                                and 0.4% on two_stream_pipeline. */
+#define ROOM_FAR         0.25
+#define ROOM_CHUNK_MIN   64
+#define ROOM_CHUNK_PAGES 64
+
+/* The room line in pages: pressure x min(cap, held + device free).  0 when
+ * the heap is always tight, or the device cannot say what is free. */
+static size_t room_line(gm_heap *h) {
+    if (!(h->pressure > 0)) return 0;
+    size_t dfree = 0, total = 0, limit = h->cap_pages;
+    if (h->dev->ops->mem_info(h->dev, &dfree, &total)) return 0;
+    size_t device = held_pages(h) + dfree / h->page;
+    if (device < limit) limit = device;
+    return (size_t)(h->pressure * (double)limit);
 }
 
 static size_t growth_limit(const gm_heap *h, size_t size) {
@@ -1527,7 +1617,7 @@ static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr
  * Returns that block, or NULL on a device error (pages mapped so far stay
  * mapped and free, the pool's blocks stay the pool's: nothing is lost). */
 static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, gm_pool *pool,
-                                   int remap, size_t *grant, int *err) {
+                                   int remap, size_t most, size_t *grant, int *err) {
     gm_block *b = block_holding(from, x);
     uintptr_t end = x + size;
     size_t cuts = 4;
@@ -1544,7 +1634,9 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
         size_t p0 = gm_page_floor(h, lo), p1 = gm_page_ceil(h, hi);
         int rc = GM_OK;
-        size_t p = map_fresh(h, p0, p1, h->chunk_pages, grant, &rc);
+        size_t p = most > h->chunk_pages
+                       ? map_interior(h, p0, p1, gm_page_floor(h, x), gm_page_ceil(h, end), most, grant, &rc)
+                       : map_fresh(h, p0, p1, most, grant, &rc);
         if (p > p0) {
             int arc = grant_or_take_back(h, p0, &p);
             if (!rc) rc = arc;
@@ -1586,7 +1678,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
  * every run the range and its two neighbours are in is out meanwhile (`lo`,
  * the block before the range's first, survives: merges keep lower records). */
 static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s, gm_pool *pool, int remap,
-                            size_t *grant, int *err) {
+                            size_t most, size_t *grant, int *err) {
     gm_block *from = pl->first;
     if (!pl->pooled) {
         if (from->pool) {
@@ -1597,7 +1689,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
             from = b;
         }
         gm_run_detach(h, from);
-        gm_block *b = back_range_in_run(h, from, pl->addr, size, s, NULL, remap, grant, err);
+        gm_block *b = back_range_in_run(h, from, pl->addr, size, s, NULL, remap, most, grant, err);
         gm_run_attach(h, from);
         return b;
     }
@@ -1605,7 +1697,7 @@ static gm_block *back_range(gm_heap *h, const placement *pl, size_t size, gm_str
     gm_block *lo = block_holding(from, pl->addr);
     if (lo->prev) lo = lo->prev;
     for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
-    gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, grant, err);
+    gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, most, grant, err);
     for (gm_block *b = lo; b && b->addr <= end; b = b->next)
         if (gm_general_space(b) && !gm_run_head(b)->run_len) gm_run_attach(h, b);
     return r;
@@ -1884,7 +1976,8 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_p
  * pages mapped meanwhile stay, free). */
 static int alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at) {
     h->st.num_alloc_retries++;
-    size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL;
+    size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
+    int single = 0; /* the device refused a chunk: single pages from then on */
 again:;
     gm_block *b;
     int dev_err = GM_OK, recycled = 0, synced = 0;
@@ -1906,9 +1999,23 @@ again:;
         *at = b->addr;
         return GM_OK;
     }
-    /* 2-3. Place, and back it with spare or new pages under the growth limit. */
+    /* 2-3. Place, and back it with spare or new pages under the growth limit,
+     * or, with room, under the room line (POLICY). */
     pl = place(h, size, s, pool);
-    if (pl.ok && lacking(h, &pl, grant)) grow(h, lacking(h, &pl, grant), growth_limit(h, size), g, &dev_err);
+    if (pl.ok && lacking(h, &pl, grant)) {
+        size_t limit = growth_limit(h, size), need = lacking(h, &pl, grant);
+        /* The device is asked what is free only when room would change something. */
+        size_t room = need >= ROOM_CHUNK_MIN || held_pages(h) + grant + need > limit ? room_line(h) : 0;
+        if (room > limit) {
+            limit = room;
+            if (g == NULL && !single && need >= ROOM_CHUNK_MIN &&
+                held_pages(h) + need <= (size_t)(ROOM_FAR * (double)room)) {
+                g = &grant; /* far from pressure: the new pages as chunks */
+                most = ROOM_CHUNK_PAGES;
+            }
+        }
+        grow(h, need, limit, g, &dev_err);
+    }
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
      * there is only if the device or the cap refused. */
@@ -1933,9 +2040,11 @@ placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (lacking(h, &pl, grant)) return out_of_memory(h, size, s, lacking(h, &pl, grant), dev_err);
     int err = GM_OK;
-    b = back_range(h, &pl, size, s, pool, recycled, g, &err);
+    b = back_range(h, &pl, size, s, pool, recycled, most, g, &err);
     if (!b && err == GM_ENOMEM && g) {
         g = NULL; /* the device is nearly full: single pages, gathered first */
+        single = 1;
+        most = h->chunk_pages;
         goto again;
     }
     if (!b) {
@@ -1954,6 +2063,7 @@ void gm_config_default(gm_config *cfg) {
     cfg->growth_slack = 0.01;
     cfg->growth_slack_pages = 4;
     cfg->chunk_pages = GM_CHUNK_PAGES_DEFAULT;
+    cfg->pressure = GM_PRESSURE_DEFAULT;
 }
 
 static _Thread_local char create_error[320];
@@ -1981,11 +2091,12 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     size_t page = dev->page_size;
     if (!cfg.chunk_pages) cfg.chunk_pages = GM_CHUNK_PAGES_DEFAULT;
     if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100 ||
-        cfg.chunk_pages > GM_CHUNK_PAGES_MAX) {
+        cfg.chunk_pages > GM_CHUNK_PAGES_MAX || !(cfg.pressure >= 0 && cfg.pressure <= 1)) {
         dev->last_error[0] = 0;
         create_failed(dev, GM_EINVAL,
                       cfg.growth_slack < 0 || cfg.growth_slack > 100 ? "growth_slack must be in [0, 100]"
                       : cfg.chunk_pages > GM_CHUNK_PAGES_MAX         ? "chunk_pages must be in [1, 1024]"
+                      : !(cfg.pressure >= 0 && cfg.pressure <= 1)    ? "pressure must be in [0, 1]"
                                                                      : "device page size is not a power of two >= 512");
         dev->ops->destroy(dev);
         return GM_EINVAL;
@@ -2011,6 +2122,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->growth_slack = cfg.growth_slack;
     h->growth_slack_pages = cfg.growth_slack_pages;
     h->chunk_pages = cfg.chunk_pages;
+    h->pressure = cfg.pressure;
     if (cfg.va_size > ((size_t)1 << 48)) {
         dev->last_error[0] = 0;
         create_failed(dev, GM_EINVAL, "va_size exceeds the 256 TiB of address space a GPU has");

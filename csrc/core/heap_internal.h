@@ -132,6 +132,7 @@ struct gm_heap {
     size_t user_cap;  /* 0: none */
     double growth_slack;
     size_t growth_slack_pages;
+    double pressure; /* gm_config.pressure; see heap.c, POLICY */
 
     gm_block *head;   /* the first block in address order */
     gm_runindex runs; /* runs of general space, page use (runindex.h) */

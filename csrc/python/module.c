@@ -261,14 +261,14 @@ static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"device", "capacity",     "page_size",          "ordinal",     "va_size",
-                             "cap",    "growth_slack", "growth_slack_pages", "chunk_pages", NULL};
+    static char *kwlist[] = {"device",       "capacity",           "page_size",   "ordinal",  "va_size", "cap",
+                             "growth_slack", "growth_slack_pages", "chunk_pages", "pressure", NULL};
     const char *device = "sim";
     PyObject *capacity_o = Py_None, *page_size_o = NULL, *va_size_o = NULL, *cap_o = NULL;
-    PyObject *slack_o = Py_None, *slack_pages_o = Py_None, *chunk_o = Py_None;
+    PyObject *slack_o = Py_None, *slack_pages_o = Py_None, *chunk_o = Py_None, *pressure_o = Py_None;
     int ordinal = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
-                                     &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
+                                     &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o))
         return -1;
     if (self->heap != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
@@ -296,6 +296,16 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     }
     if (slack_pages_o != Py_None && gm_py_to_size(slack_pages_o, "growth_slack_pages", &cfg.growth_slack_pages) < 0)
         return -1;
+    if (pressure_o != Py_None) {
+        double v = PyFloat_AsDouble(pressure_o);
+        if (v == -1.0 && PyErr_Occurred()) return -1;
+        if (!(v >= 0.0 && v <= 1.0)) {
+            PyErr_Format(PyExc_ValueError, "pressure must be a fraction in [0, 1] (0: always tight), got %R",
+                         pressure_o);
+            return -1;
+        }
+        cfg.pressure = v;
+    }
     if (chunk_o != Py_None) {
         if (gm_py_to_size(chunk_o, "chunk_pages", &cfg.chunk_pages) < 0) return -1;
         if (cfg.chunk_pages < 1 || cfg.chunk_pages > GM_CHUNK_PAGES_MAX) {
@@ -1052,7 +1062,7 @@ static PyTypeObject HeapType = {
     .tp_repr = (reprfunc)Heap_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Heap(device=\"sim\", capacity=80 GiB, page_size=0, ordinal=0, va_size=0, cap=0,\n"
-              "     growth_slack=None, growth_slack_pages=None, chunk_pages=None)\n\n"
+              "     growth_slack=None, growth_slack_pages=None, chunk_pages=None, pressure=None)\n\n"
               "A gpumem heap over one device: a simulated one (\"sim\") or a CUDA GPU (\"cuda\").",
     .tp_methods = Heap_methods,
     .tp_getset = Heap_getset,
@@ -1145,6 +1155,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (gm_py_add_name_lists(m) < 0 || gm_py_add_device_ops(m) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "CHUNK_PAGES_DEFAULT", GM_CHUNK_PAGES_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "CHUNK_PAGES_MAX", GM_CHUNK_PAGES_MAX) < 0 ||
+        PyModule_AddObject(m, "PRESSURE_DEFAULT", PyFloat_FromDouble(GM_PRESSURE_DEFAULT)) < 0 ||
         PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;

@@ -275,6 +275,7 @@ gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
     if (o.growth_slack >= 0) cfg.growth_slack = o.growth_slack;
     if (o.growth_slack_pages >= 0) cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
     if (o.chunk_pages) cfg.chunk_pages = o.chunk_pages;
+    if (o.pressure >= 0) cfg.pressure = o.pressure;
     int rc = gm_heap_create(dev, &cfg, &h);
     if (rc != GM_OK) {
         *why = std::string("gpumem cannot create a heap on CUDA device ") + std::to_string(device) + ": " +
@@ -566,11 +567,12 @@ extern "C" void gm_torch_options_default(gm_torch_options *o) {
     std::memset(o, 0, sizeof *o);
     o->growth_slack = -1.0;
     o->growth_slack_pages = -1;
+    o->pressure = -1.0;
     o->oom_mode = GM_TORCH_OOM_TORCH;
 }
 
 extern "C" int gm_torch_configure(const gm_torch_options *o) {
-    if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 ||
+    if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 || o->pressure > 1.0 ||
         o->chunk_pages > GM_CHUNK_PAGES_MAX || (o->page_size & (o->page_size - 1)) ||
         (o->oom_mode != GM_TORCH_OOM_TORCH && o->oom_mode != GM_TORCH_OOM_RUNTIME) ||
         o->history_entries > ((size_t)1 << 32))

@@ -35,6 +35,7 @@ typedef struct gm_torch_options {
     double growth_slack;     /* < 0: the core's default */
     long growth_slack_pages; /* < 0: the core's default */
     size_t chunk_pages;      /* 0: the core's default (gm_config.chunk_pages) */
+    double pressure;         /* < 0: the core's default (gm_config.pressure) */
     size_t page_size;        /* 0: the device's granularity; else a power of two, a multiple of it */
     size_t history_entries;  /* 0: history off */
     int oom_mode;            /* gm_torch_oom_mode */

@@ -23,27 +23,19 @@ int gm_torch_glue_add(PyObject *module);
 /* ---- configuration -------------------------------------------------------------- */
 
 static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
-    static char *names[] = {"va_size",
-                            "cap_bytes",
-                            "cap_fraction",
-                            "growth_slack",
-                            "growth_slack_pages",
-                            "history_entries",
-                            "oom_mode",
-                            "oom_class",
-                            "chunk_pages",
-                            "page_size",
-                            NULL};
+    static char *names[] = {"va_size",         "cap_bytes", "cap_fraction", "growth_slack", "growth_slack_pages",
+                            "history_entries", "oom_mode",  "oom_class",    "chunk_pages",  "page_size",
+                            "pressure",        NULL};
     gm_torch_options o;
     gm_torch_get_options(&o);
     unsigned long long va = o.va_size, cap = o.cap_bytes, hist = o.history_entries, chunk = o.chunk_pages,
                        page = o.page_size;
-    double frac = o.cap_fraction, slack = o.growth_slack;
+    double frac = o.cap_fraction, slack = o.growth_slack, pressure = o.pressure;
     long slack_pages = o.growth_slack_pages;
     const char *mode = NULL;
     PyObject *cls = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKzOKK", names, &va, &cap, &frac, &slack, &slack_pages, &hist,
-                                     &mode, &cls, &chunk, &page))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKzOKKd", names, &va, &cap, &frac, &slack, &slack_pages, &hist,
+                                     &mode, &cls, &chunk, &page, &pressure))
         return NULL;
     o.chunk_pages = (size_t)chunk;
     o.page_size = (size_t)page;
@@ -52,6 +44,7 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
     o.cap_fraction = frac;
     o.growth_slack = slack;
     o.growth_slack_pages = slack_pages;
+    o.pressure = pressure;
     o.history_entries = (size_t)hist;
     if (mode) {
         if (strcmp(mode, "torch") == 0)
@@ -63,7 +56,7 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
     }
     if (gm_torch_configure(&o) != GM_OK)
         return PyErr_Format(PyExc_ValueError, "invalid gpumem options (cap_fraction must lie in [0, 1], "
-                                              "growth_slack <= 100, history_entries <= 2**32, "
+                                              "growth_slack <= 100, pressure <= 1, history_entries <= 2**32, "
                                               "chunk_pages <= 1024, page_size 0 or a power of two)");
     if (cls != NULL) {
         if (cls == Py_None)
@@ -87,6 +80,7 @@ static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
         gm_py_put_i64(d, "growth_slack_pages", o.growth_slack_pages) < 0 ||
         gm_py_put_u64(d, "history_entries", o.history_entries) < 0 ||
         gm_py_put_u64(d, "chunk_pages", o.chunk_pages) < 0 || gm_py_put_u64(d, "page_size", o.page_size) < 0 ||
+        gm_py_put(d, "pressure", PyFloat_FromDouble(o.pressure)) < 0 ||
         gm_py_put(d, "oom_mode", PyUnicode_FromString(o.oom_mode == GM_TORCH_OOM_TORCH ? "torch" : "runtime")) < 0) {
         Py_DECREF(d);
         return NULL;
@@ -647,7 +641,7 @@ static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
 static PyMethodDef glue_methods[] = {
     M("_torch_configure", g_configure, METH_VARARGS | METH_KEYWORDS,
       "_torch_configure(*, va_size, cap_bytes, cap_fraction, growth_slack, growth_slack_pages, "
-      "history_entries, oom_mode, oom_class, chunk_pages, page_size): options for torch's heaps"),
+      "history_entries, oom_mode, oom_class, chunk_pages, page_size, pressure): options for torch's heaps"),
     M("_torch_options", g_options, METH_NOARGS, "_torch_options() -> dict"),
     M("_torch_entry_points", g_entry_points, METH_NOARGS,
       "_torch_entry_points() -> {name: address} of the functions torch calls"),

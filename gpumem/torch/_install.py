@@ -21,6 +21,7 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     cap                 a number up to 1 is a fraction of the device, else bytes ("60GiB", 64424509440)
     growth_slack        how far reserved memory may grow above peak live, as a fraction
     growth_slack_pages  ... plus this many pages
+    pressure            where the heap tightens, as a fraction of its limit (0.875; 0: always tight)
     chunk_pages         the most pages one physical allocation holds (1, the default: every page its
                         own; more makes growth and resume cheaper, but a partly used allocation stays whole)
     page_size           the heap's page ("8MiB"): a power of two, a multiple of the device's granularity
@@ -42,7 +43,17 @@ from .._units import parse_size
 from . import _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
-OPTION_NAMES = ("cap", "growth_slack", "growth_slack_pages", "chunk_pages", "page_size", "va_size", "history", "oom")
+OPTION_NAMES = (
+    "cap",
+    "growth_slack",
+    "growth_slack_pages",
+    "pressure",
+    "chunk_pages",
+    "page_size",
+    "va_size",
+    "history",
+    "oom",
+)
 
 _POOLS = ("all", "small_pool", "large_pool")
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -103,6 +114,7 @@ def normalize_options(options):
         "va_size": 0,
         "growth_slack": -1.0,
         "growth_slack_pages": -1,
+        "pressure": -1.0,
         "chunk_pages": 0,
         "page_size": 0,
         "history_entries": 0,
@@ -140,6 +152,11 @@ def normalize_options(options):
         if v < 0:
             raise ValueError(f"growth_slack_pages must not be negative, got {v}")
         kw["growth_slack_pages"] = v
+    if options.get("pressure") is not None:
+        v = float(options["pressure"])
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"pressure must lie in [0, 1] (0: always tight), got {options['pressure']!r}")
+        kw["pressure"] = v
     if options.get("chunk_pages") is not None:
         v = int(options["chunk_pages"])
         if not 1 <= v <= _C.CHUNK_PAGES_MAX:

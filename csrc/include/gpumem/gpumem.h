@@ -59,6 +59,8 @@ const char *gm_strerror(int code);
 /* gm_config.chunk_pages: the default, and the most allowed. */
 #define GM_CHUNK_PAGES_DEFAULT 1
 #define GM_CHUNK_PAGES_MAX     1024
+/* gm_config.pressure's default: see heap.c, POLICY. */
+#define GM_PRESSURE_DEFAULT    0.875
 
 typedef struct gm_config {
     /* Virtual address space to reserve; 0 picks 4 x the device's total memory. */
@@ -74,6 +76,13 @@ typedef struct gm_config {
      * page its own allocation).  Growth maps the new pages of a request with
      * as few allocations as this allows; see README.md. */
     size_t chunk_pages;
+    /* Where pressure starts, as a fraction of the heap's limit: the cap, or
+     * what the heap holds plus what the device reports free (other processes
+     * included), whichever is less.  Below it the heap has room: growth takes
+     * new pages past the growth limit, freed pages stay cached, and nothing is
+     * recycled or defragmented.  Above it the heap is tight: the growth limit,
+     * then recycling and defragmentation.  0 keeps it tight always; in [0, 1]. */
+    double pressure;
 } gm_config;
 void gm_config_default(gm_config *cfg);
 

@@ -1,0 +1,64 @@
+"""Room vs pressure on the shipped traces: the default policy against the heap tight everywhere (pressure 0).
+
+    python3 benchmarks/policy_traces.py [--traces a,b,c] [--out benchmarks/results/policy_traces.json]
+
+For each trace and each policy: peak reserved and device calls replayed with room (the simulated
+device's 80 GiB), and the smallest capacity that fits, searched to 1 MiB -- a capacity near peak live
+puts the heap under pressure for the end of the trace, with room at its start.  Ratios are to the
+trace's peak live bytes, as in gpumem/data/traces/README.md.  Deterministic: the simulated device
+gives the same figures on every machine.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from gpumem import replay as R  # noqa: E402
+from gpumem.data import list_traces, trace_path  # noqa: E402
+from gpumem.trace import load_trace  # noqa: E402
+
+POLICIES = {"tight (pressure 0)": {"pressure": 0}, "default": {}}
+
+
+def measure(name):
+    tr = load_trace(str(trace_path(name)))
+    peak = tr.peak_live_bytes
+    out = {}
+    for label, kw in POLICIES.items():
+        r = R.replay(tr, timing=False, heap_kwargs=kw)
+        mc = R.min_capacity(tr, precision=R.MiB, heap_kwargs=kw)
+        out[label] = dict(
+            peak_reserved=round(r.peak_reserved_bytes / peak, 4),
+            remaps=r.remaps,
+            pages_remapped=r.num_pages_remapped,
+            device_allocs=r.num_device_alloc,
+            maps=r.num_maps,
+            min_capacity=round(mc / peak, 4),
+        )
+    return dict(trace=name, peak_live_gib=round(peak / 2**30, 3), policies=out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--traces", default=",".join(list_traces()))
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "policy_traces.json"))
+    a = ap.parse_args()
+    rows = [measure(n) for n in a.traces.split(",") if n]
+    print("| trace | peak live GiB | policy | peak reserved (80 GiB) | remaps (pages) ", end="")
+    print("| device allocations | min capacity |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        for label, p in r["policies"].items():
+            print(
+                f"| {r['trace']} | {r['peak_live_gib']} | {label} | {p['peak_reserved']:.4f} "
+                f"| {p['remaps']} ({p['pages_remapped']}) | {p['device_allocs']} | {p['min_capacity']:.4f} |"
+            )
+    pathlib.Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
