@@ -229,6 +229,10 @@ def main():
         envs = {use: variant_env(use) for use in allocators}
     except ValueError as e:
         ap.error(str(e))
+    # The children import the gpumem of this checkout (built in place) unless one is installed.
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for env in envs.values():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     if a.child:
         child(a.child, names)
         return
