@@ -1749,7 +1749,8 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
 
 void gm_memory_report(gm_heap *h, size_t size, gm_oom_info *out) {
     pthread_mutex_lock(&h->lock);
-    fill_report(h, align_up(size, GM_ALIGN), ANY, out);
+    /* A size within 511 bytes of SIZE_MAX has no rounded value: it stays as given. */
+    fill_report(h, size > SIZE_MAX - (GM_ALIGN - 1) ? size : align_up(size, GM_ALIGN), ANY, out);
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -1996,6 +1997,18 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
         create_failed(dev, rc, "reading the device's memory size");
         dev->ops->destroy(dev);
         return rc;
+    }
+    /* The page tables index the address range by page: 64 pages of at most
+     * 4 TiB fit the 256 TiB a GPU can address.  A page larger than the device
+     * could never be mapped. */
+    const size_t page_max = (size_t)1 << 42;
+    if (page > page_max || (total && page > total)) {
+        dev->last_error[0] = 0;
+        create_failed(dev, GM_EINVAL,
+                      page > page_max ? "page size exceeds 4 TiB, the largest the heap can index"
+                                      : "page size exceeds the device's memory");
+        dev->ops->destroy(dev);
+        return GM_EINVAL;
     }
     gm_heap *h = calloc(1, sizeof *h);
     if (!h) {

@@ -412,6 +412,7 @@ typedef struct gm_replay_result {
     uint64_t first_oom_event; /* index of the first failed alloc, or UINT64_MAX */
     uint64_t peak_event;      /* index of the event at which live peaked */
     int error;                /* GM_OK, or a non-OOM error that stopped the replay */
+    uint64_t events;          /* events that ran: op_ns[events..n) were not written */
 } gm_replay_result;
 /* Replay `n` events.  `slots` must hold one uintptr_t per distinct slot (zeroed).
  * If op_ns is not NULL, each event's wall time in ns is stored there.
