@@ -12,7 +12,7 @@
  *
  *   1. converts and validates every argument into C values first: sizes, ids
  *      and pool ids through the converters below, sequences through a tuple
- *      copy (PySequence_Tuple) that holds its own references, into C arrays;
+ *      copy (gm_py_tuple_of) that holds its own references, into C arrays;
  *   2. then checks that the heap is open (and a sim one, and idle, where the
  *      call needs it) -- gm_py_args and gm_py_arg do 1. then 2. -- and makes
  *      no Python call between that check and its last use of self->heap or
@@ -129,6 +129,9 @@ int gm_py_cap_arg(PyObject *obj, void *out);
 int gm_py_pool_arg(PyObject *obj, void *out);
 /* The same, or None: no pool, {0, 0}. */
 int gm_py_pool_or_none_arg(PyObject *obj, void *out);
+/* A new tuple of a sequence's items (rule 1): it holds their references, and
+ * a __len__ that lies makes it no larger.  NULL with an exception set. */
+PyObject *gm_py_tuple_of(PyObject *obj);
 /* A truth value (int *), as "p" takes it. */
 int gm_py_bool_arg(PyObject *obj, void *out);
 /* Raise the exception that matches a core error code; `what` names the call. */

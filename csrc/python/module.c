@@ -235,7 +235,7 @@ static int to_pool_id(PyObject *obj, gm_pool_id *out) {
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    PyObject *seq = PySequence_Tuple(obj);
+    PyObject *seq = gm_py_tuple_of(obj);
     if (seq == NULL) return -1;
     int rc = -1;
     gm_pool_id id;
@@ -253,6 +253,28 @@ static int to_pool_id(PyObject *obj, gm_pool_id *out) {
     }
     Py_DECREF(seq);
     return rc;
+}
+
+/* A tuple of obj's items.  A list or tuple is copied as it is now; anything
+ * else is iterated item by item, so that a __len__ that lies costs nothing
+ * (tuple() would allocate what it claims). */
+PyObject *gm_py_tuple_of(PyObject *obj) {
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) return PySequence_Tuple(obj);
+    PyObject *it = PyObject_GetIter(obj);
+    if (it == NULL) return NULL;
+    PyObject *list = PyList_New(0), *item;
+    while (list != NULL && (item = PyIter_Next(it)) != NULL) {
+        if (PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (list == NULL || PyErr_Occurred()) {
+        Py_XDECREF(list);
+        return NULL;
+    }
+    PyObject *t = PyList_AsTuple(list);
+    Py_DECREF(list);
+    return t;
 }
 
 int gm_py_pool_arg(PyObject *obj, void *out) { return to_pool_id(obj, out) == 0; }
@@ -882,7 +904,7 @@ static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *
     /* A tuple copy: its items stay alive and in place whatever an item's
      * __index__ does to the caller's list; each item is a tuple, which cannot
      * change either. */
-    PyObject *seq = PySequence_Tuple(blocks_o);
+    PyObject *seq = gm_py_tuple_of(blocks_o);
     if (seq == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     uintptr_t *addrs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *addrs);
