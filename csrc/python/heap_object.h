@@ -129,9 +129,6 @@ int gm_py_cap_arg(PyObject *obj, void *out);
 int gm_py_pool_arg(PyObject *obj, void *out);
 /* The same, or None: no pool, {0, 0}. */
 int gm_py_pool_or_none_arg(PyObject *obj, void *out);
-/* A new tuple of a sequence's items (rule 1): it holds their references, and
- * a __len__ that lies makes it no larger.  NULL with an exception set. */
-PyObject *gm_py_tuple_of(PyObject *obj);
 /* A truth value (int *), as "p" takes it. */
 int gm_py_bool_arg(PyObject *obj, void *out);
 /* Raise the exception that matches a core error code; `what` names the call. */

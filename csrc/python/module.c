@@ -255,28 +255,6 @@ static int to_pool_id(PyObject *obj, gm_pool_id *out) {
     return rc;
 }
 
-/* A tuple of obj's items.  A list or tuple is copied as it is now; anything
- * else is iterated item by item, so that a __len__ that lies costs nothing
- * (tuple() would allocate what it claims). */
-PyObject *gm_py_tuple_of(PyObject *obj) {
-    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) return PySequence_Tuple(obj);
-    PyObject *it = PyObject_GetIter(obj);
-    if (it == NULL) return NULL;
-    PyObject *list = PyList_New(0), *item;
-    while (list != NULL && (item = PyIter_Next(it)) != NULL) {
-        if (PyList_Append(list, item) < 0) Py_CLEAR(list);
-        Py_DECREF(item);
-    }
-    Py_DECREF(it);
-    if (list == NULL || PyErr_Occurred()) {
-        Py_XDECREF(list);
-        return NULL;
-    }
-    PyObject *t = PyList_AsTuple(list);
-    Py_DECREF(list);
-    return t;
-}
-
 int gm_py_pool_arg(PyObject *obj, void *out) { return to_pool_id(obj, out) == 0; }
 
 int gm_py_pool_or_none_arg(PyObject *obj, void *out) {
