@@ -304,6 +304,7 @@ def test_replay_timing_covers_only_the_events_that_ran():
 
 @pytest.mark.parametrize("page_size", [1 << 51, 1 << 52, 1 << 43, 1 << 62])
 def test_page_sizes_the_heap_cannot_index_are_refused(page_size):
+    assert page_size > _C.PAGE_SIZE_MAX == 4 << 40
     with pytest.raises(ValueError, match="page size exceeds 4 TiB"):
         new_heap(capacity=1 << 63, page_size=page_size)
 

@@ -9,7 +9,7 @@ rewrites a buffer while a call runs.  A case passes when the call returns or
 raises an ordinary exception and the heap, if still open, passes check().
 
 The seeds are fixed (derandomised); GPUMEM_BOUNDARY_CASES sets how many cases
-run (default 20000; .ci/boundary_asan runs more under ASan and UBSan with
+run (default 6000; .ci/boundary_asan runs more under ASan and UBSan with
 PYTHONMALLOC=malloc, where a crash or a sanitizer report fails the run).
 """
 
@@ -24,7 +24,7 @@ import gpumem
 from gpumem import _C
 
 EV = struct.Struct("<IIQQ")
-CASES = int(os.environ.get("GPUMEM_BOUNDARY_CASES", "20000"))
+CASES = int(os.environ.get("GPUMEM_BOUNDARY_CASES", "6000"))
 SEEDS = (1, 2, 3)
 
 EDGE_INTS = [0, 1, 7, 511, 512, 4096, 1 << 20, (1 << 21) + 3, 1 << 32, 1 << 40, 1 << 52, 1 << 62]
@@ -258,10 +258,45 @@ def entry_points(st):
     }
 
 
+def construct(st):
+    """Heap(...) with hostile options; sizes stay small enough that a heap that is
+    made has page tables of a few MB (huge address ranges are the core's tests)."""
+    rng = st.rng
+
+    def pick(values):
+        v = rng.choice(values)
+        return an_int(st) if v is any else v
+
+    kw = {
+        "capacity": pick([1, 511, 4096, 1 << 20, 64 << 20, "64MiB", "junk", any]),
+        "page_size": pick([0, 1, 512, 4096, 1 << 21, 1 << 30, 1 << 42, 1 << 43, 2**63, 2**64, -1, "2MiB", any]),
+        "va_size": pick([0, 1, 1 << 30, 2**64 - 1, 2**64, -1, "1GiB"]),
+        "cap": pick([0, 1, 2**64 - 1, "1MiB", "junk", any]),
+        "chunk_pages": pick([None, 0, 1, 1024, 1025, 2**64]),
+        "growth_slack": pick([None, -1.0, float("nan"), 0.5, 101.0, "x"]),
+        "growth_slack_pages": pick([None, 0, 2**64 - 1, any]),
+    }
+    for k in list(kw):
+        if rng.random() < 0.4:
+            del kw[k]
+    h = gpumem.Heap(device=rng.choice(["sim", "sim", "sim", "nope"]), **kw)
+    if h.closed:
+        return
+    try:
+        h.free(h.malloc(rng.choice([512, 4096, 1 << 20])))
+    except Exception:
+        pass
+    if not h.closed:
+        h.check()
+        h.close()
+
+
 def run_case(st, name):
     """One call; returns None, or the text of a failure."""
     try:
-        if name == "sim_unmap":
+        if name == "Heap()":
+            construct(st)
+        elif name == "sim_unmap":
             st.heap.sim_unmap(an_int(st), an_int(st))
             st.tainted = True  # it succeeded: the device unmapped behind the heap's back
         else:
@@ -280,7 +315,7 @@ def run_case(st, name):
 def fuzz(seed, cases):
     rng = random.Random(seed)
     st = State(rng)
-    names = sorted(entry_points(st)) + ["sim_unmap"]
+    names = sorted(entry_points(st)) + ["sim_unmap", "Heap()"]
     failures = []
     for i in range(cases):
         if st.heap.closed or st.tainted or rng.random() < 0.02:

@@ -2083,15 +2083,13 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
         dev->ops->destroy(dev);
         return rc;
     }
-    /* The page tables index the address range by page: 64 pages of at most
-     * 4 TiB fit the 256 TiB a GPU can address.  A page larger than the device
-     * could never be mapped. */
-    const size_t page_max = (size_t)1 << 42;
-    if (page > page_max || (total && page > total)) {
+    /* GM_PAGE_SIZE_MAX: what the page tables can index.  A page larger than
+     * the device could never be mapped. */
+    if (page > GM_PAGE_SIZE_MAX || (total && page > total)) {
         dev->last_error[0] = 0;
         create_failed(dev, GM_EINVAL,
-                      page > page_max ? "page size exceeds 4 TiB, the largest the heap can index"
-                                      : "page size exceeds the device's memory");
+                      page > GM_PAGE_SIZE_MAX ? "page size exceeds 4 TiB, the largest the heap can index"
+                                              : "page size exceeds the device's memory");
         dev->ops->destroy(dev);
         return GM_EINVAL;
     }

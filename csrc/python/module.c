@@ -1222,6 +1222,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (PyModule_AddIntConstant(m, "CHUNK_PAGES_DEFAULT", GM_CHUNK_PAGES_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "CHUNK_PAGES_MAX", GM_CHUNK_PAGES_MAX) < 0 ||
         PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
+        PyModule_AddObject(m, "PAGE_SIZE_MAX", PyLong_FromSize_t(GM_PAGE_SIZE_MAX)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */

@@ -55,6 +55,11 @@ const char *gm_strerror(int code);
 #define GM_SMALL_SIZE (1u << 20) /* torch's small pool: blocks <= 1 MiB */
 #define GM_STREAM_ANY UINT64_MAX /* owner of free memory any stream may use */
 
+/* The largest page a heap takes: its page tables index at least 64 pages, and
+ * 64 pages of 4 TiB fill the 256 TiB a GPU can address.  A page must also be
+ * no larger than the device's memory. */
+#define GM_PAGE_SIZE_MAX ((size_t)1 << 42)
+
 /* ---- configuration ------------------------------------------------------- */
 /* gm_config.chunk_pages: the default, and the most allowed. */
 #define GM_CHUNK_PAGES_DEFAULT 1
