@@ -163,21 +163,21 @@ def test_pool_set_live_items_that_empty_the_list_they_are_in():
     h.check()
 
 
-def test_pool_set_live_items_that_rebind_the_list():
+def test_pool_set_live_items_that_replace_the_items_of_their_list():
     h = new_heap()
     h.pool_retain((1, 1))
     p = h.malloc(4096, pool=(1, 1))
-    holder = {}
+    blocks = []
 
-    class Rebinding:
+    class Replacing:
         def __index__(self):
-            holder["blocks"] = [(i, i) for i in range(3)]  # the old list loses its last reference
+            blocks[:] = [(1, 1)] * 3  # the tuple being read loses its last reference
             gc.collect()
-            return 4096
+            return p
 
-    holder["blocks"] = [(p, Rebinding())]
-    h.pool_set_live((1, 1), holder.pop("blocks"))
-    assert h.pool_live((1, 1)) == [(p, 4096)]
+    blocks[:] = [(Replacing(), 4096), (p + 8192, 512)]
+    h.pool_set_live((1, 1), blocks)
+    assert h.pool_live((1, 1)) == [(p, 4096), (p + 8192, 512)]
     h.check()
 
 
@@ -316,7 +316,7 @@ def test_a_page_larger_than_the_device_is_refused():
     h.free(h.malloc(512))
 
 
-@pytest.mark.parametrize("size", [2**64 - 1, 2**64 - 511, 2**64 - 512, 2**64 - 1023])
+@pytest.mark.parametrize("size", [2**64 - 1, 2**64 - 511])
 def test_memory_report_keeps_requests_near_the_top_of_the_range(size):
     h = new_heap()
     rep = h.memory_report(size)
@@ -428,16 +428,6 @@ def test_many_distinct_streams_leave_no_state_behind():
     h.empty_cache()
     assert _malloc_in_use() - before < 8 * MiB
     h.check()
-
-
-def test_format_bytes_and_strerror_take_extreme_values():
-    assert _C.format_bytes(2**64 - 1).endswith("PiB")
-    with pytest.raises(ValueError):
-        _C.format_bytes(2**64)
-    with pytest.raises(ValueError):
-        _C.format_bytes(-1)
-    with pytest.raises(OverflowError):
-        _C.strerror(2**70)
 
 
 if __name__ == "__main__":  # pragma: no cover

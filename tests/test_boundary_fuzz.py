@@ -1,6 +1,7 @@
 """Fuzz of the Python boundary: every Heap entry point with hostile arguments.
 
-Each case draws an entry point and arguments from a fixed list of hostile
+Each case draws an entry point (every Heap method, the constructor, and
+gpumem._C.format_bytes) and arguments from a fixed list of hostile
 values: ints at the edges of every range, objects whose __index__ closes the
 heap, raises, returns a huge value or empties a list, sequences that lie
 about their length or close the heap while iterated, strings, floats, None,
