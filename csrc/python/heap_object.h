@@ -86,10 +86,9 @@ int gm_py_heap_sim(HeapObject *self, int changes_device);
 
 /* What a call needs of the heap, checked after its arguments (rule 2). */
 enum gm_py_need {
-    GM_PY_OPEN,    /* open */
-    GM_PY_SIM,     /* open, on the simulated device, no other thread inside (the
-                    * sim device is guarded by the heap's lock only) */
-    GM_PY_ANY_IDLE /* open, no other thread inside */
+    GM_PY_OPEN, /* open */
+    GM_PY_SIM   /* open, on the simulated device, no other thread inside (the
+                 * sim device is guarded by the heap's lock only) */
 };
 /* 0 when the heap is as `need` says, else -1 with the exception set.  No
  * Python code runs in it. */

@@ -82,12 +82,7 @@ int gm_py_heap_sim(HeapObject *self, int changes_device) {
 int gm_py_ready(HeapObject *self, enum gm_py_need need) {
     if (gm_py_heap_open(self) < 0) return -1;
     gm_py_fork_check(self);
-    if (need == GM_PY_SIM) return gm_py_heap_sim(self, 1);
-    if (need == GM_PY_ANY_IDLE && self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "this call cannot run while another thread is inside this heap");
-        return -1;
-    }
-    return 0;
+    return need == GM_PY_SIM ? gm_py_heap_sim(self, 1) : 0;
 }
 
 int gm_py_args(HeapObject *self, enum gm_py_need need, PyObject *args, PyObject *kwds, const char *fmt, char **kwlist,
