@@ -16,7 +16,7 @@
  * Threads: calls that may take long or wait on the heap's lock (malloc, free,
  * record_stream, empty_cache, set_cap, check, replay) drop the GIL.  While a
  * thread is inside the core without the GIL, `busy` is non-zero; close() and
- * the sim_* setters (which touch the device outside the heap's lock) refuse
+ * every sim_* call (which touch the device outside the heap's lock) refuse
  * to run then instead of racing.  `busy` is only touched with the GIL held,
  * so the check itself cannot race.
  */
