@@ -432,5 +432,50 @@ def test_many_distinct_streams_leave_no_state_behind():
     h.check()
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_streams_coming_and_going_keep_every_invariant(seed):
+    """Hundreds of streams with pools, record_stream, held streams and delayed
+    events: the per-stream state dropped as streams empty never breaks check()."""
+    rng = random.Random(seed)
+    h = new_heap(capacity="256MiB")
+    h.sim_set_event_delay(rng.choice([0, 3, 20]))
+    live, pools = [], set()
+    for step in range(3000):
+        r = rng.random()
+        try:
+            if r < 0.45:
+                s = rng.randrange(1, 400) if rng.random() < 0.8 else rng.randrange(1, 5)
+                pool = rng.choice(sorted(pools)) if pools and rng.random() < 0.3 else None
+                live.append(h.malloc(rng.choice([512, 4096, 100_000, 2 * MiB]), stream=s, pool=pool))
+            elif r < 0.8 and live:
+                p = live.pop(rng.randrange(len(live)))
+                if rng.random() < 0.3:
+                    h.record_stream(p, rng.randrange(1, 400))
+                h.free(p)
+            elif r < 0.85:
+                pid = (rng.randrange(1, 4), 1)
+                h.pool_retain(pid)
+                pools.add(pid)
+            elif r < 0.88 and pools:
+                pid = rng.choice(sorted(pools))
+                h.pool_release(pid)
+                if not any(i["id"] == pid for i in h.pools()):
+                    pools.discard(pid)
+            elif r < 0.9:
+                h.empty_cache()
+            elif r < 0.92:
+                h.sim_hold_stream(rng.randrange(1, 400), held=rng.random() < 0.5)
+        except (gpumem.OutOfMemoryError, gpumem.DeviceError):
+            pass  # a full heap, or a sync that would wait for a held stream
+        if step % 50 == 0:
+            h.check()
+    for s in range(400):
+        h.sim_hold_stream(s, held=False)
+    for p in live:
+        h.free(p)
+    h.empty_cache()
+    h.check()
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
