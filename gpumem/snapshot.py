@@ -291,7 +291,8 @@ class Snapshot:
         free = [b for b in self.blocks if b.state == "free" and b.pool is None]
         pool_free = sum(b.size for b in self.blocks if b.state == "free" and b.pool is not None)
         pool_live = sum(b.size for b in self.blocks if b.state in ("live", "pending") and b.pool is not None)
-        counts = Counter(self.pages)
+        pages = bytes(self.pages)
+        counts = {state: pages.count(state.to_bytes(1, "little")) for state in (1, 2)}  # used, cached
         ps = self.page_size
         largest = run = 0
         prev_end = None
