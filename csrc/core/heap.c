@@ -764,12 +764,18 @@ struct release_ctx {
 };
 
 /* b now belongs to everyone: a free neighbour may merge with it, so remember
- * the run of free blocks it is in (coalesced once every owner is done). */
+ * the run of free blocks it is in (coalesced once every owner is done).  The
+ * blocks walked to find the run's first are marked (2), so a later block of
+ * the same run stops there: a run of n blocks of n streams costs O(n), not
+ * O(n^2); coalesce_chain (or, with `all`, coalesce_released) clears them. */
 static void released(struct release_ctx *c, gm_block *b) {
     c->n++;
     if (!(b->prev && b->prev->state == GM_BLOCK_FREE) && !(b->next && b->next->state == GM_BLOCK_FREE)) return;
     gm_block *first = b;
-    while (first->prev && first->prev->state == GM_BLOCK_FREE) first = first->prev;
+    while (!first->mark && first->prev && first->prev->state == GM_BLOCK_FREE) {
+        first->mark = 2;
+        first = first->prev;
+    }
     if (first->mark || c->all) return;
     if (c->n_chains == c->cap_chains) {
         gm_block **a = gm_array_grow(c->chains, &c->cap_chains, 16, sizeof *a);
@@ -830,6 +836,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
     while (b->next && b->next->state == GM_BLOCK_FREE) {
         gm_block *n = b->next;
         gm_stream o;
+        n->mark = 0; /* released() may have walked it */
         if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
             if (!b->pool && !out) gm_run_detach(h, out = b);
             merge_free(h, b, n, o);
@@ -851,7 +858,10 @@ static void coalesce_released(gm_heap *h, struct release_ctx *c) {
         c->chains[i]->mark = 0;
         if (!c->all) coalesce_chain(h, c->chains[i]);
     }
-    if (c->all) coalesce_all(h);
+    if (c->all) {
+        for (gm_block *b = h->head; b; b = b->next) b->mark = 0; /* released()'s walks */
+        coalesce_all(h);
+    }
     free(c->chains);
 }
 
