@@ -480,12 +480,14 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
     size_t size;
     uint64_t stream = 0, context = 0;
     gm_pool_id pool = {0, 0};
-    if (gm_py_args(self, GM_PY_OPEN, args, kwds, "O&|O&O&O&:malloc", kwlist, gm_py_size_arg, &size, gm_py_stream_arg,
-                   &stream, gm_py_context_arg, &context, gm_py_pool_or_none_arg, &pool) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|O&O&O&:malloc", kwlist, gm_py_size_arg, &size, gm_py_stream_arg,
+                                     &stream, gm_py_context_arg, &context, gm_py_pool_or_none_arg, &pool))
         return NULL;
     int in_pool = pool.first || pool.second;
-    /* Runs no Python code: it reads the frames and interns them in C. */
+    /* The stack is an argument too: taking it may make frame objects (and so
+     * run the garbage collector), so it comes before the heap is checked. */
     if (context == 0) context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
