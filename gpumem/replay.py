@@ -79,10 +79,22 @@ def _check_event_delay(event_delay) -> int:
     return event_delay
 
 
+# The simulated device's page when none is given (gm_sim_create).
+SIM_PAGE_DEFAULT = 2 * MiB
+
+
 def _heap(capacity: int, heap_kwargs: Optional[dict], event_delay: int = 0):
     from ._C import Heap  # the extension is only needed once something replays
 
-    heap = Heap(device="sim", capacity=capacity, **(heap_kwargs or {}))
+    kw = dict(heap_kwargs or {})
+    try:
+        heap = Heap(device="sim", capacity=capacity, **kw)
+    except ValueError as e:
+        # The core makes no heap on a device smaller than one page; a device of
+        # one page capped at `capacity` replays the same way (nothing fits).
+        if "page size exceeds the device's memory" not in str(e) or "cap" in kw:
+            raise
+        heap = Heap(device="sim", capacity=kw.get("page_size") or SIM_PAGE_DEFAULT, cap=capacity, **kw)
     if event_delay:
         heap.sim_set_event_delay(event_delay)
     return heap

@@ -292,17 +292,50 @@ static gm_block *live_remove(gm_heap *h, uintptr_t addr) {
     return NULL;
 }
 
-/* ---- owners and the free index ------------------------------------------- */
+/* ---- owners and the free index -------------------------------------------
+ * An owner (a stream's free memory in one pool) is found through a hash table
+ * on (pool, stream), and dropped once no block needs it: owners_trim runs
+ * before a malloc makes owners when their number has doubled since the last
+ * trim, so a program that uses many streams one after another keeps only the
+ * owners of streams that still have blocks, at O(1) amortised per owner. */
+
+static size_t owner_slot(const gm_heap *h, const gm_pool *pool, gm_stream s) {
+    uint64_t x = (uint64_t)s * 0x9e3779b97f4a7c15ull ^ (uint64_t)(uintptr_t)pool * 0xc2b2ae3d27d4eb4full;
+    x ^= x >> 29;
+    return (size_t)x & h->owner_tab_mask;
+}
 
 gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s) {
     if (h->last_owner && h->last_owner->stream == s && h->last_owner->pool == pool) return h->last_owner;
-    for (size_t i = 0; i < h->n_owners; i++) {
-        if (h->owners[i]->stream == s && h->owners[i]->pool == pool) {
-            h->last_owner = h->owners[i];
-            return h->owners[i];
+    if (!h->owner_tab) return NULL;
+    for (size_t j = owner_slot(h, pool, s);; j = (j + 1) & h->owner_tab_mask) {
+        gm_owner *o = h->owner_tab[j];
+        if (!o) return NULL;
+        if (o->stream == s && o->pool == pool) {
+            h->last_owner = o;
+            return o;
         }
     }
-    return NULL;
+}
+
+static void owner_tab_put(gm_heap *h, gm_owner *o) {
+    size_t j = owner_slot(h, o->pool, o->stream);
+    while (h->owner_tab[j]) j = (j + 1) & h->owner_tab_mask;
+    h->owner_tab[j] = o;
+}
+
+/* Rebuild the table for h->owners, `need` owners at most: sized so that it
+ * stays at most half full.  0, or -1 on host OOM (the old table stays). */
+static int owner_tab_build(gm_heap *h, size_t need) {
+    size_t cap = 16;
+    while (cap < 2 * need) cap *= 2;
+    gm_owner **t = calloc(cap, sizeof *t);
+    if (!t) return -1;
+    free(h->owner_tab);
+    h->owner_tab = t;
+    h->owner_tab_mask = cap - 1;
+    for (size_t i = 0; i < h->n_owners; i++) owner_tab_put(h, h->owners[i]);
+    return 0;
 }
 
 static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
@@ -313,12 +346,64 @@ static gm_owner *owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
         if (!a) return NULL;
         h->owners = a;
     }
+    if (!h->owner_tab || 2 * (h->n_owners + 1) > h->owner_tab_mask + 1) {
+        if (owner_tab_build(h, h->n_owners + 1)) return NULL;
+    }
     if (!(o = calloc(1, sizeof *o))) return NULL;
     o->pool = pool;
     o->stream = s;
     fi_init(&o->idx);
     h->owners[h->n_owners++] = o;
+    owner_tab_put(h, o);
     return o;
+}
+
+/* Owners[] lost some entries (a pool ended, a trim): the table follows.  A
+ * smaller table needs no memory it lacks; on host OOM keep the old size. */
+static void owners_removed(gm_heap *h) {
+    h->last_owner = NULL;
+    if (owner_tab_build(h, h->n_owners)) {
+        memset(h->owner_tab, 0, (h->owner_tab_mask + 1) * sizeof *h->owner_tab);
+        for (size_t i = 0; i < h->n_owners; i++) owner_tab_put(h, h->owners[i]);
+    }
+}
+
+static void owner_keep(gm_heap *h, const gm_pool *pool, gm_stream s) {
+    gm_owner *o = gm_owner_find(h, pool, s);
+    if (o) o->keep = 1;
+}
+
+/* Drop the owners no block needs: those of a stream other than ANY with no
+ * free block in their index, no release in flight, and no live or pending
+ * block of their stream that would become free into them (in their pool, or
+ * in the general heap when the pool ends first).  What they proved stays
+ * known to the checker as retired_safe_seq.  Only between operations on
+ * owners: no owner pointer may be held across it. */
+static void owners_trim(gm_heap *h) {
+    for (size_t i = 0; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        o->keep = i == 0 || o->stream == ANY || o->idx.count || o->releasing || o->stream == h->lazy_stream;
+    }
+    for (gm_block *b = h->head; b; b = b->next) {
+        if (b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING) continue;
+        owner_keep(h, b->pool, b->stream);
+        if (b->pool) owner_keep(h, NULL, b->stream);
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->keep) {
+            h->owners[k++] = o;
+            continue;
+        }
+        if (o->safe_seq > h->retired_safe_seq) h->retired_safe_seq = o->safe_seq;
+        free(o);
+    }
+    if (k < h->n_owners) {
+        h->n_owners = k;
+        owners_removed(h);
+    }
+    h->owners_trim_at = 2 * h->n_owners + 64;
 }
 
 /* Everyone's owner in `pool` (NULL: the general heap). */
@@ -679,12 +764,18 @@ struct release_ctx {
 };
 
 /* b now belongs to everyone: a free neighbour may merge with it, so remember
- * the run of free blocks it is in (coalesced once every owner is done). */
+ * the run of free blocks it is in (coalesced once every owner is done).  The
+ * blocks walked to find the run's first are marked (2), so a later block of
+ * the same run stops there: a run of n blocks of n streams costs O(n), not
+ * O(n^2); coalesce_chain (or, with `all`, coalesce_released) clears them. */
 static void released(struct release_ctx *c, gm_block *b) {
     c->n++;
     if (!(b->prev && b->prev->state == GM_BLOCK_FREE) && !(b->next && b->next->state == GM_BLOCK_FREE)) return;
     gm_block *first = b;
-    while (first->prev && first->prev->state == GM_BLOCK_FREE) first = first->prev;
+    while (!first->mark && first->prev && first->prev->state == GM_BLOCK_FREE) {
+        first->mark = 2;
+        first = first->prev;
+    }
     if (first->mark || c->all) return;
     if (c->n_chains == c->cap_chains) {
         gm_block **a = gm_array_grow(c->chains, &c->cap_chains, 16, sizeof *a);
@@ -745,6 +836,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
     while (b->next && b->next->state == GM_BLOCK_FREE) {
         gm_block *n = b->next;
         gm_stream o;
+        n->mark = 0; /* released() may have walked it */
         if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
             if (!b->pool && !out) gm_run_detach(h, out = b);
             merge_free(h, b, n, o);
@@ -766,7 +858,10 @@ static void coalesce_released(gm_heap *h, struct release_ctx *c) {
         c->chains[i]->mark = 0;
         if (!c->all) coalesce_chain(h, c->chains[i]);
     }
-    if (c->all) coalesce_all(h);
+    if (c->all) {
+        for (gm_block *b = h->head; b; b = b->next) b->mark = 0; /* released()'s walks */
+        coalesce_all(h);
+    }
     free(c->chains);
 }
 
@@ -1841,7 +1936,8 @@ static void fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
 
 void gm_memory_report(gm_heap *h, size_t size, gm_oom_info *out) {
     pthread_mutex_lock(&h->lock);
-    fill_report(h, align_up(size, GM_ALIGN), ANY, out);
+    /* A size within 511 bytes of SIZE_MAX has no rounded value: it stays as given. */
+    fill_report(h, size > SIZE_MAX - (GM_ALIGN - 1) ? size : align_up(size, GM_ALIGN), ANY, out);
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -2108,6 +2204,16 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
         dev->ops->destroy(dev);
         return rc;
     }
+    /* GM_PAGE_SIZE_MAX: what the page tables can index.  A page larger than
+     * the device could never be mapped. */
+    if (page > GM_PAGE_SIZE_MAX || (total && page > total)) {
+        dev->last_error[0] = 0;
+        create_failed(dev, GM_EINVAL,
+                      page > GM_PAGE_SIZE_MAX ? "page size exceeds 4 TiB, the largest the heap can index"
+                                              : "page size exceeds the device's memory");
+        dev->ops->destroy(dev);
+        return GM_EINVAL;
+    }
     gm_heap *h = calloc(1, sizeof *h);
     if (!h) {
         create_failed(dev, GM_ENOMEM, "host memory");
@@ -2219,6 +2325,7 @@ void gm_heap_destroy(gm_heap *h) {
     for (size_t i = 0; i < h->n_slab_chunks; i++) free(h->slab_chunks[i]);
     free(h->slab_chunks);
     free(h->owners);
+    free(h->owner_tab);
     free(h->event_pool);
     free(h->live);
     free(h->spare);
@@ -2412,6 +2519,8 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         goto done;
     }
     if ((rc = slab_reserve(h, 4)) || (h->n_live >= h->live_mask && (rc = live_grow(h)))) goto done;
+    if (h->n_owners >= h->owners_trim_at && (!gm_owner_find(h, NULL, s) || (pool && !gm_owner_find(h, pool, s))))
+        owners_trim(h);
     if ((!gm_owner_find(h, NULL, s) && !owner_get(h, NULL, s)) ||
         (pool && !gm_owner_find(h, pool, s) && !owner_get(h, pool, s))) {
         rc = GM_ENOMEM;
@@ -2546,6 +2655,7 @@ static int trim(gm_heap *h, size_t target) {
 int gm_empty_cache(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     int rc = trim(h, 0);
+    owners_trim(h); /* the streams whose memory went */
     pthread_mutex_unlock(&h->lock);
     return rc;
 }
@@ -2685,7 +2795,7 @@ static void pool_end(gm_heap *h, gm_pool *p) {
             h->owners[k++] = h->owners[i];
     }
     h->n_owners = k;
-    h->last_owner = NULL;
+    owners_removed(h);
     p->any = NULL;
     coalesce_all(h);
     if (!p->live_blocks) pool_delete(h, p);

@@ -55,6 +55,7 @@ struct gm_block {
 struct gm_owner {
     gm_pool *pool; /* NULL: the general heap */
     gm_stream stream;
+    int keep; /* scratch for owners_trim */
     gm_freeindex idx;
     int releasing; /* an event is recorded; blocks freed up to release_seq follow it */
     gm_event release_event;
@@ -140,6 +141,11 @@ struct gm_heap {
     gm_owner **owners; /* owners[0] is the general heap's GM_STREAM_ANY */
     size_t n_owners, cap_owners;
     gm_owner *last_owner; /* one-entry cache for the common single-stream case */
+    /* Owners by (pool, stream): open addressing, at most half full; and when
+     * to drop the owners no block needs any more (owners_trim). */
+    gm_owner **owner_tab;
+    size_t owner_tab_mask, owners_trim_at;
+    uint64_t retired_safe_seq; /* the highest safe_seq of an owner dropped so far */
     /* A device synchronisation hands every free block to every stream.  When
      * the blocks it hands over all belong to one stream, they stay where they
      * are instead of moving one by one: the epoch advances, and a free block

@@ -54,6 +54,7 @@ int gm_replay(gm_heap *h, const gm_replay_event *ev, size_t n, uintptr_t *slots,
         } else {
             rc = GM_EINVAL;
         }
+        r.events = (uint64_t)i + 1;
         if (rc != GM_OK && rc != GM_ENOMEM) {
             r.error = rc;
             break;

@@ -173,6 +173,28 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state) 
     return blocks;
 }
 
+/* A tuple of obj's items.  A list or tuple is copied as it is now; anything
+ * else is iterated item by item, so that a __len__ that lies costs nothing
+ * (tuple() would allocate what it claims). */
+PyObject *gm_py_tuple_of(PyObject *obj) {
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) return PySequence_Tuple(obj);
+    PyObject *it = PyObject_GetIter(obj);
+    if (it == NULL) return NULL;
+    PyObject *list = PyList_New(0), *item;
+    while (list != NULL && (item = PyIter_Next(it)) != NULL) {
+        if (PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (list == NULL || PyErr_Occurred()) {
+        Py_XDECREF(list);
+        return NULL;
+    }
+    PyObject *t = PyList_AsTuple(list);
+    Py_DECREF(list);
+    return t;
+}
+
 int gm_py_check_device(long d) {
     if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
         PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);

@@ -69,6 +69,12 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
 int gm_py_check_device(long d);
 int gm_py_device_index(PyObject *o, int *device);
 
+/* A new tuple of a sequence's items, for a C array made from them: it holds
+ * their references, so Python code run while an item is converted cannot free
+ * or move them, and a __len__ that lies makes it no larger.  NULL with an
+ * exception set. */
+PyObject *gm_py_tuple_of(PyObject *obj);
+
 /* A function's address as a Python int: what torch's hook setters take.  New
  * reference or NULL. */
 PyObject *gm_py_fn_address(void (*fn)(void));

@@ -2,6 +2,29 @@
  * heap_object.h -- the gpumem.Heap Python object, shared by the files that
  * make up its methods: module.c (the type, allocation, statistics, reports),
  * replay_glue.c (trace replay) and sim_glue.c (the simulated device's controls).
+ *
+ * The boundary rule.  Any call into Python may run any Python code: an
+ * argument's __index__, __len__ or __iter__, the str -> size parser, a
+ * finalizer the garbage collector runs when an object is made, or another
+ * thread that takes the GIL meanwhile.  That code may close this heap, empty
+ * or rebind a sequence, or rewrite a buffer.  So every entry point of the glue
+ * (csrc/python), by construction:
+ *
+ *   1. converts and validates every argument into C values first: sizes, ids
+ *      and pool ids through the converters below, sequences through a tuple
+ *      copy (gm_py_tuple_of) that holds its own references, into C arrays;
+ *   2. then checks that the heap is open (and a sim one, and idle, where the
+ *      call needs it) -- gm_py_args and gm_py_arg do 1. then 2. -- and makes
+ *      no Python call between that check and its last use of self->heap or
+ *      self->dev: what the core returns is read into C values before any
+ *      Python object is built from it;
+ *   3. holds a reference to, or a buffer export of, every object whose memory
+ *      C reads, and copies a caller's buffer once before checking it, so that
+ *      an alias or another thread cannot change what was checked;
+ *   4. checks every size product for overflow before it allocates.
+ *
+ * `busy` keeps close() and the sim device's calls away while another thread
+ * is inside the core without the GIL; a fork()ed child starts with none.
  */
 #ifndef GPUMEM_HEAP_OBJECT_H
 #define GPUMEM_HEAP_OBJECT_H
@@ -17,8 +40,20 @@ typedef struct {
     PyObject_HEAD gm_heap *heap; /* NULL once closed */
     gm_device *dev;              /* owned by heap; valid while heap is */
     int is_sim;
-    int busy; /* threads inside the core without the GIL */
+    int busy;          /* threads inside the core without the GIL */
+    unsigned busy_gen; /* gm_py_fork_gen when busy was last counted */
 } HeapObject;
+
+/* Bumped in a fork()ed child: the threads `busy` counted are not there. */
+extern unsigned gm_py_fork_gen;
+
+/* In a fork()ed child, forget the parent's threads (see busy_gen). */
+static inline void gm_py_fork_check(HeapObject *self) {
+    if (self->busy_gen != gm_py_fork_gen) {
+        self->busy = 0;
+        self->busy_gen = gm_py_fork_gen;
+    }
+}
 
 /* Clearing the device's last_error first makes any reason found there after a
  * failure this call's own.  Only done when no other thread is inside the core:
@@ -27,6 +62,7 @@ typedef struct {
 // clang-format off
 #define ENTER_CORE(self)                                                  \
     do {                                                                  \
+        gm_py_fork_check(self);                                           \
         if (!(self)->busy) (self)->dev->last_error[0] = '\0';             \
         (self)->busy++;                                                   \
         Py_BEGIN_ALLOW_THREADS
@@ -42,11 +78,58 @@ typedef struct {
 /* gpumem's exception classes (created by module.c). */
 extern PyObject *gm_py_OutOfMemoryError, *gm_py_InvalidPointerError, *gm_py_CorruptionError, *gm_py_DeviceError;
 
-/* Every method starts here: a closed heap is a ValueError, as for a closed file. */
+/* A closed heap is a ValueError, as for a closed file. */
 int gm_py_heap_open(HeapObject *self);
 /* ... and a sim-only one here too; `changes_device`: refuse while another
  * thread is inside the core. */
 int gm_py_heap_sim(HeapObject *self, int changes_device);
+
+/* What a call needs of the heap, checked after its arguments (rule 2). */
+enum gm_py_need {
+    GM_PY_OPEN, /* open */
+    GM_PY_SIM   /* open, on the simulated device, no other thread inside (the
+                 * sim device is guarded by the heap's lock only) */
+};
+/* 0 when the heap is as `need` says, else -1 with the exception set.  No
+ * Python code runs in it. */
+int gm_py_ready(HeapObject *self, enum gm_py_need need);
+/* PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, ...) (kwlist NULL:
+ * PyArg_ParseTuple), then gm_py_ready(self, need): rules 1 and 2 in one
+ * call.  0, or -1 with an exception set. */
+int gm_py_args(HeapObject *self, enum gm_py_need need, PyObject *args, PyObject *kwds, const char *fmt, char **kwlist,
+               ...);
+/* A METH_O method's argument: conv(arg, out) (an O& converter), then
+ * gm_py_ready(self, need). */
+int gm_py_arg(HeapObject *self, enum gm_py_need need, PyObject *arg, int (*conv)(PyObject *, void *), void *out);
+
+/* O& converters into uint64_t: a non-negative int no larger than the bound,
+ * named in the error as the parameter is.  size_t is uint64_t here. */
+#define GM_PY_EACH_U64_ARG(X)                                                                                          \
+    X(size, "size", SIZE_MAX)                                                                                          \
+    X(ptr, "ptr", UINTPTR_MAX)                                                                                         \
+    X(addr, "addr", UINTPTR_MAX)                                                                                       \
+    X(stream, "stream", UINT64_MAX)                                                                                    \
+    X(context, "context", UINT64_MAX)                                                                                  \
+    X(max_entries, "max_entries", SIZE_MAX)                                                                            \
+    X(n_slots, "n_slots", SIZE_MAX)                                                                                    \
+    X(nth, "nth", UINT64_MAX)                                                                                          \
+    X(count, "count", UINT64_MAX)                                                                                      \
+    X(seed, "seed", UINT64_MAX)                                                                                        \
+    X(ops, "ops", UINT64_MAX)                                                                                          \
+    X(pid, "pid", UINT32_MAX)                                                                                          \
+    X(bytes, "bytes", UINT64_MAX)                                                                                      \
+    X(value, "value", UINT64_MAX)
+#define GM_PY_DECLARE_U64_ARG(name, what, max) int gm_py_##name##_arg(PyObject *obj, void *out);
+GM_PY_EACH_U64_ARG(GM_PY_DECLARE_U64_ARG)
+#undef GM_PY_DECLARE_U64_ARG
+/* A size that may also be a string such as "24GiB" (set_cap's "cap"). */
+int gm_py_cap_arg(PyObject *obj, void *out);
+/* A private pool's id (gm_pool_id *): a pair of non-negative ints, not (0, 0). */
+int gm_py_pool_arg(PyObject *obj, void *out);
+/* The same, or None: no pool, {0, 0}. */
+int gm_py_pool_or_none_arg(PyObject *obj, void *out);
+/* A truth value (int *), as "p" takes it. */
+int gm_py_bool_arg(PyObject *obj, void *out);
 /* Raise the exception that matches a core error code; `what` names the call. */
 PyObject *gm_py_raise(HeapObject *self, int code, const char *what);
 /* A non-negative integer no larger than `max` (ValueError/TypeError otherwise). */

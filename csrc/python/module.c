@@ -9,16 +9,22 @@
  * out-of-memory text in torch_viz.c.  Everything here is argument conversion,
  * error mapping and object building; policy lives in the core.
  *
+ * Every entry point keeps the boundary rule written in heap_object.h: its
+ * arguments are converted before the heap is checked, and nothing Python runs
+ * between that check and the core.
+ *
  * Threads: calls that may take long or wait on the heap's lock (malloc, free,
  * record_stream, empty_cache, set_cap, check, replay) drop the GIL.  While a
  * thread is inside the core without the GIL, `busy` is non-zero; close() and
- * the sim_* setters (which touch the device outside the heap's lock) refuse
+ * every sim_* call (which touch the device outside the heap's lock) refuse
  * to run then instead of racing.  `busy` is only touched with the GIL held,
  * so the check itself cannot race.
  */
 #include "heap_object.h"
 
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +39,8 @@
 
 /* gpumem/trace.py packs events with struct "<IIQQ". */
 _Static_assert(sizeof(gm_replay_event) == 24, "gm_replay_event must be 24 packed bytes");
+/* The size converters write uint64_t into size_t variables. */
+_Static_assert(sizeof(size_t) == sizeof(uint64_t), "size_t must be 64 bits");
 
 /* ---- exceptions ------------------------------------------------------------ */
 
@@ -52,8 +60,13 @@ int gm_py_heap_open(HeapObject *self) {
     return 0;
 }
 
+unsigned gm_py_fork_gen;
+
+static void fork_child(void) { gm_py_fork_gen++; }
+
 int gm_py_heap_sim(HeapObject *self, int changes_device) {
     if (gm_py_heap_open(self) < 0) return -1;
+    gm_py_fork_check(self);
     if (!self->is_sim) {
         PyErr_Format(PyExc_TypeError, "this call needs a sim heap, not a %s one", self->dev->kind);
         return -1;
@@ -64,6 +77,27 @@ int gm_py_heap_sim(HeapObject *self, int changes_device) {
         return -1;
     }
     return 0;
+}
+
+int gm_py_ready(HeapObject *self, enum gm_py_need need) {
+    if (gm_py_heap_open(self) < 0) return -1;
+    gm_py_fork_check(self);
+    return need == GM_PY_SIM ? gm_py_heap_sim(self, 1) : 0;
+}
+
+int gm_py_args(HeapObject *self, enum gm_py_need need, PyObject *args, PyObject *kwds, const char *fmt, char **kwlist,
+               ...) {
+    va_list va;
+    va_start(va, kwlist);
+    int ok = kwlist ? PyArg_VaParseTupleAndKeywords(args, kwds, fmt, kwlist, va) : PyArg_VaParse(args, fmt, va);
+    va_end(va);
+    if (!ok) return -1;
+    return gm_py_ready(self, need);
+}
+
+int gm_py_arg(HeapObject *self, enum gm_py_need need, PyObject *arg, int (*conv)(PyObject *, void *), void *out) {
+    if (!conv(arg, out)) return -1;
+    return gm_py_ready(self, need);
 }
 
 /* Raise the exception that matches a core error code; `what` names the call.
@@ -174,28 +208,56 @@ int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out) {
     return rc;
 }
 
-/* A private pool's id: torch's MempoolId_t, a pair of non-negative ints, not (0, 0). */
+#define GM_PY_DEFINE_U64_ARG(name, what, max)                                                                          \
+    int gm_py_##name##_arg(PyObject *obj, void *out) { return gm_py_to_u64(obj, what, (uint64_t)(max), out) == 0; }
+GM_PY_EACH_U64_ARG(GM_PY_DEFINE_U64_ARG)
+#undef GM_PY_DEFINE_U64_ARG
+
+int gm_py_cap_arg(PyObject *obj, void *out) { return gm_py_to_size_or_str(obj, "cap", out) == 0; }
+
+int gm_py_bool_arg(PyObject *obj, void *out) {
+    int v = PyObject_IsTrue(obj);
+    if (v < 0) return 0;
+    *(int *)out = v;
+    return 1;
+}
+
+/* A private pool's id: torch's MempoolId_t, a pair of non-negative ints, not (0, 0).
+ * A list is copied into a tuple first: an item's __index__ may change the list. */
 static int to_pool_id(PyObject *obj, gm_pool_id *out) {
     if (!PyTuple_Check(obj) && !PyList_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "pool id must be a pair of ints (torch's MempoolId_t), not %.100s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    PyObject *seq = PySequence_Fast(obj, "pool id must be a pair of ints");
+    PyObject *seq = gm_py_tuple_of(obj);
     if (seq == NULL) return -1;
     int rc = -1;
-    if (PySequence_Fast_GET_SIZE(seq) != 2) {
+    gm_pool_id id;
+    if (PyTuple_GET_SIZE(seq) != 2) {
         PyErr_Format(PyExc_ValueError, "pool id must be a pair of ints (torch's MempoolId_t), got %zd items",
-                     PySequence_Fast_GET_SIZE(seq));
-    } else if (gm_py_to_u64(PySequence_Fast_GET_ITEM(seq, 0), "pool id[0]", UINT64_MAX, &out->first) == 0 &&
-               gm_py_to_u64(PySequence_Fast_GET_ITEM(seq, 1), "pool id[1]", UINT64_MAX, &out->second) == 0) {
-        if (!out->first && !out->second)
+                     PyTuple_GET_SIZE(seq));
+    } else if (gm_py_to_u64(PyTuple_GET_ITEM(seq, 0), "pool id[0]", UINT64_MAX, &id.first) == 0 &&
+               gm_py_to_u64(PyTuple_GET_ITEM(seq, 1), "pool id[1]", UINT64_MAX, &id.second) == 0) {
+        if (!id.first && !id.second) {
             PyErr_SetString(PyExc_ValueError, "pool id (0, 0) names no pool");
-        else
+        } else {
+            *out = id;
             rc = 0;
+        }
     }
     Py_DECREF(seq);
     return rc;
+}
+
+int gm_py_pool_arg(PyObject *obj, void *out) { return to_pool_id(obj, out) == 0; }
+
+int gm_py_pool_or_none_arg(PyObject *obj, void *out) {
+    if (obj == Py_None) {
+        *(gm_pool_id *)out = (gm_pool_id){0, 0};
+        return 1;
+    }
+    return to_pool_id(obj, out) == 0;
 }
 
 static PyObject *no_such_pool(const gm_pool_id *id) {
@@ -224,10 +286,17 @@ static PyObject *oom_message(HeapObject *self, const gm_oom_info *o) {
 static PyObject *raise_oom(HeapObject *self) {
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK) return gm_py_raise(self, GM_ENOMEM, "malloc");
+    /* The text first: it reads the device, which the Python code below (the
+     * formatter, a finalizer) may close. */
+    PyObject *text = oom_message(self, &info);
+    if (text == NULL) return NULL;
     PyObject *d = gm_py_oom_dict(&info);
-    if (d == NULL) return NULL;
+    if (d == NULL) {
+        Py_DECREF(text);
+        return NULL;
+    }
     /* gpumem.explain words the message when it is loaded (oom_glue.c). */
-    PyObject *msg = gm_py_format_oom((PyObject *)self, d, oom_message(self, &info));
+    PyObject *msg = gm_py_format_oom((PyObject *)self, d, text);
     if (msg == NULL) {
         Py_DECREF(d);
         return NULL;
@@ -270,10 +339,6 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
                                      &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o))
         return -1;
-    if (self->heap != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
-        return -1;
-    }
 
     size_t capacity = (size_t)80 << 30, page_size = 0, va_size = 0, cap = 0;
     if (capacity_o != Py_None && gm_py_to_size_or_str(capacity_o, "capacity", &capacity) < 0) return -1;
@@ -315,6 +380,11 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
         }
     }
 
+    /* After the conversions: one of them may have called __init__ again. */
+    if (self->heap != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
+        return -1;
+    }
     gm_device *dev = NULL;
     int is_sim = 0;
     if (page_size & (page_size - 1)) {
@@ -366,6 +436,8 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     self->heap = heap;
     self->dev = gm_heap_device(heap);
     self->is_sim = is_sim;
+    self->busy = 0;
+    self->busy_gen = gm_py_fork_gen;
     return 0;
 }
 
@@ -380,6 +452,7 @@ static void Heap_dealloc(HeapObject *self) {
 
 static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     if (self->heap == NULL) Py_RETURN_NONE;
+    gm_py_fork_check(self);
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "cannot close a heap while another thread is inside it");
         return NULL;
@@ -392,7 +465,7 @@ static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Heap_enter(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     Py_INCREF(self);
     return (PyObject *)self;
 }
@@ -414,19 +487,17 @@ static PyObject *Heap_repr(HeapObject *self) {
 
 static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"size", "stream", "context", "pool", NULL};
-    PyObject *size_o, *stream_o = NULL, *context_o = NULL, *pool_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:malloc", kwlist, &size_o, &stream_o, &context_o, &pool_o))
-        return NULL;
-    gm_pool_id pool = {0, 0};
-    int in_pool = pool_o && pool_o != Py_None;
-    if (in_pool && to_pool_id(pool_o, &pool) < 0) return NULL;
-    if (gm_py_heap_open(self) < 0) return NULL;
     size_t size;
     uint64_t stream = 0, context = 0;
-    if (gm_py_to_size(size_o, "size", &size) < 0) return NULL;
-    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0) return NULL;
-    if (context_o && gm_py_to_u64(context_o, "context", UINT64_MAX, &context) < 0) return NULL;
+    gm_pool_id pool = {0, 0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|O&O&O&:malloc", kwlist, gm_py_size_arg, &size, gm_py_stream_arg,
+                                     &stream, gm_py_context_arg, &context, gm_py_pool_or_none_arg, &pool))
+        return NULL;
+    int in_pool = pool.first || pool.second;
+    /* The stack is an argument too: taking it may make frame objects (and so
+     * run the garbage collector), so it comes before the heap is checked. */
     if (context == 0) context = gm_py_capture_context(); /* 0 unless gpumem.record_history(stacks="python") */
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     uintptr_t ptr = 0;
     int rc;
     ENTER_CORE(self);
@@ -446,9 +517,8 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
 }
 
 static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
-    if (gm_py_heap_open(self) < 0) return NULL;
     uint64_t ptr;
-    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, ptr_o, gm_py_ptr_arg, &ptr) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_free(self->heap, (uintptr_t)ptr);
@@ -462,11 +532,9 @@ static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
 }
 
 static PyObject *Heap_record_stream(HeapObject *self, PyObject *args) {
-    PyObject *ptr_o, *stream_o;
-    if (!PyArg_ParseTuple(args, "OO:record_stream", &ptr_o, &stream_o)) return NULL;
-    if (gm_py_heap_open(self) < 0) return NULL;
     uint64_t ptr, stream;
-    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0)
+    if (gm_py_args(self, GM_PY_OPEN, args, NULL, "O&O&:record_stream", NULL, gm_py_ptr_arg, &ptr, gm_py_stream_arg,
+                   &stream) < 0)
         return NULL;
     int rc;
     ENTER_CORE(self);
@@ -481,14 +549,14 @@ static PyObject *Heap_record_stream(HeapObject *self, PyObject *args) {
 }
 
 static PyObject *Heap_block_size(HeapObject *self, PyObject *ptr_o) {
-    if (gm_py_heap_open(self) < 0) return NULL;
     uint64_t ptr;
-    if (gm_py_to_u64(ptr_o, "ptr", UINTPTR_MAX, &ptr) < 0) return NULL;
-    return PyLong_FromSize_t(gm_block_size(self->heap, (uintptr_t)ptr));
+    if (gm_py_arg(self, GM_PY_OPEN, ptr_o, gm_py_ptr_arg, &ptr) < 0) return NULL;
+    size_t n = gm_block_size(self->heap, (uintptr_t)ptr);
+    return PyLong_FromSize_t(n);
 }
 
 static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_empty_cache(self->heap);
@@ -498,9 +566,8 @@ static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)
 }
 
 static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o) {
-    if (gm_py_heap_open(self) < 0) return NULL;
     size_t cap;
-    if (gm_py_to_size_or_str(cap_o, "cap", &cap) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, cap_o, gm_py_cap_arg, &cap) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_set_cap(self->heap, cap);
@@ -514,33 +581,34 @@ static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o) {
 }
 
 static PyObject *Heap_get_cap(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
-    return PyLong_FromSize_t(gm_get_cap(self->heap));
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
+    size_t cap = gm_get_cap(self->heap);
+    return PyLong_FromSize_t(cap);
 }
 
 /* ---- statistics, checks, snapshots -------------------------------------------------- */
 
 static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_stats s;
     gm_get_stats(self->heap, &s);
     return gm_py_stats_dict(&s);
 }
 
 static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_reset_peak_stats(self->heap);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_reset_accumulated_stats(self->heap);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     char why[512] = "";
     int rc;
     ENTER_CORE(self);
@@ -555,7 +623,7 @@ static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_snapshot *snap = NULL;
     int rc = gm_snapshot_take(self->heap, &snap);
     if (rc != GM_OK) return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "snapshot");
@@ -567,9 +635,8 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 /* ---- history ---------------------------------------------------------------------- */
 
 static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o) {
-    if (gm_py_heap_open(self) < 0) return NULL;
     size_t n;
-    if (gm_py_to_size(n_o, "max_entries", &n) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, n_o, gm_py_max_entries_arg, &n) < 0) return NULL;
     int rc = gm_history_enable(self->heap, n);
     if (rc == GM_ENOMEM) return PyErr_NoMemory();
     if (rc != GM_OK) return gm_py_raise(self, rc, "history_enable");
@@ -577,7 +644,7 @@ static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o) {
 }
 
 static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     return gm_py_history(self->heap, "unknown");
 }
 
@@ -585,7 +652,7 @@ static PyObject *Heap_history(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 
 /* mem_info() -> (free, total) of the whole device, taken under the heap's lock. */
 static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, 0, &info);
     return Py_BuildValue("(KK)", (unsigned long long)info.device_free, (unsigned long long)info.device_total);
@@ -594,7 +661,7 @@ static PyObject *Heap_mem_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 /* device_processes() -> [(pid, bytes)] holding memory on the device (this process
  * included), or None when there is no source (no NVML: GM_ENOTSUP). */
 static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     if (self->is_sim && self->busy) {
         /* The sim device is guarded by the heap's lock only; see gm_py_heap_sim. */
         PyErr_SetString(PyExc_RuntimeError, "device_processes: another thread is inside this heap");
@@ -632,7 +699,7 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
 }
 
 static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK) Py_RETURN_NONE;
     return gm_py_oom_dict(&info);
@@ -640,11 +707,8 @@ static PyObject *Heap_last_oom(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"size", NULL};
-    PyObject *size_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:memory_report", kwlist, &size_o)) return NULL;
-    if (gm_py_heap_open(self) < 0) return NULL;
     size_t size = 0;
-    if (size_o && gm_py_to_size(size_o, "size", &size) < 0) return NULL;
+    if (gm_py_args(self, GM_PY_OPEN, args, kwds, "|O&:memory_report", kwlist, gm_py_size_arg, &size) < 0) return NULL;
     gm_oom_info info;
     gm_memory_report(self->heap, size, &info);
     return gm_py_oom_dict(&info);
@@ -654,7 +718,7 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
 
 static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
     int rc = gm_pool_retain(self->heap, id);
     if (rc != GM_OK) return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "pool_retain");
     Py_RETURN_NONE;
@@ -662,7 +726,7 @@ static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
 
 static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
     rc = gm_pool_release(self->heap, id);
@@ -689,11 +753,10 @@ static PyObject *pause_error(HeapObject *self, int rc, const gm_pool_id *id, con
 
 static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"id", "backup", NULL};
-    PyObject *id_o;
     int backup = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:pool_pause", kwlist, &id_o, &backup)) return NULL;
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (gm_py_args(self, GM_PY_OPEN, args, kwds, "O&|p:pool_pause", kwlist, gm_py_pool_arg, &id, &backup) < 0)
+        return NULL;
     gm_pool_info pi;
     if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
     gm_pause_info info;
@@ -717,7 +780,7 @@ static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwd
 
 static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
     gm_pool_info pi;
     if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
     if (!pi.paused) return not_paused(&id);
@@ -738,7 +801,7 @@ static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
 
 static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
     gm_pool_info info;
     int rc;
     ENTER_CORE(self);
@@ -749,7 +812,7 @@ static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
 }
 
 static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_pool_info *buf = NULL;
     size_t cap = 0, n;
     /* Another thread may add pools between the sizing call and the real one. */
@@ -776,7 +839,7 @@ static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
     gm_pool_info info;
     if (gm_pool_info_get(self->heap, id, &info) != GM_OK) return no_such_pool(&id);
     uintptr_t *addrs = NULL;
@@ -812,25 +875,32 @@ static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o) {
 
 static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"id", "blocks", "stream", NULL};
-    PyObject *id_o, *blocks_o, *stream_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:pool_set_live", kwlist, &id_o, &blocks_o, &stream_o))
-        return NULL;
+    PyObject *blocks_o, *stream_o = NULL;
     gm_pool_id id;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O|O:pool_set_live", kwlist, gm_py_pool_arg, &id, &blocks_o,
+                                     &stream_o))
+        return NULL;
     uint64_t stream = 0;
-    if (gm_py_heap_open(self) < 0 || to_pool_id(id_o, &id) < 0) return NULL;
     if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX - 1, &stream) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(blocks_o, "pool_set_live: blocks must be a sequence of (addr, size) pairs");
+    if (!PySequence_Check(blocks_o)) {
+        PyErr_SetString(PyExc_TypeError, "pool_set_live: blocks must be a sequence of (addr, size) pairs");
+        return NULL;
+    }
+    /* A tuple copy: its items stay alive and in place whatever an item's
+     * __index__ does to the caller's list; each item is a tuple, which cannot
+     * change either. */
+    PyObject *seq = gm_py_tuple_of(blocks_o);
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    uintptr_t *addrs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *addrs);
-    size_t *sizes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *sizes);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    uintptr_t *addrs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *addrs);
+    size_t *sizes = PyMem_Calloc((size_t)(n ? n : 1), sizeof *sizes);
     PyObject *result = NULL;
     if (!addrs || !sizes) {
         PyErr_NoMemory();
         goto out;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         uint64_t a;
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
             PyErr_Format(PyExc_TypeError, "pool_set_live: blocks[%zd] must be an (addr, size) tuple", i);
@@ -841,6 +911,7 @@ static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *
             goto out;
         addrs[i] = (uintptr_t)a;
     }
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) goto out;
     gm_pool_info info;
     if (gm_pool_info_get(self->heap, id, &info) != GM_OK) {
         no_such_pool(&id);
@@ -870,13 +941,13 @@ out:
 }
 
 static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     gm_capture_begin(self->heap);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     if (!gm_capturing(self->heap)) {
         PyErr_SetString(PyExc_RuntimeError, "capture_end without capture_begin");
         return NULL;
@@ -888,24 +959,24 @@ static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored)
 }
 
 static PyObject *Heap_get_capturing(HeapObject *self, void *Py_UNUSED(closure)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     return PyLong_FromLong(gm_capturing(self->heap));
 }
 
 /* ---- properties ------------------------------------------------------------------------- */
 
 static PyObject *Heap_get_device_kind(HeapObject *self, void *Py_UNUSED(closure)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     return PyUnicode_FromString(self->dev->kind);
 }
 
 static PyObject *Heap_get_device_name(HeapObject *self, void *Py_UNUSED(closure)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     return PyUnicode_FromString(self->dev->name);
 }
 
 static PyObject *Heap_get_page_size(HeapObject *self, void *Py_UNUSED(closure)) {
-    if (gm_py_heap_open(self) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
     return PyLong_FromSize_t(self->dev->page_size);
 }
 
@@ -1134,6 +1205,8 @@ static int gather_methods(void) {
 
 PyMODINIT_FUNC PyInit__C(void) {
     if (gather_methods() < 0 || PyType_Ready(&HeapType) < 0) return NULL;
+    static int fork_handler;
+    if (!fork_handler && pthread_atfork(NULL, NULL, fork_child) == 0) fork_handler = 1;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     if (add_exception(m, &gm_py_OutOfMemoryError, "OutOfMemoryError", PyExc_RuntimeError,
@@ -1157,6 +1230,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddIntConstant(m, "CHUNK_PAGES_MAX", GM_CHUNK_PAGES_MAX) < 0 ||
         PyModule_AddObject(m, "PRESSURE_DEFAULT", PyFloat_FromDouble(GM_PRESSURE_DEFAULT)) < 0 ||
         PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
+        PyModule_AddObject(m, "PAGE_SIZE_MAX", PyLong_FromSize_t(GM_PAGE_SIZE_MAX)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */

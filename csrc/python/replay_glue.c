@@ -12,24 +12,33 @@
 /* replay(events, n_slots, timing=False, stop_at=-1, slots=None)
  * `slots`, when given, is a writable buffer of n_slots 8-byte words that the
  * caller keeps between calls, so that a trace can be replayed in chunks (for a
- * progress bar) with frees naming slots that an earlier chunk allocated. */
+ * progress bar) with frees naming slots that an earlier chunk allocated.
+ *
+ * The events are copied once, before they are checked: the core trusts the
+ * slot numbers it is given, and the caller's buffer may be rewritten by
+ * another thread while the core runs without the GIL, or alias `slots`.  The
+ * slots buffer stays exported (so it cannot be resized) until the core is
+ * done; what the caller writes into it meanwhile is at most a pointer the heap
+ * does not know, which the core refuses.  op_ns holds the events that ran. */
 static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"events", "n_slots", "timing", "stop_at", "slots", NULL};
     Py_buffer ev = {0}, sl = {0};
-    PyObject *n_slots_o, *slots_o = Py_None;
+    PyObject *slots_o = Py_None;
+    size_t n_slots;
     int timing = 0;
     long long stop_at = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*O|pLO:replay", kwlist, &ev, &n_slots_o, &timing, &stop_at,
-                                     &slots_o))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*O&|pLO:replay", kwlist, &ev, gm_py_n_slots_arg, &n_slots, &timing,
+                                     &stop_at, &slots_o)) {
+        if (ev.obj) PyBuffer_Release(&ev);
         return NULL;
+    }
 
     PyObject *result = NULL;
-    gm_replay_event *copy = NULL;
+    gm_replay_event *events = NULL;
     uintptr_t *own_slots = NULL;
     uint64_t *op_ns = NULL;
-    size_t n_slots;
+    size_t n = 0;
 
-    if (gm_py_heap_open(self) < 0 || gm_py_to_size(n_slots_o, "n_slots", &n_slots) < 0) goto done;
     if (ev.len % (Py_ssize_t)sizeof(gm_replay_event) != 0) {
         PyErr_Format(PyExc_ValueError, "events: %zd bytes is not a whole number of %zu-byte events", ev.len,
                      sizeof(gm_replay_event));
@@ -39,19 +48,19 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "stop_at must be -1 (no stop) or an event index");
         goto done;
     }
-    size_t n = (size_t)ev.len / sizeof(gm_replay_event);
-    const gm_replay_event *events = ev.buf;
-    if ((uintptr_t)ev.buf % _Alignof(gm_replay_event) != 0) {
-        copy = PyMem_Malloc(n ? (size_t)ev.len : 1);
-        if (copy == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        memcpy(copy, ev.buf, (size_t)ev.len);
-        events = copy;
+    if (n_slots > SIZE_MAX / sizeof(uintptr_t)) {
+        PyErr_Format(PyExc_ValueError, "n_slots is too large: %zu slots of %zu bytes", n_slots, sizeof(uintptr_t));
+        goto done;
     }
-    /* The core trusts slot numbers; check them here so a bad trace is an
-     * exception, not a write past the slot table. */
+    n = (size_t)ev.len / sizeof(gm_replay_event);
+    /* One copy, then every check reads the copy: nothing can change it. */
+    events = PyMem_Malloc(n ? (size_t)ev.len : 1);
+    if (events == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(events, ev.buf, (size_t)ev.len);
+    PyBuffer_Release(&ev);
     for (size_t i = 0; i < n; i++) {
         if (events[i].op != GM_R_ALLOC && events[i].op != GM_R_FREE) {
             PyErr_Format(PyExc_ValueError, "events[%zu]: unknown op %u", i, (unsigned)events[i].op);
@@ -82,12 +91,14 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         slots = own_slots;
     }
     if (timing) {
-        op_ns = PyMem_Malloc((n ? n : 1) * sizeof *op_ns);
+        op_ns = PyMem_Calloc(n ? n : 1, sizeof *op_ns);
         if (op_ns == NULL) {
             PyErr_NoMemory();
             goto done;
         }
     }
+    /* The last Python call was the slots export: now the heap. */
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) goto done;
 
     gm_replay_result res;
     memset(&res, 0, sizeof res);
@@ -100,6 +111,7 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         gm_py_raise(self, rc, "replay");
         goto done;
     }
+    size_t ran = res.events <= n ? (size_t)res.events : n;
 
     result = PyDict_New();
     if (result == NULL) goto done;
@@ -118,7 +130,7 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         PyObject *array_mod = PyImport_ImportModule("array");
         PyObject *arr = NULL;
         if (array_mod != NULL) {
-            PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(n * sizeof *op_ns));
+            PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(ran * sizeof *op_ns));
             if (raw != NULL) arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
             Py_XDECREF(raw);
             Py_DECREF(array_mod);
@@ -127,8 +139,8 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
     }
 done:
     if (sl.obj) PyBuffer_Release(&sl);
-    PyBuffer_Release(&ev);
-    PyMem_Free(copy);
+    if (ev.obj) PyBuffer_Release(&ev);
+    PyMem_Free(events);
     PyMem_Free(own_slots);
     PyMem_Free(op_ns);
     return result;

@@ -3,6 +3,10 @@
  * (gpumem/sim.h), each a TypeError on a CUDA heap; and Heap.cuda_fault_calls, the
  * CUDA device's test-only fault injection (GPUMEM_CUDA_FAULTS), a TypeError on a
  * sim heap.
+ *
+ * The sim device is guarded by the heap's lock only, so every call here waits
+ * until no other thread is inside the heap (GM_PY_SIM: a RuntimeError meanwhile),
+ * and checks that after converting its arguments (heap_object.h's rule).
  */
 #include "heap_object.h"
 
@@ -36,6 +40,8 @@ static int op_from_name(PyObject *name, gm_dev_op *out) {
     return -1;
 }
 
+static int op_arg(PyObject *name, void *out) { return op_from_name(name, out) == 0; }
+
 /* gpumem._C.DEVICE_OPS: the device calls' names, in gm_dev_op order. */
 int gm_py_add_device_ops(PyObject *m) {
     const char *names[GM_OP__COUNT];
@@ -45,13 +51,10 @@ int gm_py_add_device_ops(PyObject *m) {
 
 static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"op", "nth", "count", NULL};
-    PyObject *op_o, *nth_o = NULL, *count_o = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:sim_fail", kwlist, &op_o, &nth_o, &count_o)) return NULL;
     gm_dev_op op;
     uint64_t nth = 1, count = 1;
-    if (gm_py_heap_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0) return NULL;
-    if ((nth_o && gm_py_to_u64(nth_o, "nth", UINT64_MAX, &nth) < 0) ||
-        (count_o && gm_py_to_u64(count_o, "count", UINT64_MAX, &count) < 0))
+    if (gm_py_args(self, GM_PY_SIM, args, kwds, "O&|O&O&:sim_fail", kwlist, op_arg, &op, gm_py_nth_arg, &nth,
+                   gm_py_count_arg, &count) < 0)
         return NULL;
     gm_sim_fail(self->dev, op, nth, count);
     Py_RETURN_NONE;
@@ -59,53 +62,50 @@ static PyObject *Heap_sim_fail(HeapObject *self, PyObject *args, PyObject *kwds)
 
 static PyObject *Heap_sim_fail_random(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"op", "p", "seed", NULL};
-    PyObject *op_o, *seed_o = NULL;
     double p;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|O:sim_fail_random", kwlist, &op_o, &p, &seed_o)) return NULL;
     gm_dev_op op;
     uint64_t seed = 0;
-    if (gm_py_heap_sim(self, 1) < 0 || op_from_name(op_o, &op) < 0) return NULL;
+    if (gm_py_args(self, GM_PY_SIM, args, kwds, "O&d|O&:sim_fail_random", kwlist, op_arg, &op, &p, gm_py_seed_arg,
+                   &seed) < 0)
+        return NULL;
     if (!(p >= 0.0 && p <= 1.0)) {
         char msg[64];
         snprintf(msg, sizeof msg, "p must lie in [0, 1], got %g", p);
         PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
-    if (seed_o && gm_py_to_u64(seed_o, "seed", UINT64_MAX, &seed) < 0) return NULL;
     gm_sim_fail_random(self->dev, op, p, seed);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_sim_calls(HeapObject *self, PyObject *op_o) {
     gm_dev_op op;
-    if (gm_py_heap_sim(self, 0) < 0 || op_from_name(op_o, &op) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(gm_sim_calls(self->dev, op));
+    if (gm_py_arg(self, GM_PY_SIM, op_o, op_arg, &op) < 0) return NULL;
+    unsigned long long calls = gm_sim_calls(self->dev, op);
+    return PyLong_FromUnsignedLongLong(calls);
 }
 
 static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"stream", "held", NULL};
-    PyObject *stream_o;
     int held = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_hold_stream", kwlist, &stream_o, &held)) return NULL;
     uint64_t stream;
-    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0) return NULL;
+    if (gm_py_args(self, GM_PY_SIM, args, kwds, "O&|p:sim_hold_stream", kwlist, gm_py_stream_arg, &stream, &held) < 0)
+        return NULL;
     gm_sim_hold_stream(self->dev, (gm_stream)stream, held);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_sim_set_event_delay(HeapObject *self, PyObject *ops_o) {
     uint64_t ops;
-    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(ops_o, "ops", UINT64_MAX, &ops) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_SIM, ops_o, gm_py_ops_arg, &ops) < 0) return NULL;
     gm_sim_set_event_delay(self->dev, ops);
     Py_RETURN_NONE;
 }
 
 static PyObject *sim_set_bytes(HeapObject *self, PyObject *args, int external) {
-    PyObject *pid_o, *bytes_o;
-    if (!PyArg_ParseTuple(args, external ? "OO:sim_set_external" : "OO:sim_set_self", &pid_o, &bytes_o)) return NULL;
     uint64_t pid, bytes;
-    if (gm_py_heap_sim(self, 1) < 0) return NULL;
-    if (gm_py_to_u64(pid_o, "pid", UINT32_MAX, &pid) < 0 || gm_py_to_u64(bytes_o, "bytes", UINT64_MAX, &bytes) < 0)
+    if (gm_py_args(self, GM_PY_SIM, args, NULL, external ? "O&O&:sim_set_external" : "O&O&:sim_set_self", NULL,
+                   gm_py_pid_arg, &pid, gm_py_bytes_arg, &bytes) < 0)
         return NULL;
     if (external)
         gm_sim_set_external(self->dev, (uint32_t)pid, bytes);
@@ -119,15 +119,14 @@ static PyObject *Heap_sim_set_external(HeapObject *self, PyObject *args) { retur
 static PyObject *Heap_sim_set_self(HeapObject *self, PyObject *args) { return sim_set_bytes(self, args, 0); }
 
 static PyObject *Heap_sim_set_nvml(HeapObject *self, PyObject *avail_o) {
-    if (gm_py_heap_sim(self, 1) < 0) return NULL;
-    int avail = PyObject_IsTrue(avail_o);
-    if (avail < 0) return NULL;
+    int avail;
+    if (gm_py_arg(self, GM_PY_SIM, avail_o, gm_py_bool_arg, &avail) < 0) return NULL;
     gm_sim_set_nvml(self->dev, avail);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_sim_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_sim(self, 0) < 0) return NULL;
+    if (gm_py_ready(self, GM_PY_SIM) < 0) return NULL;
     gm_sim_info info;
     gm_sim_info_get(self->dev, &info);
     return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n}", "capacity", (Py_ssize_t)info.capacity, "page_size",
@@ -137,51 +136,48 @@ static PyObject *Heap_sim_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args) {
-    PyObject *addr_o, *size_o;
-    if (!PyArg_ParseTuple(args, "OO:sim_is_accessible", &addr_o, &size_o)) return NULL;
     uint64_t addr;
     size_t size;
-    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
-        gm_py_to_size(size_o, "size", &size) < 0)
+    if (gm_py_args(self, GM_PY_SIM, args, NULL, "O&O&:sim_is_accessible", NULL, gm_py_addr_arg, &addr, gm_py_size_arg,
+                   &size) < 0)
         return NULL;
-    return PyBool_FromLong(gm_sim_is_accessible(self->dev, (uintptr_t)addr, size));
+    int ok = gm_sim_is_accessible(self->dev, (uintptr_t)addr, size);
+    return PyBool_FromLong(ok);
 }
 
 static PyObject *Heap_sim_set_capture(HeapObject *self, PyObject *on_o) {
-    if (gm_py_heap_sim(self, 1) < 0) return NULL;
-    int on = PyObject_IsTrue(on_o);
-    if (on < 0) return NULL;
+    int on;
+    if (gm_py_arg(self, GM_PY_SIM, on_o, gm_py_bool_arg, &on) < 0) return NULL;
     gm_sim_set_capture(self->dev, on);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_sim_set_stream_capture(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"stream", "on", NULL};
-    PyObject *stream_o;
     int on = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:sim_set_stream_capture", kwlist, &stream_o, &on)) return NULL;
     uint64_t stream;
-    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(stream_o, "stream", UINT64_MAX, &stream) < 0) return NULL;
+    if (gm_py_args(self, GM_PY_SIM, args, kwds, "O&|p:sim_set_stream_capture", kwlist, gm_py_stream_arg, &stream, &on) <
+        0)
+        return NULL;
     gm_sim_set_stream_capture(self->dev, (gm_stream)stream, on);
     Py_RETURN_NONE;
 }
 
 static PyObject *Heap_sim_page_at(HeapObject *self, PyObject *addr_o) {
     uint64_t addr;
-    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong((unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr));
+    if (gm_py_arg(self, GM_PY_SIM, addr_o, gm_py_addr_arg, &addr) < 0) return NULL;
+    unsigned long long handle = (unsigned long long)gm_sim_handle_at(self->dev, (uintptr_t)addr);
+    return PyLong_FromUnsignedLongLong(handle);
 }
 
 /* Ask the device itself to unmap [addr, addr+size): to test what it refuses
  * (a range that cuts a mapping).  One that succeeds leaves the heap's books
  * wrong: only for a heap that is thrown away. */
 static PyObject *Heap_sim_unmap(HeapObject *self, PyObject *args) {
-    PyObject *addr_o, *size_o;
     uint64_t addr;
     size_t size;
-    if (!PyArg_ParseTuple(args, "OO:sim_unmap", &addr_o, &size_o)) return NULL;
-    if (gm_py_heap_sim(self, 1) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
-        gm_py_to_size(size_o, "size", &size) < 0)
+    if (gm_py_args(self, GM_PY_SIM, args, NULL, "O&O&:sim_unmap", NULL, gm_py_addr_arg, &addr, gm_py_size_arg, &size) <
+        0)
         return NULL;
     int rc = self->dev->ops->unmap(self->dev, (uintptr_t)addr, size);
     if (rc != GM_OK) return PyErr_Format(PyExc_ValueError, "sim_unmap: %s", self->dev->last_error);
@@ -190,11 +186,9 @@ static PyObject *Heap_sim_unmap(HeapObject *self, PyObject *args) {
 
 /* The simulated device's contents: one value per physical page. */
 static PyObject *Heap_sim_write(HeapObject *self, PyObject *args) {
-    PyObject *addr_o, *value_o;
     uint64_t addr, value;
-    if (!PyArg_ParseTuple(args, "OO:sim_write", &addr_o, &value_o)) return NULL;
-    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0 ||
-        gm_py_to_u64(value_o, "value", UINT64_MAX, &value) < 0)
+    if (gm_py_args(self, GM_PY_SIM, args, NULL, "O&O&:sim_write", NULL, gm_py_addr_arg, &addr, gm_py_value_arg,
+                   &value) < 0)
         return NULL;
     if (gm_sim_write(self->dev, (uintptr_t)addr, value) != GM_OK)
         return PyErr_Format(PyExc_ValueError, "sim_write: illegal address %p (no accessible page there)",
@@ -204,7 +198,7 @@ static PyObject *Heap_sim_write(HeapObject *self, PyObject *args) {
 
 static PyObject *Heap_sim_read(HeapObject *self, PyObject *addr_o) {
     uint64_t addr, value = 0;
-    if (gm_py_heap_sim(self, 0) < 0 || gm_py_to_u64(addr_o, "addr", UINTPTR_MAX, &addr) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_SIM, addr_o, gm_py_addr_arg, &addr) < 0) return NULL;
     if (gm_sim_read(self->dev, (uintptr_t)addr, &value) != GM_OK)
         return PyErr_Format(PyExc_ValueError, "sim_read: illegal address %p (no accessible page there)",
                             (void *)(uintptr_t)addr);
@@ -212,19 +206,21 @@ static PyObject *Heap_sim_read(HeapObject *self, PyObject *addr_o) {
 }
 
 static PyObject *Heap_sim_host_blocks(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_sim(self, 0) < 0) return NULL;
-    return PyLong_FromSize_t(gm_sim_host_blocks(self->dev));
+    if (gm_py_ready(self, GM_PY_SIM) < 0) return NULL;
+    size_t n = gm_sim_host_blocks(self->dev);
+    return PyLong_FromSize_t(n);
 }
 
 static PyObject *Heap_sim_capture_violations(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_heap_sim(self, 0) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(gm_sim_capture_violations(self->dev));
+    if (gm_py_ready(self, GM_PY_SIM) < 0) return NULL;
+    unsigned long long n = gm_sim_capture_violations(self->dev);
+    return PyLong_FromUnsignedLongLong(n);
 }
 
 /* Test-only: GPUMEM_CUDA_FAULTS bookkeeping of a CUDA heap. */
 static PyObject *Heap_cuda_fault_calls(HeapObject *self, PyObject *op_o) {
     gm_dev_op op;
-    if (gm_py_heap_open(self) < 0 || op_from_name(op_o, &op) < 0) return NULL;
+    if (gm_py_arg(self, GM_PY_OPEN, op_o, op_arg, &op) < 0) return NULL;
     if (strcmp(self->dev->kind, "cuda")) {
         PyErr_Format(PyExc_TypeError, "this call needs a cuda heap, not a %s one", self->dev->kind);
         return NULL;

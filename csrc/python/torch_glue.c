@@ -515,9 +515,10 @@ static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args) {
         return NULL;
     gm_heap *h = gm_torch_heap(device);
     if (h == NULL) return PyErr_Format(PyExc_ValueError, "gpumem has no heap on cuda:%d", device);
-    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of (addr, size)");
+    /* A tuple copy: an item's conversion may run Python code that changes the list. */
+    PyObject *seq = gm_py_tuple_of(blocks);
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     uintptr_t *addrs = PyMem_Calloc((size_t)n + 1, sizeof *addrs);
     size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof *sizes);
     PyObject *ret = NULL;
@@ -527,7 +528,7 @@ static PyObject *g_pool_set_live(PyObject *Py_UNUSED(m), PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long a, b;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK;a block is (addr, size)", &a, &b)) goto done;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "KK;a block is (addr, size)", &a, &b)) goto done;
         addrs[i] = (uintptr_t)a;
         sizes[i] = (size_t)b;
     }

@@ -55,6 +55,11 @@ const char *gm_strerror(int code);
 #define GM_SMALL_SIZE (1u << 20) /* torch's small pool: blocks <= 1 MiB */
 #define GM_STREAM_ANY UINT64_MAX /* owner of free memory any stream may use */
 
+/* The largest page a heap takes: its page tables index at least 64 pages, and
+ * 64 pages of 4 TiB fill the 256 TiB a GPU can address.  A page must also be
+ * no larger than the device's memory. */
+#define GM_PAGE_SIZE_MAX ((size_t)1 << 42)
+
 /* ---- configuration ------------------------------------------------------- */
 /* gm_config.chunk_pages: the default, and the most allowed. */
 #define GM_CHUNK_PAGES_DEFAULT 1
@@ -427,6 +432,7 @@ typedef struct gm_replay_result {
     uint64_t first_oom_event; /* index of the first failed alloc, or UINT64_MAX */
     uint64_t peak_event;      /* index of the event at which live peaked */
     int error;                /* GM_OK, or a non-OOM error that stopped the replay */
+    uint64_t events;          /* events that ran: op_ns[events..n) were not written */
 } gm_replay_result;
 /* Replay `n` events.  `slots` must hold one uintptr_t per distinct slot (zeroed).
  * If op_ns is not NULL, each event's wall time in ns is stored there.
