@@ -280,15 +280,14 @@ def child_probe(name, allocator, k, cap):
     t_start = time.perf_counter()
     import torch
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    frac = cap / total
     if allocator == "gpumem":
+        # before anything touches CUDA (get_device_properties does): the cap in bytes
         sys.path.insert(0, str(REPO))
         import gpumem
 
-        gpumem.install(cap=frac)
+        gpumem.install(cap=int(cap))
     else:
-        torch.cuda.set_per_process_memory_fraction(frac)
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     spec = MODELS[name]
     step, _ = spec.build("cuda")
     _fresh_device(torch)
