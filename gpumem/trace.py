@@ -106,6 +106,13 @@ class Trace:
     peak_event: int  # index of the event at which live first reached its peak (-1 if none)
     meta: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        # Short: the packed events can be millions of words.
+        return (
+            f"<gpumem.trace.Trace {self.name}: {self.format}, device {self.device}, {self.n_events} events "
+            f"({self.allocs} allocs, {self.frees} frees), peak live {self.peak_live_bytes} bytes>"
+        )
+
     @property
     def name(self) -> str:
         base = os.path.basename(self.path)
