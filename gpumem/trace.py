@@ -1,6 +1,6 @@
 """Allocation traces: load them, check them, and pack them for Heap.replay.
 
-Two formats are read (see README.md, "Trace formats"):
+Two formats are read (see docs/api.md, "Trace formats"):
 
 * gpumem's text format, as in gpumem/data/traces/*.trace.gz: an optional comment line
   (``# action addr size stream ... {JSON}``) and then one ``action addr size stream``
