@@ -114,7 +114,7 @@ def _size(value, what):
     else:
         raise OptionError(what, value, "not a size (an int or a string such as '8GiB')")
     if n < 0:
-        raise OptionError(what, value, "must not be negative")
+        raise OptionError(what, value, f"{what} must not be negative")
     if n > _MAX_U64:
         raise OptionError(what, value, "does not fit in 64 bits")
     return int(n)
@@ -193,31 +193,35 @@ def normalize_options(options):
     if options.get("growth_slack") is not None:
         v = _number("growth_slack", options["growth_slack"], float)
         if not 0.0 <= v <= 100.0:
-            raise OptionError("growth_slack", options["growth_slack"], "must lie in [0, 100]")
+            raise OptionError("growth_slack", options["growth_slack"], "growth_slack must lie in [0, 100]")
         kw["growth_slack"] = v
     if options.get("growth_slack_pages") is not None:
         v = _number("growth_slack_pages", options["growth_slack_pages"], int)
         if not 0 <= v <= _MAX_U64:
-            raise OptionError("growth_slack_pages", options["growth_slack_pages"], "must lie in [0, 2**64-1]")
+            raise OptionError(
+                "growth_slack_pages", options["growth_slack_pages"], "growth_slack_pages must lie in [0, 2**64-1]"
+            )
         kw["growth_slack_pages"] = v
     if options.get("chunk_pages") is not None:
         v = _number("chunk_pages", options["chunk_pages"], int)
         if not 1 <= v <= _C.CHUNK_PAGES_MAX:
-            raise OptionError("chunk_pages", options["chunk_pages"], f"must lie in [1, {_C.CHUNK_PAGES_MAX}]")
+            raise OptionError(
+                "chunk_pages", options["chunk_pages"], f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}]"
+            )
         kw["chunk_pages"] = v
     if options.get("page_size") is not None:
         v = _size(options["page_size"], "page_size")
         if v & (v - 1):
-            raise OptionError("page_size", options["page_size"], "must be a power of two")
+            raise OptionError("page_size", options["page_size"], "page_size must be a power of two")
         kw["page_size"] = v
     if options.get("history") is not None:
         v = _number("history", options["history"], int)
         if not 0 <= v <= MAX_HISTORY:
-            raise OptionError("history", options["history"], f"must lie in [0, {MAX_HISTORY}]")
+            raise OptionError("history", options["history"], f"history must lie in [0, {MAX_HISTORY}]")
         kw["history_entries"] = v
     if options.get("oom") is not None:
         if options["oom"] not in ("torch", "runtime"):
-            raise OptionError("oom", options["oom"], "must be 'torch' or 'runtime'")
+            raise OptionError("oom", options["oom"], "oom must be 'torch' or 'runtime'")
         kw["oom_mode"] = options["oom"]
     return kw
 
