@@ -88,7 +88,8 @@ def test_bad_files_are_one_line(tmp_path, capsys):
 def test_a_deeply_nested_header_is_ignored(tmp_path):
     """The header's JSON is optional metadata: nesting too deep for json is no metadata."""
     path = tmp_path / "nested.trace"
-    path.write_text("# " + "[" * 200_000 + "\nalloc 4096 512 0\nfree_completed 4096 512 0\n")
+    header = '# action addr size stream {"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path.write_text(header + "\nalloc 4096 512 0\nfree_completed 4096 512 0\n")
     from gpumem.trace import load_trace
 
     t = load_trace(path)
