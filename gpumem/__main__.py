@@ -302,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
+        # also after the subcommand; SUPPRESS keeps an absent one from undoing `gpumem --debug`
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of a failure"
+        )
         p.set_defaults(_run=run)
     return parser
 

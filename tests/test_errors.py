@@ -179,15 +179,17 @@ def test_an_unexpected_failure_is_one_line_and_debug_shows_the_traceback():
     line, naming the exception; --debug and GPUMEM_DEBUG=1 show where it came from."""
     code = "import gpumem.__main__ as m; m.run_replay = None; m.COMMANDS['replay'] = ('', m._add_replay_args, 1)"
     env = {"PYTHONPATH": PKG_PARENT}
-    for debug_env, flags in (({}, []), ({"GPUMEM_DEBUG": "1"}, []), ({}, ["--debug"])):
+    cases = (({}, [], []), ({"GPUMEM_DEBUG": "1"}, [], []), ({}, ["--debug"], []), ({}, [], ["--debug"]))
+    for debug_env, flags, after in cases:
+        argv = flags + ["replay", "x"] + after
         p = subprocess.run(
-            [sys.executable, "-c", code + f"; import sys; sys.exit(m.main({flags + ['replay', 'x']!r}))"],
+            [sys.executable, "-c", code + f"; import sys; sys.exit(m.main({argv!r}))"],
             capture_output=True,
             text=True,
             env=dict(os.environ, **env, **debug_env),
             timeout=300,
         )
-        if debug_env or flags:
+        if debug_env or flags or after:
             assert p.returncode == 1 and "Traceback" in p.stderr and "TypeError" in p.stderr, p.stderr
         else:
             assert_one_line(p, "TypeError")
