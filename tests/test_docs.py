@@ -33,14 +33,11 @@ def test_the_docs_have_examples():
     assert found["README.md"] >= 3 and found["api.md"] >= 2, found
 
 
-def test_the_block_finder():
+def test_the_block_finder(tmp_path):
     doc = "text\n<!-- skip: needs a GPU -->\n```python\nx = 1\n```\n\n```python\ny = 2\n```\n```sh\nz\n```\n"
-    p = REPO / "tests" / "_doc_example_not_a_file.md"
-    try:
-        p.write_text(doc)
-        assert blocks(p) == [(4, "x = 1\n", "needs a GPU"), (8, "y = 2\n", None)]
-    finally:
-        p.unlink()
+    p = tmp_path / "example.md"
+    p.write_text(doc)
+    assert blocks(p) == [(4, "x = 1\n", "needs a GPU"), (8, "y = 2\n", None)]
 
 
 def _marked():
