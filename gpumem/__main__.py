@@ -264,6 +264,9 @@ def _print_table(rows: List[dict], stream=None) -> None:
 
 def run_replay(args) -> int:
     _cli_viz.check_replay_options(args, UsageError)
+    if args.page_size and args.page_size > args.capacity:
+        page, device = format_size(args.page_size), format_size(args.capacity)
+        raise UsageError(f"--page-size {page} is larger than the device (--capacity {device})")
     rows = []
     status = EXIT_OK
     for path in args.traces:

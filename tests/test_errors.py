@@ -149,6 +149,8 @@ def test_a_gzip_bomb_line_is_refused_in_bounded_memory(tmp_path):
         (["explain", "sample_snapshot", "--capacity", "1e30"], "does not fit in 64 bits"),
         (["replay", "seed_fragmentation", "--snapshot", "no/such/folder/out.pickle"], "no such folder"),
         (["replay", "seed_fragmentation", "--html", "."], "is a directory"),
+        (["replay", "seed_fragmentation", "--page-size", "2PiB"], "larger than the device"),
+        (["replay", "seed_fragmentation", "--page-size", "2GiB", "--capacity", "1GiB"], "larger than the device"),
     ],
 )
 def test_bad_arguments_are_one_line(args, fragment, capsys):
