@@ -91,6 +91,25 @@ def paused(pool, backup=False, device=None):
     return _torch.paused(pool, backup=backup, device=device)
 
 
+# Every exception gpumem raises on purpose is importable from here: the core's
+# (above), bad traces, no heap to look at, an unknown shipped file; and the torch
+# layer's, loaded on first use so that `import gpumem` never imports gpumem.torch.
+from .data import UnknownDataError  # noqa: E402,F401
+from .trace import TraceError  # noqa: E402,F401
+
+_TORCH_ERRORS = ("InstallError", "OptionError")
+
+if "_import_error" not in globals():
+    from ._resolve import NoHeapError  # noqa: E402,F401
+
+    def __getattr__(name):
+        if name in _TORCH_ERRORS:
+            from .torch import _install
+
+            return getattr(_install, name)
+        raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
+
+
 # Visibility: snapshots, history, memory over time, OOM explanations.  Importing
 # explain registers the formatter that words OutOfMemoryError messages.
 if "_import_error" not in globals():
@@ -123,6 +142,11 @@ __all__ = [
     "InvalidPointerError",
     "CorruptionError",
     "DeviceError",
+    "TraceError",
+    "NoHeapError",
+    "UnknownDataError",
+    "InstallError",
+    "OptionError",
     "parse_size",
     "format_size",
     "__version__",

@@ -2,9 +2,12 @@
 
     python -m gpumem replay TRACE [TRACE...] [--capacity SIZE] [--min-capacity] [--event-delay N] [--json]
 
-Subcommands register themselves in COMMANDS (name -> (add_arguments, run)), so a
-new one is a function pair, not a change to the dispatcher.  Every error the
-user can cause is one line on stderr, "gpumem: error: ...", and exit status 2.
+Subcommands register themselves in COMMANDS (name -> (help, add_arguments, run)),
+so a new one is a function pair, not a change to the dispatcher.  Every failure
+is one line on stderr, "gpumem: error: ...", and exit status 2: main() turns any
+exception a subcommand raises into that line, so a subcommand only raises
+(UsageError, TraceError, ValueError, OSError, ...).  `gpumem --debug ...` or
+GPUMEM_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from . import __version__
 from . import _cli_viz
 from . import _cli_forecast
-from ._cli_viz import _error_line, _size_arg, replay_heap_kwargs
+from ._cli_viz import _capacity_arg, _error_line, _size_arg, debug_requested, describe_error, replay_heap_kwargs
 from ._units import format_size
 from .replay import min_capacity, replay
 from .trace import TraceError, load_trace
@@ -143,7 +146,7 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capacity",
-        type=_size_arg,
+        type=_capacity_arg,
         default=80 << 30,
         metavar="SIZE",
         help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB",
@@ -194,6 +197,8 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
 
 def _replay_one(args, path: str) -> dict:
     trace = load_trace(path, device=args.device)
+    if not trace.n_events:
+        raise TraceError(path, None, "no allocations: nothing to replay")
     bar = ProgressBar(trace.name) if _want_progress(args, trace.n_events) else None
     try:
         kw = replay_heap_kwargs(args)
@@ -277,6 +282,9 @@ def _print_table(rows: List[dict], stream=None) -> None:
 
 def run_replay(args) -> int:
     _cli_viz.check_replay_options(args, UsageError)
+    if args.page_size and args.page_size > args.capacity:
+        page, device = format_size(args.page_size), format_size(args.capacity)
+        raise UsageError(f"--page-size {page} is larger than the device (--capacity {device})")
     rows = []
     status = EXIT_OK
     for path in args.traces:
@@ -310,26 +318,28 @@ COMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpumem", description="gpumem: a defragmenting GPU memory allocator.")
     parser.add_argument("--version", action="version", version=f"gpumem {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure (as does GPUMEM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (help_text, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
+        # also after the subcommand; SUPPRESS keeps an absent one from undoing `gpumem --debug`
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of a failure"
+        )
         p.set_defaults(_run=run)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    args = None
     try:
         args = build_parser().parse_args(argv)
         return args._run(args)
     except UsageError as e:
         _error_line(str(e))
         return EXIT_USAGE
-    except ImportError as e:
-        # An unbuilt or broken extension: say so in one line, not a traceback.
-        _error_line(str(e))
-        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -338,6 +348,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         # complaining again while flushing stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except Exception as e:
+        # Anything else (a bad file, an unwritable output, a broken extension,
+        # a bug): one line, unless a traceback was asked for.
+        if debug_requested(args):
+            raise
+        _error_line(describe_error(e))
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

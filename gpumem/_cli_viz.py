@@ -28,8 +28,34 @@ HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
+# The largest simulated device the command line makes: its page tables grow
+# with the capacity (an 80 GB GPU is 0.0001 of it).
+MAX_SIM_CAPACITY = 64 << 40
+# A traceback instead of the one-line error: `gpumem --debug ...` or this variable.
+DEBUG_ENV = "GPUMEM_DEBUG"
+
+
 def _error_line(message: str) -> None:
     print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
+
+
+def debug_requested(args=None) -> bool:
+    """Whether a failure should show its traceback (--debug, or GPUMEM_DEBUG set and not 0)."""
+    if getattr(args, "debug", False):
+        return True
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as the one line after "gpumem: error: "."""
+    if isinstance(e, OSError) and e.strerror:
+        name = e.filename if e.filename is not None else ""
+        return f"{name}: {e.strerror}" if name != "" else e.strerror
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (ValueError, OSError, ImportError, MemoryError)) or type(e).__module__.startswith("gpumem"):
+        return text
+    # Not a failure gpumem expects: name it, and say how to see where it came from.
+    return f"{type(e).__name__}: {text} (GPUMEM_DEBUG=1 shows the traceback)"
 
 
 def _size_arg(text: str) -> int:
@@ -39,7 +65,30 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    if n >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"size does not fit in 64 bits: {text!r}")
     return n
+
+
+def _capacity_arg(text: str) -> int:
+    """The size of a simulated device: positive, at most MAX_SIM_CAPACITY."""
+    n = _size_arg(text)
+    if n > MAX_SIM_CAPACITY:
+        raise argparse.ArgumentTypeError(
+            f"capacity {text!r} is more than the simulated device holds ({format_size(MAX_SIM_CAPACITY)})"
+        )
+    return n
+
+
+def _check_output_path(option: str, path: str, usage_error) -> None:
+    """Refuse an output file that cannot be written before any work is done."""
+    if os.path.isdir(path):
+        raise usage_error(f"{option} {path}: is a directory, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise usage_error(f"{option} {path}: no such folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise usage_error(f"{option} {path}: folder {folder} is not writable")
 
 
 def replay_heap_kwargs(args) -> Optional[dict]:
@@ -76,6 +125,10 @@ def add_replay_options(p) -> None:
 def check_replay_options(args, usage_error) -> None:
     if (args.snapshot or args.html) and len(args.traces) != 1:
         raise usage_error("--snapshot and --html take one TRACE (the picture is of one heap)")
+    if args.snapshot:
+        _check_output_path("--snapshot", args.snapshot, usage_error)
+    if args.html:
+        _check_output_path("--html", args.html, usage_error)
 
 
 def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0):
@@ -130,7 +183,7 @@ def add_explain_args(p) -> None:
     )
     p.add_argument(
         "--capacity",
-        type=_size_arg,
+        type=_capacity_arg,
         default=None,
         metavar="SIZE",
         help="the device size to judge against (default: what torch had when it ran out of memory)",
@@ -239,6 +292,9 @@ def run_explain(args) -> int:
     except TraceError as e:
         _error_line(str(e))
         return EXIT_USAGE
+    if not trace.n_events:
+        _error_line(f"{path}: no allocations and no OOM: nothing to explain")
+        return EXIT_USAGE
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
         _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
@@ -247,6 +303,13 @@ def run_explain(args) -> int:
         _error_line(
             f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
             f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE"
+        )
+        return EXIT_USAGE
+    if capacity > MAX_SIM_CAPACITY:
+        _error_line(
+            f"{path}: torch's OOM event implies a device of {capacity} bytes (reserved {oom.reserved} + device "
+            f"free {oom.device_free}), more than the simulated device holds ({format_size(MAX_SIM_CAPACITY)}); "
+            "give --capacity SIZE"
         )
         return EXIT_USAGE
     res = replay(trace, capacity, timing=False)

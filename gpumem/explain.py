@@ -241,6 +241,14 @@ class Report:
 
     __str__ = text
 
+    def __repr__(self) -> str:
+        what = f"request {_fs(self.request)} {'fits' if self.fits else 'does not fit'}" if self.request else "state"
+        cause = f", main cause {self.causes[0].kind}" if self.causes else ""
+        return (
+            f"<gpumem Report {self.device}: {what}{' (OOM)' if self.is_oom else ''}; {_fs(self.live_bytes)} live, "
+            f"{_fs(self.reserved_bytes)} reserved{cause}; print() it for the whole report>"
+        )
+
     def _repr_html_(self) -> str:
         import html
 

@@ -116,6 +116,9 @@ class History:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def __repr__(self) -> str:
+        return f"<gpumem History: {len(self.entries)} entries, {self.dropped} dropped>"
+
 
 def history(device=None) -> History:
     """The events the heap's ring holds, oldest first."""

@@ -17,6 +17,7 @@ its peak reserved memory is closer to what the GPU sees.  Single-stream traces
 
 from __future__ import annotations
 
+import os
 import statistics
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,14 @@ class ReplayResult:
     min_capacity_bytes: Optional[int] = None
     event_delay: int = 0  # see the module docstring
     extra: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        name = os.path.basename(self.trace)
+        return (
+            f"<gpumem ReplayResult {name}: {self.events} events at {format_size(self.capacity_bytes)}, peak live "
+            f"{format_size(self.peak_live_bytes)}, peak reserved {format_size(self.peak_reserved_bytes)}, "
+            f"{self.ooms} OOMs, {self.remaps} remaps>"
+        )
 
     def to_json(self) -> dict:
         d = asdict(self)

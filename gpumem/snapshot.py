@@ -132,6 +132,9 @@ class Segment:
     size: int
     blocks: List[Block]
 
+    def __repr__(self) -> str:
+        return f"<gpumem Segment {self.addr:#x}+{format_size(self.size)}: {len(self.blocks)} blocks>"
+
 
 @dataclass
 class Summary:
@@ -158,6 +161,13 @@ class Summary:
     device_free: int
     pool_live_bytes: int = 0  # live and pending blocks of private pools
     pool_free_bytes: int = 0  # free blocks kept for private pools (not in free_mapped_bytes)
+
+    def __repr__(self) -> str:
+        f = format_size
+        return (
+            f"<gpumem Summary: {f(self.live_bytes)} live in {self.n_live} blocks, {f(self.reserved_bytes)} "
+            f"reserved, {f(self.free_mapped_bytes)} free mapped, fragmentation {self.fragmentation:.1%}>"
+        )
 
     def rows(self) -> List[Tuple[str, str, str]]:
         """(label, value, what it means) for tables."""

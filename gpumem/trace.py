@@ -1,6 +1,6 @@
 """Allocation traces: load them, check them, and pack them for Heap.replay.
 
-Two formats are read (see README.md, "Trace formats"):
+Two formats are read (see docs/api.md, "Trace formats"):
 
 * gpumem's text format, as in gpumem/data/traces/*.trace.gz: an optional comment line
   (``# action addr size stream ... {JSON}``) and then one ``action addr size stream``
@@ -71,6 +71,11 @@ _MAX_U64 = (1 << 64) - 1
 # The core refuses larger requests as invalid (gm_malloc), not as out of memory.
 MAX_ALLOC = 1 << 52
 _MAX_SLOTS = (1 << 32) - 1
+# The core's GM_STREAM_ANY (2**64-1) names no stream: a trace's streams lie below it.
+_MAX_STREAM = _MAX_U64 - 1
+# The longest text line read: a trace line is ~50 characters and its header a
+# few hundred, so a longer one is not a trace (and must not fill memory).
+MAX_LINE_CHARS = 1 << 20
 
 
 class TraceError(ValueError):
@@ -100,6 +105,13 @@ class Trace:
     peak_live_bytes: int  # largest sum of live sizes over the trace
     peak_event: int  # index of the event at which live first reached its peak (-1 if none)
     meta: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        # Short: the packed events can be millions of words.
+        return (
+            f"<gpumem.trace.Trace {self.name}: {self.format}, device {self.device}, {self.n_events} events "
+            f"({self.allocs} allocs, {self.frees} frees), peak live {self.peak_live_bytes} bytes>"
+        )
 
     @property
     def name(self) -> str:
@@ -216,7 +228,7 @@ def _parse_meta(comment: str) -> dict:
         return {}
     try:
         meta = json.loads(comment[start : end + 1])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         return {}
     return meta if isinstance(meta, dict) else {}
 
@@ -229,7 +241,13 @@ def _load_text(path: str, stream, device: Optional[int]) -> Trace:
     text = io.TextIOWrapper(stream, encoding="utf-8", newline=None)
     lineno = 0
     try:
-        for lineno, line in enumerate(text, 1):
+        while True:
+            line = text.readline(MAX_LINE_CHARS + 1)
+            if not line:
+                break
+            lineno += 1
+            if len(line) > MAX_LINE_CHARS:
+                raise TraceError(path, lineno, f"not a trace: a line longer than {MAX_LINE_CHARS} characters")
             parts = line.split()
             if not parts:
                 continue
@@ -277,8 +295,8 @@ def _check_fields(path, where, addr, size, stream) -> None:
         raise TraceError(path, where, f"size {size} is larger than any allocation gpumem serves (4 PiB)")
     if addr < 0 or addr > _MAX_U64:
         raise TraceError(path, where, f"address {addr} is not a 64-bit unsigned value")
-    if stream < 0 or stream > _MAX_U64:
-        raise TraceError(path, where, f"stream {stream} is not a 64-bit unsigned value")
+    if stream < 0 or stream > _MAX_STREAM:
+        raise TraceError(path, where, f"stream {stream} is not a stream id (0 to 2**64-2)")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -334,6 +352,8 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
         if not isinstance(ev, dict) or "action" not in ev:
             raise TraceError(path, where, "malformed event: not a dict with an 'action'")
         action = ev["action"]
+        if not isinstance(action, str):
+            raise TraceError(path, where, f"malformed event: action is {type(action).__name__}, not str")
         if action == "alloc" or action == "free_completed":
             addr = _event_int(path, where, ev, "addr")
             size = _event_int(path, where, ev, "size")
@@ -386,12 +406,20 @@ def load_trace(path, device: Optional[int] = None) -> Trace:
         raise TraceError(path, None, f"cannot open: {e.strerror or e}") from None
     with raw:
         stream = raw
-        if raw.peek(2)[:2] == b"\x1f\x8b":
+        try:
+            magic = raw.peek(2)[:2]
+        except OSError as e:  # /proc/self/mem, a folder's device, ...
+            raise TraceError(path, None, f"cannot read: {e.strerror or e}") from None
+        if not magic:
+            raise TraceError(path, None, "empty file: not a trace or a snapshot")
+        if magic == b"\x1f\x8b":
             stream = gzip.GzipFile(fileobj=raw, mode="rb")
         try:
             head = stream.peek(1)[:1] if hasattr(stream, "peek") else b""
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(path, 1, f"corrupt gzip data: {e}") from None
+        if not head:
+            raise TraceError(path, None, "empty file (once decompressed): not a trace or a snapshot")
         lowered = path.lower()
         if head == b"\x80" or lowered.endswith((".pickle", ".pickle.gz", ".pkl", ".pkl.gz")):
             return _load_snapshot(path, stream, device)

@@ -21,7 +21,7 @@ from conftest import TRACE_NAMES
 
 def test_every_trace_is_shipped():
     assert data.list_traces() == sorted(TRACE_NAMES)
-    assert data.list_snapshots() == ["sample_snapshot"]
+    assert data.list_snapshots() == ["sample_snapshot", "sim_oom"]
     for name in TRACE_NAMES:
         p = data.trace_path(name)
         assert p.is_file() and p.name == f"{name}.trace.gz" and p.parent == data.TRACES_DIR
@@ -101,3 +101,15 @@ def test_python_dash_m_from_another_directory(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["peak_live_bytes"] == 1608515584
+
+
+def test_the_shipped_oom_snapshot_can_be_explained(capsys):
+    """sim_oom ends in an OOM, so `gpumem explain sim_oom` works with no GPU and no --capacity."""
+    assert main(["explain", "sim_oom", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    oom = out["torch_oom"]
+    assert oom["request_bytes"] == 900 << 20 and oom["live_bytes"] + oom["request_bytes"] > 1 << 30
+    assert out["capacity_bytes"] == 1 << 30 and out["gpumem_fits"] is False
+    assert out["gpumem_min_capacity_bytes"] >= oom["live_bytes"] + oom["request_bytes"]
+    readme = (data.SNAPSHOTS_DIR / "README.md").read_text()
+    assert "sim_oom" in readme and "tools/make_oom_snapshot.py" in readme

@@ -1191,11 +1191,13 @@ typedef struct tworld {
     size_t capacity;
     uint64_t seed;
     int nthreads;
+    uint64_t freed_for_resume; /* blocks run_threads freed to resume pools left paused */
 } tworld;
 
 typedef struct targ {
     tworld *tw;
     int id;
+    int paused; /* its pool is still paused at the end (run_threads resumes it) */
     uint64_t mallocs, ooms, frees;
     uintptr_t *mine;
     size_t nmine, capmine;
@@ -1307,17 +1309,40 @@ static void *thread_main(void *arg) {
                 tfail(a, op, "negative statistic", 0, 0);
         }
     }
-    /* A paused pool cannot end: bring it back (others may hold the memory a while). */
-    for (int tries = 0; paused && tries < 100000; tries++) {
-        if (gm_pool_resume(tw->heap, pid, NULL) == GM_OK)
-            paused = 0;
-        else
-            sched_yield();
-    }
-    if (paused) tfail(a, 0, "gm_pool_resume never found the memory at the end", 0, 0);
+    /* A paused pool cannot end: bring it back if the memory is there now.  It
+     * may not be, for as long as anyone likes: every thread keeps its blocks to
+     * the end, so once the others have finished nothing frees memory any more.
+     * Then run_threads, alone on the heap, frees blocks until it fits. */
+    if (paused && gm_pool_resume(tw->heap, pid, NULL) == GM_OK) paused = 0;
+    a->paused = paused;
     /* The pool ends; its live blocks join the heap when freed at teardown. */
-    if (gm_pool_release(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_release failed", 0, 0);
+    if (!paused && gm_pool_release(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_release failed", 0, 0);
     return NULL;
+}
+
+/* After the threads: resume thread `a`'s pool, freeing live blocks (highest
+ * address first) while the device is too full for it.  With nothing live and no cap
+ * the pool's own pages must fit: failing then is the core's fault. */
+static void resume_left_paused(tworld *tw, targ *a) {
+    gm_pool_id pid = {0x200u + (uint64_t)a->id, 1};
+    for (;;) {
+        int rc = gm_pool_resume(tw->heap, pid, NULL);
+        if (rc == GM_OK) break;
+        if (rc != GM_ENOMEM) tfail(a, 0, "gm_pool_resume after the threads failed", 0, (size_t)rc);
+        if (tw->live.n) {
+            size_t k = tw->live.n - 1;
+            uintptr_t p = tw->live.v[k].addr;
+            sh_remove(&tw->live, k);
+            if (gm_free(tw->heap, p) != GM_OK) tfail(a, 0, "gm_free after the threads failed", p, 0);
+            tw->freed_for_resume++;
+        } else if (gm_get_cap(tw->heap)) {
+            if (gm_set_cap(tw->heap, 0) != GM_OK) tfail(a, 0, "gm_set_cap(0) failed", 0, 0);
+        } else {
+            tfail(a, 0, "gm_pool_resume is out of memory with nothing live and no cap", 0, 0);
+        }
+    }
+    a->paused = 0;
+    if (gm_pool_release(tw->heap, pid) != GM_OK) tfail(a, 0, "gm_pool_release failed", 0, 0);
 }
 
 static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
@@ -1355,6 +1380,12 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     }
     for (int i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    int left_paused = 0;
+    for (int i = 0; i < nthreads; i++)
+        if (args[i].paused) {
+            left_paused++;
+            resume_left_paused(&tw, &args[i]);
+        }
     g_op = ops;
 
     /* Quiescent again: the whole-heap checks hold exactly now. */
@@ -1384,10 +1415,11 @@ static int run_threads(int nthreads, uint64_t ops, uint64_t seed, size_t capacit
     close_world(&w); /* frees w.live.v (== tw.live.v) */
     if (!quiet)
         printf("fuzz: OK %d threads x %" PRIu64 " ops seed %" PRIu64 " cap %zu MiB in %.2f s: %" PRIu64
-               " mallocs (%" PRIu64 " oom), %" PRIu64 " frees; core: %" PRId64 " remaps, %" PRId64 " pages created\n",
+               " mallocs (%" PRIu64 " oom), %" PRIu64 " frees, %d pool(s) resumed after the threads (%" PRIu64
+               " blocks freed for them); core: %" PRId64 " remaps, %" PRId64 " pages created\n",
                nthreads, tw.ops_per_thread, seed, capacity >> 20,
                (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9, mallocs, ooms, frees,
-               st.num_remaps, st.num_device_alloc);
+               left_paused, tw.freed_for_resume, st.num_remaps, st.num_device_alloc);
     free(args);
     free(th);
     pthread_mutex_destroy(&tw.mu);

@@ -4,11 +4,12 @@ The traces (``traces/*.trace.gz``) were recorded with PyTorch's own caching
 allocator on an H100; ``traces/README.md`` beside them says how, gives their
 format and the figures PyTorch's allocators reached on them.
 ``snapshots/sample_snapshot.pickle.gz`` is the torch memory snapshot of the
-``seed_fragmentation`` run.
+``seed_fragmentation`` run; ``snapshots/sim_oom.pickle.gz`` one that ends in an
+out-of-memory error (made on the simulated device by tools/make_oom_snapshot.py).
 
     >>> from gpumem.data import trace_path, list_traces
-    >>> list_traces()
-    ['bert_varlen', 'gpt2_generate', 'gpt2_varlen', 'llama_lora_ckpt', 'resnet50_multires', 'seed_fragmentation']
+    >>> list_traces()[:3]
+    ['bert_varlen', 'gpt2_generate', 'gpt2_varlen']
 
 ``python -m gpumem replay gpt2_varlen`` takes these short names too.
 """

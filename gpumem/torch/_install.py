@@ -71,10 +71,29 @@ class InstallError(RuntimeError):
 # ---- options -----------------------------------------------------------------------
 
 
+class OptionError(ValueError):
+    """A bad gpumem option; the message names the option and its value."""
+
+    def __init__(self, key, value, reason, source=None):
+        self.key, self.value, self.reason = key, value, reason
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}option {key}={value!r}: {reason}")
+
+
+# GPUMEM_CONF is read whole; a longer one is a mistake (a file's contents, say).
+_MAX_CONF_CHARS = 4096
+
+
 def parse_conf(text):
-    """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings)."""
+    """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings).
+
+    Raises ValueError naming the item for a malformed item, an unknown option or
+    one given twice."""
+    text = text or ""
+    if len(text) > _MAX_CONF_CHARS:
+        raise ValueError(f"{ENV_VAR}: {len(text)} characters, more than the {_MAX_CONF_CHARS} gpumem reads")
     out = {}
-    for item in (text or "").split(","):
+    for item in text.split(","):
         item = item.strip()
         if not item:
             continue
@@ -83,24 +102,61 @@ def parse_conf(text):
         if not sep or not key or not value.strip():
             raise ValueError(f"{ENV_VAR}: expected key:value, got {item!r}")
         if key not in OPTION_NAMES:
-            raise ValueError(f"{ENV_VAR}: unknown option {key!r} (known: {', '.join(OPTION_NAMES)})")
+            raise ValueError(f"{ENV_VAR}: unknown option {key!r} in {item!r} (known: {', '.join(OPTION_NAMES)})")
+        if key in out:
+            raise ValueError(f"{ENV_VAR}: option {key} given twice ({key}:{out[key]} and {item})")
         out[key] = value.strip()
     return out
 
 
+_MAX_U64 = (1 << 64) - 1
+
+
 def _size(value, what):
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be a size, not {value!r}")
+        raise OptionError(what, value, "not a size")
     if isinstance(value, int):
         n = value
-    else:
+    elif isinstance(value, str):
         try:
-            n = parse_size(str(value))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{what}: {e}") from None
+            n = parse_size(value)
+        except ValueError as e:
+            raise OptionError(what, value, str(e)) from None
+    else:
+        raise OptionError(what, value, "not a size (an int or a string such as '8GiB')")
     if n < 0:
-        raise ValueError(f"{what} must not be negative, got {value!r}")
+        raise OptionError(what, value, f"{what} must not be negative")
+    if n > _MAX_U64:
+        raise OptionError(what, value, "does not fit in 64 bits")
     return int(n)
+
+
+def _number(key, value, kind):
+    """options[key] as an int or a float; OptionError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise OptionError(key, value, f"not a {'whole ' if kind is int else ''}number")
+    if kind is int:
+        if isinstance(value, float):
+            raise OptionError(key, value, "not a whole number")
+        try:
+            return int(value)
+        except ValueError:
+            raise OptionError(key, value, "not a whole number") from None
+    try:
+        v = float(value)
+    except ValueError:
+        raise OptionError(key, value, "not a number") from None
+    if v != v:
+        raise OptionError(key, value, "not a number")
+    return v
+
+
+def _unitless_number(text):
+    """A string that is a plain number ("1.5", "100", "1e3"), as a float; else None."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def normalize_options(options):
@@ -122,35 +178,41 @@ def normalize_options(options):
     }
     cap = options.get("cap")
     if cap not in (None, 0, "0", "none", ""):
-        # A plain number up to 1 is a fraction of the device; anything else is bytes.
+        # A number up to 1 is a fraction of the device; bytes are an int, or a size
+        # with a unit ("60GiB", "64424509440B"): a bare "1.5" or "100" could be either.
         frac = None
-        if isinstance(cap, (int, float)) and not isinstance(cap, bool):
-            frac = float(cap) if cap <= 1 else None
-            if isinstance(cap, float) and cap > 1:
-                raise ValueError(f"cap as a fraction must lie in (0, 1], got {cap!r}")
+        if isinstance(cap, float) or (isinstance(cap, int) and not isinstance(cap, bool) and cap <= 1):
+            frac = float(cap)
+            if frac > 1:
+                raise OptionError("cap", cap, "a fraction of the device must lie in (0, 1]; bytes need a unit")
         elif isinstance(cap, str):
-            try:
-                f = float(cap)
-                frac = f if f <= 1 else None
-            except ValueError:
-                frac = None
+            frac = _unitless_number(cap)
+            if frac is not None and frac > 1:
+                raise OptionError(
+                    "cap",
+                    cap,
+                    "ambiguous: a number above 1 needs a unit (e.g. '60GiB' or '64424509440B'); "
+                    "a fraction of the device lies in (0, 1]",
+                )
         if frac is not None:
             if not 0.0 < frac <= 1.0:
-                raise ValueError(f"cap as a fraction must lie in (0, 1], got {cap!r}")
+                raise OptionError("cap", cap, "a fraction of the device must lie in (0, 1]")
             kw["cap_fraction"] = frac
         else:
             kw["cap_bytes"] = _size(cap, "cap")
     if options.get("va_size") is not None:
         kw["va_size"] = _size(options["va_size"], "va_size")
     if options.get("growth_slack") is not None:
-        v = float(options["growth_slack"])
+        v = _number("growth_slack", options["growth_slack"], float)
         if not 0.0 <= v <= 100.0:
-            raise ValueError(f"growth_slack must lie in [0, 100], got {options['growth_slack']!r}")
+            raise OptionError("growth_slack", options["growth_slack"], "growth_slack must lie in [0, 100]")
         kw["growth_slack"] = v
     if options.get("growth_slack_pages") is not None:
-        v = int(options["growth_slack_pages"])
-        if v < 0:
-            raise ValueError(f"growth_slack_pages must not be negative, got {v}")
+        v = _number("growth_slack_pages", options["growth_slack_pages"], int)
+        if not 0 <= v <= _MAX_U64:
+            raise OptionError(
+                "growth_slack_pages", options["growth_slack_pages"], "growth_slack_pages must lie in [0, 2**64-1]"
+            )
         kw["growth_slack_pages"] = v
     if options.get("pressure") is not None:
         v = float(options["pressure"])
@@ -158,23 +220,25 @@ def normalize_options(options):
             raise ValueError(f"pressure must lie in [0, 1] (0: always tight), got {options['pressure']!r}")
         kw["pressure"] = v
     if options.get("chunk_pages") is not None:
-        v = int(options["chunk_pages"])
+        v = _number("chunk_pages", options["chunk_pages"], int)
         if not 1 <= v <= _C.CHUNK_PAGES_MAX:
-            raise ValueError(f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}], got {options['chunk_pages']!r}")
+            raise OptionError(
+                "chunk_pages", options["chunk_pages"], f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}]"
+            )
         kw["chunk_pages"] = v
     if options.get("page_size") is not None:
         v = _size(options["page_size"], "page_size")
         if v & (v - 1):
-            raise ValueError(f"page_size must be a power of two, got {options['page_size']!r}")
+            raise OptionError("page_size", options["page_size"], "page_size must be a power of two")
         kw["page_size"] = v
     if options.get("history") is not None:
-        v = int(options["history"])
+        v = _number("history", options["history"], int)
         if not 0 <= v <= MAX_HISTORY:
-            raise ValueError(f"history must lie in [0, {MAX_HISTORY}], got {v}")
+            raise OptionError("history", options["history"], f"history must lie in [0, {MAX_HISTORY}]")
         kw["history_entries"] = v
     if options.get("oom") is not None:
         if options["oom"] not in ("torch", "runtime"):
-            raise ValueError(f"oom must be 'torch' or 'runtime', got {options['oom']!r}")
+            raise OptionError("oom", options["oom"], "oom must be 'torch' or 'runtime'")
         kw["oom_mode"] = options["oom"]
     return kw
 
@@ -197,9 +261,15 @@ def _device_list(device, torch):
 
 def _prepare(options, what):
     """(torch, _torch_configure kwargs, merged options), or InstallError."""
-    merged = parse_conf(os.environ.get(ENV_VAR, ""))
+    from_env = parse_conf(os.environ.get(ENV_VAR, ""))
+    merged = dict(from_env)
     merged.update(options)
-    kw = normalize_options(merged)
+    try:
+        kw = normalize_options(merged)
+    except OptionError as e:
+        if e.key in from_env and e.key not in options:
+            raise OptionError(e.key, e.value, e.reason, source=ENV_VAR) from None
+        raise
     try:
         import torch
     except ImportError as e:
