@@ -114,7 +114,7 @@ if "_import_error" not in globals():
 # explain registers the formatter that words OutOfMemoryError messages.
 if "_import_error" not in globals():
     from .explain import explain, last_oom  # noqa: E402,F401
-    from .forecast import Forecast, forecast  # noqa: E402,F401
+    from .forecast import Forecast, ForecastError, forecast  # noqa: E402,F401
     from .history import record_history  # noqa: E402,F401
     from .snapshot import Snapshot, dump_snapshot, memory_over_time, snapshot  # noqa: E402,F401
     from .timeline import Timeline  # noqa: E402,F401
@@ -137,6 +137,7 @@ __all__ = [
     "last_oom",
     "forecast",
     "Forecast",
+    "ForecastError",
     "Heap",
     "OutOfMemoryError",
     "InvalidPointerError",
