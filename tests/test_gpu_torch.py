@@ -869,7 +869,9 @@ def test_torch_contract_oom_observers_fraction_accelerator_and_history_options()
     assert r["acc_empty"][1] < r["acc_empty"][0], r["acc_empty"]
     assert r["msg"].startswith("CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of")
     assert r["eb"] == "CUDA out of memory. Tried to allocate more than 1EB memory."
-    assert len(r["seen"]) == 1 and r["seen"][0][:3] == [0, 800000000 << 30, r["total"]], r["seen"]
+    # allowed: the device's total as gpumem counts it, in whole 2 MiB pages (no cap set)
+    (seen,) = r["seen"]
+    assert seen[:2] == [0, 800000000 << 30] and 0 <= r["total"] - seen[2] < 2 << 20, (seen, r["total"])
     assert r["fractions"] == [1.0, 0.0, 0.3, 1.0]
     assert r["acc_delta"] == 1024 and r["acc_alloc"] and r["acc_peak"]
     assert "alloc" in r["actions"] and "free_requested" not in r["actions"], r["actions"]
