@@ -181,15 +181,9 @@ def build_llama_kv(dev):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5504,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
+    from compare.workloads import LLAMA_CONFIG  # the 1.1B Llama of the other GPU benchmarks
+
+    cfg = LlamaConfig(**LLAMA_CONFIG)
     m = _bf16_build(lambda: LlamaForCausalLM(cfg), dev).eval()
     m.generation_config.pad_token_id = 0
     prompt, new = 192, 64
