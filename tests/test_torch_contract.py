@@ -9,6 +9,8 @@ accelerator statistics and the history options (skip_actions, clear_history).
 tests/test_gpu_torch.py checks the same through torch on a GPU.
 """
 
+import pytest
+
 from conftest import TORCH_BOUNDARY, run_python
 
 PRELUDE = (
@@ -147,6 +149,7 @@ def test_memory_fraction_round_trips_and_zero_allows_nothing():
 
 
 def test_accelerator_stats_are_torch_cuda_stats():
+    pytest.importorskip("torch")  # torch.accelerator's hook is only ever called by torch
     r = run_py("""
         p = _C._torch_test_alloc(1024, 0)
         nested = _install._accelerator_stats(0)
