@@ -213,21 +213,21 @@ class NativeAllocator:
         p = b.prev
         if p is not None and p.free:
             self._remove(p)
-            del self.blocks[b.addr]
-            p.size += b.size
-            p.next = b.next
-            if b.next is not None:
-                b.next.prev = p
+            self._join(p, b)
             b = p
         n = b.next
         if n is not None and n.free:
             self._remove(n)
-            del self.blocks[n.addr]
-            b.size += n.size
-            b.next = n.next
-            if n.next is not None:
-                n.next.prev = b
+            self._join(b, n)
         self._insert(b)
+
+    def _join(self, left: _Block, right: _Block) -> None:
+        """Merge `right` into its neighbour `left`; `right` leaves the block map."""
+        del self.blocks[right.addr]
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
 
 
 @dataclass
