@@ -260,6 +260,107 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
 gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
 size_t gm_used_pages(gm_heap *h);
 
+#define ANY GM_STREAM_ANY
+
+/* The growth tunables (policy.c, POLICY). */
+#define ROOM_FAR         0.25
+#define ROOM_CHUNK_MIN   64
+#define ROOM_CHUNK_PAGES 64
+
+/* A place for a request, as placement finds it (place.c). */
+typedef struct placement {
+    int ok;
+    uintptr_t addr;
+    size_t new_pages;
+    size_t run;
+    gm_block *first; /* the run's first block, at or before addr */
+    int pooled;      /* the range takes free blocks of the requesting pool */
+    int beside;      /* the range starts right after another living pool's block */
+} placement;
+
+static inline size_t h_held_pages(const gm_heap *h) { return h->mapped_pages + h->n_spare + h->loose_pages; }
+static inline size_t h_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
+/* Everyone's owner in `pool` (NULL: the general heap). */
+static inline gm_owner *h_everyones(const gm_heap *h, const gm_pool *pool) { return pool ? pool->any : h->owners[0]; }
+
+/* ---- heap.c ---- */
+gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
+gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
+gm_pool *h_pool_find(const gm_heap *h, const gm_pool_id *id);
+void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context, gm_pool *p);
+void h_free_block(gm_heap *h, gm_block *b);
+
+/* ---- block.c ---- */
+int h_slab_grow(gm_heap *h);
+int h_slab_reserve(gm_heap *h, size_t n);
+gm_block *h_block_new(gm_heap *h);
+int h_live_grow(gm_heap *h);
+void h_live_insert(gm_heap *h, gm_block *b);
+gm_block *h_live_remove(gm_heap *h, uintptr_t addr);
+gm_owner *h_owner_get(gm_heap *h, gm_pool *pool, gm_stream s);
+void h_owners_removed(gm_heap *h);
+void h_owners_trim(gm_heap *h);
+void h_index_insert(gm_heap *h, gm_block *b);
+void h_index_remove(gm_heap *h, gm_block *b);
+void h_settle_release(gm_heap *h);
+int h_owners_merge(gm_stream a, gm_stream b, gm_stream *out);
+gm_block *h_split(gm_heap *h, gm_block *b, size_t offset);
+void h_absorb(gm_heap *h, gm_block *a, gm_block *b);
+void h_merge_free(gm_heap *h, gm_block *b, gm_block *n, gm_stream o);
+gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq);
+gm_block *h_make_unmapped(gm_heap *h, gm_block *b);
+void h_coalesce_all(gm_heap *h);
+
+/* ---- stream.c ---- */
+void h_event_put(gm_heap *h, gm_event ev);
+int h_event_record(gm_heap *h, gm_stream s, gm_event *ev);
+void h_pending_append(gm_heap *h, gm_block *b);
+void h_complete_free(gm_heap *h, gm_block *b);
+size_t h_process_pending(gm_heap *h, int synced);
+size_t h_release_owners(gm_heap *h, gm_stream requester, int synced);
+int h_synchronize(gm_heap *h, gm_stream requester);
+
+/* ---- page.c ---- */
+void h_release_chunk(gm_heap *h, gm_handle hd, size_t k);
+void h_chunk_clear(gm_heap *h, size_t p0, size_t k);
+int h_unmap_chunk(gm_heap *h, size_t p, int restock);
+void h_grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err);
+size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant, int *err);
+size_t h_map_interior(gm_heap *h, size_t p0, size_t p1, size_t r0, size_t r1, size_t most, size_t *grant, int *err);
+int h_release_spares(gm_heap *h, size_t target);
+size_t h_recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock);
+size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1);
+size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1);
+size_t h_cached_pages(const gm_heap *h, size_t ex0, size_t ex1);
+size_t h_cached_pages_outside(const gm_heap *h, placement pl, size_t size);
+
+/* ---- policy.c ---- */
+size_t h_room_line(gm_heap *h);
+size_t h_growth_limit(const gm_heap *h, size_t size);
+
+/* ---- place.c ---- */
+placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget);
+placement h_place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
+void h_unpark(gm_heap *h);
+gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s, gm_pool *pool, int remap, size_t most,
+                       size_t *grant, int *err);
+
+/* ---- slow.c ---- */
+int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err);
+int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at);
+
+/* ---- report.c ---- */
+void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o);
+
+/* ---- capture.c ---- */
+int h_capture_on(gm_heap *h, gm_stream s);
+void h_record_uses(gm_heap *h, gm_block *b);
+int h_other_capture(gm_heap *h);
+
+/* ---- pool.c ---- */
+void h_pool_delete(gm_heap *h, gm_pool *p);
+int h_valid_id(const gm_pool_id *id);
+
 /* ---- fork.c ---- */
 void gm_fork_register(gm_heap *h);
 void gm_fork_unregister(gm_heap *h);

@@ -1,0 +1,89 @@
+/*
+ * policy.c -- room vs pressure: the growth limit and the room line that
+ * decide whether the slow path takes new pages or recycles (POLICY below).
+ *
+ * Calls: the device (free memory); nothing else in the heap.
+ */
+#include "heap_internal.h"
+
+/* ---- policy: room vs pressure --------------------------------------------------------- */
+
+/* POLICY
+ *
+ *   The growth limit (1% over the peak of live memory) keeps reserved memory
+ *   near live memory, at a price: growth past it recycles -- a device-wide
+ *   synchronisation, then free pages unmapped and mapped again -- where a
+ *   caching allocator would simply take new pages.  On a full device that is
+ *   what lets a workload fit; on a device with room it only costs time.  So
+ *   the slow path first measures pressure:
+ *
+ *     limit     = min(cap, held + what the device reports free)
+ *                 (the device's free memory counts other processes' use)
+ *     room line = pressure x limit                 (gm_config.pressure)
+ *
+ *   With room -- the heap's pages plus the request's stay under the room line
+ *   -- growth takes new pages past the growth limit, freed pages stay cached,
+ *   and the slow path neither recycles nor synchronises.  Past the line the
+ *   heap is tight exactly as before: the growth limit, recycling and
+ *   defragmentation, then growth to the cap.  Crossing the line therefore
+ *   costs one round of defragmentation of what the room left scattered;
+ *   defragmentation moves any wholly free page, so the smallest capacity a
+ *   workload fits in stays near the tight heap's (pressure 0) -- not equal:
+ *   the blocks placed with room lie elsewhere.
+ *
+ *   Growth with room far from pressure -- the heap holding at most ROOM_FAR
+ *   of the room line -- maps a request's new pages as chunks of up to
+ *   ROOM_CHUNK_PAGES pages (one create, map and access grant each, instead
+ *   of one per page) when it needs at least ROOM_CHUNK_MIN of them.  Only the
+ *   pages wholly inside the request's range become chunks; its first and
+ *   last pages, which neighbouring blocks may share, stay single
+ *   (map_interior).  A chunk cannot move while a block still uses one of its
+ *   pages, which is why they are made only for large requests and only far
+ *   from pressure: such a block usually goes whole, and its chunk with it
+ *   (recycling releases a wholly free chunk and makes single pages in its
+ *   place), long before defragmentation needs every page to move.
+ *
+ *   Tunables, measured by replaying the shipped traces (docs/benchmarks.md,
+ *   "Policy: room vs pressure"):
+ *     GM_PRESSURE_DEFAULT 0.875  a headroom of 1/8 of the limit.  Unrecycled,
+ *                                the traces' workloads reserve 0.4-3.6% over
+ *                                peak live (overlap_comm 9.7%, the synthetic
+ *                                seed_fragmentation 15%), so a workload whose peak
+ *                                live stays under ~85% of the limit keeps room
+ *                                to the end; past the line the heap tightens
+ *                                while the device still has 1/8 left, room for
+ *                                what allocates outside the heap (CUDA's
+ *                                context, cuBLAS and NCCL workspaces, other
+ *                                processes) and for the defragmentation that
+ *                                follows to find free pages.  The smallest
+ *                                capacity per trace stays within 0.27% of
+ *                                peak live of the tight heap's.
+ *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
+ *                                device allocations than single pages on five
+ *                                of the nine traces (none on the others), the
+ *                                smallest capacity of every trace the same as
+ *                                with single pages; chunks
+ *                                for smaller requests, or up to half the room
+ *                                line, cost up to 8% of peak live on
+ *                                seed_fragmentation, 1.4% on llama_lora_ckpt
+ *                                and 0.4% on two_stream_pipeline. */
+
+/* The room line in pages: pressure x min(cap, held + device free).  0 when
+ * the heap is always tight, or the device cannot say what is free. */
+size_t h_room_line(gm_heap *h) {
+    if (!(h->pressure > 0)) return 0;
+    size_t dfree = 0, total = 0, limit = h->cap_pages;
+    if (h->dev->ops->mem_info(h->dev, &dfree, &total)) return 0;
+    size_t device = h_held_pages(h) + dfree / h->page;
+    if (device < limit) limit = device;
+    return (size_t)(h->pressure * (double)limit);
+}
+
+size_t h_growth_limit(const gm_heap *h, size_t size) {
+    size_t active = (size_t)h->st.active_bytes[GM_POOL_ALL].current + size;
+    size_t basis = h->peak_live > active ? h->peak_live : active;
+    /* Free memory kept for living pools serves nothing else. */
+    basis += h->pool_free_bytes;
+    size_t pages = (size_t)((double)basis * (1.0 + h->growth_slack) / (double)h->page) + 1 + h->growth_slack_pages;
+    return pages < h->cap_pages ? pages : h->cap_pages;
+}

@@ -1,0 +1,142 @@
+/*
+ * slow.c -- the slow path, when no free block fits: take back other
+ * streams' memory, place, grow, defragment, and out of memory last (heap.c,
+ * THE PATHS, steps 1-5).
+ *
+ * Calls: stream.c, place.c, page.c, policy.c, report.c, capture.c, and
+ * heap.c's fit.
+ */
+#include "heap_internal.h"
+
+/* ---- the slow path --------------------------------------------------------------------- */
+
+int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err) {
+    /* Pages gathered for a request that failed would only starve others (but
+     * during a capture they stay: a release would invalidate it). */
+    if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
+    h_release_spares(h, h->mapped_pages);
+    h_fill_report(h, size, s, &h->last_oom);
+    h->last_oom.pages_needed = short_pages;
+    h->last_oom.device_error = dev_err;
+    h->have_oom = 1;
+    h->st.num_ooms++;
+    gm_hist(h, GM_H_OOM, 0, size, s, 0);
+    return GM_ENOMEM;
+}
+
+/* Pages placement pl lacks beyond the spares and the pages promised. */
+static inline size_t lacking(const gm_heap *h, const placement *pl, size_t grant) {
+    return pl->new_pages > h->n_spare + grant ? pl->new_pages - h->n_spare - grant : 0;
+}
+
+/* Unmap cached pages outside placement pl into spares for its shortfall
+ * (the caller has synchronised the device), and count the remap. */
+static void recycle_for(gm_heap *h, const placement *pl, size_t size, size_t grant, int *recycled) {
+    size_t got = h_recycle(h, lacking(h, pl, grant), gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size), 1);
+    if (got) {
+        *recycled = 1;
+        h->st.num_remaps++;
+        h->st.num_pages_remapped += (int64_t)got;
+    }
+}
+
+/* Wait for the device, place again (every stream's free memory is usable
+ * now), and unmap cached pages into spares for the placement's shortfall. */
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, size_t grant, int *synced,
+                       int *recycled, int *dev_err) {
+    if (h_synchronize(h, s) != GM_OK) {
+        *dev_err = GM_EDEVICE;
+        return;
+    }
+    *synced = 1;
+    *pl = h_place(h, size, s, pool);
+    if (pl->ok && lacking(h, pl, grant)) recycle_for(h, pl, size, grant, recycled);
+}
+
+/* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
+ * event, no synchronisation, no unmap or release.  New pages are promised
+ * (grow's *grant) and created as chunks where back_range maps them; if the
+ * device then has too little for them even as single pages, the request
+ * starts over with single spares made up front, as with chunk_pages 1 (the
+ * pages mapped meanwhile stay, free). */
+int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at) {
+    h->st.num_alloc_retries++;
+    size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
+    int single = 0; /* the device refused a chunk: single pages from then on */
+again:;
+    gm_block *b;
+    int dev_err = GM_OK, recycled = 0, synced = 0;
+    placement pl;
+    grant = 0;
+    if (h->no_sync) {
+        pl = h_place(h, size, s, pool);
+        if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
+        synced = 1; /* as if: no defragmentation below */
+        goto placed;
+    }
+    if (h->n_parked) h_unpark(h); /* no capture is on */
+    /* 1. Memory other streams (or record_stream users) have finished with. */
+    size_t moved = h->n_pending ? h_process_pending(h, 0) : 0;
+    if (h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s)) moved += h_release_owners(h, s, 0);
+    b = moved ? h_fit(h, size, s, pool) : NULL;
+    if (b) {
+        *out = b;
+        *at = b->addr;
+        return GM_OK;
+    }
+    /* 2-3. Place, and back it with spare or new pages under the growth limit,
+     * or, with room, under the room line (POLICY). */
+    pl = h_place(h, size, s, pool);
+    if (pl.ok && lacking(h, &pl, grant)) {
+        size_t limit = h_growth_limit(h, size), need = lacking(h, &pl, grant);
+        /* The device is asked what is free only when room would change something. */
+        size_t room = need >= ROOM_CHUNK_MIN || h_held_pages(h) + grant + need > limit ? h_room_line(h) : 0;
+        if (room > limit) {
+            limit = room;
+            if (g == NULL && !single && need >= ROOM_CHUNK_MIN &&
+                h_held_pages(h) + need <= (size_t)(ROOM_FAR * (double)room)) {
+                g = &grant; /* far from pressure: the new pages as chunks */
+                most = ROOM_CHUNK_PAGES;
+            }
+        }
+        h_grow(h, need, limit, g, &dev_err);
+    }
+    /* 4. Defragment when cached pages can cover the shortfall (a device wait
+     * buys nothing otherwise); else grow to the cap, and defragment with what
+     * there is only if the device or the cap refused. */
+    if (!pl.ok || (lacking(h, &pl, grant) && h_cached_pages_outside(h, pl, size) >= lacking(h, &pl, grant)))
+        defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
+    if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
+    if ((!pl.ok || lacking(h, &pl, grant)) && !synced) {
+        defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
+        if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
+    }
+    /* Pages locked in chunks serve only in place: the range that needs the
+     * fewest new pages may be one whose own cached pages are the only ones
+     * that could move.  Then a range the movable pages elsewhere cover. */
+    if (pl.ok && lacking(h, &pl, grant) && synced && h->multi_chunks) {
+        placement alt = h_place_within(h, size, s, pool, h->n_spare + grant);
+        if (alt.ok) {
+            pl = alt;
+            if (lacking(h, &pl, grant)) recycle_for(h, &pl, size, grant, &recycled);
+        }
+    }
+placed:
+    if (!pl.ok) return h_out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
+    if (lacking(h, &pl, grant)) return h_out_of_memory(h, size, s, lacking(h, &pl, grant), dev_err);
+    int err = GM_OK;
+    b = h_back_range(h, &pl, size, s, pool, recycled, most, g, &err);
+    if (!b && err == GM_ENOMEM && g) {
+        g = NULL; /* the device is nearly full: single pages, gathered first */
+        single = 1;
+        most = h->chunk_pages;
+        goto again;
+    }
+    if (!b) {
+        h_release_spares(h, h->mapped_pages);
+        return err ? GM_EDEVICE : GM_ECORRUPT;
+    }
+    *out = b;
+    *at = pl.addr;
+    return GM_OK;
+}

@@ -1,0 +1,339 @@
+/*
+ * stream.c -- streams: the event pool, pending blocks (freed with
+ * record_stream uses, waiting for their events), and handing owners' free
+ * memory to every stream once an event or a device synchronisation proves
+ * their work done (heap.c, STREAMS).
+ *
+ * Calls: block.c (owners, merging), pool.c (an ended pool's record goes with
+ * its last block).
+ */
+#include <stdlib.h>
+
+#include "gpumem/array.h"
+#include "heap_internal.h"
+
+/* ---- events ---------------------------------------------------------------- */
+
+static int event_get(gm_heap *h, gm_event *ev) {
+    *ev = 0;
+    if (h->n_event_pool) {
+        *ev = h->event_pool[--h->n_event_pool];
+        return GM_OK;
+    }
+    int rc = h->dev->ops->event_create(h->dev, ev);
+    if (rc) h->st.num_device_errors++;
+    return rc;
+}
+
+void h_event_put(gm_heap *h, gm_event ev) {
+    if (h->n_event_pool == h->cap_event_pool) {
+        gm_event *p = gm_array_grow(h->event_pool, &h->cap_event_pool, 16, sizeof *p);
+        if (!p) {
+            h->dev->ops->event_destroy(h->dev, ev);
+            return;
+        }
+        h->event_pool = p;
+    }
+    h->event_pool[h->n_event_pool++] = ev;
+}
+
+/* Record an event on `s`; 0 if that failed (the caller then falls back to
+ * waiting for the whole device). */
+int h_event_record(gm_heap *h, gm_stream s, gm_event *ev) {
+    *ev = 0;
+    if (h->no_sync || event_get(h, ev)) return 0;
+    if (h->dev->ops->event_record(h->dev, *ev, s)) {
+        h->st.num_device_errors++;
+        h_event_put(h, *ev);
+        *ev = 0; /* the pool owns it again */
+        return 0;
+    }
+    return 1;
+}
+
+/* 1 when done.  A failing query counts as not done: the block waits for the
+ * next device synchronisation instead. */
+static int event_done(gm_heap *h, gm_event ev) {
+    if (h->no_sync) return 0;
+    int rc = h->dev->ops->event_query(h->dev, ev);
+    if (rc == GM_OK) return 1;
+    if (rc != GM_ENOTREADY) h->st.num_device_errors++;
+    return 0;
+}
+
+/* ---- pending blocks ----------------------------------------------------------- */
+
+static void pending_unlink(gm_heap *h, gm_block *b) {
+    if (b->lprev)
+        b->lprev->lnext = b->lnext;
+    else
+        h->pending_head = b->lnext;
+    if (b->lnext)
+        b->lnext->lprev = b->lprev;
+    else
+        h->pending_tail = b->lprev;
+    b->lprev = b->lnext = NULL;
+    h->n_pending--;
+}
+
+void h_pending_append(gm_heap *h, gm_block *b) {
+    b->lnext = NULL;
+    b->lprev = h->pending_tail;
+    if (h->pending_tail)
+        h->pending_tail->lnext = b;
+    else
+        h->pending_head = b;
+    h->pending_tail = b;
+    h->n_pending++;
+}
+
+/* A pending or live block leaves "active" and becomes free for its stream, in
+ * its pool if that still lives, else in the general heap. */
+void h_complete_free(gm_heap *h, gm_block *b) {
+    gm_pool *pl = b->pool;
+    if (pl) {
+        pl->live_blocks--;
+        pl->live_bytes -= b->size;
+        if (!pl->use_count) {
+            b->pool = NULL;
+            if (!pl->live_blocks) h_pool_delete(h, pl);
+        }
+    }
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(h->st.active, pool, 1);
+    gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
+    gm_hist(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->stream, b->context);
+    b->n_uses = 0;
+    b->wait_sync = 0;
+    h_make_free(h, b, b->stream, ++h->free_seq);
+}
+
+/* Free pending blocks whose events have completed (all of them if `synced`,
+ * i.e. right after the whole device was waited for).  Returns how many. */
+size_t h_process_pending(gm_heap *h, int synced) {
+    size_t done = 0;
+    for (gm_block *b = h->pending_head, *next; b; b = next) {
+        next = b->lnext;
+        if (b->deferred) {
+            if (!synced) continue;
+            b->deferred = 0;
+            h->n_deferred--;
+        }
+        int all = 1;
+        for (uint32_t i = 0; i < b->n_uses; i++) {
+            if (!b->events[i]) continue;
+            if (synced || event_done(h, b->events[i])) {
+                h_event_put(h, b->events[i]);
+                b->events[i] = 0;
+            } else {
+                all = 0;
+            }
+        }
+        if (all && (synced || !b->wait_sync)) {
+            pending_unlink(h, b);
+            h_complete_free(h, b);
+            done++;
+        }
+    }
+    return done;
+}
+
+/* ---- handing owners' memory to every stream ------------------------------------ */
+
+/* A device synchronisation proved every free on o's stream done: a proof in
+ * flight is moot. */
+static void owner_synced(gm_heap *h, gm_owner *o) {
+    if (o->releasing) {
+        h_event_put(h, o->release_event);
+        o->releasing = 0;
+    }
+    o->safe_seq = h->free_seq;
+}
+
+struct release_ctx {
+    gm_heap *h;
+    uint64_t threshold;
+    size_t n;
+    gm_block **chains; /* first blocks of the runs of free blocks that changed, each marked */
+    size_t n_chains, cap_chains;
+    int all; /* no memory to list them: coalesce the whole heap */
+};
+
+/* b now belongs to everyone: a free neighbour may merge with it, so remember
+ * the run of free blocks it is in (coalesced once every owner is done).  The
+ * blocks walked to find the run's first are marked (2), so a later block of
+ * the same run stops there: a run of n blocks of n streams costs O(n), not
+ * O(n^2); coalesce_chain (or, with `all`, coalesce_released) clears them. */
+static void released(struct release_ctx *c, gm_block *b) {
+    c->n++;
+    if (!(b->prev && b->prev->state == GM_BLOCK_FREE) && !(b->next && b->next->state == GM_BLOCK_FREE)) return;
+    gm_block *first = b;
+    while (!first->mark && first->prev && first->prev->state == GM_BLOCK_FREE) {
+        first->mark = 2;
+        first = first->prev;
+    }
+    if (first->mark || c->all) return;
+    if (c->n_chains == c->cap_chains) {
+        gm_block **a = gm_array_grow(c->chains, &c->cap_chains, 16, sizeof *a);
+        if (!a) {
+            c->all = 1;
+            return;
+        }
+        c->chains = a;
+    }
+    first->mark = 1;
+    c->chains[c->n_chains++] = first;
+}
+
+static int release_one(gm_block *b, void *arg) {
+    struct release_ctx *c = arg;
+    if (b->seq > c->threshold) return 0;
+    h_index_remove(c->h, b);
+    b->stream = ANY;
+    h_index_insert(c->h, b);
+    released(c, b);
+    return 0;
+}
+
+/* The same for a block that fi_move_all has moved already; the statistics
+ * count it out of one index and into the other, as index_remove and
+ * index_insert would. */
+static void release_moved(gm_block *b, void *arg) {
+    struct release_ctx *c = arg;
+    int pool = gm_pool_of(b->size);
+    gm_stat_down(c->h->st.inactive_split, pool, 1);
+    gm_stat_down(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    gm_stat_up(c->h->st.inactive_split, pool, 1);
+    gm_stat_up(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    b->stream = ANY;
+    released(c, b);
+}
+
+static size_t release_blocks(struct release_ctx *c, gm_owner *o, uint64_t threshold) {
+    size_t before = c->n;
+    c->threshold = threshold;
+    if (threshold == UINT64_MAX) {
+        /* Everything goes: merge the sorted bins instead of inserting one by one. */
+        fi_move_all(&h_everyones(c->h, o->pool)->idx, &o->idx, release_moved, c);
+    } else {
+        /* fi_each tolerates moving the visited block out of the index it walks. */
+        fi_each(&o->idx, release_one, c);
+    }
+    return c->n - before;
+}
+
+/* Merge what may merge in the run of free blocks that starts at b, left to
+ * right, as coalesce_all does: merges keep the lower record, so b stays.
+ * Blocks of different pools (or of a pool and the general heap) never merge;
+ * a run of general space that changes is out of the run index meanwhile
+ * (`out`: a block of it, whose record survives the merges). */
+static void coalesce_chain(gm_heap *h, gm_block *b) {
+    gm_block *out = NULL;
+    while (b->next && b->next->state == GM_BLOCK_FREE) {
+        gm_block *n = b->next;
+        gm_stream o;
+        n->mark = 0; /* released() may have walked it */
+        if (b->pool == n->pool && h_owners_merge(b->stream, n->stream, &o)) {
+            if (!b->pool && !out) gm_run_detach(h, out = b);
+            h_merge_free(h, b, n, o);
+        } else {
+            if (out && n->pool) {
+                gm_run_attach(h, out);
+                out = NULL;
+            }
+            b = n;
+        }
+    }
+    if (out) gm_run_attach(h, out);
+}
+
+/* After owners changed: the runs of free blocks that hold a changed block are
+ * the only places where neighbours may now merge. */
+static void coalesce_released(gm_heap *h, struct release_ctx *c) {
+    for (size_t i = 0; i < c->n_chains; i++) {
+        c->chains[i]->mark = 0;
+        if (!c->all) coalesce_chain(h, c->chains[i]);
+    }
+    if (c->all) {
+        for (gm_block *b = h->head; b; b = b->next) b->mark = 0; /* released()'s walks */
+        h_coalesce_all(h);
+    }
+    free(c->chains);
+}
+
+/* Give other streams' freed memory to everyone where an event proves it safe
+ * (all of it if `synced`).  Returns how many blocks changed hands. */
+size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
+    size_t moved = 0;
+    struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->stream == ANY) continue; /* a pool's: everyone's already */
+        if (synced) {
+            owner_synced(h, o);
+            moved += release_blocks(&c, o, UINT64_MAX);
+            continue;
+        }
+        if (o->stream == requester || !o->idx.count) continue;
+        if (!o->releasing) {
+            if (!h_event_record(h, o->stream, &o->release_event)) continue;
+            o->release_seq = h->free_seq;
+            o->releasing = 1;
+        }
+        if (event_done(h, o->release_event)) {
+            h_event_put(h, o->release_event);
+            o->releasing = 0;
+            o->safe_seq = o->release_seq;
+            moved += release_blocks(&c, o, o->release_seq);
+        }
+    }
+    coalesce_released(h, &c);
+    return moved;
+}
+
+/* After a device synchronisation every free block is everyone's.  When all
+ * that are not everyone's already belong to one stream (in any pools), that
+ * hands nothing new to the stream itself, and no neighbours can merge that
+ * have not (owners_merge lets a stream's blocks merge with everyone's): the
+ * blocks stay in their indexes, and a new epoch makes them everyone's
+ * (gm_heap.lazy_stream).  The proofs and releases in flight are settled
+ * here, as release_owners does.  0 when more than one stream owns blocks, or
+ * when one does but `requester` (ANY: none) is another: it goes on to look
+ * for memory, and would not see them. */
+static int release_lazily(gm_heap *h, gm_stream requester) {
+    gm_stream s = ANY;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        if (o->stream == ANY || !o->idx.count) continue;
+        if (s != ANY && o->stream != s) return 0;
+        s = o->stream;
+    }
+    if (s != ANY && ((requester != ANY && s != requester) || (h->lazy_stream != ANY && s != h->lazy_stream))) return 0;
+    for (size_t i = 1; i < h->n_owners; i++)
+        if (h->owners[i]->stream != ANY) owner_synced(h, h->owners[i]);
+    if (s != ANY) h->epoch++;
+    h->lazy_stream = s;
+    return 1;
+}
+
+/* Wait for the device: every free block becomes everyone's.  `requester`:
+ * the stream whose allocation goes on after it, or ANY. */
+int h_synchronize(gm_heap *h, gm_stream requester) {
+    if (h->no_sync) return GM_EDEVICE; /* callers never get here during a capture */
+    if (h->dev->ops->synchronize(h->dev)) {
+        h->st.num_device_errors++;
+        return GM_EDEVICE;
+    }
+    h->st.num_sync_all_streams++;
+    h_process_pending(h, 1);
+    if (!release_lazily(h, requester)) {
+        h_release_owners(h, ANY, 1); /* merges what the new owners allow; frees merged as they completed */
+        h->lazy_stream = ANY;        /* it moved every block */
+    }
+    return GM_OK;
+}
+
+/* Unmap pages [p0, p1), all inside the free block b and made of whole chunks,
+ * one call per chunk: single pages become spares, larger chunks go back to
+ * the device (unmap_chunk; `restock`: replaced by single spares).  The range
+ * becomes unmapped address space. */
