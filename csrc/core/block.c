@@ -59,6 +59,14 @@ static void block_del(gm_heap *h, gm_block *b) {
     h->n_slab_free++;
 }
 
+/* ---- the run index's hooks ------------------------------------------------ */
+
+void gm_run_index(gm_heap *h, gm_block *head) {
+    size_t len = 0;
+    for (const gm_block *c = head; c && gm_general_space(c); c = c->next) len += c->size;
+    ri_index(&h->runs, head, len);
+}
+
 /* ---- live table ---------------------------------------------------------- */
 
 static inline size_t live_slot(const gm_heap *h, uintptr_t addr) {

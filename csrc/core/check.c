@@ -174,6 +174,58 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
     return check_hand_over(h, why, len);
 }
 
+/* R1's left side, from the blocks: b is general space, heads its run, and is
+ * not a lone free block. */
+static int heads_indexed_run(const gm_block *b) {
+    if (!gm_general_space(b) || (b->prev && gm_general_space(b->prev))) return 0;
+    return !(b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next)));
+}
+
+static int listed_heads_run(gm_block *b, void *arg) {
+    (void)arg;
+    return !heads_indexed_run(b);
+}
+
+/* C10: the run index and the page-use counts equal a recount (runindex.h R1,
+ * R2, P1, P2). */
+static int check_runs(gm_heap *h, char *why, size_t len) {
+    const gm_runindex *ri = &h->runs;
+    /* R1: recount every run from the blocks. */
+    size_t runs = 0, bytes = 0;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (!heads_indexed_run(b)) {
+            if (b->run_len)
+                return fail(why, len, "run index: a block that heads no indexed run has a run length (block %#lx)",
+                            (unsigned long)b->addr);
+            continue;
+        }
+        size_t n = 0;
+        for (const gm_block *c = b; c && gm_general_space(c); c = c->next) n += c->size;
+        if (b->run_len != n)
+            return fail(why, len, "run index: run at %#lx is %zu bytes long but its head says %zu",
+                        (unsigned long)b->addr, n, b->run_len);
+        runs++;
+        bytes += n;
+    }
+    /* R2: the bins hold exactly those heads. */
+    if (ri_check(ri, why, len)) return GM_ECORRUPT;
+    if (ri_each_at_least(ri, 0, listed_heads_run, NULL))
+        return fail(why, len, "run index: a bin holds a block that heads no indexed run");
+    if (ri->count != runs || ri->bytes != bytes)
+        return fail(why, len, "run index: %zu runs / %zu bytes exist, the bins and counters say %zu / %zu", runs, bytes,
+                    ri->count, ri->bytes);
+    /* P1, P2: recount page use. */
+    uint32_t *ep = calloc(h->n_pages ? h->n_pages : 1, sizeof *ep);
+    if (!ep) return GM_OK; /* no memory to check with: nothing proven wrong */
+    size_t pages = 0;
+    for (const gm_block *b = h->head; b; b = b->next)
+        if (gm_keeps_pages(b))
+            ri_ep_block(ep, gm_page_floor(h, b->addr), gm_page_floor(h, b->addr + b->size - 1), 1, &pages);
+    int rc = ri_check_pages(ri, ep, h->n_pages, pages, why, len);
+    free(ep);
+    return rc;
+}
+
 static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t len);
 
 /* C12, the pools' side: each page a paused pool released, mapped to that pool
@@ -427,7 +479,7 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
     if ((rc = check_streams(h, why, len))) return rc;
 
     /* C10 */
-    return gm_runs_check(h, why, len);
+    return check_runs(h, why, len);
 }
 
 static int known_pool(const gm_heap *h, const gm_pool *p) {

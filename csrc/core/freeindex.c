@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "heap_internal.h"
+#include "block.h"
 
 void fi_init(gm_freeindex *fi) { memset(fi, 0, sizeof *fi); }
 

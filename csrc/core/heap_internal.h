@@ -8,47 +8,13 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "block.h"
 #include "freeindex.h"
 #include "runindex.h"
 #include "gpumem/gpumem.h"
 
-typedef struct gm_block gm_block;
-typedef struct gm_pool gm_pool;
 typedef struct gm_owner gm_owner;
 typedef struct gm_paused_page gm_paused_page;
-
-struct gm_block {
-    uintptr_t addr;
-    size_t size;
-    gm_block *prev, *next;   /* address-order neighbours; together they tile the range */
-    gm_block *lprev, *lnext; /* bin list (free), pending list (pending) or slab free list */
-    gm_block *hnext;         /* live-table chain (live) */
-    size_t requested;
-    /* live/pending: the allocation stream.  free: the owner, the stream that may
-     * reuse it at once (GM_STREAM_ANY: every stream). */
-    gm_stream stream;
-    uint64_t context;
-    /* live/pending: allocation number.  free: the free-sequence number of the
-     * latest free merged into it (owner releases compare against it). */
-    uint64_t seq;
-    /* free: the stream whose free gave `seq` (the newest free merged in).  The
-     * checker holds a block that every stream may reuse to the proof for that
-     * free (gm_owner.safe_seq). */
-    gm_stream origin;
-    /* free, owned by a stream: the heap's epoch when it last became that
-     * stream's (see gm_free_owner). */
-    uint64_t epoch;
-    uint8_t state;     /* gm_block_state */
-    uint8_t wait_sync; /* pending, but an event could not be recorded: wait for a device sync */
-    uint8_t deferred;  /* pending, freed during a capture: its events are not recorded yet */
-    uint8_t mark;      /* scratch for one operation under the lock (pool_set_live, owner releases); 0 between them */
-    gm_pool *pool;     /* the private pool it belongs to, NULL: the general heap */
-    uint32_t n_uses, cap_uses;
-    gm_stream *uses;         /* streams named by record_stream */
-    gm_event *events;        /* pending: one event per use, recorded at free */
-    size_t run_len;          /* head of a run of general space: the run's length (runindex.h); else 0 */
-    gm_block *rprev, *rnext; /* head of a run: its bin in the run index */
-};
 
 /* Free memory owned by one stream (in one pool, or the general heap), and its
  * release in flight. */
@@ -133,7 +99,7 @@ struct gm_heap {
     size_t user_cap;  /* 0: none */
     double growth_slack;
     size_t growth_slack_pages;
-    double pressure; /* gm_config.pressure; see heap.c, POLICY */
+    double pressure; /* gm_config.pressure; see policy.c, POLICY */
 
     gm_block *head;   /* the first block in address order */
     gm_runindex runs; /* runs of general space, page use (runindex.h) */
@@ -201,7 +167,7 @@ struct gm_heap {
     int inherited;      /* this process is a fork()ed child of the one that made the heap */
 };
 
-/* ---- shared helpers (heap.c) ---- */
+/* ---- shared helpers ---- */
 static inline size_t gm_page_floor(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base) >> h->page_shift); }
 static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) {
     return (size_t)((a - h->base + h->page - 1) >> h->page_shift);
@@ -237,6 +203,8 @@ static inline int gm_keeps_pages(const gm_block *b) {
 }
 
 /* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */
+/* Measure the run headed by `head` and index it (block.c: gm_run_attach's slow half). */
+void gm_run_index(gm_heap *h, gm_block *head);
 static inline gm_block *gm_run_head(gm_block *b) {
     while (b->prev && gm_general_space(b->prev)) b = b->prev;
     return b;
@@ -244,7 +212,7 @@ static inline gm_block *gm_run_head(gm_block *b) {
 static inline void gm_run_detach(gm_heap *h, gm_block *b) {
     if (!gm_general_space(b)) return;
     gm_block *head = gm_run_head(b);
-    if (head->run_len) gm_run_unindex(h, head);
+    if (head->run_len) ri_unindex(&h->runs, head);
 }
 static inline void gm_run_attach(gm_heap *h, gm_block *b) {
     if (!gm_general_space(b)) return;

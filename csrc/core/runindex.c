@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "heap_internal.h"
+#include "block.h"
 
 int ri_init(gm_runindex *ri, size_t n_pages) {
     memset(ri, 0, sizeof *ri);
@@ -97,16 +97,14 @@ int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(gm_block *head
     return 0;
 }
 
-void gm_run_unindex(gm_heap *h, gm_block *head) {
-    ri_remove(&h->runs, head);
-    head->run_len = 0;
+void ri_index(gm_runindex *ri, gm_block *head, size_t len) {
+    head->run_len = len;
+    ri_insert(ri, head);
 }
 
-void gm_run_index(gm_heap *h, gm_block *head) {
-    size_t len = 0;
-    for (const gm_block *c = head; c && gm_general_space(c); c = c->next) len += c->size;
-    head->run_len = len;
-    ri_insert(&h->runs, head);
+void ri_unindex(gm_runindex *ri, gm_block *head) {
+    ri_remove(ri, head);
+    head->run_len = 0;
 }
 
 /* ---- the checker's part ---- */
@@ -116,34 +114,7 @@ static int bad(char *why, size_t len, const char *msg, const gm_block *b) {
     return GM_ECORRUPT;
 }
 
-/* R1's left side, from the blocks: b is general space, heads its run, and is
- * not a lone free block. */
-static int heads_indexed_run(const gm_block *b) {
-    if (!gm_general_space(b) || (b->prev && gm_general_space(b->prev))) return 0;
-    return !(b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next)));
-}
-
-int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
-    const gm_runindex *ri = &h->runs;
-    /* R1: recount every run from the blocks. */
-    size_t runs = 0, bytes = 0;
-    for (const gm_block *b = h->head; b; b = b->next) {
-        if (!heads_indexed_run(b)) {
-            if (b->run_len) return bad(why, whylen, "a block that heads no indexed run has a run length", b);
-            continue;
-        }
-        size_t len = 0;
-        for (const gm_block *c = b; c && gm_general_space(c); c = c->next) len += c->size;
-        if (b->run_len != len) {
-            if (why && whylen)
-                snprintf(why, whylen, "run index: run at %#lx is %zu bytes long but its head says %zu",
-                         (unsigned long)b->addr, len, b->run_len);
-            return GM_ECORRUPT;
-        }
-        runs++;
-        bytes += len;
-    }
-    /* R2: the bins hold exactly those heads. */
+int ri_check(const gm_runindex *ri, char *why, size_t whylen) {
     size_t listed = 0, listed_bytes = 0;
     for (unsigned fl = 0; fl < FI_FL; fl++) {
         if (((ri->fl_bitmap >> fl) & 1u) != (ri->sl_bitmap[fl] != 0))
@@ -154,49 +125,36 @@ int gm_runs_check(gm_heap *h, char *why, size_t whylen) {
                 return bad(why, whylen, "a bitmap bit disagrees with its bin", NULL);
             for (; b; prev = b, b = b->rnext) {
                 if (b->rprev != prev) return bad(why, whylen, "a bin is not a doubly linked list", b);
-                if (!b->run_len || !heads_indexed_run(b))
-                    return bad(why, whylen, "a bin holds a block that heads no indexed run", b);
+                if (!b->run_len) return bad(why, whylen, "a bin holds a block that heads no indexed run", b);
                 if (ri_bin(b->run_len) != fl * FI_SL + sl) return bad(why, whylen, "a run sits in the wrong bin", b);
                 listed++;
                 listed_bytes += b->run_len;
             }
         }
     }
-    if (listed != runs || listed_bytes != bytes || ri->count != runs || ri->bytes != bytes) {
+    if (listed != ri->count || listed_bytes != ri->bytes) {
         if (why && whylen)
-            snprintf(why, whylen,
-                     "run index: %zu runs / %zu bytes exist, the bins hold %zu / %zu, the counters say %zu / %zu", runs,
-                     bytes, listed, listed_bytes, ri->count, ri->bytes);
+            snprintf(why, whylen, "run index: the bins hold %zu runs / %zu bytes, the counters say %zu / %zu", listed,
+                     listed_bytes, ri->count, ri->bytes);
         return GM_ECORRUPT;
     }
-    /* P1, P2: recount page use. */
-    uint32_t *live = calloc(h->n_pages ? h->n_pages : 1, sizeof *live);
-    if (!live) return GM_OK; /* no memory to check with: nothing proven wrong */
-    size_t live_pages = 0;
-    for (const gm_block *b = h->head; b; b = b->next) {
-        if (!gm_keeps_pages(b)) continue;
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
-        live[p0]++;
-        if (p1 != p0) live[p1]++;
-        if (p1 > p0 + 1) live_pages += p1 - p0 - 1;
-    }
-    int rc = GM_OK;
-    for (size_t p = 0; p < h->n_pages; p++) {
-        if (live[p] != ri->live_ep[p]) {
+    return GM_OK;
+}
+
+int ri_check_pages(const gm_runindex *ri, const uint32_t *ep, size_t n_pages, size_t pages, char *why, size_t whylen) {
+    for (size_t p = 0; p < n_pages; p++) {
+        if (ep[p] != ri->live_ep[p]) {
             if (why && whylen)
                 snprintf(why, whylen, "page use: page %zu starts or ends %u blocks that keep pages, the count says %u",
-                         p, live[p], ri->live_ep[p]);
-            rc = GM_ECORRUPT;
-            break;
+                         p, ep[p], ri->live_ep[p]);
+            return GM_ECORRUPT;
         }
-        live_pages += live[p] != 0;
     }
-    free(live);
-    if (!rc && live_pages != ri->live_pages) {
+    if (pages != ri->live_pages) {
         if (why && whylen)
-            snprintf(why, whylen, "page use: blocks that keep pages touch %zu pages, the counter says %zu", live_pages,
+            snprintf(why, whylen, "page use: blocks that keep pages touch %zu pages, the counter says %zu", pages,
                      ri->live_pages);
-        rc = GM_ECORRUPT;
+        return GM_ECORRUPT;
     }
-    return rc;
+    return GM_OK;
 }

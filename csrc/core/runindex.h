@@ -16,7 +16,7 @@
  * keeps the index off the fast path.  Placement does not miss them: the slow
  * path places only after the free indexes found no block that fits, so a lone
  * free block that stream may use is shorter than the request; where that is
- * not known (after a synchronisation), place() asks the free indexes (heap.c).
+ * not known (after a synchronisation), h_place() asks the free indexes (place.c).
  *
  * The heap detaches a run from the index (gm_run_detach) before it changes the
  * run's blocks -- a state, a split, a merge -- and attaches it again after
@@ -32,7 +32,7 @@
  * a counter kept in O(1) per allocation and free.  The slow path's count of
  * cached pages (mapped pages no such block touches) is then a subtraction
  * instead of a walk over every block.  Splits and merges of a pool's free
- * blocks update the counts as they go (split and absorb in heap.c).
+ * blocks update the counts as they go (h_split and h_absorb in block.c).
  *
  * Invariants (gm_check recounts them):
  *   R1  b->run_len != 0  <=>  b is general space, b->prev is not (or is NULL),
@@ -56,7 +56,6 @@
 #include "freeindex.h" /* the bins: FI_FL x FI_SL, fi_fl_sl, fi_first_bin */
 
 struct gm_block;
-struct gm_heap;
 
 typedef struct gm_runindex {
     uint64_t fl_bitmap;
@@ -81,17 +80,19 @@ void ri_move_head(gm_runindex *ri, struct gm_block *old, struct gm_block *head, 
  * if fn returns non-zero.  fn must not change the index. */
 int ri_each_at_least(const gm_runindex *ri, size_t len, int (*fn)(struct gm_block *head, void *arg), void *arg);
 
-/* The heap's hooks (inline, in heap_internal.h, where gm_block is known):
+/* Index a head, its run `len` long; take one out (its run_len becomes 0). */
+void ri_index(gm_runindex *ri, struct gm_block *head, size_t len);
+void ri_unindex(gm_runindex *ri, struct gm_block *head);
+
+/* The heap's hooks (heap_internal.h and block.c, where what general space is
+ * is known):
  *   gm_run_detach(h, b)  take the run that general-space block b is in out of
  *                        the index (if it is there);
  *   gm_run_attach(h, b)  measure the run that general-space block b is in and
  *                        index it, unless it is a lone free block; it must not
  *                        be in the index;
  *   gm_run_head(b)       the head of b's run;
- *   gm_pages_use(h, b, d)  block b starts (+1) or stops (-1) keeping its pages.
- * Their slow halves: */
-void gm_run_unindex(struct gm_heap *h, struct gm_block *head);
-void gm_run_index(struct gm_heap *h, struct gm_block *head);
+ *   gm_pages_use(h, b, d)  block b starts (+1) or stops (-1) keeping its pages. */
 
 /* Page p gains (d > 0) or loses a block that starts or ends in it; *pages
  * counts the pages whose count is not zero. */
@@ -110,7 +111,12 @@ static inline void ri_ep_block(uint32_t *ep, size_t p0, size_t p1, int d, size_t
     if (p1 > p0 + 1) *pages += d > 0 ? p1 - p0 - 1 : (size_t)0 - (p1 - p0 - 1);
 }
 
-/* Check R1, R2, P1, P2 against a recount; returns 0 or writes a reason. */
-int gm_runs_check(struct gm_heap *h, char *why, size_t whylen);
+/* The index's half of the checks (the heap's checker, check.c, recounts from
+ * the blocks and says which blocks head runs): R2 but for what the heads are
+ * -- bins, links, bitmaps, each head in the bin of its run_len, count and
+ * bytes the listed heads' -- and P1, P2 against a recount of page use (ep[p]
+ * per page, `pages` the pages touched).  0, or GM_ECORRUPT with a reason. */
+int ri_check(const gm_runindex *ri, char *why, size_t whylen);
+int ri_check_pages(const gm_runindex *ri, const uint32_t *ep, size_t n_pages, size_t pages, char *why, size_t whylen);
 
 #endif
