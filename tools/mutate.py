@@ -47,9 +47,9 @@ MUTATIONS = [
     Mutation(
         "growth_limit_removed",
         "growth limit removed: the heap grows freely to the cap",
-        "size_t limit = h_growth_limit(h, size), need",
-        "size_t limit = ((void)h_growth_limit(h, size), h->cap_pages), need",
-        path="csrc/core/slow.c",
+        "    size_t limit = growth_limit(h, size);\n",
+        "    size_t limit = ((void)growth_limit(h, size), h->cap_pages);\n",
+        path="csrc/core/policy.c",
     ),
     Mutation(
         "stream_reuse_early",

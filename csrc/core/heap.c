@@ -283,6 +283,48 @@ static int create_failed(gm_device *dev, int rc, const char *what) {
     return rc;
 }
 
+/* The heap's lock, its tables sized for n_pages, and its address range.  On
+ * failure gm_heap_destroy takes back what was made. */
+static int heap_tables(gm_heap *h, size_t total) {
+    gm_device *dev = h->dev;
+    size_t page = h->page, va = h->va_size;
+    pthread_mutex_init(&h->lock, NULL);
+    gm_fork_register(h);
+    h->live_mask = 1023;
+    size_t max_pages = total / page + 1;
+    h->cap_spare = h->n_pages > max_pages ? h->n_pages : max_pages;
+    h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
+    h->chunk_off = calloc(h->n_pages, sizeof *h->chunk_off);
+    h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
+    h->parked = calloc(h->n_pages, 1);
+    h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
+    h->spare = calloc(h->cap_spare, sizeof *h->spare);
+    h->live = calloc(h->live_mask + 1, sizeof *h->live);
+    int rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->parked || !h->loose || !h->spare || !h->live ||
+              ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
+                 ? GM_ENOMEM
+                 : GM_OK;
+    if (rc) {
+        create_failed(dev, rc, "host memory for the heap's tables");
+    } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
+        h->va_size = 0;
+        char what[96];
+        snprintf(what, sizeof what, "reserving %zu GiB of address space", va >> 30);
+        create_failed(dev, rc, what);
+    }
+    return rc;
+}
+
+/* The first block: the whole range, unmapped. */
+static void first_block(gm_heap *h) {
+    h->head = h_block_new(h);
+    h->head->addr = h->base;
+    h->head->size = h->va_size;
+    h->head->state = GM_BLOCK_UNMAPPED;
+    h->head->stream = ANY;
+    gm_run_attach(h, h->head);
+}
+
 int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     *out = NULL;
     create_error[0] = 0;
@@ -348,40 +390,12 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;
     h->n_pages = va / page;
-    pthread_mutex_init(&h->lock, NULL);
-    gm_fork_register(h);
-    h->live_mask = 1023;
-    size_t max_pages = total / page + 1;
-    h->cap_spare = h->n_pages > max_pages ? h->n_pages : max_pages;
-    h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
-    h->chunk_off = calloc(h->n_pages, sizeof *h->chunk_off);
-    h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
-    h->parked = calloc(h->n_pages, 1);
-    h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
-    h->spare = calloc(h->cap_spare, sizeof *h->spare);
-    h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->parked || !h->loose || !h->spare || !h->live ||
-          ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
-             ? GM_ENOMEM
-             : GM_OK;
-    if (rc) {
-        create_failed(dev, rc, "host memory for the heap's tables");
-    } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
-        h->va_size = 0;
-        char what[96];
-        snprintf(what, sizeof what, "reserving %zu GiB of address space", va >> 30);
-        create_failed(dev, rc, what);
-    }
+    rc = heap_tables(h, total);
     if (rc) {
         gm_heap_destroy(h);
         return rc;
     }
-    h->head = h_block_new(h);
-    h->head->addr = h->base;
-    h->head->size = va;
-    h->head->state = GM_BLOCK_UNMAPPED;
-    h->head->stream = ANY;
-    gm_run_attach(h, h->head);
+    first_block(h);
     h->st.max_split_size = -1;
     gm_set_cap(h, cfg.cap_bytes);
     *out = h;

@@ -230,11 +230,6 @@ size_t gm_used_pages(gm_heap *h);
 
 #define ANY GM_STREAM_ANY
 
-/* The growth tunables (policy.c, POLICY). */
-#define ROOM_FAR         0.25
-#define ROOM_CHUNK_MIN   64
-#define ROOM_CHUNK_PAGES 64
-
 /* A place for a request, as placement finds it (place.c). */
 typedef struct placement {
     int ok;
@@ -303,8 +298,8 @@ size_t h_cached_pages(const gm_heap *h, size_t ex0, size_t ex1);
 size_t h_cached_pages_outside(const gm_heap *h, placement pl, size_t size);
 
 /* ---- policy.c ---- */
-size_t h_room_line(gm_heap *h);
-size_t h_growth_limit(const gm_heap *h, size_t size);
+void h_grow_by_policy(gm_heap *h, size_t size, size_t need, size_t *grant, size_t **g, size_t *most, int single,
+                      int *dev_err);
 
 /* ---- place.c ---- */
 placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget);

@@ -80,6 +80,59 @@ static uint64_t mono_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* Copy the n listed pages to pinned host memory, *backup (the device's
+ * host_alloc), run by run. */
+static int backup_pages(gm_heap *h, const gm_paused_page *l, size_t n, void **backup) {
+    const gm_device_ops *ops = h->dev->ops;
+    int rc;
+    if ((rc = ops->host_alloc(h->dev, n * h->page, backup))) {
+        h->st.num_device_errors++;
+        return rc;
+    }
+    for (size_t i = 0, j; i < n && !rc; i = j) {
+        j = run_end(l, i, n);
+        rc = ops->copy_dtoh(h->dev, (char *)*backup + i * h->page, gm_page_addr(h, l[i].page), (j - i) * h->page);
+    }
+    if (rc) {
+        h->st.num_device_errors++;
+        ops->host_free(h->dev, *backup);
+        *backup = NULL;
+        return GM_EDEVICE;
+    }
+    return GM_OK;
+}
+
+/* Unmap the n listed pages run by run (whole chunks, one call a run),
+ * releasing each chunk (a single page that will not go is kept as a spare, a
+ * larger chunk waits in h->loose).  A failed unmap stops there (*rc
+ * GM_EDEVICE): the pages released so far, the list's first ones, are
+ * counted. */
+static size_t unmap_listed(gm_heap *h, const gm_paused_page *l, size_t n, int *rc) {
+    size_t done = 0;
+    for (size_t i = 0, j; i < n; i = j) {
+        j = run_end(l, i, n);
+        uintptr_t a = gm_page_addr(h, l[i].page);
+        if (h->dev->ops->unmap(h->dev, a, (j - i) * h->page)) {
+            h->st.num_device_errors++;
+            *rc = GM_EDEVICE;
+            break;
+        }
+        h->st.num_unmaps++; /* calls, as everywhere */
+        for (size_t q = l[i].page, end = l[j - 1].page + 1; q < end;) {
+            size_t k = h->chunk_len[q];
+            gm_handle hd = h->page_handle[q];
+            h_chunk_clear(h, q, k);
+            h->paused_pages += k;
+            q += k;
+            h->multi_chunks -= k > 1;
+            h_release_chunk(h, hd, k);
+        }
+        gm_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
+        done = j;
+    }
+    return done;
+}
+
 int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out) {
     gm_pause_info info = {0};
     uint64_t t0 = mono_ns(), t1 = t0, t2 = t0;
@@ -104,49 +157,9 @@ int gm_pool_pause(gm_heap *h, gm_pool_id id, unsigned flags, gm_pause_info *out)
     if ((rc = h_synchronize(h, ANY)) || (rc = pool_own_pages(h, p, &l, &n, &shared))) goto out;
     n = whole_chunks_only(h, l, n, &shared);
     t1 = t2 = mono_ns();
-    if (n && (flags & GM_PAUSE_BACKUP)) {
-        if ((rc = ops->host_alloc(h->dev, n * h->page, &backup))) {
-            h->st.num_device_errors++;
-            goto out;
-        }
-        for (size_t i = 0, j; i < n && !rc; i = j) {
-            j = run_end(l, i, n);
-            rc = ops->copy_dtoh(h->dev, (char *)backup + i * h->page, gm_page_addr(h, l[i].page), (j - i) * h->page);
-        }
-        if (rc) {
-            h->st.num_device_errors++;
-            ops->host_free(h->dev, backup);
-            backup = NULL;
-            rc = GM_EDEVICE;
-            goto out;
-        }
-    }
+    if (n && (flags & GM_PAUSE_BACKUP) && (rc = backup_pages(h, l, n, &backup))) goto out;
     t2 = mono_ns();
-    /* Unmap run by run (whole chunks, one call a run), releasing each chunk
-     * (a single page that will not go is kept as a spare, a larger chunk
-     * waits in h->loose).  A failed unmap stops here: the pool is paused with
-     * the pages released so far. */
-    for (size_t i = 0, j; i < n; i = j) {
-        j = run_end(l, i, n);
-        uintptr_t a = gm_page_addr(h, l[i].page);
-        if (ops->unmap(h->dev, a, (j - i) * h->page)) {
-            h->st.num_device_errors++;
-            rc = GM_EDEVICE;
-            break;
-        }
-        h->st.num_unmaps++; /* calls, as everywhere */
-        for (size_t q = l[i].page, end = l[j - 1].page + 1; q < end;) {
-            size_t k = h->chunk_len[q];
-            gm_handle hd = h->page_handle[q];
-            h_chunk_clear(h, q, k);
-            h->paused_pages += k;
-            q += k;
-            h->multi_chunks -= k > 1;
-            h_release_chunk(h, hd, k);
-        }
-        gm_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
-        done = j;
-    }
+    done = unmap_listed(h, l, n, &rc);
     if (!done && n) goto out; /* nothing changed */
     p->paused = 1;
     p->paused_list = l;
@@ -192,6 +205,25 @@ static void unresume(gm_heap *h, gm_pool *p, size_t n) {
         i += c;
     }
     p->n_paused = k;
+}
+
+/* Copy p's backup (if any) back behind its n listed pages, now mapped, and
+ * note the maps in the history. */
+static int restore_contents(gm_heap *h, const gm_pool *p, size_t n) {
+    const gm_paused_page *l = p->paused_list;
+    for (size_t i = 0, j; p->backup && i < n; i = j) {
+        j = run_end(l, i, n);
+        if (h->dev->ops->copy_htod(h->dev, gm_page_addr(h, l[i].page), (const char *)p->backup + l[i].slot * h->page,
+                                   (j - i) * h->page)) {
+            h->st.num_device_errors++;
+            return GM_EDEVICE;
+        }
+    }
+    for (size_t i = 0, j; i < n; i = j) {
+        j = run_end(l, i, n);
+        gm_hist(h, GM_H_MAP, gm_page_addr(h, l[i].page), (j - i) * h->page, ANY, 0);
+    }
+    return GM_OK;
 }
 
 int gm_pool_resume(gm_heap *h, gm_pool_id id, gm_pause_info *out) {
@@ -251,19 +283,7 @@ again:
     }
     t2 = mono_ns();
     /* 3. The contents. */
-    for (size_t i = 0, j; p->backup && i < n; i = j) {
-        j = run_end(l, i, n);
-        if (ops->copy_htod(h->dev, gm_page_addr(h, l[i].page), (const char *)p->backup + l[i].slot * h->page,
-                           (j - i) * h->page)) {
-            h->st.num_device_errors++;
-            rc = GM_EDEVICE;
-            goto fail;
-        }
-    }
-    for (size_t i = 0, j; i < n; i = j) {
-        j = run_end(l, i, n);
-        gm_hist(h, GM_H_MAP, gm_page_addr(h, l[i].page), (j - i) * h->page, ANY, 0);
-    }
+    if ((rc = restore_contents(h, p, n))) goto fail;
     info = (gm_pause_info){n, p->shared_pages, p->backup ? n * h->page : 0, 0, t1 - t0, 0, t2 - t1};
     if (p->backup && ops->host_free(h->dev, p->backup)) h->st.num_device_errors++;
     info.copy_ns = mono_ns() - t2;

@@ -68,9 +68,13 @@
  *                                seed_fragmentation, 1.4% on llama_lora_ckpt
  *                                and 0.4% on two_stream_pipeline. */
 
+#define ROOM_FAR         0.25
+#define ROOM_CHUNK_MIN   64
+#define ROOM_CHUNK_PAGES 64
+
 /* The room line in pages: pressure x min(cap, held + device free).  0 when
  * the heap is always tight, or the device cannot say what is free. */
-size_t h_room_line(gm_heap *h) {
+static size_t room_line(gm_heap *h) {
     if (!(h->pressure > 0)) return 0;
     size_t dfree = 0, total = 0, limit = h->cap_pages;
     if (h->dev->ops->mem_info(h->dev, &dfree, &total)) return 0;
@@ -79,11 +83,32 @@ size_t h_room_line(gm_heap *h) {
     return (size_t)(h->pressure * (double)limit);
 }
 
-size_t h_growth_limit(const gm_heap *h, size_t size) {
+static size_t growth_limit(const gm_heap *h, size_t size) {
     size_t active = (size_t)h->st.active_bytes[GM_POOL_ALL].current + size;
     size_t basis = h->peak_live > active ? h->peak_live : active;
     /* Free memory kept for living pools serves nothing else. */
     basis += h->pool_free_bytes;
     size_t pages = (size_t)((double)basis * (1.0 + h->growth_slack) / (double)h->page) + 1 + h->growth_slack_pages;
     return pages < h->cap_pages ? pages : h->cap_pages;
+}
+
+/* Steps 2-3's growth: `need` more pages for a request of `size` bytes, under
+ * the growth limit or, with room, under the room line.  Far from pressure a
+ * large request's pages come as chunks: *g becomes `grant` (the pages are
+ * promised, then made where they are mapped) and *most ROOM_CHUNK_PAGES;
+ * `single`: the device refused a chunk already, single pages only. */
+void h_grow_by_policy(gm_heap *h, size_t size, size_t need, size_t *grant, size_t **g, size_t *most, int single,
+                      int *dev_err) {
+    size_t limit = growth_limit(h, size);
+    /* The device is asked what is free only when room would change something. */
+    size_t room = need >= ROOM_CHUNK_MIN || h_held_pages(h) + *grant + need > limit ? room_line(h) : 0;
+    if (room > limit) {
+        limit = room;
+        if (*g == NULL && !single && need >= ROOM_CHUNK_MIN &&
+            h_held_pages(h) + need <= (size_t)(ROOM_FAR * (double)room)) {
+            *g = grant; /* far from pressure: the new pages as chunks */
+            *most = ROOM_CHUNK_PAGES;
+        }
+    }
+    h_grow(h, need, limit, *g, dev_err);
 }

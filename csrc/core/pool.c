@@ -224,6 +224,62 @@ static int range_in_pool(gm_heap *h, const gm_pool *p, uintptr_t a, size_t size)
     return 1;
 }
 
+/* The list (sorted by address) is disjoint, inside the range, 512-aligned. */
+static int listed_valid(const gm_heap *h, const listed *l, size_t n) {
+    for (size_t k = 0; k < n; k++) {
+        uintptr_t a = l[k].addr;
+        size_t sz = l[k].size;
+        if (!sz || a % GM_ALIGN || sz % GM_ALIGN || a < h->base || sz > h->va_size || a - h->base > h->va_size - sz)
+            return 0;
+        if (k && l[k - 1].addr + l[k - 1].size > a) return 0;
+    }
+    return 1;
+}
+
+/* Free the live blocks marked to free (2), into their pool. */
+static void free_marked(gm_heap *h) {
+    for (gm_block *b = h->head, *next; b; b = next) {
+        next = b->next;
+        if (b->mark != 2) continue;
+        b->mark = 0;
+        /* Freeing merges b with its free neighbours: go on after the result. */
+        gm_block *prev = b->prev;
+        h_live_remove(h, b->addr);
+        h_free_block(h, b);
+        next = prev ? prev->next : h->head;
+    }
+}
+
+/* Make [a, a+sz), free memory of pool p (range_in_pool), one live block of
+ * p for `stream`; what lies outside the range keeps its owner. */
+static void carve_listed(gm_heap *h, gm_pool *p, uintptr_t a, size_t sz, gm_stream stream) {
+    gm_block *b = block_at(h, a);
+    h_index_remove(h, b);
+    if (b->addr < a) {
+        gm_block *r = h_split(h, b, a - b->addr);
+        h_index_insert(h, b);
+        b = r;
+    }
+    gm_stream last = b->stream;
+    uint64_t last_seq = b->seq, last_epoch = b->epoch;
+    while (b->addr + b->size < a + sz) {
+        gm_block *nx = b->next;
+        h_index_remove(h, nx);
+        last = nx->stream;
+        last_seq = nx->seq;
+        last_epoch = nx->epoch;
+        h_absorb(h, b, nx);
+    }
+    if (b->addr + b->size > a + sz) {
+        gm_block *r = h_split(h, b, sz);
+        r->stream = last;
+        r->seq = last_seq;
+        r->epoch = last_epoch;
+        h_index_insert(h, r);
+    }
+    h_make_live(h, b, sz, sz, stream, 0, p);
+}
+
 int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const size_t *sizes, size_t n,
                      gm_stream stream) {
     if (stream == ANY || (n && (!addrs || !sizes))) return GM_EINVAL;
@@ -244,13 +300,7 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
      * 512-aligned; the pool's live blocks are marked kept (1) or to free (2);
      * every other listed range lies in free memory of the pool once the blocks
      * to free are free. */
-    for (size_t k = 0; k < n; k++) {
-        uintptr_t a = l[k].addr;
-        size_t sz = l[k].size;
-        if (!sz || a % GM_ALIGN || sz % GM_ALIGN || a < h->base || sz > h->va_size || a - h->base > h->va_size - sz)
-            goto out;
-        if (k && l[k - 1].addr + l[k - 1].size > a) goto out;
-    }
+    if (!listed_valid(h, l, n)) goto out;
     for (gm_block *b = h->head; b; b = b->next) b->mark = (b->pool == p && b->state == GM_BLOCK_LIVE) ? 2 : 0;
     size_t to_alloc = 0;
     for (size_t k = 0; k < n; k++) {
@@ -271,50 +321,14 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
         if (h_live_grow(h)) goto out;
     /* 2. Free the pool's live blocks that are not listed (into the pool). */
     h->no_sync = h->capture_count > 0;
-    for (gm_block *b = h->head, *next; b; b = next) {
-        next = b->next;
-        if (b->mark != 2) continue;
-        b->mark = 0;
-        /* Freeing merges b with its free neighbours: go on after the result. */
-        gm_block *prev = b->prev;
-        h_live_remove(h, b->addr);
-        h_free_block(h, b);
-        next = prev ? prev->next : h->head;
-    }
+    free_marked(h);
     /* 3. Allocate the listed blocks that are not live out of the pool's free
      * blocks: those under each range become one for `stream` (the caller
      * orders their earlier uses before it, as torch does); what lies outside
      * the range keeps its owner. */
     for (size_t k = 0; k < n; k++) {
-        uintptr_t a = l[k].addr;
-        size_t sz = l[k].size;
-        gm_block *b = gm_live_find(h, a);
-        if (b && b->mark == 1) continue;
-        b = block_at(h, a);
-        h_index_remove(h, b);
-        if (b->addr < a) {
-            gm_block *r = h_split(h, b, a - b->addr);
-            h_index_insert(h, b);
-            b = r;
-        }
-        gm_stream last = b->stream;
-        uint64_t last_seq = b->seq, last_epoch = b->epoch;
-        while (b->addr + b->size < a + sz) {
-            gm_block *nx = b->next;
-            h_index_remove(h, nx);
-            last = nx->stream;
-            last_seq = nx->seq;
-            last_epoch = nx->epoch;
-            h_absorb(h, b, nx);
-        }
-        if (b->addr + b->size > a + sz) {
-            gm_block *r = h_split(h, b, sz);
-            r->stream = last;
-            r->seq = last_seq;
-            r->epoch = last_epoch;
-            h_index_insert(h, r);
-        }
-        h_make_live(h, b, sz, sz, stream, 0, p);
+        gm_block *b = gm_live_find(h, l[k].addr);
+        if (!(b && b->mark == 1)) carve_listed(h, p, l[k].addr, l[k].size, stream);
     }
     h_coalesce_all(h); /* what the new owners let merge */
     rc = GM_OK;

@@ -87,20 +87,8 @@ again:;
     /* 2-3. Place, and back it with spare or new pages under the growth limit,
      * or, with room, under the room line (POLICY). */
     pl = h_place(h, size, s, pool);
-    if (pl.ok && lacking(h, &pl, grant)) {
-        size_t limit = h_growth_limit(h, size), need = lacking(h, &pl, grant);
-        /* The device is asked what is free only when room would change something. */
-        size_t room = need >= ROOM_CHUNK_MIN || h_held_pages(h) + grant + need > limit ? h_room_line(h) : 0;
-        if (room > limit) {
-            limit = room;
-            if (g == NULL && !single && need >= ROOM_CHUNK_MIN &&
-                h_held_pages(h) + need <= (size_t)(ROOM_FAR * (double)room)) {
-                g = &grant; /* far from pressure: the new pages as chunks */
-                most = ROOM_CHUNK_PAGES;
-            }
-        }
-        h_grow(h, need, limit, g, &dev_err);
-    }
+    if (pl.ok && lacking(h, &pl, grant))
+        h_grow_by_policy(h, size, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
      * there is only if the device or the cap refused. */
