@@ -24,6 +24,12 @@
  *      a deferred block has no event recorded and is pending.
  *   C10 the run index and the page-use counts equal a recount (runindex.h R1, R2,
  *       P1, P2).
+ *   C11 stream safety: owners' release bookkeeping is coherent,
+ *      and a free block that every stream may reuse holds only frees proven
+ *      done -- the newest free in it is at or below the proven sequence of the
+ *      stream that made it (a completed event or a device sync).  Pending
+ *      blocks wait for at least one use.  Who may reuse a free block is
+ *      gm_free_owner's answer.
  *   C12 paused pools: a paused pool lives; its list of released pages is
  *      ascending, in range, with distinct backup slots, and the pages have no
  *      physical page behind them (C2's device check agrees); every block that
@@ -31,12 +37,6 @@
  *      else was placed there, and no unmapped space covers it; the heap's
  *      paused_pages is the sum; a pool that is not paused keeps no list or
  *      backup.  C2 exempts exactly those pages from being mapped.
- *   C11 (check_streams) stream safety: owners' release bookkeeping is coherent,
- *      and a free block that every stream may reuse holds only frees proven
- *      done -- the newest free in it is at or below the proven sequence of the
- *      stream that made it (a completed event or a device sync).  Pending
- *      blocks wait for at least one use.  Who may reuse a free block is
- *      gm_free_owner's answer:
  *   C13 a synchronisation's hand-over left in place (gm_heap.lazy_stream):
  *      no free block's epoch is past the heap's; with lazy_stream ANY no free
  *      block of a stream is from an earlier epoch (none is everyone's but
@@ -55,6 +55,12 @@
  *      pages.  Parked pages (mapped during a capture, access refused) are
  *      whole mapped chunks inside unmapped space, as many as the heap counts;
  *      nothing else mapped lies in unmapped space.
+ *
+ * Each rule is one function, check_cN_..., its rule stated at its top;
+ * gm_check, the entry point that tests and the fuzz driver call, runs them
+ * in the order of `rules` (the layout first, what is built on it after) and
+ * stops at the first that fails, its reason in `why`.  C12's page lists are
+ * read first (paused_pages): the other rules exempt paused pages.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -87,29 +93,320 @@ static int stat_is(const gm_stat *arr, int64_t all, int64_t small, const char *n
     return GM_OK;
 }
 
-/* C13: the hand-over a synchronisation left in place. */
-static int check_hand_over(gm_heap *h, char *why, size_t len) {
-    for (const gm_block *b = h->head; b; b = b->next) {
-        if (b->state != GM_BLOCK_FREE || b->stream == GM_STREAM_ANY) continue;
-        if (b->epoch > h->epoch)
-            return fail(why, len, "free block %#lx is from epoch %llu, past the heap's %llu", (unsigned long)b->addr,
-                        (unsigned long long)b->epoch, (unsigned long long)h->epoch);
-        if (h->lazy_stream == GM_STREAM_ANY && b->epoch < h->epoch)
-            return fail(why, len,
-                        "free block %#lx of stream %llu is from an earlier epoch (everyone's) but no hand-over is "
-                        "left in place",
-                        (unsigned long)b->addr, (unsigned long long)b->stream);
-        if (h->lazy_stream != GM_STREAM_ANY && b->stream != h->lazy_stream)
-            return fail(why, len,
-                        "free block %#lx belongs to stream %llu while a hand-over of stream %llu's blocks is left in "
-                        "place",
-                        (unsigned long)b->addr, (unsigned long long)b->stream, (unsigned long long)h->lazy_stream);
+/* C1: blocks tile [base, base+va_size) in address order, 512-aligned, linked
+ * both ways, each in a known state; unmapped blocks are whole pages. */
+static int check_c1_tiling(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    if (!h->head || h->head->addr != h->base || h->head->prev)
+        return fail(why, len, "the first block does not start the reserved range");
+    const gm_block *last = NULL;
+    for (const gm_block *b = h->head; b; last = b, b = b->next) {
+        if (b->prev != last) return fail(why, len, "block %#lx: prev link is wrong", (unsigned long)b->addr);
+        if (last && last->addr + last->size != b->addr)
+            return fail(why, len, "blocks %#lx+%zu and %#lx overlap or leave a gap", (unsigned long)last->addr,
+                        last->size, (unsigned long)b->addr);
+        if (!b->size || b->size % GM_ALIGN || b->addr % GM_ALIGN)
+            return fail(why, len, "block %#lx+%zu is empty or not 512-aligned", (unsigned long)b->addr, b->size);
+        if (b->state == GM_BLOCK_UNMAPPED && ((b->addr - h->base) % h->page || b->size % h->page))
+            return fail(why, len, "unmapped block %#lx+%zu is not whole pages", (unsigned long)b->addr, b->size);
+        if (b->state != GM_BLOCK_UNMAPPED && b->state != GM_BLOCK_LIVE && b->state != GM_BLOCK_PENDING &&
+            b->state != GM_BLOCK_FREE)
+            return fail(why, len, "block %#lx has bad state %d", (unsigned long)b->addr, b->state);
+    }
+    if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
+    return GM_OK;
+}
+
+/* C3: no two neighbours that may merge are left apart. */
+static int check_c3_merged(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    for (const gm_block *last = h->head, *b = last->next; b; last = b, b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED && last->state == GM_BLOCK_UNMAPPED)
+            return fail(why, len, "two unmapped neighbours at %#lx were not merged", (unsigned long)b->addr);
+        if (b->state != GM_BLOCK_FREE || last->state != GM_BLOCK_FREE || last->pool != b->pool) continue;
+        gm_stream lo = gm_free_owner(h, last), bo = gm_free_owner(h, b);
+        if (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY)
+            return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
     }
     return GM_OK;
 }
 
-/* C11: stream safety. */
-static int check_streams(gm_heap *h, char *why, size_t len) {
+/* C2, the device's side: it holds the pages the heap holds, the same
+ * physical page behind every address, and the blocks are accessible. */
+static int check_c2_device(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    const gm_device_verify *verify = h->dev->ops->verify;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED) continue;
+        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        int touches_paused = 0;
+        for (size_t p = p0; paused && p < p1; p++) touches_paused |= paused[p] != NULL;
+        /* Free blocks too: they are handed out without another device call. */
+        if (!touches_paused && !verify->accessible(h->dev, b->addr, b->size))
+            return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
+        for (size_t p = p0; touches_paused && p < p1; p++)
+            if (!paused[p] && !verify->accessible(h->dev, gm_page_addr(h, p), h->page))
+                return fail(why, len, "the device says page %zu under block %#lx is not accessible", p,
+                            (unsigned long)b->addr);
+    }
+    size_t created = 0, dev_mapped = 0;
+    verify->pages(h->dev, &created, &dev_mapped);
+    size_t held = h->mapped_pages + h->n_spare + h->loose_pages;
+    if (dev_mapped != h->mapped_pages || created != held)
+        return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)", created,
+                    dev_mapped, held, h->mapped_pages);
+    /* Not only how many: which physical page sits at each address. */
+    for (size_t p = 0; p < h->n_pages; p++) {
+        gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
+        if (at != h->page_handle[p])
+            return fail(why, len, "page %zu: the heap has physical page %llu there, the device %llu", p,
+                        (unsigned long long)h->page_handle[p], (unsigned long long)at);
+    }
+    return GM_OK;
+}
+
+/* C2: every page a live, pending or free block touches is mapped (a paused
+ * one aside), no page wholly inside unmapped space is (a parked one aside),
+ * mapped_pages counts them, and the device agrees where it can tell. */
+static int check_c2_mapped(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    for (const gm_block *b = h->head; b; b = b->next) {
+        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        for (size_t p = p0; p < p1; p++) {
+            if (b->state == GM_BLOCK_UNMAPPED) {
+                if (h->page_handle[p] && !h->parked[p])
+                    return fail(why, len, "page %zu is mapped inside unmapped space", p);
+            } else if (!h->page_handle[p] && !(paused && paused[p])) {
+                return fail(why, len, "page %zu under %s block %#lx+%zu is not mapped", p,
+                            b->state == GM_BLOCK_FREE ? "free" : "live/pending", (unsigned long)b->addr, b->size);
+            }
+        }
+    }
+    size_t mapped = 0;
+    for (size_t p = 0; p < h->n_pages; p++) mapped += h->page_handle[p] != 0;
+    if (mapped != h->mapped_pages)
+        return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
+    return h->dev->ops->verify ? check_c2_device(h, paused, why, len) : GM_OK;
+}
+
+/* C14: chunks are whole runs of mapped pages with consistent metadata, at
+ * most GM_CHUNK_PAGES_MAX long; multi_chunks, loose and parked pages are
+ * counted right; parked pages are whole mapped chunks. */
+static int check_c14_chunks(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    size_t multi = 0, loose = 0, parked = 0;
+    for (size_t p = 0; p < h->n_pages; p++) {
+        if (!h->parked[p]) continue;
+        parked++;
+        if (!h->page_handle[p] || (h->chunk_off[p] && !h->parked[p - 1]) ||
+            (!h->chunk_off[p] && h->chunk_len[p] > h->n_pages - p) ||
+            (!h->chunk_off[p] && memchr(h->parked + p, 0, h->chunk_len[p])))
+            return fail(why, len, "parked page %zu is not part of a wholly parked, mapped chunk", p);
+    }
+    if (parked != h->n_parked) return fail(why, len, "%zu pages parked but the heap counts %zu", parked, h->n_parked);
+    for (size_t p = 0; p < h->n_pages;) {
+        if (!h->page_handle[p]) {
+            if (h->chunk_len[p] || h->chunk_off[p])
+                return fail(why, len, "unmapped page %zu has chunk data (length %u, offset %u)", p,
+                            (unsigned)h->chunk_len[p], (unsigned)h->chunk_off[p]);
+            p++;
+            continue;
+        }
+        size_t k = h->chunk_len[p];
+        if (h->chunk_off[p] || !k || k > GM_CHUNK_PAGES_MAX || k > h->n_pages - p)
+            return fail(why, len, "page %zu starts a chunk of %zu pages at offset %u (at most %d)", p, k,
+                        (unsigned)h->chunk_off[p], GM_CHUNK_PAGES_MAX);
+        for (size_t i = 1; i < k; i++)
+            if (h->page_handle[p + i] != h->page_handle[p] || h->chunk_off[p + i] != i || h->chunk_len[p + i] != k)
+                return fail(why, len,
+                            "chunk of %zu pages at page %zu: page %zu is not part of it (handle %llu, offset %u, "
+                            "length %u)",
+                            k, p, p + i, (unsigned long long)h->page_handle[p + i], (unsigned)h->chunk_off[p + i],
+                            (unsigned)h->chunk_len[p + i]);
+        multi += k > 1;
+        p += k;
+    }
+    if (multi != h->multi_chunks)
+        return fail(why, len, "%zu chunks of several pages are mapped but the heap counts %zu", multi, h->multi_chunks);
+    for (size_t i = 0; i < h->n_loose; i++) {
+        if (h->loose[i].pages < 2) return fail(why, len, "a loose chunk has %zu pages", h->loose[i].pages);
+        loose += h->loose[i].pages;
+    }
+    if (loose != h->loose_pages)
+        return fail(why, len, "loose chunks hold %zu pages but the heap counts %zu", loose, h->loose_pages);
+    return GM_OK;
+}
+
+/* C7: no physical page is held twice (mapped, spare or loose). */
+static int check_c7_held_once(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    gm_handle *all = malloc((h->mapped_pages + h->n_spare + h->n_loose + 1) * sizeof *all);
+    if (!all) return GM_OK; /* no host memory: nothing to say */
+    size_t k = 0;
+    for (size_t p = 0; p < h->n_pages; p++)
+        if (h->page_handle[p] && !h->chunk_off[p]) all[k++] = h->page_handle[p];
+    for (size_t i = 0; i < h->n_spare; i++) all[k++] = h->spare[i];
+    for (size_t i = 0; i < h->n_loose; i++) all[k++] = h->loose[i].handle;
+    qsort(all, k, sizeof *all, cmp_handle);
+    for (size_t i = 1; i < k; i++)
+        if (all[i] == all[i - 1]) {
+            unsigned long long dup = (unsigned long long)all[i];
+            free(all);
+            return fail(why, len, "physical page %llu is held twice", dup);
+        }
+    free(all);
+    return GM_OK;
+}
+
+/* C4: each owner's index holds exactly its free blocks, and every free block
+ * has its owner (fi_check for the index's own invariants). */
+static int check_c4_indexes(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    size_t n_free = 0, b_free = 0, indexed = 0, indexed_bytes = 0;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state != GM_BLOCK_FREE) continue;
+        if (!gm_owner_find(h, b->pool, b->stream))
+            return fail(why, len, "free block %#lx names an unknown owner", (unsigned long)b->addr);
+        n_free++, b_free += b->size;
+    }
+    for (size_t i = 0; i < h->n_owners; i++) {
+        const gm_owner *o = h->owners[i];
+        if (fi_check(&o->idx, why, len)) return GM_ECORRUPT;
+        for (unsigned fl = 0; fl < FI_FL; fl++)
+            for (unsigned sl = 0; sl < FI_SL; sl++)
+                for (const gm_block *b = o->idx.bins[fl][sl]; b; b = b->lnext)
+                    if (b->state != GM_BLOCK_FREE || b->stream != o->stream || b->pool != o->pool)
+                        return fail(why, len, "index of stream %llu holds block %#lx that is not its free block",
+                                    (unsigned long long)o->stream, (unsigned long)b->addr);
+        indexed += o->idx.count;
+        indexed_bytes += o->idx.bytes;
+    }
+    if (indexed != n_free || indexed_bytes != b_free)
+        return fail(why, len, "indexes hold %zu free blocks / %zu bytes but %lld / %lld exist", indexed, indexed_bytes,
+                    (long long)n_free, (long long)b_free);
+    return GM_OK;
+}
+
+/* C5: the live table holds exactly the live blocks; the pending list exactly
+ * the pending ones. */
+static int check_c5_live_pending(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    size_t n_live = 0, pending = 0, in_list = 0;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state == GM_BLOCK_PENDING) pending++;
+        if (b->state != GM_BLOCK_LIVE) continue;
+        if (gm_live_find(h, b->addr) != b)
+            return fail(why, len, "live block %#lx is missing from the live table", (unsigned long)b->addr);
+        n_live++;
+    }
+    if (h->n_live != n_live) return fail(why, len, "live table counts %zu, blocks %lld", h->n_live, (long long)n_live);
+    for (const gm_block *b = h->pending_head; b; b = b->lnext, in_list++)
+        if (b->state != GM_BLOCK_PENDING) return fail(why, len, "pending list holds a non-pending block");
+    if (in_list != pending || in_list != h->n_pending)
+        return fail(why, len, "pending list holds %zu, counter %zu, blocks %zu", in_list, h->n_pending, pending);
+    return GM_OK;
+}
+
+/* Recounts of the statistics that have a "current", all blocks and small ones. */
+struct stat_recount {
+    int64_t n_live, n_live_s, b_live, b_live_s, req, req_s;
+    int64_t n_act, n_act_s, b_act, b_act_s, n_free, n_free_s, b_free, b_free_s;
+};
+
+/* C6: every statistic with a "current" equals a recount; a live block's
+ * requested size fits in it. */
+static int check_c6_stats(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    struct stat_recount c = {0};
+    for (const gm_block *b = h->head; b; b = b->next) {
+        int sm = b->size <= GM_SMALL_SIZE;
+        int64_t sz = (int64_t)b->size, sz_s = sm ? sz : 0;
+        if (b->state == GM_BLOCK_LIVE) {
+            if (b->requested > b->size) return fail(why, len, "block %#lx: requested > size", (unsigned long)b->addr);
+            c.n_live++, c.n_live_s += sm, c.b_live += sz, c.b_live_s += sz_s;
+            c.req += (int64_t)b->requested, c.req_s += sm ? (int64_t)b->requested : 0;
+        }
+        if (b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING)
+            c.n_act++, c.n_act_s += sm, c.b_act += sz, c.b_act_s += sz_s;
+        if (b->state == GM_BLOCK_FREE) c.n_free++, c.n_free_s += sm, c.b_free += sz, c.b_free_s += sz_s;
+    }
+    const gm_stats *st = &h->st;
+    int rc;
+    int64_t held = (int64_t)(h->mapped_pages + h->n_spare + h->loose_pages);
+#define STAT_IS(name, all, small) (rc = stat_is(st->name, all, small, #name, why, len))
+    if (STAT_IS(allocation, c.n_live, c.n_live_s) || STAT_IS(allocated_bytes, c.b_live, c.b_live_s) ||
+        STAT_IS(requested_bytes, c.req, c.req_s) || STAT_IS(active, c.n_act, c.n_act_s) ||
+        STAT_IS(active_bytes, c.b_act, c.b_act_s) || STAT_IS(inactive_split, c.n_free, c.n_free_s) ||
+        STAT_IS(inactive_split_bytes, c.b_free, c.b_free_s) || STAT_IS(segment, held, 0) ||
+        STAT_IS(reserved_bytes, held * (int64_t)h->page, 0))
+#undef STAT_IS
+        return rc;
+    if ((int64_t)h->live_bytes != c.b_live) return fail(why, len, "live_bytes disagrees with a recount");
+    return GM_OK;
+}
+
+/* C12, the lists' half, run first: each page a paused pool released, mapped
+ * to that pool (*owner, calloc'd over every page; NULL when no page is
+ * paused), with the lists checked on the way. */
+static int paused_pages(gm_heap *h, const gm_pool ***owner, char *why, size_t len) {
+    *owner = NULL;
+    size_t total = 0;
+    for (size_t i = 0; i < h->n_pools; i++) {
+        const gm_pool *p = h->pools[i];
+        if (!p->paused) {
+            if (p->n_paused || p->paused_list || p->backup || p->shared_pages)
+                return fail(why, len, "pool (%llu, %llu) is not paused but keeps paused pages",
+                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
+            continue;
+        }
+        if (p->use_count <= 0) return fail(why, len, "an ended pool is paused");
+        total += p->n_paused;
+    }
+    if (total != h->paused_pages)
+        return fail(why, len, "pools list %zu paused pages but the heap counts %zu", total, h->paused_pages);
+    if (!total) return GM_OK;
+    const gm_pool **own = calloc(h->n_pages, sizeof *own);
+    if (!own) return GM_OK; /* no host memory: nothing to say */
+    for (size_t i = 0; i < h->n_pools; i++) {
+        const gm_pool *p = h->pools[i];
+        for (size_t k = 0; k < p->n_paused; k++) {
+            const gm_paused_page *e = &p->paused_list[k];
+            if (e->page >= h->n_pages || (k && (e->page <= e[-1].page || e->slot <= e[-1].slot)) || own[e->page]) {
+                free(own);
+                return fail(why, len, "paused pool (%llu, %llu): its page list is out of order or repeats a page",
+                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
+            }
+            if (h->page_handle[e->page]) {
+                free(own);
+                return fail(why, len, "page %zu of paused pool (%llu, %llu) is mapped", e->page,
+                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
+            }
+            own[e->page] = p;
+        }
+    }
+    *owner = own;
+    return GM_OK;
+}
+
+/* C12, the blocks' half: every block on a paused page is a live, pending or
+ * free block of the pool that paused it. */
+static int check_c12_paused(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    if (!paused) return GM_OK; /* no page paused (paused_pages checked the lists) */
+    for (const gm_block *b = h->head; b; b = b->next) {
+        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++) {
+            if (!paused[p]) continue;
+            if (b->state == GM_BLOCK_UNMAPPED) return fail(why, len, "paused page %zu lies in unmapped space", p);
+            if (paused[p] != b->pool)
+                return fail(why, len, "block %#lx+%zu lies on page %zu, paused by a pool it is not in",
+                            (unsigned long)b->addr, b->size, p);
+        }
+    }
+    return GM_OK;
+}
+
+/* C11: stream safety: owners' release bookkeeping is coherent, and a free
+ * block every stream may reuse holds only frees proven done (gm_free_owner
+ * says who may). */
+static int check_c11_streams(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
     if (!h->n_owners || h->owners[0]->stream != GM_STREAM_ANY)
         return fail(why, len, "owner 0 is not the every-stream owner");
     for (size_t i = 0; i < h->n_owners; i++) {
@@ -171,7 +468,30 @@ static int check_streams(gm_heap *h, char *why, size_t len) {
                         (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)b->origin,
                         (unsigned long long)proven);
     }
-    return check_hand_over(h, why, len);
+    return GM_OK;
+}
+
+/* C13: a device wait's hand-over left in place (gm_heap.lazy_stream) hides no
+ * block from a stream that allocates. */
+static int check_c13_hand_over(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (b->state != GM_BLOCK_FREE || b->stream == GM_STREAM_ANY) continue;
+        if (b->epoch > h->epoch)
+            return fail(why, len, "free block %#lx is from epoch %llu, past the heap's %llu", (unsigned long)b->addr,
+                        (unsigned long long)b->epoch, (unsigned long long)h->epoch);
+        if (h->lazy_stream == GM_STREAM_ANY && b->epoch < h->epoch)
+            return fail(why, len,
+                        "free block %#lx of stream %llu is from an earlier epoch (everyone's) but no hand-over is "
+                        "left in place",
+                        (unsigned long)b->addr, (unsigned long long)b->stream);
+        if (h->lazy_stream != GM_STREAM_ANY && b->stream != h->lazy_stream)
+            return fail(why, len,
+                        "free block %#lx belongs to stream %llu while a hand-over of stream %llu's blocks is left in "
+                        "place",
+                        (unsigned long)b->addr, (unsigned long long)b->stream, (unsigned long long)h->lazy_stream);
+    }
+    return GM_OK;
 }
 
 /* R1's left side, from the blocks: b is general space, heads its run, and is
@@ -188,7 +508,8 @@ static int listed_heads_run(gm_block *b, void *arg) {
 
 /* C10: the run index and the page-use counts equal a recount (runindex.h R1,
  * R2, P1, P2). */
-static int check_runs(gm_heap *h, char *why, size_t len) {
+static int check_c10_runs(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
     const gm_runindex *ri = &h->runs;
     /* R1: recount every run from the blocks. */
     size_t runs = 0, bytes = 0;
@@ -224,262 +545,6 @@ static int check_runs(gm_heap *h, char *why, size_t len) {
     int rc = ri_check_pages(ri, ep, h->n_pages, pages, why, len);
     free(ep);
     return rc;
-}
-
-static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t len);
-
-/* C12, the pools' side: each page a paused pool released, mapped to that pool
- * (*owner, calloc'd over every page; NULL when no page is paused). */
-static int check_paused(gm_heap *h, const gm_pool ***owner, char *why, size_t len) {
-    *owner = NULL;
-    size_t total = 0;
-    for (size_t i = 0; i < h->n_pools; i++) {
-        const gm_pool *p = h->pools[i];
-        if (!p->paused) {
-            if (p->n_paused || p->paused_list || p->backup || p->shared_pages)
-                return fail(why, len, "pool (%llu, %llu) is not paused but keeps paused pages",
-                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
-            continue;
-        }
-        if (p->use_count <= 0) return fail(why, len, "an ended pool is paused");
-        total += p->n_paused;
-    }
-    if (total != h->paused_pages)
-        return fail(why, len, "pools list %zu paused pages but the heap counts %zu", total, h->paused_pages);
-    if (!total) return GM_OK;
-    const gm_pool **own = calloc(h->n_pages, sizeof *own);
-    if (!own) return GM_OK; /* no host memory: nothing to say */
-    for (size_t i = 0; i < h->n_pools; i++) {
-        const gm_pool *p = h->pools[i];
-        for (size_t k = 0; k < p->n_paused; k++) {
-            const gm_paused_page *e = &p->paused_list[k];
-            if (e->page >= h->n_pages || (k && (e->page <= e[-1].page || e->slot <= e[-1].slot)) || own[e->page]) {
-                free(own);
-                return fail(why, len, "paused pool (%llu, %llu): its page list is out of order or repeats a page",
-                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
-            }
-            if (h->page_handle[e->page]) {
-                free(own);
-                return fail(why, len, "page %zu of paused pool (%llu, %llu) is mapped", e->page,
-                            (unsigned long long)p->id.first, (unsigned long long)p->id.second);
-            }
-            own[e->page] = p;
-        }
-    }
-    *owner = own;
-    return GM_OK;
-}
-
-static int check_locked(gm_heap *h, char *why, size_t len) {
-    const gm_pool **paused = NULL;
-    int rc = check_paused(h, &paused, why, len);
-    if (!rc) rc = check_blocks(h, paused, why, len);
-    free(paused);
-    return rc;
-}
-
-static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
-    const size_t P = h->page;
-    const gm_device_verify *verify = h->dev->ops->verify; /* NULL: the device cannot tell */
-    /* C1, C2, C3 in one walk. */
-    if (!h->head || h->head->addr != h->base || h->head->prev)
-        return fail(why, len, "the first block does not start the reserved range");
-    int64_t n_live = 0, n_live_s = 0, b_live = 0, b_live_s = 0, req = 0, req_s = 0;
-    int64_t n_act = 0, n_act_s = 0, b_act = 0, b_act_s = 0;
-    int64_t n_free = 0, n_free_s = 0, b_free = 0, b_free_s = 0;
-    size_t pending = 0;
-    const gm_block *last = NULL;
-    for (const gm_block *b = h->head; b; last = b, b = b->next) {
-        if (b->prev != last) return fail(why, len, "block %#lx: prev link is wrong", (unsigned long)b->addr);
-        if (last && last->addr + last->size != b->addr)
-            return fail(why, len, "blocks %#lx+%zu and %#lx overlap or leave a gap", (unsigned long)last->addr,
-                        last->size, (unsigned long)b->addr);
-        if (!b->size || b->size % GM_ALIGN || b->addr % GM_ALIGN)
-            return fail(why, len, "block %#lx+%zu is empty or not 512-aligned", (unsigned long)b->addr, b->size);
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
-        int sm = b->size <= GM_SMALL_SIZE;
-        switch (b->state) {
-        case GM_BLOCK_UNMAPPED:
-            if ((b->addr - h->base) % P || b->size % P)
-                return fail(why, len, "unmapped block %#lx+%zu is not whole pages", (unsigned long)b->addr, b->size);
-            for (size_t p = p0; p < p1; p++) {
-                if (h->page_handle[p] && !h->parked[p])
-                    return fail(why, len, "page %zu is mapped inside unmapped space", p);
-                if (paused && paused[p]) return fail(why, len, "paused page %zu lies in unmapped space", p);
-            }
-            if (last && last->state == GM_BLOCK_UNMAPPED)
-                return fail(why, len, "two unmapped neighbours at %#lx were not merged", (unsigned long)b->addr);
-            continue;
-        case GM_BLOCK_LIVE:
-            if (gm_live_find(h, b->addr) != b)
-                return fail(why, len, "live block %#lx is missing from the live table", (unsigned long)b->addr);
-            n_live++, n_live_s += sm, b_live += (int64_t)b->size, b_live_s += sm ? (int64_t)b->size : 0;
-            req += (int64_t)b->requested, req_s += sm ? (int64_t)b->requested : 0;
-            if (b->requested > b->size) return fail(why, len, "block %#lx: requested > size", (unsigned long)b->addr);
-            n_act++, n_act_s += sm, b_act += (int64_t)b->size, b_act_s += sm ? (int64_t)b->size : 0;
-            break;
-        case GM_BLOCK_PENDING:
-            pending++;
-            n_act++, n_act_s += sm, b_act += (int64_t)b->size, b_act_s += sm ? (int64_t)b->size : 0;
-            break;
-        case GM_BLOCK_FREE: {
-            gm_stream lo = last ? gm_free_owner(h, last) : 0, bo = gm_free_owner(h, b);
-            if (last && last->state == GM_BLOCK_FREE && last->pool == b->pool &&
-                (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY))
-                return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
-            if (!gm_owner_find(h, b->pool, b->stream))
-                return fail(why, len, "free block %#lx names an unknown owner", (unsigned long)b->addr);
-            n_free++, n_free_s += sm, b_free += (int64_t)b->size, b_free_s += sm ? (int64_t)b->size : 0;
-            break;
-        }
-        default:
-            return fail(why, len, "block %#lx has bad state %d", (unsigned long)b->addr, b->state);
-        }
-        int touches_paused = 0;
-        for (size_t p = p0; p < p1; p++) {
-            if (paused && paused[p]) {
-                if (paused[p] != b->pool)
-                    return fail(why, len, "block %#lx+%zu lies on page %zu, paused by a pool it is not in",
-                                (unsigned long)b->addr, b->size, p);
-                touches_paused = 1;
-                continue;
-            }
-            if (!h->page_handle[p])
-                return fail(why, len, "page %zu under %s block %#lx+%zu is not mapped", p,
-                            b->state == GM_BLOCK_FREE ? "free" : "live/pending", (unsigned long)b->addr, b->size);
-        }
-        /* Free blocks too: they are handed out without another device call. */
-        if (verify && !touches_paused && !verify->accessible(h->dev, b->addr, b->size))
-            return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
-        for (size_t p = p0; verify && touches_paused && p < p1; p++)
-            if (!paused[p] && !verify->accessible(h->dev, gm_page_addr(h, p), P))
-                return fail(why, len, "the device says page %zu under block %#lx is not accessible", p,
-                            (unsigned long)b->addr);
-    }
-    if (last->addr + last->size != h->base + h->va_size) return fail(why, len, "blocks do not reach the range's end");
-
-    /* C2 counts, C14, C7. */
-    size_t mapped = 0, multi = 0, loose = 0, parked = 0;
-    for (size_t p = 0; p < h->n_pages; p++) {
-        mapped += h->page_handle[p] != 0;
-        if (!h->parked[p]) continue;
-        parked++;
-        if (!h->page_handle[p] || (h->chunk_off[p] && !h->parked[p - 1]) ||
-            (!h->chunk_off[p] && h->chunk_len[p] > h->n_pages - p) ||
-            (!h->chunk_off[p] && memchr(h->parked + p, 0, h->chunk_len[p])))
-            return fail(why, len, "parked page %zu is not part of a wholly parked, mapped chunk", p);
-    }
-    if (mapped != h->mapped_pages)
-        return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
-    if (parked != h->n_parked) return fail(why, len, "%zu pages parked but the heap counts %zu", parked, h->n_parked);
-    for (size_t p = 0; p < h->n_pages;) {
-        if (!h->page_handle[p]) {
-            if (h->chunk_len[p] || h->chunk_off[p])
-                return fail(why, len, "unmapped page %zu has chunk data (length %u, offset %u)", p,
-                            (unsigned)h->chunk_len[p], (unsigned)h->chunk_off[p]);
-            p++;
-            continue;
-        }
-        size_t k = h->chunk_len[p];
-        if (h->chunk_off[p] || !k || k > GM_CHUNK_PAGES_MAX || k > h->n_pages - p)
-            return fail(why, len, "page %zu starts a chunk of %zu pages at offset %u (at most %d)", p, k,
-                        (unsigned)h->chunk_off[p], GM_CHUNK_PAGES_MAX);
-        for (size_t i = 1; i < k; i++)
-            if (h->page_handle[p + i] != h->page_handle[p] || h->chunk_off[p + i] != i || h->chunk_len[p + i] != k)
-                return fail(why, len,
-                            "chunk of %zu pages at page %zu: page %zu is not part of it (handle %llu, offset %u, "
-                            "length %u)",
-                            k, p, p + i, (unsigned long long)h->page_handle[p + i], (unsigned)h->chunk_off[p + i],
-                            (unsigned)h->chunk_len[p + i]);
-        multi += k > 1;
-        p += k;
-    }
-    if (multi != h->multi_chunks)
-        return fail(why, len, "%zu chunks of several pages are mapped but the heap counts %zu", multi, h->multi_chunks);
-    for (size_t i = 0; i < h->n_loose; i++) {
-        if (h->loose[i].pages < 2) return fail(why, len, "a loose chunk has %zu pages", h->loose[i].pages);
-        loose += h->loose[i].pages;
-    }
-    if (loose != h->loose_pages)
-        return fail(why, len, "loose chunks hold %zu pages but the heap counts %zu", loose, h->loose_pages);
-    gm_handle *all = malloc((mapped + h->n_spare + h->n_loose + 1) * sizeof *all);
-    if (all) {
-        size_t k = 0;
-        for (size_t p = 0; p < h->n_pages; p++)
-            if (h->page_handle[p] && !h->chunk_off[p]) all[k++] = h->page_handle[p];
-        for (size_t i = 0; i < h->n_spare; i++) all[k++] = h->spare[i];
-        for (size_t i = 0; i < h->n_loose; i++) all[k++] = h->loose[i].handle;
-        qsort(all, k, sizeof *all, cmp_handle);
-        for (size_t i = 1; i < k; i++)
-            if (all[i] == all[i - 1]) {
-                unsigned long long dup = (unsigned long long)all[i];
-                free(all);
-                return fail(why, len, "physical page %llu is held twice", dup);
-            }
-        free(all);
-    }
-    if (verify) {
-        size_t created = 0, dev_mapped = 0;
-        verify->pages(h->dev, &created, &dev_mapped);
-        size_t held = h->mapped_pages + h->n_spare + h->loose_pages;
-        if (dev_mapped != h->mapped_pages || created != held)
-            return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)", created,
-                        dev_mapped, held, h->mapped_pages);
-        /* Not only how many: which physical page sits at each address. */
-        for (size_t p = 0; p < h->n_pages; p++) {
-            gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
-            if (at != h->page_handle[p])
-                return fail(why, len, "page %zu: the heap has physical page %llu there, the device %llu", p,
-                            (unsigned long long)h->page_handle[p], (unsigned long long)at);
-        }
-    }
-
-    /* C4 */
-    size_t indexed = 0, indexed_bytes = 0;
-    for (size_t i = 0; i < h->n_owners; i++) {
-        const gm_owner *o = h->owners[i];
-        if (fi_check(&o->idx, why, len)) return GM_ECORRUPT;
-        for (unsigned fl = 0; fl < FI_FL; fl++)
-            for (unsigned sl = 0; sl < FI_SL; sl++)
-                for (const gm_block *b = o->idx.bins[fl][sl]; b; b = b->lnext)
-                    if (b->state != GM_BLOCK_FREE || b->stream != o->stream || b->pool != o->pool)
-                        return fail(why, len, "index of stream %llu holds block %#lx that is not its free block",
-                                    (unsigned long long)o->stream, (unsigned long)b->addr);
-        indexed += o->idx.count;
-        indexed_bytes += o->idx.bytes;
-    }
-    if (indexed != (size_t)n_free || indexed_bytes != (size_t)b_free)
-        return fail(why, len, "indexes hold %zu free blocks / %zu bytes but %lld / %lld exist", indexed, indexed_bytes,
-                    (long long)n_free, (long long)b_free);
-
-    /* C5 */
-    if (h->n_live != (size_t)n_live)
-        return fail(why, len, "live table counts %zu, blocks %lld", h->n_live, (long long)n_live);
-    size_t in_list = 0;
-    for (const gm_block *b = h->pending_head; b; b = b->lnext, in_list++)
-        if (b->state != GM_BLOCK_PENDING) return fail(why, len, "pending list holds a non-pending block");
-    if (in_list != pending || in_list != h->n_pending)
-        return fail(why, len, "pending list holds %zu, counter %zu, blocks %zu", in_list, h->n_pending, pending);
-
-    /* C6 */
-    const gm_stats *st = &h->st;
-    int rc;
-    int64_t held = (int64_t)(h->mapped_pages + h->n_spare + h->loose_pages);
-#define STAT_IS(name, all, small) (rc = stat_is(st->name, all, small, #name, why, len))
-    if (STAT_IS(allocation, n_live, n_live_s) || STAT_IS(allocated_bytes, b_live, b_live_s) ||
-        STAT_IS(requested_bytes, req, req_s) || STAT_IS(active, n_act, n_act_s) ||
-        STAT_IS(active_bytes, b_act, b_act_s) || STAT_IS(inactive_split, n_free, n_free_s) ||
-        STAT_IS(inactive_split_bytes, b_free, b_free_s) || STAT_IS(segment, held, 0) ||
-        STAT_IS(reserved_bytes, held * (int64_t)P, 0))
-#undef STAT_IS
-        return rc;
-    if ((int64_t)h->live_bytes != b_live) return fail(why, len, "live_bytes disagrees with a recount");
-
-    /* C11 */
-    if ((rc = check_streams(h, why, len))) return rc;
-
-    /* C10 */
-    return check_runs(h, why, len);
 }
 
 static int known_pool(const gm_heap *h, const gm_pool *p) {
@@ -593,9 +658,19 @@ static int check_pinned_pages(gm_heap *h, char *why, size_t len) {
         return fail(why, len, "%zu pages back live, pending or pool blocks but the heap counts %zu used", n, counted);
     return GM_OK;
 }
+/* C8: private pools' blocks, owners and pages are accounted for. */
+static int check_c8_pools(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    int rc = check_pool_blocks(h, why, len);
+    if (!rc) rc = check_pool_owners(h, why, len);
+    if (!rc) rc = check_pinned_pages(h, why, len);
+    return rc;
+}
 
-/* C9 */
-static int check_deferred(gm_heap *h, char *why, size_t len) {
+/* C9: capture: the deferred count equals the pending blocks marked deferred;
+ * a deferred block is pending with no event recorded. */
+static int check_c9_deferred(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
     size_t n = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
         if (!b->deferred) continue;
@@ -611,14 +686,23 @@ static int check_deferred(gm_heap *h, char *why, size_t len) {
     return GM_OK;
 }
 
+typedef int check_rule(gm_heap *h, const gm_pool **paused, char *why, size_t len);
+
+/* The rules in the order they are checked: the layout first, what is built
+ * on it after. */
+static check_rule *const rules[] = {
+    check_c12_paused,    check_c1_tiling,  check_c3_merged,       check_c2_mapped,   check_c14_chunks,
+    check_c7_held_once,  check_c4_indexes, check_c5_live_pending, check_c6_stats,    check_c11_streams,
+    check_c13_hand_over, check_c10_runs,   check_c8_pools,        check_c9_deferred,
+};
+
 int gm_check(gm_heap *h, char *why, size_t whylen) {
     if (why && whylen) why[0] = 0;
     pthread_mutex_lock(&h->lock);
-    int rc = check_locked(h, why, whylen);
-    if (!rc) rc = check_pool_blocks(h, why, whylen);
-    if (!rc) rc = check_pool_owners(h, why, whylen);
-    if (!rc) rc = check_pinned_pages(h, why, whylen);
-    if (!rc) rc = check_deferred(h, why, whylen);
+    const gm_pool **paused = NULL;
+    int rc = paused_pages(h, &paused, why, whylen);
+    for (size_t i = 0; !rc && i < sizeof rules / sizeof *rules; i++) rc = rules[i](h, paused, why, whylen);
+    free(paused);
     pthread_mutex_unlock(&h->lock);
     return rc;
 }
