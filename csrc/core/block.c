@@ -94,6 +94,7 @@ int h_live_grow(gm_heap *h) {
 }
 
 void h_live_insert(gm_heap *h, gm_block *b) {
+    gm_assert(b->state == GM_BLOCK_LIVE && !gm_live_find(h, b->addr));
     size_t s = live_slot(h, b->addr);
     b->hnext = h->live[s];
     h->live[s] = b;
@@ -111,6 +112,7 @@ gm_block *h_live_remove(gm_heap *h, uintptr_t addr) {
     for (; *p; p = &(*p)->hnext) {
         if ((*p)->addr == addr) {
             gm_block *b = *p;
+            gm_assert(b->state == GM_BLOCK_LIVE && h->n_live > 0);
             *p = b->hnext;
             b->hnext = NULL;
             h->n_live--;
@@ -235,6 +237,8 @@ void h_owners_trim(gm_heap *h) {
 }
 
 static void pool_free_add(gm_heap *h, gm_pool *p, int64_t blocks, int64_t bytes) {
+    gm_assert(blocks >= 0 || (p->free_blocks >= (size_t)-blocks && p->free_bytes >= (size_t)-bytes &&
+                              h->pool_free_bytes >= (size_t)-bytes));
     p->free_blocks += (size_t)blocks;
     p->free_bytes += (size_t)bytes;
     h->pool_free_bytes += (size_t)bytes;
@@ -244,7 +248,9 @@ void h_index_insert(gm_heap *h, gm_block *b) {
     /* owner_get only fails on host OOM; every owner a free block names was
      * created when its stream first allocated (in the block's pool), so this
      * finds it. */
-    fi_insert(&gm_owner_find(h, b->pool, b->stream)->idx, b);
+    gm_owner *o = gm_owner_find(h, b->pool, b->stream);
+    gm_assert(o && b->state == GM_BLOCK_FREE && (!b->pool || b->pool->use_count > 0));
+    fi_insert(&o->idx, b);
     if (b->pool) pool_free_add(h, b->pool, 1, (int64_t)b->size);
     int pool = gm_pool_of(b->size);
     gm_stat_up(h->st.inactive_split, pool, 1);
@@ -252,7 +258,9 @@ void h_index_insert(gm_heap *h, gm_block *b) {
 }
 
 void h_index_remove(gm_heap *h, gm_block *b) {
-    fi_remove(&gm_owner_find(h, b->pool, b->stream)->idx, b);
+    gm_owner *o = gm_owner_find(h, b->pool, b->stream);
+    gm_assert(o && b->state == GM_BLOCK_FREE);
+    fi_remove(&o->idx, b);
     if (b->pool) pool_free_add(h, b->pool, -1, -(int64_t)b->size);
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.inactive_split, pool, 1);
@@ -300,6 +308,7 @@ int h_owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
  * b must not be in any list.  A block that keeps its pages (a pool's free
  * block) is counted as two afterwards. */
 gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
+    gm_assert(offset > 0 && offset < b->size && offset % GM_ALIGN == 0);
     int keeps = gm_keeps_pages(b);
     if (keeps) gm_pages_use(h, b, -1);
     gm_block *r = h_block_new(h);
@@ -316,6 +325,7 @@ gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
     if (b->next) b->next->prev = r;
     b->next = r;
     b->size = offset;
+    gm_assert(b->next == r && r->prev == b && b->addr + b->size == r->addr && (!r->next || r->next->prev == r));
     if (keeps) {
         gm_pages_use(h, b, 1);
         gm_pages_use(h, r, 1);
@@ -329,6 +339,8 @@ gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
  * stream's (not everyone's) when either part was that stream's, so the
  * newer epoch of such a part goes with it. */
 void h_absorb(gm_heap *h, gm_block *a, gm_block *b) {
+    gm_assert(a->next == b && b->prev == a && a->addr + a->size == b->addr);
+    gm_assert(a->state == b->state && a->pool == b->pool && gm_keeps_pages(a) == gm_keeps_pages(b));
     uint64_t ea = gm_free_owner(h, a) == ANY ? 0 : a->epoch, eb = gm_free_owner(h, b) == ANY ? 0 : b->epoch;
     a->epoch = ea > eb ? ea : eb;
     int keeps = gm_keeps_pages(a);
@@ -344,6 +356,7 @@ void h_absorb(gm_heap *h, gm_block *a, gm_block *b) {
         a->origin = b->origin;
     }
     block_del(h, b);
+    gm_assert(!a->next || (a->next->prev == a && a->addr + a->size == a->next->addr));
     if (keeps) gm_pages_use(h, a, 1);
 }
 
@@ -358,6 +371,7 @@ void h_merge_free(gm_heap *h, gm_block *b, gm_block *n, gm_stream o) {
 
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
+    gm_assert(b->state != GM_BLOCK_FREE);
     gm_stream o;
     if (owner != ANY && h->lazy_stream != ANY && owner != h->lazy_stream) h_settle_release(h);
     /* Free in a living pool, it stays out of general space and keeps its pages. */
@@ -404,6 +418,7 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
 /* b (in no list) becomes unmapped address space and merges with unmapped
  * neighbours.  Returns the block it ended up in. */
 gm_block *h_make_unmapped(gm_heap *h, gm_block *b) {
+    gm_assert(b->state == GM_BLOCK_FREE && !gm_keeps_pages(b));
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;

@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "debug.h"
 #include "gpumem/gpumem.h"
 
 typedef struct gm_block gm_block;

@@ -485,6 +485,7 @@ static void pending_step(gm_heap *h, gm_stream s) {
 
 /* b (free, carved) becomes live for s, in pool p. */
 void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context, gm_pool *p) {
+    gm_assert(b->state == GM_BLOCK_FREE && b->size == size && requested <= size);
     int kept = gm_keeps_pages(b);
     if (!gm_general_space(b)) {
         b->state = GM_BLOCK_LIVE; /* a pool's free block: no run changes */

@@ -61,7 +61,9 @@ void h_release_chunk(gm_heap *h, gm_handle hd, size_t k) {
 
 /* The chunk hd of k pages is mapped at pages [p0, p0+k) now / no longer. */
 static void chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd) {
+    gm_assert(hd && k > 0 && p0 + k <= h->n_pages);
     for (size_t i = 0; i < k; i++) {
+        gm_assert(!h->page_handle[p0 + i]);
         h->page_handle[p0 + i] = hd;
         h->chunk_off[p0 + i] = (uint32_t)i;
         h->chunk_len[p0 + i] = (uint32_t)k;
@@ -69,6 +71,7 @@ static void chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd) {
     h->mapped_pages += k;
 }
 void h_chunk_clear(gm_heap *h, size_t p0, size_t k) {
+    gm_assert(h->mapped_pages >= k && !h->chunk_off[p0] && h->chunk_len[p0] == k);
     memset(h->page_handle + p0, 0, k * sizeof *h->page_handle);
     memset(h->chunk_off + p0, 0, k * sizeof *h->chunk_off);
     memset(h->chunk_len + p0, 0, k * sizeof *h->chunk_len);

@@ -14,6 +14,7 @@
 /* ---- private pools ----------------------------------------------------------------------- */
 
 void h_pool_delete(gm_heap *h, gm_pool *p) {
+    gm_assert(p->use_count == 0 && !p->live_blocks && !p->free_blocks && !p->any);
     for (size_t i = 0; i < h->n_pools; i++) {
         if (h->pools[i] != p) continue;
         h->pools[i] = h->pools[--h->n_pools];

@@ -53,6 +53,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "debug.h"
 #include "freeindex.h" /* the bins: FI_FL x FI_SL, fi_fl_sl, fi_first_bin */
 
 struct gm_block;
@@ -97,6 +98,7 @@ void ri_unindex(gm_runindex *ri, struct gm_block *head);
 /* Page p gains (d > 0) or loses a block that starts or ends in it; *pages
  * counts the pages whose count is not zero. */
 static inline void ri_ep_add(uint32_t *ep, size_t p, int d, size_t *pages) {
+    gm_assert(d > 0 ? ep[p] < UINT32_MAX : ep[p] > 0);
     if (d > 0) {
         if (ep[p]++ == 0) (*pages)++;
     } else if (--ep[p] == 0) {

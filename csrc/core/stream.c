@@ -64,6 +64,7 @@ static int event_done(gm_heap *h, gm_event ev) {
 /* ---- pending blocks ----------------------------------------------------------- */
 
 static void pending_unlink(gm_heap *h, gm_block *b) {
+    gm_assert(b->state == GM_BLOCK_PENDING && h->n_pending > 0);
     if (b->lprev)
         b->lprev->lnext = b->lnext;
     else
@@ -77,6 +78,7 @@ static void pending_unlink(gm_heap *h, gm_block *b) {
 }
 
 void h_pending_append(gm_heap *h, gm_block *b) {
+    gm_assert(b->state == GM_BLOCK_PENDING && b->n_uses > 0);
     b->lnext = NULL;
     b->lprev = h->pending_tail;
     if (h->pending_tail)
@@ -90,7 +92,9 @@ void h_pending_append(gm_heap *h, gm_block *b) {
 /* A pending or live block leaves "active" and becomes free for its stream, in
  * its pool if that still lives, else in the general heap. */
 void h_complete_free(gm_heap *h, gm_block *b) {
+    gm_assert(b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING);
     gm_pool *pl = b->pool;
+    gm_assert(!pl || (pl->live_blocks > 0 && pl->live_bytes >= b->size));
     if (pl) {
         pl->live_blocks--;
         pl->live_bytes -= b->size;
