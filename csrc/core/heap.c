@@ -467,14 +467,6 @@ gm_device *gm_heap_device(gm_heap *h) { return h->dev; }
 
 /* ---- allocation and free --------------------------------------------------------------- */
 
-gm_pool *h_pool_find(const gm_heap *h, const gm_pool_id *id) {
-    for (size_t i = 0; i < h->n_pools; i++) {
-        gm_pool *p = h->pools[i];
-        if (p->use_count > 0 && p->id.first == id->first && p->id.second == id->second) return p;
-    }
-    return NULL;
-}
-
 /* Before pending blocks are looked at: not during a capture, and blocks freed
  * during one get their events first. */
 static void pending_step(gm_heap *h, gm_stream s) {

@@ -249,7 +249,6 @@ static inline gm_owner *h_everyones(const gm_heap *h, const gm_pool *pool) { ret
 /* ---- heap.c ---- */
 gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
 gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
-gm_pool *h_pool_find(const gm_heap *h, const gm_pool_id *id);
 void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context, gm_pool *p);
 void h_free_block(gm_heap *h, gm_block *b);
 
@@ -321,6 +320,7 @@ void h_record_uses(gm_heap *h, gm_block *b);
 int h_other_capture(gm_heap *h);
 
 /* ---- pool.c ---- */
+gm_pool *h_pool_find(const gm_heap *h, const gm_pool_id *id);
 void h_pool_delete(gm_heap *h, gm_pool *p);
 int h_valid_id(const gm_pool_id *id);
 

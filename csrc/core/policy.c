@@ -2,7 +2,7 @@
  * policy.c -- room vs pressure: the growth limit and the room line that
  * decide whether the slow path takes new pages or recycles (POLICY below).
  *
- * Calls: the device (free memory); nothing else in the heap.
+ * Calls: page.c (growing), the device (its free memory).
  */
 #include "heap_internal.h"
 

@@ -13,6 +13,15 @@
 
 /* ---- private pools ----------------------------------------------------------------------- */
 
+/* The living pool named id, or NULL. */
+gm_pool *h_pool_find(const gm_heap *h, const gm_pool_id *id) {
+    for (size_t i = 0; i < h->n_pools; i++) {
+        gm_pool *p = h->pools[i];
+        if (p->use_count > 0 && p->id.first == id->first && p->id.second == id->second) return p;
+    }
+    return NULL;
+}
+
 void h_pool_delete(gm_heap *h, gm_pool *p) {
     gm_assert(p->use_count == 0 && !p->live_blocks && !p->free_blocks && !p->any);
     for (size_t i = 0; i < h->n_pools; i++) {
