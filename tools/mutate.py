@@ -361,7 +361,7 @@ def main(argv=None) -> int:
         r = evaluate(m, a.tests, a.python, a.timeout, a.keep)
         results.append(r)
         print(f"{m.name}: {short(r['caught_by'])}", flush=True)
-    print("\n| bug planted in heap.c | caught by |\n|---|---|")
+    print("\n| bug planted in the core | caught by |\n|---|---|")
     for r in results:
         if r["mutation"] != "none":
             print(f"| {r['bug']} (`{r['mutation']}`) | {short(r['caught_by'])} |")
