@@ -1,6 +1,8 @@
 /*
- * heap_internal.h -- the heap's data structures, shared by the core's files.
- * Nothing outside csrc/core includes this.  The design is drawn in heap.c.
+ * heap_internal.h -- the heap's data structures, shared by the core's files,
+ * and the functions that cross from one file to another, grouped by the file
+ * that defines them (heap.c, THE FILES, says which file owns what).  Nothing
+ * outside csrc/core includes this.  The design is drawn in heap.c.
  */
 #ifndef GPUMEM_HEAP_INTERNAL_H
 #define GPUMEM_HEAP_INTERNAL_H
@@ -177,7 +179,6 @@ static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->bas
 static inline size_t gm_chunk_first(const gm_heap *h, size_t p) { return p - h->chunk_off[p]; }
 static inline size_t gm_chunk_end(const gm_heap *h, size_t p) { return p - h->chunk_off[p] + h->chunk_len[p]; }
 
-gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
 /* The stream that may reuse free block b at once (GM_STREAM_ANY: every
  * stream).  Its index is its pool's owner for b->stream; a block of
  * h->lazy_stream from an earlier epoch is everyone's, though it sits there. */
@@ -225,9 +226,7 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
     ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
 }
 
-gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
-size_t gm_used_pages(gm_heap *h);
-
+/* The owner "every stream", as the core's files write it. */
 #define ANY GM_STREAM_ANY
 
 /* A place for a request, as placement finds it (place.c). */
@@ -241,6 +240,7 @@ typedef struct placement {
     int beside;      /* the range starts right after another living pool's block */
 } placement;
 
+/* Pages the heap holds: mapped, spare, and in loose chunks. */
 static inline size_t h_held_pages(const gm_heap *h) { return h->mapped_pages + h->n_spare + h->loose_pages; }
 static inline size_t h_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 /* Everyone's owner in `pool` (NULL: the general heap). */
@@ -253,6 +253,8 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
 void h_free_block(gm_heap *h, gm_block *b);
 
 /* ---- block.c ---- */
+gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
+gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
 int h_slab_grow(gm_heap *h);
 int h_slab_reserve(gm_heap *h, size_t n);
 gm_block *h_block_new(gm_heap *h);
@@ -312,6 +314,7 @@ int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, in
 int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at);
 
 /* ---- report.c ---- */
+size_t gm_used_pages(gm_heap *h);
 void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o);
 
 /* ---- capture.c ---- */
