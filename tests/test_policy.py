@@ -164,6 +164,31 @@ def test_chunks_only_far_from_pressure_and_for_large_requests():
             assert st["num_device_alloc"] == st["reserved_bytes.all.current"] // PAGE, kw
 
 
+def test_small_growth_comes_as_chunks_only_with_plenty_of_room():
+    """With at least 16 GiB free past the room line, small growths come as one chunk each, reaching ahead to
+    eight pages into the unmapped space after them; with less, every page is its own allocation (movable)."""
+    with gpumem.Heap(capacity=80 * GiB) as h:  # room line 70 GiB: far from pressure, and plenty past it
+        a = h.malloc(3 * MiB)  # 2 pages needed, 8 made in one allocation
+        st = h.stats()
+        assert st["num_device_alloc"] == 1 and st["reserved_bytes.all.current"] == 8 * PAGE
+        b = h.malloc(9 * MiB)  # served by the pages made ahead: no device call
+        assert h.stats()["num_device_alloc"] == 1
+        c = h.malloc(40 * MiB)  # up to page 26: the rest of the eight, then one new chunk
+        st = h.stats()
+        assert st["num_device_alloc"] == 2
+        h.check()
+        for p in (a, b, c):
+            h.free(p)
+    for kw in ({"capacity": 16 * GiB}, {"capacity": 80 * GiB, "pressure": 0}):
+        with gpumem.Heap(**kw) as h:
+            p = h.malloc(3 * MiB)
+            q = h.malloc(40 * MiB)
+            st = h.stats()
+            assert st["num_device_alloc"] == st["reserved_bytes.all.current"] // PAGE == 22, kw
+            h.free(p)
+            h.free(q)
+
+
 def test_chunk_refused_with_room_falls_back_to_single_pages():
     with gpumem.Heap(capacity=8 * GiB) as h:
         h.sim_fail("create", nth=2, count=1)  # the first inner chunk of 64 pages (GM_ENOMEM)
