@@ -24,7 +24,6 @@ Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-o
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gpumem  # noqa: E402
+from common import write_json  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
@@ -258,11 +258,7 @@ def main(argv=None):
         "gpumem_no_capture": nc,
         "segment_model": s,
     }
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", a.out)
+    write_json(a.out, out)
     return 0 if g["check"] == nc["check"] == "ok" else 1
 
 
