@@ -8,26 +8,15 @@ the same after warm-up, and tight with GPUMEM_CONF=pressure:0.  Each case runs i
 skipped without torch or a CUDA GPU.
 """
 
+import inspect
+import textwrap
+
 import pytest
 from test_gpu_torch import N_CUDA, run_py
+from test_policy import counters, workload
 
-WORKLOAD = """
-        MiB = 1 << 20
-        def workload(h, rounds=3):
-            keep = []
-            for r in range(rounds):
-                big = []
-                for _ in range(8):
-                    big.append(h.malloc((64 + 8 * r) * MiB))
-                    keep.append(h.malloc(MiB))
-                for p in big:
-                    h.free(p)
-                h.free(h.malloc((256 + 32 * r) * MiB))
-            return keep
-        def counters(h):
-            s = h.stats()
-            return {k: s[k] for k in ("num_remaps", "num_sync_all_streams", "num_device_alloc", "num_ooms")}
-"""
+# tests/test_policy.py's workload and counters, defined in the child (indented as the code run after them)
+WORKLOAD = textwrap.indent("MiB = 1 << 20\n" + inspect.getsource(workload) + inspect.getsource(counters), " " * 8)
 
 
 @pytest.mark.gpu
