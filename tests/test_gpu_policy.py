@@ -11,16 +11,14 @@ skipped without torch or a CUDA GPU.
 import inspect
 import textwrap
 
-import pytest
-from test_gpu_torch import N_CUDA, run_py
+from test_gpu_torch import gpu_test, run_py
 from test_policy import counters, workload
 
 # tests/test_policy.py's workload and counters, defined in the child (indented as the code run after them)
 WORKLOAD = textwrap.indent("MiB = 1 << 20\n" + inspect.getsource(workload) + inspect.getsource(counters), " " * 8)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_cuda_room_and_pressure():
     r = run_py(
         WORKLOAD
@@ -85,8 +83,7 @@ TORCH_LOOP = """
 """
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_torch_with_room_makes_no_sync_after_warmup():
     room = run_py(TORCH_LOOP)
     tight = run_py(TORCH_LOOP, env={"GPUMEM_CONF": "pressure:0"})
