@@ -33,6 +33,15 @@ def trace():
     return _viz.torch_snapshot_dict()["device_traces"][0]
 def names(entry):
     return [f["name"] for f in entry["frames"]]
+def each_context(case):
+    # {context: case()} for each of torch's context modes, recording from an empty cache
+    got = {}
+    for context in ("alloc", "all", "state"):
+        empty_cache()
+        _viz.record_torch_history("all", context, "python")
+        got[context] = case()
+        _viz.record_torch_history(None)
+    return got
 """
 )
 
@@ -74,13 +83,10 @@ def test_context_none_leaves_no_stack_even_where_torchs_plot_filter_keeps_entrie
 
 def test_each_context_mode_gives_its_trace_entries_their_stacks():
     r = run_py("""
-        got = {}
-        for context in ("alloc", "all", "state"):
-            empty_cache()
-            _viz.record_torch_history("all", context, "python")
+        def case():
             x = None
             def thealloc():
-                global x
+                nonlocal x
                 x = alloc(3 * 4 * 4, 0, None)
             def thefree():
                 free(x, 0, 0, None)
@@ -91,14 +97,13 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
             kept = keep_one()
             snap = _viz.torch_snapshot_dict()
             blocks = [names(b)[:1] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
-            got[context] = {
+            free(kept, 0, 0, None)
+            return {
                 "trace": [(e["action"], names(e)[:1]) for e in snap["device_traces"][0]],
                 "blocks": blocks,
                 "text": json.dumps(snap),
             }
-            free(kept, 0, 0, None)
-            _viz.record_torch_history(None)
-        out(got=got)
+        out(got=each_context(case))
     """)
     g = r["got"]
     # "all": a free carries the stack of the code that freed
@@ -134,19 +139,14 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
 
 def test_empty_cache_carries_its_callers_stack_with_context_all_only():
     r = run_py("""
-        got = {}
-        for context in ("alloc", "all", "state"):
-            empty_cache()
-            _viz.record_torch_history("all", context, "python")
+        def case():
             p = alloc(4 * MiB, 0, None)
             free(p, 0, 0, None)
             def release_the_cache():
                 empty_cache()
             release_the_cache()
-            unmaps = [names(e)[:1] for e in trace() if e["action"] == "segment_unmap"]
-            got[context] = unmaps
-            _viz.record_torch_history(None)
-        out(got=got)
+            return [names(e)[:1] for e in trace() if e["action"] == "segment_unmap"]
+        out(got=each_context(case))
     """)
     assert r["got"]["all"] and all(n == ["release_the_cache"] for n in r["got"]["all"]), r["got"]
     for context in ("alloc", "state"):
