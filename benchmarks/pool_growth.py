@@ -50,6 +50,13 @@ def forward(a, tokens, alloc, free, batch):
     """One forward pass: intermediates allocated and freed as a transformer's
     are; returns the live output (logits)."""
     act, mlp, bf16 = tokens * a.hidden * 2, tokens * a.mlp * 2, 2
+
+    def residual(x, branch):
+        """x + branch, into a new activation; both freed."""
+        out = alloc(act)
+        free(x), free(branch)
+        return out
+
     x = alloc(act)
     for _ in range(a.layers):
         n = alloc(act)
@@ -60,9 +67,7 @@ def forward(a, tokens, alloc, free, batch):
         free(q), free(k), free(v), free(lse)
         proj = alloc(act)
         free(o)
-        x2 = alloc(act)
-        free(x), free(proj)
-        x = x2
+        x = residual(x, proj)
         n = alloc(act)
         gate, up = alloc(mlp), alloc(mlp)
         free(n)
@@ -70,9 +75,7 @@ def forward(a, tokens, alloc, free, batch):
         free(gate), free(up)
         down = alloc(act)
         free(h_)
-        x2 = alloc(act)
-        free(x), free(down)
-        x = x2
+        x = residual(x, down)
     n = alloc(act)
     free(x)
     logits = alloc(tokens * a.vocab * bf16)
