@@ -24,9 +24,14 @@ from conftest import cuda_devices, run_python  # noqa: E402
 N_CUDA = cuda_devices()[0]
 
 
-def gpu_test(f):
-    """A test that needs torch with a CUDA GPU: marked `gpu`, skipped without one."""
-    return pytest.mark.gpu(pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")(f))
+def gpu_test(f=None, *, devices=1):
+    """A test that needs torch with a CUDA GPU (`devices` of them): marked `gpu`, skipped without."""
+    reason = "needs torch with a CUDA GPU" if devices == 1 else f"needs {devices} CUDA devices"
+
+    def mark(f):
+        return pytest.mark.gpu(pytest.mark.skipif(N_CUDA < devices, reason=reason)(f))
+
+    return mark(f) if f else mark
 
 
 PRELUDE = """
@@ -394,8 +399,7 @@ def test_fragmentation_scenario_native_fails_gpumem_succeeds():
     assert res["gpumem"]["request"] <= res["gpumem"]["free_in_holes"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
+@gpu_test(devices=2)
 def test_two_devices_each_get_a_heap():
     r = run_py("""
         gpumem.install()
@@ -410,8 +414,7 @@ def test_two_devices_each_get_a_heap():
 # Pages are mapped with an access descriptor for every GPU that can reach this one
 # (cuMemSetAccess in csrc/device/cuda.c): cudaDeviceEnablePeerAccess does not reach
 # virtual-memory mappings, so without them a.to("cuda:1") failed with "invalid argument".
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
+@gpu_test(devices=2)
 def test_two_devices_peer_copy():
     r = run_py("""
         gpumem.install()

@@ -106,22 +106,20 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
         out(got=each_context(case))
     """)
     g = r["got"]
+
+    def entries(freed_by):
+        return [
+            ["segment_map", ["thealloc"]],
+            ["alloc", ["thealloc"]],
+            ["free_requested", [freed_by]],
+            ["free_completed", [freed_by]],
+            ["alloc", ["keep_one"]],
+        ]
+
     # "all": a free carries the stack of the code that freed
-    assert g["all"]["trace"][:5] == [
-        ["segment_map", ["thealloc"]],
-        ["alloc", ["thealloc"]],
-        ["free_requested", ["thefree"]],
-        ["free_completed", ["thefree"]],
-        ["alloc", ["keep_one"]],
-    ]
+    assert g["all"]["trace"][:5] == entries("thefree")
     # "alloc": every entry carries its block's allocation stack (torch's too), never the freeing one
-    assert g["alloc"]["trace"][:5] == [
-        ["segment_map", ["thealloc"]],
-        ["alloc", ["thealloc"]],
-        ["free_requested", ["thealloc"]],
-        ["free_completed", ["thealloc"]],
-        ["alloc", ["keep_one"]],
-    ]
+    assert g["alloc"]["trace"][:5] == entries("thealloc")
     # "state": no trace entry carries a stack; the blocks alive still do
     assert [a for a, _ in g["state"]["trace"][:5]] == [
         "segment_map",
