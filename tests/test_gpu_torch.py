@@ -38,8 +38,6 @@ PRELUDE = """
 import json, os, sys
 import torch
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 DETERMINISM = """

@@ -24,8 +24,6 @@ MiB = 1 << 20
 """
     + TORCH_BOUNDARY
     + """
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 _C._torch_open_sim(0, 1 << 30)
 # what gpumem.install() registers: torch's allocations take Python stacks
 register_torch_hooks(active=lambda: True, stack_hook=_viz.set_stack_hook)
@@ -304,8 +302,6 @@ GPU_PRELUDE = """
 import json
 import torch
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 
