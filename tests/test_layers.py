@@ -1,7 +1,8 @@
 """The package and the C sources keep to the map in docs/architecture.md.
 
 Python: the import graph is read from the source (ast: every import statement,
-those inside functions too); every import goes to a module of the same or a
+those inside functions too, but not those under `if TYPE_CHECKING:`, which never
+run); every import goes to a module of the same or a
 lower layer of the map's layer table, within a layer there is no circle, and
 every module imports in a fresh interpreter in several orders.
 
@@ -50,6 +51,26 @@ def _resolve(current: str, is_pkg: bool, level: int, name: str) -> str:
     return ".".join(base + ([name] if name else []))
 
 
+def _is_type_checking(test) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_that_run(tree):
+    """The import statements of tree, those inside functions too, but not those
+    under `if TYPE_CHECKING:` (only a type checker reads them)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def import_graph():
     """module -> set of gpumem modules it imports (the package __init__s a
     submodule import runs implicitly are not counted)."""
@@ -60,7 +81,7 @@ def import_graph():
             continue
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
+        for node in imports_that_run(tree):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -106,6 +127,18 @@ def _find_cycle(graph):
 def test_no_import_circle():
     cycle = _find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_imports_only_a_type_checker_reads_are_not_counted():
+    tree = ast.parse(
+        "import a\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .b import B\nelse:\n    import c\n"
+        "if typing.TYPE_CHECKING:\n    import d\n"
+        "def f():\n    import e\n    if x:\n        import g\n"
+    )
+    names = sorted(a.name for n in imports_that_run(tree) for a in n.names)
+    assert names == ["TYPE_CHECKING", "a", "c", "e", "g"]
 
 
 def test_the_cycle_finder_finds_one():
