@@ -2,9 +2,9 @@
 
 Python: the import graph is read from the source (ast: every import statement,
 those inside functions too, but not those under `if TYPE_CHECKING:`, which never
-run); every import goes to a module of the same or a
-lower layer of the map's layer table, within a layer there is no circle, and
-every module imports in a fresh interpreter in several orders.
+run); every import goes to a module of the same or a lower layer of the map's
+layer table, within a layer there is no circle, and every module imports in a
+fresh interpreter in several orders.
 
 C: the map's tables say which folder may include which and which files alone
 may speak to Python, torch and CUDA; the tests read them and check every file
