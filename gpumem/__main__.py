@@ -97,26 +97,25 @@ def _want_progress(args, n_events: int) -> bool:
 # ---- replay ----------------------------------------------------------------------
 
 
-def _event_delay_arg(text: str) -> int:
+def _whole_arg(text: str, what: str, lo: int, hi: int, hi_text: str = "", unit: str = "") -> int:
+    """text as a whole number lo..hi, or an ArgumentTypeError that names what it is."""
     try:
         n = int(text, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"event delay must be a whole number of operations: {text!r}") from None
-    if n < 0 or n >= 1 << 64:
-        raise argparse.ArgumentTypeError(f"event delay must be between 0 and 2**64-1: {text!r}")
+        raise argparse.ArgumentTypeError(f"{what} must be a whole number{unit}: {text!r}") from None
+    if not lo <= n <= hi:
+        raise argparse.ArgumentTypeError(f"{what} must be between {lo} and {hi_text or hi}: {text!r}")
     return n
+
+
+def _event_delay_arg(text: str) -> int:
+    return _whole_arg(text, "event delay", 0, (1 << 64) - 1, "2**64-1", " of operations")
 
 
 def _chunk_pages_arg(text: str) -> int:
     from . import _C
 
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"chunk pages must be a whole number: {text!r}") from None
-    if not 1 <= n <= _C.CHUNK_PAGES_MAX:
-        raise argparse.ArgumentTypeError(f"chunk pages must be between 1 and {_C.CHUNK_PAGES_MAX}: {text!r}")
-    return n
+    return _whole_arg(text, "chunk pages", 1, _C.CHUNK_PAGES_MAX)
 
 
 def _pressure_arg(text: str) -> float:

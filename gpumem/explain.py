@@ -386,22 +386,12 @@ def _diagnose(r: Report, heap) -> None:
     causes: List[Cause] = []
     advice: List[str] = []
     short = r.shortfall if r.request else 0
-    if r.request and r.device_total and r.request > r.device_total:
-        causes.append(
-            Cause(
-                "too_big",
-                r.request - r.device_total,
-                f"the request ({_fs(r.request)}) is larger than the whole device ({_fs(r.device_total)})",
-            )
-        )
-    elif r.request and r.user_cap and r.request > r.user_cap:
-        causes.append(
-            Cause(
-                "too_big",
-                r.request - r.user_cap,
-                f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})",
-            )
-        )
+    # a request larger than the whole device, else than the cap: nothing can make it fit
+    for limit, what in ((r.device_total, "the whole device"), (r.user_cap, "the cap")):
+        if r.request and limit and r.request > limit:
+            text = f"the request ({_fs(r.request)}) is larger than {what} ({_fs(limit)})"
+            causes.append(Cause("too_big", r.request - limit, text))
+            break
     if not r.request or short or r.is_oom:
         ranked: List[Cause] = []
         if r.live_bytes:

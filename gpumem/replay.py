@@ -198,17 +198,16 @@ def replay(
         ooms=counts["ooms"],
         first_oom_event=counts["first_oom_event"],
         remaps=s["num_remaps"],
-        num_maps=s["num_maps"],
-        num_unmaps=s["num_unmaps"],
-        num_pages_remapped=s["num_pages_remapped"],
-        num_device_alloc=s["num_device_alloc"],
-        num_device_free=s["num_device_free"],
-        num_alloc_retries=s["num_alloc_retries"],
+        **{name: s[name] for name in _COUNTERS},
         event_delay=event_delay,
     )
     if timing:
         result.ns_per_op = time_trace(trace, capacity, heap_kwargs, event_delay)
     return result
+
+
+# the heap's counters a ReplayResult carries under their own names
+_COUNTERS = ("num_maps", "num_unmaps", "num_pages_remapped", "num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
 def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0) -> bool:

@@ -14,6 +14,8 @@ import gpumem
 from gpumem.__main__ import main
 
 from conftest import GiB, MiB, REPO, all_traces, trace_file
+from helpers import raw_events, recount_peak
+from helpers import write_text as _write_text
 
 SEED = trace_file("seed_fragmentation")
 
@@ -50,30 +52,11 @@ def run_cli(*args):
 
 
 def write_text(path, lines):
-    with gzip.open(path, "wt") as f:
-        f.write("# action addr size stream\n" + "\n".join(lines) + "\n")
-    return path
+    return _write_text(path, lines, header="# action addr size stream")
 
 
 def json_rows(stdout):
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
-
-def recount_peak(path):
-    """Peak live bytes counted from the file with no gpumem code."""
-    live, cur, peak = {}, 0, 0
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            if line.startswith("#"):
-                continue
-            action, addr, size, _ = line.split()
-            if action == "alloc":
-                live[addr] = int(size)
-                cur += int(size)
-                peak = max(peak, cur)
-            elif action == "free_completed":
-                cur -= live.pop(addr)
-    return peak
 
 
 # ---- bad input: one line on stderr, exit 2, no traceback --------------------------
@@ -172,7 +155,7 @@ def test_json_keys_and_consistency():
     for r, path in zip(rows, small):
         assert JSON_KEYS <= r.keys(), JSON_KEYS - r.keys()
         assert "min_capacity_bytes" not in r
-        assert r["peak_live_bytes"] == recount_peak(path)
+        assert r["peak_live_bytes"] == recount_peak(raw_events(path))
         assert r["capacity_bytes"] == 80 * GiB
         assert r["ooms"] == 0 and r["first_oom_event"] == -1
         assert r["events"] == r["allocs"] + r["frees"]

@@ -35,6 +35,15 @@ def test_request_bigger_than_device(heap):
     assert "larger than the whole device" in r.text() and "split the work" in r.text()
 
 
+def test_request_bigger_than_the_cap(heap):
+    heap.set_cap(256 * MiB)
+    r = explain(300 * MiB, heap)
+    assert r.main_cause.kind == "too_big" and not r.fits
+    assert r.main_cause.bytes == 44 * MiB
+    assert "larger than the cap (256.00 MiB)" in r.text()
+    assert [c.kind for c in r.causes].count("too_big") == 1
+
+
 def test_other_processes_by_pid(heap):
     heap.sim_set_external(4242, 600 * MiB)
     heap.sim_set_external(777, 100 * MiB)

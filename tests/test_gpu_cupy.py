@@ -21,8 +21,6 @@ PRELUDE = """
 import gc, json, os, sys
 import numpy as np
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 

@@ -23,12 +23,21 @@ from conftest import cuda_devices, run_python  # noqa: E402
 # Zero only without a GPU; a broken CUDA install raises here (see conftest).
 N_CUDA = cuda_devices()[0]
 
+
+def gpu_test(f=None, *, devices=1):
+    """A test that needs torch with a CUDA GPU (`devices` of them): marked `gpu`, skipped without."""
+    reason = "needs torch with a CUDA GPU" if devices == 1 else f"needs {devices} CUDA devices"
+
+    def mark(f):
+        return pytest.mark.gpu(pytest.mark.skipif(N_CUDA < devices, reason=reason)(f))
+
+    return mark(f) if f else mark
+
+
 PRELUDE = """
 import json, os, sys
 import torch
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 DETERMINISM = """
@@ -50,8 +59,7 @@ def run_py(code, env=None, timeout=900):
 # ---- GPU ---------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_many_sizes_and_kernels():
     r = run_py("""
         gpumem.install()
@@ -122,8 +130,7 @@ out(losses=losses, peak=st["allocated_bytes.all.peak"], backend=gpumem.status()[
 )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 @pytest.mark.parametrize("model,steps", [("gpt2", 6), ("resnet50", 4)])
 def test_training_losses_equal_native(model, steps, tmp_path):
     pytest.importorskip("transformers" if model == "gpt2" else "torchvision")
@@ -147,8 +154,7 @@ def test_training_losses_equal_native(model, steps, tmp_path):
     print(model, "losses", ours["losses"], "peak native", native["peak"], "gpumem", ours["peak"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_record_stream_keeps_block_until_side_stream_is_done():
     r = run_py("""
         gpumem.install()
@@ -187,8 +193,7 @@ def test_record_stream_keeps_block_until_side_stream_is_done():
     assert r["record_calls"] >= 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_empty_cache_lowers_device_usage():
     r = run_py("""
         gpumem.install()
@@ -208,8 +213,7 @@ def test_empty_cache_lowers_device_usage():
     assert r["calls"] == 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_cap_from_fraction_and_from_conf():
     r = run_py("""
         gpumem.install()
@@ -246,8 +250,7 @@ def test_cap_from_fraction_and_from_conf():
     assert r["refused"] and r["cap"] == 2 << 30 and r["oom_type"] == "runtime", r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_oom_raises_then_context_stays_healthy():
     r = run_py("""
         gpumem.install()
@@ -297,8 +300,7 @@ def test_oom_raises_then_context_stays_healthy():
     print("OOM message:", r["msg"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_torch_memory_api_routed(tmp_path):
     native = run_py("""
         torch.ones(1, device="cuda")
@@ -361,8 +363,7 @@ def test_torch_memory_api_routed(tmp_path):
     assert r["reinstalled"] == 1024
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_install_too_late_is_a_clear_error():
     r = run_py("""
         torch.ones(1, device="cuda")
@@ -375,8 +376,7 @@ def test_install_too_late_is_a_clear_error():
     assert "too late" in r["msg"], r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_fragmentation_scenario_native_fails_gpumem_succeeds():
     code = (REPO / "benchmarks" / "gpu_frag.py").read_text()
     assert "def scenario" in code
@@ -397,8 +397,7 @@ def test_fragmentation_scenario_native_fails_gpumem_succeeds():
     assert res["gpumem"]["request"] <= res["gpumem"]["free_in_holes"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
+@gpu_test(devices=2)
 def test_two_devices_each_get_a_heap():
     r = run_py("""
         gpumem.install()
@@ -413,8 +412,7 @@ def test_two_devices_each_get_a_heap():
 # Pages are mapped with an access descriptor for every GPU that can reach this one
 # (cuMemSetAccess in csrc/device/cuda.c): cudaDeviceEnablePeerAccess does not reach
 # virtual-memory mappings, so without them a.to("cuda:1") failed with "invalid argument".
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
+@gpu_test(devices=2)
 def test_two_devices_peer_copy():
     r = run_py("""
         gpumem.install()
@@ -429,8 +427,7 @@ def test_two_devices_peer_copy():
 # ---- the visibility layer on torch's heaps (gpumem/torch/_viz.py, csrc/python/torch_viz.c) -----
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_oom_message_carries_the_explain_report():
     code = """
         gpumem.install()
@@ -472,8 +469,7 @@ def test_oom_message_carries_the_explain_report():
     assert plain["is_torch_oom"] and plain["msg"].startswith("CUDA out of memory.") and "\n" not in plain["msg"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_record_history_gives_python_stacks_of_torch_allocations():
     r = run_py("""
         gpumem.install()
@@ -517,8 +513,7 @@ def test_record_history_gives_python_stacks_of_torch_allocations():
     assert r["stacks_on_after"] is False and r["frames_after_off"] == [0], r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
     dump = tmp_path / "snap.pickle"
     r = run_py(f"""
@@ -556,8 +551,7 @@ def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
     assert r["allocator"] == "gpumem" and r["memory_snapshot"] == len(r["mine_segments"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_dataloader_workers_forked_while_threads_allocate():
     """DataLoader workers fork()ed while two threads allocate on side streams
     through gpumem (history with stacks on): each worker takes the boundary's
@@ -698,24 +692,16 @@ def test_exported_symbols_for_ctypes():
 
 
 def test_nested_stats_have_native_shape():
+    from test_core import FIELDS, POOLS, STAT_NAMES  # torch's names, as tests/test_core.py lists them
+
     from gpumem import torch as gt
 
     n = gt.nested_stats(0)
-    for g in (
-        "allocation",
-        "segment",
-        "active",
-        "inactive_split",
-        "allocated_bytes",
-        "reserved_bytes",
-        "active_bytes",
-        "inactive_split_bytes",
-        "requested_bytes",
-    ):
-        for p in ("all", "small_pool", "large_pool"):
-            assert set(n[g][p]) == {"current", "peak", "allocated", "freed"}
+    for g in STAT_NAMES:
+        for p in POOLS:
+            assert set(n[g][p]) == set(FIELDS)
     for k in ("oversize_allocations", "oversize_segments"):
-        assert set(n[k]) == {"current", "peak", "allocated", "freed"}
+        assert set(n[k]) == set(FIELDS)
     for k in (
         "num_alloc_retries",
         "num_ooms",
@@ -808,8 +794,7 @@ def test_patch_and_restore_torch_functions():
     assert {n: getattr(torch._C, n, None) for n in names} == before
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_torch_contract_oom_observers_fraction_accelerator_and_history_options():
     r = run_py("""
         gpumem.install()

@@ -39,7 +39,14 @@ def workload(h, rounds=3, keep=None):
 
 def counters(h):
     s = h.stats()
-    keys = ("num_remaps", "num_pages_remapped", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+    keys = (
+        "num_remaps",
+        "num_pages_remapped",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+        "num_ooms",
+    )
     return {k: s[k] for k in keys}
 
 

@@ -47,6 +47,23 @@ def forbidden_calls(h):
     return h.sim_capture_violations()
 
 
+def random_traffic(h, rng, steps, step, caps):
+    """steps random steps: below 0.9, step(i, r) (it returns False when it had
+    nothing to do); else, or then, empty_cache (below 0.95) or a cap from caps.
+    A request the cap refuses is fine; every invariant holds after every step."""
+    for i in range(steps):
+        r = rng.random()
+        try:
+            if r >= 0.9 or step(i, r) is False:
+                if r < 0.95:
+                    h.empty_cache()
+                else:
+                    h.set_cap(rng.choice(caps))
+        except gpumem.OutOfMemoryError:
+            pass
+        assert_ok(h)
+
+
 # ---- pools keep their memory ----------------------------------------------------------------
 
 
@@ -65,28 +82,24 @@ def test_block_freed_in_pool_never_serves_anything_else(make_heap, seed):
     assert any(st == "free" for _, _, st in kept), "the pool should hold free blocks"
     identity = page_identity(h, pages_of(kept))
     live, other = [], []
-    for step in range(400):
-        r = rng.random()
-        try:
-            if r < 0.45:
-                size = rng.choice(sizes)
-                p = h.malloc(size, stream=rng.choice((0, S1, S2)))
-                assert not overlaps(p, h.block_size(p), kept), f"step {step}: general block inside pool {P}"
-                live.append(p)
-            elif r < 0.6:
-                p = h.malloc(rng.choice(sizes), stream=rng.choice((0, S1, S2)), pool=Q)
-                assert not overlaps(p, h.block_size(p), kept), f"step {step}: pool {Q} got pool {P}'s block"
-                other.append(p)
-            elif r < 0.9 and (live or other):
-                lst = live if (live and (not other or rng.random() < 0.7)) else other
-                h.free(lst.pop(rng.randrange(len(lst))))
-            elif r < 0.95:
-                h.empty_cache()
-            else:
-                h.set_cap(rng.choice((48 * MiB, 64 * MiB, 0)))
-        except gpumem.OutOfMemoryError:
-            pass
-        assert_ok(h)
+
+    def step(i, r):
+        if r < 0.45:
+            size = rng.choice(sizes)
+            p = h.malloc(size, stream=rng.choice((0, S1, S2)))
+            assert not overlaps(p, h.block_size(p), kept), f"step {i}: general block inside pool {P}"
+            live.append(p)
+        elif r < 0.6:
+            p = h.malloc(rng.choice(sizes), stream=rng.choice((0, S1, S2)), pool=Q)
+            assert not overlaps(p, h.block_size(p), kept), f"step {i}: pool {Q} got pool {P}'s block"
+            other.append(p)
+        elif not (live or other):
+            return False
+        else:
+            lst = live if (live and (not other or rng.random() < 0.7)) else other
+            h.free(lst.pop(rng.randrange(len(lst))))
+
+    random_traffic(h, rng, 400, step, caps=(48 * MiB, 64 * MiB, 0))
     h.set_cap(0)
     # Nothing of the pool moved: same blocks, same pages behind them.
     assert pool_blocks(h, P) == kept
@@ -642,33 +655,28 @@ def test_pools_growing_among_general_traffic_keep_every_invariant(make_heap, see
         h.pool_retain(pid)
     live = {P: [], Q: [], None: []}
     extended = 0
-    for step in range(500):
-        r = rng.random()
-        try:
-            if r < 0.5:
-                pid = rng.choice((P, Q, None))
-                frees = [(a, n) for a, n, st in pool_blocks(h, pid) if st == "free"] if pid else []
-                if frees and rng.random() < 0.7:
-                    size = rng.choice(frees)[1] + rng.randrange(1, 3 * PAGE)
-                else:
-                    size = rng.randrange(512, 6 * MiB)
-                others = [(a, n) for q in pools if q != pid for a, n, st in pool_blocks(h, q) if st == "free"]
-                p = h.malloc(size, stream=rng.choice((S1, S2)), pool=pid)
-                n = h.block_size(p)
-                assert not overlaps(p, n, others), f"step {step}: a block of {pid} took another pool's memory"
-                extended += any(p <= a and a + m <= p + n and m < n for a, m in frees)
-                live[pid].append(p)
-            elif r < 0.9:
-                lst = live[rng.choice((P, Q, None))]
-                if lst:
-                    h.free(lst.pop(rng.randrange(len(lst))))
-            elif r < 0.95:
-                h.empty_cache()
+
+    def step(i, r):
+        nonlocal extended
+        if r < 0.5:
+            pid = rng.choice((P, Q, None))
+            frees = [(a, n) for a, n, st in pool_blocks(h, pid) if st == "free"] if pid else []
+            if frees and rng.random() < 0.7:
+                size = rng.choice(frees)[1] + rng.randrange(1, 3 * PAGE)
             else:
-                h.set_cap(rng.choice((128 * MiB, 192 * MiB, 0)))
-        except gpumem.OutOfMemoryError:
-            pass
-        assert_ok(h)
+                size = rng.randrange(512, 6 * MiB)
+            others = [(a, n) for q in pools if q != pid for a, n, st in pool_blocks(h, q) if st == "free"]
+            p = h.malloc(size, stream=rng.choice((S1, S2)), pool=pid)
+            n = h.block_size(p)
+            assert not overlaps(p, n, others), f"step {i}: a block of {pid} took another pool's memory"
+            extended += any(p <= a and a + m <= p + n and m < n for a, m in frees)
+            live[pid].append(p)
+        else:
+            lst = live[rng.choice((P, Q, None))]
+            if lst:
+                h.free(lst.pop(rng.randrange(len(lst))))
+
+    random_traffic(h, rng, 500, step, caps=(128 * MiB, 192 * MiB, 0))
     assert extended > 0, "no pool request extended a free block of its pool"
     for lst in live.values():
         for p in lst:

@@ -24,8 +24,6 @@ MiB = 1 << 20
 """
     + TORCH_BOUNDARY
     + """
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 _C._torch_open_sim(0, 1 << 30)
 # what gpumem.install() registers: torch's allocations take Python stacks
 register_torch_hooks(active=lambda: True, stack_hook=_viz.set_stack_hook)
@@ -33,6 +31,15 @@ def trace():
     return _viz.torch_snapshot_dict()["device_traces"][0]
 def names(entry):
     return [f["name"] for f in entry["frames"]]
+def each_context(case):
+    # {context: case()} for each of torch's context modes, recording from an empty cache
+    got = {}
+    for context in ("alloc", "all", "state"):
+        empty_cache()
+        _viz.record_torch_history("all", context, "python")
+        got[context] = case()
+        _viz.record_torch_history(None)
+    return got
 """
 )
 
@@ -78,13 +85,10 @@ def test_context_none_leaves_no_stack_even_where_torchs_plot_filter_keeps_entrie
 
 def test_each_context_mode_gives_its_trace_entries_their_stacks():
     r = run_py("""
-        got = {}
-        for context in ("alloc", "all", "state"):
-            empty_cache()
-            _viz.record_torch_history("all", context, "python")
+        def case():
             x = None
             def thealloc():
-                global x
+                nonlocal x
                 x = alloc(3 * 4 * 4, 0, None)
             def thefree():
                 free(x, 0, 0, None)
@@ -95,32 +99,29 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
             kept = keep_one()
             snap = _viz.torch_snapshot_dict()
             blocks = [names(b)[:1] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
-            got[context] = {
+            free(kept, 0, 0, None)
+            return {
                 "trace": [(e["action"], names(e)[:1]) for e in snap["device_traces"][0]],
                 "blocks": blocks,
                 "text": json.dumps(snap),
             }
-            free(kept, 0, 0, None)
-            _viz.record_torch_history(None)
-        out(got=got)
+        out(got=each_context(case))
     """)
     g = r["got"]
+
+    def entries(freed_by):
+        return [
+            ["segment_map", ["thealloc"]],
+            ["alloc", ["thealloc"]],
+            ["free_requested", [freed_by]],
+            ["free_completed", [freed_by]],
+            ["alloc", ["keep_one"]],
+        ]
+
     # "all": a free carries the stack of the code that freed
-    assert g["all"]["trace"][:5] == [
-        ["segment_map", ["thealloc"]],
-        ["alloc", ["thealloc"]],
-        ["free_requested", ["thefree"]],
-        ["free_completed", ["thefree"]],
-        ["alloc", ["keep_one"]],
-    ]
+    assert g["all"]["trace"][:5] == entries("thefree")
     # "alloc": every entry carries its block's allocation stack (torch's too), never the freeing one
-    assert g["alloc"]["trace"][:5] == [
-        ["segment_map", ["thealloc"]],
-        ["alloc", ["thealloc"]],
-        ["free_requested", ["thealloc"]],
-        ["free_completed", ["thealloc"]],
-        ["alloc", ["keep_one"]],
-    ]
+    assert g["alloc"]["trace"][:5] == entries("thealloc")
     # "state": no trace entry carries a stack; the blocks alive still do
     assert [a for a, _ in g["state"]["trace"][:5]] == [
         "segment_map",
@@ -138,19 +139,14 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
 
 def test_empty_cache_carries_its_callers_stack_with_context_all_only():
     r = run_py("""
-        got = {}
-        for context in ("alloc", "all", "state"):
-            empty_cache()
-            _viz.record_torch_history("all", context, "python")
+        def case():
             p = alloc(4 * MiB, 0, None)
             free(p, 0, 0, None)
             def release_the_cache():
                 empty_cache()
             release_the_cache()
-            unmaps = [names(e)[:1] for e in trace() if e["action"] == "segment_unmap"]
-            got[context] = unmaps
-            _viz.record_torch_history(None)
-        out(got=got)
+            return [names(e)[:1] for e in trace() if e["action"] == "segment_unmap"]
+        out(got=each_context(case))
     """)
     assert r["got"]["all"] and all(n == ["release_the_cache"] for n in r["got"]["all"]), r["got"]
     for context in ("alloc", "state"):
@@ -310,8 +306,6 @@ GPU_PRELUDE = """
 import json
 import torch
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 
