@@ -5,7 +5,7 @@ gpumem's Python package imports one way, bottom to top:
 
     _C, _units, _frameworks      the extension, byte units, framework tags of blocks
     _heap                        this file: HeapLike, the torch layer's hooks
-    _resolve                     which heap a call means (Heap, TorchHeap)
+    _resolve                     which heap a call means (a Heap, or the heap registry's)
     history, snapshot, explain   visibility, reading any HeapLike
     _svg, _cli_viz, timeline, replay, trace, data, __main__
     _shared, cupy, numba         CuPy's and Numba's allocations on the same heaps
@@ -29,9 +29,10 @@ MAX_HISTORY = 1 << 20
 
 @runtime_checkable
 class HeapLike(Protocol):
-    """What snapshot, history and explain read from a heap: gpumem.Heap (any
-    device) and gpumem._resolve.TorchHeap (the heap torch's allocations go to)
-    both provide it.  Dicts are those of gpumem._C (csrc/python/common.c)."""
+    """What snapshot, history and explain read from a heap: gpumem.Heap provides
+    it, whether it owns its heap (any device) or borrows the heap registry's one
+    that torch's allocations go to (gpumem._C.registry_heap).  Dicts are those
+    of gpumem._C (csrc/python/common.c)."""
 
     device_kind: str  # "sim" or "cuda"
     closed: bool

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "torch_alloc.h"
+#include "heap_registry.h"
 
 int gm_py_put(PyObject *d, const char *key, PyObject *value) {
     if (value == NULL) return -1;
@@ -196,8 +196,8 @@ PyObject *gm_py_tuple_of(PyObject *obj) {
 }
 
 int gm_py_check_device(long d) {
-    if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
+    if (d < 0 || d >= GM_HEAP_REGISTRY_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_HEAP_REGISTRY_MAX_DEVICES);
         return -1;
     }
     return 0;

@@ -62,9 +62,9 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
  * stats); consumes nothing, frees nothing.  NULL with an exception set on failure. */
 PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state);
 
-/* A device index of the per-device heaps gpumem.torch and the other frameworks
- * share (torch_alloc.h): gm_py_check_device checks d lies in [0,
- * GM_TORCH_MAX_DEVICES), gm_py_device_index reads a Python int and checks it.
+/* A device index of the process-wide heap registry (heap_registry.h):
+ * gm_py_check_device checks d lies in [0, GM_HEAP_REGISTRY_MAX_DEVICES),
+ * gm_py_device_index reads a Python int and checks it.
  * 0, or -1 with ValueError (or the int conversion's error) set. */
 int gm_py_check_device(long d);
 int gm_py_device_index(PyObject *o, int *device);

@@ -34,6 +34,7 @@
 #include "gpumem/sim.h"
 #include "gpumem/cuda.h"
 #include "common.h"
+#include "heap_registry.h"
 #include "history_glue.h"
 #include "oom_glue.h"
 
@@ -67,6 +68,12 @@ static void fork_child(void) { gm_py_fork_gen++; }
 int gm_py_heap_sim(HeapObject *self, int changes_device) {
     if (gm_py_heap_open(self) < 0) return -1;
     gm_py_fork_check(self);
+    if (self->registry_device >= 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "this call needs a sim heap of its own, not the heap registry's heap of device %d (shared)",
+                     self->registry_device);
+        return -1;
+    }
     if (!self->is_sim) {
         PyErr_Format(PyExc_TypeError, "this call needs a sim heap, not a %s one", self->dev->kind);
         return -1;
@@ -324,8 +331,25 @@ static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         self->heap = NULL;
         self->dev = NULL;
         self->is_sim = 0;
+        self->registry_device = -1;
         self->busy = 0;
     }
+    return (PyObject *)self;
+}
+
+static PyTypeObject HeapType;
+
+PyObject *gm_py_heap_borrow(int device) {
+    gm_heap *heap = gm_heap_registry_get(device);
+    if (heap == NULL) return PyErr_Format(PyExc_ValueError, "the heap registry has no heap on device %d", device);
+    HeapObject *self = (HeapObject *)HeapType.tp_alloc(&HeapType, 0);
+    if (self == NULL) return NULL;
+    self->heap = heap;
+    self->dev = gm_heap_device(heap);
+    self->is_sim = strcmp(self->dev->kind, "sim") == 0;
+    self->registry_device = device;
+    self->busy = 0;
+    self->busy_gen = gm_py_fork_gen;
     return (PyObject *)self;
 }
 
@@ -442,8 +466,9 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
 }
 
 static void Heap_dealloc(HeapObject *self) {
-    /* No method can be running: each holds a reference to self. */
-    if (self->heap != NULL) {
+    /* No method can be running: each holds a reference to self.  A borrowed
+     * heap is the registry's: it lives on. */
+    if (self->heap != NULL && self->registry_device < 0) {
         gm_heap_destroy(self->heap);
         self->heap = NULL;
     }
@@ -460,7 +485,7 @@ static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     gm_heap *heap = self->heap;
     self->heap = NULL;
     self->dev = NULL;
-    gm_heap_destroy(heap);
+    if (self->registry_device < 0) gm_heap_destroy(heap); /* a borrowed one is only let go of */
     Py_RETURN_NONE;
 }
 
@@ -480,6 +505,9 @@ static PyObject *Heap_exit(HeapObject *self, PyObject *args) {
 
 static PyObject *Heap_repr(HeapObject *self) {
     if (self->heap == NULL) return PyUnicode_FromString("<gpumem.Heap closed>");
+    if (self->registry_device >= 0)
+        return PyUnicode_FromFormat("<gpumem.Heap %s, the heap registry's of device %d>", self->dev->name,
+                                    self->registry_device);
     return PyUnicode_FromFormat("<gpumem.Heap %s>", self->dev->name);
 }
 
@@ -570,7 +598,9 @@ static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o) {
     if (gm_py_arg(self, GM_PY_OPEN, cap_o, gm_py_cap_arg, &cap) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
-    rc = gm_set_cap(self->heap, cap);
+    /* The registry keeps a borrowed heap's cap as its limit too. */
+    rc =
+        self->registry_device >= 0 ? gm_heap_registry_set_cap(self->registry_device, cap) : gm_set_cap(self->heap, cap);
     LEAVE_CORE(self);
     if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "set_cap: %zu bytes is not a valid cap (GM_EINVAL)", cap);
@@ -637,7 +667,9 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o) {
     size_t n;
     if (gm_py_arg(self, GM_PY_OPEN, n_o, gm_py_max_entries_arg, &n) < 0) return NULL;
-    int rc = gm_history_enable(self->heap, n);
+    /* The registry's heaps share one history switch, as torch's does: every
+     * heap, now and later. */
+    int rc = self->registry_device >= 0 ? gm_heap_registry_history_enable(n) : gm_history_enable(self->heap, n);
     if (rc == GM_ENOMEM) return PyErr_NoMemory();
     if (rc != GM_OK) return gm_py_raise(self, rc, "history_enable");
     Py_RETURN_NONE;
@@ -671,7 +703,13 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
     for (;;) {
         gm_proc_usage *buf = PyMem_Calloc(cap, sizeof *buf);
         if (buf == NULL) return PyErr_NoMemory();
-        int rc = self->dev->ops->processes(self->dev, buf, cap, &n);
+        int rc;
+        if (self->registry_device >= 0) { /* serialized with the registry's other device calls */
+            Py_BEGIN_ALLOW_THREADS rc = gm_heap_registry_processes(self->registry_device, buf, cap, &n);
+            Py_END_ALLOW_THREADS
+        } else {
+            rc = self->dev->ops->processes(self->dev, buf, cap, &n);
+        }
         if (rc == GM_ENOTSUP) {
             PyMem_Free(buf);
             Py_RETURN_NONE;
@@ -984,6 +1022,11 @@ static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->heap == NULL);
 }
 
+static PyObject *Heap_get_registry_device(HeapObject *self, void *Py_UNUSED(closure)) {
+    if (self->registry_device < 0) Py_RETURN_NONE;
+    return PyLong_FromLong(self->registry_device);
+}
+
 /* ---- type and module tables ------------------------------------------------------------- */
 
 /* Heap's methods: this file's, then replay_glue.c's and sim_glue.c's
@@ -1108,7 +1151,7 @@ static PyMethodDef Heap_core_methods[] = {
     {.ml_name = "close",
      .ml_meth = (PyCFunction)Heap_close,
      .ml_flags = METH_NOARGS,
-     .ml_doc = "destroy the heap and its device; later calls raise ValueError"},
+     .ml_doc = "destroy the heap and its device (a borrowed heap is only let go of); later calls raise ValueError"},
     {.ml_name = "__enter__", .ml_meth = (PyCFunction)Heap_enter, .ml_flags = METH_NOARGS},
     {.ml_name = "__exit__", .ml_meth = (PyCFunction)Heap_exit, .ml_flags = METH_VARARGS},
     {.ml_name = NULL},
@@ -1119,6 +1162,10 @@ static PyGetSetDef Heap_getset[] = {
     {.name = "device_name", .get = (getter)Heap_get_device_name, .doc = "e.g. \"sim:80GiB\""},
     {.name = "page_size", .get = (getter)Heap_get_page_size, .doc = "physical page size in bytes"},
     {.name = "closed", .get = (getter)Heap_get_closed, .doc = "True once close() was called"},
+    {.name = "registry_device",
+     .get = (getter)Heap_get_registry_device,
+     .doc = "the device whose heap this Heap borrows from the process-wide heap registry (the heap torch, CuPy "
+            "and Numba allocate from), or None for a heap of its own"},
     {.name = "capturing",
      .get = (getter)Heap_get_capturing,
      .doc = "capture_begin() calls not yet ended (0: no capture)"},

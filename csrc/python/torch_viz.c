@@ -3,8 +3,7 @@
  * into the torch allocation path (torch_alloc.cpp).
  *
  * Two C hooks torch_alloc.cpp calls by address, and the Python functions that
- * hand those addresses out and read what the adapter in gpumem/_resolve.py
- * needs beyond torch_glue.c:
+ * hand those addresses out:
  *
  *   gm_py_torch_oom_formatter  words torch's OutOfMemoryError with the report
  *       of gpumem.explain (the core's one line first, then the table, causes
@@ -133,45 +132,6 @@ static PyObject *v_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
                          "oom_formatter", gm_py_fn_address((void (*)(void))gm_py_torch_oom_formatter));
 }
 
-/* _torch_processes(device) -> [(pid, bytes)], or None without NVML or without a heap there. */
-static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a) {
-    int device;
-    if (gm_py_device_index(a, &device) < 0) return NULL;
-    size_t cap = 64, n = 0;
-    for (;;) {
-        gm_proc_usage *p = PyMem_Calloc(cap, sizeof *p);
-        if (!p) return PyErr_NoMemory();
-        int rc;
-        Py_BEGIN_ALLOW_THREADS rc = gm_torch_processes(device, p, cap, &n);
-        Py_END_ALLOW_THREADS if (rc == GM_ENOTSUP || rc == GM_EINVAL) {
-            PyMem_Free(p);
-            Py_RETURN_NONE;
-        }
-        if (rc != GM_OK) {
-            PyMem_Free(p);
-            return PyErr_Format(PyExc_RuntimeError, "gpumem: process list of CUDA device %d: %s (%s)", device,
-                                gm_strerror(rc), gm_heap_device(gm_torch_heap(device))->last_error);
-        }
-        if (n > cap) {
-            PyMem_Free(p);
-            cap = n;
-            continue;
-        }
-        PyObject *l = procs_list(p, n);
-        PyMem_Free(p);
-        return l;
-    }
-}
-
-/* _torch_device_name(device) -> e.g. "cuda:0 (NVIDIA H100 80GB HBM3)", or None without a heap. */
-static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a) {
-    int device;
-    if (gm_py_device_index(a, &device) < 0) return NULL;
-    gm_heap *h = gm_torch_heap(device);
-    if (!h) Py_RETURN_NONE;
-    return PyUnicode_FromString(gm_heap_device(h)->name);
-}
-
 /* _torch_set_event_stacks(on): frees and empty_cache take their caller's stack for their events. */
 static PyObject *v_set_event_stacks(PyObject *Py_UNUSED(m), PyObject *a) {
     int on = PyObject_IsTrue(a);
@@ -185,14 +145,6 @@ static PyMethodDef viz_methods[] = {
      .ml_meth = v_hooks,
      .ml_flags = METH_NOARGS,
      .ml_doc = "_torch_viz_hooks() -> {'context': address, 'oom_formatter': address} for gpumem.torch's setters"},
-    {.ml_name = "_torch_processes",
-     .ml_meth = v_processes,
-     .ml_flags = METH_O,
-     .ml_doc = "_torch_processes(device) -> [(pid, bytes)] on the device, or None"},
-    {.ml_name = "_torch_device_name",
-     .ml_meth = v_device_name,
-     .ml_flags = METH_O,
-     .ml_doc = "_torch_device_name(device) -> the heap's device name, or None"},
     {.ml_name = "_torch_set_event_stacks",
      .ml_meth = v_set_event_stacks,
      .ml_flags = METH_O,
