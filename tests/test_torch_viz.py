@@ -151,9 +151,12 @@ def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
 
     monkeypatch.setattr(explain_module, "_torch_heap", broken)
     assert call_formatter(info) == f"{line} (gpumem.explain failed: RuntimeError: no heap today)"
-    previous = _C._set_oom_formatter(lambda *a: 42)  # not a str: the line alone
+    # A formatter that breaks: the line, and a note, as a Heap's message says it.
+    previous = _C._set_oom_formatter(lambda *a: 42)
     try:
-        assert call_formatter(info) == line
+        assert call_formatter(info) == f"{line} (gpumem.explain failed: it did not return a str)"
+        with pytest.raises(gpumem.OutOfMemoryError, match=r"\(gpumem.explain failed: it did not return a str\)$"):
+            h.malloc(1 << 40)
     finally:
         _C._set_oom_formatter(previous)
 

@@ -95,14 +95,18 @@ typedef struct gm_oom_sizes {
 
 void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
 
-/* The one-line out-of-memory message, the one place it is built:
+/* The first sentences of every out-of-memory message (the one-line message;
+ * gm_py_oom_message, oom_glue.h, adds gpumem's explanation after them):
  *   "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ... "
- * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, and the
- * first two sentences are torch's own, sizes in torch's units); -1 is a
- * gpumem.Heap ("The device has a total capacity of ...").  `others` words the memory other processes hold (NULL: not
- * said); `failed` the device's reason when a device call failed (NULL: none
- * given).  Writes at most len bytes (NUL-terminated); returns the length. */
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed);
+ * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, the
+ * first two sentences are torch's own, sizes in torch's units, and the memory
+ * other processes hold follows, from the device's process list: n_procs < 0
+ * when unknown); -1 is a gpumem.Heap ("The device has a total capacity of
+ * ...").  `failed`: the device's last reason (NULL: none given), said when a
+ * device call failed, or why the process list is unknown.  Writes at most len
+ * bytes (NUL-terminated); returns the length. */
+size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
+                   const char *failed);
 
 #ifdef __cplusplus
 }

@@ -280,34 +280,15 @@ static PyObject *not_paused(const gm_pool_id *id) {
 }
 
 /* ---- the out-of-memory message ---------------------------------------------------
- * The one-line text is gm_oom_line's (common.c), shared with torch's path; a
- * registered formatter (oom_glue.c: gpumem.explain's) may word it instead. */
-
-static PyObject *oom_message(HeapObject *self, const gm_oom_info *o) {
-    char buf[1024];
-    size_t n = gm_oom_line(buf, sizeof buf, o, -1, NULL, self->dev->last_error);
-    return PyUnicode_FromStringAndSize(buf, (Py_ssize_t)n);
-}
+ * Made by gm_py_oom_message (oom_glue.c), as torch's is. */
 
 /* Raise gm_py_OutOfMemoryError for the last failed allocation, with .info = the report. */
 static PyObject *raise_oom(HeapObject *self) {
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK) return gm_py_raise(self, GM_ENOMEM, "malloc");
-    /* The text first: it reads the device, which the Python code below (the
-     * formatter, a finalizer) may close. */
-    PyObject *text = oom_message(self, &info);
-    if (text == NULL) return NULL;
-    PyObject *d = gm_py_oom_dict(&info);
-    if (d == NULL) {
-        Py_DECREF(text);
-        return NULL;
-    }
-    /* gpumem.explain words the message when it is loaded (oom_glue.c). */
-    PyObject *msg = gm_py_format_oom((PyObject *)self, d, text);
-    if (msg == NULL) {
-        Py_DECREF(d);
-        return NULL;
-    }
+    PyObject *d = NULL;
+    PyObject *msg = gm_py_oom_message((PyObject *)self, &info, -1, NULL, -1, self->dev->last_error, &d);
+    if (msg == NULL) return NULL;
     PyObject *exc = PyObject_CallFunctionObjArgs(gm_py_OutOfMemoryError, msg, NULL);
     Py_DECREF(msg);
     if (exc == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {

@@ -505,15 +505,10 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
     gm_heap *h = gm_heap_registry_get(device);
     gm_proc_usage procs[64] = {};
     long n_procs = -1;
-    char proc_err[256] = "";
-    if (h) {
-        size_t n = 0;
-        if (gm_heap_registry_processes(device, procs, 64, &n) == GM_OK)
-            n_procs = (long)(n < 64 ? n : 64);
-        else
-            snprintf(proc_err, sizeof proc_err, "%s", gm_heap_device(h)->last_error);
-    }
-
+    size_t n = 0;
+    if (h && gm_heap_registry_processes(device, procs, 64, &n) == GM_OK) n_procs = (long)(n < 64 ? n : 64);
+    /* gpumem.torch's formatter (torch_viz.c) writes the whole message, the
+     * explanation after these first sentences; without it, they alone. */
     gm_torch_oom_formatter f = g_formatter.load();
     if (f) {
         long w = f(o, device, procs, n_procs, buf, len);
@@ -522,33 +517,7 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
             return (size_t)w < len ? (size_t)w : len - 1;
         }
     }
-
-    /* Other processes: everything NVML lists but this one. */
-    std::string others;
-    if (n_procs < 0) {
-        others = std::string("unknown (") + (proc_err[0] ? proc_err : "no process list") + ")";
-    } else {
-        uint64_t sum = 0;
-        std::string list;
-        int shown = 0;
-        uint32_t self = (uint32_t)getpid();
-        for (long i = 0; i < n_procs; i++) {
-            if (procs[i].pid == self) continue;
-            sum += procs[i].bytes;
-            if (shown < 4) {
-                char one[64], b[32];
-                gm_fmt_bytes(b, sizeof b, procs[i].bytes);
-                snprintf(one, sizeof one, "%spid %u: %s", shown ? ", " : "", procs[i].pid, b);
-                list += one;
-                shown++;
-            }
-        }
-        char s[32];
-        gm_fmt_bytes(s, sizeof s, sum);
-        others = s;
-        if (!list.empty()) others += " (" + list + ")";
-    }
-    return gm_oom_line(buf, len, o, device, others.c_str(), h ? gm_heap_device(h)->last_error : nullptr);
+    return gm_oom_line(buf, len, o, device, procs, n_procs, h ? gm_heap_device(h)->last_error : nullptr);
 }
 
 /* ---- the entry points torch calls ---------------------------------------------- */
