@@ -211,6 +211,19 @@ int gm_py_device_index(PyObject *o, int *device) {
     return 0;
 }
 
+PyObject *gm_py_procs_list(const gm_proc_usage *p, long n) {
+    if (n < 0) Py_RETURN_NONE;
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    for (long i = 0; l != NULL && i < n; i++) {
+        PyObject *t = Py_BuildValue("(kK)", (unsigned long)p[i].pid, (unsigned long long)p[i].bytes);
+        if (t == NULL)
+            Py_CLEAR(l);
+        else
+            PyList_SET_ITEM(l, (Py_ssize_t)i, t);
+    }
+    return l;
+}
+
 PyObject *gm_py_fn_address(void (*fn)(void)) {
     uintptr_t a;
     memcpy(&a, &fn, sizeof a);

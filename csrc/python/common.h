@@ -20,6 +20,11 @@
 extern "C" {
 #endif
 
+/* A module function's PyMethodDef: name, C function (any signature), METH_*
+ * flags, doc string. */
+#define GM_PY_FN(name, fn, flags, doc)                                                                                 \
+    {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
+
 /* Set d[key] = value and drop the reference to value; value may be NULL (error). */
 int gm_py_put(PyObject *d, const char *key, PyObject *value);
 int gm_py_put_u64(PyObject *d, const char *key, uint64_t v);
@@ -74,6 +79,10 @@ int gm_py_device_index(PyObject *o, int *device);
  * or move them, and a __len__ that lies makes it no larger.  NULL with an
  * exception set. */
 PyObject *gm_py_tuple_of(PyObject *obj);
+
+/* The processes on a device as [(pid, bytes)]; n < 0 (unknown): None.  New
+ * reference or NULL. */
+PyObject *gm_py_procs_list(const gm_proc_usage *p, long n);
 
 /* A function's address as a Python int: what torch's hook setters take.  New
  * reference or NULL. */

@@ -525,6 +525,13 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
     return PyLong_FromUnsignedLongLong((unsigned long long)ptr);
 }
 
+/* Raise for `call` failing on the block at ptr: "free(0x7f...)" names it. */
+static PyObject *raise_at(HeapObject *self, int rc, const char *call, uint64_t ptr) {
+    char what[64];
+    snprintf(what, sizeof what, "%s(0x%" PRIx64 ")", call, ptr);
+    return gm_py_raise(self, rc, what);
+}
+
 static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
     uint64_t ptr;
     if (gm_py_arg(self, GM_PY_OPEN, ptr_o, gm_py_ptr_arg, &ptr) < 0) return NULL;
@@ -532,11 +539,7 @@ static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
     ENTER_CORE(self);
     rc = gm_free(self->heap, (uintptr_t)ptr);
     LEAVE_CORE(self);
-    if (rc != GM_OK) {
-        char what[48];
-        snprintf(what, sizeof what, "free(0x%" PRIx64 ")", ptr);
-        return gm_py_raise(self, rc, what);
-    }
+    if (rc != GM_OK) return raise_at(self, rc, "free", ptr);
     Py_RETURN_NONE;
 }
 
@@ -549,11 +552,7 @@ static PyObject *Heap_record_stream(HeapObject *self, PyObject *args) {
     ENTER_CORE(self);
     rc = gm_record_stream(self->heap, (uintptr_t)ptr, (gm_stream)stream);
     LEAVE_CORE(self);
-    if (rc != GM_OK) {
-        char what[64];
-        snprintf(what, sizeof what, "record_stream(0x%" PRIx64 ")", ptr);
-        return gm_py_raise(self, rc, what);
-    }
+    if (rc != GM_OK) return raise_at(self, rc, "record_stream", ptr);
     Py_RETURN_NONE;
 }
 
@@ -704,14 +703,7 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
             cap = n;
             continue;
         }
-        PyObject *l = PyList_New((Py_ssize_t)n);
-        for (size_t i = 0; l != NULL && i < n; i++) {
-            PyObject *t = Py_BuildValue("(kK)", (unsigned long)buf[i].pid, (unsigned long long)buf[i].bytes);
-            if (t == NULL)
-                Py_CLEAR(l);
-            else
-                PyList_SET_ITEM(l, (Py_ssize_t)i, t);
-        }
+        PyObject *l = gm_py_procs_list(buf, (long)n);
         PyMem_Free(buf);
         return l;
     }

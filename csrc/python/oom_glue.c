@@ -66,19 +66,6 @@ static PyObject *explained(PyObject *heap, PyObject *info, PyObject *fallback, P
     return out;
 }
 
-static PyObject *procs_list(const gm_proc_usage *p, long n) {
-    if (n < 0) Py_RETURN_NONE;
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    for (long i = 0; l != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(kK)", (unsigned long)p[i].pid, (unsigned long long)p[i].bytes);
-        if (t == NULL)
-            Py_CLEAR(l);
-        else
-            PyList_SET_ITEM(l, (Py_ssize_t)i, t);
-    }
-    return l;
-}
-
 PyObject *gm_py_oom_message(PyObject *heap, const gm_oom_info *info, int gpu, const gm_proc_usage *procs, long n_procs,
                             const char *failed, PyObject **info_out) {
     /* The first sentences before any Python runs: `failed` may be the
@@ -87,7 +74,7 @@ PyObject *gm_py_oom_message(PyObject *heap, const gm_oom_info *info, int gpu, co
     size_t n = gm_oom_line(line, sizeof line, info, gpu, procs, n_procs, failed);
     PyObject *fallback = PyUnicode_DecodeUTF8(line, (Py_ssize_t)n, "replace");
     PyObject *d = fallback ? gm_py_oom_dict(info) : NULL;
-    PyObject *pl = d && gpu >= 0 ? procs_list(procs, n_procs) : NULL;
+    PyObject *pl = d && gpu >= 0 ? gm_py_procs_list(procs, n_procs) : NULL;
     if (d == NULL || (gpu >= 0 && pl == NULL)) {
         Py_XDECREF(fallback);
         Py_XDECREF(d);

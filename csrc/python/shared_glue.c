@@ -166,47 +166,30 @@ static PyObject *s_tags(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
 }
 
 static PyMethodDef shared_methods[] = {
-    {.ml_name = "registry_heap",
-     .ml_meth = KW(r_heap),
-     .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "registry_heap(device, open=True) -> a Heap borrowing the process-wide heap of device (the one "
-               "torch, CuPy and Numba allocate from), or None when it has none and open is false"},
-    {.ml_name = "registry_devices",
-     .ml_meth = r_devices,
-     .ml_flags = METH_NOARGS,
-     .ml_doc = "registry_devices() -> the devices that have a heap in the registry"},
-    {.ml_name = "registry_configure",
-     .ml_meth = KW(r_configure),
-     .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "registry_configure(*, va_size, cap_bytes, cap_fraction, growth_slack, growth_slack_pages, "
-               "history_entries, chunk_pages, page_size, pressure): options of the registry's heaps (caps apply "
-               "to existing heaps too)"},
-    {.ml_name = "registry_options",
-     .ml_meth = r_options,
-     .ml_flags = METH_NOARGS,
-     .ml_doc = "registry_options() -> dict of the registry's heap options"},
-    {.ml_name = "registry_open_sim",
-     .ml_meth = r_open_sim,
-     .ml_flags = METH_VARARGS,
-     .ml_doc = "registry_open_sim(device, capacity): serve device with a heap over a simulated device (tests)"},
-    {.ml_name = "registry_history_enable",
-     .ml_meth = r_history_enable,
-     .ml_flags = METH_O,
-     .ml_doc = "registry_history_enable(max_entries): keep the last max_entries events on every registry heap, now "
-               "and later (0: off)"},
-    {.ml_name = "registry_empty_cache",
-     .ml_meth = r_empty_cache,
-     .ml_flags = METH_NOARGS,
-     .ml_doc = "registry_empty_cache(): empty_cache on every registry heap not capturing a CUDA graph"},
-    {.ml_name = "_shared_malloc",
-     .ml_meth = s_malloc,
-     .ml_flags = METH_VARARGS,
-     .ml_doc = "_shared_malloc(device, size, stream, context) -> address, or None when out of memory"},
-    {.ml_name = "_framework_tags",
-     .ml_meth = s_tags,
-     .ml_flags = METH_NOARGS,
-     .ml_doc = "_framework_tags() -> where a context keeps the framework tag, and the tags"},
-    {NULL, NULL, 0, NULL},
+    GM_PY_FN(
+        "registry_heap", r_heap, METH_VARARGS | METH_KEYWORDS,
+        "registry_heap(device, open=True) -> a Heap borrowing the process-wide heap of device (the one torch, CuPy and "
+        "Numba allocate from), or None when it has none and open is false"),
+    GM_PY_FN("registry_devices", r_devices, METH_NOARGS,
+             "registry_devices() -> the devices that have a heap in the registry"),
+    GM_PY_FN(
+        "registry_configure", r_configure, METH_VARARGS | METH_KEYWORDS,
+        "registry_configure(*, va_size, cap_bytes, cap_fraction, growth_slack, growth_slack_pages, history_entries, "
+        "chunk_pages, page_size, pressure): options of the registry's heaps (caps apply to existing heaps too)"),
+    GM_PY_FN("registry_options", r_options, METH_NOARGS, "registry_options() -> dict of the registry's heap options"),
+    GM_PY_FN("registry_open_sim", r_open_sim, METH_VARARGS,
+             "registry_open_sim(device, capacity): serve device with a heap over a simulated device (tests)"),
+    GM_PY_FN(
+        "registry_history_enable", r_history_enable, METH_O,
+        "registry_history_enable(max_entries): keep the last max_entries events on every registry heap, now and later "
+        "(0: off)"),
+    GM_PY_FN("registry_empty_cache", r_empty_cache, METH_NOARGS,
+             "registry_empty_cache(): empty_cache on every registry heap not capturing a CUDA graph"),
+    GM_PY_FN("_shared_malloc", s_malloc, METH_VARARGS,
+             "_shared_malloc(device, size, stream, context) -> address, or None when out of memory"),
+    GM_PY_FN("_framework_tags", s_tags, METH_NOARGS,
+             "_framework_tags() -> where a context keeps the framework tag, and the tags"),
+    {.ml_name = NULL},
 };
 
 int gm_shared_glue_add(PyObject *module) { return PyModule_AddFunctions(module, shared_methods); }

@@ -217,38 +217,36 @@ static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-#define M(name, fn, flags, doc)                                                                                        \
-    {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
-
 static PyMethodDef glue_methods[] = {
-    M("_torch_set_oom", g_set_oom, METH_VARARGS | METH_KEYWORDS,
-      "_torch_set_oom(mode=None, oom_class=<unchanged>) -> mode: how torch's out-of-memory failures are raised "
-      "('torch': oom_class, 'runtime': RuntimeError)"),
-    M("_torch_entry_points", g_entry_points, METH_NOARGS,
-      "_torch_entry_points() -> {name: address} of the functions torch calls"),
-    M("_torch_set_context_hook", g_set_context_hook, METH_O,
-      "_torch_set_context_hook(address): uint64_t (*)(void) called before each allocation (0 clears)"),
-    M("_torch_set_oom_formatter", g_set_oom_formatter, METH_O,
-      "_torch_set_oom_formatter(address): replaces the out-of-memory message (0 clears)"),
-    M("_torch_device_count", g_device_count, METH_NOARGS,
-      "_torch_device_count() -> count torch reported (-1 before CUDA init)"),
-    M("_torch_format_oom", g_format_oom, METH_VARARGS,
-      "_torch_format_oom(device, size=0) -> the message such a request would fail with"),
-    M("_torch_empty_cache", g_empty_cache, METH_NOARGS, "_torch_empty_cache(): torch's empty_cache, every device"),
-    M("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
-    M("_torch_active_pools", g_active_pools, METH_O,
-      "_torch_active_pools(device) -> [(a, b)] pools allocations are routed to now, in order"),
-    M("_torch_cxx11_abi", g_cxx11_abi, METH_NOARGS,
-      "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
-    M("_torch_set_oom_observer", g_set_oom_observer, METH_O,
-      "_torch_set_oom_observer(fn or None): fn(device, requested, allowed, device_free) runs before each OOM"),
-    M("_torch_test_alloc", g_test_alloc, METH_VARARGS,
-      "_torch_test_alloc(size, device, stream=0) -> address: torch's allocation entry point, raising as torch "
-      "would (tests)"),
-    M("_test_hold_boundary_lock", g_test_hold_lock, METH_VARARGS,
-      "_test_hold_boundary_lock(lock, device, seconds): test hook; a new native thread takes a lock of the heap "
-      "registry ('slot' of device, or 'options') or of the torch boundary ('pools' of device) and holds it for "
-      "seconds; returns once held"),
+    GM_PY_FN("_torch_set_oom", g_set_oom, METH_VARARGS | METH_KEYWORDS,
+             "_torch_set_oom(mode=None, oom_class=<unchanged>) -> mode: how torch's out-of-memory failures are raised "
+             "('torch': oom_class, 'runtime': RuntimeError)"),
+    GM_PY_FN("_torch_entry_points", g_entry_points, METH_NOARGS,
+             "_torch_entry_points() -> {name: address} of the functions torch calls"),
+    GM_PY_FN("_torch_set_context_hook", g_set_context_hook, METH_O,
+             "_torch_set_context_hook(address): uint64_t (*)(void) called before each allocation (0 clears)"),
+    GM_PY_FN("_torch_set_oom_formatter", g_set_oom_formatter, METH_O,
+             "_torch_set_oom_formatter(address): replaces the out-of-memory message (0 clears)"),
+    GM_PY_FN("_torch_device_count", g_device_count, METH_NOARGS,
+             "_torch_device_count() -> count torch reported (-1 before CUDA init)"),
+    GM_PY_FN("_torch_format_oom", g_format_oom, METH_VARARGS,
+             "_torch_format_oom(device, size=0) -> the message such a request would fail with"),
+    GM_PY_FN("_torch_empty_cache", g_empty_cache, METH_NOARGS,
+             "_torch_empty_cache(): torch's empty_cache, every device"),
+    GM_PY_FN("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
+    GM_PY_FN("_torch_active_pools", g_active_pools, METH_O,
+             "_torch_active_pools(device) -> [(a, b)] pools allocations are routed to now, in order"),
+    GM_PY_FN("_torch_cxx11_abi", g_cxx11_abi, METH_NOARGS,
+             "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
+    GM_PY_FN("_torch_set_oom_observer", g_set_oom_observer, METH_O,
+             "_torch_set_oom_observer(fn or None): fn(device, requested, allowed, device_free) runs before each OOM"),
+    GM_PY_FN("_torch_test_alloc", g_test_alloc, METH_VARARGS,
+             "_torch_test_alloc(size, device, stream=0) -> address: torch's allocation entry point, raising as torch "
+             "would (tests)"),
+    GM_PY_FN("_test_hold_boundary_lock", g_test_hold_lock, METH_VARARGS,
+             "_test_hold_boundary_lock(lock, device, seconds): test hook; a new native thread takes a lock of the heap "
+             "registry ('slot' of device, or 'options') or of the torch boundary ('pools' of device) and holds it for "
+             "seconds; returns once held"),
     {.ml_name = NULL},
 };
 
