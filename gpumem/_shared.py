@@ -48,7 +48,7 @@ class Backend:
         context = _stack_context() | self.tag
         if self.heap is not None:
             return self.heap.malloc(size, stream, context)
-        ptr = _C._shared_malloc(int(device), int(size), int(stream), context)
+        ptr = _C._shared_malloc(_C.registry_heap(int(device)), int(size), int(stream), context)
         if ptr is None:
             raise self._oom(size, device)
         return ptr

@@ -127,3 +127,33 @@ def test_registry_heap_refuses_bad_devices_and_opens_nothing_when_asked_not_to()
     with pytest.raises(ValueError, match="out of range"):
         _C.registry_heap(-1, open=False)
     assert _C.registry_heap(63, open=False) is None and 63 not in _C.registry_devices()
+
+
+def test_cupy_and_numba_backends_allocate_from_the_registry_heap_through_heap_methods():
+    r = run_py("""
+        from gpumem._shared import Backend
+        b = Backend("cupy")
+        p = b.malloc(3 * MiB, 0)
+        q = alloc(2 * MiB, 0, None)                     # torch's allocation, the same heap
+        h = b.explain_heap(0)
+        frameworks = gpumem.snapshot(h).by_framework()   # torch's blocks are untagged: "torch" on these heaps
+        try:
+            b.malloc(2 << 30, 0)
+            oom = "no error"
+        except gpumem.OutOfMemoryError as e:
+            oom = str(e)
+        b.free(p, 0)
+        try:
+            b.free(p, 0)
+            twice = "no error"
+        except ValueError as e:
+            twice = type(e).__name__
+        free(q, 2 * MiB, 0, None)
+        h.check()
+        out(same=h.registry_device, frameworks=frameworks, oom=oom, twice=twice,
+            live=h.stats()["allocated_bytes.all.current"])
+    """)
+    assert r["same"] == 0 and r["live"] == 0
+    assert r["oom"].startswith("CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0 for cupy (gpumem's heap")
+    assert "What to do" in r["oom"] and r["twice"] == "InvalidPointerError"
+    assert r["frameworks"] == {"cupy": [3 << 20, 1], "torch": [2 << 20, 1]}

@@ -154,6 +154,9 @@ extern PyMethodDef gm_py_sim_methods[];
 /* Adds DEVICE_OPS, the device calls' names (sim_glue.c). */
 int gm_py_add_device_ops(PyObject *m);
 
+/* Whether o is a gpumem.Heap (module.c). */
+int gm_py_is_heap(PyObject *o);
+
 /* A new Heap borrowing the heap registry's heap of `device` (which must have
  * one), or NULL with an exception set (module.c). */
 PyObject *gm_py_heap_borrow(int device);

@@ -320,6 +320,8 @@ static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 
 static PyTypeObject HeapType;
 
+int gm_py_is_heap(PyObject *o) { return PyObject_TypeCheck(o, &HeapType); }
+
 PyObject *gm_py_heap_borrow(int device) {
     gm_heap *heap = gm_heap_registry_get(device);
     if (heap == NULL) return PyErr_Format(PyExc_ValueError, "the heap registry has no heap on device %d", device);

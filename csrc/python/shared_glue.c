@@ -11,10 +11,11 @@
  *   registry_devices(), registry_configure(**options), registry_options(),
  *   registry_open_sim(device, capacity), registry_history_enable(n),
  *   registry_empty_cache()
- *   _shared_malloc(device, size, stream, context) -> address, or None when the
- *       heap is out of memory (after an empty_cache and a second try, as torch's
- *       entry point does; the pages a failed try mapped are given back).  The
- *       caller words the error: gpumem.explain has the heap's last_oom.
+ *   _shared_malloc(heap, size, stream, context) -> address on a Heap (the
+ *       registry's, borrowed), or None when it is out of memory (after an
+ *       empty_cache and a second try, as torch's entry point does; the pages a
+ *       failed try mapped are given back).  The caller words the error:
+ *       gpumem.explain has the heap's last_oom.
  *
  * `context` is stored with the block; gpumem/_shared.py puts the framework's
  * tag in its bits 55..62 (GM_CTX_FRAMEWORK_MASK, history_glue.h) and the
@@ -24,7 +25,6 @@
 #include "heap_object.h"
 
 #include <stdint.h>
-#include <stdio.h>
 
 #include "common.h"
 #include "heap_registry.h"
@@ -33,14 +33,14 @@
 int gm_shared_glue_add(PyObject *module);
 
 /* The heap of `device`, created now if need be; NULL with a RuntimeError set:
- * the registry's reason, after `what` when given. */
-static gm_heap *heap_of(int device, const char *what) {
+ * the registry's reason. */
+static gm_heap *heap_of(int device) {
     gm_heap *h = gm_heap_registry_get(device);
     if (h) return h;
     char err[512] = "";
     Py_BEGIN_ALLOW_THREADS h = gm_heap_registry_open(device, err, sizeof err);
     Py_END_ALLOW_THREADS if (!h) {
-        PyErr_Format(PyExc_RuntimeError, "%s%s", what ? what : "", err[0] ? err : "unknown reason");
+        PyErr_Format(PyExc_RuntimeError, "%s", err[0] ? err : "unknown reason");
         return NULL;
     }
     return h;
@@ -54,7 +54,7 @@ static PyObject *r_heap(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
         gm_py_device_index(dev, &device) < 0)
         return NULL;
     if (!open && !gm_heap_registry_get(device)) Py_RETURN_NONE;
-    if (!heap_of(device, NULL)) return NULL;
+    if (!heap_of(device)) return NULL;
     return gm_py_heap_borrow(device);
 }
 
@@ -135,28 +135,34 @@ static PyObject *r_empty_cache(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
 }
 
 static PyObject *s_malloc(PyObject *Py_UNUSED(m), PyObject *args) {
-    int device;
-    unsigned long long size, stream, context;
-    if (!PyArg_ParseTuple(args, "iKKK:_shared_malloc", &device, &size, &stream, &context)) return NULL;
-    if (gm_py_check_device(device) < 0) return NULL;
-    char what[64];
-    snprintf(what, sizeof what, "gpumem cannot open a heap on CUDA device %d: ", device);
-    gm_heap *h = heap_of(device, what);
-    if (!h) return NULL;
+    PyObject *heap_o;
+    size_t size;
+    uint64_t stream, context;
+    if (!PyArg_ParseTuple(args, "OO&O&O&:_shared_malloc", &heap_o, gm_py_size_arg, &size, gm_py_stream_arg, &stream,
+                          gm_py_context_arg, &context))
+        return NULL;
+    if (!gm_py_is_heap(heap_o))
+        return PyErr_Format(PyExc_TypeError, "_shared_malloc: heap must be a gpumem.Heap, not %.100s",
+                            Py_TYPE(heap_o)->tp_name);
+    HeapObject *self = (HeapObject *)heap_o;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
+    gm_heap *h = self->heap;
     uintptr_t p = 0;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = gm_malloc(h, (size_t)size, (gm_stream)stream, (uint64_t)context, &p);
+    ENTER_CORE(self);
+    rc = gm_malloc(h, size, (gm_stream)stream, context, &p);
     if (rc == GM_ENOMEM) {
         /* What other streams freed since may be reusable now. */
         gm_empty_cache(h);
-        rc = gm_malloc(h, (size_t)size, (gm_stream)stream, (uint64_t)context, &p);
+        rc = gm_malloc(h, size, (gm_stream)stream, context, &p);
     }
     if (rc == GM_ENOMEM || rc == GM_EINVAL)
         gm_empty_cache(h); /* a failed try may have grown the heap: give that back */
-    Py_END_ALLOW_THREADS if (rc == GM_OK) return PyLong_FromUnsignedLongLong((unsigned long long)p);
+    LEAVE_CORE(self);
+    if (rc == GM_OK) return PyLong_FromUnsignedLongLong((unsigned long long)p);
     if (rc == GM_ENOMEM || rc == GM_EINVAL) Py_RETURN_NONE;
-    return PyErr_Format(PyExc_RuntimeError, "gpumem: allocation of %llu bytes on GPU %d failed: %s (%s)", size, device,
-                        gm_strerror(rc), gm_heap_device(h)->last_error);
+    return PyErr_Format(PyExc_RuntimeError, "gpumem: allocation of %zu bytes on %s failed: %s (%s)", size,
+                        self->dev->name, gm_strerror(rc), self->dev->last_error);
 }
 
 static PyObject *s_tags(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
@@ -186,7 +192,8 @@ static PyMethodDef shared_methods[] = {
     GM_PY_FN("registry_empty_cache", r_empty_cache, METH_NOARGS,
              "registry_empty_cache(): empty_cache on every registry heap not capturing a CUDA graph"),
     GM_PY_FN("_shared_malloc", s_malloc, METH_VARARGS,
-             "_shared_malloc(device, size, stream, context) -> address, or None when out of memory"),
+             "_shared_malloc(heap, size, stream, context) -> address, or None when out of memory (after an "
+             "empty_cache and a second try)"),
     GM_PY_FN("_framework_tags", s_tags, METH_NOARGS,
              "_framework_tags() -> where a context keeps the framework tag, and the tags"),
     {.ml_name = NULL},
