@@ -1,7 +1,8 @@
 /*
  * heap_object.h -- the gpumem.Heap Python object, shared by the files that
  * make up its methods: module.c (the type, allocation, statistics, reports),
- * replay_glue.c (trace replay) and sim_glue.c (the simulated device's controls).
+ * pool_glue.c (private pools), replay_glue.c (trace replay) and sim_glue.c
+ * (the simulated device's controls).
  *
  * A Heap either owns its heap (Heap(...): close() or the garbage collector
  * destroys it) or borrows a device's heap from the process-wide heap registry
@@ -147,7 +148,11 @@ int gm_py_to_size(PyObject *obj, const char *what, size_t *out);
 /* An int, or a string such as "24GiB". */
 int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out);
 
+/* ValueError: no pool `id` lives on this heap.  Returns NULL. */
+PyObject *gm_py_no_such_pool(const gm_pool_id *id);
+
 /* Method tables of the other files, each ending with {NULL}. */
+extern PyMethodDef gm_py_pool_methods[];
 extern PyMethodDef gm_py_replay_methods[];
 extern PyMethodDef gm_py_sim_methods[];
 
