@@ -116,11 +116,6 @@ static PyObject *g_format_oom(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_END_ALLOW_THREADS return PyUnicode_FromString(buf);
 }
 
-static PyObject *g_empty_cache(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
-    Py_BEGIN_ALLOW_THREADS gpumem_torch_empty_cache();
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
-}
-
 static PyObject *g_counters(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_torch_counters c;
     gm_torch_get_counters(&c);
@@ -231,8 +226,6 @@ static PyMethodDef glue_methods[] = {
              "_torch_device_count() -> count torch reported (-1 before CUDA init)"),
     GM_PY_FN("_torch_format_oom", g_format_oom, METH_VARARGS,
              "_torch_format_oom(device, size=0) -> the message such a request would fail with"),
-    GM_PY_FN("_torch_empty_cache", g_empty_cache, METH_NOARGS,
-             "_torch_empty_cache(): torch's empty_cache, every device"),
     GM_PY_FN("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
     GM_PY_FN("_torch_active_pools", g_active_pools, METH_O,
              "_torch_active_pools(device) -> [(a, b)] pools allocations are routed to now, in order"),
