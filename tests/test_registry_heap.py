@@ -71,16 +71,21 @@ def test_deleting_a_borrowed_heap_leaves_torchs_heap_working():
             after_close = "no error"
         except ValueError as e:
             after_close = str(e)
+        try:
+            h.__init__(capacity=1 << 30)                # a closed borrowed Heap does not become one's own
+            reinit = "no error"
+        except RuntimeError as e:
+            reinit = str(e)
         again = _C.registry_heap(0)
         sizes = [again.block_size(p), again.block_size(q)]
         free(p, 3 * MiB, 0, None)
         free(q, 5 * MiB, 0, None)
         again.check()
-        out(seen=seen, live=live, closed=closed, after_close=after_close, sizes=sizes,
+        out(seen=seen, live=live, closed=closed, after_close=after_close, sizes=sizes, reinit=reinit,
             end=again.stats()["allocated_bytes.all.current"], devices=_C.registry_devices())
     """)
     assert r["seen"] == 3 << 20 and r["live"] == 8 << 20 and r["sizes"] == [3 << 20, 5 << 20]
-    assert r["closed"] and "closed gpumem.Heap" in r["after_close"]
+    assert r["closed"] and "closed gpumem.Heap" in r["after_close"] and "borrows" in r["reinit"]
     assert r["end"] == 0 and r["devices"] == [0]
 
 

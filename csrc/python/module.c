@@ -439,6 +439,15 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* __init__: a borrowed Heap, even once closed, stays the registry's. */
+static int Heap_init_own(HeapObject *self, PyObject *args, PyObject *kwds) {
+    if (self->registry_device >= 0) {
+        PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ on a Heap that borrows the heap registry's heap");
+        return -1;
+    }
+    return Heap_init(self, args, kwds);
+}
+
 static void Heap_dealloc(HeapObject *self) {
     /* No method can be running: each holds a reference to self.  A borrowed
      * heap is the registry's: it lives on. */
@@ -890,7 +899,7 @@ static PyTypeObject HeapType = {
               "A gpumem heap over one device: a simulated one (\"sim\") or a CUDA GPU (\"cuda\").",
     .tp_methods = Heap_methods,
     .tp_getset = Heap_getset,
-    .tp_init = (initproc)Heap_init,
+    .tp_init = (initproc)Heap_init_own,
     .tp_new = Heap_new,
 };
 
