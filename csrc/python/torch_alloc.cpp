@@ -143,6 +143,7 @@ struct active_list : std::vector<active_pool> {
     mutable std::atomic<long> routing{0};
 };
 
+/* torch's state of one device (its heap is the heap registry's). */
 struct slot {
     /* Pools being allocated to, in the order begun.  pool_mu guards the
      * pointer only: a list once published is never changed (begin and end
@@ -467,7 +468,7 @@ void report_to_profiler(gm_heap *h, int device, void *ptr, int64_t delta) {
 
 } // namespace
 
-/* ---- options, registry access ----------------------------------------------- */
+/* ---- torch's settings ----------------------------------------------------------- */
 
 extern "C" void gm_torch_set_oom_mode(int mode) { g_oom_mode.store(mode); }
 
