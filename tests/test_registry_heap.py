@@ -11,29 +11,10 @@ process ends.
 
 import pytest
 
-from conftest import TORCH_BOUNDARY, run_python
+from test_torch_pools import run_py  # a fresh interpreter, a sim device behind device 0, torch's entry points
 
 import gpumem
 from gpumem import _C
-
-PRELUDE = (
-    """
-import gc, json
-import gpumem
-from gpumem import _C
-MiB = 1 << 20
-"""
-    + TORCH_BOUNDARY
-    + """
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
-_C.registry_open_sim(0, 1 << 30)
-"""
-)
-
-
-def run_py(code):
-    return run_python(code, PRELUDE, timeout=300, unset=())
 
 
 def public(obj):
@@ -42,6 +23,7 @@ def public(obj):
 
 def test_borrowed_and_owned_heaps_are_one_type_with_the_same_methods():
     r = run_py("""
+        import gpumem
         own = gpumem.Heap(capacity=1 << 30)
         shared = _C.registry_heap(0)
         out(same_type=type(shared) is type(own) is gpumem.Heap,
@@ -56,6 +38,7 @@ def test_borrowed_and_owned_heaps_are_one_type_with_the_same_methods():
 
 def test_deleting_a_borrowed_heap_leaves_torchs_heap_working():
     r = run_py("""
+        import gc
         h = _C.registry_heap(0)
         p = alloc(3 * MiB, 0, None)                 # torch's entry point
         seen = h.block_size(p)
@@ -110,6 +93,7 @@ def test_borrowed_heap_methods_act_on_the_registry():
         except TypeError as e:
             sim = str(e)
         errors = []
+        import gpumem
         own = gpumem.Heap(capacity=1 << 30)
         for heap in (own, h):                       # the same error paths on both
             for call in (lambda: heap.free(12345), lambda: heap.pool_info((7, 7)), lambda: heap.malloc(-1)):
@@ -136,6 +120,7 @@ def test_registry_heap_refuses_bad_devices_and_opens_nothing_when_asked_not_to()
 
 def test_cupy_and_numba_backends_allocate_from_the_registry_heap_through_heap_methods():
     r = run_py("""
+        import gpumem
         from gpumem._shared import Backend
         b = Backend("cupy")
         p = b.malloc(3 * MiB, 0)
