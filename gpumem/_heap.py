@@ -22,9 +22,10 @@ MAX_HISTORY = 1 << 20
 
 @runtime_checkable
 class HeapLike(Protocol):
-    """What snapshot, history and explain read from a heap: gpumem.Heap (any
-    device) and gpumem._resolve.TorchHeap (the heap torch's allocations go to)
-    both provide it.  Dicts are those of gpumem._C (csrc/python/common.c)."""
+    """What snapshot, history and explain read from a heap: gpumem.Heap provides
+    it, whether it owns its heap (any device) or borrows the heap registry's one
+    that torch's allocations go to (gpumem._C.registry_heap).  Dicts are those
+    of gpumem._C (csrc/python/common.c)."""
 
     device_kind: str  # "sim" or "cuda"
     closed: bool

@@ -55,7 +55,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ._frameworks import framework_of
 from ._C import Heap
-from ._resolve import TorchHeap, default_framework, resolve_heap
+from ._resolve import default_framework, resolve_heap
 from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
@@ -560,7 +560,7 @@ def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINT
     if isinstance(source, Snapshot):
         tl = from_snapshot(source)
     else:
-        heap = source if isinstance(source, (Heap, TorchHeap)) else resolve_heap(source)
+        heap = source if isinstance(source, Heap) else resolve_heap(source)
         tl = from_snapshot(Snapshot.from_heap(heap))
     if tl is None:
         raise ValueError("this heap has recorded no history: call gpumem.record_history() first")

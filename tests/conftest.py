@@ -299,7 +299,7 @@ memory_fraction = lib.gpumem_torch_memory_fraction
 memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
 ANY = ctypes.cast(None, FILTER)   # a pool that takes every stream
 def live(pool):
-    return {a for a, _ in _C._torch_pool_live(0, pool)}
+    return {a for a, _ in _C.registry_heap(0).pool_live(pool)}
 """
 
 

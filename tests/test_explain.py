@@ -206,6 +206,40 @@ def test_broken_formatter_keeps_the_oom(heap):
     assert e.info["request"] == 2 * GiB
 
 
+def test_the_explanation_is_registered_at_setup_not_by_importing_explain():
+    from conftest import run_python
+
+    r = run_python(
+        """
+        import importlib, sys
+        import gpumem
+        from gpumem import _C
+        from gpumem._shared import Backend
+
+        def message():
+            h = gpumem.Heap(capacity=1 << 30)
+            try:
+                h.malloc(2 << 30)
+            except gpumem.OutOfMemoryError as e:
+                return str(e)
+
+        at_setup = message()                       # the package registered it
+        _C._set_oom_formatter(None)
+        importlib.reload(sys.modules["gpumem.explain"])   # importing explain registers nothing
+        after_import = message()
+        sys.modules["gpumem.explain"].register_oom_formatter()
+        registered = message()
+        _C._set_oom_formatter(None)
+        Backend("cupy")                            # CuPy's and Numba's install register it
+        shared = message()
+        out(at_setup=at_setup, after_import=after_import, registered=registered, shared=shared)
+        """,
+        "import json\ndef out(**kw):\n    print('RESULT ' + json.dumps(kw), flush=True)\n",
+    )
+    assert "\n" not in r["after_import"] and r["after_import"] == r["at_setup"].split("\n")[0]
+    assert r["registered"] == r["shared"] == r["at_setup"] and "What to do" in r["at_setup"]
+
+
 def test_notebook_references():
     pytest.importorskip("IPython")
     from IPython.core.interactiveshell import InteractiveShell

@@ -58,11 +58,11 @@ torch.cuda.synchronize()
 vals2 = [float(o[0]) for o in outs] + [float(z[0])]
 intact2 = all(bool((f == 5.0).all()) for f in fillers)
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 del graphs, g, g1, outs, y, z
 gc.collect()
 torch.cuda.synchronize()
-pools_after = len(gpumem._C._torch_pools(0)) if USE else None
+pools_after = len(gpumem._C.registry_heap(0).pools()) if USE else None
 out(intact=intact and intact2, vals=vals, vals2=vals2, pools=pools, pools_after=pools_after)
 """
 
@@ -96,11 +96,11 @@ x.mul_(0.5)
 g.replay(); torch.cuda.synchronize()
 v2 = float(y.sum())
 intact = all(bool((f == 7.0).all()) for f in fill)
-live_pool = len(gpumem._C._torch_pools(0)) if USE else None
+live_pool = len(gpumem._C.registry_heap(0).pools()) if USE else None
 g.reset()
 del y
 torch.cuda.synchronize()
-pools_after_reset = len(gpumem._C._torch_pools(0)) if USE else None
+pools_after_reset = len(gpumem._C.registry_heap(0).pools()) if USE else None
 reserved_before = torch.cuda.memory_reserved()
 torch.cuda.empty_cache()
 out(v1=v1, v2=v2, intact=intact, live_pool=live_pool, pools_after_reset=pools_after_reset,
@@ -175,11 +175,11 @@ gc.collect()
 fill = [torch.full((1 << 20,), 9.0, device="cuda") for _ in range(16)]   # must not land on t1/t2
 torch.cuda.synchronize()
 intact = bool(torch.equal(t1, keep1)) and bool(torch.equal(t2, keep2))
-pools_left = len(gpumem._C._torch_pools(0)) if USE else None
+pools_left = len(gpumem._C.registry_heap(0).pools()) if USE else None
 del t1, t2
 torch.cuda.synchronize()
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 out(kind=kind, uc0=uc0, uc_in=uc_in, uc_after=uc_after, seg_pools=[list(p) for p in seg_pools], pid=list(pid),
     pool_alloc=pool_alloc, outside_in_pool=outside_in_pool, intact=intact, pools_left=pools_left,
     whole_has_pool=any(tuple(s["segment_pool_id"]) == pid for s in whole))
@@ -248,9 +248,9 @@ for i in range(6):
 torch.cuda.synchronize()
 intact = all(bool((t == float(v)).all()) for t, v in held)
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 out(infer=infer, max_err=max_err, losses=losses, elosses=elosses, intact=intact, calls=calls,
-    pools=len(gpumem._C._torch_pools(0)) if USE else None)
+    pools=len(gpumem._C.registry_heap(0).pools()) if USE else None)
 """
 
 
@@ -296,7 +296,7 @@ x.fill_(2.0)
 g2.replay()
 torch.cuda.synchronize()
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 out(oom=oom, prefix=msg.startswith("CUDA out of memory."), val=float(z[0]))
 """
 

@@ -84,8 +84,8 @@ def test_many_sizes_and_kernels():
         ptrs = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for _, t in live)
         overlap = sum(1 for a, b in zip(ptrs, ptrs[1:]) if a[1] > b[0])
         torch.cuda.synchronize()
-        gpumem._C._torch_check(0)
-        snap = gpumem._C._torch_snapshot(0)
+        gpumem._C.registry_heap(0).check()
+        snap = gpumem._C.registry_heap(0).snapshot()
         inside = all(snap["va_base"] <= t.data_ptr() < snap["va_base"] + snap["va_size"] for _, t in live)
         out(bad=bad, overlap=overlap, inside=inside, n=len(sizes), live=len(live))
     """)
@@ -243,7 +243,7 @@ def test_cap_from_fraction_and_from_conf():
         except RuntimeError as e:
             refused = "CUDA out of memory." in str(e)
         a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        out(refused=refused, cap=gpumem._C._torch_get_cap(0), oom_type=gpumem._C._torch_options()["oom_mode"])
+        out(refused=refused, cap=gpumem._C.registry_heap(0).get_cap(), oom_type=gpumem._C._torch_set_oom())
     """,
         env={"GPUMEM_CONF": "cap:2GiB,oom:runtime"},
     )
@@ -402,7 +402,7 @@ def test_two_devices_each_get_a_heap():
     r = run_py("""
         gpumem.install()
         a = torch.ones(1 << 20, device="cuda:0"); b = torch.ones(1 << 20, device="cuda:1") * 2
-        out(devices=gpumem._C._torch_devices(), a=float(a.sum()), b=float(b.sum()),
+        out(devices=gpumem._C.registry_devices(), a=float(a.sum()), b=float(b.sum()),
             m0=torch.cuda.memory_allocated(0), m1=torch.cuda.memory_allocated(1))
     """)
     assert r["devices"] == [0, 1] and r["a"] == 1 << 20 and r["b"] == 2 * (1 << 20), r
@@ -587,9 +587,9 @@ def test_dataloader_workers_forked_while_threads_allocate():
 
             def __getitem__(self, i):
                 # in a fork()ed worker: the options and pool locks, the heap's lock
-                gpumem._C._torch_options()
+                gpumem._C.registry_options()
                 gpumem._C._torch_active_pools(0)
-                gpumem._C._torch_stats(0)
+                gpumem._C.registry_heap(0).stats()
                 return torch.tensor([i * i])
 
         epochs = []
@@ -602,7 +602,7 @@ def test_dataloader_workers_forked_while_threads_allocate():
         x = torch.randn(512, 512, device="cuda")
         ok = bool(torch.isfinite(x @ x).all().item())
         torch.cuda.synchronize()
-        gpumem._C._torch_check(torch.cuda.current_device())
+        gpumem._C.registry_heap(torch.cuda.current_device()).check()
         out(epochs=epochs, allocated=min(counts), ok=ok, live=len(keep))
     """,
         timeout=600,
@@ -647,17 +647,17 @@ def test_conf_parsing_and_options():
 
 def test_configure_rejects_bad_values_in_c():
     C = pytest.importorskip("gpumem._C")
-    before = C._torch_options()
+    before, mode = C.registry_options(), C._torch_set_oom()
     with pytest.raises(ValueError):
-        C._torch_configure(cap_fraction=2.0)
+        C.registry_configure(cap_fraction=2.0)
     with pytest.raises(ValueError):
-        C._torch_configure(oom_mode="sometimes")
+        C._torch_set_oom(mode="sometimes")
     with pytest.raises(TypeError):
-        C._torch_configure(oom_class=3)
-    assert C._torch_options() == before
-    assert C._torch_stats(0) is None and C._torch_snapshot(0) is None  # no heap without torch allocating
+        C._torch_set_oom(oom_class=3)
+    assert C.registry_options() == before and C._torch_set_oom() == mode
+    assert C.registry_heap(0, open=False) is None  # no heap without torch allocating
     with pytest.raises(ValueError):
-        C._torch_stats(-1)
+        C.registry_heap(-1)
     ep = C._torch_entry_points()
     assert set(ep) == {
         "alloc",

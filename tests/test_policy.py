@@ -262,14 +262,14 @@ def test_replay_option(traces):
 def test_torch_options_carry_pressure():
     """What install() hands the C++ boundary: kept as given, checked, and -1 for the core's default."""
     C = gpumem._C
-    before = C._torch_options()["pressure"]
+    before = C.registry_options()["pressure"]
     assert before == -1.0  # nothing installed: the core's default
     try:
-        C._torch_configure(pressure=0.0)
-        assert C._torch_options()["pressure"] == 0.0
+        C.registry_configure(pressure=0.0)
+        assert C.registry_options()["pressure"] == 0.0
         with pytest.raises(ValueError, match="pressure <= 1"):
-            C._torch_configure(pressure=1.5)
-        assert C._torch_options()["pressure"] == 0.0  # a refused call changes nothing
+            C.registry_configure(pressure=1.5)
+        assert C.registry_options()["pressure"] == 0.0  # a refused call changes nothing
     finally:
-        C._torch_configure(pressure=before)
-    assert C._torch_options()["pressure"] == before
+        C.registry_configure(pressure=before)
+    assert C.registry_options()["pressure"] == before

@@ -2,7 +2,7 @@
 checked without a GPU.
 
 Each case runs in a fresh interpreter with a simulated device behind torch's heap of
-device 0 (_torch_open_sim), and allocates through the very entry point torch calls
+device 0 (_C.registry_open_sim), and allocates through the very entry point torch calls
 (_torch_test_alloc raises what torch would raise): the out-of-memory message's first
 sentence, the 1 EiB refusal, out-of-memory observers, the memory fraction, the
 accelerator statistics and the history options (skip_actions, clear_history).
@@ -23,7 +23,7 @@ GiB = 1 << 30
 """
     + TORCH_BOUNDARY
     + """
-_C._torch_open_sim(0, 1 << 30)
+_C.registry_open_sim(0, 1 << 30)
 """
 )
 
@@ -69,8 +69,8 @@ def test_one_exbibyte_or_more_is_refused_in_torchs_words():
             _C._torch_test_alloc((1 << 60) - (1 << 40), 0)   # just under: the usual message
         except RuntimeError as e:
             got.append(str(e))
-        _C._torch_check(0)
-        out(got=got, reserved=_C._torch_stats(0)["reserved_bytes.all.current"])
+        _C.registry_heap(0).check()
+        out(got=got, reserved=_C.registry_heap(0).stats()["reserved_bytes.all.current"])
     """)
     a, b, under = r["got"]
     assert a == b == "CUDA out of memory. Tried to allocate more than 1EB memory."
@@ -83,7 +83,8 @@ def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments()
         calls = []
         def first(device, requested, allowed, free):
             # the heap's state at the failure is there to be snapshotted
-            calls.append(("first", device, requested, allowed, free, _C._torch_stats(0)["allocated_bytes.all.current"]))
+            allocated = _C.registry_heap(0).stats()["allocated_bytes.all.current"]
+            calls.append(("first", device, requested, allowed, free, allocated))
         _install._attach_oom_observer(first)
         _install._attach_oom_observer(lambda *a: calls.append(("second",) + a))
         keep = _C._torch_test_alloc(600 * MiB, 0)
@@ -107,7 +108,7 @@ def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments()
             replaced = None
         except KeyError as e:
             replaced = repr(e)
-        _C._torch_check(0)
+        _C.registry_heap(0).check()
         out(calls=calls, raised=raised, n_after_success=n_after_success, bad_type=bad_type, replaced=replaced)
     """)
     (first, second), rest = r["calls"][:2], r["calls"][2:]
@@ -138,7 +139,7 @@ def test_memory_fraction_round_trips_and_zero_allows_nothing():
             zero = str(e)
         set_fraction(1.0, 0)
         p = _C._torch_test_alloc(512, 0)
-        out(before=before, got=got, zero=zero, cap_after=_C._torch_get_cap(0), p=p)
+        out(before=before, got=got, zero=zero, cap_after=_C.registry_heap(0).get_cap(), p=p)
     """)
     assert r["before"] == 1.0
     assert r["got"] == [1.0, 0.0, 0.123456789, 0.75]

@@ -1,7 +1,7 @@
 """torch's memory history as its visualisations read it, checked without a GPU.
 
 Each case runs in a fresh interpreter with a simulated device behind torch's heap of
-device 0 (_torch_open_sim) and calls the entry points torch calls (allocation, free,
+device 0 (_C.registry_open_sim) and calls the entry points torch calls (allocation, free,
 empty_cache) with the GIL released, as torch's ops do; gpumem.torch's hooks are
 registered as install() registers them.  What is checked is what
 torch.cuda.memory._snapshot() holds under each of torch's context modes (which trace
@@ -24,7 +24,7 @@ MiB = 1 << 20
 """
     + TORCH_BOUNDARY
     + """
-_C._torch_open_sim(0, 1 << 30)
+_C.registry_open_sim(0, 1 << 30)
 # what gpumem.install() registers: torch's allocations take Python stacks
 register_torch_hooks(active=lambda: True, stack_hook=_viz.set_stack_hook)
 def trace():

@@ -160,7 +160,7 @@ def _unitless_number(text):
 
 
 def normalize_options(options):
-    """Turn install()'s options into _torch_configure keyword arguments (raises ValueError)."""
+    """Turn install()'s options into _configure keyword arguments (raises ValueError)."""
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown gpumem option(s) {', '.join(sorted(unknown))} (known: {', '.join(OPTION_NAMES)})")
@@ -260,7 +260,7 @@ def _device_list(device, torch):
 
 
 def _prepare(options, what):
-    """(torch, _torch_configure kwargs, merged options), or InstallError."""
+    """(torch, _configure kwargs, merged options), or InstallError."""
     from_env = parse_conf(os.environ.get(ENV_VAR, ""))
     merged = dict(from_env)
     merged.update(options)
@@ -278,6 +278,16 @@ def _prepare(options, what):
     return torch, kw, merged
 
 
+def _configure(kw):
+    """The heap registry's options, then how torch's out-of-memory failures are raised."""
+    kw = dict(kw)
+    oom = {"mode": kw.pop("oom_mode", None)}
+    if "oom_class" in kw:
+        oom["oom_class"] = kw.pop("oom_class")
+    _C.registry_configure(**kw)
+    _C._torch_set_oom(**oom)
+
+
 def _make_allocator(torch, kw, what):
     """torch's CUDAPluggableAllocator over gpumem._C's entry points, every hook set."""
     if not torch.cuda.is_available():
@@ -288,7 +298,7 @@ def _make_allocator(torch, kw, what):
             f"allocator is in use and cannot be replaced. Call gpumem.{what}() before anything touches "
             "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`."
         )
-    _C._torch_configure(**kw)
+    _configure(kw)
     alloc = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
     hooks = alloc.allocator()
     entry = _C._torch_entry_points()
@@ -308,7 +318,7 @@ def _finish(torch, merged, device):
     register_torch_hooks(active=lambda: _state["allocator"] is not None, stack_hook=_viz.set_stack_hook)
     _viz.on_install()  # explained OOM messages, Python stacks (visibility layer)
     for d in _device_list(device, torch):
-        _C._torch_open(d)
+        _C.registry_heap(d)
     return status()
 
 
@@ -331,7 +341,7 @@ def install(device=None, **options):
             ) from e
         _state["allocator"] = alloc
     else:
-        _C._torch_configure(**kw)
+        _configure(kw)
     return _finish(torch, merged, device)
 
 
@@ -408,15 +418,16 @@ def status():
     }
     C = _C
     out["counters"] = C._torch_counters()
-    for d in C._torch_devices():
-        st = C._torch_stats(d)
+    for d in C.registry_devices():
+        heap = C.registry_heap(d)
+        st = heap.stats()
         out["devices"][d] = {
             "allocated_bytes": st["allocated_bytes.all.current"],
             "reserved_bytes": st["reserved_bytes.all.current"],
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
-            "cap_bytes": C._torch_get_cap(d),
+            "cap_bytes": heap.get_cap(),
             "num_remaps": st["num_remaps"],
-            "pools": len(C._torch_pools(d)),
+            "pools": len(heap.pools()),
         }
     return out
 
@@ -434,7 +445,8 @@ def _zero_stats():
 
 def nested_stats(device):
     """torch._C._cuda_memoryStats's shape: {"allocated_bytes": {"all": {"current": ...}}, ...}."""
-    flat = _C._torch_stats(int(device)) or _zero_stats()
+    heap = _C.registry_heap(int(device), open=False)
+    flat = heap.stats() if heap is not None else _zero_stats()
     nested = {}
     for key, value in flat.items():
         parts = key.split(".")
@@ -476,12 +488,12 @@ def _memory_fraction(device):
     cap gpumem was installed with, as a fraction of the device (1.0 without one)."""
     if int(device) in _fractions:
         return _fractions[int(device)]
-    C = _C
-    cap = C._torch_get_cap(int(device))
+    heap = _C.registry_heap(int(device), open=False)
+    cap = heap.get_cap() if heap is not None else 0
     if not cap:
         return 1.0
-    report = C._torch_memory_report(int(device), 0)
-    return min(1.0, cap / report["device_total"]) if report and report["device_total"] else 1.0
+    report = heap.memory_report(0)
+    return min(1.0, cap / report["device_total"]) if report["device_total"] else 1.0
 
 
 def _attach_oom_observer(observer):
@@ -561,7 +573,7 @@ def _raw_delete_fn(original):
 
 def _history_enabled():
     """torch._C._cuda_isHistoryEnabled (cudagraph trees' history recording asks it)."""
-    return _C._torch_options()["history_entries"] > 0
+    return _C.registry_options()["history_entries"] > 0
 
 
 def _patch(torch):
@@ -571,10 +583,14 @@ def _patch(torch):
         return nested_stats(device)
 
     def reset_peak(device):
-        C._torch_reset_peak(int(device))
+        heap = C.registry_heap(int(device), open=False)
+        if heap is not None:
+            heap.reset_peak_stats()
 
     def reset_accumulated(device):
-        C._torch_reset_accumulated(int(device))
+        heap = C.registry_heap(int(device), open=False)
+        if heap is not None:
+            heap.reset_accumulated_stats()
 
     def snapshot(arg=None, *_args, **_kwargs):
         return memory_snapshot_dict(arg)

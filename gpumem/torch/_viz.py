@@ -33,7 +33,8 @@ from bisect import bisect_right
 
 from .. import _C
 from .._heap import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
-from .._resolve import TorchHeap
+from ..explain import register_oom_formatter
+from .._resolve import registry_heap
 from ..history import _record
 from ..snapshot import Snapshot
 
@@ -121,6 +122,7 @@ def set_stack_hook(enabled: bool) -> None:
 
 
 def on_install() -> None:
+    register_oom_formatter()  # torch's OutOfMemoryError is worded by gpumem.explain's format_oom
     explain = os.environ.get("GPUMEM_EXPLAIN_OOM", "1") != "0"
     _C._torch_set_oom_formatter(_hooks()["oom_formatter"] if explain else 0)
     if _C._stacks_info()["enabled"]:
@@ -182,9 +184,9 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {known})")
     n = max(1, min(int(max_entries), MAX_HISTORY))
     if clear and mode == "all":
-        _C._torch_history_enable(0)  # the ring starts empty
+        _C.registry_history_enable(0)  # the ring starts empty
     _trace_context.set(context)  # before the ring records in the new mode
-    _record(_C._torch_history_enable, mode, stacks, n)
+    _record(_C.registry_history_enable, mode, stacks, n)
     _skip_actions = frozenset(skip or ())
     # context="all" with a trace to record: frees and empty_cache take their caller's stack
     _C._torch_set_event_stacks(context == "all" and mode == "all")
@@ -224,12 +226,12 @@ def torch_snapshot_dict(arg=None) -> dict:
     other than (0, 0) keeps the segments of that pool only (MemPool.snapshot())."""
     include_traces = not (isinstance(arg, tuple) and len(arg) >= 3 and arg[2] is False)
     pool = tuple(arg[:2]) if isinstance(arg, tuple) and len(arg) >= 2 else (0, 0)
-    devices = _C._torch_devices()
+    devices = _C.registry_devices()
     hook = _entry_hook()
     n = max([_C._torch_device_count()] + [d + 1 for d in devices] + [1])
     out = {"segments": [], "device_traces": [[] for _ in range(n)]}
     for d in devices:
-        t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d, entry_hook=hook)
+        t = Snapshot.from_heap(registry_heap(d), with_history=include_traces).to_torch(d, entry_hook=hook)
         out["segments"].extend(s for s in t["segments"] if pool == (0, 0) or tuple(s["segment_pool_id"]) == pool)
         out["device_traces"][d] = [e for e in t["device_traces"][d] if e["action"] not in _skip_actions]
         out.setdefault("allocator_settings", t["allocator_settings"])
