@@ -13,6 +13,7 @@ from gpumem.__main__ import main
 from gpumem.forecast import Forecast, ForecastError, Recording, last_forecast
 from gpumem.native_model import (
     NativeAllocator,
+    allowed_bytes,
     fits_native,
     min_capacity_native,
     replay_native,
@@ -318,7 +319,56 @@ def test_native_releases_cached_segments_before_failing():
     assert a.malloc(19 * MiB) is None and a.ooms == 1
 
 
-@pytest.mark.parametrize("name", ["gpt2_varlen", "bert_varlen", "llama_lora_ckpt"])
+def test_native_ties_go_to_the_newest_segment():
+    """Equal free blocks: torch takes the lowest address, and each new segment
+    lies below the earlier ones, so the newest is reused first."""
+    a = NativeAllocator()
+    x = a.malloc(12 * MiB)  # 12 MiB requests: segments of exactly 12 MiB
+    y = a.malloc(12 * MiB)
+    assert a.reserved == 24 * MiB and y < x
+    a.free(x)
+    a.free(y)
+    z = a.malloc(4 * MiB)  # either cached segment fits as well: the newer one, split (8 MiB remain)
+    assert z == y and a.allocated == 4 * MiB
+    assert a.empty_cache() == 12 * MiB  # the older one was left whole
+    assert a.malloc(4 * MiB) == y + 4 * MiB  # the rest of the split segment, not a new one
+    assert a.reserved == 12 * MiB
+
+
+def test_native_oversize_blocks_with_max_split_size():
+    with pytest.raises(ValueError, match="more than 20 MiB"):
+        NativeAllocator(max_split_size=20 * MiB)
+    a = NativeAllocator(max_split_size=64 * MiB)
+    big = a.malloc(100 * MiB)  # oversize: its own 100 MiB segment, never split
+    a.free(big)
+    small = a.malloc(30 * MiB)  # under max_split: the cached oversize block may not serve it
+    assert small != big and a.reserved == 130 * MiB
+    assert a.malloc(90 * MiB) == big and a.allocated == 130 * MiB  # 10 MiB over: whole, not split
+    a.free(big)
+    assert a.malloc(70 * MiB) != big  # 30 MiB over (20 MiB or more): not given
+    assert a.reserved == 200 * MiB
+    # the cap: a 70 MiB segment does not fit 150 MiB beside 130 MiB held; the cached oversize
+    # 100 MiB segment is released first (only with max_split_size), then the retry succeeds
+    b = NativeAllocator(capacity=150 * MiB, max_split_size=64 * MiB)
+    b.free(b.malloc(100 * MiB))
+    keep = b.malloc(30 * MiB)
+    assert b.malloc(70 * MiB) is not None and b.num_device_free == 1 and b.reserved == 100 * MiB
+    assert keep is not None
+
+
+def test_native_fraction_cap_counts_only_segments():
+    assert allowed_bytes(0.1, 80 * GiB) == 8 * GiB
+    with pytest.raises(ValueError):
+        allowed_bytes(1.5, 80 * GiB)
+    # 8 GiB allowed: 4 GiB + 4 GiB of segments fit exactly, one byte more does not
+    a = NativeAllocator(capacity=allowed_bytes(0.1, 80 * GiB))
+    assert a.malloc(4 * GiB) is not None and a.malloc(4 * GiB) is not None
+    assert a.malloc(1) is None and a.ooms == 1
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2_varlen", "bert_varlen", "llama_lora_ckpt", "seed_fragmentation", "gpt2_generate"]
+)
 def test_native_model_matches_torch_on_recorded_traces(name):
     """The shipped traces' headers hold what torch's allocator reserved and
     allocated at peak when they were recorded on a GPU."""
