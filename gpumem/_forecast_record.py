@@ -1,0 +1,145 @@
+"""Recording a step's allocations in this process for gpumem.forecast: from a
+gpumem.Heap (the simulated device in tests), from gpumem serving torch, or from
+torch's own caching allocator (its memory history and snapshot)."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Tuple
+
+from ._forecast_align import GPUMEM_GRANULARITY, ForecastError
+from .trace import Trace, TraceError, _Builder
+
+_HISTORY_ENTRIES = 1 << 20
+
+
+class _HeapRecorder:
+    """History of a gpumem.Heap (any device; the simulated one in tests)."""
+
+    granularity = GPUMEM_GRANULARITY
+
+    def __init__(self, heap):
+        self.heap = heap
+
+    def sync(self) -> None:
+        pass
+
+    def live_blocks(self) -> List[Tuple[int, int, int]]:
+        blocks = [b for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
+        blocks.sort(key=lambda b: b[5])  # allocation order
+        return [(b[0], b[2], b[3]) for b in blocks]
+
+    def start(self) -> None:
+        self.heap.history_enable(0)  # drop what the ring held
+        self.heap.history_enable(_HISTORY_ENTRIES)
+
+    def stop(self) -> List[Tuple[str, int, int, int]]:
+        raw, dropped = self.heap.history()
+        self.heap.history_enable(0)
+        if dropped:
+            raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
+        return [(e[1], e[2], e[3], e[4]) for e in raw]
+
+    def capacity(self) -> int:
+        return int(self.heap.memory_report(0)["cap_bytes"])
+
+
+class _TorchGpumemRecorder(_HeapRecorder):
+    """gpumem serving torch: its heap's history, synchronizing the device."""
+
+    def __init__(self, heap, torch):
+        super().__init__(heap)
+        self.torch = torch
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.heap.torch_device)
+
+
+class _TorchNativeRecorder:
+    """torch's own caching allocator: its memory history and snapshot."""
+
+    granularity = GPUMEM_GRANULARITY  # torch's history records its blocks' sizes too
+
+    def __init__(self, torch, device):
+        self.torch = torch
+        self.device = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def _snapshot(self) -> dict:
+        return self.torch.cuda.memory._snapshot()
+
+    def live_blocks(self) -> List[Tuple[int, int, int]]:
+        out = []
+        for seg in self._snapshot()["segments"]:
+            if seg.get("device") != self.device:
+                continue
+            addr = seg["address"]
+            for b in seg["blocks"]:
+                if b["state"] in ("active_allocated", "active_pending_free"):
+                    out.append((addr, b.get("requested_size") or b["size"], seg["stream"]))
+                addr += b["size"]
+        return out
+
+    def _events(self) -> list:
+        traces = self._snapshot()["device_traces"]
+        return traces[self.device] if self.device < len(traces) else []
+
+    def start(self) -> None:
+        m = self.torch.cuda.memory
+        m._record_memory_history(enabled=None)
+        kw = dict(context=None, stacks="python", max_entries=_HISTORY_ENTRIES)
+        try:
+            m._record_memory_history(clear_history=True, **kw)
+        except TypeError:  # a torch without clear_history: skip what the history already holds
+            m._record_memory_history(**kw)
+        self.skip = len(self._events())
+
+    def stop(self) -> List[Tuple[str, int, int, int]]:
+        events = self._events()
+        self.torch.cuda.memory._record_memory_history(enabled=None)
+        if len(events) >= _HISTORY_ENTRIES:
+            raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
+        return [(e["action"], e["addr"], e["size"], e["stream"]) for e in events[self.skip :]]
+
+    def capacity(self) -> int:
+        free, total = self.torch.cuda.mem_get_info(self.device)
+        fraction = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
+        return int(total * (fraction(self.device) if fraction else 1.0))
+
+
+def _recorder(heap, device):
+    from ._C import Heap
+
+    if heap is not None:
+        if not isinstance(heap, Heap):
+            raise TypeError(f"heap must be a gpumem.Heap, not {type(heap).__name__}")
+        return _HeapRecorder(heap)
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        raise ForecastError(
+            "no torch with CUDA in this process: pass heap=gpumem.Heap(...) for a step that drives a gpumem heap, "
+            "or forecast from recorded traces (Forecast.from_traces, python -m gpumem forecast)"
+        )
+    from ._resolve import resolve_heap, torch_active
+
+    if torch_active():
+        return _TorchGpumemRecorder(resolve_heap(device), torch)
+    return _TorchNativeRecorder(torch, device)
+
+
+def _to_trace(name: str, live, events, granularity: int) -> Trace:
+    """The blocks live before the step as allocations made first, then the step's events."""
+    b = _Builder(name)
+    for i, (addr, size, stream) in enumerate(live):
+        b.alloc(addr, size, stream, f"live block {i}")
+    try:
+        for i, (action, addr, size, stream) in enumerate(events):
+            if action == "alloc":
+                b.alloc(addr, size, stream, i)
+            elif action == "free_completed":
+                b.free(addr, stream, i)
+    except TraceError as e:
+        raise ForecastError(f"the recorded history is inconsistent: {e.reason}") from None
+    return b.finish("recorded", 0, {"size_granularity": granularity})
