@@ -2,7 +2,7 @@
 (or sequence length, or resolution) that fits, forecast from small recorded steps, against the real
 largest value found by binary search with real steps, under torch's native allocator and under gpumem.
 
-    python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 530] [--cap-gib 8] [--models a,b]
+    python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 400] [--cap-gib 8] [--models a,b]
     python benchmarks/gpu_forecast.py --check        # the plan only, no GPU
 
 The models, built from configs with random weights (nothing downloaded):
@@ -256,6 +256,9 @@ def child_forecast(name, cap, out_dir):
                 "model": name,
                 "aligned": fc.aligned,
                 "alignment": fc.alignment.message,
+                "set_aside": {str(k): v for k, v in fc.alignment.set_aside.items()},
+                "caveats": fc.caveats(),
+                "misalignment": None if fc.aligned else misalignment_context(fc),
                 "fit": fc.model.kinds if fc.model else None,
                 "events": fc.alignment.events,
                 "largest": {a: (None if v == math.inf else v) for a, v in largest.items()},
@@ -270,6 +273,22 @@ def child_forecast(name, cap, out_dir):
     )
 
 
+def misalignment_context(fc, before=12, after=24):
+    """The events around where the recordings stopped lining up, in each recording."""
+    from gpumem._forecast_align import _Events
+
+    i = max(fc.alignment.first_difference, 0)
+    out = {}
+    for r in fc.recordings:
+        ev = _Events(r.trace)
+        lo, hi = max(0, i - before), min(ev.n, i + after)
+        out[str(r.knob)] = [
+            f"{q} {'alloc' if ev.is_alloc[q] else 'free'} #{ev.ordinal[q]} {ev.size[q]} s{ev.stream[q]}"
+            for q in range(lo, hi)
+        ]
+    return out
+
+
 def child_probe(name, allocator, k, cap):
     t_start = time.perf_counter()
     import torch
@@ -281,7 +300,9 @@ def child_probe(name, allocator, k, cap):
 
         gpumem.install(cap=int(cap))
     else:
-        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+        # torch allows fraction x cudaMemGetInfo's total (not get_device_properties' total_memory) to its
+        # segments; CUDA's context and anything outside the allocator do not count
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.mem_get_info()[1])
     spec = MODELS[name]
     step, _ = spec.build("cuda")
     _fresh_device(torch)
@@ -401,17 +422,21 @@ def search(name, allocator, cap, deadline, slots, log):
     }
 
 
-def forecast_peaks(name, out_dir, cap, k):
-    """The forecast's peak live and peak allocated (each allocator) at knob value k."""
+def _load_forecast(name, out_dir, cap):
     sys.path.insert(0, str(REPO))
     from gpumem.forecast import Forecast
-    from gpumem.native_model import replay_native
-    from gpumem.replay import replay
 
     spec = MODELS[name]
     with open(os.path.join(out_dir, f"{name}.recordings.pickle"), "rb") as f:
         recs = pickle.load(f)
-    fc = Forecast(recs, name=spec.knob, capacity=cap, multiple=spec.multiple)
+    return Forecast(recs, name=spec.knob, capacity=cap, multiple=spec.multiple)
+
+
+def forecast_peaks(fc, cap, k):
+    """The forecast's peak live and peak allocated (each allocator) at knob value k."""
+    from gpumem.native_model import replay_native
+    from gpumem.replay import replay
+
     if not fc.aligned or not k:
         return {"peak_live": fc.peak_live(k) if k else None}
     t = fc.synthesise(k)
@@ -420,6 +445,30 @@ def forecast_peaks(name, out_dir, cap, k):
         "native": replay_native(t).peak_allocated_bytes,
         "gpumem": replay(t, max(4 * t.peak_live_bytes, GiB), timing=False).peak_allocated_bytes,
     }
+
+
+def probe_checks(fc, cap, probes):
+    """Each native probe beside the model's replay of the forecast's trace at its value under the same
+    cap: did it fit, and its peak reserved and allocated (what torch.cuda.max_memory_* measured)."""
+    from gpumem.native_model import replay_native
+
+    out = []
+    for p in probes:
+        if p.get("crashed") or not fc.aligned:
+            continue
+        r = replay_native(fc.synthesise(p["k"]), cap)
+        out.append(
+            {
+                "k": p["k"],
+                "measured_ok": p["ok"],
+                "model_ok": r.ooms == 0,
+                "measured_peak_reserved": p.get("peak_reserved"),
+                "model_peak_reserved": r.peak_reserved_bytes,
+                "measured_peak_allocated": p.get("peak_allocated"),
+                "model_peak_allocated": r.peak_allocated_bytes,
+            }
+        )
+    return sorted(out, key=lambda c: c["k"])
 
 
 def within(forecast, truth):
@@ -435,7 +484,9 @@ def _pct(a, b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
-    ap.add_argument("--budget-s", type=float, default=530.0, help="stop starting probes after this (default 530)")
+    ap.add_argument(
+        "--budget-s", type=float, default=400.0, help="stop starting probes after this (default 400: all within 8 min)"
+    )
     ap.add_argument("--cap-gib", type=float, default=8.0, help="the device as each process sees it (default 8)")
     ap.add_argument(
         "--models",
@@ -516,17 +567,27 @@ def main():
 
     # 3. compare
     rows = []
+    checks = []
     for name in models:
         r = results["models"][name]
         f = r["forecast"]
+        fc = None
+        if "error" not in f:
+            try:
+                fc = _load_forecast(name, out_dir, cap)
+            except Exception as e:  # noqa: BLE001
+                f["reload_error"] = str(e)
         for alloc in ALLOCATORS:
             t = r.get("truth", {}).get(alloc, {})
             fv = (f.get("largest") or {}).get(alloc)
             tv = t.get("largest")
             peaks = {}
-            if "error" not in f and tv:
+            if fc is not None and tv:
                 try:
-                    peaks = forecast_peaks(name, out_dir, cap, tv)
+                    peaks = forecast_peaks(fc, cap, tv)
+                    if alloc == "native":
+                        t["model_vs_probes"] = probe_checks(fc, cap, t.get("probes", []))
+                        checks += [dict(model=name, **c) for c in t["model_vs_probes"]]
                 except Exception as e:  # noqa: BLE001
                     peaks = {"error": str(e)}
             t["forecast_peaks_at_truth"] = peaks
@@ -570,6 +631,18 @@ def main():
         f"(device {results['device']}, cap {a.cap_gib} GiB a process, {jobs} probes at once, "
         f"{results['wall_s']:.0f} s in all)"
     )
+    print()
+    print("| model | knob | runs (GPU / model) | peak reserved GPU GiB | model GiB | diff | peak allocated diff |")
+    print("|" + "---|" * 7)
+    for c in checks:
+        mr, fr = c["measured_peak_reserved"], c["model_peak_reserved"]
+        ma, fa = c["measured_peak_allocated"], c["model_peak_allocated"]
+        print(
+            f"| {c['model']} | {c['k']} | {'yes' if c['measured_ok'] else 'OOM'} / {'yes' if c['model_ok'] else 'OOM'} "
+            f"| {mr / GiB if mr else 0:.3f} | {fr / GiB:.3f} | {_pct(fr, mr)} | {_pct(fa, ma)} |"
+        )
+    print("(native probes: the model of torch's allocator replaying the forecast's trace under the same cap)")
+    results["model_vs_probes"] = checks
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
