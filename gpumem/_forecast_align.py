@@ -181,21 +181,25 @@ class _Pairing:
 
     def _resync(self, i: int, j: int, trail: list) -> Optional[tuple]:
         """The best way past a mismatch at (i, j): step back over up to _REWIND
-        paired events and set aside a stretch of T or of R there."""
+        paired events and set aside a stretch of T, of R, or one of each (a
+        code path that differs) there."""
         t, r = self.t, self.r
         best = None
         points = [(i, j)] + [trail[-k] for k in range(1, min(_REWIND, len(trail)) + 1)]
         for back, (ti, rj) in enumerate(points):
-            for side, ev, start, aside in (("t", t, ti, self.aside_t), ("r", r, rj, self.aside_r)):
-                for length in ev.runs(start, aside) if start < ev.n and ev.is_alloc[start] else ():
-                    ni, nj = (ti + length, rj) if side == "t" else (ti, rj + length)
-                    ei, ej, pairs, shrinking = self._lockstep(ni, nj, _VERIFY, None)
+            runs_t = [0] + (t.runs(ti, self.aside_t) if ti < t.n and t.is_alloc[ti] else [])
+            runs_r = [0] + (r.runs(rj, self.aside_r) if rj < r.n and r.is_alloc[rj] else [])
+            for lt in runs_t:
+                for lr in runs_r:
+                    if not lt and not lr:
+                        continue
+                    ei, ej, pairs, shrinking = self._lockstep(ti + lt, rj + lr, _VERIFY, None)
                     both_end = ei >= t.n and ej >= r.n
-                    if not both_end and (pairs == 0 or ei <= i or ej <= j):
-                        continue  # lines nothing up past the mismatch
-                    key = (both_end or pairs >= _VERIFY, pairs, -shrinking, -length, -back)
+                    if (pairs == 0 and (lt and lr or not both_end)) or (not both_end and (ei <= i or ej <= j)):
+                        continue  # lines nothing up past the mismatch (setting both sides aside must pair some)
+                    key = (pairs, both_end, -shrinking, -(lt + lr), -back)
                     if best is None or key > best[0]:
-                        best = (key, back, side, start, length)
+                        best = (key, back, ti, rj, lt, lr)
         return best
 
     def run(self) -> Tuple[int, int]:
@@ -209,24 +213,20 @@ class _Pairing:
             got = self._resync(i, j, trail)
             if got is None:
                 return i, j
-            _, back, side, start, length = got
-            ti, rj = i, j
+            _, back, ti, rj, lt, lr = got
             for _ in range(back):  # undo the pairs stepped back over
-                ti, rj = trail.pop()
-                if self.t.is_alloc[ti]:
-                    o = self.t.ordinal[ti]
+                q, _ = trail.pop()
+                if self.t.is_alloc[q]:
+                    o = self.t.ordinal[q]
                     self.r2t[self.t2r[o]] = -1
                     self.t2r[o] = -1
-            ev, aside = (self.t, self.aside_t) if side == "t" else (self.r, self.aside_r)
-            for q in range(start, start + length):
-                if ev.is_alloc[q]:
-                    aside[ev.ordinal[q]] = 1
-            if side == "t":
-                self.skipped_t += length
-                i, j = start + length, rj
-            else:
-                self.skipped_r += length
-                i, j = ti, start + length
+            for ev, aside, start, length in ((self.t, self.aside_t, ti, lt), (self.r, self.aside_r, rj, lr)):
+                for q in range(start, start + length):
+                    if ev.is_alloc[q]:
+                        aside[ev.ordinal[q]] = 1
+            self.skipped_t += lt
+            self.skipped_r += lr
+            i, j = ti + lt, rj + lr
             trail.clear()  # a resync never steps back over another
 
 

@@ -610,10 +610,11 @@ def test_native_torch_recorder_without_clear_history_skips_older_events():
 # ---- alignment through noise ----------------------------------------------------------------
 
 
-def layered_step(h, extra_from=None, extra_below=None, layers=4):
+def layered_step(h, extra_from=None, extra_below=None, layers=4, otherwise=False):
     """A layered step whose reductions need a staging buffer and a semaphore
     only for some knob values (as torch's reductions do once they are split
-    across blocks), made and dropped between the layer's other allocations."""
+    across blocks), made and dropped between the layer's other allocations;
+    `otherwise`: the other values make a different temporary there instead."""
 
     def step(k):
         act = h.malloc(MiB * k)
@@ -626,6 +627,10 @@ def layered_step(h, extra_from=None, extra_below=None, layers=4):
                 sem = h.malloc(4096)
                 h.free(sem)
                 h.free(buf)
+            elif otherwise:  # two blocks freed in the order they were made
+                c, d = h.malloc(8192 * k), h.malloc(4096)
+                h.free(c)
+                h.free(d)
             z = h.malloc(3 * MiB * k)  # an allocation right after: pairing in order would pair it with buf
             h.free(x)
             h.free(z)
@@ -665,6 +670,14 @@ def test_temporaries_made_only_at_smaller_values_are_left_out():
     assert fc.aligned and fc.alignment.set_aside == {2: 16, 4: 0}
     assert fc.synthesise(9).words == recorded(step, h, 9).words
     assert any("left out: 16 at batch 2" in c for c in fc.caveats())
+
+
+def test_a_temporary_replaced_by_another_is_set_aside_on_both_sides():
+    h = sim()
+    step = layered_step(h, extra_from=3, otherwise=True)
+    fc = gpumem.forecast(step, knob=[2, 4, 6], heap=h, name="seq")
+    assert fc.aligned and fc.alignment.set_aside == {2: 16, 4: 0, 6: 16}
+    assert fc.synthesise(11).words == recorded(step, h, 11).words
 
 
 def test_misalignment_past_the_noise_is_still_reported():
