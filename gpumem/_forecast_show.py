@@ -109,6 +109,7 @@ class _Showing:
             "aligned": self.aligned,
             "alignment": self.alignment.message,
             "first_difference": self.alignment.first_difference,
+            "set_aside": {str(k): v for k, v in self.alignment.set_aside.items()},
             "fit": dict(self.model.kinds) if self.model else None,
             "caveats": self.caveats(),
             "capacity_bytes": self.capacity,
