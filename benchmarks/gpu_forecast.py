@@ -3,6 +3,7 @@
 largest value found by binary search with real steps, under torch's native allocator and under gpumem.
 
     python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 400] [--cap-gib 8] [--models a,b]
+                                      [--dump-traces DIR]
     python benchmarks/gpu_forecast.py --check        # the plan only, no GPU
 
 The models, built from configs with random weights (nothing downloaded):
@@ -32,7 +33,10 @@ small and the searches quick, and lets several searches share the GPU.
    probes' wall times: what a user searching one crash at a time waits.
 3. Compared: forecast vs truth (within 3%, or 1 when the value is under 33), the forecast's peak
    allocated bytes (blocks as each allocator rounds them) vs torch.cuda.max_memory_allocated() at
-   the true largest value, and the forecast's time vs the search's.
+   the true largest value, and the forecast's time vs the search's.  Then every native probe beside
+   the model of torch's allocator replaying the forecast's trace at its value under the same cap
+   (ran or not, peak reserved, peak allocated); with --dump-traces, also the model replaying the
+   probe's own recorded history, which tells a wrong model from a wrong trace.
 """
 
 import argparse
@@ -289,7 +293,34 @@ def misalignment_context(fc, before=12, after=24):
     return out
 
 
-def child_probe(name, allocator, k, cap):
+def _live_blocks(torch):
+    """(addr, size, stream) of every allocated block, as torch's snapshot lists them."""
+    out = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] in ("active_allocated", "active_pending_free"):
+                out.append((addr, b["size"], seg["stream"]))
+            addr += b["size"]
+    return out
+
+
+def _write_dump(torch, path, live):
+    """The probe's allocator history as a gpumem text trace: the blocks live before its steps as
+    allocations first, then every event torch recorded (segment events included)."""
+    import gzip
+
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with gzip.open(path, "wt") as f:
+        f.write("# action addr size stream\n")
+        for addr, size, stream in live:
+            f.write(f"alloc {addr} {size} {stream}\n")
+        for e in events:
+            f.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
+
+
+def child_probe(name, allocator, k, cap, dump=None):
     t_start = time.perf_counter()
     import torch
 
@@ -306,6 +337,10 @@ def child_probe(name, allocator, k, cap):
     spec = MODELS[name]
     step, _ = spec.build("cuda")
     _fresh_device(torch)
+    live = None
+    if dump:
+        live = _live_blocks(torch)
+        torch.cuda.memory._record_memory_history(max_entries=1 << 21, context=None)
     t0 = time.perf_counter()
     ok, error = True, None
     try:
@@ -313,11 +348,13 @@ def child_probe(name, allocator, k, cap):
             step(k)
         torch.cuda.synchronize()
     except torch.OutOfMemoryError as e:
-        ok, error = False, str(e).splitlines()[0][:300]
+        ok, error = False, str(e).splitlines()[0][:600]
     except RuntimeError as e:  # a library's own allocation failing for want of memory
         if "out of memory" not in str(e) and "ALLOC_FAILED" not in str(e):
             raise
-        ok, error = False, str(e).splitlines()[0][:300]
+        ok, error = False, str(e).splitlines()[0][:600]
+    if dump:
+        _write_dump(torch, dump, live)
     print(
         json.dumps(
             {
@@ -359,8 +396,9 @@ def _run_child(args, timeout):
     return out
 
 
-def search(name, allocator, cap, deadline, slots, log):
-    """The largest value that runs, by doubling then bisecting, one probe process at a time."""
+def search(name, allocator, cap, deadline, slots, log, dump_dir=None):
+    """The largest value that runs, by doubling then bisecting, one probe process at a time; with
+    `dump_dir`, each probe writes its allocator history there."""
     spec = MODELS[name]
     m = spec.multiple
     probes = []
@@ -372,7 +410,12 @@ def search(name, allocator, cap, deadline, slots, log):
         with slots:
             t0 = time.perf_counter()
             try:
-                r = _run_child(["probe", name, allocator, k, cap], deadline - time.monotonic())
+                args = ["probe", name, allocator, k, cap]
+                if dump_dir:
+                    args.append(os.path.join(dump_dir, f"{name}.{allocator}.{k}.trace.gz"))
+                r = _run_child(args, deadline - time.monotonic())
+                if dump_dir:
+                    r["dump"] = args[-1]
             except subprocess.TimeoutExpired:
                 raise OutOfBudget from None
             except RuntimeError as e:  # the probe crashed: counted as not running, and reported
@@ -451,23 +494,36 @@ def probe_checks(fc, cap, probes):
     """Each native probe beside the model's replay of the forecast's trace at its value under the same
     cap: did it fit, and its peak reserved and allocated (what torch.cuda.max_memory_* measured)."""
     from gpumem.native_model import replay_native
+    from gpumem.trace import load_trace
 
     out = []
     for p in probes:
         if p.get("crashed") or not fc.aligned:
             continue
-        r = replay_native(fc.synthesise(p["k"]), cap)
-        out.append(
-            {
-                "k": p["k"],
-                "measured_ok": p["ok"],
-                "model_ok": r.ooms == 0,
-                "measured_peak_reserved": p.get("peak_reserved"),
-                "model_peak_reserved": r.peak_reserved_bytes,
-                "measured_peak_allocated": p.get("peak_allocated"),
-                "model_peak_allocated": r.peak_allocated_bytes,
-            }
-        )
+        t = fc.synthesise(p["k"])
+        r = replay_native(t, cap)
+        c = {
+            "k": p["k"],
+            "measured_ok": p["ok"],
+            "model_ok": r.ooms == 0,
+            "measured_peak_reserved": p.get("peak_reserved"),
+            "model_peak_reserved": r.peak_reserved_bytes,
+            "measured_peak_allocated": p.get("peak_allocated"),
+            "model_peak_allocated": r.peak_allocated_bytes,
+            "forecast_events": t.n_events,
+        }
+        if p.get("dump") and os.path.exists(p["dump"]):
+            # the model on the probe's own trace: off here too means the model, not the forecast, is off
+            real = load_trace(p["dump"])
+            rr = replay_native(real, cap)
+            c.update(
+                probe_events=real.n_events,
+                probe_peak_live=real.peak_live_bytes,
+                forecast_peak_live=t.peak_live_bytes,
+                model_on_probe_trace_ok=rr.ooms == 0,
+                model_on_probe_trace_peak_reserved=rr.peak_reserved_bytes,
+            )
+        out.append(c)
     return sorted(out, key=lambda c: c["k"])
 
 
@@ -494,6 +550,12 @@ def main():
         help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50)",
     )
     ap.add_argument("--jobs", type=int, default=0, help="probe processes at once (default: as many as fit)")
+    ap.add_argument(
+        "--dump-traces",
+        metavar="DIR",
+        help="native probes write their allocator history there (DIR/MODEL.native.K.trace.gz), and the model "
+        "of torch's allocator replays each: is the model or the forecast's trace off?",
+    )
     ap.add_argument("--check", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -502,7 +564,7 @@ def main():
         if kind == "forecast":
             child_forecast(rest[0], int(rest[1]), rest[2])
         else:
-            child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]))
+            child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] if len(rest) > 4 else None)
         return
     models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
@@ -510,6 +572,9 @@ def main():
         ap.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
     if a.budget_s <= 0 or a.cap_gib <= 0:
         ap.error("--budget-s and --cap-gib must be positive")
+    if a.dump_traces:
+        os.makedirs(a.dump_traces, exist_ok=True)
+        a.dump_traces = os.path.abspath(a.dump_traces)
     cap = int(a.cap_gib * GiB)
     if a.check:
         for name in models:
@@ -554,7 +619,9 @@ def main():
     slots = threading.Semaphore(jobs)
     with ThreadPoolExecutor(len(models) * len(ALLOCATORS)) as ex:
         futs = {
-            (name, alloc): ex.submit(search, name, alloc, cap, deadline, slots, log)
+            (name, alloc): ex.submit(
+                search, name, alloc, cap, deadline, slots, log, a.dump_traces if alloc == "native" else None
+            )
             for name in models
             for alloc in ALLOCATORS
         }
@@ -632,14 +699,21 @@ def main():
         f"{results['wall_s']:.0f} s in all)"
     )
     print()
-    print("| model | knob | runs (GPU / model) | peak reserved GPU GiB | model GiB | diff | peak allocated diff |")
-    print("|" + "---|" * 7)
+    print(
+        "| model | knob | runs (GPU / model) | peak reserved GPU GiB | model GiB | diff | peak allocated diff "
+        "| model on the probe's trace: runs, reserved diff | events forecast / probe |"
+    )
+    print("|" + "---|" * 9)
+    yn = {True: "yes", False: "OOM", None: "-"}
     for c in checks:
         mr, fr = c["measured_peak_reserved"], c["model_peak_reserved"]
         ma, fa = c["measured_peak_allocated"], c["model_peak_allocated"]
+        pr = c.get("model_on_probe_trace_peak_reserved")
         print(
-            f"| {c['model']} | {c['k']} | {'yes' if c['measured_ok'] else 'OOM'} / {'yes' if c['model_ok'] else 'OOM'} "
-            f"| {mr / GiB if mr else 0:.3f} | {fr / GiB:.3f} | {_pct(fr, mr)} | {_pct(fa, ma)} |"
+            f"| {c['model']} | {c['k']} | {yn[c['measured_ok']]} / {yn[c['model_ok']]} "
+            f"| {mr / GiB if mr else 0:.3f} | {fr / GiB:.3f} | {_pct(fr, mr)} | {_pct(fa, ma)} "
+            f"| {yn[c.get('model_on_probe_trace_ok')]}, {_pct(pr, mr)} "
+            f"| {c['forecast_events']} / {c.get('probe_events', '-')} |"
         )
     print("(native probes: the model of torch's allocator replaying the forecast's trace under the same cap)")
     results["model_vs_probes"] = checks
