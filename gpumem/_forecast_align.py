@@ -45,6 +45,9 @@ class Recording:
     trace: Trace
     granularity: int = 1  # the recorded sizes are rounded up to a multiple of this
     seconds: float = 0.0  # how long recording it took
+    # per event, the call site of the allocation it makes (0 for frees and where none is known), or None:
+    # allocations at known, different sites are never paired
+    sites: Optional[List[int]] = None
 
     @staticmethod
     def granularity_of(trace: Trace) -> int:
@@ -85,8 +88,9 @@ class Alignment:
 class _Events:
     """A trace's events unpacked for pairing."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, sites: Optional[List[int]] = None):
         w = trace.words
+        self.site = sites if sites is not None and len(sites) == trace.n_events else None
         heads = w[0::3]
         self.n = len(heads)
         self.is_alloc = [h & 0xFFFFFFFF == R_ALLOC for h in heads]
@@ -162,6 +166,8 @@ class _Pairing:
                 break
             ot, orr = t.ordinal[i], r.ordinal[j]
             if t.is_alloc[i]:
+                if t.site is not None and r.site is not None and t.site[i] and r.site[j] and t.site[i] != r.site[j]:
+                    break  # made at different places in the program
                 if t.size[i] < r.size[j]:
                     shrinking += 1
                 if record is None:
@@ -266,8 +272,8 @@ def align(recordings: Sequence[Recording], name: str = "knob") -> Alignment:
             maps[x] = list(range(allocs))
             aside[rec.knob] = 0
             continue
-        t_ev = t_ev or _Events(tmpl.trace)
-        r_ev = _Events(rec.trace)
+        t_ev = t_ev or _Events(tmpl.trace, tmpl.sites)
+        r_ev = _Events(rec.trace, rec.sites)
         p = _Pairing(t_ev, r_ev)
         fi, fj = p.run()
         a, b = f"{name} {rec.knob}", f"{name} {tmpl.knob}"

@@ -5,7 +5,8 @@ torch's own caching allocator (its memory history and snapshot)."""
 from __future__ import annotations
 
 import sys
-from typing import List, Tuple
+import zlib
+from typing import List, Optional, Tuple
 
 from ._forecast_align import GPUMEM_GRANULARITY, ForecastError
 from .trace import Trace, TraceError, _Builder
@@ -33,12 +34,14 @@ class _HeapRecorder:
         self.heap.history_enable(0)  # drop what the ring held
         self.heap.history_enable(_HISTORY_ENTRIES)
 
-    def stop(self) -> List[Tuple[str, int, int, int]]:
+    def stop(self) -> List[tuple]:
+        """(action, addr, size, stream, site) per event; the site is the
+        allocation's context (an interned Python stack with stacks on)."""
         raw, dropped = self.heap.history()
         self.heap.history_enable(0)
         if dropped:
             raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
-        return [(e[1], e[2], e[3], e[4]) for e in raw]
+        return [(e[1], e[2], e[3], e[4], e[5] if len(e) > 5 else 0) for e in raw]
 
     def capacity(self) -> int:
         return int(self.heap.memory_report(0)["cap_bytes"])
@@ -89,19 +92,20 @@ class _TorchNativeRecorder:
     def start(self) -> None:
         m = self.torch.cuda.memory
         m._record_memory_history(enabled=None)
-        kw = dict(context=None, stacks="python", max_entries=_HISTORY_ENTRIES)
+        # stacks of allocations: their call sites help line the recordings up
+        kw = dict(context="alloc", stacks="python", max_entries=_HISTORY_ENTRIES)
         try:
             m._record_memory_history(clear_history=True, **kw)
         except TypeError:  # a torch without clear_history: skip what the history already holds
             m._record_memory_history(**kw)
         self.skip = len(self._events())
 
-    def stop(self) -> List[Tuple[str, int, int, int]]:
+    def stop(self) -> List[tuple]:
         events = self._events()
         self.torch.cuda.memory._record_memory_history(enabled=None)
         if len(events) >= _HISTORY_ENTRIES:
             raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
-        return [(e["action"], e["addr"], e["size"], e["stream"]) for e in events[self.skip :]]
+        return [(e["action"], e["addr"], e["size"], e["stream"], _site(e.get("frames"))) for e in events[self.skip :]]
 
     def capacity(self) -> int:
         free, total = self.torch.cuda.mem_get_info(self.device)
@@ -129,13 +133,35 @@ def _recorder(heap, device):
     return _TorchNativeRecorder(torch, device)
 
 
+def _site(frames) -> int:
+    """A call site as a number, the same in every recording of this process
+    and others (0: none known): a checksum of the stack's files and lines."""
+    if not frames:
+        return 0
+    text = "|".join(f"{f.get('filename', '')}:{f.get('line', 0)}" for f in frames if isinstance(f, dict))
+    return zlib.crc32(text.encode()) | 1 if text else 0
+
+
+def _sites(live, events) -> Optional[List[int]]:
+    """Per trace event (as _to_trace makes them) its allocation's call site;
+    None when no allocation has one."""
+    out = [0] * len(live)
+    for e in events:
+        if e[0] == "alloc":
+            out.append(e[4] if len(e) > 4 else 0)
+        elif e[0] == "free_completed":
+            out.append(0)
+    return out if any(out) else None
+
+
 def _to_trace(name: str, live, events, granularity: int) -> Trace:
     """The blocks live before the step as allocations made first, then the step's events."""
     b = _Builder(name)
     for i, (addr, size, stream) in enumerate(live):
         b.alloc(addr, size, stream, f"live block {i}")
     try:
-        for i, (action, addr, size, stream) in enumerate(events):
+        for i, e in enumerate(events):
+            action, addr, size, stream = e[:4]
             if action == "alloc":
                 b.alloc(addr, size, stream, i)
             elif action == "free_completed":

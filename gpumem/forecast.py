@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes
-from ._forecast_record import _recorder, _to_trace, _TorchNativeRecorder  # noqa: F401  (tests use them)
+from ._forecast_record import _recorder, _sites, _to_trace, _TorchNativeRecorder  # noqa: F401  (tests use them)
 from ._forecast_show import ALLOCATORS, _Showing
 from ._units import format_size, parse_size
 from .trace import MAX_ALLOC, Trace, load_trace
@@ -440,7 +440,8 @@ def forecast(
         finally:
             events = rec.stop()
         trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
-        recordings.append(Recording(k, trace, rec.granularity, time.perf_counter() - t0))
+        sites = _sites(live, events)
+        recordings.append(Recording(k, trace, rec.granularity, time.perf_counter() - t0, sites))
     cap = capacity if capacity is not None else rec.capacity()
     fc = Forecast(recordings, name=name, capacity=cap, at=at, multiple=multiple)
     _set_last(fc)

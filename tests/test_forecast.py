@@ -604,7 +604,7 @@ def test_native_torch_recorder_without_clear_history_skips_older_events():
     rec = _TorchNativeRecorder(FakeTorch, None)
     rec.start()
     FakeTorch.cuda.traces.append({"action": "alloc", "addr": 6 << 20, "size": 1024, "stream": 0})
-    assert rec.stop() == [("alloc", 6 << 20, 1024, 0)]
+    assert rec.stop() == [("alloc", 6 << 20, 1024, 0, 0)]  # no stack: no call site
 
 
 # ---- alignment through noise ----------------------------------------------------------------
@@ -678,6 +678,49 @@ def test_a_temporary_replaced_by_another_is_set_aside_on_both_sides():
     fc = gpumem.forecast(step, knob=[2, 4, 6], heap=h, name="seq")
     assert fc.aligned and fc.alignment.set_aside == {2: 16, 4: 0, 6: 16}
     assert fc.synthesise(11).words == recorded(step, h, 11).words
+
+
+def test_call_sites_keep_different_temporaries_apart():
+    """One temporary at small values, two (made elsewhere) at large ones: by
+    order alone the first of the two pairs with the one; their allocations'
+    call sites (the heap's context: an interned stack under torch) say they differ."""
+    h = sim()
+
+    def step(k, sites=True):
+        keep = []
+        for _ in range(3):
+            x = h.malloc(2 * MiB * k)
+            if k >= 3:
+                buf = h.malloc(64 * 1024 * k, 0, 11 if sites else 0)
+                h.free(h.malloc(4096, 0, 12 if sites else 0))
+                h.free(buf)
+            else:
+                h.free(h.malloc(8192 * k, 0, 13 if sites else 0))
+            keep.append(h.malloc(MiB * k))
+            h.free(x)
+        for b in keep:
+            h.free(b)
+
+    by_order = gpumem.forecast(lambda k: step(k, sites=False), knob=[2, 4, 6], heap=h)
+    assert by_order.aligned and by_order.alignment.set_aside[6] == 6  # the 4 KiB block set aside, buf paired
+    fc = gpumem.forecast(step, knob=[2, 4, 6], heap=h)
+    assert fc.recordings[0].sites is not None
+    assert fc.aligned and fc.alignment.set_aside == {2: 6, 4: 0, 6: 12}
+    truth = gpumem.forecast(step, knob=[11, 12], heap=h).recordings[0].trace
+    assert fc.synthesise(11).words == truth.words
+    assert by_order.synthesise(11).words != truth.words  # buf sized from a line through the other temporary
+
+
+def test_torch_call_sites_are_checksums_of_the_stack():
+    from gpumem._forecast_record import _site, _sites
+
+    a = [{"filename": "model.py", "line": 10, "name": "forward"}, {"filename": "train.py", "line": 3, "name": "step"}]
+    b = [{"filename": "model.py", "line": 11, "name": "forward"}, {"filename": "train.py", "line": 3, "name": "step"}]
+    assert _site(a) == _site([dict(f) for f in a]) != _site(b) and _site(a) & 1
+    assert _site(None) == _site([]) == 0
+    events = [("alloc", 1, 512, 0, _site(a)), ("free_requested", 1, 512, 0, 0), ("free_completed", 1, 512, 0, 0)]
+    assert _sites([(9, 512, 0)], events) == [0, _site(a), 0]  # a live block, the alloc, its free
+    assert _sites([], [("alloc", 1, 512, 0, 0)]) is None
 
 
 def test_misalignment_past_the_noise_is_still_reported():
