@@ -27,12 +27,14 @@ given, as ``max_split_size_mb`` sets it):
   free, trying the new segment again after each; if it still does not fit, the
   request fails (torch's out-of-memory).
 
-Ties between free blocks of one size go to the lowest address, and the CUDA
-driver tends to place each new segment below the earlier ones, so the model
-gives each new segment an address below all others: the newest of equal blocks
-is taken first.  Replaying traces recorded on a GPU with the addresses the
-driver really gave shows that these ties decide how much a program strands
-(a generation loop reserves 7% more than with rising addresses).
+Ties between free blocks of one size go to the lowest address, so where the
+driver puts each new segment decides which of two equal blocks is reused and
+which stays free (and can be released).  Replaying traces recorded on a GPU
+with the addresses the driver really gave reproduces torch's choice at every
+large request; the driver's addresses follow no simple rule, but placing each
+new segment below all earlier ones (the newest of equal blocks is reused first)
+reproduces torch's peak reserved bytes on the recorded traces where rising
+addresses do not (a generation loop: 7% under with rising addresses).
 
 The memory limit is what torch compares with the bytes its segments reserve
 (segments only: the CUDA context and memory allocated outside the allocator
