@@ -7,12 +7,9 @@ import html as _html
 import io
 import math
 import os
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ._units import format_size
-
-if TYPE_CHECKING:
-    from .forecast import Prediction
 
 ALLOCATORS = ("gpumem", "native")
 
@@ -32,7 +29,8 @@ class _Showing:
                     vals.add(int(v) + self.multiple)
         return sorted(vals)
 
-    def rows(self, values: Optional[Sequence[int]] = None) -> List[Prediction]:
+    def rows(self, values: Optional[Sequence[int]] = None) -> list:
+        """The Prediction of each knob value (default: those `values()` gives)."""
         return [self.predict(k) for k in (self.values() if values is None else values)]
 
     def _largest_text(self, allocator: str) -> str:
