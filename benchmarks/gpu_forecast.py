@@ -3,7 +3,7 @@
 largest value found by binary search with real steps, under torch's native allocator and under gpumem.
 
     python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 400] [--cap-gib 8] [--models a,b]
-                                      [--dump-traces DIR]
+                                      [--dump-traces DIR]   # histories of probes and recordings, for study
     python benchmarks/gpu_forecast.py --check        # the plan only, no GPU
 
 The models, built from configs with random weights (nothing downloaded):
@@ -228,7 +228,18 @@ def _fresh_device(torch):
     torch.cuda.reset_peak_memory_stats()
 
 
-def child_forecast(name, cap, out_dir):
+def write_recording(rec, path):
+    """A recording as a gpumem text trace (addresses stand for its slots), for study on any machine:
+    python -m gpumem forecast A.trace.gz B.trace.gz --knob a,b."""
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        f.write(f"# action addr size stream (recorded at knob value {rec.knob})\n")
+        for op, slot, size, stream in rec.trace.decode():
+            f.write(f"{'alloc' if op == 0 else 'free_completed'} {(slot + 1) << 12} {size} {stream}\n")
+
+
+def child_forecast(name, cap, out_dir, dump_dir=None):
     t_start = time.perf_counter()
     import torch
 
@@ -254,6 +265,9 @@ def child_forecast(name, cap, out_dir):
     t1 = time.perf_counter()
     with open(os.path.join(out_dir, f"{name}.recordings.pickle"), "wb") as f:
         pickle.dump(fc.recordings, f, protocol=4)
+    if dump_dir:
+        for rec in fc.recordings:
+            write_recording(rec, os.path.join(dump_dir, f"{name}.forecast.{rec.knob}.trace.gz"))
     print(
         json.dumps(
             {
@@ -554,7 +568,8 @@ def main():
         "--dump-traces",
         metavar="DIR",
         help="native probes write their allocator history there (DIR/MODEL.native.K.trace.gz), and the model "
-        "of torch's allocator replays each: is the model or the forecast's trace off?",
+        "of torch's allocator replays each: is the model or the forecast's trace off? The forecast's recordings "
+        "go there too (DIR/MODEL.forecast.K.trace.gz)",
     )
     ap.add_argument("--check", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -562,7 +577,7 @@ def main():
     if a.child:
         kind, rest = a.child[0], a.child[1:]
         if kind == "forecast":
-            child_forecast(rest[0], int(rest[1]), rest[2])
+            child_forecast(rest[0], int(rest[1]), rest[2], rest[3] if len(rest) > 3 else None)
         else:
             child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] if len(rest) > 4 else None)
         return
@@ -603,7 +618,11 @@ def main():
     # 1. forecasts, one process per model, at once
     with ThreadPoolExecutor(len(models)) as ex:
         futs = {
-            name: ex.submit(_run_child, ["forecast", name, cap, out_dir], deadline - time.monotonic())
+            name: ex.submit(
+                _run_child,
+                ["forecast", name, cap, out_dir] + ([a.dump_traces] if a.dump_traces else []),
+                deadline - time.monotonic(),
+            )
             for name in models
         }
         for name, fut in futs.items():
