@@ -23,7 +23,7 @@ from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._units import format_size
-from .trace import R_ALLOC, Trace
+from .trace import R_ALLOC, Trace, _Builder
 
 # Sizes recorded by gpumem's history are its blocks' sizes, rounded up to this.
 GPUMEM_GRANULARITY = 512
@@ -48,6 +48,8 @@ class Recording:
     # per event, the call site of the allocation it makes (0 for frees and where none is known), or None:
     # allocations at known, different sites are never paired
     sites: Optional[List[int]] = None
+    # the event at which each recorded step begins (the first: after the blocks live before them)
+    step_starts: Optional[List[int]] = None
 
     @staticmethod
     def granularity_of(trace: Trace) -> int:
@@ -311,6 +313,32 @@ def align(recordings: Sequence[Recording], name: str = "knob") -> Alignment:
     if parts:
         msg += f" (after setting aside events only some recordings make: {', '.join(parts)})"
     return Alignment(True, n_t, allocs, msg, -1, ti, maps, aside, aside_bytes)
+
+
+def last_step(rec: Recording) -> Optional[Recording]:
+    """The recording's last step alone, the blocks earlier steps left live
+    allocated first (in the order they were made); None with one step."""
+    starts = rec.step_starts
+    if not starts or len(starts) < 2:
+        return None
+    cut = starts[-1]
+    ev = _Events(rec.trace)
+    b = _Builder(f"{rec.trace.name} (last step)")
+    old = [o for o in range(len(ev.alloc_at)) if ev.alloc_at[o] < cut and not 0 <= ev.free_at[o] < cut]
+    sites = []
+    for o in old:
+        i = ev.alloc_at[o]
+        b.alloc(o + 1, ev.size[i], ev.stream[i], f"live block {o}")
+        sites.append(0)
+    for i in range(cut, ev.n):
+        o = ev.ordinal[i]
+        if ev.is_alloc[i]:
+            b.alloc(o + 1, ev.size[i], ev.stream[i], i)
+        else:
+            b.free(o + 1, ev.stream[i], i)
+        sites.append(rec.sites[i] if rec.sites is not None and ev.is_alloc[i] else 0)
+    t = b.finish("recorded", rec.trace.device, dict(rec.trace.meta or {}))
+    return Recording(rec.knob, t, rec.granularity, rec.seconds, sites if any(sites) else None, [len(old)])
 
 
 # ---- fitting ---------------------------------------------------------------------------

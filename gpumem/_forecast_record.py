@@ -34,6 +34,10 @@ class _HeapRecorder:
         self.heap.history_enable(0)  # drop what the ring held
         self.heap.history_enable(_HISTORY_ENTRIES)
 
+    def mark(self) -> int:
+        """How many history events the recording holds so far."""
+        return len(self.heap.history()[0])
+
     def stop(self) -> List[tuple]:
         """(action, addr, size, stream, site) per event; the site is the
         allocation's context (an interned Python stack with stacks on)."""
@@ -100,6 +104,9 @@ class _TorchNativeRecorder:
             m._record_memory_history(**kw)
         self.skip = len(self._events())
 
+    def mark(self) -> int:
+        return len(self._events()) - self.skip
+
     def stop(self) -> List[tuple]:
         events = self._events()
         self.torch.cuda.memory._record_memory_history(enabled=None)
@@ -152,6 +159,20 @@ def _sites(live, events) -> Optional[List[int]]:
         elif e[0] == "free_completed":
             out.append(0)
     return out if any(out) else None
+
+
+def _step_starts(live, events, marks) -> List[int]:
+    """The trace event (as _to_trace makes them) at which each recorded step
+    begins, from the history's length at each step's start (`marks`)."""
+    out = []
+    n, seen = len(live), 0
+    for m in marks:
+        for e in events[seen:m]:
+            if e[0] in ("alloc", "free_completed"):
+                n += 1
+        seen = max(seen, m)
+        out.append(n)
+    return out
 
 
 def _to_trace(name: str, live, events, granularity: int) -> Trace:

@@ -47,8 +47,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes
-from ._forecast_record import _recorder, _sites, _to_trace, _TorchNativeRecorder  # noqa: F401  (tests use them)
+from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes, last_step
+from ._forecast_record import _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
 from ._forecast_show import ALLOCATORS, _Showing
 from ._units import format_size, parse_size
 from .trace import MAX_ALLOC, Trace, load_trace
@@ -141,6 +141,15 @@ class Forecast(_Showing):
         self.heap_kwargs = heap_kwargs
         t0 = time.perf_counter()
         self.alignment = align(self.recordings, name)
+        self.whole = None  # the whole recordings, where only their last steps line up
+        if not self.alignment.aligned:
+            last = [last_step(r) for r in self.recordings]
+            if all(x is not None for x in last):
+                got = align(last, name)
+                if got.aligned:
+                    self.whole, self.recordings = (self.recordings, self.alignment), last
+                    got.message += f" (their last steps only: {self.alignment.message})"
+                    self.alignment = got
         self.model = Model(self.recordings, self.alignment) if self.alignment.aligned else None
         if self.model is None:
             # peak live alone, fitted the same way, is all that can be said
@@ -214,6 +223,13 @@ class Forecast(_Showing):
             )
         elif not self.knob_has_effect:
             out.append(f"the {self.name} changes no allocation's size: memory is the same at every value")
+        if self.whole is not None:
+            n = len(self.whole[0][0].step_starts)
+            out.append(
+                f"the {n} recorded steps do not line up as a whole ({self.whole[1].message}); their last steps do, "
+                "and the forecast covers the last step, with what the steps before it left live. A first step "
+                "that allocates more than later ones (optimizer state, lazily made buffers) is not in it."
+            )
         if self.aligned and not self.alignment.exact:
             a = self.alignment
             top = self.recordings[a.template].knob
@@ -433,15 +449,20 @@ def forecast(
         rec.sync()
         live = rec.live_blocks()
         rec.start()
+        marks = []
         try:
-            for _ in range(steps):
+            for i in range(steps):
+                if i:
+                    rec.sync()
+                    marks.append(rec.mark())
                 step(k)
             rec.sync()
         finally:
             events = rec.stop()
         trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
-        sites = _sites(live, events)
-        recordings.append(Recording(k, trace, rec.granularity, time.perf_counter() - t0, sites))
+        r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, _sites(live, events))
+        r.step_starts = [len(live)] + _step_starts(live, events, marks)
+        recordings.append(r)
     cap = capacity if capacity is not None else rec.capacity()
     fc = Forecast(recordings, name=name, capacity=cap, at=at, multiple=multiple)
     _set_last(fc)

@@ -73,6 +73,9 @@ def test_linear_sizes_are_forecast_exactly_at_a_far_value():
     # a constant part and a part growing with the knob: a fit that drops either term is off
     p = Program(h, per_act=lambda k: 7 * MiB + 3 * MiB * k)
     fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch")
+    assert [r.step_starts for r in fc.recordings] == [[1], [1]]  # after the weights
+    two = gpumem.forecast(p.step, knob=[2, 4], heap=h, steps=2)
+    assert [r.step_starts for r in two.recordings] == [[1, 25], [1, 25]]  # 24 events a step
     assert fc.aligned
     assert fc.model.kinds["linear"] == 10 and fc.model.kinds["quadratic"] == 0
     for k in (1, 3, 40, 100):
@@ -563,7 +566,7 @@ class _FakeCuda:
 
 
 def test_native_torch_recorder_turns_torch_history_into_a_trace():
-    from gpumem.forecast import _to_trace, _TorchNativeRecorder
+    from gpumem.forecast import _step_starts, _to_trace, _TorchNativeRecorder
 
     class FakeTorch:
         cuda = _FakeCuda()
@@ -581,11 +584,14 @@ def test_native_torch_recorder_turns_torch_history_into_a_trace():
         {"action": "segment_alloc", "addr": 99 << 20, "size": 2 << 20, "stream": 0},
         {"action": "free_completed", "addr": 99 << 20, "size": 1024, "stream": 0},
     ]
+    assert rec.mark() == 5  # history events so far
     events = rec.stop()
     assert not FakeTorch.cuda.recording
     t = _to_trace("b=2", live, events, rec.granularity)
     assert t.allocs == 3 and t.frees == 2  # two live blocks first, then the step's alloc; a block live before it freed
     assert t.peak_live_bytes == 4000 + 2048 + 1024
+    # a second step from the fourth history event on: two live blocks and two trace events before it
+    assert _step_starts(live, events, [3]) == [4]
     with pytest.raises(ForecastError, match="inconsistent"):
         _to_trace("b=2", [], events, 512)  # a free of a block nobody allocated
 
@@ -721,6 +727,34 @@ def test_torch_call_sites_are_checksums_of_the_stack():
     events = [("alloc", 1, 512, 0, _site(a)), ("free_requested", 1, 512, 0, 0), ("free_completed", 1, 512, 0, 0)]
     assert _sites([(9, 512, 0)], events) == [0, _site(a), 0]  # a live block, the alloc, its free
     assert _sites([], [("alloc", 1, 512, 0, 0)]) is None
+
+
+def test_only_the_last_steps_line_up():
+    """The first recorded step at the larger value holds a block across
+    others' lifetimes (not a self-contained stretch): the whole recordings do
+    not line up, their second steps do, and the forecast says it covers those."""
+    h = sim()
+    state = {"first": True}
+
+    def step(k):
+        a = h.malloc(MiB * k)
+        extra = h.malloc(MiB) if state["first"] and k >= 4 else None
+        b = h.malloc(2 * MiB * k)
+        h.free(a)
+        if extra is not None:
+            h.free(extra)
+        h.free(b)
+        state["first"] = False
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=h, warmup=0, steps=2, reset=lambda: state.update(first=True))
+    assert [r.step_starts for r in fc.whole[0]] == [[0, 4], [0, 6]]  # where each recorded step began
+    assert [r.step_starts for r in fc.recordings] == [[0], [0]]  # the last steps, nothing left live
+    assert fc.aligned and fc.whole is not None and not fc.whole[1].aligned
+    assert "their last steps only" in fc.alignment.message
+    assert any("their last steps do" in c for c in fc.caveats())
+    assert fc.peak_live(10) == 30 * MiB
+    one = gpumem.forecast(step, knob=[2, 4], heap=h, warmup=0, steps=1, reset=lambda: state.update(first=True))
+    assert not one.aligned  # one step: nothing to fall back on
 
 
 def test_misalignment_past_the_noise_is_still_reported():
