@@ -244,6 +244,8 @@ typedef struct gm_snapshot {
     gm_block_info *blocks; /* address order, tiling [base, base+top) */
     size_t n_pages;        /* pages in [base, base+top) */
     uint8_t *pages;        /* gm_page_state per page */
+    uint32_t *growth;      /* per page: the growth that mapped it, or gave it to its pool (0: none); a
+                            * segment as torch counts them is a run of one growth */
     size_t spare_pages;    /* physical pages held but not mapped */
     size_t cap_bytes;      /* effective cap */
     gm_stats stats;
