@@ -806,3 +806,35 @@ def test_a_page_with_another_streams_free_block_is_not_the_pools(make_heap):
     h.free(b)
     h.pool_release(P)
     assert_ok(h)
+
+
+# ---- no_split ----------------------------------------------------------------------------------
+
+
+def test_a_no_split_pool_never_splits_a_block(make_heap):
+    """torch's MemPool(no_split=True): a request takes whole pages of its own or a
+    whole free block of the pool, which it then holds entirely; an ordinary pool
+    beside it splits as usual."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.pool_set_no_split(P, True)
+    h.pool_retain(Q)
+    a = h.malloc(4 * MiB, pool=P)
+    b = h.malloc(MiB, pool=P)  # a page of its own, all of it
+    assert h.block_size(b) == PAGE
+    assert pool_blocks(h, P) == [(a, 4 * MiB, "live"), (b, PAGE, "live")]
+    h.free(a)
+    c = h.malloc(512, pool=P)  # a's free block, whole
+    assert c == a and h.block_size(c) == 4 * MiB
+    assert [st for _, _, st in pool_blocks(h, P)] == ["live", "live"], "a block of the pool was split"
+    q = h.malloc(MiB, pool=Q)
+    assert h.block_size(q) == MiB and [st for _, _, st in pool_blocks(h, Q)] == ["live", "free"]
+    assert h.stats()["allocated_bytes.all.current"] == 4 * MiB + PAGE + MiB
+    assert_ok(h)
+    for p in (b, c, q):
+        h.free(p)
+    h.pool_release(P)
+    h.pool_release(Q)
+    assert_ok(h)
+    with pytest.raises(ValueError):
+        h.pool_set_no_split(P, True)  # ended: no such pool

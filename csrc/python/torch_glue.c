@@ -348,6 +348,20 @@ static PyObject *g_pool_retain(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* _torch_pool_set_no_split(device, (a, b), flag) */
+static PyObject *g_pool_set_no_split(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *dev, *pool;
+    int device, flag;
+    gm_pool_id id;
+    if (!PyArg_ParseTuple(args, "OOp", &dev, &pool, &flag) || gm_py_device_index(dev, &device) < 0 ||
+        get_pool_id(pool, &id) < 0)
+        return NULL;
+    gm_heap *h = gm_torch_heap(device);
+    int rc = h ? gm_pool_set_no_split(h, id, flag) : GM_EINVAL;
+    if (rc != GM_OK) return pool_error(rc, "cannot set no_split on", id);
+    Py_RETURN_NONE;
+}
+
 static PyObject *g_pool_release(PyObject *Py_UNUSED(m), PyObject *args) {
     int device;
     gm_pool_id id;
@@ -672,6 +686,8 @@ static PyMethodDef glue_methods[] = {
     M("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
     M("_torch_pool_retain", g_pool_retain, METH_VARARGS,
       "_torch_pool_retain(device, (a, b)): create the pool or add a use to it"),
+    M("_torch_pool_set_no_split", g_pool_set_no_split, METH_VARARGS,
+      "_torch_pool_set_no_split(device, (a, b), flag): the pool's blocks are never split"),
     M("_torch_pool_release", g_pool_release, METH_VARARGS,
       "_torch_pool_release(device, (a, b)): drop one use; at zero the pool ends"),
     M("_torch_pool_info", g_pool_info, METH_VARARGS, "_torch_pool_info(device, (a, b)) -> dict or None"),
