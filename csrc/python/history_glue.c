@@ -262,7 +262,7 @@ static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObje
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nnp:_stacks_enable", kwlist, &enabled, &depth, &nmax, &cpp))
         return NULL;
 #ifndef GM_NATIVE_STACKS
-    if (cpp) return PyErr_Format(PyExc_ValueError, "C++ frames (cpp=True) are not available on this platform");
+    cpp = 0; /* no native frames on this platform: Python frames only (_stacks_info says so) */
 #endif
     if (depth != -1) {
         if (depth < 1 || depth > HARD_MAX_DEPTH)
