@@ -391,11 +391,10 @@ class Snapshot:
             return [seg.blocks]
         ps, base = self.page_size, self.va_base
         first, last = (seg.addr - base) // ps, (seg.addr + seg.size - base) // ps
-        cuts = [base + q * ps for q in range(first + 1, last) if growth[q] != growth[q - 1]]
+        ids = growth[first:last]
+        cuts = [base + (first + i + 1) * ps for i, (a, b) in enumerate(zip(ids, ids[1:])) if a != b]
         if not cuts:
             return [seg.blocks]
-        active = [b for b in seg.blocks if b.state in ("live", "pending")]
-        cuts = [c for c in cuts if not any(b.addr < c < b.end for b in active)]
         runs: List[List[Block]] = [[]]
         k = 0
         for b in seg.blocks:
@@ -403,8 +402,11 @@ class Snapshot:
                 if runs[-1]:
                     runs.append([])
                 k += 1
-            while k < len(cuts) and cuts[k] < b.end:  # a free block across a cut: its two parts
-                runs[-1].append(replace(b, size=cuts[k] - b.addr))
+            while k < len(cuts) and cuts[k] < b.end:
+                if b.state in ("live", "pending"):  # never cut inside a block in use
+                    k += 1
+                    continue
+                runs[-1].append(replace(b, size=cuts[k] - b.addr))  # a free block across a cut: two parts
                 b = replace(b, addr=cuts[k], size=b.end - cuts[k])
                 runs.append([])
                 k += 1
