@@ -142,7 +142,10 @@ def record_history(
         "state" keeps no events but still takes a stack per allocation (like
         torch's enabled="state"); False / None stops both and drops the ring.
     stacks: "python" takes the Python stack of each allocation made while the
-        GIL is held; None / "none" takes none.  The stack table is shared by
+        GIL is held; "all" puts the native (C++) frames of the calling thread
+        before it, innermost first, as torch's stacks="all" does (named from the
+        shared objects' symbols: a static function's frame may show as "??" or
+        as the exported symbol before it); None / "none" takes none.  The stack table is shared by
         every heap in the process, so turning stacks off affects all of them.
     device: a Heap, or None / a CUDA device for the heap gpumem installed there;
         for those the ring is switched on every device's heap, now and later, and
@@ -157,14 +160,10 @@ def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stac
     """record_history's work, with the heap's (or every torch heap's) history switch."""
     if stacks in (None, False, "none"):
         want_stacks = False
-    elif stacks == "python":
+    elif stacks in ("python", "all"):
         want_stacks = True
-    elif stacks == "all":
-        raise ValueError(
-            "stacks='all' (C++ frames) is not supported: gpumem records Python stacks only; use stacks='python'"
-        )
     else:
-        raise ValueError(f"stacks must be 'python' or None, not {stacks!r}")
+        raise ValueError(f"stacks must be 'python', 'all' or None, not {stacks!r}")
     if enabled in (True, "all"):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
             raise ValueError(f"max_entries must be a positive int, not {max_entries!r}")
@@ -176,7 +175,7 @@ def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stac
         want_stacks = False
     else:
         raise ValueError(f"enabled must be True, False, 'all' or 'state', not {enabled!r}")
-    _C._stacks_enable(want_stacks, max_depth=max_depth, max_stacks=max_stacks)
+    _C._stacks_enable(want_stacks, max_depth=max_depth, max_stacks=max_stacks, cpp=want_stacks and stacks == "all")
     # Allocations torch makes reach the core through gpumem.torch's context hook,
     # not through Heap.malloc: point it at the stack table, or take it away.
     stack_hook = torch_hook("stack_hook")

@@ -322,3 +322,56 @@ def test_torch_allocator_with_change_current_allocator_equals_install():
     )
     ours = run_py(head + GRAPHS)
     assert ours["intact"] and ours["vals"] == native["vals"] and ours["pools"] == 2, (native, ours)
+
+
+POOL_PAGES = """
+import gc
+torch.cuda.empty_cache()
+split, whole = torch.cuda.MemPool(), torch.cuda.MemPool(no_split=True)
+with torch.cuda.use_mem_pool(split):
+    a = torch.randn(1 << 20, device="cuda")                 # 4 MiB
+with torch.cuda.use_mem_pool(whole):
+    b = torch.randn(1 << 20, device="cuda")
+    c = torch.randn(1 << 18, device="cuda")                 # 1 MiB: a block it holds whole
+blocks_per_segment = [len(s["blocks"]) for s in whole.snapshot()]
+# a small graph beside an eager tensor: its pool's memory is its own
+s = torch.cuda.Stream()
+x = torch.ones(1000, device="cuda")
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    y = x * 2
+    before = torch.cuda.memory_stats()["reserved_bytes.all.current"]
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    z = y.clone()
+    for _ in range(3):
+        z = z * 2 + 1
+    g.capture_end()
+torch.cuda.current_stream().wait_stream(s)
+grew = torch.cuda.memory_stats()["reserved_bytes.all.current"] - before
+eager = {x.data_ptr() >> 21, y.data_ptr() >> 21}
+graph_segs = [seg for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == g.pool()]
+graph_pages = set()
+for seg in graph_segs:
+    graph_pages.update(range(seg["address"] >> 21, (seg["address"] + seg["total_size"] - 1 >> 21) + 1))
+shares = bool(eager & graph_pages)
+g.replay()
+torch.cuda.synchronize()
+ok = bool(torch.equal(z, (x * 2) * 8 + 7))
+del g, a, b, c
+gc.collect()
+if USE:
+    gpumem._C.registry_heap(0).check()
+out(blocks_per_segment=blocks_per_segment, grew=grew, shares=shares, ok=ok)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_no_split_pools_and_a_graphs_own_pages():
+    native, ours = both(POOL_PAGES)
+    assert native["ok"] and ours["ok"]
+    assert native["blocks_per_segment"] and set(native["blocks_per_segment"]) == {1}, native
+    assert ours["blocks_per_segment"] and set(ours["blocks_per_segment"]) == {1}, ours
+    assert native["grew"] > 0 and ours["grew"] == 2 << 20, (native, ours)  # one page of its own
+    assert not ours["shares"]

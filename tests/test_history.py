@@ -143,9 +143,32 @@ def test_stack_table_is_bounded(heap):
         record_history(True, device=heap, stacks=None, max_stacks=1 << 16, max_depth=64)
 
 
+def test_stacks_all_takes_the_native_frames_before_the_python_ones(heap):
+    try:
+        record_history(True, device=heap, stacks="all")
+        assert _C._stacks_info()["cpp"]
+
+        def allocating_site():
+            return heap.malloc(MiB)
+
+        p = allocating_site()
+        frames = [b.frames for b in gpumem.snapshot(heap).blocks if b.addr == p][0]
+        native = [f for f in frames if f.line == 0]
+        assert native and list(frames[: len(native)]) == native, "the native frames come first"
+        assert any(f.name != "??" and f.filename != "??" for f in native), native  # named from the symbols
+        assert [f.name for f in frames if f.line][0] == "allocating_site"
+        record_history(True, device=heap, stacks="python")
+        assert not _C._stacks_info()["cpp"]
+        q = allocating_site()
+        frames = [b.frames for b in gpumem.snapshot(heap).blocks if b.addr == q][0]
+        assert frames[0].name == "allocating_site" and all(f.line for f in frames)
+    finally:
+        record_history(True, device=heap, stacks=None)
+
+
 def test_record_history_rejects_bad_arguments(heap):
     with pytest.raises(ValueError, match="python"):
-        record_history(True, device=heap, stacks="all")
+        record_history(True, device=heap, stacks="cpp")
     with pytest.raises(ValueError):
         record_history(True, device=heap, max_entries=0)
     with pytest.raises(ValueError):

@@ -30,6 +30,18 @@ def pool_blocks(h, pid):
     return [(b["addr"], b["size"], b["state"]) for b in blocks(h) if b["pool"] == pid]
 
 
+def pool_memory(h, pid):
+    """pool_blocks with neighbouring free blocks joined: the pool's memory, whichever
+    owners its free blocks have (a synchronisation lets free neighbours merge)."""
+    out = []
+    for a, n, st in pool_blocks(h, pid):
+        if out and st == "free" and out[-1][2] == "free" and out[-1][0] + out[-1][1] == a:
+            out[-1] = (out[-1][0], out[-1][1] + n, st)
+        else:
+            out.append((a, n, st))
+    return out
+
+
 def pages_of(ranges):
     return sorted({p for a, n, *_ in ranges for p in range(a // PAGE, (a + n - 1) // PAGE + 1)})
 
@@ -78,7 +90,7 @@ def test_block_freed_in_pool_never_serves_anything_else(make_heap, seed):
     for p in mine[::2]:
         h.free(p)
     assert_ok(h)
-    kept = pool_blocks(h, P)
+    kept = pool_memory(h, P)
     assert any(st == "free" for _, _, st in kept), "the pool should hold free blocks"
     identity = page_identity(h, pages_of(kept))
     live, other = [], []
@@ -102,7 +114,7 @@ def test_block_freed_in_pool_never_serves_anything_else(make_heap, seed):
     random_traffic(h, rng, 400, step, caps=(48 * MiB, 64 * MiB, 0))
     h.set_cap(0)
     # Nothing of the pool moved: same blocks, same pages behind them.
-    assert pool_blocks(h, P) == kept
+    assert pool_memory(h, P) == kept
     assert page_identity(h, pages_of(kept)) == identity
     assert h.stats()["num_remaps"] + h.stats()["num_unmaps"] > 0, "the workload never reclaimed a page"
 
@@ -596,12 +608,12 @@ def test_pool_extension_spans_pool_general_and_unmapped_space(make_heap):
     w = h.malloc(2 * MiB)  # general, page 0
     s = h.malloc(2 * MiB)  # general, page 1
     h.free(w)
-    a = h.malloc(MiB, pool=P)  # the pool takes w's memory; [1, 2) MiB stays general free
+    a = h.malloc(MiB, pool=P)  # the pool takes w's page, all of it
     h.free(s)
     h.free(a)
     assert [(b["addr"], b["size"], b["pool"]) for b in blocks(h) if b["state"] == "free"] == [
-        (a, MiB, P),
-        (a + MiB, 3 * MiB, None),
+        (a, 2 * MiB, P),
+        (a + 2 * MiB, 2 * MiB, None),
     ]
     before = _reserved(h)
     b = h.malloc(7 * MiB, pool=P)
@@ -718,8 +730,8 @@ def test_a_general_block_never_lands_in_a_pools_last_page(make_heap):
     h = make_heap()
     h.pool_retain(P)
     h.malloc(3 * MiB)  # general, pages 0-1
-    a = h.malloc(10 * PAGE, pool=P)  # [3, 23) MiB: page 11 is the pool's last
-    assert pool_blocks(h, P) == [(a, 10 * PAGE, "live"), (a + 10 * PAGE, MiB, "free")]
+    a = h.malloc(10 * PAGE - MiB, pool=P)  # [4, 23) MiB: pages 2-11, page 11 the pool's last
+    assert pool_blocks(h, P) == [(a, 10 * PAGE - MiB, "live"), (a + 10 * PAGE - MiB, MiB, "free")]
     h.free(a)
     g = h.malloc(128 << 10)  # general, between recordings
     assert not (a <= g < a + 11 * PAGE)
@@ -758,20 +770,22 @@ def test_general_growth_leaves_the_space_after_a_pool_to_it(make_heap):
     assert_ok(h)
 
 
-def test_a_pool_grows_at_its_edge_rather_than_save_a_page_elsewhere(make_heap):
-    """A pool's request that could save one new page by using the rest of a
-    general block's page elsewhere still extends the pool's own free memory:
-    the pool stays one region, as its later, larger graphs need."""
+def test_a_pool_request_never_takes_the_rest_of_a_general_page(make_heap):
+    """A pool's block never shares a page with general memory, even where that
+    would save a page: the pool's pages are its own while it lives, as a
+    native segment is, and the page a general block holds stays general."""
     h = make_heap()
     h.pool_retain(P)
-    h.malloc(3 * MiB)  # general, pages 0-1
-    a = h.malloc(10 * PAGE, pool=P)  # [3, 23) MiB; [23, 24) MiB is the pool's free rest
-    g = h.malloc(128 << 10)  # general: far from the pool, 1.875 MiB of its page free
-    assert g > a + 12 * PAGE
+    g = h.malloc(3 * MiB)  # general, pages 0-1: 1 MiB of page 1 free
     before = _reserved(h)
-    b = h.malloc(9 * MiB + MiB // 2, pool=P)  # 5 new pages here, 4 beside g
-    assert b == a + 10 * PAGE, "the pool started a second region"
-    assert _reserved(h) - before == 5 * PAGE
+    a = h.malloc(512, pool=P)
+    assert a == g + 2 * PAGE, "the pool's block landed on a page general memory uses"
+    assert _reserved(h) - before == PAGE
+    assert pool_blocks(h, P) == [(a, 512, "live"), (a + 512, PAGE - 512, "free")]  # the rest of its page
+    x = h.malloc(MiB)  # general: the rest of page 1, never the pool's page
+    assert x == g + 3 * MiB
+    b = h.malloc(8 * MiB, pool=P)  # neither the general page's rest: pages of its own
+    assert b % PAGE == a % PAGE and not (g <= b < g + 2 * PAGE)
     assert_ok(h)
     h.free(b)
     h.free(a)
@@ -779,10 +793,10 @@ def test_a_pool_grows_at_its_edge_rather_than_save_a_page_elsewhere(make_heap):
     assert_ok(h)
 
 
-def test_the_rest_of_a_pools_page_freed_by_another_stream_stays_that_streams(make_heap):
-    """The rest of a pool block's last page is the pool's only if the
-    requesting stream may use it: another stream's free block there keeps its
-    owner (its work may still run) and stays general."""
+def test_a_page_with_another_streams_free_block_is_not_the_pools(make_heap):
+    """A pool takes a page whole, the rest of it included, only if the requesting
+    stream may use that rest: a page where another stream's free block waits
+    for that stream's work stays general, and the pool takes a page of its own."""
     h = make_heap()
     h.pool_retain(P)
     u = h.malloc(MiB, stream=S1)  # [0, 1) MiB; the rest of page 0 is S1's
@@ -791,12 +805,44 @@ def test_the_rest_of_a_pools_page_freed_by_another_stream_stays_that_streams(mak
     h.sim_hold_stream(S2, True)
     h.free(v)  # S2's, while S2's work runs
     h.free(u)
-    b = h.malloc(MiB, stream=S1, pool=P)  # u's memory, right before S2's block
-    assert b == u
+    b = h.malloc(MiB, stream=S1, pool=P)
+    assert b == u + PAGE, "the pool took a page whose rest another stream's work may still use"
     free = [(x["addr"], x["size"], x["stream"], x["pool"]) for x in blocks(h) if x["state"] == "free"]
-    assert free == [(v, MiB, S2, None)]
+    assert free == [(u, MiB, S1, None), (v, MiB, S2, None), (b + MiB, MiB, S1, P)]
     assert_ok(h)
     h.sim_hold_stream(S2, False)
     h.free(b)
     h.pool_release(P)
     assert_ok(h)
+
+
+# ---- no_split ----------------------------------------------------------------------------------
+
+
+def test_a_no_split_pool_never_splits_a_block(make_heap):
+    """torch's MemPool(no_split=True): a request takes whole pages of its own or a
+    whole free block of the pool, which it then holds entirely; an ordinary pool
+    beside it splits as usual."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.pool_set_no_split(P, True)
+    h.pool_retain(Q)
+    a = h.malloc(4 * MiB, pool=P)
+    b = h.malloc(MiB, pool=P)  # a page of its own, all of it
+    assert h.block_size(b) == PAGE
+    assert pool_blocks(h, P) == [(a, 4 * MiB, "live"), (b, PAGE, "live")]
+    h.free(a)
+    c = h.malloc(512, pool=P)  # a's free block, whole
+    assert c == a and h.block_size(c) == 4 * MiB
+    assert [st for _, _, st in pool_blocks(h, P)] == ["live", "live"], "a block of the pool was split"
+    q = h.malloc(MiB, pool=Q)
+    assert h.block_size(q) == MiB and [st for _, _, st in pool_blocks(h, Q)] == ["live", "free"]
+    assert h.stats()["allocated_bytes.all.current"] == 4 * MiB + PAGE + MiB
+    assert_ok(h)
+    for p in (b, c, q):
+        h.free(p)
+    h.pool_release(P)
+    h.pool_release(Q)
+    assert_ok(h)
+    with pytest.raises(ValueError):
+        h.pool_set_no_split(P, True)  # ended: no such pool

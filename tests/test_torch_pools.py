@@ -397,3 +397,50 @@ def test_a_forked_child_ends_a_pool_whose_filter_ran_in_a_vanished_thread():
         out(status=status)
     """)
     assert r["status"] == 0, r
+
+
+def test_a_small_graph_reserves_a_page_of_its_own_and_sharing_a_pool_saves_it():
+    # A graph pool's blocks never share a page with eager memory: capturing a small graph
+    # beside an eager tensor grows reserved memory by one page, as a native small segment
+    # does; two graphs sharing one pool reserve one page less than two pools; once the
+    # graphs are gone, only the page of the output still alive stays.
+    r = run_py("""
+        f5 = stream_is(5)
+        def reserved():
+            return _C.registry_heap(0).stats()["reserved_bytes.all.current"]
+        def capture(pool):
+            assert begin(0, pool, 0, f5) == 0
+            temps = [alloc(4096, 0, 5) for _ in range(3)]
+            for t in temps[:2]:
+                free(t, 0, 0, 5)
+            assert end(0, pool, 0) == 0
+            return temps[2]                    # the graph's output
+        first = alloc(4096, 0, 5)              # eager, on the capture stream
+        before = reserved()
+        y = capture(1)
+        delta = reserved() - before
+        z = capture(2)                         # a second graph, a pool of its own
+        two_pools = reserved() - before
+        for p, pool in ((z, 2), (y, 1)):
+            free(p, 0, 0, 5)
+            assert release(0, pool, 0) == 0
+        empty_cache()
+        after_release = reserved() - before
+        y = capture(3)
+        z = capture(3)                         # the same pool again: its free memory serves
+        one_pool = reserved() - before
+        free(y, 0, 0, 5)
+        assert release(0, 3, 0) == 0           # the graph is gone, z (its output) lives on
+        empty_cache()
+        kept = reserved() - before
+        check()
+        free(z, 0, 0, 5)
+        free(first, 0, 0, 5)
+        check()
+        out(delta=delta, two_pools=two_pools, one_pool=one_pool, after_release=after_release, kept=kept)
+    """)
+    page = 2 << 20
+    assert r["delta"] == page and r["two_pools"] == 2 * page
+    assert r["after_release"] == 0
+    assert r["one_pool"] == page, "two graphs sharing a pool should reserve one page less than two pools"
+    assert r["kept"] == page

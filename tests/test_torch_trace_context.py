@@ -40,6 +40,8 @@ def each_context(case):
         got[context] = case()
         _viz.record_torch_history(None)
     return got
+def py_names(entry):
+    return [f["name"] for f in entry["frames"] if f["line"]]
 """
 )
 
@@ -68,7 +70,8 @@ def test_context_none_leaves_no_stack_even_where_torchs_plot_filter_keeps_entrie
             ss = _viz.torch_snapshot_dict()
             full = json.dumps(ss)
             kept = filter_alloc_free_pairs(ss)["device_traces"][0]
-            got.append([context, "run_the_model" in full, [(e["action"], names(e)[:1]) for e in kept]])
+            # the first Python frame (stacks="all" puts the C++ frames, line 0, before it)
+            got.append([context, "run_the_model" in full, [(e["action"], py_names(e)[:1]) for e in kept]])
             _viz.record_torch_history(None)
         out(got=got)
     """)
@@ -77,6 +80,35 @@ def test_context_none_leaves_no_stack_even_where_torchs_plot_filter_keeps_entrie
     for kept in (kept1, kept2):
         assert kept == [["segment_map", ["run_the_model"]]], kept
     assert kept3 == [["segment_map", []]], kept3
+
+
+def test_stacks_all_puts_the_cpp_frames_before_the_python_ones():
+    # torch's stacks="all": an allocation's stack starts with the native frames of the
+    # thread that allocated, innermost first -- here the entry point torch calls, reached
+    # through ctypes -- then its Python frames; stacks="python" has the Python ones only
+    r = run_py("""
+        got = {}
+        for stacks in ("all", "python"):
+            empty_cache()
+            _viz.record_torch_history("all", "all", stacks)
+            def allocating_site():
+                return alloc(4096, 0, None)
+            p = allocating_site()
+            (e,) = [e for e in trace() if e["action"] == "alloc"]
+            got[stacks] = e["frames"]
+            free(p, 0, 0, None)
+            _viz.record_torch_history(None)
+        out(got=got)
+    """)
+    frames = r["got"]["all"]
+    names = [f["name"] for f in frames]
+    native = [f for f in frames if f["line"] == 0]
+    assert native and frames[: len(native)] == native, "the native frames come first"
+    assert "gpumem_torch_alloc" in names
+    assert [f["name"] for f in frames if f["line"]][0] == "allocating_site"
+    assert not any(f["name"].startswith("gm_py_capture_context") for f in frames)
+    assert [f["name"] for f in r["got"]["python"]][0] == "allocating_site"
+    assert all(f["line"] for f in r["got"]["python"])
 
 
 def test_each_context_mode_gives_its_trace_entries_their_stacks():

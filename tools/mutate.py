@@ -98,8 +98,8 @@ MUTATIONS = [
     Mutation(
         "no_merge_with_next",
         "a freed block does not merge with its upper free neighbour",
-        "if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {",
-        "if (0 && n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {",
+        "    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&",
+        "    if (0 && n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&",
     ),
     Mutation(
         "cap_off_by_one_page",
@@ -175,9 +175,9 @@ MUTATIONS = [
     ),
     Mutation(
         "pool_page_rest_left_general",
-        "pools: the rest of a pool's last page stays general, so a small tensor there splits the pool",
-        "    if (pool) claim_page_rest(h, b, pool);\n",
-        "    if (pool && !b->size) claim_page_rest(h, b, pool);\n",
+        "pools: the rest of a pool's last page stays general, so general memory shares the pool's page",
+        "!b->next->pool) claim_pool_pages(h, b, pool);\n",
+        "!b->next->pool && !b->size) claim_pool_pages(h, b, pool);\n",
     ),
     Mutation(
         "pool_edge_ignored",

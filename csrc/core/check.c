@@ -55,6 +55,8 @@
  *      pages.  Parked pages (mapped during a capture, access refused) are
  *      whole mapped chunks inside unmapped space, as many as the heap counts;
  *      nothing else mapped lies in unmapped space.
+ *   C15 a page that a block of a living pool touches holds only that pool's
+ *      blocks; a pool's free neighbours are apart only across a growth seam.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -272,7 +274,7 @@ static int check_blocks(gm_heap *h, const gm_pool **paused, char *why, size_t le
             break;
         case GM_BLOCK_FREE: {
             gm_stream lo = last ? gm_free_owner(h, last) : 0, bo = gm_free_owner(h, b);
-            if (last && last->state == GM_BLOCK_FREE && last->pool == b->pool &&
+            if (last && last->state == GM_BLOCK_FREE && last->pool == b->pool && !gm_pool_seam(h, last, b) &&
                 (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY))
                 return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
             if (!gm_owner_find(h, b->pool, b->stream))
@@ -542,6 +544,32 @@ static int check_pinned_pages(gm_heap *h, char *why, size_t len) {
     return GM_OK;
 }
 
+/* C15: a page that a block of a living pool touches holds blocks of that pool
+ * only (a pool's pages are its own, as a native segment is). */
+static int check_pool_pages(gm_heap *h, char *why, size_t len) {
+    if (!h->n_pools) return GM_OK;
+    size_t top = 0;
+    for (const gm_block *b = h->head; b; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED) top = gm_page_ceil(h, b->addr + b->size);
+    const gm_pool **who = calloc(top ? top : 1, sizeof *who);
+    uint8_t *seen = calloc(top ? top : 1, 1);
+    int rc = GM_OK;
+    for (const gm_block *b = h->head; b && who && seen && !rc; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED) continue;
+        const gm_pool *o = gm_pinned(b) ? b->pool : NULL;
+        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size) && !rc; p++) {
+            if (seen[p] && who[p] != o)
+                rc = fail(why, len, "page %zu holds blocks of a living pool and others (block %#lx)", p,
+                          (unsigned long)b->addr);
+            seen[p] = 1;
+            who[p] = o;
+        }
+    }
+    free(who);
+    free(seen);
+    return rc;
+}
+
 /* C9 */
 static int check_deferred(gm_heap *h, char *why, size_t len) {
     size_t n = 0;
@@ -566,6 +594,7 @@ int gm_check(gm_heap *h, char *why, size_t whylen) {
     if (!rc) rc = check_pool_blocks(h, why, whylen);
     if (!rc) rc = check_pool_owners(h, why, whylen);
     if (!rc) rc = check_pinned_pages(h, why, whylen);
+    if (!rc) rc = check_pool_pages(h, why, whylen);
     if (!rc) rc = check_deferred(h, why, whylen);
     pthread_mutex_unlock(&h->lock);
     return rc;

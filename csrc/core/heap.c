@@ -112,24 +112,36 @@
  *   is a set of blocks tagged with it.  Its free blocks sit in owners of their
  *   own -- one per (pool, stream), plus the pool's ANY -- so the same stream
  *   rules hold inside a pool, and they merge only with free neighbours of the
- *   same pool.  An allocation in a pool takes the pool's free blocks first, then
- *   the general heap's (fast path, then the slow path as usual), and the block
- *   it carves becomes the pool's; freed, it goes back to the pool.  Placement
- *   never uses a pool's free block for anything else -- except to grow the
- *   pool: for a request in pool P on stream s, P's free blocks that s may use
- *   count as run space too (mapped, they need no new page), so one placement
- *   may span [P free][general free][unmapped].  A graph recorded at a larger
- *   shape then extends the memory of the smaller shapes' graphs in place,
- *   instead of leaving it stranded beside wholly new memory.  For that the
- *   pool's edge stays its own: a new pool block takes the rest of its last
- *   page when only unmapped space follows (claim_page_rest), no other
- *   growth starts right after a living pool's block, and a pool's request
- *   extends the pool's free memory when that costs at most one page more
- *   than the best place elsewhere (consider_at, POOL_EDGE_PAGES).
+ *   same pool.  A pool's pages are its own, as a native segment is: an
+ *   allocation in a pool takes the pool's free blocks (fast path), else
+ *   whole pages through the slow path -- a range that starts a page, over
+ *   general space, and whose last page holds nothing but general space the
+ *   stream may use or the pool's own blocks (pool_pages_ok); the general
+ *   free memory left on that page becomes the pool's (claim_pool_pages).
+ *   So no page holds a living pool's blocks and anything else, and general
+ *   requests never land on a pool's pages: general space never lies there.
+ *   Freed, a pool's block goes back to the pool.  Placement never uses a
+ *   pool's free block for anything else -- except to grow the pool: for a
+ *   request in pool P on stream s, P's free blocks that s may use count as
+ *   run space too (mapped, they need no new page), so one placement may span
+ *   [P free][general free][unmapped].  A graph recorded at a larger shape
+ *   then extends the memory of the smaller shapes' graphs in place, instead
+ *   of leaving it stranded beside wholly new memory.  For that the pool's
+ *   edge stays its own: no other growth starts right after a living pool's
+ *   block, and a pool's request extends the pool's free memory when that
+ *   costs at most one page more than the best place elsewhere (consider_at,
+ *   POOL_EDGE_PAGES).
  *
- *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
+ *   Each slow-path placement is a growth, numbered per page (page_growth):
+ *   the pages it maps, and for a pool the pages it takes.  A pool's free
+ *   neighbours do not merge across a page where the growth changes, as a
+ *   native allocator's blocks do not merge across segments, and snapshots
+ *   cut segments there.  A no_split pool's request takes whole pages, or a
+ *   whole free block of the pool: its blocks are never split.
+ *
+ *     [A   ][free][B  p1 ][free p1  ][C  p1 ][free p1][unmapped ...]
  *     |  page 0  |  page 1  |  page 2  |  page 3  |
- *                      pages 0-3 are pinned: they back blocks of living pool p1
+ *       general    pages 1-3 are p1's and pinned: only its blocks lie there
  *
  *   A CUDA graph has its addresses baked in, so every page that a block of a
  *   living pool touches -- live, pending or free -- is counted as used
@@ -559,14 +571,16 @@ static gm_block *make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t se
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
-    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && owners_merge(p->stream, b->stream, &o)) {
+    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && !gm_pool_seam(h, p, b) &&
+        owners_merge(p->stream, b->stream, &o)) {
         index_remove(h, p);
         absorb(h, p, b);
         p->stream = o;
         b = p;
     }
     gm_block *n = b->next;
-    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && owners_merge(b->stream, n->stream, &o)) {
+    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&
+        owners_merge(b->stream, n->stream, &o)) {
         index_remove(h, n);
         absorb(h, b, n);
         b->stream = o;
@@ -599,7 +613,7 @@ static void coalesce_all(gm_heap *h) {
     while (b && b->next) {
         gm_block *n = b->next;
         gm_stream o;
-        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
+        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool && !gm_pool_seam(h, b, n) &&
             owners_merge(b->stream, n->stream, &o)) {
             gm_run_detach(h, b);
             merge_free(h, b, n, o);
@@ -837,7 +851,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
         gm_block *n = b->next;
         gm_stream o;
         n->mark = 0; /* released() may have walked it */
-        if (b->pool == n->pool && owners_merge(b->stream, n->stream, &o)) {
+        if (b->pool == n->pool && !gm_pool_seam(h, b, n) && owners_merge(b->stream, n->stream, &o)) {
             if (!b->pool && !out) gm_run_detach(h, out = b);
             merge_free(h, b, n, o);
         } else {
@@ -908,12 +922,9 @@ static gm_block *fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
 }
 
-/* An allocation in a pool takes the pool's free memory first, then the
- * general heap's. */
-static gm_block *fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
-    gm_block *b = pool ? fit_in(h, size, s, pool) : NULL;
-    return b ? b : fit_in(h, size, s, NULL);
-}
+/* An allocation in a pool takes only the pool's free memory here: general
+ * free memory it may take only as whole pages of its own (placement). */
+static gm_block *fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) { return fit_in(h, size, s, pool); }
 
 /* Turn [at, at+size) of the free block b into a live block. */
 static gm_block *carve(gm_heap *h, gm_block *b, uintptr_t at, size_t size) {
@@ -1527,8 +1538,7 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
  * else's just after the pool's last block would leave that free memory
  * stranded and the larger graph all-new memory; so would the pool starting a
  * second region elsewhere to save the page that a general block's leftover
- * saves.  Together with claim_page_rest (a pool's new block takes the rest of
- * its last page when only unmapped space follows), the general heap's growth
+ * saves.  With a pool's pages its own (claim_pool_pages), the general heap's growth
  * goes elsewhere in the address space (there is 4x the device's memory of
  * it), and each pool grows at its end as one segment of its own would. */
 #define POOL_EDGE_PAGES 1
@@ -1552,10 +1562,33 @@ static int ranks_before(const placement *a, const placement *b) {
     return a->run < b->run || (a->run == b->run && a->addr < b->addr);
 }
 
+/* A pool's request takes pages of its own: [x, x+size) starts a page, and
+ * what else its last page holds is the pool's or general space the stream
+ * may use (claim_pool_pages makes it the pool's).  So no page holds blocks
+ * of a living pool and anything else. */
+static int pool_pages_ok(const struct place_ctx *c, const gm_block *first, uintptr_t x) {
+    uintptr_t end = x + c->size, e = gm_page_addr(c->h, gm_page_ceil(c->h, end));
+    if ((x - c->h->base) & (c->h->page - 1)) return 0;
+    for (const gm_block *b = first; b && b->addr < e; b = b->next) {
+        if (b->addr + b->size <= end || b->pool == c->pool) continue;
+        if (!gm_general_space(b) || (b->state == GM_BLOCK_FREE && b->stream != c->s && b->stream != ANY)) return 0;
+    }
+    return 1;
+}
+
 /* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
  * With a `budget` (pages at hand; SIZE_MAX: none), a candidate that needs
- * more than those and the cached pages that could move to it is left out. */
+ * more than those and the cached pages that could move to it is left out.
+ * A pool's candidate inside a page moves to the page boundaries around it
+ * that keep it in the run (pool_pages_ok). */
 static void consider_at(struct place_ctx *c, gm_block *first, uintptr_t x, size_t len) {
+    size_t off = (x - c->h->base) & (c->h->page - 1);
+    if (c->pool && off) {
+        if (x - off >= first->addr) consider_at(c, first, x - off, len);
+        if (x - off + c->h->page + c->size <= first->addr + len) consider_at(c, first, x - off + c->h->page, len);
+        return;
+    }
+    if (c->pool && !pool_pages_ok(c, first, x)) return;
     placement p = {1, x, 0, len, first, 0, 0};
     p.new_pages = unmapped_in(c->h, first, x, c->size, &p.pooled);
     if (p.new_pages > c->budget && p.new_pages - c->budget > cached_pages_outside(c->h, p, c->size)) return;
@@ -1712,6 +1745,17 @@ static gm_block *block_holding(gm_block *b, uintptr_t x) {
     return b;
 }
 
+/* A pool's placement pl gets a growth of its own: the pages under it that
+ * are not the pool's yet (a pool's free block starts each page of the pool's
+ * it takes) are numbered with the new growth, as the pages mapped for it are. */
+static void stamp_pool_growth(gm_heap *h, const placement *pl, size_t size, gm_pool *pool) {
+    gm_block *b = pl->first;
+    for (size_t p = gm_page_floor(h, pl->addr); p < gm_page_ceil(h, pl->addr + size); p++) {
+        b = block_holding(b, gm_page_addr(h, p));
+        if (b->pool != pool) h->page_growth[p] = h->growth_seq;
+    }
+}
+
 /* The free blocks of a pool under [x, end) become general free space, same
  * owner (the parts outside the range stay the pool's): they stop keeping
  * their pages, which the block carved from the range keeps again.  b is a
@@ -1761,6 +1805,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
         if (p > p0) {
             int arc = grant_or_take_back(h, p0, &p);
             if (!rc) rc = arc;
+            for (size_t q = p0; q < p; q++) h->page_growth[q] = h->growth_seq;
         }
         if (rc) *err = rc;
         if (p > p0) {
@@ -2182,6 +2227,8 @@ placed:
     if (!pl.ok) return out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (lacking(h, &pl, grant)) return out_of_memory(h, size, s, lacking(h, &pl, grant), dev_err);
     int err = GM_OK;
+    h->growth_seq++;
+    if (pool) stamp_pool_growth(h, &pl, size, pool);
     size_t span = ahead ? gm_page_addr(h, gm_page_ceil(h, pl.addr + size) + ahead) - pl.addr : size;
     b = back_range(h, &pl, span, s, pool, recycled, most, g, &err);
     if (!b && err == GM_ENOMEM && g) {
@@ -2295,12 +2342,13 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->chunk_off = calloc(h->n_pages, sizeof *h->chunk_off);
     h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
+    h->page_growth = calloc(h->n_pages, sizeof *h->page_growth);
     h->parked = calloc(h->n_pages, 1);
     h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->parked || !h->loose || !h->spare || !h->live ||
-          ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) || slab_grow(h))
+    rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->loose ||
+          !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !owner_get(h, NULL, ANY) || slab_grow(h))
              ? GM_ENOMEM
              : GM_OK;
     if (rc) {
@@ -2379,6 +2427,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->loose);
     free(h->chunk_off);
     free(h->chunk_len);
+    free(h->page_growth);
     free(h->parked);
     free(h->page_handle);
     ri_free(&h->runs);
@@ -2522,25 +2571,36 @@ static void make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm
     gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
 }
 
-/* b, just made live in pool p: when the rest of its last page is a general
- * free block with only unmapped space after it -- the edge where the pool
- * grows -- that rest becomes p's free space.  The page is the pool's for as
- * long as p lives anyway, and a general block there would stand between the
- * pool's memory and the space it extends into (see consider_at). */
-static void claim_page_rest(gm_heap *h, gm_block *b, gm_pool *p) {
-    gm_block *r = b->next;
-    if (!r || r->state != GM_BLOCK_FREE || r->pool || (r->next && r->next->state != GM_BLOCK_UNMAPPED)) return;
-    /* Only memory b's stream may use: the pool has owners for that stream
-     * and ANY; another stream's free block stays where its work is ordered. */
-    if (r->stream != b->stream && r->stream != ANY) return;
-    size_t last = gm_page_floor(h, b->addr + b->size - 1);
-    if (gm_page_floor(h, r->addr) != last || r->addr + r->size != gm_page_addr(h, last + 1)) return;
-    gm_run_detach(h, r);
-    index_remove(h, r);
-    r->pool = p;
-    gm_pages_use(h, r, 1);
-    index_insert(h, r);
-    if (r->next) gm_run_attach(h, r->next);
+/* b, just made live in pool p from pages of its own (pool_pages_ok): the
+ * general free memory on its last page becomes p's free memory, so that the
+ * page holds p's blocks only for as long as p lives. */
+static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p) {
+    uintptr_t e = gm_page_addr(h, gm_page_ceil(h, b->addr + b->size));
+    for (gm_block *r = b->next; r && r->addr < e; r = r->next) {
+        if (r->state != GM_BLOCK_FREE || r->pool) continue;
+        gm_run_detach(h, r);
+        index_remove(h, r);
+        if (r->addr + r->size > e) index_insert(h, split(h, r, e - r->addr));
+        r->pool = p;
+        gm_pages_use(h, r, 1);
+        gm_stream o;
+        gm_block *q = r->prev, *n = r->next;
+        if (q->state == GM_BLOCK_FREE && q->pool == p && !gm_pool_seam(h, q, r) &&
+            owners_merge(q->stream, r->stream, &o)) {
+            index_remove(h, q);
+            absorb(h, q, r);
+            q->stream = o;
+            r = q;
+        }
+        if (n && n->state == GM_BLOCK_FREE && n->pool == p && !gm_pool_seam(h, r, n) &&
+            owners_merge(r->stream, n->stream, &o)) {
+            index_remove(h, n);
+            absorb(h, r, n);
+            r->stream = o;
+        }
+        index_insert(h, r);
+        if (r->next && gm_general_space(r->next)) gm_run_attach(h, r->next);
+    }
 }
 
 int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, uintptr_t *out) {
@@ -2565,7 +2625,8 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         rc = out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
-    if ((rc = slab_reserve(h, 4)) || (h->n_live >= h->live_mask && (rc = live_grow(h)))) goto done;
+    if (pool && pool->no_split) rsize = align_up(rsize, h->page); /* whole pages, never split */
+    if ((rc = slab_reserve(h, 6)) || (h->n_live >= h->live_mask && (rc = live_grow(h)))) goto done;
     if (h->n_owners >= h->owners_trim_at && (!gm_owner_find(h, NULL, s) || (pool && !gm_owner_find(h, pool, s))))
         owners_trim(h);
     if ((!gm_owner_find(h, NULL, s) && !owner_get(h, NULL, s)) ||
@@ -2582,9 +2643,10 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         if (!h->no_sync) h->no_sync = capture_on(h, s) || other_capture(h);
         if ((rc = alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
     }
+    if (pool && pool->no_split && b->pool == pool) at = b->addr, rsize = b->size; /* the whole free block */
     b = carve(h, b, at, rsize);
     make_live(h, b, rsize, size, s, context, pool);
-    if (pool) claim_page_rest(h, b, pool);
+    if (pool && b->next && b->next->state == GM_BLOCK_FREE && !b->next->pool) claim_pool_pages(h, b, pool);
     *out = b->addr;
 done:
     h->no_sync = 0;
@@ -2787,6 +2849,14 @@ int gm_pool_retain(gm_heap *h, gm_pool_id id) {
 done:
     pthread_mutex_unlock(&h->lock);
     return rc;
+}
+
+int gm_pool_set_no_split(gm_heap *h, gm_pool_id id, int no_split) {
+    pthread_mutex_lock(&h->lock);
+    gm_pool *p = valid_id(&id) ? pool_find(h, &id) : NULL;
+    if (p) p->no_split = no_split != 0;
+    pthread_mutex_unlock(&h->lock);
+    return p ? GM_OK : GM_EINVAL;
 }
 
 struct to_general_ctx {

@@ -68,6 +68,7 @@ struct gm_owner {
 struct gm_pool {
     gm_pool_id id;
     int64_t use_count;              /* 0: ended */
+    int no_split;                   /* a block of it is never split: a request takes a whole free block */
     size_t live_blocks, live_bytes; /* live and pending */
     size_t free_blocks, free_bytes; /* free blocks in its indexes */
     gm_owner *any;                  /* its GM_STREAM_ANY owner, made with the pool */
@@ -125,6 +126,12 @@ struct gm_heap {
      * come in whole chunks. */
     uint8_t *parked;
     size_t n_parked;
+    /* Per page: the growth that mapped it (or gave it to a pool) -- one
+     * slow-path placement, numbered from 1 (growth_seq: the latest); 0: never
+     * mapped.  Snapshots cut segments where it changes, and a pool's free
+     * blocks do not merge across such a seam (gm_pool_seam). */
+    uint32_t *page_growth;
+    uint32_t growth_seq;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
     size_t multi_chunks; /* chunks of more than one page mapped now */
 
@@ -234,6 +241,15 @@ static inline int gm_general_space(const gm_block *b) {
  * count these. */
 static inline int gm_keeps_pages(const gm_block *b) {
     return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b));
+}
+
+/* Free neighbours a and b (b = a->next) of a pool, split by a page where the
+ * growth that gave the pool its pages changes: they stay apart, as blocks of
+ * two native segments do. */
+static inline int gm_pool_seam(const gm_heap *h, const gm_block *a, const gm_block *b) {
+    if (!a->pool || ((b->addr - h->base) & (h->page - 1))) return 0;
+    size_t p = gm_page_floor(h, b->addr);
+    return p && h->page_growth[p] != h->page_growth[p - 1];
 }
 
 /* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */

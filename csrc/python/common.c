@@ -351,6 +351,9 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
         gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
         gm_py_put(d, "blocks", gm_py_blocks_list(snap, unknown_state)) < 0 ||
         gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages, (Py_ssize_t)snap->n_pages)) < 0 ||
+        gm_py_put(d, "growth",
+                  PyBytes_FromStringAndSize((const char *)snap->growth,
+                                            (Py_ssize_t)(snap->n_pages * sizeof *snap->growth))) < 0 ||
         gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0) {
         Py_DECREF(d);
         return NULL;

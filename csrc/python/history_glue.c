@@ -14,7 +14,13 @@
  * Memory is bounded: at most `max_stacks` stacks of at most `max_depth`
  * frames.  Past that, new stacks get the id of a shared "overflow" record and
  * are counted.  All state is guarded by the GIL: capture runs only in threads
- * that hold it, which is exactly the issue's rule (no GIL, no stack).
+ * that hold it (no GIL, no stack).
+ *
+ * With C++ frames on (torch's stacks="all"), a stack starts with the native
+ * return addresses of the calling thread (glibc's backtrace), innermost first,
+ * as torch's own traces do; they are named when asked (dladdr, demangled by
+ * the C++ runtime's __cxa_demangle where the process has one).  A native frame
+ * is a frame_key with no code object.
  */
 #include "history_glue.h"
 
@@ -31,11 +37,18 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#if defined(__linux__) || defined(__APPLE__)
+#include <dlfcn.h>
+#include <execinfo.h>
+#define GM_NATIVE_STACKS 1
+#endif
+
 #include "gpumem/array.h"
 
 typedef struct {
-    PyCodeObject *code; /* strong reference (pool) or borrowed (scratch) */
+    PyCodeObject *code; /* strong reference (pool) or borrowed (scratch); NULL: a native frame */
     int lasti;          /* byte offset of the current instruction */
+    uintptr_t pc;       /* a native frame's return address */
 } frame_key;
 
 typedef struct {
@@ -46,10 +59,12 @@ typedef struct {
 
 enum {
     DEFAULT_MAX_DEPTH = 64,
-    HARD_MAX_DEPTH = 1024
+    HARD_MAX_DEPTH = 1024,
+    MAX_NATIVE = 64 /* native frames per stack */
 };
 
 static atomic_int stacks_on;
+static atomic_int native_on; /* C++ frames too */
 static size_t max_stacks = 1u << 16;
 static size_t max_depth = DEFAULT_MAX_DEPTH;
 
@@ -82,6 +97,7 @@ static uint64_t hash_frames(const frame_key *f, size_t n) {
     for (size_t i = 0; i < n; i++) {
         h = mix(h, (uint64_t)(uintptr_t)f[i].code);
         h = mix(h, (uint64_t)(uint32_t)f[i].lasti);
+        h = mix(h, (uint64_t)f[i].pc);
     }
     return h ? h : 1;
 }
@@ -90,7 +106,7 @@ static int same(const stack_rec *r, const frame_key *f, size_t n) {
     if (r->depth != n) return 0;
     const frame_key *p = pool + r->first;
     for (size_t i = 0; i < n; i++)
-        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti) return 0;
+        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti || p[i].pc != f[i].pc) return 0;
     return 1;
 }
 
@@ -126,7 +142,7 @@ static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot
         stacks = ns;
     }
     for (size_t i = 0; i < n; i++) {
-        Py_INCREF(f[i].code);
+        Py_XINCREF(f[i].code);
         pool[pool_len + i] = f[i];
     }
     uint32_t idx = (uint32_t)n_stacks++;
@@ -161,6 +177,20 @@ static int frame_lasti(PyFrameObject *f) {
 #endif
 }
 
+/* The calling thread's native return addresses into f, innermost first,
+ * without this function's own frame. */
+static size_t native_frames(frame_key *f) {
+#ifdef GM_NATIVE_STACKS
+    void *pcs[MAX_NATIVE + 1];
+    int n = backtrace(pcs, MAX_NATIVE + 1);
+    for (int i = 1; i < n; i++) f[i - 1] = (frame_key){NULL, 0, (uintptr_t)pcs[i]};
+    return n > 1 ? (size_t)(n - 1) : 0;
+#else
+    (void)f;
+    return 0;
+#endif
+}
+
 uint64_t gm_py_capture_context(void) {
     if (!atomic_load_explicit(&stacks_on, memory_order_relaxed)) return 0;
     if (!Py_IsInitialized() || !PyGILState_Check()) {
@@ -169,15 +199,17 @@ uint64_t gm_py_capture_context(void) {
     }
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
     if (!f) return 0;
-    frame_key scratch[HARD_MAX_DEPTH];
-    size_t n = 0;
+    frame_key scratch[MAX_NATIVE + HARD_MAX_DEPTH];
+    size_t n = atomic_load_explicit(&native_on, memory_order_relaxed) ? native_frames(scratch) : 0;
+    size_t depth = n + max_depth;
     Py_INCREF(f);
-    while (f && n < max_depth) {
+    while (f && n < depth) {
         PyCodeObject *code = PyFrame_GetCode(f);
         /* The frame chain keeps the code alive until we return; the pool takes
          * its own reference if this stack is new. */
         scratch[n].code = code;
         scratch[n].lasti = frame_lasti(f);
+        scratch[n].pc = 0;
         Py_DECREF(code);
         n++;
         PyFrameObject *back = PyFrame_GetBack(f);
@@ -224,10 +256,14 @@ uint64_t gm_py_capture_context_reacquire(void) {
 /* ---- Python-facing functions ------------------------------------------------ */
 
 static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"enabled", "max_depth", "max_stacks", NULL};
-    int enabled;
+    static char *kwlist[] = {"enabled", "max_depth", "max_stacks", "cpp", NULL};
+    int enabled, cpp = 0;
     Py_ssize_t depth = -1, nmax = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nn:_stacks_enable", kwlist, &enabled, &depth, &nmax)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nnp:_stacks_enable", kwlist, &enabled, &depth, &nmax, &cpp))
+        return NULL;
+#ifndef GM_NATIVE_STACKS
+    cpp = 0; /* no native frames on this platform: Python frames only (_stacks_info says so) */
+#endif
     if (depth != -1) {
         if (depth < 1 || depth > HARD_MAX_DEPTH)
             return PyErr_Format(PyExc_ValueError, "max_depth must be in 1..%d, not %zd", HARD_MAX_DEPTH, depth);
@@ -238,6 +274,7 @@ static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObje
             return PyErr_Format(PyExc_ValueError, "max_stacks must be in 1..2**32-2, not %zd", nmax);
         max_stacks = (size_t)nmax;
     }
+    atomic_store(&native_on, enabled && cpp);
     atomic_store(&stacks_on, enabled);
     Py_RETURN_NONE;
 }
@@ -253,6 +290,47 @@ static PyObject *attr_or_none(PyObject *o, const char *name) {
         Py_RETURN_NONE;
     }
     return v;
+}
+
+/* {"filename", "name", "line"} of the native frame at return address pc: the
+ * shared object, and the symbol's demangled name ("??" where none is known).
+ * *own: the frame is gpumem's capture itself (gm_py_capture_context...). */
+static PyObject *native_frame_dict(uintptr_t pc, int *own) {
+    *own = 0;
+    const char *file = "??", *name = NULL;
+    char *demangled = NULL;
+#ifdef GM_NATIVE_STACKS
+    typedef char *(*demangle_fn)(const char *, char *, size_t *, int *);
+    static demangle_fn demangle;
+    static int looked;
+    if (!looked) {
+        looked = 1;
+        void *sym = dlsym(RTLD_DEFAULT, "__cxa_demangle"); /* the C++ runtime's, if loaded */
+        memcpy(&demangle, &sym, sizeof sym);
+    }
+    Dl_info info;
+    /* pc - 1: the call instruction, inside the calling function even when the call is its last one */
+    if (dladdr((void *)(pc - 1), &info)) {
+        if (info.dli_fname) file = info.dli_fname;
+        name = info.dli_sname;
+        *own = name && !strncmp(name, "gm_py_capture_context", 21);
+        int status = -1;
+        if (name && demangle) demangled = demangle(name, NULL, NULL, &status);
+        if (status != 0) {
+            free(demangled);
+            demangled = NULL;
+        }
+    }
+#else
+    (void)pc;
+#endif
+    PyObject *d = Py_BuildValue("{s:s,s:s,s:i}", "filename", file, "name",
+                                demangled ? demangled
+                                : name    ? name
+                                          : "??",
+                                "line", 0);
+    free(demangled);
+    return d;
 }
 
 /* _stack_frames(ctx) -> list of {"filename", "name", "line"}, innermost first
@@ -276,9 +354,22 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
     }
     if (idx >= n_stacks) Py_RETURN_NONE;
     const stack_rec *r = &stacks[idx];
-    PyObject *l = PyList_New(r->depth);
+    uint32_t i = 0;
+    PyObject *l = PyList_New(0);
     if (!l) return NULL;
-    for (uint32_t i = 0; i < r->depth; i++) {
+    /* Native frames first; gpumem's own capture frames lead them and are left out. */
+    for (int leading = 1; i < r->depth && !pool[r->first + i].code; i++) {
+        int own;
+        PyObject *d = native_frame_dict(pool[r->first + i].pc, &own);
+        if (d && !(leading && own) && PyList_Append(l, d) < 0) Py_CLEAR(d);
+        if (!d) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        leading = leading && own;
+        Py_DECREF(d);
+    }
+    for (; i < r->depth; i++) {
         const frame_key *k = &pool[r->first + i];
 #if PY_VERSION_HEX >= 0x030B0000
         int line = PyCode_Addr2Line(k->code, k->lasti);
@@ -288,17 +379,18 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
         PyObject *fn = attr_or_none((PyObject *)k->code, "co_filename");
         PyObject *nm = attr_or_none((PyObject *)k->code, "co_name");
         PyObject *d = Py_BuildValue("{s:N,s:N,s:i}", "filename", fn, "name", nm, "line", line);
-        if (!d) {
+        if (!d || PyList_Append(l, d) < 0) {
+            Py_XDECREF(d);
             Py_DECREF(l);
             return NULL;
         }
-        PyList_SET_ITEM(l, i, d);
+        Py_DECREF(d);
     }
     return l;
 }
 
 static void clear_table(void) {
-    for (size_t i = 0; i < pool_len; i++) Py_DECREF(pool[i].code);
+    for (size_t i = 0; i < pool_len; i++) Py_XDECREF(pool[i].code);
     free(pool);
     free(stacks);
     free(table);
@@ -318,8 +410,9 @@ static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ign
 
 static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     size_t bytes = pool_cap * sizeof *pool + cap_stacks * sizeof *stacks + table_cap * sizeof *table;
-    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K}", "enabled",
-                         atomic_load(&stacks_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
+    return Py_BuildValue("{s:O,s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K}", "enabled",
+                         atomic_load(&stacks_on) ? Py_True : Py_False, "cpp",
+                         atomic_load(&native_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
                          (Py_ssize_t)pool_len, "max_stacks", (Py_ssize_t)max_stacks, "max_depth", (Py_ssize_t)max_depth,
                          "table_bytes", (Py_ssize_t)bytes, "captured", (unsigned long long)n_captured, "new",
                          (unsigned long long)n_new, "overflow", (unsigned long long)n_overflow, "truncated",
@@ -330,7 +423,8 @@ static PyMethodDef glue_methods[] = {
     {.ml_name = "_stacks_enable",
      .ml_meth = (PyCFunction)(void (*)(void))py_stacks_enable,
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "_stacks_enable(enabled, max_depth=None, max_stacks=None): capture Python stacks per malloc"},
+     .ml_doc = "_stacks_enable(enabled, max_depth=None, max_stacks=None, cpp=False): capture Python stacks per "
+               "malloc (cpp: preceded by the native frames, as torch's stacks='all')"},
     {.ml_name = "_stack_capture",
      .ml_meth = py_capture,
      .ml_flags = METH_NOARGS,

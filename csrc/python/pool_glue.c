@@ -28,6 +28,16 @@ static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_pool_set_no_split(HeapObject *self, PyObject *args) {
+    PyObject *id_o;
+    int flag;
+    if (gm_py_ready(self, GM_PY_OPEN) < 0 || !PyArg_ParseTuple(args, "Op:pool_set_no_split", &id_o, &flag)) return NULL;
+    gm_pool_id id;
+    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
+    if (gm_pool_set_no_split(self->heap, id, flag) != GM_OK) return gm_py_no_such_pool(&id);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
     gm_pool_id id;
     if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
@@ -249,6 +259,11 @@ PyMethodDef gm_py_pool_methods[] = {
      .ml_meth = (PyCFunction)Heap_pool_retain,
      .ml_flags = METH_O,
      .ml_doc = "pool_retain(id): create the private pool id (a pair of ints), or add a use to it"},
+    {.ml_name = "pool_set_no_split",
+     .ml_meth = (PyCFunction)Heap_pool_set_no_split,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "pool_set_no_split(id, flag): a living pool whose blocks are never split (torch's "
+               "MemPool(no_split=True)): a request takes whole pages, or a whole free block of the pool"},
     {.ml_name = "pool_release",
      .ml_meth = (PyCFunction)Heap_pool_release,
      .ml_flags = METH_O,

@@ -82,8 +82,9 @@ class MemPool:
     memory of tensors that outlive it when they are freed.
 
     allocator: torch's MemPool can take another allocator; under gpumem every
-    pool is gpumem's, so only None is accepted.  use_on_oom / no_split: accepted
-    for compatibility; gpumem never splits across pools and never borrows a
+    pool is gpumem's, so only None is accepted.  no_split: a block of the pool is
+    never split -- a request takes whole pages of its own, or a whole free block
+    of the pool.  use_on_oom: accepted for compatibility; gpumem never borrows a
     pool's memory for other allocations.
     """
 
@@ -100,6 +101,8 @@ class MemPool:
         self.no_split = bool(no_split)
         device_heap(self._device).pool_retain(self._id)
         self._alive = True
+        if self.no_split:
+            device_heap(self._device).pool_set_no_split(self._id, True)
 
     @property
     def id(self):

@@ -149,10 +149,10 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     clear_history, compile_context, global_record_annotations, skip_actions) and
     _cuda_record_memory_history_legacy(enabled: bool, record_context,
     trace_alloc_max_entries, ...), answered by gpumem.record_history on every
-    device's heap.  Stacks are Python stacks ("all" asks for C++ frames too; gpumem
-    has only the Python ones); context=None records none, "state" only those of the
-    blocks alive, "alloc" those of trace entries too, "all" also the stacks of the
-    code that frees and empties the cache.  clear_history drops the events recorded
+    device's heap.  Stacks are Python stacks, with stacks="all" preceded by the
+    C++ frames (gpumem.record_history's stacks="all"); context=None records none,
+    "state" only those of the blocks alive, "alloc" those of trace entries too,
+    "all" also the stacks of the code that frees and empties the cache.  clear_history drops the events recorded
     so far; skip_actions leaves those actions out of the trace."""
     global _skip_actions
     clear, skip = False, ()
@@ -174,7 +174,7 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         if context not in (None, "state", "alloc", "all"):
             raise ValueError(f"context must be None, 'state', 'alloc' or 'all', not {context!r}")
         mode = enabled or False
-        stacks = "python" if enabled and context and stack_kind in ("python", "all") else None
+        stacks = stack_kind if enabled and context and stack_kind in ("python", "all") else None
         context = context if stacks else None
     if isinstance(skip, str):
         skip = (skip,)

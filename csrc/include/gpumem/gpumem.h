@@ -244,6 +244,8 @@ typedef struct gm_snapshot {
     gm_block_info *blocks; /* address order, tiling [base, base+top) */
     size_t n_pages;        /* pages in [base, base+top) */
     uint8_t *pages;        /* gm_page_state per page */
+    uint32_t *growth;      /* per page: the growth that mapped it, or gave it to its pool (0: none); a
+                            * segment as torch counts them is a run of one growth */
     size_t spare_pages;    /* physical pages held but not mapped */
     size_t cap_bytes;      /* effective cap */
     gm_stats stats;
@@ -312,8 +314,8 @@ void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
 /* ---- private pools (torch's graph pools and MemPool) -------------------------
  * A pool is named by torch's MempoolId_t, a pair of integers, and holds a set of
  * blocks on this heap's device.  An allocation made "in" a pool is served from
- * the pool's own free blocks first, else carved from the heap like any other;
- * when freed it goes back to the pool, never to the general heap or another
+ * the pool's own free blocks, else from whole pages the pool takes for itself
+ * (no page holds a living pool's blocks and anything else); when freed it goes back to the pool, never to the general heap or another
  * pool, for as long as the pool lives.  Every page that backs a block of a
  * living pool -- live, pending or free -- stays mapped at its address: a CUDA
  * graph has those addresses baked in.  Defragmentation and empty_cache leave
@@ -336,6 +338,10 @@ typedef struct gm_pool_info {
 } gm_pool_info;
 /* Create the pool with use count 1, or add one use to it. */
 int gm_pool_retain(gm_heap *heap, gm_pool_id id);
+/* torch's MemPool(no_split=True): a block of the living pool is never split --
+ * a request takes whole pages, or a whole free block of the pool (which it
+ * then holds entirely).  GM_EINVAL for an unknown pool. */
+int gm_pool_set_no_split(gm_heap *heap, gm_pool_id id, int no_split);
 /* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool,
  * GM_EPAUSED (nothing changes) for the last use of a paused pool. */
 int gm_pool_release(gm_heap *heap, gm_pool_id id);
