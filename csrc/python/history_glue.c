@@ -16,11 +16,13 @@
  * are counted.  All state is guarded by the GIL: capture runs only in threads
  * that hold it (no GIL, no stack).
  *
- * With C++ frames on (torch's stacks="all"), a stack starts with the native
- * return addresses of the calling thread (glibc's backtrace), innermost first,
- * as torch's own traces do; they are named when asked (dladdr, demangled by
- * the C++ runtime's __cxa_demangle where the process has one).  A native frame
- * is a frame_key with no code object.
+ * C++ frames (torch's stacks="all"): with a gatherer set (_stacks_cpp, torch's
+ * own unwinder), each capture also takes the native stack as an opaque object
+ * and records it beside the interned Python stack, one record per capture (C++
+ * stacks are not interned: comparing them would cost what unwinding costs).
+ * Those records take ids with CPP_BIT set in the index; at most `max_stacks`
+ * of them, past which captures get the Python stack alone.  Symbols are looked
+ * up once, when the frames are first asked for.
  */
 #include "history_glue.h"
 
@@ -37,18 +39,11 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#if defined(__linux__) || defined(__APPLE__)
-#include <dlfcn.h>
-#include <execinfo.h>
-#define GM_NATIVE_STACKS 1
-#endif
-
 #include "gpumem/array.h"
 
 typedef struct {
-    PyCodeObject *code; /* strong reference (pool) or borrowed (scratch); NULL: a native frame */
+    PyCodeObject *code; /* strong reference (pool) or borrowed (scratch) */
     int lasti;          /* byte offset of the current instruction */
-    uintptr_t pc;       /* a native frame's return address */
 } frame_key;
 
 typedef struct {
@@ -59,12 +54,10 @@ typedef struct {
 
 enum {
     DEFAULT_MAX_DEPTH = 64,
-    HARD_MAX_DEPTH = 1024,
-    MAX_NATIVE = 64 /* native frames per stack */
+    HARD_MAX_DEPTH = 1024
 };
 
 static atomic_int stacks_on;
-static atomic_int native_on; /* C++ frames too */
 static size_t max_stacks = 1u << 16;
 static size_t max_depth = DEFAULT_MAX_DEPTH;
 
@@ -75,6 +68,19 @@ static size_t n_stacks, cap_stacks;
 static uint32_t *table;  /* stack index + 1; 0 = empty slot */
 static size_t table_cap; /* power of two */
 static uint32_t generation = 1;
+
+/* C++ frames: one record per capture while a gatherer is set. */
+typedef struct {
+    uint32_t py;      /* the interned Python stack's index */
+    PyObject *native; /* the gatherer's result until symbolized, then NULL */
+    PyObject *frames; /* the symbolized frames (a list of dicts), or NULL */
+} cpp_rec;
+
+#define CPP_BIT 0x80000000u
+static PyObject *cpp_gather, *cpp_symbolize; /* both NULL: no C++ frames */
+static cpp_rec *cpp_recs;
+static size_t n_cpp, cap_cpp;
+static uint64_t n_cpp_overflow;
 static uint64_t n_captured, n_new, n_overflow, n_truncated;
 static atomic_ullong n_no_gil;
 
@@ -97,7 +103,6 @@ static uint64_t hash_frames(const frame_key *f, size_t n) {
     for (size_t i = 0; i < n; i++) {
         h = mix(h, (uint64_t)(uintptr_t)f[i].code);
         h = mix(h, (uint64_t)(uint32_t)f[i].lasti);
-        h = mix(h, (uint64_t)f[i].pc);
     }
     return h ? h : 1;
 }
@@ -106,7 +111,7 @@ static int same(const stack_rec *r, const frame_key *f, size_t n) {
     if (r->depth != n) return 0;
     const frame_key *p = pool + r->first;
     for (size_t i = 0; i < n; i++)
-        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti || p[i].pc != f[i].pc) return 0;
+        if (p[i].code != f[i].code || p[i].lasti != f[i].lasti) return 0;
     return 1;
 }
 
@@ -127,7 +132,7 @@ static int table_grow(void) {
 
 /* Store a new stack; returns its index, or OVERFLOW_INDEX when full or out of memory. */
 static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot) {
-    if (n_stacks >= max_stacks || n_stacks >= UINT32_MAX - 1) return OVERFLOW_INDEX;
+    if (n_stacks >= max_stacks || n_stacks >= CPP_BIT - 1) return OVERFLOW_INDEX;
     if (pool_len + n > pool_cap) {
         size_t ncap = pool_cap ? 2 * pool_cap : 4096;
         while (ncap < pool_len + n) ncap *= 2;
@@ -142,7 +147,7 @@ static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot
         stacks = ns;
     }
     for (size_t i = 0; i < n; i++) {
-        Py_XINCREF(f[i].code);
+        Py_INCREF(f[i].code);
         pool[pool_len + i] = f[i];
     }
     uint32_t idx = (uint32_t)n_stacks++;
@@ -168,26 +173,35 @@ static uint32_t intern(const frame_key *f, size_t n) {
     }
 }
 
+/* The record of Python stack `py` with the caller's native stack: its index
+ * with CPP_BIT, or `py` alone when the table is full or the gatherer fails. */
+static uint32_t with_native(uint32_t py) {
+    if (n_cpp >= max_stacks || n_cpp >= CPP_BIT - 1) {
+        n_cpp_overflow++;
+        return py;
+    }
+    if (n_cpp == cap_cpp) {
+        cpp_rec *a = gm_array_grow(cpp_recs, &cap_cpp, 1024, sizeof *a);
+        if (!a) return py;
+        cpp_recs = a;
+    }
+    /* gather(python=False, script=False, cpp=True) */
+    PyObject *native = PyObject_CallFunctionObjArgs(cpp_gather, Py_False, Py_False, Py_True, NULL);
+    if (!native) {
+        PyErr_Clear();
+        n_cpp_overflow++;
+        return py;
+    }
+    cpp_recs[n_cpp] = (cpp_rec){py, native, NULL};
+    return (uint32_t)n_cpp++ | CPP_BIT;
+}
+
 static int frame_lasti(PyFrameObject *f) {
 #if PY_VERSION_HEX >= 0x030B0000
     return PyFrame_GetLasti(f);
 #else
     /* Before 3.11 there is no public lasti; the line number keys the frame instead. */
     return PyFrame_GetLineNumber(f);
-#endif
-}
-
-/* The calling thread's native return addresses into f, innermost first,
- * without this function's own frame. */
-static size_t native_frames(frame_key *f) {
-#ifdef GM_NATIVE_STACKS
-    void *pcs[MAX_NATIVE + 1];
-    int n = backtrace(pcs, MAX_NATIVE + 1);
-    for (int i = 1; i < n; i++) f[i - 1] = (frame_key){NULL, 0, (uintptr_t)pcs[i]};
-    return n > 1 ? (size_t)(n - 1) : 0;
-#else
-    (void)f;
-    return 0;
 #endif
 }
 
@@ -199,17 +213,15 @@ uint64_t gm_py_capture_context(void) {
     }
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
     if (!f) return 0;
-    frame_key scratch[MAX_NATIVE + HARD_MAX_DEPTH];
-    size_t n = atomic_load_explicit(&native_on, memory_order_relaxed) ? native_frames(scratch) : 0;
-    size_t depth = n + max_depth;
+    frame_key scratch[HARD_MAX_DEPTH];
+    size_t n = 0;
     Py_INCREF(f);
-    while (f && n < depth) {
+    while (f && n < max_depth) {
         PyCodeObject *code = PyFrame_GetCode(f);
         /* The frame chain keeps the code alive until we return; the pool takes
          * its own reference if this stack is new. */
         scratch[n].code = code;
         scratch[n].lasti = frame_lasti(f);
-        scratch[n].pc = 0;
         Py_DECREF(code);
         n++;
         PyFrameObject *back = PyFrame_GetBack(f);
@@ -222,7 +234,10 @@ uint64_t gm_py_capture_context(void) {
     }
     n_captured++;
     uint32_t idx = intern(scratch, n);
-    if (idx == OVERFLOW_INDEX) n_overflow++;
+    if (idx == OVERFLOW_INDEX)
+        n_overflow++;
+    else if (cpp_gather)
+        idx = with_native(idx);
     return make_id(idx);
 }
 
@@ -256,14 +271,10 @@ uint64_t gm_py_capture_context_reacquire(void) {
 /* ---- Python-facing functions ------------------------------------------------ */
 
 static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"enabled", "max_depth", "max_stacks", "cpp", NULL};
-    int enabled, cpp = 0;
+    static char *kwlist[] = {"enabled", "max_depth", "max_stacks", NULL};
+    int enabled;
     Py_ssize_t depth = -1, nmax = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nnp:_stacks_enable", kwlist, &enabled, &depth, &nmax, &cpp))
-        return NULL;
-#ifndef GM_NATIVE_STACKS
-    cpp = 0; /* no native frames on this platform: Python frames only (_stacks_info says so) */
-#endif
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "p|nn:_stacks_enable", kwlist, &enabled, &depth, &nmax)) return NULL;
     if (depth != -1) {
         if (depth < 1 || depth > HARD_MAX_DEPTH)
             return PyErr_Format(PyExc_ValueError, "max_depth must be in 1..%d, not %zd", HARD_MAX_DEPTH, depth);
@@ -274,7 +285,6 @@ static PyObject *py_stacks_enable(PyObject *Py_UNUSED(m), PyObject *args, PyObje
             return PyErr_Format(PyExc_ValueError, "max_stacks must be in 1..2**32-2, not %zd", nmax);
         max_stacks = (size_t)nmax;
     }
-    atomic_store(&native_on, enabled && cpp);
     atomic_store(&stacks_on, enabled);
     Py_RETURN_NONE;
 }
@@ -292,46 +302,8 @@ static PyObject *attr_or_none(PyObject *o, const char *name) {
     return v;
 }
 
-/* {"filename", "name", "line"} of the native frame at return address pc: the
- * shared object, and the symbol's demangled name ("??" where none is known).
- * *own: the frame is gpumem's capture itself (gm_py_capture_context...). */
-static PyObject *native_frame_dict(uintptr_t pc, int *own) {
-    *own = 0;
-    const char *file = "??", *name = NULL;
-    char *demangled = NULL;
-#ifdef GM_NATIVE_STACKS
-    typedef char *(*demangle_fn)(const char *, char *, size_t *, int *);
-    static demangle_fn demangle;
-    static int looked;
-    if (!looked) {
-        looked = 1;
-        void *sym = dlsym(RTLD_DEFAULT, "__cxa_demangle"); /* the C++ runtime's, if loaded */
-        memcpy(&demangle, &sym, sizeof sym);
-    }
-    Dl_info info;
-    /* pc - 1: the call instruction, inside the calling function even when the call is its last one */
-    if (dladdr((void *)(pc - 1), &info)) {
-        if (info.dli_fname) file = info.dli_fname;
-        name = info.dli_sname;
-        *own = name && !strncmp(name, "gm_py_capture_context", 21);
-        int status = -1;
-        if (name && demangle) demangled = demangle(name, NULL, NULL, &status);
-        if (status != 0) {
-            free(demangled);
-            demangled = NULL;
-        }
-    }
-#else
-    (void)pc;
-#endif
-    PyObject *d = Py_BuildValue("{s:s,s:s,s:i}", "filename", file, "name",
-                                demangled ? demangled
-                                : name    ? name
-                                          : "??",
-                                "line", 0);
-    free(demangled);
-    return d;
-}
+static PyObject *cpp_frames(uint32_t i);
+static PyObject *python_frames(uint32_t idx);
 
 /* _stack_frames(ctx) -> list of {"filename", "name", "line"}, innermost first
  * (torch's order), or None if ctx is no id of this table. */
@@ -352,24 +324,64 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
         PyList_SET_ITEM(l, 0, d);
         return l;
     }
+    if (idx & CPP_BIT) return cpp_frames(idx & ~CPP_BIT);
+    return python_frames(idx);
+}
+
+/* How many of the innermost native frames are the capture's own: the
+ * unwinder's and this file's, through the last of with_native and
+ * gm_py_capture_context* among the first few (symbols may be missing). */
+static Py_ssize_t own_frames(PyObject *frames) {
+    Py_ssize_t n = PyList_GET_SIZE(frames), own = 0;
+    for (Py_ssize_t i = 0; i < n && i < 24; i++) {
+        PyObject *d = PyList_GET_ITEM(frames, i), *name = PyDict_Check(d) ? PyDict_GetItemString(d, "name") : NULL;
+        const char *c = name && PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+        if (!c)
+            PyErr_Clear();
+        else if (strcmp(c, "with_native") == 0 || strncmp(c, "gm_py_capture_context", 21) == 0)
+            own = i + 1;
+    }
+    return own;
+}
+
+/* The symbolized native frames of C++ record i, then its Python frames. */
+static PyObject *cpp_frames(uint32_t i) {
+    if (i >= n_cpp) Py_RETURN_NONE;
+    cpp_rec *r = &cpp_recs[i];
+    if (!r->frames) {
+        PyObject *one = PyList_New(1), *got = NULL;
+        if (!one) return NULL;
+        Py_INCREF(r->native);
+        PyList_SET_ITEM(one, 0, r->native);
+        got = PyObject_CallFunctionObjArgs(cpp_symbolize, one, NULL);
+        Py_DECREF(one);
+        if (!got) return NULL;
+        PyObject *first = PyList_Check(got) && PyList_GET_SIZE(got) == 1 ? PyList_GET_ITEM(got, 0) : NULL;
+        if (!first || !PyList_Check(first)) {
+            Py_DECREF(got);
+            return PyErr_Format(PyExc_TypeError, "the C++ frame symbolizer returned no list of frames");
+        }
+        /* The unwinder's own frames, up to the capture here, say nothing. */
+        Py_ssize_t skip = own_frames(first);
+        r->frames = PyList_GetSlice(first, skip, PyList_GET_SIZE(first));
+        Py_DECREF(got);
+        if (!r->frames) return NULL;
+        Py_CLEAR(r->native);
+    }
+    PyObject *py = python_frames(r->py);
+    if (!py) return NULL;
+    PyObject *all = py == Py_None ? PySequence_List(r->frames) : PySequence_Concat(r->frames, py);
+    Py_DECREF(py);
+    return all;
+}
+
+/* The frames of interned Python stack idx, innermost first, or None. */
+static PyObject *python_frames(uint32_t idx) {
     if (idx >= n_stacks) Py_RETURN_NONE;
     const stack_rec *r = &stacks[idx];
-    uint32_t i = 0;
-    PyObject *l = PyList_New(0);
+    PyObject *l = PyList_New(r->depth);
     if (!l) return NULL;
-    /* Native frames first; gpumem's own capture frames lead them and are left out. */
-    for (int leading = 1; i < r->depth && !pool[r->first + i].code; i++) {
-        int own;
-        PyObject *d = native_frame_dict(pool[r->first + i].pc, &own);
-        if (d && !(leading && own) && PyList_Append(l, d) < 0) Py_CLEAR(d);
-        if (!d) {
-            Py_DECREF(l);
-            return NULL;
-        }
-        leading = leading && own;
-        Py_DECREF(d);
-    }
-    for (; i < r->depth; i++) {
+    for (uint32_t i = 0; i < r->depth; i++) {
         const frame_key *k = &pool[r->first + i];
 #if PY_VERSION_HEX >= 0x030B0000
         int line = PyCode_Addr2Line(k->code, k->lasti);
@@ -379,18 +391,29 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
         PyObject *fn = attr_or_none((PyObject *)k->code, "co_filename");
         PyObject *nm = attr_or_none((PyObject *)k->code, "co_name");
         PyObject *d = Py_BuildValue("{s:N,s:N,s:i}", "filename", fn, "name", nm, "line", line);
-        if (!d || PyList_Append(l, d) < 0) {
-            Py_XDECREF(d);
+        if (!d) {
             Py_DECREF(l);
             return NULL;
         }
-        Py_DECREF(d);
+        PyList_SET_ITEM(l, i, d);
     }
     return l;
 }
 
+static void clear_native(void) {
+    for (size_t i = 0; i < n_cpp; i++) {
+        Py_XDECREF(cpp_recs[i].native);
+        Py_XDECREF(cpp_recs[i].frames);
+    }
+    free(cpp_recs);
+    cpp_recs = NULL;
+    n_cpp = cap_cpp = 0;
+    n_cpp_overflow = 0;
+}
+
 static void clear_table(void) {
-    for (size_t i = 0; i < pool_len; i++) Py_XDECREF(pool[i].code);
+    clear_native();
+    for (size_t i = 0; i < pool_len; i++) Py_DECREF(pool[i].code);
     free(pool);
     free(stacks);
     free(table);
@@ -403,6 +426,26 @@ static void clear_table(void) {
     generation++;
 }
 
+/* _stacks_cpp(gather, symbolize): take the native stack too, through torch's
+ * gather_traceback and symbolize_tracebacks; _stacks_cpp(None, None) stops. */
+static PyObject *py_stacks_cpp(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *gather, *symbolize;
+    if (!PyArg_ParseTuple(args, "OO:_stacks_cpp", &gather, &symbolize)) return NULL;
+    if ((gather == Py_None) != (symbolize == Py_None))
+        return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
+    if (gather != Py_None && (!PyCallable_Check(gather) || !PyCallable_Check(symbolize)))
+        return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
+    Py_CLEAR(cpp_gather);
+    Py_CLEAR(cpp_symbolize);
+    if (gather != Py_None) {
+        Py_INCREF(gather);
+        Py_INCREF(symbolize);
+        cpp_gather = gather;
+        cpp_symbolize = symbolize;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     clear_table();
     Py_RETURN_NONE;
@@ -410,21 +453,22 @@ static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ign
 
 static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     size_t bytes = pool_cap * sizeof *pool + cap_stacks * sizeof *stacks + table_cap * sizeof *table;
-    return Py_BuildValue("{s:O,s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K}", "enabled",
-                         atomic_load(&stacks_on) ? Py_True : Py_False, "cpp",
-                         atomic_load(&native_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
+    bytes += cap_cpp * sizeof *cpp_recs;
+    return Py_BuildValue("{s:O,s:n,s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "cpp",
+                         cpp_gather ? Py_True : Py_False, "native_stacks", (Py_ssize_t)n_cpp, "enabled",
+                         atomic_load(&stacks_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
                          (Py_ssize_t)pool_len, "max_stacks", (Py_ssize_t)max_stacks, "max_depth", (Py_ssize_t)max_depth,
                          "table_bytes", (Py_ssize_t)bytes, "captured", (unsigned long long)n_captured, "new",
                          (unsigned long long)n_new, "overflow", (unsigned long long)n_overflow, "truncated",
-                         (unsigned long long)n_truncated, "no_gil", (unsigned long long)atomic_load(&n_no_gil));
+                         (unsigned long long)n_truncated, "no_gil", (unsigned long long)atomic_load(&n_no_gil),
+                         "native_overflow", (unsigned long long)n_cpp_overflow);
 }
 
 static PyMethodDef glue_methods[] = {
     {.ml_name = "_stacks_enable",
      .ml_meth = (PyCFunction)(void (*)(void))py_stacks_enable,
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "_stacks_enable(enabled, max_depth=None, max_stacks=None, cpp=False): capture Python stacks per "
-               "malloc (cpp: preceded by the native frames, as torch's stacks='all')"},
+     .ml_doc = "_stacks_enable(enabled, max_depth=None, max_stacks=None): capture Python stacks per malloc"},
     {.ml_name = "_stack_capture",
      .ml_meth = py_capture,
      .ml_flags = METH_NOARGS,
@@ -433,6 +477,10 @@ static PyMethodDef glue_methods[] = {
      .ml_meth = py_stack_frames,
      .ml_flags = METH_O,
      .ml_doc = "_stack_frames(ctx) -> [{filename, name, line}] innermost first, or None"},
+    {.ml_name = "_stacks_cpp",
+     .ml_meth = py_stacks_cpp,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "_stacks_cpp(gather, symbolize): also take each capture's C++ frames (None, None: stop)"},
     {.ml_name = "_stacks_clear",
      .ml_meth = py_stacks_clear,
      .ml_flags = METH_NOARGS,
