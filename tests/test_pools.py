@@ -846,3 +846,24 @@ def test_a_no_split_pool_never_splits_a_block(make_heap):
     assert_ok(h)
     with pytest.raises(ValueError):
         h.pool_set_no_split(P, True)  # ended: no such pool
+
+
+def test_a_pool_takes_no_page_of_a_physical_allocation_made_ahead_for_general_memory():
+    """With room a small general growth maps eight pages as one physical allocation; a pool's request then
+    takes pages of its own elsewhere, so that a segment (one growth of one pool) is never cut by another
+    pool's pages, and the allocation can go back whole."""
+    with gpumem.Heap(capacity=80 << 30) as h:
+        a = h.malloc(MiB)  # eight pages made, one used
+        assert h.stats()["reserved_bytes.all.current"] == 8 * PAGE
+        h.pool_retain(P)
+        pb = h.malloc(MiB, pool=P)
+        assert not a <= pb < a + 8 * PAGE
+        h.free(pb)
+        o = h.malloc(MiB)  # general: the rest of the first page
+        assert o == a + MiB
+        segs = gpumem.Snapshot.from_heap(h).to_torch()["segments"]
+        assert sorted(s["segment_pool_id"] for s in segs) == [(0, 0), P]
+        assert_ok(h)
+        h.free(a)
+        h.free(o)
+        h.pool_release(P)

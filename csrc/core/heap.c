@@ -1569,6 +1569,13 @@ static int ranks_before(const placement *a, const placement *b) {
 static int pool_pages_ok(const struct place_ctx *c, const gm_block *first, uintptr_t x) {
     uintptr_t end = x + c->size, e = gm_page_addr(c->h, gm_page_ceil(c->h, end));
     if ((x - c->h->base) & (c->h->page - 1)) return 0;
+    /* No page of a physical allocation the policy made with room (POLICY;
+     * with chunk_pages 1 every larger one is its) that the range does not
+     * wholly take: it goes back only whole, and a segment as torch counts
+     * them is one pool's. */
+    size_t p0 = gm_page_floor(c->h, x), p1 = gm_page_ceil(c->h, end);
+    for (size_t p = p0; p < p1 && c->h->chunk_pages == 1; p++)
+        if (c->h->chunk_len[p] > 1 && (gm_chunk_first(c->h, p) < p0 || gm_chunk_end(c->h, p) > p1)) return 0;
     for (const gm_block *b = first; b && b->addr < e; b = b->next) {
         if (b->addr + b->size <= end || b->pool == c->pool) continue;
         if (!gm_general_space(b) || (b->state == GM_BLOCK_FREE && b->stream != c->s && b->stream != ANY)) return 0;
