@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "config_glue.h"
 #include "torch_alloc.h"
 
 int gm_torch_glue_add(PyObject *module);
@@ -28,23 +29,24 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
                             "pressure",        NULL};
     gm_torch_options o;
     gm_torch_get_options(&o);
-    unsigned long long va = o.va_size, cap = o.cap_bytes, hist = o.history_entries, chunk = o.chunk_pages,
-                       page = o.page_size;
-    double frac = o.cap_fraction, slack = o.growth_slack, pressure = o.pressure;
-    long slack_pages = o.growth_slack_pages;
+    unsigned long long hist = o.history_entries, page = o.page_size;
+    double frac = o.cap_fraction;
+    PyObject *va = NULL, *cap = NULL, *slack = NULL, *slack_pages = NULL, *chunk = NULL, *pressure = NULL;
     const char *mode = NULL;
     PyObject *cls = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKzOKKd", names, &va, &cap, &frac, &slack, &slack_pages, &hist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOdOOKzOOKO", names, &va, &cap, &frac, &slack, &slack_pages, &hist,
                                      &mode, &cls, &chunk, &page, &pressure))
         return NULL;
-    o.chunk_pages = (size_t)chunk;
+    /* The heap's options: None gives the core's default, the core checks the rest. */
+    if (gm_py_config_option(&o.heap, GM_OPT_VA_SIZE, "va_size", va) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_CAP_BYTES, "cap_bytes", cap) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_GROWTH_SLACK, "growth_slack", slack) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_GROWTH_SLACK_PAGES, "growth_slack_pages", slack_pages) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_CHUNK_PAGES, "chunk_pages", chunk) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_PRESSURE, "pressure", pressure) < 0)
+        return NULL;
     o.page_size = (size_t)page;
-    o.va_size = (size_t)va;
-    o.cap_bytes = (size_t)cap;
     o.cap_fraction = frac;
-    o.growth_slack = slack;
-    o.growth_slack_pages = slack_pages;
-    o.pressure = pressure;
     o.history_entries = (size_t)hist;
     if (mode) {
         if (strcmp(mode, "torch") == 0)
@@ -54,10 +56,8 @@ static PyObject *g_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
         else
             return PyErr_Format(PyExc_ValueError, "oom_mode must be 'torch' or 'runtime', not '%s'", mode);
     }
-    if (gm_torch_configure(&o) != GM_OK)
-        return PyErr_Format(PyExc_ValueError, "invalid gpumem options (cap_fraction must lie in [0, 1], "
-                                              "growth_slack <= 100, pressure <= 1, history_entries <= 2**32, "
-                                              "chunk_pages <= 1024, page_size 0 or a power of two)");
+    char err[256];
+    if (gm_torch_configure(&o, err, sizeof err) != GM_OK) return PyErr_Format(PyExc_ValueError, "%s", err);
     if (cls != NULL) {
         if (cls == Py_None)
             gm_torch_set_oom_class(NULL);
@@ -74,13 +74,13 @@ static PyObject *g_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_torch_get_options(&o);
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
-    if (gm_py_put_u64(d, "va_size", o.va_size) < 0 || gm_py_put_u64(d, "cap_bytes", o.cap_bytes) < 0 ||
+    if (gm_py_put_u64(d, "va_size", o.heap.va_size) < 0 || gm_py_put_u64(d, "cap_bytes", o.heap.cap_bytes) < 0 ||
         gm_py_put(d, "cap_fraction", PyFloat_FromDouble(o.cap_fraction)) < 0 ||
-        gm_py_put(d, "growth_slack", PyFloat_FromDouble(o.growth_slack)) < 0 ||
-        gm_py_put_i64(d, "growth_slack_pages", o.growth_slack_pages) < 0 ||
+        gm_py_put(d, "growth_slack", PyFloat_FromDouble(o.heap.growth_slack)) < 0 ||
+        gm_py_put_u64(d, "growth_slack_pages", o.heap.growth_slack_pages) < 0 ||
         gm_py_put_u64(d, "history_entries", o.history_entries) < 0 ||
-        gm_py_put_u64(d, "chunk_pages", o.chunk_pages) < 0 || gm_py_put_u64(d, "page_size", o.page_size) < 0 ||
-        gm_py_put(d, "pressure", PyFloat_FromDouble(o.pressure)) < 0 ||
+        gm_py_put_u64(d, "chunk_pages", o.heap.chunk_pages) < 0 || gm_py_put_u64(d, "page_size", o.page_size) < 0 ||
+        gm_py_put(d, "pressure", PyFloat_FromDouble(o.heap.pressure)) < 0 ||
         gm_py_put(d, "oom_mode", PyUnicode_FromString(o.oom_mode == GM_TORCH_OOM_TORCH ? "torch" : "runtime")) < 0) {
         Py_DECREF(d);
         return NULL;
@@ -212,7 +212,8 @@ static PyObject *g_history_enable(PyObject *Py_UNUSED(m), PyObject *a) {
     gm_torch_options o;
     gm_torch_get_options(&o);
     o.history_entries = (size_t)n;
-    if (gm_torch_configure(&o) != GM_OK) return PyErr_Format(PyExc_ValueError, "invalid history length");
+    char err[256];
+    if (gm_torch_configure(&o, err, sizeof err) != GM_OK) return PyErr_Format(PyExc_ValueError, "%s", err);
     for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
         gm_heap *h = gm_torch_heap(d);
         if (h && gm_history_enable(h, (size_t)n) != GM_OK) return PyErr_NoMemory();
