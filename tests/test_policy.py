@@ -211,7 +211,7 @@ def test_install_option():
 
     assert normalize_options(parse_conf("pressure:0"))["pressure"] == 0.0
     assert normalize_options({"pressure": 0.5})["pressure"] == 0.5
-    assert normalize_options({})["pressure"] == -1.0  # the core's default
+    assert normalize_options({})["pressure"] is None  # the core's default
     for bad in ("1.5", "-0.1"):
         with pytest.raises(ValueError, match="pressure"):
             normalize_options(parse_conf(f"pressure:{bad}"))
@@ -228,16 +228,16 @@ def test_replay_option(traces):
 
 
 def test_torch_options_carry_pressure():
-    """What install() hands the C++ boundary: kept as given, checked, and -1 for the core's default."""
+    """What install() hands the C++ boundary: kept as given, checked by the core, None for the core's default."""
     C = gpumem._C
     before = C._torch_options()["pressure"]
-    assert before == -1.0  # nothing installed: the core's default
+    assert before == C.PRESSURE_DEFAULT  # nothing installed: the core's default
     try:
         C._torch_configure(pressure=0.0)
         assert C._torch_options()["pressure"] == 0.0
-        with pytest.raises(ValueError, match="pressure <= 1"):
+        with pytest.raises(ValueError, match=r"pressure must be in \[0, 1\]"):
             C._torch_configure(pressure=1.5)
         assert C._torch_options()["pressure"] == 0.0  # a refused call changes nothing
     finally:
-        C._torch_configure(pressure=before)
+        C._torch_configure(pressure=None)
     assert C._torch_options()["pressure"] == before
