@@ -5,8 +5,6 @@
  * before they get that far, so a user sees one message whichever way the
  * option came in.
  */
-#include <stdarg.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "gpumem/config.h"
@@ -35,51 +33,39 @@ static const char option_is_fraction[GM_OPT__COUNT] = {
 
 int gm_option_is_fraction(gm_option opt) { return (unsigned)opt < GM_OPT__COUNT && option_is_fraction[opt]; }
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 3, 4)))
-#endif
-static int
-refuse(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return GM_EINVAL;
-}
-
 int gm_config_check_one(const gm_config *cfg, gm_option opt, char *err, size_t errlen) {
     switch (opt) {
     case GM_OPT_VA_SIZE:
         if (cfg->va_size > GM_VA_SIZE_MAX)
-            return refuse(err, errlen,
-                          "va_size must be at most %zu bytes (the 256 TiB of address space a GPU has), got %zu",
-                          GM_VA_SIZE_MAX, cfg->va_size);
+            return gm_errorf(GM_EINVAL, err, errlen,
+                             "va_size must be at most %zu bytes (the 256 TiB of address space a GPU has), got %zu",
+                             GM_VA_SIZE_MAX, cfg->va_size);
         return GM_OK;
     case GM_OPT_GROWTH_SLACK:
         if (!(cfg->growth_slack >= 0 && cfg->growth_slack <= GM_GROWTH_SLACK_MAX))
-            return refuse(err, errlen, "growth_slack must be in [0, %g], got %g", GM_GROWTH_SLACK_MAX,
-                          cfg->growth_slack);
+            return gm_errorf(GM_EINVAL, err, errlen, "growth_slack must be in [0, %g], got %g", GM_GROWTH_SLACK_MAX,
+                             cfg->growth_slack);
         return GM_OK;
     case GM_OPT_CHUNK_PAGES:
         if (cfg->chunk_pages < 1 || cfg->chunk_pages > GM_CHUNK_PAGES_MAX)
-            return refuse(err, errlen, "chunk_pages must be in [1, %d], got %zu", GM_CHUNK_PAGES_MAX, cfg->chunk_pages);
+            return gm_errorf(GM_EINVAL, err, errlen, "chunk_pages must be in [1, %d], got %zu", GM_CHUNK_PAGES_MAX,
+                             cfg->chunk_pages);
         return GM_OK;
     case GM_OPT_PRESSURE:
         if (!(cfg->pressure >= 0 && cfg->pressure <= 1))
-            return refuse(err, errlen, "pressure must be in [0, 1] (0: always tight), got %g", cfg->pressure);
+            return gm_errorf(GM_EINVAL, err, errlen, "pressure must be in [0, 1] (0: always tight), got %g",
+                             cfg->pressure);
         return GM_OK;
     case GM_OPT_CAP_BYTES:          /* any: 0 is none */
     case GM_OPT_GROWTH_SLACK_PAGES: /* any */
         return GM_OK;
     default:
-        return refuse(err, errlen, "unknown option %d", (int)opt);
+        return gm_errorf(GM_EINVAL, err, errlen, "unknown option %d", (int)opt);
     }
 }
 
 int gm_config_check(const gm_config *cfg, char *err, size_t errlen) {
-    if (!cfg) return refuse(err, errlen, "no configuration");
+    if (!cfg) return gm_errorf(GM_EINVAL, err, errlen, "no configuration");
     for (int opt = 0; opt < GM_OPT__COUNT; opt++) {
         int rc = gm_config_check_one(cfg, (gm_option)opt, err, errlen);
         if (rc != GM_OK) return rc;
@@ -97,7 +83,7 @@ int gm_config_set(gm_config *cfg, gm_option opt, size_t count, double fraction, 
         GM_EACH_OPTION(GM_OPTION_SET)
 #undef GM_OPTION_SET
     default:
-        return refuse(err, errlen, "unknown option %d", (int)opt);
+        return gm_errorf(GM_EINVAL, err, errlen, "unknown option %d", (int)opt);
     }
     int rc = gm_config_check_one(&next, opt, err, errlen);
     if (rc == GM_OK) *cfg = next;
@@ -120,6 +106,7 @@ void gm_config_get(const gm_config *cfg, gm_option opt, size_t *count, double *f
 }
 
 int gm_check_page_size(size_t page_size, char *err, size_t errlen) {
-    if (page_size & (page_size - 1)) return refuse(err, errlen, "page_size must be a power of two, got %zu", page_size);
+    if (page_size & (page_size - 1))
+        return gm_errorf(GM_EINVAL, err, errlen, "page_size must be a power of two, got %zu", page_size);
     return GM_OK;
 }

@@ -200,13 +200,19 @@ static const char *cu_desc(CUresult r) {
     return s;
 }
 
-static void cu_load(void) {
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+/* dlopen `name`; NULL with the reason in err when it is not there. */
+static void *open_library(const char *name, char *err, size_t errlen) {
+    void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         const char *why = dlerror();
-        snprintf(cu_err, sizeof cu_err, "libcuda.so.1 not found: %s", why ? why : "dlopen failed");
-        return;
+        snprintf(err, errlen, "%s not found: %s", name, why ? why : "dlopen failed");
     }
+    return lib;
+}
+
+static void cu_load(void) {
+    void *lib = open_library("libcuda.so.1", cu_err, sizeof cu_err);
+    if (!lib) return;
     const char *missing = NULL;
     if (!load_symbols(lib, &cu, cu_symbols, sizeof cu_symbols / sizeof cu_symbols[0], &missing)) {
         snprintf(cu_err, sizeof cu_err, "libcuda.so.1 lacks %s: the driver is too old for virtual memory management",
@@ -266,12 +272,8 @@ static int nv_ok;
 static char nv_err[200];
 
 static void nv_load(void) {
-    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        const char *why = dlerror();
-        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 not found: %s", why ? why : "dlopen failed");
-        return;
-    }
+    void *lib = open_library("libnvidia-ml.so.1", nv_err, sizeof nv_err);
+    if (!lib) return;
     static const sym_entry syms[] = {
         {offsetof(nvml_api, Init), {"nvmlInit_v2", "nvmlInit"}},
         {offsetof(nvml_api, Shutdown), {"nvmlShutdown", NULL}},
@@ -622,63 +624,37 @@ static void cuda_destroy(gm_device *dev) {
     free(c);
 }
 
+/* .reserve = cuda_reserve, and so on for every counted op (GM_EACH_DEV_OP) */
+#define CUDA_OP(upper, lower) .lower = cuda_##lower,
+/* clang-format off */
 static const gm_device_ops cuda_ops = {
-    .reserve = cuda_reserve,
-    .unreserve = cuda_unreserve,
-    .create = cuda_create,
-    .release = cuda_release,
-    .map = cuda_map,
-    .unmap = cuda_unmap,
-    .set_access = cuda_set_access,
-    .event_create = cuda_event_create,
-    .event_destroy = cuda_event_destroy,
-    .event_record = cuda_event_record,
-    .event_query = cuda_event_query,
-    .synchronize = cuda_synchronize,
-    .mem_info = cuda_mem_info,
-    .processes = cuda_processes,
-    .host_alloc = cuda_host_alloc,
-    .host_free = cuda_host_free,
-    .copy_dtoh = cuda_copy_dtoh,
-    .copy_htod = cuda_copy_htod,
+    GM_EACH_DEV_OP(CUDA_OP)
     .destroy = cuda_destroy,
     .capture_status = cuda_capture_status,
 };
-
-#if defined(__GNUC__)
-__attribute__((format(printf, 4, 5)))
-#endif
-static int
-create_fail(int rc, char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return rc;
-}
+/* clang-format on */
+#undef CUDA_OP
 
 /* The driver's handle of device `ordinal`, its name, and how many there are;
  * only once the device is known to map virtual memory. */
 static int find_device(int ordinal, CUdevice *cudev, char *gpu, size_t gpulen, int *count, char *err, size_t errlen) {
     CUresult r;
     if ((r = cu.DeviceGetCount(count)) != CUDA_SUCCESS)
-        return create_fail(GM_EDEVICE, err, errlen, "cuDeviceGetCount: %s (%s)", cu_desc(r), cu_name(r));
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDeviceGetCount: %s (%s)", cu_desc(r), cu_name(r));
     if (ordinal < 0 || ordinal >= *count)
-        return create_fail(GM_EDEVICE, err, errlen, "device %d does not exist (%d device%s)", ordinal, *count,
-                           *count == 1 ? "" : "s");
+        return gm_errorf(GM_EDEVICE, err, errlen, "device %d does not exist (%d device%s)", ordinal, *count,
+                         *count == 1 ? "" : "s");
     if ((r = cu.DeviceGet(cudev, ordinal)) != CUDA_SUCCESS)
-        return create_fail(GM_EDEVICE, err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
     if (cu.DeviceGetName(gpu, (int)gpulen, *cudev) != CUDA_SUCCESS) snprintf(gpu, gpulen, "unknown GPU");
     gpu[gpulen - 1] = '\0';
     int vmm = 0;
     if ((r = cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, *cudev)) !=
         CUDA_SUCCESS)
-        return create_fail(GM_EDEVICE, err, errlen, "cuDeviceGetAttribute: %s (%s)", cu_desc(r), cu_name(r));
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDeviceGetAttribute: %s (%s)", cu_desc(r), cu_name(r));
     if (!vmm)
-        return create_fail(GM_EDEVICE, err, errlen, "device %d (%s) does not support virtual memory management",
-                           ordinal, gpu);
+        return gm_errorf(GM_EDEVICE, err, errlen, "device %d (%s) does not support virtual memory management", ordinal,
+                         gpu);
     return GM_OK;
 }
 
@@ -705,8 +681,8 @@ static int open_context(cuda_device *c, size_t page_size, char *err, size_t errl
     int ordinal = c->base.ordinal;
     CUresult r;
     if ((r = cu.DevicePrimaryCtxRetain(&c->ctx, c->cudev)) != CUDA_SUCCESS)
-        return create_fail(GM_EDEVICE, err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal, cu_desc(r),
-                           cu_name(r));
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal, cu_desc(r),
+                         cu_name(r));
     cu_alloc_prop prop;
     fill_prop(c, &prop);
     size_t gran = 0;
@@ -716,13 +692,12 @@ static int open_context(cuda_device *c, size_t page_size, char *err, size_t errl
     }
     int rc = GM_OK;
     if (r != CUDA_SUCCESS)
-        rc = create_fail(GM_EDEVICE, err, errlen, "cuMemGetAllocationGranularity: %s (%s)", cu_desc(r), cu_name(r));
+        rc = gm_errorf(GM_EDEVICE, err, errlen, "cuMemGetAllocationGranularity: %s (%s)", cu_desc(r), cu_name(r));
     else if (gran == 0)
-        rc = create_fail(GM_EDEVICE, err, errlen, "cuMemGetAllocationGranularity returned 0");
+        rc = gm_errorf(GM_EDEVICE, err, errlen, "cuMemGetAllocationGranularity returned 0");
     else if (page_size && page_size % gran)
-        rc = create_fail(GM_EINVAL, err, errlen,
-                         "page_size %zu is not a multiple of device %d's granularity (%zu bytes)", page_size, ordinal,
-                         gran);
+        rc = gm_errorf(GM_EINVAL, err, errlen, "page_size %zu is not a multiple of device %d's granularity (%zu bytes)",
+                       page_size, ordinal, gran);
     if (rc != GM_OK) {
         cu.DevicePrimaryCtxRelease(c->cudev);
         return rc;
@@ -739,7 +714,7 @@ int gm_cuda_create(int ordinal, size_t page_size, gm_device **out, char *err, si
     if (faults && gm_faults_schedule(NULL, faults, "GPUMEM_CUDA_FAULTS", err, errlen) != GM_OK) return GM_EDEVICE;
     if (gm_check_page_size(page_size, err, errlen) != GM_OK) return GM_EINVAL;
     pthread_once(&cu_once, cu_load);
-    if (!cu_ok) return create_fail(GM_EDEVICE, err, errlen, "%s", cu_err);
+    if (!cu_ok) return gm_errorf(GM_EDEVICE, err, errlen, "%s", cu_err);
 
     CUdevice cudev;
     int count = 0;
@@ -747,7 +722,7 @@ int gm_cuda_create(int ordinal, size_t page_size, gm_device **out, char *err, si
     int rc = find_device(ordinal, &cudev, gpu, sizeof gpu, &count, err, errlen);
     if (rc != GM_OK) return rc;
     cuda_device *c = calloc(1, sizeof *c);
-    if (!c) return create_fail(GM_ENOMEM, err, errlen, "out of host memory");
+    if (!c) return gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
     c->base.ops = &cuda_ops;
     c->base.kind = "cuda";
     c->base.ordinal = ordinal;
@@ -768,7 +743,7 @@ int gm_cuda_create(int ordinal, size_t page_size, gm_device **out, char *err, si
     gm_device *w = gm_faults_wrap(&c->base, "GPUMEM_CUDA_FAULTS");
     if (!w) {
         cuda_destroy(&c->base);
-        return create_fail(GM_ENOMEM, err, errlen, "out of host memory");
+        return gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
     }
     gm_faults_schedule(w, faults, "GPUMEM_CUDA_FAULTS", err, errlen);
     *out = w;

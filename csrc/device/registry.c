@@ -15,21 +15,15 @@ typedef int (*device_ctor)(const gm_device_args *args, gm_device **out, char *er
 
 static int open_sim(const gm_device_args *args, gm_device **out, char *err, size_t errlen) {
     size_t capacity = args->has_capacity ? args->capacity : GM_SIM_DEFAULT_CAPACITY;
-    if (capacity == 0) {
-        snprintf(err, errlen, "capacity of a sim device must be positive");
-        return GM_EINVAL;
-    }
+    if (capacity == 0) return gm_errorf(GM_EINVAL, err, errlen, "capacity of a sim device must be positive");
     *out = gm_sim_create(capacity, args->page_size);
-    if (*out) return GM_OK;
-    snprintf(err, errlen, "out of host memory");
-    return GM_ENOMEM;
+    return *out ? GM_OK : gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
 }
 
 static int open_cuda(const gm_device_args *args, gm_device **out, char *err, size_t errlen) {
-    if (args->has_capacity) {
-        snprintf(err, errlen, "capacity applies to the sim device only; use cap= to limit a cuda heap");
-        return GM_EINVAL;
-    }
+    if (args->has_capacity)
+        return gm_errorf(GM_EINVAL, err, errlen,
+                         "capacity applies to the sim device only; use cap= to limit a cuda heap");
     return gm_cuda_create(args->ordinal, args->page_size, out, err, errlen);
 }
 
@@ -69,7 +63,6 @@ int gm_device_open(const char *name, const gm_device_args *args, gm_device **out
         return devices[i].open(args, out, err, errlen);
     }
     char known[64];
-    snprintf(err, errlen, "unknown device \"%s\" (known: %s)", name ? name : "(none)",
-             gm_device_names(known, sizeof known));
-    return GM_EINVAL;
+    return gm_errorf(GM_EINVAL, err, errlen, "unknown device \"%s\" (known: %s)", name ? name : "(none)",
+                     gm_device_names(known, sizeof known));
 }

@@ -164,6 +164,23 @@ static int capture_forbids(sim_device *s, gm_dev_op op) {
     return 1;
 }
 
+/* Whether `id` names a live record (a handle, an event): if not, last_error
+ * says it is unknown (id 0, or never made) or was `gone` ("released"). */
+static int live(sim_device *s, const char *op, const char *what, const char *gone, uint64_t id, int known, int alive) {
+    if (alive) return 1;
+    if (id == 0 || !known)
+        fail(s, GM_EINVAL, "%s: unknown %s %llu", op, what, (unsigned long long)id);
+    else
+        fail(s, GM_EINVAL, "%s: %s %llu was %s", op, what, (unsigned long long)id, gone);
+    return 0;
+}
+
+/* sim_enter for a call that a real capture would not survive: 1 if refused. */
+static int sim_enter_uncapturable(sim_device *s, gm_dev_op op) {
+    sim_enter(s);
+    return capture_forbids(s, op);
+}
+
 static uint64_t sat_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
 
 /* ---- reservations ------------------------------------------------------- */
@@ -246,8 +263,7 @@ static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va) {
 
 static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (capture_forbids(s, GM_OP_UNRESERVE)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_UNRESERVE)) return GM_EDEVICE;
     sim_resv *r = find_resv(s, va);
     if (!r || r->va != va || r->size != size)
         return fail(s, GM_EINVAL, "unreserve: 0x%" PRIxPTR "+%zu is not exactly a reservation", va, size);
@@ -317,19 +333,13 @@ static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
 
 /* The live page record for a handle, or NULL with last_error set. */
 static sim_page *live_page(sim_device *s, const char *op, gm_handle handle) {
-    if (handle == 0 || handle >= s->n_pages_slots)
-        fail(s, GM_EINVAL, "%s: unknown handle %llu", op, (unsigned long long)handle);
-    else if (!s->pages[handle].alive)
-        fail(s, GM_EINVAL, "%s: handle %llu was released", op, (unsigned long long)handle);
-    else
-        return &s->pages[handle];
-    return NULL;
+    int alive = handle > 0 && handle < s->n_pages_slots && s->pages[handle].alive;
+    return live(s, op, "handle", "released", handle, handle < s->n_pages_slots, alive) ? &s->pages[handle] : NULL;
 }
 
 static int sim_release(gm_device *dev, gm_handle handle) {
     sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (capture_forbids(s, GM_OP_RELEASE)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_RELEASE)) return GM_EDEVICE;
     sim_page *p = live_page(s, "release", handle);
     if (!p) return GM_EINVAL;
     if (p->mapped_at)
@@ -383,8 +393,7 @@ static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle
 
 static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (capture_forbids(s, GM_OP_UNMAP)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_UNMAP)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = range_resv(s, "unmap", va, size, &first);
     if (!r) return GM_EINVAL;
@@ -500,8 +509,7 @@ static sim_resv *copy_range(sim_device *s, const char *op, uintptr_t va, size_t 
 static int sim_copy(gm_device *dev, gm_dev_op op, uintptr_t va, void *host, size_t size) {
     sim_device *s = (sim_device *)dev;
     const char *name = gm_dev_op_name(op);
-    sim_enter(s);
-    if (capture_forbids(s, op)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, op)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = copy_range(s, name, va, size, &first);
     if (!r) return GM_EINVAL;
@@ -577,14 +585,27 @@ static uint32_t stream_add(sim_device *s, gm_stream stream) {
     return k;
 }
 
-static sim_event *live_event(sim_device *s, const char *op, gm_event ev) {
-    if (ev == 0 || ev >= s->n_event_slots)
-        fail(s, GM_EINVAL, "%s: unknown event %llu", op, (unsigned long long)ev);
-    else if (!s->events[ev].alive)
-        fail(s, GM_EINVAL, "%s: event %llu was destroyed", op, (unsigned long long)ev);
+/* The stream's record, made if `make` (NULL if there is none, or no host memory to make it). */
+static sim_stream *stream_record(sim_device *s, gm_stream stream, int make) {
+    uint32_t k = stream_find(s, stream);
+    if (k == SIM_NONE && make) k = stream_add(s, stream);
+    return k == SIM_NONE ? NULL : &s->streams[k];
+}
+
+/* Set *flag to `on`, keeping *count the number of flags set: 1 if it changed. */
+static int switch_flag(uint8_t *flag, int on, size_t *count) {
+    if (!*flag == !on) return 0;
+    *flag = on != 0;
+    if (on)
+        (*count)++;
     else
-        return &s->events[ev];
-    return NULL;
+        (*count)--;
+    return 1;
+}
+
+static sim_event *live_event(sim_device *s, const char *op, gm_event ev) {
+    int alive = ev > 0 && ev < s->n_event_slots && s->events[ev].alive;
+    return live(s, op, "event", "destroyed", ev, ev < s->n_event_slots, alive) ? &s->events[ev] : NULL;
 }
 
 static int sim_event_create(gm_device *dev, gm_event *ev) {
@@ -632,8 +653,7 @@ static int sim_event_destroy(gm_device *dev, gm_event ev) {
 
 static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (capture_forbids(s, GM_OP_EVENT_RECORD)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_EVENT_RECORD)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_record", ev);
     if (!e) return GM_EINVAL;
     if (dev->doomed) return GM_OK;
@@ -654,8 +674,7 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
 
 static int sim_event_query(gm_device *dev, gm_event ev) {
     sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (capture_forbids(s, GM_OP_EVENT_QUERY)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_EVENT_QUERY)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_query", ev);
     if (!e) return GM_EINVAL;
     if (dev->doomed) return GM_OK;
@@ -669,8 +688,7 @@ static int sim_event_query(gm_device *dev, gm_event ev) {
 
 static int sim_synchronize(gm_device *dev) {
     sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (capture_forbids(s, GM_OP_SYNCHRONIZE)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_SYNCHRONIZE)) return GM_EDEVICE;
     if (s->held_count) {
         for (uint32_t k = 0; k < s->n_streams; k++)
             if (s->streams[k].held)
@@ -760,30 +778,18 @@ static const gm_device_verify sim_verify = {
     .handle_at = sim_verify_handle_at,
 };
 
+/* .reserve = sim_reserve, and so on for every counted op (GM_EACH_DEV_OP) */
+#define SIM_OP(upper, lower) .lower = sim_##lower,
+/* clang-format off */
 static const gm_device_ops sim_ops = {
-    .reserve = sim_reserve,
-    .unreserve = sim_unreserve,
-    .create = sim_create,
-    .release = sim_release,
-    .map = sim_map,
-    .unmap = sim_unmap,
-    .set_access = sim_set_access,
-    .event_create = sim_event_create,
-    .event_destroy = sim_event_destroy,
-    .event_record = sim_event_record,
-    .event_query = sim_event_query,
-    .synchronize = sim_synchronize,
-    .mem_info = sim_mem_info,
-    .processes = sim_processes,
-    .host_alloc = sim_host_alloc,
-    .host_free = sim_host_free,
-    .copy_dtoh = sim_copy_dtoh,
-    .copy_htod = sim_copy_htod,
+    GM_EACH_DEV_OP(SIM_OP)
     .destroy = sim_destroy,
     .capture_status = sim_capture_status,
     .verify = &sim_verify,
     .checks_doomed = 1,
 };
+/* clang-format on */
+#undef SIM_OP
 
 /* ---- public -------------------------------------------------------------- */
 
@@ -840,22 +846,10 @@ uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op) { return gm_faults_cal
 
 void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held) {
     sim_device *s = as_sim(dev);
-    if (!s) return;
-    uint32_t k = stream_find(s, stream);
-    if (k == SIM_NONE) {
-        if (!held) return; /* never held: nothing recorded on it is pending */
-        k = stream_add(s, stream);
-        if (k == SIM_NONE) return; /* out of host memory: the stream simply stays unheld */
-    }
-    sim_stream *st = &s->streams[k];
-    if (held && !st->held) {
-        st->held = 1;
-        s->held_count++;
-    } else if (!held && st->held) {
-        st->held = 0;
+    /* A stream never held has nothing pending; out of host memory, it simply stays unheld. */
+    sim_stream *st = s ? stream_record(s, stream, held) : NULL;
+    if (st && switch_flag(&st->held, held, &s->held_count) && !held)
         st->epoch++; /* completes every event recorded during the hold */
-        s->held_count--;
-    }
 }
 
 void gm_sim_set_event_delay(gm_device *dev, uint64_t ops) {
@@ -938,20 +932,9 @@ void gm_sim_set_capture(gm_device *dev, int on) {
 
 void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on) {
     sim_device *s = as_sim(dev);
-    if (!s) return;
-    uint32_t k = stream_find(s, stream);
-    if (k == SIM_NONE) {
-        if (!on) return;
-        if ((k = stream_add(s, stream)) == SIM_NONE) return; /* out of host memory: the stream simply is not marked */
-    }
-    sim_stream *st = &s->streams[k];
-    if (on && !st->capturing) {
-        st->capturing = 1;
-        s->capturing_streams++;
-    } else if (!on && st->capturing) {
-        st->capturing = 0;
-        s->capturing_streams--;
-    }
+    /* Out of host memory, the stream simply is not marked. */
+    sim_stream *st = s ? stream_record(s, stream, on) : NULL;
+    if (st) switch_flag(&st->capturing, on, &s->capturing_streams);
 }
 
 uint64_t gm_sim_capture_violations(const gm_device *dev) {

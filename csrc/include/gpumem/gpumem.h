@@ -50,6 +50,12 @@ enum {
 #undef GM_ERROR_ENUM
 };
 const char *gm_strerror(int code);
+/* Write a reason into err (when err and errlen are not 0) and return rc: for
+ * calls that answer a code and say why in a caller's buffer. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+int gm_errorf(int rc, char *err, size_t errlen, const char *fmt, ...);
 
 #define GM_ALIGN      512u       /* every block starts and ends on 512 B */
 #define GM_SMALL_SIZE (1u << 20) /* torch's small pool: blocks <= 1 MiB */
