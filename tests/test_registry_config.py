@@ -196,3 +196,17 @@ def test_unset_options_take_the_cores_defaults():
     finally:
         _C._torch_configure(**{k: before[k] for k in ("chunk_pages", "pressure")})
     assert _C._torch_options() == before
+
+
+def test_the_core_reads_the_conf_text():
+    assert _C.parse_conf(" a:1 ,, b : 2MiB ,", ("a", "b"), "SRC") == {"a": "1", "b": "2MiB"}
+    for text, message in [
+        ("a", "SRC: expected key:value, got 'a'"),
+        ("a: ", "SRC: expected key:value, got 'a:'"),
+        ("c:1", "SRC: unknown option 'c' in 'c:1' (known: a, b)"),
+        ("a:1,a:2", "SRC: option a given twice (a:1 and a:2)"),
+        ("a:1," * 2000, "SRC: 8000 characters, more than the 4096 gpumem reads"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            _C.parse_conf(text, ("a", "b"), "SRC")
+        assert str(e.value) == message

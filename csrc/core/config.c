@@ -5,6 +5,9 @@
  * before they get that far, so a user sees one message whichever way the
  * option came in.
  */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpumem/config.h"
@@ -109,4 +112,85 @@ int gm_check_page_size(size_t page_size, char *err, size_t errlen) {
     if (page_size & (page_size - 1))
         return gm_errorf(GM_EINVAL, err, errlen, "page_size must be a power of two, got %zu", page_size);
     return GM_OK;
+}
+
+/* [*s, *e) without the spaces around it. */
+static void trim(char **s, char **e) {
+    while (*s < *e && isspace((unsigned char)**s)) (*s)++;
+    while (*e > *s && isspace((unsigned char)(*e)[-1])) (*e)--;
+}
+
+/* The names of `known`, ", "-separated, into buf. */
+static void list_names(char *buf, size_t len, const char *const *known, size_t n_known) {
+    size_t at = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < n_known && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, "%s%s", i ? ", " : "", known[i]);
+}
+
+/* The index in `known` of the key [key, end), or -1. */
+static int find_known(const char *key, const char *end, const char *const *known, size_t n_known) {
+    size_t n = (size_t)(end - key);
+    for (size_t k = 0; k < n_known; k++)
+        if (strlen(known[k]) == n && !strncmp(known[k], key, n)) return (int)k;
+    return -1;
+}
+
+/* One trimmed item: the index in `known` of its key, which must be new, with
+ * the key and the value made strings in place; -1 with a message otherwise. */
+static int conf_item(char *item, const char *source, const char *const *known, size_t n_known, const char **given,
+                     char **key, char **value, char *err, size_t errlen) {
+    char *colon = strchr(item, ':');
+    char *key_end = colon, *value_end = item + strlen(item);
+    *key = item;
+    *value = colon ? colon + 1 : NULL;
+    if (colon) {
+        trim(key, &key_end);
+        trim(value, &value_end);
+    }
+    if (!colon || key_end == *key || value_end == *value)
+        return gm_errorf(-1, err, errlen, "%s: expected key:value, got '%s'", source, item);
+    int k = find_known(*key, key_end, known, n_known);
+    char names[512];
+    list_names(names, sizeof names, known, n_known);
+    if (k < 0)
+        return gm_errorf(-1, err, errlen, "%s: unknown option '%.*s' in '%s' (known: %s)", source,
+                         (int)(key_end - *key), *key, item, names);
+    if (given[k])
+        return gm_errorf(-1, err, errlen, "%s: option %s given twice (%s:%s and %s)", source, known[k], known[k],
+                         given[k], item);
+    *key_end = '\0';
+    *value_end = '\0';
+    given[k] = *value;
+    return k;
+}
+
+int gm_conf_parse(const char *text, const char *source, const char *const *known, size_t n_known,
+                  int (*item)(const char *key, const char *value, void *ctx), void *ctx, char *err, size_t errlen) {
+    size_t len = text ? strlen(text) : 0;
+    if (len > GM_CONF_MAX_CHARS)
+        return gm_errorf(GM_EINVAL, err, errlen, "%s: %zu characters, more than the %d gpumem reads", source, len,
+                         GM_CONF_MAX_CHARS);
+    char *copy = malloc(len + 1);
+    const char **given = calloc(n_known ? n_known : 1, sizeof *given);
+    int rc = copy && given ? GM_OK : gm_errorf(GM_ENOMEM, err, errlen, "%s: out of host memory", source);
+    if (copy) memcpy(copy, text ? text : "", len + 1);
+    for (char *at = copy; rc == GM_OK && at && *at;) {
+        char *end = strchr(at, ',');
+        char *next = end ? end + 1 : NULL;
+        char *it = at;
+        if (!end) end = at + strlen(at);
+        trim(&it, &end);
+        *end = '\0';
+        at = next;
+        if (!*it) continue;
+        char *key, *value;
+        if (conf_item(it, source, known, n_known, given, &key, &value, err, errlen) < 0)
+            rc = GM_EINVAL;
+        else
+            rc = item(key, value, ctx);
+    }
+    free(copy);
+    free(given);
+    return rc;
 }

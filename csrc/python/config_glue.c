@@ -51,7 +51,43 @@ static PyObject *check_option(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gm_conf_parse's item(): into the dict; -1 when Python raised. */
+static int put_item(const char *key, const char *value, void *dict) {
+    PyObject *v = PyUnicode_FromString(value);
+    int rc = v ? PyDict_SetItemString((PyObject *)dict, key, v) : -1;
+    Py_XDECREF(v);
+    return rc < 0 ? -1 : GM_OK;
+}
+
+/* parse_conf(text, known, source) -> {key: value} (strings): the core's
+ * reading of GPUMEM_CONF's text; ValueError with its message. */
+static PyObject *parse_conf(PyObject *Py_UNUSED(m), PyObject *args) {
+    const char *text, *source;
+    PyObject *known_o;
+    if (!PyArg_ParseTuple(args, "sOs:parse_conf", &text, &known_o, &source)) return NULL;
+    PyObject *seq = PySequence_Fast(known_o, "known must be a sequence of option names");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    const char **known = PyMem_Calloc(n ? (size_t)n : 1, sizeof *known);
+    PyObject *dict = known ? PyDict_New() : PyErr_NoMemory();
+    for (Py_ssize_t i = 0; dict && i < n; i++)
+        if (!(known[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i)))) Py_CLEAR(dict);
+    if (dict) {
+        char err[1024] = "";
+        int rc = gm_conf_parse(text, source, known, (size_t)n, put_item, dict, err, sizeof err);
+        if (rc != GM_OK) {
+            Py_CLEAR(dict);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, err);
+        }
+    }
+    PyMem_Free(known);
+    Py_DECREF(seq);
+    return dict;
+}
+
 static PyMethodDef config_methods[] = {
+    {"parse_conf", parse_conf, METH_VARARGS,
+     "parse_conf(text, known, source) -> dict: 'key:value,...' text split by the core (ValueError naming the item)"},
     {"check_option", check_option, METH_VARARGS,
      "check_option(name, value): ValueError with the core's message unless value is a valid heap option"},
     {NULL, NULL, 0, NULL},

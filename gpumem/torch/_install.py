@@ -80,33 +80,12 @@ class OptionError(ValueError):
         super().__init__(f"{where}option {key}={value!r}: {reason}")
 
 
-# GPUMEM_CONF is read whole; a longer one is a mistake (a file's contents, say).
-_MAX_CONF_CHARS = 4096
-
-
 def parse_conf(text):
     """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings).
 
-    Raises ValueError naming the item for a malformed item, an unknown option or
-    one given twice."""
-    text = text or ""
-    if len(text) > _MAX_CONF_CHARS:
-        raise ValueError(f"{ENV_VAR}: {len(text)} characters, more than the {_MAX_CONF_CHARS} gpumem reads")
-    out = {}
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition(":")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise ValueError(f"{ENV_VAR}: expected key:value, got {item!r}")
-        if key not in OPTION_NAMES:
-            raise ValueError(f"{ENV_VAR}: unknown option {key!r} in {item!r} (known: {', '.join(OPTION_NAMES)})")
-        if key in out:
-            raise ValueError(f"{ENV_VAR}: option {key} given twice ({key}:{out[key]} and {item})")
-        out[key] = value.strip()
-    return out
+    The core reads the text (core/config.c): ValueError naming the item for a malformed
+    item, an unknown option or one given twice, or a text too long to be meant."""
+    return _C.parse_conf(text or "", OPTION_NAMES, ENV_VAR)
 
 
 _MAX_U64 = (1 << 64) - 1

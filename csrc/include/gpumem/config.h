@@ -53,6 +53,17 @@ void gm_config_get(const gm_config *cfg, gm_option opt, size_t *count, double *f
 /* Check one option of cfg: GM_OK, or GM_EINVAL with its message in err. */
 int gm_config_check_one(const gm_config *cfg, gm_option opt, char *err, size_t errlen);
 
+/* GPUMEM_CONF's text, "key:value,key:value": each item split at its first
+ * ':', spaces around items, keys and values ignored, empty items skipped.
+ * Calls item(key, value, ctx) for each, in order.  GM_EINVAL, with a message
+ * in err that starts with `source` ("GPUMEM_CONF"), for a text longer than
+ * GM_CONF_MAX_CHARS, an item that is not key:value, a key not among the
+ * n_known names of `known`, or one given twice; else what item() returned
+ * first that was not GM_OK (its message, if any, in err). */
+#define GM_CONF_MAX_CHARS 4096
+int gm_conf_parse(const char *text, const char *source, const char *const *known, size_t n_known,
+                  int (*item)(const char *key, const char *value, void *ctx), void *ctx, char *err, size_t errlen);
+
 /* A heap page size a user asks for: 0 (the device's own) or a power of two.
  * GM_OK, or GM_EINVAL with the message in err. */
 int gm_check_page_size(size_t page_size, char *err, size_t errlen);
