@@ -107,26 +107,31 @@ def _event_delay_arg(text: str) -> int:
     return n
 
 
-def _chunk_pages_arg(text: str) -> int:
+def _heap_option_arg(key: str, value):
+    """value, once the core has checked it as heap option `key` (its message otherwise)."""
     from . import _C
 
+    try:
+        _C.check_option(key, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _chunk_pages_arg(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"chunk pages must be a whole number: {text!r}") from None
-    if not 1 <= n <= _C.CHUNK_PAGES_MAX:
-        raise argparse.ArgumentTypeError(f"chunk pages must be between 1 and {_C.CHUNK_PAGES_MAX}: {text!r}")
-    return n
+    return _heap_option_arg("chunk_pages", n)
 
 
 def _pressure_arg(text: str) -> float:
     try:
         f = float(text)
     except ValueError:
-        f = -1.0
-    if not 0.0 <= f <= 1.0:
-        raise argparse.ArgumentTypeError(f"pressure must be a fraction between 0 and 1: {text!r}")
-    return f
+        raise argparse.ArgumentTypeError(f"pressure must be a number: {text!r}") from None
+    return _heap_option_arg("pressure", f)
 
 
 def _page_size_arg(text: str) -> int:

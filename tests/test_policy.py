@@ -224,7 +224,7 @@ def test_replay_option(traces):
     room = subprocess.run(run, capture_output=True, text=True, check=True)
     assert '"remaps": 0,' in room.stdout and '"remaps": 0,' not in tight.stdout
     bad = subprocess.run(run + ["--pressure", "2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "pressure must be a fraction" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "pressure must be in [0, 1]" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_torch_options_carry_pressure():
