@@ -112,20 +112,27 @@ def _event_delay_arg(text: str) -> int:
     return _whole_arg(text, "event delay", 0, (1 << 64) - 1, "2**64-1", " of operations")
 
 
-def _chunk_pages_arg(text: str) -> int:
+def _heap_option_arg(key: str, value):
+    """value, once the core has checked it as heap option `key` (its message otherwise)."""
     from . import _C
 
-    return _whole_arg(text, "chunk pages", 1, _C.CHUNK_PAGES_MAX)
+    try:
+        _C.check_option(key, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _chunk_pages_arg(text: str) -> int:
+    return _heap_option_arg("chunk_pages", _whole_arg(text, "chunk pages", 0, (1 << 64) - 1, "2**64-1"))
 
 
 def _pressure_arg(text: str) -> float:
     try:
         f = float(text)
     except ValueError:
-        f = -1.0
-    if not 0.0 <= f <= 1.0:
-        raise argparse.ArgumentTypeError(f"pressure must be a fraction between 0 and 1: {text!r}")
-    return f
+        raise argparse.ArgumentTypeError(f"pressure must be a number: {text!r}") from None
+    return _heap_option_arg("pressure", f)
 
 
 def _page_size_arg(text: str) -> int:

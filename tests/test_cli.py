@@ -120,7 +120,7 @@ def test_bad_inputs_subprocess(tmp_path):
         (["replay", "x.gz", "--capacity", "12 parsecs"], "unknown size unit"),
         (["replay", "x.gz", "--capacity", "0"], "positive"),
         (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
-        (["replay", "x.gz", "--chunk-pages", "0"], "chunk pages must be between 1 and"),
+        (["replay", "x.gz", "--chunk-pages", "0"], "chunk_pages must be in [1, "),
         (["replay", "x.gz", "--page-size", "3MiB"], "page size must be a power of two"),
         (["nosuchcommand"], "invalid choice"),
         ([], "required"),

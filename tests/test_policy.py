@@ -243,7 +243,7 @@ def test_install_option():
 
     assert normalize_options(parse_conf("pressure:0"))["pressure"] == 0.0
     assert normalize_options({"pressure": 0.5})["pressure"] == 0.5
-    assert normalize_options({})["pressure"] == -1.0  # the core's default
+    assert normalize_options({})["pressure"] is None  # the core's default
     for bad in ("1.5", "-0.1"):
         with pytest.raises(ValueError, match="pressure"):
             normalize_options(parse_conf(f"pressure:{bad}"))
@@ -256,20 +256,20 @@ def test_replay_option(traces):
     room = subprocess.run(run, capture_output=True, text=True, check=True)
     assert '"remaps": 0,' in room.stdout and '"remaps": 0,' not in tight.stdout
     bad = subprocess.run(run + ["--pressure", "2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "pressure must be a fraction" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "pressure must be in [0, 1]" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_torch_options_carry_pressure():
-    """What install() hands the C++ boundary: kept as given, checked, and -1 for the core's default."""
+    """What install() hands the C++ boundary: kept as given, checked by the core, None for the core's default."""
     C = gpumem._C
     before = C.registry_options()["pressure"]
-    assert before == -1.0  # nothing installed: the core's default
+    assert before == C.PRESSURE_DEFAULT  # nothing installed: the core's default
     try:
         C.registry_configure(pressure=0.0)
         assert C.registry_options()["pressure"] == 0.0
-        with pytest.raises(ValueError, match="pressure <= 1"):
+        with pytest.raises(ValueError, match=r"pressure must be in \[0, 1\]"):
             C.registry_configure(pressure=1.5)
         assert C.registry_options()["pressure"] == 0.0  # a refused call changes nothing
     finally:
-        C.registry_configure(pressure=before)
+        C.registry_configure(pressure=None)
     assert C.registry_options()["pressure"] == before

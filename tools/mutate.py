@@ -200,8 +200,8 @@ MUTATIONS = [
     Mutation(
         "torch_page_size_ignored",
         "torch: the heaps torch's allocations get ignore the page_size option",
-        "gm_sim_create(sim_capacity, o.page_size) : gm_cuda_create(device, o.page_size,",
-        "gm_sim_create(sim_capacity, 0) : gm_cuda_create(device, 0,",
+        "    args.page_size = o.page_size;",
+        "    args.page_size = 0;",
         path="csrc/python/torch_alloc.cpp",
     ),
 ]

@@ -58,22 +58,14 @@
  *   C15 a page that a block of a living pool touches holds only that pool's
  *      blocks; a pool's free neighbours are apart only across a growth seam.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "heap_internal.h"
 
-static int fail(char *why, size_t len, const char *fmt, ...) {
-    if (why && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, len, fmt, ap);
-        va_end(ap);
-    }
-    return GM_ECORRUPT;
-}
+/* A broken invariant: GM_ECORRUPT, with the reason in why. */
+#define fail(why, len, ...) gm_errorf(GM_ECORRUPT, why, len, __VA_ARGS__)
 
 static int cmp_handle(const void *a, const void *b) {
     gm_handle x = *(const gm_handle *)a, y = *(const gm_handle *)b;

@@ -2286,15 +2286,10 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     else
         gm_config_default(&cfg);
     size_t page = dev->page_size;
-    if (!cfg.chunk_pages) cfg.chunk_pages = GM_CHUNK_PAGES_DEFAULT;
-    if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100 ||
-        cfg.chunk_pages > GM_CHUNK_PAGES_MAX || !(cfg.pressure >= 0 && cfg.pressure <= 1)) {
+    char bad[200] = "device page size is not a power of two >= 512";
+    if (gm_config_check(&cfg, bad, sizeof bad) != GM_OK || page < GM_ALIGN || (page & (page - 1))) {
         dev->last_error[0] = 0;
-        create_failed(dev, GM_EINVAL,
-                      cfg.growth_slack < 0 || cfg.growth_slack > 100 ? "growth_slack must be in [0, 100]"
-                      : cfg.chunk_pages > GM_CHUNK_PAGES_MAX         ? "chunk_pages must be in [1, 1024]"
-                      : !(cfg.pressure >= 0 && cfg.pressure <= 1)    ? "pressure must be in [0, 1]"
-                                                                     : "device page size is not a power of two >= 512");
+        create_failed(dev, GM_EINVAL, bad);
         dev->ops->destroy(dev);
         return GM_EINVAL;
     }
@@ -2330,13 +2325,6 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->growth_slack_pages = cfg.growth_slack_pages;
     h->chunk_pages = cfg.chunk_pages;
     h->pressure = cfg.pressure;
-    if (cfg.va_size > ((size_t)1 << 48)) {
-        dev->last_error[0] = 0;
-        create_failed(dev, GM_EINVAL, "va_size exceeds the 256 TiB of address space a GPU has");
-        dev->ops->destroy(dev);
-        free(h);
-        return GM_EINVAL;
-    }
     size_t va = cfg.va_size ? align_up(cfg.va_size, page) : align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;

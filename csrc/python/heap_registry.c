@@ -10,8 +10,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpumem/cuda.h"
-#include "gpumem/sim.h"
+#include "gpumem/config.h"
+#include "gpumem/registry.h"
 
 typedef struct slot {
     _Atomic(gm_heap *) heap;
@@ -49,9 +49,7 @@ __attribute__((constructor)) static void registry_init(void) {
 
 void gm_heap_registry_options_default(gm_heap_registry_options *o) {
     memset(o, 0, sizeof *o);
-    o->growth_slack = -1.0;
-    o->growth_slack_pages = -1;
-    o->pressure = -1.0;
+    gm_config_default(&o->heap);
 }
 
 static gm_heap_registry_options options_snapshot(void) {
@@ -92,7 +90,7 @@ static size_t wanted_cap(gm_heap *h, const gm_heap_registry_options *o, double f
         size_t f = fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
         return fraction < 1.0 && f == 0 ? 1 : f;
     }
-    size_t cap = o->cap_bytes;
+    size_t cap = o->heap.cap_bytes;
     if (o->cap_fraction > 0 && o->cap_fraction < 1.0) {
         size_t f = (size_t)(o->cap_fraction * (double)device_total(h));
         if (!cap || f < cap) cap = f;
@@ -100,11 +98,21 @@ static size_t wanted_cap(gm_heap *h, const gm_heap_registry_options *o, double f
     return cap;
 }
 
-int gm_heap_registry_configure(const gm_heap_registry_options *o) {
-    if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 || o->pressure > 1.0 ||
-        o->chunk_pages > GM_CHUNK_PAGES_MAX || (o->page_size & (o->page_size - 1)) ||
-        o->history_entries > ((size_t)1 << 32))
-        return GM_EINVAL;
+/* GM_OK, or GM_EINVAL with the reason in err: the core's for the heap's options. */
+static int check_options(const gm_heap_registry_options *o, char *err, size_t errlen) {
+    if (!o)
+        snprintf(err, errlen, "no options");
+    else if (!(o->cap_fraction >= 0 && o->cap_fraction <= 1.0))
+        snprintf(err, errlen, "cap_fraction must be in [0, 1], got %g", o->cap_fraction);
+    else if (o->history_entries > ((size_t)1 << 32))
+        snprintf(err, errlen, "history_entries must be at most 2**32, got %zu", o->history_entries);
+    else if (gm_check_page_size(o->page_size, err, errlen) == GM_OK)
+        return gm_config_check(&o->heap, err, errlen);
+    return GM_EINVAL;
+}
+
+int gm_heap_registry_configure(const gm_heap_registry_options *o, char *err, size_t errlen) {
+    if (check_options(o, err, errlen) != GM_OK) return GM_EINVAL;
     pthread_mutex_lock(&opts_mu);
     opts = *o;
     opts_ready = 1;
@@ -135,24 +143,24 @@ static gm_heap *open_heap(int device, char *why, size_t whylen, size_t sim_capac
         goto out;
     }
     gm_heap_registry_options o = options_snapshot();
+    gm_device_args args;
+    gm_device_args_default(&args);
+    args.ordinal = device;
+    args.page_size = o.page_size;
+    args.capacity = sim_capacity;
+    args.has_capacity = sim_capacity != 0;
     char err[256] = "";
-    gm_device *dev =
-        sim_capacity ? gm_sim_create(sim_capacity, o.page_size) : gm_cuda_create(device, o.page_size, err, sizeof err);
-    if (!dev) {
+    gm_device *dev = NULL;
+    if (gm_device_open(sim_capacity ? "sim" : "cuda", &args, &dev, err, sizeof err) != GM_OK) {
         snprintf(why, whylen, "gpumem cannot open %s device %d: %s", sim_capacity ? "a simulated" : "CUDA", device,
                  err);
         goto out;
     }
-    gm_config cfg;
-    gm_config_default(&cfg);
-    cfg.va_size = o.va_size;
-    if (o.growth_slack >= 0) cfg.growth_slack = o.growth_slack;
-    if (o.growth_slack_pages >= 0) cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
-    if (o.chunk_pages) cfg.chunk_pages = o.chunk_pages;
-    if (o.pressure >= 0) cfg.pressure = o.pressure;
+    gm_config cfg = o.heap;
+    cfg.cap_bytes = 0; /* the cap is set below, with a fraction of the device if one was asked for */
     int rc = gm_heap_create(dev, &cfg, &h);
     if (rc != GM_OK) {
-        snprintf(why, whylen, "gpumem cannot create a heap on CUDA device %d: %s", device, gm_strerror(rc));
+        snprintf(why, whylen, "gpumem cannot create a heap on CUDA device %d: %s", device, gm_create_error());
         h = NULL;
         goto out;
     }

@@ -35,24 +35,22 @@ extern "C" {
 
 #define GM_HEAP_REGISTRY_MAX_DEVICES 64
 
-/* Options for heaps created from now on (cap_* also apply to existing heaps). */
+/* Options for heaps created from now on (cap_* also apply to existing heaps).
+ * gm_heap_registry_options_default gives every field its default; none has an
+ * "unset" value. */
 typedef struct gm_heap_registry_options {
-    size_t va_size;          /* 0: the core's default */
-    size_t cap_bytes;        /* 0: none (unless cap_fraction) */
-    double cap_fraction;     /* 0: none; else a fraction of device total */
-    double growth_slack;     /* < 0: the core's default */
-    long growth_slack_pages; /* < 0: the core's default */
-    size_t chunk_pages;      /* 0: the core's default (gm_config.chunk_pages) */
-    double pressure;         /* < 0: the core's default (gm_config.pressure) */
-    size_t page_size;        /* 0: the device's granularity; else a power of two, a multiple of it */
-    size_t history_entries;  /* 0: history off */
+    gm_config heap;         /* the core's options, its defaults (gm_config_default) unless
+                               given; heap.cap_bytes (0: none) is applied with cap_fraction */
+    double cap_fraction;    /* 0: none; else a fraction of device total */
+    size_t page_size;       /* 0: the device's granularity; else a power of two, a multiple of it */
+    size_t history_entries; /* 0: history off */
 } gm_heap_registry_options;
 
 void gm_heap_registry_options_default(gm_heap_registry_options *o);
 /* Replace the options; applies caps to heaps that exist (history_entries only
  * to heaps created later: gm_heap_registry_history_enable for all of them).
- * GM_EINVAL on nonsense. */
-int gm_heap_registry_configure(const gm_heap_registry_options *o);
+ * GM_EINVAL with the reason in err (the core's message for a heap option). */
+int gm_heap_registry_configure(const gm_heap_registry_options *o, char *err, size_t errlen);
 void gm_heap_registry_get_options(gm_heap_registry_options *o);
 
 /* Whether d is a device ordinal the registry can hold. */

@@ -34,10 +34,11 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "gpumem/registry.h"
 #include "gpumem/sim.h"
-#include "gpumem/cuda.h"
 #include "common.h"
 #include "heap_registry.h"
+#include "config_glue.h"
 #include "history_glue.h"
 #include "oom_glue.h"
 
@@ -320,11 +321,50 @@ PyObject *gm_py_heap_borrow(int device) {
     if (self == NULL) return NULL;
     self->heap = heap;
     self->dev = gm_heap_device(heap);
-    self->is_sim = strcmp(self->dev->kind, "sim") == 0;
+    self->is_sim = gm_sim_is(self->dev);
     self->registry_device = device;
     self->busy = 0;
     self->busy_gen = gm_py_fork_gen;
     return (PyObject *)self;
+}
+
+/* The device arguments of Heap(...): capacity (None: not given) and page_size (NULL: not given). */
+static int device_args(gm_device_args *a, PyObject *capacity_o, PyObject *page_size_o, int ordinal) {
+    gm_device_args_default(a);
+    a->ordinal = ordinal;
+    if (capacity_o != Py_None) {
+        if (gm_py_to_size_or_str(capacity_o, "capacity", &a->capacity) < 0) return -1;
+        a->has_capacity = 1;
+    }
+    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &a->page_size) < 0) return -1;
+    return 0;
+}
+
+/* Open the device by name (gpumem/registry.h): a caller's mistake is a ValueError. */
+static gm_device *open_device(const char *name, const gm_device_args *a) {
+    gm_device *dev = NULL;
+    char err[256] = "";
+    int rc = gm_device_open(name, a, &dev, err, sizeof err);
+    if (rc == GM_OK) return dev;
+    if (rc == GM_EINVAL)
+        PyErr_SetString(PyExc_ValueError, err);
+    else if (rc == GM_ENOMEM)
+        PyErr_NoMemory();
+    else
+        PyErr_Format(gm_py_DeviceError, "cannot open %s:%d: %s", name, a->ordinal, err[0] ? err : "unknown reason");
+    return NULL;
+}
+
+/* Raise for a failed gm_heap_create: the device is gone, the core kept its reason. */
+static int raise_create_error(int rc) {
+    const char *why = gm_create_error();
+    if (rc == GM_EINVAL)
+        PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
+    else if (rc == GM_ENOMEM)
+        PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
+    else
+        PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, gm_py_code_name(rc));
+    return -1;
 }
 
 static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
@@ -337,100 +377,28 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
                                      &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o))
         return -1;
-
-    size_t capacity = (size_t)80 << 30, page_size = 0, va_size = 0, cap = 0;
-    if (capacity_o != Py_None && gm_py_to_size_or_str(capacity_o, "capacity", &capacity) < 0) return -1;
-    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &page_size) < 0) return -1;
-    if (va_size_o && gm_py_to_size_or_str(va_size_o, "va_size", &va_size) < 0) return -1;
-    if (cap_o && gm_py_to_size_or_str(cap_o, "cap", &cap) < 0) return -1;
-
+    gm_device_args dargs;
     gm_config cfg;
     gm_config_default(&cfg);
-    cfg.va_size = va_size;
-    cfg.cap_bytes = cap;
-    if (slack_o != Py_None) {
-        double g = PyFloat_AsDouble(slack_o);
-        if (g == -1.0 && PyErr_Occurred()) return -1;
-        if (!(g >= 0.0)) {
-            PyErr_SetString(PyExc_ValueError, "growth_slack must be a non-negative fraction");
-            return -1;
-        }
-        cfg.growth_slack = g;
-    }
-    if (slack_pages_o != Py_None && gm_py_to_size(slack_pages_o, "growth_slack_pages", &cfg.growth_slack_pages) < 0)
+    if (device_args(&dargs, capacity_o, page_size_o, ordinal) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_VA_SIZE, "va_size", va_size_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_CAP_BYTES, "cap", cap_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_GROWTH_SLACK, "growth_slack", slack_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_GROWTH_SLACK_PAGES, "growth_slack_pages", slack_pages_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_CHUNK_PAGES, "chunk_pages", chunk_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_PRESSURE, "pressure", pressure_o) < 0)
         return -1;
-    if (pressure_o != Py_None) {
-        double v = PyFloat_AsDouble(pressure_o);
-        if (v == -1.0 && PyErr_Occurred()) return -1;
-        if (!(v >= 0.0 && v <= 1.0)) {
-            PyErr_Format(PyExc_ValueError, "pressure must be a fraction in [0, 1] (0: always tight), got %R",
-                         pressure_o);
-            return -1;
-        }
-        cfg.pressure = v;
-    }
-    if (chunk_o != Py_None) {
-        if (gm_py_to_size(chunk_o, "chunk_pages", &cfg.chunk_pages) < 0) return -1;
-        if (cfg.chunk_pages < 1 || cfg.chunk_pages > GM_CHUNK_PAGES_MAX) {
-            PyErr_Format(PyExc_ValueError, "chunk_pages must be in [1, %d], got %zu", GM_CHUNK_PAGES_MAX,
-                         cfg.chunk_pages);
-            return -1;
-        }
-    }
-
     /* After the conversions: one of them may have called __init__ again. */
     if (self->heap != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
         return -1;
     }
-    gm_device *dev = NULL;
-    int is_sim = 0;
-    if (page_size & (page_size - 1)) {
-        PyErr_Format(PyExc_ValueError, "page_size must be a power of two, got %zu", page_size);
-        return -1;
-    }
-    if (strcmp(device, "sim") == 0) {
-        if (capacity == 0) {
-            PyErr_SetString(PyExc_ValueError, "capacity of a sim device must be positive");
-            return -1;
-        }
-        dev = gm_sim_create(capacity, page_size);
-        if (dev == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        is_sim = 1;
-    } else if (strcmp(device, "cuda") == 0) {
-        if (capacity_o != Py_None) {
-            PyErr_SetString(PyExc_ValueError, "capacity applies to the sim device only; use cap= to limit a cuda heap");
-            return -1;
-        }
-        char err[256] = "";
-        dev = gm_cuda_create(ordinal, page_size, err, sizeof err);
-        if (dev == NULL) {
-            /* A page size the device cannot use is the caller's mistake, not the device's. */
-            PyObject *type = strncmp(err, "page_size", 9) == 0 ? PyExc_ValueError : gm_py_DeviceError;
-            PyErr_Format(type, "cannot open cuda:%d: %s", ordinal, err[0] ? err : "unknown reason");
-            return -1;
-        }
-    } else {
-        PyErr_Format(PyExc_ValueError, "device must be \"sim\" or \"cuda\", got \"%s\"", device);
-        return -1;
-    }
-
+    gm_device *dev = open_device(device, &dargs);
+    if (dev == NULL) return -1;
+    int is_sim = gm_sim_is(dev);
     gm_heap *heap = NULL;
     int rc = gm_heap_create(dev, &cfg, &heap); /* owns dev from here, also on failure */
-    if (rc != GM_OK) {
-        /* dev is gone; the core kept its reason. */
-        const char *why = gm_create_error();
-        if (rc == GM_EINVAL)
-            PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
-        else if (rc == GM_ENOMEM)
-            PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
-        else
-            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, gm_py_code_name(rc));
-        return -1;
-    }
+    if (rc != GM_OK) return raise_create_error(rc);
     self->heap = heap;
     self->dev = gm_heap_device(heap);
     self->is_sim = is_sim;
@@ -985,7 +953,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         Py_DECREF(&HeapType);
         goto fail;
     }
-    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0) goto fail;
+    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0 || gm_config_glue_add(m) < 0) goto fail;
     /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c); DEVICE_OPS (sim_glue.c) */
     if (gm_py_add_name_lists(m) < 0 || gm_py_add_device_ops(m) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "CHUNK_PAGES_DEFAULT", GM_CHUNK_PAGES_DEFAULT) < 0 ||

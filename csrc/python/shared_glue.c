@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "config_glue.h"
 #include "heap_registry.h"
 #include "history_glue.h"
 
@@ -74,37 +75,37 @@ static PyObject *r_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
                             "history_entries", "chunk_pages", "page_size",    "pressure",     NULL};
     gm_heap_registry_options o;
     gm_heap_registry_get_options(&o);
-    unsigned long long va = o.va_size, cap = o.cap_bytes, hist = o.history_entries, chunk = o.chunk_pages,
-                       page = o.page_size;
-    double frac = o.cap_fraction, slack = o.growth_slack, pressure = o.pressure;
-    long slack_pages = o.growth_slack_pages;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKddlKKKd:registry_configure", names, &va, &cap, &frac, &slack,
+    unsigned long long hist = o.history_entries, page = o.page_size;
+    double frac = o.cap_fraction;
+    PyObject *va = NULL, *cap = NULL, *slack = NULL, *slack_pages = NULL, *chunk = NULL, *pressure = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOdOOKOKO:registry_configure", names, &va, &cap, &frac, &slack,
                                      &slack_pages, &hist, &chunk, &page, &pressure))
         return NULL;
-    o.va_size = (size_t)va;
-    o.cap_bytes = (size_t)cap;
+    /* The heap's options: None gives the core's default, the core checks the rest. */
+    if (gm_py_config_option(&o.heap, GM_OPT_VA_SIZE, "va_size", va) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_CAP_BYTES, "cap_bytes", cap) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_GROWTH_SLACK, "growth_slack", slack) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_GROWTH_SLACK_PAGES, "growth_slack_pages", slack_pages) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_CHUNK_PAGES, "chunk_pages", chunk) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_PRESSURE, "pressure", pressure) < 0)
+        return NULL;
     o.cap_fraction = frac;
-    o.growth_slack = slack;
-    o.growth_slack_pages = slack_pages;
     o.history_entries = (size_t)hist;
-    o.chunk_pages = (size_t)chunk;
     o.page_size = (size_t)page;
-    o.pressure = pressure;
-    if (gm_heap_registry_configure(&o) != GM_OK)
-        return PyErr_Format(PyExc_ValueError, "invalid gpumem options (cap_fraction must lie in [0, 1], "
-                                              "growth_slack <= 100, pressure <= 1, history_entries <= 2**32, "
-                                              "chunk_pages <= 1024, page_size 0 or a power of two)");
+    char err[256];
+    if (gm_heap_registry_configure(&o, err, sizeof err) != GM_OK) return PyErr_Format(PyExc_ValueError, "%s", err);
     Py_RETURN_NONE;
 }
 
 static PyObject *r_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_heap_registry_options o;
     gm_heap_registry_get_options(&o);
-    return Py_BuildValue("{s:K,s:K,s:d,s:d,s:l,s:K,s:K,s:K,s:d}", "va_size", (unsigned long long)o.va_size, "cap_bytes",
-                         (unsigned long long)o.cap_bytes, "cap_fraction", o.cap_fraction, "growth_slack",
-                         o.growth_slack, "growth_slack_pages", o.growth_slack_pages, "history_entries",
-                         (unsigned long long)o.history_entries, "chunk_pages", (unsigned long long)o.chunk_pages,
-                         "page_size", (unsigned long long)o.page_size, "pressure", o.pressure);
+    return Py_BuildValue("{s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d}", "va_size", (unsigned long long)o.heap.va_size,
+                         "cap_bytes", (unsigned long long)o.heap.cap_bytes, "cap_fraction", o.cap_fraction,
+                         "growth_slack", o.heap.growth_slack, "growth_slack_pages",
+                         (unsigned long long)o.heap.growth_slack_pages, "history_entries",
+                         (unsigned long long)o.history_entries, "chunk_pages", (unsigned long long)o.heap.chunk_pages,
+                         "page_size", (unsigned long long)o.page_size, "pressure", o.heap.pressure);
 }
 
 static PyObject *r_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {

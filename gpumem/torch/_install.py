@@ -80,33 +80,12 @@ class OptionError(ValueError):
         super().__init__(f"{where}option {key}={value!r}: {reason}")
 
 
-# GPUMEM_CONF is read whole; a longer one is a mistake (a file's contents, say).
-_MAX_CONF_CHARS = 4096
-
-
 def parse_conf(text):
     """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings).
 
-    Raises ValueError naming the item for a malformed item, an unknown option or
-    one given twice."""
-    text = text or ""
-    if len(text) > _MAX_CONF_CHARS:
-        raise ValueError(f"{ENV_VAR}: {len(text)} characters, more than the {_MAX_CONF_CHARS} gpumem reads")
-    out = {}
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition(":")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise ValueError(f"{ENV_VAR}: expected key:value, got {item!r}")
-        if key not in OPTION_NAMES:
-            raise ValueError(f"{ENV_VAR}: unknown option {key!r} in {item!r} (known: {', '.join(OPTION_NAMES)})")
-        if key in out:
-            raise ValueError(f"{ENV_VAR}: option {key} given twice ({key}:{out[key]} and {item})")
-        out[key] = value.strip()
-    return out
+    The core reads the text (core/config.c): ValueError naming the item for a malformed
+    item, an unknown option or one given twice, or a text too long to be meant."""
+    return _C.parse_conf(text or "", OPTION_NAMES, ENV_VAR)
 
 
 _MAX_U64 = (1 << 64) - 1
@@ -159,19 +138,29 @@ def _unitless_number(text):
         return None
 
 
+def _checked(key, given, value):
+    """value, once the core has checked it as option `key`; else OptionError with the core's message."""
+    try:
+        _C.check_option(key, value)
+    except ValueError as e:
+        raise OptionError(key, given, str(e)) from None
+    return value
+
+
 def normalize_options(options):
     """Turn install()'s options into _configure keyword arguments (raises ValueError)."""
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown gpumem option(s) {', '.join(sorted(unknown))} (known: {', '.join(OPTION_NAMES)})")
+    # The heap's own options (va_size .. pressure): None gives the core's default.
     kw = {
         "cap_bytes": 0,
         "cap_fraction": 0.0,
-        "va_size": 0,
-        "growth_slack": -1.0,
-        "growth_slack_pages": -1,
-        "pressure": -1.0,
-        "chunk_pages": 0,
+        "va_size": None,
+        "growth_slack": None,
+        "growth_slack_pages": None,
+        "pressure": None,
+        "chunk_pages": None,
         "page_size": 0,
         "history_entries": 0,
         "oom_mode": "torch",
@@ -201,36 +190,12 @@ def normalize_options(options):
         else:
             kw["cap_bytes"] = _size(cap, "cap")
     if options.get("va_size") is not None:
-        kw["va_size"] = _size(options["va_size"], "va_size")
-    if options.get("growth_slack") is not None:
-        v = _number("growth_slack", options["growth_slack"], float)
-        if not 0.0 <= v <= 100.0:
-            raise OptionError("growth_slack", options["growth_slack"], "growth_slack must lie in [0, 100]")
-        kw["growth_slack"] = v
-    if options.get("growth_slack_pages") is not None:
-        v = _number("growth_slack_pages", options["growth_slack_pages"], int)
-        if not 0 <= v <= _MAX_U64:
-            raise OptionError(
-                "growth_slack_pages", options["growth_slack_pages"], "growth_slack_pages must lie in [0, 2**64-1]"
-            )
-        kw["growth_slack_pages"] = v
-    if options.get("pressure") is not None:
-        v = float(options["pressure"])
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"pressure must lie in [0, 1] (0: always tight), got {options['pressure']!r}")
-        kw["pressure"] = v
-    if options.get("chunk_pages") is not None:
-        v = _number("chunk_pages", options["chunk_pages"], int)
-        if not 1 <= v <= _C.CHUNK_PAGES_MAX:
-            raise OptionError(
-                "chunk_pages", options["chunk_pages"], f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}]"
-            )
-        kw["chunk_pages"] = v
+        kw["va_size"] = _checked("va_size", options["va_size"], _size(options["va_size"], "va_size"))
+    for key, kind in (("growth_slack", float), ("growth_slack_pages", int), ("pressure", float), ("chunk_pages", int)):
+        if options.get(key) is not None:
+            kw[key] = _checked(key, options[key], _number(key, options[key], kind))
     if options.get("page_size") is not None:
-        v = _size(options["page_size"], "page_size")
-        if v & (v - 1):
-            raise OptionError("page_size", options["page_size"], "page_size must be a power of two")
-        kw["page_size"] = v
+        kw["page_size"] = _checked("page_size", options["page_size"], _size(options["page_size"], "page_size"))
     if options.get("history") is not None:
         v = _number("history", options["history"], int)
         if not 0 <= v <= MAX_HISTORY:

@@ -50,6 +50,12 @@ enum {
 #undef GM_ERROR_ENUM
 };
 const char *gm_strerror(int code);
+/* Write a reason into err (when err and errlen are not 0) and return rc: for
+ * calls that answer a code and say why in a caller's buffer. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+int gm_errorf(int rc, char *err, size_t errlen, const char *fmt, ...);
 
 #define GM_ALIGN      512u       /* every block starts and ends on 512 B */
 #define GM_SMALL_SIZE (1u << 20) /* torch's small pool: blocks <= 1 MiB */
@@ -66,6 +72,10 @@ const char *gm_strerror(int code);
 #define GM_CHUNK_PAGES_MAX     1024
 /* gm_config.pressure's default: see heap.c, POLICY. */
 #define GM_PRESSURE_DEFAULT    0.875
+/* The most gm_config.growth_slack and gm_config.va_size (the 256 TiB of
+ * address space a GPU has) may be. */
+#define GM_GROWTH_SLACK_MAX    100.0
+#define GM_VA_SIZE_MAX         ((size_t)1 << 48)
 
 typedef struct gm_config {
     /* Virtual address space to reserve; 0 picks 4 x the device's total memory. */
@@ -77,8 +87,8 @@ typedef struct gm_config {
      * of peak live, plus `growth_slack_pages` pages. */
     double growth_slack;
     size_t growth_slack_pages;
-    /* The most pages one physical allocation holds (0: the default, 1: every
-     * page its own allocation).  Growth maps the new pages of a request with
+    /* The most pages one physical allocation holds, in [1, GM_CHUNK_PAGES_MAX]
+     * (1: every page its own allocation).  Growth maps the new pages of a request with
      * as few allocations as this allows; see README.md. */
     size_t chunk_pages;
     /* Where pressure starts, as a fraction of the heap's limit: the cap, or
@@ -89,7 +99,11 @@ typedef struct gm_config {
      * then recycling and defragmentation.  0 keeps it tight always; in [0, 1]. */
     double pressure;
 } gm_config;
+/* Every field its default. */
 void gm_config_default(gm_config *cfg);
+/* Check every option's range (core/config.c; gpumem/config.h checks them one
+ * by one): GM_OK, or GM_EINVAL with the first bad option's message in err. */
+int gm_config_check(const gm_config *cfg, char *err, size_t errlen);
 
 typedef struct gm_heap gm_heap;
 
