@@ -416,9 +416,9 @@ class Snapshot:
     def _pool_runs(self) -> List[Segment]:
         """Mapped runs cut where the growth that mapped them changes (_growth_runs), and
         where the pool or the stream of the blocks changes (torch gives every segment one
-        segment_pool_id, and serves each stream from segments of its own): a free block of
-        the general heap stays in the run it lies in; live or pending blocks, and a pool's
-        free blocks, make runs of their pool and stream."""
+        segment_pool_id, and serves each stream from segments of its own): a free block
+        stays in the run it lies in (a pool's, in a run of its pool); live or pending
+        blocks make runs of their pool and stream."""
         out: List[Segment] = []
         growth = self._growth_ids()
         for blocks in (r for seg in self.segments for r in self._growth_runs(seg, growth)):
@@ -428,8 +428,9 @@ class Snapshot:
             for b in blocks:
                 active = b.state in ("live", "pending")
                 p = tuple(b.pool) if b.pool is not None else (0, 0) if active else None
-                # a pool's free block stays its stream's (any stream's: it joins either)
-                s = b.stream if (active or p is not None) and b.stream != STREAM_ANY else None
+                # a free block joins either side: within one growth a segment is cut only
+                # between blocks in use on two streams
+                s = b.stream if active and b.stream != STREAM_ANY else None
                 if run and (
                     (p is not None and pool is not None and p != pool) or (s is not None and stream not in (None, s))
                 ):

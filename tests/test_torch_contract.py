@@ -237,3 +237,28 @@ def test_a_pools_free_blocks_stay_in_their_streams_segments():
         assert any(b["address"] == t and b["state"] == "inactive" for b in on9["blocks"])
         h.free(z)
         h.pool_release((1, 0))
+
+
+def test_restoring_a_pools_checkpoint_gives_back_its_segments_as_they_were():
+    # cudagraph trees' checkpoints: a second graph's block on another stream, in the free
+    # rest of the first graph's page, is dropped by restoring the pool's live set; the
+    # segment then reads as before (one growth, one segment), not cut at the freed block
+    import gpumem
+
+    pool = (1, 7)
+    with gpumem.Heap(device="sim", capacity="1GiB") as h:
+        h.pool_retain(pool)
+
+        def segments():
+            segs = gpumem.Snapshot.from_heap(h).to_torch()["segments"]
+            keys = ("address", "total_size", "allocated_size", "active_size", "segment_pool_id")
+            return [tuple(s[k] for k in keys) for s in segs if s["segment_pool_id"] == pool]
+
+        a = h.malloc(512, stream=1, pool=pool)
+        before, state = segments(), h.pool_live(pool)
+        b = h.malloc(512, stream=2, pool=pool)
+        assert a < b < a + (2 << 20)  # in the same page
+        h.pool_set_live(pool, state)
+        assert segments() == before
+        h.free(a)
+        h.pool_release(pool)
