@@ -22,7 +22,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 from . import __version__
 from . import _cli_viz
 from . import _cli_forecast
-from ._cli_viz import _capacity_arg, _error_line, _size_arg, debug_requested, describe_error, replay_heap_kwargs
+from ._cli_viz import (
+    _capacity_arg,
+    _error_line,
+    _size_arg,
+    _whole_arg,
+    debug_requested,
+    describe_error,
+    replay_heap_kwargs,
+)
 from ._units import format_size
 from .replay import min_capacity, replay
 from .trace import TraceError, load_trace
@@ -95,17 +103,6 @@ def _want_progress(args, n_events: int) -> bool:
 
 
 # ---- replay ----------------------------------------------------------------------
-
-
-def _whole_arg(text: str, what: str, lo: int, hi: int, hi_text: str = "", unit: str = "") -> int:
-    """text as a whole number lo..hi, or an ArgumentTypeError that names what it is."""
-    try:
-        n = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be a whole number{unit}: {text!r}") from None
-    if not lo <= n <= hi:
-        raise argparse.ArgumentTypeError(f"{what} must be between {lo} and {hi_text or hi}: {text!r}")
-    return n
 
 
 def _event_delay_arg(text: str) -> int:

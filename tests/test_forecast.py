@@ -476,6 +476,8 @@ def test_cli_forecast_says_when_recordings_do_not_line_up(capsys):
         (["A", "B", "--knob", "2,2"], "must differ"),
         (["A", "B", "--knob", "2,4", "--cap", "1GiB", "--device-memory", "2GiB"], "not allowed with"),
         (["A", "B", "--knob", "2,4", "--cap", "lots"], "not a size"),
+        (["A", "B", "--knob", "2,4", "--multiple", "x"], "multiple must be a whole number: 'x'"),
+        (["A", "B", "--knob", "2,4", "--multiple", "0"], "multiple must be at least 1: '0'"),
         (["MISSING", "B", "--knob", "2,4"], "no such file"),
         (["A", "B", "--knob", "2,4", "--html", "/nonexistent-dir/f.html"], "cannot write /nonexistent-dir/f.html"),
     ],
