@@ -51,6 +51,7 @@ from ._forecast_align import Alignment, ForecastError, Model, Recording, align, 
 from ._forecast_record import _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
 from ._forecast_show import ALLOCATORS, _Showing
 from ._units import format_size, parse_size
+from .replay import _narrow
 from .trace import MAX_ALLOC, Trace, load_trace
 
 __all__ = [
@@ -375,13 +376,7 @@ class Forecast(_Showing):
                 if not ok(hi):
                     break
                 lo, hi = hi, hi * 2
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if ok(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            ans = lo * m
+            ans = _narrow(lo, hi, ok)[0] * m
         self._largest[key] = ans
         return ans
 

@@ -21,7 +21,7 @@ import os
 import statistics
 from array import array
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from ._units import format_size
 from .trace import Trace
@@ -219,6 +219,18 @@ def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_
         heap.close()
 
 
+def _narrow(lo: int, hi: int, holds: Callable[[int], bool]) -> Tuple[int, int]:
+    """Bisect lo < hi, where `holds` is true at lo and false at hi (and flips once
+    between them), down to the adjacent pair (last that holds, first that does not)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
 def min_capacity(
     trace: Trace,
     precision: int = MiB,
@@ -252,10 +264,4 @@ def min_capacity(
         hi *= 2
         if hi * precision > limit:
             raise RuntimeError(f"{trace.path}: does not replay without OOM even at {format_size(lo * precision)}")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if probe(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi * precision
+    return _narrow(lo, hi, lambda units: not probe(units))[1] * precision

@@ -281,7 +281,22 @@ def test_sample_snapshot_matches_its_text_trace():
 
 # ---- replay ---------------------------------------------------------------------
 
-from gpumem.replay import fits, min_capacity, replay, replay_trace  # noqa: E402
+from gpumem.replay import _narrow, fits, min_capacity, replay, replay_trace  # noqa: E402
+
+
+def test_narrow_finds_the_edge_in_few_probes():
+    # min_capacity and Forecast.largest bisect with it: the last value that holds
+    # and the first that does not, each probe inside (lo, hi), about log2(hi - lo) of them
+    for lo, hi in [(0, 1), (0, 2), (3, 100), (1, 1 << 40)]:
+        for edge in {lo + 1, (lo + hi) // 2, hi - 1, hi} - {lo}:
+            probes = []
+
+            def holds(x, edge=edge, probes=probes):
+                probes.append(x)
+                return x < edge
+
+            assert _narrow(lo, hi, holds) == (edge - 1, edge)
+            assert all(lo < x < hi for x in probes) and len(probes) <= (hi - lo).bit_length()
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])
