@@ -37,6 +37,7 @@ from ..explain import register_oom_formatter
 from .._resolve import registry_heap
 from ..history import _record
 from ..snapshot import Snapshot
+from ..trace import ALLOCATOR_ACTIONS
 
 __all__ = [
     "on_install",
@@ -130,17 +131,7 @@ def on_install() -> None:
 
 
 # The trace actions torch's _record_memory_history(skip_actions=...) names.
-TORCH_TRACE_ACTIONS = (
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-)
+TORCH_TRACE_ACTIONS = ALLOCATOR_ACTIONS
 _skip_actions: frozenset = frozenset()
 
 
