@@ -81,20 +81,30 @@ def _bf16_build(make, dev):
         torch.set_default_dtype(prev)
 
 
+def _causal_lm_step(m, opt, vocab_size, dev, shape):
+    """(step, clear) for a causal language model: step(k) trains m one step on random
+    tokens of shape(k) (the labels are the inputs); clear drops the optimizer's state."""
+    import torch
+
+    def step(k):
+        x = torch.randint(0, vocab_size, shape(k), device=dev)
+        m(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
 def build_llama_lora(dev):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from compare.workloads import LLAMA_CONFIG
+
+    # the other GPU benchmarks' Llama at half the width and depth
     cfg = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        use_cache=False,
+        **dict(LLAMA_CONFIG, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, use_cache=False)
     )
     m = _bf16_build(lambda: LlamaForCausalLM(cfg), dev)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -102,14 +112,7 @@ def build_llama_lora(dev):
     m.train()
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
     seq = 512
-
-    def step(b):
-        x = torch.randint(0, cfg.vocab_size, (b, seq), device=dev)
-        m(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, opt.state.clear
+    return _causal_lm_step(m, opt, cfg.vocab_size, dev, lambda b: (b, seq))
 
 
 def build_resnet50(dev):
@@ -171,14 +174,7 @@ def build_gpt2_seq(dev):
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     batch = 4
-
-    def step(n):
-        x = torch.randint(0, cfg.vocab_size, (batch, n), device=dev)
-        m(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, opt.state.clear
+    return _causal_lm_step(m, opt, cfg.vocab_size, dev, lambda n: (batch, n))
 
 
 def build_llama_kv(dev):
