@@ -516,6 +516,9 @@ def test_closed_heap_raises(make_heap):
         h.snapshot,
         lambda: h.set_cap(0),
         h.sim_info,
+        h.reset_peak_stats,
+        h.reset_accumulated_stats,
+        h.capture_begin,
     ):
         with pytest.raises(ValueError):
             call()

@@ -575,16 +575,19 @@ static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     return gm_py_stats_dict(&s);
 }
 
-static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+/* A method without arguments that only calls the core's void fn(heap) on an open heap. */
+static PyObject *heap_do(HeapObject *self, void (*fn)(gm_heap *)) {
     if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_reset_peak_stats(self->heap);
+    fn(self->heap);
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    return heap_do(self, gm_reset_peak_stats);
+}
+
 static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_reset_accumulated_stats(self->heap);
-    Py_RETURN_NONE;
+    return heap_do(self, gm_reset_accumulated_stats);
 }
 
 static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -698,9 +701,7 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
 /* ---- stream capture (the private pools' methods are pool_glue.c's) ---------------------- */
 
 static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_capture_begin(self->heap);
-    Py_RETURN_NONE;
+    return heap_do(self, gm_capture_begin);
 }
 
 static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
