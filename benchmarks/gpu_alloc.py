@@ -10,9 +10,10 @@ reported in microseconds per iteration.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
+
+from common import run_child, write_json
 
 SIZES = [256, 1024, 4096, 65536, 1 << 20, 2 << 20, 8 << 20]
 
@@ -53,16 +54,10 @@ def main():
         return
     res = {}
     for use in ("native", "gpumem"):
-        p = subprocess.run(
-            [sys.executable, __file__, "--one", use, "--iters", str(a.iters), "--repeats", str(a.repeats)],
-            capture_output=True,
-            text=True,
-        )
-        line = [l for l in p.stdout.splitlines() if l.startswith("{")]
-        if p.returncode or not line:
-            print(p.stderr[-3000:], file=sys.stderr)
+        r = run_child(__file__, ["--one", use, "--iters", str(a.iters), "--repeats", str(a.repeats)], use)
+        if r is None:
             sys.exit(1)
-        res[use] = {int(k): v for k, v in json.loads(line[-1]).items()}
+        res[use] = {int(k): v for k, v in r.items()}
     print("| size | native us | gpumem us | gpumem / native |")
     print("|---|---|---|---|")
     for n in SIZES:
@@ -76,9 +71,7 @@ def main():
         "iters": a.iters,
         "repeats": a.repeats,
     }
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_json(a.json, doc)
 
 
 if __name__ == "__main__":

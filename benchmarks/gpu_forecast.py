@@ -2,7 +2,8 @@
 (or sequence length, or resolution) that fits, forecast from small recorded steps, against the real
 largest value found by binary search with real steps, under torch's native allocator and under gpumem.
 
-    python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 530] [--cap-gib 8] [--models a,b]
+    python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 400] [--cap-gib 8] [--models a,b]
+                                      [--dump-traces DIR]   # histories of probes and recordings, for study
     python benchmarks/gpu_forecast.py --check        # the plan only, no GPU
 
 The models, built from configs with random weights (nothing downloaded):
@@ -32,7 +33,10 @@ small and the searches quick, and lets several searches share the GPU.
    probes' wall times: what a user searching one crash at a time waits.
 3. Compared: forecast vs truth (within 3%, or 1 when the value is under 33), the forecast's peak
    allocated bytes (blocks as each allocator rounds them) vs torch.cuda.max_memory_allocated() at
-   the true largest value, and the forecast's time vs the search's.
+   the true largest value, and the forecast's time vs the search's.  Then every native probe beside
+   the model of torch's allocator replaying the forecast's trace at its value under the same cap
+   (ran or not, peak reserved, peak allocated); with --dump-traces, also the model replaying the
+   probe's own recorded history, which tells a wrong model from a wrong trace.
 """
 
 import argparse
@@ -77,20 +81,30 @@ def _bf16_build(make, dev):
         torch.set_default_dtype(prev)
 
 
+def _causal_lm_step(m, opt, vocab_size, dev, shape):
+    """(step, clear) for a causal language model: step(k) trains m one step on random
+    tokens of shape(k) (the labels are the inputs); clear drops the optimizer's state."""
+    import torch
+
+    def step(k):
+        x = torch.randint(0, vocab_size, shape(k), device=dev)
+        m(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
 def build_llama_lora(dev):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from compare.workloads import LLAMA_CONFIG
+
+    # the other GPU benchmarks' Llama at half the width and depth
     cfg = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        use_cache=False,
+        **dict(LLAMA_CONFIG, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, use_cache=False)
     )
     m = _bf16_build(lambda: LlamaForCausalLM(cfg), dev)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -98,14 +112,7 @@ def build_llama_lora(dev):
     m.train()
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
     seq = 512
-
-    def step(b):
-        x = torch.randint(0, cfg.vocab_size, (b, seq), device=dev)
-        m(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, opt.state.clear
+    return _causal_lm_step(m, opt, cfg.vocab_size, dev, lambda b: (b, seq))
 
 
 def build_resnet50(dev):
@@ -167,14 +174,7 @@ def build_gpt2_seq(dev):
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     batch = 4
-
-    def step(n):
-        x = torch.randint(0, cfg.vocab_size, (batch, n), device=dev)
-        m(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, opt.state.clear
+    return _causal_lm_step(m, opt, cfg.vocab_size, dev, lambda n: (batch, n))
 
 
 def build_llama_kv(dev):
@@ -224,7 +224,18 @@ def _fresh_device(torch):
     torch.cuda.reset_peak_memory_stats()
 
 
-def child_forecast(name, cap, out_dir):
+def write_recording(rec, path):
+    """A recording as a gpumem text trace (addresses stand for its slots), for study on any machine:
+    python -m gpumem forecast A.trace.gz B.trace.gz --knob a,b."""
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        f.write(f"# action addr size stream (recorded at knob value {rec.knob})\n")
+        for op, slot, size, stream in rec.trace.decode():
+            f.write(f"{'alloc' if op == 0 else 'free_completed'} {(slot + 1) << 12} {size} {stream}\n")
+
+
+def child_forecast(name, cap, out_dir, dump_dir=None):
     t_start = time.perf_counter()
     import torch
 
@@ -250,12 +261,18 @@ def child_forecast(name, cap, out_dir):
     t1 = time.perf_counter()
     with open(os.path.join(out_dir, f"{name}.recordings.pickle"), "wb") as f:
         pickle.dump(fc.recordings, f, protocol=4)
+    if dump_dir:
+        for rec in fc.recordings:
+            write_recording(rec, os.path.join(dump_dir, f"{name}.forecast.{rec.knob}.trace.gz"))
     print(
         json.dumps(
             {
                 "model": name,
                 "aligned": fc.aligned,
                 "alignment": fc.alignment.message,
+                "set_aside": {str(k): v for k, v in fc.alignment.set_aside.items()},
+                "caveats": fc.caveats(),
+                "misalignment": None if fc.aligned else misalignment_context(fc),
                 "fit": fc.model.kinds if fc.model else None,
                 "events": fc.alignment.events,
                 "largest": {a: (None if v == math.inf else v) for a, v in largest.items()},
@@ -270,7 +287,50 @@ def child_forecast(name, cap, out_dir):
     )
 
 
-def child_probe(name, allocator, k, cap):
+def misalignment_context(fc, before=12, after=24):
+    """The events around where the recordings stopped lining up, in each recording."""
+    from gpumem._forecast_align import _Events
+
+    i = max(fc.alignment.first_difference, 0)
+    out = {}
+    for r in fc.recordings:
+        ev = _Events(r.trace)
+        lo, hi = max(0, i - before), min(ev.n, i + after)
+        out[str(r.knob)] = [
+            f"{q} {'alloc' if ev.is_alloc[q] else 'free'} #{ev.ordinal[q]} {ev.size[q]} s{ev.stream[q]}"
+            for q in range(lo, hi)
+        ]
+    return out
+
+
+def _live_blocks(torch):
+    """(addr, size, stream) of every allocated block, as torch's snapshot lists them."""
+    out = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] in ("active_allocated", "active_pending_free"):
+                out.append((addr, b["size"], seg["stream"]))
+            addr += b["size"]
+    return out
+
+
+def _write_dump(torch, path, live):
+    """The probe's allocator history as a gpumem text trace: the blocks live before its steps as
+    allocations first, then every event torch recorded (segment events included)."""
+    import gzip
+
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with gzip.open(path, "wt") as f:
+        f.write("# action addr size stream\n")
+        for addr, size, stream in live:
+            f.write(f"alloc {addr} {size} {stream}\n")
+        for e in events:
+            f.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
+
+
+def child_probe(name, allocator, k, cap, dump=None):
     t_start = time.perf_counter()
     import torch
 
@@ -281,10 +341,16 @@ def child_probe(name, allocator, k, cap):
 
         gpumem.install(cap=int(cap))
     else:
-        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+        # torch allows fraction x cudaMemGetInfo's total (not get_device_properties' total_memory) to its
+        # segments; CUDA's context and anything outside the allocator do not count
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.mem_get_info()[1])
     spec = MODELS[name]
     step, _ = spec.build("cuda")
     _fresh_device(torch)
+    live = None
+    if dump:
+        live = _live_blocks(torch)
+        torch.cuda.memory._record_memory_history(max_entries=1 << 21, context=None)
     t0 = time.perf_counter()
     ok, error = True, None
     try:
@@ -292,11 +358,13 @@ def child_probe(name, allocator, k, cap):
             step(k)
         torch.cuda.synchronize()
     except torch.OutOfMemoryError as e:
-        ok, error = False, str(e).splitlines()[0][:300]
+        ok, error = False, str(e).splitlines()[0][:600]
     except RuntimeError as e:  # a library's own allocation failing for want of memory
         if "out of memory" not in str(e) and "ALLOC_FAILED" not in str(e):
             raise
-        ok, error = False, str(e).splitlines()[0][:300]
+        ok, error = False, str(e).splitlines()[0][:600]
+    if dump:
+        _write_dump(torch, dump, live)
     print(
         json.dumps(
             {
@@ -338,8 +406,9 @@ def _run_child(args, timeout):
     return out
 
 
-def search(name, allocator, cap, deadline, slots, log):
-    """The largest value that runs, by doubling then bisecting, one probe process at a time."""
+def search(name, allocator, cap, deadline, slots, log, dump_dir=None):
+    """The largest value that runs, by doubling then bisecting, one probe process at a time; with
+    `dump_dir`, each probe writes its allocator history there."""
     spec = MODELS[name]
     m = spec.multiple
     probes = []
@@ -351,7 +420,12 @@ def search(name, allocator, cap, deadline, slots, log):
         with slots:
             t0 = time.perf_counter()
             try:
-                r = _run_child(["probe", name, allocator, k, cap], deadline - time.monotonic())
+                args = ["probe", name, allocator, k, cap]
+                if dump_dir:
+                    args.append(os.path.join(dump_dir, f"{name}.{allocator}.{k}.trace.gz"))
+                r = _run_child(args, deadline - time.monotonic())
+                if dump_dir:
+                    r["dump"] = args[-1]
             except subprocess.TimeoutExpired:
                 raise OutOfBudget from None
             except RuntimeError as e:  # the probe crashed: counted as not running, and reported
@@ -401,17 +475,21 @@ def search(name, allocator, cap, deadline, slots, log):
     }
 
 
-def forecast_peaks(name, out_dir, cap, k):
-    """The forecast's peak live and peak allocated (each allocator) at knob value k."""
+def _load_forecast(name, out_dir, cap):
     sys.path.insert(0, str(REPO))
     from gpumem.forecast import Forecast
-    from gpumem.native_model import replay_native
-    from gpumem.replay import replay
 
     spec = MODELS[name]
     with open(os.path.join(out_dir, f"{name}.recordings.pickle"), "rb") as f:
         recs = pickle.load(f)
-    fc = Forecast(recs, name=spec.knob, capacity=cap, multiple=spec.multiple)
+    return Forecast(recs, name=spec.knob, capacity=cap, multiple=spec.multiple)
+
+
+def forecast_peaks(fc, cap, k):
+    """The forecast's peak live and peak allocated (each allocator) at knob value k."""
+    from gpumem.native_model import replay_native
+    from gpumem.replay import replay
+
     if not fc.aligned or not k:
         return {"peak_live": fc.peak_live(k) if k else None}
     t = fc.synthesise(k)
@@ -420,6 +498,43 @@ def forecast_peaks(name, out_dir, cap, k):
         "native": replay_native(t).peak_allocated_bytes,
         "gpumem": replay(t, max(4 * t.peak_live_bytes, GiB), timing=False).peak_allocated_bytes,
     }
+
+
+def probe_checks(fc, cap, probes):
+    """Each native probe beside the model's replay of the forecast's trace at its value under the same
+    cap: did it fit, and its peak reserved and allocated (what torch.cuda.max_memory_* measured)."""
+    from gpumem.native_model import replay_native
+    from gpumem.trace import load_trace
+
+    out = []
+    for p in probes:
+        if p.get("crashed") or not fc.aligned:
+            continue
+        t = fc.synthesise(p["k"])
+        r = replay_native(t, cap)
+        c = {
+            "k": p["k"],
+            "measured_ok": p["ok"],
+            "model_ok": r.ooms == 0,
+            "measured_peak_reserved": p.get("peak_reserved"),
+            "model_peak_reserved": r.peak_reserved_bytes,
+            "measured_peak_allocated": p.get("peak_allocated"),
+            "model_peak_allocated": r.peak_allocated_bytes,
+            "forecast_events": t.n_events,
+        }
+        if p.get("dump") and os.path.exists(p["dump"]):
+            # the model on the probe's own trace: off here too means the model, not the forecast, is off
+            real = load_trace(p["dump"])
+            rr = replay_native(real, cap)
+            c.update(
+                probe_events=real.n_events,
+                probe_peak_live=real.peak_live_bytes,
+                forecast_peak_live=t.peak_live_bytes,
+                model_on_probe_trace_ok=rr.ooms == 0,
+                model_on_probe_trace_peak_reserved=rr.peak_reserved_bytes,
+            )
+        out.append(c)
+    return sorted(out, key=lambda c: c["k"])
 
 
 def within(forecast, truth):
@@ -435,7 +550,9 @@ def _pct(a, b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
-    ap.add_argument("--budget-s", type=float, default=530.0, help="stop starting probes after this (default 530)")
+    ap.add_argument(
+        "--budget-s", type=float, default=400.0, help="stop starting probes after this (default 400: all within 8 min)"
+    )
     ap.add_argument("--cap-gib", type=float, default=8.0, help="the device as each process sees it (default 8)")
     ap.add_argument(
         "--models",
@@ -443,15 +560,22 @@ def main():
         help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50)",
     )
     ap.add_argument("--jobs", type=int, default=0, help="probe processes at once (default: as many as fit)")
+    ap.add_argument(
+        "--dump-traces",
+        metavar="DIR",
+        help="native probes write their allocator history there (DIR/MODEL.native.K.trace.gz), and the model "
+        "of torch's allocator replays each: is the model or the forecast's trace off? The forecast's recordings "
+        "go there too (DIR/MODEL.forecast.K.trace.gz)",
+    )
     ap.add_argument("--check", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         kind, rest = a.child[0], a.child[1:]
         if kind == "forecast":
-            child_forecast(rest[0], int(rest[1]), rest[2])
+            child_forecast(rest[0], int(rest[1]), rest[2], rest[3] if len(rest) > 3 else None)
         else:
-            child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]))
+            child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] if len(rest) > 4 else None)
         return
     models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
@@ -459,6 +583,9 @@ def main():
         ap.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
     if a.budget_s <= 0 or a.cap_gib <= 0:
         ap.error("--budget-s and --cap-gib must be positive")
+    if a.dump_traces:
+        os.makedirs(a.dump_traces, exist_ok=True)
+        a.dump_traces = os.path.abspath(a.dump_traces)
     cap = int(a.cap_gib * GiB)
     if a.check:
         for name in models:
@@ -487,7 +614,11 @@ def main():
     # 1. forecasts, one process per model, at once
     with ThreadPoolExecutor(len(models)) as ex:
         futs = {
-            name: ex.submit(_run_child, ["forecast", name, cap, out_dir], deadline - time.monotonic())
+            name: ex.submit(
+                _run_child,
+                ["forecast", name, cap, out_dir] + ([a.dump_traces] if a.dump_traces else []),
+                deadline - time.monotonic(),
+            )
             for name in models
         }
         for name, fut in futs.items():
@@ -503,7 +634,9 @@ def main():
     slots = threading.Semaphore(jobs)
     with ThreadPoolExecutor(len(models) * len(ALLOCATORS)) as ex:
         futs = {
-            (name, alloc): ex.submit(search, name, alloc, cap, deadline, slots, log)
+            (name, alloc): ex.submit(
+                search, name, alloc, cap, deadline, slots, log, a.dump_traces if alloc == "native" else None
+            )
             for name in models
             for alloc in ALLOCATORS
         }
@@ -516,17 +649,27 @@ def main():
 
     # 3. compare
     rows = []
+    checks = []
     for name in models:
         r = results["models"][name]
         f = r["forecast"]
+        fc = None
+        if "error" not in f:
+            try:
+                fc = _load_forecast(name, out_dir, cap)
+            except Exception as e:  # noqa: BLE001
+                f["reload_error"] = str(e)
         for alloc in ALLOCATORS:
             t = r.get("truth", {}).get(alloc, {})
             fv = (f.get("largest") or {}).get(alloc)
             tv = t.get("largest")
             peaks = {}
-            if "error" not in f and tv:
+            if fc is not None and tv:
                 try:
-                    peaks = forecast_peaks(name, out_dir, cap, tv)
+                    peaks = forecast_peaks(fc, cap, tv)
+                    if alloc == "native":
+                        t["model_vs_probes"] = probe_checks(fc, cap, t.get("probes", []))
+                        checks += [dict(model=name, **c) for c in t["model_vs_probes"]]
                 except Exception as e:  # noqa: BLE001
                     peaks = {"error": str(e)}
             t["forecast_peaks_at_truth"] = peaks
@@ -570,6 +713,25 @@ def main():
         f"(device {results['device']}, cap {a.cap_gib} GiB a process, {jobs} probes at once, "
         f"{results['wall_s']:.0f} s in all)"
     )
+    print()
+    print(
+        "| model | knob | runs (GPU / model) | peak reserved GPU GiB | model GiB | diff | peak allocated diff "
+        "| model on the probe's trace: runs, reserved diff | events forecast / probe |"
+    )
+    print("|" + "---|" * 9)
+    yn = {True: "yes", False: "OOM", None: "-"}
+    for c in checks:
+        mr, fr = c["measured_peak_reserved"], c["model_peak_reserved"]
+        ma, fa = c["measured_peak_allocated"], c["model_peak_allocated"]
+        pr = c.get("model_on_probe_trace_peak_reserved")
+        print(
+            f"| {c['model']} | {c['k']} | {yn[c['measured_ok']]} / {yn[c['model_ok']]} "
+            f"| {mr / GiB if mr else 0:.3f} | {fr / GiB:.3f} | {_pct(fr, mr)} | {_pct(fa, ma)} "
+            f"| {yn[c.get('model_on_probe_trace_ok')]}, {_pct(pr, mr)} "
+            f"| {c['forecast_events']} / {c.get('probe_events', '-')} |"
+        )
+    print("(native probes: the model of torch's allocator replaying the forecast's trace under the same cap)")
+    results["model_vs_probes"] = checks
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

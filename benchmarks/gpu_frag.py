@@ -15,9 +15,10 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
+
+from common import run_child, write_json
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -90,14 +91,9 @@ def main():
     if a.one:
         print(json.dumps(scenario(a.one)), flush=True)
         return
-    rows = []
-    for use in ("native", "gpumem"):
-        p = subprocess.run([sys.executable, __file__, "--one", use], capture_output=True, text=True)
-        line = [l for l in p.stdout.splitlines() if l.startswith("{")]
-        if p.returncode or not line:
-            print(p.stderr[-3000:], file=sys.stderr)
-            sys.exit(1)
-        rows.append(json.loads(line[-1]))
+    rows = [run_child(__file__, ["--one", use], use) for use in ("native", "gpumem")]
+    if None in rows:
+        sys.exit(1)
     g = lambda b: f"{b / GiB:.2f}"
     print(
         "| allocator | filled | kept / made | allocated GiB | reserved GiB | free in holes GiB | request GiB | result |"
@@ -109,9 +105,7 @@ def main():
             f"| {r['allocator']} | {r['fill_fraction']:.1%} | {r['kept']} / {r['tensors']} | {g(r['allocated'])} | "
             f"{g(r['reserved'])} | {g(r['free_in_holes'])} | {g(r['request'])} | {res} |"
         )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
 
 
 if __name__ == "__main__":

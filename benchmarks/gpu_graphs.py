@@ -68,7 +68,7 @@ res = {"mode": mode, "peak_reserved": torch.cuda.max_memory_reserved(),
        "reserved_end": torch.cuda.memory_reserved(), "latency_ms": lat, "wall_s": time.perf_counter() - t0,
        "torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
 if mode == "gpumem":
-    pools = gpumem._C._torch_pools(0)
+    pools = gpumem._C.registry_heap(0).pools()
     res["pools"] = len(pools)
     res["pool_live_bytes"] = sum(p["live_bytes"] for p in pools)
     res["pool_free_bytes"] = sum(p["free_bytes"] for p in pools)

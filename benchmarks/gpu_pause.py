@@ -38,7 +38,7 @@ def one_size(torch, gpumem, size, backup, rounds):
             t[at : at + 4096].copy_(v)
             probes.append((t, at, v))
     torch.cuda.synchronize()
-    pinned = gpumem._C._torch_pool_info(torch.cuda.current_device(), pool.id)["pinned_pages"]
+    pinned = gpumem._C.registry_heap(torch.cuda.current_device()).pool_info(pool.id)["pinned_pages"]
     pause_s, resume_s, returned, released, shared, phases = [], [], [], [], [], []
     intact = True
     for _ in range(rounds):

@@ -38,21 +38,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare.workloads import LLAMA_CONFIG  # noqa: E402
 
 WORKLOADS = ["llama_varlen", "llama_varlen_cap", "gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
 ALLOCATORS = "native,expandable,gpumem,gpumem:GPUMEM_CONF=pressure:0"
 STEPS = {"llama_varlen": 50, "gpt2_varlen": 16, "resnet50_multires": 16, "llama_lora_ckpt": 12}
 WARMUP = {"llama_varlen": 15, "gpt2_varlen": 3, "resnet50_multires": 3, "llama_lora_ckpt": 3}
 CAP_OVER_LIVE = 1.05
-LLAMA = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=12,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    vocab_size=32000,
-    max_position_embeddings=2048,
-)
+# The Llama of the other GPU benchmarks (compare.workloads), smaller: 12 layers of hidden 1024.
+LLAMA = dict(LLAMA_CONFIG, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, max_position_embeddings=2048)
 CALLS = ("num_device_alloc", "num_maps", "num_remaps", "num_pages_remapped", "num_sync_all_streams")
 
 

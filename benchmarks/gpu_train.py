@@ -22,10 +22,9 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 
+from common import run_child, write_json
 from compare import workloads
 from compare.contenders import variant_env
 
@@ -125,14 +124,9 @@ def main():
     for name in a.workloads.split(","):
         for _ in range(a.rounds):
             for use in allocators:
-                p = subprocess.run(
-                    [sys.executable, __file__, "--one", name, use], capture_output=True, text=True, env=envs[use]
-                )
-                line = [l for l in p.stdout.splitlines() if l.startswith("{")]
-                if p.returncode or not line:
-                    print(f"{name} {use} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
-                    continue
-                rows.append(json.loads(line[-1]))
+                r = run_child(__file__, ["--one", name, use], f"{name} {use}", env=envs[use])
+                if r is not None:
+                    rows.append(r)
     print("| workload | allocator | median step ms | ÷ native | whole run ms | ÷ native | again ms | ÷ native", end="")
     print(" | peak reserved GiB | peak live GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -157,9 +151,7 @@ def main():
                 f"| {name} | {use} | {med:.2f} | {r_med} | {tot:.1f} | {r_tot} | {again:.1f} | {r_again} "
                 f"| {res:.2f} | {live:.2f} |"
             )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-o
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gpumem  # noqa: E402
+from common import write_json  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
@@ -50,6 +50,13 @@ def forward(a, tokens, alloc, free, batch):
     """One forward pass: intermediates allocated and freed as a transformer's
     are; returns the live output (logits)."""
     act, mlp, bf16 = tokens * a.hidden * 2, tokens * a.mlp * 2, 2
+
+    def residual(x, branch):
+        """x + branch, into a new activation; both freed."""
+        out = alloc(act)
+        free(x), free(branch)
+        return out
+
     x = alloc(act)
     for _ in range(a.layers):
         n = alloc(act)
@@ -60,9 +67,7 @@ def forward(a, tokens, alloc, free, batch):
         free(q), free(k), free(v), free(lse)
         proj = alloc(act)
         free(o)
-        x2 = alloc(act)
-        free(x), free(proj)
-        x = x2
+        x = residual(x, proj)
         n = alloc(act)
         gate, up = alloc(mlp), alloc(mlp)
         free(n)
@@ -70,9 +75,7 @@ def forward(a, tokens, alloc, free, batch):
         free(gate), free(up)
         down = alloc(act)
         free(h_)
-        x2 = alloc(act)
-        free(x), free(down)
-        x = x2
+        x = residual(x, down)
     n = alloc(act)
     free(x)
     logits = alloc(tokens * a.vocab * bf16)
@@ -258,11 +261,7 @@ def main(argv=None):
         "gpumem_no_capture": nc,
         "segment_model": s,
     }
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", a.out)
+    write_json(a.out, out)
     return 0 if g["check"] == nc["check"] == "ok" else 1
 
 

@@ -24,7 +24,6 @@ Usage: python benchmarks/slowpath_scaling.py [--points 1000,5000,...] [--reps 21
 """
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -33,6 +32,7 @@ import sys
 import time
 
 import gpumem
+from common import write_json
 
 MiB = 1 << 20
 DEFAULT_POINTS = [1000, 5000, 10_000, 25_000, 100_000, 1_000_000]
@@ -148,11 +148,7 @@ def main():
         "rows": rows,
         "defrag_rows": drows,
     }
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print("wrote", args.json)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import sys
 import time
 import traceback
 
+from common import last_json_line, write_json
+
 MiB = 1 << 20
 CASES = {}
 
@@ -328,12 +330,10 @@ def main():
             p = subprocess.run(
                 [sys.executable, __file__, "--one", name, alloc], capture_output=True, text=True, timeout=600
             )
-            line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-            r = (
-                json.loads(line[-1])
-                if line
-                else {"status": "fail", "why": f"process died (exit {p.returncode}): {p.stderr[-500:]}"}
-            )
+            r = last_json_line(p.stdout) or {
+                "status": "fail",
+                "why": f"process died (exit {p.returncode}): {p.stderr[-500:]}",
+            }
             r["seconds"] = round(time.time() - t0, 1)
             row[alloc] = r
         rows.append(row)
@@ -345,9 +345,7 @@ def main():
         f"\n{passed} of {len(applicable)} applicable cases pass under gpumem "
         f"({len(rows) - len(applicable)} fail natively too and are not counted)"
     )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
 
 
 if __name__ == "__main__":

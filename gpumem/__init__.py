@@ -110,14 +110,17 @@ if "_import_error" not in globals():
         raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
 
 
-# Visibility: snapshots, history, memory over time, OOM explanations.  Importing
-# explain registers the formatter that words OutOfMemoryError messages.
+# Visibility: snapshots, history, memory over time, OOM explanations; the
+# explanation words every OutOfMemoryError message from here on.
 if "_import_error" not in globals():
-    from .explain import explain, last_oom  # noqa: E402,F401
+    from .explain import explain, last_oom, register_oom_formatter  # noqa: E402,F401
     from .forecast import Forecast, ForecastError, forecast  # noqa: E402,F401
     from .history import record_history  # noqa: E402,F401
     from .snapshot import Snapshot, dump_snapshot, memory_over_time, snapshot  # noqa: E402,F401
     from .timeline import Timeline  # noqa: E402,F401
+
+    register_oom_formatter()
+    del register_oom_formatter
 
 __all__ = [
     "install",

@@ -22,7 +22,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 from . import __version__
 from . import _cli_viz
 from . import _cli_forecast
-from ._cli_viz import _capacity_arg, _error_line, _size_arg, debug_requested, describe_error, replay_heap_kwargs
+from ._cli_viz import (
+    _capacity_arg,
+    _error_line,
+    _size_arg,
+    _whole_arg,
+    debug_requested,
+    describe_error,
+    replay_heap_kwargs,
+)
 from ._units import format_size
 from .replay import min_capacity, replay
 from .trace import TraceError, load_trace
@@ -98,35 +106,30 @@ def _want_progress(args, n_events: int) -> bool:
 
 
 def _event_delay_arg(text: str) -> int:
-    try:
-        n = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"event delay must be a whole number of operations: {text!r}") from None
-    if n < 0 or n >= 1 << 64:
-        raise argparse.ArgumentTypeError(f"event delay must be between 0 and 2**64-1: {text!r}")
-    return n
+    return _whole_arg(text, "event delay", 0, (1 << 64) - 1, "2**64-1", " of operations")
 
 
-def _chunk_pages_arg(text: str) -> int:
+def _heap_option_arg(key: str, value):
+    """value, once the core has checked it as heap option `key` (its message otherwise)."""
     from . import _C
 
     try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"chunk pages must be a whole number: {text!r}") from None
-    if not 1 <= n <= _C.CHUNK_PAGES_MAX:
-        raise argparse.ArgumentTypeError(f"chunk pages must be between 1 and {_C.CHUNK_PAGES_MAX}: {text!r}")
-    return n
+        _C.check_option(key, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _chunk_pages_arg(text: str) -> int:
+    return _heap_option_arg("chunk_pages", _whole_arg(text, "chunk pages", 0, (1 << 64) - 1, "2**64-1"))
 
 
 def _pressure_arg(text: str) -> float:
     try:
         f = float(text)
     except ValueError:
-        f = -1.0
-    if not 0.0 <= f <= 1.0:
-        raise argparse.ArgumentTypeError(f"pressure must be a fraction between 0 and 1: {text!r}")
-    return f
+        raise argparse.ArgumentTypeError(f"pressure must be a number: {text!r}") from None
+    return _heap_option_arg("pressure", f)
 
 
 def _page_size_arg(text: str) -> int:

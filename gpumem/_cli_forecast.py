@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from ._cli_viz import _error_line, _size_arg
+from ._cli_viz import _error_line, _size_arg, _whole_arg
 from .forecast import Forecast, ForecastError
 from .trace import TraceError
 
@@ -30,14 +30,8 @@ def _knob_list(text: str):
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return n
+def _multiple_arg(text: str) -> int:
+    return _whole_arg(text, "multiple", 1)
 
 
 def add_forecast_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +63,7 @@ def add_forecast_args(p: argparse.ArgumentParser) -> None:
         "--name", default="knob", metavar="NAME", help="what the knob is, e.g. batch or seq (for the report)"
     )
     p.add_argument(
-        "--multiple", type=_positive_int, default=1, metavar="N", help="search only multiples of N (default 1)"
+        "--multiple", type=_multiple_arg, default=1, metavar="N", help="search only multiples of N (default 1)"
     )
     p.add_argument("--device", type=int, default=None, metavar="N", help="which device of a torch snapshot (default 0)")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="write a plot of the forecast (needs matplotlib)")

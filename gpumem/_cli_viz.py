@@ -70,6 +70,19 @@ def _size_arg(text: str) -> int:
     return n
 
 
+def _whole_arg(text: str, what: str, lo: int, hi: Optional[int] = None, hi_text: str = "", unit: str = "") -> int:
+    """text as a whole number lo..hi (hi None: no upper bound), or an ArgumentTypeError that names what it is."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a whole number{unit}: {text!r}") from None
+    if hi is None and n < lo:
+        raise argparse.ArgumentTypeError(f"{what} must be at least {lo}: {text!r}")
+    if hi is not None and not lo <= n <= hi:
+        raise argparse.ArgumentTypeError(f"{what} must be between {lo} and {hi_text or hi}: {text!r}")
+    return n
+
+
 def _capacity_arg(text: str) -> int:
     """The size of a simulated device: positive, at most MAX_SIM_CAPACITY."""
     n = _size_arg(text)

@@ -1,19 +1,12 @@
 """The heap interface that snapshot, history and explain read, and the hooks the
 torch layer hands down.
 
-gpumem's Python package imports one way, bottom to top:
-
-    _C, _units, _frameworks      the extension, byte units, framework tags of blocks
-    _heap                        this file: HeapLike, the torch layer's hooks
-    _resolve                     which heap a call means (Heap, TorchHeap)
-    history, snapshot, explain   visibility, reading any HeapLike
-    _svg, _cli_viz, timeline, replay, trace, data, __main__
-    _shared, cupy, numba         CuPy's and Numba's allocations on the same heaps
-    torch/                       gpumem as PyTorch's allocator: nothing imports it
-
-Nothing imports a module above it.  The torch layer reaches the layers below by
+gpumem's Python package imports one way, bottom to top, in the layers that
+docs/architecture.md lists (tests/test_layers.py holds the code to them): this
+file is in the lowest, the torch layer (gpumem.torch) near the top, and nothing
+imports a module above it.  The torch layer reaches the layers below by
 registering its hooks here at install (register_torch_hooks), never the other
-way round; tests/test_layers.py checks that the import graph has no circle.
+way round.
 """
 
 from __future__ import annotations
@@ -29,9 +22,10 @@ MAX_HISTORY = 1 << 20
 
 @runtime_checkable
 class HeapLike(Protocol):
-    """What snapshot, history and explain read from a heap: gpumem.Heap (any
-    device) and gpumem._resolve.TorchHeap (the heap torch's allocations go to)
-    both provide it.  Dicts are those of gpumem._C (csrc/python/common.c)."""
+    """What snapshot, history and explain read from a heap: gpumem.Heap provides
+    it, whether it owns its heap (any device) or borrows the heap registry's one
+    that torch's allocations go to (gpumem._C.registry_heap).  Dicts are those
+    of gpumem._C (csrc/python/common.c)."""
 
     device_kind: str  # "sim" or "cuda"
     closed: bool

@@ -3,8 +3,8 @@ Numba's allocations go (gpumem.cupy, gpumem.numba), and how a block says which
 framework made it.
 
 By default allocations go to the per-device heaps that gpumem serves torch with
-(the registry of csrc/python/torch_alloc.h, reached through gpumem._C's
-_shared_malloc / _shared_free), so torch tensors, CuPy arrays and Numba device
+(the process-wide heap registry, csrc/python/heap_registry.h, reached through
+gpumem._C's _shared_malloc and the Heap that _C.registry_heap borrows), so torch tensors, CuPy arrays and Numba device
 arrays share one heap, one cap and one empty_cache.  A gpumem.Heap may be given
 instead (a simulated one in tests).
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from . import _C
 from ._frameworks import framework_tag
-from ._resolve import TorchHeap
-from .explain import format_oom
+from ._resolve import registry_heap
+from .explain import format_oom, register_oom_formatter
 from ._units import format_size
 
 __all__ = ["Backend"]
@@ -36,6 +36,7 @@ class Backend:
         self.framework = framework
         self.tag = framework_tag(framework)
         self.heap = heap
+        register_oom_formatter()  # a Heap's OutOfMemoryError is explained too
 
     def __repr__(self) -> str:
         where = repr(self.heap) if self.heap is not None else "the per-device heaps"
@@ -47,25 +48,22 @@ class Backend:
         context = _stack_context() | self.tag
         if self.heap is not None:
             return self.heap.malloc(size, stream, context)
-        ptr = _C._shared_malloc(int(device), int(size), int(stream), context)
+        ptr = _C._shared_malloc(_C.registry_heap(int(device)), int(size), int(stream), context)
         if ptr is None:
             raise self._oom(size, device)
         return ptr
 
     def free(self, ptr: int, device: int = 0) -> None:
-        if self.heap is not None:
-            self.heap.free(ptr)
-            return
-        _C._shared_free(int(device), int(ptr))
+        (self.heap if self.heap is not None else registry_heap(device)).free(ptr)
 
     def explain_heap(self, device: int = 0):
         """The heap explain() and snapshot() should look at for `device`."""
         if self.heap is not None:
             return self.heap
-        return TorchHeap(device)
+        return registry_heap(device)
 
     def _oom(self, size: int, device: int):
-        info = _C._torch_last_oom(int(device))
+        info = registry_heap(device).last_oom()
         first = (
             f"CUDA out of memory. Tried to allocate {format_size(size)} on GPU {device} for "
             f"{self.framework} (gpumem's heap, shared with torch)."

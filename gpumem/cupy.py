@@ -101,7 +101,7 @@ def install(device=None, *, cap=None, heap=None) -> None:
     import cupy
 
     if cap is not None:
-        _C._torch_configure(cap_bytes=parse_size(cap))
+        _C.registry_configure(cap_bytes=parse_size(cap))
     malloc, backend = allocator(heap)
     if _state["backend"] is None:
         _state["previous"] = cupy.cuda.get_allocator()
@@ -135,4 +135,4 @@ def empty_cache() -> None:
     if backend is not None and backend.heap is not None:
         backend.heap.empty_cache()
     else:
-        _C._torch_empty_cache()
+        _C.registry_empty_cache()

@@ -35,12 +35,12 @@ from typing import Callable, List, Optional, Tuple
 
 from . import _C
 from ._C import ERROR_NAMES
-from ._resolve import TorchHeap, resolve_heap
+from ._resolve import registry_heap, resolve_heap
 from .snapshot import Snapshot
 from ._units import format_size as _fs
 from ._units import parse_size
 
-__all__ = ["explain", "last_oom", "Report", "Cause", "format_oom"]
+__all__ = ["explain", "last_oom", "Report", "Cause", "format_oom", "register_oom_formatter"]
 
 # The page of a heap made without page_size: a GPU's VMM granularity (2 MiB on every current GPU),
 # and the simulated device's default.
@@ -295,7 +295,14 @@ def _notebook_refs() -> List[str]:
     return refs
 
 
-def _build(heap, info: dict, is_oom: bool) -> Report:
+# _build's processes when the heap should be asked for them
+_ASK = object()
+
+
+def _build(heap, info: dict, is_oom: bool, processes=_ASK) -> Report:
+    """The report on `heap` for the core's `info`; `processes`: the device's
+    process list already taken ([(pid, bytes)], or None for "unknown"), else the
+    heap is asked."""
     snap = Snapshot.from_heap(heap, with_history=False)
     s = snap.summary
     request = int(info["request"])
@@ -303,7 +310,7 @@ def _build(heap, info: dict, is_oom: bool) -> Report:
     dfree = int(info["device_free"])
     reserved = int(info["reserved_bytes"])
     try:
-        procs = heap.device_processes()
+        procs = heap.device_processes() if processes is _ASK else processes
     except Exception:  # a failing NVML must not hide the OOM
         procs = None
     me = os.getpid()
@@ -386,22 +393,12 @@ def _diagnose(r: Report, heap) -> None:
     causes: List[Cause] = []
     advice: List[str] = []
     short = r.shortfall if r.request else 0
-    if r.request and r.device_total and r.request > r.device_total:
-        causes.append(
-            Cause(
-                "too_big",
-                r.request - r.device_total,
-                f"the request ({_fs(r.request)}) is larger than the whole device ({_fs(r.device_total)})",
-            )
-        )
-    elif r.request and r.user_cap and r.request > r.user_cap:
-        causes.append(
-            Cause(
-                "too_big",
-                r.request - r.user_cap,
-                f"the request ({_fs(r.request)}) is larger than the cap ({_fs(r.user_cap)})",
-            )
-        )
+    # a request larger than the whole device, else than the cap: nothing can make it fit
+    for limit, what in ((r.device_total, "the whole device"), (r.user_cap, "the cap")):
+        if r.request and limit and r.request > limit:
+            text = f"the request ({_fs(r.request)}) is larger than {what} ({_fs(limit)})"
+            causes.append(Cause("too_big", r.request - limit, text))
+            break
     if not r.request or short or r.is_oom:
         ranked: List[Cause] = []
         if r.live_bytes:
@@ -666,22 +663,21 @@ def format_oom(heap, info, fallback: str, processes=None) -> str:
         return fallback
     if isinstance(heap, int):
         try:
-            heap = _torch_heap(heap, processes)
-            return _build(heap, dict(info), is_oom=True).text(first_line=fallback)
+            heap = _torch_heap(heap)
+            return _build(heap, dict(info), is_oom=True, processes=processes).text(first_line=fallback)
         except Exception as e:  # noqa: BLE001 - a broken report must not hide the OOM
             return f"{fallback} (gpumem.explain failed: {type(e).__name__}: {e})"
     return _build(heap, dict(info), is_oom=True).text(first_line=fallback)
 
 
-def _torch_heap(device: int, processes):
+def _torch_heap(device: int):
     """The heap torch's allocations on `device` go to (tests replace this)."""
-    return TorchHeap(device, processes=processes)
+    return registry_heap(device)
 
 
-def _register() -> None:
-    setter = getattr(_C, "_set_oom_formatter", None)
-    if setter is not None:
-        setter(format_oom)
-
-
-_register()
+def register_oom_formatter() -> None:
+    """Make format_oom the one formatter of OutOfMemoryError messages (gpumem._C
+    calls it for every heap).  gpumem does it when it sets itself up (the
+    package, gpumem.install(), torch_allocator(), gpumem.cupy / gpumem.numba's
+    install); importing this module alone registers nothing."""
+    _C._set_oom_formatter(format_oom)

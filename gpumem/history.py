@@ -142,7 +142,8 @@ def record_history(
         "state" keeps no events but still takes a stack per allocation (like
         torch's enabled="state"); False / None stops both and drops the ring.
     stacks: "python" takes the Python stack of each allocation made while the
-        GIL is held; None / "none" takes none.  The stack table is shared by
+        GIL is held; "all" its C++ frames too (through torch's unwinder, which
+        costs what it costs under torch's own allocator); None / "none" takes none.  The stack table is shared by
         every heap in the process, so turning stacks off affects all of them.
     device: a Heap, or None / a CUDA device for the heap gpumem installed there;
         for those the ring is switched on every device's heap, now and later, and
@@ -153,18 +154,24 @@ def record_history(
     _record(resolve_heap(device).history_enable, enabled, stacks, max_entries, max_depth, max_stacks)
 
 
+def _native_unwinder():
+    """torch's native stack gatherer and symbolizer, for stacks="all" (C++ frames)."""
+    try:
+        from torch._C import _profiler
+    except ImportError:
+        raise ValueError("stacks='all' takes C++ frames through torch's unwinder, and torch is not installed") from None
+    return _profiler.gather_traceback, _profiler.symbolize_tracebacks
+
+
 def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stacks=1 << 16) -> None:
     """record_history's work, with the heap's (or every torch heap's) history switch."""
     if stacks in (None, False, "none"):
         want_stacks = False
-    elif stacks == "python":
+    elif stacks in ("python", "all"):
         want_stacks = True
-    elif stacks == "all":
-        raise ValueError(
-            "stacks='all' (C++ frames) is not supported: gpumem records Python stacks only; use stacks='python'"
-        )
     else:
-        raise ValueError(f"stacks must be 'python' or None, not {stacks!r}")
+        raise ValueError(f"stacks must be 'python', 'all' or None, not {stacks!r}")
+    native = _native_unwinder() if stacks == "all" else None
     if enabled in (True, "all"):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
             raise ValueError(f"max_entries must be a positive int, not {max_entries!r}")
@@ -177,6 +184,7 @@ def _record(history_enable, enabled, stacks, max_entries, max_depth=64, max_stac
     else:
         raise ValueError(f"enabled must be True, False, 'all' or 'state', not {enabled!r}")
     _C._stacks_enable(want_stacks, max_depth=max_depth, max_stacks=max_stacks)
+    _C._stacks_cpp(*(native if want_stacks and native else (None, None)))
     # Allocations torch makes reach the core through gpumem.torch's context hook,
     # not through Heap.malloc: point it at the stack table, or take it away.
     stack_hook = torch_hook("stack_hook")

@@ -2,8 +2,9 @@
 
 gpumem's forecasts compare gpumem with the allocator torch uses when gpumem is
 not installed.  This module follows that allocator's documented behaviour with
-its default settings (no PYTORCH_CUDA_ALLOC_CONF: no max_split_size, no
-expandable segments, no garbage collection threshold, no power-of-two rounding):
+its default settings (no PYTORCH_CUDA_ALLOC_CONF: no expandable segments, no
+garbage collection threshold, no power-of-two rounding; max_split_size may be
+given, as ``max_split_size_mb`` sets it):
 
 * every request is rounded up to a multiple of 512 bytes (512 at least);
 * requests of at most 1 MiB are served from the *small* pool, whose segments
@@ -15,15 +16,31 @@ expandable segments, no garbage collection threshold, no power-of-two rounding):
 * a block larger than the request is split when what remains is at least 512
   bytes (small pool) or more than 1 MiB (large pool); otherwise the request
   keeps the whole block;
+* with a max_split_size, blocks of that size or more are "oversize": never
+  split, never given to a request under max_split_size, and given to a larger
+  request only if they exceed it by less than 20 MiB;
 * a freed block merges with free neighbours of its segment; segments are kept
   (cached) until memory runs out;
-* when no free block fits and a new segment would exceed the memory limit, every
-  cached segment that is wholly free is released and the new segment tried
-  again; if it still does not fit, the request fails (torch's out-of-memory).
+* when no free block fits and a new segment would exceed the memory limit,
+  cached oversize segments are released first (largest first, until enough is
+  freed; only with a max_split_size), then every cached segment that is wholly
+  free, trying the new segment again after each; if it still does not fit, the
+  request fails (torch's out-of-memory).
 
-The memory limit stands for the device's memory, or the share of it that
-torch.cuda.set_per_process_memory_fraction allows: torch compares it with the
-bytes its segments reserve.
+Ties between free blocks of one size go to the lowest address, so where the
+driver puts each new segment decides which of two equal blocks is reused and
+which stays free (and can be released).  Replaying traces recorded on a GPU
+with the addresses the driver really gave reproduces torch's choice at every
+large request; the driver's addresses follow no simple rule, but placing each
+new segment below all earlier ones (the newest of equal blocks is reused first)
+reproduces torch's peak reserved bytes on the recorded traces where rising
+addresses do not (a generation loop: 7% under with rising addresses).
+
+The memory limit is what torch compares with the bytes its segments reserve
+(segments only: the CUDA context and memory allocated outside the allocator
+do not count): the device's memory, or under
+torch.cuda.set_per_process_memory_fraction(f) the fraction f of the device's
+total memory as cudaMemGetInfo reports it (allowed_bytes(f, total)).
 
     from gpumem.native_model import replay_native, min_capacity_native
     r = replay_native(trace, capacity=16 << 30)      # r.ooms, r.peak_reserved_bytes
@@ -39,6 +56,7 @@ from .trace import R_ALLOC, Trace
 
 __all__ = [
     "NativeAllocator",
+    "allowed_bytes",
     "NativeResult",
     "replay_native",
     "fits_native",
@@ -62,6 +80,17 @@ MIN_LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB  # larger requests get a segment of their size rounded to this
 
 UNLIMITED = 1 << 62
+_TOP = 1 << 56  # segments are placed downwards from here
+
+
+def allowed_bytes(fraction: float, total: int) -> int:
+    """The memory limit torch sets under set_per_process_memory_fraction(fraction)
+    on a device of `total` bytes (cudaMemGetInfo's total): what its segments may reserve."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be between 0 and 1, not {fraction}")
+    if total <= 0:
+        raise ValueError(f"total must be positive, not {total}")
+    return int(fraction * float(total))
 
 
 def round_size(size: int) -> int:
@@ -97,14 +126,18 @@ class _Block:
 class NativeAllocator:
     """The model's state: segments, blocks, the free blocks of each pool and stream."""
 
-    def __init__(self, capacity: int = UNLIMITED):
+    def __init__(self, capacity: int = UNLIMITED, max_split_size: Optional[int] = None):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, not {capacity}")
+        if max_split_size is not None and max_split_size <= LARGE_BUFFER:
+            # torch refuses max_split_size_mb of 20 or less
+            raise ValueError(f"max_split_size must be more than 20 MiB, not {max_split_size}")
         self.capacity = capacity
+        self.max_split = UNLIMITED if max_split_size is None else max_split_size
         # (small?, stream) -> sorted [(size, addr)] of free blocks
         self.pools: Dict[Tuple[bool, int], List[Tuple[int, int]]] = {}
         self.blocks: Dict[int, _Block] = {}  # addr -> block (free or not)
-        self.next_addr = 1 << 40
+        self.next_addr = _TOP
         self.reserved = 0
         self.peak_reserved = 0
         self.allocated = 0  # sum of the sizes of blocks handed out (torch's allocated_bytes)
@@ -137,8 +170,8 @@ class NativeAllocator:
     def _new_segment(self, size: int, small: bool, stream: int) -> Optional[_Block]:
         if self.reserved + size > self.capacity:
             return None
+        self.next_addr -= size + ROUND_LARGE  # below every other segment, with a gap: segments never touch
         b = _Block(self.next_addr, size, small, stream)
-        self.next_addr += size + ROUND_LARGE  # a gap: segments never touch
         self.blocks[b.addr] = b
         self.reserved += size
         self.segments += 1
@@ -172,23 +205,26 @@ class NativeAllocator:
         """The address of a block for `size` bytes on `stream`, or None (out of memory)."""
         rounded = round_size(size)
         small = rounded <= SMALL_SIZE
-        pool = self._pool(small, stream)
-        i = bisect_left(pool, (rounded, -1))
-        if i < len(pool):
-            _, addr = pool.pop(i)
-            b = self.blocks[addr]
-        else:
+        b = self._free_block(rounded, small, stream)
+        if b is None:
             want = segment_size(rounded)
             b = self._new_segment(want, small, stream)
             if b is None:
                 self.num_alloc_retries += 1
-                self.empty_cache()
-                b = self._new_segment(want, small, stream)
+                if self._release_oversize(rounded, small, stream):
+                    b = self._new_segment(want, small, stream)
+                if b is None:
+                    self.empty_cache()
+                    b = self._new_segment(want, small, stream)
                 if b is None:
                     self.ooms += 1
                     return None
         remaining = b.size - rounded
-        if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
+        if small:
+            split = remaining >= MIN_BLOCK
+        else:
+            split = rounded < self.max_split and remaining > SMALL_SIZE
+        if split:
             rest = _Block(b.addr + rounded, remaining, small, stream)
             rest.prev = b
             rest.next = b.next
@@ -203,6 +239,47 @@ class NativeAllocator:
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         return b.addr
+
+    def _free_block(self, rounded: int, small: bool, stream: int) -> Optional[_Block]:
+        """Take the best-fitting cached block, if one may serve the request."""
+        pool = self._pool(small, stream)
+        i = bisect_left(pool, (rounded, -1))
+        if i == len(pool):
+            return None
+        size, addr = pool[i]
+        if rounded < self.max_split and size >= self.max_split:
+            return None  # an oversize block is not given to a smaller request
+        if rounded >= self.max_split and size >= rounded + LARGE_BUFFER:
+            return None  # nor to a larger one it exceeds by 20 MiB or more
+        del pool[i]
+        return self.blocks[addr]
+
+    def _release_oversize(self, rounded: int, small: bool, stream: int) -> bool:
+        """With a max_split_size: release a cached oversize segment large enough
+        for the request, or else oversize ones from the largest down until as
+        many bytes are freed; False if that cannot free enough."""
+        if self.max_split == UNLIMITED:
+            return False
+        pool = self._pool(small, stream)
+        want = max(rounded, self.max_split)
+        i = bisect_left(pool, (want, -1))
+        if i < len(pool):
+            victims = [i]  # oversize: never split, so a whole segment
+        else:
+            victims, total, j = [], 0, len(pool) - 1
+            while total < want and j >= 0 and pool[j][0] >= self.max_split:
+                victims.append(j)
+                total += pool[j][0]
+                j -= 1
+            if total < want:
+                return False
+        for j in victims:  # descending indices: deleting keeps the others valid
+            size, addr = pool.pop(j)
+            del self.blocks[addr]
+            self.reserved -= size
+            self.segments -= 1
+            self.num_device_free += 1
+        return True
 
     def free(self, addr: int) -> None:
         b = self.blocks.get(addr)
@@ -243,11 +320,13 @@ class NativeResult:
     num_alloc_retries: int
 
 
-def replay_native(trace: Trace, capacity: int = UNLIMITED, stop_at_oom: bool = False) -> NativeResult:
+def replay_native(
+    trace: Trace, capacity: int = UNLIMITED, stop_at_oom: bool = False, max_split_size: Optional[int] = None
+) -> NativeResult:
     """Replay `trace` through the model with `capacity` bytes.  A request that
     fails counts as an OOM and its block stays unallocated (its free is skipped),
     as gpumem's replay does; `stop_at_oom` stops at the first one instead."""
-    a = NativeAllocator(capacity)
+    a = NativeAllocator(capacity, max_split_size)
     slots: Dict[int, int] = {}
     w = trace.words
     first_oom = -1

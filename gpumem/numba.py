@@ -40,7 +40,7 @@ def memory_manager(heap=None):
 
         def initialize(self):
             if backend.heap is None:
-                _C._torch_open(self._device())
+                _C.registry_heap(self._device())
 
         def _device(self) -> int:
             return int(self.context.device.id)
@@ -55,11 +55,7 @@ def memory_manager(heap=None):
             )
 
         def get_memory_info(self):
-            if backend.heap is not None:
-                free, total = backend.heap.mem_info()
-            else:
-                r = _C._torch_memory_report(self._device(), 0)
-                free, total = r["device_free"], r["device_total"]
+            free, total = backend.explain_heap(self._device()).mem_info()
             return cuda.MemoryInfo(free=free, total=total)
 
         def get_ipc_handle(self, memory):
@@ -73,7 +69,7 @@ def memory_manager(heap=None):
             if backend.heap is not None:
                 backend.heap.empty_cache()
             else:
-                _C._torch_empty_cache()
+                _C.registry_empty_cache()
 
         @property
         def interface_version(self):

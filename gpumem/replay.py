@@ -21,7 +21,7 @@ import os
 import statistics
 from array import array
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from ._units import format_size
 from .trace import Trace
@@ -198,17 +198,16 @@ def replay(
         ooms=counts["ooms"],
         first_oom_event=counts["first_oom_event"],
         remaps=s["num_remaps"],
-        num_maps=s["num_maps"],
-        num_unmaps=s["num_unmaps"],
-        num_pages_remapped=s["num_pages_remapped"],
-        num_device_alloc=s["num_device_alloc"],
-        num_device_free=s["num_device_free"],
-        num_alloc_retries=s["num_alloc_retries"],
+        **{name: s[name] for name in _COUNTERS},
         event_delay=event_delay,
     )
     if timing:
         result.ns_per_op = time_trace(trace, capacity, heap_kwargs, event_delay)
     return result
+
+
+# the heap's counters a ReplayResult carries under their own names
+_COUNTERS = ("num_maps", "num_unmaps", "num_pages_remapped", "num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
 def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0) -> bool:
@@ -218,6 +217,18 @@ def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_
         return replay_trace(heap, trace)["ooms"] == 0
     finally:
         heap.close()
+
+
+def _narrow(lo: int, hi: int, holds: Callable[[int], bool]) -> Tuple[int, int]:
+    """Bisect lo < hi, where `holds` is true at lo and false at hi (and flips once
+    between them), down to the adjacent pair (last that holds, first that does not)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
 
 
 def min_capacity(
@@ -253,10 +264,4 @@ def min_capacity(
         hi *= 2
         if hi * precision > limit:
             raise RuntimeError(f"{trace.path}: does not replay without OOM even at {format_size(lo * precision)}")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if probe(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi * precision
+    return _narrow(lo, hi, lambda units: not probe(units))[1] * precision

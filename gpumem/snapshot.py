@@ -49,13 +49,14 @@ import gzip
 import os
 import pickle
 import re
+from array import array
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from ._frameworks import framework_of
 from ._C import Heap
-from ._resolve import TorchHeap, default_framework, resolve_heap
+from ._resolve import default_framework, resolve_heap
 from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
@@ -230,6 +231,8 @@ class Snapshot:
     default_framework: Optional[str] = None  # who owns untagged blocks: "torch" on torch's heaps
     timeline: Optional[object] = None  # a gpumem.timeline.Timeline to show instead of the history's
     pools: List[dict] = field(default_factory=list)  # the heap's living private pools (dicts)
+    # per page, native-endian uint32: the growth that mapped it (or gave it to its pool); b"": unknown
+    growth: bytes = b""
 
     # ---- construction -----------------------------------------------------------
 
@@ -259,6 +262,7 @@ class Snapshot:
             label=label,
             default_framework=default_framework(heap),
             pools=pools,
+            growth=bytes(raw.get("growth", b"")),
         )
 
     # ---- structure ----------------------------------------------------------------
@@ -370,22 +374,63 @@ class Snapshot:
 
     # ---- torch's format ---------------------------------------------------------------
 
+    def _growth_ids(self):
+        """The growth of each page (an array of ints), or None when the snapshot has none."""
+        raw = getattr(self, "growth", b"")  # a snapshot pickled before growths were recorded has none
+        if not raw:
+            return None
+        g = array("I")
+        g.frombytes(raw)
+        return g
+
+    def _growth_runs(self, seg: Segment, growth) -> List[List[Block]]:
+        """seg's blocks cut where the growth that mapped the pages changes -- one growth is
+        what a native allocator maps with one cudaMalloc.  A live or pending block across
+        such a page keeps its two growths together; a free block across one is cut there."""
+        if growth is None:
+            return [seg.blocks]
+        ps, base = self.page_size, self.va_base
+        first, last = (seg.addr - base) // ps, (seg.addr + seg.size - base) // ps
+        ids = growth[first:last]
+        cuts = [base + (first + i + 1) * ps for i, (a, b) in enumerate(zip(ids, ids[1:])) if a != b]
+        if not cuts:
+            return [seg.blocks]
+        runs: List[List[Block]] = [[]]
+        k = 0
+        for b in seg.blocks:
+            while k < len(cuts) and cuts[k] <= b.addr:
+                if runs[-1]:
+                    runs.append([])
+                k += 1
+            while k < len(cuts) and cuts[k] < b.end:
+                if b.state in ("live", "pending"):  # never cut inside a block in use
+                    k += 1
+                    continue
+                runs[-1].append(replace(b, size=cuts[k] - b.addr))  # a free block across a cut: two parts
+                b = replace(b, addr=cuts[k], size=b.end - cuts[k])
+                runs.append([])
+                k += 1
+            runs[-1].append(b)
+        return [r for r in runs if r]
+
     def _pool_runs(self) -> List[Segment]:
-        """Mapped runs cut where the pool or the stream of the blocks changes
-        (torch gives every segment one segment_pool_id, and serves each stream
-        from segments of its own): a free block of the general heap stays in the
-        run it lies in; live or pending blocks, and a pool's free blocks, make
-        runs of their pool and stream."""
+        """Mapped runs cut where the growth that mapped them changes (_growth_runs), and
+        where the pool or the stream of the blocks changes (torch gives every segment one
+        segment_pool_id, and serves each stream from segments of its own): a free block
+        stays in the run it lies in (a pool's, in a run of its pool); live or pending
+        blocks make runs of their pool and stream."""
         out: List[Segment] = []
-        for seg in self.segments:
+        growth = self._growth_ids()
+        for blocks in (r for seg in self.segments for r in self._growth_runs(seg, growth)):
             run: List[Block] = []
             pool: Optional[Tuple[int, int]] = None
             stream: Optional[int] = None
-            for b in seg.blocks:
+            for b in blocks:
                 active = b.state in ("live", "pending")
                 p = tuple(b.pool) if b.pool is not None else (0, 0) if active else None
-                # a pool's free block stays its stream's (any stream's: it joins either)
-                s = b.stream if (active or p is not None) and b.stream != STREAM_ANY else None
+                # a free block joins either side: within one growth a segment is cut only
+                # between blocks in use on two streams
+                s = b.stream if active and b.stream != STREAM_ANY else None
                 if run and (
                     (p is not None and pool is not None and p != pool) or (s is not None and stream not in (None, s))
                 ):
@@ -560,7 +605,7 @@ def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINT
     if isinstance(source, Snapshot):
         tl = from_snapshot(source)
     else:
-        heap = source if isinstance(source, (Heap, TorchHeap)) else resolve_heap(source)
+        heap = source if isinstance(source, Heap) else resolve_heap(source)
         tl = from_snapshot(Snapshot.from_heap(heap))
     if tl is None:
         raise ValueError("this heap has recorded no history: call gpumem.record_history() first")

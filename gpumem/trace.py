@@ -42,6 +42,7 @@ __all__ = [
     "ACTIONS",
     "REPLAYED_ACTIONS",
     "IGNORED_ACTIONS",
+    "ALLOCATOR_ACTIONS",
 ]
 
 # Layout of gm_replay_event: struct "<IIQQ" (op, slot, size, stream).  It is built
@@ -53,9 +54,10 @@ R_FREE = 1
 
 # The actions of torch's TraceEntry that a trace may hold (any other is an
 # error): those that drive the replay, then those that do not change which
-# blocks are live.
+# blocks are live.  All but "user_defined" (the user's annotations) are the
+# allocator's own: ALLOCATOR_ACTIONS, which gpumem.torch records.
 REPLAYED_ACTIONS = ("alloc", "free_completed")
-IGNORED_ACTIONS = (
+_ALLOCATOR_IGNORED = (
     "free_requested",
     "segment_alloc",
     "segment_free",
@@ -63,8 +65,9 @@ IGNORED_ACTIONS = (
     "segment_unmap",
     "snapshot",
     "oom",
-    "user_defined",
 )
+IGNORED_ACTIONS = _ALLOCATOR_IGNORED + ("user_defined",)
+ALLOCATOR_ACTIONS = REPLAYED_ACTIONS + _ALLOCATOR_IGNORED
 ACTIONS = REPLAYED_ACTIONS + IGNORED_ACTIONS
 _IGNORED = frozenset(IGNORED_ACTIONS)
 _MAX_U64 = (1 << 64) - 1

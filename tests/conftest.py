@@ -299,14 +299,22 @@ memory_fraction = lib.gpumem_torch_memory_fraction
 memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
 ANY = ctypes.cast(None, FILTER)   # a pool that takes every stream
 def live(pool):
-    return {a for a, _ in _C._torch_pool_live(0, pool)}
+    return {a for a, _ in _C.registry_heap(0).pool_live(pool)}
+"""
+
+
+# What the child of run_python reports with: out(key=value, ...) prints one line "RESULT <json>".
+OUT = """
+import json
+def out(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 
 def run_python(code, prelude, env=None, timeout=600, unset=("GPUMEM_CONF",)):
     """Run prelude + code in a fresh interpreter that imports this checkout's
     gpumem; return the dict the code printed with out(...) (a line "RESULT
-    <json>").  `unset` names environment variables the child must not inherit."""
+    <json>", see OUT).  `unset` names environment variables the child must not inherit."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     for name in unset:
@@ -314,7 +322,11 @@ def run_python(code, prelude, env=None, timeout=600, unset=("GPUMEM_CONF",)):
     if env:
         e.update(env)
     p = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", OUT + prelude + textwrap.dedent(code)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"

@@ -143,10 +143,15 @@ def test_init_called_again_from_inside_its_own_conversion():
     h.close()
 
 
-def test_pool_set_live_items_that_empty_the_list_they_are_in():
+def heap_with_a_pool_block():
+    """A heap with pool (1, 1) retained, and a 4 KiB block of the pool."""
     h = new_heap()
     h.pool_retain((1, 1))
-    p = h.malloc(4096, pool=(1, 1))
+    return h, h.malloc(4096, pool=(1, 1))
+
+
+def test_pool_set_live_items_that_empty_the_list_they_are_in():
+    h, p = heap_with_a_pool_block()
     blocks = []
 
     class Clearing:
@@ -164,9 +169,7 @@ def test_pool_set_live_items_that_empty_the_list_they_are_in():
 
 
 def test_pool_set_live_items_that_replace_the_items_of_their_list():
-    h = new_heap()
-    h.pool_retain((1, 1))
-    p = h.malloc(4096, pool=(1, 1))
+    h, p = heap_with_a_pool_block()
     blocks = []
 
     class Replacing:
@@ -233,9 +236,7 @@ def test_sequences_that_lie_about_their_length_or_close_the_heap():
     with pytest.raises(ValueError, match="closed"):
         h.pool_set_live((1, 1), LyingSequence(h, [(1, 2)], 0))
     # A length of 2**40 costs nothing: the items are taken as they come.
-    h = new_heap()
-    h.pool_retain((1, 1))
-    p = h.malloc(4096, pool=(1, 1))
+    h, p = heap_with_a_pool_block()
     h.pool_set_live((1, 1), LyingSequence(h, [(p, 4096)], 2**40, close=False))
     assert h.pool_live((1, 1)) == [(p, 4096)]
     with pytest.raises(ValueError, match="closed"):

@@ -43,12 +43,14 @@ class State:
         self.tainted = False  # sim_unmap succeeded: the heap's books are wrong by design
 
 
-class CloseIndex:
-    def __init__(self, st, v):
-        self.st, self.v = st, v
+class ActingIndex:
+    """An integer whose conversion first does something hostile: act()."""
+
+    def __init__(self, act, v):
+        self.act, self.v = act, v
 
     def __index__(self):
-        self.st.heap.close()
+        self.act()
         return self.v
 
 
@@ -62,26 +64,11 @@ class HugeIndex:
         return 2**70
 
 
-class ClearIndex:
-    def __init__(self, st, v):
-        self.st, self.v = st, v
-
-    def __index__(self):
-        self.st.shared.clear()
-        return self.v
-
-
-class ThreadCloseIndex:
-    """Closes the heap from another thread while the conversion waits."""
-
-    def __init__(self, st, v):
-        self.st, self.v = st, v
-
-    def __index__(self):
-        t = threading.Thread(target=self.st.heap.close)
-        t.start()
-        t.join()
-        return self.v
+def close_from_another_thread(st):
+    """Close the heap from another thread while the conversion waits."""
+    t = threading.Thread(target=st.heap.close)
+    t.start()
+    t.join()
 
 
 class LyingSeq:
@@ -114,11 +101,11 @@ def an_int(st):
         v = st.rng.choice(st.ptrs)
     kind = st.rng.randrange(9)
     return [
-        lambda: CloseIndex(st, v),
+        lambda: ActingIndex(lambda: st.heap.close(), v),
         lambda: RaiseIndex(),
         lambda: HugeIndex(),
-        lambda: ClearIndex(st, v),
-        lambda: ThreadCloseIndex(st, v),
+        lambda: ActingIndex(st.shared.clear, v),
+        lambda: ActingIndex(lambda: close_from_another_thread(st), v),
         lambda: "1MiB",
         lambda: 1.5,
         lambda: None,

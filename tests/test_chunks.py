@@ -364,8 +364,8 @@ def test_torch_option_is_checked():
     from gpumem.torch._install import normalize_options, parse_conf
 
     assert normalize_options(parse_conf("chunk_pages:16"))["chunk_pages"] == 16
-    assert normalize_options({})["chunk_pages"] == 0  # the core's default
-    with pytest.raises(ValueError, match="chunk_pages must lie in"):
+    assert normalize_options({})["chunk_pages"] is None  # the core's default
+    with pytest.raises(ValueError, match="chunk_pages must be in"):
         normalize_options({"chunk_pages": 0})
 
 

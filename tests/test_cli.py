@@ -14,6 +14,8 @@ import gpumem
 from gpumem.__main__ import main
 
 from conftest import GiB, MiB, REPO, all_traces, trace_file
+from helpers import raw_events, recount_peak
+from helpers import write_text as _write_text
 
 SEED = trace_file("seed_fragmentation")
 
@@ -50,30 +52,11 @@ def run_cli(*args):
 
 
 def write_text(path, lines):
-    with gzip.open(path, "wt") as f:
-        f.write("# action addr size stream\n" + "\n".join(lines) + "\n")
-    return path
+    return _write_text(path, lines, header="# action addr size stream")
 
 
 def json_rows(stdout):
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
-
-def recount_peak(path):
-    """Peak live bytes counted from the file with no gpumem code."""
-    live, cur, peak = {}, 0, 0
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            if line.startswith("#"):
-                continue
-            action, addr, size, _ = line.split()
-            if action == "alloc":
-                live[addr] = int(size)
-                cur += int(size)
-                peak = max(peak, cur)
-            elif action == "free_completed":
-                cur -= live.pop(addr)
-    return peak
 
 
 # ---- bad input: one line on stderr, exit 2, no traceback --------------------------
@@ -137,7 +120,7 @@ def test_bad_inputs_subprocess(tmp_path):
         (["replay", "x.gz", "--capacity", "12 parsecs"], "unknown size unit"),
         (["replay", "x.gz", "--capacity", "0"], "positive"),
         (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
-        (["replay", "x.gz", "--chunk-pages", "0"], "chunk pages must be between 1 and"),
+        (["replay", "x.gz", "--chunk-pages", "0"], "chunk_pages must be in [1, "),
         (["replay", "x.gz", "--page-size", "3MiB"], "page size must be a power of two"),
         (["nosuchcommand"], "invalid choice"),
         ([], "required"),
@@ -172,7 +155,7 @@ def test_json_keys_and_consistency():
     for r, path in zip(rows, small):
         assert JSON_KEYS <= r.keys(), JSON_KEYS - r.keys()
         assert "min_capacity_bytes" not in r
-        assert r["peak_live_bytes"] == recount_peak(path)
+        assert r["peak_live_bytes"] == recount_peak(raw_events(path))
         assert r["capacity_bytes"] == 80 * GiB
         assert r["ooms"] == 0 and r["first_oom_event"] == -1
         assert r["events"] == r["allocs"] + r["frees"]
@@ -196,10 +179,11 @@ def test_json_min_capacity(tmp_path):
 
 
 def test_chunk_pages_option(capsys):
-    """--chunk-pages 8: fewer device allocations; the default makes one per page."""
+    """--chunk-pages 8: fewer device allocations; the default makes one per page on a tight heap (with room,
+    the policy makes chunks of its own: test_policy.py)."""
     rows = {}
     for extra in ([], ["--chunk-pages", "1"], ["--chunk-pages", "8"]):
-        assert main(["replay", str(SEED), "--json", "--no-timing", *extra]) == 0
+        assert main(["replay", str(SEED), "--json", "--no-timing", "--pressure", "0", *extra]) == 0
         (rows[tuple(extra)],) = json_rows(capsys.readouterr().out)
     one, default, eight = rows[("--chunk-pages", "1")], rows[()], rows[("--chunk-pages", "8")]
     assert default["num_device_alloc"] == one["num_device_alloc"]
@@ -211,7 +195,7 @@ def test_page_size_option(capsys):
     """--page-size 8MiB: about a quarter of the device allocations, each a whole 8 MiB page."""
     rows = {}
     for extra in ([], ["--page-size", "8MiB"]):
-        assert main(["replay", str(SEED), "--json", "--no-timing", "--min-capacity", *extra]) == 0
+        assert main(["replay", str(SEED), "--json", "--no-timing", "--min-capacity", "--pressure", "0", *extra]) == 0
         (rows[tuple(extra)],) = json_rows(capsys.readouterr().out)
     two, eight = rows[()], rows[("--page-size", "8MiB")]
     assert eight["peak_live_bytes"] == two["peak_live_bytes"]

@@ -255,12 +255,18 @@ def fill_with_pages(h, cap_pages):
     return ptrs
 
 
-def test_defragmentation_serves_a_large_request(make_heap):
-    h = make_heap(capacity=64 * MiB)
+def every_other_page_free(h):
+    """A full heap of 64 MiB whose even pages are then freed: 16 free pages,
+    none adjacent.  Returns the 16 one-page blocks kept."""
     ptrs = fill_with_pages(h, 32)
-    kept = ptrs[1::2]
     for p in ptrs[0::2]:
         h.free(p)
+    return ptrs[1::2]
+
+
+def test_defragmentation_serves_a_large_request(make_heap):
+    h = make_heap(capacity=64 * MiB)
+    kept = every_other_page_free(h)
     # 16 free pages, none adjacent: a contiguous 32 MiB needs them remapped.
     before = h.stats()
     big = h.malloc(32 * MiB)
@@ -278,10 +284,7 @@ def test_defragmentation_serves_a_large_request(make_heap):
 
 def test_defragmentation_oom_when_it_cannot_fit(make_heap):
     h = make_heap(capacity=64 * MiB)
-    ptrs = fill_with_pages(h, 32)
-    kept = ptrs[1::2]
-    for p in ptrs[0::2]:
-        h.free(p)
+    kept = every_other_page_free(h)
     ooms = h.stats()["num_ooms"]
     with pytest.raises(gpumem.OutOfMemoryError) as exc:
         h.malloc(34 * MiB)  # 17 pages, only 16 free
@@ -513,6 +516,9 @@ def test_closed_heap_raises(make_heap):
         h.snapshot,
         lambda: h.set_cap(0),
         h.sim_info,
+        h.reset_peak_stats,
+        h.reset_accumulated_stats,
+        h.capture_begin,
     ):
         with pytest.raises(ValueError):
             call()

@@ -35,6 +35,15 @@ def test_request_bigger_than_device(heap):
     assert "larger than the whole device" in r.text() and "split the work" in r.text()
 
 
+def test_request_bigger_than_the_cap(heap):
+    heap.set_cap(256 * MiB)
+    r = explain(300 * MiB, heap)
+    assert r.main_cause.kind == "too_big" and not r.fits
+    assert r.main_cause.bytes == 44 * MiB
+    assert "larger than the cap (256.00 MiB)" in r.text()
+    assert [c.kind for c in r.causes].count("too_big") == 1
+
+
 def test_other_processes_by_pid(heap):
     heap.sim_set_external(4242, 600 * MiB)
     heap.sim_set_external(777, 100 * MiB)
@@ -195,6 +204,40 @@ def test_broken_formatter_keeps_the_oom(heap):
         _C._set_oom_formatter(format_oom)
     assert str(e).startswith("CUDA out of memory.") and "explain failed: boom" in str(e)
     assert e.info["request"] == 2 * GiB
+
+
+def test_the_explanation_is_registered_at_setup_not_by_importing_explain():
+    from conftest import run_python
+
+    r = run_python(
+        """
+        import importlib, sys
+        import gpumem
+        from gpumem import _C
+        from gpumem._shared import Backend
+
+        def message():
+            h = gpumem.Heap(capacity=1 << 30)
+            try:
+                h.malloc(2 << 30)
+            except gpumem.OutOfMemoryError as e:
+                return str(e)
+
+        at_setup = message()                       # the package registered it
+        _C._set_oom_formatter(None)
+        importlib.reload(sys.modules["gpumem.explain"])   # importing explain registers nothing
+        after_import = message()
+        sys.modules["gpumem.explain"].register_oom_formatter()
+        registered = message()
+        _C._set_oom_formatter(None)
+        Backend("cupy")                            # CuPy's and Numba's install register it
+        shared = message()
+        out(at_setup=at_setup, after_import=after_import, registered=registered, shared=shared)
+        """,
+        "import json\ndef out(**kw):\n    print('RESULT ' + json.dumps(kw), flush=True)\n",
+    )
+    assert "\n" not in r["after_import"] and r["after_import"] == r["at_setup"].split("\n")[0]
+    assert r["registered"] == r["shared"] == r["at_setup"] and "What to do" in r["at_setup"]
 
 
 def test_notebook_references():

@@ -179,17 +179,23 @@ def test_single_fault_in_pools(make_heap, op, nth):
     finish(run)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_faults_in_pools(make_heap, seed):
+def random_faults(make_heap, seed, work, rounds):
+    """Every device operation fails at random (15%, seeded) while work runs
+    rounds times; then the faults stop and the heap must be whole and usable."""
     h = make_heap(capacity=CAPACITY)
     for i, op in enumerate(OPS):
         h.sim_fail_random(op, 0.15, seed=seed * 100 + i)
     run = Run(h)
-    for _ in range(2):
-        pool_workload(run)
+    for _ in range(rounds):
+        work(run)
     for op in OPS:
         h.sim_fail_random(op, 0.0)
     finish(run)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_faults_in_pools(make_heap, seed):
+    random_faults(make_heap, seed, pool_workload, rounds=2)
 
 
 _BASELINE = {}
@@ -315,15 +321,7 @@ def test_persistent_fault(make_heap, op):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_faults_everywhere(make_heap, seed):
-    h = make_heap(capacity=CAPACITY)
-    for i, op in enumerate(OPS):
-        h.sim_fail_random(op, 0.15, seed=seed * 100 + i)
-    run = Run(h)
-    for _ in range(3):
-        workload(run)
-    for op in OPS:
-        h.sim_fail_random(op, 0.0)
-    finish(run)
+    random_faults(make_heap, seed, workload, rounds=3)
 
 
 def test_create_failure_is_an_oom_with_a_reason(make_heap):

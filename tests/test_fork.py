@@ -182,7 +182,7 @@ BOUNDARY = (
     "from gpumem import _C\n"
     + TORCH_BOUNDARY
     + textwrap.dedent("""
-    _C._torch_open_sim(0, 1 << 30)
+    _C.registry_open_sim(0, 1 << 30)
 
     def use_the_boundary():
         # every path through one of the boundary's locks, and then the checker
@@ -192,12 +192,12 @@ BOUNDARY = (
         assert _C._torch_format_oom(0, 1 << 40).startswith("CUDA out of memory.")
         memory_fraction(0.9, 0)
         try:
-            _C._torch_open_sim(0, 1 << 30)
+            _C.registry_open_sim(0, 1 << 30)
             raise AssertionError("a second heap on device 0")
         except ValueError:
             pass
         # the options lock
-        _C._torch_configure(cap_bytes=_C._torch_options()["cap_bytes"])
+        _C.registry_configure(cap_bytes=_C.registry_options()["cap_bytes"])
         # the device's pool lock: begin, a routed allocation, end
         assert begin(0, 5, 0, ANY) == 0
         q = alloc(MiB, 0, None)
@@ -205,7 +205,7 @@ BOUNDARY = (
         free(q, MiB, 0, None)
         assert end(0, 5, 0) == 0 and release(0, 5, 0) == 0
         assert _C._torch_active_pools(0) == []
-        _C._torch_check(0)
+        _C.registry_heap(0).check()
 """)
 )
 
@@ -232,7 +232,7 @@ def test_fork_while_another_thread_holds_a_torch_boundary_lock(tmp_path, lock):
         use_the_boundary()   # and the parent got them all back
         for p in inherited:
             free(p, MiB, 0, None)
-        _C._torch_check(0)
+        _C.registry_heap(0).check()
         print("child statuses", statuses, flush=True)
         sys.exit(0 if statuses == [0, 0, 0] else 1)
     """,
@@ -271,7 +271,7 @@ def test_fork_while_a_pool_filter_waits_for_the_gil(tmp_path):
             assert p in live((1, 0)) and len(live((1, 0)) - {p}) <= 1
             free(p, MiB, 0, 7)
             assert _C._torch_active_pools(0) == [(1, 0)]
-            _C._torch_check(0)
+            _C.registry_heap(0).check()
 
         statuses = [fork_child(child) for _ in range(10)]
         routed = finish()
@@ -294,7 +294,7 @@ def test_exit_with_live_torch_blocks_history_and_busy_threads(tmp_path):
     are inside the boundary."""
     r = run_script(
         """
-        _C._torch_history_enable(1000)
+        _C.registry_history_enable(1000)
         _C._stacks_enable(True)
         _C._torch_set_context_hook(_C._torch_viz_hooks()["context"])   # as gpumem.torch does
         live_blocks = [alloc(5 * MiB, 0, None) for _ in range(8)]
@@ -309,7 +309,7 @@ def test_exit_with_live_torch_blocks_history_and_busy_threads(tmp_path):
         for s in (0, 7, 9):
             threading.Thread(target=hammer, args=(s,), daemon=True).start()
         time.sleep(0.3)
-        assert _C._torch_history(0)[0], "history recorded nothing"
+        assert _C.registry_heap(0).history()[0], "history recorded nothing"
         print("exiting", flush=True)
         sys.exit(0)
     """,

@@ -92,8 +92,8 @@ def test_cuda_pages_larger_than_the_granularity():
                 del live[int(torch.randint(0, len(live), (1,), generator=g))]
         for i, t in live:
             bad += int(int(t.sum()) != (i % 97) * t.numel())
-        snap = gpumem._C._torch_snapshot(0)
-        gpumem._C._torch_check(0)
+        snap = gpumem._C.registry_heap(0).snapshot()
+        gpumem._C.registry_heap(0).check()
         out(grown=grown, remapped=st["num_pages_remapped"], reserved=st["reserved_bytes.all.current"], small=small,
             page=snap["page_size"], bad=bad, torch_reserved=torch.cuda.memory_reserved())
     """)

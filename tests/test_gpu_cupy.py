@@ -21,8 +21,6 @@ PRELUDE = """
 import gc, json, os, sys
 import numpy as np
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 
@@ -71,7 +69,7 @@ def test_torch_and_cupy_share_one_heap_under_a_cap():
         both = gpumem.snapshot().by_framework()
         st = torch.cuda.memory_stats()
         rep = gpumem.explain()
-        out(sums=sums, cap=gpumem._C._torch_get_cap(0), peak_reserved=st["reserved_bytes.all.peak"],
+        out(sums=sums, cap=gpumem._C.registry_heap(0).get_cap(), peak_reserved=st["reserved_bytes.all.peak"],
             peak_live=st["allocated_bytes.all.peak"], both={k: list(v) for k, v in both.items()},
             kept=[float(keep_t[-1]), float(keep_c[-1])], dl_ok=dl_ok,
             frameworks_in_explain=dict((k, list(v)) for k, v in rep.by_framework.items()),
@@ -125,7 +123,7 @@ def test_cupy_matmul_ooms_on_a_small_cap_and_succeeds_chunked():
         rows = [0, 4321, N - 1]
         ref = A_h[rows] @ B_h
         res["max_err"] = float(np.max(np.abs(C_h[rows] - ref)))
-        res["cap"] = gpumem._C._torch_get_cap(0)
+        res["cap"] = gpumem._C.registry_heap(0).get_cap()
         out(**res)
     """)
     assert r["oom"] and r["is_gpumem_text"], r

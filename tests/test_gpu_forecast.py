@@ -24,7 +24,8 @@ def out(**kw):
 def _setup(allocator):
     if allocator == "gpumem":
         return f"gpumem.install(cap={CAP})\n"
-    return f"torch.cuda.set_per_process_memory_fraction({CAP} / torch.cuda.get_device_properties(0).total_memory)\n"
+    # torch allows its segments the fraction times cudaMemGetInfo's total: exactly CAP, as the forecast assumes
+    return f"torch.cuda.set_per_process_memory_fraction({CAP} / torch.cuda.mem_get_info()[1])\n"
 
 
 MODEL = """

@@ -58,11 +58,11 @@ torch.cuda.synchronize()
 vals2 = [float(o[0]) for o in outs] + [float(z[0])]
 intact2 = all(bool((f == 5.0).all()) for f in fillers)
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 del graphs, g, g1, outs, y, z
 gc.collect()
 torch.cuda.synchronize()
-pools_after = len(gpumem._C._torch_pools(0)) if USE else None
+pools_after = len(gpumem._C.registry_heap(0).pools()) if USE else None
 out(intact=intact and intact2, vals=vals, vals2=vals2, pools=pools, pools_after=pools_after)
 """
 
@@ -96,11 +96,11 @@ x.mul_(0.5)
 g.replay(); torch.cuda.synchronize()
 v2 = float(y.sum())
 intact = all(bool((f == 7.0).all()) for f in fill)
-live_pool = len(gpumem._C._torch_pools(0)) if USE else None
+live_pool = len(gpumem._C.registry_heap(0).pools()) if USE else None
 g.reset()
 del y
 torch.cuda.synchronize()
-pools_after_reset = len(gpumem._C._torch_pools(0)) if USE else None
+pools_after_reset = len(gpumem._C.registry_heap(0).pools()) if USE else None
 reserved_before = torch.cuda.memory_reserved()
 torch.cuda.empty_cache()
 out(v1=v1, v2=v2, intact=intact, live_pool=live_pool, pools_after_reset=pools_after_reset,
@@ -175,11 +175,11 @@ gc.collect()
 fill = [torch.full((1 << 20,), 9.0, device="cuda") for _ in range(16)]   # must not land on t1/t2
 torch.cuda.synchronize()
 intact = bool(torch.equal(t1, keep1)) and bool(torch.equal(t2, keep2))
-pools_left = len(gpumem._C._torch_pools(0)) if USE else None
+pools_left = len(gpumem._C.registry_heap(0).pools()) if USE else None
 del t1, t2
 torch.cuda.synchronize()
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 out(kind=kind, uc0=uc0, uc_in=uc_in, uc_after=uc_after, seg_pools=[list(p) for p in seg_pools], pid=list(pid),
     pool_alloc=pool_alloc, outside_in_pool=outside_in_pool, intact=intact, pools_left=pools_left,
     whole_has_pool=any(tuple(s["segment_pool_id"]) == pid for s in whole))
@@ -248,9 +248,9 @@ for i in range(6):
 torch.cuda.synchronize()
 intact = all(bool((t == float(v)).all()) for t, v in held)
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 out(infer=infer, max_err=max_err, losses=losses, elosses=elosses, intact=intact, calls=calls,
-    pools=len(gpumem._C._torch_pools(0)) if USE else None)
+    pools=len(gpumem._C.registry_heap(0).pools()) if USE else None)
 """
 
 
@@ -296,7 +296,7 @@ x.fill_(2.0)
 g2.replay()
 torch.cuda.synchronize()
 if USE:
-    gpumem._C._torch_check(0)
+    gpumem._C.registry_heap(0).check()
 out(oom=oom, prefix=msg.startswith("CUDA out of memory."), val=float(z[0]))
 """
 
@@ -322,3 +322,56 @@ def test_torch_allocator_with_change_current_allocator_equals_install():
     )
     ours = run_py(head + GRAPHS)
     assert ours["intact"] and ours["vals"] == native["vals"] and ours["pools"] == 2, (native, ours)
+
+
+POOL_PAGES = """
+import gc
+torch.cuda.empty_cache()
+split, whole = torch.cuda.MemPool(), torch.cuda.MemPool(no_split=True)
+with torch.cuda.use_mem_pool(split):
+    a = torch.randn(1 << 20, device="cuda")                 # 4 MiB
+with torch.cuda.use_mem_pool(whole):
+    b = torch.randn(1 << 20, device="cuda")
+    c = torch.randn(1 << 18, device="cuda")                 # 1 MiB: a block it holds whole
+blocks_per_segment = [len(s["blocks"]) for s in whole.snapshot()]
+# a small graph beside an eager tensor: its pool's memory is its own
+s = torch.cuda.Stream()
+x = torch.ones(1000, device="cuda")
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    y = x * 2
+    before = torch.cuda.memory_stats()["reserved_bytes.all.current"]
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    z = y.clone()
+    for _ in range(3):
+        z = z * 2 + 1
+    g.capture_end()
+torch.cuda.current_stream().wait_stream(s)
+grew = torch.cuda.memory_stats()["reserved_bytes.all.current"] - before
+eager = {x.data_ptr() >> 21, y.data_ptr() >> 21}
+graph_segs = [seg for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == g.pool()]
+graph_pages = set()
+for seg in graph_segs:
+    graph_pages.update(range(seg["address"] >> 21, (seg["address"] + seg["total_size"] - 1 >> 21) + 1))
+shares = bool(eager & graph_pages)
+g.replay()
+torch.cuda.synchronize()
+ok = bool(torch.equal(z, (x * 2) * 8 + 7))
+del g, a, b, c
+gc.collect()
+if USE:
+    gpumem._C.registry_heap(0).check()
+out(blocks_per_segment=blocks_per_segment, grew=grew, shares=shares, ok=ok)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_no_split_pools_and_a_graphs_own_pages():
+    native, ours = both(POOL_PAGES)
+    assert native["ok"] and ours["ok"]
+    assert native["blocks_per_segment"] and set(native["blocks_per_segment"]) == {1}, native
+    assert ours["blocks_per_segment"] and set(ours["blocks_per_segment"]) == {1}, ours
+    assert native["grew"] > 0 and ours["grew"] == 2 << 20, (native, ours)  # one page of its own
+    assert not ours["shares"]

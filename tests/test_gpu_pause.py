@@ -25,7 +25,7 @@ with torch.cuda.use_mem_pool(pool):
     ts = [torch.randn(32 << 20, device="cuda") for _ in range(8)]  # 8 x 128 MiB
     small = torch.arange(1000, device="cuda", dtype=torch.int32)    # shares a page with others, maybe
 expected = [t.cpu() for t in ts] + [small.cpu()]
-info = gpumem._C._torch_pool_info(0, pool.id)
+info = gpumem._C.registry_heap(0).pool_info(pool.id)
 torch.cuda.synchronize()
 free0 = torch.cuda.mem_get_info()[0]
 r = gpumem.pause(pool, backup=BACKUP)
@@ -44,7 +44,7 @@ except RuntimeError as e:
 hog = torch.full((int(r.bytes * 0.9) // 4,), 7.0, device="cuda")
 hog_ok = bool((hog == 7.0).all())
 del hog
-gpumem._C._torch_check(0)
+gpumem._C.registry_heap(0).check()
 torch.cuda.empty_cache()
 free2 = torch.cuda.mem_get_info()[0]
 r2 = gpumem.resume(pool)
@@ -58,7 +58,7 @@ for t in ts:                     # usable whatever the contents
     t.fill_(2.0)
 usable = all(bool((t == 2.0).all()) for t in ts)
 other_ok = float(other.double().sum()) == other_sum
-gpumem._C._torch_check(0)
+gpumem._C.registry_heap(0).check()
 out(pages=r.pages, shared=r.shared_pages, bytes=r.bytes, backup_bytes=r.backup_bytes, pause_s=r.seconds,
     resume_pages=r2.pages, resume_s=r2.seconds, pinned_pages=info["pinned_pages"],
     returned=free1 - free0, retaken=free2 - free3, same=same, usable=usable, other_ok=other_ok,
@@ -133,7 +133,7 @@ for backup in (True, False):
     torch.cuda.synchronize()
     replay_ok = replay_ok and bool(torch.equal(y.cpu(), first))
     results[str(backup)] = dict(pages=r.pages, kept=kept, replay_ok=replay_ok)
-gpumem._C._torch_check(0)
+gpumem._C.registry_heap(0).check()
 out(results=results, keep_ok=bool((keep == 3.0).all()), x_ok=bool((x == 1.0).all()))
 """
 
@@ -241,12 +241,12 @@ try:
     msg = "no error"
 except RuntimeError as e:
     msg = str(e)
-info = gpumem._C._torch_pool_info(0, pool.id)
-gpumem._C._torch_check(0)
+info = gpumem._C.registry_heap(0).pool_info(pool.id)
+gpumem._C.registry_heap(0).check()
 gpumem.resume(pool)
 a.fill_(1.0); b.fill_(2.0); between.fill_(3.0)
 ok = bool((a == 1.0).all()) and bool((b == 2.0).all()) and bool((between == 3.0).all())
-gpumem._C._torch_check(0)
+gpumem._C.registry_heap(0).check()
 out(msg=msg, paused=info["paused"], paused_pages=info["paused_pages"], ok=ok)
 """
 

@@ -8,30 +8,17 @@ the same after warm-up, and tight with GPUMEM_CONF=pressure:0.  Each case runs i
 skipped without torch or a CUDA GPU.
 """
 
-import pytest
-from test_gpu_torch import N_CUDA, run_py
+import inspect
+import textwrap
 
-WORKLOAD = """
-        MiB = 1 << 20
-        def workload(h, rounds=3):
-            keep = []
-            for r in range(rounds):
-                big = []
-                for _ in range(8):
-                    big.append(h.malloc((64 + 8 * r) * MiB))
-                    keep.append(h.malloc(MiB))
-                for p in big:
-                    h.free(p)
-                h.free(h.malloc((256 + 32 * r) * MiB))
-            return keep
-        def counters(h):
-            s = h.stats()
-            return {k: s[k] for k in ("num_remaps", "num_sync_all_streams", "num_device_alloc", "num_ooms")}
-"""
+from test_gpu_torch import gpu_test, run_py
+from test_policy import counters, workload
+
+# tests/test_policy.py's workload and counters, defined in the child (indented as the code run after them)
+WORKLOAD = textwrap.indent("MiB = 1 << 20\n" + inspect.getsource(workload) + inspect.getsource(counters), " " * 8)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_cuda_room_and_pressure():
     r = run_py(
         WORKLOAD
@@ -96,8 +83,7 @@ TORCH_LOOP = """
 """
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_torch_with_room_makes_no_sync_after_warmup():
     room = run_py(TORCH_LOOP)
     tight = run_py(TORCH_LOOP, env={"GPUMEM_CONF": "pressure:0"})

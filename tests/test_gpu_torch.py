@@ -18,17 +18,26 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-from conftest import cuda_devices, run_python  # noqa: E402
+from conftest import OUT, cuda_devices, run_python  # noqa: E402
 
 # Zero only without a GPU; a broken CUDA install raises here (see conftest).
 N_CUDA = cuda_devices()[0]
+
+
+def gpu_test(f=None, *, devices=1):
+    """A test that needs torch with a CUDA GPU (`devices` of them): marked `gpu`, skipped without."""
+    reason = "needs torch with a CUDA GPU" if devices == 1 else f"needs {devices} CUDA devices"
+
+    def mark(f):
+        return pytest.mark.gpu(pytest.mark.skipif(N_CUDA < devices, reason=reason)(f))
+
+    return mark(f) if f else mark
+
 
 PRELUDE = """
 import json, os, sys
 import torch
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 DETERMINISM = """
@@ -50,8 +59,7 @@ def run_py(code, env=None, timeout=900):
 # ---- GPU ---------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_many_sizes_and_kernels():
     r = run_py("""
         gpumem.install()
@@ -76,8 +84,8 @@ def test_many_sizes_and_kernels():
         ptrs = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for _, t in live)
         overlap = sum(1 for a, b in zip(ptrs, ptrs[1:]) if a[1] > b[0])
         torch.cuda.synchronize()
-        gpumem._C._torch_check(0)
-        snap = gpumem._C._torch_snapshot(0)
+        gpumem._C.registry_heap(0).check()
+        snap = gpumem._C.registry_heap(0).snapshot()
         inside = all(snap["va_base"] <= t.data_ptr() < snap["va_base"] + snap["va_size"] for _, t in live)
         out(bad=bad, overlap=overlap, inside=inside, n=len(sizes), live=len(live))
     """)
@@ -122,13 +130,12 @@ out(losses=losses, peak=st["allocated_bytes.all.peak"], backend=gpumem.status()[
 )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 @pytest.mark.parametrize("model,steps", [("gpt2", 6), ("resnet50", 4)])
 def test_training_losses_equal_native(model, steps, tmp_path):
     pytest.importorskip("transformers" if model == "gpt2" else "torchvision")
     script = tmp_path / "train.py"
-    script.write_text(PRELUDE + TRAIN)
+    script.write_text(OUT + PRELUDE + TRAIN)
 
     def go(use):
         e = dict(os.environ, PYTHONPATH=str(REPO), CUBLAS_WORKSPACE_CONFIG=":4096:8")
@@ -147,8 +154,7 @@ def test_training_losses_equal_native(model, steps, tmp_path):
     print(model, "losses", ours["losses"], "peak native", native["peak"], "gpumem", ours["peak"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_record_stream_keeps_block_until_side_stream_is_done():
     r = run_py("""
         gpumem.install()
@@ -187,8 +193,7 @@ def test_record_stream_keeps_block_until_side_stream_is_done():
     assert r["record_calls"] >= 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_empty_cache_lowers_device_usage():
     r = run_py("""
         gpumem.install()
@@ -208,8 +213,7 @@ def test_empty_cache_lowers_device_usage():
     assert r["calls"] == 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_cap_from_fraction_and_from_conf():
     r = run_py("""
         gpumem.install()
@@ -239,15 +243,14 @@ def test_cap_from_fraction_and_from_conf():
         except RuntimeError as e:
             refused = "CUDA out of memory." in str(e)
         a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        out(refused=refused, cap=gpumem._C._torch_get_cap(0), oom_type=gpumem._C._torch_options()["oom_mode"])
+        out(refused=refused, cap=gpumem._C.registry_heap(0).get_cap(), oom_type=gpumem._C._torch_set_oom())
     """,
         env={"GPUMEM_CONF": "cap:2GiB,oom:runtime"},
     )
     assert r["refused"] and r["cap"] == 2 << 30 and r["oom_type"] == "runtime", r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_oom_raises_then_context_stays_healthy():
     r = run_py("""
         gpumem.install()
@@ -297,8 +300,7 @@ def test_oom_raises_then_context_stays_healthy():
     print("OOM message:", r["msg"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_torch_memory_api_routed(tmp_path):
     native = run_py("""
         torch.ones(1, device="cuda")
@@ -361,8 +363,7 @@ def test_torch_memory_api_routed(tmp_path):
     assert r["reinstalled"] == 1024
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_install_too_late_is_a_clear_error():
     r = run_py("""
         torch.ones(1, device="cuda")
@@ -375,8 +376,7 @@ def test_install_too_late_is_a_clear_error():
     assert "too late" in r["msg"], r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_fragmentation_scenario_native_fails_gpumem_succeeds():
     code = (REPO / "benchmarks" / "gpu_frag.py").read_text()
     assert "def scenario" in code
@@ -397,13 +397,12 @@ def test_fragmentation_scenario_native_fails_gpumem_succeeds():
     assert res["gpumem"]["request"] <= res["gpumem"]["free_in_holes"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
+@gpu_test(devices=2)
 def test_two_devices_each_get_a_heap():
     r = run_py("""
         gpumem.install()
         a = torch.ones(1 << 20, device="cuda:0"); b = torch.ones(1 << 20, device="cuda:1") * 2
-        out(devices=gpumem._C._torch_devices(), a=float(a.sum()), b=float(b.sum()),
+        out(devices=gpumem._C.registry_devices(), a=float(a.sum()), b=float(b.sum()),
             m0=torch.cuda.memory_allocated(0), m1=torch.cuda.memory_allocated(1))
     """)
     assert r["devices"] == [0, 1] and r["a"] == 1 << 20 and r["b"] == 2 * (1 << 20), r
@@ -413,8 +412,7 @@ def test_two_devices_each_get_a_heap():
 # Pages are mapped with an access descriptor for every GPU that can reach this one
 # (cuMemSetAccess in csrc/device/cuda.c): cudaDeviceEnablePeerAccess does not reach
 # virtual-memory mappings, so without them a.to("cuda:1") failed with "invalid argument".
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA < 2, reason="needs two CUDA devices")
+@gpu_test(devices=2)
 def test_two_devices_peer_copy():
     r = run_py("""
         gpumem.install()
@@ -429,8 +427,7 @@ def test_two_devices_peer_copy():
 # ---- the visibility layer on torch's heaps (gpumem/torch/_viz.py, csrc/python/torch_viz.c) -----
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_oom_message_carries_the_explain_report():
     code = """
         gpumem.install()
@@ -472,8 +469,7 @@ def test_oom_message_carries_the_explain_report():
     assert plain["is_torch_oom"] and plain["msg"].startswith("CUDA out of memory.") and "\n" not in plain["msg"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_record_history_gives_python_stacks_of_torch_allocations():
     r = run_py("""
         gpumem.install()
@@ -491,16 +487,16 @@ def test_record_history_gives_python_stacks_of_torch_allocations():
         (w @ w).sum().backward()
         res["grad"] = w.grad is not None
         gpumem.record_history(False)
-        # torch's own switch reaches the same table
+        # torch's own switch reaches the same table (its default stacks="all": C++ frames first)
         torch.cuda.memory._record_memory_history(max_entries=1000)
         def make_other():
             return torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
         u = make_other()
         s = torch.cuda.memory._snapshot()
-        res["torch_frames"] = [f["name"] for seg in s["segments"] for b in seg["blocks"]
+        res["torch_frames"] = [[f["name"], f["filename"]] for seg in s["segments"] for b in seg["blocks"]
                                if b["address"] == u.data_ptr() for f in b["frames"]]
         dev = torch.cuda.current_device()
-        res["trace_frames"] = [f["name"] for e in s["device_traces"][dev]
+        res["trace_frames"] = [[f["name"], f["filename"]] for e in s["device_traces"][dev]
                                if e["action"] == "alloc" and e["addr"] == u.data_ptr() for f in e["frames"]]
         torch.cuda.memory._record_memory_history(enabled=None)
         res["stacks_on_after"] = gpumem._C._stacks_info()["enabled"]
@@ -512,13 +508,16 @@ def test_record_history_gives_python_stacks_of_torch_allocations():
     assert ["<string>", "<module>"] in r["frames"], r["frames"]
     assert r["site"].startswith("<string>:") and r["site"].endswith(" in make_tensor"), r["site"]
     assert r["grad"]
-    assert r["torch_frames"][:1] == ["make_other"], r["torch_frames"]
-    assert r["trace_frames"][:1] == ["make_other"], r["trace_frames"]
+    for frames in (r["torch_frames"], r["trace_frames"]):
+        python = [i for i, (name, filename) in enumerate(frames) if filename == "<string>"]
+        assert python and frames[python[0]][0] == "make_other", frames
+        native = [name for name, _ in frames[: python[0]]]  # C++ frames first, then the Python ones
+        assert "gpumem_torch_alloc" in native, native
+        assert any("::empty" in name for name in native), native  # torch's op, demangled
     assert r["stacks_on_after"] is False and r["frames_after_off"] == [0], r
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
     dump = tmp_path / "snap.pickle"
     r = run_py(f"""
@@ -556,8 +555,7 @@ def test_visibility_calls_without_a_heap_use_the_installed_one(tmp_path):
     assert r["allocator"] == "gpumem" and r["memory_snapshot"] == len(r["mine_segments"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_dataloader_workers_forked_while_threads_allocate():
     """DataLoader workers fork()ed while two threads allocate on side streams
     through gpumem (history with stacks on): each worker takes the boundary's
@@ -593,9 +591,9 @@ def test_dataloader_workers_forked_while_threads_allocate():
 
             def __getitem__(self, i):
                 # in a fork()ed worker: the options and pool locks, the heap's lock
-                gpumem._C._torch_options()
+                gpumem._C.registry_options()
                 gpumem._C._torch_active_pools(0)
-                gpumem._C._torch_stats(0)
+                gpumem._C.registry_heap(0).stats()
                 return torch.tensor([i * i])
 
         epochs = []
@@ -608,7 +606,7 @@ def test_dataloader_workers_forked_while_threads_allocate():
         x = torch.randn(512, 512, device="cuda")
         ok = bool(torch.isfinite(x @ x).all().item())
         torch.cuda.synchronize()
-        gpumem._C._torch_check(torch.cuda.current_device())
+        gpumem._C.registry_heap(torch.cuda.current_device()).check()
         out(epochs=epochs, allocated=min(counts), ok=ok, live=len(keep))
     """,
         timeout=600,
@@ -653,17 +651,17 @@ def test_conf_parsing_and_options():
 
 def test_configure_rejects_bad_values_in_c():
     C = pytest.importorskip("gpumem._C")
-    before = C._torch_options()
+    before, mode = C.registry_options(), C._torch_set_oom()
     with pytest.raises(ValueError):
-        C._torch_configure(cap_fraction=2.0)
+        C.registry_configure(cap_fraction=2.0)
     with pytest.raises(ValueError):
-        C._torch_configure(oom_mode="sometimes")
+        C._torch_set_oom(mode="sometimes")
     with pytest.raises(TypeError):
-        C._torch_configure(oom_class=3)
-    assert C._torch_options() == before
-    assert C._torch_stats(0) is None and C._torch_snapshot(0) is None  # no heap without torch allocating
+        C._torch_set_oom(oom_class=3)
+    assert C.registry_options() == before and C._torch_set_oom() == mode
+    assert C.registry_heap(0, open=False) is None  # no heap without torch allocating
     with pytest.raises(ValueError):
-        C._torch_stats(-1)
+        C.registry_heap(-1)
     ep = C._torch_entry_points()
     assert set(ep) == {
         "alloc",
@@ -698,24 +696,16 @@ def test_exported_symbols_for_ctypes():
 
 
 def test_nested_stats_have_native_shape():
+    from test_core import FIELDS, POOLS, STAT_NAMES  # torch's names, as tests/test_core.py lists them
+
     from gpumem import torch as gt
 
     n = gt.nested_stats(0)
-    for g in (
-        "allocation",
-        "segment",
-        "active",
-        "inactive_split",
-        "allocated_bytes",
-        "reserved_bytes",
-        "active_bytes",
-        "inactive_split_bytes",
-        "requested_bytes",
-    ):
-        for p in ("all", "small_pool", "large_pool"):
-            assert set(n[g][p]) == {"current", "peak", "allocated", "freed"}
+    for g in STAT_NAMES:
+        for p in POOLS:
+            assert set(n[g][p]) == set(FIELDS)
     for k in ("oversize_allocations", "oversize_segments"):
-        assert set(n[k]) == {"current", "peak", "allocated", "freed"}
+        assert set(n[k]) == set(FIELDS)
     for k in (
         "num_alloc_retries",
         "num_ooms",
@@ -808,8 +798,7 @@ def test_patch_and_restore_torch_functions():
     assert {n: getattr(torch._C, n, None) for n in names} == before
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+@gpu_test
 def test_torch_contract_oom_observers_fraction_accelerator_and_history_options():
     r = run_py("""
         gpumem.install()

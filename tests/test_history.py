@@ -143,9 +143,35 @@ def test_stack_table_is_bounded(heap):
         record_history(True, device=heap, stacks=None, max_stacks=1 << 16, max_depth=64)
 
 
+def test_stacks_all_takes_the_native_frames_before_the_python_ones(heap):
+    """stacks="all" takes the C++ frames too (torch's unwinder, symbolized when asked for): the Python frames
+    stay, outermost, with the native ones before them; stacks="python" gives the Python frames alone."""
+    pytest.importorskip("torch")
+
+    def allocating_site():
+        return heap.malloc(MiB)
+
+    try:
+        got = {}
+        for stacks in ("all", "python"):
+            record_history(True, device=heap, stacks=stacks)
+            assert _C._stacks_info()["cpp"] == (stacks == "all")
+            p = allocating_site()
+            got[stacks] = [b.frames for b in gpumem.snapshot(heap).blocks if b.addr == p][0]
+            heap.free(p)
+        py, frames = got["python"], got["all"]
+        assert py[0].name == "allocating_site"
+        native = frames[: len(frames) - len(py)]
+        assert native and frames[len(native) :] == py, "the native frames come first, then the Python ones"
+        assert any(f.name != "??" for f in native), native  # named from the symbols
+        assert not any(f.name.startswith("gm_py_capture_context") or f.name == "with_native" for f in native)
+    finally:
+        record_history(True, device=heap, stacks=None)
+
+
 def test_record_history_rejects_bad_arguments(heap):
     with pytest.raises(ValueError, match="python"):
-        record_history(True, device=heap, stacks="all")
+        record_history(True, device=heap, stacks="cpp")
     with pytest.raises(ValueError):
         record_history(True, device=heap, max_entries=0)
     with pytest.raises(ValueError):

@@ -69,16 +69,16 @@ def test_torch_heaps_are_made_with_the_configured_page_size():
     r = run_python(
         """
         try:
-            _C._torch_configure(page_size=3 * MiB)
+            _C.registry_configure(page_size=3 * MiB)
             refused = False
         except ValueError:
             refused = True
-        _C._torch_configure(page_size=8 * MiB)
-        opts = _C._torch_options()
-        _C._torch_open_sim(0, 1 << 30)
+        _C.registry_configure(page_size=8 * MiB)
+        opts = _C.registry_options()
+        _C.registry_open_sim(0, 1 << 30)
         p = alloc(20 * MiB, 0, None)
-        st = _C._torch_stats(0)
-        out(refused=refused, option=opts["page_size"], page=_C._torch_snapshot(0)["page_size"],
+        st = _C.registry_heap(0).stats()
+        out(refused=refused, option=opts["page_size"], page=_C.registry_heap(0).snapshot()["page_size"],
             allocs=st["num_device_alloc"], reserved=st["reserved_bytes.all.current"])
         """,
         "import json\nfrom gpumem import _C\nMiB = 1 << 20\n"

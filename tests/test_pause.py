@@ -89,22 +89,22 @@ def test_pause_releases_the_pool_pages_and_keeps_addresses(make_heap):
     assert_ok(h)
 
 
-def test_pages_shared_with_other_blocks_stay_mapped(make_heap):
+def test_a_pools_pages_are_its_own_so_pause_releases_every_one(make_heap):
     h = make_heap(capacity=256 * MiB)
     h.pool_retain(P)
     a = h.malloc(4 * PAGE, pool=P)
     other = h.malloc(8192)  # general, on a page of its own
-    small = h.malloc(4096, pool=P)  # packs into the rest of other's page
-    shared = set(pages_of(small, 4096)) & set(pages_of(other, 8192))
-    assert shared, "the test needs a page both blocks touch"
+    small = h.malloc(4096, pool=P)  # a page of the pool's own, not the rest of other's
+    assert not set(pages_of(small, 4096)) & set(pages_of(other, 8192))
     r = h.pool_pause(P)
-    assert r["shared_pages"] == len(shared)
-    assert r["pages"] == len(set(pages_of(a, 4 * PAGE)) - shared)
-    assert h.sim_is_accessible(other, 8192) and h.sim_is_accessible(small, 4096)
-    assert not h.sim_is_accessible(a, PAGE)
-    assert h.pool_info(P)["shared_pages"] == len(shared)
+    assert r["shared_pages"] == 0
+    assert r["pages"] == len(set(pages_of(a, 4 * PAGE)) | set(pages_of(small, 4096)))
+    assert h.sim_is_accessible(other, 8192)
+    assert not h.sim_is_accessible(small, 4096) and not h.sim_is_accessible(a, PAGE)
+    assert h.pool_info(P)["shared_pages"] == 0
     assert_ok(h)
     h.pool_resume(P)
+    assert h.sim_is_accessible(small, 4096) and h.sim_is_accessible(a, 4 * PAGE)
     assert_ok(h)
 
 
@@ -484,6 +484,7 @@ def test_random_faults_on_every_op_keep_the_heap_consistent(make_heap):
         assert_ok(h)
     for op in gpumem._C.DEVICE_OPS:
         h.sim_fail(op, 0)
+        h.sim_fail_random(op, 0.0)
     if h.pool_info(P)["paused"]:
         h.pool_resume(P)
     assert_ok(h)
@@ -536,39 +537,39 @@ def test_torch_layer_refuses_without_install_and_bad_pools():
 
 
 def test_torch_heap_pause_and_resume_on_a_simulated_device():
-    """The glue torch's path uses (_torch_pool_pause/_resume), on a sim-backed torch heap."""
+    """The Heap that borrows torch's heap pauses and resumes its pools, on a sim-backed torch heap."""
     from test_torch_pools import run_py
 
     r = run_py(
         """
-        _C._torch_pool_retain(0, (0, 5))
+        _C.registry_heap(0).pool_retain((0, 5))
         begin(0, 0, 5, ANY)
         p = alloc(10 * MiB, 0, None)
         try:  # an open begin counts as a capture
-            _C._torch_pool_pause(0, (0, 5))
+            _C.registry_heap(0).pool_pause((0, 5))
             capturing = "no error"
         except RuntimeError as e:
             capturing = str(e)
         end(0, 0, 5)
-        a = _C._torch_pool_pause(0, (0, 5), True)
-        info = _C._torch_pool_info(0, (0, 5))
+        a = _C.registry_heap(0).pool_pause((0, 5), True)
+        info = _C.registry_heap(0).pool_info((0, 5))
         errs = []
-        _C._torch_pool_release(0, (0, 5))  # begin's use: uses may come and go while paused
-        for fn in (lambda: _C._torch_pool_pause(0, (0, 5)), lambda: _C._torch_pool_release(0, (0, 5)),
-                   lambda: _C._torch_pool_resume(0, (0, 6)), lambda: _C._torch_pool_pause(0, (0, 6))):
+        _C.registry_heap(0).pool_release((0, 5))  # begin's use: uses may come and go while paused
+        for fn in (lambda: _C.registry_heap(0).pool_pause((0, 5)), lambda: _C.registry_heap(0).pool_release((0, 5)),
+                   lambda: _C.registry_heap(0).pool_resume((0, 6)), lambda: _C.registry_heap(0).pool_pause((0, 6))):
             try:
                 fn()
             except (RuntimeError, ValueError) as e:
                 errs.append(type(e).__name__ + ": " + str(e))
         check()
-        b = _C._torch_pool_resume(0, (0, 5))
+        b = _C.registry_heap(0).pool_resume((0, 5))
         try:
-            _C._torch_pool_resume(0, (0, 5))
+            _C.registry_heap(0).pool_resume((0, 5))
         except RuntimeError as e:
             errs.append(str(e))
         check()
         out(a=a, b=b, capturing=capturing, paused=info["paused"], paused_pages=info["paused_pages"], errs=errs,
-            after=_C._torch_pool_info(0, (0, 5))["paused"])
+            after=_C.registry_heap(0).pool_info((0, 5))["paused"])
         """
     )
     assert "GM_ECAPTURING" in r["capturing"], r["capturing"]
@@ -619,22 +620,22 @@ def test_a_graph_deleted_while_its_pool_is_paused_leaves_it_paused(tmp_path):
         graph = ctypes.CDLL({str(lib)!r})
         graph.delete_graph.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
         ep = _C._torch_entry_points()
-        _C._torch_pool_retain(0, (9, 0))  # the graph's use (begin's use is released at its end)
+        _C.registry_heap(0).pool_retain((9, 0))  # the graph's use (begin's use is released at its end)
         begin(0, 9, 0, ANY)
         p = alloc(6 * MiB, 0, None)
         end(0, 9, 0)
         release(0, 9, 0)
-        _C._torch_pool_pause(0, (9, 0))
+        _C.registry_heap(0).pool_pause((9, 0))
         graph.delete_graph(ep["release_pool"], 0, 9, 0)  # aborted the process before the fix
-        info = _C._torch_pool_info(0, (9, 0))
+        info = _C.registry_heap(0).pool_info((9, 0))
         check()
-        _C._torch_pool_resume(0, (9, 0))  # the id still names it: it can be resumed and ended
+        _C.registry_heap(0).pool_resume((9, 0))  # the id still names it: it can be resumed and ended
         free(p, 0, 0, 0)
-        _C._torch_pool_release(0, (9, 0))
+        _C.registry_heap(0).pool_release((9, 0))
         check()
-        out(paused=info["paused"], use_count=info["use_count"], after=_C._torch_pool_info(0, (9, 0)))
+        out(paused=info["paused"], use_count=info["use_count"], after=_C.registry_heap(0).pools())
     """)
-    assert r["paused"] and r["use_count"] == 1 and r["after"] is None
+    assert r["paused"] and r["use_count"] == 1 and r["after"] == []
 
 
 def test_torch_layer_takes_the_device_as_torch_spells_it():

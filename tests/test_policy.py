@@ -39,7 +39,14 @@ def workload(h, rounds=3, keep=None):
 
 def counters(h):
     s = h.stats()
-    keys = ("num_remaps", "num_pages_remapped", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+    keys = (
+        "num_remaps",
+        "num_pages_remapped",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+        "num_ooms",
+    )
     return {k: s[k] for k in keys}
 
 
@@ -164,6 +171,31 @@ def test_chunks_only_far_from_pressure_and_for_large_requests():
             assert st["num_device_alloc"] == st["reserved_bytes.all.current"] // PAGE, kw
 
 
+def test_small_growth_comes_as_chunks_only_with_plenty_of_room():
+    """With at least 16 GiB free past the room line, small growths come as one chunk each, reaching ahead to
+    eight pages into the unmapped space after them; with less, every page is its own allocation (movable)."""
+    with gpumem.Heap(capacity=80 * GiB) as h:  # room line 70 GiB: far from pressure, and plenty past it
+        a = h.malloc(3 * MiB)  # 2 pages needed, 8 made in one allocation
+        st = h.stats()
+        assert st["num_device_alloc"] == 1 and st["reserved_bytes.all.current"] == 8 * PAGE
+        b = h.malloc(9 * MiB)  # served by the pages made ahead: no device call
+        assert h.stats()["num_device_alloc"] == 1
+        c = h.malloc(40 * MiB)  # up to page 26: the rest of the eight, then one new chunk
+        st = h.stats()
+        assert st["num_device_alloc"] == 2
+        h.check()
+        for p in (a, b, c):
+            h.free(p)
+    for kw in ({"capacity": 16 * GiB}, {"capacity": 80 * GiB, "pressure": 0}):
+        with gpumem.Heap(**kw) as h:
+            p = h.malloc(3 * MiB)
+            q = h.malloc(40 * MiB)
+            st = h.stats()
+            assert st["num_device_alloc"] == st["reserved_bytes.all.current"] // PAGE == 22, kw
+            h.free(p)
+            h.free(q)
+
+
 def test_chunk_refused_with_room_falls_back_to_single_pages():
     with gpumem.Heap(capacity=8 * GiB) as h:
         h.sim_fail("create", nth=2, count=1)  # the first inner chunk of 64 pages (GM_ENOMEM)
@@ -211,7 +243,7 @@ def test_install_option():
 
     assert normalize_options(parse_conf("pressure:0"))["pressure"] == 0.0
     assert normalize_options({"pressure": 0.5})["pressure"] == 0.5
-    assert normalize_options({})["pressure"] == -1.0  # the core's default
+    assert normalize_options({})["pressure"] is None  # the core's default
     for bad in ("1.5", "-0.1"):
         with pytest.raises(ValueError, match="pressure"):
             normalize_options(parse_conf(f"pressure:{bad}"))
@@ -224,20 +256,20 @@ def test_replay_option(traces):
     room = subprocess.run(run, capture_output=True, text=True, check=True)
     assert '"remaps": 0,' in room.stdout and '"remaps": 0,' not in tight.stdout
     bad = subprocess.run(run + ["--pressure", "2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "pressure must be a fraction" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "pressure must be in [0, 1]" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_torch_options_carry_pressure():
-    """What install() hands the C++ boundary: kept as given, checked, and -1 for the core's default."""
+    """What install() hands the C++ boundary: kept as given, checked by the core, None for the core's default."""
     C = gpumem._C
-    before = C._torch_options()["pressure"]
-    assert before == -1.0  # nothing installed: the core's default
+    before = C.registry_options()["pressure"]
+    assert before == C.PRESSURE_DEFAULT  # nothing installed: the core's default
     try:
-        C._torch_configure(pressure=0.0)
-        assert C._torch_options()["pressure"] == 0.0
-        with pytest.raises(ValueError, match="pressure <= 1"):
-            C._torch_configure(pressure=1.5)
-        assert C._torch_options()["pressure"] == 0.0  # a refused call changes nothing
+        C.registry_configure(pressure=0.0)
+        assert C.registry_options()["pressure"] == 0.0
+        with pytest.raises(ValueError, match=r"pressure must be in \[0, 1\]"):
+            C.registry_configure(pressure=1.5)
+        assert C.registry_options()["pressure"] == 0.0  # a refused call changes nothing
     finally:
-        C._torch_configure(pressure=before)
-    assert C._torch_options()["pressure"] == before
+        C.registry_configure(pressure=None)
+    assert C.registry_options()["pressure"] == before

@@ -30,6 +30,18 @@ def pool_blocks(h, pid):
     return [(b["addr"], b["size"], b["state"]) for b in blocks(h) if b["pool"] == pid]
 
 
+def pool_memory(h, pid):
+    """pool_blocks with neighbouring free blocks joined: the pool's memory, whichever
+    owners its free blocks have (a synchronisation lets free neighbours merge)."""
+    out = []
+    for a, n, st in pool_blocks(h, pid):
+        if out and st == "free" and out[-1][2] == "free" and out[-1][0] + out[-1][1] == a:
+            out[-1] = (out[-1][0], out[-1][1] + n, st)
+        else:
+            out.append((a, n, st))
+    return out
+
+
 def pages_of(ranges):
     return sorted({p for a, n, *_ in ranges for p in range(a // PAGE, (a + n - 1) // PAGE + 1)})
 
@@ -47,6 +59,23 @@ def forbidden_calls(h):
     return h.sim_capture_violations()
 
 
+def random_traffic(h, rng, steps, step, caps):
+    """steps random steps: below 0.9, step(i, r) (it returns False when it had
+    nothing to do); else, or then, empty_cache (below 0.95) or a cap from caps.
+    A request the cap refuses is fine; every invariant holds after every step."""
+    for i in range(steps):
+        r = rng.random()
+        try:
+            if r >= 0.9 or step(i, r) is False:
+                if r < 0.95:
+                    h.empty_cache()
+                else:
+                    h.set_cap(rng.choice(caps))
+        except gpumem.OutOfMemoryError:
+            pass
+        assert_ok(h)
+
+
 # ---- pools keep their memory ----------------------------------------------------------------
 
 
@@ -61,35 +90,31 @@ def test_block_freed_in_pool_never_serves_anything_else(make_heap, seed):
     for p in mine[::2]:
         h.free(p)
     assert_ok(h)
-    kept = pool_blocks(h, P)
+    kept = pool_memory(h, P)
     assert any(st == "free" for _, _, st in kept), "the pool should hold free blocks"
     identity = page_identity(h, pages_of(kept))
     live, other = [], []
-    for step in range(400):
-        r = rng.random()
-        try:
-            if r < 0.45:
-                size = rng.choice(sizes)
-                p = h.malloc(size, stream=rng.choice((0, S1, S2)))
-                assert not overlaps(p, h.block_size(p), kept), f"step {step}: general block inside pool {P}"
-                live.append(p)
-            elif r < 0.6:
-                p = h.malloc(rng.choice(sizes), stream=rng.choice((0, S1, S2)), pool=Q)
-                assert not overlaps(p, h.block_size(p), kept), f"step {step}: pool {Q} got pool {P}'s block"
-                other.append(p)
-            elif r < 0.9 and (live or other):
-                lst = live if (live and (not other or rng.random() < 0.7)) else other
-                h.free(lst.pop(rng.randrange(len(lst))))
-            elif r < 0.95:
-                h.empty_cache()
-            else:
-                h.set_cap(rng.choice((48 * MiB, 64 * MiB, 0)))
-        except gpumem.OutOfMemoryError:
-            pass
-        assert_ok(h)
+
+    def step(i, r):
+        if r < 0.45:
+            size = rng.choice(sizes)
+            p = h.malloc(size, stream=rng.choice((0, S1, S2)))
+            assert not overlaps(p, h.block_size(p), kept), f"step {i}: general block inside pool {P}"
+            live.append(p)
+        elif r < 0.6:
+            p = h.malloc(rng.choice(sizes), stream=rng.choice((0, S1, S2)), pool=Q)
+            assert not overlaps(p, h.block_size(p), kept), f"step {i}: pool {Q} got pool {P}'s block"
+            other.append(p)
+        elif not (live or other):
+            return False
+        else:
+            lst = live if (live and (not other or rng.random() < 0.7)) else other
+            h.free(lst.pop(rng.randrange(len(lst))))
+
+    random_traffic(h, rng, 400, step, caps=(48 * MiB, 64 * MiB, 0))
     h.set_cap(0)
     # Nothing of the pool moved: same blocks, same pages behind them.
-    assert pool_blocks(h, P) == kept
+    assert pool_memory(h, P) == kept
     assert page_identity(h, pages_of(kept)) == identity
     assert h.stats()["num_remaps"] + h.stats()["num_unmaps"] > 0, "the workload never reclaimed a page"
 
@@ -583,12 +608,12 @@ def test_pool_extension_spans_pool_general_and_unmapped_space(make_heap):
     w = h.malloc(2 * MiB)  # general, page 0
     s = h.malloc(2 * MiB)  # general, page 1
     h.free(w)
-    a = h.malloc(MiB, pool=P)  # the pool takes w's memory; [1, 2) MiB stays general free
+    a = h.malloc(MiB, pool=P)  # the pool takes w's page, all of it
     h.free(s)
     h.free(a)
     assert [(b["addr"], b["size"], b["pool"]) for b in blocks(h) if b["state"] == "free"] == [
-        (a, MiB, P),
-        (a + MiB, 3 * MiB, None),
+        (a, 2 * MiB, P),
+        (a + 2 * MiB, 2 * MiB, None),
     ]
     before = _reserved(h)
     b = h.malloc(7 * MiB, pool=P)
@@ -642,33 +667,28 @@ def test_pools_growing_among_general_traffic_keep_every_invariant(make_heap, see
         h.pool_retain(pid)
     live = {P: [], Q: [], None: []}
     extended = 0
-    for step in range(500):
-        r = rng.random()
-        try:
-            if r < 0.5:
-                pid = rng.choice((P, Q, None))
-                frees = [(a, n) for a, n, st in pool_blocks(h, pid) if st == "free"] if pid else []
-                if frees and rng.random() < 0.7:
-                    size = rng.choice(frees)[1] + rng.randrange(1, 3 * PAGE)
-                else:
-                    size = rng.randrange(512, 6 * MiB)
-                others = [(a, n) for q in pools if q != pid for a, n, st in pool_blocks(h, q) if st == "free"]
-                p = h.malloc(size, stream=rng.choice((S1, S2)), pool=pid)
-                n = h.block_size(p)
-                assert not overlaps(p, n, others), f"step {step}: a block of {pid} took another pool's memory"
-                extended += any(p <= a and a + m <= p + n and m < n for a, m in frees)
-                live[pid].append(p)
-            elif r < 0.9:
-                lst = live[rng.choice((P, Q, None))]
-                if lst:
-                    h.free(lst.pop(rng.randrange(len(lst))))
-            elif r < 0.95:
-                h.empty_cache()
+
+    def step(i, r):
+        nonlocal extended
+        if r < 0.5:
+            pid = rng.choice((P, Q, None))
+            frees = [(a, n) for a, n, st in pool_blocks(h, pid) if st == "free"] if pid else []
+            if frees and rng.random() < 0.7:
+                size = rng.choice(frees)[1] + rng.randrange(1, 3 * PAGE)
             else:
-                h.set_cap(rng.choice((128 * MiB, 192 * MiB, 0)))
-        except gpumem.OutOfMemoryError:
-            pass
-        assert_ok(h)
+                size = rng.randrange(512, 6 * MiB)
+            others = [(a, n) for q in pools if q != pid for a, n, st in pool_blocks(h, q) if st == "free"]
+            p = h.malloc(size, stream=rng.choice((S1, S2)), pool=pid)
+            n = h.block_size(p)
+            assert not overlaps(p, n, others), f"step {i}: a block of {pid} took another pool's memory"
+            extended += any(p <= a and a + m <= p + n and m < n for a, m in frees)
+            live[pid].append(p)
+        else:
+            lst = live[rng.choice((P, Q, None))]
+            if lst:
+                h.free(lst.pop(rng.randrange(len(lst))))
+
+    random_traffic(h, rng, 500, step, caps=(128 * MiB, 192 * MiB, 0))
     assert extended > 0, "no pool request extended a free block of its pool"
     for lst in live.values():
         for p in lst:
@@ -710,8 +730,8 @@ def test_a_general_block_never_lands_in_a_pools_last_page(make_heap):
     h = make_heap()
     h.pool_retain(P)
     h.malloc(3 * MiB)  # general, pages 0-1
-    a = h.malloc(10 * PAGE, pool=P)  # [3, 23) MiB: page 11 is the pool's last
-    assert pool_blocks(h, P) == [(a, 10 * PAGE, "live"), (a + 10 * PAGE, MiB, "free")]
+    a = h.malloc(10 * PAGE - MiB, pool=P)  # [4, 23) MiB: pages 2-11, page 11 the pool's last
+    assert pool_blocks(h, P) == [(a, 10 * PAGE - MiB, "live"), (a + 10 * PAGE - MiB, MiB, "free")]
     h.free(a)
     g = h.malloc(128 << 10)  # general, between recordings
     assert not (a <= g < a + 11 * PAGE)
@@ -750,20 +770,22 @@ def test_general_growth_leaves_the_space_after_a_pool_to_it(make_heap):
     assert_ok(h)
 
 
-def test_a_pool_grows_at_its_edge_rather_than_save_a_page_elsewhere(make_heap):
-    """A pool's request that could save one new page by using the rest of a
-    general block's page elsewhere still extends the pool's own free memory:
-    the pool stays one region, as its later, larger graphs need."""
+def test_a_pool_request_never_takes_the_rest_of_a_general_page(make_heap):
+    """A pool's block never shares a page with general memory, even where that
+    would save a page: the pool's pages are its own while it lives, as a
+    native segment is, and the page a general block holds stays general."""
     h = make_heap()
     h.pool_retain(P)
-    h.malloc(3 * MiB)  # general, pages 0-1
-    a = h.malloc(10 * PAGE, pool=P)  # [3, 23) MiB; [23, 24) MiB is the pool's free rest
-    g = h.malloc(128 << 10)  # general: far from the pool, 1.875 MiB of its page free
-    assert g > a + 12 * PAGE
+    g = h.malloc(3 * MiB)  # general, pages 0-1: 1 MiB of page 1 free
     before = _reserved(h)
-    b = h.malloc(9 * MiB + MiB // 2, pool=P)  # 5 new pages here, 4 beside g
-    assert b == a + 10 * PAGE, "the pool started a second region"
-    assert _reserved(h) - before == 5 * PAGE
+    a = h.malloc(512, pool=P)
+    assert a == g + 2 * PAGE, "the pool's block landed on a page general memory uses"
+    assert _reserved(h) - before == PAGE
+    assert pool_blocks(h, P) == [(a, 512, "live"), (a + 512, PAGE - 512, "free")]  # the rest of its page
+    x = h.malloc(MiB)  # general: the rest of page 1, never the pool's page
+    assert x == g + 3 * MiB
+    b = h.malloc(8 * MiB, pool=P)  # neither the general page's rest: pages of its own
+    assert b % PAGE == a % PAGE and not (g <= b < g + 2 * PAGE)
     assert_ok(h)
     h.free(b)
     h.free(a)
@@ -771,10 +793,10 @@ def test_a_pool_grows_at_its_edge_rather_than_save_a_page_elsewhere(make_heap):
     assert_ok(h)
 
 
-def test_the_rest_of_a_pools_page_freed_by_another_stream_stays_that_streams(make_heap):
-    """The rest of a pool block's last page is the pool's only if the
-    requesting stream may use it: another stream's free block there keeps its
-    owner (its work may still run) and stays general."""
+def test_a_page_with_another_streams_free_block_is_not_the_pools(make_heap):
+    """A pool takes a page whole, the rest of it included, only if the requesting
+    stream may use that rest: a page where another stream's free block waits
+    for that stream's work stays general, and the pool takes a page of its own."""
     h = make_heap()
     h.pool_retain(P)
     u = h.malloc(MiB, stream=S1)  # [0, 1) MiB; the rest of page 0 is S1's
@@ -783,12 +805,65 @@ def test_the_rest_of_a_pools_page_freed_by_another_stream_stays_that_streams(mak
     h.sim_hold_stream(S2, True)
     h.free(v)  # S2's, while S2's work runs
     h.free(u)
-    b = h.malloc(MiB, stream=S1, pool=P)  # u's memory, right before S2's block
-    assert b == u
+    b = h.malloc(MiB, stream=S1, pool=P)
+    assert b == u + PAGE, "the pool took a page whose rest another stream's work may still use"
     free = [(x["addr"], x["size"], x["stream"], x["pool"]) for x in blocks(h) if x["state"] == "free"]
-    assert free == [(v, MiB, S2, None)]
+    assert free == [(u, MiB, S1, None), (v, MiB, S2, None), (b + MiB, MiB, S1, P)]
     assert_ok(h)
     h.sim_hold_stream(S2, False)
     h.free(b)
     h.pool_release(P)
     assert_ok(h)
+
+
+# ---- no_split ----------------------------------------------------------------------------------
+
+
+def test_a_no_split_pool_never_splits_a_block(make_heap):
+    """torch's MemPool(no_split=True): a request takes whole pages of its own or a
+    whole free block of the pool, which it then holds entirely; an ordinary pool
+    beside it splits as usual."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.pool_set_no_split(P, True)
+    h.pool_retain(Q)
+    a = h.malloc(4 * MiB, pool=P)
+    b = h.malloc(MiB, pool=P)  # a page of its own, all of it
+    assert h.block_size(b) == PAGE
+    assert pool_blocks(h, P) == [(a, 4 * MiB, "live"), (b, PAGE, "live")]
+    h.free(a)
+    c = h.malloc(512, pool=P)  # a's free block, whole
+    assert c == a and h.block_size(c) == 4 * MiB
+    assert [st for _, _, st in pool_blocks(h, P)] == ["live", "live"], "a block of the pool was split"
+    q = h.malloc(MiB, pool=Q)
+    assert h.block_size(q) == MiB and [st for _, _, st in pool_blocks(h, Q)] == ["live", "free"]
+    assert h.stats()["allocated_bytes.all.current"] == 4 * MiB + PAGE + MiB
+    assert_ok(h)
+    for p in (b, c, q):
+        h.free(p)
+    h.pool_release(P)
+    h.pool_release(Q)
+    assert_ok(h)
+    with pytest.raises(ValueError):
+        h.pool_set_no_split(P, True)  # ended: no such pool
+
+
+def test_a_pool_takes_no_page_of_a_physical_allocation_made_ahead_for_general_memory():
+    """With room a small general growth maps eight pages as one physical allocation; a pool's request then
+    takes pages of its own elsewhere, so that a segment (one growth of one pool) is never cut by another
+    pool's pages, and the allocation can go back whole."""
+    with gpumem.Heap(capacity=80 << 30) as h:
+        a = h.malloc(MiB)  # eight pages made, one used
+        assert h.stats()["reserved_bytes.all.current"] == 8 * PAGE
+        h.pool_retain(P)
+        pb = h.malloc(MiB, pool=P)
+        assert not a <= pb < a + 8 * PAGE
+        h.free(pb)
+        o = h.malloc(MiB)  # general: the rest of the first page
+        assert o == a + MiB
+        segs = gpumem.Snapshot.from_heap(h).to_torch()["segments"]
+        assert sorted(s["segment_pool_id"] for s in segs) == [(0, 0), P]
+        assert_ok(h)
+        h.free(a)
+        h.free(o)
+        h.pool_release(P)

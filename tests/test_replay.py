@@ -1,6 +1,5 @@
 """Trace loading (both formats), size parsing, and replay on the simulated device."""
 
-import gzip
 import os
 import pickle
 import struct
@@ -12,18 +11,9 @@ from gpumem import format_size, parse_size
 from gpumem.trace import EVENT_SIZE, R_ALLOC, R_FREE, TraceError, load_trace
 
 from conftest import GiB, MiB, all_traces, snapshot_file, trace_file
+from helpers import raw_events, recount_peak, write_bytes, write_text
 
 TRACES = all_traces()
-
-
-def write_text(path, lines, compress=True, header='# action addr size stream  (test; {"workload": "t"})'):
-    body = "\n".join(([header] if header else []) + list(lines)) + "\n"
-    if compress:
-        with gzip.open(path, "wt") as f:
-            f.write(body)
-    else:
-        path.write_text(body)
-    return path
 
 
 def snapshot_dict(*devices):
@@ -40,26 +30,7 @@ def snapshot_dict(*devices):
 
 
 def write_pickle(path, obj, compress):
-    data = pickle.dumps(obj)
-    if compress:
-        with gzip.open(path, "wb") as f:
-            f.write(data)
-    else:
-        path.write_bytes(data)
-    return path
-
-
-def recount_peak(events):
-    """Peak of live bytes, counted straight from (action, addr, size) tuples."""
-    live, cur, peak = {}, 0, 0
-    for action, addr, size, _ in events:
-        if action == "alloc":
-            live[addr] = size
-            cur += size
-            peak = max(peak, cur)
-        elif action == "free_completed":
-            cur -= live.pop(addr)
-    return peak
+    return write_bytes(path, pickle.dumps(obj), compress)
 
 
 SMALL = [
@@ -310,18 +281,22 @@ def test_sample_snapshot_matches_its_text_trace():
 
 # ---- replay ---------------------------------------------------------------------
 
-from gpumem.replay import fits, min_capacity, replay, replay_trace  # noqa: E402
+from gpumem.replay import _narrow, fits, min_capacity, replay, replay_trace  # noqa: E402
 
 
-def raw_events(path):
-    """(action, addr, size, stream) straight from a text trace, no gpumem code involved."""
-    out = []
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            if not line.startswith("#"):
-                a, addr, size, stream = line.split()
-                out.append((a, int(addr), int(size), int(stream)))
-    return out
+def test_narrow_finds_the_edge_in_few_probes():
+    # min_capacity and Forecast.largest bisect with it: the last value that holds
+    # and the first that does not, each probe inside (lo, hi), about log2(hi - lo) of them
+    for lo, hi in [(0, 1), (0, 2), (3, 100), (1, 1 << 40)]:
+        for edge in {lo + 1, (lo + hi) // 2, hi - 1, hi} - {lo}:
+            probes = []
+
+            def holds(x, edge=edge, probes=probes):
+                probes.append(x)
+                return x < edge
+
+            assert _narrow(lo, hi, holds) == (edge - 1, edge)
+            assert all(lo < x < hi for x in probes) and len(probes) <= (hi - lo).bit_length()
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])

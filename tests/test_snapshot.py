@@ -371,3 +371,73 @@ def test_cli_explain_needs_capacity_without_oom(tmp_path):
     assert r.returncode == 2 and "--capacity" in r.stderr
     r = run_cli("explain", path, "--capacity", "1GiB")
     assert r.returncode == 0 and "does NOT fit" in r.stdout
+
+
+# ---- segments as torch counts them: one per growth ---------------------------------------------
+
+POOL = (1, 7)
+
+
+def _pool_segments(h, pool):
+    return [
+        (s["address"], s["total_size"], [(b["address"], b["size"], b["state"]) for b in s["blocks"]])
+        for s in gpumem.snapshot(h).to_torch()["segments"]
+        if s["segment_pool_id"] == pool
+    ]
+
+
+def test_each_growth_of_a_pool_is_a_segment_of_its_own():
+    """Two pool requests its free memory cannot serve map pages twice: torch's format shows
+    two segments, as two cudaMallocs would, though the pages are neighbours.  Freed, the
+    blocks stay apart, one free block per segment."""
+    h = gpumem.Heap(device="sim", capacity=256 * MiB)
+    h.pool_retain(POOL)
+    a = h.malloc(4 * MiB, pool=POOL)
+    b = h.malloc(4 * MiB, pool=POOL)
+    assert b == a + 4 * MiB, "the test needs neighbouring growths"
+    assert len(gpumem.snapshot(h).segments) == 1  # one mapped run
+    assert _pool_segments(h, POOL) == [
+        (a, 4 * MiB, [(a, 4 * MiB, "active_allocated")]),
+        (b, 4 * MiB, [(b, 4 * MiB, "active_allocated")]),
+    ]
+    h.free(a)
+    h.free(b)
+    assert _pool_segments(h, POOL) == [
+        (a, 4 * MiB, [(a, 4 * MiB, "inactive")]),
+        (b, 4 * MiB, [(b, 4 * MiB, "inactive")]),
+    ]
+    assert h.check() is None
+    h.pool_release(POOL)
+    h.close()
+
+
+def test_a_block_that_extends_its_pools_memory_keeps_one_segment():
+    """A pool request over the pool's free block and new pages after it (a larger graph
+    growing the smaller one's memory in place): the block lies in two growths, which
+    stay one segment -- a live block never straddles two."""
+    h = gpumem.Heap(device="sim", capacity=256 * MiB)
+    h.pool_retain(POOL)
+    a = h.malloc(4 * MiB, pool=POOL)
+    h.free(a)
+    b = h.malloc(10 * MiB, pool=POOL)
+    assert b == a
+    assert _pool_segments(h, POOL) == [(a, 10 * MiB, [(a, 10 * MiB, "active_allocated")])]
+    h.free(b)
+    h.pool_release(POOL)
+    h.close()
+
+
+def test_general_growths_are_segments_and_a_free_block_across_two_is_cut():
+    h = gpumem.Heap(device="sim", capacity=256 * MiB)
+    x = h.malloc(4 * MiB)
+    y = h.malloc(4 * MiB)
+    assert y == x + 4 * MiB
+    assert [(s["address"], s["total_size"]) for s in gpumem.snapshot(h).to_torch()["segments"]] == [
+        (x, 4 * MiB),
+        (y, 4 * MiB),
+    ]
+    h.free(x)
+    h.free(y)  # one free block over both growths
+    segs = gpumem.snapshot(h).to_torch()["segments"]
+    assert [(s["address"], s["total_size"], len(s["blocks"])) for s in segs] == [(x, 4 * MiB, 1), (y, 4 * MiB, 1)]
+    h.close()

@@ -2,7 +2,6 @@
 replay or a heap's history, with the peak, the remaps and the OOMs marked; as
 inline SVG in the offline HTML and through matplotlib."""
 
-import gzip
 import json
 import xml.etree.ElementTree as ET
 
@@ -15,33 +14,9 @@ from gpumem.timeline import from_history, from_trace
 from gpumem.trace import load_trace
 
 from conftest import GiB, MiB, trace_file
+from helpers import live_by_event, raw_events, write_text
 
 SVG = "{http://www.w3.org/2000/svg}"
-
-
-def write_text(path, lines):
-    with gzip.open(path, "wt") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
-
-
-def live_by_event(path):
-    """Live bytes after each event, straight from the text trace (no gpumem code)."""
-    live, out, sizes = 0, [0], {}
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            if line.startswith("#"):
-                continue
-            a, addr, size, _ = line.split()
-            if a == "alloc":
-                live += int(size)
-                sizes[addr] = int(size)
-            elif a == "free_completed":
-                live -= sizes.pop(addr)
-            else:
-                continue
-            out.append(live)
-    return out
 
 
 def test_exact_timeline_of_a_small_trace_matches_the_trace():
@@ -49,7 +24,7 @@ def test_exact_timeline_of_a_small_trace_matches_the_trace():
     t = load_trace(path)
     tl = from_trace(t, 80 * GiB)
     assert tl.step == 1 and tl.x == list(range(t.n_events + 1))
-    assert tl.live == live_by_event(path)  # every event, exactly
+    assert tl.live == live_by_event(raw_events(path))  # every event, exactly
     r = replay(t, 80 * GiB, timing=False)
     assert tl.peak_live == (t.peak_event + 1, r.peak_live_bytes)
     assert max(tl.reserved) == r.peak_reserved_bytes
@@ -70,7 +45,7 @@ def test_long_trace_in_steps_keeps_the_peaks():
 
 def test_oom_marked_at_its_event_with_its_request(tmp_path):
     lines = [f"alloc {i * 8 * MiB} {6 * MiB} 0" for i in range(3)] + ["alloc 999999999 " + str(40 * MiB) + " 0"]
-    t = load_trace(write_text(tmp_path / "t.trace.gz", lines))
+    t = load_trace(write_text(tmp_path / "t.trace.gz", lines, header=""))
     tl = from_trace(t, 32 * MiB)
     assert tl.ooms == [(3, 40 * MiB)]
     r = replay(t, 32 * MiB, timing=False)

@@ -2,7 +2,7 @@
 checked without a GPU.
 
 Each case runs in a fresh interpreter with a simulated device behind torch's heap of
-device 0 (_torch_open_sim), and allocates through the very entry point torch calls
+device 0 (_C.registry_open_sim), and allocates through the very entry point torch calls
 (_torch_test_alloc raises what torch would raise): the out-of-memory message's first
 sentence, the 1 EiB refusal, out-of-memory observers, the memory fraction, the
 accelerator statistics and the history options (skip_actions, clear_history).
@@ -23,9 +23,7 @@ GiB = 1 << 30
 """
     + TORCH_BOUNDARY
     + """
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
-_C._torch_open_sim(0, 1 << 30)
+_C.registry_open_sim(0, 1 << 30)
 """
 )
 
@@ -71,8 +69,8 @@ def test_one_exbibyte_or_more_is_refused_in_torchs_words():
             _C._torch_test_alloc((1 << 60) - (1 << 40), 0)   # just under: the usual message
         except RuntimeError as e:
             got.append(str(e))
-        _C._torch_check(0)
-        out(got=got, reserved=_C._torch_stats(0)["reserved_bytes.all.current"])
+        _C.registry_heap(0).check()
+        out(got=got, reserved=_C.registry_heap(0).stats()["reserved_bytes.all.current"])
     """)
     a, b, under = r["got"]
     assert a == b == "CUDA out of memory. Tried to allocate more than 1EB memory."
@@ -85,7 +83,8 @@ def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments()
         calls = []
         def first(device, requested, allowed, free):
             # the heap's state at the failure is there to be snapshotted
-            calls.append(("first", device, requested, allowed, free, _C._torch_stats(0)["allocated_bytes.all.current"]))
+            allocated = _C.registry_heap(0).stats()["allocated_bytes.all.current"]
+            calls.append(("first", device, requested, allowed, free, allocated))
         _install._attach_oom_observer(first)
         _install._attach_oom_observer(lambda *a: calls.append(("second",) + a))
         keep = _C._torch_test_alloc(600 * MiB, 0)
@@ -109,7 +108,7 @@ def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments()
             replaced = None
         except KeyError as e:
             replaced = repr(e)
-        _C._torch_check(0)
+        _C.registry_heap(0).check()
         out(calls=calls, raised=raised, n_after_success=n_after_success, bad_type=bad_type, replaced=replaced)
     """)
     (first, second), rest = r["calls"][:2], r["calls"][2:]
@@ -140,7 +139,7 @@ def test_memory_fraction_round_trips_and_zero_allows_nothing():
             zero = str(e)
         set_fraction(1.0, 0)
         p = _C._torch_test_alloc(512, 0)
-        out(before=before, got=got, zero=zero, cap_after=_C._torch_get_cap(0), p=p)
+        out(before=before, got=got, zero=zero, cap_after=_C.registry_heap(0).get_cap(), p=p)
     """)
     assert r["before"] == 1.0
     assert r["got"] == [1.0, 0.0, 0.123456789, 0.75]
@@ -209,10 +208,13 @@ def test_torch_segments_serve_one_pool_and_one_stream():
         c = h.malloc(1 << 20, stream=2)
         segs = gpumem.Snapshot.from_heap(h).to_torch()["segments"]
         mine = [s for s in segs if any(bl["state"] == "active_allocated" for bl in s["blocks"])]
-        by_stream = {s["stream"]: s for s in mine}
-        assert sorted(by_stream) == [1, 2] and len(mine) == 2
-        assert [bl["address"] for bl in by_stream[2]["blocks"] if bl["state"] == "active_allocated"] == [b, c]
-        assert by_stream[1]["blocks"][0]["address"] == a
+
+        def on(stream):
+            return [bl["address"] for s in mine if s["stream"] == stream for bl in s["blocks"]]
+
+        # b shares a's page (growth), c has a page of its own: a segment each, one stream each
+        assert sorted({s["stream"] for s in mine}) == [1, 2] and len(mine) == 3
+        assert on(1) == [a] and [x for x in on(2) if x in (a, b, c)] == [b, c]
         # every byte of the mapped run is in exactly one segment
         assert sum(s["total_size"] for s in segs) == h.stats()["reserved_bytes.all.current"]
         for p in (a, b, c):
@@ -235,3 +237,28 @@ def test_a_pools_free_blocks_stay_in_their_streams_segments():
         assert any(b["address"] == t and b["state"] == "inactive" for b in on9["blocks"])
         h.free(z)
         h.pool_release((1, 0))
+
+
+def test_restoring_a_pools_checkpoint_gives_back_its_segments_as_they_were():
+    # cudagraph trees' checkpoints: a second graph's block on another stream, in the free
+    # rest of the first graph's page, is dropped by restoring the pool's live set; the
+    # segment then reads as before (one growth, one segment), not cut at the freed block
+    import gpumem
+
+    pool = (1, 7)
+    with gpumem.Heap(device="sim", capacity="1GiB") as h:
+        h.pool_retain(pool)
+
+        def segments():
+            segs = gpumem.Snapshot.from_heap(h).to_torch()["segments"]
+            keys = ("address", "total_size", "allocated_size", "active_size", "segment_pool_id")
+            return [tuple(s[k] for k in keys) for s in segs if s["segment_pool_id"] == pool]
+
+        a = h.malloc(512, stream=1, pool=pool)
+        before, state = segments(), h.pool_live(pool)
+        b = h.malloc(512, stream=2, pool=pool)
+        assert a < b < a + (2 << 20)  # in the same page
+        h.pool_set_live(pool, state)
+        assert segments() == before
+        h.free(a)
+        h.pool_release(pool)

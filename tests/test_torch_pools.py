@@ -1,7 +1,7 @@
 """Private pools on torch's path, without a GPU.
 
 The C boundary torch calls (csrc/python/torch_alloc.cpp) is driven here through
-ctypes, with a simulated device behind the torch heap (_torch_open_sim): the
+ctypes, with a simulated device behind the torch heap (_C.registry_open_sim): the
 allocation entry point, the C forms of the begin/end/release pool hooks (the
 same code torch's std::function hooks run), and empty_cache.  Each case runs
 in a fresh interpreter, since torch's heaps live until the process ends.
@@ -30,10 +30,10 @@ def stream_is(*ok):
     _keep.append(f)
     return f
 def check():
-    _C._torch_check(0)
+    _C.registry_heap(0).check()
 def out(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
-_C._torch_open_sim(0, 1 << 30)
+_C.registry_open_sim(0, 1 << 30)
 """
 )
 
@@ -46,28 +46,28 @@ def test_filter_routes_allocations_and_pool_blocks_stay_in_the_pool():
     r = run_py("""
         f7 = stream_is(7)
         assert begin(0, 1, 0, f7) == 0
-        assert _C._torch_active_pools(0) == [(1, 0)] and _C._torch_capturing(0)
+        assert _C._torch_active_pools(0) == [(1, 0)] and _C.registry_heap(0).capturing
         a = alloc(3 * MiB, 0, 7)              # stream the filter accepts: into the pool
         b = alloc(3 * MiB, 0, 3)              # another stream: the general heap
         assert live((1, 0)) == {a} and b not in live((1, 0))
         free(a, 0, 0, 7)
         check()
-        assert live((1, 0)) == set() and _C._torch_pool_info(0, (1, 0))["free_bytes"] >= 3 * MiB
+        assert live((1, 0)) == set() and _C.registry_heap(0).pool_info((1, 0))["free_bytes"] >= 3 * MiB
         others = [alloc(3 * MiB, 0, 3) for _ in range(4)]    # never a's block
         assert a not in others
         a2 = alloc(3 * MiB, 0, 7)             # the pool reuses its own block
         assert a2 == a and live((1, 0)) == {a}
         assert end(0, 1, 0) == 0 and end(0, 1, 0) != 0     # ended once
-        assert _C._torch_active_pools(0) == [] and not _C._torch_capturing(0)
+        assert _C._torch_active_pools(0) == [] and not _C.registry_heap(0).capturing
         outside = alloc(3 * MiB, 0, 7)        # no pool active: the general heap
         assert outside not in live((1, 0))
         free(a2, 0, 0, 7)
         more = [alloc(3 * MiB, 0, 3) for _ in range(4)]   # the pool still lives: its block is kept
         assert a not in more
-        info = _C._torch_pool_info(0, (1, 0))
+        info = _C.registry_heap(0).pool_info((1, 0))
         assert info["use_count"] == 1 and info["live_blocks"] == 0
         assert release(0, 1, 0) == 0          # last use: the pool ends
-        assert _C._torch_pools(0) == [] and _C._torch_pool_info(0, (1, 0)) is None
+        assert _C.registry_heap(0).pools() == []
         assert release(0, 1, 0) != 0
         check()
         for p in [b, outside] + others + more:
@@ -98,14 +98,14 @@ def test_latest_active_pool_whose_filter_accepts_wins():
         assert p3 in live((2, 0))
         # the same pool begun twice (two threads, two captures): two uses, two ends
         assert begin(0, 2, 0, stream_is(9)) == 0
-        assert _C._torch_pool_info(0, (2, 0))["use_count"] == 2
-        assert end(0, 2, 0) == 0 and _C._torch_capturing(0)
-        assert end(0, 2, 0) == 0 and not _C._torch_capturing(0)
+        assert _C.registry_heap(0).pool_info((2, 0))["use_count"] == 2
+        assert end(0, 2, 0) == 0 and _C.registry_heap(0).capturing
+        assert end(0, 2, 0) == 0 and not _C.registry_heap(0).capturing
         for p in (p1, p2, p3):
             free(p, 0, 0, 0)
         for pool in ((0, 5), (2, 0), (2, 0)):
             assert release(0, *pool) == 0
-        assert _C._torch_pools(0) == []
+        assert _C.registry_heap(0).pools() == []
         check()
         out(ok=True)
     """)
@@ -117,14 +117,14 @@ def test_empty_cache_waits_for_the_capture_to_end():
         blocks = [alloc(8 * MiB, 0, 0) for _ in range(8)]
         for p in blocks:
             free(p, 0, 0, 0)
-        held = _C._torch_stats(0)["reserved_bytes.all.current"]
+        held = _C.registry_heap(0).stats()["reserved_bytes.all.current"]
         assert begin(0, 3, 0, stream_is(4)) == 0
         empty_cache()                         # during a capture: nothing unmapped
-        during = _C._torch_stats(0)["reserved_bytes.all.current"]
-        unmaps = _C._torch_stats(0)["num_unmaps"]
+        during = _C.registry_heap(0).stats()["reserved_bytes.all.current"]
+        unmaps = _C.registry_heap(0).stats()["num_unmaps"]
         assert end(0, 3, 0) == 0
         empty_cache()
-        after = _C._torch_stats(0)["reserved_bytes.all.current"]
+        after = _C.registry_heap(0).stats()["reserved_bytes.all.current"]
         assert release(0, 3, 0) == 0
         check()
         out(held=held, during=during, after=after, unmaps=unmaps)
@@ -139,8 +139,8 @@ def test_pool_hooks_need_a_heap_and_torch_types():
     hooks = {ep["begin_allocate_to_pool"], ep["end_allocate_to_pool"], ep["release_pool"]}
     assert len(hooks) == 3 and 0 not in hooks
     assert C._torch_cxx11_abi() in (0, 1)
-    with pytest.raises(TypeError, match="pair of ints"):
-        C._torch_pool_live(0, (1, 2, 3))
+    with pytest.raises(ValueError, match="pair of ints"):
+        C.Heap(capacity=1 << 30).pool_live((1, 2, 3))
 
 
 class _Hooks:
@@ -192,7 +192,7 @@ def test_cudagraph_tree_checkpoint_functions_on_a_sim_heap(tmp_path):
         assert end(0, 6, 0) == 0
         assert _pools.check_pool_live_allocations(0, (6, 0), [a, b, c])
         assert not _pools.check_pool_live_allocations(0, (6, 0), [a, b])
-        state = _pools.CheckpointState(0, (6, 0), _C._torch_pool_live(0, (6, 0)), 5)
+        state = _pools.CheckpointState(0, (6, 0), _C.registry_heap(0).pool_live((6, 0)), 5)
         free(b, 0, 0, 5); free(c, 0, 0, 5)
         assert live((6, 0)) == {{a}}
         _pools.set_checkpoint_pool_state(0, state, [], [])   # b and c live again, at their addresses
@@ -327,15 +327,15 @@ def test_std_function_hooks_called_the_way_torch_calls_them(tmp_path):
         caller.call_end_or_release.argtypes = [u64, ctypes.c_int, u64, u64]
         ep = _C._torch_entry_points()
         assert caller.call_begin(ep["begin_allocate_to_pool"], 0, 8, 0, 11) == 0
-        assert _C._torch_active_pools(0) == [(8, 0)] and _C._torch_capturing(0)
+        assert _C._torch_active_pools(0) == [(8, 0)] and _C.registry_heap(0).capturing
         a = alloc(MiB, 0, 11)                  # the filter (a C++ lambda held by gpumem) accepts
         b = alloc(MiB, 0, 12)                  # and refuses
         assert live((8, 0)) == {{a}}
         assert caller.call_end_or_release(ep["end_allocate_to_pool"], 0, 8, 0) == 0
-        assert _C._torch_active_pools(0) == [] and not _C._torch_capturing(0)
+        assert _C._torch_active_pools(0) == [] and not _C.registry_heap(0).capturing
         free(a, 0, 0, 11); free(b, 0, 0, 12)
         assert caller.call_end_or_release(ep["release_pool"], 0, 8, 0) == 0
-        assert _C._torch_pools(0) == []
+        assert _C.registry_heap(0).pools() == []
         assert caller.call_end_or_release(ep["release_pool"], 0, 8, 0) == -1   # unknown pool: a C++ exception
         assert caller.call_begin(ep["begin_allocate_to_pool"], 70, 1, 0, 0) == -1  # bad device
         check()
@@ -397,3 +397,50 @@ def test_a_forked_child_ends_a_pool_whose_filter_ran_in_a_vanished_thread():
         out(status=status)
     """)
     assert r["status"] == 0, r
+
+
+def test_a_small_graph_reserves_a_page_of_its_own_and_sharing_a_pool_saves_it():
+    # A graph pool's blocks never share a page with eager memory: capturing a small graph
+    # beside an eager tensor grows reserved memory by one page, as a native small segment
+    # does; two graphs sharing one pool reserve one page less than two pools; once the
+    # graphs are gone, only the page of the output still alive stays.
+    r = run_py("""
+        f5 = stream_is(5)
+        def reserved():
+            return _C.registry_heap(0).stats()["reserved_bytes.all.current"]
+        def capture(pool):
+            assert begin(0, pool, 0, f5) == 0
+            temps = [alloc(4096, 0, 5) for _ in range(3)]
+            for t in temps[:2]:
+                free(t, 0, 0, 5)
+            assert end(0, pool, 0) == 0
+            return temps[2]                    # the graph's output
+        first = alloc(4096, 0, 5)              # eager, on the capture stream
+        before = reserved()
+        y = capture(1)
+        delta = reserved() - before
+        z = capture(2)                         # a second graph, a pool of its own
+        two_pools = reserved() - before
+        for p, pool in ((z, 2), (y, 1)):
+            free(p, 0, 0, 5)
+            assert release(0, pool, 0) == 0
+        empty_cache()
+        after_release = reserved() - before
+        y = capture(3)
+        z = capture(3)                         # the same pool again: its free memory serves
+        one_pool = reserved() - before
+        free(y, 0, 0, 5)
+        assert release(0, 3, 0) == 0           # the graph is gone, z (its output) lives on
+        empty_cache()
+        kept = reserved() - before
+        check()
+        free(z, 0, 0, 5)
+        free(first, 0, 0, 5)
+        check()
+        out(delta=delta, two_pools=two_pools, one_pool=one_pool, after_release=after_release, kept=kept)
+    """)
+    page = 2 << 20
+    assert r["delta"] == page and r["two_pools"] == 2 * page
+    assert r["after_release"] == 0
+    assert r["one_pool"] == page, "two graphs sharing a pool should reserve one page less than two pools"
+    assert r["kept"] == page

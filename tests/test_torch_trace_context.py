@@ -1,7 +1,7 @@
 """torch's memory history as its visualisations read it, checked without a GPU.
 
 Each case runs in a fresh interpreter with a simulated device behind torch's heap of
-device 0 (_torch_open_sim) and calls the entry points torch calls (allocation, free,
+device 0 (_C.registry_open_sim) and calls the entry points torch calls (allocation, free,
 empty_cache) with the GIL released, as torch's ops do; gpumem.torch's hooks are
 registered as install() registers them.  What is checked is what
 torch.cuda.memory._snapshot() holds under each of torch's context modes (which trace
@@ -24,15 +24,24 @@ MiB = 1 << 20
 """
     + TORCH_BOUNDARY
     + """
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
-_C._torch_open_sim(0, 1 << 30)
+_C.registry_open_sim(0, 1 << 30)
 # what gpumem.install() registers: torch's allocations take Python stacks
 register_torch_hooks(active=lambda: True, stack_hook=_viz.set_stack_hook)
 def trace():
     return _viz.torch_snapshot_dict()["device_traces"][0]
 def names(entry):
     return [f["name"] for f in entry["frames"]]
+def each_context(case):
+    # {context: case()} for each of torch's context modes, recording from an empty cache
+    got = {}
+    for context in ("alloc", "all", "state"):
+        empty_cache()
+        _viz.record_torch_history("all", context, "python")
+        got[context] = case()
+        _viz.record_torch_history(None)
+    return got
+def py_names(entry):
+    return [f["name"] for f in entry["frames"] if f["filename"].endswith(".py") or f["filename"].startswith("<")]
 """
 )
 
@@ -61,7 +70,8 @@ def test_context_none_leaves_no_stack_even_where_torchs_plot_filter_keeps_entrie
             ss = _viz.torch_snapshot_dict()
             full = json.dumps(ss)
             kept = filter_alloc_free_pairs(ss)["device_traces"][0]
-            got.append([context, "run_the_model" in full, [(e["action"], names(e)[:1]) for e in kept]])
+            # the first Python frame (stacks="all" puts the C++ frames before it)
+            got.append([context, "run_the_model" in full, [(e["action"], py_names(e)[:1]) for e in kept]])
             _viz.record_torch_history(None)
         out(got=got)
     """)
@@ -72,15 +82,39 @@ def test_context_none_leaves_no_stack_even_where_torchs_plot_filter_keeps_entrie
     assert kept3 == [["segment_map", []]], kept3
 
 
-def test_each_context_mode_gives_its_trace_entries_their_stacks():
+def test_stacks_all_puts_the_cpp_frames_before_the_python_ones():
+    # torch's stacks="all": an allocation's stack starts with the native frames of the
+    # thread that allocated, innermost first -- here the entry point torch calls, reached
+    # through ctypes -- then its Python frames; stacks="python" has the Python ones only
     r = run_py("""
         got = {}
-        for context in ("alloc", "all", "state"):
+        for stacks in ("all", "python"):
             empty_cache()
-            _viz.record_torch_history("all", context, "python")
+            _viz.record_torch_history("all", "all", stacks)
+            def allocating_site():
+                return alloc(4096, 0, None)
+            p = allocating_site()
+            (e,) = [e for e in trace() if e["action"] == "alloc"]
+            got[stacks] = e["frames"]
+            free(p, 0, 0, None)
+            _viz.record_torch_history(None)
+        out(got=got)
+    """)
+    frames, py = r["got"]["all"], r["got"]["python"]
+    assert py[0]["name"] == "allocating_site"
+    native = frames[: len(frames) - len(py)]
+    assert native and frames[len(native) :] == py, "the native frames come first, then the Python ones"
+    names = [f["name"] for f in native]
+    assert "gpumem_torch_alloc" in names and "allocating_site" not in names
+    assert not any(n.startswith("gm_py_capture_context") or n == "with_native" for n in names)
+
+
+def test_each_context_mode_gives_its_trace_entries_their_stacks():
+    r = run_py("""
+        def case():
             x = None
             def thealloc():
-                global x
+                nonlocal x
                 x = alloc(3 * 4 * 4, 0, None)
             def thefree():
                 free(x, 0, 0, None)
@@ -91,32 +125,29 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
             kept = keep_one()
             snap = _viz.torch_snapshot_dict()
             blocks = [names(b)[:1] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
-            got[context] = {
+            free(kept, 0, 0, None)
+            return {
                 "trace": [(e["action"], names(e)[:1]) for e in snap["device_traces"][0]],
                 "blocks": blocks,
                 "text": json.dumps(snap),
             }
-            free(kept, 0, 0, None)
-            _viz.record_torch_history(None)
-        out(got=got)
+        out(got=each_context(case))
     """)
     g = r["got"]
+
+    def entries(freed_by):
+        return [
+            ["segment_map", ["thealloc"]],
+            ["alloc", ["thealloc"]],
+            ["free_requested", [freed_by]],
+            ["free_completed", [freed_by]],
+            ["alloc", ["keep_one"]],
+        ]
+
     # "all": a free carries the stack of the code that freed
-    assert g["all"]["trace"][:5] == [
-        ["segment_map", ["thealloc"]],
-        ["alloc", ["thealloc"]],
-        ["free_requested", ["thefree"]],
-        ["free_completed", ["thefree"]],
-        ["alloc", ["keep_one"]],
-    ]
+    assert g["all"]["trace"][:5] == entries("thefree")
     # "alloc": every entry carries its block's allocation stack (torch's too), never the freeing one
-    assert g["alloc"]["trace"][:5] == [
-        ["segment_map", ["thealloc"]],
-        ["alloc", ["thealloc"]],
-        ["free_requested", ["thealloc"]],
-        ["free_completed", ["thealloc"]],
-        ["alloc", ["keep_one"]],
-    ]
+    assert g["alloc"]["trace"][:5] == entries("thealloc")
     # "state": no trace entry carries a stack; the blocks alive still do
     assert [a for a, _ in g["state"]["trace"][:5]] == [
         "segment_map",
@@ -134,19 +165,14 @@ def test_each_context_mode_gives_its_trace_entries_their_stacks():
 
 def test_empty_cache_carries_its_callers_stack_with_context_all_only():
     r = run_py("""
-        got = {}
-        for context in ("alloc", "all", "state"):
-            empty_cache()
-            _viz.record_torch_history("all", context, "python")
+        def case():
             p = alloc(4 * MiB, 0, None)
             free(p, 0, 0, None)
             def release_the_cache():
                 empty_cache()
             release_the_cache()
-            unmaps = [names(e)[:1] for e in trace() if e["action"] == "segment_unmap"]
-            got[context] = unmaps
-            _viz.record_torch_history(None)
-        out(got=got)
+            return [names(e)[:1] for e in trace() if e["action"] == "segment_unmap"]
+        out(got=each_context(case))
     """)
     assert r["got"]["all"] and all(n == ["release_the_cache"] for n in r["got"]["all"]), r["got"]
     for context in ("alloc", "state"):
@@ -306,8 +332,6 @@ GPU_PRELUDE = """
 import json
 import torch
 import gpumem
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 """
 
 

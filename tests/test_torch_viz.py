@@ -17,7 +17,7 @@ import gpumem
 from gpumem import _C
 from gpumem.torch import _install, _viz as _torch_viz
 from gpumem import torch as gt
-from gpumem._resolve import NoHeapError, TorchHeap
+from gpumem._resolve import NoHeapError, registry_heap
 
 explain_module = importlib.import_module("gpumem.explain")
 
@@ -92,20 +92,9 @@ def oom_heap(monkeypatch):
         h.malloc(400 * MiB)
     seen = []
 
-    class Stand_in:
-        # the sim heap, but with the process list the formatter was given, as TorchHeap does
-        def __init__(self, processes):
-            self.processes = processes
-
-        def __getattr__(self, name):
-            return getattr(h, name)
-
-        def device_processes(self):
-            return self.processes
-
-    def heap_for(device, processes):
-        seen.append((device, processes))
-        return Stand_in(processes)
+    def heap_for(device):
+        seen.append(device)
+        return h
 
     monkeypatch.setattr(explain_module, "_torch_heap", heap_for)
     monkeypatch.delenv("GPUMEM_EXPLAIN_OOM", raising=False)
@@ -126,8 +115,9 @@ def test_formatter_writes_the_core_line_then_the_report(oom_heap):
     # The one line torch_alloc.cpp writes itself: device 0 has no torch heap here.
     assert first.startswith("CUDA out of memory. Tried to allocate 400.00 MiB. GPU 0 has a total capacity of ")
     assert "Where the device's" in rest and "[live_tensors]" in rest and "What to do:" in rest
-    # The process list torch_alloc.cpp took is what the report shows, not asked again.
-    assert seen == [(0, [(4242, 300 * MiB)])]
+    # The process list torch_alloc.cpp took is what the report shows, not asked again
+    # (the sim heap itself lists no other process).
+    assert seen == [0] and 4242 not in [pid for pid, _ in h.device_processes() or []]
     assert "PID 4242" in rest and "[other_processes]" in rest
 
 
@@ -156,14 +146,17 @@ def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
     info = h.last_oom()
     line = call_formatter(info).split("\n")[0]
 
-    def broken(device, processes):
+    def broken(device):
         raise RuntimeError("no heap today")
 
     monkeypatch.setattr(explain_module, "_torch_heap", broken)
     assert call_formatter(info) == f"{line} (gpumem.explain failed: RuntimeError: no heap today)"
-    previous = _C._set_oom_formatter(lambda *a: 42)  # not a str: the line alone
+    # A formatter that breaks: the line, and a note, as a Heap's message says it.
+    previous = _C._set_oom_formatter(lambda *a: 42)
     try:
-        assert call_formatter(info) == line
+        assert call_formatter(info) == f"{line} (gpumem.explain failed: it did not return a str)"
+        with pytest.raises(gpumem.OutOfMemoryError, match=r"\(gpumem.explain failed: it did not return a str\)$"):
+            h.malloc(1 << 40)
     finally:
         _C._set_oom_formatter(previous)
 
@@ -276,14 +269,13 @@ def test_no_heap_given_and_gpumem_not_installed(call, tmp_path):
 
 def test_torch_heap_without_a_heap_says_so():
     with pytest.raises(NoHeapError, match="no heap on cuda:3: torch has not allocated there"):
-        TorchHeap(3).snapshot()
-    assert TorchHeap(3).last_oom() is None and TorchHeap(3).device_name == "cuda:3"
-    assert _C._torch_processes(3) is None
+        registry_heap(3)
+    assert _C.registry_heap(3, open=False) is None and 3 not in _C.registry_devices()
 
 
 def test_torch_record_memory_history_routes_to_record_history(monkeypatch):
     calls = []
-    monkeypatch.setattr(_C, "_torch_history_enable", lambda n: calls.append(n))
+    monkeypatch.setattr(_C, "registry_history_enable", lambda n: calls.append(n))
     try:
         _install._record_history("all", "all", "all", 1000)  # torch's defaults: C++ + Python asked
         assert calls[-1] == 1000 and _C._stacks_info()["enabled"]

@@ -108,8 +108,8 @@ MUTATIONS = [
     Mutation(
         "no_merge_with_next",
         "a freed block does not merge with its upper free neighbour",
-        "if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && h_owners_merge(b->stream, n->stream, &o)) {",
-        "if (0 && n && n->state == GM_BLOCK_FREE && n->pool == b->pool && h_owners_merge(b->stream, n->stream, &o)) {",
+        "    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&",
+        "    if (0 && n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&",
         path="csrc/core/block.c",
     ),
     Mutation(
@@ -198,9 +198,9 @@ MUTATIONS = [
     ),
     Mutation(
         "pool_page_rest_left_general",
-        "pools: the rest of a pool's last page stays general, so a small tensor there splits the pool",
-        "    if (pool) claim_page_rest(h, b, pool);\n",
-        "    if (pool && !b->size) claim_page_rest(h, b, pool);\n",
+        "pools: the rest of a pool's last page stays general, so general memory shares the pool's page",
+        "!b->next->pool) claim_pool_pages(h, b, pool);\n",
+        "!b->next->pool && !b->size) claim_pool_pages(h, b, pool);\n",
         path="csrc/core/heap.c",
     ),
     Mutation(
@@ -227,8 +227,8 @@ MUTATIONS = [
     Mutation(
         "torch_page_size_ignored",
         "torch: the heaps torch's allocations get ignore the page_size option",
-        "gm_sim_create(sim_capacity, o.page_size) : gm_cuda_create(device, o.page_size,",
-        "gm_sim_create(sim_capacity, 0) : gm_cuda_create(device, 0,",
+        "    args.page_size = o.page_size;",
+        "    args.page_size = 0;",
         path="csrc/python/torch_alloc.cpp",
     ),
 ]

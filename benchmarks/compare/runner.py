@@ -394,6 +394,12 @@ class Run:
         o["rmm_pool"] = "all" if stage == "1" else "grow"
         return o
 
+    def _replay(self, c: str, t: str, cap: Optional[int], passes: int, stage: str, s_per_event: float) -> dict:
+        """Replay trace t on contender c's server, under cap (None: uncapped), passes times; the
+        time allowed grows with the trace's events.  stage: the figure the options are for."""
+        request = {"task": "replay", "trace": t, "cap": cap, "passes": passes, "options": self.options(c, stage)}
+        return self.servers[c].call({**request, "timeout_s": 60 + self.packed[t].n_events * s_per_event})
+
     def ceiling(self) -> int:
         free = None
         for c in self.available:
@@ -476,16 +482,7 @@ class Run:
                         if f is not None:
                             f["rows"].append(_skipped("trace", t, c))
                     continue
-                r = self.servers[c].call(
-                    {
-                        "task": "replay",
-                        "trace": t,
-                        "cap": None,
-                        "passes": 2,
-                        "options": self.options(c, "23"),
-                        "timeout_s": 60 + self.packed[t].n_events * 40e-6,
-                    }
-                )
+                r = self._replay(c, t, None, passes=2, stage="23", s_per_event=40e-6)
                 est[t] = max(est.get(t, 0), float(r.get("elapsed_s") or 0))
                 ok = r.get("status") == "ok"
                 p = r.get("passes") or [{}]
@@ -549,16 +546,7 @@ class Run:
     def _capped_probe(self, row: dict, t: str, c: str, peak: int) -> None:
         """Figure 3's capped run when figure 1 (whose searches probe 1.05 × peak live) is not made."""
         cap = align_up(int(peak * 1.05), ALIGN)
-        r = self.servers[c].call(
-            {
-                "task": "replay",
-                "trace": t,
-                "cap": cap,
-                "passes": 1,
-                "options": self.options(c, "1"),
-                "timeout_s": 60 + self.packed[t].n_events * 60e-6,
-            }
-        )
+        r = self._replay(c, t, cap, passes=1, stage="1", s_per_event=60e-6)
         p0 = (r.get("passes") or [{}])[0]
         row.update(
             capped_cap=cap,
@@ -637,17 +625,7 @@ class Run:
                     active.remove(e)
                     continue
                 t, c = e["trace"], e["contender"]
-                n = self.packed[t].n_events
-                r = self.servers[c].call(
-                    {
-                        "task": "replay",
-                        "trace": t,
-                        "cap": v,
-                        "passes": 1,
-                        "options": self.options(c, "1"),
-                        "timeout_s": 60 + n * 60e-6,
-                    }
-                )
+                r = self._replay(c, t, v, passes=1, stage="1", s_per_event=60e-6)
                 st = r.get("status")
                 p0 = (r.get("passes") or [{}])[0]
                 eff = (r.get("device") or {}).get("cap_effective")

@@ -398,14 +398,16 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     b->requested = 0;
     b->context = 0;
     gm_block *p = b->prev;
-    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && h_owners_merge(p->stream, b->stream, &o)) {
+    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && !gm_pool_seam(h, p, b) &&
+        h_owners_merge(p->stream, b->stream, &o)) {
         h_index_remove(h, p);
         h_absorb(h, p, b);
         p->stream = o;
         b = p;
     }
     gm_block *n = b->next;
-    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && h_owners_merge(b->stream, n->stream, &o)) {
+    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&
+        h_owners_merge(b->stream, n->stream, &o)) {
         h_index_remove(h, n);
         h_absorb(h, b, n);
         b->stream = o;
@@ -439,7 +441,7 @@ void h_coalesce_all(gm_heap *h) {
     while (b && b->next) {
         gm_block *n = b->next;
         gm_stream o;
-        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool &&
+        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool && !gm_pool_seam(h, b, n) &&
             h_owners_merge(b->stream, n->stream, &o)) {
             gm_run_detach(h, b);
             h_merge_free(h, b, n, o);

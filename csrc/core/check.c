@@ -55,6 +55,8 @@
  *      pages.  Parked pages (mapped during a capture, access refused) are
  *      whole mapped chunks inside unmapped space, as many as the heap counts;
  *      nothing else mapped lies in unmapped space.
+ *   C15 a page that a block of a living pool touches holds only that pool's
+ *      blocks; a pool's free neighbours are apart only across a growth seam.
  *
  * Each rule is one function, check_cN_..., its rule stated at its top;
  * gm_check, the entry point that tests and the fuzz driver call, runs them
@@ -62,22 +64,14 @@
  * stops at the first that fails, its reason in `why`.  C12's page lists are
  * read first (paused_pages): the other rules exempt paused pages.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "heap_internal.h"
 
-static int fail(char *why, size_t len, const char *fmt, ...) {
-    if (why && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, len, fmt, ap);
-        va_end(ap);
-    }
-    return GM_ECORRUPT;
-}
+/* A broken invariant: GM_ECORRUPT, with the reason in why. */
+#define fail(why, len, ...) gm_errorf(GM_ECORRUPT, why, len, __VA_ARGS__)
 
 static int cmp_handle(const void *a, const void *b) {
     gm_handle x = *(const gm_handle *)a, y = *(const gm_handle *)b;
@@ -123,7 +117,9 @@ static int check_c3_merged(gm_heap *h, const gm_pool **paused, char *why, size_t
     for (const gm_block *last = h->head, *b = last->next; b; last = b, b = b->next) {
         if (b->state == GM_BLOCK_UNMAPPED && last->state == GM_BLOCK_UNMAPPED)
             return fail(why, len, "two unmapped neighbours at %#lx were not merged", (unsigned long)b->addr);
-        if (b->state != GM_BLOCK_FREE || last->state != GM_BLOCK_FREE || last->pool != b->pool) continue;
+        if (b->state != GM_BLOCK_FREE || last->state != GM_BLOCK_FREE || last->pool != b->pool ||
+            gm_pool_seam(h, last, b))
+            continue;
         gm_stream lo = gm_free_owner(h, last), bo = gm_free_owner(h, b);
         if (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY)
             return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
@@ -667,6 +663,33 @@ static int check_c8_pools(gm_heap *h, const gm_pool **paused, char *why, size_t 
     return rc;
 }
 
+/* C15: a page that a block of a living pool touches holds blocks of that pool
+ * only (a pool's pages are its own, as a native segment is). */
+static int check_c15_pool_pages(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    if (!h->n_pools) return GM_OK;
+    size_t top = 0;
+    for (const gm_block *b = h->head; b; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED) top = gm_page_ceil(h, b->addr + b->size);
+    const gm_pool **who = calloc(top ? top : 1, sizeof *who);
+    uint8_t *seen = calloc(top ? top : 1, 1);
+    int rc = GM_OK;
+    for (const gm_block *b = h->head; b && who && seen && !rc; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED) continue;
+        const gm_pool *o = gm_pinned(b) ? b->pool : NULL;
+        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size) && !rc; p++) {
+            if (seen[p] && who[p] != o)
+                rc = fail(why, len, "page %zu holds blocks of a living pool and others (block %#lx)", p,
+                          (unsigned long)b->addr);
+            seen[p] = 1;
+            who[p] = o;
+        }
+    }
+    free(who);
+    free(seen);
+    return rc;
+}
+
 /* C9: capture: the deferred count equals the pending blocks marked deferred;
  * a deferred block is pending with no event recorded. */
 static int check_c9_deferred(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
@@ -691,9 +714,9 @@ typedef int check_rule(gm_heap *h, const gm_pool **paused, char *why, size_t len
 /* The rules in the order they are checked: the layout first, what is built
  * on it after. */
 static check_rule *const rules[] = {
-    check_c12_paused,    check_c1_tiling,  check_c3_merged,       check_c2_mapped,   check_c14_chunks,
-    check_c7_held_once,  check_c4_indexes, check_c5_live_pending, check_c6_stats,    check_c11_streams,
-    check_c13_hand_over, check_c10_runs,   check_c8_pools,        check_c9_deferred,
+    check_c12_paused,    check_c1_tiling,  check_c3_merged,       check_c2_mapped,      check_c14_chunks,
+    check_c7_held_once,  check_c4_indexes, check_c5_live_pending, check_c6_stats,       check_c11_streams,
+    check_c13_hand_over, check_c10_runs,   check_c8_pools,        check_c15_pool_pages, check_c9_deferred,
 };
 
 int gm_check(gm_heap *h, char *why, size_t whylen) {

@@ -1,4 +1,8 @@
-/* errors.c -- one sentence per error code (the list is GM_EACH_ERROR in gpumem.h). */
+/* errors.c -- one sentence per error code (the list is GM_EACH_ERROR in gpumem.h),
+ * and the reason a call writes into its caller's buffer. */
+#include <stdarg.h>
+#include <stdio.h>
+
 #include "gpumem/gpumem.h"
 
 const char *gm_strerror(int code) {
@@ -11,4 +15,14 @@ const char *gm_strerror(int code) {
     default:
         return "unknown error";
     }
+}
+
+int gm_errorf(int rc, char *err, size_t errlen, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return rc;
 }

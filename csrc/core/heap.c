@@ -112,24 +112,36 @@
  *   is a set of blocks tagged with it.  Its free blocks sit in owners of their
  *   own -- one per (pool, stream), plus the pool's ANY -- so the same stream
  *   rules hold inside a pool, and they merge only with free neighbours of the
- *   same pool.  An allocation in a pool takes the pool's free blocks first, then
- *   the general heap's (fast path, then the slow path as usual), and the block
- *   it carves becomes the pool's; freed, it goes back to the pool.  Placement
- *   never uses a pool's free block for anything else -- except to grow the
- *   pool: for a request in pool P on stream s, P's free blocks that s may use
- *   count as run space too (mapped, they need no new page), so one placement
- *   may span [P free][general free][unmapped].  A graph recorded at a larger
- *   shape then extends the memory of the smaller shapes' graphs in place,
- *   instead of leaving it stranded beside wholly new memory.  For that the
- *   pool's edge stays its own: a new pool block takes the rest of its last
- *   page when only unmapped space follows (claim_page_rest), no other
- *   growth starts right after a living pool's block, and a pool's request
- *   extends the pool's free memory when that costs at most one page more
- *   than the best place elsewhere (consider_at, POOL_EDGE_PAGES).
+ *   same pool.  A pool's pages are its own, as a native segment is: an
+ *   allocation in a pool takes the pool's free blocks (fast path), else
+ *   whole pages through the slow path -- a range that starts a page, over
+ *   general space, and whose last page holds nothing but general space the
+ *   stream may use or the pool's own blocks (pool_pages_ok); the general
+ *   free memory left on that page becomes the pool's (claim_pool_pages).
+ *   So no page holds a living pool's blocks and anything else, and general
+ *   requests never land on a pool's pages: general space never lies there.
+ *   Freed, a pool's block goes back to the pool.  Placement never uses a
+ *   pool's free block for anything else -- except to grow the pool: for a
+ *   request in pool P on stream s, P's free blocks that s may use count as
+ *   run space too (mapped, they need no new page), so one placement may span
+ *   [P free][general free][unmapped].  A graph recorded at a larger shape
+ *   then extends the memory of the smaller shapes' graphs in place, instead
+ *   of leaving it stranded beside wholly new memory.  For that the pool's
+ *   edge stays its own: no other growth starts right after a living pool's
+ *   block, and a pool's request extends the pool's free memory when that
+ *   costs at most one page more than the best place elsewhere (consider_at,
+ *   POOL_EDGE_PAGES).
  *
- *     [A   ][B  p1][free p1][free][C  p1 ][unmapped ...]
+ *   Each slow-path placement is a growth, numbered per page (page_growth):
+ *   the pages it maps, and for a pool the pages it takes.  A pool's free
+ *   neighbours do not merge across a page where the growth changes, as a
+ *   native allocator's blocks do not merge across segments, and snapshots
+ *   cut segments there.  A no_split pool's request takes whole pages, or a
+ *   whole free block of the pool: its blocks are never split.
+ *
+ *     [A   ][free][B  p1 ][free p1  ][C  p1 ][free p1][unmapped ...]
  *     |  page 0  |  page 1  |  page 2  |  page 3  |
- *                      pages 0-3 are pinned: they back blocks of living pool p1
+ *       general    pages 1-3 are p1's and pinned: only its blocks lie there
  *
  *   A CUDA graph has its addresses baked in, so every page that a block of a
  *   living pool touches -- live, pending or free -- is counted as used
@@ -218,12 +230,9 @@ gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
 }
 
-/* An allocation in a pool takes the pool's free memory first, then the
- * general heap's. */
-gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
-    gm_block *b = pool ? h_fit_in(h, size, s, pool) : NULL;
-    return b ? b : h_fit_in(h, size, s, NULL);
-}
+/* An allocation in a pool takes only the pool's free memory here: general
+ * free memory it may take only as whole pages of its own (placement). */
+gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) { return h_fit_in(h, size, s, pool); }
 
 /* Turn [at, at+size) of the free block b into a live block. */
 static gm_block *carve(gm_heap *h, gm_block *b, uintptr_t at, size_t size) {
@@ -296,12 +305,13 @@ static int heap_tables(gm_heap *h, size_t total) {
     h->page_handle = calloc(h->n_pages, sizeof *h->page_handle);
     h->chunk_off = calloc(h->n_pages, sizeof *h->chunk_off);
     h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
+    h->page_growth = calloc(h->n_pages, sizeof *h->page_growth);
     h->parked = calloc(h->n_pages, 1);
     h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    int rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->parked || !h->loose || !h->spare || !h->live ||
-              ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
+    int rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->loose ||
+              !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
                  ? GM_ENOMEM
                  : GM_OK;
     if (rc) {
@@ -335,15 +345,10 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     else
         gm_config_default(&cfg);
     size_t page = dev->page_size;
-    if (!cfg.chunk_pages) cfg.chunk_pages = GM_CHUNK_PAGES_DEFAULT;
-    if (page < GM_ALIGN || (page & (page - 1)) || cfg.growth_slack < 0 || cfg.growth_slack > 100 ||
-        cfg.chunk_pages > GM_CHUNK_PAGES_MAX || !(cfg.pressure >= 0 && cfg.pressure <= 1)) {
+    char bad[200] = "device page size is not a power of two >= 512";
+    if (gm_config_check(&cfg, bad, sizeof bad) != GM_OK || page < GM_ALIGN || (page & (page - 1))) {
         dev->last_error[0] = 0;
-        create_failed(dev, GM_EINVAL,
-                      cfg.growth_slack < 0 || cfg.growth_slack > 100 ? "growth_slack must be in [0, 100]"
-                      : cfg.chunk_pages > GM_CHUNK_PAGES_MAX         ? "chunk_pages must be in [1, 1024]"
-                      : !(cfg.pressure >= 0 && cfg.pressure <= 1)    ? "pressure must be in [0, 1]"
-                                                                     : "device page size is not a power of two >= 512");
+        create_failed(dev, GM_EINVAL, bad);
         dev->ops->destroy(dev);
         return GM_EINVAL;
     }
@@ -379,13 +384,6 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->growth_slack_pages = cfg.growth_slack_pages;
     h->chunk_pages = cfg.chunk_pages;
     h->pressure = cfg.pressure;
-    if (cfg.va_size > ((size_t)1 << 48)) {
-        dev->last_error[0] = 0;
-        create_failed(dev, GM_EINVAL, "va_size exceeds the 256 TiB of address space a GPU has");
-        dev->ops->destroy(dev);
-        free(h);
-        return GM_EINVAL;
-    }
     size_t va = cfg.va_size ? h_align_up(cfg.va_size, page) : h_align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;
@@ -454,6 +452,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->loose);
     free(h->chunk_off);
     free(h->chunk_len);
+    free(h->page_growth);
     free(h->parked);
     free(h->page_handle);
     ri_free(&h->runs);
@@ -516,25 +515,36 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
     gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
 }
 
-/* b, just made live in pool p: when the rest of its last page is a general
- * free block with only unmapped space after it -- the edge where the pool
- * grows -- that rest becomes p's free space.  The page is the pool's for as
- * long as p lives anyway, and a general block there would stand between the
- * pool's memory and the space it extends into (see consider_at). */
-static void claim_page_rest(gm_heap *h, gm_block *b, gm_pool *p) {
-    gm_block *r = b->next;
-    if (!r || r->state != GM_BLOCK_FREE || r->pool || (r->next && r->next->state != GM_BLOCK_UNMAPPED)) return;
-    /* Only memory b's stream may use: the pool has owners for that stream
-     * and ANY; another stream's free block stays where its work is ordered. */
-    if (r->stream != b->stream && r->stream != ANY) return;
-    size_t last = gm_page_floor(h, b->addr + b->size - 1);
-    if (gm_page_floor(h, r->addr) != last || r->addr + r->size != gm_page_addr(h, last + 1)) return;
-    gm_run_detach(h, r);
-    h_index_remove(h, r);
-    r->pool = p;
-    gm_pages_use(h, r, 1);
-    h_index_insert(h, r);
-    if (r->next) gm_run_attach(h, r->next);
+/* b, just made live in pool p from pages of its own (pool_pages_ok): the
+ * general free memory on its last page becomes p's free memory, so that the
+ * page holds p's blocks only for as long as p lives. */
+static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p) {
+    uintptr_t e = gm_page_addr(h, gm_page_ceil(h, b->addr + b->size));
+    for (gm_block *r = b->next; r && r->addr < e; r = r->next) {
+        if (r->state != GM_BLOCK_FREE || r->pool) continue;
+        gm_run_detach(h, r);
+        h_index_remove(h, r);
+        if (r->addr + r->size > e) h_index_insert(h, h_split(h, r, e - r->addr));
+        r->pool = p;
+        gm_pages_use(h, r, 1);
+        gm_stream o;
+        gm_block *q = r->prev, *n = r->next;
+        if (q->state == GM_BLOCK_FREE && q->pool == p && !gm_pool_seam(h, q, r) &&
+            h_owners_merge(q->stream, r->stream, &o)) {
+            h_index_remove(h, q);
+            h_absorb(h, q, r);
+            q->stream = o;
+            r = q;
+        }
+        if (n && n->state == GM_BLOCK_FREE && n->pool == p && !gm_pool_seam(h, r, n) &&
+            h_owners_merge(r->stream, n->stream, &o)) {
+            h_index_remove(h, n);
+            h_absorb(h, r, n);
+            r->stream = o;
+        }
+        h_index_insert(h, r);
+        if (r->next && gm_general_space(r->next)) gm_run_attach(h, r->next);
+    }
 }
 
 int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, uintptr_t *out) {
@@ -559,7 +569,8 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         rc = h_out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
-    if ((rc = h_slab_reserve(h, 4)) || (h->n_live >= h->live_mask && (rc = h_live_grow(h)))) goto done;
+    if (pool && pool->no_split) rsize = h_align_up(rsize, h->page); /* whole pages, never split */
+    if ((rc = h_slab_reserve(h, 6)) || (h->n_live >= h->live_mask && (rc = h_live_grow(h)))) goto done;
     if (h->n_owners >= h->owners_trim_at && (!gm_owner_find(h, NULL, s) || (pool && !gm_owner_find(h, pool, s))))
         h_owners_trim(h);
     if ((!gm_owner_find(h, NULL, s) && !h_owner_get(h, NULL, s)) ||
@@ -576,9 +587,10 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
         if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
     }
+    if (pool && pool->no_split && b->pool == pool) at = b->addr, rsize = b->size; /* the whole free block */
     b = carve(h, b, at, rsize);
     h_make_live(h, b, rsize, size, s, context, pool);
-    if (pool) claim_page_rest(h, b, pool);
+    if (pool && b->next && b->next->state == GM_BLOCK_FREE && !b->next->pool) claim_pool_pages(h, b, pool);
     *out = b->addr;
 done:
     h->no_sync = 0;

@@ -36,6 +36,7 @@ struct gm_owner {
 struct gm_pool {
     gm_pool_id id;
     int64_t use_count;              /* 0: ended */
+    int no_split;                   /* a block of it is never split: a request takes a whole free block */
     size_t live_blocks, live_bytes; /* live and pending */
     size_t free_blocks, free_bytes; /* free blocks in its indexes */
     gm_owner *any;                  /* its GM_STREAM_ANY owner, made with the pool */
@@ -93,6 +94,12 @@ struct gm_heap {
      * come in whole chunks. */
     uint8_t *parked;
     size_t n_parked;
+    /* Per page: the growth that mapped it (or gave it to a pool) -- one
+     * slow-path placement, numbered from 1 (growth_seq: the latest); 0: never
+     * mapped.  Snapshots cut segments where it changes, and a pool's free
+     * blocks do not merge across such a seam (gm_pool_seam). */
+    uint32_t *page_growth;
+    uint32_t growth_seq;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
     size_t multi_chunks; /* chunks of more than one page mapped now */
 
@@ -203,6 +210,15 @@ static inline int gm_keeps_pages(const gm_block *b) {
     return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b));
 }
 
+/* Free neighbours a and b (b = a->next) of a pool, split by a page where the
+ * growth that gave the pool its pages changes: they stay apart, as blocks of
+ * two native segments do. */
+static inline int gm_pool_seam(const gm_heap *h, const gm_block *a, const gm_block *b) {
+    if (!a->pool || ((b->addr - h->base) & (h->page - 1))) return 0;
+    size_t p = gm_page_floor(h, b->addr);
+    return p && h->page_growth[p] != h->page_growth[p - 1];
+}
+
 /* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */
 /* Measure the run headed by `head` and index it (block.c: gm_run_attach's slow half). */
 void gm_run_index(gm_heap *h, gm_block *head);
@@ -228,6 +244,14 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
 
 /* The owner "every stream", as the core's files write it. */
 #define ANY GM_STREAM_ANY
+
+/* The growth tunables (policy.c, POLICY). */
+#define ROOM_FAR         0.25
+#define ROOM_CHUNK_MIN   64
+#define ROOM_CHUNK_PAGES 64
+#define ROOM_AHEAD_PAGES 8
+#define ROOM_SMALL_PAGES (ROOM_CHUNK_MIN - 1)
+#define ROOM_SMALL_FREE  ((size_t)16 << 30)
 
 /* A place for a request, as placement finds it (place.c). */
 typedef struct placement {
@@ -299,10 +323,12 @@ size_t h_cached_pages(const gm_heap *h, size_t ex0, size_t ex1);
 size_t h_cached_pages_outside(const gm_heap *h, placement pl, size_t size);
 
 /* ---- policy.c ---- */
-void h_grow_by_policy(gm_heap *h, size_t size, size_t need, size_t *grant, size_t **g, size_t *most, int single,
-                      int *dev_err);
+size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *pool, size_t need, size_t *grant,
+                        size_t **g, size_t *most, int single, int *dev_err);
 
 /* ---- place.c ---- */
+gm_block *h_block_holding(gm_block *b, uintptr_t x);
+void h_stamp_pool_growth(gm_heap *h, const placement *pl, size_t size, gm_pool *pool);
 placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget);
 placement h_place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
 void h_unpark(gm_heap *h);

@@ -42,8 +42,7 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
  * else's just after the pool's last block would leave that free memory
  * stranded and the larger graph all-new memory; so would the pool starting a
  * second region elsewhere to save the page that a general block's leftover
- * saves.  Together with claim_page_rest (a pool's new block takes the rest of
- * its last page when only unmapped space follows), the general heap's growth
+ * saves.  With a pool's pages its own (claim_pool_pages), the general heap's growth
  * goes elsewhere in the address space (there is 4x the device's memory of
  * it), and each pool grows at its end as one segment of its own would. */
 #define POOL_EDGE_PAGES 1
@@ -65,10 +64,40 @@ static int ranks_before(const placement *a, const placement *b) {
     return a->run < b->run || (a->run == b->run && a->addr < b->addr);
 }
 
+/* A pool's request takes pages of its own: [x, x+size) starts a page, and
+ * what else its last page holds is the pool's or general space the stream
+ * may use (claim_pool_pages makes it the pool's).  So no page holds blocks
+ * of a living pool and anything else. */
+static int pool_pages_ok(const struct place_ctx *c, const gm_block *first, uintptr_t x) {
+    uintptr_t end = x + c->size, e = gm_page_addr(c->h, gm_page_ceil(c->h, end));
+    if ((x - c->h->base) & (c->h->page - 1)) return 0;
+    /* No page of a physical allocation the policy made with room (POLICY;
+     * with chunk_pages 1 every larger one is its) that the range does not
+     * wholly take: it goes back only whole, and a segment as torch counts
+     * them is one pool's. */
+    size_t p0 = gm_page_floor(c->h, x), p1 = gm_page_ceil(c->h, end);
+    for (size_t p = p0; p < p1 && c->h->chunk_pages == 1; p++)
+        if (c->h->chunk_len[p] > 1 && (gm_chunk_first(c->h, p) < p0 || gm_chunk_end(c->h, p) > p1)) return 0;
+    for (const gm_block *b = first; b && b->addr < e; b = b->next) {
+        if (b->addr + b->size <= end || b->pool == c->pool) continue;
+        if (!gm_general_space(b) || (b->state == GM_BLOCK_FREE && b->stream != c->s && b->stream != ANY)) return 0;
+    }
+    return 1;
+}
+
 /* The candidate [x, x+size) in a run of `len` bytes that starts at `first`.
  * With a `budget` (pages at hand; SIZE_MAX: none), a candidate that needs
- * more than those and the cached pages that could move to it is left out. */
+ * more than those and the cached pages that could move to it is left out.
+ * A pool's candidate inside a page moves to the page boundaries around it
+ * that keep it in the run (pool_pages_ok). */
 static void consider_at(struct place_ctx *c, gm_block *first, uintptr_t x, size_t len) {
+    size_t off = (x - c->h->base) & (c->h->page - 1);
+    if (c->pool && off) {
+        if (x - off >= first->addr) consider_at(c, first, x - off, len);
+        if (x - off + c->h->page + c->size <= first->addr + len) consider_at(c, first, x - off + c->h->page, len);
+        return;
+    }
+    if (c->pool && !pool_pages_ok(c, first, x)) return;
     placement p = {1, x, 0, len, first, 0, 0};
     p.new_pages = unmapped_in(c->h, first, x, c->size, &p.pooled);
     if (p.new_pages > c->budget && p.new_pages - c->budget > h_cached_pages_outside(c->h, p, c->size)) return;
@@ -219,10 +248,21 @@ void h_unpark(gm_heap *h) {
 }
 
 /* The block that holds address x (inside the reserved range), walking from b. */
-static gm_block *block_holding(gm_block *b, uintptr_t x) {
+gm_block *h_block_holding(gm_block *b, uintptr_t x) {
     while (b->addr > x) b = b->prev;
     while (b->addr + b->size <= x) b = b->next;
     return b;
+}
+
+/* A pool's placement pl gets a growth of its own: the pages under it that
+ * are not the pool's yet (a pool's free block starts each page of the pool's
+ * it takes) are numbered with the new growth, as the pages mapped for it are. */
+void h_stamp_pool_growth(gm_heap *h, const placement *pl, size_t size, gm_pool *pool) {
+    gm_block *b = pl->first;
+    for (size_t p = gm_page_floor(h, pl->addr); p < gm_page_ceil(h, pl->addr + size); p++) {
+        b = h_block_holding(b, gm_page_addr(h, p));
+        if (b->pool != pool) h->page_growth[p] = h->growth_seq;
+    }
 }
 
 /* The free blocks of a pool under [x, end) become general free space, same
@@ -230,7 +270,7 @@ static gm_block *block_holding(gm_block *b, uintptr_t x) {
  * their pages, which the block carved from the range keeps again.  b is a
  * block at or before x.  The caller keeps the runs out of the run index. */
 static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr_t end) {
-    for (b = block_holding(b, x); b && b->addr < end; b = b->next) {
+    for (b = h_block_holding(b, x); b && b->addr < end; b = b->next) {
         if (b->state != GM_BLOCK_FREE || !b->pool) continue;
         h_index_remove(h, b);
         if (b->addr < x) {
@@ -252,7 +292,7 @@ static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr
  * mapped and free, the pool's blocks stay the pool's: nothing is lost). */
 static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size_t size, gm_stream s, gm_pool *pool,
                                    int remap, size_t most, size_t *grant, int *err) {
-    gm_block *b = block_holding(from, x);
+    gm_block *b = h_block_holding(from, x);
     uintptr_t end = x + size;
     size_t cuts = 4;
     for (gm_block *c = b; c && c->addr < end; c = c->next) cuts += 2 * (c->state == GM_BLOCK_UNMAPPED);
@@ -268,12 +308,13 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
         size_t p0 = gm_page_floor(h, lo), p1 = gm_page_ceil(h, hi);
         int rc = GM_OK;
-        size_t p = most > h->chunk_pages
+        size_t p = most > h->chunk_pages && most >= ROOM_CHUNK_MIN
                        ? h_map_interior(h, p0, p1, gm_page_floor(h, x), gm_page_ceil(h, end), most, grant, &rc)
                        : h_map_fresh(h, p0, p1, most, grant, &rc);
         if (p > p0) {
             int arc = grant_or_take_back(h, p0, &p);
             if (!rc) rc = arc;
+            for (size_t q = p0; q < p; q++) h->page_growth[q] = h->growth_seq;
         }
         if (rc) *err = rc;
         if (p > p0) {
@@ -295,7 +336,7 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
      * `from` is still a block: it starts a run that s may use, so it never
      * merges into the block before it, and merges keep the lower record. */
     if (pool) pool_blocks_to_general(h, from, x, end);
-    b = block_holding(from, x);
+    b = h_block_holding(from, x);
     while (b->addr + b->size < end) {
         gm_block *n = b->next;
         gm_stream o;
@@ -318,7 +359,7 @@ gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s
         if (from->pool) {
             /* A run with pool blocks, but none under the range: start from the
              * general block after the last pool block before it. */
-            gm_block *b = block_holding(from, pl->addr);
+            gm_block *b = h_block_holding(from, pl->addr);
             while (!b->prev->pool) b = b->prev;
             from = b;
         }
@@ -328,7 +369,7 @@ gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s
         return b;
     }
     uintptr_t end = pl->addr + size;
-    gm_block *lo = block_holding(from, pl->addr);
+    gm_block *lo = h_block_holding(from, pl->addr);
     if (lo->prev) lo = lo->prev;
     for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
     gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, most, grant, err);

@@ -68,6 +68,14 @@ done:
     return rc;
 }
 
+int gm_pool_set_no_split(gm_heap *h, gm_pool_id id, int no_split) {
+    pthread_mutex_lock(&h->lock);
+    gm_pool *p = h_valid_id(&id) ? h_pool_find(h, &id) : NULL;
+    if (p) p->no_split = no_split != 0;
+    pthread_mutex_unlock(&h->lock);
+    return p ? GM_OK : GM_EINVAL;
+}
+
 struct to_general_ctx {
     gm_heap *h;
     gm_owner *from;

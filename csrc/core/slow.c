@@ -67,6 +67,7 @@ again:;
     gm_block *b;
     int dev_err = GM_OK, recycled = 0, synced = 0;
     placement pl;
+    size_t ahead = 0; /* pages mapped past the range (room_ahead) */
     grant = 0;
     if (h->no_sync) {
         pl = h_place(h, size, s, pool);
@@ -88,7 +89,7 @@ again:;
      * or, with room, under the room line (POLICY). */
     pl = h_place(h, size, s, pool);
     if (pl.ok && lacking(h, &pl, grant))
-        h_grow_by_policy(h, size, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
+        ahead = h_grow_by_policy(h, &pl, size, pool, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
      * there is only if the device or the cap refused. */
@@ -113,7 +114,10 @@ placed:
     if (!pl.ok) return h_out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
     if (lacking(h, &pl, grant)) return h_out_of_memory(h, size, s, lacking(h, &pl, grant), dev_err);
     int err = GM_OK;
-    b = h_back_range(h, &pl, size, s, pool, recycled, most, g, &err);
+    h->growth_seq++;
+    if (pool) h_stamp_pool_growth(h, &pl, size, pool);
+    size_t span = ahead ? gm_page_addr(h, gm_page_ceil(h, pl.addr + size) + ahead) - pl.addr : size;
+    b = h_back_range(h, &pl, span, s, pool, recycled, most, g, &err);
     if (!b && err == GM_ENOMEM && g) {
         g = NULL; /* the device is nearly full: single pages, gathered first */
         single = 1;

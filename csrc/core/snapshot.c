@@ -34,12 +34,14 @@ int gm_snapshot_take(gm_heap *h, gm_snapshot **out) {
     s->stats = h->st;
     s->blocks = calloc(n ? n : 1, sizeof *s->blocks);
     s->pages = calloc(s->n_pages ? s->n_pages : 1, 1);
-    if (!s->blocks || !s->pages) {
+    s->growth = calloc(s->n_pages ? s->n_pages : 1, sizeof *s->growth);
+    if (!s->blocks || !s->pages || !s->growth) {
         pthread_mutex_unlock(&h->lock);
         gm_snapshot_free(s);
         return GM_ENOMEM;
     }
     for (size_t p = 0; p < s->n_pages; p++) s->pages[p] = h->page_handle[p] ? GM_PAGE_CACHED : GM_PAGE_UNMAPPED;
+    memcpy(s->growth, h->page_growth, s->n_pages * sizeof *s->growth);
     size_t i = 0;
     for (const gm_block *b = h->head; b != end; b = b->next, i++) {
         s->blocks[i] =
@@ -66,5 +68,6 @@ void gm_snapshot_free(gm_snapshot *s) {
     if (!s) return;
     free(s->blocks);
     free(s->pages);
+    free(s->growth);
     free(s);
 }

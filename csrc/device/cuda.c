@@ -19,7 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpumem/config.h"
 #include "gpumem/cuda.h"
+#include "gpumem/faults.h"
 #include "gpumem/gpumem.h"
 
 /* ---- the slice of cuda.h we use ----------------------------------------- */
@@ -198,13 +200,19 @@ static const char *cu_desc(CUresult r) {
     return s;
 }
 
-static void cu_load(void) {
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+/* dlopen `name`; NULL with the reason in err when it is not there. */
+static void *open_library(const char *name, char *err, size_t errlen) {
+    void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         const char *why = dlerror();
-        snprintf(cu_err, sizeof cu_err, "libcuda.so.1 not found: %s", why ? why : "dlopen failed");
-        return;
+        snprintf(err, errlen, "%s not found: %s", name, why ? why : "dlopen failed");
     }
+    return lib;
+}
+
+static void cu_load(void) {
+    void *lib = open_library("libcuda.so.1", cu_err, sizeof cu_err);
+    if (!lib) return;
     const char *missing = NULL;
     if (!load_symbols(lib, &cu, cu_symbols, sizeof cu_symbols / sizeof cu_symbols[0], &missing)) {
         snprintf(cu_err, sizeof cu_err, "libcuda.so.1 lacks %s: the driver is too old for virtual memory management",
@@ -264,12 +272,8 @@ static int nv_ok;
 static char nv_err[200];
 
 static void nv_load(void) {
-    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        const char *why = dlerror();
-        snprintf(nv_err, sizeof nv_err, "libnvidia-ml.so.1 not found: %s", why ? why : "dlopen failed");
-        return;
-    }
+    void *lib = open_library("libnvidia-ml.so.1", nv_err, sizeof nv_err);
+    if (!lib) return;
     static const sym_entry syms[] = {
         {offsetof(nvml_api, Init), {"nvmlInit_v2", "nvmlInit"}},
         {offsetof(nvml_api, Shutdown), {"nvmlShutdown", NULL}},
@@ -321,75 +325,7 @@ typedef struct cuda_device {
      * memory (which CUDA makes peer-accessible once peer access is on). */
     cu_access_desc access[16];
     size_t n_access;
-    /* Test-only fault injection (GPUMEM_CUDA_FAULTS, see parse_faults). */
-    uint64_t calls[GM_OP__COUNT];
-    uint64_t fail_from[GM_OP__COUNT], fail_to[GM_OP__COUNT]; /* 1-based call numbers; from 0: none */
-    uint64_t fired[GM_OP__COUNT];
 } cuda_device;
-
-/* ---- test-only fault injection ------------------------------------------------
- *
- * GPUMEM_CUDA_FAULTS="op:nth[:count],..." makes the nth call of `op` on each
- * device opened afterwards (and the count - 1 calls after it) fail without
- * reaching the driver, as a real failure would: cuMemCreate with
- * CUDA_ERROR_OUT_OF_MEMORY (another process took the memory), every other call
- * with an error.  Ops are named as for the simulated device's sim_fail
- * (create, map, set_access, unmap, release, event_record, synchronize, ...).
- * Unset -- the default -- nothing is counted and nothing fails.  A malformed
- * value makes opening the device fail, so a test can never run without the
- * faults it asked for. */
-static int parse_faults(cuda_device *c, const char *spec, char *err, size_t errlen) {
-    char buf[512];
-    if (strlen(spec) >= sizeof buf) {
-        snprintf(err, errlen, "GPUMEM_CUDA_FAULTS is too long");
-        return -1;
-    }
-    strcpy(buf, spec);
-    char *save = NULL;
-    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        char name[32] = "";
-        unsigned long long nth = 0, count = 1;
-        int used = 0;
-        int got = sscanf(tok, " %31[a-z_]:%llu%n:%llu%n", name, &nth, &used, &count, &used);
-        int op = -1;
-        for (int i = 0; i < GM_OP__COUNT; i++)
-            if (!strcmp(name, gm_dev_op_name((gm_dev_op)i))) op = i;
-        if (got < 2 || op < 0 || nth == 0 || count == 0 || tok[used] != '\0') {
-            snprintf(err, errlen, "GPUMEM_CUDA_FAULTS: bad entry '%s' (want op:nth[:count], e.g. create:3,map:5:2)",
-                     tok);
-            return -1;
-        }
-        c->fail_from[op] = nth;
-        c->fail_to[op] = nth + count - 1;
-    }
-    return 0;
-}
-
-/* Count a call of `op`; 1 if it is one to fail. */
-static int inject(cuda_device *c, gm_dev_op op) {
-    uint64_t n = ++c->calls[op];
-    if (!c->fail_from[op] || n < c->fail_from[op] || n > c->fail_to[op]) return 0;
-    c->fired[op]++;
-    return 1;
-}
-
-#define INJECT(c, op, call)                                                                                            \
-    do {                                                                                                               \
-        if (inject(c, op)) {                                                                                           \
-            int oom_ = (op) == GM_OP_CREATE;                                                                           \
-            snprintf((c)->base.last_error, sizeof(c)->base.last_error, "%s: %s (injected by GPUMEM_CUDA_FAULTS)",      \
-                     call, oom_ ? "out of memory (CUDA_ERROR_OUT_OF_MEMORY)" : "injected failure");                    \
-            return oom_ ? GM_ENOMEM : GM_EDEVICE;                                                                      \
-        }                                                                                                              \
-    } while (0)
-
-uint64_t gm_cuda_fault_calls(const gm_device *dev, gm_dev_op op, uint64_t *fired) {
-    if (fired) *fired = 0;
-    if (!dev || strcmp(dev->kind, "cuda") || (unsigned)op >= GM_OP__COUNT) return 0;
-    const cuda_device *c = (const cuda_device *)dev;
-    if (fired) *fired = c->fired[op];
-    return c->calls[op];
-}
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
@@ -476,7 +412,6 @@ static void fill_prop(const cuda_device *c, cu_alloc_prop *prop) {
 
 static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_RESERVE, "cuMemAddressReserve");
     CUdeviceptr p = 0;
     CU_CALL(c, "cuMemAddressReserve", cu.MemAddressReserve(&p, size, dev->page_size, 0, 0));
     *va = (uintptr_t)p;
@@ -485,14 +420,12 @@ static int cuda_reserve(gm_device *dev, size_t size, uintptr_t *va) {
 
 static int cuda_unreserve(gm_device *dev, uintptr_t va, size_t size) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_UNRESERVE, "cuMemAddressFree");
     CU_CALL(c, "cuMemAddressFree", cu.MemAddressFree((CUdeviceptr)va, size));
     return GM_OK;
 }
 
 static int cuda_create(gm_device *dev, size_t pages, gm_handle *handle) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_CREATE, "cuMemCreate");
     cu_alloc_prop prop;
     fill_prop(c, &prop);
     CUmemGenericAllocationHandle h = 0;
@@ -503,7 +436,6 @@ static int cuda_create(gm_device *dev, size_t pages, gm_handle *handle) {
 
 static int cuda_release(gm_device *dev, gm_handle handle) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_RELEASE, "cuMemRelease");
     CU_CALL(c, "cuMemRelease", cu.MemRelease((CUmemGenericAllocationHandle)handle));
     return GM_OK;
 }
@@ -511,7 +443,6 @@ static int cuda_release(gm_device *dev, gm_handle handle) {
 /* The whole allocation: the driver maps no part of one (offset 0, its size). */
 static int cuda_map(gm_device *dev, uintptr_t va, size_t pages, gm_handle handle) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_MAP, "cuMemMap");
     CU_CALL_RELAXED(c, "cuMemMap",
                     cu.MemMap((CUdeviceptr)va, pages * dev->page_size, 0, (CUmemGenericAllocationHandle)handle, 0));
     return GM_OK;
@@ -521,21 +452,18 @@ static int cuda_map(gm_device *dev, uintptr_t va, size_t pages, gm_handle handle
  * whole mappings, and only refuses to cut one in two. */
 static int cuda_unmap(gm_device *dev, uintptr_t va, size_t size) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_UNMAP, "cuMemUnmap");
     CU_CALL(c, "cuMemUnmap", cu.MemUnmap((CUdeviceptr)va, size));
     return GM_OK;
 }
 
 static int cuda_set_access(gm_device *dev, uintptr_t va, size_t size) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_SET_ACCESS, "cuMemSetAccess");
     CU_CALL_RELAXED(c, "cuMemSetAccess", cu.MemSetAccess((CUdeviceptr)va, size, c->access, c->n_access));
     return GM_OK;
 }
 
 static int cuda_event_create(gm_device *dev, gm_event *ev) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_EVENT_CREATE, "cuEventCreate");
     CUevent e = NULL;
     CU_CALL(c, "cuEventCreate", cu.EventCreate(&e, CU_EVENT_DISABLE_TIMING));
     *ev = (gm_event)(uintptr_t)e;
@@ -544,21 +472,18 @@ static int cuda_event_create(gm_device *dev, gm_event *ev) {
 
 static int cuda_event_destroy(gm_device *dev, gm_event ev) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_EVENT_DESTROY, "cuEventDestroy");
     CU_CALL(c, "cuEventDestroy", cu.EventDestroy((CUevent)(uintptr_t)ev));
     return GM_OK;
 }
 
 static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_EVENT_RECORD, "cuEventRecord");
     CU_CALL(c, "cuEventRecord", cu.EventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
     return GM_OK;
 }
 
 static int cuda_event_query(gm_device *dev, gm_event ev) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_EVENT_QUERY, "cuEventQuery");
     int pushed, rc = enter(c, &pushed);
     if (rc != GM_OK) return rc;
     CUresult r = cu.EventQuery((CUevent)(uintptr_t)ev);
@@ -571,7 +496,6 @@ static int cuda_event_query(gm_device *dev, gm_event ev) {
 /* Pinned (page-locked) host memory, so that copies run at full bus speed. */
 static int cuda_host_alloc(gm_device *dev, size_t size, void **out) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_HOST_ALLOC, "cuMemHostAlloc");
     *out = NULL;
     CU_CALL(c, "cuMemHostAlloc", cu.MemHostAlloc(out, size, 0));
     return GM_OK;
@@ -579,7 +503,6 @@ static int cuda_host_alloc(gm_device *dev, size_t size, void **out) {
 
 static int cuda_host_free(gm_device *dev, void *ptr) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_HOST_FREE, "cuMemFreeHost");
     CU_CALL(c, "cuMemFreeHost", cu.MemFreeHost(ptr));
     return GM_OK;
 }
@@ -587,28 +510,24 @@ static int cuda_host_free(gm_device *dev, void *ptr) {
 /* Synchronous copies: done when the call returns. */
 static int cuda_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_COPY_DTOH, "cuMemcpyDtoH");
     CU_CALL(c, "cuMemcpyDtoH", cu.MemcpyDtoH(dst, (CUdeviceptr)src, size));
     return GM_OK;
 }
 
 static int cuda_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t size) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_COPY_HTOD, "cuMemcpyHtoD");
     CU_CALL(c, "cuMemcpyHtoD", cu.MemcpyHtoD((CUdeviceptr)dst, src, size));
     return GM_OK;
 }
 
 static int cuda_synchronize(gm_device *dev) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_SYNCHRONIZE, "cuCtxSynchronize");
     CU_CALL(c, "cuCtxSynchronize", cu.CtxSynchronize());
     return GM_OK;
 }
 
 static int cuda_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_MEM_INFO, "cuMemGetInfo");
     CU_CALL_RELAXED(c, "cuMemGetInfo", cu.MemGetInfo(free_bytes, total_bytes)); /* the slow path asks */
     return GM_OK;
 }
@@ -638,7 +557,6 @@ static int nvml_ready(cuda_device *c) {
 
 static int cuda_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n) {
     cuda_device *c = (cuda_device *)dev;
-    INJECT(c, GM_OP_PROCESSES, "nvmlDeviceGetComputeRunningProcesses");
     if (!nvml_ready(c)) {
         set_error(c, "processes: %s", c->nvml_err);
         return GM_ENOTSUP;
@@ -706,91 +624,48 @@ static void cuda_destroy(gm_device *dev) {
     free(c);
 }
 
+/* .reserve = cuda_reserve, and so on for every counted op (GM_EACH_DEV_OP) */
+#define CUDA_OP(upper, lower) .lower = cuda_##lower,
+/* clang-format off */
 static const gm_device_ops cuda_ops = {
-    .reserve = cuda_reserve,
-    .unreserve = cuda_unreserve,
-    .create = cuda_create,
-    .release = cuda_release,
-    .map = cuda_map,
-    .unmap = cuda_unmap,
-    .set_access = cuda_set_access,
-    .event_create = cuda_event_create,
-    .event_destroy = cuda_event_destroy,
-    .event_record = cuda_event_record,
-    .event_query = cuda_event_query,
-    .synchronize = cuda_synchronize,
-    .mem_info = cuda_mem_info,
-    .processes = cuda_processes,
-    .host_alloc = cuda_host_alloc,
-    .host_free = cuda_host_free,
-    .copy_dtoh = cuda_copy_dtoh,
-    .copy_htod = cuda_copy_htod,
+    GM_EACH_DEV_OP(CUDA_OP)
     .destroy = cuda_destroy,
     .capture_status = cuda_capture_status,
 };
+/* clang-format on */
+#undef CUDA_OP
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 3, 4)))
-#endif
-static gm_device *
-create_fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return NULL;
+/* The driver's handle of device `ordinal`, its name, and how many there are;
+ * only once the device is known to map virtual memory. */
+static int find_device(int ordinal, CUdevice *cudev, char *gpu, size_t gpulen, int *count, char *err, size_t errlen) {
+    CUresult r;
+    if ((r = cu.DeviceGetCount(count)) != CUDA_SUCCESS)
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDeviceGetCount: %s (%s)", cu_desc(r), cu_name(r));
+    if (ordinal < 0 || ordinal >= *count)
+        return gm_errorf(GM_EDEVICE, err, errlen, "device %d does not exist (%d device%s)", ordinal, *count,
+                         *count == 1 ? "" : "s");
+    if ((r = cu.DeviceGet(cudev, ordinal)) != CUDA_SUCCESS)
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
+    if (cu.DeviceGetName(gpu, (int)gpulen, *cudev) != CUDA_SUCCESS) snprintf(gpu, gpulen, "unknown GPU");
+    gpu[gpulen - 1] = '\0';
+    int vmm = 0;
+    if ((r = cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, *cudev)) !=
+        CUDA_SUCCESS)
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDeviceGetAttribute: %s (%s)", cu_desc(r), cu_name(r));
+    if (!vmm)
+        return gm_errorf(GM_EDEVICE, err, errlen, "device %d (%s) does not support virtual memory management", ordinal,
+                         gpu);
+    return GM_OK;
 }
 
-gm_device *gm_cuda_create(int ordinal, size_t page_size, char *err, size_t errlen) {
-    const char *faults = getenv("GPUMEM_CUDA_FAULTS");
-    if (faults && *faults) {
-        /* Checked before anything else, so a bad value fails on any machine. */
-        static cuda_device probe;
-        char why[200];
-        if (parse_faults(&probe, faults, why, sizeof why) < 0) return create_fail(err, errlen, "%s", why);
-    }
-    if (page_size & (page_size - 1))
-        return create_fail(err, errlen, "page_size must be a power of two, got %zu", page_size);
-    pthread_once(&cu_once, cu_load);
-    if (!cu_ok) return create_fail(err, errlen, "%s", cu_err);
-
-    CUresult r;
-    int count = 0;
-    if ((r = cu.DeviceGetCount(&count)) != CUDA_SUCCESS)
-        return create_fail(err, errlen, "cuDeviceGetCount: %s (%s)", cu_desc(r), cu_name(r));
-    if (ordinal < 0 || ordinal >= count)
-        return create_fail(err, errlen, "device %d does not exist (%d device%s)", ordinal, count,
-                           count == 1 ? "" : "s");
-    CUdevice cudev;
-    if ((r = cu.DeviceGet(&cudev, ordinal)) != CUDA_SUCCESS)
-        return create_fail(err, errlen, "cuDeviceGet(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
-    char gpu[64] = "unknown GPU";
-    if (cu.DeviceGetName(gpu, (int)sizeof gpu, cudev) != CUDA_SUCCESS) snprintf(gpu, sizeof gpu, "unknown GPU");
-    gpu[sizeof gpu - 1] = '\0';
-    int vmm = 0;
-    if ((r = cu.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cudev)) !=
-        CUDA_SUCCESS)
-        return create_fail(err, errlen, "cuDeviceGetAttribute: %s (%s)", cu_desc(r), cu_name(r));
-    if (!vmm)
-        return create_fail(err, errlen, "device %d (%s) does not support virtual memory management", ordinal, gpu);
-
-    cuda_device *c = calloc(1, sizeof *c);
-    if (!c) return create_fail(err, errlen, "out of host memory");
-    if (faults && *faults && parse_faults(c, faults, err, errlen) < 0) {
-        free(c);
-        return NULL;
-    }
-    c->base.ops = &cuda_ops;
-    c->base.kind = "cuda";
-    c->base.ordinal = ordinal;
-    c->cudev = cudev;
+/* Who may touch the pages: this GPU, then each of the `count` devices that can
+ * reach it as a peer. */
+static void fill_access(cuda_device *c, int count) {
     for (int o = -1; o < count && c->n_access < sizeof c->access / sizeof c->access[0]; o++) {
-        CUdevice peer = cudev;
+        CUdevice peer = c->cudev;
         int can = 1;
-        if (o >= 0 && (o == ordinal || cu.DeviceGet(&peer, o) != CUDA_SUCCESS ||
-                       cu.DeviceCanAccessPeer(&can, peer, cudev) != CUDA_SUCCESS || !can))
+        if (o >= 0 && (o == c->base.ordinal || cu.DeviceGet(&peer, o) != CUDA_SUCCESS ||
+                       cu.DeviceCanAccessPeer(&can, peer, c->cudev) != CUDA_SUCCESS || !can))
             continue;
         cu_access_desc *d = &c->access[c->n_access++];
         memset(d, 0, sizeof *d);
@@ -798,14 +673,16 @@ gm_device *gm_cuda_create(int ordinal, size_t page_size, char *err, size_t errle
         d->location.id = peer;
         d->flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     }
-    snprintf(c->base.name, sizeof c->base.name, "cuda:%d (%s)", ordinal, gpu);
-    if (cu.DeviceGetPCIBusId(c->pci_bus_id, (int)sizeof c->pci_bus_id, cudev) != CUDA_SUCCESS)
-        c->pci_bus_id[0] = '\0'; /* processes() will then report NVML unusable */
+}
 
-    if ((r = cu.DevicePrimaryCtxRetain(&c->ctx, cudev)) != CUDA_SUCCESS) {
-        free(c);
-        return create_fail(err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal, cu_desc(r), cu_name(r));
-    }
+/* Retain the primary context and settle the page size: the granularity, or
+ * page_size when that is a multiple of it.  On failure the context is let go. */
+static int open_context(cuda_device *c, size_t page_size, char *err, size_t errlen) {
+    int ordinal = c->base.ordinal;
+    CUresult r;
+    if ((r = cu.DevicePrimaryCtxRetain(&c->ctx, c->cudev)) != CUDA_SUCCESS)
+        return gm_errorf(GM_EDEVICE, err, errlen, "cuDevicePrimaryCtxRetain(%d): %s (%s)", ordinal, cu_desc(r),
+                         cu_name(r));
     cu_alloc_prop prop;
     fill_prop(c, &prop);
     size_t gran = 0;
@@ -813,19 +690,68 @@ gm_device *gm_cuda_create(int ordinal, size_t page_size, char *err, size_t errle
         r = cu.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
         pop();
     }
-    if (r != CUDA_SUCCESS || gran == 0) {
-        cu.DevicePrimaryCtxRelease(cudev);
-        free(c);
-        if (r != CUDA_SUCCESS)
-            return create_fail(err, errlen, "cuMemGetAllocationGranularity: %s (%s)", cu_desc(r), cu_name(r));
-        return create_fail(err, errlen, "cuMemGetAllocationGranularity returned 0");
-    }
-    if (page_size && page_size % gran) {
-        cu.DevicePrimaryCtxRelease(cudev);
-        free(c);
-        return create_fail(err, errlen, "page_size %zu is not a multiple of device %d's granularity (%zu bytes)",
-                           page_size, ordinal, gran);
+    int rc = GM_OK;
+    if (r != CUDA_SUCCESS)
+        rc = gm_errorf(GM_EDEVICE, err, errlen, "cuMemGetAllocationGranularity: %s (%s)", cu_desc(r), cu_name(r));
+    else if (gran == 0)
+        rc = gm_errorf(GM_EDEVICE, err, errlen, "cuMemGetAllocationGranularity returned 0");
+    else if (page_size && page_size % gran)
+        rc = gm_errorf(GM_EINVAL, err, errlen, "page_size %zu is not a multiple of device %d's granularity (%zu bytes)",
+                       page_size, ordinal, gran);
+    if (rc != GM_OK) {
+        cu.DevicePrimaryCtxRelease(c->cudev);
+        return rc;
     }
     c->base.page_size = page_size ? page_size : gran;
-    return &c->base;
+    return GM_OK;
+}
+
+int gm_cuda_create(int ordinal, size_t page_size, gm_device **out, char *err, size_t errlen) {
+    *out = NULL;
+    const char *faults = getenv("GPUMEM_CUDA_FAULTS");
+    faults = faults && *faults ? faults : NULL;
+    /* Checked before anything else, so a bad value fails on any machine. */
+    if (faults && gm_faults_schedule(NULL, faults, "GPUMEM_CUDA_FAULTS", err, errlen) != GM_OK) return GM_EDEVICE;
+    if (gm_check_page_size(page_size, err, errlen) != GM_OK) return GM_EINVAL;
+    pthread_once(&cu_once, cu_load);
+    if (!cu_ok) return gm_errorf(GM_EDEVICE, err, errlen, "%s", cu_err);
+
+    CUdevice cudev;
+    int count = 0;
+    char gpu[64] = "unknown GPU";
+    int rc = find_device(ordinal, &cudev, gpu, sizeof gpu, &count, err, errlen);
+    if (rc != GM_OK) return rc;
+    cuda_device *c = calloc(1, sizeof *c);
+    if (!c) return gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
+    c->base.ops = &cuda_ops;
+    c->base.kind = "cuda";
+    c->base.ordinal = ordinal;
+    c->cudev = cudev;
+    fill_access(c, count);
+    snprintf(c->base.name, sizeof c->base.name, "cuda:%d (%s)", ordinal, gpu);
+    if (cu.DeviceGetPCIBusId(c->pci_bus_id, (int)sizeof c->pci_bus_id, cudev) != CUDA_SUCCESS)
+        c->pci_bus_id[0] = '\0'; /* processes() will then report NVML unusable */
+    if ((rc = open_context(c, page_size, err, errlen)) != GM_OK) {
+        free(c);
+        return rc;
+    }
+    if (!faults) {
+        *out = &c->base;
+        return GM_OK;
+    }
+    /* Test-only fault injection: the schedule in GPUMEM_CUDA_FAULTS, on a wrapper. */
+    gm_device *w = gm_faults_wrap(&c->base, "GPUMEM_CUDA_FAULTS");
+    if (!w) {
+        cuda_destroy(&c->base);
+        return gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
+    }
+    gm_faults_schedule(w, faults, "GPUMEM_CUDA_FAULTS", err, errlen);
+    *out = w;
+    return GM_OK;
+}
+
+uint64_t gm_cuda_fault_calls(const gm_device *dev, gm_dev_op op, uint64_t *fired) {
+    if (fired) *fired = 0;
+    if (!dev || strcmp(dev->kind, "cuda")) return 0;
+    return gm_faults_calls(dev, op, fired);
 }

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "gpumem/array.h"
+#include "gpumem/faults.h"
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
 
@@ -75,12 +76,6 @@ typedef struct sim_stream {
     uint8_t capturing; /* marked by gm_sim_set_stream_capture */
 } sim_stream;
 
-typedef struct sim_fault {
-    uint64_t from, to; /* call numbers (1-based) that fail; from = 0: none */
-    double p;          /* probability of a random failure */
-    uint64_t rng;      /* splitmix64 state */
-} sim_fault;
-
 typedef struct sim_ext {
     uint32_t pid;
     uint64_t bytes;
@@ -109,9 +104,6 @@ typedef struct sim_device {
     uint32_t hash_cap;     /* power of two */
     size_t held_count;
 
-    uint64_t calls[GM_OP__COUNT];
-    sim_fault fault[GM_OP__COUNT];
-
     uint32_t self_pid;
     uint64_t self_outside;
     sim_ext *ext;
@@ -137,11 +129,13 @@ typedef struct sim_device {
 
 static const gm_device_ops sim_ops;
 
-static sim_device *as_sim(gm_device *dev) { return (dev && dev->ops == &sim_ops) ? (sim_device *)dev : NULL; }
-
-static const sim_device *as_sim_c(const gm_device *dev) {
-    return (dev && dev->ops == &sim_ops) ? (const sim_device *)dev : NULL;
+/* The simulated device behind dev (gm_sim_create wraps it), or NULL. */
+static sim_device *as_sim(gm_device *dev) {
+    dev = gm_faults_inner(dev);
+    return (dev && dev->ops == &sim_ops) ? (sim_device *)dev : NULL;
 }
+
+static const sim_device *as_sim_c(const gm_device *dev) { return as_sim((gm_device *)(uintptr_t)dev); }
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 3, 4)))
@@ -155,32 +149,12 @@ fail(sim_device *s, int code, const char *fmt, ...) {
     return code;
 }
 
-static uint64_t splitmix64(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* Count the call and decide, before looking at its arguments, whether it is to
- * fail: the fault schedule then depends only on the call sequence.  An invalid
- * call still answers GM_EINVAL, so injection never hides an allocator bug. */
-static int sim_enter(sim_device *s, gm_dev_op op) {
-    sim_fault *f = &s->fault[op];
-    uint64_t n = ++s->calls[op];
-    s->clock++;
-    int inject = f->from != 0 && n >= f->from && n <= f->to;
-    if (f->p > 0.0) {
-        /* 53 random bits -> [0, 1) */
-        double u = (double)(splitmix64(&f->rng) >> 11) * (1.0 / 9007199254740992.0);
-        if (u < f->p) inject = 1;
-    }
-    return inject;
-}
-
-static int injected(sim_device *s, gm_dev_op op) {
-    return fail(s, op == GM_OP_CREATE ? GM_ENOMEM : GM_EDEVICE, "injected fault in %s", gm_dev_op_name(op));
-}
+/* Every counted call ticks the device clock (late events count it).  Counts
+ * and fault injection belong to the wrapper that gm_sim_create puts around the
+ * device (device/faults.c): it calls a doomed op here so the arguments are
+ * still checked -- an invalid call answers GM_EINVAL, so injection never hides
+ * an allocator bug -- and the op then returns GM_OK having changed nothing. */
+static void sim_enter(sim_device *s) { s->clock++; }
 
 /* A call a real capture would not survive: refused and counted while one is on. */
 static int capture_forbids(sim_device *s, gm_dev_op op) {
@@ -188,6 +162,23 @@ static int capture_forbids(sim_device *s, gm_dev_op op) {
     s->capture_violations++;
     fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)", gm_dev_op_name(op));
     return 1;
+}
+
+/* Whether `id` names a live record (a handle, an event): if not, last_error
+ * says it is unknown (id 0, or never made) or was `gone` ("released"). */
+static int live(sim_device *s, const char *op, const char *what, const char *gone, uint64_t id, int known, int alive) {
+    if (alive) return 1;
+    if (id == 0 || !known)
+        fail(s, GM_EINVAL, "%s: unknown %s %llu", op, what, (unsigned long long)id);
+    else
+        fail(s, GM_EINVAL, "%s: %s %llu was %s", op, what, (unsigned long long)id, gone);
+    return 0;
+}
+
+/* sim_enter for a call that a real capture would not survive: 1 if refused. */
+static int sim_enter_uncapturable(sim_device *s, gm_dev_op op) {
+    sim_enter(s);
+    return capture_forbids(s, op);
 }
 
 static uint64_t sat_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
@@ -233,12 +224,12 @@ static sim_resv *range_resv(sim_device *s, const char *op, uintptr_t va, size_t 
 
 static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_RESERVE);
+    sim_enter(s);
     size_t ps = dev->page_size;
     if (!va) return fail(s, GM_EINVAL, "reserve: NULL output pointer");
     if (size == 0 || size % ps != 0)
         return fail(s, GM_EINVAL, "reserve: size %zu is not a positive multiple of the page size %zu", size, ps);
-    if (inject) return injected(s, GM_OP_RESERVE);
+    if (dev->doomed) return GM_OK;
     uintptr_t at = s->next_va;
     if (size > UINTPTR_MAX - at || SIM_VA_GAP > UINTPTR_MAX - at - size)
         return fail(s, GM_ENOMEM, "reserve: out of virtual address space for %zu bytes", size);
@@ -272,15 +263,14 @@ static int sim_reserve(gm_device *dev, size_t size, uintptr_t *va) {
 
 static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_UNRESERVE);
-    if (capture_forbids(s, GM_OP_UNRESERVE)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_UNRESERVE)) return GM_EDEVICE;
     sim_resv *r = find_resv(s, va);
     if (!r || r->va != va || r->size != size)
         return fail(s, GM_EINVAL, "unreserve: 0x%" PRIxPTR "+%zu is not exactly a reservation", va, size);
     if (r->mapped)
         return fail(s, GM_EINVAL, "unreserve: reservation 0x%" PRIxPTR "+%zu still has %zu pages mapped", va, size,
                     r->mapped);
-    if (inject) return injected(s, GM_OP_UNRESERVE);
+    if (dev->doomed) return GM_OK;
     free(r->handle);
     free(r->access);
     size_t i = (size_t)(r - s->resv);
@@ -299,10 +289,10 @@ static uint64_t used_bytes(const sim_device *s) {
 
 static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_CREATE);
+    sim_enter(s);
     if (!handle) return fail(s, GM_EINVAL, "create: NULL output pointer");
     if (npages == 0 || npages > (size_t)1 << 32) return fail(s, GM_EINVAL, "create: %zu pages", npages);
-    if (inject) return injected(s, GM_OP_CREATE);
+    if (dev->doomed) return GM_OK;
     uint64_t used = used_bytes(s);
     if (used > s->capacity || (s->capacity - used) / dev->page_size < npages)
         return fail(s, GM_ENOMEM,
@@ -343,25 +333,19 @@ static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
 
 /* The live page record for a handle, or NULL with last_error set. */
 static sim_page *live_page(sim_device *s, const char *op, gm_handle handle) {
-    if (handle == 0 || handle >= s->n_pages_slots)
-        fail(s, GM_EINVAL, "%s: unknown handle %llu", op, (unsigned long long)handle);
-    else if (!s->pages[handle].alive)
-        fail(s, GM_EINVAL, "%s: handle %llu was released", op, (unsigned long long)handle);
-    else
-        return &s->pages[handle];
-    return NULL;
+    int alive = handle > 0 && handle < s->n_pages_slots && s->pages[handle].alive;
+    return live(s, op, "handle", "released", handle, handle < s->n_pages_slots, alive) ? &s->pages[handle] : NULL;
 }
 
 static int sim_release(gm_device *dev, gm_handle handle) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_RELEASE);
-    if (capture_forbids(s, GM_OP_RELEASE)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_RELEASE)) return GM_EDEVICE;
     sim_page *p = live_page(s, "release", handle);
     if (!p) return GM_EINVAL;
     if (p->mapped_at)
         return fail(s, GM_EINVAL, "release: handle %llu is still mapped at 0x%" PRIxPTR "", (unsigned long long)handle,
                     p->mapped_at);
-    if (inject) return injected(s, GM_OP_RELEASE);
+    if (dev->doomed) return GM_OK;
     p->alive = 0;
     s->pages_created -= p->npages;
     free(p->contents);
@@ -379,7 +363,7 @@ static int sim_release(gm_device *dev, gm_handle handle) {
 
 static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_MAP);
+    sim_enter(s);
     size_t first;
     if (npages == 0 || npages > SIZE_MAX / dev->page_size) return fail(s, GM_EINVAL, "map: %zu pages", npages);
     sim_resv *r = range_resv(s, "map", va, npages * dev->page_size, &first);
@@ -396,7 +380,7 @@ static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle
     if (p->mapped_at)
         return fail(s, GM_EINVAL, "map: handle %llu is already mapped at 0x%" PRIxPTR "", (unsigned long long)handle,
                     p->mapped_at);
-    if (inject) return injected(s, GM_OP_MAP);
+    if (dev->doomed) return GM_OK;
     for (size_t i = 0; i < npages; i++) {
         r->handle[first + i] = handle;
         r->access[first + i] = 0; /* CUDA grants nothing to a fresh mapping */
@@ -409,8 +393,7 @@ static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle
 
 static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_UNMAP);
-    if (capture_forbids(s, GM_OP_UNMAP)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_UNMAP)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = range_resv(s, "unmap", va, size, &first);
     if (!r) return GM_EINVAL;
@@ -429,7 +412,7 @@ static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
                         va, size, p->npages, (unsigned long long)r->handle[first + i], p->mapped_at);
         i += p->npages;
     }
-    if (inject) return injected(s, GM_OP_UNMAP);
+    if (dev->doomed) return GM_OK;
     for (size_t i = 0; i < n; i++) {
         s->pages[r->handle[first + i]].mapped_at = 0;
         r->handle[first + i] = 0;
@@ -442,7 +425,7 @@ static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
 
 static int sim_set_access(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_SET_ACCESS);
+    sim_enter(s);
     size_t first;
     sim_resv *r = range_resv(s, "set_access", va, size, &first);
     if (!r) return GM_EINVAL;
@@ -451,7 +434,7 @@ static int sim_set_access(gm_device *dev, uintptr_t va, size_t size) {
         if (!r->handle[first + i])
             return fail(s, GM_EINVAL, "set_access: page at 0x%" PRIxPTR " in 0x%" PRIxPTR "+%zu is not mapped",
                         (va + i * dev->page_size), va, size);
-    if (inject) return injected(s, GM_OP_SET_ACCESS);
+    if (dev->doomed) return GM_OK;
     memset(r->access + first, 1, n);
     return GM_OK;
 }
@@ -463,9 +446,9 @@ static int sim_set_access(gm_device *dev, uintptr_t va, size_t size) {
  * page's content, to or from the start of that page's slice of the buffer. */
 static int sim_host_alloc(gm_device *dev, size_t size, void **out) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_HOST_ALLOC);
+    sim_enter(s);
     if (!out || !size) return fail(s, GM_EINVAL, "host_alloc: NULL output pointer or size 0");
-    if (inject) return fail(s, GM_ENOMEM, "injected fault in host_alloc");
+    if (dev->doomed) return GM_OK;
     if (s->host_blocks == s->cap_host) {
         struct sim_host *nh = gm_array_grow(s->host, &s->cap_host, 4, sizeof *nh);
         if (!nh) return fail(s, GM_ENOMEM, "host_alloc: out of host memory");
@@ -480,14 +463,13 @@ static int sim_host_alloc(gm_device *dev, size_t size, void **out) {
 
 static int sim_host_free(gm_device *dev, void *ptr) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_HOST_FREE);
+    sim_enter(s);
     size_t k = 0;
     while (k < s->host_blocks && s->host[k].ptr != ptr) k++;
     if (k == s->host_blocks) return fail(s, GM_EINVAL, "host_free: %p is not a host block of this device", ptr);
-    /* Freed even when the call fails: a failing free must not leak in tests. */
+    /* Freed even when the call is doomed: a failing free must not leak in tests. */
     munmap(ptr, s->host[k].size);
     s->host[k] = s->host[--s->host_blocks];
-    if (inject) return injected(s, GM_OP_HOST_FREE);
     return GM_OK;
 }
 
@@ -527,13 +509,12 @@ static sim_resv *copy_range(sim_device *s, const char *op, uintptr_t va, size_t 
 static int sim_copy(gm_device *dev, gm_dev_op op, uintptr_t va, void *host, size_t size) {
     sim_device *s = (sim_device *)dev;
     const char *name = gm_dev_op_name(op);
-    int inject = sim_enter(s, op);
-    if (capture_forbids(s, op)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, op)) return GM_EDEVICE;
     size_t first;
     sim_resv *r = copy_range(s, name, va, size, &first);
     if (!r) return GM_EINVAL;
     if (!in_host(s, host, size)) return fail(s, GM_EINVAL, "%s: %p+%zu is not inside a host block", name, host, size);
-    if (inject) return injected(s, op);
+    if (dev->doomed) return GM_OK;
     for (size_t i = 0; i < size / dev->page_size; i++) {
         char *h = (char *)host + i * dev->page_size;
         void *d = page_content(s, r, first + i);
@@ -604,21 +585,34 @@ static uint32_t stream_add(sim_device *s, gm_stream stream) {
     return k;
 }
 
-static sim_event *live_event(sim_device *s, const char *op, gm_event ev) {
-    if (ev == 0 || ev >= s->n_event_slots)
-        fail(s, GM_EINVAL, "%s: unknown event %llu", op, (unsigned long long)ev);
-    else if (!s->events[ev].alive)
-        fail(s, GM_EINVAL, "%s: event %llu was destroyed", op, (unsigned long long)ev);
+/* The stream's record, made if `make` (NULL if there is none, or no host memory to make it). */
+static sim_stream *stream_record(sim_device *s, gm_stream stream, int make) {
+    uint32_t k = stream_find(s, stream);
+    if (k == SIM_NONE && make) k = stream_add(s, stream);
+    return k == SIM_NONE ? NULL : &s->streams[k];
+}
+
+/* Set *flag to `on`, keeping *count the number of flags set: 1 if it changed. */
+static int switch_flag(uint8_t *flag, int on, size_t *count) {
+    if (!*flag == !on) return 0;
+    *flag = on != 0;
+    if (on)
+        (*count)++;
     else
-        return &s->events[ev];
-    return NULL;
+        (*count)--;
+    return 1;
+}
+
+static sim_event *live_event(sim_device *s, const char *op, gm_event ev) {
+    int alive = ev > 0 && ev < s->n_event_slots && s->events[ev].alive;
+    return live(s, op, "event", "destroyed", ev, ev < s->n_event_slots, alive) ? &s->events[ev] : NULL;
 }
 
 static int sim_event_create(gm_device *dev, gm_event *ev) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_EVENT_CREATE);
+    sim_enter(s);
     if (!ev) return fail(s, GM_EINVAL, "event_create: NULL output pointer");
-    if (inject) return injected(s, GM_OP_EVENT_CREATE);
+    if (dev->doomed) return GM_OK;
     uint32_t id = s->event_free;
     if (id != SIM_NONE) {
         s->event_free = s->events[id].next_free;
@@ -646,10 +640,10 @@ static int sim_event_create(gm_device *dev, gm_event *ev) {
 
 static int sim_event_destroy(gm_device *dev, gm_event ev) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_EVENT_DESTROY);
+    sim_enter(s);
     sim_event *e = live_event(s, "event_destroy", ev);
     if (!e) return GM_EINVAL;
-    if (inject) return injected(s, GM_OP_EVENT_DESTROY);
+    if (dev->doomed) return GM_OK;
     e->alive = 0;
     e->next_free = s->event_free;
     s->event_free = (uint32_t)ev;
@@ -659,11 +653,10 @@ static int sim_event_destroy(gm_device *dev, gm_event ev) {
 
 static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_EVENT_RECORD);
-    if (capture_forbids(s, GM_OP_EVENT_RECORD)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_EVENT_RECORD)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_record", ev);
     if (!e) return GM_EINVAL;
-    if (inject) return injected(s, GM_OP_EVENT_RECORD);
+    if (dev->doomed) return GM_OK;
     uint32_t k = s->held_count ? stream_find(s, stream) : SIM_NONE;
     if (k != SIM_NONE && s->streams[k].held) {
         e->stream_idx = k;
@@ -681,11 +674,10 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
 
 static int sim_event_query(gm_device *dev, gm_event ev) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_EVENT_QUERY);
-    if (capture_forbids(s, GM_OP_EVENT_QUERY)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_EVENT_QUERY)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_query", ev);
     if (!e) return GM_EINVAL;
-    if (inject) return injected(s, GM_OP_EVENT_QUERY);
+    if (dev->doomed) return GM_OK;
     if (e->stream_idx != SIM_NONE) {
         const sim_stream *st = &s->streams[e->stream_idx];
         if (st->held && st->epoch == e->epoch) return GM_ENOTREADY;
@@ -696,15 +688,14 @@ static int sim_event_query(gm_device *dev, gm_event ev) {
 
 static int sim_synchronize(gm_device *dev) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_SYNCHRONIZE);
-    if (capture_forbids(s, GM_OP_SYNCHRONIZE)) return GM_EDEVICE;
+    if (sim_enter_uncapturable(s, GM_OP_SYNCHRONIZE)) return GM_EDEVICE;
     if (s->held_count) {
         for (uint32_t k = 0; k < s->n_streams; k++)
             if (s->streams[k].held)
                 return fail(s, GM_EINVAL, "synchronize: would deadlock: stream %llu is held",
                             (unsigned long long)s->streams[k].stream);
     }
-    if (inject) return injected(s, GM_OP_SYNCHRONIZE);
+    if (dev->doomed) return GM_OK;
     /* Nothing is held, so every recorded event is complete, late ones too. */
     s->synced = s->clock;
     return GM_OK;
@@ -714,9 +705,9 @@ static int sim_synchronize(gm_device *dev) {
 
 static int sim_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_MEM_INFO);
+    sim_enter(s);
     if (!free_bytes || !total_bytes) return fail(s, GM_EINVAL, "mem_info: NULL output pointer");
-    if (inject) return injected(s, GM_OP_MEM_INFO);
+    if (dev->doomed) return GM_OK;
     uint64_t used = used_bytes(s);
     *total_bytes = s->capacity;
     *free_bytes = used >= s->capacity ? 0 : (size_t)(s->capacity - used);
@@ -725,10 +716,10 @@ static int sim_mem_info(gm_device *dev, size_t *free_bytes, size_t *total_bytes)
 
 static int sim_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t *n) {
     sim_device *s = (sim_device *)dev;
-    int inject = sim_enter(s, GM_OP_PROCESSES);
+    sim_enter(s);
     if (!n || (cap && !out)) return fail(s, GM_EINVAL, "processes: NULL output pointer");
     if (!s->nvml) return fail(s, GM_ENOTSUP, "processes: NVML is not available");
-    if (inject) return injected(s, GM_OP_PROCESSES);
+    if (dev->doomed) return GM_OK;
     *n = 1 + s->n_ext;
     if (cap > 0) {
         out[0].pid = s->self_pid ? s->self_pid : (uint32_t)getpid();
@@ -787,29 +778,18 @@ static const gm_device_verify sim_verify = {
     .handle_at = sim_verify_handle_at,
 };
 
+/* .reserve = sim_reserve, and so on for every counted op (GM_EACH_DEV_OP) */
+#define SIM_OP(upper, lower) .lower = sim_##lower,
+/* clang-format off */
 static const gm_device_ops sim_ops = {
-    .reserve = sim_reserve,
-    .unreserve = sim_unreserve,
-    .create = sim_create,
-    .release = sim_release,
-    .map = sim_map,
-    .unmap = sim_unmap,
-    .set_access = sim_set_access,
-    .event_create = sim_event_create,
-    .event_destroy = sim_event_destroy,
-    .event_record = sim_event_record,
-    .event_query = sim_event_query,
-    .synchronize = sim_synchronize,
-    .mem_info = sim_mem_info,
-    .processes = sim_processes,
-    .host_alloc = sim_host_alloc,
-    .host_free = sim_host_free,
-    .copy_dtoh = sim_copy_dtoh,
-    .copy_htod = sim_copy_htod,
+    GM_EACH_DEV_OP(SIM_OP)
     .destroy = sim_destroy,
     .capture_status = sim_capture_status,
     .verify = &sim_verify,
+    .checks_doomed = 1,
 };
+/* clang-format on */
+#undef SIM_OP
 
 /* ---- public -------------------------------------------------------------- */
 
@@ -849,52 +829,27 @@ gm_device *gm_sim_create(size_t capacity, size_t page_size) {
     s->event_free = SIM_NONE;
     s->next_va = SIM_VA_BASE + (s->base.page_size - SIM_VA_BASE % s->base.page_size) % s->base.page_size;
     s->nvml = 1;
-    return &s->base;
+    gm_device *wrapped = gm_faults_wrap(&s->base, NULL);
+    if (!wrapped) sim_destroy(&s->base);
+    return wrapped;
 }
 
-void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count) {
-    sim_device *s = as_sim(dev);
-    if (!s || (unsigned)op >= GM_OP__COUNT) return;
-    sim_fault *f = &s->fault[op];
-    if (nth == 0 || count == 0) {
-        f->from = f->to = 0;
-        return;
-    }
-    f->from = sat_add(s->calls[op], nth);
-    f->to = sat_add(f->from, count - 1);
-}
+int gm_sim_is(const gm_device *dev) { return as_sim_c(dev) != NULL; }
+
+void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count) { gm_faults_fail(dev, op, nth, count); }
 
 void gm_sim_fail_random(gm_device *dev, gm_dev_op op, double p, uint64_t seed) {
-    sim_device *s = as_sim(dev);
-    if (!s || (unsigned)op >= GM_OP__COUNT) return;
-    s->fault[op].p = p > 0.0 ? p : 0.0; /* NaN and negatives turn it off */
-    s->fault[op].rng = seed;
+    gm_faults_fail_random(dev, op, p, seed);
 }
 
-uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op) {
-    const sim_device *s = as_sim_c(dev);
-    if (!s || (unsigned)op >= GM_OP__COUNT) return 0;
-    return s->calls[op];
-}
+uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op) { return gm_faults_calls(dev, op, NULL); }
 
 void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held) {
     sim_device *s = as_sim(dev);
-    if (!s) return;
-    uint32_t k = stream_find(s, stream);
-    if (k == SIM_NONE) {
-        if (!held) return; /* never held: nothing recorded on it is pending */
-        k = stream_add(s, stream);
-        if (k == SIM_NONE) return; /* out of host memory: the stream simply stays unheld */
-    }
-    sim_stream *st = &s->streams[k];
-    if (held && !st->held) {
-        st->held = 1;
-        s->held_count++;
-    } else if (!held && st->held) {
-        st->held = 0;
+    /* A stream never held has nothing pending; out of host memory, it simply stays unheld. */
+    sim_stream *st = s ? stream_record(s, stream, held) : NULL;
+    if (st && switch_flag(&st->held, held, &s->held_count) && !held)
         st->epoch++; /* completes every event recorded during the hold */
-        s->held_count--;
-    }
 }
 
 void gm_sim_set_event_delay(gm_device *dev, uint64_t ops) {
@@ -977,20 +932,9 @@ void gm_sim_set_capture(gm_device *dev, int on) {
 
 void gm_sim_set_stream_capture(gm_device *dev, gm_stream stream, int on) {
     sim_device *s = as_sim(dev);
-    if (!s) return;
-    uint32_t k = stream_find(s, stream);
-    if (k == SIM_NONE) {
-        if (!on) return;
-        if ((k = stream_add(s, stream)) == SIM_NONE) return; /* out of host memory: the stream simply is not marked */
-    }
-    sim_stream *st = &s->streams[k];
-    if (on && !st->capturing) {
-        st->capturing = 1;
-        s->capturing_streams++;
-    } else if (!on && st->capturing) {
-        st->capturing = 0;
-        s->capturing_streams--;
-    }
+    /* Out of host memory, the stream simply is not marked. */
+    sim_stream *st = s ? stream_record(s, stream, on) : NULL;
+    if (st) switch_flag(&st->capturing, on, &s->capturing_streams);
 }
 
 uint64_t gm_sim_capture_violations(const gm_device *dev) {

@@ -7,8 +7,9 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
-#include "torch_alloc.h"
+#include "heap_registry.h"
 
 int gm_py_put(PyObject *d, const char *key, PyObject *value) {
     if (value == NULL) return -1;
@@ -196,8 +197,8 @@ PyObject *gm_py_tuple_of(PyObject *obj) {
 }
 
 int gm_py_check_device(long d) {
-    if (d < 0 || d >= GM_TORCH_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_TORCH_MAX_DEVICES);
+    if (d < 0 || d >= GM_HEAP_REGISTRY_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device index %ld out of range [0, %d)", d, GM_HEAP_REGISTRY_MAX_DEVICES);
         return -1;
     }
     return 0;
@@ -208,6 +209,19 @@ int gm_py_device_index(PyObject *o, int *device) {
     if ((d == -1 && PyErr_Occurred()) || gm_py_check_device(d) < 0) return -1;
     *device = (int)d;
     return 0;
+}
+
+PyObject *gm_py_procs_list(const gm_proc_usage *p, long n) {
+    if (n < 0) Py_RETURN_NONE;
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    for (long i = 0; l != NULL && i < n; i++) {
+        PyObject *t = Py_BuildValue("(kK)", (unsigned long)p[i].pid, (unsigned long long)p[i].bytes);
+        if (t == NULL)
+            Py_CLEAR(l);
+        else
+            PyList_SET_ITEM(l, (Py_ssize_t)i, t);
+    }
+    return l;
 }
 
 PyObject *gm_py_fn_address(void (*fn)(void)) {
@@ -256,7 +270,39 @@ void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out) {
     gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
 }
 
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed) {
+/* What other processes hold, from the device's process list (this process left
+ * out; n_procs < 0: unknown, `why` says why): "1.00 GiB (pid 7: 1.00 GiB)". */
+static void others_text(char *out, size_t len, const gm_proc_usage *procs, long n_procs, const char *why) {
+    if (n_procs < 0) {
+        snprintf(out, len, "unknown (%s)", why && why[0] ? why : "no process list");
+        return;
+    }
+    uint64_t sum = 0;
+    char list[256] = "";
+    size_t used = 0;
+    int shown = 0;
+    uint32_t self = (uint32_t)getpid();
+    for (long i = 0; i < n_procs; i++) {
+        if (procs[i].pid == self) continue;
+        sum += procs[i].bytes;
+        if (shown < 4 && used < sizeof list) {
+            char b[32];
+            gm_fmt_bytes(b, sizeof b, procs[i].bytes);
+            int w = snprintf(list + used, sizeof list - used, "%spid %u: %s", shown ? ", " : "", procs[i].pid, b);
+            if (w > 0) used += (size_t)w;
+            shown++;
+        }
+    }
+    char s[32];
+    gm_fmt_bytes(s, sizeof s, sum);
+    if (shown)
+        snprintf(out, len, "%s (%s)", s, list);
+    else
+        snprintf(out, len, "%s", s);
+}
+
+size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
+                   const char *failed) {
     if (!len) return 0;
     gm_oom_sizes z;
     gm_oom_sizes_format(o, &z);
@@ -276,8 +322,11 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const c
     else
         snprintf(device, sizeof device, "The device has a total capacity of %s of which %s is free.", z.device_total,
                  z.device_free);
-    char other[400] = "", fail[400] = "";
-    if (others) snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
+    char others[320], other[400] = "", fail[400] = "";
+    if (gpu >= 0) {
+        others_text(others, sizeof others, procs, n_procs, failed);
+        snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
+    }
     if (o->device_error != GM_OK)
         snprintf(fail, sizeof fail, " A device call failed: %s (%s: %s).", gm_strerror(o->device_error),
                  gm_py_code_name(o->device_error), failed && failed[0] ? failed : "no detail");
@@ -302,6 +351,9 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
         gm_py_put_u64(d, "spare_pages", snap->spare_pages) < 0 || gm_py_put_u64(d, "cap_bytes", snap->cap_bytes) < 0 ||
         gm_py_put(d, "blocks", gm_py_blocks_list(snap, unknown_state)) < 0 ||
         gm_py_put(d, "pages", PyBytes_FromStringAndSize((const char *)snap->pages, (Py_ssize_t)snap->n_pages)) < 0 ||
+        gm_py_put(d, "growth",
+                  PyBytes_FromStringAndSize((const char *)snap->growth,
+                                            (Py_ssize_t)(snap->n_pages * sizeof *snap->growth))) < 0 ||
         gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0) {
         Py_DECREF(d);
         return NULL;

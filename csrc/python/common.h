@@ -20,6 +20,11 @@
 extern "C" {
 #endif
 
+/* A module function's PyMethodDef: name, C function (any signature), METH_*
+ * flags, doc string. */
+#define GM_PY_FN(name, fn, flags, doc)                                                                                 \
+    {.ml_name = name, .ml_meth = (PyCFunction)(void (*)(void))fn, .ml_flags = flags, .ml_doc = doc}
+
 /* Set d[key] = value and drop the reference to value; value may be NULL (error). */
 int gm_py_put(PyObject *d, const char *key, PyObject *value);
 int gm_py_put_u64(PyObject *d, const char *key, uint64_t v);
@@ -62,9 +67,9 @@ PyObject *gm_py_blocks_list(const gm_snapshot *snap, const char *unknown_state);
  * stats); consumes nothing, frees nothing.  NULL with an exception set on failure. */
 PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state);
 
-/* A device index of the per-device heaps gpumem.torch and the other frameworks
- * share (torch_alloc.h): gm_py_check_device checks d lies in [0,
- * GM_TORCH_MAX_DEVICES), gm_py_device_index reads a Python int and checks it.
+/* A device index of the process-wide heap registry (heap_registry.h):
+ * gm_py_check_device checks d lies in [0, GM_HEAP_REGISTRY_MAX_DEVICES),
+ * gm_py_device_index reads a Python int and checks it.
  * 0, or -1 with ValueError (or the int conversion's error) set. */
 int gm_py_check_device(long d);
 int gm_py_device_index(PyObject *o, int *device);
@@ -74,6 +79,10 @@ int gm_py_device_index(PyObject *o, int *device);
  * or move them, and a __len__ that lies makes it no larger.  NULL with an
  * exception set. */
 PyObject *gm_py_tuple_of(PyObject *obj);
+
+/* The processes on a device as [(pid, bytes)]; n < 0 (unknown): None.  New
+ * reference or NULL. */
+PyObject *gm_py_procs_list(const gm_proc_usage *p, long n);
 
 /* A function's address as a Python int: what torch's hook setters take.  New
  * reference or NULL. */
@@ -95,14 +104,18 @@ typedef struct gm_oom_sizes {
 
 void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
 
-/* The one-line out-of-memory message, the one place it is built:
+/* The first sentences of every out-of-memory message (the one-line message;
+ * gm_py_oom_message, oom_glue.h, adds gpumem's explanation after them):
  *   "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ... "
- * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, and the
- * first two sentences are torch's own, sizes in torch's units); -1 is a
- * gpumem.Heap ("The device has a total capacity of ...").  `others` words the memory other processes hold (NULL: not
- * said); `failed` the device's reason when a device call failed (NULL: none
- * given).  Writes at most len bytes (NUL-terminated); returns the length. */
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const char *others, const char *failed);
+ * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, the
+ * first two sentences are torch's own, sizes in torch's units, and the memory
+ * other processes hold follows, from the device's process list: n_procs < 0
+ * when unknown); -1 is a gpumem.Heap ("The device has a total capacity of
+ * ...").  `failed`: the device's last reason (NULL: none given), said when a
+ * device call failed, or why the process list is unknown.  Writes at most len
+ * bytes (NUL-terminated); returns the length. */
+size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
+                   const char *failed);
 
 #ifdef __cplusplus
 }

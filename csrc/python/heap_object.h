@@ -1,7 +1,14 @@
 /*
  * heap_object.h -- the gpumem.Heap Python object, shared by the files that
  * make up its methods: module.c (the type, allocation, statistics, reports),
- * replay_glue.c (trace replay) and sim_glue.c (the simulated device's controls).
+ * pool_glue.c (private pools), replay_glue.c (trace replay) and sim_glue.c
+ * (the simulated device's controls).
+ *
+ * A Heap either owns its heap (Heap(...): close() or the garbage collector
+ * destroys it) or borrows a device's heap from the process-wide heap registry
+ * (heap_registry.h; _C.registry_heap(device)), the one torch's, CuPy's and
+ * Numba's allocations go to: the same type and methods, but closing or
+ * dropping it only lets go of the heap, which lives until the process ends.
  *
  * The boundary rule.  Any call into Python may run any Python code: an
  * argument's __index__, __len__ or __iter__, the str -> size parser, a
@@ -40,8 +47,9 @@ typedef struct {
     PyObject_HEAD gm_heap *heap; /* NULL once closed */
     gm_device *dev;              /* owned by heap; valid while heap is */
     int is_sim;
-    int busy;          /* threads inside the core without the GIL */
-    unsigned busy_gen; /* gm_py_fork_gen when busy was last counted */
+    int registry_device; /* >= 0: borrows this device's heap from the heap registry; -1: owns its heap */
+    int busy;            /* threads inside the core without the GIL */
+    unsigned busy_gen;   /* gm_py_fork_gen when busy was last counted */
 } HeapObject;
 
 /* Bumped in a fork()ed child: the threads `busy` counted are not there. */
@@ -58,12 +66,14 @@ static inline void gm_py_fork_check(HeapObject *self) {
 /* Clearing the device's last_error first makes any reason found there after a
  * failure this call's own.  Only done when no other thread is inside the core:
  * then nothing else can be writing it (we hold the GIL, they would need it to
- * enter). */
+ * enter) -- so never on a borrowed heap, which other frameworks' threads enter
+ * without the GIL. */
 // clang-format off
 #define ENTER_CORE(self)                                                  \
     do {                                                                  \
         gm_py_fork_check(self);                                           \
-        if (!(self)->busy) (self)->dev->last_error[0] = '\0';             \
+        if (!(self)->busy && (self)->registry_device < 0)                 \
+            (self)->dev->last_error[0] = '\0';                            \
         (self)->busy++;                                                   \
         Py_BEGIN_ALLOW_THREADS
 #define LEAVE_CORE(self)                                                  \
@@ -138,11 +148,22 @@ int gm_py_to_size(PyObject *obj, const char *what, size_t *out);
 /* An int, or a string such as "24GiB". */
 int gm_py_to_size_or_str(PyObject *obj, const char *what, size_t *out);
 
+/* ValueError: no pool `id` lives on this heap.  Returns NULL. */
+PyObject *gm_py_no_such_pool(const gm_pool_id *id);
+
 /* Method tables of the other files, each ending with {NULL}. */
+extern PyMethodDef gm_py_pool_methods[];
 extern PyMethodDef gm_py_replay_methods[];
 extern PyMethodDef gm_py_sim_methods[];
 
 /* Adds DEVICE_OPS, the device calls' names (sim_glue.c). */
 int gm_py_add_device_ops(PyObject *m);
+
+/* Whether o is a gpumem.Heap (module.c). */
+int gm_py_is_heap(PyObject *o);
+
+/* A new Heap borrowing the heap registry's heap of `device` (which must have
+ * one), or NULL with an exception set (module.c). */
+PyObject *gm_py_heap_borrow(int device);
 
 #endif /* GPUMEM_HEAP_OBJECT_H */

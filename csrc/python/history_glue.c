@@ -14,7 +14,15 @@
  * Memory is bounded: at most `max_stacks` stacks of at most `max_depth`
  * frames.  Past that, new stacks get the id of a shared "overflow" record and
  * are counted.  All state is guarded by the GIL: capture runs only in threads
- * that hold it, which is exactly the issue's rule (no GIL, no stack).
+ * that hold it (no GIL, no stack).
+ *
+ * C++ frames (torch's stacks="all"): with a gatherer set (_stacks_cpp, torch's
+ * own unwinder), each capture also takes the native stack as an opaque object
+ * and records it beside the interned Python stack, one record per capture (C++
+ * stacks are not interned: comparing them would cost what unwinding costs).
+ * Those records take ids with CPP_BIT set in the index; at most `max_stacks`
+ * of them, past which captures get the Python stack alone.  Symbols are looked
+ * up once, when the frames are first asked for.
  */
 #include "history_glue.h"
 
@@ -60,6 +68,19 @@ static size_t n_stacks, cap_stacks;
 static uint32_t *table;  /* stack index + 1; 0 = empty slot */
 static size_t table_cap; /* power of two */
 static uint32_t generation = 1;
+
+/* C++ frames: one record per capture while a gatherer is set. */
+typedef struct {
+    uint32_t py;      /* the interned Python stack's index */
+    PyObject *native; /* the gatherer's result until symbolized, then NULL */
+    PyObject *frames; /* the symbolized frames (a list of dicts), or NULL */
+} cpp_rec;
+
+#define CPP_BIT 0x80000000u
+static PyObject *cpp_gather, *cpp_symbolize; /* both NULL: no C++ frames */
+static cpp_rec *cpp_recs;
+static size_t n_cpp, cap_cpp;
+static uint64_t n_cpp_overflow;
 static uint64_t n_captured, n_new, n_overflow, n_truncated;
 static atomic_ullong n_no_gil;
 
@@ -111,7 +132,7 @@ static int table_grow(void) {
 
 /* Store a new stack; returns its index, or OVERFLOW_INDEX when full or out of memory. */
 static uint32_t intern_new(uint64_t h, const frame_key *f, size_t n, size_t slot) {
-    if (n_stacks >= max_stacks || n_stacks >= UINT32_MAX - 1) return OVERFLOW_INDEX;
+    if (n_stacks >= max_stacks || n_stacks >= CPP_BIT - 1) return OVERFLOW_INDEX;
     if (pool_len + n > pool_cap) {
         size_t ncap = pool_cap ? 2 * pool_cap : 4096;
         while (ncap < pool_len + n) ncap *= 2;
@@ -152,6 +173,29 @@ static uint32_t intern(const frame_key *f, size_t n) {
     }
 }
 
+/* The record of Python stack `py` with the caller's native stack: its index
+ * with CPP_BIT, or `py` alone when the table is full or the gatherer fails. */
+static uint32_t with_native(uint32_t py) {
+    if (n_cpp >= max_stacks || n_cpp >= CPP_BIT - 1) {
+        n_cpp_overflow++;
+        return py;
+    }
+    if (n_cpp == cap_cpp) {
+        cpp_rec *a = gm_array_grow(cpp_recs, &cap_cpp, 1024, sizeof *a);
+        if (!a) return py;
+        cpp_recs = a;
+    }
+    /* gather(python=False, script=False, cpp=True) */
+    PyObject *native = PyObject_CallFunctionObjArgs(cpp_gather, Py_False, Py_False, Py_True, NULL);
+    if (!native) {
+        PyErr_Clear();
+        n_cpp_overflow++;
+        return py;
+    }
+    cpp_recs[n_cpp] = (cpp_rec){py, native, NULL};
+    return (uint32_t)n_cpp++ | CPP_BIT;
+}
+
 static int frame_lasti(PyFrameObject *f) {
 #if PY_VERSION_HEX >= 0x030B0000
     return PyFrame_GetLasti(f);
@@ -190,7 +234,10 @@ uint64_t gm_py_capture_context(void) {
     }
     n_captured++;
     uint32_t idx = intern(scratch, n);
-    if (idx == OVERFLOW_INDEX) n_overflow++;
+    if (idx == OVERFLOW_INDEX)
+        n_overflow++;
+    else if (cpp_gather)
+        idx = with_native(idx);
     return make_id(idx);
 }
 
@@ -255,6 +302,9 @@ static PyObject *attr_or_none(PyObject *o, const char *name) {
     return v;
 }
 
+static PyObject *cpp_frames(uint32_t i);
+static PyObject *python_frames(uint32_t idx);
+
 /* _stack_frames(ctx) -> list of {"filename", "name", "line"}, innermost first
  * (torch's order), or None if ctx is no id of this table. */
 static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
@@ -274,6 +324,59 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
         PyList_SET_ITEM(l, 0, d);
         return l;
     }
+    if (idx & CPP_BIT) return cpp_frames(idx & ~CPP_BIT);
+    return python_frames(idx);
+}
+
+/* How many of the innermost native frames are the capture's own: the
+ * unwinder's and this file's, through the last of with_native and
+ * gm_py_capture_context* among the first few (symbols may be missing). */
+static Py_ssize_t own_frames(PyObject *frames) {
+    Py_ssize_t n = PyList_GET_SIZE(frames), own = 0;
+    for (Py_ssize_t i = 0; i < n && i < 24; i++) {
+        PyObject *d = PyList_GET_ITEM(frames, i), *name = PyDict_Check(d) ? PyDict_GetItemString(d, "name") : NULL;
+        const char *c = name && PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+        if (!c)
+            PyErr_Clear();
+        else if (strcmp(c, "with_native") == 0 || strncmp(c, "gm_py_capture_context", 21) == 0)
+            own = i + 1;
+    }
+    return own;
+}
+
+/* The symbolized native frames of C++ record i, then its Python frames. */
+static PyObject *cpp_frames(uint32_t i) {
+    if (i >= n_cpp) Py_RETURN_NONE;
+    cpp_rec *r = &cpp_recs[i];
+    if (!r->frames) {
+        PyObject *one = PyList_New(1), *got = NULL;
+        if (!one) return NULL;
+        Py_INCREF(r->native);
+        PyList_SET_ITEM(one, 0, r->native);
+        got = PyObject_CallFunctionObjArgs(cpp_symbolize, one, NULL);
+        Py_DECREF(one);
+        if (!got) return NULL;
+        PyObject *first = PyList_Check(got) && PyList_GET_SIZE(got) == 1 ? PyList_GET_ITEM(got, 0) : NULL;
+        if (!first || !PyList_Check(first)) {
+            Py_DECREF(got);
+            return PyErr_Format(PyExc_TypeError, "the C++ frame symbolizer returned no list of frames");
+        }
+        /* The unwinder's own frames, up to the capture here, say nothing. */
+        Py_ssize_t skip = own_frames(first);
+        r->frames = PyList_GetSlice(first, skip, PyList_GET_SIZE(first));
+        Py_DECREF(got);
+        if (!r->frames) return NULL;
+        Py_CLEAR(r->native);
+    }
+    PyObject *py = python_frames(r->py);
+    if (!py) return NULL;
+    PyObject *all = py == Py_None ? PySequence_List(r->frames) : PySequence_Concat(r->frames, py);
+    Py_DECREF(py);
+    return all;
+}
+
+/* The frames of interned Python stack idx, innermost first, or None. */
+static PyObject *python_frames(uint32_t idx) {
     if (idx >= n_stacks) Py_RETURN_NONE;
     const stack_rec *r = &stacks[idx];
     PyObject *l = PyList_New(r->depth);
@@ -297,7 +400,19 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
     return l;
 }
 
+static void clear_native(void) {
+    for (size_t i = 0; i < n_cpp; i++) {
+        Py_XDECREF(cpp_recs[i].native);
+        Py_XDECREF(cpp_recs[i].frames);
+    }
+    free(cpp_recs);
+    cpp_recs = NULL;
+    n_cpp = cap_cpp = 0;
+    n_cpp_overflow = 0;
+}
+
 static void clear_table(void) {
+    clear_native();
     for (size_t i = 0; i < pool_len; i++) Py_DECREF(pool[i].code);
     free(pool);
     free(stacks);
@@ -311,6 +426,26 @@ static void clear_table(void) {
     generation++;
 }
 
+/* _stacks_cpp(gather, symbolize): take the native stack too, through torch's
+ * gather_traceback and symbolize_tracebacks; _stacks_cpp(None, None) stops. */
+static PyObject *py_stacks_cpp(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *gather, *symbolize;
+    if (!PyArg_ParseTuple(args, "OO:_stacks_cpp", &gather, &symbolize)) return NULL;
+    if ((gather == Py_None) != (symbolize == Py_None))
+        return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
+    if (gather != Py_None && (!PyCallable_Check(gather) || !PyCallable_Check(symbolize)))
+        return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
+    Py_CLEAR(cpp_gather);
+    Py_CLEAR(cpp_symbolize);
+    if (gather != Py_None) {
+        Py_INCREF(gather);
+        Py_INCREF(symbolize);
+        cpp_gather = gather;
+        cpp_symbolize = symbolize;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     clear_table();
     Py_RETURN_NONE;
@@ -318,12 +453,15 @@ static PyObject *py_stacks_clear(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ign
 
 static PyObject *py_stacks_info(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(ignored)) {
     size_t bytes = pool_cap * sizeof *pool + cap_stacks * sizeof *stacks + table_cap * sizeof *table;
-    return Py_BuildValue("{s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K}", "enabled",
+    bytes += cap_cpp * sizeof *cpp_recs;
+    return Py_BuildValue("{s:O,s:n,s:O,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K}", "cpp",
+                         cpp_gather ? Py_True : Py_False, "native_stacks", (Py_ssize_t)n_cpp, "enabled",
                          atomic_load(&stacks_on) ? Py_True : Py_False, "stacks", (Py_ssize_t)n_stacks, "frames",
                          (Py_ssize_t)pool_len, "max_stacks", (Py_ssize_t)max_stacks, "max_depth", (Py_ssize_t)max_depth,
                          "table_bytes", (Py_ssize_t)bytes, "captured", (unsigned long long)n_captured, "new",
                          (unsigned long long)n_new, "overflow", (unsigned long long)n_overflow, "truncated",
-                         (unsigned long long)n_truncated, "no_gil", (unsigned long long)atomic_load(&n_no_gil));
+                         (unsigned long long)n_truncated, "no_gil", (unsigned long long)atomic_load(&n_no_gil),
+                         "native_overflow", (unsigned long long)n_cpp_overflow);
 }
 
 static PyMethodDef glue_methods[] = {
@@ -339,6 +477,10 @@ static PyMethodDef glue_methods[] = {
      .ml_meth = py_stack_frames,
      .ml_flags = METH_O,
      .ml_doc = "_stack_frames(ctx) -> [{filename, name, line}] innermost first, or None"},
+    {.ml_name = "_stacks_cpp",
+     .ml_meth = py_stacks_cpp,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "_stacks_cpp(gather, symbolize): also take each capture's C++ frames (None, None: stop)"},
     {.ml_name = "_stacks_clear",
      .ml_meth = py_stacks_clear,
      .ml_flags = METH_NOARGS,

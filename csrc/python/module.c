@@ -2,12 +2,15 @@
  * module.c -- gpumem._C: the module, its exceptions, and the Heap type.
  *
  * csrc/python is the one place where gpumem talks to Python.  This file holds
- * the module and one type, Heap, that wraps one gm_heap (and the device it
- * owns); Heap's replay and sim_* methods live in replay_glue.c and sim_glue.c
- * (heap_object.h is what they share), torch's entry points in torch_alloc.cpp
- * with torch_glue.c, history and stacks in history_glue.c, the explained
- * out-of-memory text in torch_viz.c.  Everything here is argument conversion,
- * error mapping and object building; policy lives in the core.
+ * the module and one type, Heap, that wraps one gm_heap: one it owns (with its
+ * device), or one it borrows from the process-wide heap registry
+ * (heap_registry.c; the heaps torch, CuPy and Numba allocate from, reached
+ * from Python through shared_glue.c).  Heap's private-pool, replay and sim_*
+ * methods live in pool_glue.c, replay_glue.c and sim_glue.c (heap_object.h is
+ * what they share), torch's entry points in torch_alloc.cpp with torch_glue.c,
+ * history and stacks in history_glue.c, the out-of-memory message in
+ * oom_glue.c.  Everything here is argument conversion, error mapping and
+ * object building; policy lives in the core.
  *
  * Every entry point keeps the boundary rule written in heap_object.h: its
  * arguments are converted before the heap is checked, and nothing Python runs
@@ -31,9 +34,11 @@
 #include <string.h>
 
 #include "gpumem/gpumem.h"
+#include "gpumem/registry.h"
 #include "gpumem/sim.h"
-#include "gpumem/cuda.h"
 #include "common.h"
+#include "heap_registry.h"
+#include "config_glue.h"
 #include "history_glue.h"
 #include "oom_glue.h"
 
@@ -67,6 +72,12 @@ static void fork_child(void) { gm_py_fork_gen++; }
 int gm_py_heap_sim(HeapObject *self, int changes_device) {
     if (gm_py_heap_open(self) < 0) return -1;
     gm_py_fork_check(self);
+    if (self->registry_device >= 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "this call needs a sim heap of its own, not the heap registry's heap of device %d (shared)",
+                     self->registry_device);
+        return -1;
+    }
     if (!self->is_sim) {
         PyErr_Format(PyExc_TypeError, "this call needs a sim heap, not a %s one", self->dev->kind);
         return -1;
@@ -260,47 +271,16 @@ int gm_py_pool_or_none_arg(PyObject *obj, void *out) {
     return to_pool_id(obj, out) == 0;
 }
 
-static PyObject *no_such_pool(const gm_pool_id *id) {
-    PyErr_Format(PyExc_ValueError, "no pool (%llu, %llu) lives on this heap (retain it first)",
-                 (unsigned long long)id->first, (unsigned long long)id->second);
-    return NULL;
-}
-
-static PyObject *not_paused(const gm_pool_id *id) {
-    PyErr_Format(PyExc_RuntimeError, "pool_resume: pool (%llu, %llu) is not paused", (unsigned long long)id->first,
-                 (unsigned long long)id->second);
-    return NULL;
-}
-
 /* ---- the out-of-memory message ---------------------------------------------------
- * The one-line text is gm_oom_line's (common.c), shared with torch's path; a
- * registered formatter (oom_glue.c: gpumem.explain's) may word it instead. */
-
-static PyObject *oom_message(HeapObject *self, const gm_oom_info *o) {
-    char buf[1024];
-    size_t n = gm_oom_line(buf, sizeof buf, o, -1, NULL, self->dev->last_error);
-    return PyUnicode_FromStringAndSize(buf, (Py_ssize_t)n);
-}
+ * Made by gm_py_oom_message (oom_glue.c), as torch's is. */
 
 /* Raise gm_py_OutOfMemoryError for the last failed allocation, with .info = the report. */
 static PyObject *raise_oom(HeapObject *self) {
     gm_oom_info info;
     if (gm_last_oom(self->heap, &info) != GM_OK) return gm_py_raise(self, GM_ENOMEM, "malloc");
-    /* The text first: it reads the device, which the Python code below (the
-     * formatter, a finalizer) may close. */
-    PyObject *text = oom_message(self, &info);
-    if (text == NULL) return NULL;
-    PyObject *d = gm_py_oom_dict(&info);
-    if (d == NULL) {
-        Py_DECREF(text);
-        return NULL;
-    }
-    /* gpumem.explain words the message when it is loaded (oom_glue.c). */
-    PyObject *msg = gm_py_format_oom((PyObject *)self, d, text);
-    if (msg == NULL) {
-        Py_DECREF(d);
-        return NULL;
-    }
+    PyObject *d = NULL;
+    PyObject *msg = gm_py_oom_message((PyObject *)self, &info, -1, NULL, -1, self->dev->last_error, &d);
+    if (msg == NULL) return NULL;
     PyObject *exc = PyObject_CallFunctionObjArgs(gm_py_OutOfMemoryError, msg, NULL);
     Py_DECREF(msg);
     if (exc == NULL || PyObject_SetAttrString(exc, "info", d) < 0) {
@@ -324,9 +304,67 @@ static PyObject *Heap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         self->heap = NULL;
         self->dev = NULL;
         self->is_sim = 0;
+        self->registry_device = -1;
         self->busy = 0;
     }
     return (PyObject *)self;
+}
+
+static PyTypeObject HeapType;
+
+int gm_py_is_heap(PyObject *o) { return PyObject_TypeCheck(o, &HeapType); }
+
+PyObject *gm_py_heap_borrow(int device) {
+    gm_heap *heap = gm_heap_registry_get(device);
+    if (heap == NULL) return PyErr_Format(PyExc_ValueError, "the heap registry has no heap on device %d", device);
+    HeapObject *self = (HeapObject *)HeapType.tp_alloc(&HeapType, 0);
+    if (self == NULL) return NULL;
+    self->heap = heap;
+    self->dev = gm_heap_device(heap);
+    self->is_sim = gm_sim_is(self->dev);
+    self->registry_device = device;
+    self->busy = 0;
+    self->busy_gen = gm_py_fork_gen;
+    return (PyObject *)self;
+}
+
+/* The device arguments of Heap(...): capacity (None: not given) and page_size (NULL: not given). */
+static int device_args(gm_device_args *a, PyObject *capacity_o, PyObject *page_size_o, int ordinal) {
+    gm_device_args_default(a);
+    a->ordinal = ordinal;
+    if (capacity_o != Py_None) {
+        if (gm_py_to_size_or_str(capacity_o, "capacity", &a->capacity) < 0) return -1;
+        a->has_capacity = 1;
+    }
+    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &a->page_size) < 0) return -1;
+    return 0;
+}
+
+/* Open the device by name (gpumem/registry.h): a caller's mistake is a ValueError. */
+static gm_device *open_device(const char *name, const gm_device_args *a) {
+    gm_device *dev = NULL;
+    char err[256] = "";
+    int rc = gm_device_open(name, a, &dev, err, sizeof err);
+    if (rc == GM_OK) return dev;
+    if (rc == GM_EINVAL)
+        PyErr_SetString(PyExc_ValueError, err);
+    else if (rc == GM_ENOMEM)
+        PyErr_NoMemory();
+    else
+        PyErr_Format(gm_py_DeviceError, "cannot open %s:%d: %s", name, a->ordinal, err[0] ? err : "unknown reason");
+    return NULL;
+}
+
+/* Raise for a failed gm_heap_create: the device is gone, the core kept its reason. */
+static int raise_create_error(int rc) {
+    const char *why = gm_create_error();
+    if (rc == GM_EINVAL)
+        PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
+    else if (rc == GM_ENOMEM)
+        PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
+    else
+        PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, gm_py_code_name(rc));
+    return -1;
 }
 
 static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
@@ -339,100 +377,28 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
                                      &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o))
         return -1;
-
-    size_t capacity = (size_t)80 << 30, page_size = 0, va_size = 0, cap = 0;
-    if (capacity_o != Py_None && gm_py_to_size_or_str(capacity_o, "capacity", &capacity) < 0) return -1;
-    if (page_size_o && gm_py_to_size_or_str(page_size_o, "page_size", &page_size) < 0) return -1;
-    if (va_size_o && gm_py_to_size_or_str(va_size_o, "va_size", &va_size) < 0) return -1;
-    if (cap_o && gm_py_to_size_or_str(cap_o, "cap", &cap) < 0) return -1;
-
+    gm_device_args dargs;
     gm_config cfg;
     gm_config_default(&cfg);
-    cfg.va_size = va_size;
-    cfg.cap_bytes = cap;
-    if (slack_o != Py_None) {
-        double g = PyFloat_AsDouble(slack_o);
-        if (g == -1.0 && PyErr_Occurred()) return -1;
-        if (!(g >= 0.0)) {
-            PyErr_SetString(PyExc_ValueError, "growth_slack must be a non-negative fraction");
-            return -1;
-        }
-        cfg.growth_slack = g;
-    }
-    if (slack_pages_o != Py_None && gm_py_to_size(slack_pages_o, "growth_slack_pages", &cfg.growth_slack_pages) < 0)
+    if (device_args(&dargs, capacity_o, page_size_o, ordinal) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_VA_SIZE, "va_size", va_size_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_CAP_BYTES, "cap", cap_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_GROWTH_SLACK, "growth_slack", slack_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_GROWTH_SLACK_PAGES, "growth_slack_pages", slack_pages_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_CHUNK_PAGES, "chunk_pages", chunk_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_PRESSURE, "pressure", pressure_o) < 0)
         return -1;
-    if (pressure_o != Py_None) {
-        double v = PyFloat_AsDouble(pressure_o);
-        if (v == -1.0 && PyErr_Occurred()) return -1;
-        if (!(v >= 0.0 && v <= 1.0)) {
-            PyErr_Format(PyExc_ValueError, "pressure must be a fraction in [0, 1] (0: always tight), got %R",
-                         pressure_o);
-            return -1;
-        }
-        cfg.pressure = v;
-    }
-    if (chunk_o != Py_None) {
-        if (gm_py_to_size(chunk_o, "chunk_pages", &cfg.chunk_pages) < 0) return -1;
-        if (cfg.chunk_pages < 1 || cfg.chunk_pages > GM_CHUNK_PAGES_MAX) {
-            PyErr_Format(PyExc_ValueError, "chunk_pages must be in [1, %d], got %zu", GM_CHUNK_PAGES_MAX,
-                         cfg.chunk_pages);
-            return -1;
-        }
-    }
-
     /* After the conversions: one of them may have called __init__ again. */
     if (self->heap != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
         return -1;
     }
-    gm_device *dev = NULL;
-    int is_sim = 0;
-    if (page_size & (page_size - 1)) {
-        PyErr_Format(PyExc_ValueError, "page_size must be a power of two, got %zu", page_size);
-        return -1;
-    }
-    if (strcmp(device, "sim") == 0) {
-        if (capacity == 0) {
-            PyErr_SetString(PyExc_ValueError, "capacity of a sim device must be positive");
-            return -1;
-        }
-        dev = gm_sim_create(capacity, page_size);
-        if (dev == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        is_sim = 1;
-    } else if (strcmp(device, "cuda") == 0) {
-        if (capacity_o != Py_None) {
-            PyErr_SetString(PyExc_ValueError, "capacity applies to the sim device only; use cap= to limit a cuda heap");
-            return -1;
-        }
-        char err[256] = "";
-        dev = gm_cuda_create(ordinal, page_size, err, sizeof err);
-        if (dev == NULL) {
-            /* A page size the device cannot use is the caller's mistake, not the device's. */
-            PyObject *type = strncmp(err, "page_size", 9) == 0 ? PyExc_ValueError : gm_py_DeviceError;
-            PyErr_Format(type, "cannot open cuda:%d: %s", ordinal, err[0] ? err : "unknown reason");
-            return -1;
-        }
-    } else {
-        PyErr_Format(PyExc_ValueError, "device must be \"sim\" or \"cuda\", got \"%s\"", device);
-        return -1;
-    }
-
+    gm_device *dev = open_device(device, &dargs);
+    if (dev == NULL) return -1;
+    int is_sim = gm_sim_is(dev);
     gm_heap *heap = NULL;
     int rc = gm_heap_create(dev, &cfg, &heap); /* owns dev from here, also on failure */
-    if (rc != GM_OK) {
-        /* dev is gone; the core kept its reason. */
-        const char *why = gm_create_error();
-        if (rc == GM_EINVAL)
-            PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
-        else if (rc == GM_ENOMEM)
-            PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
-        else
-            PyErr_Format(gm_py_DeviceError, "cannot create heap: %s (%s)", why, gm_py_code_name(rc));
-        return -1;
-    }
+    if (rc != GM_OK) return raise_create_error(rc);
     self->heap = heap;
     self->dev = gm_heap_device(heap);
     self->is_sim = is_sim;
@@ -441,9 +407,19 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* __init__: a borrowed Heap, even once closed, stays the registry's. */
+static int Heap_init_own(HeapObject *self, PyObject *args, PyObject *kwds) {
+    if (self->registry_device >= 0) {
+        PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ on a Heap that borrows the heap registry's heap");
+        return -1;
+    }
+    return Heap_init(self, args, kwds);
+}
+
 static void Heap_dealloc(HeapObject *self) {
-    /* No method can be running: each holds a reference to self. */
-    if (self->heap != NULL) {
+    /* No method can be running: each holds a reference to self.  A borrowed
+     * heap is the registry's: it lives on. */
+    if (self->heap != NULL && self->registry_device < 0) {
         gm_heap_destroy(self->heap);
         self->heap = NULL;
     }
@@ -460,7 +436,7 @@ static PyObject *Heap_close(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     gm_heap *heap = self->heap;
     self->heap = NULL;
     self->dev = NULL;
-    gm_heap_destroy(heap);
+    if (self->registry_device < 0) gm_heap_destroy(heap); /* a borrowed one is only let go of */
     Py_RETURN_NONE;
 }
 
@@ -480,6 +456,9 @@ static PyObject *Heap_exit(HeapObject *self, PyObject *args) {
 
 static PyObject *Heap_repr(HeapObject *self) {
     if (self->heap == NULL) return PyUnicode_FromString("<gpumem.Heap closed>");
+    if (self->registry_device >= 0)
+        return PyUnicode_FromFormat("<gpumem.Heap %s, the heap registry's of device %d>", self->dev->name,
+                                    self->registry_device);
     return PyUnicode_FromFormat("<gpumem.Heap %s>", self->dev->name);
 }
 
@@ -506,7 +485,7 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
     if (rc == GM_ENOMEM) return raise_oom(self);
     if (rc == GM_EINVAL && in_pool) {
         gm_pool_info info;
-        if (gm_pool_info_get(self->heap, pool, &info) != GM_OK) return no_such_pool(&pool);
+        if (gm_pool_info_get(self->heap, pool, &info) != GM_OK) return gm_py_no_such_pool(&pool);
     }
     if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "malloc: size %zu is not a size this heap can serve (GM_EINVAL)", size);
@@ -516,6 +495,13 @@ static PyObject *Heap_malloc(HeapObject *self, PyObject *args, PyObject *kwds) {
     return PyLong_FromUnsignedLongLong((unsigned long long)ptr);
 }
 
+/* Raise for `call` failing on the block at ptr: "free(0x7f...)" names it. */
+static PyObject *raise_at(HeapObject *self, int rc, const char *call, uint64_t ptr) {
+    char what[64];
+    snprintf(what, sizeof what, "%s(0x%" PRIx64 ")", call, ptr);
+    return gm_py_raise(self, rc, what);
+}
+
 static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
     uint64_t ptr;
     if (gm_py_arg(self, GM_PY_OPEN, ptr_o, gm_py_ptr_arg, &ptr) < 0) return NULL;
@@ -523,11 +509,7 @@ static PyObject *Heap_free(HeapObject *self, PyObject *ptr_o) {
     ENTER_CORE(self);
     rc = gm_free(self->heap, (uintptr_t)ptr);
     LEAVE_CORE(self);
-    if (rc != GM_OK) {
-        char what[48];
-        snprintf(what, sizeof what, "free(0x%" PRIx64 ")", ptr);
-        return gm_py_raise(self, rc, what);
-    }
+    if (rc != GM_OK) return raise_at(self, rc, "free", ptr);
     Py_RETURN_NONE;
 }
 
@@ -540,11 +522,7 @@ static PyObject *Heap_record_stream(HeapObject *self, PyObject *args) {
     ENTER_CORE(self);
     rc = gm_record_stream(self->heap, (uintptr_t)ptr, (gm_stream)stream);
     LEAVE_CORE(self);
-    if (rc != GM_OK) {
-        char what[64];
-        snprintf(what, sizeof what, "record_stream(0x%" PRIx64 ")", ptr);
-        return gm_py_raise(self, rc, what);
-    }
+    if (rc != GM_OK) return raise_at(self, rc, "record_stream", ptr);
     Py_RETURN_NONE;
 }
 
@@ -570,7 +548,9 @@ static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o) {
     if (gm_py_arg(self, GM_PY_OPEN, cap_o, gm_py_cap_arg, &cap) < 0) return NULL;
     int rc;
     ENTER_CORE(self);
-    rc = gm_set_cap(self->heap, cap);
+    /* The registry keeps a borrowed heap's cap as its limit too. */
+    rc =
+        self->registry_device >= 0 ? gm_heap_registry_set_cap(self->registry_device, cap) : gm_set_cap(self->heap, cap);
     LEAVE_CORE(self);
     if (rc == GM_EINVAL && !self->dev->last_error[0]) {
         PyErr_Format(PyExc_ValueError, "set_cap: %zu bytes is not a valid cap (GM_EINVAL)", cap);
@@ -595,16 +575,19 @@ static PyObject *Heap_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     return gm_py_stats_dict(&s);
 }
 
-static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+/* A method without arguments that only calls the core's void fn(heap) on an open heap. */
+static PyObject *heap_do(HeapObject *self, void (*fn)(gm_heap *)) {
     if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_reset_peak_stats(self->heap);
+    fn(self->heap);
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_reset_peak_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    return heap_do(self, gm_reset_peak_stats);
+}
+
 static PyObject *Heap_reset_accumulated_stats(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_reset_accumulated_stats(self->heap);
-    Py_RETURN_NONE;
+    return heap_do(self, gm_reset_accumulated_stats);
 }
 
 static PyObject *Heap_check(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -637,7 +620,9 @@ static PyObject *Heap_snapshot(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Heap_history_enable(HeapObject *self, PyObject *n_o) {
     size_t n;
     if (gm_py_arg(self, GM_PY_OPEN, n_o, gm_py_max_entries_arg, &n) < 0) return NULL;
-    int rc = gm_history_enable(self->heap, n);
+    /* The registry's heaps share one history switch, as torch's does: every
+     * heap, now and later. */
+    int rc = self->registry_device >= 0 ? gm_heap_registry_history_enable(n) : gm_history_enable(self->heap, n);
     if (rc == GM_ENOMEM) return PyErr_NoMemory();
     if (rc != GM_OK) return gm_py_raise(self, rc, "history_enable");
     Py_RETURN_NONE;
@@ -671,7 +656,13 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
     for (;;) {
         gm_proc_usage *buf = PyMem_Calloc(cap, sizeof *buf);
         if (buf == NULL) return PyErr_NoMemory();
-        int rc = self->dev->ops->processes(self->dev, buf, cap, &n);
+        int rc;
+        if (self->registry_device >= 0) { /* serialized with the registry's other device calls */
+            Py_BEGIN_ALLOW_THREADS rc = gm_heap_registry_processes(self->registry_device, buf, cap, &n);
+            Py_END_ALLOW_THREADS
+        } else {
+            rc = self->dev->ops->processes(self->dev, buf, cap, &n);
+        }
         if (rc == GM_ENOTSUP) {
             PyMem_Free(buf);
             Py_RETURN_NONE;
@@ -685,14 +676,7 @@ static PyObject *Heap_device_processes(HeapObject *self, PyObject *Py_UNUSED(ign
             cap = n;
             continue;
         }
-        PyObject *l = PyList_New((Py_ssize_t)n);
-        for (size_t i = 0; l != NULL && i < n; i++) {
-            PyObject *t = Py_BuildValue("(kK)", (unsigned long)buf[i].pid, (unsigned long long)buf[i].bytes);
-            if (t == NULL)
-                Py_CLEAR(l);
-            else
-                PyList_SET_ITEM(l, (Py_ssize_t)i, t);
-        }
+        PyObject *l = gm_py_procs_list(buf, (long)n);
         PyMem_Free(buf);
         return l;
     }
@@ -714,236 +698,10 @@ static PyObject *Heap_memory_report(HeapObject *self, PyObject *args, PyObject *
     return gm_py_oom_dict(&info);
 }
 
-/* ---- private pools and stream capture ----------------------------------------------------- */
-
-static PyObject *Heap_pool_retain(HeapObject *self, PyObject *id_o) {
-    gm_pool_id id;
-    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
-    int rc = gm_pool_retain(self->heap, id);
-    if (rc != GM_OK) return rc == GM_ENOMEM ? PyErr_NoMemory() : gm_py_raise(self, rc, "pool_retain");
-    Py_RETURN_NONE;
-}
-
-static PyObject *Heap_pool_release(HeapObject *self, PyObject *id_o) {
-    gm_pool_id id;
-    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
-    int rc;
-    ENTER_CORE(self);
-    rc = gm_pool_release(self->heap, id);
-    LEAVE_CORE(self);
-    if (rc == GM_EINVAL) return no_such_pool(&id);
-    if (rc == GM_EPAUSED)
-        return PyErr_Format(PyExc_RuntimeError,
-                            "pool_release: pool (%llu, %llu) is paused; resume it before releasing it (GM_EPAUSED)",
-                            (unsigned long long)id.first, (unsigned long long)id.second);
-    Py_RETURN_NONE;
-}
-
-static PyObject *pause_error(HeapObject *self, int rc, const gm_pool_id *id, const char *what) {
-    if (rc == GM_EPAUSED)
-        return PyErr_Format(PyExc_RuntimeError, "%s: pool (%llu, %llu) is already paused (GM_EPAUSED)", what,
-                            (unsigned long long)id->first, (unsigned long long)id->second);
-    if (rc == GM_ECAPTURING)
-        return PyErr_Format(PyExc_RuntimeError,
-                            "%s: not allowed while a CUDA graph is being captured (GM_ECAPTURING); pause or resume "
-                            "before or after the capture",
-                            what);
-    return gm_py_raise(self, rc, what);
-}
-
-static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"id", "backup", NULL};
-    int backup = 0;
-    gm_pool_id id;
-    if (gm_py_args(self, GM_PY_OPEN, args, kwds, "O&|p:pool_pause", kwlist, gm_py_pool_arg, &id, &backup) < 0)
-        return NULL;
-    gm_pool_info pi;
-    if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-    gm_pause_info info;
-    int rc;
-    double t0 = gm_py_monotonic_s(), t1;
-    ENTER_CORE(self);
-    rc = gm_pool_pause(self->heap, id, backup ? GM_PAUSE_BACKUP : 0, &info);
-    LEAVE_CORE(self);
-    t1 = gm_py_monotonic_s();
-    if (rc == GM_EINVAL) return no_such_pool(&id);
-    if (rc != GM_OK) {
-        /* A device failure part way leaves the pool paused with what was released. */
-        if (gm_pool_info_get(self->heap, id, &pi) == GM_OK && pi.paused && rc == GM_EDEVICE) {
-            gm_py_raise(self, rc, "pool_pause (the pool is paused with the pages released before the failure)");
-            return NULL;
-        }
-        return pause_error(self, rc, &id, "pool_pause");
-    }
-    return gm_py_pause_dict(self->heap, &info, t1 - t0);
-}
-
-static PyObject *Heap_pool_resume(HeapObject *self, PyObject *id_o) {
-    gm_pool_id id;
-    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
-    gm_pool_info pi;
-    if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-    if (!pi.paused) return not_paused(&id);
-    gm_pause_info info;
-    int rc;
-    double t0 = gm_py_monotonic_s(), t1;
-    ENTER_CORE(self);
-    rc = gm_pool_resume(self->heap, id, &info);
-    LEAVE_CORE(self);
-    t1 = gm_py_monotonic_s();
-    if (rc == GM_EINVAL) {
-        if (gm_pool_info_get(self->heap, id, &pi) != GM_OK) return no_such_pool(&id);
-        return not_paused(&id);
-    }
-    if (rc != GM_OK) return pause_error(self, rc, &id, "pool_resume (the pool stays paused)");
-    return gm_py_pause_dict(self->heap, &info, t1 - t0);
-}
-
-static PyObject *Heap_pool_info(HeapObject *self, PyObject *id_o) {
-    gm_pool_id id;
-    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
-    gm_pool_info info;
-    int rc;
-    ENTER_CORE(self);
-    rc = gm_pool_info_get(self->heap, id, &info);
-    LEAVE_CORE(self);
-    if (rc != GM_OK) return no_such_pool(&id);
-    return gm_py_pool_info_dict(&info);
-}
-
-static PyObject *Heap_pools(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_pool_info *buf = NULL;
-    size_t cap = 0, n;
-    /* Another thread may add pools between the sizing call and the real one. */
-    for (;;) {
-        ENTER_CORE(self);
-        n = gm_pool_list(self->heap, buf, cap);
-        LEAVE_CORE(self);
-        if (n <= cap) break;
-        PyMem_Free(buf);
-        cap = n + 4;
-        if (!(buf = PyMem_Malloc(cap * sizeof *buf))) return PyErr_NoMemory();
-    }
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
-        PyObject *d = gm_py_pool_info_dict(&buf[i]);
-        if (d == NULL)
-            Py_CLEAR(list);
-        else
-            PyList_SET_ITEM(list, (Py_ssize_t)i, d);
-    }
-    PyMem_Free(buf);
-    return list;
-}
-
-static PyObject *Heap_pool_live(HeapObject *self, PyObject *id_o) {
-    gm_pool_id id;
-    if (gm_py_arg(self, GM_PY_OPEN, id_o, gm_py_pool_arg, &id) < 0) return NULL;
-    gm_pool_info info;
-    if (gm_pool_info_get(self->heap, id, &info) != GM_OK) return no_such_pool(&id);
-    uintptr_t *addrs = NULL;
-    size_t *sizes = NULL, cap = info.live_blocks, n;
-    for (;;) {
-        PyMem_Free(addrs);
-        PyMem_Free(sizes);
-        addrs = PyMem_Malloc((cap ? cap : 1) * sizeof *addrs);
-        sizes = PyMem_Malloc((cap ? cap : 1) * sizeof *sizes);
-        if (!addrs || !sizes) {
-            PyMem_Free(addrs);
-            PyMem_Free(sizes);
-            return PyErr_NoMemory();
-        }
-        ENTER_CORE(self);
-        n = gm_pool_live(self->heap, id, addrs, sizes, cap);
-        LEAVE_CORE(self);
-        if (n <= cap) break;
-        cap = n + 16;
-    }
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; list && i < n; i++) {
-        PyObject *t = Py_BuildValue("(Kn)", (unsigned long long)addrs[i], (Py_ssize_t)sizes[i]);
-        if (t == NULL)
-            Py_CLEAR(list);
-        else
-            PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    PyMem_Free(addrs);
-    PyMem_Free(sizes);
-    return list;
-}
-
-static PyObject *Heap_pool_set_live(HeapObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"id", "blocks", "stream", NULL};
-    PyObject *blocks_o, *stream_o = NULL;
-    gm_pool_id id;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O|O:pool_set_live", kwlist, gm_py_pool_arg, &id, &blocks_o,
-                                     &stream_o))
-        return NULL;
-    uint64_t stream = 0;
-    if (stream_o && gm_py_to_u64(stream_o, "stream", UINT64_MAX - 1, &stream) < 0) return NULL;
-    if (!PySequence_Check(blocks_o)) {
-        PyErr_SetString(PyExc_TypeError, "pool_set_live: blocks must be a sequence of (addr, size) pairs");
-        return NULL;
-    }
-    /* A tuple copy: its items stay alive and in place whatever an item's
-     * __index__ does to the caller's list; each item is a tuple, which cannot
-     * change either. */
-    PyObject *seq = gm_py_tuple_of(blocks_o);
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(seq);
-    uintptr_t *addrs = PyMem_Calloc((size_t)(n ? n : 1), sizeof *addrs);
-    size_t *sizes = PyMem_Calloc((size_t)(n ? n : 1), sizeof *sizes);
-    PyObject *result = NULL;
-    if (!addrs || !sizes) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(seq, i);
-        uint64_t a;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            PyErr_Format(PyExc_TypeError, "pool_set_live: blocks[%zd] must be an (addr, size) tuple", i);
-            goto out;
-        }
-        if (gm_py_to_u64(PyTuple_GET_ITEM(item, 0), "addr", UINTPTR_MAX, &a) < 0 ||
-            gm_py_to_size(PyTuple_GET_ITEM(item, 1), "size", &sizes[i]) < 0)
-            goto out;
-        addrs[i] = (uintptr_t)a;
-    }
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) goto out;
-    gm_pool_info info;
-    if (gm_pool_info_get(self->heap, id, &info) != GM_OK) {
-        no_such_pool(&id);
-        goto out;
-    }
-    int rc;
-    ENTER_CORE(self);
-    rc = gm_pool_set_live(self->heap, id, addrs, sizes, (size_t)n, (gm_stream)stream);
-    LEAVE_CORE(self);
-    if (rc == GM_EINVAL)
-        PyErr_Format(PyExc_ValueError,
-                     "pool_set_live: the blocks are not the pool's live blocks or 512-aligned, disjoint ranges "
-                     "inside its free memory; nothing was changed");
-    else if (rc == GM_ENOMEM)
-        PyErr_NoMemory();
-    else if (rc != GM_OK)
-        gm_py_raise(self, rc, "pool_set_live");
-    else {
-        Py_INCREF(Py_None);
-        result = Py_None;
-    }
-out:
-    PyMem_Free(addrs);
-    PyMem_Free(sizes);
-    Py_DECREF(seq);
-    return result;
-}
+/* ---- stream capture (the private pools' methods are pool_glue.c's) ---------------------- */
 
 static PyObject *Heap_capture_begin(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    gm_capture_begin(self->heap);
-    Py_RETURN_NONE;
+    return heap_do(self, gm_capture_begin);
 }
 
 static PyObject *Heap_capture_end(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -984,10 +742,15 @@ static PyObject *Heap_get_closed(HeapObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->heap == NULL);
 }
 
+static PyObject *Heap_get_registry_device(HeapObject *self, void *Py_UNUSED(closure)) {
+    if (self->registry_device < 0) Py_RETURN_NONE;
+    return PyLong_FromLong(self->registry_device);
+}
+
 /* ---- type and module tables ------------------------------------------------------------- */
 
-/* Heap's methods: this file's, then replay_glue.c's and sim_glue.c's
- * (gathered at import). */
+/* Heap's methods: this file's, then pool_glue.c's, replay_glue.c's and
+ * sim_glue.c's (gathered at import). */
 static PyMethodDef Heap_methods[64];
 
 static PyMethodDef Heap_core_methods[] = {
@@ -996,42 +759,6 @@ static PyMethodDef Heap_core_methods[] = {
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "malloc(size, stream=0, context=0, pool=None) -> address\n"
                "pool: a private pool's id, a pair of ints (torch's MempoolId_t)"},
-    {.ml_name = "pool_retain",
-     .ml_meth = (PyCFunction)Heap_pool_retain,
-     .ml_flags = METH_O,
-     .ml_doc = "pool_retain(id): create the private pool id (a pair of ints), or add a use to it"},
-    {.ml_name = "pool_release",
-     .ml_meth = (PyCFunction)Heap_pool_release,
-     .ml_flags = METH_O,
-     .ml_doc = "pool_release(id): drop a use; at zero the pool ends and its free blocks join the heap"},
-    {.ml_name = "pool_info",
-     .ml_meth = (PyCFunction)Heap_pool_info,
-     .ml_flags = METH_O,
-     .ml_doc = "pool_info(id) -> dict (id, use_count, live_blocks, live_bytes, free_blocks, free_bytes, "
-               "pinned_pages, paused, paused_pages, shared_pages, backup_bytes)"},
-    {.ml_name = "pools",
-     .ml_meth = (PyCFunction)Heap_pools,
-     .ml_flags = METH_NOARGS,
-     .ml_doc = "pools() -> [pool_info dict] of the living pools"},
-    {.ml_name = "pool_live",
-     .ml_meth = (PyCFunction)Heap_pool_live,
-     .ml_flags = METH_O,
-     .ml_doc = "pool_live(id) -> [(addr, size)] of the pool's live blocks, in address order"},
-    {.ml_name = "pool_set_live",
-     .ml_meth = KW(Heap_pool_set_live),
-     .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "pool_set_live(id, blocks, stream=0): make exactly blocks [(addr, size)] the pool's live blocks"},
-    {.ml_name = "pool_pause",
-     .ml_meth = KW(Heap_pool_pause),
-     .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "pool_pause(id, backup=False) -> dict (pages, bytes, shared_pages, backup_bytes, seconds): release "
-               "the physical pages only the pool's blocks use, keeping their addresses; backup: copy their contents "
-               "to pinned host memory first"},
-    {.ml_name = "pool_resume",
-     .ml_meth = (PyCFunction)Heap_pool_resume,
-     .ml_flags = METH_O,
-     .ml_doc = "pool_resume(id) -> dict (pages, bytes, shared_pages, backup_bytes, seconds): map fresh pages "
-               "behind the paused addresses and restore the backup, if any"},
     {.ml_name = "capture_begin",
      .ml_meth = (PyCFunction)Heap_capture_begin,
      .ml_flags = METH_NOARGS,
@@ -1108,7 +835,7 @@ static PyMethodDef Heap_core_methods[] = {
     {.ml_name = "close",
      .ml_meth = (PyCFunction)Heap_close,
      .ml_flags = METH_NOARGS,
-     .ml_doc = "destroy the heap and its device; later calls raise ValueError"},
+     .ml_doc = "destroy the heap and its device (a borrowed heap is only let go of); later calls raise ValueError"},
     {.ml_name = "__enter__", .ml_meth = (PyCFunction)Heap_enter, .ml_flags = METH_NOARGS},
     {.ml_name = "__exit__", .ml_meth = (PyCFunction)Heap_exit, .ml_flags = METH_VARARGS},
     {.ml_name = NULL},
@@ -1119,6 +846,10 @@ static PyGetSetDef Heap_getset[] = {
     {.name = "device_name", .get = (getter)Heap_get_device_name, .doc = "e.g. \"sim:80GiB\""},
     {.name = "page_size", .get = (getter)Heap_get_page_size, .doc = "physical page size in bytes"},
     {.name = "closed", .get = (getter)Heap_get_closed, .doc = "True once close() was called"},
+    {.name = "registry_device",
+     .get = (getter)Heap_get_registry_device,
+     .doc = "the device whose heap this Heap borrows from the process-wide heap registry (the heap torch, CuPy "
+            "and Numba allocate from), or None for a heap of its own"},
     {.name = "capturing",
      .get = (getter)Heap_get_capturing,
      .doc = "capture_begin() calls not yet ended (0: no capture)"},
@@ -1137,7 +868,7 @@ static PyTypeObject HeapType = {
               "A gpumem heap over one device: a simulated one (\"sim\") or a CUDA GPU (\"cuda\").",
     .tp_methods = Heap_methods,
     .tp_getset = Heap_getset,
-    .tp_init = (initproc)Heap_init,
+    .tp_init = (initproc)Heap_init_own,
     .tp_new = Heap_new,
 };
 
@@ -1190,7 +921,7 @@ static int add_exception(PyObject *m, PyObject **slot, const char *name, PyObjec
 }
 
 static int gather_methods(void) {
-    const PyMethodDef *tables[] = {Heap_core_methods, gm_py_replay_methods, gm_py_sim_methods};
+    const PyMethodDef *tables[] = {Heap_core_methods, gm_py_pool_methods, gm_py_replay_methods, gm_py_sim_methods};
     size_t n = 0;
     for (size_t t = 0; t < sizeof tables / sizeof tables[0]; t++)
         for (const PyMethodDef *d = tables[t]; d->ml_name; d++) {
@@ -1223,7 +954,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         Py_DECREF(&HeapType);
         goto fail;
     }
-    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0) goto fail;
+    if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0 || gm_config_glue_add(m) < 0) goto fail;
     /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c); DEVICE_OPS (sim_glue.c) */
     if (gm_py_add_name_lists(m) < 0 || gm_py_add_device_ops(m) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "CHUNK_PAGES_DEFAULT", GM_CHUNK_PAGES_DEFAULT) < 0 ||

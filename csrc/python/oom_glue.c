@@ -1,15 +1,13 @@
 /*
- * oom_glue.c -- the one Python formatter of out-of-memory messages
- * (oom_glue.h): gpumem.Heap's here, torch's through torch_viz.c.
+ * oom_glue.c -- the one place out-of-memory messages are made (oom_glue.h):
+ * gpumem.Heap's (module.c) and torch's (torch_viz.c) alike, the first
+ * sentences (gm_oom_line, common.c) then the registered explanation.
  */
 #include "oom_glue.h"
 
-static PyObject *oom_formatter; /* callable or NULL */
+#include "common.h"
 
-PyObject *gm_py_oom_formatter(void) {
-    Py_XINCREF(oom_formatter);
-    return oom_formatter;
-}
+static PyObject *oom_formatter; /* callable or NULL */
 
 static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn) {
     if (fn != Py_None && !PyCallable_Check(fn))
@@ -25,7 +23,10 @@ static PyObject *py_set_oom_formatter(PyObject *Py_UNUSED(m), PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback) {
+/* `fallback` (a new reference, stolen), or what the registered formatter makes
+ * of it: formatter(heap, info, fallback[, processes]).  A formatter that fails
+ * leaves the fallback text with a note saying so. */
+static PyObject *explained(PyObject *heap, PyObject *info, PyObject *fallback, PyObject *processes) {
     if (!fallback || !oom_formatter) return fallback;
     /* The formatter may raise or return junk; the OOM must still be reported,
      * so any failure keeps the core's own text and says the explanation broke.
@@ -34,7 +35,7 @@ PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback) {
     PyErr_Fetch(&et, &ev, &tb);
     PyObject *fn = oom_formatter;
     Py_INCREF(fn);
-    PyObject *text = PyObject_CallFunctionObjArgs(fn, heap, info ? info : Py_None, fallback, NULL);
+    PyObject *text = PyObject_CallFunctionObjArgs(fn, heap, info ? info : Py_None, fallback, processes, NULL);
     Py_DECREF(fn);
     if (text && PyUnicode_Check(text)) {
         Py_DECREF(fallback);
@@ -63,6 +64,29 @@ PyObject *gm_py_format_oom(PyObject *heap, PyObject *info, PyObject *fallback) {
     }
     PyErr_Restore(et, ev, tb);
     return out;
+}
+
+PyObject *gm_py_oom_message(PyObject *heap, const gm_oom_info *info, int gpu, const gm_proc_usage *procs, long n_procs,
+                            const char *failed, PyObject **info_out) {
+    /* The first sentences before any Python runs: `failed` may be the
+     * device's, which Python code (a finalizer) could close. */
+    char line[1024];
+    size_t n = gm_oom_line(line, sizeof line, info, gpu, procs, n_procs, failed);
+    PyObject *fallback = PyUnicode_DecodeUTF8(line, (Py_ssize_t)n, "replace");
+    PyObject *d = fallback ? gm_py_oom_dict(info) : NULL;
+    PyObject *pl = d && gpu >= 0 ? gm_py_procs_list(procs, n_procs) : NULL;
+    if (d == NULL || (gpu >= 0 && pl == NULL)) {
+        Py_XDECREF(fallback);
+        Py_XDECREF(d);
+        return NULL;
+    }
+    PyObject *text = explained(heap, d, fallback, pl);
+    Py_XDECREF(pl);
+    if (info_out)
+        *info_out = d;
+    else
+        Py_DECREF(d);
+    return text;
 }
 
 static PyMethodDef oom_methods[] = {

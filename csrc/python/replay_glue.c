@@ -9,6 +9,77 @@
 
 #include "common.h"
 
+/* The caller's events (a whole number of them), copied once and then
+ * checked: every op known, every slot below n_slots.  *n: how many.  NULL
+ * with an exception set. */
+static gm_replay_event *copy_events(const Py_buffer *ev, size_t n_slots, size_t *n) {
+    *n = (size_t)ev->len / sizeof(gm_replay_event);
+    /* One copy, then every check reads the copy: nothing can change it. */
+    gm_replay_event *events = PyMem_Malloc(*n ? (size_t)ev->len : 1);
+    if (events == NULL) return (gm_replay_event *)PyErr_NoMemory();
+    memcpy(events, ev->buf, (size_t)ev->len);
+    for (size_t i = 0; i < *n; i++) {
+        if (events[i].op != GM_R_ALLOC && events[i].op != GM_R_FREE) {
+            PyErr_Format(PyExc_ValueError, "events[%zu]: unknown op %u", i, (unsigned)events[i].op);
+        } else if (events[i].slot >= n_slots) {
+            PyErr_Format(PyExc_ValueError, "events[%zu]: slot %u is not below n_slots=%zu", i, (unsigned)events[i].slot,
+                         n_slots);
+        } else {
+            continue;
+        }
+        PyMem_Free(events);
+        return NULL;
+    }
+    return events;
+}
+
+/* The n_slots (not too many to count in bytes) slots the core fills: the caller's buffer (`slots_o`, exported into sl
+ * until the core is done) or, for None, zeroed memory of our own (*own, to be
+ * freed).  NULL with an exception set. */
+static uintptr_t *get_slots(PyObject *slots_o, size_t n_slots, Py_buffer *sl, uintptr_t **own) {
+    if (slots_o == Py_None) {
+        *own = PyMem_Calloc(n_slots ? n_slots : 1, sizeof **own);
+        return *own ? *own : (uintptr_t *)PyErr_NoMemory();
+    }
+    if (PyObject_GetBuffer(slots_o, sl, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if ((size_t)sl->len != n_slots * sizeof(uintptr_t) || (uintptr_t)sl->buf % _Alignof(uintptr_t) != 0) {
+        PyErr_Format(PyExc_ValueError, "slots must be an aligned writable buffer of n_slots*%zu = %zu bytes",
+                     sizeof(uintptr_t), n_slots * sizeof(uintptr_t));
+        return NULL;
+    }
+    return sl->buf;
+}
+
+/* replay()'s answer: the core's result, and op_ns (when timed) of the `ran`
+ * events that ran as an array('Q').  New reference or NULL. */
+static PyObject *result_dict(const gm_replay_result *res, const uint64_t *op_ns, size_t ran) {
+    PyObject *result = PyDict_New();
+    if (result == NULL) return NULL;
+    if (gm_py_put_u64(result, "allocs", res->allocs) < 0 || gm_py_put_u64(result, "frees", res->frees) < 0 ||
+        gm_py_put_u64(result, "ooms", res->ooms) < 0 ||
+        gm_py_put_u64(result, "peak_live_bytes", res->peak_live_bytes) < 0 ||
+        gm_py_put_u64(result, "peak_reserved_bytes", res->peak_reserved_bytes) < 0 ||
+        gm_py_put_i64(result, "first_oom_event",
+                      res->first_oom_event == UINT64_MAX ? -1 : (int64_t)res->first_oom_event) < 0 ||
+        gm_py_put_u64(result, "peak_event", res->peak_event) < 0 || gm_py_put_i64(result, "error", res->error) < 0 ||
+        gm_py_put(result, "error_name", PyUnicode_FromString(gm_py_code_name(res->error))) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    if (op_ns) {
+        PyObject *array_mod = PyImport_ImportModule("array");
+        PyObject *arr = NULL;
+        if (array_mod != NULL) {
+            PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(ran * sizeof *op_ns));
+            if (raw != NULL) arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
+            Py_XDECREF(raw);
+            Py_DECREF(array_mod);
+        }
+        if (gm_py_put(result, "op_ns", arr) < 0) Py_CLEAR(result);
+    }
+    return result;
+}
+
 /* replay(events, n_slots, timing=False, stop_at=-1, slots=None)
  * `slots`, when given, is a writable buffer of n_slots 8-byte words that the
  * caller keeps between calls, so that a trace can be replayed in chunks (for a
@@ -32,13 +103,11 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         if (ev.obj) PyBuffer_Release(&ev);
         return NULL;
     }
-
     PyObject *result = NULL;
     gm_replay_event *events = NULL;
-    uintptr_t *own_slots = NULL;
+    uintptr_t *slots, *own_slots = NULL;
     uint64_t *op_ns = NULL;
     size_t n = 0;
-
     if (ev.len % (Py_ssize_t)sizeof(gm_replay_event) != 0) {
         PyErr_Format(PyExc_ValueError, "events: %zd bytes is not a whole number of %zu-byte events", ev.len,
                      sizeof(gm_replay_event));
@@ -52,54 +121,15 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "n_slots is too large: %zu slots of %zu bytes", n_slots, sizeof(uintptr_t));
         goto done;
     }
-    n = (size_t)ev.len / sizeof(gm_replay_event);
-    /* One copy, then every check reads the copy: nothing can change it. */
-    events = PyMem_Malloc(n ? (size_t)ev.len : 1);
-    if (events == NULL) {
+    events = copy_events(&ev, n_slots, &n);
+    PyBuffer_Release(&ev);
+    if (events == NULL || !(slots = get_slots(slots_o, n_slots, &sl, &own_slots))) goto done;
+    if (timing && !(op_ns = PyMem_Calloc(n ? n : 1, sizeof *op_ns))) {
         PyErr_NoMemory();
         goto done;
     }
-    memcpy(events, ev.buf, (size_t)ev.len);
-    PyBuffer_Release(&ev);
-    for (size_t i = 0; i < n; i++) {
-        if (events[i].op != GM_R_ALLOC && events[i].op != GM_R_FREE) {
-            PyErr_Format(PyExc_ValueError, "events[%zu]: unknown op %u", i, (unsigned)events[i].op);
-            goto done;
-        }
-        if (events[i].slot >= n_slots) {
-            PyErr_Format(PyExc_ValueError, "events[%zu]: slot %u is not below n_slots=%zu", i, (unsigned)events[i].slot,
-                         n_slots);
-            goto done;
-        }
-    }
-
-    uintptr_t *slots;
-    if (slots_o != Py_None) {
-        if (PyObject_GetBuffer(slots_o, &sl, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
-        if ((size_t)sl.len != n_slots * sizeof(uintptr_t) || (uintptr_t)sl.buf % _Alignof(uintptr_t) != 0) {
-            PyErr_Format(PyExc_ValueError, "slots must be an aligned writable buffer of n_slots*%zu = %zu bytes",
-                         sizeof(uintptr_t), n_slots * sizeof(uintptr_t));
-            goto done;
-        }
-        slots = sl.buf;
-    } else {
-        own_slots = PyMem_Calloc(n_slots ? n_slots : 1, sizeof *own_slots);
-        if (own_slots == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        slots = own_slots;
-    }
-    if (timing) {
-        op_ns = PyMem_Calloc(n ? n : 1, sizeof *op_ns);
-        if (op_ns == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
     /* The last Python call was the slots export: now the heap. */
     if (gm_py_ready(self, GM_PY_OPEN) < 0) goto done;
-
     gm_replay_result res;
     memset(&res, 0, sizeof res);
     int rc;
@@ -107,36 +137,10 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
     ENTER_CORE(self);
     rc = gm_replay(self->heap, events, n, slots, op_ns, stop, &res);
     LEAVE_CORE(self);
-    if (rc != GM_OK && rc != res.error) {
+    if (rc != GM_OK && rc != res.error)
         gm_py_raise(self, rc, "replay");
-        goto done;
-    }
-    size_t ran = res.events <= n ? (size_t)res.events : n;
-
-    result = PyDict_New();
-    if (result == NULL) goto done;
-    if (gm_py_put_u64(result, "allocs", res.allocs) < 0 || gm_py_put_u64(result, "frees", res.frees) < 0 ||
-        gm_py_put_u64(result, "ooms", res.ooms) < 0 ||
-        gm_py_put_u64(result, "peak_live_bytes", res.peak_live_bytes) < 0 ||
-        gm_py_put_u64(result, "peak_reserved_bytes", res.peak_reserved_bytes) < 0 ||
-        gm_py_put_i64(result, "first_oom_event",
-                      res.first_oom_event == UINT64_MAX ? -1 : (int64_t)res.first_oom_event) < 0 ||
-        gm_py_put_u64(result, "peak_event", res.peak_event) < 0 || gm_py_put_i64(result, "error", res.error) < 0 ||
-        gm_py_put(result, "error_name", PyUnicode_FromString(gm_py_code_name(res.error))) < 0) {
-        Py_CLEAR(result);
-        goto done;
-    }
-    if (timing) {
-        PyObject *array_mod = PyImport_ImportModule("array");
-        PyObject *arr = NULL;
-        if (array_mod != NULL) {
-            PyObject *raw = PyBytes_FromStringAndSize((const char *)op_ns, (Py_ssize_t)(ran * sizeof *op_ns));
-            if (raw != NULL) arr = PyObject_CallMethod(array_mod, "array", "sO", "Q", raw);
-            Py_XDECREF(raw);
-            Py_DECREF(array_mod);
-        }
-        if (gm_py_put(result, "op_ns", arr) < 0) Py_CLEAR(result);
-    }
+    else
+        result = result_dict(&res, op_ns, res.events <= n ? (size_t)res.events : n);
 done:
     if (sl.obj) PyBuffer_Release(&sl);
     if (ev.obj) PyBuffer_Release(&ev);

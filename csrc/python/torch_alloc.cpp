@@ -32,12 +32,13 @@
  * torch is the standard library ABI (_GLIBCXX_USE_CXX11_ABI); gpumem.torch
  * compares it with torch's before setting them.
  *
- * Locks, and fork(): the boundary's own locks are, in the order they may nest,
- *   slot.mu (one device's; never two at once)  ->  g_opts_mu,
- *   slot.pool_mu (never nested with another boundary lock),
- * and each may be held while calling into the core (heap creation takes the
- * core's registry lock, caps and reports the heap's lock); the core never calls
- * back out while it holds a lock of its own.  None is held while calling
+ * The heaps themselves, one per device, their options and caps, are the
+ * process-wide heap registry's (heap_registry.h), shared with CuPy and Numba.
+ *
+ * Locks, and fork(): the boundary's own lock is slot.pool_mu, one per device,
+ * never nested with another lock of the boundary or of the heap registry; it
+ * may be held while calling into the core (which never calls back out while it
+ * holds a lock of its own).  None is held while calling
  * anything that may wait for the GIL: route() calls the pools' stream filters
  * (which may be Python callables) on a copy of the list, outside pool_mu (and
  * pool_end, with the GIL released, waits for the calls in flight, so that a
@@ -46,8 +47,7 @@
  * context hook, the OOM formatter and the Python exception are all reached
  * with no lock held.  That is what lets fork() take them all: fork_lock_all
  * (handed to the core's one pthread_atfork registration, core/fork.c) takes
- * every slot.mu in device order, g_opts_mu, every pool_mu, before the core
- * takes its own, and a forked child (a DataLoader worker) gets them back
+ * every pool_mu before the core takes its own, and a forked child (a DataLoader worker) gets them back
  * released instead of held by a thread that does not exist there.
  */
 #include <Python.h>
@@ -73,8 +73,7 @@
 #include <vector>
 
 #include "common.h"
-#include "gpumem/cuda.h"
-#include "gpumem/sim.h"
+#include "heap_registry.h"
 #include "torch_alloc.h"
 
 /* ---- the exception torch re-raises as a Python exception ------------------- */
@@ -126,7 +125,7 @@ typedef CUstream_st *gm_cuda_stream_t;
 typedef std::pair<unsigned long long, unsigned long long> gm_torch_mempool_id;
 typedef std::function<bool(gm_cuda_stream_t)> gm_torch_filter;
 
-/* ---- the registry ----------------------------------------------------------- */
+/* ---- torch's state of each device ------------------------------------------- */
 
 namespace {
 
@@ -144,13 +143,8 @@ struct active_list : std::vector<active_pool> {
     mutable std::atomic<long> routing{0};
 };
 
+/* torch's state of one device (its heap is the heap registry's). */
 struct slot {
-    std::atomic<gm_heap *> heap{nullptr};
-    std::mutex mu;          /* creation, and device calls made outside the heap */
-    double fraction = -1.0; /* from set_per_process_memory_fraction; < 0: none */
-    /* Effective cap: a request above it fails at once, before the core would
-     * grow the heap to the cap trying. */
-    std::atomic<size_t> limit{SIZE_MAX};
     /* Pools being allocated to, in the order begun.  pool_mu guards the
      * pointer only: a list once published is never changed (begin and end
      * publish a new one), so route() copies the pointer and runs the filters
@@ -166,10 +160,8 @@ struct slot {
     std::vector<std::shared_ptr<const active_list>> retired;
 };
 
-slot g_slots[GM_TORCH_MAX_DEVICES];
-std::mutex g_opts_mu;
-gm_torch_options g_opts;
-bool g_opts_ready = false;
+slot g_slots[GM_HEAP_REGISTRY_MAX_DEVICES];
+std::atomic<int> g_oom_mode{GM_TORCH_OOM_TORCH};
 std::atomic<int> g_device_count{-1};
 std::atomic<gm_torch_context_fn> g_context_fn{nullptr};
 std::atomic<gm_torch_oom_formatter> g_formatter{nullptr};
@@ -181,15 +173,11 @@ std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cac
 
 /* fork(): every boundary lock, in the order of the comment at the top. */
 void fork_lock_all() {
-    for (slot &s : g_slots) s.mu.lock();
-    g_opts_mu.lock();
     for (slot &s : g_slots) s.pool_mu.lock();
 }
 
 void fork_unlock_all() {
     for (slot &s : g_slots) s.pool_mu.unlock();
-    g_opts_mu.unlock();
-    for (slot &s : g_slots) s.mu.unlock();
 }
 
 /* A forked child has only the forking thread: route() calls of the others
@@ -210,90 +198,9 @@ struct fork_registration {
     }
 } g_fork_registration;
 
-gm_torch_options options_snapshot() {
-    std::lock_guard<std::mutex> g(g_opts_mu);
-    if (!g_opts_ready) {
-        gm_torch_options_default(&g_opts);
-        g_opts_ready = true;
-    }
-    return g_opts;
-}
-
-void refresh_limit(slot &s, gm_heap *h) {
-    gm_oom_info info;
-    gm_memory_report(h, 0, &info);
-    s.limit.store(info.cap_bytes ? info.cap_bytes : SIZE_MAX, std::memory_order_relaxed);
-}
-
-size_t device_total(gm_heap *h) {
-    gm_oom_info info;
-    gm_memory_report(h, 0, &info);
-    return info.device_total;
-}
-
-/* The cap a heap should have: an explicit set_per_process_memory_fraction wins
- * over the install options. */
-size_t wanted_cap(gm_heap *h, const gm_torch_options &o, double fraction) {
-    if (fraction >= 0) { /* a fraction of 0 allows nothing, as under torch's allocator (a cap of 0 is none) */
-        size_t f = fraction >= 1.0 ? 0 : (size_t)(fraction * (double)device_total(h));
-        return fraction < 1.0 && f == 0 ? 1 : f;
-    }
-    size_t cap = o.cap_bytes;
-    if (o.cap_fraction > 0 && o.cap_fraction < 1.0) {
-        size_t f = (size_t)(o.cap_fraction * (double)device_total(h));
-        if (!cap || f < cap) cap = f;
-    }
-    return cap;
-}
-
-bool valid_device(int device) { return device >= 0 && device < GM_TORCH_MAX_DEVICES; }
-
-/* sim_capacity > 0 puts a simulated device behind the slot instead of CUDA. */
-gm_heap *open_heap(int device, std::string *why, size_t sim_capacity = 0) {
-    slot &s = g_slots[device];
-    std::lock_guard<std::mutex> g(s.mu);
-    gm_heap *h = s.heap.load(std::memory_order_acquire);
-    if (h) {
-        if (sim_capacity) {
-            *why = "device " + std::to_string(device) + " already has a heap";
-            return nullptr;
-        }
-        return h;
-    }
-    gm_torch_options o = options_snapshot();
-    char err[256] = "";
-    gm_device *dev =
-        sim_capacity ? gm_sim_create(sim_capacity, o.page_size) : gm_cuda_create(device, o.page_size, err, sizeof err);
-    if (!dev) {
-        *why = std::string("gpumem cannot open ") + (sim_capacity ? "a simulated" : "CUDA") + " device " +
-               std::to_string(device) + ": " + err;
-        return nullptr;
-    }
-    gm_config cfg;
-    gm_config_default(&cfg);
-    cfg.va_size = o.va_size;
-    if (o.growth_slack >= 0) cfg.growth_slack = o.growth_slack;
-    if (o.growth_slack_pages >= 0) cfg.growth_slack_pages = (size_t)o.growth_slack_pages;
-    if (o.chunk_pages) cfg.chunk_pages = o.chunk_pages;
-    if (o.pressure >= 0) cfg.pressure = o.pressure;
-    int rc = gm_heap_create(dev, &cfg, &h);
-    if (rc != GM_OK) {
-        *why = std::string("gpumem cannot create a heap on CUDA device ") + std::to_string(device) + ": " +
-               gm_strerror(rc);
-        return nullptr;
-    }
-    size_t cap = wanted_cap(h, o, s.fraction);
-    if (cap) gm_set_cap(h, cap);
-    if (o.history_entries) gm_history_enable(h, o.history_entries);
-    refresh_limit(s, h);
-    s.heap.store(h, std::memory_order_release);
-    return h;
-}
-
 [[noreturn]] void throw_oom(const std::string &msg) {
     c_ooms.fetch_add(1, std::memory_order_relaxed);
-    gm_torch_options o = options_snapshot();
-    if (o.oom_mode == GM_TORCH_OOM_TORCH && Py_IsInitialized()) {
+    if (g_oom_mode.load(std::memory_order_relaxed) == GM_TORCH_OOM_TORCH && Py_IsInitialized()) {
         python_error e;
         PyGILState_STATE st = PyGILState_Ensure();
         if (g_oom_class) {
@@ -379,12 +286,12 @@ void wait_routes(const std::vector<std::shared_ptr<const active_list>> &lists) {
 }
 
 gm_heap *heap_or_throw(int device) {
-    if (!valid_device(device))
+    if (!gm_heap_registry_valid(device))
         throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) + " is out of range");
-    gm_heap *h = g_slots[device].heap.load(std::memory_order_acquire);
+    gm_heap *h = gm_heap_registry_get(device);
     if (!h) {
-        std::string why;
-        if (!(h = open_heap(device, &why))) throw std::runtime_error(why);
+        char why[512] = "";
+        if (!(h = gm_heap_registry_open(device, why, sizeof why))) throw std::runtime_error(why);
     }
     return h;
 }
@@ -413,7 +320,7 @@ void pool_begin(int device, gm_pool_id id, gm_torch_filter filter) {
 }
 
 bool pool_end(int device, gm_pool_id id) {
-    gm_heap *h = valid_device(device) ? gm_torch_heap(device) : nullptr;
+    gm_heap *h = gm_heap_registry_get(device);
     if (!h) return false;
     slot &s = g_slots[device];
     bool found = false;
@@ -439,7 +346,7 @@ bool pool_end(int device, gm_pool_id id) {
 }
 
 int pool_release(int device, gm_pool_id id) {
-    gm_heap *h = valid_device(device) ? gm_torch_heap(device) : nullptr;
+    gm_heap *h = gm_heap_registry_get(device);
     return h ? gm_pool_release(h, id) : GM_EINVAL;
 }
 
@@ -561,85 +468,11 @@ void report_to_profiler(gm_heap *h, int device, void *ptr, int64_t delta) {
 
 } // namespace
 
-/* ---- options, registry access ----------------------------------------------- */
+/* ---- torch's settings ----------------------------------------------------------- */
 
-extern "C" void gm_torch_options_default(gm_torch_options *o) {
-    std::memset(o, 0, sizeof *o);
-    o->growth_slack = -1.0;
-    o->growth_slack_pages = -1;
-    o->pressure = -1.0;
-    o->oom_mode = GM_TORCH_OOM_TORCH;
-}
+extern "C" void gm_torch_set_oom_mode(int mode) { g_oom_mode.store(mode); }
 
-extern "C" int gm_torch_configure(const gm_torch_options *o) {
-    if (!o || o->cap_fraction < 0 || o->cap_fraction > 1.0 || o->growth_slack > 100 || o->pressure > 1.0 ||
-        o->chunk_pages > GM_CHUNK_PAGES_MAX || (o->page_size & (o->page_size - 1)) ||
-        (o->oom_mode != GM_TORCH_OOM_TORCH && o->oom_mode != GM_TORCH_OOM_RUNTIME) ||
-        o->history_entries > ((size_t)1 << 32))
-        return GM_EINVAL;
-    {
-        std::lock_guard<std::mutex> g(g_opts_mu);
-        g_opts = *o;
-        g_opts_ready = true;
-    }
-    for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
-        gm_heap *h = g_slots[d].heap.load(std::memory_order_acquire);
-        if (!h) continue;
-        double fraction;
-        {
-            std::lock_guard<std::mutex> g(g_slots[d].mu);
-            fraction = g_slots[d].fraction;
-        }
-        gm_set_cap(h, wanted_cap(h, *o, fraction));
-        refresh_limit(g_slots[d], h);
-    }
-    return GM_OK;
-}
-
-extern "C" void gm_torch_get_options(gm_torch_options *o) { *o = options_snapshot(); }
-
-extern "C" gm_heap *gm_torch_heap(int device) {
-    if (!valid_device(device)) return nullptr;
-    return g_slots[device].heap.load(std::memory_order_acquire);
-}
-
-extern "C" int gm_torch_open(int device, char *err, size_t errlen) {
-    if (!valid_device(device)) {
-        snprintf(err, errlen, "device index %d out of range [0, %d)", device, GM_TORCH_MAX_DEVICES);
-        return GM_EINVAL;
-    }
-    std::string why;
-    if (open_heap(device, &why)) return GM_OK;
-    snprintf(err, errlen, "%s", why.c_str());
-    return GM_EDEVICE;
-}
-
-extern "C" int gm_torch_open_sim(int device, size_t capacity, char *err, size_t errlen) {
-    if (!valid_device(device) || !capacity) {
-        snprintf(err, errlen, "bad device %d or capacity %zu", device, capacity);
-        return GM_EINVAL;
-    }
-    std::string why;
-    if (open_heap(device, &why, capacity)) return GM_OK;
-    snprintf(err, errlen, "%s", why.c_str());
-    return GM_EINVAL;
-}
-
-extern "C" int gm_torch_set_cap(int device, size_t cap_bytes) {
-    gm_heap *h = gm_torch_heap(device);
-    if (!h) return GM_EINVAL;
-    int rc = gm_set_cap(h, cap_bytes);
-    refresh_limit(g_slots[device], h);
-    return rc;
-}
-
-extern "C" int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, size_t *n) {
-    gm_heap *h = gm_torch_heap(device);
-    if (!h) return GM_EINVAL;
-    gm_device *dev = gm_heap_device(h);
-    std::lock_guard<std::mutex> g(g_slots[device].mu);
-    return dev->ops->processes(dev, out, cap, n);
-}
+extern "C" int gm_torch_get_oom_mode(void) { return g_oom_mode.load(); }
 
 extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
 
@@ -670,20 +503,13 @@ extern "C" void gm_torch_get_counters(gm_torch_counters *c) {
 
 extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *buf, size_t len) {
     if (!len) return 0;
-    gm_heap *h = gm_torch_heap(device);
+    gm_heap *h = gm_heap_registry_get(device);
     gm_proc_usage procs[64] = {};
     long n_procs = -1;
-    char proc_err[256] = "";
-    if (h) {
-        gm_device *dev = gm_heap_device(h);
-        std::lock_guard<std::mutex> g(g_slots[device].mu);
-        size_t n = 0;
-        if (dev->ops->processes(dev, procs, 64, &n) == GM_OK)
-            n_procs = (long)(n < 64 ? n : 64);
-        else
-            snprintf(proc_err, sizeof proc_err, "%s", dev->last_error);
-    }
-
+    size_t n = 0;
+    if (h && gm_heap_registry_processes(device, procs, 64, &n) == GM_OK) n_procs = (long)(n < 64 ? n : 64);
+    /* gpumem.torch's formatter (torch_viz.c) writes the whole message, the
+     * explanation after these first sentences; without it, they alone. */
     gm_torch_oom_formatter f = g_formatter.load();
     if (f) {
         long w = f(o, device, procs, n_procs, buf, len);
@@ -692,33 +518,7 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
             return (size_t)w < len ? (size_t)w : len - 1;
         }
     }
-
-    /* Other processes: everything NVML lists but this one. */
-    std::string others;
-    if (n_procs < 0) {
-        others = std::string("unknown (") + (proc_err[0] ? proc_err : "no process list") + ")";
-    } else {
-        uint64_t sum = 0;
-        std::string list;
-        int shown = 0;
-        uint32_t self = (uint32_t)getpid();
-        for (long i = 0; i < n_procs; i++) {
-            if (procs[i].pid == self) continue;
-            sum += procs[i].bytes;
-            if (shown < 4) {
-                char one[64], b[32];
-                gm_fmt_bytes(b, sizeof b, procs[i].bytes);
-                snprintf(one, sizeof one, "%spid %u: %s", shown ? ", " : "", procs[i].pid, b);
-                list += one;
-                shown++;
-            }
-        }
-        char s[32];
-        gm_fmt_bytes(s, sizeof s, sum);
-        others = s;
-        if (!list.empty()) others += " (" + list + ")";
-    }
-    return gm_oom_line(buf, len, o, device, others.c_str(), h ? gm_heap_device(h)->last_error : nullptr);
+    return gm_oom_line(buf, len, o, device, procs, n_procs, h ? gm_heap_device(h)->last_error : nullptr);
 }
 
 /* ---- the entry points torch calls ---------------------------------------------- */
@@ -733,7 +533,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     event_context_scope events(ctx);
     uintptr_t p = 0;
     if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
-    if (size > g_slots[device].limit.load(std::memory_order_relaxed)) {
+    if (size > gm_heap_registry_limit(device)) {
         gm_oom_info info;
         gm_memory_report(h, size, &info);
         std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
@@ -783,7 +583,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
  * so a pointer no heap knows is counted and reported once on stderr. */
 extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stream) {
     (void)stream;
-    gm_heap *h = gm_torch_heap(device);
+    gm_heap *h = gm_heap_registry_get(device);
     event_context_scope events(caller_context());
     int rc = h ? gm_free(h, (uintptr_t)ptr) : GM_EUNKNOWN_PTR;
     if (rc == GM_OK) report_to_profiler(h, device, ptr, -(int64_t)size);
@@ -797,33 +597,19 @@ extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stre
 extern "C" void gpumem_torch_empty_cache(void) {
     c_empty_cache.fetch_add(1, std::memory_order_relaxed);
     event_context_scope events(caller_context());
-    for (int d = 0; d < GM_TORCH_MAX_DEVICES; d++) {
-        gm_heap *h = gm_torch_heap(d);
-        /* Unmapping during a capture would invalidate it: skipped then. */
-        if (h && !gm_capturing(h)) gm_empty_cache(h);
-    }
+    gm_heap_registry_empty_cache(); /* skips heaps capturing a graph */
 }
 
 extern "C" void gpumem_torch_memory_fraction(double fraction, int device) {
     c_fraction.fetch_add(1, std::memory_order_relaxed);
-    if (!valid_device(device)) return;
-    gm_heap *h;
-    {
-        std::lock_guard<std::mutex> g(g_slots[device].mu);
-        g_slots[device].fraction = fraction;
-        h = g_slots[device].heap.load(std::memory_order_acquire);
-    }
-    if (h) {
-        gm_set_cap(h, wanted_cap(h, options_snapshot(), fraction));
-        refresh_limit(g_slots[device], h);
-    }
+    gm_heap_registry_set_fraction(device, fraction);
 }
 
 extern "C" void gpumem_torch_record_stream(void *ptr, void *stream) {
     c_record_stream.fetch_add(1, std::memory_order_relaxed);
     int rc = GM_EUNKNOWN_PTR;
-    for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
-        gm_heap *h = gm_torch_heap(d);
+    for (int d = 0; d < GM_HEAP_REGISTRY_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
+        gm_heap *h = gm_heap_registry_get(d);
         if (h) rc = gm_record_stream(h, (uintptr_t)ptr, (gm_stream)(uintptr_t)stream);
     }
     if (rc != GM_OK) {
@@ -895,7 +681,7 @@ extern "C" int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t seco
     try {
         pool_begin(device, gm_pool_id{first, second}, std::move(f));
     } catch (const std::exception &) {
-        return valid_device(device) && gm_torch_heap(device) ? GM_EINVAL : GM_EDEVICE;
+        return gm_heap_registry_get(device) ? GM_EINVAL : GM_EDEVICE;
     }
     return GM_OK;
 }
@@ -911,8 +697,8 @@ extern "C" int gpumem_torch_pool_release(int device, uint64_t first, uint64_t se
 extern "C" void gpumem_torch_raw_delete(void *ptr) {
     event_context_scope events(caller_context());
     int rc = GM_EUNKNOWN_PTR;
-    for (int d = 0; d < GM_TORCH_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
-        gm_heap *h = gm_torch_heap(d);
+    for (int d = 0; d < GM_HEAP_REGISTRY_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) {
+        gm_heap *h = gm_heap_registry_get(d);
         if (h) rc = gm_free(h, (uintptr_t)ptr);
     }
     if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
@@ -923,7 +709,7 @@ extern "C" void gpumem_torch_raw_delete(void *ptr) {
 }
 
 extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap) {
-    if (!valid_device(device)) return 0;
+    if (!gm_heap_registry_valid(device)) return 0;
     slot &s = g_slots[device];
     std::lock_guard<std::mutex> g(s.pool_mu);
     if (!s.active) return 0;
@@ -936,20 +722,25 @@ extern "C" int gm_torch_cxx11_abi(void) { return _GLIBCXX_USE_CXX11_ABI; }
 /* ---- test hook ------------------------------------------------------------------ */
 
 extern "C" int gm_torch_test_hold_lock(int which, int device, double seconds) {
-    if (!valid_device(device) || !(seconds >= 0 && seconds <= 60)) return GM_EINVAL;
-    std::mutex *mu = which == GM_TORCH_TEST_LOCK_SLOT      ? &g_slots[device].mu
-                     : which == GM_TORCH_TEST_LOCK_OPTIONS ? &g_opts_mu
-                     : which == GM_TORCH_TEST_LOCK_POOLS   ? &g_slots[device].pool_mu
-                                                           : nullptr;
-    if (!mu) return GM_EINVAL;
+    if (!gm_heap_registry_valid(device) || !(seconds >= 0 && seconds <= 60)) return GM_EINVAL;
+    std::function<void(bool)> lock; /* take (true) or release (false) the lock */
+    if (which == GM_TORCH_TEST_LOCK_SLOT || which == GM_TORCH_TEST_LOCK_OPTIONS) {
+        int reg = which == GM_TORCH_TEST_LOCK_SLOT ? GM_HEAP_REGISTRY_LOCK_SLOT : GM_HEAP_REGISTRY_LOCK_OPTIONS;
+        lock = [reg, device](bool take) { gm_heap_registry_test_lock(reg, device, take); };
+    } else if (which == GM_TORCH_TEST_LOCK_POOLS) {
+        std::mutex *mu = &g_slots[device].pool_mu;
+        lock = [mu](bool take) { take ? mu->lock() : mu->unlock(); };
+    } else {
+        return GM_EINVAL;
+    }
     std::promise<void> held;
     std::future<void> taken = held.get_future();
     try {
-        std::thread([mu, seconds, held = std::move(held)]() mutable {
-            mu->lock();
+        std::thread([lock, seconds, held = std::move(held)]() mutable {
+            lock(true);
             held.set_value();
             std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-            mu->unlock();
+            lock(false);
         }).detach();
     } catch (const std::exception &) {
         return GM_ENOMEM;

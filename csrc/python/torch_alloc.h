@@ -1,12 +1,9 @@
 /*
- * torch_alloc.h -- gpumem as PyTorch's CUDA allocator: the registry of one heap
- * per device that the exported entry points (torch_alloc.cpp) serve, and what
- * the Python glue (torch_glue.c) may read from it.
- *
- * Heaps are created on the first allocation torch makes on a device and live
- * until the process ends: torch cannot hand its allocator back once CUDA is
- * up, so nothing would ever be allowed to destroy them safely.  That is also
- * what lets readers use a heap pointer without holding a lock.
+ * torch_alloc.h -- gpumem as PyTorch's CUDA allocator: the exported entry
+ * points (torch_alloc.cpp) and what the Python glue (torch_glue.c, torch_viz.c)
+ * sets and reads of them.  The heaps they serve are the process-wide heap
+ * registry's (heap_registry.h): created on the first allocation torch makes on
+ * a device, they live until the process ends.
  */
 #ifndef GPUMEM_TORCH_ALLOC_H
 #define GPUMEM_TORCH_ALLOC_H
@@ -20,44 +17,15 @@
 extern "C" {
 #endif
 
-#define GM_TORCH_MAX_DEVICES 64
-
 enum gm_torch_oom_mode {
     GM_TORCH_OOM_TORCH = 0,  /* raise the configured Python class (torch.OutOfMemoryError) */
     GM_TORCH_OOM_RUNTIME = 1 /* throw std::runtime_error: Python sees RuntimeError */
 };
 
-/* Options for heaps created from now on (cap_* also apply to existing heaps). */
-typedef struct gm_torch_options {
-    size_t va_size;          /* 0: the core's default */
-    size_t cap_bytes;        /* 0: none (unless cap_fraction) */
-    double cap_fraction;     /* 0: none; else a fraction of device total */
-    double growth_slack;     /* < 0: the core's default */
-    long growth_slack_pages; /* < 0: the core's default */
-    size_t chunk_pages;      /* 0: the core's default (gm_config.chunk_pages) */
-    double pressure;         /* < 0: the core's default (gm_config.pressure) */
-    size_t page_size;        /* 0: the device's granularity; else a power of two, a multiple of it */
-    size_t history_entries;  /* 0: history off */
-    int oom_mode;            /* gm_torch_oom_mode */
-} gm_torch_options;
+/* How an out-of-memory failure is thrown (gm_torch_oom_mode). */
+void gm_torch_set_oom_mode(int mode);
+int gm_torch_get_oom_mode(void);
 
-void gm_torch_options_default(gm_torch_options *o);
-/* Replace the options; applies caps to heaps that exist (history_entries only
- * to heaps created later: gm_history_enable per heap for the others).
- * GM_EINVAL on nonsense. */
-int gm_torch_configure(const gm_torch_options *o);
-void gm_torch_get_options(gm_torch_options *o);
-
-/* The heap of a device, or NULL while torch has not allocated there. */
-gm_heap *gm_torch_heap(int device);
-/* Create the heap of a device now.  GM_OK, or an error with a reason in err. */
-int gm_torch_open(int device, char *err, size_t errlen);
-/* Serve `device` with a heap over the simulated device (capacity bytes, 2 MiB
- * pages) instead of CUDA: the whole torch path, pools included, on a machine
- * with no GPU (tests).  GM_EINVAL when the device already has a heap. */
-int gm_torch_open_sim(int device, size_t capacity, char *err, size_t errlen);
-/* Cap the heap of a device (0: none); GM_EINVAL if it has none yet. */
-int gm_torch_set_cap(int device, size_t cap_bytes);
 /* Device count torch reported through the init hook (-1 before). */
 int gm_torch_device_count(void);
 
@@ -74,11 +42,6 @@ void gm_torch_set_oom_observer(void *py_callable);
 /* Room for the out-of-memory message: an explained one (a formatter) runs to a
  * few KiB, with a table, causes and advice. */
 #define GM_TORCH_OOM_MSG_MAX 16384
-
-/* The processes holding memory on `device` (this one included), as the
- * device's processes() call gives them, serialized with the other device
- * calls gpumem makes outside the heap.  GM_EINVAL without a heap there. */
-int gm_torch_processes(int device, gm_proc_usage *out, size_t cap, size_t *n);
 
 /* The out-of-memory message for `device` (starts "CUDA out of memory.").
  * The one place it is built; a formatter hook, when set, may replace it. */

@@ -3,12 +3,11 @@
  * into the torch allocation path (torch_alloc.cpp).
  *
  * Two C hooks torch_alloc.cpp calls by address, and the Python functions that
- * hand those addresses out and read what the adapter in gpumem/_resolve.py
- * needs beyond torch_glue.c:
+ * hand those addresses out:
  *
- *   gm_py_torch_oom_formatter  words torch's OutOfMemoryError with the report
- *       of gpumem.explain (the core's one line first, then the table, causes
- *       and advice), falling back to that one line on any failure.
+ *   gm_py_torch_oom_formatter  words torch's OutOfMemoryError: the message
+ *       gm_py_oom_message (oom_glue.c) makes, torch's first sentences then
+ *       gpumem.explain's table, causes and advice.
  *   context hook                gm_py_capture_context_reacquire (history_glue.c), taken
  *       for allocations, and for frees and empty_cache with _torch_set_event_stacks
  *
@@ -24,6 +23,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "heap_registry.h"
 #include "history_glue.h"
 #include "oom_glue.h"
 #include "torch_alloc.h"
@@ -36,23 +36,7 @@ __attribute__((visibility("default")))
 long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_proc_usage *procs,
                                long n_procs, char *buf, size_t buflen);
 
-/* Set while this thread builds the fallback text: gm_torch_format_oom calls
- * the formatter, which must then let it write its own message. */
-static _Thread_local int formatting;
-
 static const char TRUNCATED[] = "\n[report truncated: gpumem.last_oom() returns all of it]";
-
-static PyObject *procs_list(const gm_proc_usage *p, size_t n) {
-    PyObject *l = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; l != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(kK)", (unsigned long)p[i].pid, (unsigned long long)p[i].bytes);
-        if (t == NULL)
-            Py_CLEAR(l);
-        else
-            PyList_SET_ITEM(l, (Py_ssize_t)i, t);
-    }
-    return l;
-}
 
 /* Copy `text` into buf; a report too long for it is cut at a line end and says so. */
 static size_t copy_text(const char *text, size_t len, char *buf, size_t buflen) {
@@ -73,57 +57,34 @@ static size_t copy_text(const char *text, size_t len, char *buf, size_t buflen) 
     return cut + tail;
 }
 
-/* Returns the length written, or (size_t)-1 to keep the fallback in buf. */
-static size_t render(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs, char *buf,
-                     size_t buflen, size_t flen) {
-    size_t out = (size_t)-1;
-    PyObject *args = NULL, *text = NULL;
-    /* The formatter every OOM goes through (oom_glue.c; gpumem.explain's),
-     * given the device, so that nothing here names a layer above. */
-    PyObject *renderer = gm_py_oom_formatter();
-    if (renderer == NULL) return out;
-    PyObject *fallback = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)flen, "replace");
-    PyObject *pl = n_procs < 0 ? (Py_INCREF(Py_None), Py_None) : procs_list(procs, (size_t)n_procs);
-    PyObject *di = gm_py_oom_dict(info);
-    if (!fallback || !pl || !di) goto done;
-    args = Py_BuildValue("(iOOO)", device, di, fallback, pl);
-    if (!args) goto done;
-    text = PyObject_Call(renderer, args, NULL);
-    if (text && PyUnicode_Check(text)) {
-        Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(text, &n);
-        if (s) out = copy_text(s, (size_t)n, buf, buflen);
-    }
-done:
-    if (PyErr_Occurred()) {
-        /* gpumem.explain.format_oom catches its own failures; reaching here
-         * means Python itself failed (no memory, a broken install).  Say so on
-         * stderr once per failure, the exception still carries the core's text. */
-        PyErr_WriteUnraisable(NULL);
-    }
-    Py_XDECREF(text);
-    Py_XDECREF(args);
-    Py_DECREF(renderer);
-    Py_XDECREF(di);
-    Py_XDECREF(pl);
-    Py_XDECREF(fallback);
-    return out;
-}
-
 long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_proc_usage *procs, long n_procs, char *buf,
                                size_t buflen) {
-    if (formatting || !info || !buf || buflen < 2) return -1;
-    formatting = 1;
-    size_t flen = gm_torch_format_oom(device, info, buf, buflen);
-    formatting = 0;
-    if (!Py_IsInitialized() || gm_py_finalizing()) return (long)flen;
+    if (!info || !buf || buflen < 2) return -1;
+    gm_heap *h = gm_heap_registry_get(device);
+    const char *failed = h ? gm_heap_device(h)->last_error : NULL;
+    if (!Py_IsInitialized() || gm_py_finalizing()) /* no thread may take the GIL: the first sentences alone */
+        return (long)gm_oom_line(buf, buflen, info, device, procs, n_procs, failed);
     PyGILState_STATE st = PyGILState_Ensure();
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
-    size_t n = render(info, device, procs, n_procs, buf, buflen, flen);
+    PyObject *dev = PyLong_FromLong(device);
+    PyObject *text = dev ? gm_py_oom_message(dev, info, device, procs, n_procs, failed, NULL) : NULL;
+    Py_ssize_t n = 0;
+    const char *s = text ? PyUnicode_AsUTF8AndSize(text, &n) : NULL;
+    size_t out;
+    if (s) {
+        out = copy_text(s, (size_t)n, buf, buflen);
+    } else {
+        /* Python itself failed (no memory, a broken install): say so on stderr,
+         * the exception still carries the first sentences. */
+        PyErr_WriteUnraisable(NULL);
+        out = gm_oom_line(buf, buflen, info, device, procs, n_procs, failed);
+    }
+    Py_XDECREF(text);
+    Py_XDECREF(dev);
     PyErr_Restore(et, ev, tb);
     PyGILState_Release(st);
-    return (long)(n == (size_t)-1 ? flen : n);
+    return (long)out;
 }
 
 /* ---- Python-facing ------------------------------------------------------------------ */
@@ -131,45 +92,6 @@ long gm_py_torch_oom_formatter(const gm_oom_info *info, int device, const gm_pro
 static PyObject *v_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return Py_BuildValue("{s:N,s:N}", "context", gm_py_fn_address((void (*)(void))gm_py_capture_context_reacquire),
                          "oom_formatter", gm_py_fn_address((void (*)(void))gm_py_torch_oom_formatter));
-}
-
-/* _torch_processes(device) -> [(pid, bytes)], or None without NVML or without a heap there. */
-static PyObject *v_processes(PyObject *Py_UNUSED(m), PyObject *a) {
-    int device;
-    if (gm_py_device_index(a, &device) < 0) return NULL;
-    size_t cap = 64, n = 0;
-    for (;;) {
-        gm_proc_usage *p = PyMem_Calloc(cap, sizeof *p);
-        if (!p) return PyErr_NoMemory();
-        int rc;
-        Py_BEGIN_ALLOW_THREADS rc = gm_torch_processes(device, p, cap, &n);
-        Py_END_ALLOW_THREADS if (rc == GM_ENOTSUP || rc == GM_EINVAL) {
-            PyMem_Free(p);
-            Py_RETURN_NONE;
-        }
-        if (rc != GM_OK) {
-            PyMem_Free(p);
-            return PyErr_Format(PyExc_RuntimeError, "gpumem: process list of CUDA device %d: %s (%s)", device,
-                                gm_strerror(rc), gm_heap_device(gm_torch_heap(device))->last_error);
-        }
-        if (n > cap) {
-            PyMem_Free(p);
-            cap = n;
-            continue;
-        }
-        PyObject *l = procs_list(p, n);
-        PyMem_Free(p);
-        return l;
-    }
-}
-
-/* _torch_device_name(device) -> e.g. "cuda:0 (NVIDIA H100 80GB HBM3)", or None without a heap. */
-static PyObject *v_device_name(PyObject *Py_UNUSED(m), PyObject *a) {
-    int device;
-    if (gm_py_device_index(a, &device) < 0) return NULL;
-    gm_heap *h = gm_torch_heap(device);
-    if (!h) Py_RETURN_NONE;
-    return PyUnicode_FromString(gm_heap_device(h)->name);
 }
 
 /* _torch_set_event_stacks(on): frees and empty_cache take their caller's stack for their events. */
@@ -185,14 +107,6 @@ static PyMethodDef viz_methods[] = {
      .ml_meth = v_hooks,
      .ml_flags = METH_NOARGS,
      .ml_doc = "_torch_viz_hooks() -> {'context': address, 'oom_formatter': address} for gpumem.torch's setters"},
-    {.ml_name = "_torch_processes",
-     .ml_meth = v_processes,
-     .ml_flags = METH_O,
-     .ml_doc = "_torch_processes(device) -> [(pid, bytes)] on the device, or None"},
-    {.ml_name = "_torch_device_name",
-     .ml_meth = v_device_name,
-     .ml_flags = METH_O,
-     .ml_doc = "_torch_device_name(device) -> the heap's device name, or None"},
     {.ml_name = "_torch_set_event_stacks",
      .ml_meth = v_set_event_stacks,
      .ml_flags = METH_O,

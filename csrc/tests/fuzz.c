@@ -755,6 +755,9 @@ static void op_pool(world *w, rng_t *r) {
     if (!w->pool_uses[i] || chance(r, 400000)) {
         int rc = gm_pool_retain(w->heap, pool_id(i));
         if (rc != GM_OK) fail("gm_pool_retain(%d) returned %d", i, rc);
+        /* Pool 0 is sometimes a no_split pool (torch's MemPool(no_split=True)). */
+        if (!w->pool_uses[i] && i == 0 && gm_pool_set_no_split(w->heap, pool_id(i), chance(r, 500000)) != GM_OK)
+            fail("gm_pool_set_no_split(%d) failed", i);
         if (!w->pool_uses[i]++) w->pool_gen[i]++;
         return;
     }

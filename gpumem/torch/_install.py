@@ -80,33 +80,12 @@ class OptionError(ValueError):
         super().__init__(f"{where}option {key}={value!r}: {reason}")
 
 
-# GPUMEM_CONF is read whole; a longer one is a mistake (a file's contents, say).
-_MAX_CONF_CHARS = 4096
-
-
 def parse_conf(text):
     """'cap:0.9,growth_slack:0.01' -> {'cap': '0.9', 'growth_slack': '0.01'} (values as strings).
 
-    Raises ValueError naming the item for a malformed item, an unknown option or
-    one given twice."""
-    text = text or ""
-    if len(text) > _MAX_CONF_CHARS:
-        raise ValueError(f"{ENV_VAR}: {len(text)} characters, more than the {_MAX_CONF_CHARS} gpumem reads")
-    out = {}
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition(":")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise ValueError(f"{ENV_VAR}: expected key:value, got {item!r}")
-        if key not in OPTION_NAMES:
-            raise ValueError(f"{ENV_VAR}: unknown option {key!r} in {item!r} (known: {', '.join(OPTION_NAMES)})")
-        if key in out:
-            raise ValueError(f"{ENV_VAR}: option {key} given twice ({key}:{out[key]} and {item})")
-        out[key] = value.strip()
-    return out
+    The core reads the text (core/config.c): ValueError naming the item for a malformed
+    item, an unknown option or one given twice, or a text too long to be meant."""
+    return _C.parse_conf(text or "", OPTION_NAMES, ENV_VAR)
 
 
 _MAX_U64 = (1 << 64) - 1
@@ -159,19 +138,29 @@ def _unitless_number(text):
         return None
 
 
+def _checked(key, given, value):
+    """value, once the core has checked it as option `key`; else OptionError with the core's message."""
+    try:
+        _C.check_option(key, value)
+    except ValueError as e:
+        raise OptionError(key, given, str(e)) from None
+    return value
+
+
 def normalize_options(options):
-    """Turn install()'s options into _torch_configure keyword arguments (raises ValueError)."""
+    """Turn install()'s options into _configure keyword arguments (raises ValueError)."""
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown gpumem option(s) {', '.join(sorted(unknown))} (known: {', '.join(OPTION_NAMES)})")
+    # The heap's own options (va_size .. pressure): None gives the core's default.
     kw = {
         "cap_bytes": 0,
         "cap_fraction": 0.0,
-        "va_size": 0,
-        "growth_slack": -1.0,
-        "growth_slack_pages": -1,
-        "pressure": -1.0,
-        "chunk_pages": 0,
+        "va_size": None,
+        "growth_slack": None,
+        "growth_slack_pages": None,
+        "pressure": None,
+        "chunk_pages": None,
         "page_size": 0,
         "history_entries": 0,
         "oom_mode": "torch",
@@ -201,36 +190,12 @@ def normalize_options(options):
         else:
             kw["cap_bytes"] = _size(cap, "cap")
     if options.get("va_size") is not None:
-        kw["va_size"] = _size(options["va_size"], "va_size")
-    if options.get("growth_slack") is not None:
-        v = _number("growth_slack", options["growth_slack"], float)
-        if not 0.0 <= v <= 100.0:
-            raise OptionError("growth_slack", options["growth_slack"], "growth_slack must lie in [0, 100]")
-        kw["growth_slack"] = v
-    if options.get("growth_slack_pages") is not None:
-        v = _number("growth_slack_pages", options["growth_slack_pages"], int)
-        if not 0 <= v <= _MAX_U64:
-            raise OptionError(
-                "growth_slack_pages", options["growth_slack_pages"], "growth_slack_pages must lie in [0, 2**64-1]"
-            )
-        kw["growth_slack_pages"] = v
-    if options.get("pressure") is not None:
-        v = float(options["pressure"])
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"pressure must lie in [0, 1] (0: always tight), got {options['pressure']!r}")
-        kw["pressure"] = v
-    if options.get("chunk_pages") is not None:
-        v = _number("chunk_pages", options["chunk_pages"], int)
-        if not 1 <= v <= _C.CHUNK_PAGES_MAX:
-            raise OptionError(
-                "chunk_pages", options["chunk_pages"], f"chunk_pages must lie in [1, {_C.CHUNK_PAGES_MAX}]"
-            )
-        kw["chunk_pages"] = v
+        kw["va_size"] = _checked("va_size", options["va_size"], _size(options["va_size"], "va_size"))
+    for key, kind in (("growth_slack", float), ("growth_slack_pages", int), ("pressure", float), ("chunk_pages", int)):
+        if options.get(key) is not None:
+            kw[key] = _checked(key, options[key], _number(key, options[key], kind))
     if options.get("page_size") is not None:
-        v = _size(options["page_size"], "page_size")
-        if v & (v - 1):
-            raise OptionError("page_size", options["page_size"], "page_size must be a power of two")
-        kw["page_size"] = v
+        kw["page_size"] = _checked("page_size", options["page_size"], _size(options["page_size"], "page_size"))
     if options.get("history") is not None:
         v = _number("history", options["history"], int)
         if not 0 <= v <= MAX_HISTORY:
@@ -260,7 +225,7 @@ def _device_list(device, torch):
 
 
 def _prepare(options, what):
-    """(torch, _torch_configure kwargs, merged options), or InstallError."""
+    """(torch, _configure kwargs, merged options), or InstallError."""
     from_env = parse_conf(os.environ.get(ENV_VAR, ""))
     merged = dict(from_env)
     merged.update(options)
@@ -278,6 +243,16 @@ def _prepare(options, what):
     return torch, kw, merged
 
 
+def _configure(kw):
+    """The heap registry's options, then how torch's out-of-memory failures are raised."""
+    kw = dict(kw)
+    oom = {"mode": kw.pop("oom_mode", None)}
+    if "oom_class" in kw:
+        oom["oom_class"] = kw.pop("oom_class")
+    _C.registry_configure(**kw)
+    _C._torch_set_oom(**oom)
+
+
 def _make_allocator(torch, kw, what):
     """torch's CUDAPluggableAllocator over gpumem._C's entry points, every hook set."""
     if not torch.cuda.is_available():
@@ -288,7 +263,7 @@ def _make_allocator(torch, kw, what):
             f"allocator is in use and cannot be replaced. Call gpumem.{what}() before anything touches "
             "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`."
         )
-    _C._torch_configure(**kw)
+    _configure(kw)
     alloc = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
     hooks = alloc.allocator()
     entry = _C._torch_entry_points()
@@ -308,7 +283,7 @@ def _finish(torch, merged, device):
     register_torch_hooks(active=lambda: _state["allocator"] is not None, stack_hook=_viz.set_stack_hook)
     _viz.on_install()  # explained OOM messages, Python stacks (visibility layer)
     for d in _device_list(device, torch):
-        _C._torch_open(d)
+        _C.registry_heap(d)
     return status()
 
 
@@ -331,7 +306,7 @@ def install(device=None, **options):
             ) from e
         _state["allocator"] = alloc
     else:
-        _C._torch_configure(**kw)
+        _configure(kw)
     return _finish(torch, merged, device)
 
 
@@ -408,15 +383,16 @@ def status():
     }
     C = _C
     out["counters"] = C._torch_counters()
-    for d in C._torch_devices():
-        st = C._torch_stats(d)
+    for d in C.registry_devices():
+        heap = C.registry_heap(d)
+        st = heap.stats()
         out["devices"][d] = {
             "allocated_bytes": st["allocated_bytes.all.current"],
             "reserved_bytes": st["reserved_bytes.all.current"],
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
-            "cap_bytes": C._torch_get_cap(d),
+            "cap_bytes": heap.get_cap(),
             "num_remaps": st["num_remaps"],
-            "pools": len(C._torch_pools(d)),
+            "pools": len(heap.pools()),
         }
     return out
 
@@ -434,7 +410,8 @@ def _zero_stats():
 
 def nested_stats(device):
     """torch._C._cuda_memoryStats's shape: {"allocated_bytes": {"all": {"current": ...}}, ...}."""
-    flat = _C._torch_stats(int(device)) or _zero_stats()
+    heap = _C.registry_heap(int(device), open=False)
+    flat = heap.stats() if heap is not None else _zero_stats()
     nested = {}
     for key, value in flat.items():
         parts = key.split(".")
@@ -476,12 +453,12 @@ def _memory_fraction(device):
     cap gpumem was installed with, as a fraction of the device (1.0 without one)."""
     if int(device) in _fractions:
         return _fractions[int(device)]
-    C = _C
-    cap = C._torch_get_cap(int(device))
+    heap = _C.registry_heap(int(device), open=False)
+    cap = heap.get_cap() if heap is not None else 0
     if not cap:
         return 1.0
-    report = C._torch_memory_report(int(device), 0)
-    return min(1.0, cap / report["device_total"]) if report and report["device_total"] else 1.0
+    report = heap.memory_report(0)
+    return min(1.0, cap / report["device_total"]) if report["device_total"] else 1.0
 
 
 def _attach_oom_observer(observer):
@@ -561,7 +538,7 @@ def _raw_delete_fn(original):
 
 def _history_enabled():
     """torch._C._cuda_isHistoryEnabled (cudagraph trees' history recording asks it)."""
-    return _C._torch_options()["history_entries"] > 0
+    return _C.registry_options()["history_entries"] > 0
 
 
 def _patch(torch):
@@ -571,10 +548,14 @@ def _patch(torch):
         return nested_stats(device)
 
     def reset_peak(device):
-        C._torch_reset_peak(int(device))
+        heap = C.registry_heap(int(device), open=False)
+        if heap is not None:
+            heap.reset_peak_stats()
 
     def reset_accumulated(device):
-        C._torch_reset_accumulated(int(device))
+        heap = C.registry_heap(int(device), open=False)
+        if heap is not None:
+            heap.reset_accumulated_stats()
 
     def snapshot(arg=None, *_args, **_kwargs):
         return memory_snapshot_dict(arg)

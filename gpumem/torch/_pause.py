@@ -19,8 +19,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from .. import _C
-from . import _install
+from . import _install, _pools
 
 __all__ = ["PauseResult", "pause", "resume", "paused"]
 
@@ -125,7 +124,7 @@ def pause(pool, backup: bool = False, device=None) -> PauseResult:
     """
     _require_installed()
     pid, dev = _pool_and_device(pool, device)
-    return _result(pid, dev, _C._torch_pool_pause(dev, pid, bool(backup)))
+    return _result(pid, dev, _pools.device_heap(dev).pool_pause(pid, backup=bool(backup)))
 
 
 def resume(pool, device=None) -> PauseResult:
@@ -135,7 +134,7 @@ def resume(pool, device=None) -> PauseResult:
     the memory cannot be had (then the pool stays paused, backup kept)."""
     _require_installed()
     pid, dev = _pool_and_device(pool, device)
-    return _result(pid, dev, _C._torch_pool_resume(dev, pid))
+    return _result(pid, dev, _pools.device_heap(dev).pool_resume(pid))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ What torch expects of an allocator here is written down in docs/torch.md
 - cudagraph trees call torch._C._cuda_getCheckpointState,
   _cuda_setCheckpointPoolState and _cuda_checkPoolLiveAllocations, which a
   pluggable allocator cannot answer; replacements() answers them from the
-  pool's live blocks (gpumem._C._torch_pool_live / _torch_pool_set_live) and the
+  pool's live blocks (Heap.pool_live / pool_set_live of the device's heap) and the
   small torch-header module in _checkpoint.py.
 """
 
@@ -82,8 +82,9 @@ class MemPool:
     memory of tensors that outlive it when they are freed.
 
     allocator: torch's MemPool can take another allocator; under gpumem every
-    pool is gpumem's, so only None is accepted.  use_on_oom / no_split: accepted
-    for compatibility; gpumem never splits across pools and never borrows a
+    pool is gpumem's, so only None is accepted.  no_split: a block of the pool is
+    never split -- a request takes whole pages of its own, or a whole free block
+    of the pool.  use_on_oom: accepted for compatibility; gpumem never borrows a
     pool's memory for other allocations.
     """
 
@@ -98,8 +99,10 @@ class MemPool:
         self._id = (0, _MEMPOOL_BASE + next(_mempool_ids))
         self.use_on_oom = bool(use_on_oom)
         self.no_split = bool(no_split)
-        _C._torch_pool_retain(self._device, self._id)
+        device_heap(self._device).pool_retain(self._id)
         self._alive = True
+        if self.no_split:
+            device_heap(self._device).pool_set_no_split(self._id, True)
 
     @property
     def id(self):
@@ -116,8 +119,10 @@ class MemPool:
 
     def use_count(self) -> int:
         """Uses of the pool: 1 for this object, plus one per use_mem_pool() open on it."""
-        info = _C._torch_pool_info(self._device, self._id)
-        return int(info["use_count"]) if info else 0
+        try:
+            return int(device_heap(self._device).pool_info(self._id)["use_count"])
+        except ValueError:  # the pool has ended
+            return 0
 
     def snapshot(self, include_traces: bool = True):
         """The segments of this pool, in torch.cuda.memory_snapshot()'s format."""
@@ -132,7 +137,7 @@ class MemPool:
         if getattr(self, "_alive", False):
             self._alive = False
             try:
-                _C._torch_pool_release(self._device, self._id)
+                device_heap(self._device).pool_release(self._id)
             except Exception:  # noqa: BLE001 - at interpreter exit the heap may be gone
                 pass
 
@@ -160,8 +165,23 @@ class CheckpointState:
         return f"<gpumem CheckpointState pool={self.pool} cuda:{self.device} {len(self.blocks)} live blocks>"
 
 
+def device_heap(device: int):
+    """The heap torch's allocations on `device` go to: the process-wide heap
+    registry's, borrowed as a gpumem.Heap (created now if torch has not
+    allocated there yet)."""
+    return _C.registry_heap(int(device))
+
+
+def _pool_live(device: int, pool) -> list:
+    """[(addr, size)] of the pool's live blocks; none for a pool that has ended."""
+    try:
+        return device_heap(device).pool_live(tuple(pool))
+    except ValueError:
+        return []
+
+
 def _live_addrs(device: int, pool) -> set:
-    return {a for a, _ in _C._torch_pool_live(int(device), tuple(pool))}
+    return {a for a, _ in _pool_live(device, pool)}
 
 
 def check_pool_live_allocations(device, pool, expected_live_allocations) -> bool:
@@ -174,7 +194,7 @@ def get_checkpoint_state(device, pool) -> CheckpointState:
 
     device = int(device)
     stream = torch.cuda.current_stream(device).cuda_stream
-    return CheckpointState(device, pool, _C._torch_pool_live(device, tuple(pool)), stream)
+    return CheckpointState(device, pool, _pool_live(device, pool), stream)
 
 
 def set_checkpoint_pool_state(device, state, stale_storages=(), storages_to_add_deleters_to=()) -> None:
@@ -194,7 +214,7 @@ def set_checkpoint_pool_state(device, state, stale_storages=(), storages_to_add_
     stale = list(dict.fromkeys(int(s) for s in stale_storages))
     if len(stale) < len(freed):
         raise RuntimeError("Any stale tensors which are being manually freed must be passed to set checkpoint")
-    _C._torch_pool_set_live(device, state.pool, state.blocks, state.stream)
+    device_heap(device).pool_set_live(state.pool, state.blocks, state.stream)
     _checkpoint.release_deleters(stale, freed)
     _checkpoint.add_deleters([int(s) for s in storages_to_add_deleters_to], allocd, _raw_delete_address(), device)
 

@@ -33,9 +33,11 @@ from bisect import bisect_right
 
 from .. import _C
 from .._heap import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
-from .._resolve import TorchHeap
+from ..explain import register_oom_formatter
+from .._resolve import registry_heap
 from ..history import _record
 from ..snapshot import Snapshot
+from ..trace import ALLOCATOR_ACTIONS
 
 __all__ = [
     "on_install",
@@ -121,6 +123,7 @@ def set_stack_hook(enabled: bool) -> None:
 
 
 def on_install() -> None:
+    register_oom_formatter()  # torch's OutOfMemoryError is worded by gpumem.explain's format_oom
     explain = os.environ.get("GPUMEM_EXPLAIN_OOM", "1") != "0"
     _C._torch_set_oom_formatter(_hooks()["oom_formatter"] if explain else 0)
     if _C._stacks_info()["enabled"]:
@@ -128,17 +131,7 @@ def on_install() -> None:
 
 
 # The trace actions torch's _record_memory_history(skip_actions=...) names.
-TORCH_TRACE_ACTIONS = (
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-)
+TORCH_TRACE_ACTIONS = ALLOCATOR_ACTIONS
 _skip_actions: frozenset = frozenset()
 
 
@@ -147,10 +140,10 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     clear_history, compile_context, global_record_annotations, skip_actions) and
     _cuda_record_memory_history_legacy(enabled: bool, record_context,
     trace_alloc_max_entries, ...), answered by gpumem.record_history on every
-    device's heap.  Stacks are Python stacks ("all" asks for C++ frames too; gpumem
-    has only the Python ones); context=None records none, "state" only those of the
-    blocks alive, "alloc" those of trace entries too, "all" also the stacks of the
-    code that frees and empties the cache.  clear_history drops the events recorded
+    device's heap.  Stacks are Python stacks, with stacks="all" preceded by the
+    C++ frames (gpumem.record_history's stacks="all"); context=None records none,
+    "state" only those of the blocks alive, "alloc" those of trace entries too,
+    "all" also the stacks of the code that frees and empties the cache.  clear_history drops the events recorded
     so far; skip_actions leaves those actions out of the trace."""
     global _skip_actions
     clear, skip = False, ()
@@ -172,7 +165,7 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         if context not in (None, "state", "alloc", "all"):
             raise ValueError(f"context must be None, 'state', 'alloc' or 'all', not {context!r}")
         mode = enabled or False
-        stacks = "python" if enabled and context and stack_kind in ("python", "all") else None
+        stacks = stack_kind if enabled and context and stack_kind in ("python", "all") else None
         context = context if stacks else None
     if isinstance(skip, str):
         skip = (skip,)
@@ -182,9 +175,9 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {known})")
     n = max(1, min(int(max_entries), MAX_HISTORY))
     if clear and mode == "all":
-        _C._torch_history_enable(0)  # the ring starts empty
+        _C.registry_history_enable(0)  # the ring starts empty
     _trace_context.set(context)  # before the ring records in the new mode
-    _record(_C._torch_history_enable, mode, stacks, n)
+    _record(_C.registry_history_enable, mode, stacks, n)
     _skip_actions = frozenset(skip or ())
     # context="all" with a trace to record: frees and empty_cache take their caller's stack
     _C._torch_set_event_stacks(context == "all" and mode == "all")
@@ -224,12 +217,12 @@ def torch_snapshot_dict(arg=None) -> dict:
     other than (0, 0) keeps the segments of that pool only (MemPool.snapshot())."""
     include_traces = not (isinstance(arg, tuple) and len(arg) >= 3 and arg[2] is False)
     pool = tuple(arg[:2]) if isinstance(arg, tuple) and len(arg) >= 2 else (0, 0)
-    devices = _C._torch_devices()
+    devices = _C.registry_devices()
     hook = _entry_hook()
     n = max([_C._torch_device_count()] + [d + 1 for d in devices] + [1])
     out = {"segments": [], "device_traces": [[] for _ in range(n)]}
     for d in devices:
-        t = Snapshot.from_heap(TorchHeap(d), with_history=include_traces).to_torch(d, entry_hook=hook)
+        t = Snapshot.from_heap(registry_heap(d), with_history=include_traces).to_torch(d, entry_hook=hook)
         out["segments"].extend(s for s in t["segments"] if pool == (0, 0) or tuple(s["segment_pool_id"]) == pool)
         out["device_traces"][d] = [e for e in t["device_traces"][d] if e["action"] not in _skip_actions]
         out.setdefault("allocator_settings", t["allocator_settings"])

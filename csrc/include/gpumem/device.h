@@ -8,8 +8,11 @@
  *                  first use, so that building and importing gpumem need no GPU;
  *                  NVML is dlopen'd too, only to name other processes.
  *   device/sim.c   a deterministic simulated device: a capacity, 2 MiB pages,
- *                  no real memory, events that complete when told to, and fault
- *                  injection on every call.  Tests, replay and notebooks run here.
+ *                  no real memory, events that complete when told to.  Tests,
+ *                  replay and notebooks run here.
+ *
+ * device/faults.c wraps either and makes chosen calls fail (gpumem/faults.h);
+ * device/registry.c opens a device by name (gpumem/registry.h).
  *
  * The verbs are those of CUDA's virtual memory management: reserve a virtual
  * range, create physical pages, map a page behind an address, grant access,
@@ -141,6 +144,9 @@ typedef struct gm_device_ops {
     /* What the device itself knows, for the heap's invariant checker; NULL
      * where the device cannot tell (a real GPU). */
     const struct gm_device_verify *verify;
+    /* 1 if the device honours gm_device.doomed (see there); the fault wrapper
+     * (gpumem/faults.h) does not call a device without it for a call it fails. */
+    int checks_doomed;
 } gm_device_ops;
 
 /* A device's own view of its pages, to check the heap's bookkeeping against. */
@@ -162,6 +168,11 @@ struct gm_device {
     size_t page_size;     /* physical granularity, 2 MiB on every current GPU */
     char name[96];        /* "sim:80GiB", "cuda:0 (NVIDIA H100 80GB HBM3)" */
     char last_error[256]; /* why the last failing call failed */
+    /* Set by the fault wrapper around a call it has decided to fail: a device
+     * whose ops->checks_doomed is 1 then checks the call as usual (GM_EINVAL
+     * and the reason for an invalid one) and returns GM_OK having changed
+     * nothing, and the wrapper answers with the injected failure. */
+    int doomed;
 };
 
 #ifdef __cplusplus

@@ -50,6 +50,12 @@ enum {
 #undef GM_ERROR_ENUM
 };
 const char *gm_strerror(int code);
+/* Write a reason into err (when err and errlen are not 0) and return rc: for
+ * calls that answer a code and say why in a caller's buffer. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+int gm_errorf(int rc, char *err, size_t errlen, const char *fmt, ...);
 
 #define GM_ALIGN      512u       /* every block starts and ends on 512 B */
 #define GM_SMALL_SIZE (1u << 20) /* torch's small pool: blocks <= 1 MiB */
@@ -66,6 +72,10 @@ const char *gm_strerror(int code);
 #define GM_CHUNK_PAGES_MAX     1024
 /* gm_config.pressure's default: see heap.c, POLICY. */
 #define GM_PRESSURE_DEFAULT    0.875
+/* The most gm_config.growth_slack and gm_config.va_size (the 256 TiB of
+ * address space a GPU has) may be. */
+#define GM_GROWTH_SLACK_MAX    100.0
+#define GM_VA_SIZE_MAX         ((size_t)1 << 48)
 
 typedef struct gm_config {
     /* Virtual address space to reserve; 0 picks 4 x the device's total memory. */
@@ -77,8 +87,8 @@ typedef struct gm_config {
      * of peak live, plus `growth_slack_pages` pages. */
     double growth_slack;
     size_t growth_slack_pages;
-    /* The most pages one physical allocation holds (0: the default, 1: every
-     * page its own allocation).  Growth maps the new pages of a request with
+    /* The most pages one physical allocation holds, in [1, GM_CHUNK_PAGES_MAX]
+     * (1: every page its own allocation).  Growth maps the new pages of a request with
      * as few allocations as this allows; see README.md. */
     size_t chunk_pages;
     /* Where pressure starts, as a fraction of the heap's limit: the cap, or
@@ -89,7 +99,11 @@ typedef struct gm_config {
      * then recycling and defragmentation.  0 keeps it tight always; in [0, 1]. */
     double pressure;
 } gm_config;
+/* Every field its default. */
 void gm_config_default(gm_config *cfg);
+/* Check every option's range (core/config.c; gpumem/config.h checks them one
+ * by one): GM_OK, or GM_EINVAL with the first bad option's message in err. */
+int gm_config_check(const gm_config *cfg, char *err, size_t errlen);
 
 typedef struct gm_heap gm_heap;
 
@@ -244,6 +258,8 @@ typedef struct gm_snapshot {
     gm_block_info *blocks; /* address order, tiling [base, base+top) */
     size_t n_pages;        /* pages in [base, base+top) */
     uint8_t *pages;        /* gm_page_state per page */
+    uint32_t *growth;      /* per page: the growth that mapped it, or gave it to its pool (0: none); a
+                            * segment as torch counts them is a run of one growth */
     size_t spare_pages;    /* physical pages held but not mapped */
     size_t cap_bytes;      /* effective cap */
     gm_stats stats;
@@ -312,8 +328,8 @@ void gm_memory_report(gm_heap *heap, size_t size, gm_oom_info *out);
 /* ---- private pools (torch's graph pools and MemPool) -------------------------
  * A pool is named by torch's MempoolId_t, a pair of integers, and holds a set of
  * blocks on this heap's device.  An allocation made "in" a pool is served from
- * the pool's own free blocks first, else carved from the heap like any other;
- * when freed it goes back to the pool, never to the general heap or another
+ * the pool's own free blocks, else from whole pages the pool takes for itself
+ * (no page holds a living pool's blocks and anything else); when freed it goes back to the pool, never to the general heap or another
  * pool, for as long as the pool lives.  Every page that backs a block of a
  * living pool -- live, pending or free -- stays mapped at its address: a CUDA
  * graph has those addresses baked in.  Defragmentation and empty_cache leave
@@ -336,6 +352,10 @@ typedef struct gm_pool_info {
 } gm_pool_info;
 /* Create the pool with use count 1, or add one use to it. */
 int gm_pool_retain(gm_heap *heap, gm_pool_id id);
+/* torch's MemPool(no_split=True): a block of the living pool is never split --
+ * a request takes whole pages, or a whole free block of the pool (which it
+ * then holds entirely).  GM_EINVAL for an unknown pool. */
+int gm_pool_set_no_split(gm_heap *heap, gm_pool_id id, int no_split);
 /* Drop one use; at zero the pool ends (above).  GM_EINVAL for an unknown pool,
  * GM_EPAUSED (nothing changes) for the last use of a paused pool. */
 int gm_pool_release(gm_heap *heap, gm_pool_id id);

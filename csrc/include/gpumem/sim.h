@@ -17,11 +17,16 @@ extern "C" {
 /* ---- the simulated device ------------------------------------------------ */
 
 /* A simulated device with `capacity` bytes of physical memory in pages of
- * `page_size` bytes (0 means 2 MiB).  Returns NULL only if malloc fails. */
+ * `page_size` bytes (0 means 2 MiB), inside a fault-injecting wrapper
+ * (gpumem/faults.h) that injects nothing until told to.  Returns NULL only if
+ * malloc fails. */
 gm_device *gm_sim_create(size_t capacity, size_t page_size);
+/* 1 if dev is a simulated device (as gm_sim_create returns it), else 0. */
+int gm_sim_is(const gm_device *dev);
 
-/* Fault injection: make the `nth` next call of `op` (1 = the very next one)
- * fail, and the `count - 1` calls of that op after it too.  nth = 0 clears. */
+/* Fault injection, gm_faults_fail and friends under the simulated device's
+ * names: make the `nth` next call of `op` (1 = the very next one) fail, and
+ * the `count - 1` calls of that op after it too.  nth = 0 clears. */
 void gm_sim_fail(gm_device *dev, gm_dev_op op, uint64_t nth, uint64_t count);
 /* Fail each call of `op` with probability p (deterministic, seeded). */
 void gm_sim_fail_random(gm_device *dev, gm_dev_op op, double p, uint64_t seed);

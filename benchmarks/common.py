@@ -1,0 +1,43 @@
+"""What several benchmarks do alike: run one measurement in a fresh interpreter, and write the results.
+
+A benchmark that compares allocators measures each in a process of its own (an allocator is chosen once
+a process): it runs itself with its own `--one ...` arguments, and the child prints its result as one
+line of JSON, the last such line of its output.  The benchmarks import this module as `common`: the
+folder of a script run as `python benchmarks/x.py` is first on sys.path.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+
+def last_json_line(text: str) -> Optional[dict]:
+    """The last line of text that is a JSON object, decoded; None if there is none."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def run_child(script: str, args: Sequence[str], what: str = "", **kw) -> Optional[dict]:
+    """Run `python script *args` in a fresh interpreter and return the JSON object it printed last.
+
+    A child that fails or prints none gives None, and its error output goes to stderr, headed by what
+    (e.g. the workload and the allocator) when given.  kw goes to subprocess.run (env, timeout)."""
+    p = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, **kw)
+    result = last_json_line(p.stdout)
+    if p.returncode or result is None:
+        print(f"{what} failed (exit {p.returncode}):\n" if what else "", p.stderr[-3000:], sep="", file=sys.stderr)
+        return None
+    return result
+
+
+def write_json(path: Optional[str], obj) -> None:
+    """Write obj to path as indented JSON (its folder made if need be) and say so; nothing if path is empty."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    print("wrote", path)

@@ -1,0 +1,192 @@
+"""Recording a step's allocations in this process for gpumem.forecast: from a
+gpumem.Heap (the simulated device in tests), from gpumem serving torch, or from
+torch's own caching allocator (its memory history and snapshot)."""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from typing import List, Optional, Tuple
+
+from ._forecast_align import GPUMEM_GRANULARITY, ForecastError
+from .trace import Trace, TraceError, _Builder
+
+_HISTORY_ENTRIES = 1 << 20
+
+
+class _HeapRecorder:
+    """History of a gpumem.Heap (any device; the simulated one in tests)."""
+
+    granularity = GPUMEM_GRANULARITY
+
+    def __init__(self, heap):
+        self.heap = heap
+
+    def sync(self) -> None:
+        pass
+
+    def live_blocks(self) -> List[Tuple[int, int, int]]:
+        blocks = [b for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
+        blocks.sort(key=lambda b: b[5])  # allocation order
+        return [(b[0], b[2], b[3]) for b in blocks]
+
+    def start(self) -> None:
+        self.heap.history_enable(0)  # drop what the ring held
+        self.heap.history_enable(_HISTORY_ENTRIES)
+
+    def mark(self) -> int:
+        """How many history events the recording holds so far."""
+        return len(self.heap.history()[0])
+
+    def stop(self) -> List[tuple]:
+        """(action, addr, size, stream, site) per event; the site is the
+        allocation's context (an interned Python stack with stacks on)."""
+        raw, dropped = self.heap.history()
+        self.heap.history_enable(0)
+        if dropped:
+            raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
+        return [(e[1], e[2], e[3], e[4], e[5] if len(e) > 5 else 0) for e in raw]
+
+    def capacity(self) -> int:
+        return int(self.heap.memory_report(0)["cap_bytes"])
+
+
+class _TorchGpumemRecorder(_HeapRecorder):
+    """gpumem serving torch: its heap's history, synchronizing the device."""
+
+    def __init__(self, heap, torch):
+        super().__init__(heap)
+        self.torch = torch
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.heap.torch_device)
+
+
+class _TorchNativeRecorder:
+    """torch's own caching allocator: its memory history and snapshot."""
+
+    granularity = GPUMEM_GRANULARITY  # torch's history records its blocks' sizes too
+
+    def __init__(self, torch, device):
+        self.torch = torch
+        self.device = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def _snapshot(self) -> dict:
+        return self.torch.cuda.memory._snapshot()
+
+    def live_blocks(self) -> List[Tuple[int, int, int]]:
+        out = []
+        for seg in self._snapshot()["segments"]:
+            if seg.get("device") != self.device:
+                continue
+            addr = seg["address"]
+            for b in seg["blocks"]:
+                if b["state"] in ("active_allocated", "active_pending_free"):
+                    out.append((addr, b.get("requested_size") or b["size"], seg["stream"]))
+                addr += b["size"]
+        return out
+
+    def _events(self) -> list:
+        traces = self._snapshot()["device_traces"]
+        return traces[self.device] if self.device < len(traces) else []
+
+    def start(self) -> None:
+        m = self.torch.cuda.memory
+        m._record_memory_history(enabled=None)
+        # stacks of allocations: their call sites help line the recordings up
+        kw = dict(context="alloc", stacks="python", max_entries=_HISTORY_ENTRIES)
+        try:
+            m._record_memory_history(clear_history=True, **kw)
+        except TypeError:  # a torch without clear_history: skip what the history already holds
+            m._record_memory_history(**kw)
+        self.skip = len(self._events())
+
+    def mark(self) -> int:
+        return len(self._events()) - self.skip
+
+    def stop(self) -> List[tuple]:
+        events = self._events()
+        self.torch.cuda.memory._record_memory_history(enabled=None)
+        if len(events) >= _HISTORY_ENTRIES:
+            raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
+        return [(e["action"], e["addr"], e["size"], e["stream"], _site(e.get("frames"))) for e in events[self.skip :]]
+
+    def capacity(self) -> int:
+        free, total = self.torch.cuda.mem_get_info(self.device)
+        fraction = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
+        return int(total * (fraction(self.device) if fraction else 1.0))
+
+
+def _recorder(heap, device):
+    from ._C import Heap
+
+    if heap is not None:
+        if not isinstance(heap, Heap):
+            raise TypeError(f"heap must be a gpumem.Heap, not {type(heap).__name__}")
+        return _HeapRecorder(heap)
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        raise ForecastError(
+            "no torch with CUDA in this process: pass heap=gpumem.Heap(...) for a step that drives a gpumem heap, "
+            "or forecast from recorded traces (Forecast.from_traces, python -m gpumem forecast)"
+        )
+    from ._resolve import resolve_heap, torch_active
+
+    if torch_active():
+        return _TorchGpumemRecorder(resolve_heap(device), torch)
+    return _TorchNativeRecorder(torch, device)
+
+
+def _site(frames) -> int:
+    """A call site as a number, the same in every recording of this process
+    and others (0: none known): a checksum of the stack's files and lines."""
+    if not frames:
+        return 0
+    text = "|".join(f"{f.get('filename', '')}:{f.get('line', 0)}" for f in frames if isinstance(f, dict))
+    return zlib.crc32(text.encode()) | 1 if text else 0
+
+
+def _sites(live, events) -> Optional[List[int]]:
+    """Per trace event (as _to_trace makes them) its allocation's call site;
+    None when no allocation has one."""
+    out = [0] * len(live)
+    for e in events:
+        if e[0] == "alloc":
+            out.append(e[4] if len(e) > 4 else 0)
+        elif e[0] == "free_completed":
+            out.append(0)
+    return out if any(out) else None
+
+
+def _step_starts(live, events, marks) -> List[int]:
+    """The trace event (as _to_trace makes them) at which each recorded step
+    begins, from the history's length at each step's start (`marks`)."""
+    out = []
+    n, seen = len(live), 0
+    for m in marks:
+        for e in events[seen:m]:
+            if e[0] in ("alloc", "free_completed"):
+                n += 1
+        seen = max(seen, m)
+        out.append(n)
+    return out
+
+
+def _to_trace(name: str, live, events, granularity: int) -> Trace:
+    """The blocks live before the step as allocations made first, then the step's events."""
+    b = _Builder(name)
+    for i, (addr, size, stream) in enumerate(live):
+        b.alloc(addr, size, stream, f"live block {i}")
+    try:
+        for i, e in enumerate(events):
+            action, addr, size, stream = e[:4]
+            if action == "alloc":
+                b.alloc(addr, size, stream, i)
+            elif action == "free_completed":
+                b.free(addr, stream, i)
+    except TraceError as e:
+        raise ForecastError(f"the recorded history is inconsistent: {e.reason}") from None
+    return b.finish("recorded", 0, {"size_granularity": granularity})
