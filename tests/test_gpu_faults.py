@@ -81,8 +81,11 @@ SCENARIO = textwrap.dedent("""
             malloc("streams", 4 * MiB)    # the event is queried
         return live
 
-    # 1. A clean run counts the calls of OP made before the phase starts.
+    # 1. A clean run counts the calls of OP made before the phase starts (calls are
+    # counted by the fault wrapper, there only when GPUMEM_CUDA_FAULTS is set: a
+    # schedule that never comes due arms it).
     before = {{}}
+    os.environ["GPUMEM_CUDA_FAULTS"] = f"{{OP}}:{{1 << 62}}"
     h = gpumem.Heap(device="cuda")
     clean = []
     def mark(name):
@@ -94,6 +97,7 @@ SCENARIO = textwrap.dedent("""
     in_phase = h.cuda_fault_calls(OP)[0] - before[PHASE] if PHASE == PHASES[-1] else \\
         before[PHASES[PHASES.index(PHASE) + 1]] - before[PHASE]
     h.close()
+    del os.environ["GPUMEM_CUDA_FAULTS"]
     # What the device has free after a clean run: the driver keeps some memory
     # of its own after the first heap's mappings (tens of MiB on an H100), so
     # the faulty run is compared with this, not with the very start.

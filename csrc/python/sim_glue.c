@@ -308,6 +308,7 @@ PyMethodDef gm_py_sim_methods[] = {
     {.ml_name = "cuda_fault_calls",
      .ml_meth = (PyCFunction)Heap_cuda_fault_calls,
      .ml_flags = METH_O,
-     .ml_doc = "cuda_fault_calls(op) -> (calls, failed by GPUMEM_CUDA_FAULTS); test-only, CUDA heaps"},
+     .ml_doc = "cuda_fault_calls(op) -> (calls, failed by GPUMEM_CUDA_FAULTS); test-only, CUDA heaps opened "
+               "with GPUMEM_CUDA_FAULTS set (else (0, 0))"},
     {.ml_name = NULL},
 };
