@@ -143,7 +143,8 @@ def record_history(
         torch's enabled="state"); False / None stops both and drops the ring.
     stacks: "python" takes the Python stack of each allocation made while the
         GIL is held; "all" its C++ frames too (through torch's unwinder, which
-        costs what it costs under torch's own allocator); None / "none" takes none.  The stack table is shared by
+        costs what it costs under torch's own allocator; without torch, the Python
+        frames alone); None / "none" takes none.  The stack table is shared by
         every heap in the process, so turning stacks off affects all of them.
     device: a Heap, or None / a CUDA device for the heap gpumem installed there;
         for those the ring is switched on every device's heap, now and later, and
@@ -155,11 +156,13 @@ def record_history(
 
 
 def _native_unwinder():
-    """torch's native stack gatherer and symbolizer, for stacks="all" (C++ frames)."""
+    """torch's native stack gatherer and symbolizer, for stacks="all" (C++ frames); None
+    without torch, where stacks="all" takes the Python frames alone (_stacks_info()["cpp"]
+    says which)."""
     try:
         from torch._C import _profiler
     except ImportError:
-        raise ValueError("stacks='all' takes C++ frames through torch's unwinder, and torch is not installed") from None
+        return None
     return _profiler.gather_traceback, _profiler.symbolize_tracebacks
 
 

@@ -180,3 +180,31 @@ def test_record_history_rejects_bad_arguments(heap):
     p = heap.malloc(MiB)
     assert len(history(heap)) == 0
     assert [b.frames for b in gpumem.snapshot(heap).blocks if b.addr == p][0]
+
+
+def test_stacks_all_without_torch_takes_the_python_frames(heap, monkeypatch):
+    """Where torch (and so its unwinder) cannot be imported, stacks="all" records the Python frames alone."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kw):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("no torch here")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    try:
+        record_history(True, device=heap, stacks="all")
+        assert _C._stacks_info()["enabled"] and not _C._stacks_info()["cpp"]
+
+        def allocating_site():
+            return heap.malloc(MiB)
+
+        p = allocating_site()
+        frames = [b.frames for b in gpumem.snapshot(heap).blocks if b.addr == p][0]
+        assert frames[0].name == "allocating_site"
+        heap.free(p)
+    finally:
+        monkeypatch.undo()
+        record_history(True, device=heap, stacks=None)
