@@ -460,12 +460,11 @@ class Snapshot:
             )
             blocks = []
             for b in seg.blocks:
-                active = b.state in ("live", "pending")
                 blocks.append(
                     {
                         "address": b.addr,
                         "size": b.size,
-                        "requested_size": b.requested if active else 0,
+                        "requested_size": b.requested,
                         "state": TORCH_STATE[b.state],
                         "frames": [f._asdict() for f in b.frames],
                     }

@@ -64,6 +64,31 @@ def test_blocks_tile_and_segments_are_mapped_runs(heap):
     assert sum(seg.size for seg in segs) == mapped_pages * s.page_size
 
 
+def test_a_free_block_reports_the_request_last_freed_into_it():
+    """As torch's snapshot does for an inactive block: its requested_size is
+    that of the allocation freed into it last (memory_viz and tests read it
+    after the trace's alloc/free pairs are filtered out); memory mapped and
+    never allocated from reports 0."""
+    with gpumem.Heap(device="sim", capacity=256 * MiB) as h:
+        a = h.malloc(65536)
+        b = h.malloc(3000)
+        h.free(a)
+        h.free(b)  # merges with a's block: the newer request is reported
+        blocks = [blk for seg in gpumem.snapshot(h).to_torch()["segments"] for blk in seg["blocks"]]
+        assert [blk["state"] for blk in blocks] == ["inactive"]
+        assert blocks[0]["requested_size"] == 3000
+        c = h.malloc(65536)
+        seg = gpumem.snapshot(h).to_torch()["segments"][0]
+        assert [(blk["state"], blk["requested_size"]) for blk in seg["blocks"]] == [
+            ("active_allocated", 65536),
+            ("inactive", 0),
+        ]
+        h.free(c)
+        assert gpumem.snapshot(h).to_torch()["segments"][0]["blocks"][0]["requested_size"] == 65536
+        h.empty_cache()
+        assert gpumem.snapshot(h).to_torch()["segments"] == []
+
+
 def test_summary_arithmetic(heap):
     s = gpumem.snapshot(heap)
     m = s.summary

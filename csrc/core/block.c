@@ -354,6 +354,7 @@ void h_absorb(gm_heap *h, gm_block *a, gm_block *b) {
     if (b->seq > a->seq) {
         a->seq = b->seq;
         a->origin = b->origin;
+        a->requested = b->requested;
     }
     block_del(h, b);
     gm_assert(!a->next || (a->next->prev == a && a->addr + a->size == a->next->addr));
@@ -395,8 +396,7 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     b->seq = seq;
     b->origin = owner;
     b->epoch = h->epoch;
-    b->requested = 0;
-    b->context = 0;
+    b->context = 0; /* requested stays: the request last freed here (snapshots report it, as torch does) */
     gm_block *p = b->prev;
     if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && !gm_pool_seam(h, p, b) &&
         h_owners_merge(p->stream, b->stream, &o)) {
@@ -426,6 +426,7 @@ gm_block *h_make_unmapped(gm_heap *h, gm_block *b) {
     b->seq = 0;
     b->pool = NULL;
     b->origin = ANY;
+    b->requested = 0;
     if (b->prev && b->prev->state == GM_BLOCK_UNMAPPED) {
         gm_block *p = b->prev;
         h_absorb(h, p, b);

@@ -22,6 +22,8 @@ struct gm_block {
     gm_block *prev, *next;   /* address-order neighbours; together they tile the range */
     gm_block *lprev, *lnext; /* bin list (free), pending list (pending) or slab free list */
     gm_block *hnext;         /* live-table chain (live) */
+    /* live/pending: the bytes asked for.  free: those of the request freed into
+     * it last (0: none since mapped), as torch reports an inactive block's. */
     size_t requested;
     /* live/pending: the allocation stream.  free: the owner, the stream that may
      * reuse it at once (GM_STREAM_ANY: every stream). */
