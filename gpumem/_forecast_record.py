@@ -59,7 +59,7 @@ class _TorchGpumemRecorder(_HeapRecorder):
         self.torch = torch
 
     def sync(self) -> None:
-        self.torch.cuda.synchronize(self.heap.torch_device)
+        self.torch.cuda.synchronize(self.heap.registry_device)
 
 
 class _TorchNativeRecorder:

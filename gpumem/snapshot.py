@@ -589,7 +589,7 @@ def dump_snapshot(path, device=None) -> None:
     torch.cuda._memory_viz and the memory_viz web page read."""
     heap = resolve_heap(device)
     # A heap gpumem serves torch with is filed under its CUDA device index.
-    Snapshot.from_heap(heap).dump(path, device=getattr(heap, "torch_device", 0))
+    Snapshot.from_heap(heap).dump(path, device=getattr(heap, "registry_device", None) or 0)
 
 
 def memory_over_time(source=None, capacity=80 << 30, points: int = DEFAULT_POINTS) -> Timeline:

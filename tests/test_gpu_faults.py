@@ -86,7 +86,10 @@ SCENARIO = textwrap.dedent("""
     # schedule that never comes due arms it).
     before = {{}}
     os.environ["GPUMEM_CUDA_FAULTS"] = f"{{OP}}:{{1 << 62}}"
-    h = gpumem.Heap(device="cuda")
+    # pressure=0: a tight heap, whatever the device has free, so that the
+    # defragmentation phase has single pages to move (with room, growth comes
+    # as multi-page allocations that a live block pins in place).
+    h = gpumem.Heap(device="cuda", pressure=0)
     clean = []
     def mark(name):
         before.setdefault(name, h.cuda_fault_calls(OP)[0])
@@ -110,7 +113,7 @@ SCENARIO = textwrap.dedent("""
 
     # 2. The same run with the first call of OP in PHASE failing.
     os.environ["GPUMEM_CUDA_FAULTS"] = f"{{OP}}:{{before[PHASE] + 1}}"
-    h = gpumem.Heap(device="cuda")
+    h = gpumem.Heap(device="cuda", pressure=0)
     faulty = []
     live = workload(h, faulty)
     calls, fired = h.cuda_fault_calls(OP)

@@ -228,7 +228,7 @@ def test_a_failed_driver_call_leaves_the_pool_paused_or_not_never_half(op, fails
 
 
 PARTIAL = """
-gpumem.install()
+gpumem.install(pressure=0)                        # tight: the pages below are exactly these
 pool = torch.cuda.MemPool()
 w = torch.empty(2 << 20, device="cuda")           # 8 MiB, general: 4 pages
 between = torch.empty(1 << 20, device="cuda")     # 4 MiB after them: the pool's pages will be two runs
