@@ -196,6 +196,45 @@ def test_small_growth_comes_as_chunks_only_with_plenty_of_room():
             h.free(q)
 
 
+def test_a_pools_growth_takes_a_torch_sized_segment_with_room():
+    """With room, a pool's request between 1 and 10 MiB that grows takes 20 MiB as one allocation, all of it
+    the pool's (torch's segment for such a request): the pool's next such request needs no device call and
+    shares the segment.  Smaller requests, no_split pools and a tight heap take only the pages they need."""
+    P, Q, R = (1, 1), (1, 2), (1, 3)
+
+    def pool_pages(h, pid):
+        return sum(b[1] for b in h.snapshot()["blocks"] if b[7] == pid) // PAGE
+
+    with gpumem.Heap(capacity=80 * GiB) as h:
+        for pid in (P, Q, R):
+            h.pool_retain(pid)
+        h.pool_set_no_split(Q, True)
+        a = h.malloc(4 * MiB, pool=P)
+        assert h.stats()["num_device_alloc"] == 1 and pool_pages(h, P) == 10
+        b = h.malloc(4 * MiB, pool=P)
+        g = h.malloc(4 * MiB)  # general memory never lands in the pool's pages
+        assert h.stats()["num_device_alloc"] == 2 and pool_pages(h, P) == 10
+        segs = [s for s in gpumem.snapshot(h).to_torch()["segments"] if s["segment_pool_id"] == P]
+        assert [(s["total_size"], len(s["blocks"])) for s in segs] == [(20 * MiB, 3)]
+        c = h.malloc(4 * MiB, pool=Q)  # no_split: whole pages, nothing ahead
+        d = h.malloc(MiB, pool=R)  # one page: torch's segment for it is 2 MiB
+        e = h.malloc(12 * MiB, pool=R)  # over 10 MiB: its own pages
+        assert pool_pages(h, Q) == 2 and pool_pages(h, R) == 7
+        h.check()
+        for p in (a, b, g, c, d, e):
+            h.free(p)
+        for pid in (P, Q, R):
+            h.pool_release(pid)
+        h.empty_cache()
+        assert h.stats()["reserved_bytes.all.current"] == 0
+    with gpumem.Heap(capacity=80 * GiB, pressure=0) as h:
+        h.pool_retain(P)
+        a = h.malloc(4 * MiB, pool=P)
+        assert pool_pages(h, P) == 2
+        h.free(a)
+        h.pool_release(P)
+
+
 def test_chunk_refused_with_room_falls_back_to_single_pages():
     with gpumem.Heap(capacity=8 * GiB) as h:
         h.sim_fail("create", nth=2, count=1)  # the first inner chunk of 64 pages (GM_ENOMEM)

@@ -516,10 +516,12 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
 }
 
 /* b, just made live in pool p from pages of its own (pool_pages_ok): the
- * general free memory on its last page becomes p's free memory, so that the
- * page holds p's blocks only for as long as p lives. */
-static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p) {
+ * general free memory on its last page, and up to `reach` (the pages its
+ * growth took ahead for p, or 0), becomes p's free memory, so that those
+ * pages hold p's blocks only for as long as p lives. */
+static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p, uintptr_t reach) {
     uintptr_t e = gm_page_addr(h, gm_page_ceil(h, b->addr + b->size));
+    if (reach > e) e = reach;
     for (gm_block *r = b->next; r && r->addr < e; r = r->next) {
         if (r->state != GM_BLOCK_FREE || r->pool) continue;
         gm_run_detach(h, r);
@@ -582,15 +584,15 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
     if (h->lazy_stream != ANY && s != h->lazy_stream) h_settle_release(h);
     if (h->n_pending) pending_step(h, s);
     gm_block *b = h_fit(h, rsize, s, pool);
-    uintptr_t at = b ? snug_end(h, b, rsize) : 0;
+    uintptr_t at = b ? snug_end(h, b, rsize) : 0, reach = 0;
     if (!b) {
         if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
-        if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at))) goto done;
+        if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at, &reach))) goto done;
     }
     if (pool && pool->no_split && b->pool == pool) at = b->addr, rsize = b->size; /* the whole free block */
     b = carve(h, b, at, rsize);
     h_make_live(h, b, rsize, size, s, context, pool);
-    if (pool && b->next && b->next->state == GM_BLOCK_FREE && !b->next->pool) claim_pool_pages(h, b, pool);
+    if (pool && b->next && b->next->state == GM_BLOCK_FREE && !b->next->pool) claim_pool_pages(h, b, pool, reach);
     *out = b->addr;
 done:
     h->no_sync = 0;

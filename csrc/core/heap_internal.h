@@ -252,6 +252,11 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
 #define ROOM_AHEAD_PAGES 8
 #define ROOM_SMALL_PAGES (ROOM_CHUNK_MIN - 1)
 #define ROOM_SMALL_FREE  ((size_t)16 << 30)
+/* A pool's growth for a request over POOL_AHEAD_MIN and under POOL_AHEAD_MAX
+ * bytes takes POOL_AHEAD_BYTES, as torch's segments do (policy.c). */
+#define POOL_AHEAD_MIN   ((size_t)1 << 20)
+#define POOL_AHEAD_MAX   ((size_t)10 << 20)
+#define POOL_AHEAD_BYTES ((size_t)20 << 20)
 
 /* A place for a request, as placement finds it (place.c). */
 typedef struct placement {
@@ -337,7 +342,7 @@ gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s
 
 /* ---- slow.c ---- */
 int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err);
-int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at);
+int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at, uintptr_t *reach);
 
 /* ---- report.c ---- */
 size_t gm_used_pages(gm_heap *h);

@@ -58,8 +58,10 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_p
  * (grow's *grant) and created as chunks where back_range maps them; if the
  * device then has too little for them even as single pages, the request
  * starts over with single spares made up front, as with chunk_pages 1 (the
- * pages mapped meanwhile stay, free). */
-int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at) {
+ * pages mapped meanwhile stay, free).  *reach: where the pages a pool's
+ * growth took ahead end (the caller makes them the pool's); untouched when
+ * there are none. */
+int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at, uintptr_t *reach) {
     h->st.num_alloc_retries++;
     size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
     int single = 0; /* the device refused a chunk: single pages from then on */
@@ -130,5 +132,6 @@ placed:
     }
     *out = b;
     *at = pl.addr;
+    if (pool && ahead) *reach = pl.addr + span; /* a pool's pages ahead are the pool's too */
     return GM_OK;
 }
