@@ -253,7 +253,7 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
 #define ROOM_SMALL_PAGES (ROOM_CHUNK_MIN - 1)
 #define ROOM_SMALL_FREE  ((size_t)16 << 30)
 /* A pool's growth for a request over POOL_AHEAD_MIN and under POOL_AHEAD_MAX
- * bytes takes POOL_AHEAD_BYTES, as torch's segments do (policy.c). */
+ * bytes places POOL_AHEAD_BYTES, as torch's segments do (policy.c). */
 #define POOL_AHEAD_MIN   ((size_t)1 << 20)
 #define POOL_AHEAD_MAX   ((size_t)10 << 20)
 #define POOL_AHEAD_BYTES ((size_t)20 << 20)
@@ -328,6 +328,7 @@ size_t h_cached_pages(const gm_heap *h, size_t ex0, size_t ex1);
 size_t h_cached_pages_outside(const gm_heap *h, placement pl, size_t size);
 
 /* ---- policy.c ---- */
+size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size);
 size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *pool, size_t need, size_t *grant,
                         size_t **g, size_t *most, int single, int *dev_err);
 

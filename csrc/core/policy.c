@@ -53,13 +53,15 @@
  *   lock pages that defragmentation could otherwise move.  ROOM_SMALL_FREE
  *   keeps them to devices that have that much to spare.
  *
- *   A pool's growth reaches ahead as torch's segments do: under the same
- *   conditions, a request of a living pool over POOL_AHEAD_MIN and under
- *   POOL_AHEAD_MAX takes POOL_AHEAD_BYTES as one chunk, all of it the
- *   pool's (claim_pool_pages), so that the pool's next such requests share
- *   the segment and make no device call.  A pool's free memory serves only
- *   the pool, so this costs at most one segment's rest per pool; its other
- *   growths, and a no_split pool's, take only their own pages.
+ *   A pool's growth reaches ahead as torch's segments do: far from
+ *   pressure and with ROOM_SMALL_FREE past the room line, a request of a living pool over POOL_AHEAD_MIN and under
+ *   POOL_AHEAD_MAX is placed and backed as POOL_AHEAD_BYTES, all of it the
+ *   pool's (h_pool_reach; claim_pool_pages), so that the pool's next such
+ *   requests share the segment and make no device call.  The pages stay
+ *   single: a pool's pages cannot move while it lives, and once it ends its
+ *   free ones can.  A pool's free memory serves only the pool, which is the
+ *   cost: up to 20 MiB less the request per growth.  No_split pools, and
+ *   growth during a capture, take only their own pages.
  *
  *   Tunables, measured by replaying the shipped traces (docs/benchmarks.md,
  *   "Policy: room vs pressure"):
@@ -120,25 +122,27 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
     return pages < h->cap_pages ? pages : h->cap_pages;
 }
 
-/* A pool's growth ahead (POLICY): the pages of torch's segment for a request
- * of `size` bytes when that is more than the request's own (POOL_AHEAD_*),
- * else none.  A no_split pool's block takes whole pages and nothing more. */
-static size_t pool_ahead_target(const gm_heap *h, const gm_pool *pool, size_t size) {
-    if (pool->no_split || size <= POOL_AHEAD_MIN || size >= POOL_AHEAD_MAX) return 0;
-    return (POOL_AHEAD_BYTES + h->page - 1) / h->page;
+/* The bytes a growth of `pool` for a request of `size` bytes places and
+ * backs: torch's segment for it far from pressure, else `size` (POLICY). */
+size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size) {
+    if (pool->no_split || size <= POOL_AHEAD_MIN || size >= POOL_AHEAD_MAX) return size;
+    size_t want = (POOL_AHEAD_BYTES + h->page - 1) / h->page, room = room_line(h);
+    size_t held = h_held_pages(h) + want;
+    if (!room || held > (size_t)(ROOM_FAR * (double)room) || room <= held + room_small_free(h)) return size;
+    return want * h->page;
 }
 
-/* Growth ahead (POLICY): far from pressure, a growth of fewer than `target`
- * pages (ROOM_AHEAD_PAGES; a pool's: pool_ahead_target) takes that many as one chunk, the rest from the
+/* Growth ahead (POLICY): far from pressure, a growth of fewer than
+ * ROOM_AHEAD_PAGES pages takes that many as one chunk, the rest from the
  * unmapped general space right after the range (none when the range ends
  * at a block or a pool's space), and under `limit`.  Returns the pages it
  * adds past the range's last page. */
-static size_t room_ahead(gm_heap *h, const placement *pl, size_t size, size_t need, size_t limit, size_t target) {
+static size_t room_ahead(gm_heap *h, const placement *pl, size_t size, size_t need, size_t limit) {
     size_t p1 = gm_page_ceil(h, pl->addr + size), held = h_held_pages(h) + need;
-    if (pl->pooled || need >= target || p1 >= h->n_pages || held >= limit) return 0;
+    if (pl->pooled || need >= ROOM_AHEAD_PAGES || p1 >= h->n_pages || held >= limit) return 0;
     const gm_block *c = h_block_holding(pl->first, gm_page_addr(h, p1));
     if (c->state != GM_BLOCK_UNMAPPED || c->pool) return 0;
-    size_t avail = gm_page_floor(h, c->addr + c->size) - p1, want = target - need;
+    size_t avail = gm_page_floor(h, c->addr + c->size) - p1, want = ROOM_AHEAD_PAGES - need;
     if (want > avail) want = avail;
     return want < limit - held ? want : limit - held;
 }
@@ -162,12 +166,10 @@ size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *p
         if (need >= ROOM_CHUNK_MIN) {
             *g = grant;
             *most = ROOM_CHUNK_PAGES;
-        } else if (room > h_held_pages(h) + need + room_small_free(h)) {
-            ahead = room_ahead(h, pl, size, need, limit, pool ? pool_ahead_target(h, pool, size) : ROOM_AHEAD_PAGES);
-            if (!pool || ahead) { /* a pool's other growths stay single pages */
-                *g = grant;
-                *most = ROOM_SMALL_PAGES;
-            }
+        } else if (!pool && room > h_held_pages(h) + need + room_small_free(h)) {
+            ahead = room_ahead(h, pl, size, need, limit);
+            *g = grant;
+            *most = ROOM_SMALL_PAGES;
         }
     }
     h_grow(h, need + ahead, limit, *g, dev_err);

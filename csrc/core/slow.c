@@ -53,6 +53,19 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_p
     if (pl->ok && lacking(h, pl, grant)) recycle_for(h, pl, size, grant, recycled);
 }
 
+/* Pages locked in chunks serve only in place: the range that needs the
+ * fewest new pages may be one whose own cached pages are the only ones that
+ * could move.  Then a range the movable pages elsewhere cover (after a
+ * device wait). */
+static void place_around_chunks(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, size_t grant,
+                                int *recycled) {
+    placement alt = h_place_within(h, size, s, pool, h->n_spare + grant);
+    if (alt.ok) {
+        *pl = alt;
+        if (lacking(h, pl, grant)) recycle_for(h, pl, size, grant, recycled);
+    }
+}
+
 /* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
  * event, no synchronisation, no unmap or release.  New pages are promised
  * (grow's *grant) and created as chunks where back_range maps them; if the
@@ -65,6 +78,8 @@ int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block *
     h->st.num_alloc_retries++;
     size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
     int single = 0; /* the device refused a chunk: single pages from then on */
+    /* What the growth places: a pool's, far from pressure, torch's segment (POLICY). */
+    size_t want = pool && !h->no_sync ? h_pool_reach(h, pool, size) : size;
 again:;
     gm_block *b;
     int dev_err = GM_OK, recycled = 0, synced = 0;
@@ -89,36 +104,33 @@ again:;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit,
      * or, with room, under the room line (POLICY). */
-    pl = h_place(h, size, s, pool);
+    pl = h_place(h, want, s, pool);
+    if (!pl.ok && want > size) pl = h_place(h, want = size, s, pool);
     if (pl.ok && lacking(h, &pl, grant))
-        ahead = h_grow_by_policy(h, &pl, size, pool, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
+        ahead = h_grow_by_policy(h, &pl, want, pool, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
     /* 4. Defragment when cached pages can cover the shortfall (a device wait
      * buys nothing otherwise); else grow to the cap, and defragment with what
      * there is only if the device or the cap refused. */
-    if (!pl.ok || (lacking(h, &pl, grant) && h_cached_pages_outside(h, pl, size) >= lacking(h, &pl, grant)))
-        defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
+    if (!pl.ok || (lacking(h, &pl, grant) && h_cached_pages_outside(h, pl, want) >= lacking(h, &pl, grant)))
+        defragment(h, &pl, want, s, pool, grant, &synced, &recycled, &dev_err);
     if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
     if ((!pl.ok || lacking(h, &pl, grant)) && !synced) {
-        defragment(h, &pl, size, s, pool, grant, &synced, &recycled, &dev_err);
+        defragment(h, &pl, want, s, pool, grant, &synced, &recycled, &dev_err);
         if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
     }
-    /* Pages locked in chunks serve only in place: the range that needs the
-     * fewest new pages may be one whose own cached pages are the only ones
-     * that could move.  Then a range the movable pages elsewhere cover. */
-    if (pl.ok && lacking(h, &pl, grant) && synced && h->multi_chunks) {
-        placement alt = h_place_within(h, size, s, pool, h->n_spare + grant);
-        if (alt.ok) {
-            pl = alt;
-            if (lacking(h, &pl, grant)) recycle_for(h, &pl, size, grant, &recycled);
-        }
-    }
+    if (pl.ok && lacking(h, &pl, grant) && synced && h->multi_chunks)
+        place_around_chunks(h, &pl, want, s, pool, grant, &recycled);
 placed:
-    if (!pl.ok) return h_out_of_memory(h, size, s, (size + h->page - 1) / h->page, dev_err);
-    if (lacking(h, &pl, grant)) return h_out_of_memory(h, size, s, lacking(h, &pl, grant), dev_err);
+    if ((!pl.ok || lacking(h, &pl, grant)) && want > size) {
+        want = size; /* a pool's segment did not fit: its request alone */
+        goto again;
+    }
+    if (!pl.ok || lacking(h, &pl, grant))
+        return h_out_of_memory(h, size, s, pl.ok ? lacking(h, &pl, grant) : (size + h->page - 1) / h->page, dev_err);
     int err = GM_OK;
     h->growth_seq++;
-    if (pool) h_stamp_pool_growth(h, &pl, size, pool);
-    size_t span = ahead ? gm_page_addr(h, gm_page_ceil(h, pl.addr + size) + ahead) - pl.addr : size;
+    if (pool) h_stamp_pool_growth(h, &pl, want, pool);
+    size_t span = ahead ? gm_page_addr(h, gm_page_ceil(h, pl.addr + want) + ahead) - pl.addr : want;
     b = h_back_range(h, &pl, span, s, pool, recycled, most, g, &err);
     if (!b && err == GM_ENOMEM && g) {
         g = NULL; /* the device is nearly full: single pages, gathered first */
@@ -132,6 +144,6 @@ placed:
     }
     *out = b;
     *at = pl.addr;
-    if (pool && ahead) *reach = pl.addr + span; /* a pool's pages ahead are the pool's too */
+    if (want > size) *reach = pl.addr + want; /* the pool's pages placed ahead are the pool's too */
     return GM_OK;
 }

@@ -84,7 +84,11 @@ static PyObject *Heap_pool_pause(HeapObject *self, PyObject *args, PyObject *kwd
     if (rc != GM_OK) {
         /* A device failure part way leaves the pool paused with what was released. */
         if (gm_pool_info_get(self->heap, id, &pi) == GM_OK && pi.paused && rc == GM_EDEVICE) {
-            gm_py_raise(self, rc, "pool_pause (the pool is paused with the pages released before the failure)");
+            char what[128];
+            snprintf(what, sizeof what,
+                     "pool_pause (the pool is paused with the %llu pages released before the failure)",
+                     (unsigned long long)pi.paused_pages);
+            gm_py_raise(self, rc, what);
             return NULL;
         }
         return pause_error(self, rc, &id, "pool_pause");
