@@ -13,6 +13,12 @@ from ._units import format_size
 
 ALLOCATORS = ("gpumem", "native")
 
+# A largest value past this multiple of the largest one recorded comes with a
+# note: some kernels take memory only past some size (measured: a bias
+# gradient's reduction buffer, absent at batch 4, left a forecast from batch 2
+# and 4 10% short in peak at batch 190; docs/forecast.md).
+FAR_FACTOR = 8
+
 
 class _Showing:
     # ---- showing ---------------------------------------------------------------------
@@ -55,8 +61,23 @@ class _Showing:
                     f"largest {self.name} that fits {format_size(self.capacity)}: "
                     f"{self._largest_text('gpumem')} (a bound from peak live memory only)"
                 )
+            far = self._far_note()
+            if far:
+                lines.append(far)
         lines.extend(f"warning: {c}" for c in self.caveats())
         return lines
+
+    def _far_note(self) -> Optional[str]:
+        """A note when a largest value lies FAR_FACTOR times past the largest recorded, else None."""
+        top = self.recorded[-1]
+        far = [v for v in (self.largest(allocator=a) for a in ALLOCATORS) if v != math.inf and v > FAR_FACTOR * top]
+        if not self.aligned or not far:
+            return None
+        return (
+            f"note: {self.name} {max(far)} is {max(far) / top:.0f}x the largest recorded ({top}); memory a step "
+            f"takes only past some size (a reduction's staging buffer, a library's workspace) shows only in a "
+            f"recording near that size: run one step there, or record a larger {self.name} too, before relying on it"
+        )
 
     def table(self, values: Optional[Sequence[int]] = None) -> str:
         """The forecast as a text table (a row per knob value)."""

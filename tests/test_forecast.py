@@ -229,7 +229,12 @@ def test_table_plot_and_html(tmp_path):
     table = fc.table()
     assert "batch" in table.splitlines()[0] and "2*" in table and "16" in table
     largest = fc.largest()
-    assert str(largest) in fc.summary_lines()[1]
+    lines = fc.summary_lines()
+    assert str(largest) in lines[1]
+    # far past what was recorded: the summary says how far, and what it cannot see
+    assert largest > 8 * 4 and lines[2].startswith(f"note: batch {largest} is {largest / 4:.0f}x the largest recorded")
+    near = Forecast(fc.recordings, name="batch", capacity=80 * MiB)
+    assert near.largest() <= 8 * 4 and not any(line.startswith("note:") for line in near.summary_lines())
     html = fc._repr_html_()
     assert "<pre>" in html and "gpumem-forecast" in html
     pytest.importorskip("matplotlib")
