@@ -108,8 +108,8 @@ MUTATIONS = [
     Mutation(
         "no_merge_with_next",
         "a freed block does not merge with its upper free neighbour",
-        "    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&",
-        "    if (0 && n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&",
+        "    if (n && h_may_merge_free(h, b, n, &o)) {",
+        "    if (0 && n && h_may_merge_free(h, b, n, &o)) {",
         path="csrc/core/block.c",
     ),
     Mutation(
