@@ -148,10 +148,10 @@ MUTATIONS = [
         path="csrc/core/heap.c",
     ),
     Mutation(
-        "pause_releases_shared_page",
-        "pause: a page the pool shares with other blocks is released too",
-        "if (m[q] == 1) {",
-        "if (m[q] & 1) {",
+        "pause_releases_shared_chunk",
+        "pause: the pool's pages of a chunk it shares with other blocks are released too (the chunk in part)",
+        "        for (; i < n && l[i].page < e; i++) (*shared)++;\n",
+        "        (void)shared;\n        for (; i < n && l[i].page < e; i++, k++) l[k] = (gm_paused_page){l[i].page, k};\n",
         path="csrc/core/pause.c",
     ),
     Mutation(
