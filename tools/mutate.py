@@ -199,8 +199,8 @@ MUTATIONS = [
     Mutation(
         "pool_page_rest_left_general",
         "pools: the rest of a pool's last page stays general, so general memory shares the pool's page",
-        "!b->next->pool) claim_pool_pages(h, b, pool);\n",
-        "!b->next->pool && !b->size) claim_pool_pages(h, b, pool);\n",
+        "!b->next->pool) claim_pool_pages(h, b, pool",
+        "!b->next->pool && !b->size) claim_pool_pages(h, b, pool",
         path="csrc/core/heap.c",
     ),
     Mutation(
