@@ -751,11 +751,11 @@ def test_general_growth_leaves_the_space_after_a_pool_to_it(make_heap):
     place; once the pool ends, that space is everyone's again."""
     h = make_heap()
     h.pool_retain(P)
-    w = h.malloc(3 * MiB)  # general, pages 0-1
-    a = h.malloc(10 * PAGE - MiB, pool=P)  # [3, 22) MiB: ends at page 11's start
+    w = h.malloc(2 * PAGE)  # general, pages 0-1 whole: no general space left on them
+    a = h.malloc(10 * PAGE, pool=P)  # pages 2-11: ends at page 12's start
     h.free(a)
-    g = h.malloc(128 << 10)
-    assert g != a + 10 * PAGE - MiB
+    g = h.malloc(128 << 10)  # needs a new page
+    assert g != a + 10 * PAGE, "general growth started right after the pool"
     b = h.malloc(20 * PAGE, pool=P)
     assert b == a
     assert_ok(h)
@@ -767,6 +767,31 @@ def test_general_growth_leaves_the_space_after_a_pool_to_it(make_heap):
     assert _reserved(h) == 0
     x = h.malloc(MiB)
     assert x == w, "with no pool living, growth starts at the lowest address again"
+    assert_ok(h)
+
+
+def test_a_pool_grows_at_its_edge_rather_than_take_cached_pages_elsewhere(make_heap):
+    """A pool's request that one new page at the pool's free edge serves, and
+    cached general pages elsewhere would serve with none, still extends the
+    pool's own free memory: the pool stays one region, as its later, larger
+    graphs need."""
+    h = make_heap()
+    h.pool_retain(P)
+    h.malloc(2 * PAGE)  # general, pages 0-1
+    a = h.malloc(2 * PAGE, pool=P)  # pages 2-3
+    top = h.malloc(PAGE, pool=P)  # page 4, the pool's edge
+    g = h.malloc(2 * PAGE)  # general, away from the pool
+    assert g > top + 2 * PAGE
+    h.free(g)  # two cached general pages
+    h.free(top)
+    before = _reserved(h)
+    b = h.malloc(2 * PAGE, pool=P)
+    assert b == top, "the pool started a second region"
+    assert _reserved(h) - before == PAGE
+    assert_ok(h)
+    h.free(b)
+    h.free(a)
+    h.pool_release(P)
     assert_ok(h)
 
 

@@ -302,6 +302,13 @@ int h_owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
     return 1;
 }
 
+/* Whether a and its upper neighbour b are free blocks that may merge, and if
+ * so, *o: the owner of the merged block. */
+int h_may_merge_free(const gm_heap *h, const gm_block *a, const gm_block *b, gm_stream *o) {
+    return a->state == GM_BLOCK_FREE && b->state == GM_BLOCK_FREE && a->pool == b->pool && !gm_pool_seam(h, a, b) &&
+           h_owners_merge(a->stream, b->stream, o);
+}
+
 /* ---- splitting and merging ----------------------------------------------- */
 
 /* Cut b at `offset`; the upper part is returned with b's state and owner.
@@ -361,19 +368,41 @@ void h_absorb(gm_heap *h, gm_block *a, gm_block *b) {
     if (keeps) gm_pages_use(h, a, 1);
 }
 
+/* Free neighbours a and b, out of the index, become one block a of owner o. */
+static gm_block *absorb_free(gm_heap *h, gm_block *a, gm_block *b, gm_stream o) {
+    h_absorb(h, a, b);
+    a->stream = o;
+    return a;
+}
+
 /* Free neighbours b and n, which may merge into one block of owner o, do. */
 void h_merge_free(gm_heap *h, gm_block *b, gm_block *n, gm_stream o) {
     h_index_remove(h, b);
     h_index_remove(h, n);
-    h_absorb(h, b, n);
-    b->stream = o;
-    h_index_insert(h, b);
+    h_index_insert(h, absorb_free(h, b, n, o));
+}
+
+/* b, free and out of the index, merges with each free neighbour it may merge
+ * with (which leaves the index).  Returns the block it ended up in, out of
+ * the index. */
+gm_block *h_merge_neighbours(gm_heap *h, gm_block *b) {
+    gm_stream o;
+    gm_block *p = b->prev;
+    if (p && h_may_merge_free(h, p, b, &o)) {
+        h_index_remove(h, p);
+        b = absorb_free(h, p, b, o);
+    }
+    gm_block *n = b->next;
+    if (n && h_may_merge_free(h, b, n, &o)) {
+        h_index_remove(h, n);
+        absorb_free(h, b, n, o);
+    }
+    return b;
 }
 
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     gm_assert(b->state != GM_BLOCK_FREE);
-    gm_stream o;
     if (owner != ANY && h->lazy_stream != ANY && owner != h->lazy_stream) h_settle_release(h);
     /* Free in a living pool, it stays out of general space and keeps its pages. */
     int was_general = gm_general_space(b), general = !b->pool, attach = general && !was_general;
@@ -397,21 +426,7 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     b->origin = owner;
     b->epoch = h->epoch;
     b->context = 0; /* requested stays: the request last freed here (snapshots report it, as torch does) */
-    gm_block *p = b->prev;
-    if (p && p->state == GM_BLOCK_FREE && p->pool == b->pool && !gm_pool_seam(h, p, b) &&
-        h_owners_merge(p->stream, b->stream, &o)) {
-        h_index_remove(h, p);
-        h_absorb(h, p, b);
-        p->stream = o;
-        b = p;
-    }
-    gm_block *n = b->next;
-    if (n && n->state == GM_BLOCK_FREE && n->pool == b->pool && !gm_pool_seam(h, b, n) &&
-        h_owners_merge(b->stream, n->stream, &o)) {
-        h_index_remove(h, n);
-        h_absorb(h, b, n);
-        b->stream = o;
-    }
+    b = h_merge_neighbours(h, b);
     h_index_insert(h, b);
     if (attach) gm_run_attach(h, b);
     return b;
@@ -442,8 +457,7 @@ void h_coalesce_all(gm_heap *h) {
     while (b && b->next) {
         gm_block *n = b->next;
         gm_stream o;
-        if (b->state == GM_BLOCK_FREE && n->state == GM_BLOCK_FREE && b->pool == n->pool && !gm_pool_seam(h, b, n) &&
-            h_owners_merge(b->stream, n->stream, &o)) {
+        if (h_may_merge_free(h, b, n, &o)) {
             gm_run_detach(h, b);
             h_merge_free(h, b, n, o);
             gm_run_attach(h, b);

@@ -237,7 +237,7 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
         gm_block *n = b->next;
         gm_stream o;
         n->mark = 0; /* released() may have walked it */
-        if (b->pool == n->pool && !gm_pool_seam(h, b, n) && h_owners_merge(b->stream, n->stream, &o)) {
+        if (h_may_merge_free(h, b, n, &o)) {
             if (!b->pool && !out) gm_run_detach(h, out = b);
             h_merge_free(h, b, n, o);
         } else {
