@@ -529,21 +529,7 @@ static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p, uintptr_t reac
         if (r->addr + r->size > e) h_index_insert(h, h_split(h, r, e - r->addr));
         r->pool = p;
         gm_pages_use(h, r, 1);
-        gm_stream o;
-        gm_block *q = r->prev, *n = r->next;
-        if (q->state == GM_BLOCK_FREE && q->pool == p && !gm_pool_seam(h, q, r) &&
-            h_owners_merge(q->stream, r->stream, &o)) {
-            h_index_remove(h, q);
-            h_absorb(h, q, r);
-            q->stream = o;
-            r = q;
-        }
-        if (n && n->state == GM_BLOCK_FREE && n->pool == p && !gm_pool_seam(h, r, n) &&
-            h_owners_merge(r->stream, n->stream, &o)) {
-            h_index_remove(h, n);
-            h_absorb(h, r, n);
-            r->stream = o;
-        }
+        r = h_merge_neighbours(h, r);
         h_index_insert(h, r);
         if (r->next && gm_general_space(r->next)) gm_run_attach(h, r->next);
     }
