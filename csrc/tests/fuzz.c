@@ -1091,6 +1091,36 @@ static void close_world(world *w) {
     free(w->pf);
 }
 
+/* ---- the op mix ---------------------------------------------------------- */
+
+static void op_empty_any(world *w, rng_t *r) {
+    (void)r;
+    op_empty(w);
+}
+
+static void op_capture_any(world *w, rng_t *r) {
+    (void)r;
+    op_capture(w);
+}
+
+/* A burst of frees: drains the heap now and then so that the empty/regrow
+ * paths run too. */
+static void op_burst(world *w, rng_t *r) {
+    uint64_t n = rnd_below(r, w->live.n + 1);
+    for (uint64_t k = 0; k < n; k++) op_free(w, r);
+}
+
+/* Past the mallocs (the first 40-52% of a draw below a million), each op
+ * takes the draws up to its bound. */
+static const struct {
+    unsigned below;
+    void (*op)(world *, rng_t *);
+} OPS[] = {
+    {938500, op_free},        {940000, op_pause},     {970000, op_record}, {985000, op_bad_free},
+    {992000, op_hold},        {996000, op_empty_any}, {997000, op_setcap}, {998000, op_pool},
+    {998600, op_capture_any}, {999000, op_set_live},  {999800, op_record}, {1000000, op_burst},
+};
+
 static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
     rng_t r = {seed};
     rng_t delay_rng = {seed ^ 0x5eed0fde1a7ull}; /* its own stream: the op sequence is the same */
@@ -1126,35 +1156,12 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
         unsigned x = (unsigned)rnd_below(&r, 1000000);
         /* Keep the live set bounded: with a full device, lean to frees. */
         unsigned p_malloc = w.live.n > 3000 ? 400000 : 520000;
-        if (x < p_malloc)
+        if (x < p_malloc) {
             op_malloc(&w, &r);
-        else if (x < 938500)
-            op_free(&w, &r);
-        else if (x < 940000)
-            op_pause(&w, &r);
-        else if (x < 970000)
-            op_record(&w, &r);
-        else if (x < 985000)
-            op_bad_free(&w, &r);
-        else if (x < 992000)
-            op_hold(&w, &r);
-        else if (x < 996000)
-            op_empty(&w);
-        else if (x < 997000)
-            op_setcap(&w, &r);
-        else if (x < 998000)
-            op_pool(&w, &r);
-        else if (x < 998600)
-            op_capture(&w);
-        else if (x < 999000)
-            op_set_live(&w, &r);
-        else if (x < 999800)
-            op_record(&w, &r);
-        else {
-            /* A burst of frees: drains the heap now and then so that the
-             * empty/regrow paths run too. */
-            uint64_t n = rnd_below(&r, w.live.n + 1);
-            for (uint64_t k = 0; k < n; k++) op_free(&w, &r);
+        } else {
+            size_t i = 0;
+            while (x >= OPS[i].below) i++;
+            OPS[i].op(&w, &r);
         }
         if (g_op % 4096 == 4095) run_check(&w, "periodic");
     }
