@@ -581,19 +581,27 @@ static void remember_freed(world *w, uintptr_t a) {
     w->nfreed++;
 }
 
+/* The held streams a freed block b must wait for: its own stream's (*other:
+ * only another stream's allocation waits) and those of streams it was
+ * recorded on (*all: every allocation waits). */
+static void wait_masks(const world *w, const blk *b, unsigned *all, unsigned *other) {
+    *all = *other = 0;
+    for (int s = 0; s < NSTREAMS; s++) {
+        if (!w->held[s]) continue;
+        if (s == b->stream)
+            *other |= 1u << s;
+        else if (b->recorded & (1u << s))
+            *all |= 1u << s;
+    }
+}
+
 static void op_free(world *w, rng_t *r) {
     if (!w->live.n) return;
     size_t i = (size_t)rnd_below(r, w->live.n);
     blk b = w->live.v[i];
     /* Decide what must wait, from the holds as they are at the free. */
-    unsigned all_mask = 0, other_mask = 0;
-    for (int s = 0; s < NSTREAMS; s++) {
-        if (!w->held[s]) continue;
-        if (s == b.stream)
-            other_mask |= 1u << s;
-        else if (b.recorded & (1u << s))
-            all_mask |= 1u << s;
-    }
+    unsigned all_mask, other_mask;
+    wait_masks(w, &b, &all_mask, &other_mask);
     w->n_free++;
     int rc = gm_free(w->heap, b.addr);
     if (rc != GM_OK) {
@@ -912,14 +920,8 @@ static void op_set_live(world *w, rng_t *r) {
         }
         long j = sh_find(&w->live, addrs[k]);
         blk b = sh_remove(&w->live, (size_t)j);
-        unsigned all_mask = 0, other_mask = 0;
-        for (int s = 0; s < NSTREAMS; s++) {
-            if (!w->held[s]) continue;
-            if (s == b.stream)
-                other_mask |= 1u << s;
-            else if (b.recorded & (1u << s))
-                all_mask |= 1u << s;
-        }
+        unsigned all_mask, other_mask;
+        wait_masks(w, &b, &all_mask, &other_mask);
         if (all_mask || other_mask) q_add(w, &b, all_mask, other_mask);
         pf_push(w, b.addr, b.size, i);
         remember_freed(w, b.addr);
