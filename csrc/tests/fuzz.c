@@ -93,6 +93,19 @@ static void fail(const char *fmt, ...) {
     exit(1);
 }
 
+/* v, an array of n elements of `size` bytes with room for *cap, with room
+ * for one more: the capacity doubles (from `first`); out of memory exits. */
+static void *room_for_one(void *v, size_t n, size_t *cap, size_t size, size_t first) {
+    if (n < *cap) return v;
+    *cap = *cap ? 2 * *cap : first;
+    v = realloc(v, *cap * size);
+    if (!v) {
+        perror("realloc");
+        exit(2);
+    }
+    return v;
+}
+
 /* ---- rng (splitmix64: tiny, good enough, identical on every platform) ---- */
 
 typedef struct {
@@ -163,14 +176,7 @@ static long sh_find(const shadow *s, uintptr_t a) {
 }
 
 static void sh_insert(shadow *s, blk b) {
-    if (s->n == s->cap) {
-        s->cap = s->cap ? s->cap * 2 : 1024;
-        s->v = realloc(s->v, s->cap * sizeof *s->v);
-        if (!s->v) {
-            perror("realloc");
-            exit(2);
-        }
-    }
+    s->v = room_for_one(s->v, s->n, &s->cap, sizeof *s->v, 1024);
     size_t i = sh_upper(s, b.addr);
     memmove(&s->v[i + 1], &s->v[i], (s->n - i) * sizeof *s->v);
     s->v[i] = b;
@@ -255,14 +261,7 @@ static int blk_paused(const world *w, const blk *b);
 
 static void pf_push(world *w, uintptr_t a, size_t size, int pool) {
     if (!size) return;
-    if (w->npf == w->pfcap) {
-        w->pfcap = w->pfcap ? 2 * w->pfcap : 64;
-        w->pf = realloc(w->pf, w->pfcap * sizeof *w->pf);
-        if (!w->pf) {
-            perror("realloc");
-            exit(2);
-        }
-    }
+    w->pf = room_for_one(w->pf, w->npf, &w->pfcap, sizeof *w->pf, 64);
     w->pf[w->npf++] = (prange){a, size, pool, gm_sim_handle_at(w->dev, a), gm_sim_handle_at(w->dev, a + size - 1)};
 }
 
@@ -299,14 +298,7 @@ static void pf_drop_pool(world *w, int pool) {
 }
 
 static void q_add(world *w, const blk *b, unsigned all_mask, unsigned other_mask) {
-    if (w->nq == w->qcap) {
-        w->qcap = w->qcap ? w->qcap * 2 : 64;
-        w->q = realloc(w->q, w->qcap * sizeof *w->q);
-        if (!w->q) {
-            perror("realloc");
-            exit(2);
-        }
-    }
+    w->q = room_for_one(w->q, w->nq, &w->qcap, sizeof *w->q, 64);
     w->q[w->nq++] = (quar){b->addr, b->size, b->stream, all_mask, other_mask, g_op};
 }
 
@@ -1255,14 +1247,7 @@ static void *thread_main(void *arg) {
             if (o) tfail(a, op, "new block overlaps a live block of another thread", p, bs);
             sh_insert(&tw->live, (blk){p, bs, size, a->id, 0, -1, 0});
             pthread_mutex_unlock(&tw->mu);
-            if (a->nmine == a->capmine) {
-                a->capmine = a->capmine ? 2 * a->capmine : 256;
-                a->mine = realloc(a->mine, a->capmine * sizeof *a->mine);
-                if (!a->mine) {
-                    perror("realloc");
-                    exit(2);
-                }
-            }
+            a->mine = room_for_one(a->mine, a->nmine, &a->capmine, sizeof *a->mine, 256);
             a->mine[a->nmine++] = p;
         } else if (x < 960 && a->nmine) {
             size_t i = (size_t)rnd_below(&r, a->nmine);
