@@ -4,7 +4,7 @@ allocator vs native with expandable_segments vs gpumem, each in a fresh process.
 
 Per allocator: peak reserved memory (torch.cuda.max_memory_reserved), peak live memory
 (max_memory_allocated) and, per shape, the median latency of one compiled call (CUDA graph replay,
-after warm-up and recording).  Goal (issue 8): gpumem <= 0.75 x native's peak reserved, below
+after warm-up and recording).  Goal: gpumem <= 0.75 x native's peak reserved, below
 expandable_segments, median latency <= 1.00 x native.
 
 Usage on a GPU machine: python benchmarks/gpu_graphs.py [--out benchmarks/results/gpu_graphs.json]

@@ -237,6 +237,33 @@ def test_a_pools_growth_takes_a_torch_sized_segment_with_room():
         h.pool_release(P)
 
 
+def test_a_pools_growth_during_a_capture_takes_the_same_segment():
+    """A capture may be under way (torch's routing counts every pool use as one): the pool's growth still
+    places torch's 20 MiB segment, with no synchronisation, and a failed reach falls back to the request's
+    own pages."""
+    P, Q = (1, 1), (1, 2)
+    with gpumem.Heap(capacity=80 * GiB) as h:
+        h.pool_retain(P)
+        h.capture_begin()
+        a = h.malloc(4 * MiB, pool=P)
+        b = h.malloc(4 * MiB, pool=P)
+        st = h.stats()
+        assert st["num_device_alloc"] == 10 and st["num_sync_all_streams"] == 0
+        segs = [s for s in gpumem.snapshot(h).to_torch()["segments"] if s["segment_pool_id"] == P]
+        assert [(s["total_size"], len(s["blocks"])) for s in segs] == [(20 * MiB, 3)]
+        h.pool_retain(Q)
+        h.sim_fail("create", nth=1, count=1)  # the next growth's first page
+        c = h.malloc(4 * MiB, pool=Q)
+        h.sim_fail("create", nth=0)
+        assert h.stats()["reserved_bytes.all.current"] == 24 * MiB  # Q: the request's two pages
+        h.capture_end()
+        h.check()
+        for p in (a, b, c):
+            h.free(p)
+        h.pool_release(P)
+        h.pool_release(Q)
+
+
 def test_chunk_refused_with_room_falls_back_to_single_pages():
     with gpumem.Heap(capacity=8 * GiB) as h:
         h.sim_fail("create", nth=2, count=1)  # the first inner chunk of 64 pages (GM_ENOMEM)

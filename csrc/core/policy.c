@@ -60,8 +60,10 @@
  *   requests share the segment and make no device call.  The pages stay
  *   single: a pool's pages cannot move while it lives, and once it ends its
  *   free ones can.  A pool's free memory serves only the pool, which is the
- *   cost: up to 20 MiB less the request per growth.  No_split pools, and
- *   growth during a capture, take only their own pages.
+ *   cost: up to 20 MiB less the request per growth.  No_split pools take
+ *   only their own pages.  A growth during a capture reaches ahead too, as a
+ *   native segment made during one does: it only creates and maps pages and
+ *   asks the device what is free, none of which a capture forbids.
  *
  *   Tunables, measured by replaying the shipped traces (docs/benchmarks.md,
  *   "Policy: room vs pressure"):

@@ -78,8 +78,9 @@ int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block *
     h->st.num_alloc_retries++;
     size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
     int single = 0; /* the device refused a chunk: single pages from then on */
-    /* What the growth places: a pool's, far from pressure, torch's segment (POLICY). */
-    size_t want = pool && !h->no_sync ? h_pool_reach(h, pool, size) : size;
+    /* What the growth places: a pool's, far from pressure, torch's segment
+     * (POLICY), during a capture too, as torch's segments are. */
+    size_t want = pool ? h_pool_reach(h, pool, size) : size;
 again:;
     gm_block *b;
     int dev_err = GM_OK, recycled = 0, synced = 0;
@@ -87,7 +88,7 @@ again:;
     size_t ahead = 0; /* pages mapped past the range (room_ahead) */
     grant = 0;
     if (h->no_sync) {
-        pl = h_place(h, size, s, pool);
+        pl = h_place(h, want, s, pool);
         if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
         synced = 1; /* as if: no defragmentation below */
         goto placed;
