@@ -1,4 +1,5 @@
-"""What several benchmarks do alike: run one measurement in a fresh interpreter, and write the results.
+"""What several benchmarks do alike: run one measurement in a fresh interpreter, write the results, and
+print them as Markdown tables.
 
 A benchmark that compares allocators measures each in a process of its own (an allocator is chosen once
 a process): it runs itself with its own `--one ...` arguments, and the child prints its result as one
@@ -10,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 def last_json_line(text: str) -> Optional[dict]:
@@ -41,3 +42,14 @@ def write_json(path: Optional[str], obj) -> None:
         json.dump(obj, f, indent=1)
         f.write("\n")
     print("wrote", path)
+
+
+def markdown_row(cells: Iterable) -> str:
+    """One row of a Markdown table: the cells, each as str() gives it, between bars."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def markdown_head(names: str) -> str:
+    """A Markdown table's first two lines: the column names (separated by " | ", as the table shows
+    them) between bars, and the rule under them."""
+    return f"| {names} |\n|" + "---|" * (names.count(" | ") + 1)

@@ -52,6 +52,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from common import last_json_line, markdown_head, markdown_row
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 ALLOCATORS = ("native", "gpumem")
@@ -398,10 +400,9 @@ def _run_child(args, timeout):
         cwd=str(REPO),
     )
     wall = time.perf_counter() - t0
-    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-    if p.returncode or not lines:
+    out = last_json_line(p.stdout)
+    if p.returncode or out is None:
         raise RuntimeError(f"child {' '.join(map(str, args))} failed (rc {p.returncode}):\n{p.stderr[-2500:]}")
-    out = json.loads(lines[-1])
     out["wall_s"] = wall
     return out
 
@@ -545,6 +546,42 @@ def within(forecast, truth):
 
 def _pct(a, b):
     return f"{100.0 * (a - b) / b:+.2f}%" if a is not None and b else "-"
+
+
+SEARCH_HEAD = (
+    "model | knob | allocator | forecast | truth | within | peak alloc forecast GiB | measured GiB | diff "
+    "| forecast s | search s | ratio"
+)
+PROBE_HEAD = (
+    "model | knob | runs (GPU / model) | peak reserved GPU GiB | model GiB | diff | peak allocated diff "
+    "| model on the probe's trace: runs, reserved diff | events forecast / probe"
+)
+_YN = {True: "yes", False: "OOM", None: "-"}
+
+
+def _gib(b):
+    return f"{b / GiB if b else 0:.3f}"
+
+
+def _search_cells(w):
+    """One row of the forecast-versus-search table."""
+    fp, mp = w["forecast_peak_allocated"], w["measured_peak_allocated"]
+    truth = f"{w['truth']}{'' if w['truth_complete'] else ' (incomplete)'}"
+    ratio = w["time_ratio"] if w["time_ratio"] is None else round(w["time_ratio"], 3)
+    times = [f"{w[k] or 0:.1f}" for k in ("forecast_s", "search_s")]
+    head = [w["model"], w["knob"], w["allocator"], w["forecast"], truth, "yes" if w["within"] else "NO"]
+    return [*head, _gib(fp), _gib(mp), _pct(fp, mp), *times, ratio]
+
+
+def _probe_cells(c):
+    """One row of the model-versus-probes table."""
+    mr, fr = c["measured_peak_reserved"], c["model_peak_reserved"]
+    ma, fa = c["measured_peak_allocated"], c["model_peak_allocated"]
+    pr = c.get("model_on_probe_trace_peak_reserved")
+    runs = f"{_YN[c['measured_ok']]} / {_YN[c['model_ok']]}"
+    on_probe = f"{_YN[c.get('model_on_probe_trace_ok')]}, {_pct(pr, mr)}"
+    events = f"{c['forecast_events']} / {c.get('probe_events', '-')}"
+    return [c["model"], c["k"], runs, _gib(mr), f"{fr / GiB:.3f}", _pct(fr, mr), _pct(fa, ma), on_probe, events]
 
 
 def main():
@@ -694,42 +731,17 @@ def main():
             rows.append(row)
     results["rows"] = rows
     results["wall_s"] = time.monotonic() - start
-    hdr = (
-        "| model | knob | allocator | forecast | truth | within | peak alloc forecast GiB | measured GiB | diff "
-        "| forecast s | search s | ratio |"
-    )
-    print(hdr)
-    print("|" + "---|" * 12)
+    print(markdown_head(SEARCH_HEAD))
     for w in rows:
-        fp, mp = w["forecast_peak_allocated"], w["measured_peak_allocated"]
-        print(
-            f"| {w['model']} | {w['knob']} | {w['allocator']} | {w['forecast']} | {w['truth']}"
-            f"{'' if w['truth_complete'] else ' (incomplete)'} | {'yes' if w['within'] else 'NO'} "
-            f"| {fp / GiB if fp else 0:.3f} | {mp / GiB if mp else 0:.3f} | {_pct(fp, mp)} "
-            f"| {w['forecast_s'] or 0:.1f} | {w['search_s'] or 0:.1f} "
-            f"| {w['time_ratio'] if w['time_ratio'] is None else round(w['time_ratio'], 3)} |"
-        )
+        print(markdown_row(_search_cells(w)))
     print(
         f"(device {results['device']}, cap {a.cap_gib} GiB a process, {jobs} probes at once, "
         f"{results['wall_s']:.0f} s in all)"
     )
     print()
-    print(
-        "| model | knob | runs (GPU / model) | peak reserved GPU GiB | model GiB | diff | peak allocated diff "
-        "| model on the probe's trace: runs, reserved diff | events forecast / probe |"
-    )
-    print("|" + "---|" * 9)
-    yn = {True: "yes", False: "OOM", None: "-"}
+    print(markdown_head(PROBE_HEAD))
     for c in checks:
-        mr, fr = c["measured_peak_reserved"], c["model_peak_reserved"]
-        ma, fa = c["measured_peak_allocated"], c["model_peak_allocated"]
-        pr = c.get("model_on_probe_trace_peak_reserved")
-        print(
-            f"| {c['model']} | {c['k']} | {yn[c['measured_ok']]} / {yn[c['model_ok']]} "
-            f"| {mr / GiB if mr else 0:.3f} | {fr / GiB:.3f} | {_pct(fr, mr)} | {_pct(fa, ma)} "
-            f"| {yn[c.get('model_on_probe_trace_ok')]}, {_pct(pr, mr)} "
-            f"| {c['forecast_events']} / {c.get('probe_events', '-')} |"
-        )
+        print(markdown_row(_probe_cells(c)))
     print("(native probes: the model of torch's allocator replaying the forecast's trace under the same cap)")
     results["model_vs_probes"] = checks
     if a.out:

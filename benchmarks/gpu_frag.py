@@ -18,7 +18,7 @@ import random
 import sys
 import time
 
-from common import run_child, write_json
+from common import markdown_head, markdown_row, run_child, write_json
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -83,6 +83,18 @@ def scenario(use):
     )
 
 
+HEAD = "allocator | filled | kept / made | allocated GiB | reserved GiB | free in holes GiB | request GiB | result"
+
+
+def _cells(r):
+    """One allocator's row of the table."""
+    g = lambda b: f"{b / GiB:.2f}"
+    res = f"ok ({r['seconds']} s)" if r["big_ok"] else "OutOfMemoryError: " + r["error"][:90]
+    kept = f"{r['kept']} / {r['tensors']}"
+    sizes = [g(r[k]) for k in ("allocated", "reserved", "free_in_holes", "request")]
+    return [r["allocator"], f"{r['fill_fraction']:.1%}", kept, *sizes, res]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", choices=["native", "gpumem"])
@@ -94,17 +106,9 @@ def main():
     rows = [run_child(__file__, ["--one", use], use) for use in ("native", "gpumem")]
     if None in rows:
         sys.exit(1)
-    g = lambda b: f"{b / GiB:.2f}"
-    print(
-        "| allocator | filled | kept / made | allocated GiB | reserved GiB | free in holes GiB | request GiB | result |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print(markdown_head(HEAD))
     for r in rows:
-        res = f"ok ({r['seconds']} s)" if r["big_ok"] else "OutOfMemoryError: " + r["error"][:90]
-        print(
-            f"| {r['allocator']} | {r['fill_fraction']:.1%} | {r['kept']} / {r['tensors']} | {g(r['allocated'])} | "
-            f"{g(r['reserved'])} | {g(r['free_in_holes'])} | {g(r['request'])} | {res} |"
-        )
+        print(markdown_row(_cells(r)))
     write_json(a.json, rows)
 
 

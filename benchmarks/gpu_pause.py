@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from common import markdown_head, markdown_row
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -85,6 +87,30 @@ def one_size(torch, gpumem, size, backup, rounds):
     }
 
 
+HEAD = (
+    "pool | backup | pages | shared | returned (mem_get_info) | % of pool pages | pause ms | resume ms "
+    "| resume us/page | pause: sync / copy / unmap+release ms | resume: pages / map+access / copy ms | contents"
+)
+
+
+def _cells(r):
+    """One pool size's row of the table."""
+    pp, rp = r["pause_phases_ms"], r["resume_phases_ms"]
+    contents = "-" if r["contents_ok"] is None else ("ok" if r["contents_ok"] else "CHANGED")
+    return [
+        f"{r['size_bytes'] / GiB:g} GiB",
+        "yes" if r["backup"] else "no",
+        r["pages_released"],
+        r["shared_pages"],
+        f"{r['returned_bytes'] / GiB:.3f} GiB",
+        f"{r['returned_pct']:.2f}%",
+        *(f"{r[k]:.1f}" for k in ("pause_ms", "resume_ms", "resume_us_per_page")),
+        " / ".join(f"{pp[k]:.1f}" for k in ("sync", "copy", "map")),
+        " / ".join(f"{rp[k]:.1f}" for k in ("pages", "map", "copy")),
+        contents,
+    ]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,10,40", help="pool sizes in GiB, comma-separated")
@@ -118,21 +144,9 @@ def main(argv=None):
 
     print(f"device: {torch.cuda.get_device_name(0)} ({total / GiB:.0f} GiB), torch {torch.__version__}")
     print()
-    print(
-        "| pool | backup | pages | shared | returned (mem_get_info) | % of pool pages | pause ms | resume ms "
-        "| resume us/page | pause: sync / copy / unmap+release ms | resume: pages / map+access / copy ms | contents |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(markdown_head(HEAD))
     for r in rows:
-        pp, rp = r["pause_phases_ms"], r["resume_phases_ms"]
-        print(
-            f"| {r['size_bytes'] / GiB:g} GiB | {'yes' if r['backup'] else 'no'} | {r['pages_released']} "
-            f"| {r['shared_pages']} | {r['returned_bytes'] / GiB:.3f} GiB | {r['returned_pct']:.2f}% "
-            f"| {r['pause_ms']:.1f} | {r['resume_ms']:.1f} | {r['resume_us_per_page']:.1f} "
-            f"| {pp['sync']:.1f} / {pp['copy']:.1f} / {pp['map']:.1f} "
-            f"| {rp['pages']:.1f} / {rp['map']:.1f} / {rp['copy']:.1f} "
-            f"| {'-' if r['contents_ok'] is None else ('ok' if r['contents_ok'] else 'CHANGED')} |"
-        )
+        print(markdown_row(_cells(r)))
     for s in skipped:
         print(f"skipped: {s['size_bytes'] / GiB:g} GiB, backup={s['backup']}: only {s['why']}")
     goals = {}

@@ -38,6 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import markdown_head, markdown_row  # noqa: E402
 from compare.workloads import LLAMA_CONFIG  # noqa: E402
 
 WORKLOADS = ["llama_varlen", "llama_varlen_cap", "gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
@@ -161,10 +162,10 @@ def child(use, names):
 
 def _table(rows, names, allocators):
     head = (
-        "| workload | allocator | median step ms | ÷ native | whole run ms | ÷ native | peak reserved GiB "
-        "| peak live GiB | OOMs | after warm-up: creates / maps / remaps (pages) / syncs |"
+        "workload | allocator | median step ms | ÷ native | whole run ms | ÷ native | peak reserved GiB "
+        "| peak live GiB | OOMs | after warm-up: creates / maps / remaps (pages) / syncs"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [markdown_head(head)]
     for name in names:
         base = None
         for use in allocators:
@@ -187,10 +188,8 @@ def _table(rows, names, allocators):
 
             calls = f"{most('num_device_alloc')} / {most('num_maps')} / {most('num_remaps')} "
             calls += f"({most('num_pages_remapped')}) / {most('num_sync_all_streams')}"
-            lines.append(
-                f"| {name} | {use} | {med:.2f} | {rel[0]} | {tot:.1f} | {rel[1]} | {res:.2f} | {live:.2f} "
-                f"| {ooms} | {calls} |"
-            )
+            cells = [name, use, f"{med:.2f}", rel[0], f"{tot:.1f}", rel[1], f"{res:.2f}", f"{live:.2f}", ooms, calls]
+            lines.append(markdown_row(cells))
     return "\n".join(lines)
 
 

@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from common import markdown_head, markdown_row  # noqa: E402
 from compare import multistream  # noqa: E402
 from compare.report import write_json  # noqa: E402
 from compare.traces import find_traces, trace_name  # noqa: E402
@@ -291,7 +292,7 @@ def markdown(doc: dict) -> str:
     delays = doc["options"]["event_delays"]
     head = ["trace", "streams", "peak live (GiB)", "GPU min cap / peak live"]
     head += [f"sim d={d} / peak live" for d in delays] + [f"GPU / sim d={d}" for d in delays]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [markdown_head(" | ".join(head))]
     for name, t in doc["traces"].items():
         g = t["gpu"]
         gpu_cell = _r(g.get("ratio"))
@@ -309,7 +310,7 @@ def markdown(doc: dict) -> str:
         for d in delays:
             x = t["gpu_over_sim"].get(str(d))
             row.append("-" if x is None else _r(x) + (" ✗" if x > GOAL_GPU_OVER_SIM else ""))
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(markdown_row(row))
     notes = [
         "",
         f"GPU: smallest cap in which a fresh process replays the trace under gpumem with torch.empty/del "

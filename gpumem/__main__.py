@@ -23,9 +23,12 @@ from . import __version__
 from . import _cli_viz
 from . import _cli_forecast
 from ._cli_viz import (
+    EXIT_OK,
+    EXIT_USAGE,
     _capacity_arg,
     _error_line,
     _size_arg,
+    _usage_failure,
     _whole_arg,
     debug_requested,
     describe_error,
@@ -35,8 +38,6 @@ from ._units import format_size
 from .replay import min_capacity, replay
 from .trace import TraceError, load_trace
 
-EXIT_OK = 0
-EXIT_USAGE = 2
 # Replays longer than this get a progress bar even when stderr is not a terminal.
 LONG_REPLAY_EVENTS = 2_000_000
 
@@ -341,8 +342,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         return args._run(args)
     except UsageError as e:
-        _error_line(str(e))
-        return EXIT_USAGE
+        return _usage_failure(str(e))
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -356,8 +356,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # a bug): one line, unless a traceback was asked for.
         if debug_requested(args):
             raise
-        _error_line(describe_error(e))
-        return EXIT_USAGE
+        return _usage_failure(describe_error(e))
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ import argparse
 import json
 import sys
 
-from ._cli_viz import _error_line, _size_arg, _whole_arg
+from ._cli_viz import EXIT_OK, _size_arg, _usage_failure, _whole_arg
 from .forecast import Forecast, ForecastError
 from .trace import TraceError
 
-EXIT_OK, EXIT_USAGE = 0, 2
 HELP = "forecast the memory at any batch or sequence length, and the largest that fits, from 2-3 recorded steps"
 
 
@@ -73,11 +72,9 @@ def add_forecast_args(p: argparse.ArgumentParser) -> None:
 
 def run_forecast(args) -> int:
     if len(args.traces) < 2:
-        _error_line("forecast needs two or more traces, one per --knob value")
-        return EXIT_USAGE
+        return _usage_failure("forecast needs two or more traces, one per --knob value")
     if len(args.traces) != len(args.knob):
-        _error_line(f"{len(args.traces)} traces but {len(args.knob)} --knob values: give one value per trace")
-        return EXIT_USAGE
+        return _usage_failure(f"{len(args.traces)} traces but {len(args.knob)} --knob values: give one value per trace")
     capacity = args.device_memory or args.cap
     try:
         fc = Forecast.from_traces(
@@ -93,15 +90,10 @@ def run_forecast(args) -> int:
             fc.plot(args.plot)
         if args.html:
             fc.to_html(args.html)
-    except (TraceError, ForecastError) as e:
-        _error_line(str(e))
-        return EXIT_USAGE
-    except ImportError as e:
-        _error_line(str(e))
-        return EXIT_USAGE
+    except (TraceError, ForecastError, ImportError) as e:
+        return _usage_failure(str(e))
     except OSError as e:
-        _error_line(f"cannot write {e.filename}: {e.strerror or e}")
-        return EXIT_USAGE
+        return _usage_failure(f"cannot write {e.filename}: {e.strerror or e}")
     if not fc.aligned:
         print(f"gpumem: warning: {fc.alignment.message}; only peak live is estimated", file=sys.stderr)
     if args.json:

@@ -39,6 +39,12 @@ def _error_line(message: str) -> None:
     print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
 
 
+def _usage_failure(message: str) -> int:
+    """Say what is wrong as the one error line; the exit status for it."""
+    _error_line(message)
+    return EXIT_USAGE
+
+
 def debug_requested(args=None) -> bool:
     """Whether a failure should show its traceback (--debug, or GPUMEM_DEBUG set and not 0)."""
     if getattr(args, "debug", False):
@@ -295,36 +301,30 @@ def run_explain(args) -> int:
     try:
         trace = load_trace(path, device=args.device)
     except TraceError as e:
-        _error_line(str(e))
-        return EXIT_USAGE
+        return _usage_failure(str(e))
     src = trace.path  # the file a short name resolved to
     try:
         oom = _torch_oom_point(_load_plain(src), device, src) if trace.format == "snapshot" else None
         if oom is not None:
             trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
     except TraceError as e:
-        _error_line(str(e))
-        return EXIT_USAGE
+        return _usage_failure(str(e))
     if not trace.n_events:
-        _error_line(f"{path}: no allocations and no OOM: nothing to explain")
-        return EXIT_USAGE
+        return _usage_failure(f"{path}: no allocations and no OOM: nothing to explain")
     capacity = args.capacity or (oom.capacity if oom else None)
     if capacity is None:
-        _error_line(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
-        return EXIT_USAGE
+        return _usage_failure(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
     if capacity <= 0:
-        _error_line(
+        return _usage_failure(
             f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
             f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE"
         )
-        return EXIT_USAGE
     if capacity > MAX_SIM_CAPACITY:
-        _error_line(
+        return _usage_failure(
             f"{path}: torch's OOM event implies a device of {capacity} bytes (reserved {oom.reserved} + device "
             f"free {oom.device_free}), more than the simulated device holds ({format_size(MAX_SIM_CAPACITY)}); "
             "give --capacity SIZE"
         )
-        return EXIT_USAGE
     res = replay(trace, capacity, timing=False)
     ok = res.ooms == 0
     need = min_capacity(trace)

@@ -11,6 +11,8 @@ import os
 import tarfile
 from typing import Dict, List, Optional
 
+from common import markdown_head, markdown_row
+
 SCHEMA = "gpumem-gpu-compare/1"
 GiB = 1 << 30
 MiB = 1 << 20
@@ -120,9 +122,7 @@ def status_cell(row: dict) -> Optional[str]:
 
 
 def md_table(header: List[str], rows: List[List[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+    return "\n".join([markdown_head(" | ".join(header)), *(markdown_row(r) for r in rows)])
 
 
 def _index(rows: List[dict], key: str) -> Dict[tuple, dict]:

@@ -34,8 +34,7 @@ void fi_insert(gm_freeindex *fi, gm_block *b) {
         prev->lnext = b;
     else
         *slot = b;
-    fi->sl_bitmap[fl] |= 1u << sl;
-    fi->fl_bitmap |= 1ull << fl;
+    fi_bin_filled(&fi->fl_bitmap, fi->sl_bitmap, fl, sl);
     fi->count++;
     fi->bytes += b->size;
 }
@@ -49,10 +48,7 @@ void fi_remove(gm_freeindex *fi, gm_block *b) {
         fi->bins[fl][sl] = b->lnext;
     if (b->lnext) b->lnext->lprev = b->lprev;
     b->lprev = b->lnext = NULL;
-    if (!fi->bins[fl][sl]) {
-        fi->sl_bitmap[fl] &= ~(1u << sl);
-        if (!fi->sl_bitmap[fl]) fi->fl_bitmap &= ~(1ull << fl);
-    }
+    if (!fi->bins[fl][sl]) fi_bin_emptied(&fi->fl_bitmap, fi->sl_bitmap, fl, sl);
     fi->count--;
     fi->bytes -= b->size;
 }
@@ -170,16 +166,14 @@ void fi_move_if(gm_freeindex *dst, gm_freeindex *src, int (*pred)(const gm_block
             *go_tail = *stay_tail = NULL;
             if (!go) continue;
             src->bins[fl][sl] = stay;
-            if (!stay) src->sl_bitmap[fl] &= ~(1u << sl);
+            if (!stay) fi_bin_emptied(&src->fl_bitmap, src->sl_bitmap, fl, sl);
             src->count -= n;
             src->bytes -= bytes;
             merge_into(&dst->bins[fl][sl], go, fn, arg);
-            dst->sl_bitmap[fl] |= 1u << sl;
-            dst->fl_bitmap |= 1ull << fl;
+            fi_bin_filled(&dst->fl_bitmap, dst->sl_bitmap, fl, sl);
             dst->count += n;
             dst->bytes += bytes;
         }
-        if (!src->sl_bitmap[fl]) src->fl_bitmap &= ~(1ull << fl);
     }
 }
 

@@ -54,6 +54,18 @@ static inline unsigned fi_fl_sl(size_t units, unsigned *sl) {
     return f - FI_SL_BITS + 1u;
 }
 
+/* Bin (fl, sl) of an index with these bitmaps holds blocks now. */
+static inline void fi_bin_filled(uint64_t *fl_bitmap, uint32_t *sl_bitmap, unsigned fl, unsigned sl) {
+    sl_bitmap[fl] |= 1u << sl;
+    *fl_bitmap |= 1ull << fl;
+}
+
+/* Bin (fl, sl) of an index with these bitmaps is empty now. */
+static inline void fi_bin_emptied(uint64_t *fl_bitmap, uint32_t *sl_bitmap, unsigned fl, unsigned sl) {
+    sl_bitmap[fl] &= ~(1u << sl);
+    if (!sl_bitmap[fl]) *fl_bitmap &= ~(1ull << fl);
+}
+
 /* The first non-empty bin at or after bin (fl, *sl) of an index with these
  * bitmaps: its first level, and *sl its second; FI_FL if there is none. */
 static inline unsigned fi_first_bin(uint64_t fl_bitmap, const uint32_t *sl_bitmap, unsigned fl, unsigned *sl) {

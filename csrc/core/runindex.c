@@ -34,8 +34,7 @@ void ri_insert(gm_runindex *ri, gm_block *b) {
     b->rnext = *slot;
     if (*slot) (*slot)->rprev = b;
     *slot = b;
-    ri->sl_bitmap[fl] |= 1u << sl;
-    ri->fl_bitmap |= 1ull << fl;
+    fi_bin_filled(&ri->fl_bitmap, ri->sl_bitmap, fl, sl);
     ri->count++;
     ri->bytes += b->run_len;
 }
@@ -49,10 +48,7 @@ void ri_remove(gm_runindex *ri, gm_block *b) {
         ri->bins[fl][sl] = b->rnext;
     if (b->rnext) b->rnext->rprev = b->rprev;
     b->rprev = b->rnext = NULL;
-    if (!ri->bins[fl][sl]) {
-        ri->sl_bitmap[fl] &= ~(1u << sl);
-        if (!ri->sl_bitmap[fl]) ri->fl_bitmap &= ~(1ull << fl);
-    }
+    if (!ri->bins[fl][sl]) fi_bin_emptied(&ri->fl_bitmap, ri->sl_bitmap, fl, sl);
     ri->count--;
     ri->bytes -= b->run_len;
 }
