@@ -262,3 +262,82 @@ def test_restoring_a_pools_checkpoint_gives_back_its_segments_as_they_were():
         assert segments() == before
         h.free(a)
         h.pool_release(pool)
+
+
+def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_against_the_cap():
+    # torch.cuda.MemPool(allocator): the pool's memory comes from the allocator's two functions, in
+    # segments sized as torch's (20 MiB for 1 to 10 MiB, 2 MiB for a small request), reused by the
+    # pool, counted against the memory fraction, lent on OOM by a use_on_oom pool, and given back
+    # once the pool has ended and its blocks are freed.
+    r = run_py("""
+        ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+        FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+        made, gone, refuse = [], [], []
+        def fake_alloc(size, device, stream):
+            if refuse:
+                return None
+            made.append(size)
+            return (1 << 44) + len(made) * (1 << 30)   # never touched: the simulated device reads nothing
+        def fake_free(ptr, size, device, stream):
+            gone.append((ptr, size))
+        a_fn, f_fn = ALLOC(fake_alloc), FREE(fake_free)
+        A = ctypes.cast(a_fn, ctypes.c_void_p).value
+        F = ctypes.cast(f_fn, ctypes.c_void_p).value
+        P, Q = (0, 1 << 62 | 1), (0, 1 << 62 | 2)
+        _C._torch_ext_attach(0, P, A, F, False)
+        _C._torch_ext_attach(0, Q, A, F, True)
+        begin(0, *P, ANY)
+        x = _C._torch_test_alloc(3 * MiB, 0)
+        y = _C._torch_test_alloc(3 * MiB, 0)
+        z = _C._torch_test_alloc(100, 0)
+        end(0, *P)
+        segs = [(b, [(n, u) for _, n, u in bl]) for b, bl in _C._torch_ext_segments(0, P)]
+        res = dict(made=list(made), xy=y - x, segs=sorted(segs, key=lambda s: s[0]))
+        memory_fraction(64 * MiB / GiB, 0)          # 64 MiB: the pool's segments hold 22 of them
+        def fails(size):
+            try:
+                free(_C._torch_test_alloc(size, 0), size, 0, None)
+                return False
+            except RuntimeError as e:
+                return "CUDA out of memory" in str(e)
+        res["over"], res["under"] = fails(50 * MiB), fails(40 * MiB)
+        empty_cache()                               # routed to a pool, the heap may not release its cache
+        begin(0, *Q, ANY)
+        q = _C._torch_test_alloc(30 * MiB, 0)
+        end(0, *Q)
+        free(q, 30 * MiB, 0, None)                  # cached in Q: 52 MiB held outside the heap now
+        lent = _C._torch_test_alloc(16 * MiB, 0)    # the heap may grow by 12 MiB at most: Q lends its block
+        res["lent"] = lent == q
+        free(lent, 16 * MiB, 0, None)
+        refuse.append(1)
+        begin(0, *P, ANY)
+        try:
+            _C._torch_test_alloc(30 * MiB, 0)
+        except RuntimeError as e:
+            res["refused"] = str(e)
+        end(0, *P)
+        res["detached"] = _C._torch_ext_detach(0, P)
+        res["gone_while_live"] = list(gone)
+        for p, n in ((x, 3 * MiB), (y, 3 * MiB), (z, 100)):
+            free(p, n, 0, None)
+        res["gone"] = [n for _, n in gone]
+        _C._torch_ext_detach(0, Q)
+        res["all_gone"] = sorted(n for _, n in gone)
+        memory_fraction(1.0, 0)
+        res["errors"] = _C._torch_counters()["free_errors"]
+        _C.registry_heap(0).check()
+        out(**res)
+    """)
+    MiB = 1 << 20
+    assert r["made"] == [20 * MiB, 2 * MiB] and r["xy"] == 3 * MiB
+    assert [s[1] for s in r["segs"]] == [
+        [[3 * MiB, True], [3 * MiB, True], [14 * MiB, False]],
+        [[512, True], [2 * MiB - 512, False]],
+    ]
+    assert r["over"] and not r["under"]
+    assert r["lent"]
+    assert "CUDA out of memory" in r["refused"] and "its own allocator" in r["refused"]
+    assert r["detached"] and r["gone_while_live"] == []
+    assert sorted(r["gone"]) == [2 * MiB, 20 * MiB]
+    assert r["all_gone"] == [2 * MiB, 20 * MiB, 30 * MiB]
+    assert r["errors"] == 0

@@ -17,6 +17,7 @@ typedef struct slot {
     _Atomic(gm_heap *) heap;
     pthread_mutex_t mu;   /* creation, and device calls made outside the heap */
     double fraction;      /* from gm_heap_registry_set_fraction; < 0: none (guarded by mu) */
+    size_t outside;       /* bytes pools over other allocators hold of the cap (guarded by mu) */
     _Atomic size_t limit; /* effective cap: SIZE_MAX for none */
 } slot;
 
@@ -98,6 +99,20 @@ static size_t wanted_cap(gm_heap *h, const gm_heap_registry_options *o, double f
     return cap;
 }
 
+/* Gives the heap the cap it should have, less what pools over other
+ * allocators hold of it (ext_pool.c), and publishes the limit. */
+static void apply_cap(slot *s, gm_heap *h) {
+    gm_heap_registry_options o = options_snapshot();
+    pthread_mutex_lock(&s->mu);
+    double fraction = s->fraction;
+    size_t outside = s->outside;
+    pthread_mutex_unlock(&s->mu);
+    size_t cap = wanted_cap(h, &o, fraction);
+    if (cap && outside) cap = cap > outside ? cap - outside : 1;
+    gm_set_cap(h, cap);
+    refresh_limit(s, h);
+}
+
 /* GM_OK, or GM_EINVAL with the reason in err: the core's for the heap's options. */
 static int check_options(const gm_heap_registry_options *o, char *err, size_t errlen) {
     if (!o)
@@ -119,12 +134,7 @@ int gm_heap_registry_configure(const gm_heap_registry_options *o, char *err, siz
     pthread_mutex_unlock(&opts_mu);
     for (int d = 0; d < GM_HEAP_REGISTRY_MAX_DEVICES; d++) {
         gm_heap *h = gm_heap_registry_get(d);
-        if (!h) continue;
-        pthread_mutex_lock(&slots[d].mu);
-        double fraction = slots[d].fraction;
-        pthread_mutex_unlock(&slots[d].mu);
-        gm_set_cap(h, wanted_cap(h, o, fraction));
-        refresh_limit(&slots[d], h);
+        if (h) apply_cap(&slots[d], h);
     }
     return GM_OK;
 }
@@ -206,11 +216,45 @@ void gm_heap_registry_set_fraction(int device, double fraction) {
     s->fraction = fraction;
     gm_heap *h = atomic_load_explicit(&s->heap, memory_order_acquire);
     pthread_mutex_unlock(&s->mu);
+    if (h) apply_cap(s, h);
+}
+
+/* Whether the heap's reserved memory and `outside` bytes fit under `cap`. */
+static int fits(gm_heap *h, size_t cap, size_t outside) {
+    gm_oom_info info;
+    gm_memory_report(h, 0, &info);
+    return info.reserved_bytes + outside <= cap;
+}
+
+int gm_heap_registry_take_outside(int device, size_t bytes) {
+    if (!gm_heap_registry_valid(device)) return GM_EINVAL;
+    slot *s = &slots[device];
+    gm_heap *h = gm_heap_registry_get(device);
     if (h) {
         gm_heap_registry_options o = options_snapshot();
-        gm_set_cap(h, wanted_cap(h, &o, fraction));
-        refresh_limit(s, h);
+        pthread_mutex_lock(&s->mu);
+        double fraction = s->fraction;
+        size_t outside = s->outside + bytes;
+        pthread_mutex_unlock(&s->mu);
+        size_t cap = wanted_cap(h, &o, fraction);
+        if (cap && !fits(h, cap, outside) && (gm_capturing(h) || gm_empty_cache(h) != GM_OK || !fits(h, cap, outside)))
+            return GM_ENOMEM;
     }
+    pthread_mutex_lock(&s->mu);
+    s->outside += bytes;
+    pthread_mutex_unlock(&s->mu);
+    if (h) apply_cap(s, h);
+    return GM_OK;
+}
+
+void gm_heap_registry_give_outside(int device, size_t bytes) {
+    if (!gm_heap_registry_valid(device)) return;
+    slot *s = &slots[device];
+    pthread_mutex_lock(&s->mu);
+    s->outside -= bytes < s->outside ? bytes : s->outside;
+    pthread_mutex_unlock(&s->mu);
+    gm_heap *h = gm_heap_registry_get(device);
+    if (h) apply_cap(s, h);
 }
 
 size_t gm_heap_registry_limit(int device) {

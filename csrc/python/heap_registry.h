@@ -70,6 +70,12 @@ int gm_heap_registry_set_cap(int device, size_t cap_bytes);
 /* A per-device fraction of the device's memory (< 0: none), which wins over
  * the configured caps; applied now if the device has a heap. */
 void gm_heap_registry_set_fraction(int device, double fraction);
+/* Memory a private pool took from another allocator (ext_pool.h) counts
+ * against the device's cap: take_outside GM_OK, or GM_ENOMEM when the heap
+ * and the pools together would pass it, even after the heap's empty_cache;
+ * give_outside when it goes back.  The heap's own cap is lowered by it. */
+int gm_heap_registry_take_outside(int device, size_t bytes);
+void gm_heap_registry_give_outside(int device, size_t bytes);
 /* The effective cap of a device's heap (SIZE_MAX: none). */
 size_t gm_heap_registry_limit(int device);
 /* Keep the last n events on every heap, now and later (0: off).  GM_EINVAL

@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ext_pool.h"
 #include "heap_registry.h"
 #include "torch_alloc.h"
 
@@ -521,6 +522,22 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
     return gm_oom_line(buf, len, o, device, procs, n_procs, h ? gm_heap_device(h)->last_error : nullptr);
 }
 
+/* An allocation routed to a pool over another allocator (ext_pool.h). */
+static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_pool_id pool) {
+    uintptr_t p = 0;
+    int rc = gm_ext_alloc(device, pool, size, stream, &p);
+    if (rc == GM_OK) return (void *)p;
+    if (rc == GM_ENOMEM) {
+        gm_oom_info info;
+        std::string msg = oom_message(device, h, size, &info);
+        observe_oom(device, size, info);
+        throw_oom(msg + " (The allocation was for a MemPool whose memory comes from its own allocator, "
+                        "which refused it or would pass the cap.)");
+    }
+    throw std::runtime_error("gpumem: allocation of " + std::to_string(size) + " bytes on GPU " +
+                             std::to_string(device) + " failed: its MemPool " + pool_name(pool) + " has ended");
+}
+
 /* ---- the entry points torch calls ---------------------------------------------- */
 
 extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
@@ -533,7 +550,9 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     event_context_scope events(ctx);
     uintptr_t p = 0;
     if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
+    if (pool && gm_ext_owns(device, *pool)) return ext_alloc(h, device, size, stream, *pool);
     if (size > gm_heap_registry_limit(device)) {
+        if (!pool && gm_ext_alloc_on_oom(device, size, stream, &p) == GM_OK) return (void *)p;
         gm_oom_info info;
         gm_memory_report(h, size, &info);
         std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
@@ -560,6 +579,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
             return (void *)p;
         }
     }
+    if (rc == GM_ENOMEM && !pool && gm_ext_alloc_on_oom(device, size, stream, &p) == GM_OK) return (void *)p;
     if (rc == GM_ENOMEM || rc == GM_EINVAL) {
         gm_oom_info info;
         std::string msg = oom_message(device, h, size, &info);
@@ -587,6 +607,7 @@ extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stre
     event_context_scope events(caller_context());
     int rc = h ? gm_free(h, (uintptr_t)ptr) : GM_EUNKNOWN_PTR;
     if (rc == GM_OK) report_to_profiler(h, device, ptr, -(int64_t)size);
+    if (rc == GM_EUNKNOWN_PTR) rc = gm_ext_free(device, (uintptr_t)ptr);
     if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
         fprintf(stderr,
                 "gpumem: free of %p on GPU %d failed: %s (further errors are counted "
@@ -615,6 +636,11 @@ extern "C" void gpumem_torch_record_stream(void *ptr, void *stream) {
     if (rc != GM_OK) {
         char p[32];
         snprintf(p, sizeof p, "%p", ptr);
+        for (int d = 0; d < GM_HEAP_REGISTRY_MAX_DEVICES; d++)
+            if (gm_ext_is_live(d, (uintptr_t)ptr))
+                throw std::runtime_error(std::string("gpumem: record_stream on ") + p +
+                                         ": memory of a MemPool with an allocator of its own is not stream-tracked "
+                                         "under gpumem; synchronise the streams instead");
         throw std::runtime_error(std::string("gpumem: record_stream on ") + p + ": " + gm_strerror(rc));
     }
 }
@@ -701,6 +727,7 @@ extern "C" void gpumem_torch_raw_delete(void *ptr) {
         gm_heap *h = gm_heap_registry_get(d);
         if (h) rc = gm_free(h, (uintptr_t)ptr);
     }
+    for (int d = 0; d < GM_HEAP_REGISTRY_MAX_DEVICES && rc == GM_EUNKNOWN_PTR; d++) rc = gm_ext_free(d, (uintptr_t)ptr);
     if (rc != GM_OK && c_free_errors.fetch_add(1) == 0)
         fprintf(stderr,
                 "gpumem: free of %p failed: %s (further errors are counted in "

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "ext_pool.h"
 #include "heap_registry.h"
 #include "torch_alloc.h"
 
@@ -156,6 +157,62 @@ static PyObject *g_active_pools(PyObject *Py_UNUSED(m), PyObject *a) {
     return out;
 }
 
+/* ---- pools over another allocator (ext_pool.h) ---------------------------------- */
+
+/* _torch_ext_attach(device, (a, b), alloc_address, free_address, use_on_oom) */
+static PyObject *g_ext_attach(PyObject *Py_UNUSED(m), PyObject *args) {
+    int device, use_on_oom;
+    gm_pool_id id;
+    unsigned long long fa, ff;
+    if (!PyArg_ParseTuple(args, "i(KK)KKp:_torch_ext_attach", &device, &id.first, &id.second, &fa, &ff, &use_on_oom))
+        return NULL;
+    if (!fa || !ff) return PyErr_Format(PyExc_ValueError, "_torch_ext_attach: a function address of 0");
+    if (gm_ext_attach(device, id, (gm_ext_alloc_fn)(uintptr_t)fa, (gm_ext_free_fn)(uintptr_t)ff, use_on_oom) != GM_OK)
+        return PyErr_Format(PyExc_ValueError,
+                            "pool (%llu, %llu) of device %d already has an allocator, or no such device",
+                            (unsigned long long)id.first, (unsigned long long)id.second, device);
+    Py_RETURN_NONE;
+}
+
+/* _torch_ext_detach(device, (a, b)) -> whether the pool had an allocator */
+static PyObject *g_ext_detach(PyObject *Py_UNUSED(m), PyObject *args) {
+    int device;
+    gm_pool_id id;
+    if (!PyArg_ParseTuple(args, "i(KK):_torch_ext_detach", &device, &id.first, &id.second)) return NULL;
+    return PyBool_FromLong(gm_ext_detach(device, id) == GM_OK);
+}
+
+/* _torch_ext_segments(device, (a, b)) -> [(base, [(addr, size, used)])] */
+static PyObject *g_ext_segments(PyObject *Py_UNUSED(m), PyObject *args) {
+    int device;
+    gm_pool_id id;
+    if (!PyArg_ParseTuple(args, "i(KK):_torch_ext_segments", &device, &id.first, &id.second)) return NULL;
+    enum {
+        MAX_BLOCKS = 4096,
+        MAX_SEGS = 1024
+    };
+    gm_ext_block_info *blocks = PyMem_Malloc(MAX_BLOCKS * sizeof *blocks);
+    size_t *per = PyMem_Malloc(MAX_SEGS * sizeof *per);
+    PyObject *out = blocks && per ? PyList_New(0) : PyErr_NoMemory();
+    size_t n = out ? gm_ext_segments(device, id, blocks, MAX_BLOCKS, per, MAX_SEGS) : 0, at = 0;
+    for (size_t i = 0; out && i < n && i < MAX_SEGS; i++) {
+        PyObject *bl = PyList_New(0);
+        for (size_t k = 0; bl && k < per[i] && at < MAX_BLOCKS; k++, at++) {
+            PyObject *t = Py_BuildValue("(KKO)", (unsigned long long)blocks[at].addr,
+                                        (unsigned long long)blocks[at].size, blocks[at].used ? Py_True : Py_False);
+            if (!t || PyList_Append(bl, t) < 0) Py_CLEAR(bl);
+            Py_XDECREF(t);
+        }
+        PyObject *seg =
+            bl ? Py_BuildValue("(KN)", (unsigned long long)(per[i] ? blocks[at - per[i]].addr : 0), bl) : NULL;
+        if (!seg || PyList_Append(out, seg) < 0) Py_CLEAR(out);
+        Py_XDECREF(seg);
+    }
+    PyMem_Free(blocks);
+    PyMem_Free(per);
+    return out;
+}
+
 static PyObject *g_cxx11_abi(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return PyLong_FromLong(gm_torch_cxx11_abi());
 }
@@ -229,6 +286,13 @@ static PyMethodDef glue_methods[] = {
     GM_PY_FN("_torch_counters", g_counters, METH_NOARGS, "_torch_counters() -> dict"),
     GM_PY_FN("_torch_active_pools", g_active_pools, METH_O,
              "_torch_active_pools(device) -> [(a, b)] pools allocations are routed to now, in order"),
+    GM_PY_FN("_torch_ext_attach", g_ext_attach, METH_VARARGS,
+             "_torch_ext_attach(device, pool, alloc_address, free_address, use_on_oom): the pool takes its memory "
+             "from another allocator's alloc/free functions"),
+    GM_PY_FN("_torch_ext_detach", g_ext_detach, METH_VARARGS,
+             "_torch_ext_detach(device, pool) -> bool: the pool has ended; its memory goes back to its allocator"),
+    GM_PY_FN("_torch_ext_segments", g_ext_segments, METH_VARARGS,
+             "_torch_ext_segments(device, pool) -> [(base, [(addr, size, used)])] of a pool over another allocator"),
     GM_PY_FN("_torch_cxx11_abi", g_cxx11_abi, METH_NOARGS,
              "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
     GM_PY_FN("_torch_set_oom_observer", g_set_oom_observer, METH_O,

@@ -616,6 +616,13 @@ def _patch(torch):
     # constructor needs createOrIncrefPool): gpumem's pool class takes its place.
     for owner in (torch.cuda, torch.cuda.memory):
         _replace(owner, "MemPool", _pools.MemPool)
+    # MemPool(allocator) calls the allocator's functions, whose addresses only its maker knows.
+    pluggable = _pools.pluggable_class(
+        _state["patched"].get((torch.cuda.memory, "CUDAPluggableAllocator"), torch.cuda.memory.CUDAPluggableAllocator)
+    )
+    for owner in (torch.cuda, torch.cuda.memory):
+        if hasattr(owner, "CUDAPluggableAllocator"):
+            _replace(owner, "CUDAPluggableAllocator", pluggable)
     if not _state["pool_hooks"]:
         _replace(torch.cuda.graphs.CUDAGraph, "capture_begin", _pools.refuse_capture)
 

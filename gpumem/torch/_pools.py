@@ -81,26 +81,41 @@ class MemPool:
     pool object goes away its free memory returns to the heap at once, and the
     memory of tensors that outlive it when they are freed.
 
-    allocator: torch's MemPool can take another allocator; under gpumem every
-    pool is gpumem's, so only None is accepted.  no_split: a block of the pool is
-    never split -- a request takes whole pages of its own, or a whole free block
-    of the pool.  use_on_oom: accepted for compatibility; gpumem never borrows a
-    pool's memory for other allocations.
+    allocator: another allocator's ``allocator()`` (a
+    torch.cuda.memory.CUDAPluggableAllocator made after gpumem.install()): the
+    pool's memory then comes from its alloc and free functions, in segments
+    sized as torch sizes them, cached for the pool and counted against the
+    device's cap, and given back once the pool has ended and nothing lives in
+    them (csrc/python/ext_pool.h).  no_split: a block of the pool is never
+    split -- a request takes whole pages of its own, or a whole free block of
+    the pool.  use_on_oom: a pool with an allocator of its own lends its free
+    blocks to an allocation that would otherwise run out of memory; gpumem's
+    own pools keep theirs.
     """
 
     def __init__(self, allocator=None, use_on_oom: bool = False, no_split: bool = False):
         import torch
 
+        fns = None
         if allocator is not None:
-            raise ValueError("gpumem.torch.MemPool: a pool under gpumem allocates with gpumem; pass no allocator")
+            fns = _pluggable.get(id(allocator))
+            if fns is None or fns[0] is not allocator:
+                raise ValueError(
+                    "gpumem.torch.MemPool: allocator must be the allocator() of a "
+                    "torch.cuda.memory.CUDAPluggableAllocator made after gpumem.install(); gpumem cannot call "
+                    "an allocator whose functions it does not know"
+                )
         if _hooks_error:
             raise RuntimeError(_hooks_error)
         self._device = torch.cuda.current_device()
         self._id = (0, _MEMPOOL_BASE + next(_mempool_ids))
+        self._allocator = allocator
         self.use_on_oom = bool(use_on_oom)
         self.no_split = bool(no_split)
         device_heap(self._device).pool_retain(self._id)
         self._alive = True
+        if fns is not None:
+            _C._torch_ext_attach(self._device, self._id, fns[1], fns[2], self.use_on_oom)
         if self.no_split:
             device_heap(self._device).pool_set_no_split(self._id, True)
 
@@ -111,7 +126,8 @@ class MemPool:
 
     @property
     def allocator(self):
-        return None
+        """The allocator the pool's memory comes from, or None for gpumem's."""
+        return self._allocator
 
     @property
     def device(self) -> int:
@@ -128,6 +144,8 @@ class MemPool:
         """The segments of this pool, in torch.cuda.memory_snapshot()'s format."""
         import torch
 
+        if self._allocator is not None:
+            return _ext_snapshot(self._device, self._id)
         try:
             return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
         except TypeError:  # a torch whose memory_snapshot has no include_traces
@@ -137,12 +155,74 @@ class MemPool:
         if getattr(self, "_alive", False):
             self._alive = False
             try:
+                if self._allocator is not None:
+                    _C._torch_ext_detach(self._device, self._id)
                 device_heap(self._device).pool_release(self._id)
             except Exception:  # noqa: BLE001 - at interpreter exit the heap may be gone
                 pass
 
     def __repr__(self) -> str:
         return f"<gpumem.torch.MemPool id={self._id} cuda:{self._device}>"
+
+
+# ---- pools over another allocator -------------------------------------------------------
+
+# id(torch's allocator object) -> (that object, alloc address, free address), for every
+# CUDAPluggableAllocator made while gpumem is installed; the object is kept, so its id
+# stays its own and its functions stay loaded while a pool may call them.
+_pluggable = {}
+
+
+def pluggable_class(base):
+    """torch.cuda.memory.CUDAPluggableAllocator that remembers the addresses of its two
+    functions, which torch's allocator object does not tell, so that MemPool(allocator)
+    can call them."""
+
+    class CUDAPluggableAllocator(base):
+        __doc__ = base.__doc__
+
+        def __init__(self, path_to_so_file, alloc_fn_name, free_fn_name):
+            super().__init__(path_to_so_file, alloc_fn_name, free_fn_name)
+            lib = ctypes.CDLL(path_to_so_file)
+            fns = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (alloc_fn_name, free_fn_name)]
+            _pluggable[id(self._allocator)] = (self._allocator, *fns)
+
+    CUDAPluggableAllocator.__module__ = base.__module__
+    return CUDAPluggableAllocator
+
+
+def _ext_snapshot(device: int, pool) -> list:
+    """The segments of a pool over another allocator, in torch's snapshot format."""
+    segs = []
+    for base, blocks in _C._torch_ext_segments(device, pool):
+        total = sum(b[1] for b in blocks)
+        used = sum(b[1] for b in blocks if b[2])
+        segs.append(
+            {
+                "device": device,
+                "address": base,
+                "total_size": total,
+                "allocated_size": used,
+                "active_size": used,
+                "requested_size": used,
+                "stream": 0,
+                "segment_type": "small" if total <= (2 << 20) else "large",
+                "segment_pool_id": tuple(pool),
+                "is_expandable": False,
+                "frames": [],
+                "blocks": [
+                    {
+                        "address": a,
+                        "size": n,
+                        "requested_size": n if u else 0,
+                        "state": "active_allocated" if u else "inactive",
+                        "frames": [],
+                    }
+                    for a, n, u in blocks
+                ],
+            }
+        )
+    return segs
 
 
 # ---- cudagraph trees --------------------------------------------------------------------
