@@ -268,7 +268,7 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
     # torch.cuda.MemPool(allocator): the pool's memory comes from the allocator's two functions, in
     # segments sized as torch's (20 MiB for 1 to 10 MiB, 2 MiB for a small request), reused by the
     # pool, counted against the memory fraction, lent on OOM by a use_on_oom pool, and given back
-    # once the pool has ended and its blocks are freed.
+    # at the empty_cache after the pool has ended and its blocks are freed.
     r = run_py("""
         ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
         FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
@@ -320,8 +320,15 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
         res["gone_while_live"] = list(gone)
         for p, n in ((x, 3 * MiB), (y, 3 * MiB), (z, 100)):
             free(p, n, 0, None)
+        res["gone_before_empty_cache"] = list(gone)
+        # 52 MiB of the 64 are held outside the heap (P's 22, ended and free, Q's 30): a 16 MiB request
+        # first has the ended pool's segments given back, as torch frees an unused pool's on OOM
+        big = _C._torch_test_alloc(16 * MiB, 0)
         res["gone"] = [n for _, n in gone]
+        res["big_from_heap"] = big != q
+        free(big, 16 * MiB, 0, None)
         _C._torch_ext_detach(0, Q)
+        empty_cache()
         res["all_gone"] = sorted(n for _, n in gone)
         memory_fraction(1.0, 0)
         res["errors"] = _C._torch_counters()["free_errors"]
@@ -337,7 +344,7 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
     assert r["over"] and not r["under"]
     assert r["lent"]
     assert "CUDA out of memory" in r["refused"] and "its own allocator" in r["refused"]
-    assert r["detached"] and r["gone_while_live"] == []
-    assert sorted(r["gone"]) == [2 * MiB, 20 * MiB]
+    assert r["detached"] and r["gone_while_live"] == [] and r["gone_before_empty_cache"] == []
+    assert sorted(r["gone"]) == [2 * MiB, 20 * MiB] and r["big_from_heap"]
     assert r["all_gone"] == [2 * MiB, 20 * MiB, 30 * MiB]
     assert r["errors"] == 0

@@ -12,8 +12,9 @@
  * 1 MiB.  When none fits, a new segment is asked of the pool's allocator,
  * sized as torch sizes segments: 2 MiB for up to 1 MiB, 20 MiB below 10 MiB,
  * else the request rounded up to 2 MiB.  A freed block merges with its free
- * neighbours; a segment of an ended pool that is wholly free goes back to its
- * allocator at once.
+ * neighbours.  The wholly free segments of an ended pool go back to its
+ * allocator at the next empty_cache (or out-of-memory retry), as torch frees
+ * the segments of a pool no one uses any more.
  */
 #include "ext_pool.h"
 
@@ -134,22 +135,19 @@ static void take(ext_seg *s, ext_block *b, size_t size) {
     s->n_used++;
 }
 
-/* Merges b's free neighbours into b. */
-static void merge(ext_block *b) {
+/* b takes in the block after it. */
+static void absorb_next(ext_block *b) {
     ext_block *n = b->next;
-    if (n && !n->used) {
-        b->size += n->size;
-        b->next = n->next;
-        if (n->next) n->next->prev = b;
-        free(n);
-    }
-    ext_block *q = b->prev;
-    if (q && !q->used) {
-        q->size += b->size;
-        q->next = b->next;
-        if (b->next) b->next->prev = q;
-        free(b);
-    }
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    free(n);
+}
+
+/* Merges the freed block b with its free neighbours. */
+static void merge(ext_block *b) {
+    if (b->next && !b->next->used) absorb_next(b);
+    if (b->prev && !b->prev->used) absorb_next(b->prev);
 }
 
 static void free_blocks(ext_seg *s) {
@@ -245,19 +243,31 @@ int gm_ext_attach(int device, gm_pool_id id, gm_ext_alloc_fn alloc, gm_ext_free_
 int gm_ext_detach(int device, gm_pool_id id) {
     ext_device *d = device_of(device);
     if (!d) return GM_EINVAL;
-    ext_seg *gone = NULL;
-    gm_ext_free_fn release = NULL;
     pthread_mutex_lock(&d->mu);
     ext_pool *p = find_pool(d, id);
-    if (p && p->alive) {
-        p->alive = 0;
-        release = p->release;
-        unlink_if_ended(p, &gone);
-        drop_if_done(d, p);
-    }
+    int was = p && p->alive;
+    if (was) p->alive = 0;
     pthread_mutex_unlock(&d->mu);
-    if (release) give_back(device, release, gone);
-    return release ? GM_OK : GM_EINVAL;
+    return was ? GM_OK : GM_EINVAL;
+}
+
+void gm_ext_release_ended(int device) {
+    ext_device *d = device_of(device);
+    if (!d || atomic_load(&d->n_pools) == 0) return;
+    for (;;) { /* one pool at a time: each gives back with no lock held */
+        ext_seg *gone = NULL;
+        gm_ext_free_fn release = NULL;
+        pthread_mutex_lock(&d->mu);
+        for (ext_pool *p = d->pools, *n; p && !gone; p = n) {
+            n = p->next;
+            release = p->release;
+            unlink_if_ended(p, &gone);
+            drop_if_done(d, p);
+        }
+        pthread_mutex_unlock(&d->mu);
+        if (!gone) return;
+        give_back(device, release, gone);
+    }
 }
 
 int gm_ext_owns(int device, gm_pool_id id) {
@@ -338,21 +348,16 @@ static ext_block *find_block(ext_device *d, uintptr_t ptr, ext_seg **seg, ext_po
 int gm_ext_free(int device, uintptr_t ptr) {
     ext_device *d = device_of(device);
     if (!d || atomic_load(&d->n_pools) == 0) return GM_EUNKNOWN_PTR;
-    ext_seg *s = NULL, *gone = NULL;
+    ext_seg *s = NULL;
     ext_pool *p = NULL;
-    gm_ext_free_fn release = NULL;
     pthread_mutex_lock(&d->mu);
     ext_block *b = find_block(d, ptr, &s, &p);
     if (b) {
         b->used = 0;
         s->n_used--;
         merge(b);
-        release = p->release;
-        unlink_if_ended(p, &gone);
-        drop_if_done(d, p);
     }
     pthread_mutex_unlock(&d->mu);
-    if (gone) give_back(device, release, gone);
     return b ? GM_OK : GM_EUNKNOWN_PTR;
 }
 

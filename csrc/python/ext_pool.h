@@ -9,8 +9,8 @@
  * asked of the pool's allocator (sized as torch sizes its segments), blocks
  * carved from them for the pool's requests and reused only by the pool, on
  * the stream they were made for.  Its segments count against the device's cap
- * (the heap registry's "outside" bytes), and go back to the allocator when the
- * pool has ended and nothing lives in them.  A pool marked use_on_oom lends
+ * (the heap registry's "outside" bytes), and go back to the allocator at an
+ * empty_cache once the pool has ended and nothing lives in them.  A pool marked use_on_oom lends
  * its free blocks to an allocation that would otherwise run out of memory.
  *
  * Plain C, one lock per device; the allocator's functions are called with no
@@ -42,9 +42,13 @@ typedef struct {
 /* Pool `id` of `device` takes its memory from alloc/free.  GM_EINVAL: a bad
  * device or function, or the pool already has an allocator. */
 int gm_ext_attach(int device, gm_pool_id id, gm_ext_alloc_fn alloc, gm_ext_free_fn release, int use_on_oom);
-/* The pool has ended: its free segments go back now, the others when their
- * last block is freed.  GM_EINVAL when it has no allocator. */
+/* The pool has ended: nothing more is allocated from it, and its segments go
+ * back at gm_ext_release_ended once nothing lives in them.  GM_EINVAL when it
+ * has no allocator. */
 int gm_ext_detach(int device, gm_pool_id id);
+/* Gives the wholly free segments of ended pools back to their allocators
+ * (torch's empty_cache, and before an out-of-memory retry). */
+void gm_ext_release_ended(int device);
 /* Whether pool `id` takes its memory from another allocator. */
 int gm_ext_owns(int device, gm_pool_id id);
 /* A block of the pool for a request of `size` on `stream`: GM_OK and *out;

@@ -526,6 +526,11 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
 static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_pool_id pool) {
     uintptr_t p = 0;
     int rc = gm_ext_alloc(device, pool, size, stream, &p);
+    if (rc == GM_ENOMEM && !gm_capturing(h)) { /* what ended pools and the heap cache hold, then once more */
+        gm_ext_release_ended(device);
+        gm_empty_cache(h);
+        rc = gm_ext_alloc(device, pool, size, stream, &p);
+    }
     if (rc == GM_OK) return (void *)p;
     if (rc == GM_ENOMEM) {
         gm_oom_info info;
@@ -551,7 +556,8 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     uintptr_t p = 0;
     if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
     if (pool && gm_ext_owns(device, *pool)) return ext_alloc(h, device, size, stream, *pool);
-    if (size > gm_heap_registry_limit(device)) {
+    if (size > gm_heap_registry_limit(device) &&
+        (gm_ext_release_ended(device), size > gm_heap_registry_limit(device))) {
         if (!pool && gm_ext_alloc_on_oom(device, size, stream, &p) == GM_OK) return (void *)p;
         gm_oom_info info;
         gm_memory_report(h, size, &info);
@@ -571,6 +577,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
         /* The core has already released what it could and defragmented; one
          * more try after an explicit empty_cache also catches memory that other
          * streams' events have freed since. */
+        gm_ext_release_ended(device);
         gm_empty_cache(h);
         rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
         if (rc == GM_OK) {
@@ -618,6 +625,7 @@ extern "C" void gpumem_torch_free(void *ptr, size_t size, int device, void *stre
 extern "C" void gpumem_torch_empty_cache(void) {
     c_empty_cache.fetch_add(1, std::memory_order_relaxed);
     event_context_scope events(caller_context());
+    for (int d = 0; d < GM_HEAP_REGISTRY_MAX_DEVICES; d++) gm_ext_release_ended(d);
     gm_heap_registry_empty_cache(); /* skips heaps capturing a graph */
 }
 
