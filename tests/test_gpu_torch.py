@@ -615,6 +615,81 @@ def test_dataloader_workers_forked_while_threads_allocate():
     assert r["allocated"] > 0 and r["live"] == 4, r
 
 
+# A pluggable allocator over the CUDA driver, with no CUDA headers: counts its calls.
+DRIVER_ALLOCATOR = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+int n_alloc = 0, n_free = 0;
+static int (*mem_alloc)(unsigned long long *, size_t);
+static int (*mem_free)(unsigned long long);
+static void bind(void) {
+    if (mem_alloc) return;
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    mem_alloc = (int (*)(unsigned long long *, size_t))dlsym(cuda, "cuMemAlloc_v2");
+    mem_free = (int (*)(unsigned long long))dlsym(cuda, "cuMemFree_v2");
+}
+void *drv_alloc(size_t size, int device, void *stream) {
+    unsigned long long p = 0;
+    (void)device; (void)stream;
+    bind();
+    n_alloc++;
+    return mem_alloc(&p, size) == 0 ? (void *)p : NULL;
+}
+void drv_free(void *ptr, size_t size, int device, void *stream) {
+    (void)size; (void)device; (void)stream;
+    bind();
+    n_free++;
+    mem_free((unsigned long long)ptr);
+}
+"""
+
+
+@gpu_test
+def test_mempool_with_an_allocator_of_its_own(tmp_path):
+    """torch.cuda.MemPool(allocator) under gpumem: the pool's tensors live in the other allocator's
+    memory (correct values), its segments are reused by the pool, and go back to that allocator at
+    the empty_cache after the pool and its tensors are gone."""
+    src = tmp_path / "drv.c"
+    src.write_text(DRIVER_ALLOCATOR)
+    so = tmp_path / "drv.so"
+    try:
+        subprocess.run(["cc", "-shared", "-fPIC", "-O1", str(src), "-o", str(so), "-ldl"], check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"no C compiler to build the allocator: {e}")
+    r = run_py(
+        f"""
+        import ctypes
+        gpumem.install()
+        lib = ctypes.CDLL({str(so)!r})
+        n_alloc = ctypes.c_int.in_dll(lib, "n_alloc")
+        n_free = ctypes.c_int.in_dll(lib, "n_free")
+        other = torch.cuda.memory.CUDAPluggableAllocator({str(so)!r}, "drv_alloc", "drv_free")
+        pool = torch.cuda.MemPool(other.allocator())
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(1 << 20, device="cuda")      # 4 MiB: one 20 MiB segment of the other allocator
+            y = x * 2                                    # the same segment
+        z = torch.ones(1 << 20, device="cuda")           # gpumem's own
+        heap_addrs = {{b[0] for b in gpumem._C.registry_heap(0).snapshot()["blocks"]}}
+        res = dict(sums=[x.sum().item(), y.sum().item()], allocs=n_alloc.value,
+                   in_heap=[t.data_ptr() in heap_addrs for t in (x, y, z)],
+                   segments=[(s["total_size"], len(s["blocks"])) for s in pool.snapshot()])
+        del pool
+        res["freed_while_live"] = n_free.value
+        del x, y
+        res["freed_before_empty_cache"] = n_free.value
+        torch.cuda.empty_cache()
+        res["freed"] = n_free.value
+        res["z"] = z.sum().item()
+        out(**res)
+        """
+    )
+    assert r["sums"] == [float(1 << 20), float(2 << 20)] and r["z"] == float(1 << 20)
+    # x and y share one 20 MiB segment (torch may add a small one of its own in the pool)
+    assert [20 << 20, 3] in r["segments"] and r["allocs"] == len(r["segments"])
+    assert r["in_heap"] == [False, False, True]
+    assert r["freed_while_live"] == 0 and r["freed_before_empty_cache"] == 0 and r["freed"] == r["allocs"]
+
+
 # ---- CPU: no GPU needed ----------------------------------------------------------------------
 
 
