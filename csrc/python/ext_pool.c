@@ -12,9 +12,10 @@
  * 1 MiB.  When none fits, a new segment is asked of the pool's allocator,
  * sized as torch sizes segments: 2 MiB for up to 1 MiB, 20 MiB below 10 MiB,
  * else the request rounded up to 2 MiB.  A freed block merges with its free
- * neighbours.  The wholly free segments of an ended pool go back to its
- * allocator at the next empty_cache (or out-of-memory retry), as torch frees
- * the segments of a pool no one uses any more.
+ * neighbours.  When the pool ends with nothing live in it, its segments go
+ * back to its allocator at once, as torch's MemPool empties its cache when it
+ * goes; when tensors outlive it, its segments stay until the next empty_cache
+ * (or out-of-memory retry) after they are freed.
  */
 #include "ext_pool.h"
 
@@ -240,14 +241,29 @@ int gm_ext_attach(int device, gm_pool_id id, gm_ext_alloc_fn alloc, gm_ext_free_
     return old ? GM_EINVAL : GM_OK;
 }
 
+/* Whether any block of the pool is in use.  Under d->mu. */
+static int has_live(const ext_pool *p) {
+    for (const ext_seg *s = p->segs; s; s = s->next)
+        if (s->n_used) return 1;
+    return 0;
+}
+
 int gm_ext_detach(int device, gm_pool_id id) {
     ext_device *d = device_of(device);
     if (!d) return GM_EINVAL;
+    ext_seg *gone = NULL;
+    gm_ext_free_fn release = NULL;
     pthread_mutex_lock(&d->mu);
     ext_pool *p = find_pool(d, id);
     int was = p && p->alive;
-    if (was) p->alive = 0;
+    if (was) {
+        p->alive = 0;
+        release = p->release;
+        if (!has_live(p)) unlink_if_ended(p, &gone); /* as torch's MemPool empties its cache when it goes */
+        drop_if_done(d, p);
+    }
     pthread_mutex_unlock(&d->mu);
+    if (gone) give_back(device, release, gone);
     return was ? GM_OK : GM_EINVAL;
 }
 

@@ -9,8 +9,9 @@
  * asked of the pool's allocator (sized as torch sizes its segments), blocks
  * carved from them for the pool's requests and reused only by the pool, on
  * the stream they were made for.  Its segments count against the device's cap
- * (the heap registry's "outside" bytes), and go back to the allocator at an
- * empty_cache once the pool has ended and nothing lives in them.  A pool marked use_on_oom lends
+ * (the heap registry's "outside" bytes), and go back to the allocator when the
+ * pool ends with nothing live in it, or else at the empty_cache after its last
+ * block is freed.  A pool marked use_on_oom lends
  * its free blocks to an allocation that would otherwise run out of memory.
  *
  * Plain C, one lock per device; the allocator's functions are called with no
@@ -42,9 +43,9 @@ typedef struct {
 /* Pool `id` of `device` takes its memory from alloc/free.  GM_EINVAL: a bad
  * device or function, or the pool already has an allocator. */
 int gm_ext_attach(int device, gm_pool_id id, gm_ext_alloc_fn alloc, gm_ext_free_fn release, int use_on_oom);
-/* The pool has ended: nothing more is allocated from it, and its segments go
- * back at gm_ext_release_ended once nothing lives in them.  GM_EINVAL when it
- * has no allocator. */
+/* The pool has ended: nothing more is allocated from it.  With nothing live
+ * in it its segments go back now; else at gm_ext_release_ended once nothing
+ * lives in them.  GM_EINVAL when it has no allocator. */
 int gm_ext_detach(int device, gm_pool_id id);
 /* Gives the wholly free segments of ended pools back to their allocators
  * (torch's empty_cache, and before an out-of-memory retry). */

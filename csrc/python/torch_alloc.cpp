@@ -533,8 +533,10 @@ static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_poo
     }
     if (rc == GM_OK) return (void *)p;
     if (rc == GM_ENOMEM) {
-        gm_oom_info info;
-        std::string msg = oom_message(device, h, size, &info);
+        gm_oom_info info; /* the heap's own last failure is not this one */
+        gm_memory_report(h, size, &info);
+        std::string msg(GM_TORCH_OOM_MSG_MAX, '\0');
+        msg.resize(gm_torch_format_oom(device, &info, &msg[0], msg.size()));
         observe_oom(device, size, info);
         throw_oom(msg + " (The allocation was for a MemPool whose memory comes from its own allocator, "
                         "which refused it or would pass the cap.)");
