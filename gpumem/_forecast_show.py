@@ -64,6 +64,12 @@ class _Showing:
             far = self._far_note()
             if far:
                 lines.append(far)
+            if self.first is not None:
+                was = ", ".join(f"{a} {self.first._largest_text(a)}" for a in ALLOCATORS)
+                lines.append(
+                    f"refined: recorded again at {self.name} {' and '.join(map(str, self.recorded))}, nearer the "
+                    f"answer; from {', '.join(map(str, self.first.recorded))} the largest was: {was}"
+                )
         lines.extend(f"warning: {c}" for c in self.caveats())
         return lines
 

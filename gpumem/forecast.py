@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes, last_step
 from ._forecast_record import _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
-from ._forecast_show import ALLOCATORS, _Showing
+from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
 from ._units import format_size, parse_size
 from .replay import _narrow
 from .trace import MAX_ALLOC, Trace, load_trace
@@ -140,6 +140,8 @@ class Forecast(_Showing):
                 raise ForecastError(f"knob values to forecast must be positive, not {k}")
         self.multiple = multiple
         self.heap_kwargs = heap_kwargs
+        self.first: Optional["Forecast"] = None  # refine=True: the forecast from the first recordings
+        self.refine_note: Optional[str] = None  # refine=True: why the first forecast stands
         t0 = time.perf_counter()
         self.alignment = align(self.recordings, name)
         self.whole = None  # the whole recordings, where only their last steps line up
@@ -257,6 +259,8 @@ class Forecast(_Showing):
                 f"dropped, blocks never freed): {'; '.join(words)}. If the program makes them at some values and "
                 "not at others, the forecast is off by what they hold."
             )
+        if self.refine_note:
+            out.append(f"not refined: {self.refine_note}")
         return out
 
     def synthesise(self, k: int) -> Trace:
@@ -407,6 +411,7 @@ def forecast(
     steps: int = 1,
     reset: Optional[Callable[[], object]] = None,
     multiple: int = 1,
+    refine: bool = False,
 ) -> Forecast:
     """Run `step(k)` at each knob value `k` with allocation history on, and
     forecast the memory at any other value (see the module docstring).
@@ -427,6 +432,11 @@ def forecast(
         state (``opt.state.clear()``) so that each recording's first step makes it
         again, as the first step of a fresh run at that value does.
     multiple: the knob's granularity in the search for the largest value.
+    refine: where the largest value that fits lies more than 8 times past the
+        largest recorded, record again at a quarter and a half of it and forecast
+        from those (two more recordings, each at most half the answer's memory):
+        memory a step takes only past some size then shows.  The first forecast
+        stays as ``.first``.
     """
     knobs = _check_knobs(knob)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -434,31 +444,72 @@ def forecast(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ForecastError(f"steps must be a positive whole number, not {steps!r}")
     rec = _recorder(heap, device)
-    recordings = []
-    for k in sorted(knobs):
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            step(k)
-        if reset is not None:
-            reset()
-        rec.sync()
-        live = rec.live_blocks()
-        rec.start()
-        marks = []
-        try:
-            for i in range(steps):
-                if i:
-                    rec.sync()
-                    marks.append(rec.mark())
-                step(k)
-            rec.sync()
-        finally:
-            events = rec.stop()
-        trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
-        r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, _sites(live, events))
-        r.step_starts = [len(live)] + _step_starts(live, events, marks)
-        recordings.append(r)
+
+    def record(k: int) -> Recording:
+        return _record(rec, step, k, name, warmup, steps, reset)
+
     cap = capacity if capacity is not None else rec.capacity()
-    fc = Forecast(recordings, name=name, capacity=cap, at=at, multiple=multiple)
+    fc = Forecast([record(k) for k in sorted(knobs)], name=name, capacity=cap, at=at, multiple=multiple)
+    if refine:
+        fc = _refined(fc, record)
     _set_last(fc)
     return fc
+
+
+def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Recording:
+    """Warm up, then record `steps` steps at knob value k."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step(k)
+    if reset is not None:
+        reset()
+    rec.sync()
+    live = rec.live_blocks()
+    rec.start()
+    marks = []
+    try:
+        for i in range(steps):
+            if i:
+                rec.sync()
+                marks.append(rec.mark())
+            step(k)
+        rec.sync()
+    finally:
+        events = rec.stop()
+    trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
+    r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, _sites(live, events))
+    r.step_starts = [len(live)] + _step_starts(live, events, marks)
+    return r
+
+
+def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
+    """refine=True: where the largest value that fits lies more than FAR_FACTOR
+    times past the largest recorded one, record again at a quarter and a half of
+    it (the smaller of the two allocators' answers) and forecast from those: a
+    step's memory that only larger values allocate (a reduction's staging
+    buffer, a library's workspace) then shows in both recordings.  The first
+    forecast is kept as `.first`; it is the answer where the new recordings do
+    not line up or a step runs out of memory."""
+    if not fc.aligned or not fc.knob_has_effect or fc.capacity is None:
+        return fc
+    answers = [v for v in (fc.largest(allocator=a) for a in ALLOCATORS) if v != math.inf]
+    top, m = fc.recorded[-1], fc.multiple
+    if not answers or min(answers) <= FAR_FACTOR * top:
+        return fc
+    target = min(answers)
+    lo, hi = max(m, int(target // 4) // m * m), max(m, int(target // 2) // m * m)
+    if lo <= top or lo >= hi:
+        return fc
+    try:
+        recordings = [record(lo), record(hi)]
+    except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
+        if "OutOfMemory" not in type(e).__name__:
+            raise
+        fc.refine_note = f"recording again at {fc.name} {lo} and {hi} ran out of memory: {str(e).splitlines()[0]}"
+        return fc
+    new = Forecast(recordings, name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
+    if not new.aligned:
+        fc.refine_note = f"the recordings at {fc.name} {lo} and {hi} do not line up ({new.alignment.message})"
+        return fc
+    new.first = fc
+    return new

@@ -210,6 +210,55 @@ def test_largest_that_fits_a_known_program():
     assert fm.largest() == by_hand // 8 * 8
 
 
+class Staging(Program):
+    """A Program whose step, past batch 16 only, also makes and drops a buffer of 8 MiB per
+    unit of batch while its activations are live (as a reduction's staging buffer appears
+    only past some size): two small recordings cannot see it."""
+
+    def step(self, k):
+        h = self.heap
+        live = [h.malloc(self.per_act(k)) for _ in range(self.acts)]
+        if k > 16:
+            h.free(h.malloc(8 * MiB * k))
+        for a in reversed(live):
+            h.free(a)
+
+    def peak(self, k, weights=100 * MiB):
+        return weights + self.acts * self.per_act(k) + (8 * MiB * k if k > 16 else 0)
+
+
+def test_refine_records_again_nearer_the_answer_and_sees_memory_only_larger_values_take():
+    h = sim()
+    p = Staging(h, per_act=lambda k: 2 * MiB * k)
+    by_hand = max(k for k in range(1, 1000) if p.peak(k) <= 8 * GiB)
+    plain = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=8 * GiB)
+    assert plain.largest() > 1.3 * by_hand and plain.first is None  # blind to the buffer
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=8 * GiB, refine=True)
+    first = plain.largest()
+    assert fc.first is not None and fc.first.largest() == first
+    assert fc.recorded == [first // 4, first // 2]
+    assert fc.aligned and fc.largest() == by_hand
+    assert fc.predict(by_hand).peak_live_bytes == p.peak(by_hand)
+    assert any(line.startswith("refined: recorded again at batch") for line in fc.summary_lines())
+
+
+def test_refine_leaves_a_forecast_near_its_recordings_alone():
+    h = sim()
+    p = Program(h, per_act=lambda k: 2 * MiB * k)
+    near = gpumem.forecast(p.step, knob=[8, 16], heap=h, name="batch", capacity=GiB, refine=True)
+    assert near.largest() <= 8 * 16 and near.first is None and near.recorded == [8, 16]
+
+
+def test_refine_that_runs_out_of_memory_keeps_the_first_forecast_and_says_why():
+    # the heap is smaller than the capacity the forecast is asked about: the step at half the
+    # answer does not fit the heap it runs on
+    h = sim(capacity=GiB)
+    p = Program(h, per_act=lambda k: 2 * MiB * k)
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=16 * GiB, refine=True)
+    assert fc.first is None and fc.recorded == [2, 4]
+    assert any("not refined" in c and "ran out of memory" in c for c in fc.caveats())
+
+
 def test_native_needs_more_than_gpumem_where_segments_strand_memory():
     h = sim()
     # 3 MiB blocks come from 20 MiB native segments; growing blocks outgrow what was cached

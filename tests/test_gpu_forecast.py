@@ -1,9 +1,10 @@
 """gpumem.forecast under torch on a GPU: recorded from torch's own history (native
 allocator) and from gpumem's (gpumem installed), and checked against the largest
 batch that really runs, probed with real steps on either side of the forecast's
-margin, each in a fresh process (an OOM must not leak into the next).  The forecast's peak is not
-asserted here: past some size torch's reductions allocate staging buffers that
-steps at batch 2 and 4 do not show (docs/forecast.md).  Skipped without a GPU;
+margin, each in a fresh process (an OOM must not leak into the next).  Past some
+size torch's reductions allocate buffers that steps at batch 2 and 4 do not show
+(docs/forecast.md), so the forecast is refined (refine=True): recorded again at a
+quarter and a half of its first answer.  Skipped without a GPU;
 benchmarks/gpu_forecast.py makes the same check on four real models."""
 
 import textwrap
@@ -61,13 +62,17 @@ def test_forecast_against_real_steps(allocator):
     fc = _run(
         allocator,
         f"""
-        fc = gpumem.forecast(step, knob=[2, 4], name="batch", capacity={CAP}, steps=2, reset=opt.state.clear)
+        fc = gpumem.forecast(step, knob=[2, 4], name="batch", capacity={CAP}, steps=2, reset=opt.state.clear,
+                             refine=True)
         largest = fc.largest(allocator="{allocator}") if fc.aligned else None
-        out(aligned=fc.aligned, message=fc.alignment.message, largest=largest)
+        first = fc.first.largest(allocator="{allocator}") if fc.first else None
+        out(aligned=fc.aligned, message=fc.alignment.message, largest=largest, recorded=fc.recorded, first=first,
+            caveats=fc.caveats())
         """,
     )
     assert fc["aligned"], fc["message"]
     largest = fc["largest"]
+    print(f"forecast {largest} from {fc['recorded']} (first: {fc['first']}); caveats: {fc['caveats']}")
     assert largest and largest > 4
 
     def fits(k):
