@@ -347,3 +347,33 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
     assert sorted(r["gone"]) == [2 * MiB, 20 * MiB] and r["big_from_heap"]
     assert r["all_gone"] == [2 * MiB, 20 * MiB, 30 * MiB]
     assert r["errors"] == 0
+
+
+def test_a_pool_over_another_allocator_gives_nothing_back_while_a_capture_may_run():
+    # the other allocator's free may synchronise (cudaFree): while any pool is routed to (torch counts
+    # each as a possible CUDA graph capture) an ended pool's segments stay, and go at the next chance
+    r = run_py("""
+        ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+        FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+        made, gone = [], []
+        a_fn = ALLOC(lambda size, d, s: (made.append(size), (1 << 44) + len(made) * (1 << 30))[1])
+        f_fn = FREE(lambda ptr, size, d, s: gone.append(size))
+        A, F = (ctypes.cast(f, ctypes.c_void_p).value for f in (a_fn, f_fn))
+        P, G = (0, 1 << 62 | 1), (7, 0)
+        _C._torch_ext_attach(0, P, A, F, False)
+        begin(0, *P, ANY)
+        x = _C._torch_test_alloc(3 * MiB, 0)
+        y = _C._torch_test_alloc(3 * MiB, 0)
+        end(0, *P)
+        free(y, 3 * MiB, 0, None)
+        begin(0, *G, ANY)                        # a graph's pool: a capture may run from here on
+        _C._torch_ext_detach(0, P)               # P ends with x live ...
+        free(x, 3 * MiB, 0, None)                # ... and x goes: P's segment is wholly free
+        empty_cache()
+        during = list(gone)
+        end(0, *G)
+        release(0, *G)
+        empty_cache()
+        out(during=during, after=list(gone))
+    """)
+    assert r["during"] == [] and r["after"] == [20 << 20]

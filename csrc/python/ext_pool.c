@@ -94,6 +94,13 @@ static size_t segment_size(size_t size) {
 
 static ext_device *device_of(int device) { return gm_heap_registry_valid(device) ? &devices[device] : NULL; }
 
+/* Nothing goes back to an allocator (cudaFree and the like synchronise) while
+ * the device's heap may be capturing a CUDA graph. */
+static int may_release(int device) {
+    gm_heap *h = gm_heap_registry_get(device);
+    return !h || !gm_capturing(h);
+}
+
 static ext_pool *find_pool(ext_device *d, gm_pool_id id) {
     for (ext_pool *p = d->pools; p; p = p->next)
         if (same_id(p->id, id)) return p;
@@ -259,7 +266,7 @@ int gm_ext_detach(int device, gm_pool_id id) {
     if (was) {
         p->alive = 0;
         release = p->release;
-        if (!has_live(p)) unlink_if_ended(p, &gone); /* as torch's MemPool empties its cache when it goes */
+        if (!has_live(p) && may_release(device)) unlink_if_ended(p, &gone); /* as torch's MemPool empties its cache */
         drop_if_done(d, p);
     }
     pthread_mutex_unlock(&d->mu);
@@ -269,7 +276,7 @@ int gm_ext_detach(int device, gm_pool_id id) {
 
 void gm_ext_release_ended(int device) {
     ext_device *d = device_of(device);
-    if (!d || atomic_load(&d->n_pools) == 0) return;
+    if (!d || atomic_load(&d->n_pools) == 0 || !may_release(device)) return;
     for (;;) { /* one pool at a time: each gives back with no lock held */
         ext_seg *gone = NULL;
         gm_ext_free_fn release = NULL;

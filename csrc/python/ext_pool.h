@@ -45,7 +45,9 @@ typedef struct {
 int gm_ext_attach(int device, gm_pool_id id, gm_ext_alloc_fn alloc, gm_ext_free_fn release, int use_on_oom);
 /* The pool has ended: nothing more is allocated from it.  With nothing live
  * in it its segments go back now; else at gm_ext_release_ended once nothing
- * lives in them.  GM_EINVAL when it has no allocator. */
+ * lives in them.  Neither gives anything back while the device's heap may be
+ * capturing a CUDA graph (the next call after the capture does).  GM_EINVAL
+ * when it has no allocator. */
 int gm_ext_detach(int device, gm_pool_id id);
 /* Gives the wholly free segments of ended pools back to their allocators
  * (torch's empty_cache, and before an out-of-memory retry). */
