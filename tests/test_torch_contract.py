@@ -377,3 +377,21 @@ def test_a_pool_over_another_allocator_gives_nothing_back_while_a_capture_may_ru
         out(during=during, after=list(gone))
     """)
     assert r["during"] == [] and r["after"] == [20 << 20]
+
+
+def test_a_mempool_takes_only_an_allocator_it_can_call_and_never_gpumem_itself():
+    # both refusals come before CUDA is touched
+    pytest.importorskip("torch")
+    from gpumem import _C
+    from gpumem.torch import _pools
+
+    stranger = object()
+    with pytest.raises(ValueError, match="functions it does not know"):
+        _pools.MemPool(allocator=stranger)
+    entry = _C._torch_entry_points()
+    _pools._pluggable[id(stranger)] = (stranger, entry["alloc"], entry["free"])
+    try:
+        with pytest.raises(ValueError, match="gpumem itself"):  # it would route back into itself
+            _pools.MemPool(allocator=stranger)
+    finally:
+        del _pools._pluggable[id(stranger)]

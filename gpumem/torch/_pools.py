@@ -105,6 +105,8 @@ class MemPool:
                     "torch.cuda.memory.CUDAPluggableAllocator made after gpumem.install(); gpumem cannot call "
                     "an allocator whose functions it does not know"
                 )
+            if fns[1] == _C._torch_entry_points()["alloc"]:
+                raise ValueError("gpumem.torch.MemPool: that allocator is gpumem itself; pass no allocator")
         if _hooks_error:
             raise RuntimeError(_hooks_error)
         self._device = torch.cuda.current_device()
