@@ -23,8 +23,10 @@ under the native allocator, gpumem.install(cap=...) under gpumem), which keeps t
 small and the searches quick, and lets several searches share the GPU.
 
 1. Forecast: one process per model, under the native allocator, runs gpumem.forecast(step,
-   knob=[...]) with a warm-up step at each value (training: then the optimizer state is dropped and
-   two steps are recorded, as a fresh run makes them), and finds the largest value for each allocator.
+   knob=[...], refine=True) with a warm-up step at each value (training: then the optimizer state is
+   dropped and two steps are recorded, as a fresh run makes them), and finds the largest value for
+   each allocator.  Where that lies more than 8x past the largest recorded value, the forecast records
+   again at a quarter and a half of it (its "recorded" and "first_largest" say so).
    Its time counts from its first step (warm-ups included) to both answers (the model is already
    built: a user asking has it in hand).
 2. Truth: for each model and allocator, the largest value that runs (two training steps, or one
@@ -257,6 +259,7 @@ def child_forecast(name, cap, out_dir, dump_dir=None):
         steps=spec.steps,
         reset=reset,
         multiple=spec.multiple,
+        refine=True,
     )
     t_rec = time.perf_counter()
     largest = {a: fc.largest(allocator=a) for a in (ALLOCATORS if fc.aligned else ("gpumem",))}
@@ -278,6 +281,10 @@ def child_forecast(name, cap, out_dir, dump_dir=None):
                 "fit": fc.model.kinds if fc.model else None,
                 "events": fc.alignment.events,
                 "largest": {a: (None if v == math.inf else v) for a, v in largest.items()},
+                "recorded": fc.recorded,
+                "first_largest": None
+                if fc.first is None
+                else {a: (None if (v := fc.first.largest(allocator=a)) == math.inf else v) for a in ALLOCATORS},
                 "record_s": t_rec - t0,
                 "model_s": t1 - t_rec,
                 "forecast_s": t1 - t0,
