@@ -99,15 +99,21 @@ static size_t wanted_cap(gm_heap *h, const gm_heap_registry_options *o, double f
     return cap;
 }
 
-/* Gives the heap the cap it should have, less what pools over other
- * allocators hold of it (ext_pool.c), and publishes the limit. */
-static void apply_cap(slot *s, gm_heap *h) {
+/* The cap of the device (wanted_cap, 0: none), and in *outside what pools
+ * over other allocators hold of it. */
+static size_t device_cap(slot *s, gm_heap *h, size_t *outside) {
     gm_heap_registry_options o = options_snapshot();
     pthread_mutex_lock(&s->mu);
     double fraction = s->fraction;
-    size_t outside = s->outside;
+    *outside = s->outside;
     pthread_mutex_unlock(&s->mu);
-    size_t cap = wanted_cap(h, &o, fraction);
+    return wanted_cap(h, &o, fraction);
+}
+
+/* Gives the heap the cap it should have, less what pools over other
+ * allocators hold of it (ext_pool.c), and publishes the limit. */
+static void apply_cap(slot *s, gm_heap *h) {
+    size_t outside, cap = device_cap(s, h, &outside);
     if (cap && outside) cap = cap > outside ? cap - outside : 1;
     gm_set_cap(h, cap);
     refresh_limit(s, h);
@@ -231,12 +237,8 @@ int gm_heap_registry_take_outside(int device, size_t bytes) {
     slot *s = &slots[device];
     gm_heap *h = gm_heap_registry_get(device);
     if (h) {
-        gm_heap_registry_options o = options_snapshot();
-        pthread_mutex_lock(&s->mu);
-        double fraction = s->fraction;
-        size_t outside = s->outside + bytes;
-        pthread_mutex_unlock(&s->mu);
-        size_t cap = wanted_cap(h, &o, fraction);
+        size_t outside, cap = device_cap(s, h, &outside);
+        outside += bytes;
         if (cap && !fits(h, cap, outside) && (gm_capturing(h) || gm_empty_cache(h) != GM_OK || !fits(h, cap, outside)))
             return GM_ENOMEM;
     }

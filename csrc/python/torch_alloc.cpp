@@ -522,6 +522,18 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
     return gm_oom_line(buf, len, o, device, procs, n_procs, h ? gm_heap_device(h)->last_error : nullptr);
 }
 
+/* Throws torch's out-of-memory error for a request the heap was not asked to
+ * place (its own last failure is not this one): the message from a fresh
+ * report, the observers called first; `why` follows the message. */
+[[noreturn]] static void throw_fresh_oom(gm_heap *h, int device, size_t size, const char *why = "") {
+    gm_oom_info info;
+    gm_memory_report(h, size, &info);
+    std::string msg(GM_TORCH_OOM_MSG_MAX, '\0');
+    msg.resize(gm_torch_format_oom(device, &info, &msg[0], msg.size()));
+    observe_oom(device, size, info);
+    throw_oom(msg + why);
+}
+
 /* An allocation routed to a pool over another allocator (ext_pool.h). */
 static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_pool_id pool) {
     uintptr_t p = 0;
@@ -532,15 +544,10 @@ static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_poo
         rc = gm_ext_alloc(device, pool, size, stream, &p);
     }
     if (rc == GM_OK) return (void *)p;
-    if (rc == GM_ENOMEM) {
-        gm_oom_info info; /* the heap's own last failure is not this one */
-        gm_memory_report(h, size, &info);
-        std::string msg(GM_TORCH_OOM_MSG_MAX, '\0');
-        msg.resize(gm_torch_format_oom(device, &info, &msg[0], msg.size()));
-        observe_oom(device, size, info);
-        throw_oom(msg + " (The allocation was for a MemPool whose memory comes from its own allocator, "
+    if (rc == GM_ENOMEM)
+        throw_fresh_oom(h, device, size,
+                        " (The allocation was for a MemPool whose memory comes from its own allocator, "
                         "which refused it or would pass the cap.)");
-    }
     throw std::runtime_error("gpumem: allocation of " + std::to_string(size) + " bytes on GPU " +
                              std::to_string(device) + " failed: its MemPool " + pool_name(pool) + " has ended");
 }
@@ -561,12 +568,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     if (size > gm_heap_registry_limit(device) &&
         (gm_ext_release_ended(device), size > gm_heap_registry_limit(device))) {
         if (!pool && gm_ext_alloc_on_oom(device, size, stream, &p) == GM_OK) return (void *)p;
-        gm_oom_info info;
-        gm_memory_report(h, size, &info);
-        std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
-        buf.resize(gm_torch_format_oom(device, &info, &buf[0], buf.size()));
-        observe_oom(device, size, info);
-        throw_oom(buf);
+        throw_fresh_oom(h, device, size);
     }
     int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
     if (rc == GM_OK) {
