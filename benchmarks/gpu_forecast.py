@@ -58,6 +58,7 @@ from common import last_json_line, markdown_head, markdown_row
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
+FAILED_ADDR = 1 << 60  # where a probe's dump puts the request torch could not serve
 ALLOCATORS = ("native", "gpumem")
 
 
@@ -326,7 +327,9 @@ def _live_blocks(torch):
 
 def _write_dump(torch, path, live):
     """The probe's allocator history as a gpumem text trace: the blocks live before its steps as
-    allocations first, then every event torch recorded (segment events included)."""
+    allocations first, then every event torch recorded (segment events included).  The request
+    torch could not serve (its "oom" entry, which has no address) is written as a last allocation at
+    an address no block has, so a replay of the trace ends with it."""
     import gzip
 
     events = torch.cuda.memory._snapshot()["device_traces"][0]
@@ -336,6 +339,9 @@ def _write_dump(torch, path, live):
         for addr, size, stream in live:
             f.write(f"alloc {addr} {size} {stream}\n")
         for e in events:
+            if e["action"] == "oom":
+                f.write(f"alloc {FAILED_ADDR} {e['size']} {e['stream']}\n")
+                break
             f.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
 
 

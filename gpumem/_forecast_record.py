@@ -25,6 +25,9 @@ class _HeapRecorder:
     def sync(self) -> None:
         pass
 
+    def drop_workspaces(self) -> None:
+        pass
+
     def live_blocks(self) -> List[Tuple[int, int, int]]:
         blocks = [b for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
         blocks.sort(key=lambda b: b[5])  # allocation order
@@ -61,6 +64,9 @@ class _TorchGpumemRecorder(_HeapRecorder):
     def sync(self) -> None:
         self.torch.cuda.synchronize(self.heap.registry_device)
 
+    def drop_workspaces(self) -> None:
+        _drop_torch_workspaces(self.torch)
+
 
 class _TorchNativeRecorder:
     """torch's own caching allocator: its memory history and snapshot."""
@@ -73,6 +79,9 @@ class _TorchNativeRecorder:
 
     def sync(self) -> None:
         self.torch.cuda.synchronize(self.device)
+
+    def drop_workspaces(self) -> None:
+        _drop_torch_workspaces(self.torch)
 
     def _snapshot(self) -> dict:
         return self.torch.cuda.memory._snapshot()
@@ -118,6 +127,16 @@ class _TorchNativeRecorder:
         free, total = self.torch.cuda.mem_get_info(self.device)
         fraction = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
         return int(total * (fraction(self.device) if fraction else 1.0))
+
+
+def _drop_torch_workspaces(torch) -> None:
+    """Free the cuBLAS workspaces torch keeps once a matrix product has run, so
+    that the next step allocates them again where the first step of a fresh run
+    does: in the middle of it, in whatever free block then fits best.  Made
+    before the step instead, they would sit where no fresh run puts them."""
+    clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _recorder(heap, device):

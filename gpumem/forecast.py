@@ -35,8 +35,9 @@ How it works:
 
 The forecast models the recorded step as it was recorded: memory live before
 it (weights, optimizer state) as allocations made first, in their order, and
-what the step allocates and frees.  Memory outside the allocator (the CUDA
-context, library workspaces) is not in it: give the capacity the allocator may
+what the step allocates and frees; under torch, the cuBLAS workspaces are
+allocated in the first recorded step, as in a fresh run.  Memory outside the
+allocator (the CUDA context) is not in it: give the capacity the allocator may
 use.
 """
 
@@ -67,6 +68,13 @@ __all__ = [
 ]
 
 DEFAULT_MAX_KNOB = 1 << 24
+# The largest value that fits must also have every value down to this fraction
+# below it fit (at most SETTLE_PROBES of them tried): under torch's allocator a
+# step's fate near the limit turns on which cached block each request happens
+# to split, so "fits" is not monotonic there (a Llama generation: batch 135
+# fits, 136 does not, 137 does).
+SETTLE_BELOW = 0.125
+SETTLE_PROBES = 64
 
 _last: Optional["Forecast"] = None
 
@@ -350,7 +358,11 @@ class Forecast(_Showing):
         """The largest knob value (a multiple of `multiple`) whose step fits in
         `capacity` bytes under `allocator` ("gpumem" or "native"): 0 if none
         does, math.inf if the knob changes nothing and the step fits.  Found by
-        bisection, assuming a larger value never needs less memory; values
+        bisection, assuming a larger value never needs less memory, then
+        settled: the values from an eighth below the answer up to it must fit
+        too, or the answer drops below the first that does not (near the limit,
+        whether a step fits torch's allocator turns on which cached blocks its
+        requests split, and can change from one value to the next); values
         beyond `max_knob` are not tried (the answer is then max_knob).  When the
         recordings do not line up it is only a bound from peak live memory:
         nothing larger fits, and it may not fit itself."""
@@ -380,9 +392,23 @@ class Forecast(_Showing):
                 if not ok(hi):
                     break
                 lo, hi = hi, hi * 2
-            ans = _narrow(lo, hi, ok)[0] * m
+            ans = _settled(_narrow(lo, hi, ok)[0], ok) * m
         self._largest[key] = ans
         return ans
+
+
+def _settled(j: int, ok: Callable[[int], bool]) -> int:
+    """The largest i <= j such that i and the values from SETTLE_BELOW below it
+    up to it all fit (where many, SETTLE_PROBES of them, evenly spread): past
+    the first value below j that does not fit, nothing is promised."""
+    while j >= 1:
+        lo = max(1, int(j * (1 - SETTLE_BELOW)))
+        stride = max(1, -(-(j - lo) // SETTLE_PROBES))
+        bad = next((i for i in [*range(lo, j, stride), j] if not ok(i)), None)
+        if bad is None:
+            return j
+        j = bad - 1
+    return 0
 
 
 def last_forecast() -> Optional[Forecast]:
@@ -426,7 +452,9 @@ def forecast(
         allocator on `device` (gpumem's history when gpumem is installed, torch's
         memory history otherwise).  Recording replaces any history already on.
     warmup: unrecorded steps at each value before its recording, so that one-time
-        allocations (optimizer state, library workspaces) happen outside it.
+        allocations (compiled kernels' buffers, caches) happen outside it.  Under
+        torch, the cuBLAS workspaces are then freed, so that each recording's first
+        step makes them again where the first step of a fresh run does.
     steps: recorded steps per value (2 models the reuse between steps).
     reset: called after the warm-up, before each recording, e.g. to drop optimizer
         state (``opt.state.clear()``) so that each recording's first step makes it
@@ -463,6 +491,7 @@ def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Rec
         step(k)
     if reset is not None:
         reset()
+    rec.drop_workspaces()
     rec.sync()
     live = rec.live_blocks()
     rec.start()
