@@ -895,3 +895,21 @@ def test_misalignment_past_the_noise_is_still_reported():
     fc = gpumem.forecast(step, knob=[2, 4], heap=h)
     assert not fc.aligned and fc.alignment.first_difference == 2  # where pairing in order breaks
     assert "do not line up" in fc.alignment.message
+
+
+def test_forecast_truth_plot_from_the_benchmark_results(tmp_path):
+    """benchmarks/plot_forecast.py draws the committed GPU results, and refuses a file that is not them."""
+    pytest.importorskip("matplotlib")
+    import subprocess
+    import sys
+
+    script = REPO / "benchmarks" / "plot_forecast.py"
+    out = tmp_path / "truth.png"
+    results = REPO / "benchmarks" / "results" / "gpu_forecast.json"
+    r = subprocess.run([sys.executable, str(script), str(results), str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 10_000
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": []}')
+    r = subprocess.run([sys.executable, str(script), str(bad), str(out)], capture_output=True, text=True)
+    assert r.returncode == 1 and "not gpu_forecast.py's JSON" in r.stderr and "Traceback" not in r.stderr
