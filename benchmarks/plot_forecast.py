@@ -2,7 +2,7 @@
 per allocator; each probe of the truth's search as a dot (ran) or a cross (out of memory), the
 forecast's largest value as a bar, the truth's as a dashed one.
 
-    python benchmarks/plot_forecast.py benchmarks/results/gpu_forecast.json docs/forecast_truth.png
+    python benchmarks/plot_forecast.py benchmarks/results/gpu_forecast.json benchmarks/results/gpu_forecast.png
 """
 
 import json
