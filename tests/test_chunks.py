@@ -10,7 +10,7 @@ counts them.  The invariant checker (C14) runs after every step.
 import pytest
 
 import gpumem
-from conftest import GiB, MiB, PAGE, assert_ok
+from conftest import GiB, MiB, PAGE, assert_ok, drain_and_assert_empty
 from gpumem.explain import last_oom
 
 P = (3, 1)
@@ -32,6 +32,12 @@ def calls(h):
     return {op: h.sim_calls(op) for op in ("create", "map", "set_access", "unmap", "release")}
 
 
+def assert_holds(h, pages):
+    """h is sound and holds `pages` pages, each one it created on the device."""
+    assert_ok(h)
+    assert reserved_pages(h) == pages and created(h) == pages
+
+
 # ---- growth ----------------------------------------------------------------------------
 
 
@@ -45,8 +51,7 @@ def test_growth_makes_as_few_allocations_as_chunk_pages_allows(make_heap, chunk_
     assert h.stats()["num_device_alloc"] - st0["num_device_alloc"] == allocations
     handles = [h.sim_page_at(p + i * PAGE) for i in range(10)]
     assert len(set(handles)) == allocations and 0 not in handles
-    assert created(h) == 10 and reserved_pages(h) == 10
-    assert_ok(h)
+    assert_holds(h, 10)
 
 
 def test_growth_reuses_free_pages_and_covers_only_the_rest(make_heap):
@@ -74,15 +79,11 @@ def test_empty_cache_releases_free_chunks_and_keeps_a_used_one(make_heap):
     h.free(b)
     x = h.malloc(MiB)  # carved from one of the free chunks
     h.empty_cache()
-    assert_ok(h)
     # The chunk x lies in stays whole (8 pages); the other went back.
-    assert reserved_pages(h) == 8 and created(h) == 8
+    assert_holds(h, 8)
     kept = h.sim_page_at(x)
     assert all(h.sim_page_at(x - x % (8 * PAGE) + i * PAGE) in (kept, 0) for i in range(8))
-    h.free(x)
-    h.empty_cache()
-    assert reserved_pages(h) == 0 and created(h) == 0
-    assert_ok(h)
+    drain_and_assert_empty(h, [x])
 
 
 def test_single_pages_give_back_all_but_the_used_page(make_heap):
@@ -91,8 +92,7 @@ def test_single_pages_give_back_all_but_the_used_page(make_heap):
     h.free(a)
     h.malloc(MiB)
     h.empty_cache()
-    assert reserved_pages(h) == 1 and created(h) == 1
-    assert_ok(h)
+    assert_holds(h, 1)
 
 
 def _chunk_with_a_hole(h):
@@ -386,8 +386,7 @@ def test_ended_pools_chunk_goes_only_whole_under_a_lower_cap(make_heap):
     assert g == a
     h.set_cap(4 * PAGE)
     h.empty_cache()
-    assert_ok(h)
-    assert reserved_pages(h) == 20 and created(h) == 20
+    assert_holds(h, 20)
     with pytest.raises(gpumem.OutOfMemoryError):
         h.malloc(30 * PAGE)
     assert last_oom(h).chunk_locked_bytes == 19 * PAGE
@@ -395,11 +394,7 @@ def test_ended_pools_chunk_goes_only_whole_under_a_lower_cap(make_heap):
     h.set_cap(0)
     y = h.malloc(30 * PAGE)
     assert h.sim_is_accessible(y, 30 * PAGE)
-    h.free(y)
-    h.free(g)
-    h.empty_cache()
-    assert_ok(h)
-    assert reserved_pages(h) == 0 and created(h) == 0
+    drain_and_assert_empty(h, [y, g])
 
 
 @pytest.mark.parametrize("op, nth", [("map", 1), ("map", 2), ("set_access", 1)])
@@ -442,8 +437,7 @@ def test_resume_whose_undo_fails_keeps_the_books(make_heap, op):
     h.free(a)
     h.pool_release(P)
     h.empty_cache()
-    assert_ok(h)
-    assert reserved_pages(h) == 0 and created(h) == 0
+    assert_holds(h, 0)
 
 
 def test_a_chunk_whose_release_fails_waits_and_goes_later(make_heap):
@@ -454,13 +448,11 @@ def test_a_chunk_whose_release_fails_waits_and_goes_later(make_heap):
     with pytest.raises(gpumem.DeviceError):
         h.empty_cache()
     h.sim_fail("release", nth=0)
-    assert_ok(h)
-    assert reserved_pages(h) == 8 and created(h) == 8  # held, unmapped, loose
+    assert_holds(h, 8)  # held, unmapped, loose
     assert h.sim_info()["pages_mapped"] == 0
     assert h.stats()["num_device_errors"] == errors + 2
     h.empty_cache()
-    assert_ok(h)
-    assert reserved_pages(h) == 0 and created(h) == 0
+    assert_holds(h, 0)
 
 
 def test_capture_map_failure_keeps_the_chunk_until_the_capture_ends(make_heap):
@@ -470,17 +462,13 @@ def test_capture_map_failure_keeps_the_chunk_until_the_capture_ends(make_heap):
     with pytest.raises(gpumem.DeviceError):
         h.malloc(8 * PAGE)
     h.sim_fail("map", nth=0)
-    assert_ok(h)
-    assert created(h) == 8 and reserved_pages(h) == 8  # not released during the capture
+    assert_holds(h, 8)  # not released during the capture
     p = h.malloc(8 * PAGE)
     assert h.sim_is_accessible(p, 8 * PAGE)
     assert_ok(h)
     h.capture_end()
     assert h.sim_capture_violations() == 0
-    h.free(p)
-    h.empty_cache()
-    assert_ok(h)
-    assert reserved_pages(h) == 0 and created(h) == 0
+    drain_and_assert_empty(h, [p])
 
 
 @pytest.mark.parametrize("chunk_pages", [1, 8])
@@ -505,10 +493,7 @@ def test_capture_access_failing_every_time_leaves_no_inaccessible_free_page(make
     assert_ok(h)
     p = h.malloc(8 * PAGE)
     assert h.sim_is_accessible(p, 8 * PAGE)
-    h.free(p)
-    h.empty_cache()
-    assert reserved_pages(h) == 0 and created(h) == 0
-    assert_ok(h)
+    drain_and_assert_empty(h, [p])
 
 
 @pytest.mark.parametrize("chunk_pages", [1, 8])
@@ -522,8 +507,7 @@ def test_pages_that_neither_grant_nor_unmap_are_parked_until_they_unmap(make_hea
     h.sim_fail("set_access", nth=0)
     h.sim_fail("unmap", nth=0)
     h.empty_cache()
-    assert reserved_pages(h) == 0 and created(h) == 0
-    assert_ok(h)
+    assert_holds(h, 0)
 
 
 def test_placement_that_needs_pages_only_its_own_run_holds(make_heap):
