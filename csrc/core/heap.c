@@ -711,12 +711,7 @@ int gm_set_cap(gm_heap *h, size_t cap_bytes) {
     return rc;
 }
 
-size_t gm_get_cap(gm_heap *h) {
-    pthread_mutex_lock(&h->lock);
-    size_t c = h->user_cap;
-    pthread_mutex_unlock(&h->lock);
-    return c;
-}
+size_t gm_get_cap(gm_heap *h) { return h_locked_read(h, &h->user_cap); }
 
 void gm_get_stats(gm_heap *h, gm_stats *out) {
     pthread_mutex_lock(&h->lock);

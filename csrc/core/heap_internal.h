@@ -274,6 +274,13 @@ static inline size_t h_held_pages(const gm_heap *h) { return h->mapped_pages + h
 static inline size_t h_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 /* Everyone's owner in `pool` (NULL: the general heap). */
 static inline gm_owner *h_everyones(const gm_heap *h, const gm_pool *pool) { return pool ? pool->any : h->owners[0]; }
+/* A size_t of the heap (one of its fields), read under the heap's lock. */
+static inline size_t h_locked_read(gm_heap *h, const size_t *field) {
+    pthread_mutex_lock(&h->lock);
+    size_t v = *field;
+    pthread_mutex_unlock(&h->lock);
+    return v;
+}
 
 /* ---- heap.c ---- */
 gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);

@@ -84,9 +84,4 @@ size_t gm_history_read(gm_heap *h, gm_hist_entry *out, size_t cap, uint64_t *dro
     return n;
 }
 
-size_t gm_history_len(gm_heap *h) {
-    pthread_mutex_lock(&h->lock);
-    size_t n = h->hist_len;
-    pthread_mutex_unlock(&h->lock);
-    return n;
-}
+size_t gm_history_len(gm_heap *h) { return h_locked_read(h, &h->hist_len); }
