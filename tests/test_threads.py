@@ -6,6 +6,7 @@ really run the core at the same time; the heap's own lock must keep it whole.
 
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import gpumem
 from conftest import MiB, assert_ok, drain_and_assert_empty, recount
@@ -101,29 +102,21 @@ def test_threads_hammer_one_heap(make_heap):
 
 def test_threads_each_with_own_heap():
     """Heaps share no state: one per thread, all busy at once."""
-    errors = []
 
     def run(seed):
-        try:
-            with gpumem.Heap(device="sim", capacity=256 * MiB) as h:
-                rng = random.Random(seed)
-                live = []
-                for _ in range(2000):
-                    if live and rng.random() < 0.5:
-                        h.free(live.pop(rng.randrange(len(live))))
-                    else:
-                        try:
-                            live.append(h.malloc(rng.randrange(1, 8 * MiB)))
-                        except gpumem.OutOfMemoryError:
-                            pass
-                h.check()
-                assert h.stats()["allocation.all.current"] == len(live)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(repr(exc))
+        with gpumem.Heap(device="sim", capacity=256 * MiB) as h:
+            rng = random.Random(seed)
+            live = []
+            for _ in range(2000):
+                if live and rng.random() < 0.5:
+                    h.free(live.pop(rng.randrange(len(live))))
+                else:
+                    try:
+                        live.append(h.malloc(rng.randrange(1, 8 * MiB)))
+                    except gpumem.OutOfMemoryError:
+                        pass
+            h.check()
+            assert h.stats()["allocation.all.current"] == len(live)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, range(4)))  # raises what a thread raised
