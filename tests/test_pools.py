@@ -398,8 +398,10 @@ def _fragmented(h):
 def test_capture_slow_path_makes_no_forbidden_call(make_heap):
     h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
     ps = _fragmented(h)
-    calls = {op: h.sim_calls(op) for op in ("synchronize", "event_query", "event_record", "unmap", "release")}
+    for s in (0, S1, S2):
+        h.sim_hold_stream(s, True)  # their work runs on when the capture begins
     h.capture_begin()
+    calls = {op: h.sim_calls(op) for op in ("synchronize", "event_query", "event_record", "unmap", "release")}
     h.sim_set_capture(True)
     assert h.capturing == 1
     small = h.malloc(4096)  # fast path
@@ -418,6 +420,8 @@ def test_capture_slow_path_makes_no_forbidden_call(make_heap):
     h.sim_set_capture(False)
     h.capture_end()
     assert h.capturing == 0
+    for s in (0, S1, S2):
+        h.sim_hold_stream(s, False)
     h.set_cap(0)
     big = h.malloc(4 * PAGE)
     assert h.stats()["num_remaps"] > 0
@@ -478,6 +482,42 @@ def test_pool_allocations_during_capture(make_heap):
     big = h.malloc(4 * PAGE)
     assert page_identity(h, pages_of(kept)) == ident
     h.free(big)
+    assert_ok(h)
+
+
+def test_capture_stream_reuses_what_an_idle_stream_freed_in_its_pool(make_heap):
+    """Torch waits for the device before a graph's capture begins: what another
+    stream freed in the pool is then the capture stream's to reuse, though no
+    event may be queried during the capture."""
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(3 * MiB, stream=S1, pool=P)
+    h.free(a)
+    h.capture_begin()
+    h.sim_set_stream_capture(S2, True)
+    assert h.malloc(3 * MiB, stream=S2, pool=P) == a
+    h.capture_begin()  # nested: no query may run now
+    assert forbidden_calls(h) == 0
+    h.capture_end()
+    h.sim_set_stream_capture(S2, False)
+    h.capture_end()
+    assert_ok(h)
+
+
+def test_capture_stream_never_gets_what_a_busy_stream_freed(make_heap):
+    h = make_heap()
+    h.pool_retain(P)
+    a = h.malloc(3 * MiB, stream=S1, pool=P)
+    h.free(a)
+    h.sim_hold_stream(S1, True)  # S1's work still runs when the capture begins
+    h.capture_begin()
+    h.sim_set_stream_capture(S2, True)
+    b = h.malloc(3 * MiB, stream=S2, pool=P)
+    assert not overlaps(b, 3 * MiB, [(a, 3 * MiB)])
+    assert forbidden_calls(h) == 0
+    h.sim_set_stream_capture(S2, False)
+    h.capture_end()
+    h.sim_hold_stream(S1, False)
     assert_ok(h)
 
 

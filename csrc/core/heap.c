@@ -188,6 +188,9 @@
  *   from the device, on another stream, shows through its deferred frees: while
  *   one waits, device-wide calls (synchronize, event query) are held back too.
  *   Other captures the heap cannot see: torch's side calls gm_capture_begin/end.
+ *   The first gm_capture_begin asks the device which streams have finished
+ *   their work (stream_query) and hands what they freed to every stream: a
+ *   graph's capture stream may then reuse what others freed in its pool.
  *
  * THE FILES
  *

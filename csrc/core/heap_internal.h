@@ -320,6 +320,7 @@ void h_pending_append(gm_heap *h, gm_block *b);
 void h_complete_free(gm_heap *h, gm_block *b);
 size_t h_process_pending(gm_heap *h, int synced);
 size_t h_release_owners(gm_heap *h, gm_stream requester, int synced);
+size_t h_release_idle(gm_heap *h);
 int h_synchronize(gm_heap *h, gm_stream requester);
 
 /* ---- page.c ---- */

@@ -295,6 +295,34 @@ size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
     return moved;
 }
 
+/* Give everyone what streams that have finished all their work freed, as
+ * the device's stream query tells (nothing where it cannot tell).  Only while
+ * no capture is on: a query would invalidate it.  Torch waits for the device
+ * before a graph's capture begins, so there the capture stream may reuse what
+ * other streams freed in the graphs' pool.  Returns how many blocks changed
+ * hands. */
+size_t h_release_idle(gm_heap *h) {
+    int (*query)(gm_device *, gm_stream) = h->dev->ops->stream_query;
+    gm_assert(!h->no_sync && !h->capture_count);
+    if (!query) return 0;
+    h_process_pending(h, 0);
+    struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (o->stream == ANY || !o->idx.count || h_capture_on(h, o->stream)) continue;
+        int rc = query(h->dev, o->stream);
+        if (rc == GM_ENOTREADY) continue;
+        if (rc != GM_OK) {
+            h->st.num_device_errors++;
+            continue;
+        }
+        owner_synced(h, o);
+        release_blocks(&c, o, UINT64_MAX);
+    }
+    coalesce_released(h, &c);
+    return c.n;
+}
+
 /* After a device synchronisation every free block is everyone's.  When all
  * that are not everyone's already belong to one stream (in any pools), that
  * hands nothing new to the stream itself, and no neighbours can merge that

@@ -110,6 +110,7 @@ typedef struct cu_api {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventQuery)(CUevent);
+    CUresult (*StreamQuery)(CUstream);
     CUresult (*MemHostAlloc)(void **, size_t, unsigned int);
     CUresult (*MemFreeHost)(void *);
     CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
@@ -157,6 +158,7 @@ static const sym_entry cu_symbols[] = {
     SYM(EventDestroy, "cuEventDestroy_v2"),
     SYM(EventRecord, "cuEventRecord"),
     SYM(EventQuery, "cuEventQuery"),
+    SYM(StreamQuery, "cuStreamQuery"),
     SYM(MemHostAlloc, "cuMemHostAlloc"),
     SYM(MemFreeHost, "cuMemFreeHost"),
     SYM(MemcpyDtoH, "cuMemcpyDtoH_v2"),
@@ -493,6 +495,17 @@ static int cuda_event_query(gm_device *dev, gm_event ev) {
     return cu_fail(c, "cuEventQuery", r);
 }
 
+static int cuda_stream_query(gm_device *dev, gm_stream stream) {
+    cuda_device *c = (cuda_device *)dev;
+    int pushed, rc = enter(c, &pushed);
+    if (rc != GM_OK) return rc;
+    CUresult r = cu.StreamQuery((CUstream)(uintptr_t)stream);
+    leave(pushed);
+    if (r == CUDA_SUCCESS) return GM_OK;
+    if (r == CUDA_ERROR_NOT_READY) return GM_ENOTREADY;
+    return cu_fail(c, "cuStreamQuery", r);
+}
+
 /* Pinned (page-locked) host memory, so that copies run at full bus speed. */
 static int cuda_host_alloc(gm_device *dev, size_t size, void **out) {
     cuda_device *c = (cuda_device *)dev;
@@ -631,6 +644,7 @@ static const gm_device_ops cuda_ops = {
     GM_EACH_DEV_OP(CUDA_OP)
     .destroy = cuda_destroy,
     .capture_status = cuda_capture_status,
+    .stream_query = cuda_stream_query,
 };
 /* clang-format on */
 #undef CUDA_OP

@@ -129,6 +129,12 @@ static int fault_capture_status(gm_device *dev, gm_stream stream, int *capturing
     return settle(w, GM_OP__COUNT, 0, w->inner->ops->capture_status(w->inner, stream, capturing));
 }
 
+static int fault_stream_query(gm_device *dev, gm_stream stream) {
+    fault_dev *w = (fault_dev *)dev;
+    w->inner->last_error[0] = '\0';
+    return settle(w, GM_OP__COUNT, 0, w->inner->ops->stream_query(w->inner, stream));
+}
+
 static void fault_destroy(gm_device *dev) {
     fault_dev *w = as_wrapper(dev);
     if (!w) return;
@@ -176,6 +182,7 @@ static void fill_ops(fault_dev *w) {
         .copy_htod = in->copy_htod ? fault_copy_htod : NULL,
         .destroy = fault_destroy,
         .capture_status = in->capture_status ? fault_capture_status : NULL,
+        .stream_query = in->stream_query ? fault_stream_query : NULL,
         .verify = in->verify ? &w->verify : NULL,
         .checks_doomed = 0,
     };

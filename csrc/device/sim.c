@@ -157,10 +157,10 @@ fail(sim_device *s, int code, const char *fmt, ...) {
 static void sim_enter(sim_device *s) { s->clock++; }
 
 /* A call a real capture would not survive: refused and counted while one is on. */
-static int capture_forbids(sim_device *s, gm_dev_op op) {
+static int capture_forbids(sim_device *s, const char *op) {
     if (!s->capture_all && !s->capturing_streams) return 0;
     s->capture_violations++;
-    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)", gm_dev_op_name(op));
+    fail(s, GM_EDEVICE, "%s: not permitted during stream capture (it would invalidate the graph)", op);
     return 1;
 }
 
@@ -178,7 +178,7 @@ static int live(sim_device *s, const char *op, const char *what, const char *gon
 /* sim_enter for a call that a real capture would not survive: 1 if refused. */
 static int sim_enter_uncapturable(sim_device *s, gm_dev_op op) {
     sim_enter(s);
-    return capture_forbids(s, op);
+    return capture_forbids(s, gm_dev_op_name(op));
 }
 
 static uint64_t sat_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
@@ -686,6 +686,19 @@ static int sim_event_query(gm_device *dev, gm_event ev) {
     return GM_OK;
 }
 
+/* A held stream is busy.  With an event delay, work on a stream other than the
+ * legacy default one runs until a synchronize, unless no operation came since
+ * the last one. */
+static int sim_stream_query(gm_device *dev, gm_stream stream) {
+    sim_device *s = (sim_device *)dev;
+    sim_enter(s);
+    if (capture_forbids(s, "stream_query")) return GM_EDEVICE;
+    uint32_t k = s->held_count ? stream_find(s, stream) : SIM_NONE;
+    if (k != SIM_NONE && s->streams[k].held) return GM_ENOTREADY;
+    if (s->event_delay && stream != 0 && s->synced + 1 < s->clock) return GM_ENOTREADY;
+    return GM_OK;
+}
+
 static int sim_synchronize(gm_device *dev) {
     sim_device *s = (sim_device *)dev;
     if (sim_enter_uncapturable(s, GM_OP_SYNCHRONIZE)) return GM_EDEVICE;
@@ -785,6 +798,7 @@ static const gm_device_ops sim_ops = {
     GM_EACH_DEV_OP(SIM_OP)
     .destroy = sim_destroy,
     .capture_status = sim_capture_status,
+    .stream_query = sim_stream_query,
     .verify = &sim_verify,
     .checks_doomed = 1,
 };

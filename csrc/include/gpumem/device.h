@@ -141,6 +141,10 @@ typedef struct gm_device_ops {
      * gm_capture_begin/end count.  An error means "cannot tell": the heap then
      * takes the requesting stream as capturing. */
     int (*capture_status)(gm_device *dev, gm_stream stream, int *capturing);
+    /* GM_OK when every piece of work issued to `stream` has finished,
+     * GM_ENOTREADY while some still runs.  Not during a capture (it would
+     * invalidate it).  NULL when the device cannot tell. */
+    int (*stream_query)(gm_device *dev, gm_stream stream);
     /* What the device itself knows, for the heap's invariant checker; NULL
      * where the device cannot tell (a real GPU). */
     const struct gm_device_verify *verify;
