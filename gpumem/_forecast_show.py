@@ -66,9 +66,12 @@ class _Showing:
                 lines.append(far)
             if self.first is not None:
                 was = ", ".join(f"{a} {self.first._largest_text(a)}" for a in ALLOCATORS)
+                again = [k for k in self.recorded if k not in self.first.recorded]
+                agreed = len(again) < len(self.recorded)
                 lines.append(
-                    f"refined: recorded again at {self.name} {' and '.join(map(str, self.recorded))}, nearer the "
+                    f"refined: recorded again at {self.name} {' and '.join(map(str, again))}, nearer the "
                     f"answer; from {', '.join(map(str, self.first.recorded))} the largest was: {was}"
+                    + ("; the new recording agreed with that forecast: all are fitted together" if agreed else "")
                 )
         lines.extend(f"warning: {c}" for c in self.caveats())
         return lines

@@ -75,6 +75,9 @@ DEFAULT_MAX_KNOB = 1 << 24
 # fits, 136 does not, 137 does).
 SETTLE_BELOW = 0.125
 SETTLE_PROBES = 64
+# refine=True: a recording at half the answer confirms the first forecast when it makes the
+# same events and its peak live memory is within this fraction of the forecast's
+CONFIRM_WITHIN = 0.01
 
 _last: Optional["Forecast"] = None
 
@@ -461,10 +464,12 @@ def forecast(
         again, as the first step of a fresh run at that value does.
     multiple: the knob's granularity in the search for the largest value.
     refine: where the largest value that fits lies more than 8 times past the
-        largest recorded, record again at a quarter and a half of it and forecast
-        from those (two more recordings, each at most half the answer's memory):
-        memory a step takes only past some size then shows.  The first forecast
-        stays as ``.first``.
+        largest recorded, record again at half of it (at most half the answer's
+        memory).  Where that recording makes the same events as the first ones and
+        the peak live memory they forecast for it (within 1%), the forecast is made
+        from all the recordings; otherwise it records at a quarter of the answer too
+        and forecasts from those two: memory a step takes only past some size then
+        shows.  The first forecast stays as ``.first``.
     """
     knobs = _check_knobs(knob)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -513,8 +518,10 @@ def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Rec
 
 def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     """refine=True: where the largest value that fits lies more than FAR_FACTOR
-    times past the largest recorded one, record again at a quarter and a half of
-    it (the smaller of the two allocators' answers) and forecast from those: a
+    times past the largest recorded one, record again at half of it (the smaller
+    of the two allocators' answers).  If that recording confirms the first
+    forecast (_confirms), the forecast is made from every recording; if not, it
+    records at a quarter of the answer too and forecasts from those two: a
     step's memory that only larger values allocate (a reduction's staging
     buffer, a library's workspace) then shows in both recordings.  The first
     forecast is kept as `.first`; it is the answer where the new recordings do
@@ -529,16 +536,29 @@ def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     lo, hi = max(m, int(target // 4) // m * m), max(m, int(target // 2) // m * m)
     if lo <= top or lo >= hi:
         return fc
+    kw = dict(name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
     try:
-        recordings = [record(lo), record(hi)]
+        far = record(hi)
+        new = Forecast([*fc.recordings, far], **kw)
+        if not _confirms(fc, new, far):
+            new = Forecast([record(lo), far], **kw)
     except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
         if "OutOfMemory" not in type(e).__name__:
             raise
         fc.refine_note = f"recording again at {fc.name} {lo} and {hi} ran out of memory: {str(e).splitlines()[0]}"
         return fc
-    new = Forecast(recordings, name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
     if not new.aligned:
         fc.refine_note = f"the recordings at {fc.name} {lo} and {hi} do not line up ({new.alignment.message})"
         return fc
     new.first = fc
     return new
+
+
+def _confirms(fc: "Forecast", joined: "Forecast", far: Recording) -> bool:
+    """Whether the recording `far` agrees with the forecast `fc`: with fc's
+    recordings it lines up event for event (nothing set aside), and its peak
+    live memory is within CONFIRM_WITHIN of what fc forecast for it."""
+    if not joined.aligned or any(joined.alignment.set_aside.values()):
+        return False
+    real = far.trace.peak_live_bytes
+    return abs(fc.peak_live(far.knob) - real) <= CONFIRM_WITHIN * real

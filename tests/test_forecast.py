@@ -273,6 +273,29 @@ def test_refine_records_again_nearer_the_answer_and_sees_memory_only_larger_valu
     assert any(line.startswith("refined: recorded again at batch") for line in fc.summary_lines())
 
 
+def test_refine_records_once_where_that_recording_confirms_the_first_forecast():
+    h = sim()
+    p = Program(h, per_act=lambda k: 2 * MiB * k)
+    plain = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=8 * GiB)
+    first = plain.largest()
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=8 * GiB, refine=True)
+    assert fc.first is not None and fc.recorded == [2, 4, first // 2]
+    assert fc.aligned and fc.largest() == first == max(k for k in range(1, 1000) if p.peak(k) <= 8 * GiB)
+    line = next(x for x in fc.summary_lines() if x.startswith("refined:"))
+    assert f"recorded again at batch {first // 2}," in line and "agreed" in line
+
+
+def test_refine_records_twice_where_the_sizes_bend_past_the_first_recordings():
+    """Same events at every value, but a size that grows faster past batch 16: the recording
+    at half the answer disagrees with the first forecast, so a quarter is recorded too."""
+    h = sim()
+    p = Program(h, per_act=lambda k: 2 * MiB * k + (6 * MiB * (k - 16) if k > 16 else 0))
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch", capacity=8 * GiB, refine=True)
+    first = fc.first.largest()
+    assert fc.recorded == [first // 4, first // 2]
+    assert fc.largest() == max(k for k in range(1, 1000) if p.peak(k) <= 8 * GiB)
+
+
 def test_refine_leaves_a_forecast_near_its_recordings_alone():
     h = sim()
     p = Program(h, per_act=lambda k: 2 * MiB * k)
