@@ -26,7 +26,8 @@ small and the searches quick, and lets several searches share the GPU.
    knob=[...], refine=True) with a warm-up step at each value (training: then the optimizer state is
    dropped and two steps are recorded, as a fresh run makes them), and finds the largest value for
    each allocator.  Where that lies more than 8x past the largest recorded value, the forecast records
-   again at a quarter and a half of it (its "recorded" and "first_largest" say so).
+   again at half of it, and at a quarter too where that recording disagrees with the first forecast
+   (its "recorded" and "first_largest" say so).
    Its time counts from its first step (warm-ups included) to both answers (the model is already
    built: a user asking has it in hand).
 2. Truth: for each model and allocator, the largest value that runs (two training steps, or one

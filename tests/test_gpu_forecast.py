@@ -3,8 +3,8 @@ allocator) and from gpumem's (gpumem installed), and checked against the largest
 batch that really runs, probed with real steps on either side of the forecast's
 margin, each in a fresh process (an OOM must not leak into the next).  Past some
 size torch's reductions allocate buffers that steps at batch 2 and 4 do not show
-(docs/forecast.md), so the forecast is refined (refine=True): recorded again at a
-quarter and a half of its first answer.  Skipped without a GPU;
+(docs/forecast.md), so the forecast is refined (refine=True): recorded again at
+half of its first answer, and at a quarter where that disagrees.  Skipped without a GPU;
 benchmarks/gpu_forecast.py makes the same check on four real models."""
 
 import textwrap
