@@ -60,7 +60,7 @@ class BuildPy(build_py):
 
 def sources():
     found = []
-    for part in ("core", "device", "python"):
+    for part in ("core", "device", "model", "python"):
         found += sorted(glob.glob(f"csrc/{part}/*.c")) + sorted(glob.glob(f"csrc/{part}/*.cpp"))
     return found
 
@@ -70,7 +70,7 @@ setup(
         Extension(
             "gpumem._C",
             sources=sources(),
-            include_dirs=["csrc/include", "csrc/core"],
+            include_dirs=["csrc/include", "csrc/core", "csrc/model"],
             extra_link_args=["-pthread"],
             libraries=["dl"],
         )

@@ -901,6 +901,7 @@ static PyMethodDef module_methods[] = {
 int gm_torch_glue_add(PyObject *module);  /* torch_glue.c */
 int gm_torch_viz_add(PyObject *module);   /* torch_viz.c */
 int gm_shared_glue_add(PyObject *module); /* shared_glue.c */
+int gm_native_glue_add(PyObject *module); /* native_glue.c */
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, .m_name = "gpumem._C",       .m_doc = "gpumem's C core: the Heap type and its exceptions.",
@@ -969,6 +970,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (gm_torch_viz_add(m) < 0) /* explain/stacks hooks for the torch path (torch_viz.c) */
         goto fail;
     if (gm_shared_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (shared_glue.c) */
+        goto fail;
+    if (gm_native_glue_add(m) < 0) /* the model of torch's native allocator (native_glue.c) */
         goto fail;
     return m;
 fail:
