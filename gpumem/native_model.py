@@ -42,17 +42,20 @@ do not count): the device's memory, or under
 torch.cuda.set_per_process_memory_fraction(f) the fraction f of the device's
 total memory as cudaMemGetInfo reports it (allowed_bytes(f, total)).
 
+The model runs in C (csrc/model/native_model.c); NativeAllocator drives it a
+call at a time, replay_native replays a whole trace inside it.
+
     from gpumem.native_model import replay_native, min_capacity_native
     r = replay_native(trace, capacity=16 << 30)      # r.ooms, r.peak_reserved_bytes
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
-from .trace import R_ALLOC, Trace
+from . import _C
+from .trace import Trace
 
 __all__ = [
     "NativeAllocator",
@@ -79,8 +82,7 @@ LARGE_BUFFER = 20 * MiB  # a large-pool segment for requests under MIN_LARGE_ALL
 MIN_LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB  # larger requests get a segment of their size rounded to this
 
-UNLIMITED = 1 << 62
-_TOP = 1 << 56  # segments are placed downwards from here
+UNLIMITED = 1 << 62  # no memory limit; larger limits count as this one
 
 
 def allowed_bytes(fraction: float, total: int) -> int:
@@ -110,201 +112,21 @@ def segment_size(rounded: int) -> int:
     return -(-rounded // ROUND_LARGE) * ROUND_LARGE
 
 
-class _Block:
-    __slots__ = ("addr", "size", "small", "stream", "free", "prev", "next")
+class NativeAllocator(_C.NativeModel):
+    """The model's state: segments, blocks, the free blocks of each pool and stream.
 
-    def __init__(self, addr: int, size: int, small: bool, stream: int):
-        self.addr = addr
-        self.size = size
-        self.small = small
-        self.stream = stream
-        self.free = True
-        self.prev: Optional[_Block] = None
-        self.next: Optional[_Block] = None
+    NativeAllocator(capacity=UNLIMITED, max_split_size=None): malloc(size,
+    stream=0) returns a block's address or None (out of memory), free(addr)
+    gives it back (ValueError for an address it did not hand out),
+    empty_cache() releases every wholly free segment and returns the bytes
+    released (what an OOM does before its retry, and torch.cuda.empty_cache()).
+    The counters are read-only attributes: reserved, peak_reserved, allocated
+    (the sizes of the blocks handed out: torch's allocated_bytes),
+    peak_allocated, segments, num_device_alloc, num_device_free,
+    num_alloc_retries, ooms; and capacity, max_split_size as given.  blocks()
+    lists every block as (segment, addr, size, stream, small, free)."""
 
-
-class NativeAllocator:
-    """The model's state: segments, blocks, the free blocks of each pool and stream."""
-
-    def __init__(self, capacity: int = UNLIMITED, max_split_size: Optional[int] = None):
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, not {capacity}")
-        if max_split_size is not None and max_split_size <= LARGE_BUFFER:
-            # torch refuses max_split_size_mb of 20 or less
-            raise ValueError(f"max_split_size must be more than 20 MiB, not {max_split_size}")
-        self.capacity = capacity
-        self.max_split = UNLIMITED if max_split_size is None else max_split_size
-        # (small?, stream) -> sorted [(size, addr)] of free blocks
-        self.pools: Dict[Tuple[bool, int], List[Tuple[int, int]]] = {}
-        self.blocks: Dict[int, _Block] = {}  # addr -> block (free or not)
-        self.next_addr = _TOP
-        self.reserved = 0
-        self.peak_reserved = 0
-        self.allocated = 0  # sum of the sizes of blocks handed out (torch's allocated_bytes)
-        self.peak_allocated = 0
-        self.segments = 0
-        self.num_device_alloc = 0
-        self.num_device_free = 0
-        self.num_alloc_retries = 0
-        self.ooms = 0
-
-    # ---- pools -----------------------------------------------------------------------
-
-    def _pool(self, small: bool, stream: int) -> List[Tuple[int, int]]:
-        key = (small, stream)
-        pool = self.pools.get(key)
-        if pool is None:
-            pool = self.pools[key] = []
-        return pool
-
-    def _insert(self, b: _Block) -> None:
-        insort(self._pool(b.small, b.stream), (b.size, b.addr))
-
-    def _remove(self, b: _Block) -> None:
-        pool = self.pools[(b.small, b.stream)]
-        i = bisect_left(pool, (b.size, b.addr))
-        del pool[i]
-
-    # ---- device ----------------------------------------------------------------------
-
-    def _new_segment(self, size: int, small: bool, stream: int) -> Optional[_Block]:
-        if self.reserved + size > self.capacity:
-            return None
-        self.next_addr -= size + ROUND_LARGE  # below every other segment, with a gap: segments never touch
-        b = _Block(self.next_addr, size, small, stream)
-        self.blocks[b.addr] = b
-        self.reserved += size
-        self.segments += 1
-        self.num_device_alloc += 1
-        if self.reserved > self.peak_reserved:
-            self.peak_reserved = self.reserved
-        return b
-
-    def empty_cache(self) -> int:
-        """Release every wholly free segment (what an OOM does before its retry,
-        and torch.cuda.empty_cache()); returns the bytes released."""
-        released = 0
-        for pool in self.pools.values():
-            keep = []
-            for size, addr in pool:
-                b = self.blocks[addr]
-                if b.prev is None and b.next is None:
-                    del self.blocks[addr]
-                    released += size
-                    self.segments -= 1
-                    self.num_device_free += 1
-                else:
-                    keep.append((size, addr))
-            pool[:] = keep
-        self.reserved -= released
-        return released
-
-    # ---- malloc / free ---------------------------------------------------------------
-
-    def malloc(self, size: int, stream: int = 0) -> Optional[int]:
-        """The address of a block for `size` bytes on `stream`, or None (out of memory)."""
-        rounded = round_size(size)
-        small = rounded <= SMALL_SIZE
-        b = self._free_block(rounded, small, stream)
-        if b is None:
-            want = segment_size(rounded)
-            b = self._new_segment(want, small, stream)
-            if b is None:
-                self.num_alloc_retries += 1
-                if self._release_oversize(rounded, small, stream):
-                    b = self._new_segment(want, small, stream)
-                if b is None:
-                    self.empty_cache()
-                    b = self._new_segment(want, small, stream)
-                if b is None:
-                    self.ooms += 1
-                    return None
-        remaining = b.size - rounded
-        if small:
-            split = remaining >= MIN_BLOCK
-        else:
-            split = rounded < self.max_split and remaining > SMALL_SIZE
-        if split:
-            rest = _Block(b.addr + rounded, remaining, small, stream)
-            rest.prev = b
-            rest.next = b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = rounded
-            self.blocks[rest.addr] = rest
-            self._insert(rest)
-        b.free = False
-        self.allocated += b.size
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-        return b.addr
-
-    def _free_block(self, rounded: int, small: bool, stream: int) -> Optional[_Block]:
-        """Take the best-fitting cached block, if one may serve the request."""
-        pool = self._pool(small, stream)
-        i = bisect_left(pool, (rounded, -1))
-        if i == len(pool):
-            return None
-        size, addr = pool[i]
-        if rounded < self.max_split and size >= self.max_split:
-            return None  # an oversize block is not given to a smaller request
-        if rounded >= self.max_split and size >= rounded + LARGE_BUFFER:
-            return None  # nor to a larger one it exceeds by 20 MiB or more
-        del pool[i]
-        return self.blocks[addr]
-
-    def _release_oversize(self, rounded: int, small: bool, stream: int) -> bool:
-        """With a max_split_size: release a cached oversize segment large enough
-        for the request, or else oversize ones from the largest down until as
-        many bytes are freed; False if that cannot free enough."""
-        if self.max_split == UNLIMITED:
-            return False
-        pool = self._pool(small, stream)
-        want = max(rounded, self.max_split)
-        i = bisect_left(pool, (want, -1))
-        if i < len(pool):
-            victims = [i]  # oversize: never split, so a whole segment
-        else:
-            victims, total, j = [], 0, len(pool) - 1
-            while total < want and j >= 0 and pool[j][0] >= self.max_split:
-                victims.append(j)
-                total += pool[j][0]
-                j -= 1
-            if total < want:
-                return False
-        for j in victims:  # descending indices: deleting keeps the others valid
-            size, addr = pool.pop(j)
-            del self.blocks[addr]
-            self.reserved -= size
-            self.segments -= 1
-            self.num_device_free += 1
-        return True
-
-    def free(self, addr: int) -> None:
-        b = self.blocks.get(addr)
-        if b is None or b.free:
-            raise ValueError(f"free of an address the model did not hand out: {addr:#x}")
-        self.allocated -= b.size
-        b.free = True
-        p = b.prev
-        if p is not None and p.free:
-            self._remove(p)
-            self._join(p, b)
-            b = p
-        n = b.next
-        if n is not None and n.free:
-            self._remove(n)
-            self._join(b, n)
-        self._insert(b)
-
-    def _join(self, left: _Block, right: _Block) -> None:
-        """Merge `right` into its neighbour `left`; `right` leaves the block map."""
-        del self.blocks[right.addr]
-        left.size += right.size
-        left.next = right.next
-        if right.next is not None:
-            right.next.prev = left
+    __slots__ = ()
 
 
 @dataclass
@@ -326,38 +148,8 @@ def replay_native(
     """Replay `trace` through the model with `capacity` bytes.  A request that
     fails counts as an OOM and its block stays unallocated (its free is skipped),
     as gpumem's replay does; `stop_at_oom` stops at the first one instead."""
-    a = NativeAllocator(capacity, max_split_size)
-    slots: Dict[int, int] = {}
-    w = trace.words
-    first_oom = -1
-    for i in range(0, len(w), 3):
-        head = w[i]
-        op = head & 0xFFFFFFFF
-        slot = head >> 32
-        if op == R_ALLOC:
-            addr = a.malloc(w[i + 1], w[i + 2])
-            if addr is None:
-                if first_oom < 0:
-                    first_oom = i // 3
-                if stop_at_oom:
-                    break
-                continue
-            slots[slot] = addr
-        else:
-            addr = slots.pop(slot, None)
-            if addr is not None:
-                a.free(addr)
-    return NativeResult(
-        capacity_bytes=capacity,
-        ooms=a.ooms,
-        first_oom_event=first_oom,
-        peak_reserved_bytes=a.peak_reserved,
-        peak_allocated_bytes=a.peak_allocated,
-        segments=a.segments,
-        num_device_alloc=a.num_device_alloc,
-        num_device_free=a.num_device_free,
-        num_alloc_retries=a.num_alloc_retries,
-    )
+    r = _C.native_replay(trace.words, capacity, stop_at_oom, max_split_size)
+    return NativeResult(capacity_bytes=capacity, **r)
 
 
 def fits_native(trace: Trace, capacity: int) -> bool:
