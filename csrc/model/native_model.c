@@ -13,10 +13,16 @@
  *                             prev <-> next: the blocks of one segment
  *
  *   pools[2 * s + small]  the free blocks of stream s (by_stream: stream -> s)
- *                         in one pool, sorted by (size, address): the best
- *                         fit is a binary search, the lowest address among
- *                         equal sizes
+ *                         in one pool, in order of (size, address)
  *   by_addr               address -> block, for free(addr)
+ *
+ * A pool keeps its free blocks in size classes ("bins", as in TLSF): bin_of
+ * grows with the size, and each power of two is cut into 16 bins, so a bin
+ * spans at most 1/16 of its sizes and stays short.  Each bin is an array
+ * sorted by (size, address), and a bitmap tells which bins hold any.  The
+ * first block not below a request (the best fit, the lowest address among
+ * equal sizes) is then a binary search in the request's own bin, or else the
+ * first block of the next bin that holds any.
  *
  * Blocks live in one array and name each other by index, so that the array
  * may grow; unused entries form a list through `next`.  Every call that may
@@ -52,9 +58,18 @@ typedef struct nm_entry {
     uint32_t block;
 } nm_entry;
 
-typedef struct nm_pool {
+#define SL_BITS 4                                   /* each power of two of sizes in 16 bins */
+#define N_BINS  ((64 - 9 - SL_BITS + 1) << SL_BITS) /* bin_of of any 64-bit size is below */
+#define N_WORDS ((N_BINS + 63) / 64)
+
+typedef struct nm_bin {
     nm_entry *e; /* sorted by (size, addr) */
     size_t n, cap;
+} nm_bin;
+
+typedef struct nm_pool {
+    nm_bin *bins;               /* N_BINS, made when the pool first caches a block */
+    uint64_t nonempty[N_WORDS]; /* bit b: bins[b] holds any */
     uint64_t stream;
 } nm_pool;
 
@@ -76,6 +91,7 @@ struct gm_native {
     nm_pool *pools;  /* 2 * cap_streams, of which 2 * n_streams in use */
     size_t n_streams, cap_streams;
     nm_map by_addr, by_stream;
+    int addressed; /* by_addr kept: not in a replay, which names blocks by index */
 };
 
 /* ---- sizes ------------------------------------------------------------------------------------ */
@@ -158,55 +174,96 @@ static void map_del(nm_map *h, uint64_t key) {
     h->n--;
 }
 
-/* ---- pools: free blocks sorted by (size, address) --------------------------------------------- */
+/* ---- pools: free blocks in order of (size, address) ------------------------------------------ */
+
+/* The bin of a size: never smaller for a larger size. */
+static unsigned bin_of(uint64_t size) {
+    uint64_t units = size >> 9;
+    if (units < (1u << SL_BITS)) return (unsigned)units;
+    unsigned fl = 63u - (unsigned)__builtin_clzll(units);
+    unsigned sl = (unsigned)(units >> (fl - SL_BITS)) & ((1u << SL_BITS) - 1);
+    return ((fl - SL_BITS + 1) << SL_BITS) | sl;
+}
+
+/* The first bin from b up (down, with `down` set) that holds any block, or -1. */
+static int bin_next(const nm_pool *p, int b, int down) {
+    if (b < 0 || b >= (int)N_BINS) return -1;
+    int w = b / 64;
+    uint64_t word = p->nonempty[w] & (down ? ~0ull >> (63 - b % 64) : ~0ull << (b % 64));
+    while (word == 0) {
+        w += down ? -1 : 1;
+        if (w < 0 || w >= N_WORDS) return -1;
+        word = p->nonempty[w];
+    }
+    return w * 64 + (down ? 63 - __builtin_clzll(word) : __builtin_ctzll(word));
+}
 
 static int entry_below(const nm_entry *e, uint64_t size, int64_t addr) {
     return (e->size < size) | ((e->size == size) & (e->addr < addr));
 }
 
-/* The index of the first entry not below (size, addr).  Without branches on
- * the comparisons: a pool's order is unpredictable. */
-static size_t lower_bound(const nm_pool *p, uint64_t size, int64_t addr) {
-    if (p->n == 0) return 0;
-    const nm_entry *base = p->e;
-    for (size_t n = p->n; n > 1; n -= n / 2)
+/* The index of bin b's first entry not below (size, addr).  Without branches
+ * on the comparisons: the order in a pool is unpredictable. */
+static size_t lower_bound(const nm_bin *b, uint64_t size, int64_t addr) {
+    if (b->n == 0) return 0;
+    const nm_entry *base = b->e;
+    for (size_t n = b->n; n > 1; n -= n / 2)
         if (entry_below(&base[n / 2], size, addr)) base += n / 2; /* everything before base stays below */
-    return (size_t)(base - p->e) + (size_t)entry_below(base, size, addr);
+    return (size_t)(base - b->e) + (size_t)entry_below(base, size, addr);
 }
 
-/* Room for one more entry.  0, or -1 with the pool unchanged. */
-static int pool_reserve(nm_pool *p) {
-    if (p->n < p->cap) return 0;
-    size_t cap = p->cap ? 2 * p->cap : 16;
-    nm_entry *e = realloc(p->e, cap * sizeof *e);
+/* The pool's first entry not below (size, addr): 1 with its bin and index, or 0 if none. */
+static int pool_find(const nm_pool *p, uint64_t size, int64_t addr, int *bin, size_t *i) {
+    if (p->bins == NULL) return 0;
+    *bin = (int)bin_of(size);
+    *i = lower_bound(&p->bins[*bin], size, addr);
+    if (*i < p->bins[*bin].n) return 1;
+    *bin = bin_next(p, *bin + 1, 0);
+    *i = 0;
+    return *bin >= 0;
+}
+
+/* Room in pool p for one more block of `size` bytes.  0, or -1 with the pool unchanged. */
+static int pool_reserve(nm_pool *p, uint64_t size) {
+    if (p->bins == NULL && (p->bins = calloc(N_BINS, sizeof *p->bins)) == NULL) return -1;
+    nm_bin *b = &p->bins[bin_of(size)];
+    if (b->n < b->cap) return 0;
+    size_t cap = b->cap ? 2 * b->cap : 4;
+    nm_entry *e = realloc(b->e, cap * sizeof *e);
     if (e == NULL) return -1;
-    p->e = e;
-    p->cap = cap;
+    b->e = e;
+    b->cap = cap;
     return 0;
 }
 
-/* Add block bi to its pool (room reserved). */
+/* Add free block bi to its pool (room reserved). */
 static void pool_insert(gm_native *m, uint32_t bi) {
-    const nm_block *b = &m->blocks[bi];
-    nm_pool *p = &m->pools[b->pool];
-    size_t i = lower_bound(p, b->size, b->addr);
-    memmove(&p->e[i + 1], &p->e[i], (p->n - i) * sizeof *p->e);
-    p->e[i] = (nm_entry){.size = b->size, .addr = b->addr, .block = bi};
-    p->n++;
+    const nm_block *blk = &m->blocks[bi];
+    nm_pool *p = &m->pools[blk->pool];
+    unsigned bin = bin_of(blk->size);
+    nm_bin *b = &p->bins[bin];
+    size_t i = lower_bound(b, blk->size, blk->addr);
+    memmove(&b->e[i + 1], &b->e[i], (b->n - i) * sizeof *b->e);
+    b->e[i] = (nm_entry){.size = blk->size, .addr = blk->addr, .block = bi};
+    b->n++;
+    p->nonempty[bin / 64] |= 1ull << (bin % 64);
 }
 
-/* Remove the entries [i, j) of pool p. */
-static void pool_cut(nm_pool *p, size_t i, size_t j) {
-    memmove(&p->e[i], &p->e[j], (p->n - j) * sizeof *p->e);
-    p->n -= j - i;
+/* Remove the entries [i, j) of bin `bin` of pool p. */
+static void pool_cut(nm_pool *p, int bin, size_t i, size_t j) {
+    nm_bin *b = &p->bins[bin];
+    memmove(&b->e[i], &b->e[j], (b->n - j) * sizeof *b->e);
+    b->n -= j - i;
+    if (b->n == 0) p->nonempty[bin / 64] &= ~(1ull << (bin % 64));
 }
 
 /* Remove free block bi from its pool. */
 static void pool_remove(gm_native *m, uint32_t bi) {
-    const nm_block *b = &m->blocks[bi];
-    nm_pool *p = &m->pools[b->pool];
-    size_t i = lower_bound(p, b->size, b->addr);
-    pool_cut(p, i, i + 1);
+    const nm_block *blk = &m->blocks[bi];
+    nm_pool *p = &m->pools[blk->pool];
+    int bin = (int)bin_of(blk->size);
+    size_t i = lower_bound(&p->bins[bin], blk->size, blk->addr);
+    pool_cut(p, bin, i, i + 1);
 }
 
 /* The pool of (stream, small) in *out, made if new.  0, or -1 with the model unchanged. */
@@ -257,12 +314,12 @@ static uint32_t block_new(gm_native *m, int64_t addr, uint64_t size, uint32_t po
     }
     m->blocks[bi] =
         (nm_block){.addr = addr, .size = size, .prev = NONE, .next = NONE, .pool = pool, .free = 1, .used = 1};
-    map_put(&m->by_addr, (uint64_t)addr, bi);
+    if (m->addressed) map_put(&m->by_addr, (uint64_t)addr, bi);
     return bi;
 }
 
 static void block_drop(gm_native *m, uint32_t bi) {
-    map_del(&m->by_addr, (uint64_t)m->blocks[bi].addr);
+    if (m->addressed) map_del(&m->by_addr, (uint64_t)m->blocks[bi].addr);
     m->blocks[bi].used = 0;
     m->blocks[bi].next = m->unused;
     m->unused = bi;
@@ -308,19 +365,35 @@ uint64_t gm_native_empty_cache(gm_native *m) {
     uint64_t released = 0;
     for (size_t pi = 0; pi < 2 * m->n_streams; pi++) {
         nm_pool *p = &m->pools[pi];
-        size_t kept = 0;
-        for (size_t i = 0; i < p->n; i++) {
-            const nm_block *b = &m->blocks[p->e[i].block];
-            if (b->prev == NONE && b->next == NONE) {
-                released += b->size;
-                segment_release(m, p->e[i].block);
-            } else {
-                p->e[kept++] = p->e[i];
+        for (int bin = bin_next(p, 0, 0); bin >= 0; bin = bin_next(p, bin + 1, 0)) {
+            nm_bin *b = &p->bins[bin];
+            size_t kept = 0;
+            for (size_t i = 0; i < b->n; i++) {
+                const nm_block *blk = &m->blocks[b->e[i].block];
+                if (blk->prev == NONE && blk->next == NONE) {
+                    released += blk->size;
+                    segment_release(m, b->e[i].block);
+                } else {
+                    b->e[kept++] = b->e[i];
+                }
             }
+            pool_cut(p, bin, kept, b->n);
         }
-        p->n = kept;
     }
     return released;
+}
+
+/* How many of pool p's largest blocks, taken from the largest down while they
+ * are oversize, add up to `want` bytes: 0 if they cannot. */
+static size_t oversize_tail(const nm_pool *p, uint64_t max_split, uint64_t want) {
+    uint64_t total = 0;
+    size_t k = 0;
+    for (int bin = bin_next(p, N_BINS - 1, 1); bin >= 0 && total < want; bin = bin_next(p, bin - 1, 1))
+        for (size_t i = p->bins[bin].n; i > 0 && total < want; i--, k++) {
+            if (p->bins[bin].e[i - 1].size < max_split) return 0;
+            total += p->bins[bin].e[i - 1].size;
+        }
+    return total < want ? 0 : k;
 }
 
 /* With a max_split_size: release a cached oversize block (never split, so a
@@ -330,31 +403,40 @@ static int release_oversize(gm_native *m, uint32_t pi, uint64_t rounded) {
     if (m->max_split == GM_NATIVE_UNLIMITED) return 0;
     nm_pool *p = &m->pools[pi];
     uint64_t want = rounded > m->max_split ? rounded : m->max_split;
-    size_t first = lower_bound(p, want, -1), last = first + 1;
-    if (first == p->n) {
-        uint64_t total = 0;
-        for (last = p->n; total < want && first > 0 && p->e[first - 1].size >= m->max_split; first--)
-            total += p->e[first - 1].size;
-        if (total < want) return 0;
+    int bin;
+    size_t i, k;
+    if (pool_find(p, want, -1, &bin, &i)) {
+        segment_release(m, p->bins[bin].e[i].block);
+        pool_cut(p, bin, i, i + 1);
+        return 1;
     }
-    for (size_t i = first; i < last; i++) segment_release(m, p->e[i].block);
-    pool_cut(p, first, last);
+    if ((k = oversize_tail(p, m->max_split, want)) == 0) return 0;
+    while (k-- > 0) { /* the pool's last block, k times */
+        bin = bin_next(p, N_BINS - 1, 1);
+        i = p->bins[bin].n - 1;
+        segment_release(m, p->bins[bin].e[i].block);
+        pool_cut(p, bin, i, i + 1);
+    }
     return 1;
 }
 
 /* ---- malloc and free -------------------------------------------------------------------------- */
 
-/* Take the best-fitting cached block of pool pi, if one may serve the request (NONE if not). */
-static uint32_t best_fit(gm_native *m, uint32_t pi, uint64_t rounded) {
-    nm_pool *p = &m->pools[pi];
-    size_t i = lower_bound(p, rounded, -1);
-    if (i == p->n) return NONE;
-    uint64_t size = p->e[i].size;
-    if (rounded < m->max_split && size >= m->max_split) return NONE; /* oversize: not for a smaller request */
-    if (rounded >= m->max_split && size >= rounded + LARGE_BUFFER) return NONE; /* nor one 20 MiB smaller */
-    uint32_t bi = p->e[i].block;
-    pool_cut(p, i, i + 1);
-    return bi;
+/* Whether a block of `size` bytes given to a request of `rounded` is split:
+ * when what remains may stand alone. */
+static int splits(const gm_native *m, int small, uint64_t rounded, uint64_t size) {
+    uint64_t remaining = size - rounded;
+    return small ? remaining >= MIN_BLOCK : rounded < m->max_split && remaining > SMALL_SIZE;
+}
+
+/* The best-fitting cached block of pool p, if one may serve the request: 1
+ * with its bin and index, or 0. */
+static int best_fit(const gm_native *m, const nm_pool *p, uint64_t rounded, int *bin, size_t *i) {
+    if (!pool_find(p, rounded, -1, bin, i)) return 0;
+    uint64_t size = p->bins[*bin].e[*i].size;
+    if (rounded < m->max_split && size >= m->max_split) return 0;            /* oversize: not for a smaller request */
+    if (rounded >= m->max_split && size >= rounded + LARGE_BUFFER) return 0; /* nor one 20 MiB smaller */
+    return 1;
 }
 
 /* A new segment for the request, releasing cached memory when the limit is in the way. */
@@ -376,10 +458,8 @@ static int grow(gm_native *m, uint32_t pi, uint64_t rounded, uint32_t *out) {
 /* Hand out free block bi (out of its pool) for `rounded` bytes, split if what remains may stand alone. */
 static void hand_out(gm_native *m, uint32_t bi, uint64_t rounded, int small) {
     nm_block *b = &m->blocks[bi];
-    uint64_t remaining = b->size - rounded;
-    int split = small ? remaining >= MIN_BLOCK : rounded < m->max_split && remaining > SMALL_SIZE;
-    if (split) {
-        uint32_t ri = block_new(m, b->addr + (int64_t)rounded, remaining, b->pool); /* room reserved: b stays */
+    if (splits(m, small, rounded, b->size)) {
+        uint32_t ri = block_new(m, b->addr + (int64_t)rounded, b->size - rounded, b->pool); /* room reserved */
         nm_block *r = &m->blocks[ri];
         r->prev = bi;
         r->next = b->next;
@@ -396,14 +476,21 @@ static void hand_out(gm_native *m, uint32_t bi, uint64_t rounded, int small) {
 /* malloc, naming the block handed out by its index. */
 static int model_malloc(gm_native *m, uint64_t size, uint64_t stream, uint32_t *out) {
     uint64_t rounded = round_size(size);
-    int small = rounded <= SMALL_SIZE;
-    uint32_t pi;
-    /* what this call may add: a segment's block and a split's rest, and the rest's pool entry */
-    if (pool_of(m, stream, small, &pi) < 0 || pool_reserve(&m->pools[pi]) < 0 || blocks_reserve(m, 2) < 0 ||
-        map_reserve(&m->by_addr, 2) < 0)
+    int small = rounded <= SMALL_SIZE, bin;
+    uint32_t pi, bi;
+    size_t i;
+    /* room first for what this call may add: a segment's block and a split's rest */
+    if (pool_of(m, stream, small, &pi) < 0 || blocks_reserve(m, 2) < 0 ||
+        (m->addressed && map_reserve(&m->by_addr, 2) < 0))
         return GM_NATIVE_NO_HOST_MEMORY;
-    uint32_t bi = best_fit(m, pi, rounded);
-    if (bi == NONE) {
+    nm_pool *p = &m->pools[pi];
+    int cached = best_fit(m, p, rounded, &bin, &i);
+    uint64_t got = cached ? p->bins[bin].e[i].size : segment_size(rounded); /* the block it will get */
+    if (splits(m, small, rounded, got) && pool_reserve(p, got - rounded) < 0) return GM_NATIVE_NO_HOST_MEMORY;
+    if (cached) {
+        bi = p->bins[bin].e[i].block;
+        pool_cut(p, bin, i, i + 1);
+    } else {
         int rc = grow(m, pi, rounded, &bi);
         if (rc != GM_NATIVE_OK) return rc;
     }
@@ -414,17 +501,19 @@ static int model_malloc(gm_native *m, uint64_t size, uint64_t stream, uint32_t *
 
 /* Free handed-out block bi, merging it with free neighbours. */
 static int model_free(gm_native *m, uint32_t bi) {
-    if (pool_reserve(&m->pools[m->blocks[bi].pool]) < 0) return GM_NATIVE_NO_HOST_MEMORY;
-    m->st.allocated -= m->blocks[bi].size;
+    const nm_block *b = &m->blocks[bi];
+    uint32_t prev = b->prev, next = b->next;
+    int join_prev = prev != NONE && m->blocks[prev].free, join_next = next != NONE && m->blocks[next].free;
+    uint64_t merged = b->size + (join_prev ? m->blocks[prev].size : 0) + (join_next ? m->blocks[next].size : 0);
+    if (pool_reserve(&m->pools[b->pool], merged) < 0) return GM_NATIVE_NO_HOST_MEMORY;
+    m->st.allocated -= b->size;
     m->blocks[bi].free = 1;
-    uint32_t prev = m->blocks[bi].prev;
-    if (prev != NONE && m->blocks[prev].free) {
+    if (join_prev) {
         pool_remove(m, prev);
         block_join(m, prev, bi);
         bi = prev;
     }
-    uint32_t next = m->blocks[bi].next;
-    if (next != NONE && m->blocks[next].free) {
+    if (join_next) {
         pool_remove(m, next);
         block_join(m, bi, next);
     }
@@ -447,9 +536,10 @@ int gm_native_free(gm_native *m, int64_t addr) {
 
 /* ---- the model -------------------------------------------------------------------------------- */
 
-gm_native *gm_native_new(uint64_t capacity, uint64_t max_split) {
+static gm_native *model_new(uint64_t capacity, uint64_t max_split, int addressed) {
     gm_native *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
+    m->addressed = addressed;
     m->capacity = capacity < GM_NATIVE_UNLIMITED ? capacity : GM_NATIVE_UNLIMITED;
     m->max_split = max_split && max_split < GM_NATIVE_UNLIMITED ? max_split : GM_NATIVE_UNLIMITED;
     m->next_addr = TOP;
@@ -457,9 +547,14 @@ gm_native *gm_native_new(uint64_t capacity, uint64_t max_split) {
     return m;
 }
 
+gm_native *gm_native_new(uint64_t capacity, uint64_t max_split) { return model_new(capacity, max_split, 1); }
+
 void gm_native_destroy(gm_native *m) {
     if (m == NULL) return;
-    for (size_t i = 0; i < 2 * m->cap_streams; i++) free(m->pools[i].e);
+    for (size_t i = 0; i < 2 * m->n_streams; i++) {
+        for (size_t b = 0; m->pools[i].bins && b < N_BINS; b++) free(m->pools[i].bins[b].e);
+        free(m->pools[i].bins);
+    }
     free(m->pools);
     free(m->blocks);
     free(m->by_addr.keys);
@@ -538,7 +633,7 @@ static int replay_events(gm_native *m, const uint64_t *w, size_t n_events, int s
 
 int gm_native_replay(const uint64_t *words, size_t n_events, uint64_t capacity, uint64_t max_split, int stop_at_oom,
                      gm_native_replay_result *res) {
-    gm_native *m = gm_native_new(capacity, max_split);
+    gm_native *m = model_new(capacity, max_split, 0);
     if (m == NULL) return GM_NATIVE_NO_HOST_MEMORY;
     int rc = replay_events(m, words, n_events, stop_at_oom, res);
     res->stats = m->st;
