@@ -70,7 +70,7 @@ setup(
         Extension(
             "gpumem._C",
             sources=sources(),
-            include_dirs=["csrc/include", "csrc/core", "csrc/model"],
+            include_dirs=["csrc/include", "csrc/core"],
             extra_link_args=["-pthread"],
             libraries=["dl"],
         )

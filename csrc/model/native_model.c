@@ -29,7 +29,7 @@
  * need host memory gets it before it changes anything, so that a failure
  * (GM_NATIVE_NO_HOST_MEMORY) leaves the model as it was.
  */
-#include "native_model.h"
+#include "gpumem/native_model.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -586,14 +586,17 @@ size_t gm_native_blocks(const gm_native *m, gm_native_block *out, size_t max) {
 
 /* ---- replay ----------------------------------------------------------------------------------- */
 
-/* Room in the slot table (block index + 1 per slot, 0: nothing) for `slot`.  0, or -1. */
+/* Room in the slot table (block index + 1 per slot, 0: nothing) for `slot`.
+ * Grown into fresh zeroed memory rather than by realloc and memset: a slot
+ * far beyond the others then touches only the pages it uses.  0, or -1. */
 static int slots_reserve(uint32_t **slots, size_t *n, uint32_t slot) {
     if (slot < *n) return 0;
     size_t cap = *n ? 2 * *n : 1024;
     if (cap <= slot) cap = (size_t)slot + 1;
-    uint32_t *s = realloc(*slots, cap * sizeof *s);
+    uint32_t *s = calloc(cap, sizeof *s);
     if (s == NULL) return -1;
-    memset(&s[*n], 0, (cap - *n) * sizeof *s);
+    if (*n) memcpy(s, *slots, *n * sizeof *s);
+    free(*slots);
     *slots = s;
     *n = cap;
     return 0;

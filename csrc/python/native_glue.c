@@ -1,6 +1,6 @@
 /*
  * native_glue.c -- gpumem._C.NativeModel and gpumem._C.native_replay: the
- * model of PyTorch's native caching allocator (csrc/model/native_model.c)
+ * model of PyTorch's native caching allocator (csrc/model/native_model.c, gpumem/native_model.h)
  * for gpumem/native_model.py, whose NativeAllocator subclasses NativeModel.
  *
  * A model is plain memory of its own: no Python code runs inside the engine,
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "common.h"
-#include "native_model.h"
+#include "gpumem/native_model.h"
 
 /* The model reads the events gpumem/trace.py packs for the core. */
 _Static_assert(GM_NATIVE_OP_ALLOC == GM_R_ALLOC, "the model's alloc op must be the trace's");

@@ -1,7 +1,7 @@
 /*
  * native_model.h -- a model of PyTorch's native CUDA caching allocator, to
- * replay traces on (native_model.c).  gpumem/native_model.py's module
- * docstring states the rules it follows; this is its engine.
+ * replay traces on (csrc/model/native_model.c): the engine of
+ * gpumem/native_model.py, whose module docstring states the rules it follows.
  *
  * Plain C11 with no dependency on Python or on gpumem's core.  One model is
  * used by one thread at a time.
