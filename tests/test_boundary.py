@@ -478,5 +478,81 @@ def test_streams_coming_and_going_keep_every_invariant(seed):
     h.check()
 
 
+# ---- the model of torch's native allocator (gpumem.native_model, csrc/model) ----------------------
+
+NATIVE_SIZES = [0, 1, 511, 512, MiB, 1 << 32, 1 << 56, 1 << 62, 2**63 - 1, 2**63, 2**64 - 1]
+NATIVE_EDGES = NATIVE_SIZES + [2**64, 2**100, -1, -(2**63)]
+
+
+def test_native_model_arguments_that_call_back_into_the_model():
+    """NativeModel converts its arguments before the engine runs: an __index__
+    that allocates, frees or empties the cache of the same model meanwhile
+    leaves its books sound; edge values get an answer or an ordinary error."""
+    from gpumem.native_model import NativeAllocator
+
+    m = NativeAllocator(capacity=64 * MiB, max_split_size=21 * MiB)
+    held = []
+
+    class Meddle:
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            if held:
+                m.free(held.pop())
+            x = m.malloc(5 * MiB)
+            if x is not None:
+                held.append(x)
+            m.empty_cache()
+            return self.v
+
+    for i in range(60):
+        x = m.malloc(Meddle(i * 700_001 % (30 * MiB)), stream=Meddle(i % 3))
+        if x is not None:
+            m.free(Meddle(x))
+    for v in NATIVE_EDGES + [Meddle(MiB), RaiseIndex(), HugeIndex(), 1.5, None, "1"]:
+        for call in (lambda: m.malloc(v), lambda: m.malloc(512, stream=v), lambda: m.free(v)):
+            try:
+                x = call()
+            except (ValueError, TypeError, OverflowError, ZeroDivisionError):
+                continue
+            if isinstance(x, int):
+                held.append(x)
+    for x in held:
+        m.free(x)
+    assert m.empty_cache() >= 0 and (m.reserved, m.allocated, m.segments) == (0, 0, 0)
+
+
+class RaiseIndex:
+    def __index__(self):
+        raise ZeroDivisionError("hostile __index__")
+
+
+class HugeIndex:
+    def __index__(self):
+        return 2**70
+
+
+def test_native_replay_reads_any_buffer_of_whole_events():
+    """Random ops, slots and sizes from bytes, an unaligned view or an array:
+    the same answer from each, and an error for a partial event."""
+    rng = random.Random(7)
+    for _ in range(300):
+        words = []
+        for _ in range(rng.randrange(0, 60)):
+            op = rng.choice([0, 0, 1, rng.randrange(2**32)])
+            size = rng.choice(NATIVE_SIZES + [rng.randrange(1 << 30)])
+            words += [op | rng.randrange(1 << 12) << 32, size, rng.choice([0, 1, 2**64 - 1])]
+        raw = struct.pack(f"<{len(words)}Q", *words)
+        kw = dict(capacity=rng.choice([64 * MiB, 1 << 62]), max_split_size=rng.choice([None, 21 * MiB]))
+        got = _C.native_replay(raw, **kw)
+        assert _C.native_replay(memoryview(b"x" + raw)[1:], **kw) == got
+        assert _C.native_replay(bytearray(raw), stop_at_oom=True, **kw)["ooms"] <= 1
+    with pytest.raises(ValueError, match="whole number"):
+        _C.native_replay(b"x" * 23)
+    with pytest.raises(TypeError):
+        _C.native_replay([0, 512, 0])
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
