@@ -82,7 +82,7 @@ LARGE_BUFFER = 20 * MiB  # a large-pool segment for requests under MIN_LARGE_ALL
 MIN_LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB  # larger requests get a segment of their size rounded to this
 
-UNLIMITED = 1 << 62  # no memory limit; larger limits count as this one
+UNLIMITED = _C.NATIVE_UNLIMITED  # 1 << 62: no memory limit; larger limits count as this one
 
 
 def allowed_bytes(fraction: float, total: int) -> int:
