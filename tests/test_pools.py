@@ -398,9 +398,7 @@ def _fragmented(h):
 def test_capture_slow_path_makes_no_forbidden_call(make_heap):
     h = make_heap(capacity=16 * PAGE, growth_slack=0.0, growth_slack_pages=0)
     ps = _fragmented(h)
-    for s in (0, S1, S2):
-        h.sim_hold_stream(s, True)  # their work runs on when the capture begins
-    h.capture_begin()
+    h.capture_begin()  # may still query events: the capture starts after it
     calls = {op: h.sim_calls(op) for op in ("synchronize", "event_query", "event_record", "unmap", "release")}
     h.sim_set_capture(True)
     assert h.capturing == 1
@@ -420,8 +418,6 @@ def test_capture_slow_path_makes_no_forbidden_call(make_heap):
     h.sim_set_capture(False)
     h.capture_end()
     assert h.capturing == 0
-    for s in (0, S1, S2):
-        h.sim_hold_stream(s, False)
     h.set_cap(0)
     big = h.malloc(4 * PAGE)
     assert h.stats()["num_remaps"] > 0
@@ -499,6 +495,23 @@ def test_capture_stream_reuses_what_an_idle_stream_freed_in_its_pool(make_heap):
     h.capture_begin()  # nested: no query may run now
     assert forbidden_calls(h) == 0
     h.capture_end()
+    h.sim_set_stream_capture(S2, False)
+    h.capture_end()
+    assert_ok(h)
+
+
+def test_capture_begin_leaves_the_general_heaps_blocks_with_their_streams(make_heap):
+    """Only pools' blocks change hands at a capture's begin: a new pool takes new pages,
+    as a native capture's new pool takes new segments, not a page another stream cached."""
+    h = make_heap(growth_slack=0.0, growth_slack_pages=0)
+    g = h.malloc(PAGE, stream=S1)
+    h.free(g)  # a wholly free cached page, S1's; S1 is idle
+    h.pool_retain(P)
+    h.capture_begin()
+    h.sim_set_stream_capture(S2, True)
+    b = h.malloc(MiB, stream=S2, pool=P)
+    assert not overlaps(b, MiB, [(g, PAGE)])
+    assert [(x["addr"], x["stream"]) for x in blocks(h) if x["state"] == "free" and x["pool"] is None] == [(g, S1)]
     h.sim_set_stream_capture(S2, False)
     h.capture_end()
     assert_ok(h)

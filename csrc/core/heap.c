@@ -189,8 +189,9 @@
  *   one waits, device-wide calls (synchronize, event query) are held back too.
  *   Other captures the heap cannot see: torch's side calls gm_capture_begin/end.
  *   The first gm_capture_begin asks the device which streams have finished
- *   their work (stream_query) and hands what they freed to every stream: a
- *   graph's capture stream may then reuse what others freed in its pool.
+ *   their work (stream_query) and hands what they freed in private pools to
+ *   every stream: a graph's capture stream may then reuse what others freed
+ *   in its pool.
  *
  * THE FILES
  *

@@ -295,12 +295,14 @@ size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
     return moved;
 }
 
-/* Give everyone what streams that have finished all their work freed, as
- * the device's stream query tells (nothing where it cannot tell).  Only while
- * no capture is on: a query would invalidate it.  Torch waits for the device
- * before a graph's capture begins, so there the capture stream may reuse what
- * other streams freed in the graphs' pool.  Returns how many blocks changed
- * hands. */
+/* Give every stream what streams that have finished all their work freed in
+ * private pools, as the device's stream query tells (nothing where it cannot
+ * tell).  Only while no capture is on: a query would invalidate it.  Torch
+ * waits for the device before a graph's capture begins, so there the capture
+ * stream may reuse what other streams freed in the graphs' pool.  The general
+ * heap's blocks stay with their streams, so a capture's new pool takes new
+ * pages, as a native capture's new pool takes new segments, not pages other
+ * streams cached.  Returns how many blocks changed hands. */
 size_t h_release_idle(gm_heap *h) {
     int (*query)(gm_device *, gm_stream) = h->dev->ops->stream_query;
     gm_assert(!h->no_sync && !h->capture_count);
@@ -309,7 +311,7 @@ size_t h_release_idle(gm_heap *h) {
     struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
-        if (o->stream == ANY || !o->idx.count || h_capture_on(h, o->stream)) continue;
+        if (!o->pool || o->stream == ANY || !o->idx.count || h_capture_on(h, o->stream)) continue;
         int rc = query(h->dev, o->stream);
         if (rc == GM_ENOTREADY) continue;
         if (rc != GM_OK) {
