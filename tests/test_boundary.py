@@ -22,6 +22,7 @@ import pytest
 
 import gpumem
 from gpumem import _C
+from test_boundary_fuzz import HugeIndex, RaiseIndex
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 EV = struct.Struct("<IIQQ")  # op, slot, size, stream: gpumem/trace.py's packing
@@ -521,16 +522,6 @@ def test_native_model_arguments_that_call_back_into_the_model():
     for x in held:
         m.free(x)
     assert m.empty_cache() >= 0 and (m.reserved, m.allocated, m.segments) == (0, 0, 0)
-
-
-class RaiseIndex:
-    def __index__(self):
-        raise ZeroDivisionError("hostile __index__")
-
-
-class HugeIndex:
-    def __index__(self):
-        return 2**70
 
 
 def test_native_replay_reads_any_buffer_of_whole_events():
