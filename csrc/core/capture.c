@@ -60,7 +60,7 @@ int h_other_capture(gm_heap *h) {
 
 void gm_capture_begin(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
-    /* The last moment a query may run: what idle streams freed goes to everyone. */
+    /* The last moment a query may run: what idle streams freed in pools goes to everyone. */
     if (!h->capture_count && !h_other_capture(h)) h_release_idle(h);
     h->capture_count++;
     pthread_mutex_unlock(&h->lock);
