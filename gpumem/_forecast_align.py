@@ -427,6 +427,9 @@ class Model:
         self.distinct = sorted(set(self.coefs))
         self.index = {c: i for i, c in enumerate(self.distinct)}
         self.which = [self.index[c] for c in self.coefs]
+        # per event, where its signed size sits in sizes + their negations (frees count down)
+        n = self.n_allocs
+        self.signed_at = [o if a else o + n for o, a in zip(self.ordinal, self.is_alloc)]
 
     @property
     def knob_has_effect(self) -> bool:
@@ -434,19 +437,17 @@ class Model:
 
     def sizes(self, k: float) -> List[int]:
         values = [evaluate(c, k) for c in self.distinct]
-        return [values[j] for j in self.which]
+        return list(map(values.__getitem__, self.which))
 
     def synthesise(self, k: float, name: str) -> Trace:
         per_alloc = self.sizes(k)
-        per_event = [per_alloc[o] for o in self.ordinal]
         words = array("Q", self.template.words)
-        if per_event:
-            words[1::3] = array("Q", per_event)
-        signed = [s if a else -s for s, a in zip(per_event, self.is_alloc)]
-        peak, peak_event = 0, -1
-        for i, v in enumerate(accumulate(signed)):
-            if v > peak:
-                peak, peak_event = v, i
+        if self.ordinal:
+            words[1::3] = array("Q", map(per_alloc.__getitem__, self.ordinal))
+        signed = per_alloc + [-s for s in per_alloc]
+        live = list(accumulate(map(signed.__getitem__, self.signed_at)))
+        peak = max(live, default=0)
+        peak, peak_event = (peak, live.index(peak)) if peak > 0 else (0, -1)
         t = self.template
         return Trace(
             name,
