@@ -4,11 +4,14 @@ torch's own caching allocator (its memory history and snapshot)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
+import time
 import zlib
 from typing import List, Optional, Tuple
 
-from ._forecast_align import GPUMEM_GRANULARITY, ForecastError
+from ._forecast_align import GPUMEM_GRANULARITY, ForecastError, Recording
 from .trace import Trace, TraceError, _Builder
 
 _HISTORY_ENTRIES = 1 << 20
@@ -121,7 +124,12 @@ class _TorchNativeRecorder:
         self.torch.cuda.memory._record_memory_history(enabled=None)
         if len(events) >= _HISTORY_ENTRIES:
             raise ForecastError(f"the step made more than {_HISTORY_ENTRIES} history events; record a smaller step")
-        return [(e["action"], e["addr"], e["size"], e["stream"], _site(e.get("frames"))) for e in events[self.skip :]]
+        site = _Sites()
+        out = []
+        for e in events[self.skip :]:
+            a = e["action"]  # only allocations have call sites (_sites)
+            out.append((a, e["addr"], e["size"], e["stream"], site(e.get("frames")) if a == "alloc" else 0))
+        return out
 
     def capacity(self) -> int:
         free, total = self.torch.cuda.mem_get_info(self.device)
@@ -159,13 +167,87 @@ def _recorder(heap, device):
     return _TorchNativeRecorder(torch, device)
 
 
+def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Recording:
+    """Warm up, then record `steps` steps at knob value k."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step(k)
+    if reset is not None:
+        reset()
+    rec.drop_workspaces()
+    rec.sync()
+    live = rec.live_blocks()
+    rec.start()
+    marks = []
+    try:
+        for i in range(steps):
+            if i:
+                rec.sync()
+                marks.append(rec.mark())
+            step(k)
+        rec.sync()
+    finally:
+        with _no_gc():
+            events = rec.stop()
+    with _no_gc():
+        trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
+        sites = _sites(live, events)
+    r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, sites)
+    r.step_starts = [len(live)] + _step_starts(live, events, marks)
+    return r
+
+
+_RECORD_FILE = _record.__code__.co_filename
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The cyclic garbage collector off while a history's events are turned
+    into tuples: hundreds of thousands of objects without cycles, which it
+    would otherwise walk again and again (half the time of a 141K-event stop)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _site(frames) -> int:
     """A call site as a number, the same in every recording of this process
-    and others (0: none known): a checksum of the stack's files and lines."""
-    if not frames:
-        return 0
-    text = "|".join(f"{f.get('filename', '')}:{f.get('line', 0)}" for f in frames if isinstance(f, dict))
+    and others (0: none known): a checksum of the files and lines of the
+    stack (innermost first) up to the step's call from _record.  The frames
+    from there out are the forecast's own and its caller's: they differ between
+    recordings made at different points of the forecast, the step's do not."""
+    parts = []
+    for f in frames or ():
+        if not isinstance(f, dict):
+            continue
+        if f.get("name") == "_record" and f.get("filename") == _RECORD_FILE:
+            break
+        parts.append(f"{f.get('filename', '')}:{f.get('line', 0)}")
+    text = "|".join(parts)
     return zlib.crc32(text.encode()) | 1 if text else 0
+
+
+class _Sites:
+    """_site for the events of one snapshot, each stack worked out once:
+    torch's snapshot makes one dict per distinct frame and shares it between
+    the events' frame lists, so a stack is known by its frames' identities
+    (valid while the snapshot, which holds them all, is alive)."""
+
+    def __init__(self):
+        self.known = {}
+
+    def __call__(self, frames) -> int:
+        if not frames:
+            return 0
+        key = tuple(map(id, frames))
+        got = self.known.get(key)
+        if got is None:
+            got = self.known[key] = _site(frames)
+        return got
 
 
 def _sites(live, events) -> Optional[List[int]]:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes, last_step
-from ._forecast_record import _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
+from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
 from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
 from ._units import format_size, parse_size
 from .replay import _narrow
@@ -487,33 +487,6 @@ def forecast(
         fc = _refined(fc, record)
     _set_last(fc)
     return fc
-
-
-def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Recording:
-    """Warm up, then record `steps` steps at knob value k."""
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step(k)
-    if reset is not None:
-        reset()
-    rec.drop_workspaces()
-    rec.sync()
-    live = rec.live_blocks()
-    rec.start()
-    marks = []
-    try:
-        for i in range(steps):
-            if i:
-                rec.sync()
-                marks.append(rec.mark())
-            step(k)
-        rec.sync()
-    finally:
-        events = rec.stop()
-    trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
-    r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, _sites(live, events))
-    r.step_starts = [len(live)] + _step_starts(live, events, marks)
-    return r
 
 
 def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":

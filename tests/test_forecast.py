@@ -869,9 +869,79 @@ def test_torch_call_sites_are_checksums_of_the_stack():
     b = [{"filename": "model.py", "line": 11, "name": "forward"}, {"filename": "train.py", "line": 3, "name": "step"}]
     assert _site(a) == _site([dict(f) for f in a]) != _site(b) and _site(a) & 1
     assert _site(None) == _site([]) == 0
+    # the frames from the forecast's own call of the step outwards are not the step's: left out
+    from gpumem._forecast_record import _RECORD_FILE
+
+    record = {"filename": _RECORD_FILE, "line": 40, "name": "_record"}
+    called_from = [{"filename": "notebook.py", "line": n, "name": "<module>"} for n in (1, 2)]
+    assert _site(a + [record, called_from[0]]) == _site(a + [record, called_from[1]]) == _site(a)
+    assert _site(b + [record, called_from[0]]) != _site(a + [record, called_from[0]])
+    assert _site([record] + a) == 0
     events = [("alloc", 1, 512, 0, _site(a)), ("free_requested", 1, 512, 0, 0), ("free_completed", 1, 512, 0, 0)]
     assert _sites([(9, 512, 0)], events) == [0, _site(a), 0]  # a live block, the alloc, its free
     assert _sites([], [("alloc", 1, 512, 0, 0)]) is None
+
+
+def test_torch_call_sites_are_worked_out_once_per_stack():
+    from gpumem._forecast_record import _site, _Sites, _TorchNativeRecorder
+
+    frame = [{"filename": f"layer{i}.py", "line": i, "name": "forward"} for i in range(3)]
+    shared = [frame[0], frame[1]]  # torch's snapshot shares one dict per distinct frame
+
+    class Counting(dict):
+        reads = 0
+
+        def get(self, key, default=None):
+            Counting.reads += 1
+            return super().get(key, default)
+
+    counted = [Counting(f) for f in shared]
+    sites = _Sites()
+    assert sites(counted) == _site(shared)
+    reads = Counting.reads
+    assert reads > 0
+    assert sites(list(counted)) == _site(shared) and Counting.reads == reads  # the same frames again: not read
+    assert sites([frame[2], frame[1]]) == _site([frame[2], frame[1]]) != _site(shared)
+    assert sites([dict(f) for f in shared]) == _site(shared)  # equal frames in other dicts: the same site
+    assert sites([]) == sites(None) == 0
+
+    class FakeTorch:
+        cuda = _FakeCuda()
+
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    rec.start()
+    FakeTorch.cuda.traces += [
+        {"action": "alloc", "addr": a << 20, "size": 512, "stream": 0, "frames": f}
+        for a, f in ((1, shared), (2, list(shared)), (3, [frame[2]]))
+    ]
+    assert [e[4] for e in rec.stop()] == [_site(shared), _site(shared), _site([frame[2]])]
+
+
+def test_recordings_made_from_different_places_have_the_same_call_sites():
+    """The forecast records the first value, other values and refinements
+    from different lines of its own code; the sites come from the step's
+    frames only, so the same allocation has the same site in each."""
+    import inspect
+
+    from gpumem._forecast_record import _record, _TorchNativeRecorder
+
+    class FakeTorch:
+        cuda = _FakeCuda()
+
+    def alloc(addr):  # what torch's history keeps: the Python stack, innermost first
+        frames = [{"filename": f.filename, "line": f.lineno, "name": f.function} for f in inspect.stack()[1:]]
+        FakeTorch.cuda.traces.append({"action": "alloc", "addr": addr, "size": 512, "stream": 0, "frames": frames})
+        FakeTorch.cuda.traces.append({"action": "free_completed", "addr": addr, "size": 512, "stream": 0})
+
+    def step(k):
+        alloc(1 << 30)
+        alloc(2 << 30)
+
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    one = _record(rec, step, 2, "batch", 0, 1, None)
+    two = (lambda: _record(rec, step, 4, "batch", 0, 1, None))()
+    live = len(FakeTorch.cuda.segments[0]["blocks"]) - 1  # the live blocks lead each trace, no site
+    assert one.sites[live:] == two.sites[live:] and one.sites[live] != one.sites[live + 2] != 0
 
 
 def test_only_the_last_steps_line_up():
