@@ -23,8 +23,9 @@ under the native allocator, gpumem.install(cap=...) under gpumem), which keeps t
 small and the searches quick, and lets several searches share the GPU.
 
 1. Forecast: one process per model, under the native allocator, runs gpumem.forecast(step,
-   knob=[...], refine=True) with a warm-up step at each value (training: then the optimizer state is
-   dropped and two steps are recorded, as a fresh run makes them), and finds the largest value for
+   knob=[...], refine=True) with a warm-up step (at the first value, and at any other whose recording
+   does not make the first one's events; training: then the optimizer state is dropped and two steps
+   are recorded, as a fresh run makes them), and finds the largest value for
    each allocator.  Where that lies more than 8x past the largest recorded value, the forecast records
    again at half of it, and at a quarter too where that recording disagrees with the first forecast
    (its "recorded" and "first_largest" say so).

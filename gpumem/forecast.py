@@ -454,10 +454,14 @@ def forecast(
     heap: a gpumem.Heap the step drives (the simulated device); default: torch's
         allocator on `device` (gpumem's history when gpumem is installed, torch's
         memory history otherwise).  Recording replaces any history already on.
-    warmup: unrecorded steps at each value before its recording, so that one-time
-        allocations (compiled kernels' buffers, caches) happen outside it.  Under
-        torch, the cuBLAS workspaces are then freed, so that each recording's first
-        step makes them again where the first step of a fresh run does.
+    warmup: unrecorded steps before the first value's recording, so that one-time
+        allocations (compiled kernels' buffers, caches) happen outside it.  Every
+        other value is recorded at once; where that recording does not make the
+        same events as the first value's (one-time work at a new size, such as a
+        library's setup for a new shape), it counts as that value's warm-up and the
+        value is recorded again.  Under torch, the cuBLAS workspaces are freed
+        before each recording, so that its first step makes them again where the
+        first step of a fresh run does.
     steps: recorded steps per value (2 models the reuse between steps).
     reset: called after the warm-up, before each recording, e.g. to drop optimizer
         state (``opt.state.clear()``) so that each recording's first step makes it
@@ -477,9 +481,19 @@ def forecast(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ForecastError(f"steps must be a positive whole number, not {steps!r}")
     rec = _recorder(heap, device)
+    first: List[Recording] = []
 
     def record(k: int) -> Recording:
-        return _record(rec, step, k, name, warmup, steps, reset)
+        if not first:
+            first.append(_record(rec, step, k, name, warmup, steps, reset))
+            return first[0]
+        r = _record(rec, step, k, name, 0, steps, reset)
+        if warmup and not _alike(first[0], r, name):
+            # one-time work at k (a library's setup for a new shape): what ran was k's warm-up
+            again = _record(rec, step, k, name, max(0, warmup - steps), steps, reset)
+            again.seconds += r.seconds
+            r = again
+        return r
 
     cap = capacity if capacity is not None else rec.capacity()
     fc = Forecast([record(k) for k in sorted(knobs)], name=name, capacity=cap, at=at, multiple=multiple)
@@ -487,6 +501,11 @@ def forecast(
         fc = _refined(fc, record)
     _set_last(fc)
     return fc
+
+
+def _alike(a: Recording, b: Recording, name: str) -> bool:
+    """Whether two recordings make the same events (sizes aside), nothing set aside."""
+    return align(sorted([a, b], key=lambda r: r.knob), name).exact
 
 
 def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":

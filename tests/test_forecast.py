@@ -170,6 +170,31 @@ def test_warmup_keeps_one_time_allocations_out_of_the_recordings():
     assert warm.peak_live(10) == 50 * MiB + 10 * MiB
 
 
+def test_warmup_runs_at_the_first_value_and_where_a_value_makes_one_time_work():
+    h = sim()
+    ran = []
+    seen = set()
+
+    def step(k):
+        ran.append(k)
+        if k not in seen and k >= 8:  # a library's setup for a size it has not run before
+            seen.add(k)
+            h.free(h.malloc(3 * MiB))
+        h.free(h.malloc(MiB * k))
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=h)
+    assert ran == [2, 2, 4]  # the first value warmed up; 4 made the same events at once
+    assert fc.alignment.exact
+    ran.clear()
+    fc = gpumem.forecast(step, knob=[4, 8, 16], heap=h)
+    # 8 and 16 first made a setup buffer 4 does not: each such recording was their warm-up
+    assert ran == [4, 4, 8, 8, 16, 16]
+    assert fc.alignment.exact and fc.peak_live(32) == 32 * MiB
+    ran.clear()
+    gpumem.forecast(step, knob=[4, 32], heap=h, warmup=0)
+    assert ran == [4, 32]  # no warm-up asked for: none anywhere
+
+
 def test_different_pairing_is_a_misalignment():
     """Same actions in the same order, but the frees free other blocks."""
     h = sim()
