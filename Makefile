@@ -4,21 +4,30 @@ CC ?= cc
 # these builds; the extension that setup.py builds leaves them out.
 CFLAGS_COMMON = -std=c11 -D_GNU_SOURCE -DGM_DEBUG -Wall -Wextra -Werror -Icsrc/include -Icsrc/core -pthread
 CORE_SRC = $(wildcard csrc/core/*.c) $(wildcard csrc/device/*.c)
+# the model of torch's allocator: plain C on its own, no core
+NATIVE_SRC = csrc/model/native_model.c
+ASAN = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 
 .PHONY: fuzz asan tsan clean
-fuzz: csrc/tests/fuzz
-asan: csrc/tests/fuzz_asan
+fuzz: csrc/tests/fuzz csrc/tests/fuzz_native
+asan: csrc/tests/fuzz_asan csrc/tests/fuzz_native_asan
 tsan: csrc/tests/fuzz_tsan
 
-csrc/tests/fuzz: csrc/tests/fuzz.c $(CORE_SRC)
-	$(CC) $(CFLAGS_COMMON) -O2 -g -o $@ $^ -ldl
+csrc/tests/fuzz: csrc/tests/fuzz.c csrc/tests/rng.h $(CORE_SRC)
+	$(CC) $(CFLAGS_COMMON) -O2 -g -o $@ $(filter %.c,$^) -ldl
 
-csrc/tests/fuzz_asan: csrc/tests/fuzz.c $(CORE_SRC)
-	$(CC) $(CFLAGS_COMMON) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -o $@ $^ -ldl
+csrc/tests/fuzz_asan: csrc/tests/fuzz.c csrc/tests/rng.h $(CORE_SRC)
+	$(CC) $(CFLAGS_COMMON) $(ASAN) -o $@ $(filter %.c,$^) -ldl
 
 # ThreadSanitizer: run with --threads (the single-threaded run has nothing to race).
-csrc/tests/fuzz_tsan: csrc/tests/fuzz.c $(CORE_SRC)
-	$(CC) $(CFLAGS_COMMON) -O1 -g -fno-omit-frame-pointer -fsanitize=thread -o $@ $^ -ldl
+csrc/tests/fuzz_tsan: csrc/tests/fuzz.c csrc/tests/rng.h $(CORE_SRC)
+	$(CC) $(CFLAGS_COMMON) -O1 -g -fno-omit-frame-pointer -fsanitize=thread -o $@ $(filter %.c,$^) -ldl
+
+csrc/tests/fuzz_native: csrc/tests/fuzz_native.c csrc/tests/rng.h $(NATIVE_SRC)
+	$(CC) $(CFLAGS_COMMON) -O2 -g -o $@ $(filter %.c,$^)
+
+csrc/tests/fuzz_native_asan: csrc/tests/fuzz_native.c csrc/tests/rng.h $(NATIVE_SRC)
+	$(CC) $(CFLAGS_COMMON) $(ASAN) -o $@ $(filter %.c,$^)
 
 clean:
-	rm -f csrc/tests/fuzz csrc/tests/fuzz_asan csrc/tests/fuzz_tsan
+	rm -f csrc/tests/fuzz csrc/tests/fuzz_asan csrc/tests/fuzz_tsan csrc/tests/fuzz_native csrc/tests/fuzz_native_asan

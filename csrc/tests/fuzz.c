@@ -45,6 +45,7 @@
 #include "gpumem/array.h"
 #include "gpumem/gpumem.h"
 #include "gpumem/sim.h"
+#include "rng.h"
 
 #define MiB        ((size_t)1 << 20)
 #define GiB        ((size_t)1 << 30)
@@ -104,28 +105,6 @@ static void *room_for_one(void *v, size_t n, size_t *cap, size_t size, size_t fi
         exit(2);
     }
     return v;
-}
-
-/* ---- rng (splitmix64: tiny, good enough, identical on every platform) ---- */
-
-typedef struct {
-    uint64_t s;
-} rng_t;
-static uint64_t rnd(rng_t *r) {
-    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static uint64_t rnd_below(rng_t *r, uint64_t n) { return n ? rnd(r) % n : 0; }
-static int chance(rng_t *r, unsigned per_million) { return rnd_below(r, 1000000) < per_million; }
-
-/* Log-uniform over [1, 2^28): pick an octave, then a point inside it.  Avoids
- * libm so the Makefile's link line stays as it is. */
-static size_t rnd_size(rng_t *r) {
-    unsigned e = (unsigned)rnd_below(r, 28);
-    size_t lo = (size_t)1 << e;
-    return lo + (size_t)rnd_below(r, lo);
 }
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
