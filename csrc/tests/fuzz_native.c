@@ -347,14 +347,16 @@ int main(int argc, char **argv) {
     }
     replay_matches_twin(&w);
     const gm_native_stats *st = gm_native_stats_of(w.m);
-    if (!quiet)
-        printf("fuzz_native: OK %" PRIu64 " ops seed %" PRIu64 " limit %" PRIu64 " MiB max_split %" PRIu64
-               " MiB: %" PRIu64 " mallocs (%" PRIu64 " out of memory), %" PRIu64 " frees, %" PRIu64
-               " bad frees, %" PRIu64 " empty_cache; %" PRIu64 " segments made, %" PRIu64
-               " retries, peak reserved %" PRIu64 " MiB; %zu trace events replayed\n",
-               ops, seed, w.capacity == GM_NATIVE_UNLIMITED ? 0 : w.capacity / MiB, w.max_split / MiB, w.mallocs,
-               w.ooms, w.frees, w.bad_frees, w.empties, st->num_device_alloc, st->num_alloc_retries,
-               st->peak_reserved / MiB, w.n_events);
+    if (!quiet) {
+        char limit[32] = "none", split[32] = "none";
+        if (w.capacity != GM_NATIVE_UNLIMITED) snprintf(limit, sizeof limit, "%" PRIu64 " MiB", w.capacity / MiB);
+        if (w.max_split) snprintf(split, sizeof split, "%" PRIu64 " MiB", w.max_split / MiB);
+        printf("fuzz_native: OK %" PRIu64 " ops seed %" PRIu64 " limit %s max_split %s: %" PRIu64 " mallocs (%" PRIu64
+               " out of memory), %" PRIu64 " frees, %" PRIu64 " bad frees, %" PRIu64 " empty_cache; %" PRIu64
+               " segments made, %" PRIu64 " retries, peak reserved %" PRIu64 " MiB; %zu trace events replayed\n",
+               ops, seed, limit, split, w.mallocs, w.ooms, w.frees, w.bad_frees, w.empties, st->num_device_alloc,
+               st->num_alloc_retries, st->peak_reserved / MiB, w.n_events);
+    }
     gm_native_destroy(w.m);
     gm_native_destroy(w.twin);
     free(w.trace);
