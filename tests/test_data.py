@@ -21,7 +21,7 @@ from conftest import TRACE_NAMES
 
 def test_every_trace_is_shipped():
     assert data.list_traces() == sorted(TRACE_NAMES)
-    assert data.list_snapshots() == ["sample_snapshot", "sim_oom"]
+    assert data.list_snapshots() == ["bert_mlm_late", "llama_train_ring", "sample_snapshot", "sim_oom"]
     for name in TRACE_NAMES:
         p = data.trace_path(name)
         assert p.is_file() and p.name == f"{name}.trace.gz" and p.parent == data.TRACES_DIR
@@ -36,9 +36,25 @@ def test_every_trace_is_shipped():
 def test_provenance_travels_with_the_data():
     readme = (data.TRACES_DIR / "README.md").read_text()
     assert "## Format" in readme and "H100" in readme and "_record_memory_history" in readme
+    zoo = {r["name"]: r for r in data.zoo()}
+    assert "## The zoo" in readme
     for name in TRACE_NAMES:
-        assert f"| {name} |" in readme, name
+        if name in zoo:  # a zoo trace carries its provenance in its header
+            assert zoo[name]["workload"] == name and zoo[name]["gpu"] and zoo[name]["torch"], name
+            assert all(zoo[name][k] for k in ("family", "mode", "knob", "exercises")), name
+        else:
+            assert f"| {name} |" in readme, name
     assert "sample_snapshot.pickle.gz" in (data.SNAPSHOTS_DIR / "README.md").read_text()
+
+
+def test_the_zoo_is_broad():
+    zoo = data.zoo()
+    assert len(zoo) >= 24 and len({r["family"] for r in zoo}) >= 8
+    assert {r["knob"] for r in zoo} >= {"batch", "sequence length", "resolution"}
+    assert any(r["streams"] > 1 for r in zoo)  # a graph's capture stream, at least
+    assert all(data.trace_info(r["name"]) == {k: v for k, v in r.items() if k != "name"} for r in zoo)
+    with pytest.raises(data.UnknownDataError):
+        data.trace_info("no_such_trace")
 
 
 def test_data_lives_in_the_imported_package():

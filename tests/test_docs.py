@@ -74,3 +74,18 @@ def test_marked_examples(path, line, reason):
     """The blocks test_examples_run leaves out, each a visible skip with its reason."""
     assert re.search(r"torch|GPU|CUDA", reason), f"{path.name}:{line}: a skip must say what it needs: {reason!r}"
     pytest.skip(f"{path.relative_to(REPO)}:{line}: {reason}")
+
+
+def test_the_zoo_catalog_is_the_traces_own():
+    """docs/zoo.md's table is what benchmarks/zoo.py makes of the shipped traces' headers."""
+    import subprocess
+    import sys
+
+    table = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "zoo.py"), "catalog", str(REPO / "gpumem" / "data" / "traces")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert table.count("\n") >= 25
+    assert table in (REPO / "docs" / "zoo.md").read_text()

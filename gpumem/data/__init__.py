@@ -12,6 +12,11 @@ out-of-memory error (made on the simulated device by tools/make_oom_snapshot.py)
     ['bert_varlen', 'gpt2_generate', 'gpt2_varlen']
 
 ``python -m gpumem replay gpt2_varlen`` takes these short names too.
+
+The zoo (``zoo()``) is the traces whose header names a model family: real workloads of many families
+(decoders, mixture of experts, encoders, encoder-decoders, speech, vision transformers, convolutional
+networks, a diffusion UNet), each recorded in the mode its users run it by ``benchmarks/zoo.py``;
+``docs/zoo.md`` is their catalog.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ __all__ = [
     "list_snapshots",
     "snapshot_path",
     "is_short_name",
+    "trace_info",
+    "zoo",
 ]
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent
@@ -85,3 +92,24 @@ def is_short_name(arg) -> bool:
     no directory part and no file suffix."""
     s = os.fspath(arg)
     return bool(s) and os.sep not in s and "/" not in s and "." not in s
+
+
+def trace_info(name: str) -> dict:
+    """The JSON of the shipped trace `name`'s first line: what the recording run reported (peak
+    allocated and reserved, allocations, streams) and, for the zoo, its family, mode, knob and what it
+    exercises.  Reads only that line; raises UnknownDataError for an unknown name."""
+    import gzip
+    import json
+
+    with gzip.open(trace_path(name), "rt") as f:
+        first = f.readline()
+    start, end = first.find("{"), first.rfind("}")
+    info = json.loads(first[start : end + 1]) if 0 <= start < end else {}
+    return info if isinstance(info, dict) else {}
+
+
+def zoo() -> List[dict]:
+    """The zoo: for each shipped trace recorded from a model family, its trace_info() with its short
+    name under "name", sorted by family, then name."""
+    rows = [dict(trace_info(n), name=n) for n in list_traces()]
+    return sorted((r for r in rows if "family" in r), key=lambda r: (r["family"], r["name"]))
