@@ -1,0 +1,252 @@
+"""Snapshots as users make them: a history turned on after blocks were live, or a
+bounded ring that wrapped.  Every reader starts from the blocks the snapshot says
+are live together with its history, and counts what the history never saw."""
+
+import json
+import pickle
+
+import pytest
+
+import gpumem
+from gpumem.__main__ import main
+from gpumem.history import record_history
+from gpumem.replay import min_capacity, replay
+from gpumem.timeline import from_trace
+from gpumem.trace import TraceError, load_trace
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.fixture
+def heap():
+    h = gpumem.Heap(device="sim", capacity=16 * GiB)
+    yield h
+    record_history(False, device=h)
+    h.close()
+
+
+def dump(h, path):
+    gpumem.dump_snapshot(path, device=h)
+    return path
+
+
+def live_at_end(t):
+    """Live bytes after the trace's last event, counted from its events."""
+    return sum(size if op == 0 else -size for op, _, size, _ in t.decode())
+
+
+def cli_json(capsys, *argv):
+    assert main([*map(str, argv), "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- gpumem's own snapshot() dumps ----------------------------------------------------
+
+
+def test_history_started_after_blocks_were_live(heap, tmp_path, capsys):
+    weights = heap.malloc(GiB)
+    old = heap.malloc(64 * MiB + 100)  # live before the history, freed during it
+    record_history(True, device=heap, stacks=None)
+    tmp = [heap.malloc(30 * MiB) for _ in range(8)]
+    heap.free(old)
+    for p in tmp:
+        heap.free(p)
+    path = dump(heap, tmp_path / "late.pickle")
+
+    t = load_trace(path)
+    rounded = 64 * MiB + 512  # the history records the blocks' sizes
+    assert (t.live_before, t.live_before_bytes) == (2, GiB + rounded)
+    assert t.peak_live_bytes == GiB + rounded + 8 * 30 * MiB
+    assert live_at_end(t) == gpumem.snapshot(heap).summary.live_bytes == GiB
+    assert replay(t, 4 * GiB, timing=False).peak_live_bytes == t.peak_live_bytes
+    assert min_capacity(t) >= t.peak_live_bytes
+
+    row = cli_json(capsys, "replay", path, "--no-timing", "--capacity", "4GiB")
+    assert row["peak_live_bytes"] == t.peak_live_bytes and row["live_before_blocks"] == 2
+    assert row["live_before_bytes"] == GiB + rounded
+    # the gpumem heap holds 1 GiB + 64 MiB + 240 MiB at the peak: 1.25 GiB is too small
+    out = cli_json(capsys, "explain", path, "--capacity", "1.25GiB")
+    assert not out["gpumem_fits"] and out["live_before_bytes"] == GiB + rounded
+    heap.free(weights)
+
+
+def test_wrapped_ring(heap, tmp_path):
+    weights = heap.malloc(512 * MiB)
+    record_history(True, device=heap, stacks=None, max_entries=7)
+    held = []
+    for i in range(40):
+        held.append(heap.malloc((i % 5 + 1) * MiB))
+        if len(held) > 3:
+            heap.free(held.pop(0))
+    assert gpumem.history.history(heap).dropped > 0
+    path = dump(heap, tmp_path / "ring.pickle.gz")
+
+    t = load_trace(path)
+    live_now = 512 * MiB + sum((i % 5 + 1) * MiB for i in range(37, 40))
+    assert live_at_end(t) == live_now  # every block live now, whatever the ring still holds
+    # the weights and the blocks the ring's frees name are live before it: peak live counts them
+    assert t.live_before_bytes >= 512 * MiB + 3 * MiB and t.peak_live_bytes >= live_now
+    assert replay(t, 2 * GiB, timing=False).ooms == 0
+    heap.free(weights)
+    for p in held:
+        heap.free(p)
+
+
+def test_live_before_and_never_freed_counts_in_peak_live(heap, tmp_path, capsys):
+    heap.malloc(GiB)  # weights, before the history and never freed
+    record_history(True, device=heap, stacks=None)
+    for _ in range(3):
+        ps = [heap.malloc(80 * MiB) for _ in range(3)]
+        for p in ps:
+            heap.free(p)
+    path = dump(heap, tmp_path / "weights.pickle")
+
+    t = load_trace(path)
+    assert t.peak_live_bytes == GiB + 240 * MiB  # not the 240 MiB the history alone holds
+    row = cli_json(capsys, "replay", path, "--no-timing", "--min-capacity")
+    assert row["peak_live_bytes"] == GiB + 240 * MiB and row["min_capacity_bytes"] >= GiB + 240 * MiB
+    tl = gpumem.memory_over_time(str(path), capacity=4 * GiB)
+    assert tl.peak_live[1] == GiB + 240 * MiB
+    assert from_trace(t, 4 * GiB).live[1] >= GiB  # the first point already holds the weights
+
+
+# ---- torch's format, built by hand -------------------------------------------------------
+
+
+def entry(action, addr, size, stream=0, **kw):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "frames": [], **kw}
+
+
+def block(size, state, requested=None, frames=()):
+    return {
+        "size": size,
+        "requested_size": size if requested is None else requested,
+        "state": state,
+        "frames": list(frames),
+    }
+
+
+def segment(addr, blocks, device=0, stream=0, expandable=False):
+    return {
+        "device": device,
+        "address": addr,
+        "total_size": sum(b["size"] for b in blocks),
+        "stream": stream,
+        "segment_type": "large",
+        "is_expandable": expandable,
+        "blocks": blocks,
+    }
+
+
+def write(tmp_path, name, snap):
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps(snap))
+    return path
+
+
+FRAME = {"filename": "/home/u/train.py", "line": 12, "name": "build_model"}
+
+
+def test_torch_snapshot_late_history(tmp_path):
+    base = 0x7F0000000000
+    # weights (requested 1000 MiB + 1, in a 1000 MiB + 512 block), one block freed during the history,
+    # a pending free on stream 7; the history allocates and frees within the free space
+    blocks = [
+        block(1000 * MiB + 512, "active_allocated", 1000 * MiB + 1, [FRAME]),
+        block(24 * MiB, "inactive"),
+        block(2 * MiB, "active_pending_free", 2 * MiB - 100),
+        block(22 * MiB, "inactive"),
+    ]
+    snap = {
+        "segments": [segment(base, blocks, stream=7)],
+        "device_traces": [
+            [
+                entry("alloc", base + 1000 * MiB + 512, 20 * MiB),
+                entry("free_requested", base + 1024 * MiB + 512 + 2 * MiB, 8 * MiB, 7),
+                entry("free_completed", base + 1024 * MiB + 512 + 2 * MiB, 8 * MiB, 7),  # live before, freed
+                entry("free_completed", base + 1000 * MiB + 512, 20 * MiB),
+            ]
+        ],
+    }
+    t = load_trace(write(tmp_path, "t.pickle", snap))
+    assert t.live_before == 3
+    assert t.live_before_bytes == 1000 * MiB + 1 + 2 * MiB - 100 + 8 * MiB
+    assert t.peak_live_bytes == t.live_before_bytes + 20 * MiB
+    assert t.live_before_sites[0] == ("/home/u/train.py:12 in build_model", 1000 * MiB + 1, 1)
+    streams = [s for op, _, _, s in t.decode()][:3]
+    assert sorted(streams) == [7, 7, 7]
+
+
+def test_torch_expandable_segments_and_two_devices(tmp_path, capsys):
+    base0, base1 = 0x7E0000000000, 0x7F0000000000
+    segs = [
+        segment(base0, [block(600 * MiB, "active_allocated"), block(20 * MiB, "inactive")], 0, expandable=True),
+        segment(base1, [block(100 * MiB, "inactive"), block(300 * MiB, "active_allocated")], 1, expandable=True),
+        segment(base1 + 400 * MiB, [block(2 * MiB, "active_allocated", 1000)], 1, expandable=True),
+    ]
+    traces = [
+        [entry("alloc", base0 + 600 * MiB, 10 * MiB), entry("free_completed", base0 + 600 * MiB, 10 * MiB)],
+        [
+            entry("segment_map", base1, 100 * MiB),
+            entry("alloc", base1, 50 * MiB),
+            entry("free_completed", base1, 50 * MiB),
+        ],
+    ]
+    path = write(tmp_path, "two.pickle", {"segments": segs, "device_traces": traces})
+    t0, t1 = load_trace(path), load_trace(path, device=1)
+    assert (t0.live_before_bytes, t0.peak_live_bytes) == (600 * MiB, 610 * MiB)
+    # device 1's trace against device 1's segments: its 300 MiB and 1000 bytes, not device 0's
+    assert (t1.live_before, t1.live_before_bytes) == (2, 300 * MiB + 1000)
+    assert t1.peak_live_bytes == 350 * MiB + 1000
+    row = cli_json(capsys, "replay", path, "--device", "1", "--no-timing")
+    assert row["peak_live_bytes"] == 350 * MiB + 1000
+    # a free on device 0 of an address that device 1's segments hold is a mixed-up file
+    traces[0].append(entry("free_completed", base1 + 100 * MiB, 300 * MiB))
+    bad = write(tmp_path, "mixed.pickle", {"segments": segs, "device_traces": traces})
+    with pytest.raises(TraceError, match="segments place it on device 1"):
+        load_trace(bad)
+
+
+def test_explain_counts_memory_live_before_at_torch_oom(tmp_path, capsys):
+    base = 0x7F0000000000
+    blocks = [block(GiB, "active_allocated"), block(GiB, "inactive")]
+    snap = {
+        "segments": [segment(base, blocks)],
+        "device_traces": [
+            [
+                entry("alloc", base + GiB, 512 * MiB),
+                entry("free_completed", base + GiB, 512 * MiB),
+                entry("oom", 0, 1536 * MiB, device_free=0),
+            ]
+        ],
+    }
+    out = cli_json(capsys, "explain", write(tmp_path, "oom.pickle", snap))
+    # torch had 1 GiB of weights live and 2 GiB reserved: 1.5 GiB more does not fit
+    assert out["torch_oom"]["live_bytes"] == GiB and out["torch_oom"]["reserved_bytes"] == 2 * GiB
+    assert out["peak_live_bytes"] == GiB + 1536 * MiB and not out["gpumem_fits"]
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda s: s.update(segments={"a": 1}), "segments is not a list"),
+        (lambda s: s["segments"][0]["blocks"].append("x"), "not a dict with a 'state'"),
+        (lambda s: s["segments"][0].pop("address"), "address is missing"),
+        (lambda s: s["segments"][0]["blocks"][0].update(size=-5), "size is -5"),
+        (lambda s: s["device_traces"][0].append(entry("free_completed", 1 << 40, 512)), "already freed"),
+        (lambda s: s["segments"][0]["blocks"].insert(0, block(512, "active_allocated")), "which the history frees"),
+    ],
+)
+def test_malformed_segments_are_one_line_and_status_2(tmp_path, capsys, change, fragment):
+    snap = {
+        "segments": [segment(1 << 40, [block(4 * MiB, "inactive")])],
+        "device_traces": [[entry("free_completed", 1 << 40, 512)]],
+    }
+    assert load_trace(write(tmp_path, "ok.pickle", snap)).live_before == 1
+    change(snap)
+    path = write(tmp_path, "bad.pickle", snap)
+    for cmd in (["replay", path], ["explain", path, "--capacity", "1GiB"]):
+        assert main([str(a) for a in cmd]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and fragment in err, err
