@@ -189,7 +189,8 @@ class Forecast(_Showing):
         recs = []
         for path, k in zip(paths, knobs):
             t = load_trace(path, device=device)
-            recs.append(Recording(k, t, Recording.granularity_of(t)))
+            # a snapshot's blocks live before its history lead the trace, as gpumem.forecast's live blocks do
+            recs.append(Recording(k, t, Recording.granularity_of(t), step_starts=[t.live_before]))
         return cls(recs, **kw)
 
     # ---- the model -------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 import gpumem
 from gpumem.__main__ import main
+from gpumem.forecast import Forecast
 from gpumem.history import record_history
 from gpumem.replay import min_capacity, replay
 from gpumem.timeline import from_trace
@@ -109,6 +110,66 @@ def test_live_before_and_never_freed_counts_in_peak_live(heap, tmp_path, capsys)
     tl = gpumem.memory_over_time(str(path), capacity=4 * GiB)
     assert tl.peak_live[1] == GiB + 240 * MiB
     assert from_trace(t, 4 * GiB).live[1] >= GiB  # the first point already holds the weights
+
+
+# ---- the forecast command and gpumem.forecast ------------------------------------------
+
+
+def record_dumps(h, step, knobs, tmp_path):
+    paths = []
+    for k in knobs:
+        record_history(True, device=h, stacks=None)
+        step(k)
+        paths.append(dump(h, tmp_path / f"k{k}.pickle"))
+        record_history(False, device=h)
+    return paths
+
+
+def test_forecast_command_counts_memory_live_before_as_forecast_does(heap, tmp_path, capsys):
+    heap.malloc(GiB)
+
+    def step(b):
+        xs = [heap.malloc(b * 8 * MiB) for _ in range(10)]
+        for x in xs:
+            heap.free(x)
+
+    fc = gpumem.forecast(step, knob=[2, 4], heap=heap, capacity="8GiB")
+    paths = record_dumps(heap, step, [2, 4], tmp_path)
+    out = cli_json(capsys, "forecast", *paths, "--knob", "2,4", "--device-memory", "8GiB")
+    assert fc.largest() == 89  # (8 GiB - 1 GiB) / 80 MiB
+    assert (out["largest_gpumem"], out["largest_native"]) == (fc.largest(), fc.largest(allocator="native"))
+
+
+def test_forecast_command_matches_forecast_on_a_made_up_program(tmp_path, capsys):
+    h = gpumem.Heap(device="sim", capacity=16 * GiB)
+    h.malloc(300 * MiB + 1000)
+    h.malloc(7000)
+    h.malloc(5 * MiB + 3, stream=5)  # live before, on another stream
+    hole = h.malloc(40 * MiB)
+    h.malloc(123 * MiB + 77)
+    h.free(hole)  # a hole between the blocks live before
+
+    def step(k):
+        a = h.malloc(k * 3 * MiB + 512)
+        b = h.malloc(k * k * 256 * 1024)
+        c = h.malloc(4000)
+        h.free(b)
+        d = h.malloc(k * 5 * MiB)
+        for p in (a, c, d):
+            h.free(p)
+
+    knobs = [2, 4, 8]
+    fc = gpumem.forecast(step, knob=knobs, heap=h, capacity="6GiB")
+    paths = record_dumps(h, step, knobs, tmp_path)
+    cli = Forecast.from_traces(paths, knobs, capacity="6GiB")
+    for k in (3, 16, 40):
+        assert cli.peak_live(k) == fc.peak_live(k), k
+    assert cli.predict(16) == fc.predict(16)
+    for a in ("gpumem", "native"):
+        assert cli.largest(allocator=a) == fc.largest(allocator=a), a
+    out = cli_json(capsys, "forecast", *paths, "--knob", "2,4,8", "--device-memory", "6GiB")
+    assert (out["largest_gpumem"], out["largest_native"]) == (fc.largest(), fc.largest(allocator="native"))
+    h.close()
 
 
 # ---- torch's format, built by hand -------------------------------------------------------
