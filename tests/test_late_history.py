@@ -4,6 +4,7 @@ are live together with its history, and counts what the history never saw."""
 
 import json
 import pickle
+import random
 
 import pytest
 
@@ -169,6 +170,39 @@ def test_forecast_command_matches_forecast_on_a_made_up_program(tmp_path, capsys
         assert cli.largest(allocator=a) == fc.largest(allocator=a), a
     out = cli_json(capsys, "forecast", *paths, "--knob", "2,4,8", "--device-memory", "6GiB")
     assert (out["largest_gpumem"], out["largest_native"]) == (fc.largest(), fc.largest(allocator="native"))
+    h.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_forecast_command_matches_forecast_on_random_programs(tmp_path, seed):
+    """Blocks of any size live before on two streams (some freed again), a step of
+    sizes linear and quadratic in the knob: the recordings' dumps forecast what
+    gpumem.forecast does, at every value and under both allocators."""
+    rng = random.Random(seed)
+    h = gpumem.Heap(device="sim", capacity=32 * GiB)
+    before = [h.malloc(rng.randrange(1, 400 * MiB), stream=rng.choice([0, 0, 3])) for _ in range(rng.randrange(1, 8))]
+    for p in rng.sample(before, len(before) // 3):
+        h.free(p)
+    plan = [
+        (rng.randrange(1, 8 * MiB), rng.randrange(0, 2 * MiB), rng.random() < 0.3, rng.choice([0, 0, 3]))
+        for _ in range(rng.randrange(3, 12))
+    ]
+
+    def step(k):
+        live = []
+        for a, b, square, stream in plan:
+            live.append(h.malloc(a * k + b + (k * k * 4096 if square else 0), stream=stream))
+            if len(live) > 3:
+                h.free(live.pop(0))
+        for p in live:
+            h.free(p)
+
+    knobs, cap = [2, 4, 8], rng.randrange(2, 12) * GiB
+    fc = gpumem.forecast(step, knob=knobs, heap=h, capacity=cap)
+    cli = Forecast.from_traces(record_dumps(h, step, knobs, tmp_path), knobs, capacity=cap)
+    assert cli.predict(20) == fc.predict(20)
+    for a in ("gpumem", "native"):
+        assert cli.largest(allocator=a) == fc.largest(allocator=a), a
     h.close()
 
 
