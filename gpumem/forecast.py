@@ -34,7 +34,7 @@ How it works:
    by bisection on the knob, assuming a larger value never needs less memory.
 
 The forecast models the recorded step as it was recorded: memory live before
-it (weights, optimizer state) as allocations made first, in their order, and
+it (weights, optimizer state) as allocations made first, in address order, and
 what the step allocates and frees; under torch, the cuBLAS workspaces are
 allocated in the first recorded step, as in a fresh run.  Memory outside the
 allocator (the CUDA context) is not in it: give the capacity the allocator may
