@@ -13,6 +13,9 @@ free has completed, and the segment_* entries are what the *native* allocator as
 of the driver, which an allocator under test must not copy.  Frees are paired with
 their alloc by address; each allocation gets a slot number, reused once freed, so
 the replay's slot table stays as small as the most blocks ever live at once.
+A snapshot's history may begin after blocks were live (recording turned on late,
+or a bounded ring that wrapped): those blocks, from its ``segments`` and from
+the frees the history never saw allocated, lead the trace (_live_before).
 
 Every problem with a file is a TraceError (a ValueError) whose message is one line:
 ``FILE:WHERE: reason``, WHERE being a line number for text and
