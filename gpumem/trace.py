@@ -439,7 +439,7 @@ def segment_blocks(path: str, data, device: Optional[int] = None):
         where = f"segments[{k}]"
         if not isinstance(seg.get("blocks", []), list):
             raise TraceError(path, where, "malformed snapshot: blocks is not a list")
-        dev = seg.get("device", 0 if device is None else device)
+        dev = _seg_int(path, where, seg, "device", 0 if device is None else device)
         if device is not None and dev != device:
             continue
         addr = _seg_int(path, where, seg, "address")
@@ -477,7 +477,8 @@ def _live_before(path: str, data, d: int, events: list) -> list:
         else:
             owner.check(addr, where)
             prior[addr] = (addr, size, stream_id, ev.get("frames"), where)
-    gpumem_dump = (data.get("allocator_settings") or {}).get("allocator") == "gpumem"
+    settings = data.get("allocator_settings")
+    gpumem_dump = isinstance(settings, dict) and settings.get("allocator") == "gpumem"
     for addr, blk, seg, where in segment_blocks(path, data, d):
         if blk["state"] not in LIVE_STATES or addr in live:
             continue
@@ -513,7 +514,7 @@ class _SegmentOwner:
                 where = f"segments[{k}]"
                 lo = _seg_int(path, where, seg, "address")
                 hi = lo + _seg_int(path, where, seg, "total_size", 0)
-                self.spans.setdefault(seg.get("device", d), []).append((lo, hi))
+                self.spans.setdefault(_seg_int(path, where, seg, "device", d), []).append((lo, hi))
         for spans in self.spans.values():
             spans.sort()
 
@@ -552,7 +553,7 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _site(frames) -> str:
     """The innermost frame outside torch and gpumem, as "file:line in name" ("" if none)."""
-    shown = [f for f in frames or () if isinstance(f, dict) and f.get("filename")]
+    shown = [f for f in frames if isinstance(f, dict) and f.get("filename")] if isinstance(frames, list) else []
     for f in shown:
         fn = str(f["filename"])
         if not fn.startswith(_PKG_DIR) and f"{os.sep}torch{os.sep}" not in fn:
