@@ -234,6 +234,10 @@ def _replay_one(args, path: str) -> dict:
     out["format"] = trace.format
     out["device"] = trace.device
     out["n_slots"] = trace.n_slots
+    out["live_before_bytes"] = trace.live_before_bytes
+    out["live_before_blocks"] = trace.live_before
+    if trace.live_before:
+        out["live_before"] = _cli_viz.live_before_line(trace)
     out.update(_cli_viz.write_peak_outputs(args, trace))
     return out
 
@@ -303,6 +307,9 @@ def run_replay(args) -> int:
         rows.append(row)
     if rows and not args.json:
         _print_table(rows)
+        for r in rows:
+            if r.get("live_before"):
+                print(f"{r['name']}: {r['live_before']}")
     return status
 
 

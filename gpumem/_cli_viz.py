@@ -18,11 +18,11 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from ._units import format_size, parse_size
 from .replay import _check_event_delay, _heap, min_capacity, replay
-from .trace import MAX_ALLOC, TraceError, _Builder, _PlainUnpickler, load_trace
+from .trace import MAX_ALLOC, TraceError, _PlainUnpickler, load_trace, snapshot_trace
 
 HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -243,37 +243,52 @@ def _size_field(path: str, where: str, e: dict, key: str, default=None) -> int:
     return v
 
 
-def _torch_oom_point(data: dict, device: int, path: str = "snapshot") -> Optional[OomPoint]:
+_SEGMENT_GROWTH = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def _segment_delta(path: str, entries, device: int, first: int = 0) -> Tuple[int, int]:
+    """(net bytes the segment events from index `first` on reserve, how many there are)."""
+    net = n = 0
+    for i, e in enumerate(entries[first:], first):
+        sign = _SEGMENT_GROWTH.get(e.get("action"))
+        if sign:
+            net += sign * _size_field(path, f"device_traces[{device}][{i}]", e, "size")
+            n += 1
+    return net, n
+
+
+def _segments_total(path: str, data: dict, device: int) -> int:
+    segs = data.get("segments", [])
+    if not isinstance(segs, list) or not all(isinstance(s, dict) for s in segs):
+        raise TraceError(path, "segments", "malformed snapshot: segments is not a list of dicts")
+    return sum(
+        _size_field(path, f"segments[{k}]", s, "total_size", 0)
+        for k, s in enumerate(segs)
+        if s.get("device", device) == device
+    )
+
+
+def _torch_oom_point(data: dict, device: int, path: str = "snapshot", live_before: int = 0) -> Optional[OomPoint]:
     """The first 'oom' event of a torch snapshot, with torch's reserved and live
-    memory at that moment, counted from its segment and alloc events.  The
-    events were checked by load_trace; the fields only this reads are checked
-    here (TraceError)."""
-    reserved = live = 0
-    seg_events = 0
-    for i, e in enumerate(data["device_traces"][device]):
-        where = f"device_traces[{device}][{i}]"
+    memory at that moment, counted from its segment and alloc events (and the
+    `live_before` bytes live before its history began).  Where the history began
+    late, or holds no segment events before the OOM, reserved memory is counted
+    back from the snapshot's segments.  The events were checked by load_trace;
+    the fields only this reads are checked here (TraceError)."""
+    entries = data["device_traces"][device]
+    live = live_before
+    for i, e in enumerate(entries):
         a = e.get("action")
-        if a in ("segment_alloc", "segment_map"):
-            reserved += _size_field(path, where, e, "size")
-            seg_events += 1
-        elif a in ("segment_free", "segment_unmap"):
-            reserved -= _size_field(path, where, e, "size")
-            seg_events += 1
-        elif a == "alloc":
+        if a == "alloc":
             live += e["size"]
         elif a == "free_completed":
             live -= e["size"]
         elif a == "oom":
-            if seg_events == 0:
-                # no segment events recorded: the snapshot's own segments stand in
-                segs = data.get("segments", [])
-                if not isinstance(segs, list) or not all(isinstance(s, dict) for s in segs):
-                    raise TraceError(path, "segments", "malformed snapshot: segments is not a list of dicts")
-                reserved = sum(
-                    _size_field(path, f"segments[{k}]", s, "total_size", 0)
-                    for k, s in enumerate(segs)
-                    if s.get("device", device) == device
-                )
+            where = f"device_traces[{device}][{i}]"
+            reserved, seg_events = _segment_delta(path, entries[:i], device)
+            if live_before or seg_events == 0:
+                # the segments as the snapshot holds them, less what the events after the OOM reserved
+                reserved = _segments_total(path, data, device) - _segment_delta(path, entries, device, i + 1)[0]
             request = _size_field(path, where, e, "size")
             if request > MAX_ALLOC:
                 raise TraceError(path, where, f"size {request} is larger than any allocation gpumem serves (4 PiB)")
@@ -281,18 +296,14 @@ def _torch_oom_point(data: dict, device: int, path: str = "snapshot") -> Optiona
     return None
 
 
-def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size: int, meta: dict):
-    """The snapshot's trace before event `stop_index`, then one allocation of
-    `extra_size`: the request torch could not serve."""
-    b = _Builder(path)
-    for i, e in enumerate(data["device_traces"][device][:stop_index]):
-        where = f"device_traces[{device}][{i}]"
-        if e["action"] == "alloc":
-            b.alloc(e["addr"], e["size"], e["stream"], where)
-        elif e["action"] == "free_completed":
-            b.free(e["addr"], e["stream"], where)
-    b.alloc(-1, extra_size, 0, f"device_traces[{device}][{stop_index}]")  # -1: no real address
-    return b.finish("snapshot", device, meta)
+def live_before_line(trace) -> str:
+    """One line on the blocks live before a snapshot's history began (counted in its figures)."""
+    top = trace.live_before_sites[0] if trace.live_before_sites else None
+    where = f", most at {top[0]} ({format_size(top[1])})" if top and not top[0].startswith("<") else ""
+    return (
+        f"{format_size(trace.live_before_bytes)} in {trace.live_before} blocks was live before the history "
+        f"began, counted from the snapshot's segments{where}"
+    )
 
 
 def run_explain(args) -> int:
@@ -304,9 +315,10 @@ def run_explain(args) -> int:
         return _usage_failure(str(e))
     src = trace.path  # the file a short name resolved to
     try:
-        oom = _torch_oom_point(_load_plain(src), device, src) if trace.format == "snapshot" else None
+        data = _load_plain(src) if trace.format == "snapshot" else None
+        oom = _torch_oom_point(data, device, src, trace.live_before_bytes) if data is not None else None
         if oom is not None:
-            trace = _trace_until(src, _load_plain(src), device, oom.index, oom.size, trace.meta)
+            trace = snapshot_trace(src, data, device, stop=oom.index, extra=oom.size)
     except TraceError as e:
         return _usage_failure(str(e))
     if not trace.n_events:
@@ -337,6 +349,8 @@ def run_explain(args) -> int:
         "gpumem_fits": ok,
         "gpumem_min_capacity_bytes": need,
         "gpumem_peak_reserved_bytes": res.peak_reserved_bytes,
+        "live_before_bytes": trace.live_before_bytes,
+        "live_before_blocks": trace.live_before,
         "torch_oom": None
         if oom is None
         else {
@@ -352,6 +366,8 @@ def run_explain(args) -> int:
         return EXIT_OK
     name = os.path.basename(path)
     lines = [f"{name}: {trace.n_events} events (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
+    if trace.live_before:
+        lines.append(f"  {live_before_line(trace)}")
     if oom:
         lines.append(
             f"torch ran out of memory at event {oom.index}: asked for {format_size(oom.size)} with "

@@ -32,9 +32,10 @@ class _HeapRecorder:
         pass
 
     def live_blocks(self) -> List[Tuple[int, int, int]]:
-        blocks = [b for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
-        blocks.sort(key=lambda b: b[5])  # allocation order
-        return [(b[0], b[2], b[3]) for b in blocks]
+        """(addr, size, stream) of the blocks live before the step, in address order
+        and at the blocks' sizes, as the history records them: a snapshot dumped
+        after the step gives the very same ones (gpumem.trace.snapshot_trace)."""
+        return [(b[0], b[1], b[3]) for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
 
     def start(self) -> None:
         self.heap.history_enable(0)  # drop what the ring held

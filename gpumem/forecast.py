@@ -34,7 +34,7 @@ How it works:
    by bisection on the knob, assuming a larger value never needs less memory.
 
 The forecast models the recorded step as it was recorded: memory live before
-it (weights, optimizer state) as allocations made first, in their order, and
+it (weights, optimizer state) as allocations made first, in address order, and
 what the step allocates and frees; under torch, the cuBLAS workspaces are
 allocated in the first recorded step, as in a fresh run.  Memory outside the
 allocator (the CUDA context) is not in it: give the capacity the allocator may
@@ -189,7 +189,8 @@ class Forecast(_Showing):
         recs = []
         for path, k in zip(paths, knobs):
             t = load_trace(path, device=device)
-            recs.append(Recording(k, t, Recording.granularity_of(t)))
+            # a snapshot's blocks live before its history lead the trace, as gpumem.forecast's live blocks do
+            recs.append(Recording(k, t, Recording.granularity_of(t), step_starts=[t.live_before]))
         return cls(recs, **kw)
 
     # ---- the model -------------------------------------------------------------------

@@ -13,6 +13,9 @@ free has completed, and the segment_* entries are what the *native* allocator as
 of the driver, which an allocator under test must not copy.  Frees are paired with
 their alloc by address; each allocation gets a slot number, reused once freed, so
 the replay's slot table stays as small as the most blocks ever live at once.
+A snapshot's history may begin after blocks were live (recording turned on late,
+or a bounded ring that wrapped): those blocks, from its ``segments`` and from
+the frees the history never saw allocated, lead the trace (_live_before).
 
 Every problem with a file is a TraceError (a ValueError) whose message is one line:
 ``FILE:WHERE: reason``, WHERE being a line number for text and
@@ -21,6 +24,7 @@ Every problem with a file is a TraceError (a ValueError) whose message is one li
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import io
 import json
@@ -30,7 +34,7 @@ import sys
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 __all__ = [
     "TraceError",
@@ -108,6 +112,12 @@ class Trace:
     peak_live_bytes: int  # largest sum of live sizes over the trace
     peak_event: int  # index of the event at which live first reached its peak (-1 if none)
     meta: dict = field(default_factory=dict)
+    # A snapshot whose history began after blocks were live (recording turned on late, or a
+    # ring that wrapped): its first `live_before` events allocate those blocks, `live_before_bytes`
+    # in all; live_before_sites: (site, bytes, blocks) of the most of it, where frames say
+    live_before: int = 0
+    live_before_bytes: int = 0
+    live_before_sites: list = field(default_factory=list)
 
     def __repr__(self) -> str:
         # Short: the packed events can be millions of words.
@@ -326,6 +336,11 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
         raise TraceError(path, None, f"corrupt gzip data: {e}") from None
     except Exception as e:  # any unpickling failure is a bad file, not a crash
         raise TraceError(path, None, f"not a readable pickle: {e}") from None
+    return snapshot_trace(path, data, 0 if device is None else device)
+
+
+def _check_snapshot(path: str, data, d: int) -> list:
+    """The events of device d of a snapshot dict (TraceError where it is not one)."""
     if not isinstance(data, dict) or "device_traces" not in data:
         raise TraceError(
             path,
@@ -336,44 +351,224 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
     traces = data["device_traces"]
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceError(path, None, "malformed snapshot: device_traces is not a list of lists")
-    d = 0 if device is None else device
     if not 0 <= d < len(traces):
         raise TraceError(path, None, f"no device {d}: device_traces holds {len(traces)} device(s)")
+    return traces[d]
 
-    def owner_of(addr):
-        """Which other device allocated `addr`, for a clearer message."""
-        for other, entries in enumerate(traces):
-            if other != d and any(
-                isinstance(e, dict) and e.get("action") == "alloc" and e.get("addr") == addr for e in entries
-            ):
-                return f"free of address {addr:#x}, which is not live on device {d}: it was allocated on device {other}"
-        return f"free of unknown address {addr:#x} (never allocated, or already freed)"
 
+def _replayed_event(path: str, where: str, ev) -> Optional[Tuple[bool, int, int, int]]:
+    """(is_alloc, addr, size, stream) of an alloc or free_completed entry, None for
+    the entries that do not drive the replay; TraceError for a malformed one."""
+    if not isinstance(ev, dict) or "action" not in ev:
+        raise TraceError(path, where, "malformed event: not a dict with an 'action'")
+    action = ev["action"]
+    if not isinstance(action, str):
+        raise TraceError(path, where, f"malformed event: action is {type(action).__name__}, not str")
+    if action == "alloc" or action == "free_completed":
+        addr = _event_int(path, where, ev, "addr")
+        size = _event_int(path, where, ev, "size")
+        stream_id = _event_int(path, where, ev, "stream")
+        _check_fields(path, where, addr, size, stream_id)
+        return action == "alloc", addr, size, stream_id
+    if action not in _IGNORED:
+        raise TraceError(path, where, f"unknown action {action!r}")
+    size = ev.get("size", 0)
+    if isinstance(size, int) and size < 0:
+        raise TraceError(path, where, f"negative size {size}")
+    return None
+
+
+def snapshot_trace(path: str, data, device: int = 0, stop: Optional[int] = None, extra: Optional[int] = None) -> Trace:
+    """The trace of device `device` of a snapshot dict: first the blocks live before
+    its history began (_live_before), then its events (those before index `stop`
+    when given), then one allocation of `extra` bytes when given (the request an
+    OOM event says failed).  Raises TraceError."""
+    events = _check_snapshot(path, data, device)
     b = _Builder(path)
-    for i, ev in enumerate(traces[d]):
-        where = f"device_traces[{d}][{i}]"
-        if not isinstance(ev, dict) or "action" not in ev:
-            raise TraceError(path, where, "malformed event: not a dict with an 'action'")
-        action = ev["action"]
-        if not isinstance(action, str):
-            raise TraceError(path, where, f"malformed event: action is {type(action).__name__}, not str")
-        if action == "alloc" or action == "free_completed":
-            addr = _event_int(path, where, ev, "addr")
-            size = _event_int(path, where, ev, "size")
-            stream_id = _event_int(path, where, ev, "stream")
-            _check_fields(path, where, addr, size, stream_id)
-            if action == "alloc":
-                b.alloc(addr, size, stream_id, where)
-            else:
-                b.free(addr, stream_id, where, lambda: owner_of(addr))
-        elif action in _IGNORED:
-            size = ev.get("size", 0)
-            if isinstance(size, int) and size < 0:
-                raise TraceError(path, where, f"negative size {size}")
+    prior = _live_before(path, data, device, events)
+    for addr, size, stream_id, _, where in prior:
+        b.alloc(addr, size, stream_id, f"{where} (live before the history)")
+    for i, ev in enumerate(events if stop is None else events[:stop]):
+        where = f"device_traces[{device}][{i}]"
+        got = _replayed_event(path, where, ev)
+        if got is None:
+            continue
+        if got[0]:
+            b.alloc(got[1], got[2], got[3], where)
         else:
-            raise TraceError(path, where, f"unknown action {action!r}")
+            b.free(got[1], got[3], where)
+    if extra is not None:
+        b.alloc(-1, extra, 0, f"device_traces[{device}][{stop}]")  # -1: no real address
     meta = {k: data[k] for k in ("allocator_settings",) if k in data}
-    return b.finish("snapshot", d, meta)
+    t = b.finish("snapshot", device, meta)
+    t.live_before = len(prior)
+    t.live_before_bytes = sum(p[1] for p in prior)
+    t.live_before_sites = _top_sites(prior)
+    return t
+
+
+# ---- the blocks live before a snapshot's history ---------------------------------------
+#
+# A history may begin after blocks were live: recording was turned on once the model was
+# built, or a bounded ring (max_entries) dropped its oldest events.  Such a block shows
+# either as a free the history never saw allocated, or as a block the snapshot's segments
+# hold live that the history did not allocate.  Both are live before the history: the
+# replay allocates them first, in address order (the order a fresh heap lays them out).
+
+# block states of a snapshot's segments that hold memory: allocated, or freed while a
+# stream may still use it (its free has not completed)
+LIVE_STATES = ("active_allocated", "active_pending_free")
+
+
+def _seg_int(path: str, where: str, d: dict, key: str, default=None) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_U64:
+        got = "missing" if key not in d else f"{v!r}"
+        raise TraceError(path, where, f"malformed snapshot: {key} is {got}, not a 64-bit unsigned int")
+    return v
+
+
+def segment_blocks(path: str, data, device: Optional[int] = None):
+    """(address, block dict, segment dict, where) of each block of the snapshot's
+    segments (of `device`, or every device when None), in order.  A block's
+    address is its segment's address plus the sizes of the blocks before it."""
+    segments = data.get("segments", [])
+    if not isinstance(segments, list) or not all(isinstance(seg, dict) for seg in segments):
+        raise TraceError(path, "segments", "malformed snapshot: segments is not a list of dicts")
+    for k, seg in enumerate(segments):
+        where = f"segments[{k}]"
+        if not isinstance(seg.get("blocks", []), list):
+            raise TraceError(path, where, "malformed snapshot: blocks is not a list")
+        dev = _seg_int(path, where, seg, "device", 0 if device is None else device)
+        if device is not None and dev != device:
+            continue
+        addr = _seg_int(path, where, seg, "address")
+        for j, blk in enumerate(seg.get("blocks", [])):
+            if not isinstance(blk, dict) or not isinstance(blk.get("state"), str):
+                raise TraceError(path, f"{where}.blocks[{j}]", "malformed snapshot: not a dict with a 'state'")
+            yield addr, blk, seg, f"{where}.blocks[{j}]"
+            addr += _seg_int(path, f"{where}.blocks[{j}]", blk, "size")
+
+
+def _live_before(path: str, data, d: int, events: list) -> list:
+    """(addr, size, stream, frames, where) of each block live when device d's history
+    began, in address order: the frees of blocks the history never allocated (a
+    second such free of one address is a double free), then the blocks the
+    segments hold live that the history did not leave live itself."""
+    live: Dict[int, str] = {}  # address the history allocated and has not freed -> where
+    prior: Dict[int, tuple] = {}
+    owner = _SegmentOwner(path, data, d)
+    for i, ev in enumerate(events):
+        where = f"device_traces[{d}][{i}]"
+        got = _replayed_event(path, where, ev)
+        if got is None:
+            continue
+        is_alloc, addr, size, stream_id = got
+        if is_alloc:
+            if addr in live:
+                raise TraceError(
+                    path, where, f"alloc at address {addr:#x}, which is still live (allocated at {live[addr]})"
+                )
+            live[addr] = where
+        elif addr in live:
+            del live[addr]
+        elif addr in prior:
+            raise TraceError(path, where, f"free of address {addr:#x}, already freed at {prior[addr][4]}")
+        else:
+            owner.check(addr, where)
+            prior[addr] = (addr, size, stream_id, ev.get("frames"), where)
+    settings = data.get("allocator_settings")
+    gpumem_dump = isinstance(settings, dict) and settings.get("allocator") == "gpumem"
+    for addr, blk, seg, where in segment_blocks(path, data, d):
+        if blk["state"] not in LIVE_STATES or addr in live:
+            continue
+        if addr in prior:
+            raise TraceError(
+                path,
+                where,
+                f"malformed snapshot: a live block at {addr:#x}, which the history frees at {prior[addr][4]}",
+            )
+        # torch's history records requested sizes, gpumem's its blocks' (512-byte rounded)
+        size = _seg_int(path, where, blk, "size")
+        if not gpumem_dump and blk.get("requested_size"):
+            size = _seg_int(path, where, blk, "requested_size")
+        stream_id = _seg_int(path, where, seg, "stream", 0)
+        _check_fields(path, where, addr, size, stream_id)
+        prior[addr] = (addr, size, stream_id, blk.get("frames"), where)
+    return sorted(prior.values())
+
+
+class _SegmentOwner:
+    """Which device an address belongs to: a free of a block the history never
+    allocated, at an address that this device's segments do not hold but another
+    device's segments or history do, is a free on the wrong device (a mixed-up
+    file), not a block live before the history."""
+
+    def __init__(self, path: str, data, d: int):
+        self.path, self.data, self.d = path, data, d
+        self.spans: Dict[int, List[Tuple[int, int]]] = {}
+        self.allocated: Optional[Dict[int, int]] = None  # address -> another device whose history allocates it
+        segments = data.get("segments", [])
+        for k, seg in enumerate(segments if isinstance(segments, list) else []):
+            if isinstance(seg, dict):
+                where = f"segments[{k}]"
+                lo = _seg_int(path, where, seg, "address")
+                hi = lo + _seg_int(path, where, seg, "total_size", 0)
+                self.spans.setdefault(_seg_int(path, where, seg, "device", d), []).append((lo, hi))
+        for spans in self.spans.values():
+            spans.sort()
+
+    def _holds(self, dev, addr: int) -> bool:
+        spans = self.spans.get(dev, [])
+        k = bisect.bisect_right(spans, (addr, _MAX_U64 + 1)) - 1
+        return k >= 0 and spans[k][0] <= addr < spans[k][1]
+
+    def _other(self, addr: int):
+        for dev in self.spans:
+            if dev != self.d and self._holds(dev, addr):
+                return dev, "the snapshot's segments place it on"
+        if self.allocated is None:
+            self.allocated = {}
+            for dev, entries in enumerate(self.data["device_traces"]):
+                for e in entries if dev != self.d else ():
+                    if isinstance(e, dict) and e.get("action") == "alloc" and isinstance(e.get("addr"), int):
+                        self.allocated.setdefault(e["addr"], dev)
+        dev = self.allocated.get(addr)
+        return None if dev is None else (dev, "it was allocated on")
+
+    def check(self, addr: int, where: str) -> None:
+        if self._holds(self.d, addr):
+            return
+        other = self._other(addr)
+        if other is not None:
+            raise TraceError(
+                self.path,
+                where,
+                f"free of address {addr:#x}, which is not live on device {self.d}: {other[1]} device {other[0]}",
+            )
+
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _site(frames) -> str:
+    """The innermost frame outside torch and gpumem, as "file:line in name" ("" if none)."""
+    shown = [f for f in frames if isinstance(f, dict) and f.get("filename")] if isinstance(frames, list) else []
+    for f in shown:
+        fn = str(f["filename"])
+        if not fn.startswith(_PKG_DIR) and f"{os.sep}torch{os.sep}" not in fn:
+            return f"{fn}:{f.get('line', 0)} in {f.get('name', '?')}"
+    return ""
+
+
+def _top_sites(prior: list, n: int = 3) -> List[Tuple[str, int, int]]:
+    """(site, bytes, blocks) of the sites holding the most of the blocks live before, most first."""
+    by: Dict[str, List[int]] = {}
+    for p in prior:
+        acc = by.setdefault(_site(p[3]) or "<no stack recorded>", [0, 0])
+        acc[0] += p[1]
+        acc[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in by.items()), key=lambda t: -t[1])[:n]
 
 
 def _resolve_short_name(path: str) -> str:

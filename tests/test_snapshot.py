@@ -161,6 +161,7 @@ def test_torch_format_matches_the_sample_field_by_field(heap):
 
 
 def test_dump_is_plain_pickle_protocol_4_and_replays(heap, tmp_path):
+    before = [b for b in gpumem.snapshot(heap).blocks if b.state in ("live", "pending")]
     gpumem.record_history(True, device=heap, stacks=None, max_entries=10000)
     ptrs = [heap.malloc(i * MiB + 4096) for i in range(1, 6)]
     heap.free(ptrs[2])
@@ -171,7 +172,9 @@ def test_dump_is_plain_pickle_protocol_4_and_replays(heap, tmp_path):
     data = _PlainUnpickler(open(out, "rb")).load()  # refuses any global: plain data only
     assert data["segments"]
     t = load_trace(out)  # gpumem's own loader reads it back as a trace
-    assert t.allocs == 5 and t.frees == 1
+    # the blocks live before the history come first, then its 5 allocations and a free
+    assert t.live_before == len(before) > 0 and t.live_before_bytes == sum(b.size for b in before)
+    assert t.allocs == len(before) + 5 and t.frees == 1
     Snapshot.dump(gpumem.snapshot(heap), tmp_path / "snap.pickle.gz")
     with gzip.open(tmp_path / "snap.pickle.gz") as f:
         assert pickle.load(f)["segments"] == data["segments"]
