@@ -18,6 +18,13 @@ The models, built from configs with random weights (nothing downloaded):
                  knob: batch
     resnet50     (only with --models) ResNet-50 training at growing resolution; knob: image side / 32 px
 
+`--models zoo` runs seven more, of the zoo's families (docs/zoo.md), none of which the forecast was
+tuned to: mistral_gqa (grouped-query attention, bf16, knob batch at 512 tokens), mixtral_moe (mixture
+of experts, bf16, batch at 256 tokens), bert_mlm_seq (masked LM, fp16 autocast, sequence length at
+batch 16), t5_batch (encoder-decoder, fp32, batch), whisper_batch (speech, bf16 autocast, batch),
+convnext_res (ConvNeXt, channels-last, resolution / 32 px at batch 16), unet_res (a diffusion UNet,
+latent side / 8 at batch 8).
+
 The device is shrunk to --cap-gib for every process (torch.cuda.set_per_process_memory_fraction
 under the native allocator, gpumem.install(cap=...) under gpumem), which keeps the largest values
 small and the searches quick, and lets several searches share the GPU.
@@ -210,6 +217,151 @@ def build_llama_kv(dev):
     return step, None
 
 
+# ---- zoo families (benchmarks/zoo.py's configs), each with the knob its users turn ----------------
+
+
+def _zoo():
+    import zoo  # benchmarks/zoo.py, beside this file
+
+    return zoo, zoo.Scale(False)
+
+
+def _train_step(m, opt, make_batch, amp=None):
+    """(step, clear): step(k) trains m one step on make_batch(k) (a dict of inputs with labels)."""
+    import torch
+
+    def step(k):
+        batch = make_batch(k)
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            loss = m(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
+def build_mistral_gqa(dev):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        sliding_window=4096,
+    )
+    m = _bf16_build(lambda: MistralForCausalLM(cfg), dev).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    return _causal_lm_step(m, opt, cfg.vocab_size, dev, lambda b: (b, 512))
+
+
+def build_mixtral_moe(dev):
+    import torch
+    from transformers import MixtralForCausalLM
+
+    zoo, S = _zoo()
+    m = _bf16_build(lambda: MixtralForCausalLM(zoo.mixtral_config(S)), dev).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    return _causal_lm_step(m, opt, m.config.vocab_size, dev, lambda b: (b, 256))
+
+
+def build_bert_mlm_seq(dev):
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(max_position_embeddings=2048)
+    with torch.device(dev):
+        m = BertForMaskedLM(cfg).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+
+    def batch(n):
+        x = torch.randint(5, cfg.vocab_size, (16, n), device=dev)
+        return dict(input_ids=x, attention_mask=torch.ones_like(x), labels=x)
+
+    return _train_step(m, opt, batch, torch.float16)
+
+
+def build_t5_batch(dev):
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(d_model=512, d_ff=2048, num_layers=6, num_heads=8, vocab_size=32128, decoder_start_token_id=0)
+    with torch.device(dev):
+        m = T5ForConditionalGeneration(cfg).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def batch(b):
+        x = torch.randint(1, cfg.vocab_size, (b, 512), device=dev)
+        return dict(input_ids=x, labels=torch.randint(1, cfg.vocab_size, (b, 128), device=dev))
+
+    return _train_step(m, opt, batch)
+
+
+def build_whisper_batch(dev):
+    import torch
+    from transformers import WhisperForConditionalGeneration
+
+    zoo, S = _zoo()
+    cfg, _ = zoo.whisper(S)
+    with torch.device(dev):
+        m = WhisperForConditionalGeneration(cfg).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+
+    def batch(b):
+        return dict(
+            input_features=torch.randn(b, 80, 2 * cfg.max_source_positions, device=dev),
+            labels=torch.randint(0, cfg.vocab_size, (b, 96), device=dev),
+        )
+
+    return _train_step(m, opt, batch, torch.bfloat16)
+
+
+def build_convnext_res(dev):
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    m = timm.create_model("convnext_tiny", pretrained=False).to(dev).to(memory_format=torch.channels_last).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def step(k):
+        x = torch.randn(16, 3, 32 * k, 32 * k, device=dev).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (16,), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(m(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
+def build_unet_res(dev):
+    import torch
+    import torch.nn.functional as F
+
+    zoo, S = _zoo()
+    m = zoo.unet(S).to(dev).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def step(k):
+        x0 = torch.randn(8, 4, 8 * k, 8 * k, device=dev)
+        t = torch.rand(8, device=dev)
+        noise = torch.randn_like(x0)
+        xt = torch.sqrt(1 - t)[:, None, None, None] * x0 + torch.sqrt(t)[:, None, None, None] * noise
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.mse_loss(m(xt, t * 1000).float(), noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt.state.clear
+
+
 MODELS = {
     "llama_lora": Spec("batch", [2, 4], 1, 2, build_llama_lora),
     "vit": Spec("patches/side", [4, 6, 8], 1, 2, build_vit),
@@ -218,7 +370,16 @@ MODELS = {
     # not run by default: cuDNN picks algorithms (and workspaces) per shape, which can make the
     # recordings at different resolutions differ in what they allocate
     "resnet50": Spec("resolution/32", [2, 3, 4], 1, 2, build_resnet50),
+    # zoo families (--models zoo runs these)
+    "mistral_gqa": Spec("batch", [1, 2], 1, 2, build_mistral_gqa),
+    "mixtral_moe": Spec("batch", [2, 4], 1, 2, build_mixtral_moe),
+    "bert_mlm_seq": Spec("seq", [64, 128, 192], 16, 2, build_bert_mlm_seq),
+    "t5_batch": Spec("batch", [2, 4], 1, 2, build_t5_batch),
+    "whisper_batch": Spec("batch", [1, 2], 1, 2, build_whisper_batch),
+    "convnext_res": Spec("resolution/32", [2, 3, 4], 1, 2, build_convnext_res),
+    "unet_res": Spec("latent side/8", [2, 3, 4], 1, 2, build_unet_res),
 }
+ZOO_MODELS = ["mistral_gqa", "mixtral_moe", "bert_mlm_seq", "t5_batch", "whisper_batch", "convnext_res", "unet_res"]
 DEFAULT_MODELS = ["llama_lora", "vit", "gpt2_seq", "llama_kv"]
 
 
@@ -609,7 +770,7 @@ def main():
     ap.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),
-        help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50)",
+        help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50, and zoo: {','.join(ZOO_MODELS)})",
     )
     ap.add_argument("--jobs", type=int, default=0, help="probe processes at once (default: as many as fit)")
     ap.add_argument(
@@ -630,6 +791,8 @@ def main():
             child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] if len(rest) > 4 else None)
         return
     models = [m for m in a.models.split(",") if m]
+    if "zoo" in models:
+        models = [m for m in models if m != "zoo"] + ZOO_MODELS
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
