@@ -48,10 +48,20 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes, last_step
+from ._forecast_align import (
+    Alignment,
+    ForecastError,
+    Model,
+    Recording,
+    align,
+    evaluate,
+    fit_sizes,
+    last_step,
+    modelled,
+)
 from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
 from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
-from ._units import format_size, parse_size
+from ._units import parse_size
 from .replay import _narrow
 from .trace import MAX_ALLOC, Trace, load_trace
 
@@ -245,30 +255,9 @@ class Forecast(_Showing):
                 "that allocates more than later ones (optimizer state, lazily made buffers) is not in it."
             )
         if self.aligned and not self.alignment.exact:
-            a = self.alignment
-            top = self.recordings[a.template].knob
-            kept = a.set_aside.get(top, 0)
-            dropped = [
-                f"{v} at {self.name} {k} (at most {format_size(a.set_aside_bytes.get(k, 0))} live)"
-                for k, v in a.set_aside.items()
-                if v and k != top
-            ]
-            words = []
-            if kept:
-                words.append(
-                    f"{kept} events only some recordings make are kept as {self.name} {top} makes them "
-                    f"({self.model.partial} allocations, at most {format_size(a.set_aside_bytes.get(top, 0))} live, "
-                    "sized from the recordings that have them, a constant where only one does)"
-                )
-            if dropped:
-                words.append(
-                    f"events only smaller values make are left out: {', '.join(dropped)} (one-time work of a first "
-                    "step belongs in the warm-up)"
-                )
             out.append(
-                "the recordings line up only after setting aside self-contained stretches (temporaries made and "
-                f"dropped, blocks never freed): {'; '.join(words)}. If the program makes them at some values and "
-                "not at others, the forecast is off by what they hold."
+                modelled(self.model, self.alignment, self.recorded, self.name)
+                + ". Between the recorded values the forecast follows the larger one's code."
             )
         if self.refine_note:
             out.append(f"not refined: {self.refine_note}")
