@@ -105,71 +105,107 @@ def _aside_bytes(ev: _Events, aside: bytearray) -> int:
     return peak
 
 
+def _mismatch(lo: Recording, hi: Recording, p: _Pairing, fi: int, fj: int, name: str) -> Optional[str]:
+    """Why two neighbouring recordings do not line up, in one line, or None if they do."""
+    t_ev, r_ev = p.t, p.r
+    a, b = f"{name} {lo.knob}", f"{name} {hi.knob}"
+    counts = f"{r_ev.n} events at {a}, {t_ev.n} at {b}"
+    if fi < 0:
+        skipped_t, skipped_r = p.skipped()
+        if max(skipped_r / max(r_ev.n, 1), skipped_t / max(t_ev.n, 1)) <= _MAX_SET_ASIDE:
+            return None
+        return (
+            f"the recordings do not line up ({counts}): they pair only after setting aside "
+            f"{skipped_r} events at {a} and {skipped_t} at {b}, too many to trust"
+        )
+    if fi >= t_ev.n or fj >= r_ev.n:
+        longer = a if fj < r_ev.n else b
+        where = f"they line up to event {min(fi, fj)}, then only {longer} goes on"
+    elif fi == fj:
+        where = f"they first differ at event {fi}: {r_ev.describe(fj)} at {a}, {t_ev.describe(fi)} at {b}"
+    else:
+        where = (
+            f"they first differ at event {fj} at {a} ({r_ev.describe(fj)}) and event {fi} at {b} ({t_ev.describe(fi)})"
+        )
+    return f"the recordings do not line up ({counts}); {where}"
+
+
+def _growth(lo: Recording, hi: Recording) -> float:
+    """How much larger an allocation may be at hi's knob value than at lo's and
+    still be taken for the same one: up to the square of their ratio."""
+    return (hi.knob / lo.knob) ** 2
+
+
 def align(recordings: Sequence[Recording], name: str = "knob") -> Alignment:
-    """Line the recordings (sorted by knob) up against the one at the largest
-    knob value: the same actions, in the same order, on the same streams, each
-    free freeing the same allocation, up to allocations (and their frees) that
-    only some recordings make (see the module docstring)."""
-    ti = max(range(len(recordings)), key=lambda x: recordings[x].knob)
+    """Line the recordings (sorted by knob) up, each with the next larger one,
+    and so with the one at the largest value, the template: the same actions, in
+    the same order, on the same streams, each free freeing the same allocation,
+    up to allocations (and their frees) that only some recordings make (see the
+    module docstring)."""
+    n = len(recordings)
+    ti = n - 1
     tmpl = recordings[ti]
     n_t, allocs = tmpl.trace.n_events, tmpl.trace.allocs
-    maps: List[Optional[List[int]]] = [None] * len(recordings)
-    aside: Dict[int, int] = {}
-    aside_bytes: Dict[int, int] = {}
-    aside_allocs: Dict[int, int] = {}
+    maps: List[Optional[List[int]]] = [None] * n
     switches: Dict[int, int] = {}
-    t_ev: Optional[_Events] = None
-    t_aside = bytearray(allocs)
-    for x, rec in enumerate(recordings):
-        if x == ti:
-            continue
-        if _exactly_alike(rec.trace, tmpl.trace):
-            maps[x] = list(range(allocs))
-            aside[rec.knob] = 0
-            continue
-        t_ev = t_ev or _Events(tmpl.trace, tmpl.sites)
-        r_ev = _Events(rec.trace, rec.sites)
-        p = _Pairing(t_ev, r_ev)
-        fi, fj = p.run()
-        a, b = f"{name} {rec.knob}", f"{name} {tmpl.knob}"
-        counts = f"{r_ev.n} events at {a}, {n_t} at {b}"
-        skipped_t, skipped_r = p.skipped() if fi < 0 else (0, 0)
-        if max(skipped_r / max(r_ev.n, 1), skipped_t / max(n_t, 1)) > _MAX_SET_ASIDE:
-            msg = (
-                f"the recordings do not line up ({counts}): they pair only after setting aside "
-                f"{skipped_r} events at {a} and {skipped_t} at {b}, too many to trust"
-            )
-            return Alignment(False, n_t, allocs, msg, 0, ti)
-        if fi >= 0:
-            if fi >= n_t or fj >= r_ev.n:
-                longer = a if fj < r_ev.n else b
-                where = f"they line up to event {min(fi, fj)}, then only {longer} goes on"
-            elif fi == fj:
-                where = f"they first differ at event {fi}: {r_ev.describe(fj)} at {a}, {t_ev.describe(fi)} at {b}"
-            else:
-                where = (
-                    f"they first differ at event {fj} at {a} ({r_ev.describe(fj)}) and event {fi} at {b} "
-                    f"({t_ev.describe(fi)})"
-                )
-            return Alignment(False, n_t, allocs, f"the recordings do not line up ({counts}); {where}", fi, ti)
-        maps[x] = p.t2r
-        aside[rec.knob] = skipped_r
-        aside_bytes[rec.knob] = _aside_bytes(r_ev, p.aside_r)
-        aside_allocs[rec.knob] = sum(p.aside_r)
-        switches[rec.knob] = p.switches
-        for o, v in enumerate(p.aside_t):
-            t_aside[o] |= v
-    aside[tmpl.knob] = 0
-    if t_ev is not None and any(t_aside):
-        aside[tmpl.knob] = sum(1 for i in range(t_ev.n) if t_aside[t_ev.ordinal[i]])
-        aside_bytes[tmpl.knob] = _aside_bytes(t_ev, t_aside)
-        aside_allocs[tmpl.knob] = sum(t_aside)
+    ev: List[Optional[_Events]] = [None] * n
+    up: Optional[List[int]] = None  # the template's allocations -> those of the recording above x
+    for x in range(n - 2, -1, -1):
+        lo, hi = recordings[x], recordings[x + 1]
+        if _exactly_alike(lo.trace, hi.trace):
+            step = None
+        else:
+            ev[x + 1] = ev[x + 1] or _Events(hi.trace, hi.sites)
+            ev[x] = _Events(lo.trace, lo.sites)
+            p = _Pairing(ev[x + 1], ev[x], _growth(lo, hi))
+            fi, fj = p.run()
+            why = _mismatch(lo, hi, p, fi, fj, name)
+            if why is not None:
+                return Alignment(False, n_t, allocs, why, max(fi, 0), ti)
+            step, switches[lo.knob] = p.t2r, p.switches
+        here = list(range(allocs)) if up is None else list(up)
+        if step is not None:
+            here = [step[o] if o >= 0 else -1 for o in here]
+        maps[x] = up = here
+    aside, aside_bytes, aside_allocs = _left_out(recordings, maps, ev)
     knobs = ", ".join(str(r.knob) for r in recordings)
     msg = f"the recordings at {name} {knobs} line up: {n_t} events, {allocs} allocations"
     parts = [f"{v} at {name} {k}" for k, v in aside.items() if v]
     if parts:
         msg += f" (after setting aside events only some recordings make: {', '.join(parts)})"
     return Alignment(True, n_t, allocs, msg, -1, ti, maps, aside, aside_bytes, aside_allocs, switches)
+
+
+def _left_out(recordings: Sequence[Recording], maps: List[Optional[List[int]]], ev: List[Optional[_Events]]):
+    """Per knob value, the events, the most bytes at once, and the allocations
+    set aside: the template's that some recording lacks (kept), the others'
+    that the template lacks (left out)."""
+    n = len(recordings)
+    flags: List[Optional[bytearray]] = [None] * n
+    partial = bytearray(recordings[-1].trace.allocs)
+    for x in range(n - 1):
+        if maps[x] is None:
+            continue
+        reached = bytearray(recordings[x].trace.allocs)
+        for o, j in enumerate(maps[x]):
+            if j >= 0:
+                reached[j] = 1
+            else:
+                partial[o] = 1
+        flags[x] = bytearray(1 - v for v in reached)
+    flags[-1] = partial
+    aside, aside_bytes, aside_allocs = {}, {}, {}
+    for x, rec in enumerate(recordings):
+        f = flags[x]
+        k = rec.knob
+        if f is None or not any(f):
+            aside[k] = 0
+            continue
+        e = ev[x] or _Events(rec.trace)
+        aside[k] = sum(1 for i in range(e.n) if f[e.ordinal[i]])
+        aside_bytes[k] = _aside_bytes(e, f)
+        aside_allocs[k] = sum(f)
+    return aside, aside_bytes, aside_allocs
 
 
 def last_step(rec: Recording) -> Optional[Recording]:

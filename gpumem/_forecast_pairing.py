@@ -24,6 +24,7 @@ cheapest first, and dearer ones not at all once they cannot win.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 from ._units import format_size
@@ -36,12 +37,20 @@ _VERIFY = 64  # events of T past a mismatch whose pairs a way past it is judged 
 _PAIRS = 8  # pairs past a difference that setting one allocation aside must buy
 _CLOSED = 3  # allocations a self-contained stretch set aside in one piece costs less (down to one)
 _UNPAIR = 2 * _BOTH  # what unpairing a block both make costs, in allocations set aside
-_NONE = (0, 0)  # an empty range of allocations
+_LIFE = 4  # allocations made while a block lives that may differ between two it pairs (or a third of them)
+_SLACK = 64 * 1024  # bytes by which a small allocation may grow past the growth allowed
+_NONE = (0, 0, 0, 0)  # two empty ranges of allocations
+_DENSE = 16  # where the best way pairs fewer events than this before the next difference ...
+_AHEAD = 6  # ... the best this many are judged with the best way past that difference added
 
 
-def _cost(xt: Tuple[int, int], xr: Tuple[int, int], closed: bool) -> int:
-    """What setting aside the allocations of the ranges xt and xr costs."""
-    n = (xt[1] - xt[0]) + (xr[1] - xr[0])
+def _cost(t: "_Events", xt: Tuple[int, int], r: "_Events", xr: Tuple[int, int], closed: bool) -> int:
+    """What setting aside the allocations of the ranges xt (of T) and xr (of
+    R) costs: one per allocation, two where it outlives _LIFE allocations (a
+    block that lives long, an activation, is more likely one both make than a
+    workspace or a temporary is); a self-contained stretch _CLOSED less, down
+    to one."""
+    n = t.weight[xt[1]] - t.weight[xt[0]] + r.weight[xr[1]] - r.weight[xr[0]]
     return max(1, n - _CLOSED) if closed else n
 
 
@@ -72,6 +81,12 @@ class _Events:
                 self.free_at[o] = i
             self.ordinal[i] = o
         self.allocs_before[self.n] = len(self.alloc_at)
+        # per allocation: how many allocations are made while it lives (to the end where never freed)
+        ab, end = self.allocs_before, len(self.alloc_at)
+        self.life = [(ab[f] if f >= 0 else end) - ab[a] - 1 for a, f in zip(self.alloc_at, self.free_at)]
+        self.weight = [0]  # per allocation ordinal: what setting aside those before it costs (_cost)
+        for n in self.life:
+            self.weight.append(self.weight[-1] + (2 if n > _LIFE else 1))
 
     def describe(self, i: int) -> str:
         if i >= self.n:
@@ -115,39 +130,43 @@ class _Events:
 
     def allocs_in(self, start: int, length: int) -> Tuple[int, int]:
         """The allocations (a range of ordinals) made by events [start, start + length)."""
-        return self.allocs_before[start], self.allocs_before[start + length]
+        return self.allocs_before[start], self.allocs_before[start + length], 0, 0
 
 
 class _Pairing:
     """Pairs the events of a recording R with the template T (see the module)."""
 
-    def __init__(self, t: _Events, r: _Events):
+    def __init__(self, t: _Events, r: _Events, growth: float = math.inf):
         self.t, self.r = t, r
+        self.growth = growth  # how many times larger an allocation of T may be than the one of R it pairs with
         self.t2r = [-1] * len(t.alloc_at)
         self.r2t = [-1] * len(r.alloc_at)
         self.aside_t = bytearray(len(t.alloc_at))
         self.aside_r = bytearray(len(r.alloc_at))
         self.switches = 0  # places where both recordings set allocations aside
+        self.seen: set = set()  # the sizes of what each way taken set aside (_signature)
 
-    def _lockstep(self, i: int, j: int, until: int, record: Optional[list], xt=_NONE, xr=_NONE, past: int = 0):
+    def _lockstep(self, i, j, until, record: Optional[list], xt=_NONE, xr=_NONE, past=0, tried=None):
         """Pair events from (i, j) until a mismatch, both ends, or T's event
-        `until`; (i, j, pairs made from T's event `past` on).  With `record`,
-        the pairs are made (and appended to it); otherwise only tried, with the
-        allocations of the ranges `xt` (of T) and `xr` (of R) taken as set aside."""
+        `until`; (i, j, pairs made from T's event `past` on, the pairs tried).
+        With `record`, the pairs are made (and appended to it); otherwise only
+        tried (beside those of `tried`), with the allocations of the two ranges
+        each of `xt` (of T) and `xr` (of R) taken as set aside."""
         t, r = self.t, self.r
         t2r, aside_t, aside_r = self.t2r, self.aside_t, self.aside_r
-        tried: Dict[int, int] = {}
+        tried = {} if tried is None else tried
         pairs = 0
+        growth = self.growth
         both_sites = t.site is not None and r.site is not None
         while i < until:
             if i < t.n and not t.is_alloc[i]:
                 o = t.ordinal[i]
-                if aside_t[o] or xt[0] <= o < xt[1]:
+                if aside_t[o] or xt[0] <= o < xt[1] or xt[2] <= o < xt[3]:
                     i += 1
                     continue
             if j < r.n and not r.is_alloc[j]:
                 o = r.ordinal[j]
-                if aside_r[o] or xr[0] <= o < xr[1]:
+                if aside_r[o] or xr[0] <= o < xr[1] or xr[2] <= o < xr[3]:
                     j += 1
                     continue
             if i >= t.n or j >= r.n or t.is_alloc[i] != r.is_alloc[j] or t.stream[i] != r.stream[j]:
@@ -156,8 +175,11 @@ class _Pairing:
             if t.is_alloc[i]:
                 if both_sites and t.site[i] and r.site[j] and t.site[i] != r.site[j]:
                     break  # made at different places in the program
-                if t.size[i] < r.size[j]:
-                    break  # smaller at the larger value: taken as another block
+                if not r.size[j] <= t.size[i] <= r.size[j] * growth + _SLACK:
+                    break  # smaller at the larger value, or far larger: taken as another block
+                a, b = t.life[ot], r.life[orr]
+                if abs(a - b) > max(_LIFE, (a + b) >> 1):
+                    break  # lives through far more (or fewer) allocations: taken as another block
                 if record is None:
                     tried[ot] = orr
                 else:
@@ -171,7 +193,7 @@ class _Pairing:
             pairs += i >= past
             i += 1
             j += 1
-        return i, j, pairs
+        return i, j, pairs, tried
 
     def _ways(self, i: int, j: int, trail: list) -> list:
         """The ways past a mismatch at (i, j) to try, cheapest first: (cost,
@@ -188,39 +210,82 @@ class _Pairing:
             sr = [(lr, r.allocs_in(rj, lr)) for lr in r.stretches(rj, self.aside_r)]
             ct, cr = t.closed(ti, self.aside_t), r.closed(rj, self.aside_r)
             for lt, xt in st:
-                out.append((_cost(xt, _NONE, xt[1] in ct), back, ti, rj, lt, 0, xt, _NONE))
+                out.append((_cost(t, xt, r, _NONE, xt[1] in ct), back, ti, rj, lt, 0, xt, _NONE))
             for lr, xr in sr:
-                out.append((_cost(_NONE, xr, xr[1] in cr), back, ti, rj, 0, lr, _NONE, xr))
+                out.append((_cost(t, _NONE, r, xr, xr[1] in cr), back, ti, rj, 0, lr, _NONE, xr))
             for lt, xt in st[:_BOTH]:
                 for lr, xr in sr[:_BOTH]:
-                    out.append((_cost(xt, xr, xt[1] in ct and xr[1] in cr), back, ti, rj, lt, lr, xt, xr))
+                    out.append((_cost(t, xt, r, xr, xt[1] in ct and xr[1] in cr), back, ti, rj, lt, lr, xt, xr))
         # frees of blocks both made, in another order: unpair the block freed on either side
         for side, ev, at in ((0, t, i), (1, r, j)):
             if at < ev.n and not ev.is_alloc[at]:
                 o = ev.ordinal[at]
                 ot, orr = (o, self.t2r[o]) if side == 0 else (self.r2t[o], o)
                 if ot >= 0 and orr >= 0:
-                    out.append((_UNPAIR, 0, i, j, 0, 0, (ot, ot + 1), (orr, orr + 1)))
+                    out.append((_UNPAIR, 0, i, j, 0, 0, (ot, ot + 1, 0, 0), (orr, orr + 1, 0, 0)))
+        if self.seen:  # a way like one taken before (the same layer again) costs one
+            out = [(1, *w[1:]) if w[0] > 1 and self._signature(w[6], w[7]) in self.seen else w for w in out]
         out.sort(key=lambda w: w[0])
         return out
 
     def _resync(self, i: int, j: int, trail: list) -> Optional[tuple]:
         """The best way past a mismatch at (i, j): the most pairs past it in
         the _VERIFY events of T after what it sets aside, less _PAIRS per unit
-        of cost; or None."""
+        of cost; where even the best pairs few (differences come densely), the
+        best _AHEAD judged with the best way past the next difference added; or
+        None."""
         t, r = self.t, self.r
-        best = None
+        got = []
         for cost, back, ti, rj, lt, lr, xt, xr in self._ways(i, j, trail):
-            if best is not None and _VERIFY - _PAIRS * cost < best[0][0]:
+            if got and _VERIFY - _PAIRS * cost < got[0][0][0]:
                 break  # dearer ways cannot do better
-            ei, ej, pairs = self._lockstep(ti + lt, rj + lr, max(i, ti + lt) + _VERIFY, None, xt, xr, i)
+            ei, ej, pairs, tried = self._lockstep(ti + lt, rj + lr, max(i, ti + lt) + _VERIFY, None, xt, xr, i)
             both_end = ei >= t.n and ej >= r.n
             if not (both_end or pairs and ei > i and ej > j) or (lt and lr and not pairs):
                 continue  # lines nothing up past the mismatch (setting both sides aside must pair some)
-            key = (pairs - _PAIRS * cost, both_end, -back)
-            if best is None or key > best[0]:
-                best = (key, back, ti, rj, lt, lr, xt, xr)
+            got.append(
+                ((pairs - _PAIRS * cost, both_end, -back), (back, ti, rj, lt, lr, xt, xr), (ei, ej, tried), pairs)
+            )
+            got.sort(key=lambda g: g[0], reverse=True)
+        if not got:
+            return None
+        (_, both_end, _), way, _, pairs = got[0]
+        if both_end or pairs >= _DENSE:
+            return way
+        ahead = [(g[0][0] + self._next(*g[1][5:], *g[2]), -n) for n, g in enumerate(got[:_AHEAD])]
+        return got[-max(ahead)[1]][1]
+
+    def _next(self, xt, xr, i: int, j: int, tried: dict) -> int:
+        """The best score (_resync's, first level) of a way past the difference
+        at (i, j) that a way setting aside xt and xr leads to."""
+        t, r = self.t, self.r
+        if i >= t.n and j >= r.n:
+            return 0
+        best = -_PAIRS * _UNPAIR
+        st = [(lt, t.allocs_in(i, lt)) for lt in t.stretches(i, self.aside_t, _BOTH)][:_BOTH]
+        sr = [(lr, r.allocs_in(j, lr)) for lr in r.stretches(j, self.aside_r, _BOTH)][:_BOTH]
+        ways = [(lt, 0, a, _NONE) for lt, a in st] + [(0, lr, _NONE, b) for lr, b in sr]
+        ways += [(lt, lr, a, b) for lt, a in st[: _BOTH // 2] for lr, b in sr[: _BOTH // 2]]
+        for lt, lr, a, b in ways:
+            cost = _cost(t, a, r, b, False)
+            if _VERIFY - _PAIRS * cost <= best:
+                continue
+            ei, ej, pairs, _ = self._lockstep(
+                i + lt, j + lr, i + lt + _VERIFY, None, (*xt[:2], *a[:2]), (*xr[:2], *b[:2]), i, dict(tried)
+            )
+            if ei >= t.n and ej >= r.n or pairs and ei > i and ej > j:
+                best = max(best, pairs - _PAIRS * cost)
         return best
+
+    def _signature(self, xt, xr) -> Optional[tuple]:
+        """The sizes of the allocations a way sets aside, in T and in R (None: too many)."""
+        if xt[1] - xt[0] + xr[1] - xr[0] > 2 * _BOTH:
+            return None
+        t, r = self.t, self.r
+        return (
+            tuple(t.size[t.alloc_at[o]] for o in range(xt[0], xt[1])),
+            tuple(r.size[r.alloc_at[o]] for o in range(xr[0], xr[1])),
+        )
 
     def _undo(self, trail: list, back: int) -> None:
         """Undo the last `back` pairs made."""
@@ -238,27 +303,28 @@ class _Pairing:
         trail: List[Tuple[int, int]] = []
         first = None
         while True:
-            i, j, _ = self._lockstep(i, j, 1 << 62, trail)
+            i, j, _, _ = self._lockstep(i, j, 1 << 62, trail)
             if i >= self.t.n and j >= self.r.n:
                 return -1, -1
             first = first or (i, j)
             got = self._resync(i, j, trail)
             if got is None:
                 return first
-            _, back, ti, rj, lt, lr, xt, xr = got
+            back, ti, rj, lt, lr, xt, xr = got
             self._undo(trail, back)
-            for o in range(*xt):
+            for o in range(xt[0], xt[1]):
                 if self.t2r[o] >= 0:
                     self.r2t[self.t2r[o]] = -1
                     self.t2r[o] = -1
                 self.aside_t[o] = 1
-            for o in range(*xr):
+            for o in range(xr[0], xr[1]):
                 if self.r2t[o] >= 0:
                     self.t2r[self.r2t[o]] = -1
                     self.r2t[o] = -1
                 self.aside_r[o] = 1
             if xt[1] > xt[0] and xr[1] > xr[0]:
                 self.switches += 1
+            self.seen.add(self._signature(xt, xr))
             i, j = ti + lt, rj + lr
             trail.clear()  # a resync never steps back over another
 

@@ -486,10 +486,35 @@ def forecast(
 
     cap = capacity if capacity is not None else rec.capacity()
     fc = Forecast([record(k) for k in sorted(knobs)], name=name, capacity=cap, at=at, multiple=multiple)
+    fc = _one_more(fc, record)
     if refine:
         fc = _refined(fc, record)
     _set_last(fc)
     return fc
+
+
+def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
+    """Where the largest recorded value makes allocations no other does, their
+    sizes are known at one value only (held there): record one value more, as
+    far past it as it lies past the one before, so that they are fitted through
+    two.  The forecast stays as it was, with a note, where that recording runs
+    out of memory or does not line up."""
+    if fc.model is None or fc.whole is not None or not any(len(at) == 1 for at in fc.model.only):
+        return fc
+    top, m = fc.recorded[-1], fc.multiple
+    k = -(-(2 * top - fc.recorded[-2]) // m) * m
+    kw = dict(name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
+    try:
+        new = Forecast([*fc.recordings, record(k)], **kw)
+    except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
+        if "OutOfMemory" not in type(e).__name__:
+            raise
+        fc.refine_note = f"recording {fc.name} {k} too ran out of memory: {str(e).splitlines()[0]}"
+        return fc
+    if not new.aligned:
+        fc.refine_note = f"the recording at {fc.name} {k} does not line up with the others ({new.alignment.message})"
+        return fc
+    return new
 
 
 def _alike(a: Recording, b: Recording, name: str) -> bool:
