@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 from ._units import format_size
 from .trace import R_ALLOC, Trace
 
-_REWIND = 48  # matched events a resync may step back over
+_REWIND = 24  # matched events a resync may step back over
 _RUN = 96  # the longest stretch of one recording set aside in one piece
 _BOTH = 12  # stretches of each recording tried together at one place (a switch of code path)
 _VERIFY = 64  # events of T past a mismatch whose pairs a way past it is judged by
@@ -145,6 +145,7 @@ class _Pairing:
         self.aside_r = bytearray(len(r.alloc_at))
         self.switches = 0  # places where both recordings set allocations aside
         self.seen: set = set()  # the sizes of what each way taken set aside (_signature)
+        self.shapes: set = set()  # how many allocations of T and of R each way taken set aside
 
     def _lockstep(self, i, j, until, record: Optional[list], xt=_NONE, xr=_NONE, past=0, tried=None):
         """Pair events from (i, j) until a mismatch, both ends, or T's event
@@ -224,7 +225,11 @@ class _Pairing:
                 if ot >= 0 and orr >= 0:
                     out.append((_UNPAIR, 0, i, j, 0, 0, (ot, ot + 1, 0, 0), (orr, orr + 1, 0, 0)))
         if self.seen:  # a way like one taken before (the same layer again) costs one
-            out = [(1, *w[1:]) if w[0] > 1 and self._signature(w[6], w[7]) in self.seen else w for w in out]
+            shapes = self.shapes
+            for n, w in enumerate(out):
+                xt, xr = w[6], w[7]
+                if w[0] > 1 and (xt[1] - xt[0], xr[1] - xr[0]) in shapes and self._signature(xt, xr) in self.seen:
+                    out[n] = (1, *w[1:])
         out.sort(key=lambda w: w[0])
         return out
 
@@ -325,6 +330,7 @@ class _Pairing:
             if xt[1] > xt[0] and xr[1] > xr[0]:
                 self.switches += 1
             self.seen.add(self._signature(xt, xr))
+            self.shapes.add((xt[1] - xt[0], xr[1] - xr[0]))
             i, j = ti + lt, rj + lr
             trail.clear()  # a resync never steps back over another
 
