@@ -5,15 +5,16 @@ Recordings line up when they make the same allocations and frees in the same
 order on the same streams, only of other sizes.  Programs add noise to that:
 a reduction that needs a staging buffer only past some size, a library's
 workspace at some shapes, another algorithm's temporaries past some size, a
-block only the first step allocates.  Each recording is aligned with the one at
-the largest knob value, the template the forecast follows, by a sequence
-alignment (gpumem._forecast_pairing): what both make is paired, what only one
-makes is set aside.  The template's set-aside allocations are kept, sized from
-the recordings that have them (a constant where only it does); those only
-smaller values make are left out.  Recordings that pair only after setting
-aside more than half their events, or that differ in ways the alignment finds
-no way past (a stretch longer than it sets aside in one piece), do not line up:
-that is reported with where they first differ.
+block only the first step allocates.  Each recording is aligned with the next
+larger one, and so with the one at the largest knob value, the template the
+forecast follows, by a sequence alignment (gpumem._forecast_pairing): what both
+make is paired, what only one makes is set aside.  The template's set-aside
+allocations are kept, sized from the recordings that have them (a constant
+where only it does); those only smaller values make are left out.  Recordings
+that pair only after setting aside more than three quarters of their events,
+or that differ in ways the alignment finds no way past (a stretch longer than
+it sets aside in one piece), do not line up: that is reported with where they
+first differ.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .trace import R_ALLOC, Trace, _Builder
 
 # Sizes recorded by gpumem's history are its blocks' sizes, rounded up to this.
 GPUMEM_GRANULARITY = 512
-_MAX_SET_ASIDE = 0.5  # more than this share of a recording's events set aside: they do not line up
+_MAX_SET_ASIDE = 0.75  # more than this share of a recording's events set aside: they do not line up
 
 
 class ForecastError(ValueError):

@@ -14,11 +14,13 @@ How it works:
    allocator, torch's memory history otherwise, or a gpumem.Heap's on the
    simulated device.  Traces recorded elsewhere (gpumem text traces, torch
    ``_snapshot()`` pickles) serve as well: ``Forecast.from_traces``.
-2. *Align*: the recordings must make the same allocations and frees in the same
-   order on the same streams, only of other sizes, up to self-contained
-   stretches (temporaries made and dropped, blocks never freed) that only some
-   recordings make: those are set aside and said so (gpumem._forecast_align).
-   Where they still do not line up, the forecast says so and at which event,
+2. *Align*: a sequence alignment pairs what the recordings make alike (the
+   same allocations and frees in the same order on the same streams, of other
+   sizes) and sets aside what only some make (a workspace at some sizes,
+   another algorithm's temporaries): the largest value's is kept and sized from
+   the recordings that have it, one more value recorded where only the largest
+   has it; the caveats say what was modelled (gpumem._forecast_align).  Where
+   they still do not line up, the forecast says so and at which event,
    and gives only an estimate of peak live memory, which it marks as such: it
    cannot then say what either allocator needs, nor promise that a value it
    finds fits does.

@@ -127,19 +127,24 @@ def test_an_algorithm_switch_is_modelled():
         assert got == true, (allocator, got, true)
 
 
-def test_a_workspace_and_a_switch_together_with_call_sites():
-    """Both at once, allocations carrying call sites that do not tell the
-    workspace from the output (torch's Python stack is the op's line for both)."""
+@pytest.mark.parametrize(
+    "knob,sites,workspace_from,switch_at", [([2, 4, 8], True, 3, 5), ([2, 4], False, 4, 4), ([3, 5], True, 4, 5)]
+)
+def test_a_workspace_and_a_switch_together(knob, sites, workspace_from, switch_at):
+    """Both at once, at one value or at two; with call sites that do not tell the workspace from
+    the output (torch's Python stack is the op's line for both), or with none."""
 
     def make(h):
-        return Layered(h, workspace=lambda k: 32 * KiB if k >= 3 else 0, switch_at=5, sites=True)
+        return Layered(h, workspace=lambda k: 32 * KiB if k >= workspace_from else 0, switch_at=switch_at, sites=sites)
 
     h = gpumem.Heap(device="sim", capacity=16 * GiB)
-    fc = gpumem.forecast(make(h).step, knob=[2, 4, 8], heap=h, name="batch", capacity=CAP)
-    assert fc.aligned and fc.recordings[0].sites is not None
+    fc = gpumem.forecast(make(h).step, knob=knob, heap=h, name="batch", capacity=CAP)
+    assert fc.aligned and (fc.recordings[0].sites is not None) == sites
+    assert fc.caveats()[0].startswith("modelled: ")
     for allocator in ("gpumem", "native"):
         got, true = fc.largest(allocator=allocator), truth(make, allocator)
         assert within(got, true), (allocator, got, true)
+        assert got == true, (allocator, got, true)
 
 
 @pytest.mark.parametrize("knob", [[2, 4], [3, 6, 9]])
