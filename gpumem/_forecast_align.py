@@ -290,7 +290,10 @@ def modelled(model: "Model", alignment: Alignment, knobs: Sequence[int], name: s
             at = f"{name} >= {where[0]}"
         else:
             at = f"{name} {', '.join(map(str, where))}"
-        how = f"held at {name} {top}'s size" if len(where) == 1 else "sized by a fit through those"
+        if len(where) == 1:
+            how = f"held at {name} {top}'s size: record a larger {name} to fit it"
+        else:
+            how = "sized by a fit through those"
         parts.append(f"{_count(n, 'allocation')} only at {at} (up to {format_size(size)} each, {how})")
     for k in knobs:
         n = alignment.set_aside_allocs.get(k, 0)

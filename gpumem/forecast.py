@@ -165,6 +165,7 @@ class Forecast(_Showing):
         self.heap_kwargs = heap_kwargs
         self.first: Optional["Forecast"] = None  # refine=True: the forecast from the first recordings
         self.refine_note: Optional[str] = None  # refine=True: why the first forecast stands
+        self.one_more: Optional[int] = None  # the value recorded to size what only the largest one made
         t0 = time.perf_counter()
         self.alignment = align(self.recordings, name)
         self.whole = None  # the whole recordings, where only their last steps line up
@@ -259,6 +260,7 @@ class Forecast(_Showing):
         if self.aligned and not self.alignment.exact:
             out.append(
                 modelled(self.model, self.alignment, self.recorded, self.name)
+                + (f" ({self.name} {self.one_more} recorded to size them)" if self.one_more else "")
                 + ". Between the recorded values the forecast follows the larger one's code."
             )
         if self.refine_note:
@@ -516,6 +518,7 @@ def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     if not new.aligned:
         fc.refine_note = f"the recording at {fc.name} {k} does not line up with the others ({new.alignment.message})"
         return fc
+    new.one_more = k
     return new
 
 

@@ -6,6 +6,7 @@ against the truth: the step run at increasing values on a simulated heap
 import pytest
 
 import gpumem
+from gpumem.forecast import Forecast
 from gpumem.native_model import fits_native
 
 from conftest import GiB, MiB
@@ -156,3 +157,22 @@ def test_alike_recordings_are_still_exact(knob):
     fc = gpumem.forecast(make(h).step, knob=knob, heap=h, name="batch", capacity=CAP)
     assert fc.alignment.exact and fc.recorded == knob and not fc.caveats()
     assert fc.largest() == truth(make, "gpumem")
+
+
+def test_from_traces_a_workspace_seen_at_one_value_is_held_at_its_size():
+    """Without the step (traces recorded elsewhere, the command line), nothing more can be
+    recorded: what only the largest value makes is held at its size there, and said so."""
+
+    def make(h):
+        return Layered(h, workspace=lambda k: 32 * KiB if k >= 4 else 0)
+
+    def recording(k):
+        h = gpumem.Heap(device="sim", capacity=16 * GiB)
+        return gpumem.forecast(make(h).step, knob=[k, k + 1], heap=h, warmup=0).recordings[0]
+
+    fc = Forecast([recording(2), recording(4)], name="batch", capacity=CAP)
+    assert fc.aligned and fc.recorded == [2, 4]
+    (line,) = fc.caveats()
+    assert "6 allocations only at batch >= 4 (up to 32.00 KiB each, held at batch 4's size" in line
+    for allocator in ("gpumem", "native"):
+        assert fc.largest(allocator=allocator) == truth(make, allocator), allocator
