@@ -133,8 +133,10 @@ def _mismatch(lo: Recording, hi: Recording, p: _Pairing, fi: int, fj: int, name:
 
 def _growth(lo: Recording, hi: Recording) -> float:
     """How much larger an allocation may be at hi's knob value than at lo's and
-    still be taken for the same one: up to the square of their ratio."""
-    return (hi.knob / lo.knob) ** 2
+    still be taken for the same one: the square of their ratio, and a quarter
+    more for sizes of a shifted knob (a convolution without padding: the square
+    of 16 r - 2 at resolution r)."""
+    return 1.25 * (hi.knob / lo.knob) ** 2
 
 
 def align(recordings: Sequence[Recording], name: str = "knob") -> Alignment:

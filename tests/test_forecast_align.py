@@ -176,3 +176,24 @@ def test_from_traces_a_workspace_seen_at_one_value_is_held_at_its_size():
     assert "6 allocations only at batch >= 4 (up to 32.00 KiB each, held at batch 4's size" in line
     for allocator in ("gpumem", "native"):
         assert fc.largest(allocator=allocator) == truth(make, allocator), allocator
+
+
+def test_sizes_of_a_shifted_knob_still_pair():
+    """A convolution without padding at resolution r makes blocks of (16 r - 2) squared: from r = 2
+    to 3 they grow a little more than the square of the knob's ratio, and are still one block."""
+
+    class Valid(Layered):
+        def layer(self, r):
+            h = self.heap
+            t = h.malloc(4096 * (16 * r - 2) ** 2)
+            out = h.malloc(8192 * (16 * r - 2) ** 2)
+            h.free(t)
+            return out
+
+    def make(h):
+        return Valid(h, layers=4)
+
+    h = gpumem.Heap(device="sim", capacity=16 * GiB)
+    fc = gpumem.forecast(make(h).step, knob=[2, 3, 4], heap=h, name="resolution", capacity=CAP)
+    assert fc.alignment.exact and fc.model.kinds["quadratic"] > 0
+    assert fc.largest() == truth(make, "gpumem")
