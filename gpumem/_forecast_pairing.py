@@ -44,9 +44,9 @@ _DENSE = 16  # where the best way pairs fewer events than this before the next d
 _AHEAD = 6  # ... the best this many are judged with the best way past that difference added
 
 
-def _cost(t: "_Events", xt: Tuple[int, int], r: "_Events", xr: Tuple[int, int], closed: bool) -> int:
+def _cost(t: "_Events", xt: tuple, r: "_Events", xr: tuple, closed: bool) -> int:
     """What setting aside the allocations of the ranges xt (of T) and xr (of
-    R) costs: one per allocation, two where it outlives _LIFE allocations (a
+    R; of each, the first of its two) costs: one per allocation, two where it outlives _LIFE allocations (a
     block that lives long, an activation, is more likely one both make than a
     workspace or a temporary is); a self-contained stretch _CLOSED less, down
     to one."""
@@ -128,8 +128,9 @@ class _Events:
                 out.add(self.allocs_before[q + 1])
         return out
 
-    def allocs_in(self, start: int, length: int) -> Tuple[int, int]:
-        """The allocations (a range of ordinals) made by events [start, start + length)."""
+    def allocs_in(self, start: int, length: int) -> tuple:
+        """The allocations made by events [start, start + length): a range of
+        ordinals, and an empty second one (ways are tried with two)."""
         return self.allocs_before[start], self.allocs_before[start + length], 0, 0
 
 
@@ -241,19 +242,20 @@ class _Pairing:
         None."""
         t, r = self.t, self.r
         got = []
+        best = None  # the best score so far
         for cost, back, ti, rj, lt, lr, xt, xr in self._ways(i, j, trail):
-            if got and _VERIFY - _PAIRS * cost < got[0][0][0]:
+            if best is not None and _VERIFY - _PAIRS * cost < best:
                 break  # dearer ways cannot do better
             ei, ej, pairs, tried = self._lockstep(ti + lt, rj + lr, max(i, ti + lt) + _VERIFY, None, xt, xr, i)
             both_end = ei >= t.n and ej >= r.n
             if not (both_end or pairs and ei > i and ej > j) or (lt and lr and not pairs):
                 continue  # lines nothing up past the mismatch (setting both sides aside must pair some)
-            got.append(
-                ((pairs - _PAIRS * cost, both_end, -back), (back, ti, rj, lt, lr, xt, xr), (ei, ej, tried), pairs)
-            )
-            got.sort(key=lambda g: g[0], reverse=True)
+            score = pairs - _PAIRS * cost
+            best = score if best is None else max(best, score)
+            got.append(((score, both_end, -back), (back, ti, rj, lt, lr, xt, xr), (ei, ej, tried), pairs))
         if not got:
             return None
+        got.sort(key=lambda g: g[0], reverse=True)  # stable: of equal ways, the cheapest
         (_, both_end, _), way, _, pairs = got[0]
         if both_end or pairs >= _DENSE:
             return way
@@ -329,8 +331,10 @@ class _Pairing:
                 self.aside_r[o] = 1
             if xt[1] > xt[0] and xr[1] > xr[0]:
                 self.switches += 1
-            self.seen.add(self._signature(xt, xr))
-            self.shapes.add((xt[1] - xt[0], xr[1] - xr[0]))
+            sig = self._signature(xt, xr)
+            if sig is not None:
+                self.seen.add(sig)
+                self.shapes.add((xt[1] - xt[0], xr[1] - xr[0]))
             i, j = ti + lt, rj + lr
             trail.clear()  # a resync never steps back over another
 
