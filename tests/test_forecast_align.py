@@ -202,3 +202,33 @@ def test_sizes_of_a_shifted_knob_still_pair():
     assert fc.aligned and fc.alignment.set_aside == {2: 0, 3: 0, 4: 8} and fc.model.kinds["quadratic"] > 0
     for allocator in ("gpumem", "native"):
         assert fc.largest(allocator=allocator) == truth(make, allocator), allocator
+
+
+def test_layered_steps_drawn_at_random_are_forecast_exactly():
+    """Layered steps of 2 to 8 layers, with a workspace from some batch on, an algorithm switch
+    from some batch on, both or neither, with call sites or none, recorded at values that show
+    them: each forecast equals the truth under both allocators."""
+    import random
+
+    ran = 0
+    for seed in range(80):
+        rng = random.Random(seed)
+        layers = rng.randint(2, 8)
+        ws_from, ws_size = rng.choice([None, 2, 3, 4, 5, 8]), rng.choice([16 * KiB, 32 * KiB, 256 * KiB])
+        switch_at, sites = rng.choice([None, 3, 4, 5, 6, 8]), rng.random() < 0.5
+        knob = rng.choice([[2, 4], [1, 2], [2, 4, 8], [2, 3, 4], [4, 6, 8]])
+        if (ws_from or 0) > knob[-1] or (switch_at or 0) > knob[-1]:
+            continue  # past the recordings: what they cannot show (refine=True is for that)
+
+        def make(h):
+            ws = lambda k: ws_size if ws_from and k >= ws_from else 0  # noqa: E731
+            return Layered(h, layers=layers, workspace=ws, switch_at=switch_at, sites=sites)
+
+        h = gpumem.Heap(device="sim", capacity=16 * GiB)
+        fc = gpumem.forecast(make(h).step, knob=knob, heap=h, name="batch", capacity=CAP)
+        assert fc.aligned, (seed, fc.alignment.message)
+        for allocator in ("gpumem", "native"):
+            got, true = fc.largest(allocator=allocator), truth(make, allocator)
+            assert got == true, (seed, allocator, got, true, fc.caveats())
+        ran += 1
+    assert ran >= 30
