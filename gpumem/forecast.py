@@ -450,9 +450,9 @@ def forecast(
     warmup: unrecorded steps before the first value's recording, so that one-time
         allocations (compiled kernels' buffers, caches) happen outside it.  Every
         other value is recorded at once; where that recording does not make the
-        same events as the first value's (one-time work at a new size, such as a
-        library's setup for a new shape), it counts as that value's warm-up and the
-        value is recorded again.  Under torch, the cuBLAS workspaces are freed
+        same events as the value recorded before it (one-time work at a new size,
+        such as a library's setup for a new shape), it counts as that value's
+        warm-up and the value is recorded again.  Under torch, the cuBLAS workspaces are freed
         before each recording, so that its first step makes them again where the
         first step of a fresh run does.
     steps: recorded steps per value (2 models the reuse between steps).
@@ -474,18 +474,19 @@ def forecast(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ForecastError(f"steps must be a positive whole number, not {steps!r}")
     rec = _recorder(heap, device)
-    first: List[Recording] = []
+    made: List[Recording] = []  # the recordings so far, each value's last
 
     def record(k: int) -> Recording:
-        if not first:
-            first.append(_record(rec, step, k, name, warmup, steps, reset))
-            return first[0]
+        if not made:
+            made.append(_record(rec, step, k, name, warmup, steps, reset))
+            return made[0]
         r = _record(rec, step, k, name, 0, steps, reset)
-        if warmup and not _alike(first[0], r, name):
+        if warmup and not _alike(made[-1], r, name):
             # one-time work at k (a library's setup for a new shape): what ran was k's warm-up
             again = _record(rec, step, k, name, max(0, warmup - steps), steps, reset)
             again.seconds += r.seconds
             r = again
+        made.append(r)
         return r
 
     cap = capacity if capacity is not None else rec.capacity()
@@ -566,10 +567,14 @@ def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
 
 
 def _confirms(fc: "Forecast", joined: "Forecast", far: Recording) -> bool:
-    """Whether the recording `far` agrees with the forecast `fc`: with fc's
-    recordings it lines up event for event (nothing set aside), and its peak
-    live memory is within CONFIRM_WITHIN of what fc forecast for it."""
-    if not joined.aligned or any(joined.alignment.set_aside.values()):
+    """Whether the recording `far` agrees with the forecast `fc`: it lines up
+    event for event with fc's largest recording (what smaller ones lack aside),
+    and its peak live memory is within CONFIRM_WITHIN of what fc forecast for it."""
+    a = joined.alignment
+    if not joined.aligned or joined.recorded[-1] != far.knob:
+        return False
+    below = joined.recorded[-2]
+    if a.set_aside.get(below, 0) or a.switches.get(below, 0) or -1 in a.maps[-2]:
         return False
     real = far.trace.peak_live_bytes
     return abs(fc.peak_live(far.knob) - real) <= CONFIRM_WITHIN * real

@@ -232,3 +232,24 @@ def test_layered_steps_drawn_at_random_are_forecast_exactly():
             assert got == true, (seed, allocator, got, true, fc.caveats())
         ran += 1
     assert ran >= 30
+
+
+def test_refine_confirms_past_what_only_some_values_make():
+    """refine=True records at half the answer: that recording lines up event for event with the
+    largest before it (the workspace both make), so it confirms the forecast alone; a value is
+    recorded twice only where it first differs from the value recorded before it."""
+    ran = []
+
+    def make(h):
+        p = Layered(h, workspace=lambda k: 16 * KiB + 4 * KiB * k if k >= 4 else 0)
+        step = p.step
+        p.step = lambda k: (ran.append(k), step(k))
+        return p
+
+    h = gpumem.Heap(device="sim", capacity=16 * GiB)
+    fc = gpumem.forecast(make(h).step, knob=[2, 4], heap=h, name="batch", capacity=CAP, refine=True)
+    half = min(fc.first.largest(allocator=a) for a in ("gpumem", "native")) // 2
+    assert fc.recorded == [2, 4, 6, half] and ran == [2, 2, 4, 4, 6, half]
+    assert any("the new recording agreed with that forecast" in line for line in fc.summary_lines())
+    for allocator in ("gpumem", "native"):
+        assert fc.largest(allocator=allocator) == truth(make, allocator), allocator
