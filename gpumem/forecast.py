@@ -462,11 +462,12 @@ def forecast(
     multiple: the knob's granularity in the search for the largest value.
     refine: where the largest value that fits lies more than 8 times past the
         largest recorded, record again at half of it (at most half the answer's
-        memory).  Where that recording makes the same events as the first ones and
-        the peak live memory they forecast for it (within 1%), the forecast is made
-        from all the recordings; otherwise it records at a quarter of the answer too
-        and forecasts from those two: memory a step takes only past some size then
-        shows.  The first forecast stays as ``.first``.
+        memory).  Where that recording makes the same events as the largest one
+        before it and the peak live memory they forecast for it (within 1%), the
+        forecast is made from all the recordings; otherwise it records at a
+        quarter of the answer too and forecasts from those two: memory a step
+        takes only past some size then shows.  The first forecast stays as
+        ``.first``.
     """
     knobs = _check_knobs(knob)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
