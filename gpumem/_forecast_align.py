@@ -74,7 +74,8 @@ class Alignment:
     events: int  # events of the template (the recording at the largest knob value)
     allocs: int
     message: str  # one line: what lines up, or where it stops
-    first_difference: int = -1  # the template's first event that could not be paired (-1: none)
+    # where two neighbouring recordings that do not line up first differ: an event of the larger (-1: none)
+    first_difference: int = -1
     template: int = -1  # index of the template among the recordings (sorted by knob)
     # per recording: template allocation ordinal -> that recording's allocation ordinal (-1: it has none)
     maps: List[Optional[List[int]]] = field(default_factory=list, repr=False)
