@@ -452,9 +452,9 @@ def forecast(
         other value is recorded at once; where that recording does not make the
         same events as the value recorded before it (one-time work at a new size,
         such as a library's setup for a new shape), it counts as that value's
-        warm-up and the value is recorded again.  Under torch, the cuBLAS workspaces are freed
-        before each recording, so that its first step makes them again where the
-        first step of a fresh run does.
+        warm-up and the value is recorded again.  Under torch, the cuBLAS
+        workspaces are freed before each recording, so that its first step makes
+        them again where the first step of a fresh run does.
     steps: recorded steps per value (2 models the reuse between steps).
     reset: called after the warm-up, before each recording, e.g. to drop optimizer
         state (``opt.state.clear()``) so that each recording's first step makes it
