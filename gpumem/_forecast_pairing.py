@@ -2,10 +2,11 @@
 over (allocation or free, stream, call site) with sizes free to differ.
 
 The recording at the larger knob value is the template T, the other R.  Both
-are walked in step, event against event: an allocation pairs with one made on
-the same stream, at the same call site where both know theirs, and no larger
-than T's (a size that shrinks as the knob grows is taken as another block); a
-free pairs with the free of the allocation it was paired with.  Where they stop
+are walked in step, event against event.  An allocation pairs with one made on
+the same stream, at the same call site where both know theirs, no larger than
+T's and at most `growth` times smaller (other sizes are taken as another
+block), that lives through a like number of other allocations (_LIFE); a free
+pairs with the free of the allocation it was paired with.  Where they stop
 pairing, the alignment weighs the ways on: set aside a stretch of T's
 allocations (made only at the larger value: a library's workspace, another
 algorithm's temporaries), a stretch of R's (made only at the smaller value),
@@ -13,13 +14,19 @@ one of each (a code path that switches between the two values), or, where
 both free blocks they share in another order, the pairing of one of them.  A
 set-aside allocation takes its free with it wherever that comes, so a block
 may outlive blocks both recordings make.  A way may also step back over up to
-_REWIND pairs made since the last such choice.  Each way is judged by the pairs
-it makes in the next _VERIFY events of T, less _PAIRS per allocation it sets
-aside (a self-contained stretch, whose blocks are freed within it, goes as one):
-an edit distance over a window, which keeps a dense run of differences from
-being read as one long shifted match.  Walking in step makes recordings that
-are mostly alike cost one pass; ways are only weighed where they differ, the
-cheapest first, and dearer ones not at all once they cannot win.
+_REWIND pairs made since the last such choice.
+
+Each way is judged by the pairs it makes in the next _VERIFY events of T, less
+_PAIRS per unit of its cost: an edit distance over a window, which keeps a
+dense run of differences from being read as one long shifted match.  Each
+allocation set aside costs one, a long-lived one two, a self-contained stretch
+(whose blocks are freed within it) less, and a way that sets aside what a way
+taken before did (the same layer again) one.  Where differences come so densely
+that even the best way pairs few events before the next, the best few are
+judged with the best way past that one added.  Walking in step makes
+recordings that are mostly alike cost one pass; ways are only weighed where
+they differ, the cheapest first, and dearer ones not at all once they cannot
+win.
 """
 
 from __future__ import annotations
