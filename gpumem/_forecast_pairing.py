@@ -2,10 +2,10 @@
 over (allocation or free, stream, call site) with sizes free to differ.
 
 The recording at the larger knob value is the template T, the other R.  Both
-are walked in step, event against event.  An allocation pairs with one made on
-the same stream, at the same call site where both know theirs, no larger than
-T's and at most `growth` times smaller (other sizes are taken as another
-block), that lives through a like number of other allocations (_LIFE); a free
+are walked in step, event against event.  An allocation of R pairs with one
+of T made on the same stream, at the same call site where both know theirs, no
+smaller and at most `growth` times larger (other sizes are taken as another
+block), living through a like number of other allocations (_LIFE); a free
 pairs with the free of the allocation it was paired with.  Where they stop
 pairing, the alignment weighs the ways on: set aside a stretch of T's
 allocations (made only at the larger value: a library's workspace, another
