@@ -3,16 +3,18 @@ against the knob (the model gpumem.forecast synthesises traces from).
 
 Recordings line up when they make the same allocations and frees in the same
 order on the same streams, only of other sizes.  Programs add noise to that:
-a reduction that needs a staging buffer only past some size, a workspace made
-once, a block only the first step allocates.  Such events come as
-*self-contained stretches*: allocations that are freed within the stretch (or
-never), and frees only of those.  Where a recording holds such a stretch and
-another does not, the stretch is set aside and the rest paired up: the
-recording at the largest knob value is the template the forecast follows, its
-stretches are kept (sized from the recordings that have them: a constant where
-only it does), and those only smaller values make are left out.  Anything else
-(a block that outlives others in one recording only, frees in another order)
-is a misalignment, reported with where it is.
+a reduction that needs a staging buffer only past some size, a library's
+workspace at some shapes, another algorithm's temporaries past some size, a
+block only the first step allocates.  Each recording is aligned with the next
+larger one, and so with the one at the largest knob value, the template the
+forecast follows, by a sequence alignment (gpumem._forecast_pairing): what both
+make is paired, what only one makes is set aside.  The template's set-aside
+allocations are kept, sized from the recordings that have them (a constant
+where only it does); those only smaller values make are left out.  Recordings
+that pair only after setting aside more than three quarters of their events,
+or that differ in ways the alignment finds no way past (a stretch longer than
+it sets aside in one piece), do not line up: that is reported with where they
+first differ.
 """
 
 from __future__ import annotations
@@ -22,15 +24,13 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ._forecast_pairing import _Events, _Pairing
 from ._units import format_size
 from .trace import R_ALLOC, Trace, _Builder
 
 # Sizes recorded by gpumem's history are its blocks' sizes, rounded up to this.
 GPUMEM_GRANULARITY = 512
-_REWIND = 48  # matched events a resync may step back over
-_RUN = 96  # the longest stretch set aside in one piece
-_VERIFY = 256  # events a resync must line up beyond the mismatch (or up to the next one)
-_MAX_SET_ASIDE = 0.5  # more than this share of a recording's events set aside: they do not line up
+_MAX_SET_ASIDE = 0.75  # more than this share of a recording's events set aside: they do not line up
 
 
 class ForecastError(ValueError):
@@ -74,168 +74,21 @@ class Alignment:
     events: int  # events of the template (the recording at the largest knob value)
     allocs: int
     message: str  # one line: what lines up, or where it stops
-    first_difference: int = -1  # the template's first event that could not be paired (-1: none)
+    # where two neighbouring recordings that do not line up first differ: an event of the larger (-1: none)
+    first_difference: int = -1
     template: int = -1  # index of the template among the recordings (sorted by knob)
     # per recording: template allocation ordinal -> that recording's allocation ordinal (-1: it has none)
     maps: List[Optional[List[int]]] = field(default_factory=list, repr=False)
     set_aside: Dict[int, int] = field(default_factory=dict)  # knob -> its events set aside
     set_aside_bytes: Dict[int, int] = field(default_factory=dict)  # knob -> bytes its set-aside blocks held
+    set_aside_allocs: Dict[int, int] = field(default_factory=dict)  # knob -> its allocations set aside
+    # knob -> places where it and the template both set allocations aside (a code path that switches)
+    switches: Dict[int, int] = field(default_factory=dict)
 
     @property
     def exact(self) -> bool:
         """Lined up event for event, nothing set aside."""
         return self.aligned and not any(self.set_aside.values())
-
-
-class _Events:
-    """A trace's events unpacked for pairing."""
-
-    def __init__(self, trace: Trace, sites: Optional[List[int]] = None):
-        w = trace.words
-        self.site = sites if sites is not None and len(sites) == trace.n_events else None
-        heads = w[0::3]
-        self.n = len(heads)
-        self.is_alloc = [h & 0xFFFFFFFF == R_ALLOC for h in heads]
-        self.stream = w[2::3]
-        self.size = w[1::3]
-        self.ordinal = [0] * self.n  # the allocation an event makes or frees
-        self.free_at: List[int] = []  # per allocation: the event freeing it (-1: never)
-        self.alloc_at: List[int] = []  # per allocation: the event making it
-        by_slot: Dict[int, int] = {}
-        for i, h in enumerate(heads):
-            if self.is_alloc[i]:
-                o = by_slot[h >> 32] = len(self.alloc_at)
-                self.alloc_at.append(i)
-                self.free_at.append(-1)
-            else:
-                o = by_slot[h >> 32]
-                self.free_at[o] = i
-            self.ordinal[i] = o
-
-    def describe(self, i: int) -> str:
-        if i >= self.n:
-            return "the end"
-        op = "an alloc" if self.is_alloc[i] else "a free"
-        return f"{op} of {format_size(self.size[i])} on stream {self.stream[i]}"
-
-    def runs(self, start: int, aside: bytearray) -> List[int]:
-        """Lengths of the self-contained stretches from `start`: every block
-        they allocate is freed within (or never), every free is of such a block
-        (or of one already set aside)."""
-        out: List[int] = []
-        open_: set = set()
-        for q in range(start, min(self.n, start + _RUN)):
-            o = self.ordinal[q]
-            if self.is_alloc[q]:
-                if self.free_at[o] >= 0:
-                    open_.add(o)
-            elif o in open_:
-                open_.discard(o)
-            elif not aside[o]:
-                break
-            if not open_:
-                out.append(q + 1 - start)
-        return out
-
-
-class _Pairing:
-    """Pairs the events of a recording R with the template T."""
-
-    def __init__(self, t: _Events, r: _Events):
-        self.t, self.r = t, r
-        self.t2r = [-1] * len(t.alloc_at)
-        self.r2t = [-1] * len(r.alloc_at)
-        self.aside_t = bytearray(len(t.alloc_at))
-        self.aside_r = bytearray(len(r.alloc_at))
-        self.skipped_t = self.skipped_r = 0
-
-    def _lockstep(self, i: int, j: int, limit: int, record: Optional[list]) -> Tuple[int, int, int, int]:
-        """Pair events from (i, j) until a mismatch, both ends, or `limit` pairs;
-        (i, j, pairs, sizes that shrink as the knob grows).  With `record`, the
-        pairs are made (and appended to it); otherwise only tried."""
-        t, r = self.t, self.r
-        t2r = self.t2r
-        tried: Dict[int, int] = {}
-        pairs = shrinking = 0
-        while pairs < limit:
-            if i < t.n and not t.is_alloc[i] and self.aside_t[t.ordinal[i]]:
-                i += 1
-                continue
-            if j < r.n and not r.is_alloc[j] and self.aside_r[r.ordinal[j]]:
-                j += 1
-                continue
-            if i >= t.n or j >= r.n or t.is_alloc[i] != r.is_alloc[j] or t.stream[i] != r.stream[j]:
-                break
-            ot, orr = t.ordinal[i], r.ordinal[j]
-            if t.is_alloc[i]:
-                if t.site is not None and r.site is not None and t.site[i] and r.site[j] and t.site[i] != r.site[j]:
-                    break  # made at different places in the program
-                if t.size[i] < r.size[j]:
-                    shrinking += 1
-                if record is None:
-                    tried[ot] = orr
-                else:
-                    t2r[ot] = orr
-                    self.r2t[orr] = ot
-                    record.append((i, j))
-            elif (tried.get(ot, t2r[ot]) if record is None else t2r[ot]) != orr:
-                break
-            elif record is not None:
-                record.append((i, j))
-            i += 1
-            j += 1
-            pairs += 1
-        return i, j, pairs, shrinking
-
-    def _resync(self, i: int, j: int, trail: list) -> Optional[tuple]:
-        """The best way past a mismatch at (i, j): step back over up to _REWIND
-        paired events and set aside a stretch of T, of R, or one of each (a
-        code path that differs) there."""
-        t, r = self.t, self.r
-        best = None
-        points = [(i, j)] + [trail[-k] for k in range(1, min(_REWIND, len(trail)) + 1)]
-        for back, (ti, rj) in enumerate(points):
-            runs_t = [0] + (t.runs(ti, self.aside_t) if ti < t.n and t.is_alloc[ti] else [])
-            runs_r = [0] + (r.runs(rj, self.aside_r) if rj < r.n and r.is_alloc[rj] else [])
-            for lt in runs_t:
-                for lr in runs_r:
-                    if not lt and not lr:
-                        continue
-                    ei, ej, pairs, shrinking = self._lockstep(ti + lt, rj + lr, _VERIFY, None)
-                    both_end = ei >= t.n and ej >= r.n
-                    if (pairs == 0 and (lt and lr or not both_end)) or (not both_end and (ei <= i or ej <= j)):
-                        continue  # lines nothing up past the mismatch (setting both sides aside must pair some)
-                    key = (pairs, both_end, -shrinking, -(lt + lr), -back)
-                    if best is None or key > best[0]:
-                        best = (key, back, ti, rj, lt, lr)
-        return best
-
-    def run(self) -> Tuple[int, int]:
-        """Pair everything; (-1, -1) when done, else where it got stuck."""
-        i = j = 0
-        trail: List[Tuple[int, int]] = []
-        while True:
-            i, j, _, _ = self._lockstep(i, j, 1 << 62, trail)
-            if i >= self.t.n and j >= self.r.n:
-                return -1, -1
-            got = self._resync(i, j, trail)
-            if got is None:
-                return i, j
-            _, back, ti, rj, lt, lr = got
-            for _ in range(back):  # undo the pairs stepped back over
-                q, _ = trail.pop()
-                if self.t.is_alloc[q]:
-                    o = self.t.ordinal[q]
-                    self.r2t[self.t2r[o]] = -1
-                    self.t2r[o] = -1
-            for ev, aside, start, length in ((self.t, self.aside_t, ti, lt), (self.r, self.aside_r, rj, lr)):
-                for q in range(start, start + length):
-                    if ev.is_alloc[q]:
-                        aside[ev.ordinal[q]] = 1
-            self.skipped_t += lt
-            self.skipped_r += lr
-            i, j = ti + lt, rj + lr
-            trail.clear()  # a resync never steps back over another
 
 
 def _exactly_alike(a: Trace, b: Trace) -> bool:
@@ -254,65 +107,109 @@ def _aside_bytes(ev: _Events, aside: bytearray) -> int:
     return peak
 
 
+def _mismatch(lo: Recording, hi: Recording, p: _Pairing, fi: int, fj: int, name: str) -> Optional[str]:
+    """Why two neighbouring recordings do not line up, in one line, or None if they do."""
+    t_ev, r_ev = p.t, p.r
+    a, b = f"{name} {lo.knob}", f"{name} {hi.knob}"
+    counts = f"{r_ev.n} events at {a}, {t_ev.n} at {b}"
+    if fi < 0:
+        skipped_t, skipped_r = p.skipped()
+        if max(skipped_r / max(r_ev.n, 1), skipped_t / max(t_ev.n, 1)) <= _MAX_SET_ASIDE:
+            return None
+        return (
+            f"the recordings do not line up ({counts}): they pair only after setting aside "
+            f"{skipped_r} events at {a} and {skipped_t} at {b}, too many to trust"
+        )
+    if fi >= t_ev.n or fj >= r_ev.n:
+        longer = a if fj < r_ev.n else b
+        where = f"they line up to event {min(fi, fj)}, then only {longer} goes on"
+    elif fi == fj:
+        where = f"they first differ at event {fi}: {r_ev.describe(fj)} at {a}, {t_ev.describe(fi)} at {b}"
+    else:
+        where = (
+            f"they first differ at event {fj} at {a} ({r_ev.describe(fj)}) and event {fi} at {b} ({t_ev.describe(fi)})"
+        )
+    return f"the recordings do not line up ({counts}); {where}"
+
+
+def _growth(lo: Recording, hi: Recording) -> float:
+    """How much larger an allocation may be at hi's knob value than at lo's and
+    still be taken for the same one: the square of their ratio, and a quarter
+    more for sizes of a shifted knob (a convolution without padding: the square
+    of 16 r - 2 at resolution r)."""
+    return 1.25 * (hi.knob / lo.knob) ** 2
+
+
 def align(recordings: Sequence[Recording], name: str = "knob") -> Alignment:
-    """Line the recordings (sorted by knob) up against the one at the largest
-    knob value: the same actions, in the same order, on the same streams, each
-    free freeing the same allocation, up to self-contained stretches that only
-    some recordings make (see the module docstring)."""
-    ti = max(range(len(recordings)), key=lambda x: recordings[x].knob)
+    """Line the recordings (sorted by knob) up, each with the next larger one,
+    and so with the one at the largest value, the template: the same actions, in
+    the same order, on the same streams, each free freeing the same allocation,
+    up to allocations (and their frees) that only some recordings make (see the
+    module docstring)."""
+    n = len(recordings)
+    ti = n - 1
     tmpl = recordings[ti]
     n_t, allocs = tmpl.trace.n_events, tmpl.trace.allocs
-    maps: List[Optional[List[int]]] = [None] * len(recordings)
-    aside: Dict[int, int] = {}
-    aside_bytes: Dict[int, int] = {}
-    t_ev: Optional[_Events] = None
-    t_aside = bytearray(allocs)
-    for x, rec in enumerate(recordings):
-        if x == ti:
-            continue
-        if _exactly_alike(rec.trace, tmpl.trace):
-            maps[x] = list(range(allocs))
-            aside[rec.knob] = 0
-            continue
-        t_ev = t_ev or _Events(tmpl.trace, tmpl.sites)
-        r_ev = _Events(rec.trace, rec.sites)
-        p = _Pairing(t_ev, r_ev)
-        fi, fj = p.run()
-        a, b = f"{name} {rec.knob}", f"{name} {tmpl.knob}"
-        counts = f"{r_ev.n} events at {a}, {n_t} at {b}"
-        if fi < 0 and max(p.skipped_r / max(r_ev.n, 1), p.skipped_t / max(n_t, 1)) > _MAX_SET_ASIDE:
-            msg = (
-                f"the recordings do not line up ({counts}): they pair only after setting aside "
-                f"{p.skipped_r} events at {a} and {p.skipped_t} at {b}, too many to trust"
-            )
-            return Alignment(False, n_t, allocs, msg, 0, ti)
-        if fi >= 0:
-            if fi >= n_t or fj >= r_ev.n:
-                longer = a if fj < r_ev.n else b
-                where = f"they line up to event {min(fi, fj)}, then only {longer} goes on"
-            elif fi == fj:
-                where = f"they first differ at event {fi}: {r_ev.describe(fj)} at {a}, {t_ev.describe(fi)} at {b}"
-            else:
-                where = (
-                    f"they first differ at event {fj} at {a} ({r_ev.describe(fj)}) and event {fi} at {b} "
-                    f"({t_ev.describe(fi)})"
-                )
-            return Alignment(False, n_t, allocs, f"the recordings do not line up ({counts}); {where}", fi, ti)
-        maps[x] = p.t2r
-        aside[rec.knob] = p.skipped_r
-        aside_bytes[rec.knob] = _aside_bytes(r_ev, p.aside_r)
-        for o, v in enumerate(p.aside_t):
-            t_aside[o] |= v
-    aside[tmpl.knob] = 0
-    if t_ev is not None and any(t_aside):
-        aside[tmpl.knob] = sum(1 for i in range(t_ev.n) if t_aside[t_ev.ordinal[i]])
-        aside_bytes[tmpl.knob] = _aside_bytes(t_ev, t_aside)
+    maps: List[Optional[List[int]]] = [None] * n
+    switches: Dict[int, int] = {}
+    ev: List[Optional[_Events]] = [None] * n
+    up: Optional[List[int]] = None  # the template's allocations -> those of the recording above x
+    for x in range(n - 2, -1, -1):
+        lo, hi = recordings[x], recordings[x + 1]
+        if _exactly_alike(lo.trace, hi.trace):
+            step = None
+        else:
+            ev[x + 1] = ev[x + 1] or _Events(hi.trace, hi.sites)
+            ev[x] = _Events(lo.trace, lo.sites)
+            p = _Pairing(ev[x + 1], ev[x], _growth(lo, hi))
+            fi, fj = p.run()
+            why = _mismatch(lo, hi, p, fi, fj, name)
+            if why is not None:
+                return Alignment(False, n_t, allocs, why, max(fi, 0), ti)
+            step, switches[lo.knob] = p.t2r, p.switches
+        here = list(range(allocs)) if up is None else list(up)
+        if step is not None:
+            here = [step[o] if o >= 0 else -1 for o in here]
+        maps[x] = up = here
+    aside, aside_bytes, aside_allocs = _left_out(recordings, maps, ev)
     knobs = ", ".join(str(r.knob) for r in recordings)
     msg = f"the recordings at {name} {knobs} line up: {n_t} events, {allocs} allocations"
     parts = [f"{v} at {name} {k}" for k, v in aside.items() if v]
     if parts:
         msg += f" (after setting aside events only some recordings make: {', '.join(parts)})"
-    return Alignment(True, n_t, allocs, msg, -1, ti, maps, aside, aside_bytes)
+    return Alignment(True, n_t, allocs, msg, -1, ti, maps, aside, aside_bytes, aside_allocs, switches)
+
+
+def _left_out(recordings: Sequence[Recording], maps: List[Optional[List[int]]], ev: List[Optional[_Events]]):
+    """Per knob value, the events, the most bytes at once, and the allocations
+    set aside: the template's that some recording lacks (kept), the others'
+    that the template lacks (left out)."""
+    n = len(recordings)
+    flags: List[Optional[bytearray]] = [None] * n
+    partial = bytearray(recordings[-1].trace.allocs)
+    for x in range(n - 1):
+        if maps[x] is None:
+            continue
+        reached = bytearray(recordings[x].trace.allocs)
+        for o, j in enumerate(maps[x]):
+            if j >= 0:
+                reached[j] = 1
+            else:
+                partial[o] = 1
+        flags[x] = bytearray(1 - v for v in reached)
+    flags[-1] = partial
+    aside, aside_bytes, aside_allocs = {}, {}, {}
+    for x, rec in enumerate(recordings):
+        f = flags[x]
+        k = rec.knob
+        if f is None or not any(f):
+            aside[k] = 0
+            continue
+        e = ev[x] or _Events(rec.trace)
+        aside[k] = sum(1 for i in range(e.n) if f[e.ordinal[i]])
+        aside_bytes[k] = _aside_bytes(e, f)
+        aside_allocs[k] = sum(f)
+    return aside, aside_bytes, aside_allocs
 
 
 def last_step(rec: Recording) -> Optional[Recording]:
@@ -387,6 +284,36 @@ def evaluate(c: Tuple[float, float, float], k: float) -> int:
     return max(0, int(round(v)))
 
 
+def modelled(model: "Model", alignment: Alignment, knobs: Sequence[int], name: str) -> str:
+    """One line on what only some recordings make and how the forecast takes it."""
+    top = knobs[alignment.template]
+    parts = []
+    for where, (n, size) in sorted(model.only.items()):
+        if list(where) == [k for k in knobs if k >= where[0]]:
+            at = f"{name} >= {where[0]}"
+        else:
+            at = f"{name} {', '.join(map(str, where))}"
+        if len(where) == 1:
+            how = f"held at {name} {top}'s size: record a larger {name} to fit it"
+        else:
+            how = "sized by a fit through those"
+        parts.append(f"{_count(n, 'allocation')} only at {at} (up to {format_size(size)} each, {how})")
+    for k in knobs:
+        n = alignment.set_aside_allocs.get(k, 0)
+        if k != top and n:
+            parts.append(f"{_count(n, 'allocation')} only at {name} {k} left out (the forecast follows {name} {top})")
+    switched = [k for k in knobs if alignment.switches.get(k)]
+    if switched:
+        k = switched[-1]
+        above = min(v for v in knobs if v > k)
+        parts.append(f"code paths switch at {_count(alignment.switches[k], 'place')} between {name} {k} and {above}")
+    return "modelled: " + "; ".join(parts)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 class Model:
     """Each allocation's size as a function of the knob, and the event skeleton
     (the template's) the synthesised traces share."""
@@ -409,6 +336,8 @@ class Model:
         self.coefs: List[Tuple[float, float, float]] = []
         self.kinds: Dict[str, int] = {"constant": 0, "linear": 0, "quadratic": 0}
         self.partial = 0  # allocations not every recording makes
+        # the knob values at which only some recordings make an allocation -> [how many, largest size]
+        self.only: Dict[Tuple[int, ...], List[int]] = {}
         for o in range(self.n_allocs):
             pts = []
             for k, m, sizes in columns:
@@ -417,6 +346,9 @@ class Model:
                     pts.append((k, sizes[j]))
             if len(pts) < len(columns):
                 self.partial += 1
+                group = self.only.setdefault(tuple(int(p[0]) for p in pts), [0, 0])
+                group[0] += 1
+                group[1] = max(group[1], pts[-1][1])
             key = tuple(pts)
             got = cache.get(key)
             if got is None:

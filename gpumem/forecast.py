@@ -14,11 +14,13 @@ How it works:
    allocator, torch's memory history otherwise, or a gpumem.Heap's on the
    simulated device.  Traces recorded elsewhere (gpumem text traces, torch
    ``_snapshot()`` pickles) serve as well: ``Forecast.from_traces``.
-2. *Align*: the recordings must make the same allocations and frees in the same
-   order on the same streams, only of other sizes, up to self-contained
-   stretches (temporaries made and dropped, blocks never freed) that only some
-   recordings make: those are set aside and said so (gpumem._forecast_align).
-   Where they still do not line up, the forecast says so and at which event,
+2. *Align*: a sequence alignment pairs what the recordings make alike (the
+   same allocations and frees in the same order on the same streams, of other
+   sizes) and sets aside what only some make (a workspace at some sizes,
+   another algorithm's temporaries): the largest value's is kept and sized from
+   the recordings that have it, one more value recorded where only the largest
+   has it; the caveats say what was modelled (gpumem._forecast_align).  Where
+   they still do not line up, the forecast says so and at which event,
    and gives only an estimate of peak live memory, which it marks as such: it
    cannot then say what either allocator needs, nor promise that a value it
    finds fits does.
@@ -48,10 +50,20 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._forecast_align import Alignment, ForecastError, Model, Recording, align, evaluate, fit_sizes, last_step
+from ._forecast_align import (
+    Alignment,
+    ForecastError,
+    Model,
+    Recording,
+    align,
+    evaluate,
+    fit_sizes,
+    last_step,
+    modelled,
+)
 from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
 from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
-from ._units import format_size, parse_size
+from ._units import parse_size
 from .replay import _narrow
 from .trace import MAX_ALLOC, Trace, load_trace
 
@@ -153,6 +165,7 @@ class Forecast(_Showing):
         self.heap_kwargs = heap_kwargs
         self.first: Optional["Forecast"] = None  # refine=True: the forecast from the first recordings
         self.refine_note: Optional[str] = None  # refine=True: why the first forecast stands
+        self.one_more: Optional[int] = None  # the value recorded to size what only the largest one made
         t0 = time.perf_counter()
         self.alignment = align(self.recordings, name)
         self.whole = None  # the whole recordings, where only their last steps line up
@@ -246,30 +259,10 @@ class Forecast(_Showing):
                 "that allocates more than later ones (optimizer state, lazily made buffers) is not in it."
             )
         if self.aligned and not self.alignment.exact:
-            a = self.alignment
-            top = self.recordings[a.template].knob
-            kept = a.set_aside.get(top, 0)
-            dropped = [
-                f"{v} at {self.name} {k} (at most {format_size(a.set_aside_bytes.get(k, 0))} live)"
-                for k, v in a.set_aside.items()
-                if v and k != top
-            ]
-            words = []
-            if kept:
-                words.append(
-                    f"{kept} events only some recordings make are kept as {self.name} {top} makes them "
-                    f"({self.model.partial} allocations, at most {format_size(a.set_aside_bytes.get(top, 0))} live, "
-                    "sized from the recordings that have them, a constant where only one does)"
-                )
-            if dropped:
-                words.append(
-                    f"events only smaller values make are left out: {', '.join(dropped)} (one-time work of a first "
-                    "step belongs in the warm-up)"
-                )
             out.append(
-                "the recordings line up only after setting aside self-contained stretches (temporaries made and "
-                f"dropped, blocks never freed): {'; '.join(words)}. If the program makes them at some values and "
-                "not at others, the forecast is off by what they hold."
+                modelled(self.model, self.alignment, self.recorded, self.name)
+                + (f" ({self.name} {self.one_more} recorded to size them)" if self.one_more else "")
+                + ". Between the recorded values the forecast follows the larger one's code."
             )
         if self.refine_note:
             out.append(f"not refined: {self.refine_note}")
@@ -458,11 +451,11 @@ def forecast(
     warmup: unrecorded steps before the first value's recording, so that one-time
         allocations (compiled kernels' buffers, caches) happen outside it.  Every
         other value is recorded at once; where that recording does not make the
-        same events as the first value's (one-time work at a new size, such as a
-        library's setup for a new shape), it counts as that value's warm-up and the
-        value is recorded again.  Under torch, the cuBLAS workspaces are freed
-        before each recording, so that its first step makes them again where the
-        first step of a fresh run does.
+        same events as the value recorded before it (one-time work at a new size,
+        such as a library's setup for a new shape), it counts as that value's
+        warm-up and the value is recorded again.  Under torch, the cuBLAS
+        workspaces are freed before each recording, so that its first step makes
+        them again where the first step of a fresh run does.
     steps: recorded steps per value (2 models the reuse between steps).
     reset: called after the warm-up, before each recording, e.g. to drop optimizer
         state (``opt.state.clear()``) so that each recording's first step makes it
@@ -470,11 +463,12 @@ def forecast(
     multiple: the knob's granularity in the search for the largest value.
     refine: where the largest value that fits lies more than 8 times past the
         largest recorded, record again at half of it (at most half the answer's
-        memory).  Where that recording makes the same events as the first ones and
-        the peak live memory they forecast for it (within 1%), the forecast is made
-        from all the recordings; otherwise it records at a quarter of the answer too
-        and forecasts from those two: memory a step takes only past some size then
-        shows.  The first forecast stays as ``.first``.
+        memory).  Where that recording makes the same events as the largest one
+        before it and the peak live memory they forecast for it (within 1%), the
+        forecast is made from all the recordings; otherwise it records at a
+        quarter of the answer too and forecasts from those two: memory a step
+        takes only past some size then shows.  The first forecast stays as
+        ``.first``.
     """
     knobs = _check_knobs(knob)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -482,26 +476,53 @@ def forecast(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ForecastError(f"steps must be a positive whole number, not {steps!r}")
     rec = _recorder(heap, device)
-    first: List[Recording] = []
+    made: List[Recording] = []  # the recordings so far, each value's last
 
     def record(k: int) -> Recording:
-        if not first:
-            first.append(_record(rec, step, k, name, warmup, steps, reset))
-            return first[0]
+        if not made:
+            made.append(_record(rec, step, k, name, warmup, steps, reset))
+            return made[0]
         r = _record(rec, step, k, name, 0, steps, reset)
-        if warmup and not _alike(first[0], r, name):
+        if warmup and not _alike(made[-1], r, name):
             # one-time work at k (a library's setup for a new shape): what ran was k's warm-up
             again = _record(rec, step, k, name, max(0, warmup - steps), steps, reset)
             again.seconds += r.seconds
             r = again
+        made.append(r)
         return r
 
     cap = capacity if capacity is not None else rec.capacity()
     fc = Forecast([record(k) for k in sorted(knobs)], name=name, capacity=cap, at=at, multiple=multiple)
+    fc = _one_more(fc, record)
     if refine:
         fc = _refined(fc, record)
     _set_last(fc)
     return fc
+
+
+def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
+    """Where the largest recorded value makes allocations no other does, their
+    sizes are known at one value only (held there): record one value more, as
+    far past it as it lies past the one before, so that they are fitted through
+    two.  The forecast stays as it was, with a note, where that recording runs
+    out of memory or does not line up."""
+    if fc.model is None or fc.whole is not None or not any(len(at) == 1 for at in fc.model.only):
+        return fc
+    top, m = fc.recorded[-1], fc.multiple
+    k = -(-(2 * top - fc.recorded[-2]) // m) * m
+    kw = dict(name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
+    try:
+        new = Forecast([*fc.recordings, record(k)], **kw)
+    except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
+        if "OutOfMemory" not in type(e).__name__:
+            raise
+        fc.refine_note = f"recording {fc.name} {k} too ran out of memory: {str(e).splitlines()[0]}"
+        return fc
+    if not new.aligned:
+        fc.refine_note = f"the recording at {fc.name} {k} does not line up with the others ({new.alignment.message})"
+        return fc
+    new.one_more = k
+    return new
 
 
 def _alike(a: Recording, b: Recording, name: str) -> bool:
@@ -548,10 +569,14 @@ def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
 
 
 def _confirms(fc: "Forecast", joined: "Forecast", far: Recording) -> bool:
-    """Whether the recording `far` agrees with the forecast `fc`: with fc's
-    recordings it lines up event for event (nothing set aside), and its peak
-    live memory is within CONFIRM_WITHIN of what fc forecast for it."""
-    if not joined.aligned or any(joined.alignment.set_aside.values()):
+    """Whether the recording `far` agrees with the forecast `fc`: it lines up
+    event for event with fc's largest recording (what smaller ones lack aside),
+    and its peak live memory is within CONFIRM_WITHIN of what fc forecast for it."""
+    a = joined.alignment
+    if not joined.aligned or joined.recorded[-1] != far.knob:
+        return False
+    below = joined.recorded[-2]
+    if a.set_aside.get(below, 0) or a.switches.get(below, 0) or -1 in a.maps[-2]:
         return False
     real = far.trace.peak_live_bytes
     return abs(fc.peak_live(far.knob) - real) <= CONFIRM_WITHIN * real
