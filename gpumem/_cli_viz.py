@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ._units import format_size, parse_size
+from ._units import format_size, has_unit, parse_size
 from .replay import _check_event_delay, _heap, min_capacity, replay
 from .trace import MAX_ALLOC, TraceError, _Builder, _PlainUnpickler, load_trace
 
@@ -73,6 +73,10 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     if n >= 1 << 64:
         raise argparse.ArgumentTypeError(f"size does not fit in 64 bits: {text!r}")
+    if not has_unit(text):
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} needs a unit (B, KiB, MiB, GiB, TiB, kB, MB, GB or TB), e.g. '{text.strip()}GiB'"
+        )
     return n
 
 
