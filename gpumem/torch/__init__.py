@@ -22,6 +22,7 @@ from ._install import (
     OPTION_NAMES,
     InstallError,
     OptionError,
+    disabled,
     install,
     is_installed,
     memory_snapshot_dict,
@@ -42,6 +43,7 @@ MemPool.__module__ = __name__
 PauseResult.__module__ = __name__
 
 __all__ = [
+    "disabled",
     "install",
     "torch_allocator",
     "uninstall",
