@@ -299,6 +299,11 @@ def _trace_until(path: str, data: dict, device: int, stop_index: int, extra_size
     return b.finish("snapshot", device, meta)
 
 
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def run_explain(args) -> int:
     path = args.snapshot
     device = args.device or 0
@@ -355,10 +360,13 @@ def run_explain(args) -> int:
         print(json.dumps(out))
         return EXIT_OK
     name = os.path.basename(path)
-    lines = [f"{name}: {trace.n_events} events (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
+    # Events are counted one way: the allocations and frees gpumem replays (the failed request last).
+    n = trace.n_events
+    lines = [f"{name}: {n} allocations and frees (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
     if oom:
         lines.append(
-            f"torch ran out of memory at event {oom.index}: asked for {format_size(oom.size)} with "
+            f"torch ran out of memory at the {_ordinal(n)} of them (the snapshot's device_traces[{device}]"
+            f"[{oom.index}]): asked for {format_size(oom.size)} with "
             f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
             f"{format_size(oom.device_free)} free on the device, so it had about "
             f"{format_size(oom.capacity)} to work with"
@@ -370,7 +378,11 @@ def run_explain(args) -> int:
     what = "the trace up to and including the failed request" if oom else "the trace"
     lines.append(
         f"gpumem on a {format_size(capacity)} device: {what} {verdict}"
-        + (f" (peak reserved {format_size(res.peak_reserved_bytes)})" if ok else f" ({res.ooms} OOMs)")
+        + (
+            f" (peak reserved {format_size(res.peak_reserved_bytes)})"
+            if ok
+            else f" ({res.ooms} OOM{'' if res.ooms == 1 else 's'})"
+        )
     )
     ratio = need / trace.peak_live_bytes if trace.peak_live_bytes else float("nan")
     lines.append(f"gpumem needs at least {format_size(need)} for it ({ratio:.3f} x peak live, to 1 MiB)")
