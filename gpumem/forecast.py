@@ -53,7 +53,7 @@ from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trac
 from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
 from ._units import format_size, parse_size
 from .replay import _narrow
-from .trace import MAX_ALLOC, Trace, load_trace
+from .trace import MAX_ALLOC, Trace, TraceError, load_trace
 
 __all__ = [
     "forecast",
@@ -189,6 +189,8 @@ class Forecast(_Showing):
         recs = []
         for path, k in zip(paths, knobs):
             t = load_trace(path, device=device)
+            if not t.n_events:  # as replay refuses it
+                raise TraceError(str(path), None, "no allocations: nothing to forecast")
             recs.append(Recording(k, t, Recording.granularity_of(t)))
         return cls(recs, **kw)
 
