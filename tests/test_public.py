@@ -107,3 +107,17 @@ def test_short_reprs():
         with pytest.raises(gpumem.OutOfMemoryError):
             h.malloc(1 << 40)
         short(gpumem.last_oom(h))
+
+
+def test_a_heap_passed_first_is_understood_or_refused_in_one_line(tmp_path):
+    """snapshot(heap) is the natural call; its neighbours take the heap the same way or say how."""
+    h = gpumem.Heap(device="sim", capacity="1GiB")
+    try:
+        h.malloc(1 << 20)
+        gpumem.dump_snapshot(h, tmp_path / "a.pickle")  # the heap first, as in snapshot(heap)
+        gpumem.dump_snapshot(tmp_path / "b.pickle", device=h)
+        assert (tmp_path / "a.pickle").read_bytes() == (tmp_path / "b.pickle").read_bytes()
+        with pytest.raises(TypeError, match=r"record_history\(True, device=heap\)"):
+            gpumem.record_history(h)
+    finally:
+        h.close()
