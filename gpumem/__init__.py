@@ -122,6 +122,11 @@ if "_import_error" not in globals():
     register_oom_formatter()
     del register_oom_formatter
 
+    # A traceback names an exception by its module: the public one, where it is caught.
+    for _cls in (TraceError, NoHeapError, UnknownDataError, ForecastError):
+        _cls.__module__ = __name__
+    del _cls
+
 __all__ = [
     "install",
     "torch_allocator",

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ._units import format_size, parse_size
+from ._units import format_size, has_unit, parse_size
 from .replay import _check_event_delay, _heap, min_capacity, replay
 from .trace import MAX_ALLOC, TraceError, _PlainUnpickler, load_trace, snapshot_trace
 
@@ -73,6 +73,10 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     if n >= 1 << 64:
         raise argparse.ArgumentTypeError(f"size does not fit in 64 bits: {text!r}")
+    if not has_unit(text):
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} needs a unit (B, KiB, MiB, GiB, TiB, kB, MB, GB or TB), e.g. '{text.strip()}GiB'"
+        )
     return n
 
 
@@ -306,6 +310,11 @@ def live_before_line(trace) -> str:
     )
 
 
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def run_explain(args) -> int:
     path = args.snapshot
     device = args.device or 0
@@ -365,12 +374,15 @@ def run_explain(args) -> int:
         print(json.dumps(out))
         return EXIT_OK
     name = os.path.basename(path)
-    lines = [f"{name}: {trace.n_events} events (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
+    # Events are counted one way: the allocations and frees gpumem replays (the failed request last).
+    n = trace.n_events
+    lines = [f"{name}: {n} allocations and frees (device {device}), peak live {format_size(trace.peak_live_bytes)}"]
     if trace.live_before:
         lines.append(f"  {live_before_line(trace)}")
     if oom:
         lines.append(
-            f"torch ran out of memory at event {oom.index}: asked for {format_size(oom.size)} with "
+            f"torch ran out of memory at the {_ordinal(n)} of them (the snapshot's device_traces[{device}]"
+            f"[{oom.index}]): asked for {format_size(oom.size)} with "
             f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
             f"{format_size(oom.device_free)} free on the device, so it had about "
             f"{format_size(oom.capacity)} to work with"
@@ -382,7 +394,11 @@ def run_explain(args) -> int:
     what = "the trace up to and including the failed request" if oom else "the trace"
     lines.append(
         f"gpumem on a {format_size(capacity)} device: {what} {verdict}"
-        + (f" (peak reserved {format_size(res.peak_reserved_bytes)})" if ok else f" ({res.ooms} OOMs)")
+        + (
+            f" (peak reserved {format_size(res.peak_reserved_bytes)})"
+            if ok
+            else f" ({res.ooms} OOM{'' if res.ooms == 1 else 's'})"
+        )
     )
     ratio = need / trace.peak_live_bytes if trace.peak_live_bytes else float("nan")
     lines.append(f"gpumem needs at least {format_size(need)} for it ({ratio:.3f} x peak live, to 1 MiB)")

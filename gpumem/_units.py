@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "has_unit"]
 
 _UNITS = {
     "": 1,
@@ -66,6 +66,12 @@ def parse_size(text) -> int:
             raise ValueError(f"size exponent out of range in {text!r}")
         value *= Fraction(10) ** e
     return round(value * scale)
+
+
+def has_unit(text) -> bool:
+    """Whether a size string names its unit ("24GiB", "100B"); a bare "24" or "1.5" does not."""
+    m = _SIZE_RE.match(text) if isinstance(text, str) else None
+    return bool(m and m.group(3))
 
 
 def format_size(n: int) -> str:

@@ -635,7 +635,12 @@ def _code_name(code: int) -> str:
 def explain(size=None, device=None) -> Report:
     """Why memory is short now: the report for a request of `size` bytes (an int
     or "2GiB"; None: no request, just who holds what) on a heap (a Heap, or None
-    / a CUDA device for the heap gpumem installed there)."""
+    / a CUDA device for the heap gpumem installed there).  A Heap may come first,
+    as in snapshot(heap): explain(heap) and explain(heap, "2GiB") read that heap."""
+    if isinstance(size, _C.Heap):
+        if isinstance(device, _C.Heap):
+            raise TypeError("gpumem.explain() takes one heap: explain(heap) or explain(size, heap)")
+        size, device = device, size
     heap = resolve_heap(device)
     n = 0 if size is None else parse_size(size)
     return _build(heap, heap.memory_report(n), is_oom=False)

@@ -65,7 +65,7 @@ from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trac
 from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
 from ._units import parse_size
 from .replay import _narrow
-from .trace import MAX_ALLOC, Trace, load_trace
+from .trace import MAX_ALLOC, Trace, TraceError, load_trace
 
 __all__ = [
     "forecast",
@@ -202,6 +202,8 @@ class Forecast(_Showing):
         recs = []
         for path, k in zip(paths, knobs):
             t = load_trace(path, device=device)
+            if not t.n_events:  # as replay refuses it
+                raise TraceError(str(path), None, "no allocations: nothing to forecast")
             # a snapshot's blocks live before its history lead the trace, as gpumem.forecast's live blocks do
             recs.append(Recording(k, t, Recording.granularity_of(t), step_starts=[t.live_before]))
         return cls(recs, **kw)

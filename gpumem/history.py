@@ -152,6 +152,8 @@ def record_history(
         autograd thread has no Python stack and gets none).
     max_depth / max_stacks bound the stack table (frames per stack, distinct stacks).
     """
+    if isinstance(enabled, _C.Heap):
+        raise TypeError("gpumem.record_history() takes the heap as device=: record_history(True, device=heap)")
     _record(resolve_heap(device).history_enable, enabled, stacks, max_entries, max_depth, max_stacks)
 
 

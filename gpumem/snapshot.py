@@ -586,7 +586,10 @@ def snapshot(device=None, *, history: bool = True) -> Snapshot:
 
 def dump_snapshot(path, device=None) -> None:
     """Write a torch-format snapshot pickle (protocol 4) that
-    torch.cuda._memory_viz and the memory_viz web page read."""
+    torch.cuda._memory_viz and the memory_viz web page read.  The heap may come first,
+    as in snapshot(heap): dump_snapshot(heap, path)."""
+    if isinstance(path, Heap) and not isinstance(device, Heap):
+        path, device = device, path
     heap = resolve_heap(device)
     # A heap gpumem serves torch with is filed under its CUDA device index.
     Snapshot.from_heap(heap).dump(path, device=getattr(heap, "registry_device", None) or 0)

@@ -119,6 +119,12 @@ def test_bad_inputs_subprocess(tmp_path):
         (["replay"], "required"),
         (["replay", "x.gz", "--capacity", "12 parsecs"], "unknown size unit"),
         (["replay", "x.gz", "--capacity", "0"], "positive"),
+        (["replay", "x.gz", "--capacity", "24"], "size '24' needs a unit"),
+        (["replay", "x.gz", "--capacity", "1.5"], "size '1.5' needs a unit"),
+        (["replay", "x.gz", "--page-size", "8"], "size '8' needs a unit"),
+        (["explain", "x.gz", "--capacity", "8"], "size '8' needs a unit"),
+        (["forecast", "a", "b", "--knob", "2,4", "--cap", "12"], "size '12' needs a unit"),
+        (["forecast", "a", "b", "--knob", "2,4", "--device-memory", "80"], "size '80' needs a unit"),
         (["replay", "x.gz", "--bogus"], "unrecognized arguments"),
         (["replay", "x.gz", "--chunk-pages", "0"], "chunk_pages must be in [1, "),
         (["replay", "x.gz", "--page-size", "3MiB"], "page size must be a power of two"),
@@ -172,9 +178,9 @@ def test_json_min_capacity(tmp_path):
     assert r["capacity_bytes"] == 4 * GiB
     assert mc % MiB == 0 and r["peak_live_bytes"] <= mc <= 4 * GiB
     # the answer must hold up when replayed at that capacity, and fail just below it
-    ok = json_rows(run_cli("replay", SEED, "--json", "--no-timing", "--capacity", str(mc)).stdout)[0]
+    ok = json_rows(run_cli("replay", SEED, "--json", "--no-timing", "--capacity", f"{mc}B").stdout)[0]
     assert ok["ooms"] == 0
-    short = json_rows(run_cli("replay", SEED, "--json", "--no-timing", "--capacity", str(mc - 2 * MiB)).stdout)[0]
+    short = json_rows(run_cli("replay", SEED, "--json", "--no-timing", "--capacity", f"{mc - 2 * MiB}B").stdout)[0]
     assert short["ooms"] > 0
 
 

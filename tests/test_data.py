@@ -129,3 +129,12 @@ def test_the_shipped_oom_snapshot_can_be_explained(capsys):
     assert out["gpumem_min_capacity_bytes"] >= oom["live_bytes"] + oom["request_bytes"]
     readme = (data.SNAPSHOTS_DIR / "README.md").read_text()
     assert "sim_oom" in readme and "tools/make_oom_snapshot.py" in readme
+
+
+def test_explain_counts_events_one_way(capsys):
+    """The first line's count and the OOM's place are the same count: allocations and frees."""
+    assert main(["explain", "sim_oom"]) == 0
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    n = int(first.split(": ", 1)[1].split()[0])
+    assert first.startswith(f"sim_oom: {n} allocations and frees (device 0)"), first
+    assert second.startswith(f"torch ran out of memory at the {n}rd of them (the snapshot's device_traces[0]["), second

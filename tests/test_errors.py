@@ -254,6 +254,35 @@ def test_torch_runner_conf_errors_are_one_line(tmp_path, conf, fragment):
     assert "ran" not in p.stdout
 
 
+def test_gpumem_disable_leaves_torchs_allocator_alone_and_says_so_once(tmp_path):
+    """GPUMEM_DISABLE=1 turns gpumem off without editing the script: install() (here twice, and
+    once more by the runner) neither reads the options nor touches torch, and says so on one line."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, gpumem\n"
+        "st = [gpumem.install(cap='1.5'), gpumem.install()][-1]\n"
+        "print('ran', st['installed'], st['disabled'], st['patched'], 'torch' in sys.modules)\n"
+        "try:\n"
+        "    gpumem.torch_allocator()\n"
+        "except gpumem.InstallError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    off = {"GPUMEM_DISABLE": "1", "GPUMEM_CONF": "cap:1.5"}
+    for argv in ((script,), ("gpumem.torch", script)):
+        p = subprocess.run(
+            [sys.executable, *(["-m"] if len(argv) == 2 else []), *map(str, argv)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=PKG_PARENT, **off),
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        assert p.stderr == "gpumem: GPUMEM_DISABLE=1: not installed; torch's own CUDA allocator is in use\n"
+        assert "ran False True [] False" in p.stdout, p.stdout
+        assert "refused: gpumem.torch_allocator(): GPUMEM_DISABLE=1 is set" in p.stdout, p.stdout
+    assert_one_line(run("gpumem.torch", script, env_extra={"GPUMEM_DISABLE": "yes"}), "GPUMEM_DISABLE='yes'")
+
+
 def test_torch_runner_missing_script_is_one_line(tmp_path):
     assert_one_line(run("gpumem.torch", tmp_path / "nope.py"), "nope.py: no such script")
     assert_one_line(run("gpumem.torch", tmp_path), "is a directory, not a script")

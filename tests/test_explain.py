@@ -181,6 +181,15 @@ def test_explain_without_request_and_fitting_request(heap):
     assert last_oom(heap) is None
 
 
+def test_explain_takes_the_heap_first_as_snapshot_does(heap):
+    heap.malloc(100 * MiB)
+    assert gpumem.explain(heap).text() == explain(device=heap).text()
+    r = gpumem.explain(heap, "2GiB")
+    assert r.request == 2 * GiB and r.main_cause.kind == "too_big"
+    with pytest.raises(TypeError, match="takes one heap"):
+        gpumem.explain(heap, heap)
+
+
 def test_oom_message_is_the_report(heap, monkeypatch):
     heap.sim_set_external(4242, 900 * MiB)
     e = oom(heap, 400 * MiB)

@@ -621,6 +621,7 @@ def test_cli_forecast_says_when_recordings_do_not_line_up(capsys):
         (["A", "B", "--knob", "2,4", "--multiple", "x"], "multiple must be a whole number: 'x'"),
         (["A", "B", "--knob", "2,4", "--multiple", "0"], "multiple must be at least 1: '0'"),
         (["MISSING", "B", "--knob", "2,4"], "no such file"),
+        (["A", "EMPTY", "--knob", "2,4"], "empty.trace: no allocations: nothing to forecast"),
         (["A", "B", "--knob", "2,4", "--html", "/nonexistent-dir/f.html"], "cannot write /nonexistent-dir/f.html"),
     ],
 )
@@ -628,9 +629,10 @@ def test_cli_forecast_errors_are_one_line(tmp_path, capsys, args, fragment):
     a = write_trace(tmp_path / "a.trace", 2)
     b = write_trace(tmp_path / "b.trace", 4)
     argv = ["forecast"] + [
-        str(a) if x == "A" else str(b) if x == "B" else str(tmp_path / "missing.trace") if x == "MISSING" else x
+        str(a) if x == "A" else str(b) if x == "B" else str(tmp_path / f"{x.lower()}.trace") if x.isupper() else x
         for x in args
     ]
+    (tmp_path / "empty.trace").write_text("# action addr size stream\n")  # replay refuses it too
     rc = main(argv)
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""

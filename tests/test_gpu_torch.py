@@ -60,6 +60,30 @@ def run_py(code, env=None, timeout=900):
 
 
 @gpu_test
+def test_gpumem_disable_leaves_torchs_allocator_serving():
+    """GPUMEM_DISABLE=1: install() changes nothing, and torch's own caching allocator serves CUDA."""
+    r = run_py(
+        """
+        st = gpumem.install(cap="1GiB")
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        stats = torch.cuda.memory_stats()  # raises under a pluggable allocator without gpumem's routing
+        out(installed=st["installed"], disabled=st["disabled"], active=gpumem.status()["allocator_active"],
+            backend=torch.cuda.memory.get_allocator_backend(), allocated=stats["allocated_bytes.all.current"],
+            heaps=len(gpumem._C.registry_devices()))
+        """,
+        env={"GPUMEM_DISABLE": "1"},
+    )
+    assert r == {
+        "installed": False,
+        "disabled": True,
+        "active": False,
+        "backend": "native",
+        "allocated": 64 << 20,
+        "heaps": 0,
+    }, r
+
+
+@gpu_test
 def test_many_sizes_and_kernels():
     r = run_py("""
         gpumem.install()

@@ -7,8 +7,12 @@ the rules themselves, and the model against torch's own numbers."""
 from array import array
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import given
+    from hypothesis import strategies as st
+except ModuleNotFoundError:  # a venv made with `pip install . pytest`; `pip install -e ".[test]"` has it
+    pytest.skip("these property tests need hypothesis", allow_module_level=True)
 
 from gpumem.native_model import (
     MIN_BLOCK,

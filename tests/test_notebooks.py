@@ -1,9 +1,13 @@
 """The notebooks run top to bottom on a CPU-only machine (simulated device) and
-show pictures.  They are committed without outputs; this executes them with
-nbclient.  GPUMEM_NOTEBOOK_OUT=DIR keeps the executed copies there."""
+show pictures.  They are committed with their outputs, so that they read well
+unopened, and use gpumem's public API only; this executes them again with
+nbclient.  GPUMEM_NOTEBOOK_OUT=DIR keeps the executed copies there; to refresh
+the committed outputs, execute them in place (jupyter nbconvert --execute
+--inplace notebooks/*.ipynb)."""
 
 import os
 import pathlib
+import re
 import sys
 import time
 
@@ -18,13 +22,32 @@ def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 2
 
 
-def test_notebooks_are_committed_without_outputs():
+def test_notebooks_are_committed_with_their_outputs():
+    """Every code cell ran, in order, top to bottom, in one kernel, without an error."""
     nbformat = pytest.importorskip("nbformat")
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
-        for cell in nb.cells:
+        code = [cell for cell in nb.cells if cell.cell_type == "code"]
+        assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), f"{path.name} not run in order"
+        for cell in code:
+            assert all(out.get("output_type") != "error" for out in cell.outputs), f"{path.name}: an error output"
+        shown = [out for cell in code for out in cell.outputs]
+        assert any("image/png" in out.get("data", {}) for out in shown), f"{path.name} shows no picture"
+
+
+# gpumem's private modules and names: gpumem._C, gpumem._cli_viz, from gpumem.x import _y, ...
+PRIVATE = re.compile(r"\bgpumem(\.\w+)*\._\w|from\s+gpumem(\.\w+)*\s+import\s+[^\n]*\b_\w")
+
+
+def test_notebooks_use_the_public_api_only():
+    nbformat = pytest.importorskip("nbformat")
+    assert PRIVATE.search("from gpumem._cli_viz import peak_snapshot")  # the check finds what it must
+    assert PRIVATE.search("from gpumem.trace import _Builder") and not PRIVATE.search("import gpumem.trace")
+    for path in NOTEBOOKS:
+        for cell in nbformat.read(path, as_version=4).cells:
             if cell.cell_type == "code":
-                assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
+                hit = PRIVATE.search(cell.source)
+                assert hit is None, f"{path.name} uses a private name: {hit.group(0)!r}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

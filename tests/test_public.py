@@ -45,6 +45,25 @@ def test_every_exception_class_is_at_the_top():
         assert issubclass(getattr(gpumem, name), Exception)
 
 
+def test_exceptions_print_public_names():
+    """A traceback names each exception where users catch it, never a private module."""
+    import importlib
+    import os
+    import subprocess
+    import sys
+
+    for name in gpumem.__all__:
+        cls = getattr(gpumem, name)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            assert not any(part.startswith("_") for part in cls.__module__.split(".")), (name, cls.__module__)
+            assert getattr(importlib.import_module(cls.__module__), cls.__qualname__) is cls, name
+    env = dict(os.environ, PYTHONPATH=str(PKG.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(
+        [sys.executable, "-c", "import gpumem; gpumem.snapshot()"], env=env, capture_output=True, text=True
+    )
+    assert "gpumem.NoHeapError: no gpumem heap" in p.stderr, p.stderr
+
+
 def test_exceptions_are_the_ones_raised():
     with pytest.raises(gpumem.TraceError):
         load_trace("no_such_trace_anywhere")
@@ -88,3 +107,17 @@ def test_short_reprs():
         with pytest.raises(gpumem.OutOfMemoryError):
             h.malloc(1 << 40)
         short(gpumem.last_oom(h))
+
+
+def test_a_heap_passed_first_is_understood_or_refused_in_one_line(tmp_path):
+    """snapshot(heap) is the natural call; its neighbours take the heap the same way or say how."""
+    h = gpumem.Heap(device="sim", capacity="1GiB")
+    try:
+        h.malloc(1 << 20)
+        gpumem.dump_snapshot(h, tmp_path / "a.pickle")  # the heap first, as in snapshot(heap)
+        gpumem.dump_snapshot(tmp_path / "b.pickle", device=h)
+        assert (tmp_path / "a.pickle").read_bytes() == (tmp_path / "b.pickle").read_bytes()
+        with pytest.raises(TypeError, match=r"record_history\(True, device=heap\)"):
+            gpumem.record_history(h)
+    finally:
+        h.close()

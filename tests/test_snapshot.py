@@ -385,7 +385,7 @@ def test_cli_explain_torch_oom(tmp_path):
     assert out["gpumem_fits"] is True
     assert out["gpumem_min_capacity_bytes"] <= out["capacity_bytes"]
     # the verdict agrees with a replay at the minimum and just below it
-    low = run_cli("explain", path, "--capacity", str(out["gpumem_min_capacity_bytes"] - MiB), "--json")
+    low = run_cli("explain", path, "--capacity", f"{out['gpumem_min_capacity_bytes'] - MiB}B", "--json")
     assert json.loads(low.stdout)["gpumem_fits"] is False
     text = run_cli("explain", path)
     assert "torch ran out of memory" in text.stdout and "FITS" in text.stdout

@@ -117,8 +117,11 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "stop_at must be -1 (no stop) or an event index");
         goto done;
     }
-    if (n_slots > SIZE_MAX / sizeof(uintptr_t)) {
-        PyErr_Format(PyExc_ValueError, "n_slots is too large: %zu slots of %zu bytes", n_slots, sizeof(uintptr_t));
+    /* Slot numbers are 32-bit, so no trace needs more than 2^32 slots: more would only
+     * ask the allocator for more memory than it can serve. */
+    if (n_slots > (size_t)UINT32_MAX + 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "n_slots is too large: %zu slots, more than the 2^32 that 32-bit slot numbers name", n_slots);
         goto done;
     }
     events = copy_events(&ev, n_slots, &n);

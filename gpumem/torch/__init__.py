@@ -21,6 +21,8 @@ from ._install import (
     ENV_VAR,
     OPTION_NAMES,
     InstallError,
+    OptionError,
+    disabled,
     install,
     is_installed,
     memory_snapshot_dict,
@@ -36,17 +38,19 @@ from ._install import (
 from ._pause import PauseResult, pause, paused, resume
 from ._pools import MemPool
 
-InstallError.__module__ = __name__
+InstallError.__module__ = OptionError.__module__ = "gpumem"  # where users catch them
 MemPool.__module__ = __name__
 PauseResult.__module__ = __name__
 
 __all__ = [
+    "disabled",
     "install",
     "torch_allocator",
     "uninstall",
     "is_installed",
     "status",
     "InstallError",
+    "OptionError",
     "MemPool",
     "pause",
     "resume",

@@ -36,6 +36,7 @@ Importing this module does not import torch; install() does.
 """
 
 import os
+import sys
 
 from .. import _C
 from .._heap import MAX_HISTORY, register_torch_hooks
@@ -43,6 +44,7 @@ from .._units import parse_size
 from . import _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
+DISABLE_VAR = "GPUMEM_DISABLE"  # 1: install() leaves torch's own allocator in place
 OPTION_NAMES = (
     "cap",
     "growth_slack",
@@ -61,7 +63,7 @@ _POOLED = _C.POOLED_STAT_NAMES  # the core's one list of statistics (gpumem.h)
 _PLAIN = _C.COUNTER_NAMES
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
 
-_state = {"allocator": None, "installed": False, "patched": {}, "options": {}, "pool_hooks": False}
+_state = {"allocator": None, "installed": False, "patched": {}, "options": {}, "pool_hooks": False, "said_off": False}
 
 
 class InstallError(RuntimeError):
@@ -287,6 +289,14 @@ def _finish(torch, merged, device):
     return status()
 
 
+def disabled():
+    """Whether GPUMEM_DISABLE turns gpumem off in this process ("1": off; unset, "" or "0": on)."""
+    value = os.environ.get(DISABLE_VAR, "").strip()
+    if value not in ("", "0", "1"):
+        raise OptionError(DISABLE_VAR, value, "1 leaves torch's own allocator in place; 0 or unset installs gpumem")
+    return value == "1"
+
+
 def install(device=None, **options):
     """Make gpumem the CUDA allocator of this process (see the module docstring).
 
@@ -294,7 +304,14 @@ def install(device=None, **options):
     devices whose heaps are made now; devices not named still work.
     Must run before CUDA allocates anything; raises InstallError otherwise.
     Calling it again only changes the options (and re-applies the patches after uninstall()).
+    With GPUMEM_DISABLE=1 it does nothing but say so, once, on stderr: torch keeps its
+    own allocator, and the options are not read.
     """
+    if _state["allocator"] is None and disabled():
+        if not _state["said_off"]:
+            _state["said_off"] = True
+            print(f"gpumem: {DISABLE_VAR}=1: not installed; torch's own CUDA allocator is in use", file=sys.stderr)
+        return status()
     torch, kw, merged = _prepare(options, "install")
     if _state["allocator"] is None:
         alloc = _make_allocator(torch, kw, "install")
@@ -318,6 +335,11 @@ def torch_allocator(**options):
 
     is the same as gpumem.install(cap="60GiB"): once torch accepts the allocator, gpumem
     finishes installing (torch's memory API, CUDA graph pools, MemPool, cudagraph trees)."""
+    if disabled():
+        raise InstallError(
+            f"gpumem.torch_allocator(): {DISABLE_VAR}=1 is set; gpumem.install() honours it, but code that "
+            "hands torch an allocator itself must not call torch_allocator() then (see gpumem.torch.disabled())"
+        )
     torch, kw, merged = _prepare(options, "torch_allocator")
     if _state["allocator"] is not None:
         raise InstallError("gpumem is already torch's allocator in this process")
@@ -375,6 +397,7 @@ def status():
     """What gpumem does in this process: whether it is installed, options, per-device figures."""
     out = {
         "installed": _state["installed"],
+        "disabled": _state["said_off"],
         "allocator_active": _state["allocator"] is not None,
         "options": dict(_state["options"]),
         "patched": sorted(n for _, n in _state["patched"]),
