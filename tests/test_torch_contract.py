@@ -395,3 +395,33 @@ def test_a_mempool_takes_only_an_allocator_it_can_call_and_never_gpumem_itself()
             _pools.MemPool(allocator=stranger)
     finally:
         del _pools._pluggable[id(stranger)]
+
+
+def test_counters_mean_what_torchs_mean():
+    """num_ooms counts each out-of-memory exception once (torch's path tries twice before it
+    raises), a request over the cap included; num_alloc_retries counts only allocations that
+    met the limit; far from it, the slow path is gpumem's own num_slow_allocs."""
+    r = run_py("""
+        h = _C.registry_heap(0)
+        ps = [_C._torch_test_alloc(n * MiB, 0) for n in (1, 3, 24, 100, 7)]
+        room = h.stats()
+        full = _C._torch_test_alloc(800 * MiB, 0)
+        try:
+            _C._torch_test_alloc(200 * MiB, 0)
+        except RuntimeError:
+            pass
+        one = h.stats()
+        set_fraction = _install._set_memory_fraction_fn(lambda f, d: memory_fraction(f, d))
+        set_fraction(0.5, 0)
+        try:
+            _C._torch_test_alloc(600 * MiB, 0)   # over the cap: refused at once
+        except RuntimeError:
+            pass
+        two = h.stats()
+        h.check()
+        keys = ("num_alloc_retries", "num_ooms", "num_slow_allocs")
+        out(room={k: room[k] for k in keys}, one={k: one[k] for k in keys}, two={k: two[k] for k in keys})
+    """)
+    assert r["room"]["num_alloc_retries"] == 0 and r["room"]["num_ooms"] == 0 and r["room"]["num_slow_allocs"] >= 1
+    assert r["one"]["num_ooms"] == 1 and r["one"]["num_alloc_retries"] == 1
+    assert r["two"]["num_ooms"] == 2 and r["two"]["num_alloc_retries"] == 1

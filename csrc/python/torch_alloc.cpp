@@ -525,12 +525,13 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
 /* Throws torch's out-of-memory error for a request the heap was not asked to
  * place (its own last failure is not this one): the message from a fresh
  * report, the observers called first; `why` follows the message. */
-[[noreturn]] static void throw_fresh_oom(gm_heap *h, int device, size_t size, const char *why = "") {
+[[noreturn]] static void throw_fresh_oom(gm_heap *h, int device, size_t size, void *stream, const char *why = "") {
     gm_oom_info info;
     gm_memory_report(h, size, &info);
     std::string msg(GM_TORCH_OOM_MSG_MAX, '\0');
     msg.resize(gm_torch_format_oom(device, &info, &msg[0], msg.size()));
     observe_oom(device, size, info);
+    gm_count_oom(h, size, (gm_stream)(uintptr_t)stream);
     throw_oom(msg + why);
 }
 
@@ -545,7 +546,7 @@ static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_poo
     }
     if (rc == GM_OK) return (void *)p;
     if (rc == GM_ENOMEM)
-        throw_fresh_oom(h, device, size,
+        throw_fresh_oom(h, device, size, stream,
                         " (The allocation was for a MemPool whose memory comes from its own allocator, "
                         "which refused it or would pass the cap.)");
     throw std::runtime_error("gpumem: allocation of " + std::to_string(size) + " bytes on GPU " +
@@ -568,9 +569,10 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     if (size > gm_heap_registry_limit(device) &&
         (gm_ext_release_ended(device), size > gm_heap_registry_limit(device))) {
         if (!pool && gm_ext_alloc_on_oom(device, size, stream, &p) == GM_OK) return (void *)p;
-        throw_fresh_oom(h, device, size);
+        throw_fresh_oom(h, device, size, stream);
     }
-    int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
+    /* The failure counts once, when it is raised (num_ooms: torch's exceptions). */
+    int rc = gm_malloc_flags(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, GM_MALLOC_OOM_UNCOUNTED, &p);
     if (rc == GM_OK) {
         report_to_profiler(h, device, (void *)p, (int64_t)size);
         return (void *)p;
@@ -583,7 +585,8 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
          * streams' events have freed since. */
         gm_ext_release_ended(device);
         gm_empty_cache(h);
-        rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
+        rc = gm_malloc_flags(h, size, (gm_stream)(uintptr_t)stream, ctx, pool,
+                             GM_MALLOC_OOM_UNCOUNTED | GM_MALLOC_RETRY, &p);
         if (rc == GM_OK) {
             c_oom_retries.fetch_add(1, std::memory_order_relaxed);
             report_to_profiler(h, device, (void *)p, (int64_t)size);
@@ -599,6 +602,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
          * that back, as torch's own allocator does, or memory taken outside the
          * allocator (cuBLAS handles, NCCL) fails next -- seen on an H100. */
         if (!capturing) gm_empty_cache(h);
+        gm_count_oom(h, size, (gm_stream)(uintptr_t)stream);
         throw_oom(msg);
     }
     if (rc == GM_EPAUSED) /* the allocation's pool is paused (gpumem.pause): no device call was made */
