@@ -425,3 +425,50 @@ def test_counters_mean_what_torchs_mean():
     assert r["room"]["num_alloc_retries"] == 0 and r["room"]["num_ooms"] == 0 and r["room"]["num_slow_allocs"] >= 1
     assert r["one"]["num_ooms"] == 1 and r["one"]["num_alloc_retries"] == 1
     assert r["two"]["num_ooms"] == 2 and r["two"]["num_alloc_retries"] == 1
+
+
+def test_trace_entries_carry_the_compiled_region_they_were_recorded_in(tmp_path):
+    """_record_memory_history(..., compile_context=True): each trace entry's compile_context is
+    the innermost "Torch-Compiled Region" running (a stack, as torch's allocator keeps it), "N/A"
+    outside; a frame torch.compile runs is one (backend="eager": no compiler needed for it)."""
+    pytest.importorskip("torch")
+    r = run_python(
+        """
+        import torch
+        from torch.autograd.profiler import record_function
+        _viz.record_torch_history("all", "all", "python", 1000, False, True)
+        def region(name):
+            return record_function("Torch-Compiled Region: " + name)
+        ps = [_C._torch_test_alloc(1 * MiB, 0)]
+        with region("0/0"):
+            ps.append(_C._torch_test_alloc(2 * MiB, 0))
+            with region("1/0"):
+                ps.append(_C._torch_test_alloc(3 * MiB, 0))
+            ps.append(_C._torch_test_alloc(4 * MiB, 0))
+        with record_function("not a region"):
+            ps.append(_C._torch_test_alloc(5 * MiB, 0))
+        def f(x):
+            ps.append(_C._torch_test_alloc(6 * MiB, 0))   # dynamo runs this call in the frame's region
+            return x + 1
+        torch.compile(f, backend="eager")(torch.ones(2))
+        _viz.record_torch_history("all", "all", "python", 1000, False, False)   # compile_context off
+        with region("2/0"):
+            ps.append(_C._torch_test_alloc(7 * MiB, 0))
+        trace = _viz.torch_snapshot_dict()["device_traces"][0]
+        _viz.record_torch_history(None)
+        out(allocs=[(e["size"] // MiB, e["compile_context"]) for e in trace if e["action"] == "alloc"])
+        """,
+        PRELUDE,
+        env={"GPUMEM_CACHE_DIR": str(tmp_path)},
+        timeout=300,
+    )
+    regions = dict(r["allocs"])
+    assert regions == {
+        1: "N/A",
+        2: "Torch-Compiled Region: 0/0",
+        3: "Torch-Compiled Region: 1/0",
+        4: "Torch-Compiled Region: 0/0",
+        5: "N/A",
+        6: "Torch-Compiled Region: 0/0",
+        7: "N/A",
+    }
