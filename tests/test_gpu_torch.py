@@ -752,6 +752,8 @@ def test_configure_rejects_bad_values_in_c():
         "pool_end",
         "pool_release",
         "raw_delete",
+        "device_stats",
+        "reset_stats",
     }
     assert len(set(ep.values())) == len(ep) and all(v > 0 for v in ep.values())
 

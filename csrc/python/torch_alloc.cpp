@@ -642,6 +642,34 @@ extern "C" void gpumem_torch_memory_fraction(double fraction, int device) {
     gm_heap_registry_set_fraction(device, fraction);
 }
 
+extern "C" void gpumem_torch_device_stats(int device, int64_t *out) {
+    gm_stats st;
+    memset(&st, 0, sizeof st);
+    gm_heap *h = device >= 0 ? gm_heap_registry_get(device) : nullptr;
+    if (h) gm_get_stats(h, &st);
+    const gm_stat *pooled[] = {st.allocation,      st.segment,        st.active,       st.inactive_split,
+                               st.allocated_bytes, st.reserved_bytes, st.active_bytes, st.inactive_split_bytes,
+                               st.requested_bytes};
+    size_t i = 0;
+    for (const gm_stat *arr : pooled)
+        for (int p = 0; p < GM_POOL__COUNT; p++) {
+            out[i++] = arr[p].current;
+            out[i++] = arr[p].peak;
+            out[i++] = arr[p].allocated;
+            out[i++] = arr[p].freed;
+        }
+    for (int64_t v : {st.num_alloc_retries, st.num_ooms, st.num_sync_all_streams, st.num_device_alloc,
+                      st.num_device_free, h ? st.max_split_size : (int64_t)-1})
+        out[i++] = v;
+}
+
+extern "C" void gpumem_torch_reset_stats(int device, int what) {
+    gm_heap *h = device >= 0 ? gm_heap_registry_get(device) : nullptr;
+    if (!h) return;
+    if (what == 1) gm_reset_peak_stats(h);
+    if (what == 2) gm_reset_accumulated_stats(h);
+}
+
 extern "C" void gpumem_torch_record_stream(void *ptr, void *stream) {
     c_record_stream.fetch_add(1, std::memory_order_relaxed);
     int rc = GM_EUNKNOWN_PTR;

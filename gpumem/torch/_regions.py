@@ -23,16 +23,20 @@ _lock = threading.Lock()
 _stack: list = []  # the regions entered, innermost last (one stack, as torch's allocator keeps)
 
 
-def _on_region(name: bytes, entered: int) -> None:
+def region(name: str, entered: bool, sink) -> None:
+    """A region entered (or left, name unused): sink(the innermost region now running)."""
     with _lock:
         if entered:
-            _stack.append(name.decode(errors="replace"))
+            _stack.append(name)
         elif _stack:
             _stack.pop()
         top = _stack[-1] if _stack else OUTSIDE
-    sink = _state["sink"]
     if sink is not None:
         sink(top)
+
+
+def _on_region(name: bytes, entered: int) -> None:
+    region(name.decode(errors="replace"), bool(entered), _state["sink"])
 
 
 _callback = _REGION_FN(_on_region)  # kept alive: the library calls it from any thread
