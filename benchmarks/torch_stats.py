@@ -54,7 +54,7 @@ COUNTERS = {
     ),
     "num_device_alloc": ("device allocation calls (cudaMalloc, cuMemMap)", "physical allocations (cuMemCreate)"),
     "num_device_free": ("device free calls (cudaFree, cuMemUnmap)", "physical releases (cuMemRelease)"),
-    "num_oom_rejections": ("allocations refused by the OOM preemption policy (newer torch)", "absent"),
+    "num_oom_rejections": ("allocations refused by the OOM preemption policy (newer torch)", "0: no such policy"),
     "max_split_size": ("blocks above it are not split (-1: no limit)", "-1"),
     "oversize_allocations": ("allocations above max_split_size", "0: no max_split_size"),
     "oversize_segments": ("segments above max_split_size", "0: no max_split_size"),

@@ -51,14 +51,20 @@ int64_t observed() { return g_oom_request; }
 FUNCTIONS = ["snapshot", "record", "history_enabled", "stats", "reset_peak", "observe", "observed"]
 
 
-def run_py(code, tmp_path):
-    env = {"GPUMEM_CACHE_DIR": str(tmp_path / "gpumem"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    env = {k: os.environ.get(k, v) for k, v in env.items()}
+@pytest.fixture(scope="module")
+def build_dirs(tmp_path_factory):
+    """Where allocator.cpp and the probe are built, once for the module (unless set)."""
+    root = tmp_path_factory.mktemp("builds")
+    env = {"GPUMEM_CACHE_DIR": str(root / "gpumem"), "TORCH_EXTENSIONS_DIR": str(root / "ext")}
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
+def run_py(code, env):
     return run_python(code, PRELUDE + f"PROBE = {PROBE!r}\nFUNCTIONS = {FUNCTIONS!r}\n", env=env, timeout=600)
 
 
 @gpu
-def test_a_cpp_extension_sees_gpumem(tmp_path):
+def test_a_cpp_extension_sees_gpumem(build_dirs):
     r = run_py(
         """
         gpumem.install()
@@ -100,7 +106,7 @@ def test_a_cpp_extension_sees_gpumem(tmp_path):
             peak_after=peak_after, found=found, observed=m.observed(), ooms=m.stats()[3],
             torch_ooms=torch.cuda.memory_stats()["num_ooms"])
         """,
-        tmp_path,
+        build_dirs,
     )
     assert r["status"], r["error"]
     assert r["stats"][:2] == r["py"] and r["stats"][0] >= 3 << 20 and r["stats"][5] == -1
@@ -115,7 +121,7 @@ def test_a_cpp_extension_sees_gpumem(tmp_path):
 
 
 @gpu
-def test_compile_regions_in_the_snapshot(tmp_path):
+def test_compile_regions_in_the_snapshot(build_dirs):
     """PyTorch's test_memory_compile_regions, with dynamo's aot_eager backend (the regions are
     dynamo's; no kernels to compile): a graph break resumes in region 1/0 inside 0/0."""
     r = run_py(
@@ -147,6 +153,6 @@ def test_compile_regions_in_the_snapshot(tmp_path):
         torch.cuda.memory._record_memory_history(None)
         out(seq=seq)
         """,
-        tmp_path,
+        build_dirs,
     )
     assert r["seq"] == ["Torch-Compiled Region: 0/0", "Torch-Compiled Region: 1/0", "Torch-Compiled Region: 0/0"]

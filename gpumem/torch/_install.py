@@ -429,6 +429,7 @@ def nested_stats(device):
             nested[key] = value
     for key in _UNPOOLED:
         nested[key] = {f: 0 for f in _FIELDS}
+    nested["num_oom_rejections"] = 0  # newer torch's OOM preemption policy, which gpumem has not
     return nested
 
 
