@@ -7,6 +7,7 @@ tests/test_gpu_torch_cpp.py checks the C++ callers' view on a GPU.
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import warnings
@@ -24,12 +25,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_features_allocator_cpp_needs_are_read_from_torchs_headers():
     flags = _cppalloc.build_flags(torch)
-    header = pathlib.Path(torch.__file__).parent / "include" / "c10" / "cuda" / "CUDACachingAllocator.h"
-    text = header.read_text()
-    for macro, marker in _cppalloc._FEATURES.items():
-        assert (f"-D{macro}" in flags) == (marker in text), macro
-    if "bool include_traces" in text:  # torch 2.13's snapshot(mempool, include_traces)
-        assert "-DGM_HAS_SNAPSHOT_TRACES_ARG" in flags
+    text = _cppalloc.header_text(torch)
+    for macro, pattern in _cppalloc._FEATURES.items():
+        assert (f"-D{macro}" in flags) == bool(re.search(pattern, text)), macro
+    if torch.__version__.startswith("2.13"):  # every one of them, in the torch these tests were written with
+        assert all(f"-D{macro}" in flags for macro in _cppalloc._FEATURES)
 
 
 def _cuda_include(flags):

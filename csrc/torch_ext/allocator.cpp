@@ -144,6 +144,26 @@ bool trace_action(const std::string &s, cca::TraceEntry::Action *out) {
     return false;
 }
 
+/* A TraceEntry, with the arguments this torch's constructor takes (GM_TRACE_*). */
+template <typename Stream>
+void emplace_trace(std::vector<cca::TraceEntry> &v, cca::TraceEntry::Action action, c10::DeviceIndex device,
+                   size_t addr, size_t size, Stream stream, c10::approx_time_t now, Context ctx, std::string region,
+                   std::string metadata) {
+#if defined(GM_TRACE_HAS_MEMPOOL) && defined(GM_TRACE_HAS_COMPILE_CONTEXT) && defined(GM_TRACE_HAS_USER_METADATA)
+    v.emplace_back(action, device, addr, size, stream, c10::MempoolId_t{0, 0}, now, std::move(ctx), std::move(region),
+                   std::move(metadata));
+#elif defined(GM_TRACE_HAS_MEMPOOL) && defined(GM_TRACE_HAS_COMPILE_CONTEXT)
+    (void)metadata;
+    v.emplace_back(action, device, addr, size, stream, c10::MempoolId_t{0, 0}, now, std::move(ctx), std::move(region));
+#elif defined(GM_TRACE_HAS_COMPILE_CONTEXT)
+    (void)metadata;
+    v.emplace_back(action, device, addr, size, stream, now, std::move(ctx), std::move(region));
+#else
+    (void)metadata, (void)region;
+    v.emplace_back(action, device, addr, size, stream, now, std::move(ctx));
+#endif
+}
+
 /* ---- the allocator ------------------------------------------------------------------------- */
 
 class GpumemAllocator final : public Pluggable {
@@ -194,8 +214,17 @@ class GpumemAllocator final : public Pluggable {
 #else
     cca::SnapshotInfo snapshot(c10::MempoolId_t pool) override { return take_snapshot(pool, true); }
 #endif
+#ifdef GM_HAS_SKIP_ACTIONS
     void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries, cca::RecordContext when,
-                       bool clear, const std::vector<std::string> &skip_actions) override;
+                       bool clear, const std::vector<std::string> &skip_actions) override {
+        record_history(enabled, recorder, max_entries, when, clear, skip_actions);
+    }
+#else
+    void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries, cca::RecordContext when,
+                       bool clear) override {
+        record_history(enabled, recorder, max_entries, when, clear, {});
+    }
+#endif
 #ifdef GM_HAS_IS_HISTORY_ENABLED
     bool isHistoryEnabled() override {
         bool on = false;
@@ -247,6 +276,8 @@ class GpumemAllocator final : public Pluggable {
 #endif
 
   private:
+    void record_history(bool enabled, cca::CreateContextFn recorder, size_t max_entries, cca::RecordContext when,
+                        bool clear, const std::vector<std::string> &skip_actions);
     void region(const char *name, int entered) { call_hook(hooks_, "region", ignore, "(si)", name, entered); }
     void remember(void *p);
     void forget(void *p) {
@@ -311,8 +342,8 @@ void GpumemAllocator::remember(void *p) {
     if (ctx) contexts_[p] = std::move(ctx);
 }
 
-void GpumemAllocator::recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
-                                    cca::RecordContext when, bool clear, const std::vector<std::string> &skip) {
+void GpumemAllocator::record_history(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                                     cca::RecordContext when, bool clear, const std::vector<std::string> &skip) {
     {
         std::lock_guard<std::mutex> lock(mu_);
         recorder_ = enabled && when != cca::RecordContext::NEVER ? recorder : nullptr;
@@ -329,7 +360,9 @@ void GpumemAllocator::recordHistory(bool enabled, cca::CreateContextFn recorder,
 
 cca::SnapshotInfo GpumemAllocator::take_snapshot(c10::MempoolId_t pool, bool include_traces) {
     cca::SnapshotInfo out{};
+#ifdef GM_HAS_CONFIG_METADATA
     out.config_metadata.max_split_size = SIZE_MAX; /* blocks of any size split, as torch's default */
+#endif
     c10::approx_time_t now = c10::getApproximateTime();
     cca::RecordContext when;
     {
@@ -390,9 +423,9 @@ void GpumemAllocator::add_trace(cca::SnapshotInfo &out, size_t device, PyObject 
     Context ctx = nullptr;
     if (action == cca::TraceEntry::ALLOC && when != cca::RecordContext::STATE) ctx = context_of(addr);
     using stream_t = decltype(cca::SegmentInfo{}.stream);
-    out.device_traces.back().emplace_back(action, (c10::DeviceIndex)device, addr, get_u64(e, "size"),
-                                          reinterpret_cast<stream_t>(get_u64(e, "stream")), c10::MempoolId_t{0, 0}, now,
-                                          ctx, get_str(e, "compile_context", "N/A"), get_str(e, "user_metadata"));
+    emplace_trace(out.device_traces.back(), action, (c10::DeviceIndex)device, addr, get_u64(e, "size"),
+                  reinterpret_cast<stream_t>(get_u64(e, "stream")), now, std::move(ctx),
+                  get_str(e, "compile_context", "N/A"), get_str(e, "user_metadata"));
 }
 
 std::shared_ptr<GpumemAllocator> g_allocator;

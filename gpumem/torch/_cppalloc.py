@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 import sys
 import sysconfig
 import warnings
@@ -21,13 +22,19 @@ import warnings
 from .. import _C
 from . import _cppext, _regions, _viz
 
-# what each GM_HAS_* macro of allocator.cpp looks for in torch's c10/cuda/CUDACachingAllocator.h
+# what each macro of allocator.cpp looks for in torch's allocator headers (a regular expression)
 _FEATURES = {
-    "GM_HAS_SNAPSHOT_TRACES_ARG": "bool include_traces",
-    "GM_HAS_IS_HISTORY_ENABLED": "isHistoryEnabled",
-    "GM_HAS_USER_METADATA": "setUserMetadata",
-    "GM_HAS_COMPILE_CONTEXT": "pushCompileContext",
+    "GM_HAS_SNAPSHOT_TRACES_ARG": r"bool include_traces",
+    "GM_HAS_IS_HISTORY_ENABLED": r"isHistoryEnabled",
+    "GM_HAS_USER_METADATA": r"setUserMetadata",
+    "GM_HAS_COMPILE_CONTEXT": r"pushCompileContext",
+    "GM_HAS_SKIP_ACTIONS": r"RecordContext when,\s*bool clearHistory,\s*const std::vector<std::string>& skip_actions",
+    "GM_HAS_CONFIG_METADATA": r"config_metadata;",
+    "GM_TRACE_HAS_MEMPOOL": r"MempoolId_t mempool,\s*approx_time_t time",
+    "GM_TRACE_HAS_COMPILE_CONTEXT": r"std::string compile_context = \"\"",
+    "GM_TRACE_HAS_USER_METADATA": r"std::string user_metadata = \"\"",
 }
+_HEADERS = (("c10", "cuda", "CUDACachingAllocator.h"), ("c10", "core", "CachingDeviceAllocator.h"))
 _HOOK_KINDS = {
     "set_init_fn": 0,
     "set_reset_fn": 1,
@@ -45,15 +52,24 @@ def build_flags(torch) -> list:
     """The -D and -I flags allocator.cpp needs against this torch."""
     from torch.utils import cpp_extension
 
-    header = os.path.join(os.path.dirname(torch.__file__), "include", "c10", "cuda", "CUDACachingAllocator.h")
-    with open(header) as f:
-        text = f.read()
-    flags = [f"-D{macro}" for macro, marker in _FEATURES.items() if marker in text]
+    flags = [f"-D{macro}" for macro, pattern in _FEATURES.items() if re.search(pattern, header_text(torch))]
     flags.append(f"-I{sysconfig.get_paths()['include']}")
     cuda = _cuda_include(getattr(cpp_extension, "CUDA_HOME", None))
     if cuda:
         flags.append(f"-I{cuda}")
     return flags
+
+
+def header_text(torch) -> str:
+    """torch's allocator headers, those of them this torch has, as one text."""
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    text = ""
+    for parts in _HEADERS:
+        path = os.path.join(include, *parts)
+        if os.path.isfile(path):
+            with open(path) as f:
+                text += f.read()
+    return text
 
 
 def _cuda_include(cuda_home):
