@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -143,6 +144,31 @@ bool trace_action(const std::string &s, cca::TraceEntry::Action *out) {
         }
     return false;
 }
+
+/* gpumem's event times (CLOCK_MONOTONIC) as torch's approximate clock, which
+ * torch's snapshot turns into Unix time with a converter of its own: a linear
+ * map through now, at the rate `conv` measured since it was made. */
+class Clock {
+  public:
+    explicit Clock(c10::ApproximateClockToUnixTimeConverter &conv) {
+        auto to_unix = conv.makeConverter();
+        timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        mono0_ = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+        a0_ = c10::getApproximateTime();
+        double ns = (double)(to_unix(a0_ + (c10::approx_time_t)1000000000) - to_unix(a0_));
+        ticks_per_ns_ = ns > 0 ? 1e9 / ns : 1.0;
+    }
+    c10::approx_time_t at(uint64_t mono_us) const {
+        double ticks = (double)(mono0_ - (int64_t)mono_us * 1000) * ticks_per_ns_;
+        return ticks > 0 && ticks < (double)a0_ ? a0_ - (c10::approx_time_t)ticks : a0_;
+    }
+
+  private:
+    int64_t mono0_;
+    c10::approx_time_t a0_;
+    double ticks_per_ns_;
+};
 
 /* A TraceEntry, with the arguments this torch's constructor takes (GM_TRACE_*). */
 template <typename Stream>
@@ -292,7 +318,7 @@ class GpumemAllocator final : public Pluggable {
     }
     cca::SnapshotInfo take_snapshot(c10::MempoolId_t pool, bool include_traces);
     void add_segment(cca::SnapshotInfo &out, PyObject *s);
-    void add_trace(cca::SnapshotInfo &out, size_t device, PyObject *e, c10::approx_time_t now, cca::RecordContext when);
+    void add_trace(cca::SnapshotInfo &out, size_t device, PyObject *e, const Clock &clock, cca::RecordContext when);
 
     stats_fn stats_;
     reset_fn reset_;
@@ -303,6 +329,7 @@ class GpumemAllocator final : public Pluggable {
     cca::CreateContextFn recorder_ = nullptr;
     cca::RecordContext when_ = cca::RecordContext::NEVER;
     std::unordered_map<void *, Context> contexts_;
+    c10::ApproximateClockToUnixTimeConverter clock_; /* measured from the allocator's start */
 };
 
 cca::DeviceStats GpumemAllocator::getDeviceStats(c10::DeviceIndex device) {
@@ -363,7 +390,11 @@ cca::SnapshotInfo GpumemAllocator::take_snapshot(c10::MempoolId_t pool, bool inc
 #ifdef GM_HAS_CONFIG_METADATA
     out.config_metadata.max_split_size = SIZE_MAX; /* blocks of any size split, as torch's default */
 #endif
-    c10::approx_time_t now = c10::getApproximateTime();
+    std::unique_ptr<Clock> clock;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        clock = std::make_unique<Clock>(clock_);
+    }
     cca::RecordContext when;
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -378,7 +409,7 @@ cca::SnapshotInfo GpumemAllocator::take_snapshot(c10::MempoolId_t pool, bool inc
             PyObject *t = PyList_GetItem(traces, dev);
             out.device_traces.emplace_back();
             for (Py_ssize_t j = 0; PyList_Check(t) && j < PyList_Size(t); j++)
-                add_trace(out, (size_t)dev, PyList_GetItem(t, j), now, when);
+                add_trace(out, (size_t)dev, PyList_GetItem(t, j), *clock, when);
         }
     };
     call_hook(hooks_, "snapshot", read, "(KKO)", (unsigned long long)pool.first, (unsigned long long)pool.second,
@@ -415,7 +446,7 @@ void GpumemAllocator::add_segment(cca::SnapshotInfo &out, PyObject *s) {
     out.segments.push_back(std::move(seg));
 }
 
-void GpumemAllocator::add_trace(cca::SnapshotInfo &out, size_t device, PyObject *e, c10::approx_time_t now,
+void GpumemAllocator::add_trace(cca::SnapshotInfo &out, size_t device, PyObject *e, const Clock &clock,
                                 cca::RecordContext when) {
     cca::TraceEntry::Action action;
     if (!PyDict_Check(e) || !trace_action(get_str(e, "action"), &action)) return;
@@ -424,7 +455,7 @@ void GpumemAllocator::add_trace(cca::SnapshotInfo &out, size_t device, PyObject 
     if (action == cca::TraceEntry::ALLOC && when != cca::RecordContext::STATE) ctx = context_of(addr);
     using stream_t = decltype(cca::SegmentInfo{}.stream);
     emplace_trace(out.device_traces.back(), action, (c10::DeviceIndex)device, addr, get_u64(e, "size"),
-                  reinterpret_cast<stream_t>(get_u64(e, "stream")), now, std::move(ctx),
+                  reinterpret_cast<stream_t>(get_u64(e, "stream")), clock.at(get_u64(e, "time_us")), std::move(ctx),
                   get_str(e, "compile_context", "N/A"), get_str(e, "user_metadata"));
 }
 
