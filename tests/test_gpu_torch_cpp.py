@@ -122,8 +122,8 @@ def test_a_cpp_extension_sees_gpumem(build_dirs):
 
 @gpu
 def test_compile_regions_in_the_snapshot(build_dirs):
-    """PyTorch's test_memory_compile_regions, with dynamo's aot_eager backend (the regions are
-    dynamo's; no kernels to compile): a graph break resumes in region 1/0 inside 0/0."""
+    """PyTorch's test_memory_compile_regions: a graph break resumes in region 1/0 inside 0/0, and
+    every trace entry (allocations and frees) carries the region it was recorded in."""
     r = run_py(
         """
         gpumem.install()
@@ -142,7 +142,7 @@ def test_compile_regions_in_the_snapshot(build_dirs):
                 return self.linear2(x)
 
         x = torch.randn(1, 10, device="cuda")
-        model = torch.compile(MyModel().cuda(), backend="aot_eager")
+        model = torch.compile(MyModel().cuda())
         torch.cuda.memory._record_memory_history(context="all", compile_context=True)
         model(x)
         seq = []
