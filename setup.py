@@ -2,8 +2,8 @@
 
 C sources get -std=c11, C++ sources (the torch boundary) get -std=c++17.
 GPUMEM_WERROR=1 (set by CI) turns warnings into errors.
-csrc/torch_ext/checkpoint.cpp is not compiled here (it needs torch's headers):
-it ships inside the package, and gpumem.torch builds it on first use.
+csrc/torch_ext/*.cpp are not compiled here (they need torch's headers):
+they ship inside the package, and gpumem.torch builds each on first use.
 """
 
 import glob
@@ -48,14 +48,15 @@ class BuildExt(build_ext):
 
 
 class BuildPy(build_py):
-    """Ship csrc/torch_ext/checkpoint.cpp as gpumem/torch/checkpoint.cpp (an
-    editable install finds it in csrc/ instead)."""
+    """Ship csrc/torch_ext/*.cpp as gpumem/torch/*.cpp (an editable install
+    finds them in csrc/ instead)."""
 
     def run(self):
         super().run()
         dest = os.path.join(self.build_lib, "gpumem", "torch")
         if os.path.isdir(dest):
-            shutil.copy2(os.path.join("csrc", "torch_ext", "checkpoint.cpp"), os.path.join(dest, "checkpoint.cpp"))
+            for src in sorted(glob.glob(os.path.join("csrc", "torch_ext", "*.cpp"))):
+                shutil.copy2(src, os.path.join(dest, os.path.basename(src)))
 
 
 def sources():

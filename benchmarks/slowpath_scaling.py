@@ -73,7 +73,7 @@ def measure(live, reps, block=4096, request=64 * MiB, seed=0):
             wall.append((t1 - t0) / 1e3)
             cpu.append((c1 - c0) / 1e3)
         st = h.stats()
-        slow = st["num_alloc_retries"] - st0["num_alloc_retries"]
+        slow = st["num_slow_allocs"] - st0["num_slow_allocs"]
         remaps = st["num_remaps"] - st0["num_remaps"]
         if slow != reps or remaps:
             raise SystemExit(

@@ -56,6 +56,7 @@ class ReplayResult:
     num_device_alloc: int
     num_device_free: int
     num_alloc_retries: int
+    num_slow_allocs: int
     ns_per_op: Optional[float] = None
     min_capacity_bytes: Optional[int] = None
     event_delay: int = 0  # see the module docstring
@@ -207,7 +208,15 @@ def replay(
 
 
 # the heap's counters a ReplayResult carries under their own names
-_COUNTERS = ("num_maps", "num_unmaps", "num_pages_remapped", "num_device_alloc", "num_device_free", "num_alloc_retries")
+_COUNTERS = (
+    "num_maps",
+    "num_unmaps",
+    "num_pages_remapped",
+    "num_device_alloc",
+    "num_device_free",
+    "num_alloc_retries",
+    "num_slow_allocs",
+)
 
 
 def fits(trace: Trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0) -> bool:

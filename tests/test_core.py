@@ -33,6 +33,7 @@ FIELDS = ("current", "peak", "allocated", "freed")
 PLAIN_KEYS = (
     "num_alloc_retries",
     "num_ooms",
+    "num_slow_allocs",
     "num_sync_all_streams",
     "num_device_alloc",
     "num_device_free",

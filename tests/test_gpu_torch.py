@@ -776,6 +776,8 @@ def test_configure_rejects_bad_values_in_c():
         "pool_end",
         "pool_release",
         "raw_delete",
+        "device_stats",
+        "reset_stats",
     }
     assert len(set(ep.values())) == len(ep) and all(v > 0 for v in ep.values())
 
@@ -805,6 +807,7 @@ def test_nested_stats_have_native_shape():
             assert set(n[g][p]) == set(FIELDS)
     for k in ("oversize_allocations", "oversize_segments"):
         assert set(n[k]) == set(FIELDS)
+    assert n["num_oom_rejections"] == 0  # torch 2.13's key: no preemption policy, none rejected
     for k in (
         "num_alloc_retries",
         "num_ooms",

@@ -341,3 +341,60 @@ def test_torch_options_carry_pressure():
     finally:
         C.registry_configure(pressure=None)
     assert C.registry_options()["pressure"] == before
+
+
+# ---- num_alloc_retries: torch's meaning ------------------------------------------------
+
+
+def test_with_room_the_slow_path_is_no_retry():
+    """Far from the limit no allocation meets it: torch's num_alloc_retries stays 0, while
+    gpumem's own num_slow_allocs counts the allocations no free block served."""
+    with gpumem.Heap(capacity=8 * GiB) as h:
+        keep = workload(h)
+        st = h.stats()
+        for p in keep:
+            h.free(p)
+        h.check()
+    assert st["num_alloc_retries"] == 0 and st["num_ooms"] == 0
+    assert st["num_slow_allocs"] >= 3  # the three largest at least: no hole fits them
+
+
+def test_pressure_below_the_limit_defragments_without_a_retry():
+    """A tight heap (pressure=0) far from its capacity remaps to stay near peak live: its own
+    policy, not the limit, so no retry."""
+    with gpumem.Heap(capacity=8 * GiB, pressure=0) as h:
+        workload(h)
+        st = h.stats()
+    assert st["num_remaps"] >= 3 and st["num_alloc_retries"] == 0
+
+
+@pytest.mark.parametrize("pressure", [None, 0])
+def test_a_request_that_meets_the_cap_releases_the_cache_and_counts_one_retry(pressure):
+    kw = {} if pressure is None else {"pressure": pressure}
+    with gpumem.Heap(capacity=8 * GiB, cap=64 * MiB, **kw) as h:
+        a = h.malloc(32 * MiB)
+        b = h.malloc(16 * MiB)
+        h.free(a)  # 32 MiB cached: 48 of the cap's 64 MiB held
+        before = h.stats()
+        c = h.malloc(40 * MiB)  # 20 pages, 8 left under the cap: the cached ones must move
+        st = h.stats()
+        h.check()
+        h.free(b)
+        h.free(c)
+    assert before["num_alloc_retries"] == 0 and st["num_alloc_retries"] == 1  # a and b met nothing
+    assert st["num_remaps"] > before["num_remaps"] and st["num_sync_all_streams"] > before["num_sync_all_streams"]
+    assert st["num_ooms"] == 0 and st["reserved_bytes.all.peak"] <= 64 * MiB
+
+
+def test_a_failed_request_counts_one_retry_and_one_oom():
+    with gpumem.Heap(capacity=8 * GiB, cap=64 * MiB) as h:
+        a = h.malloc(40 * MiB)
+        h.free(h.malloc(8 * MiB))  # a cached page or four
+        before = h.stats()
+        with pytest.raises(gpumem.OutOfMemoryError):
+            h.malloc(30 * MiB)  # 40 + 30 > 64: no defragmenting helps
+        st = h.stats()
+        h.free(a)
+        h.check()
+    assert before["num_alloc_retries"] == 0 and st["num_alloc_retries"] == 1
+    assert before["num_ooms"] == 0 and st["num_ooms"] == 1

@@ -395,3 +395,80 @@ def test_a_mempool_takes_only_an_allocator_it_can_call_and_never_gpumem_itself()
             _pools.MemPool(allocator=stranger)
     finally:
         del _pools._pluggable[id(stranger)]
+
+
+def test_counters_mean_what_torchs_mean():
+    """num_ooms counts each out-of-memory exception once (torch's path tries twice before it
+    raises), a request over the cap included; num_alloc_retries counts only allocations that
+    met the limit; far from it, the slow path is gpumem's own num_slow_allocs."""
+    r = run_py("""
+        h = _C.registry_heap(0)
+        ps = [_C._torch_test_alloc(n * MiB, 0) for n in (1, 3, 24, 100, 7)]
+        room = h.stats()
+        full = _C._torch_test_alloc(800 * MiB, 0)
+        try:
+            _C._torch_test_alloc(200 * MiB, 0)
+        except RuntimeError:
+            pass
+        one = h.stats()
+        set_fraction = _install._set_memory_fraction_fn(lambda f, d: memory_fraction(f, d))
+        set_fraction(0.5, 0)
+        try:
+            _C._torch_test_alloc(600 * MiB, 0)   # over the cap: refused at once
+        except RuntimeError:
+            pass
+        two = h.stats()
+        h.check()
+        keys = ("num_alloc_retries", "num_ooms", "num_slow_allocs")
+        out(room={k: room[k] for k in keys}, one={k: one[k] for k in keys}, two={k: two[k] for k in keys})
+    """)
+    assert r["room"]["num_alloc_retries"] == 0 and r["room"]["num_ooms"] == 0 and r["room"]["num_slow_allocs"] >= 1
+    assert r["one"]["num_ooms"] == 1 and r["one"]["num_alloc_retries"] == 1
+    assert r["two"]["num_ooms"] == 2 and r["two"]["num_alloc_retries"] == 1
+
+
+def test_trace_entries_carry_the_compiled_region_they_were_recorded_in(tmp_path):
+    """_record_memory_history(..., compile_context=True): each trace entry's compile_context is
+    the innermost "Torch-Compiled Region" running (a stack, as torch's allocator keeps it), "N/A"
+    outside; a frame torch.compile runs is one (backend="eager": no compiler needed for it)."""
+    pytest.importorskip("torch")
+    r = run_python(
+        """
+        import torch
+        from torch.autograd.profiler import record_function
+        _viz.record_torch_history("all", "all", "python", 1000, False, True)
+        def region(name):
+            return record_function("Torch-Compiled Region: " + name)
+        ps = [_C._torch_test_alloc(1 * MiB, 0)]
+        with region("0/0"):
+            ps.append(_C._torch_test_alloc(2 * MiB, 0))
+            with region("1/0"):
+                ps.append(_C._torch_test_alloc(3 * MiB, 0))
+            ps.append(_C._torch_test_alloc(4 * MiB, 0))
+        with record_function("not a region"):
+            ps.append(_C._torch_test_alloc(5 * MiB, 0))
+        def f(x):
+            ps.append(_C._torch_test_alloc(6 * MiB, 0))   # dynamo runs this call in the frame's region
+            return x + 1
+        torch.compile(f, backend="eager")(torch.ones(2))
+        _viz.record_torch_history("all", "all", "python", 1000, False, False)   # compile_context off
+        with region("2/0"):
+            ps.append(_C._torch_test_alloc(7 * MiB, 0))
+        trace = _viz.torch_snapshot_dict()["device_traces"][0]
+        _viz.record_torch_history(None)
+        out(allocs=[(e["size"] // MiB, e["compile_context"]) for e in trace if e["action"] == "alloc"])
+        """,
+        PRELUDE,
+        env={"GPUMEM_CACHE_DIR": str(tmp_path)},
+        timeout=300,
+    )
+    regions = dict(r["allocs"])
+    assert regions == {
+        1: "N/A",
+        2: "Torch-Compiled Region: 0/0",
+        3: "Torch-Compiled Region: 1/0",
+        4: "Torch-Compiled Region: 0/0",
+        5: "N/A",
+        6: "Torch-Compiled Region: 0/0",
+        7: "N/A",
+    }

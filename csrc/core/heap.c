@@ -539,7 +539,8 @@ static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p, uintptr_t reac
     }
 }
 
-int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, uintptr_t *out) {
+int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, unsigned flags,
+                    uintptr_t *out) {
     if (!out) return GM_EINVAL;
     *out = 0;
     if (s == ANY) return GM_EINVAL;
@@ -557,6 +558,7 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
         goto done;
     }
     h->no_sync = h->capture_count > 0;
+    h->alloc_flags = flags;
     if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
         rc = h_out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
@@ -586,12 +588,24 @@ int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const
     *out = b->addr;
 done:
     h->no_sync = 0;
+    h->alloc_flags = 0;
     pthread_mutex_unlock(&h->lock);
     return rc;
 }
 
+int gm_malloc_pool(gm_heap *h, size_t size, gm_stream s, uint64_t context, const gm_pool_id *pool_id, uintptr_t *out) {
+    return gm_malloc_flags(h, size, s, context, pool_id, 0, out);
+}
+
 int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t *out) {
     return gm_malloc_pool(h, size, s, context, NULL, out);
+}
+
+void gm_count_oom(gm_heap *h, size_t size, gm_stream s) {
+    pthread_mutex_lock(&h->lock);
+    h->st.num_ooms++;
+    gm_hist(h, GM_H_OOM, 0, size, s, 0);
+    pthread_mutex_unlock(&h->lock);
 }
 
 static int not_live(const gm_heap *h, uintptr_t ptr) {

@@ -167,9 +167,10 @@ struct gm_heap {
     size_t paused_pages;    /* pages of paused pools: counted as used, not held */
 
     /* stream capture */
-    int capture_count; /* gm_capture_begin minus gm_capture_end */
-    int no_sync;       /* this operation runs during a capture: no sync/event/unmap/release */
-    size_t n_deferred; /* pending blocks whose events wait for the capture to end */
+    int capture_count;    /* gm_capture_begin minus gm_capture_end */
+    int no_sync;          /* this operation runs during a capture: no sync/event/unmap/release */
+    unsigned alloc_flags; /* the running allocation's GM_MALLOC_* flags */
+    size_t n_deferred;    /* pending blocks whose events wait for the capture to end */
 
     /* fork.c */
     gm_heap *fork_next; /* registry of live heaps */

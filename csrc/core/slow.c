@@ -19,9 +19,20 @@ int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, in
     h->last_oom.pages_needed = short_pages;
     h->last_oom.device_error = dev_err;
     h->have_oom = 1;
-    h->st.num_ooms++;
-    gm_hist(h, GM_H_OOM, 0, size, s, 0);
+    if (!(h->alloc_flags & GM_MALLOC_OOM_UNCOUNTED)) {
+        h->st.num_ooms++;
+        gm_hist(h, GM_H_OOM, 0, size, s, 0);
+    }
     return GM_ENOMEM;
+}
+
+/* torch's num_alloc_retries: the allocation met its limit (the cap or the
+ * device refused the pages it lacked) and cached memory was released for it
+ * (a device wait, then pages unmapped for reuse), whether it then fitted or
+ * not; once per allocation, and never for the repeat of a failed one. */
+static inline int count_retry(gm_heap *h, int retried, int rc) {
+    if (retried && !(h->alloc_flags & GM_MALLOC_RETRY)) h->st.num_alloc_retries++;
+    return rc;
 }
 
 /* Pages placement pl lacks beyond the spares and the pages promised. */
@@ -66,6 +77,47 @@ static void place_around_chunks(gm_heap *h, placement *pl, size_t size, gm_strea
     }
 }
 
+/* Whether the device or the cap would refuse `need` more pages (besides
+ * those promised): the allocation met its limit, where torch's cudaMalloc
+ * fails. */
+static int beyond_limit(gm_heap *h, size_t need, size_t grant) {
+    size_t held = h_held_pages(h) + grant, dfree = 0, total = 0;
+    if (held + need > h->cap_pages) return 1;
+    return h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && need > dfree / h->page;
+}
+
+typedef struct step4 {
+    placement *pl;
+    size_t want;
+    gm_stream s;
+    gm_pool *pool;
+    const size_t *grant; /* the pages promised so far */
+    size_t *g;           /* h_grow's promise, or NULL */
+    int *synced, *recycled, *dev_err;
+} step4;
+
+/* Step 4: defragment when cached pages can cover the shortfall (a device
+ * wait buys nothing otherwise); else grow to the cap, and defragment with
+ * what there is only if the device or the cap refused.  Returns whether the
+ * allocation met its limit (beyond_limit, or the device or the cap refused):
+ * with *synced, torch's retry after a cache flush. */
+static int defragment_or_grow(gm_heap *h, step4 *a) {
+    placement *pl = a->pl;
+    int met = 0;
+    size_t short_pages = pl->ok ? lacking(h, pl, *a->grant) : 0;
+    if (!pl->ok || (short_pages && h_cached_pages_outside(h, *pl, a->want) >= short_pages)) {
+        met = !pl->ok || beyond_limit(h, short_pages, *a->grant);
+        defragment(h, pl, a->want, a->s, a->pool, *a->grant, a->synced, a->recycled, a->dev_err);
+    }
+    if (pl->ok && lacking(h, pl, *a->grant)) h_grow(h, lacking(h, pl, *a->grant), h->cap_pages, a->g, a->dev_err);
+    if (pl->ok && !lacking(h, pl, *a->grant)) return met;
+    if (!*a->synced) {
+        defragment(h, pl, a->want, a->s, a->pool, *a->grant, a->synced, a->recycled, a->dev_err);
+        if (pl->ok && lacking(h, pl, *a->grant)) h_grow(h, lacking(h, pl, *a->grant), h->cap_pages, a->g, a->dev_err);
+    }
+    return 1;
+}
+
 /* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
  * event, no synchronisation, no unmap or release.  New pages are promised
  * (grow's *grant) and created as chunks where back_range maps them; if the
@@ -75,9 +127,10 @@ static void place_around_chunks(gm_heap *h, placement *pl, size_t size, gm_strea
  * growth took ahead end (the caller makes them the pool's); untouched when
  * there are none. */
 int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at, uintptr_t *reach) {
-    h->st.num_alloc_retries++;
+    h->st.num_slow_allocs++;
     size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
-    int single = 0; /* the device refused a chunk: single pages from then on */
+    int single = 0;  /* the device refused a chunk: single pages from then on */
+    int retried = 0; /* met the limit and released cached memory (count_retry) */
     /* What the growth places: a pool's, far from pressure, torch's segment
      * (POLICY), during a capture too, as torch's segments are. */
     size_t want = pool ? h_pool_reach(h, pool, size) : size;
@@ -109,16 +162,9 @@ again:;
     if (!pl.ok && want > size) pl = h_place(h, want = size, s, pool);
     if (pl.ok && lacking(h, &pl, grant))
         ahead = h_grow_by_policy(h, &pl, want, pool, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
-    /* 4. Defragment when cached pages can cover the shortfall (a device wait
-     * buys nothing otherwise); else grow to the cap, and defragment with what
-     * there is only if the device or the cap refused. */
-    if (!pl.ok || (lacking(h, &pl, grant) && h_cached_pages_outside(h, pl, want) >= lacking(h, &pl, grant)))
-        defragment(h, &pl, want, s, pool, grant, &synced, &recycled, &dev_err);
-    if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
-    if ((!pl.ok || lacking(h, &pl, grant)) && !synced) {
-        defragment(h, &pl, want, s, pool, grant, &synced, &recycled, &dev_err);
-        if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);
-    }
+    /* 4. Defragment, or grow to the cap (defragment_or_grow). */
+    step4 st4 = {&pl, want, s, pool, &grant, g, &synced, &recycled, &dev_err};
+    retried |= defragment_or_grow(h, &st4) && synced;
     if (pl.ok && lacking(h, &pl, grant) && synced && h->multi_chunks)
         place_around_chunks(h, &pl, want, s, pool, grant, &recycled);
 placed:
@@ -127,7 +173,9 @@ placed:
         goto again;
     }
     if (!pl.ok || lacking(h, &pl, grant))
-        return h_out_of_memory(h, size, s, pl.ok ? lacking(h, &pl, grant) : (size + h->page - 1) / h->page, dev_err);
+        return count_retry(
+            h, retried,
+            h_out_of_memory(h, size, s, pl.ok ? lacking(h, &pl, grant) : (size + h->page - 1) / h->page, dev_err));
     int err = GM_OK;
     h->growth_seq++;
     if (pool) h_stamp_pool_growth(h, &pl, want, pool);
@@ -141,10 +189,10 @@ placed:
     }
     if (!b) {
         h_release_spares(h, h->mapped_pages);
-        return err ? GM_EDEVICE : GM_ECORRUPT;
+        return count_retry(h, retried, err ? GM_EDEVICE : GM_ECORRUPT);
     }
     *out = b;
     *at = pl.addr;
     if (want > size) *reach = pl.addr + want; /* the pool's pages placed ahead are the pool's too */
-    return GM_OK;
+    return count_retry(h, retried, GM_OK);
 }

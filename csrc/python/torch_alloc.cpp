@@ -525,12 +525,13 @@ extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *bu
 /* Throws torch's out-of-memory error for a request the heap was not asked to
  * place (its own last failure is not this one): the message from a fresh
  * report, the observers called first; `why` follows the message. */
-[[noreturn]] static void throw_fresh_oom(gm_heap *h, int device, size_t size, const char *why = "") {
+[[noreturn]] static void throw_fresh_oom(gm_heap *h, int device, size_t size, void *stream, const char *why = "") {
     gm_oom_info info;
     gm_memory_report(h, size, &info);
     std::string msg(GM_TORCH_OOM_MSG_MAX, '\0');
     msg.resize(gm_torch_format_oom(device, &info, &msg[0], msg.size()));
     observe_oom(device, size, info);
+    gm_count_oom(h, size, (gm_stream)(uintptr_t)stream);
     throw_oom(msg + why);
 }
 
@@ -545,7 +546,7 @@ static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_poo
     }
     if (rc == GM_OK) return (void *)p;
     if (rc == GM_ENOMEM)
-        throw_fresh_oom(h, device, size,
+        throw_fresh_oom(h, device, size, stream,
                         " (The allocation was for a MemPool whose memory comes from its own allocator, "
                         "which refused it or would pass the cap.)");
     throw std::runtime_error("gpumem: allocation of " + std::to_string(size) + " bytes on GPU " +
@@ -568,9 +569,10 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     if (size > gm_heap_registry_limit(device) &&
         (gm_ext_release_ended(device), size > gm_heap_registry_limit(device))) {
         if (!pool && gm_ext_alloc_on_oom(device, size, stream, &p) == GM_OK) return (void *)p;
-        throw_fresh_oom(h, device, size);
+        throw_fresh_oom(h, device, size, stream);
     }
-    int rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
+    /* The failure counts once, when it is raised (num_ooms: torch's exceptions). */
+    int rc = gm_malloc_flags(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, GM_MALLOC_OOM_UNCOUNTED, &p);
     if (rc == GM_OK) {
         report_to_profiler(h, device, (void *)p, (int64_t)size);
         return (void *)p;
@@ -583,7 +585,8 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
          * streams' events have freed since. */
         gm_ext_release_ended(device);
         gm_empty_cache(h);
-        rc = gm_malloc_pool(h, size, (gm_stream)(uintptr_t)stream, ctx, pool, &p);
+        rc = gm_malloc_flags(h, size, (gm_stream)(uintptr_t)stream, ctx, pool,
+                             GM_MALLOC_OOM_UNCOUNTED | GM_MALLOC_RETRY, &p);
         if (rc == GM_OK) {
             c_oom_retries.fetch_add(1, std::memory_order_relaxed);
             report_to_profiler(h, device, (void *)p, (int64_t)size);
@@ -599,6 +602,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
          * that back, as torch's own allocator does, or memory taken outside the
          * allocator (cuBLAS handles, NCCL) fails next -- seen on an H100. */
         if (!capturing) gm_empty_cache(h);
+        gm_count_oom(h, size, (gm_stream)(uintptr_t)stream);
         throw_oom(msg);
     }
     if (rc == GM_EPAUSED) /* the allocation's pool is paused (gpumem.pause): no device call was made */
@@ -636,6 +640,34 @@ extern "C" void gpumem_torch_empty_cache(void) {
 extern "C" void gpumem_torch_memory_fraction(double fraction, int device) {
     c_fraction.fetch_add(1, std::memory_order_relaxed);
     gm_heap_registry_set_fraction(device, fraction);
+}
+
+extern "C" void gpumem_torch_device_stats(int device, int64_t *out) {
+    gm_stats st;
+    memset(&st, 0, sizeof st);
+    gm_heap *h = device >= 0 ? gm_heap_registry_get(device) : nullptr;
+    if (h) gm_get_stats(h, &st);
+    const gm_stat *pooled[] = {st.allocation,      st.segment,        st.active,       st.inactive_split,
+                               st.allocated_bytes, st.reserved_bytes, st.active_bytes, st.inactive_split_bytes,
+                               st.requested_bytes};
+    size_t i = 0;
+    for (const gm_stat *arr : pooled)
+        for (int p = 0; p < GM_POOL__COUNT; p++) {
+            out[i++] = arr[p].current;
+            out[i++] = arr[p].peak;
+            out[i++] = arr[p].allocated;
+            out[i++] = arr[p].freed;
+        }
+    for (int64_t v : {st.num_alloc_retries, st.num_ooms, st.num_sync_all_streams, st.num_device_alloc,
+                      st.num_device_free, h ? st.max_split_size : (int64_t)-1})
+        out[i++] = v;
+}
+
+extern "C" void gpumem_torch_reset_stats(int device, int what) {
+    gm_heap *h = device >= 0 ? gm_heap_registry_get(device) : nullptr;
+    if (!h) return;
+    if (what == 1) gm_reset_peak_stats(h);
+    if (what == 2) gm_reset_accumulated_stats(h);
 }
 
 extern "C" void gpumem_torch_record_stream(void *ptr, void *stream) {

@@ -104,6 +104,19 @@ GM_TORCH_EXPORT int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t
                                             gm_torch_stream_filter_fn filter);
 GM_TORCH_EXPORT int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second);
 GM_TORCH_EXPORT int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second);
+/* torch's DeviceStats of a device's heap, for torch's C++ callers
+ * (csrc/torch_ext/allocator.cpp): `out` gets GM_TORCH_STATS_N values, first
+ * allocation, segment, active, inactive_split, allocated_bytes,
+ * reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes (in
+ * that order), each for the pools all, small, large, each current, peak,
+ * allocated, freed; then num_alloc_retries, num_ooms, num_sync_all_streams,
+ * num_device_alloc, num_device_free, max_split_size.  Zeros for a device
+ * with no heap.  reset: 1 the peaks, 2 the accumulated figures. */
+enum {
+    GM_TORCH_STATS_N = 9 * 3 * 4 + 6
+};
+GM_TORCH_EXPORT void gpumem_torch_device_stats(int device, int64_t *out);
+GM_TORCH_EXPORT void gpumem_torch_reset_stats(int device, int what);
 /* Free a block by address on whichever heap holds it: the deleter of storages
  * whose blocks a checkpoint restored (gpumem.torch._checkpoint). */
 GM_TORCH_EXPORT void gpumem_torch_raw_delete(void *ptr);

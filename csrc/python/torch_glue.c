@@ -64,7 +64,9 @@ static PyObject *g_entry_points(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) 
         gm_py_put(d, "pool_begin", gm_py_fn_address((void (*)(void))gpumem_torch_pool_begin)) < 0 ||
         gm_py_put(d, "pool_end", gm_py_fn_address((void (*)(void))gpumem_torch_pool_end)) < 0 ||
         gm_py_put(d, "pool_release", gm_py_fn_address((void (*)(void))gpumem_torch_pool_release)) < 0 ||
-        gm_py_put(d, "raw_delete", gm_py_fn_address((void (*)(void))gpumem_torch_raw_delete)) < 0) {
+        gm_py_put(d, "raw_delete", gm_py_fn_address((void (*)(void))gpumem_torch_raw_delete)) < 0 ||
+        gm_py_put(d, "device_stats", gm_py_fn_address((void (*)(void))gpumem_torch_device_stats)) < 0 ||
+        gm_py_put(d, "reset_stats", gm_py_fn_address((void (*)(void))gpumem_torch_reset_stats)) < 0) {
         Py_DECREF(d);
         return NULL;
     }

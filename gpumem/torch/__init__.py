@@ -11,6 +11,8 @@ or ``GPUMEM_CONF="cap:0.9" python -m gpumem.torch train.py ARGS``.
     _pools     private pools: CUDA graphs, torch.cuda.MemPool, torch.compile's cudagraph trees
     _pause     pause()/resume()/paused(): release a pool's physical memory, keeping its addresses
     _checkpoint  the small torch-header module cudagraph trees' checkpoints need, built on first use
+    _regions   torch.compile's regions in snapshots' trace entries (compile_context=True)
+    _cppext    builds the files of csrc/torch_ext against the installed torch, on first use
 
 Nothing else in gpumem imports this package; it hands its hooks down
 (gpumem._heap.register_torch_hooks).  Importing it does not import torch.

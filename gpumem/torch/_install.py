@@ -7,7 +7,8 @@
 or, with no change to the script, ``GPUMEM_CONF="cap:0.9" python -m gpumem.torch train.py ARGS``.
 
 install() registers gpumem's entry points (exported from gpumem._C) through
-torch.cuda.memory.CUDAPluggableAllocator, sets the allocator hooks torch offers
+torch's CUDAPluggableAllocator (a subclass of it that C++ callers see gpumem
+through, _cppalloc, when it can be built), sets the allocator hooks torch offers
 (empty_cache, set_per_process_memory_fraction, Tensor.record_stream, init), and
 routes torch's memory API -- memory_allocated/reserved and their max_ forms,
 memory_stats, memory_summary, reset_peak_memory_stats, memory_snapshot,
@@ -41,7 +42,7 @@ import sys
 from .. import _C
 from .._heap import MAX_HISTORY, register_torch_hooks
 from .._units import parse_size
-from . import _pools, _viz
+from . import _cppalloc, _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
 DISABLE_VAR = "GPUMEM_DISABLE"  # 1: install() leaves torch's own allocator in place
@@ -266,9 +267,14 @@ def _make_allocator(torch, kw, what):
             "CUDA (first lines of the script), or run the script with `python -m gpumem.torch script.py`."
         )
     _configure(kw)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "gpumem_torch_alloc", "gpumem_torch_free")
-    hooks = alloc.allocator()
     entry = _C._torch_entry_points()
+    # gpumem's C++ allocator object (C++ callers see gpumem), else torch's plain pluggable one
+    alloc = _cppalloc.allocator(torch, entry, _memory_fraction) or torch.cuda.memory.CUDAPluggableAllocator(
+        _C.__file__, "gpumem_torch_alloc", "gpumem_torch_free"
+    )
+    hooks = alloc.hooks if isinstance(alloc, _cppalloc.Allocator) else alloc.allocator()
+    if isinstance(alloc, _cppalloc.Allocator):
+        _C._torch_set_oom_observer(_run_oom_observers)  # observers C++ code attaches run too
     hooks.set_init_fn(entry["init"])
     hooks.set_reset_fn(entry["empty_cache"])
     hooks.set_memory_fraction_fn(entry["memory_fraction"])
@@ -351,14 +357,15 @@ def torch_allocator(**options):
         (it cannot wait until after: the caller fetched change_current_allocator first)."""
 
         def __init__(self):
-            super().__init__(alloc.allocator())
+            cpp = isinstance(alloc, _cppalloc.Allocator)
+            super().__init__(None if cpp else alloc.allocator())  # the C++ one becomes current when used
             self.pluggable = alloc
 
         def allocator(self):
             if _state["allocator"] is None:
                 _state["allocator"] = alloc
                 _finish(torch, merged, None)
-            return super().allocator()
+            return alloc.allocator()
 
     return TorchAllocator()
 
@@ -402,6 +409,7 @@ def status():
         "options": dict(_state["options"]),
         "patched": sorted(n for _, n in _state["patched"]),
         "pool_hooks": _state["pool_hooks"],
+        **_cppalloc.status(),
         "devices": {},
     }
     C = _C
@@ -444,6 +452,7 @@ def nested_stats(device):
             nested[key] = value
     for key in _UNPOOLED:
         nested[key] = {f: 0 for f in _FIELDS}
+    nested["num_oom_rejections"] = 0  # newer torch's OOM preemption policy, which gpumem has not
     return nested
 
 
@@ -497,6 +506,7 @@ def _attach_oom_observer(observer):
 def _run_oom_observers(device, requested, allowed, device_free):
     for observer in list(_oom_observers):
         observer(device, requested, allowed, device_free)
+    _cppalloc.notify_oom(device, requested, allowed, device_free)  # those C++ code attached
 
 
 def _accelerator_stats(device=None):

@@ -38,6 +38,7 @@ from .._resolve import registry_heap
 from ..history import _record
 from ..snapshot import Snapshot
 from ..trace import ALLOCATOR_ACTIONS
+from . import _regions
 
 __all__ = [
     "on_install",
@@ -104,6 +105,8 @@ class _Timeline:
 _trace_context = _Timeline("alloc")
 # torch.cuda.memory._set_memory_metadata's string in force
 _metadata = _Timeline("")
+# the innermost torch.compile region running (_regions), "N/A" outside any
+_compile_context = _Timeline("N/A")
 
 
 def _hooks():
@@ -174,6 +177,7 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
         known = ", ".join(TORCH_TRACE_ACTIONS)
         raise ValueError(f"unknown trace action(s) in skip_actions: {unknown} (known: {known})")
     n = max(1, min(int(max_entries), MAX_HISTORY))
+    _follow_regions(mode, args, kwargs, legacy=isinstance(enabled, bool))
     if clear and mode == "all":
         _C.registry_history_enable(0)  # the ring starts empty
     _trace_context.set(context)  # before the ring records in the new mode
@@ -181,6 +185,19 @@ def record_torch_history(enabled, *args, **kwargs) -> None:
     _skip_actions = frozenset(skip or ())
     # context="all" with a trace to record: frees and empty_cache take their caller's stack
     _C._torch_set_event_stacks(context == "all" and mode == "all")
+
+
+def _follow_regions(mode, args, kwargs, legacy: bool) -> None:
+    """compile_context=True (the legacy form's 6th argument, the other's 5th): trace entries
+    carry the torch.compile region they were recorded in; otherwise, or when recording stops,
+    "N/A"."""
+    at = 5 if legacy else 4
+    wanted = args[at] if len(args) > at else kwargs.get("compile_context", False)
+    if mode and wanted:
+        _regions.start(set_compile_context)
+    else:
+        _regions.stop()
+        set_compile_context(_regions.OUTSIDE)
 
 
 def set_memory_metadata(metadata) -> None:
@@ -196,14 +213,21 @@ def get_memory_metadata() -> str:
     return _metadata.current()
 
 
+def set_compile_context(region: str) -> None:
+    """The compiled region trace entries recorded from now on carry as "compile_context"."""
+    _compile_context.set(region)
+
+
 def _entry_hook():
     """Snapshot.to_torch's entry_hook: each trace entry as torch records it, with the
     metadata in force then, and frames only where the context mode in force then
     gives trace entries any."""
     metadata_at, context_at = _metadata.reader(), _trace_context.reader()
+    region_at = _compile_context.reader()
 
     def hook(e, entry) -> None:
         entry["user_metadata"] = metadata_at(e.time_ns)
+        entry["compile_context"] = region_at(e.time_ns)
         if context_at(e.time_ns) not in ("alloc", "all"):
             entry["frames"] = []
 

@@ -178,8 +178,9 @@ enum {
     X(inactive_split_bytes)                                                                                            \
     X(requested_bytes)
 #define GM_EACH_COUNTER(X)                                                                                             \
-    X(num_alloc_retries) /* allocations that took the slow path */                                                     \
-    X(num_ooms)                                                                                                        \
+    X(num_alloc_retries)    /* torch's: allocations that met the cap or the device, released cached memory, retried */ \
+    X(num_ooms)             /* allocations that failed (torch's path counts each exception once) */                    \
+    X(num_slow_allocs)      /* allocations no free block served: they took the slow path */                            \
     X(num_sync_all_streams) /* device synchronisations before unmapping */                                             \
     X(num_device_alloc)     /* physical pages created */                                                               \
     X(num_device_free)      /* physical pages released */                                                              \
@@ -362,6 +363,21 @@ int gm_pool_release(gm_heap *heap, gm_pool_id id);
 /* gm_malloc, in `pool` (NULL: the general heap).  GM_EINVAL for an unknown pool. */
 int gm_malloc_pool(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, const gm_pool_id *pool,
                    uintptr_t *out);
+/* gm_malloc_flags' flags, for a caller that tries again itself after a failure
+ * (torch's path: empty the cache, try once more, then raise):
+ * GM_MALLOC_OOM_UNCOUNTED: a failure is not counted in num_ooms nor recorded
+ *   in the history; the caller does that with gm_count_oom once it gives up.
+ * GM_MALLOC_RETRY: this call repeats one that failed, which counted the
+ *   allocation's retry already: it counts none. */
+enum {
+    GM_MALLOC_OOM_UNCOUNTED = 1,
+    GM_MALLOC_RETRY = 2
+};
+int gm_malloc_flags(gm_heap *heap, size_t size, gm_stream stream, uint64_t context, const gm_pool_id *pool,
+                    unsigned flags, uintptr_t *out);
+/* Count one out-of-memory failure of `size` bytes on `stream` that the caller
+ * decided (num_ooms, and the history's OOM event). */
+void gm_count_oom(gm_heap *heap, size_t size, gm_stream stream);
 int gm_pool_info_get(gm_heap *heap, gm_pool_id id, gm_pool_info *out);
 /* The living pools: writes up to `cap`, returns how many there are. */
 size_t gm_pool_list(gm_heap *heap, gm_pool_info *out, size_t cap);
