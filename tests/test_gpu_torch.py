@@ -359,9 +359,10 @@ def test_torch_memory_api_routed(tmp_path):
         torch.cuda.memory._record_memory_history(enabled=None)
         torch.cuda.reset_accumulated_memory_stats()
         res["acc"] = torch.cuda.memory_stats()["allocation.all.allocated"]
+        res["cpp"] = gpumem.status()["cpp_allocator"]
         gpumem.uninstall()
         try:
-            torch.cuda.memory_allocated(); res["after_uninstall"] = "no error"
+            res["after_uninstall"] = torch.cuda.memory_allocated()
         except RuntimeError as e:
             res["after_uninstall"] = str(e)[:80]
         gpumem.install()
@@ -381,9 +382,13 @@ def test_torch_memory_api_routed(tmp_path):
     assert ("alloc", r["b"]) in acts and any(a == "free_requested" for a, _ in acts), acts[:10]
     assert r["dumped_segments"] >= 1
     assert r["acc"] == 0
-    # uninstall leaves torch's pluggable allocator in place (it cannot be
-    # swapped back), so torch's own stats call refuses, as docs/torch.md says.
-    assert "does not yet support" in r["after_uninstall"], r["after_uninstall"]
+    # uninstall leaves torch's pluggable allocator in place (it cannot be swapped back):
+    # torch's own stats call then reaches gpumem's C++ allocator object, which still
+    # serves every allocation, or, without that object, refuses as docs/torch.md says.
+    if r["cpp"]:
+        assert r["after_uninstall"] == r["now"], r["after_uninstall"]
+    else:
+        assert "does not yet support" in r["after_uninstall"], r["after_uninstall"]
     assert r["reinstalled"] == 1024
 
 

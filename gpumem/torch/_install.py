@@ -380,8 +380,9 @@ def uninstall():
 
     torch cannot swap its allocator once CUDA is up, so allocations keep going to gpumem
     until the process ends (status()["allocator_active"]); only the patched memory API is
-    restored, and torch.cuda.memory_stats & co. raise again as they do under any pluggable
-    allocator.
+    restored.  torch.cuda.memory_stats & co. then read gpumem's figures through its C++
+    allocator object (status()["cpp_allocator"]), or, without it, raise as they do under
+    any pluggable allocator.
     """
     for (owner, name), original in _state["patched"].items():
         if original is _MISSING:
