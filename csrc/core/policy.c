@@ -81,7 +81,8 @@
  *                                processes) and for the defragmentation that
  *                                follows to find free pages.  The smallest
  *                                capacity per trace stays within 0.27% of
- *                                peak live of the tight heap's.
+ *                                peak live of the tight heap's (the nine
+ *                                shipped traces and the zoo's 29).
  *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
  *                                device allocations than single pages on five
  *                                of the nine shipped traces (none on the
