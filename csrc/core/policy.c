@@ -43,10 +43,10 @@
  *   and a heap that later fills its device then cannot move the rest
  *   (recycling releases only a wholly free chunk, and makes single pages in
  *   its place).  Hence both conditions: ROOM_FAR keeps chunks to the start of
- *   a heap's growth, ROOM_SMALL_FREE to devices with room the program will
- *   not need.  A device that the program will fill is the one whose free
- *   memory past the room line is small: there every page is single, as on
- *   the tight heap.
+ *   a heap's growth, ROOM_SMALL_FREE to devices with room to spare past the
+ *   room line.  On a device with less, every page is single, as on the
+ *   tight heap.  A program that fills a larger device still pays for the
+ *   chunks it made early (docs/benchmarks.md: up to 2% of peak live).
  *
  *   Smaller growths come as chunks too, under the same conditions: each
  *   growth of fewer than ROOM_CHUNK_MIN pages is one chunk, its own pages
