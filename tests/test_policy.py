@@ -214,6 +214,26 @@ def test_small_growth_comes_as_chunks_only_with_plenty_of_room():
             h.free(q)
 
 
+def test_pages_ahead_never_swallow_the_block_after_the_range():
+    """A growth that ends inside a mapped page whose rest holds a live block takes no pages ahead: they would
+    lie past that block, and the range could not become one free block."""
+    with gpumem.Heap(capacity=80 * GiB) as h:  # small growths as chunks, with pages ahead
+        a = h.malloc(16 * MiB)  # pages 0-7, one chunk
+        b = h.malloc(17 * MiB)  # pages 8-16, one chunk; page 16 half used
+        keep = h.malloc(MiB // 2)  # the rest of page 16, at 33 MiB
+        assert keep - a == 33 * MiB
+        h.free(a)
+        h.free(b)
+        h.empty_cache()  # pages 0-7 go; pages 8-16 stay, locked by `keep`
+        assert h.stats()["reserved_bytes.all.current"] == 18 * MiB
+        p = h.malloc(20 * MiB)  # [13, 33) MiB: two new pages, then `keep`
+        assert p - a == 13 * MiB
+        assert h.stats()["reserved_bytes.all.current"] == 22 * MiB
+        h.check()
+        h.free(p)
+        h.free(keep)
+
+
 def test_a_pools_growth_takes_a_torch_sized_segment_with_room():
     """With room, a pool's request between 1 and 10 MiB that grows takes 20 MiB, all of it the pool's (torch's
     segment for such a request; single pages, which can move once the pool ends): the pool's next such request
