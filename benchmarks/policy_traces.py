@@ -1,15 +1,17 @@
 """Room vs pressure on the shipped traces: the default policy against the heap tight everywhere (pressure 0).
 
-    python3 benchmarks/policy_traces.py [--traces a,b,c] [--out benchmarks/results/policy_traces.json]
+    python3 benchmarks/policy_traces.py [--traces a,b,c] [--scale K] [--out benchmarks/results/policy_traces.json]
 
 For each trace and each policy: peak reserved and device calls replayed with room (the simulated
 device's 80 GiB), and the smallest capacity that fits, searched to 1 MiB -- a capacity near peak live
 puts the heap under pressure for the end of the trace, with room at its start.  Ratios are to the
 trace's peak live bytes, as in gpumem/data/traces/README.md.  Deterministic: the simulated device
-gives the same figures on every machine.
+gives the same figures on every machine.  --scale K replays every request K times as large (the
+search then to K MiB): a trace that fills a larger device.
 """
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -23,13 +25,23 @@ from gpumem.trace import load_trace  # noqa: E402
 POLICIES = {"tight (pressure 0)": {"pressure": 0}, "default": {}}
 
 
-def measure(name):
+def scaled(tr, k):
+    """The trace with every request k times as large."""
+    words = tr.words[:]
+    for i in range(1, len(words), 3):
+        words[i] *= k
+    return dataclasses.replace(tr, words=words, peak_live_bytes=tr.peak_live_bytes * k)
+
+
+def measure(name, scale=1):
     tr = load_trace(str(trace_path(name)))
+    if scale > 1:
+        tr = scaled(tr, scale)
     peak = tr.peak_live_bytes
     out = {}
     for label, kw in POLICIES.items():
         r = R.replay(tr, timing=False, heap_kwargs=kw)
-        mc = R.min_capacity(tr, precision=R.MiB, heap_kwargs=kw)
+        mc = R.min_capacity(tr, precision=R.MiB * scale, heap_kwargs=kw)
         out[label] = dict(
             peak_reserved=round(r.peak_reserved_bytes / peak, 4),
             remaps=r.remaps,
@@ -44,9 +56,12 @@ def measure(name):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", default=",".join(list_traces()))
+    ap.add_argument("--scale", type=int, default=1, help="every request K times as large")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "policy_traces.json"))
     a = ap.parse_args()
-    rows = [measure(n) for n in a.traces.split(",") if n]
+    if a.scale < 1:
+        ap.error(f"--scale must be at least 1, got {a.scale}")
+    rows = [measure(n, a.scale) for n in a.traces.split(",") if n]
     print("| trace | peak live GiB | policy | peak reserved (80 GiB) | remaps (pages) ", end="")
     print("| device allocations | min capacity |")
     print("|---|---|---|---|---|---|---|")

@@ -31,27 +31,29 @@
  *   workload fits in stays near the tight heap's (pressure 0) -- not equal:
  *   the blocks placed with room lie elsewhere.
  *
- *   Growth with room far from pressure -- the heap holding at most ROOM_FAR
- *   of the room line -- maps a request's new pages as chunks of up to
- *   ROOM_CHUNK_PAGES pages (one create, map and access grant each, instead
- *   of one per page) when it needs at least ROOM_CHUNK_MIN of them.  Only the
- *   pages wholly inside the request's range become chunks; its first and
- *   last pages, which neighbouring blocks may share, stay single
- *   (map_interior).  A chunk cannot move while a block still uses one of its
- *   pages, which is why they are made only for large requests and only far
- *   from pressure: such a block usually goes whole, and its chunk with it
- *   (recycling releases a wholly free chunk and makes single pages in its
- *   place), long before defragmentation needs every page to move.
+ *   Growth far from pressure -- the heap holding at most ROOM_FAR of the
+ *   room line, and the device ROOM_SMALL_FREE free past it (room_far) --
+ *   maps a request's new pages as chunks of up to ROOM_CHUNK_PAGES pages (one
+ *   create, map and access grant each, instead of one per page) when it
+ *   needs at least ROOM_CHUNK_MIN of them.  Only the pages wholly inside the
+ *   request's range become chunks; its first and last pages, which
+ *   neighbouring blocks may share, stay single (map_interior).  A chunk
+ *   cannot move while a block still uses one of its pages: once its block is
+ *   freed, the fast path may place smaller, long-lived blocks on part of it,
+ *   and a heap that later fills its device then cannot move the rest
+ *   (recycling releases only a wholly free chunk, and makes single pages in
+ *   its place).  Hence both conditions: ROOM_FAR keeps chunks to the start of
+ *   a heap's growth, ROOM_SMALL_FREE to devices with room to spare past the
+ *   room line.  On a device with less, every page is single, as on the
+ *   tight heap.  A program that fills a larger device still pays for the
+ *   chunks it made early (docs/benchmarks.md: up to 2% of peak live).
  *
- *   Smaller growths come as chunks too, but only while the device also has
- *   ROOM_SMALL_FREE free past the room line: each growth of fewer than
- *   ROOM_CHUNK_MIN pages is one chunk, its own pages and, when it needs fewer
- *   than ROOM_AHEAD_PAGES, that many taken ahead from the unmapped space right
- *   after it (room_ahead), which the next small requests then use without a
- *   device call.  Such chunks soon hold blocks of different lifetimes, so
- *   they rarely go back whole: on a heap that later fills its device they
- *   lock pages that defragmentation could otherwise move.  ROOM_SMALL_FREE
- *   keeps them to devices that have that much to spare.
+ *   Smaller growths come as chunks too, under the same conditions: each
+ *   growth of fewer than ROOM_CHUNK_MIN pages is one chunk, its own pages
+ *   and, when it needs fewer than ROOM_AHEAD_PAGES, that many taken ahead
+ *   from the unmapped space right after it (room_ahead), which the next
+ *   small requests then use without a device call.  Such chunks soon hold
+ *   blocks of different lifetimes, so they rarely go back whole.
  *
  *   A pool's growth reaches ahead as torch's segments do: far from
  *   pressure and with ROOM_SMALL_FREE past the room line, a request of a living pool over POOL_AHEAD_MIN and under
@@ -79,16 +81,21 @@
  *                                processes) and for the defragmentation that
  *                                follows to find free pages.  The smallest
  *                                capacity per trace stays within 0.27% of
- *                                peak live of the tight heap's.
+ *                                peak live of the tight heap's (the nine
+ *                                shipped traces and the zoo's 29).
  *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
  *                                device allocations than single pages on five
- *                                of the nine traces (none on the others), the
- *                                smallest capacity of every trace the same as
- *                                with single pages; chunks
- *                                for smaller requests, or up to half the room
- *                                line, cost up to 8% of peak live on
- *                                seed_fragmentation, 1.4% on llama_lora_ckpt
- *                                and 0.4% on two_stream_pipeline.
+ *                                of the nine shipped traces (none on the
+ *                                others); chunks for smaller requests, or up
+ *                                to half the room line, cost up to 8% of peak
+ *                                live on seed_fragmentation, 1.4% on
+ *                                llama_lora_ckpt and 0.4% on
+ *                                two_stream_pipeline.  Without the
+ *                                ROOM_SMALL_FREE condition, the chunks made
+ *                                on a device the trace fills raise its
+ *                                smallest capacity by up to 5% of peak live
+ *                                (resnet_infer 1.077 against 1.027 with single
+ *                                pages, llama_ckpt 1.020 against 1.004).
  *     ROOM_AHEAD_PAGES 8, ROOM_SMALL_FREE 16 GiB: on an 80 GiB device the
  *                                nine traces make 8-28x fewer device
  *                                allocations (gpt2_varlen 4701 -> 292,
@@ -100,7 +107,7 @@
  *                                with it no trace's changes.
  *   (The tunables, ROOM_*, are in heap_internal.h: placement reads one.) */
 
-/* Pages that must stay free past the room line for small growths to come as
+/* Pages that must stay free past the room line for growth to come as
  * chunks (POLICY). */
 static size_t room_small_free(const gm_heap *h) { return ROOM_SMALL_FREE / h->page; }
 
@@ -113,6 +120,15 @@ static size_t room_line(gm_heap *h) {
     size_t device = h_held_pages(h) + dfree / h->page;
     if (device < limit) limit = device;
     return (size_t)(h->pressure * (double)limit);
+}
+
+/* Far from pressure (POLICY): with `need` more pages the heap holds at most
+ * ROOM_FAR of the room line, and the device keeps ROOM_SMALL_FREE past it --
+ * room that a program which will meet its cap does not have.  Chunks are
+ * made only then. */
+static int room_far(const gm_heap *h, size_t room, size_t need) {
+    size_t held = h_held_pages(h) + need;
+    return room && held <= (size_t)(ROOM_FAR * (double)room) && room > held + room_small_free(h);
 }
 
 static size_t growth_limit(const gm_heap *h, size_t size) {
@@ -129,20 +145,20 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
 size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size) {
     if (pool->no_split || size <= POOL_AHEAD_MIN || size >= POOL_AHEAD_MAX) return size;
     size_t want = (POOL_AHEAD_BYTES + h->page - 1) / h->page, room = room_line(h);
-    size_t held = h_held_pages(h) + want;
-    if (!room || held > (size_t)(ROOM_FAR * (double)room) || room <= held + room_small_free(h)) return size;
+    if (!room_far(h, room, want)) return size;
     return want * h->page;
 }
 
 /* Growth ahead (POLICY): far from pressure, a growth of fewer than
  * ROOM_AHEAD_PAGES pages takes that many as one chunk, the rest from the
- * unmapped general space right after the range (none when the range ends
- * at a block or a pool's space), and under `limit`.  Returns the pages it
- * adds past the range's last page. */
+ * unmapped general space right after the range, and under `limit`: none
+ * when the range ends at a block or a pool's space, or inside a mapped page
+ * (the rest of that page may hold a block, which the pages ahead would
+ * swallow).  Returns the pages it adds past the range's last page. */
 static size_t room_ahead(gm_heap *h, const placement *pl, size_t size, size_t need, size_t limit) {
     size_t p1 = gm_page_ceil(h, pl->addr + size), held = h_held_pages(h) + need;
     if (pl->pooled || need >= ROOM_AHEAD_PAGES || p1 >= h->n_pages || held >= limit) return 0;
-    const gm_block *c = h_block_holding(pl->first, gm_page_addr(h, p1));
+    const gm_block *c = h_block_holding(pl->first, pl->addr + size);
     if (c->state != GM_BLOCK_UNMAPPED || c->pool) return 0;
     size_t avail = gm_page_floor(h, c->addr + c->size) - p1, want = ROOM_AHEAD_PAGES - need;
     if (want > avail) want = avail;
@@ -163,12 +179,12 @@ size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *p
     /* The device is asked what is free only when room would change something. */
     size_t room = room_line(h);
     if (room > limit) limit = room;
-    if (room && *g == NULL && !single && h_held_pages(h) + need <= (size_t)(ROOM_FAR * (double)room)) {
+    if (*g == NULL && !single && room_far(h, room, need)) {
         /* far from pressure: the new pages as chunks */
         if (need >= ROOM_CHUNK_MIN) {
             *g = grant;
             *most = ROOM_CHUNK_PAGES;
-        } else if (!pool && room > h_held_pages(h) + need + room_small_free(h)) {
+        } else if (!pool) {
             ahead = room_ahead(h, pl, size, need, limit);
             *g = grant;
             *most = ROOM_SMALL_PAGES;

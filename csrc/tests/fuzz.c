@@ -269,6 +269,26 @@ static void pf_take(world *w, uintptr_t a, size_t size, int pool) {
     }
 }
 
+/* A pool's growth may take more than its block (far from pressure, torch's
+ * segment: the core's POLICY): the pool's free block right after block
+ * [a, a+size), not yet kept, is kept for the pool too. */
+static void pf_learn_reach(world *w, uintptr_t a, size_t size, int pool) {
+    gm_snapshot *snap = NULL;
+    if (gm_snapshot_take(w->heap, &snap) != GM_OK) return;
+    gm_pool_id id = pool_id(pool);
+    for (size_t i = 0; i < snap->n_blocks; i++) {
+        const gm_block_info *b = &snap->blocks[i];
+        if (b->addr != a + size) continue;
+        int kept = 0;
+        for (size_t k = 0; k < w->npf && !kept; k++)
+            kept = w->pf[k].addr <= b->addr && b->addr < w->pf[k].addr + w->pf[k].size;
+        if (b->state == GM_BLOCK_FREE && b->pool.first == id.first && b->pool.second == id.second && !kept)
+            pf_push(w, b->addr, b->size, pool);
+        break;
+    }
+    gm_snapshot_free(snap);
+}
+
 static void pf_drop_pool(world *w, int pool) {
     size_t j = 0;
     for (size_t i = 0; i < w->npf; i++)
@@ -535,6 +555,7 @@ static void op_malloc(world *w, rng_t *r) {
         fail("gm_malloc(%zu) returned %#" PRIxPTR "+%zu that is not mapped with access", size, p, bs);
     q_check_alloc(w, p, bs, si);
     pf_take(w, p, bs, pool);
+    if (pool >= 0) pf_learn_reach(w, p, bs, pool);
     sh_insert(&w->live, (blk){p, bs, size, si, 0, pool, pool < 0 ? 0 : w->pool_gen[pool]});
     w->n_malloc_ok++;
     gm_stats st;
