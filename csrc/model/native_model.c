@@ -383,41 +383,51 @@ uint64_t gm_native_empty_cache(gm_native *m) {
     return released;
 }
 
-/* How many of pool p's largest blocks, taken from the largest down while they
- * are oversize, add up to `want` bytes: 0 if they cannot. */
-static size_t oversize_tail(const nm_pool *p, uint64_t max_split, uint64_t want) {
-    uint64_t total = 0;
-    size_t k = 0;
-    for (int bin = bin_next(p, N_BINS - 1, 1); bin >= 0 && total < want; bin = bin_next(p, bin - 1, 1))
-        for (size_t i = p->bins[bin].n; i > 0 && total < want; i--, k++) {
-            if (p->bins[bin].e[i - 1].size < max_split) return 0;
-            total += p->bins[bin].e[i - 1].size;
-        }
-    return total < want ? 0 : k;
+/* Whether block bi is the whole of its segment (only such a block can be released). */
+static int whole_segment(const gm_native *m, uint32_t bi) {
+    return m->blocks[bi].prev == NONE && m->blocks[bi].next == NONE;
 }
 
-/* With a max_split_size: release a cached oversize block (never split, so a
- * whole segment) large enough for the request, or else oversize ones from the
- * largest down until as many bytes are freed.  0 if that cannot free enough. */
+/* Release entry i of bin `bin` of pool p, a whole free segment. */
+static void release_entry(gm_native *m, nm_pool *p, int bin, size_t i) {
+    segment_release(m, p->bins[bin].e[i].block);
+    pool_cut(p, bin, i, i + 1);
+}
+
+/* With a max_split_size, torch's release_available_cached_blocks: release the
+ * first cached block not below the request (and not below max_split_size),
+ * or else the oversize blocks below it from the largest down until as many
+ * bytes are released.  Only whole free segments are released: a free block
+ * that is part of a split segment is passed over, as torch passes over the
+ * blocks of expandable segments (with a max_split_size that is not a whole
+ * MiB, such a block can be oversize).  1 if enough was released. */
 static int release_oversize(gm_native *m, uint32_t pi, uint64_t rounded) {
     if (m->max_split == GM_NATIVE_UNLIMITED) return 0;
     nm_pool *p = &m->pools[pi];
-    uint64_t want = rounded > m->max_split ? rounded : m->max_split;
+    uint64_t want = rounded > m->max_split ? rounded : m->max_split, total = 0;
     int bin;
-    size_t i, k;
+    size_t i;
     if (pool_find(p, want, -1, &bin, &i)) {
-        segment_release(m, p->bins[bin].e[i].block);
-        pool_cut(p, bin, i, i + 1);
-        return 1;
-    }
-    if ((k = oversize_tail(p, m->max_split, want)) == 0) return 0;
-    while (k-- > 0) { /* the pool's last block, k times */
+        if (whole_segment(m, p->bins[bin].e[i].block)) {
+            release_entry(m, p, bin, i);
+            return 1;
+        }
+    } else {
         bin = bin_next(p, N_BINS - 1, 1);
-        i = p->bins[bin].n - 1;
-        segment_release(m, p->bins[bin].e[i].block);
-        pool_cut(p, bin, i, i + 1);
+        i = bin >= 0 ? p->bins[bin].n : 0;
     }
-    return 1;
+    while (total < want && bin >= 0) { /* entry i - 1 of `bin` is the next one down */
+        if (i == 0) {
+            if ((bin = bin_next(p, bin - 1, 1)) >= 0) i = p->bins[bin].n;
+            continue;
+        }
+        const nm_entry e = p->bins[bin].e[--i];
+        if (e.size < m->max_split) break;
+        if (!whole_segment(m, e.block)) continue;
+        total += e.size;
+        release_entry(m, p, bin, i);
+    }
+    return total >= want;
 }
 
 /* ---- malloc and free -------------------------------------------------------------------------- */
