@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from . import _C
 from ._units import format_size, parse_size
 from .replay import _check_event_delay, _heap, min_capacity, replay
 from .trace import MAX_ALLOC, TraceError, _Builder, _PlainUnpickler, load_trace
@@ -28,9 +29,10 @@ HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
-# The largest simulated device the command line makes: its page tables grow
-# with the capacity (an 80 GB GPU is 0.0001 of it).
-MAX_SIM_CAPACITY = 64 << 40
+# The largest simulated device the command line makes in its default pages:
+# the bound every simulated heap keeps to (csrc/include/gpumem/sim.h), as its
+# host memory grows with its pages.  An 80 GB GPU is 0.0001 of it.
+MAX_SIM_CAPACITY = _C.SIM_MAX_PAGES * _C.SIM_PAGE_SIZE
 # A traceback instead of the one-line error: `gpumem --debug ...` or this variable.
 DEBUG_ENV = "GPUMEM_DEBUG"
 

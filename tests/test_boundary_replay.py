@@ -57,5 +57,81 @@ def test_replay_in_chunks_gives_the_peak_of_one_call():
     assert replay_trace(gpumem.Heap(device="sim", capacity="256MiB"), trace, progress=lambda *a: None, chunk=5)
 
 
+# ---- one bound on every simulated heap's host memory ----------------------------------------------
+
+
+def two_traces(tmp_path):
+    """Two small text traces of one step at knob values 2 and 4."""
+    paths = []
+    for k in (2, 4):
+        p = tmp_path / f"k{k}.trace"
+        p.write_text(
+            "".join(f"alloc {4096 * (i + 1)} {k * MiB} 0\n" for i in range(3)) + f"free_completed 4096 {k * MiB} 0\n"
+        )
+        paths.append(str(p))
+    return paths
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(capacity="1TiB", page_size=4096),  # malloc(1 << 40) grew host memory until OOM-killed at 24 GB
+        dict(capacity="1PB"),
+        dict(capacity=1 << 63),
+        dict(capacity="64TiB", page_size=MiB),
+    ],
+)
+def test_a_simulated_device_with_too_many_pages_is_refused(kw):
+    with pytest.raises(ValueError, match="lower capacity or raise page_size"):
+        gpumem.Heap(device="sim", **kw)
+
+
+def test_the_largest_simulated_devices_are_made():
+    from gpumem import _C
+
+    for kw in (dict(capacity=_C.SIM_MAX_PAGES * _C.SIM_PAGE_SIZE), dict(capacity="128GiB", page_size=4096)):
+        gpumem.Heap(device="sim", **kw).close()
+
+
+def test_replay_and_forecast_keep_to_the_same_bound(tmp_path):
+    from gpumem.forecast import Forecast
+    from gpumem.replay import replay
+
+    a, b = two_traces(tmp_path)
+    with pytest.raises(ValueError, match="lower capacity or raise page_size"):
+        replay(a, capacity=1 << 50)
+    fc = Forecast.from_traces([a, b], [2, 4])
+    with pytest.raises(ValueError, match="lower capacity or raise page_size"):
+        fc.fits(2, capacity=1 << 50)
+
+
+@pytest.mark.parametrize("option", ["--device-memory", "--cap"])
+def test_forecast_names_the_option_that_asks_too_much(tmp_path, option):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "gpumem", "forecast", *two_traces(tmp_path), "--knob", "2,4", option, "1PB"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"argument {option}: capacity '1PB' is more than" in p.stderr
+
+
+def test_a_heap_without_host_memory_for_its_tables_says_so():
+    """It said "CUDA out of memory. cannot create heap: host memory", for a
+    simulated heap whose host ran short."""
+    import subprocess
+
+    code = (
+        "import resource, gpumem\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "try:\n"
+        "    gpumem.Heap(device='sim', capacity='64TiB')\n"
+        "except MemoryError as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if "MemoryError" not in p.stdout:
+        pytest.skip("the address-space limit did not take (a sanitizer reserves more)")
+    assert p.stdout.startswith("MemoryError cannot create heap: out of host memory") and "CUDA" not in p.stdout
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
