@@ -16,7 +16,8 @@ from gpumem import _C
 from native_reference import Reference
 from test_boundary import _malloc_in_use
 
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
+EV = struct.Struct("<IIQQ")
 
 
 def check_books(m):
@@ -28,6 +29,8 @@ def check_books(m):
     assert m.segments == len(segs) == m.num_device_alloc - m.num_device_free
     assert m.reserved == sum(segs.values()) <= m.capacity
     assert m.allocated == sum(b[2] for b in blocks if not b[5])
+    spans = sorted((seg, seg + size) for seg, size in segs.items())
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), "segments overlap"
 
 
 def test_oversize_free_block_of_a_split_segment_is_not_released_as_a_segment():
@@ -120,6 +123,26 @@ def test_native_replay_with_a_non_mib_max_split_size_keeps_its_books():
     r = _C.native_replay(raw, capacity=22 * MiB, max_split_size=21 * MiB - 512)
     assert r["ooms"] == 1 and r["first_oom_event"] == 5
     assert r["segments"] == r["num_device_alloc"] - r["num_device_free"] == 1
+
+
+def test_released_addresses_are_used_again_once_the_bottom_is_reached():
+    """Each segment goes below the one before; thousands of growing PiB
+    requests under a 4 PiB limit ran out of addresses ("addresses ran out")
+    although the segments held never exceeded the limit."""
+    peb = 1 << 50
+    raw = b"".join(EV.pack(0, i, peb + i * GiB, 0) + EV.pack(1, i, 0, 0) for i in range(10_000))
+    r = _C.native_replay(raw, capacity=1 << 52)
+    assert r["ooms"] == 0 and r["num_device_alloc"] == 10_000
+    m = _C.NativeModel(capacity=1 << 52, max_split_size=33 * MiB + 512)
+    held = []
+    for i in range(10_000):
+        held.append(m.malloc(peb + i * GiB + (i % 7) * MiB, stream=i % 2))
+        m.malloc(i % 5 * MiB + 1)  # small ones stay, in segments of their own
+        if len(held) > 2:
+            m.free(held.pop(0))
+        if i % 2000 == 0:
+            check_books(m)
+    check_books(m)
 
 
 @pytest.mark.skipif(_malloc_in_use() is None, reason="needs glibc's mallinfo2")

@@ -133,5 +133,45 @@ def test_a_heap_without_host_memory_for_its_tables_says_so():
     assert p.stdout.startswith("MemoryError cannot create heap: out of host memory") and "CUDA" not in p.stdout
 
 
+# ---- traces whose header or frames claim too much ------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1e300", "0.5", "true", "-512", "4194304", '"512"'])
+def test_a_size_granularity_out_of_range_is_a_trace_error(tmp_path, value):
+    """Infinity gave a bare OverflowError; a large value silently turned every
+    size change into rounding (no quadratic fit)."""
+    from gpumem._forecast_align import Recording
+    from gpumem.trace import TraceError, load_trace
+
+    p = tmp_path / "g.trace"
+    p.write_text('# {"size_granularity": %s}\nalloc 4096 1024 0\n' % value)
+    with pytest.raises(TraceError, match="size_granularity must be a whole number of bytes from 1 to 2 MiB"):
+        Recording.granularity_of(load_trace(str(p)))
+
+
+@pytest.mark.parametrize("value", [1, 512, 2 * MiB])
+def test_a_size_granularity_in_range_is_taken(tmp_path, value):
+    from gpumem._forecast_align import Recording
+    from gpumem.trace import load_trace
+
+    p = tmp_path / "g.trace"
+    p.write_text('# {"size_granularity": %d}\nalloc 4096 1024 0\n' % value)
+    assert Recording.granularity_of(load_trace(str(p))) == value
+
+
+def test_a_pickle_frame_longer_than_memory_says_why(tmp_path):
+    """A frame length of 2**62 made the unpickler raise MemoryError(), and the
+    message read "not a readable pickle: " with nothing after it."""
+    from gpumem.trace import TraceError, load_trace
+
+    p = tmp_path / "huge.pickle"
+    p.write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 62) + b"}.")
+    with pytest.raises(TraceError, match="not a readable pickle: it claims more memory than this host has"):
+        load_trace(str(p))
+    p.write_bytes(b"\x80\x04\x95" + struct.pack("<Q", 1 << 20) + b"}.")  # a frame cut short
+    with pytest.raises(TraceError, match=r"not a readable pickle: \S"):
+        load_trace(str(p))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

@@ -5,7 +5,8 @@
  * and what an out-of-memory releases before it fails) are stated in
  * gpumem/native_model.py's module docstring; this is the engine behind it.
  *
- *   segments, each placed below all earlier ones with a 2 MiB gap:
+ *   segments, each placed below all earlier ones with a 2 MiB gap (once
+ *   that reaches the bottom of the addresses, in the highest gap that fits):
  *
  *     next_addr                                                     1 << 56
  *       v
@@ -422,15 +423,61 @@ static void block_join(gm_native *m, uint32_t li, uint32_t ri) {
 
 /* ---- the device: segments --------------------------------------------------------------------- */
 
-/* A new segment of `size` bytes for pool p, below every earlier one: GM_NATIVE_OK
- * with its one block in *out, or GM_NATIVE_OOM if the limit forbids it. */
+typedef struct nm_span {
+    int64_t lo, hi; /* a segment's [lo, hi) */
+} nm_span;
+
+static int span_order(const void *a, const void *b) {
+    int64_t x = ((const nm_span *)a)->lo, y = ((const nm_span *)b)->lo;
+    return (x > y) - (x < y);
+}
+
+/* Once placing each segment below the one before has run down to the bottom
+ * of the addresses: the top of the highest gap among the segments held (2 MiB
+ * clear on each side) that fits `size` bytes, in *addr.  Released segments'
+ * addresses are used again so; the segments held, a gap each, take at most
+ * 2**63 bytes, which the addresses hold.  GM_NATIVE_OK, or an error. */
+static int place_in_gap(const gm_native *m, uint64_t size, int64_t *addr) {
+    nm_span *sp = malloc((m->st.segments + 1) * sizeof *sp);
+    size_t n = 0;
+    if (sp == NULL) return GM_NATIVE_NO_HOST_MEMORY;
+    for (size_t s = 0; s < m->n_blocks; s++) {
+        if (!m->blocks[s].used || m->blocks[s].prev != NONE) continue;
+        uint64_t total = 0;
+        for (uint32_t bi = (uint32_t)s; bi != NONE; bi = m->blocks[bi].next) total += m->blocks[bi].size;
+        sp[n++] = (nm_span){m->blocks[s].addr, m->blocks[s].addr + (int64_t)total};
+    }
+    qsort(sp, n, sizeof *sp, span_order);
+    int64_t top = TOP;
+    int rc = GM_NATIVE_NO_ADDRESSES;
+    for (size_t i = n + 1; i-- > 0;) { /* the gap below segment i (below TOP for i == n) */
+        int64_t floor = i ? sp[i - 1].hi : INT64_MIN;
+        /* top - floor may pass INT64_MAX: compare as unsigned */
+        if ((uint64_t)top - (uint64_t)floor >= size + 2 * ROUND_LARGE) {
+            *addr = top - (int64_t)(size + ROUND_LARGE);
+            rc = GM_NATIVE_OK;
+            break;
+        }
+        if (i) top = sp[i - 1].lo;
+    }
+    free(sp);
+    return rc;
+}
+
+/* A new segment of `size` bytes for pool p, below every earlier one (in a
+ * gap, once there is no room below): GM_NATIVE_OK with its one block in *out,
+ * or GM_NATIVE_OOM if the limit forbids it, or an error. */
 static int segment_new(gm_native *m, uint64_t size, uint32_t p, uint32_t *out) {
     if (m->st.reserved + size > m->capacity) return GM_NATIVE_OOM;
     /* size <= capacity <= 2**62: the step fits, and so does the check */
-    int64_t step = (int64_t)(size + ROUND_LARGE);
-    if (m->next_addr < INT64_MIN + step) return GM_NATIVE_NO_ADDRESSES;
-    m->next_addr -= step; /* a gap below the one before: segments never touch */
-    *out = block_new(m, m->next_addr, size, p);
+    int64_t step = (int64_t)(size + ROUND_LARGE), addr;
+    if (m->next_addr >= INT64_MIN + step) {
+        addr = m->next_addr -= step; /* a gap below the one before: segments never touch */
+    } else {
+        int rc = place_in_gap(m, size, &addr);
+        if (rc != GM_NATIVE_OK) return rc;
+    }
+    *out = block_new(m, addr, size, p);
     m->st.reserved += size;
     m->st.segments++;
     m->st.num_device_alloc++;
