@@ -22,7 +22,7 @@ def stacks_off():
     gc.set_threshold(*threshold)
     gc.callbacks[:] = [c for c in gc.callbacks if not getattr(c, "_gpumem_test", False)]
     _C._stacks_cpp(None, None)
-    _C._stacks_enable(False)
+    _C._stacks_enable(False, max_depth=64, max_stacks=1 << 16)  # the defaults
     _C._stacks_clear()
 
 
@@ -197,6 +197,56 @@ def test_a_symbolizer_that_returns_junk_is_a_type_error():
     _C._stacks_cpp(Gatherer(), lambda tbs: 42)
     with pytest.raises(TypeError, match="no list of frames"):
         _C._stack_frames(_C._stack_capture())
+
+
+class Native:
+    """A gatherer's result whose __del__ runs `then`."""
+
+    then = None
+
+    def __del__(self):
+        if Native.then:
+            Native.then()
+
+
+def test_clearing_the_table_while_what_it_drops_takes_stacks():
+    """Clearing dropped each native stack while walking the table: one whose
+    __del__ took stacks wrote into (or grew) the table being freed."""
+    _C._stacks_enable(True)
+    _C._stacks_cpp(lambda *a: Native(), symbolize_plain)
+    for _ in range(1500):
+        _C._stack_capture()
+    taken = []
+    Native.then = lambda: len(taken) < 1500 and taken.append(_C._stack_capture())
+    try:
+        _C._stacks_clear()
+    finally:
+        Native.then = None
+    assert len(taken) == 1500 and _C._stacks_info()["native_stacks"] >= 1
+    assert all(_C._stack_frames(c) is not None for c in taken[-3:] if c)
+    Native.then = _C._stacks_clear  # and clearing again from inside
+    try:
+        _C._stacks_clear()
+    finally:
+        Native.then = None
+    assert _C._stack_frames(_C._stack_capture()) is not None
+
+
+def test_a_gatherer_whose_release_sets_another():
+    class Gather:
+        def __call__(self, *a):
+            return ("native",)
+
+        def __del__(self):
+            _C._stacks_cpp(Gatherer(), symbolize_plain)
+
+    _C._stacks_enable(True)
+    _C._stacks_cpp(Gather(), symbolize_plain)
+    _C._stacks_cpp(None, None)  # dropping Gather sets a new pair, which stays
+    assert _C._stacks_info()["cpp"] is True
+    assert _C._stack_frames(_C._stack_capture())[0]["filename"] == "x.cpp"  # both halves of the pair set
+    _C._stacks_cpp(None, None)
+    assert _C._stacks_info()["cpp"] is False
 
 
 if __name__ == "__main__":  # pragma: no cover

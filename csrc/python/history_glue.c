@@ -448,30 +448,33 @@ static PyObject *python_frames(uint32_t idx) {
     return l;
 }
 
-static void clear_native(void) {
-    for (size_t i = 0; i < n_cpp; i++) {
-        Py_XDECREF(cpp_recs[i].native);
-        Py_XDECREF(cpp_recs[i].frames);
-    }
-    free(cpp_recs);
-    cpp_recs = NULL;
-    n_cpp = cap_cpp = 0;
-    n_cpp_overflow = 0;
-}
-
+/* Empty the tables, then drop what they held.  Dropping a reference may run
+ * Python code (a native stack's __del__, a weak reference's callback on a
+ * code object) that takes stacks or clears again: by then the tables are
+ * empty and new, and the old arrays are this call's alone. */
 static void clear_table(void) {
-    clear_native();
-    for (size_t i = 0; i < pool_len; i++) Py_DECREF(pool[i].code);
-    free(pool);
+    cpp_rec *recs = cpp_recs;
+    frame_key *old_pool = pool;
+    size_t n_recs = n_cpp, n_frames = pool_len;
     free(stacks);
     free(table);
+    cpp_recs = NULL;
     pool = NULL;
     stacks = NULL;
     table = NULL;
+    n_cpp = cap_cpp = 0;
+    n_cpp_overflow = 0;
     pool_len = pool_cap = n_stacks = cap_stacks = table_cap = 0;
     n_captured = n_new = n_overflow = n_truncated = 0;
     atomic_store(&n_no_gil, 0);
     generation++;
+    for (size_t i = 0; i < n_recs; i++) {
+        Py_XDECREF(recs[i].native);
+        Py_XDECREF(recs[i].frames);
+    }
+    free(recs);
+    for (size_t i = 0; i < n_frames; i++) Py_DECREF(old_pool[i].code);
+    free(old_pool);
 }
 
 /* _stacks_cpp(gather, symbolize): take the native stack too, through torch's
@@ -483,14 +486,17 @@ static PyObject *py_stacks_cpp(PyObject *Py_UNUSED(m), PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
     if (gather != Py_None && (!PyCallable_Check(gather) || !PyCallable_Check(symbolize)))
         return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
-    Py_CLEAR(cpp_gather);
-    Py_CLEAR(cpp_symbolize);
+    /* The new pair first, the old one dropped after: its __del__ may set another. */
+    PyObject *old_gather = cpp_gather, *old_symbolize = cpp_symbolize;
+    cpp_gather = cpp_symbolize = NULL;
     if (gather != Py_None) {
         Py_INCREF(gather);
         Py_INCREF(symbolize);
         cpp_gather = gather;
         cpp_symbolize = symbolize;
     }
+    Py_XDECREF(old_gather);
+    Py_XDECREF(old_symbolize);
     Py_RETURN_NONE;
 }
 
