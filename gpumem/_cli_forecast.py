@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from ._cli_viz import EXIT_OK, _size_arg, _usage_failure, _whole_arg
+from ._cli_viz import EXIT_OK, _capacity_arg, _usage_failure, _whole_arg
 from .forecast import Forecast, ForecastError
 from .trace import TraceError
 
@@ -51,12 +51,12 @@ def add_forecast_args(p: argparse.ArgumentParser) -> None:
     cap = p.add_mutually_exclusive_group()
     cap.add_argument(
         "--device-memory",
-        type=_size_arg,
+        type=_capacity_arg,
         default=None,
         metavar="SIZE",
         help="the device's memory the allocator may use, e.g. 80GiB: also find the largest knob value that fits",
     )
-    cap.add_argument("--cap", type=_size_arg, default=None, metavar="SIZE", help="the same, as a cap, e.g. 12GiB")
+    cap.add_argument("--cap", type=_capacity_arg, default=None, metavar="SIZE", help="the same, as a cap, e.g. 12GiB")
     p.add_argument("--at", type=_knob_list, default=[], metavar="K,...", help="also forecast these knob values")
     p.add_argument(
         "--name", default="knob", metavar="NAME", help="what the knob is, e.g. batch or seq (for the report)"

@@ -28,9 +28,15 @@ HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
-# The largest simulated device the command line makes: its page tables grow
-# with the capacity (an 80 GB GPU is 0.0001 of it).
-MAX_SIM_CAPACITY = 64 << 40
+# The largest simulated device the command line makes in its default pages:
+# the bound every simulated heap keeps to (csrc/include/gpumem/sim.h), as its
+# host memory grows with its pages.  An 80 GB GPU is 0.0001 of it.
+def _max_sim_capacity() -> int:
+    from . import _C  # the extension is only needed once a heap is made
+
+    return _C.SIM_MAX_PAGES * _C.SIM_PAGE_SIZE
+
+
 # A traceback instead of the one-line error: `gpumem --debug ...` or this variable.
 DEBUG_ENV = "GPUMEM_DEBUG"
 
@@ -94,11 +100,11 @@ def _whole_arg(text: str, what: str, lo: int, hi: Optional[int] = None, hi_text:
 
 
 def _capacity_arg(text: str) -> int:
-    """The size of a simulated device: positive, at most MAX_SIM_CAPACITY."""
+    """The size of a simulated device: positive, at most _max_sim_capacity()."""
     n = _size_arg(text)
-    if n > MAX_SIM_CAPACITY:
+    if n > _max_sim_capacity():
         raise argparse.ArgumentTypeError(
-            f"capacity {text!r} is more than the simulated device holds ({format_size(MAX_SIM_CAPACITY)})"
+            f"capacity {text!r} is more than the simulated device holds ({format_size(_max_sim_capacity())})"
         )
     return n
 
@@ -340,10 +346,10 @@ def run_explain(args) -> int:
             f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
             f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE"
         )
-    if capacity > MAX_SIM_CAPACITY:
+    if capacity > _max_sim_capacity():
         return _usage_failure(
             f"{path}: torch's OOM event implies a device of {capacity} bytes (reserved {oom.reserved} + device "
-            f"free {oom.device_free}), more than the simulated device holds ({format_size(MAX_SIM_CAPACITY)}); "
+            f"free {oom.device_free}), more than the simulated device holds ({format_size(_max_sim_capacity())}); "
             "give --capacity SIZE"
         )
     res = replay(trace, capacity, timing=False)

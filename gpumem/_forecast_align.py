@@ -26,10 +26,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._forecast_pairing import _Events, _Pairing
 from ._units import format_size
-from .trace import R_ALLOC, Trace, _Builder
+from .trace import R_ALLOC, Trace, TraceError, _Builder
 
 # Sizes recorded by gpumem's history are its blocks' sizes, rounded up to this.
 GPUMEM_GRANULARITY = 512
+# The coarsest rounding a header may state: an allocator's 2 MiB segments.  A
+# coarser one would pass every size change off as rounding (no fit at all).
+MAX_GRANULARITY = 2 << 20
 _MAX_SET_ASIDE = 0.75  # more than this share of a recording's events set aside: they do not line up
 
 
@@ -56,8 +59,14 @@ class Recording:
         """What the trace's sizes are rounded to: gpumem's and torch's histories
         record their blocks' sizes, multiples of 512 bytes."""
         meta = trace.meta or {}
-        if meta.get("size_granularity"):
-            return int(meta["size_granularity"])
+        g = meta.get("size_granularity")
+        if g is not None:
+            whole = isinstance(g, int) and not isinstance(g, bool)
+            if not whole or not 1 <= g <= MAX_GRANULARITY:
+                raise TraceError(
+                    trace.path, 1, f"size_granularity must be a whole number of bytes from 1 to 2 MiB, not {g!r}"
+                )
+            return g
         settings = meta.get("allocator_settings") or {}
         if isinstance(settings, dict) and settings.get("allocator") == "gpumem":
             return GPUMEM_GRANULARITY

@@ -22,10 +22,14 @@ given, as ``max_split_size_mb`` sets it):
 * a freed block merges with free neighbours of its segment; segments are kept
   (cached) until memory runs out;
 * when no free block fits and a new segment would exceed the memory limit,
-  cached oversize segments are released first (largest first, until enough is
-  freed; only with a max_split_size), then every cached segment that is wholly
-  free, trying the new segment again after each; if it still does not fit, the
-  request fails (torch's out-of-memory).
+  cached oversize blocks are released first (only with a max_split_size: the
+  first one not below the request, or else from the largest down until enough
+  is freed), then every cached segment that is wholly free, trying the new
+  segment again after each; if it still does not fit, the request fails
+  (torch's out-of-memory).  Only a wholly free segment is ever released: with a
+  max_split_size that is not a whole MiB, a free block that is part of a split
+  segment can be oversize, and it is passed over there, as torch passes over
+  the blocks of expandable segments.
 
 Ties between free blocks of one size go to the lowest address, so where the
 driver puts each new segment decides which of two equal blocks is reused and

@@ -122,11 +122,12 @@ def replay_trace(heap, trace: Trace, progress: Optional[Progress] = None, chunk:
         r = heap.replay(trace.events, trace.n_slots)
         _raise_on_error(r, trace, 0)
         return {k: r[k] for k in ("allocs", "frees", "ooms", "first_oom_event")}
-    slots = _slot_table(trace)
+    slots, live = _slot_table(trace), 0
     out = {"allocs": 0, "frees": 0, "ooms": 0, "first_oom_event": -1}
     progress(0, total)
     for start, events in trace.chunks(chunk):
-        r = heap.replay(events, trace.n_slots, slots=slots)
+        r = heap.replay(events, trace.n_slots, slots=slots, live_bytes=live)
+        live = r["live_bytes"]
         _raise_on_error(r, trace, start)
         out["allocs"] += r["allocs"]
         out["frees"] += r["frees"]

@@ -137,11 +137,12 @@ def from_trace(
     remaps: List[Tuple[int, int]] = []
     ooms: List[Tuple[int, int]] = []
     try:
-        slots = _slot_table(trace)
+        slots, live_bytes = _slot_table(trace), 0
         done_remaps = 0
         for start, events in trace.chunks(step):
             heap.reset_peak_stats()
-            r = heap.replay(events, trace.n_slots, slots=slots)
+            r = heap.replay(events, trace.n_slots, slots=slots, live_bytes=live_bytes)
+            live_bytes = r["live_bytes"]
             _raise_on_error(r, trace, start)
             s = heap.stats()
             end = start + len(events) // 24

@@ -334,8 +334,10 @@ def _load_snapshot(path: str, stream, device: Optional[int]) -> Trace:
         data = _PlainUnpickler(stream).load()
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(path, None, f"corrupt gzip data: {e}") from None
+    except MemoryError:  # a frame or object that claims more than the host has
+        raise TraceError(path, None, "not a readable pickle: it claims more memory than this host has") from None
     except Exception as e:  # any unpickling failure is a bad file, not a crash
-        raise TraceError(path, None, f"not a readable pickle: {e}") from None
+        raise TraceError(path, None, f"not a readable pickle: {str(e) or type(e).__name__}") from None
     return snapshot_trace(path, data, 0 if device is None else device)
 
 

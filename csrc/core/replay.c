@@ -16,7 +16,8 @@ int gm_replay(gm_heap *h, const gm_replay_event *ev, size_t n, uintptr_t *slots,
               gm_replay_result *res) {
     gm_replay_result r = {0};
     r.first_oom_event = UINT64_MAX;
-    uint64_t live = 0;
+    uint64_t live = res->live_bytes; /* a chunk of a trace: what the chunks before left live */
+    r.peak_live_bytes = live;
     for (size_t i = 0; i < n; i++) {
         const gm_replay_event *e = &ev[i];
         /* A free's size is the block's, looked up before the clock starts. */
@@ -47,7 +48,7 @@ int gm_replay(gm_heap *h, const gm_replay_event *ev, size_t n, uintptr_t *slots,
                 if (op_ns) op_ns[i] = now_ns() - t0;
                 slots[e->slot] = 0;
                 r.frees++;
-                live -= freed;
+                live -= freed < live ? freed : live; /* never below 0, whatever the caller said */
             } else if (op_ns) {
                 op_ns[i] = 0;
             }
@@ -64,6 +65,7 @@ int gm_replay(gm_heap *h, const gm_replay_event *ev, size_t n, uintptr_t *slots,
     gm_stats st;
     gm_get_stats(h, &st);
     r.peak_reserved_bytes = (uint64_t)st.reserved_bytes[GM_POOL_ALL].peak;
+    r.live_bytes = live;
     *res = r;
     return r.error;
 }

@@ -16,6 +16,13 @@ typedef int (*device_ctor)(const gm_device_args *args, gm_device **out, char *er
 static int open_sim(const gm_device_args *args, gm_device **out, char *err, size_t errlen) {
     size_t capacity = args->has_capacity ? args->capacity : GM_SIM_DEFAULT_CAPACITY;
     if (capacity == 0) return gm_errorf(GM_EINVAL, err, errlen, "capacity of a sim device must be positive");
+    size_t page = args->page_size ? args->page_size : GM_SIM_PAGE_SIZE;
+    size_t pages = capacity / page + (capacity % page != 0);
+    if (pages > GM_SIM_MAX_PAGES) /* the one bound on a simulated heap's host memory */
+        return gm_errorf(GM_EINVAL, err, errlen,
+                         "a simulated device of %zu bytes in pages of %zu bytes has %zu pages, more than the %zu "
+                         "(64 TiB in 2 MiB pages) that bound its host memory: lower capacity or raise page_size",
+                         capacity, page, pages, GM_SIM_MAX_PAGES);
     *out = gm_sim_create(capacity, args->page_size);
     return *out ? GM_OK : gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
 }

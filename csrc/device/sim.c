@@ -834,7 +834,7 @@ gm_device *gm_sim_create(size_t capacity, size_t page_size) {
     s->base.ops = &sim_ops;
     s->base.kind = "sim";
     s->base.ordinal = 0;
-    s->base.page_size = page_size ? page_size : (size_t)2 << 20;
+    s->base.page_size = page_size ? page_size : GM_SIM_PAGE_SIZE;
     format_capacity(s->base.name, sizeof s->base.name, capacity);
     s->capacity = capacity;
     s->n_pages_slots = 1; /* id 0 is never a handle */

@@ -5,7 +5,8 @@
  * and what an out-of-memory releases before it fails) are stated in
  * gpumem/native_model.py's module docstring; this is the engine behind it.
  *
- *   segments, each placed below all earlier ones with a 2 MiB gap:
+ *   segments, each placed below all earlier ones with a 2 MiB gap (once
+ *   that reaches the bottom of the addresses, in the highest gap that fits):
  *
  *     next_addr                                                     1 << 56
  *       v
@@ -22,7 +23,10 @@
  * sorted by (size, address), and a bitmap tells which bins hold any.  The
  * first block not below a request (the best fit, the lowest address among
  * equal sizes) is then a binary search in the request's own bin, or else the
- * first block of the next bin that holds any.
+ * first block of the next bin that holds any.  A pool makes only the bins it
+ * uses, and a stream whose pools hold no block (nothing handed out, nothing
+ * cached) gives its slot up: host memory follows the blocks, not the number
+ * of streams ever seen.
  *
  * Blocks live in one array and name each other by index, so that the array
  * may grow; unused entries form a list through `next`.  Every call that may
@@ -67,10 +71,22 @@ typedef struct nm_bin {
     size_t n, cap;
 } nm_bin;
 
+/* A pool makes only the bins it uses: `bins` holds them in order of size
+ * class, and bit b of `made` says whether class b has one (its place in
+ * `bins` is the number of bits of `made` below b).  So a pool that caches a
+ * few blocks costs a few bins, not N_BINS (about 20 KiB), whatever the number
+ * of streams. */
 typedef struct nm_pool {
-    nm_bin *bins;               /* N_BINS, made when the pool first caches a block */
-    uint64_t nonempty[N_WORDS]; /* bit b: bins[b] holds any */
+    nm_bin *bins;
+    uint32_t n_bins, cap_bins;
+    uint64_t made[N_WORDS];     /* bit b: size class b has a bin in `bins` */
+    uint16_t below[N_WORDS];    /* bits of `made` in the words before each */
+    uint64_t nonempty[N_WORDS]; /* bit b: that bin holds any */
     uint64_t stream;
+    uint32_t n_blocks; /* the blocks (free or handed out) in the pool */
+    uint32_t n_free;   /* of which free: the entries of its bins */
+    uint32_t next;     /* of pools[2 * s]: the next unused stream slot after s, or NONE */
+    uint8_t in_use;    /* of pools[2 * s]: stream slot s is taken */
 } nm_pool;
 
 /* Open addressing with linear probing: 64-bit keys to indices (NONE: an empty slot). */
@@ -88,8 +104,9 @@ struct gm_native {
     nm_block *blocks;
     size_t n_blocks, cap_blocks, n_unused;
     uint32_t unused; /* the first unused entry of blocks, NONE if none */
-    nm_pool *pools;  /* 2 * cap_streams, of which 2 * n_streams in use */
+    nm_pool *pools;  /* 2 * cap_streams, of which 2 * n_streams made (some unused) */
     size_t n_streams, cap_streams;
+    uint32_t unused_streams; /* the first unused stream slot below n_streams, NONE if none */
     nm_map by_addr, by_stream;
     int addressed; /* by_addr kept: not in a replay, which names blocks by index */
 };
@@ -185,6 +202,22 @@ static unsigned bin_of(uint64_t size) {
     return ((fl - SL_BITS + 1) << SL_BITS) | sl;
 }
 
+/* The bits set in x (inline: the builds target no CPU with a popcount instruction). */
+static inline unsigned bits_in(uint64_t x) {
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    return (unsigned)((x * 0x0101010101010101ull) >> 56);
+}
+
+/* The bin of size class b in pool p, which has one. */
+static inline nm_bin *bin_at(const nm_pool *p, unsigned b) {
+    unsigned w = b / 64;
+    return &p->bins[p->below[w] + bits_in(p->made[w] & ((1ull << (b % 64)) - 1))];
+}
+
+static int bin_made(const nm_pool *p, unsigned b) { return (int)(p->made[b / 64] >> (b % 64) & 1); }
+
 /* The first bin from b up (down, with `down` set) that holds any block, or -1. */
 static int bin_next(const nm_pool *p, int b, int down) {
     if (b < 0 || b >= (int)N_BINS) return -1;
@@ -214,10 +247,11 @@ static size_t lower_bound(const nm_bin *b, uint64_t size, int64_t addr) {
 
 /* The pool's first entry not below (size, addr): 1 with its bin and index, or 0 if none. */
 static int pool_find(const nm_pool *p, uint64_t size, int64_t addr, int *bin, size_t *i) {
-    if (p->bins == NULL) return 0;
     *bin = (int)bin_of(size);
-    *i = lower_bound(&p->bins[*bin], size, addr);
-    if (*i < p->bins[*bin].n) return 1;
+    if (bin_made(p, (unsigned)*bin)) {
+        const nm_bin *b = bin_at(p, (unsigned)*bin);
+        if ((*i = lower_bound(b, size, addr)) < b->n) return 1;
+    }
     *bin = bin_next(p, *bin + 1, 0);
     *i = 0;
     return *bin >= 0;
@@ -225,8 +259,23 @@ static int pool_find(const nm_pool *p, uint64_t size, int64_t addr, int *bin, si
 
 /* Room in pool p for one more block of `size` bytes.  0, or -1 with the pool unchanged. */
 static int pool_reserve(nm_pool *p, uint64_t size) {
-    if (p->bins == NULL && (p->bins = calloc(N_BINS, sizeof *p->bins)) == NULL) return -1;
-    nm_bin *b = &p->bins[bin_of(size)];
+    unsigned c = bin_of(size);
+    if (!bin_made(p, c)) { /* a new bin, in its place among the others (empty: the pool is unchanged) */
+        if (p->n_bins == p->cap_bins) {
+            uint32_t cap = p->cap_bins ? 2 * p->cap_bins : 2;
+            nm_bin *bins = realloc(p->bins, cap * sizeof *bins);
+            if (bins == NULL) return -1;
+            p->bins = bins;
+            p->cap_bins = cap;
+        }
+        p->made[c / 64] |= 1ull << (c % 64);
+        for (unsigned w = c / 64 + 1; w < N_WORDS; w++) p->below[w]++;
+        nm_bin *at = bin_at(p, c);
+        memmove(at + 1, at, (size_t)(p->bins + p->n_bins - at) * sizeof *at);
+        *at = (nm_bin){0};
+        p->n_bins++;
+    }
+    nm_bin *b = bin_at(p, c);
     if (b->n < b->cap) return 0;
     size_t cap = b->cap ? 2 * b->cap : 4;
     nm_entry *e = realloc(b->e, cap * sizeof *e);
@@ -241,19 +290,21 @@ static void pool_insert(gm_native *m, uint32_t bi) {
     const nm_block *blk = &m->blocks[bi];
     nm_pool *p = &m->pools[blk->pool];
     unsigned bin = bin_of(blk->size);
-    nm_bin *b = &p->bins[bin];
+    nm_bin *b = bin_at(p, bin);
     size_t i = lower_bound(b, blk->size, blk->addr);
     memmove(&b->e[i + 1], &b->e[i], (b->n - i) * sizeof *b->e);
     b->e[i] = (nm_entry){.size = blk->size, .addr = blk->addr, .block = bi};
     b->n++;
+    p->n_free++;
     p->nonempty[bin / 64] |= 1ull << (bin % 64);
 }
 
 /* Remove the entries [i, j) of bin `bin` of pool p. */
 static void pool_cut(nm_pool *p, int bin, size_t i, size_t j) {
-    nm_bin *b = &p->bins[bin];
+    nm_bin *b = bin_at(p, (unsigned)bin);
     memmove(&b->e[i], &b->e[j], (b->n - j) * sizeof *b->e);
     b->n -= j - i;
+    p->n_free -= (uint32_t)(j - i);
     if (b->n == 0) p->nonempty[bin / 64] &= ~(1ull << (bin % 64));
 }
 
@@ -262,15 +313,16 @@ static void pool_remove(gm_native *m, uint32_t bi) {
     const nm_block *blk = &m->blocks[bi];
     nm_pool *p = &m->pools[blk->pool];
     int bin = (int)bin_of(blk->size);
-    size_t i = lower_bound(&p->bins[bin], blk->size, blk->addr);
+    size_t i = lower_bound(bin_at(p, (unsigned)bin), blk->size, blk->addr);
     pool_cut(p, bin, i, i + 1);
 }
 
-/* The pool of (stream, small) in *out, made if new.  0, or -1 with the model unchanged. */
+/* The pool of (stream, small) in *out, made if new (in an unused stream slot
+ * if there is one).  0, or -1 with the model unchanged. */
 static int pool_of(gm_native *m, uint64_t stream, int small, uint32_t *out) {
     uint32_t s = map_get(&m->by_stream, stream);
     if (s == NONE) {
-        if (m->n_streams == m->cap_streams) {
+        if (m->unused_streams == NONE && m->n_streams == m->cap_streams) {
             size_t cap = m->cap_streams ? 2 * m->cap_streams : 4;
             nm_pool *pools = realloc(m->pools, 2 * cap * sizeof *pools);
             if (pools == NULL) return -1;
@@ -279,12 +331,44 @@ static int pool_of(gm_native *m, uint64_t stream, int small, uint32_t *out) {
             m->cap_streams = cap;
         }
         if (m->n_streams >= NONE / 2 || map_reserve(&m->by_stream, 1) < 0) return -1;
-        s = (uint32_t)m->n_streams++;
+        if (m->unused_streams != NONE) {
+            s = m->unused_streams;
+            m->unused_streams = m->pools[2 * s].next;
+        } else {
+            s = (uint32_t)m->n_streams++;
+        }
         map_put(&m->by_stream, stream, s);
         m->pools[2 * s].stream = m->pools[2 * s + 1].stream = stream;
+        m->pools[2 * s].in_use = 1;
     }
     *out = 2 * s + (small ? 1 : 0);
     return 0;
+}
+
+/* Free pool p's bins if it holds no free block. */
+static void pool_trim(nm_pool *p) {
+    for (int w = 0; w < N_WORDS; w++)
+        if (p->nonempty[w]) return;
+    for (uint32_t b = 0; b < p->n_bins; b++) free(p->bins[b].e);
+    free(p->bins);
+    p->bins = NULL;
+    p->n_bins = p->cap_bins = 0;
+    memset(p->made, 0, sizeof p->made);
+    memset(p->below, 0, sizeof p->below);
+}
+
+/* Give stream slot s up if its pools hold no block at all (nothing handed
+ * out, nothing cached): a model's host memory then follows its blocks, not
+ * the number of streams it has seen. */
+static void stream_settle(gm_native *m, uint32_t s) {
+    nm_pool *p = &m->pools[2 * s];
+    if (!p->in_use || p->n_blocks || p[1].n_blocks) return;
+    pool_trim(p);
+    pool_trim(p + 1);
+    map_del(&m->by_stream, p->stream);
+    memset(p, 0, 2 * sizeof *p);
+    p->next = m->unused_streams;
+    m->unused_streams = s;
 }
 
 /* ---- blocks ----------------------------------------------------------------------------------- */
@@ -314,12 +398,14 @@ static uint32_t block_new(gm_native *m, int64_t addr, uint64_t size, uint32_t po
     }
     m->blocks[bi] =
         (nm_block){.addr = addr, .size = size, .prev = NONE, .next = NONE, .pool = pool, .free = 1, .used = 1};
+    m->pools[pool].n_blocks++;
     if (m->addressed) map_put(&m->by_addr, (uint64_t)addr, bi);
     return bi;
 }
 
 static void block_drop(gm_native *m, uint32_t bi) {
     if (m->addressed) map_del(&m->by_addr, (uint64_t)m->blocks[bi].addr);
+    m->pools[m->blocks[bi].pool].n_blocks--;
     m->blocks[bi].used = 0;
     m->blocks[bi].next = m->unused;
     m->unused = bi;
@@ -337,15 +423,61 @@ static void block_join(gm_native *m, uint32_t li, uint32_t ri) {
 
 /* ---- the device: segments --------------------------------------------------------------------- */
 
-/* A new segment of `size` bytes for pool p, below every earlier one: GM_NATIVE_OK
- * with its one block in *out, or GM_NATIVE_OOM if the limit forbids it. */
+typedef struct nm_span {
+    int64_t lo, hi; /* a segment's [lo, hi) */
+} nm_span;
+
+static int span_order(const void *a, const void *b) {
+    int64_t x = ((const nm_span *)a)->lo, y = ((const nm_span *)b)->lo;
+    return (x > y) - (x < y);
+}
+
+/* Once placing each segment below the one before has run down to the bottom
+ * of the addresses: the top of the highest gap among the segments held (2 MiB
+ * clear on each side) that fits `size` bytes, in *addr.  Released segments'
+ * addresses are used again so; the segments held, a gap each, take at most
+ * 2**63 bytes, which the addresses hold.  GM_NATIVE_OK, or an error. */
+static int place_in_gap(const gm_native *m, uint64_t size, int64_t *addr) {
+    nm_span *sp = malloc((m->st.segments + 1) * sizeof *sp);
+    size_t n = 0;
+    if (sp == NULL) return GM_NATIVE_NO_HOST_MEMORY;
+    for (size_t s = 0; s < m->n_blocks; s++) {
+        if (!m->blocks[s].used || m->blocks[s].prev != NONE) continue;
+        uint64_t total = 0;
+        for (uint32_t bi = (uint32_t)s; bi != NONE; bi = m->blocks[bi].next) total += m->blocks[bi].size;
+        sp[n++] = (nm_span){m->blocks[s].addr, m->blocks[s].addr + (int64_t)total};
+    }
+    qsort(sp, n, sizeof *sp, span_order);
+    int64_t top = TOP;
+    int rc = GM_NATIVE_NO_ADDRESSES;
+    for (size_t i = n + 1; i-- > 0;) { /* the gap below segment i (below TOP for i == n) */
+        int64_t floor = i ? sp[i - 1].hi : INT64_MIN;
+        /* top - floor may pass INT64_MAX: compare as unsigned */
+        if ((uint64_t)top - (uint64_t)floor >= size + 2 * ROUND_LARGE) {
+            *addr = top - (int64_t)(size + ROUND_LARGE);
+            rc = GM_NATIVE_OK;
+            break;
+        }
+        if (i) top = sp[i - 1].lo;
+    }
+    free(sp);
+    return rc;
+}
+
+/* A new segment of `size` bytes for pool p, below every earlier one (in a
+ * gap, once there is no room below): GM_NATIVE_OK with its one block in *out,
+ * or GM_NATIVE_OOM if the limit forbids it, or an error. */
 static int segment_new(gm_native *m, uint64_t size, uint32_t p, uint32_t *out) {
     if (m->st.reserved + size > m->capacity) return GM_NATIVE_OOM;
     /* size <= capacity <= 2**62: the step fits, and so does the check */
-    int64_t step = (int64_t)(size + ROUND_LARGE);
-    if (m->next_addr < INT64_MIN + step) return GM_NATIVE_NO_ADDRESSES;
-    m->next_addr -= step; /* a gap below the one before: segments never touch */
-    *out = block_new(m, m->next_addr, size, p);
+    int64_t step = (int64_t)(size + ROUND_LARGE), addr;
+    if (m->next_addr >= INT64_MIN + step) {
+        addr = m->next_addr -= step; /* a gap below the one before: segments never touch */
+    } else {
+        int rc = place_in_gap(m, size, &addr);
+        if (rc != GM_NATIVE_OK) return rc;
+    }
+    *out = block_new(m, addr, size, p);
     m->st.reserved += size;
     m->st.segments++;
     m->st.num_device_alloc++;
@@ -361,12 +493,15 @@ static void segment_release(gm_native *m, uint32_t bi) {
     block_drop(m, bi);
 }
 
-uint64_t gm_native_empty_cache(gm_native *m) {
+/* Release every wholly free segment; then settle every stream but `keep`'s
+ * (NONE: every one), whose pool a malloc under way holds room in. */
+static uint64_t empty_cache(gm_native *m, uint32_t keep) {
     uint64_t released = 0;
     for (size_t pi = 0; pi < 2 * m->n_streams; pi++) {
         nm_pool *p = &m->pools[pi];
+        if (p->n_free == 0) continue;
         for (int bin = bin_next(p, 0, 0); bin >= 0; bin = bin_next(p, bin + 1, 0)) {
-            nm_bin *b = &p->bins[bin];
+            nm_bin *b = bin_at(p, (unsigned)bin);
             size_t kept = 0;
             for (size_t i = 0; i < b->n; i++) {
                 const nm_block *blk = &m->blocks[b->e[i].block];
@@ -380,44 +515,58 @@ uint64_t gm_native_empty_cache(gm_native *m) {
             pool_cut(p, bin, kept, b->n);
         }
     }
+    for (size_t s = 0; s < m->n_streams; s++)
+        if (s != keep) stream_settle(m, (uint32_t)s);
     return released;
 }
 
-/* How many of pool p's largest blocks, taken from the largest down while they
- * are oversize, add up to `want` bytes: 0 if they cannot. */
-static size_t oversize_tail(const nm_pool *p, uint64_t max_split, uint64_t want) {
-    uint64_t total = 0;
-    size_t k = 0;
-    for (int bin = bin_next(p, N_BINS - 1, 1); bin >= 0 && total < want; bin = bin_next(p, bin - 1, 1))
-        for (size_t i = p->bins[bin].n; i > 0 && total < want; i--, k++) {
-            if (p->bins[bin].e[i - 1].size < max_split) return 0;
-            total += p->bins[bin].e[i - 1].size;
-        }
-    return total < want ? 0 : k;
+uint64_t gm_native_empty_cache(gm_native *m) { return empty_cache(m, NONE); }
+
+/* Whether block bi is the whole of its segment (only such a block can be released). */
+static int whole_segment(const gm_native *m, uint32_t bi) {
+    return m->blocks[bi].prev == NONE && m->blocks[bi].next == NONE;
 }
 
-/* With a max_split_size: release a cached oversize block (never split, so a
- * whole segment) large enough for the request, or else oversize ones from the
- * largest down until as many bytes are freed.  0 if that cannot free enough. */
+/* Release entry i of bin `bin` of pool p, a whole free segment. */
+static void release_entry(gm_native *m, nm_pool *p, int bin, size_t i) {
+    segment_release(m, bin_at(p, (unsigned)bin)->e[i].block);
+    pool_cut(p, bin, i, i + 1);
+}
+
+/* With a max_split_size, torch's release_available_cached_blocks: release the
+ * first cached block not below the request (and not below max_split_size),
+ * or else the oversize blocks below it from the largest down until as many
+ * bytes are released.  Only whole free segments are released: a free block
+ * that is part of a split segment is passed over, as torch passes over the
+ * blocks of expandable segments (with a max_split_size that is not a whole
+ * MiB, such a block can be oversize).  1 if enough was released. */
 static int release_oversize(gm_native *m, uint32_t pi, uint64_t rounded) {
     if (m->max_split == GM_NATIVE_UNLIMITED) return 0;
     nm_pool *p = &m->pools[pi];
-    uint64_t want = rounded > m->max_split ? rounded : m->max_split;
+    uint64_t want = rounded > m->max_split ? rounded : m->max_split, total = 0;
     int bin;
-    size_t i, k;
+    size_t i;
     if (pool_find(p, want, -1, &bin, &i)) {
-        segment_release(m, p->bins[bin].e[i].block);
-        pool_cut(p, bin, i, i + 1);
-        return 1;
-    }
-    if ((k = oversize_tail(p, m->max_split, want)) == 0) return 0;
-    while (k-- > 0) { /* the pool's last block, k times */
+        if (whole_segment(m, bin_at(p, (unsigned)bin)->e[i].block)) {
+            release_entry(m, p, bin, i);
+            return 1;
+        }
+    } else {
         bin = bin_next(p, N_BINS - 1, 1);
-        i = p->bins[bin].n - 1;
-        segment_release(m, p->bins[bin].e[i].block);
-        pool_cut(p, bin, i, i + 1);
+        i = bin >= 0 ? bin_at(p, (unsigned)bin)->n : 0;
     }
-    return 1;
+    while (total < want && bin >= 0) { /* entry i - 1 of `bin` is the next one down */
+        if (i == 0) {
+            if ((bin = bin_next(p, bin - 1, 1)) >= 0) i = bin_at(p, (unsigned)bin)->n;
+            continue;
+        }
+        const nm_entry e = bin_at(p, (unsigned)bin)->e[--i];
+        if (e.size < m->max_split) break;
+        if (!whole_segment(m, e.block)) continue;
+        total += e.size;
+        release_entry(m, p, bin, i);
+    }
+    return total >= want;
 }
 
 /* ---- malloc and free -------------------------------------------------------------------------- */
@@ -433,7 +582,7 @@ static int splits(const gm_native *m, int small, uint64_t rounded, uint64_t size
  * with its bin and index, or 0. */
 static int best_fit(const gm_native *m, const nm_pool *p, uint64_t rounded, int *bin, size_t *i) {
     if (!pool_find(p, rounded, -1, bin, i)) return 0;
-    uint64_t size = p->bins[*bin].e[*i].size;
+    uint64_t size = bin_at(p, (unsigned)*bin)->e[*i].size;
     if (rounded < m->max_split && size >= m->max_split) return 0;            /* oversize: not for a smaller request */
     if (rounded >= m->max_split && size >= rounded + LARGE_BUFFER) return 0; /* nor one 20 MiB smaller */
     return 1;
@@ -449,7 +598,7 @@ static int grow(gm_native *m, uint32_t pi, uint64_t rounded, uint32_t *out) {
         rc = segment_new(m, want, pi, out);
         if (rc != GM_NATIVE_OOM) return rc;
     }
-    gm_native_empty_cache(m);
+    empty_cache(m, pi / 2);
     rc = segment_new(m, want, pi, out);
     if (rc == GM_NATIVE_OOM) m->st.ooms++;
     return rc;
@@ -473,22 +622,19 @@ static void hand_out(gm_native *m, uint32_t bi, uint64_t rounded, int small) {
     if (m->st.allocated > m->st.peak_allocated) m->st.peak_allocated = m->st.allocated;
 }
 
-/* malloc, naming the block handed out by its index. */
-static int model_malloc(gm_native *m, uint64_t size, uint64_t stream, uint32_t *out) {
-    uint64_t rounded = round_size(size);
-    int small = rounded <= SMALL_SIZE, bin;
-    uint32_t pi, bi;
+/* malloc from pool pi, naming the block handed out by its index. */
+static int malloc_in(gm_native *m, uint32_t pi, uint64_t rounded, int small, uint32_t *out) {
+    int bin;
+    uint32_t bi;
     size_t i;
     /* room first for what this call may add: a segment's block and a split's rest */
-    if (pool_of(m, stream, small, &pi) < 0 || blocks_reserve(m, 2) < 0 ||
-        (m->addressed && map_reserve(&m->by_addr, 2) < 0))
-        return GM_NATIVE_NO_HOST_MEMORY;
+    if (blocks_reserve(m, 2) < 0 || (m->addressed && map_reserve(&m->by_addr, 2) < 0)) return GM_NATIVE_NO_HOST_MEMORY;
     nm_pool *p = &m->pools[pi];
     int cached = best_fit(m, p, rounded, &bin, &i);
-    uint64_t got = cached ? p->bins[bin].e[i].size : segment_size(rounded); /* the block it will get */
+    uint64_t got = cached ? bin_at(p, (unsigned)bin)->e[i].size : segment_size(rounded); /* the block it will get */
     if (splits(m, small, rounded, got) && pool_reserve(p, got - rounded) < 0) return GM_NATIVE_NO_HOST_MEMORY;
     if (cached) {
-        bi = p->bins[bin].e[i].block;
+        bi = bin_at(p, (unsigned)bin)->e[i].block;
         pool_cut(p, bin, i, i + 1);
     } else {
         int rc = grow(m, pi, rounded, &bi);
@@ -497,6 +643,18 @@ static int model_malloc(gm_native *m, uint64_t size, uint64_t stream, uint32_t *
     hand_out(m, bi, rounded, small);
     *out = bi;
     return GM_NATIVE_OK;
+}
+
+/* malloc, naming the block handed out by its index.  A stream that is new
+ * and gets nothing is given up again at once. */
+static int model_malloc(gm_native *m, uint64_t size, uint64_t stream, uint32_t *out) {
+    uint64_t rounded = round_size(size);
+    int small = rounded <= SMALL_SIZE;
+    uint32_t pi;
+    if (pool_of(m, stream, small, &pi) < 0) return GM_NATIVE_NO_HOST_MEMORY;
+    int rc = malloc_in(m, pi, rounded, small, out);
+    if (rc != GM_NATIVE_OK && m->pools[pi & ~1u].n_blocks + m->pools[pi | 1u].n_blocks == 0) stream_settle(m, pi / 2);
+    return rc;
 }
 
 /* Free handed-out block bi, merging it with free neighbours. */
@@ -544,6 +702,7 @@ static gm_native *model_new(uint64_t capacity, uint64_t max_split, int addressed
     m->max_split = max_split && max_split < GM_NATIVE_UNLIMITED ? max_split : GM_NATIVE_UNLIMITED;
     m->next_addr = TOP;
     m->unused = NONE;
+    m->unused_streams = NONE;
     return m;
 }
 
@@ -552,7 +711,7 @@ gm_native *gm_native_new(uint64_t capacity, uint64_t max_split) { return model_n
 void gm_native_destroy(gm_native *m) {
     if (m == NULL) return;
     for (size_t i = 0; i < 2 * m->n_streams; i++) {
-        for (size_t b = 0; m->pools[i].bins && b < N_BINS; b++) free(m->pools[i].bins[b].e);
+        for (size_t b = 0; b < m->pools[i].n_bins; b++) free(m->pools[i].bins[b].e);
         free(m->pools[i].bins);
     }
     free(m->pools);

@@ -128,7 +128,8 @@ int gm_py_arg(HeapObject *self, enum gm_py_need need, PyObject *arg, int (*conv)
     X(ops, "ops", UINT64_MAX)                                                                                          \
     X(pid, "pid", UINT32_MAX)                                                                                          \
     X(bytes, "bytes", UINT64_MAX)                                                                                      \
-    X(value, "value", UINT64_MAX)
+    X(value, "value", UINT64_MAX)                                                                                      \
+    X(live_bytes, "live_bytes", UINT64_MAX)
 #define GM_PY_DECLARE_U64_ARG(name, what, max) int gm_py_##name##_arg(PyObject *obj, void *out);
 GM_PY_EACH_U64_ARG(GM_PY_DECLARE_U64_ARG)
 #undef GM_PY_DECLARE_U64_ARG

@@ -174,23 +174,31 @@ static uint32_t intern(const frame_key *f, size_t n) {
 }
 
 /* The record of Python stack `py` with the caller's native stack: its index
- * with CPP_BIT, or `py` alone when the table is full or the gatherer fails. */
+ * with CPP_BIT, or `py` alone when the table is full or the gatherer fails, or
+ * GONE when the gatherer cleared the table (py names nothing then).  The
+ * gatherer is Python code that may capture (a nested allocation: another
+ * record) or clear the table, so every check on the table comes after it. */
+#define GONE (OVERFLOW_INDEX - 1)
 static uint32_t with_native(uint32_t py) {
-    if (n_cpp >= max_stacks || n_cpp >= CPP_BIT - 1) {
-        n_cpp_overflow++;
-        return py;
-    }
-    if (n_cpp == cap_cpp) {
-        cpp_rec *a = gm_array_grow(cpp_recs, &cap_cpp, 1024, sizeof *a);
-        if (!a) return py;
-        cpp_recs = a;
-    }
+    uint32_t gen = generation;
+    PyObject *gather = cpp_gather;
+    Py_INCREF(gather); /* the gatherer may replace itself */
     /* gather(python=False, script=False, cpp=True) */
-    PyObject *native = PyObject_CallFunctionObjArgs(cpp_gather, Py_False, Py_False, Py_True, NULL);
-    if (!native) {
-        PyErr_Clear();
+    PyObject *native = PyObject_CallFunctionObjArgs(gather, Py_False, Py_False, Py_True, NULL);
+    Py_DECREF(gather);
+    if (!native) PyErr_Clear();
+    if (generation != gen) {
+        Py_XDECREF(native);
+        return GONE;
+    }
+    if (native && n_cpp < max_stacks && n_cpp < CPP_BIT - 2 && n_cpp == cap_cpp) {
+        cpp_rec *a = gm_array_grow(cpp_recs, &cap_cpp, 1024, sizeof *a);
+        if (a) cpp_recs = a;
+    }
+    if (!native || n_cpp >= max_stacks || n_cpp >= CPP_BIT - 2 || n_cpp == cap_cpp) {
         n_cpp_overflow++;
-        return py;
+        Py_XDECREF(native); /* may run Python code: nothing of the table is held here */
+        return generation == gen ? py : GONE;
     }
     cpp_recs[n_cpp] = (cpp_rec){py, native, NULL};
     return (uint32_t)n_cpp++ | CPP_BIT;
@@ -238,7 +246,7 @@ uint64_t gm_py_capture_context(void) {
         n_overflow++;
     else if (cpp_gather)
         idx = with_native(idx);
-    return make_id(idx);
+    return idx == GONE ? 0 : make_id(idx);
 }
 
 int gm_py_finalizing(void) {
@@ -330,100 +338,143 @@ static PyObject *py_stack_frames(PyObject *Py_UNUSED(m), PyObject *ctx_o) {
 
 /* How many of the innermost native frames are the capture's own: the
  * unwinder's and this file's, through the last of with_native and
- * gm_py_capture_context* among the first few (symbols may be missing). */
+ * gm_py_capture_context* among the first few (symbols may be missing).  The
+ * frames are the symbolizer's: a key's __eq__ may change the list meanwhile. */
 static Py_ssize_t own_frames(PyObject *frames) {
-    Py_ssize_t n = PyList_GET_SIZE(frames), own = 0;
-    for (Py_ssize_t i = 0; i < n && i < 24; i++) {
-        PyObject *d = PyList_GET_ITEM(frames, i), *name = PyDict_Check(d) ? PyDict_GetItemString(d, "name") : NULL;
+    Py_ssize_t own = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(frames) && i < 24; i++) {
+        PyObject *d = PyList_GET_ITEM(frames, i);
+        Py_INCREF(d);
+        PyObject *name = PyDict_Check(d) ? PyDict_GetItemString(d, "name") : NULL;
+        Py_XINCREF(name);
         const char *c = name && PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
         if (!c)
             PyErr_Clear();
         else if (strcmp(c, "with_native") == 0 || strncmp(c, "gm_py_capture_context", 21) == 0)
             own = i + 1;
+        Py_XDECREF(name);
+        Py_DECREF(d);
     }
     return own;
 }
 
-/* The symbolized native frames of C++ record i, then its Python frames. */
-static PyObject *cpp_frames(uint32_t i) {
-    if (i >= n_cpp) Py_RETURN_NONE;
-    cpp_rec *r = &cpp_recs[i];
-    if (!r->frames) {
-        PyObject *one = PyList_New(1), *got = NULL;
-        if (!one) return NULL;
-        Py_INCREF(r->native);
-        PyList_SET_ITEM(one, 0, r->native);
-        got = PyObject_CallFunctionObjArgs(cpp_symbolize, one, NULL);
-        Py_DECREF(one);
-        if (!got) return NULL;
-        PyObject *first = PyList_Check(got) && PyList_GET_SIZE(got) == 1 ? PyList_GET_ITEM(got, 0) : NULL;
-        if (!first || !PyList_Check(first)) {
-            Py_DECREF(got);
-            return PyErr_Format(PyExc_TypeError, "the C++ frame symbolizer returned no list of frames");
-        }
+/* The native frames of `native` (a gatherer's result), symbolized, less the
+ * capture's own; a new list, or NULL.  Runs Python code: holds nothing of the table. */
+static PyObject *symbolize(PyObject *native) {
+    PyObject *one = PyList_New(1), *fn = cpp_symbolize, *got = NULL, *frames = NULL;
+    if (!one || !fn) {
+        Py_XDECREF(one);
+        return one ? PyErr_Format(PyExc_RuntimeError, "no C++ frame symbolizer is set") : NULL;
+    }
+    Py_INCREF(native);
+    PyList_SET_ITEM(one, 0, native);
+    Py_INCREF(fn);
+    got = PyObject_CallFunctionObjArgs(fn, one, NULL);
+    Py_DECREF(fn);
+    Py_DECREF(one);
+    if (!got) return NULL;
+    PyObject *first = PyList_Check(got) && PyList_GET_SIZE(got) == 1 ? PyList_GET_ITEM(got, 0) : NULL;
+    if (first && PyList_Check(first)) {
+        Py_INCREF(first);
         /* The unwinder's own frames, up to the capture here, say nothing. */
         Py_ssize_t skip = own_frames(first);
-        r->frames = PyList_GetSlice(first, skip, PyList_GET_SIZE(first));
-        Py_DECREF(got);
-        if (!r->frames) return NULL;
-        Py_CLEAR(r->native);
+        frames = PyList_GetSlice(first, skip, PyList_GET_SIZE(first));
+        Py_DECREF(first);
+    } else {
+        PyErr_Format(PyExc_TypeError, "the C++ frame symbolizer returned no list of frames");
     }
-    PyObject *py = python_frames(r->py);
-    if (!py) return NULL;
-    PyObject *all = py == Py_None ? PySequence_List(r->frames) : PySequence_Concat(r->frames, py);
-    Py_DECREF(py);
+    Py_DECREF(got);
+    return frames;
+}
+
+/* The symbolized native frames of C++ record i, then its Python frames.  The
+ * symbolizer may capture (growing cpp_recs) or clear the table: the record is
+ * read again by index after it, and an id the table no longer holds gives None. */
+static PyObject *cpp_frames(uint32_t i) {
+    if (i >= n_cpp) Py_RETURN_NONE;
+    uint32_t gen = generation, py = cpp_recs[i].py;
+    PyObject *frames = cpp_recs[i].frames;
+    if (frames) {
+        Py_INCREF(frames);
+    } else {
+        PyObject *native = cpp_recs[i].native;
+        Py_INCREF(native);
+        frames = symbolize(native);
+        Py_DECREF(native);
+        if (!frames) return NULL;
+        if (generation != gen || i >= n_cpp) {
+            Py_DECREF(frames);
+            Py_RETURN_NONE;
+        }
+        if (!cpp_recs[i].frames) { /* else a nested call symbolized it first */
+            Py_INCREF(frames);
+            cpp_recs[i].frames = frames;
+            Py_CLEAR(cpp_recs[i].native); /* may run Python code */
+        }
+    }
+    PyObject *pyf = generation == gen ? python_frames(py) : (Py_INCREF(Py_None), Py_None);
+    PyObject *all = !pyf ? NULL : pyf == Py_None ? PySequence_List(frames) : PySequence_Concat(frames, pyf);
+    Py_XDECREF(pyf);
+    Py_DECREF(frames);
     return all;
 }
 
-/* The frames of interned Python stack idx, innermost first, or None. */
+/* The frames of interned Python stack idx, innermost first, or None.  Making
+ * the frames' objects may run the garbage collector, whose callbacks may
+ * capture (growing the pool) or clear the table: the stack's frames are
+ * copied out first, each code object held. */
 static PyObject *python_frames(uint32_t idx) {
     if (idx >= n_stacks) Py_RETURN_NONE;
-    const stack_rec *r = &stacks[idx];
-    PyObject *l = PyList_New(r->depth);
-    if (!l) return NULL;
-    for (uint32_t i = 0; i < r->depth; i++) {
-        const frame_key *k = &pool[r->first + i];
+    uint32_t depth = stacks[idx].depth;
+    frame_key *keys = PyMem_Malloc((depth ? depth : 1) * sizeof *keys);
+    if (!keys) return PyErr_NoMemory();
+    memcpy(keys, pool + stacks[idx].first, depth * sizeof *keys);
+    for (uint32_t i = 0; i < depth; i++) Py_INCREF(keys[i].code);
+    PyObject *l = PyList_New(depth);
+    for (uint32_t i = 0; l && i < depth; i++) {
 #if PY_VERSION_HEX >= 0x030B0000
-        int line = PyCode_Addr2Line(k->code, k->lasti);
+        int line = PyCode_Addr2Line(keys[i].code, keys[i].lasti);
 #else
-        int line = k->lasti;
+        int line = keys[i].lasti;
 #endif
-        PyObject *fn = attr_or_none((PyObject *)k->code, "co_filename");
-        PyObject *nm = attr_or_none((PyObject *)k->code, "co_name");
+        PyObject *fn = attr_or_none((PyObject *)keys[i].code, "co_filename");
+        PyObject *nm = attr_or_none((PyObject *)keys[i].code, "co_name");
         PyObject *d = Py_BuildValue("{s:N,s:N,s:i}", "filename", fn, "name", nm, "line", line);
-        if (!d) {
-            Py_DECREF(l);
-            return NULL;
-        }
-        PyList_SET_ITEM(l, i, d);
+        if (!d) Py_CLEAR(l);
+        if (l) PyList_SET_ITEM(l, i, d);
     }
+    for (uint32_t i = 0; i < depth; i++) Py_DECREF(keys[i].code);
+    PyMem_Free(keys);
     return l;
 }
 
-static void clear_native(void) {
-    for (size_t i = 0; i < n_cpp; i++) {
-        Py_XDECREF(cpp_recs[i].native);
-        Py_XDECREF(cpp_recs[i].frames);
-    }
-    free(cpp_recs);
-    cpp_recs = NULL;
-    n_cpp = cap_cpp = 0;
-    n_cpp_overflow = 0;
-}
-
+/* Empty the tables, then drop what they held.  Dropping a reference may run
+ * Python code (a native stack's __del__, a weak reference's callback on a
+ * code object) that takes stacks or clears again: by then the tables are
+ * empty and new, and the old arrays are this call's alone. */
 static void clear_table(void) {
-    clear_native();
-    for (size_t i = 0; i < pool_len; i++) Py_DECREF(pool[i].code);
-    free(pool);
+    cpp_rec *recs = cpp_recs;
+    frame_key *old_pool = pool;
+    size_t n_recs = n_cpp, n_frames = pool_len;
     free(stacks);
     free(table);
+    cpp_recs = NULL;
     pool = NULL;
     stacks = NULL;
     table = NULL;
+    n_cpp = cap_cpp = 0;
+    n_cpp_overflow = 0;
     pool_len = pool_cap = n_stacks = cap_stacks = table_cap = 0;
     n_captured = n_new = n_overflow = n_truncated = 0;
     atomic_store(&n_no_gil, 0);
     generation++;
+    for (size_t i = 0; i < n_recs; i++) {
+        Py_XDECREF(recs[i].native);
+        Py_XDECREF(recs[i].frames);
+    }
+    free(recs);
+    for (size_t i = 0; i < n_frames; i++) Py_DECREF(old_pool[i].code);
+    free(old_pool);
 }
 
 /* _stacks_cpp(gather, symbolize): take the native stack too, through torch's
@@ -435,14 +486,17 @@ static PyObject *py_stacks_cpp(PyObject *Py_UNUSED(m), PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
     if (gather != Py_None && (!PyCallable_Check(gather) || !PyCallable_Check(symbolize)))
         return PyErr_Format(PyExc_TypeError, "_stacks_cpp takes two callables, or None twice");
-    Py_CLEAR(cpp_gather);
-    Py_CLEAR(cpp_symbolize);
+    /* The new pair first, the old one dropped after: its __del__ may set another. */
+    PyObject *old_gather = cpp_gather, *old_symbolize = cpp_symbolize;
+    cpp_gather = cpp_symbolize = NULL;
     if (gather != Py_None) {
         Py_INCREF(gather);
         Py_INCREF(symbolize);
         cpp_gather = gather;
         cpp_symbolize = symbolize;
     }
+    Py_XDECREF(old_gather);
+    Py_XDECREF(old_symbolize);
     Py_RETURN_NONE;
 }
 

@@ -360,6 +360,8 @@ static int raise_create_error(int rc) {
     const char *why = gm_create_error();
     if (rc == GM_EINVAL)
         PyErr_Format(PyExc_ValueError, "cannot create heap: %s (GM_EINVAL)", why);
+    else if (rc == GM_ENOMEM && strncmp(why, "host memory", 11) == 0) /* this process's, not the device's */
+        PyErr_Format(PyExc_MemoryError, "cannot create heap: out of %s", why);
     else if (rc == GM_ENOMEM)
         PyErr_Format(gm_py_OutOfMemoryError, "CUDA out of memory. cannot create heap: %s (GM_ENOMEM)", why);
     else
@@ -963,6 +965,8 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddObject(m, "PRESSURE_DEFAULT", PyFloat_FromDouble(GM_PRESSURE_DEFAULT)) < 0 ||
         PyModule_AddIntConstant(m, "EVENT_SIZE", (long)sizeof(gm_replay_event)) < 0 ||
         PyModule_AddObject(m, "PAGE_SIZE_MAX", PyLong_FromSize_t(GM_PAGE_SIZE_MAX)) < 0 ||
+        PyModule_AddObject(m, "SIM_MAX_PAGES", PyLong_FromSize_t(GM_SIM_MAX_PAGES)) < 0 ||
+        PyModule_AddObject(m, "SIM_PAGE_SIZE", PyLong_FromSize_t(GM_SIM_PAGE_SIZE)) < 0 ||
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */

@@ -91,7 +91,7 @@ static int size_arg(PyObject *obj, void *out) {
 static PyObject *raise_rc(int rc) {
     if (rc == GM_NATIVE_NO_HOST_MEMORY) return PyErr_NoMemory();
     if (rc == GM_NATIVE_NO_ADDRESSES)
-        return PyErr_Format(PyExc_OverflowError, "the model placed over 2**63 bytes of segments: addresses ran out");
+        return PyErr_Format(PyExc_OverflowError, "the model found no room for a segment among the 2**63 addresses");
     return PyErr_Format(PyExc_SystemError, "native model: unexpected result %d", rc);
 }
 

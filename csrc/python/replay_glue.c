@@ -50,6 +50,15 @@ static uintptr_t *get_slots(PyObject *slots_o, size_t n_slots, Py_buffer *sl, ui
     return sl->buf;
 }
 
+/* The bytes the blocks of a caller's slot table hold: what an earlier chunk
+ * left live (a pointer the heap does not know counts nothing).  In the core. */
+static uint64_t slots_live(gm_heap *h, const uintptr_t *slots, size_t n_slots) {
+    uint64_t live = 0;
+    for (size_t i = 0; i < n_slots; i++)
+        if (slots[i]) live += gm_block_size(h, slots[i]);
+    return live;
+}
+
 /* replay()'s answer: the core's result, and op_ns (when timed) of the `ran`
  * events that ran as an array('Q').  New reference or NULL. */
 static PyObject *result_dict(const gm_replay_result *res, const uint64_t *op_ns, size_t ran) {
@@ -58,6 +67,7 @@ static PyObject *result_dict(const gm_replay_result *res, const uint64_t *op_ns,
     if (gm_py_put_u64(result, "allocs", res->allocs) < 0 || gm_py_put_u64(result, "frees", res->frees) < 0 ||
         gm_py_put_u64(result, "ooms", res->ooms) < 0 ||
         gm_py_put_u64(result, "peak_live_bytes", res->peak_live_bytes) < 0 ||
+        gm_py_put_u64(result, "live_bytes", res->live_bytes) < 0 ||
         gm_py_put_u64(result, "peak_reserved_bytes", res->peak_reserved_bytes) < 0 ||
         gm_py_put_i64(result, "first_oom_event",
                       res->first_oom_event == UINT64_MAX ? -1 : (int64_t)res->first_oom_event) < 0 ||
@@ -80,10 +90,12 @@ static PyObject *result_dict(const gm_replay_result *res, const uint64_t *op_ns,
     return result;
 }
 
-/* replay(events, n_slots, timing=False, stop_at=-1, slots=None)
+/* replay(events, n_slots, timing=False, stop_at=-1, slots=None, live_bytes=None)
  * `slots`, when given, is a writable buffer of n_slots 8-byte words that the
  * caller keeps between calls, so that a trace can be replayed in chunks (for a
- * progress bar) with frees naming slots that an earlier chunk allocated.
+ * progress bar) with frees naming slots that an earlier chunk allocated.  The
+ * live bytes carry over: `live_bytes` is what the previous chunk's result said
+ * (its "live_bytes"), or, left None, the slots' blocks are summed.
  *
  * The events are copied once, before they are checked: the core trusts the
  * slot numbers it is given, and the caller's buffer may be rewritten by
@@ -92,14 +104,14 @@ static PyObject *result_dict(const gm_replay_result *res, const uint64_t *op_ns,
  * done; what the caller writes into it meanwhile is at most a pointer the heap
  * does not know, which the core refuses.  op_ns holds the events that ran. */
 static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"events", "n_slots", "timing", "stop_at", "slots", NULL};
+    static char *kwlist[] = {"events", "n_slots", "timing", "stop_at", "slots", "live_bytes", NULL};
     Py_buffer ev = {0}, sl = {0};
-    PyObject *slots_o = Py_None;
+    PyObject *slots_o = Py_None, *live_o = Py_None;
     size_t n_slots;
     int timing = 0;
     long long stop_at = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*O&|pLO:replay", kwlist, &ev, gm_py_n_slots_arg, &n_slots, &timing,
-                                     &stop_at, &slots_o)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*O&|pLOO:replay", kwlist, &ev, gm_py_n_slots_arg, &n_slots, &timing,
+                                     &stop_at, &slots_o, &live_o)) {
         if (ev.obj) PyBuffer_Release(&ev);
         return NULL;
     }
@@ -124,6 +136,9 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
                      "n_slots is too large: %zu slots, more than the 2^32 that 32-bit slot numbers name", n_slots);
         goto done;
     }
+    gm_replay_result res;
+    memset(&res, 0, sizeof res);
+    if (live_o != Py_None && gm_py_live_bytes_arg(live_o, &res.live_bytes) == 0) goto done;
     events = copy_events(&ev, n_slots, &n);
     PyBuffer_Release(&ev);
     if (events == NULL || !(slots = get_slots(slots_o, n_slots, &sl, &own_slots))) goto done;
@@ -133,11 +148,10 @@ static PyObject *Heap_replay(HeapObject *self, PyObject *args, PyObject *kwds) {
     }
     /* The last Python call was the slots export: now the heap. */
     if (gm_py_ready(self, GM_PY_OPEN) < 0) goto done;
-    gm_replay_result res;
-    memset(&res, 0, sizeof res);
     int rc;
     uint64_t stop = stop_at < 0 ? UINT64_MAX : (uint64_t)stop_at;
     ENTER_CORE(self);
+    if (slots_o != Py_None && live_o == Py_None) res.live_bytes = slots_live(self->heap, slots, n_slots);
     rc = gm_replay(self->heap, events, n, slots, op_ns, stop, &res);
     LEAVE_CORE(self);
     if (rc != GM_OK && rc != res.error)
@@ -157,8 +171,9 @@ PyMethodDef gm_py_replay_methods[] = {
     {.ml_name = "replay",
      .ml_meth = KW(Heap_replay),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
-     .ml_doc = "replay(events, n_slots, timing=False, stop_at=-1, slots=None) -> dict\n"
+     .ml_doc = "replay(events, n_slots, timing=False, stop_at=-1, slots=None, live_bytes=None) -> dict\n"
                "events: packed struct '<IIQQ' (op, slot, size, stream); slots: optional writable\n"
-               "buffer of n_slots 8-byte words kept by the caller across chunked calls."},
+               "buffer of n_slots 8-byte words kept by the caller across chunked calls; live_bytes:\n"
+               "the previous chunk's result's live_bytes (None: the slots' blocks are summed)."},
     {.ml_name = NULL},
 };

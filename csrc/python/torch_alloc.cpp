@@ -204,8 +204,10 @@ struct fork_registration {
     if (g_oom_mode.load(std::memory_order_relaxed) == GM_TORCH_OOM_TORCH && Py_IsInitialized()) {
         python_error e;
         PyGILState_STATE st = PyGILState_Ensure();
-        if (g_oom_class) {
-            PyObject *value = PyObject_CallFunction(g_oom_class, "s", msg.c_str());
+        if (PyObject *cls = g_oom_class) {
+            Py_INCREF(cls); /* the call may replace it */
+            PyObject *value = PyObject_CallFunction(cls, "s", msg.c_str());
+            Py_DECREF(cls);
             if (value) {
                 e.type = (PyObject *)Py_TYPE(value);
                 Py_INCREF(e.type);

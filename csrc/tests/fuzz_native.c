@@ -5,9 +5,9 @@
  *   fuzz_native [--quiet] [ops=200000] [seed=1]
  *
  * The seed picks a memory limit (none, or 64 MiB to 4 GiB) and a
- * max_split_size (none, or 21 to 512 MiB).  The run then makes random
+ * max_split_size (none, or 21 to 512 MiB, in whole MiB or not).  The run then makes random
  * gm_native_malloc calls (sizes log-uniform from 1 B to 256 MiB, now and then
- * a multiple of 2 MiB, on 3 streams), frees of live blocks, frees of addresses
+ * a multiple of 2 MiB, one in 8 near max_split_size, on 3 streams), frees of live blocks, frees of addresses
  * never handed out or already freed, and gm_native_empty_cache, and after each
  * checks the model through its public interface against a shadow kept here
  * (walking every block after each op, or after every few once there are
@@ -215,14 +215,16 @@ static void check(world *w, int after_oom) {
 
 /* ---- the ops ---------------------------------------------------------------------------------- */
 
-static uint64_t request_size(rng_t *r) {
+static uint64_t request_size(const world *w, rng_t *r) {
     uint64_t size = rnd_size(r);
     if (chance(r, 100000)) size = (size + 2 * MiB - 1) / (2 * MiB) * (2 * MiB); /* a segment's size exactly */
+    /* near max_split_size, where blocks turn oversize: 3 MiB under it to 1 MiB over, in steps of 512 B */
+    if (w->max_split && rnd_below(r, 8) == 0) size = w->max_split - 3 * MiB + 512 * rnd_below(r, 8192);
     return size;
 }
 
 static void op_malloc(world *w, rng_t *r) {
-    uint64_t size = request_size(r), stream = STREAMS[rnd_below(r, NSTREAMS)];
+    uint64_t size = request_size(w, r), stream = STREAMS[rnd_below(r, NSTREAMS)];
     uint32_t slot = w->next_slot++;
     live l = {.size = size, .stream = stream, .slot = slot};
     int64_t addr = -1;
@@ -331,6 +333,7 @@ int main(int argc, char **argv) {
     world w = {.twin_first_oom = -1};
     w.capacity = rnd_below(&r, 4) ? (64 * MiB) << rnd_below(&r, 7) : GM_NATIVE_UNLIMITED;
     w.max_split = rnd_below(&r, 2) ? (21 + rnd_below(&r, 492)) * MiB : 0;
+    if (w.max_split && rnd_below(&r, 2)) w.max_split -= 512 * (1 + rnd_below(&r, 2047)); /* not a whole MiB */
     w.m = gm_native_new(w.capacity, w.max_split);
     w.twin = gm_native_new(w.capacity, w.max_split);
     CHECK(w.m && w.twin, "out of host memory for the models");
@@ -350,7 +353,10 @@ int main(int argc, char **argv) {
     if (!quiet) {
         char limit[32] = "none", split[32] = "none";
         if (w.capacity != GM_NATIVE_UNLIMITED) snprintf(limit, sizeof limit, "%" PRIu64 " MiB", w.capacity / MiB);
-        if (w.max_split) snprintf(split, sizeof split, "%" PRIu64 " MiB", w.max_split / MiB);
+        if (w.max_split % MiB)
+            snprintf(split, sizeof split, "%" PRIu64 " B", w.max_split);
+        else if (w.max_split)
+            snprintf(split, sizeof split, "%" PRIu64 " MiB", w.max_split / MiB);
         printf("fuzz_native: OK %" PRIu64 " ops seed %" PRIu64 " limit %s max_split %s: %" PRIu64 " mallocs (%" PRIu64
                " out of memory), %" PRIu64 " frees, %" PRIu64 " bad frees, %" PRIu64 " empty_cache; %" PRIu64
                " segments made, %" PRIu64 " retries, peak reserved %" PRIu64 " MiB; %zu trace events replayed\n",

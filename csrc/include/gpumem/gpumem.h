@@ -469,8 +469,12 @@ typedef struct gm_replay_result {
     uint64_t peak_event;      /* index of the event at which live peaked */
     int error;                /* GM_OK, or a non-OOM error that stopped the replay */
     uint64_t events;          /* events that ran: op_ns[events..n) were not written */
+    uint64_t live_bytes;      /* in: the bytes live in `slots` at the start; out: at the end */
 } gm_replay_result;
-/* Replay `n` events.  `slots` must hold one uintptr_t per distinct slot (zeroed).
+/* Replay `n` events.  `slots` must hold one uintptr_t per distinct slot: zeroed,
+ * or as an earlier call on the same heap left them (a trace replayed in chunks),
+ * with res->live_bytes then set to the bytes those blocks hold (what that call
+ * left in it), so that live bytes carry over.
  * If op_ns is not NULL, each event's wall time in ns is stored there.
  * If stop_at is not UINT64_MAX, replay stops after that event index. */
 int gm_replay(gm_heap *heap, const gm_replay_event *ev, size_t n, uintptr_t *slots, uint64_t *op_ns, uint64_t stop_at,

@@ -23,7 +23,7 @@ enum gm_native_rc {
     GM_NATIVE_OOM,            /* the request does not fit under the limit (torch's out-of-memory) */
     GM_NATIVE_NOT_HANDED_OUT, /* free of an address the model did not hand out, or already freed */
     GM_NATIVE_NO_HOST_MEMORY, /* the model's own bookkeeping could not grow; the model is unchanged */
-    GM_NATIVE_NO_ADDRESSES,   /* over 2**63 bytes of segments placed in all: addresses ran out */
+    GM_NATIVE_NO_ADDRESSES,   /* no gap among the segments held fits a new one (the limit keeps them apart) */
 };
 
 /* The counters torch keeps (torch.cuda.memory_stats's names in parentheses). */

@@ -21,6 +21,12 @@ extern "C" {
  * (gpumem/faults.h) that injects nothing until told to.  Returns NULL only if
  * malloc fails. */
 gm_device *gm_sim_create(size_t capacity, size_t page_size);
+/* The most pages a simulated device may hold: 64 TiB in 2 MiB pages.  A
+ * simulated heap's host memory (the core's tables, sized for the device's
+ * pages, and the device's own) grows with its pages, so this bounds it for
+ * every simulated heap, whatever makes it; gm_device_open refuses more. */
+#define GM_SIM_MAX_PAGES ((size_t)1 << 25)
+#define GM_SIM_PAGE_SIZE ((size_t)2 << 20) /* the page when none is given */
 /* 1 if dev is a simulated device (as gm_sim_create returns it), else 0. */
 int gm_sim_is(const gm_device *dev);
 
