@@ -115,8 +115,8 @@ MUTATIONS = [
     Mutation(
         "cap_off_by_one_page",
         "growth stops one page under the cap (OOM too early)",
-        "    if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages, g, &dev_err);\n    if ((!pl.ok",  # noqa: E501
-        "    if (pl.ok && lacking(h, &pl, grant)) h_grow(h, lacking(h, &pl, grant), h->cap_pages - 1, g, &dev_err);\n    if ((!pl.ok",  # noqa: E501
+        "h_grow(h, lacking(h, pl, *a->grant), h->cap_pages, a->g, a->dev_err);\n    if (pl->ok && !lacking",
+        "h_grow(h, lacking(h, pl, *a->grant), h->cap_pages - 1, a->g, a->dev_err);\n    if (pl->ok && !lacking",
         path="csrc/core/slow.c",
     ),
     Mutation(
