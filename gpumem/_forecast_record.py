@@ -129,7 +129,9 @@ class _TorchNativeRecorder:
         out = []
         for e in events[self.skip :]:
             a = e["action"]  # only allocations have call sites (_sites)
-            out.append((a, e["addr"], e["size"], e["stream"], site(e.get("frames")) if a == "alloc" else 0))
+            # an "oom" entry (a library's failed try, caught by itself: cuDNN's workspaces) has no address
+            addr, size, stream = e.get("addr", 0), e.get("size", 0), e.get("stream", 0)
+            out.append((a, addr, size, stream, site(e.get("frames")) if a == "alloc" else 0))
         return out
 
     def capacity(self) -> int:

@@ -742,6 +742,27 @@ def test_native_torch_recorder_turns_torch_history_into_a_trace():
         _to_trace("b=2", [], events, 512)  # a free of a block nobody allocated
 
 
+def test_native_torch_recorder_reads_entries_without_an_address():
+    """torch's "oom" entry carries device_free, not addr: a library that caught its own failed try (cuDNN
+    asking for a large workspace) leaves one in the history of a step that ran."""
+    from gpumem.forecast import _to_trace, _TorchNativeRecorder
+
+    class FakeTorch:
+        cuda = _FakeCuda()
+
+    rec = _TorchNativeRecorder(FakeTorch, None)
+    rec.start()
+    FakeTorch.cuda.traces += [
+        {"action": "oom", "device_free": 1 << 20, "size": 1 << 40, "stream": 0},
+        {"action": "alloc", "addr": 99 << 20, "size": 1024, "stream": 0},
+        {"action": "free_completed", "addr": 99 << 20, "size": 1024, "stream": 0},
+    ]
+    events = rec.stop()
+    assert [e[0] for e in events] == ["oom", "alloc", "free_completed"]
+    t = _to_trace("b=2", [], events, rec.granularity)
+    assert t.allocs == 1 and t.frees == 1 and t.peak_live_bytes == 1024
+
+
 def test_native_torch_recorder_without_clear_history_skips_older_events():
     from gpumem.forecast import _TorchNativeRecorder
 
