@@ -98,6 +98,7 @@ class HistoryEntry:
     size: int
     stream: int
     context: int
+    requested: int = 0  # alloc and frees: the bytes asked for (size is the block's, rounded up to 512)
 
     @property
     def frames(self) -> Tuple[Frame, ...]:

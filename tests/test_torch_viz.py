@@ -296,3 +296,24 @@ def test_torch_record_memory_history_routes_to_record_history(monkeypatch):
 def test_torch_snapshot_without_heaps_is_empty():
     snap = _torch_viz.torch_snapshot_dict((0, 0, True))
     assert snap["segments"] == [] and all(t == [] for t in snap["device_traces"])
+
+
+def test_torch_trace_entries_carry_the_bytes_asked_for():
+    """torch's trace entries of a block's life (alloc, free_requested, free_completed) carry the bytes
+    the request asked for; gpumem's history keeps both that and the block's size (512-byte rounded)."""
+    import gpumem
+    from gpumem.snapshot import Snapshot
+    from gpumem.torch import _viz
+
+    with gpumem.Heap(device="sim", capacity=1 << 30) as heap:
+        heap.history_enable(100)
+        p = heap.malloc(311 * 411 * 4)
+        heap.free(p)
+        sizes = [(e[1], e[3], e[6]) for e in heap.history()[0] if e[1] != "map"]
+        assert sizes == [(a, 511488, 511284) for a in ("alloc", "free_requested", "free_completed")]
+        as_torch = Snapshot.from_heap(heap).to_torch(0, entry_hook=_viz._entry_hook())
+        own = Snapshot.from_heap(heap).to_torch(0)
+    blocks = [e for e in as_torch["device_traces"][0] if e["action"] in ("alloc", "free_requested", "free_completed")]
+    assert [e["size"] for e in blocks] == [311 * 411 * 4] * 3
+    # gpumem's own dumps keep the blocks' sizes, which its readers replay
+    assert {e["size"] for e in own["device_traces"][0] if e["action"] == "alloc"} == {511488}

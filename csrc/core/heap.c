@@ -516,7 +516,7 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
     gm_stat_up(h->st.active_bytes, pool, (int64_t)size);
     if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
         h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
-    gm_hist(h, GM_H_ALLOC, b->addr, size, s, context);
+    gm_hist_block(h, GM_H_ALLOC, b->addr, size, requested, s, context);
 }
 
 /* b, just made live in pool p from pages of its own (pool_pages_ok): the
@@ -619,7 +619,7 @@ void h_free_block(gm_heap *h, gm_block *b) {
     gm_stat_down(h->st.allocation, pool, 1);
     gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
     gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
-    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);
+    gm_hist_block(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->requested, b->stream, b->context);
     if (!b->n_uses) {
         h_complete_free(h, b);
         return;

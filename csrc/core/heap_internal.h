@@ -405,10 +405,16 @@ void gm_stats_reset_peaks(gm_stats *st);
 void gm_stats_reset_accumulated(gm_stats *st);
 
 /* ---- history.c ---- */
-void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream, uint64_t context);
+void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested, gm_stream stream,
+                  uint64_t context);
 static inline void gm_hist(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream,
                            uint64_t context) {
-    if (h->hist_cap) gm_hist_push(h, action, addr, size, stream, context);
+    if (h->hist_cap) gm_hist_push(h, action, addr, size, size, stream, context);
+}
+/* A block's event: its size and the bytes its request asked for (torch's history records those). */
+static inline void gm_hist_block(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested,
+                                 gm_stream stream, uint64_t context) {
+    if (h->hist_cap) gm_hist_push(h, action, addr, size, requested, stream, context);
 }
 void gm_hist_free(gm_heap *h);
 

@@ -28,7 +28,8 @@ uint64_t gm_history_event_context(uint64_t context) {
     return old;
 }
 
-void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream, uint64_t context) {
+void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested, gm_stream stream,
+                  uint64_t context) {
     if (event_context) context = event_context;
     size_t slot = (h->hist_head + h->hist_len) % h->hist_cap;
     if (h->hist_len == h->hist_cap) {
@@ -41,6 +42,7 @@ void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_s
     e->time_ns = now_ns();
     e->addr = addr;
     e->size = size;
+    e->requested = requested;
     e->stream = stream;
     e->context = context;
     e->action = action;

@@ -106,7 +106,7 @@ void h_complete_free(gm_heap *h, gm_block *b) {
     int pool = gm_pool_of(b->size);
     gm_stat_down(h->st.active, pool, 1);
     gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
-    gm_hist(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->stream, b->context);
+    gm_hist_block(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->requested, b->stream, b->context);
     b->n_uses = 0;
     b->wait_sync = 0;
     h_make_free(h, b, b->stream, ++h->free_seq);

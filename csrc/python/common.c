@@ -131,9 +131,9 @@ PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
     for (size_t i = 0; i < n; i++) {
         const gm_hist_entry *e = &buf[i];
         const char *act = e->action < sizeof names / sizeof names[0] ? names[e->action] : unknown_action;
-        PyObject *t =
-            Py_BuildValue("(KsKKKK)", (unsigned long long)e->time_ns, act, (unsigned long long)e->addr,
-                          (unsigned long long)e->size, (unsigned long long)e->stream, (unsigned long long)e->context);
+        PyObject *t = Py_BuildValue("(KsKKKKK)", (unsigned long long)e->time_ns, act, (unsigned long long)e->addr,
+                                    (unsigned long long)e->size, (unsigned long long)e->stream,
+                                    (unsigned long long)e->context, (unsigned long long)e->requested);
         if (t == NULL) {
             Py_DECREF(list);
             PyMem_Free(buf);

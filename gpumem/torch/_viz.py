@@ -226,6 +226,8 @@ def _entry_hook():
     region_at = _compile_context.reader()
 
     def hook(e, entry) -> None:
+        if entry["action"] in ("alloc", "free_requested", "free_completed") and e.requested:
+            entry["size"] = e.requested  # torch's entries of a block's life carry the bytes asked for
         entry["user_metadata"] = metadata_at(e.time_ns)
         entry["compile_context"] = region_at(e.time_ns)
         if context_at(e.time_ns) not in ("alloc", "all"):

@@ -285,7 +285,8 @@ typedef struct gm_hist_entry {
     uint64_t size;
     gm_stream stream;
     uint64_t context;
-    uint32_t action; /* gm_hist_action */
+    uint32_t action;    /* gm_hist_action */
+    uint64_t requested; /* alloc and frees: the bytes asked for (size is the block's); else size */
 } gm_hist_entry;
 /* Keep the last `max_entries` events (0 turns history off and drops it).  Called
  * again with a new size, the newest events recorded so far that fit are kept. */
