@@ -84,7 +84,7 @@ def test_a_cpp_extension_sees_gpumem(build_dirs):
 
             # TorchScript from a string: this child runs from `python -c`, which keeps no source file
             the_script_fn = torch.jit.CompilationUnit(
-                "def the_script_fn():\n    return torch.rand(311, 411, device='cuda')\n"
+                "def the_script_fn():\\n    return torch.rand(311, 411, device='cuda')\\n"
             ).the_script_fn
 
             def run():

@@ -99,6 +99,8 @@ def test_the_hooks_the_cpp_allocator_calls_answer_as_torch_would():
         hooks.region("", False)
         b = _C._torch_test_alloc(5 * MiB, 0)
         free(_C._torch_test_alloc(MiB, 0), MiB, 0, None)
+        largest = hooks.cache_info(0)  # torch's cacheInfo: the freed block and the rest of its pages
+        report = _C.registry_heap(0).memory_report(0)
         snap = hooks.snapshot(0, 0, True)
         allocs = [(e["size"], e["compile_context"], e["user_metadata"]) for e in snap["device_traces"][0]
                   if e["action"] == "alloc"]
@@ -109,7 +111,8 @@ def test_the_hooks_the_cpp_allocator_calls_answer_as_torch_would():
         no_traces = hooks.snapshot(0, 0, False)["device_traces"][0]
         hooks.record_history(False, 0, False, 0, False, "")
         out(off=off, on=on, after=hooks.history_enabled(), allocs=allocs, blocks=sorted(blocks), meta=meta,
-            no_traces=no_traces, fraction=hooks.memory_fraction(0), actions=actions)
+            no_traces=no_traces, fraction=hooks.memory_fraction(0), actions=actions, largest=largest,
+            report_largest=report["largest_free_mapped"])
         """,
         TORCH_BOUNDARY.replace("import ctypes", "import ctypes\nfrom gpumem import _C", 1),
         timeout=300,
@@ -123,6 +126,7 @@ def test_the_hooks_the_cpp_allocator_calls_answer_as_torch_would():
     ]
     assert r["blocks"] == [3 * MiB, 5 * MiB] and r["meta"] == "step 1"
     assert r["no_traces"] == [] and r["fraction"] == 0.5
+    assert MiB <= r["largest"] == r["report_largest"]
     assert "free_completed" in r["actions"] and "free_requested" not in r["actions"]  # skip_actions
 
 

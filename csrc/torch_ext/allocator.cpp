@@ -226,6 +226,11 @@ class GpumemAllocator final : public Pluggable {
     cca::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
     void resetAccumulatedStats(c10::DeviceIndex device) override { reset_(device, 2); }
     void resetPeakStats(c10::DeviceIndex device) override { reset_(device, 1); }
+    void cacheInfo(c10::DeviceIndex device, size_t *largest) override {
+        size_t n = 0;
+        call_hook(hooks_, "cache_info", [&](PyObject *r) { n = PyLong_AsSize_t(r); }, "(i)", (int)device);
+        *largest = n;
+    }
     double getMemoryFraction(c10::DeviceIndex device) override {
         double f = 1.0;
         call_hook(hooks_, "memory_fraction", [&](PyObject *r) { f = PyFloat_AsDouble(r); }, "(i)", (int)device);

@@ -95,6 +95,12 @@ class Hooks:
         context = _CONTEXTS.get(int(when)) if stacks else None
         _viz.record_torch_history("all" if enabled else None, context, "python", max_entries, clear, False, False, skip)
 
+    def cache_info(self, device):
+        """torch's cacheInfo (cuDNN sizes its benchmark workspaces by it): the largest free block that
+        needs no new pages."""
+        heap = _C.registry_heap(int(device), open=False)
+        return int(heap.memory_report(0)["largest_free_mapped"]) if heap is not None else 0
+
     def history_enabled(self):
         return _C.registry_options()["history_entries"] > 0
 
