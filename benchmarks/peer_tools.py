@@ -13,7 +13,6 @@ beside torch, each reading the allocator its own way --
   accelerate      accelerate.utils.find_executable_batch_size shrinking a batch on out-of-memory until a
                   step fits under a cap, and release_memory
   lightning       Lightning's CUDAAccelerator.get_device_stats, the numbers its DeviceStatsMonitor logs
-  transformers    the Trainer's memory tracker (TrainerMemoryTracker), where this transformers has it
 
 Each case runs in a fresh process twice: with gpumem installed (gpumem.install() before CUDA starts)
 and with torch's native allocator.  A case that fails natively too is the environment's, not gpumem's.
@@ -132,29 +131,6 @@ def lightning(torch):
     assert cur >= 300 * MiB and stats["reserved_bytes.all.current"] >= cur, stats
     del x
     return dict(keys=len(stats), allocated=cur, reserved=stats["reserved_bytes.all.current"])
-
-
-@case
-def transformers(torch):
-    from transformers.trainer_utils import TrainerMemoryTracker
-
-    tracker = TrainerMemoryTracker(skip_memory_metrics=False)
-    metrics = {}
-
-    def train():  # the tracker names its stage after the function that calls it, as the Trainer's train
-        tracker.start()
-        keep = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
-        tmp = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda")
-        del tmp
-        tracker.stop_and_update_metrics(metrics)
-        return keep
-
-    keep = train()
-    delta = next(v for k, v in metrics.items() if k.endswith("mem_gpu_alloc_delta"))
-    peaked = next(v for k, v in metrics.items() if k.endswith("mem_gpu_peaked_delta"))
-    assert delta == 512 * MiB and peaked >= 1024 * MiB - 4 * MiB, metrics
-    del keep
-    return metrics
 
 
 def child(name, allocator):
