@@ -83,6 +83,7 @@ TRACE_NAMES = (
     "qwen2_lora",
     "qwen2_moe_train",
     "resnet_infer",
+    "roberta_infer",
     "swin_train",
     "t5_train",
     "unet_sample",
