@@ -143,7 +143,7 @@ MUTATIONS = [
     Mutation(
         "free_history_dropped",
         "history: frees are not recorded",
-        "    gm_hist(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->stream, b->context);\n",
+        "    gm_hist_block(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->requested, b->stream, b->context);\n",
         "\n",
         path="csrc/core/heap.c",
     ),
