@@ -512,7 +512,7 @@ def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
         return fc
     top, m = fc.recorded[-1], fc.multiple
     k = -(-(2 * top - fc.recorded[-2]) // m) * m
-    kw = dict(name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
+    kw = _settings_of(fc)
     try:
         new = Forecast([*fc.recordings, record(k)], **kw)
     except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
@@ -525,6 +525,11 @@ def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
         return fc
     new.one_more = k
     return new
+
+
+def _settings_of(fc: "Forecast") -> dict:
+    """What a forecast made from more recordings keeps of `fc`: its name, capacity, point and multiple."""
+    return dict(name=fc.name, capacity=fc.capacity, at=fc.at, multiple=fc.multiple, heap_kwargs=fc.heap_kwargs)
 
 
 def _alike(a: Recording, b: Recording, name: str) -> bool:
@@ -552,7 +557,7 @@ def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     lo, hi = max(m, int(target // 4) // m * m), max(m, int(target // 2) // m * m)
     if lo <= top or lo >= hi:
         return fc
-    kw = dict(name=fc.name, capacity=fc.capacity, at=fc.at, multiple=m, heap_kwargs=fc.heap_kwargs)
+    kw = _settings_of(fc)
     try:
         far = record(hi)
         new = Forecast([*fc.recordings, far], **kw)
