@@ -1,6 +1,8 @@
 """torch.compile(mode="reduce-overhead") inference of a 4-layer Llama-style model (HF transformers,
 random weights, built from LlamaConfig) at three batch-size/sequence-length shapes: torch's native
-allocator vs native with expandable_segments vs gpumem, each in a fresh process.
+allocator vs native with expandable_segments vs gpumem, each in a fresh process.  `--model bert` (a
+12-layer BERT masked-LM encoder, shapes batch x sequence) and `--model convnext` (ConvNeXt-tiny image
+classification, shapes batch x resolution) compile other kinds of model the same way.
 
 Per allocator: peak reserved memory (torch.cuda.max_memory_reserved), peak live memory
 (max_memory_allocated) and, per shape, the median latency of one compiled call (CUDA graph replay,
@@ -9,7 +11,7 @@ expandable_segments, median latency <= 1.00 x native.
 
 Usage on a GPU machine: python benchmarks/gpu_graphs.py [--out benchmarks/results/gpu_graphs.json]
     [--shapes 2x256,8x512,16x1024] [--iters 30] [--also gpumem:GPUMEM_CHUNK_PAGES=1]
-    [--snapshots DIR]
+    [--snapshots DIR] [--model llama|bert|convnext]
 
 --also adds variants of gpumem run with environment variables set (a gpumem option, say), each in
 its own fresh process, to the table; the goals compare the plain `gpumem` row.  --snapshots writes
@@ -32,36 +34,55 @@ GiB = 1 << 30
 
 WORKER = r"""
 import json, os, pickle, statistics, sys, time
-mode, shapes, iters, snap = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+mode, shapes, iters, snap, kind = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 import torch
 if mode == "gpumem":
     import gpumem
     gpumem.install()
     if snap:
         gpumem.record_history(stacks=None, max_entries=4_000_000)
-from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,
-                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
-model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+if kind == "llama":
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg)
+elif kind == "bert":
+    from transformers import BertConfig, BertForMaskedLM
+    cfg = BertConfig(max_position_embeddings=2048)
+    model = BertForMaskedLM(cfg)
+else:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+    cfg = ConvNextConfig(depths=[3, 3, 9, 3], hidden_sizes=[96, 192, 384, 768])
+    model = ConvNextForImageClassification(cfg)
+model = model.to(device="cuda", dtype=torch.bfloat16).eval()
 f = torch.compile(model, mode="reduce-overhead", dynamic=False)   # one graph per shape
+
+
+def inputs(bs, n):
+    if kind == "convnext":
+        return {"pixel_values": torch.randn(bs, 3, n, n, device="cuda", dtype=torch.bfloat16)}
+    ids = torch.randint(0, cfg.vocab_size, (bs, n), device="cuda")
+    return {"input_ids": ids, "use_cache": False} if kind == "llama" else {"input_ids": ids}
+
+
 lat = {}
 t0 = time.perf_counter()
 with torch.no_grad():
     for bs, seq in shapes:
-        ids = torch.randint(0, cfg.vocab_size, (bs, seq), device="cuda")
+        x = inputs(bs, seq)
         for _ in range(3):                    # compile, warm up, record
-            f(ids, use_cache=False).logits
+            f(**x).logits
         torch.cuda.synchronize()
         times = []
         for _ in range(iters):
             a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-            a.record(); f(ids, use_cache=False); b.record(); b.synchronize()
+            a.record(); f(**x); b.record(); b.synchronize()
             times.append(a.elapsed_time(b))
         lat[f"{bs}x{seq}"] = statistics.median(times)
     # all shapes again, to see that every recorded graph still replays within the same memory
     for bs, seq in shapes:
-        f(torch.randint(0, cfg.vocab_size, (bs, seq), device="cuda"), use_cache=False).logits
+        f(**inputs(bs, seq)).logits
 torch.cuda.synchronize()
 res = {"mode": mode, "peak_reserved": torch.cuda.max_memory_reserved(),
        "peak_allocated": torch.cuda.max_memory_allocated(),
@@ -82,9 +103,10 @@ print("RESULT " + json.dumps(res), flush=True)
 """
 
 MODES = ("native", "expandable_segments", "gpumem")
+MODELS = {"llama": "4-layer Llama", "bert": "BERT-base masked LM", "convnext": "ConvNeXt-tiny"}
 
 
-def run(mode, shapes, iters, snapshots=None):
+def run(mode, shapes, iters, snapshots=None, kind="llama"):
     name, _, extra = mode.partition(":")
     if extra and name != "gpumem":
         raise SystemExit(f"gpu_graphs.py: bad variant {mode!r} (want gpumem:VAR=VALUE[,VAR=VALUE])")
@@ -97,10 +119,10 @@ def run(mode, shapes, iters, snapshots=None):
     snap = ""
     if snapshots and name == "gpumem":
         os.makedirs(snapshots, exist_ok=True)
-        snap = os.path.join(snapshots, "gpu_graphs-" + mode.replace(":", "-").replace("=", "-") + ".pickle")
+        snap = os.path.join(snapshots, f"gpu_graphs-{kind}-" + mode.replace(":", "-").replace("=", "-") + ".pickle")
     p = subprocess.run(
         [sys.executable, "-c", WORKER, "gpumem" if name == "gpumem" else "native"]
-        + [json.dumps(shapes), str(iters), snap],
+        + [json.dumps(shapes), str(iters), snap, kind],
         env=env,
         capture_output=True,
         text=True,
@@ -121,14 +143,15 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--also", default="", help="gpumem variants, ';' separated: gpumem:VAR=VALUE[,VAR=VALUE]")
     ap.add_argument("--snapshots", metavar="DIR", help="write each gpumem run's final snapshot here")
+    ap.add_argument("--model", choices=("llama", "bert", "convnext"), default="llama", help="what to compile")
     args = ap.parse_args(argv)
     shapes = [[int(v) for v in s.split("x")] for s in args.shapes.split(",")]
     modes = MODES + tuple(filter(None, args.also.split(";")))
-    results = {m: run(m, shapes, args.iters, args.snapshots) for m in modes}
+    results = {m: run(m, shapes, args.iters, args.snapshots, args.model) for m in modes}
     nat = results["native"]
     keys = [f"{b}x{s}" for b, s in shapes]
     print(
-        f"torch.compile(mode='reduce-overhead'), 4-layer Llama (bf16), shapes {', '.join(keys)}; "
+        f"torch.compile(mode='reduce-overhead'), {MODELS[args.model]} (bf16), shapes {', '.join(keys)}; "
         f"{nat['device']}, torch {nat['torch']}"
     )
     head = (
@@ -154,7 +177,7 @@ def main(argv=None):
     print("goals:", ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in goals.items()))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"shapes": keys, "results": results, "goals": goals}, indent=1))
+    out.write_text(json.dumps({"model": args.model, "shapes": keys, "results": results, "goals": goals}, indent=1))
     print("wrote", out)
 
 
