@@ -89,3 +89,42 @@ def test_the_zoo_catalog_is_the_traces_own():
     ).stdout.strip()
     assert table.count("\n") >= 25
     assert table in (REPO / "docs" / "zoo.md").read_text()
+
+
+# A path under tests/ that the repository's docs, scripts and comments name: "tests/unit/test_core.py",
+# "tests/boundary/test_boundary*.py", "tests/gpu" (never csrc/tests/..., nor a path inside another).
+TEST_PATH = re.compile(r"(?<![\w./$-])tests(?:/[\w.*-]*[\w*])+")
+# Records of past runs, and files that are no text.
+NOT_READ = re.compile(r"^(benchmarks/results/|gpumem/data/|notebooks/)|\.(gz|png|pickle)$")
+
+
+def named_test_paths(text):
+    """The test paths text names, each once, in order."""
+    return list(dict.fromkeys(m.group(0) for m in TEST_PATH.finditer(text)))
+
+
+def test_the_test_path_finder():
+    text = (
+        "see tests/unit/test_core.py::test_x, tests/boundary/test_boundary*.py and `tests/gpu`.\n"
+        "csrc/tests/fuzz.c, $w/run/tests/unit, tests/ alone, tests/unit/test_core.py again"
+    )
+    assert named_test_paths(text) == ["tests/unit/test_core.py", "tests/boundary/test_boundary*.py", "tests/gpu"]
+
+
+def test_every_test_path_the_repository_names_exists():
+    """When tests move, every script, doc and comment that names one follows (CI's scripts, tools/mutate.py,
+    the docs' commands): each path under tests/ a tracked file names is a file or folder, or a pattern
+    that matches one."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    missing = []
+    for rel in tracked.stdout.splitlines():
+        if NOT_READ.search(rel) or not (REPO / rel).is_file():
+            continue
+        for path in named_test_paths((REPO / rel).read_text(errors="replace")):
+            if not list(REPO.glob(path)):
+                missing.append(f"{rel} names {path}, which is not in the tree")
+    assert not missing, "\n".join(missing)
