@@ -7,8 +7,9 @@ layer table, within a layer there is no circle, and every module imports in a
 fresh interpreter in several orders.
 
 C: the map's tables say which folder may include which and which files alone
-may speak to Python, torch and CUDA; the tests read them and check every file
-under csrc/ (a file the map names is checked only where it exists).
+may speak to Python, torch and CUDA, and which CUDA names two files may write;
+the tests read them and check every file under csrc/ (test_map.py checks that
+every file the map names exists, and that it names every file of code).
 """
 
 import ast
@@ -272,12 +273,6 @@ def include_rules():
     return sorted(rules, key=lambda r: all(s.endswith("/") for s in r[0]))
 
 
-# The indexes stop reading the heap's header once the heap is split into its
-# rooms (docs/architecture.md): their .c files keep to their row from then on.
-INDEXES = ("csrc/core/freeindex.c", "csrc/core/runindex.c")
-HEAP_IS_SPLIT = (CSRC / "core" / "block.c").exists()
-
-
 def include_problems(files, rules, resolve=_resolve_include, includes=_includes):
     problems = []
     for path in files:
@@ -301,8 +296,6 @@ def test_each_c_folder_includes_only_what_the_map_allows():
     rules = include_rules()
     assert (["csrc/core/"], ["csrc/core/", "csrc/include/"]) in rules
     assert (["csrc/device/"], ["csrc/device/", "csrc/include/"]) in rules
-    if not HEAP_IS_SPLIT:
-        rules = [([s for s in subjects if s not in INDEXES], allowed) for subjects, allowed in rules]
     problems = include_problems(_c_files(), rules)
     assert not problems, "\n".join(problems)
 
@@ -332,12 +325,10 @@ def test_the_include_check_finds_a_core_or_device_file_reaching_out():
     ]
 
 
-# torch_alloc.cpp spells torch's stream type (cudaStream_t) without CUDA's
-# header: the one CUDA name docs/architecture.md lets it write.
-OUTSIDE_EXCEPTIONS = {
-    ("CUDA", "csrc/python/torch_alloc.cpp"): {"CUstream_st"},
-    ("CUDA", "csrc/torch_ext/allocator.cpp"): {"cudaStream_t"},  # torch's virtual functions name it
-}
+def outside_exceptions():
+    """{("CUDA", file): names it may write}: the map's table of CUDA's names outside cuda.c."""
+    rows = doc_table("CUDA's names outside cuda.c")
+    return {("CUDA", _ticks(r[0])[0]): set(_ticks(r[1])) for r in rows}
 
 
 def outside_rules():
@@ -355,7 +346,8 @@ def _is_header(name, headers):
     return any(name.startswith(h) if h.endswith("/") else name == h for h in headers)
 
 
-def outside_problems(files, rules, text=lambda p: p.read_text(), includes=_includes):
+def outside_problems(files, rules, text=lambda p: p.read_text(), includes=_includes, exceptions=None):
+    exceptions = outside_exceptions() if exceptions is None else exceptions
     problems = []
     for path in files:
         rel, code = _rel(path), None
@@ -367,7 +359,7 @@ def outside_problems(files, rules, text=lambda p: p.read_text(), includes=_inclu
                     problems.append(f"{rel} includes {name}: only {', '.join(where)} may speak to {api}")
             code = _strip_c(text(path)) if code is None else code
             names = {m.group(0) for rx in regexes for m in re.finditer(rx, code)}
-            names -= OUTSIDE_EXCEPTIONS.get((api, rel), set())
+            names -= exceptions.get((api, rel), set())
             if names:
                 problems.append(f"{rel} names {api}: {sorted(names)}; only {', '.join(where)} may")
     return problems
@@ -400,6 +392,10 @@ def test_the_outside_check_finds_cuda_python_and_torch_out_of_their_rooms():
     src = "struct CUstream_st; typedef CUstream_st *s_t; int g() { return cuStreamQuery(0); }"
     assert outside_problems([alloc], rules, lambda p: src, lambda p: []) == [
         "csrc/python/torch_alloc.cpp names CUDA: ['cuStreamQuery']; only csrc/device/cuda.c may"
+    ]
+    # the exception is the map's table: without its row, the handle is a CUDA name like any other
+    assert outside_problems([alloc], rules, lambda p: src, lambda p: [], exceptions={}) == [
+        "csrc/python/torch_alloc.cpp names CUDA: ['CUstream_st', 'cuStreamQuery']; only csrc/device/cuda.c may"
     ]
 
 
