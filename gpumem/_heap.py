@@ -2,7 +2,7 @@
 torch layer hands down.
 
 gpumem's Python package imports one way, bottom to top, in the layers that
-docs/architecture.md lists (tests/test_layers.py holds the code to them): this
+docs/architecture.md lists (tests/repo/test_layers.py holds the code to them): this
 file is in the lowest, the torch layer (gpumem.torch) near the top, and nothing
 imports a module above it.  The torch layer reaches the layers below by
 registering its hooks here at install (register_torch_hooks), never the other

@@ -1,19 +1,23 @@
-"""Shared fixtures for the gpumem test suite.
+"""Shared fixtures and collection hooks for the gpumem test suite, one for every folder of tests/.
 
 Everything here runs on the simulated device; tests that need a real GPU take
-the `gpu` marker and are skipped when torch or CUDA is missing.
+the `gpu` marker and are skipped when torch or CUDA is missing.  What the test
+files import (units, traces, heap checks, fresh interpreters) is in tests/helpers.py.
 """
 
-import json
 import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+# tests/ on the path, so that every folder's test files import helpers (and pytest's
+# rootdir-relative import mode is not needed for it).
+_HERE = str(pathlib.Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from helpers import GiB, assert_ok, cuda_devices, traces_dir, REPO  # noqa: E402
 
 # Hypothesis: under CI (the CI variable set, as .ci/run does) the property
 # tests run derandomized -- the same examples on every run, so a bug they can
@@ -43,104 +47,6 @@ try:
 except ImportError:  # hypothesis is only needed by the tests that import it
     pass
 
-MiB = 1 << 20
-GiB = 1 << 30
-PAGE = 2 * MiB
-
-
-# The traces and the snapshot shipped in gpumem/data.  Tests take them from the
-# gpumem under test (a source checkout or an installed wheel); a missing one is a
-# failure (gpumem.data.UnknownDataError), never a skip.
-TRACE_NAMES = (
-    "bert_varlen",
-    "gpt2_generate",
-    "gpt2_varlen",
-    "llama_lora_ckpt",
-    "overlap_comm",
-    "prefetch_loader",
-    "resnet50_multires",
-    "seed_fragmentation",
-    "two_stream_pipeline",
-    # the zoo (docs/zoo.md)
-    "bart_generate",
-    "bert_mlm",
-    "clip_train",
-    "convnext_train",
-    "distilbert_train",
-    "efficientnet_train",
-    "gemma_beam",
-    "gpt_neox_fp16",
-    "llama_ckpt",
-    "llama_compile_graphs",
-    "llama_compile_train",
-    "llama_generate",
-    "llama_train",
-    "mistral_train",
-    "mixtral_generate",
-    "mixtral_train",
-    "phi_generate",
-    "qwen2_generate",
-    "qwen2_lora",
-    "qwen2_moe_train",
-    "resnet_infer",
-    "roberta_infer",
-    "swin_train",
-    "t5_train",
-    "unet_sample",
-    "unet_train",
-    "vit_train",
-    "wav2vec2_ctc",
-    "whisper_generate",
-    "whisper_train",
-)
-
-
-def trace_file(name):
-    """The shipped trace `name` (raises when it is missing)."""
-    from gpumem.data import trace_path
-
-    return trace_path(name)
-
-
-def snapshot_file(name="sample_snapshot"):
-    """The shipped torch snapshot `name` (raises when it is missing)."""
-    from gpumem.data import snapshot_path
-
-    return snapshot_path(name)
-
-
-def extra_traces_dir():
-    """$GPUMEM_SHARED/traces: an optional folder of more *.trace.gz that the
-    trace-wide tests replay as well; None when unset."""
-    env = os.environ.get("GPUMEM_SHARED")
-    if not env:
-        return None
-    path = pathlib.Path(env) / "traces"
-    if not path.is_dir():
-        raise FileNotFoundError(f"GPUMEM_SHARED={env} has no traces/ folder")
-    return path
-
-
-def all_traces():
-    """Every shipped trace (each must exist), then those of $GPUMEM_SHARED/traces
-    whose names the shipped ones do not already have."""
-    shipped = [trace_file(n) for n in TRACE_NAMES]
-    extra_dir = extra_traces_dir()
-    extra = []
-    if extra_dir is not None:
-        extra = [p for p in sorted(extra_dir.glob("*.trace.gz")) if p.name[: -len(".trace.gz")] not in TRACE_NAMES]
-    return shipped + extra
-
-
-REPO_TRACES = REPO / "gpumem" / "data" / "traces"
-
-
-def traces_dir():
-    """The folder of the shipped traces (gpumem/data/traces); it must exist."""
-    if not REPO_TRACES.is_dir():
-        raise FileNotFoundError(f"{REPO_TRACES} is missing: the shipped traces are part of the repository")
-    return REPO_TRACES
-
 
 @pytest.fixture(scope="session")
 def traces():
@@ -151,31 +57,6 @@ def traces():
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO
-
-
-def cuda_devices():
-    """(number of CUDA devices, why none).  Zero only when there is really no
-    GPU to test: torch missing, a CPU-only torch build, or no NVIDIA device on
-    the machine.  Anything else -- torch failing to import for another reason,
-    CUDA detection raising, or a CUDA build of torch on a machine with NVIDIA
-    device files that still reports no GPU (a broken driver install) -- raises,
-    so that a broken setup fails instead of skipping every GPU test."""
-    try:
-        import torch
-    except ModuleNotFoundError as exc:
-        if exc.name != "torch":
-            raise
-        return 0, "torch is not installed"
-    if not torch.version.cuda:
-        return 0, "torch is a CPU-only build"
-    if torch.cuda.is_available():
-        return torch.cuda.device_count(), ""
-    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
-        raise RuntimeError(
-            "this machine has NVIDIA device files and torch is a CUDA build, but "
-            "torch.cuda.is_available() is False: the CUDA install is broken"
-        )
-    return 0, "no CUDA GPU on this machine"
 
 
 def _cuda_available():
@@ -233,132 +114,6 @@ def heap(make_heap):
     return make_heap()
 
 
-def assert_ok(h):
-    """h.check() must pass; on failure show the core's reason."""
-    import gpumem
-
-    try:
-        h.check()
-    except gpumem.CorruptionError as exc:  # pragma: no cover - only on a core bug
-        pytest.fail(f"heap invariant broken: {exc}")
-
-
-def live_blocks(h):
-    return [b for b in h.snapshot()["blocks"] if b[6] == "live"]
-
-
-# Streams the tests use (arbitrary handle values; 0 is the legacy default stream).
-STREAMS = (0, 0x1000, 0x2000, 0x3000)
-
-
-def drain_and_assert_empty(h, ptrs):
-    """Release every stream, free every pointer in `ptrs` that is still live,
-    empty the cache, and check that the simulated device holds nothing."""
-    for s in STREAMS:
-        h.sim_hold_stream(s, False)
-    for p in list(ptrs):
-        if h.block_size(p):
-            h.free(p)
-    h.empty_cache()
-    assert_ok(h)
-    info = h.sim_info()
-    assert info["pages_created"] == 0, info
-    assert info["pages_mapped"] == 0, info
-    st = h.stats()
-    assert st["reserved_bytes.all.current"] == 0
-    assert st["allocated_bytes.all.current"] == 0
-    assert st["active_bytes.all.current"] == 0
-
-
 @pytest.fixture
 def check():
     return assert_ok
-
-
-def pool_of(size):
-    """torch's pools: blocks of at most 1 MiB come from the small pool."""
-    return "small_pool" if size <= MiB else "large_pool"
-
-
-def recount(h):
-    """Recount the live-memory statistics from a snapshot, independently of
-    the core's counters: {stat key: value} for the keys it can derive."""
-    snap = h.snapshot()
-    out = {}
-    for pool in ("all", "small_pool", "large_pool"):
-        for name in ("allocation", "allocated_bytes", "requested_bytes"):
-            out[f"{name}.{pool}.current"] = 0
-    for addr, size, requested, stream, context, seq, state, pool in snap["blocks"]:
-        if state != "live":
-            continue
-        for pool in ("all", pool_of(size)):
-            out[f"allocation.{pool}.current"] += 1
-            out[f"allocated_bytes.{pool}.current"] += size
-            out[f"requested_bytes.{pool}.current"] += requested
-    return out
-
-
-def pages_touched(blocks, page=PAGE):
-    """Number of distinct pages that the (addr, size) ranges touch."""
-    pages = set()
-    for addr, size in blocks:
-        pages.update(range(addr // page, (addr + size - 1) // page + 1))
-    return len(pages)
-
-
-# Python source that binds the C entry points torch's CUDAPluggableAllocator
-# calls (csrc/python/torch_alloc.cpp) through ctypes, for scripts that drive
-# the torch boundary without torch: a ctypes call drops the GIL, as torch's
-# ops do.  Needs `_C` (gpumem._C) imported.
-TORCH_BOUNDARY = """
-import ctypes
-lib = ctypes.CDLL(_C.__file__)
-alloc = lib.gpumem_torch_alloc
-alloc.restype = ctypes.c_void_p
-alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-free = lib.gpumem_torch_free
-free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-FILTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-begin = lib.gpumem_torch_pool_begin
-begin.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, FILTER]
-end = lib.gpumem_torch_pool_end
-end.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
-release = lib.gpumem_torch_pool_release
-release.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
-empty_cache = lib.gpumem_torch_empty_cache
-memory_fraction = lib.gpumem_torch_memory_fraction
-memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
-ANY = ctypes.cast(None, FILTER)   # a pool that takes every stream
-def live(pool):
-    return {a for a, _ in _C.registry_heap(0).pool_live(pool)}
-"""
-
-
-# What the child of run_python reports with: out(key=value, ...) prints one line "RESULT <json>".
-OUT = """
-import json
-def out(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
-"""
-
-
-def run_python(code, prelude, env=None, timeout=600, unset=("GPUMEM_CONF",)):
-    """Run prelude + code in a fresh interpreter that imports this checkout's
-    gpumem; return the dict the code printed with out(...) (a line "RESULT
-    <json>", see OUT).  `unset` names environment variables the child must not inherit."""
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    for name in unset:
-        e.pop(name, None)
-    if env:
-        e.update(env)
-    p = subprocess.run(
-        [sys.executable, "-c", OUT + prelude + textwrap.dedent(code)],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])

@@ -7,7 +7,8 @@ show, made from benchmarks/results.
 Each table sits in its document between `<!-- figures: NAME -->` and `<!-- figures: end -->`;
 what lies between is this script's, so a figure there has one source: the JSON a benchmark
 wrote (gpu_compare.json: benchmarks/gpu_compare.py, every allocator in one run on one GPU;
-gpu_growth.json: benchmarks/gpu_growth.py; replay.json: benchmarks/replay.py).  tests/test_figures.py runs the check.
+gpu_growth.json: benchmarks/gpu_growth.py; replay.json: benchmarks/replay.py).  tests/repo/test_figures.py runs the
+check.
 """
 
 import json

@@ -5,7 +5,7 @@ and report which of them caught it.
 
     python3 tools/mutate.py                 # every mutation, default tests
     python3 tools/mutate.py -m growth_limit_removed -m stream_reuse_early
-    python3 tools/mutate.py --tests tests/test_core.py --json out.json
+    python3 tools/mutate.py --tests tests/unit/test_core.py --json out.json
     python3 tools/mutate.py --list
 
 Each run copies the tracked files into a temporary folder, so the working
@@ -298,9 +298,9 @@ def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
             if rc != 0:
                 first = next((ln for ln in out.splitlines() if "FAIL" in ln or "fail" in ln), out.strip()[-200:])
                 res["caught_by"].append(f"fuzz {' '.join(args)}: {first[:160]}")
-        # tests/test_mutate.py checks that each bug's text stands in the unmutated
+        # tests/repo/test_mutate.py checks that each bug's text stands in the unmutated
         # tree: in a mutant it fails by construction, which would catch nothing.
-        pytest = [python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "--ignore=tests/test_mutate.py"]
+        pytest = [python, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "--ignore=tests/repo/test_mutate.py"]
         rc, out, secs = run([*pytest, *tests], tree, env, timeout)
         res["pytest_seconds"] = round(secs, 1)
         failed = sorted(set(re.findall(r"^FAILED (\S+?)(?: - |$)", out, re.M)))
@@ -327,7 +327,7 @@ def short(caught: list[str], limit: int = 4) -> str:
     for c in caught:
         if c.startswith("fuzz "):
             c = "C fuzz driver (" + c.split(":", 1)[0][5:] + ")"
-        names.append(re.sub(r"\[.*\]$", "[...]", c.replace("pytest tests/", "").replace("pytest ", "")))
+        names.append(re.sub(r"\[.*\]$", "[...]", re.sub(r"^pytest (tests/\w+/)?", "", c)))
     names = list(dict.fromkeys(names))
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return "; ".join(names[:limit]) + more

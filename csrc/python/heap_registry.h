@@ -90,7 +90,7 @@ void gm_heap_registry_empty_cache(void);
  * calls made outside the heap.  GM_EINVAL without a heap there. */
 int gm_heap_registry_processes(int device, gm_proc_usage *out, size_t cap, size_t *n);
 
-/* Test hook (tests/test_fork.py): take (take != 0) or release one of the
+/* Test hook (tests/unit/test_fork.py): take (take != 0) or release one of the
  * registry's locks, `which` below (device: whose slot).  GM_EINVAL for a bad
  * argument. */
 enum {

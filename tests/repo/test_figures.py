@@ -1,0 +1,63 @@
+"""The benchmark figures the README and the docs show agree with benchmarks/results: each marked
+table is exactly what tools/figures.py makes from the results' JSON."""
+
+import importlib.util
+import json
+
+import pytest
+
+from helpers import REPO
+
+RESULTS = REPO / "benchmarks" / "results"
+WHERE = {
+    "README.md": {"min_capacity"},
+    "docs/guide.md": {"expandable", "costs"},
+    "docs/design.md": {"traces_and_gpumem"},
+    "gpumem/data/traces/README.md": {"traces"},
+}
+
+
+def figures():
+    if not (RESULTS / "gpu_compare.json").exists():
+        pytest.skip("benchmarks/results is not shipped in the sdist")
+    spec = importlib.util.spec_from_file_location("figures", REPO / "tools" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_marked_table_is_made_from_the_results():
+    f = figures()
+    made = f.tables()
+    assert set(f.DOCS) == set(WHERE)
+    for doc, names in WHERE.items():
+        text = (REPO / doc).read_text()
+        found = {m.group(2) for m in f.MARK.finditer(text)}
+        assert found == names, (doc, found)
+        assert f.rewrite(text, made) == text, f"{doc} disagrees with benchmarks/results: run python3 tools/figures.py"
+    assert f.main(["--check"]) == 0
+
+
+def test_a_figure_that_differs_from_the_results_is_found(tmp_path):
+    f = figures()
+    data = json.loads((RESULTS / "gpu_compare.json").read_text())
+    made = f.min_capacity(data)
+    row = next(r for r in data["figures"]["1"]["rows"] if r["contender"] == "native")
+    row["ratio"] += 0.05  # one native figure moves
+    assert f.min_capacity(data) != made
+    text = (REPO / "README.md").read_text()
+    assert f.rewrite(text, dict(f.tables(), min_capacity=f.min_capacity(data))) != text
+
+
+def test_the_readme_shows_the_current_run():
+    """The figures once copied by hand disagreed: the README's must be the latest run's."""
+    f = figures()
+    data = json.loads((RESULTS / "gpu_compare.json").read_text())
+    fig = {(r["trace"], r["contender"]): r["ratio"] for r in data["figures"]["1"]["rows"]}
+    readme = (REPO / "README.md").read_text()
+    for trace in ("gpt2_generate", "seed_fragmentation"):
+        line = next(x for x in readme.splitlines() if x.startswith(f"| {trace} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[2]) == round(fig[trace, "native"], 3), line
+        assert float(cells[4]) == round(fig[trace, "async"], 3), line
+    assert f.main(["--check"]) == 0
