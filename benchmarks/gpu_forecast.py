@@ -462,7 +462,7 @@ def child_forecast(name, cap, out_dir, dump_dir=None):
 
 def misalignment_context(fc, before=12, after=24):
     """The events around where the recordings stopped lining up, in each recording."""
-    from gpumem._forecast_align import _Events
+    from gpumem.forecast.align import _Events
 
     i = max(fc.alignment.first_difference, 0)
     out = {}

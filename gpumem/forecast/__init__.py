@@ -19,7 +19,7 @@ How it works:
    sizes) and sets aside what only some make (a workspace at some sizes,
    another algorithm's temporaries): the largest value's is kept and sized from
    the recordings that have it, one more value recorded where only the largest
-   has it; the caveats say what was modelled (gpumem._forecast_align).  Where
+   has it; the caveats say what was modelled (gpumem.forecast.align).  Where
    they still do not line up, the forecast says so and at which event,
    and gives only an estimate of peak live memory, which it marks as such: it
    cannot then say what either allocator needs, nor promise that a value it
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._forecast_align import (
+from .align import (
     Alignment,
     ForecastError,
     Model,
@@ -61,11 +61,11 @@ from ._forecast_align import (
     last_step,
     modelled,
 )
-from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
-from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
-from ._units import parse_size
-from .replay import _narrow
-from .trace import MAX_ALLOC, Trace, TraceError, load_trace
+from .record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
+from .show import ALLOCATORS, FAR_FACTOR, _Showing
+from .._units import parse_size
+from ..replay import _narrow
+from ..trace import MAX_ALLOC, Trace, TraceError, load_trace
 
 __all__ = [
     "forecast",
@@ -306,7 +306,7 @@ class Forecast(_Showing):
         if t.peak_live_bytes > cap or t.meta.get("largest_alloc", 0) > min(cap, MAX_ALLOC):
             return False
         if allocator == "gpumem":
-            from .replay import fits
+            from ..replay import fits
 
             return fits(t, cap, self.heap_kwargs)
         from .native_model import fits_native
@@ -325,7 +325,7 @@ class Forecast(_Showing):
             p = Prediction(k, self.peak_live(k), estimate_only=True)
         else:
             from .native_model import min_capacity_native, replay_native
-            from .replay import min_capacity, replay
+            from ..replay import min_capacity, replay
 
             t = self.synthesise(k)
             if t.meta["largest_alloc"] > MAX_ALLOC:
@@ -418,7 +418,7 @@ def last_forecast() -> Optional[Forecast]:
 def _set_last(fc: Forecast) -> None:
     global _last
     _last = fc
-    from .explain import set_forecast
+    from ..explain import set_forecast
 
     set_forecast(fc.explain_lines)
 
