@@ -1,207 +1,22 @@
-"""The visibility parts of the command line (registered by gpumem/__main__.py):
+"""python -m gpumem explain SNAPSHOT [--capacity SIZE] [--device N] [--json]
 
-python -m gpumem replay TRACE --snapshot OUT.pickle --html OUT.html
-    also write the sim heap at the moment of peak live memory, as a torch
-    snapshot pickle (torch.cuda._memory_viz, pytorch.org/memory_viz) and/or
-    as the offline HTML memory map;
-
-python -m gpumem explain SNAPSHOT [--capacity SIZE] [--device N] [--json]
-    for a torch snapshot (or a gpumem text trace) that ends in an OOM, or
-    at a given capacity: would gpumem have fitted it, and in how much memory.
+For a torch snapshot (or a gpumem text trace) that ends in an OOM, or at a
+given capacity: would gpumem have fitted it, and in how much memory.
+Registered by gpumem/cli/__init__.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ._units import format_size, has_unit, parse_size
-from .replay import _check_event_delay, _heap, min_capacity, replay
-from .trace import MAX_ALLOC, TraceError, _PlainUnpickler, load_trace, snapshot_trace
-
-HISTORY_CAP = 1_000_000  # ring entries kept for the snapshot's device_traces
-EXIT_OK, EXIT_USAGE = 0, 2
-
-
-# The largest simulated device the command line makes in its default pages:
-# the bound every simulated heap keeps to (csrc/include/gpumem/sim.h), as its
-# host memory grows with its pages.  An 80 GB GPU is 0.0001 of it.
-def _max_sim_capacity() -> int:
-    from . import _C  # the extension is only needed once a heap is made
-
-    return _C.SIM_MAX_PAGES * _C.SIM_PAGE_SIZE
-
-
-# A traceback instead of the one-line error: `gpumem --debug ...` or this variable.
-DEBUG_ENV = "GPUMEM_DEBUG"
-
-
-def _error_line(message: str) -> None:
-    print(f"gpumem: error: {message}", file=sys.stderr, flush=True)
-
-
-def _usage_failure(message: str) -> int:
-    """Say what is wrong as the one error line; the exit status for it."""
-    _error_line(message)
-    return EXIT_USAGE
-
-
-def debug_requested(args=None) -> bool:
-    """Whether a failure should show its traceback (--debug, or GPUMEM_DEBUG set and not 0)."""
-    if getattr(args, "debug", False):
-        return True
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def describe_error(e: BaseException) -> str:
-    """An exception as the one line after "gpumem: error: "."""
-    if isinstance(e, OSError) and e.strerror:
-        name = e.filename if e.filename is not None else ""
-        return f"{name}: {e.strerror}" if name != "" else e.strerror
-    text = " ".join(str(e).split()) or type(e).__name__
-    if isinstance(e, (ValueError, OSError, ImportError, MemoryError)) or type(e).__module__.startswith("gpumem"):
-        return text
-    # Not a failure gpumem expects: name it, and say how to see where it came from.
-    return f"{type(e).__name__}: {text} (GPUMEM_DEBUG=1 shows the traceback)"
-
-
-def _size_arg(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    if n >= 1 << 64:
-        raise argparse.ArgumentTypeError(f"size does not fit in 64 bits: {text!r}")
-    if not has_unit(text):
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} needs a unit (B, KiB, MiB, GiB, TiB, kB, MB, GB or TB), e.g. '{text.strip()}GiB'"
-        )
-    return n
-
-
-def _whole_arg(text: str, what: str, lo: int, hi: Optional[int] = None, hi_text: str = "", unit: str = "") -> int:
-    """text as a whole number lo..hi (hi None: no upper bound), or an ArgumentTypeError that names what it is."""
-    try:
-        n = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be a whole number{unit}: {text!r}") from None
-    if hi is None and n < lo:
-        raise argparse.ArgumentTypeError(f"{what} must be at least {lo}: {text!r}")
-    if hi is not None and not lo <= n <= hi:
-        raise argparse.ArgumentTypeError(f"{what} must be between {lo} and {hi_text or hi}: {text!r}")
-    return n
-
-
-def _capacity_arg(text: str) -> int:
-    """The size of a simulated device: positive, at most _max_sim_capacity()."""
-    n = _size_arg(text)
-    if n > _max_sim_capacity():
-        raise argparse.ArgumentTypeError(
-            f"capacity {text!r} is more than the simulated device holds ({format_size(_max_sim_capacity())})"
-        )
-    return n
-
-
-def _check_output_path(option: str, path: str, usage_error) -> None:
-    """Refuse an output file that cannot be written before any work is done."""
-    if os.path.isdir(path):
-        raise usage_error(f"{option} {path}: is a directory, not a file")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise usage_error(f"{option} {path}: no such folder {folder}")
-    if not os.access(folder, os.W_OK):
-        raise usage_error(f"{option} {path}: folder {folder} is not writable")
-
-
-def replay_heap_kwargs(args) -> Optional[dict]:
-    """The heap options --chunk-pages, --page-size and --pressure ask for (None: gpumem's defaults)."""
-    kw = {}
-    if getattr(args, "pressure", None) is not None:
-        kw["pressure"] = args.pressure
-    if getattr(args, "chunk_pages", None):
-        kw["chunk_pages"] = args.chunk_pages
-    if getattr(args, "page_size", None):
-        kw["page_size"] = args.page_size
-    return kw or None
-
-
-# ---- replay --snapshot / --html -------------------------------------------------------
-
-
-def add_replay_options(p) -> None:
-    p.add_argument(
-        "--snapshot",
-        metavar="OUT.pickle",
-        default=None,
-        help="write a torch-format snapshot of the sim heap at peak live memory (one TRACE only)",
-    )
-    p.add_argument(
-        "--html",
-        metavar="OUT.html",
-        default=None,
-        help="write the offline HTML memory map of the sim heap at peak live memory, with live, "
-        "reserved and cap over the whole trace (one TRACE only)",
-    )
-
-
-def check_replay_options(args, usage_error) -> None:
-    if (args.snapshot or args.html) and len(args.traces) != 1:
-        raise usage_error("--snapshot and --html take one TRACE (the picture is of one heap)")
-    if args.snapshot:
-        _check_output_path("--snapshot", args.snapshot, usage_error)
-    if args.html:
-        _check_output_path("--html", args.html, usage_error)
-
-
-def peak_snapshot(trace, capacity: int, heap_kwargs: Optional[dict] = None, event_delay: int = 0):
-    """Replay `trace` on a fresh sim heap (events completing `event_delay`
-    device operations late, as in replay) up to the event where live memory
-    peaks, and snapshot it there.  Returns (Snapshot, replay result dict)."""
-    from .snapshot import Snapshot
-
-    heap = _heap(capacity, heap_kwargs, _check_event_delay(event_delay))
-    try:
-        heap.history_enable(max(1, min(HISTORY_CAP, 4 * trace.n_events)))
-        stop = trace.peak_event if trace.peak_event >= 0 else -1
-        r = heap.replay(trace.events, trace.n_slots, stop_at=stop)
-        label = f"{trace.name} at peak live (event {stop} of {trace.n_events})"
-        if r.get("ooms"):
-            label += f", {r['ooms']} OOM(s) before it"
-        snap = Snapshot.from_heap(heap, label=label)
-    finally:
-        heap.close()
-    return snap, r
-
-
-def write_peak_outputs(args, trace) -> dict:
-    """Write --snapshot / --html for one replayed trace; returns JSON-able notes."""
-    if not (args.snapshot or args.html):
-        return {}
-    kw = replay_heap_kwargs(args)
-    snap, r = peak_snapshot(trace, args.capacity, heap_kwargs=kw, event_delay=args.event_delay)
-    out = {"peak_event": trace.peak_event, "snapshot_live_bytes": snap.summary.live_bytes}
-    if args.html:
-        # the whole trace over time, under the map of its peak
-        from .timeline import from_trace
-
-        snap.timeline = from_trace(trace, args.capacity, heap_kwargs=kw, event_delay=args.event_delay)
-    if args.snapshot:
-        snap.dump(args.snapshot)
-        out["snapshot"] = args.snapshot
-    if args.html:
-        snap.to_html(args.html)
-        out["html"] = args.html
-    return out
-
-
-# ---- explain ------------------------------------------------------------------------------
+from .._units import format_size
+from ..replay import min_capacity, replay
+from ..trace import MAX_ALLOC, TraceError, _PlainUnpickler, load_trace, snapshot_trace
+from .args import EXIT_OK, _capacity_arg, _max_sim_capacity, _usage_failure
 
 
 def add_explain_args(p) -> None:

@@ -2,7 +2,7 @@
 
 Forecast, from traces of one step recorded at two or three values of a knob
 (batch size, sequence length), the memory at other values and the largest value
-that fits a device: see gpumem/forecast.py.  Registered by gpumem/__main__.py.
+that fits a device: see gpumem/forecast/.  Registered by gpumem/cli/__init__.py.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import argparse
 import json
 import sys
 
-from ._cli_viz import EXIT_OK, _capacity_arg, _usage_failure, _whole_arg
-from .forecast import Forecast, ForecastError
-from .trace import TraceError
+from ..forecast import Forecast, ForecastError
+from ..trace import TraceError
+from .args import EXIT_OK, _capacity_arg, _usage_failure, _whole_arg
 
 HELP = "forecast the memory at any batch or sequence length, and the largest that fits, from 2-3 recorded steps"
 
