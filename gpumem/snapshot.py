@@ -57,7 +57,8 @@ from typing import Dict, List, Optional, Tuple
 from ._frameworks import framework_of
 from ._C import Heap
 from ._resolve import default_framework, resolve_heap
-from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
+from .draw import write_page
+from .draw.memory_map import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
 from .timeline import DEFAULT_POINTS, Timeline, from_snapshot, from_trace
@@ -556,11 +557,7 @@ class Snapshot:
     def to_html(self, path=None, title: Optional[str] = None) -> str:
         """A self-contained HTML page (no network: inline SVG and CSS); written to
         `path` when given.  Returns the HTML."""
-        html = render_page(self, title=title)
-        if path is not None:
-            with open(os.fspath(path), "w", encoding="utf-8") as f:
-                f.write(html)
-        return html
+        return write_page(path, render_page(self, title=title))
 
     def plot(self, ax=None, max_rows: int = 32):
         """Draw the memory map with matplotlib; returns the Axes."""
