@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ._frameworks import framework_of
 from ._C import Heap
-from ._resolve import default_framework, resolve_heap
+from ._which_heap import default_framework, resolve_heap
 from .draw import write_page
 from .draw.memory_map import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size

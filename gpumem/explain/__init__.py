@@ -33,7 +33,7 @@ import os
 from typing import Optional
 
 from .. import _C
-from .._resolve import registry_heap, resolve_heap
+from .._which_heap import registry_heap, resolve_heap
 from .._units import parse_size
 from .facts import _build, set_forecast  # noqa: F401  (set_forecast: gpumem.forecast's)
 from .report import CAUSE_KINDS, Cause, Report  # noqa: F401

@@ -163,7 +163,7 @@ def _recorder(heap, device):
             "no torch with CUDA in this process: pass heap=gpumem.Heap(...) for a step that drives a gpumem heap, "
             "or forecast from recorded traces (Forecast.from_traces, python -m gpumem forecast)"
         )
-    from .._resolve import resolve_heap, torch_active
+    from .._which_heap import resolve_heap, torch_active
 
     if torch_active():
         return _TorchGpumemRecorder(resolve_heap(device), torch)
