@@ -11,7 +11,7 @@ import gzip
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .._units import format_size
 from ..replay import min_capacity, replay
@@ -136,63 +136,22 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
+class _Refused(Exception):
+    """The explanation cannot be made: the message of the one error line."""
+
+
 def run_explain(args) -> int:
     path = args.snapshot
     device = args.device or 0
     try:
-        trace = load_trace(path, device=args.device)
-    except TraceError as e:
+        trace, oom, capacity = _judged_trace(args, path, device)
+    except _Refused as e:
         return _usage_failure(str(e))
-    src = trace.path  # the file a short name resolved to
-    try:
-        data = _load_plain(src) if trace.format == "snapshot" else None
-        oom = _torch_oom_point(data, device, src, trace.live_before_bytes) if data is not None else None
-        if oom is not None:
-            trace = snapshot_trace(src, data, device, stop=oom.index, extra=oom.size)
-    except TraceError as e:
-        return _usage_failure(str(e))
-    if not trace.n_events:
-        return _usage_failure(f"{path}: no allocations and no OOM: nothing to explain")
-    capacity = args.capacity or (oom.capacity if oom else None)
-    if capacity is None:
-        return _usage_failure(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
-    if capacity <= 0:
-        return _usage_failure(
-            f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
-            f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE"
-        )
-    if capacity > _max_sim_capacity():
-        return _usage_failure(
-            f"{path}: torch's OOM event implies a device of {capacity} bytes (reserved {oom.reserved} + device "
-            f"free {oom.device_free}), more than the simulated device holds ({format_size(_max_sim_capacity())}); "
-            "give --capacity SIZE"
-        )
     res = replay(trace, capacity, timing=False)
     ok = res.ooms == 0
     need = min_capacity(trace)
-    out = {
-        "trace": path,
-        "device": device,
-        "events": trace.n_events,
-        "peak_live_bytes": trace.peak_live_bytes,
-        "capacity_bytes": capacity,
-        "gpumem_fits": ok,
-        "gpumem_min_capacity_bytes": need,
-        "gpumem_peak_reserved_bytes": res.peak_reserved_bytes,
-        "live_before_bytes": trace.live_before_bytes,
-        "live_before_blocks": trace.live_before,
-        "torch_oom": None
-        if oom is None
-        else {
-            "event": oom.index,
-            "request_bytes": oom.size,
-            "device_free_bytes": oom.device_free,
-            "reserved_bytes": oom.reserved,
-            "live_bytes": oom.live,
-        },
-    }
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(_explain_json(path, device, trace, oom, capacity, res, need)))
         return EXIT_OK
     name = os.path.basename(path)
     # Events are counted one way: the allocations and frees gpumem replays (the failed request last).
@@ -201,16 +160,7 @@ def run_explain(args) -> int:
     if trace.live_before:
         lines.append(f"  {live_before_line(trace)}")
     if oom:
-        lines.append(
-            f"torch ran out of memory at the {_ordinal(n)} of them (the snapshot's device_traces[{device}]"
-            f"[{oom.index}]): asked for {format_size(oom.size)} with "
-            f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
-            f"{format_size(oom.device_free)} free on the device, so it had about "
-            f"{format_size(oom.capacity)} to work with"
-        )
-        lines.append(
-            f"  (reserved - live = {format_size(oom.reserved - oom.live)} cached or fragmented in torch's segments)"
-        )
+        lines += _oom_lines(oom, n, device)
     verdict = "FITS" if ok else "does NOT fit"
     what = "the trace up to and including the failed request" if oom else "the trace"
     lines.append(
@@ -225,3 +175,69 @@ def run_explain(args) -> int:
     lines.append(f"gpumem needs at least {format_size(need)} for it ({ratio:.3f} x peak live, to 1 MiB)")
     print("\n".join(lines))
     return EXIT_OK
+
+
+def _judged_trace(args, path: str, device: int):
+    """(the trace up to torch's OOM, or all of it; the OomPoint or None; the capacity to judge it
+    against), or _Refused."""
+    try:
+        trace = load_trace(path, device=args.device)
+        src = trace.path  # the file a short name resolved to
+        data = _load_plain(src) if trace.format == "snapshot" else None
+        oom = _torch_oom_point(data, device, src, trace.live_before_bytes) if data is not None else None
+        if oom is not None:
+            trace = snapshot_trace(src, data, device, stop=oom.index, extra=oom.size)
+    except TraceError as e:
+        raise _Refused(str(e)) from None
+    if not trace.n_events:
+        raise _Refused(f"{path}: no allocations and no OOM: nothing to explain")
+    capacity = args.capacity or (oom.capacity if oom else None)
+    if capacity is None:
+        raise _Refused(f"{path}: the trace ends without an OOM; give --capacity SIZE to judge it against")
+    if capacity <= 0:
+        raise _Refused(
+            f"{path}: torch's OOM event leaves no capacity to judge against (reserved "
+            f"{oom.reserved} + device free {oom.device_free} bytes); give --capacity SIZE"
+        )
+    if capacity > _max_sim_capacity():
+        raise _Refused(
+            f"{path}: torch's OOM event implies a device of {capacity} bytes (reserved {oom.reserved} + device "
+            f"free {oom.device_free}), more than the simulated device holds ({format_size(_max_sim_capacity())}); "
+            "give --capacity SIZE"
+        )
+    return trace, oom, capacity
+
+
+def _explain_json(path: str, device: int, trace, oom: Optional[OomPoint], capacity: int, res, need: int) -> dict:
+    return {
+        "trace": path,
+        "device": device,
+        "events": trace.n_events,
+        "peak_live_bytes": trace.peak_live_bytes,
+        "capacity_bytes": capacity,
+        "gpumem_fits": res.ooms == 0,
+        "gpumem_min_capacity_bytes": need,
+        "gpumem_peak_reserved_bytes": res.peak_reserved_bytes,
+        "live_before_bytes": trace.live_before_bytes,
+        "live_before_blocks": trace.live_before,
+        "torch_oom": None
+        if oom is None
+        else {
+            "event": oom.index,
+            "request_bytes": oom.size,
+            "device_free_bytes": oom.device_free,
+            "reserved_bytes": oom.reserved,
+            "live_bytes": oom.live,
+        },
+    }
+
+
+def _oom_lines(oom: OomPoint, n: int, device: int) -> List[str]:
+    return [
+        f"torch ran out of memory at the {_ordinal(n)} of them (the snapshot's device_traces[{device}]"
+        f"[{oom.index}]): asked for {format_size(oom.size)} with "
+        f"{format_size(oom.live)} live, {format_size(oom.reserved)} reserved and "
+        f"{format_size(oom.device_free)} free on the device, so it had about "
+        f"{format_size(oom.capacity)} to work with",
+        f"  (reserved - live = {format_size(oom.reserved - oom.live)} cached or fragmented in torch's segments)",
+    ]
