@@ -117,9 +117,7 @@ def from_trace(
     n = trace.n_events
     step = max(1, math.ceil(n / max(1, points)))
     heap = _heap(capacity, heap_kwargs, _check_event_delay(event_delay))
-    x, live, reserved = [0], [0], [0]
-    remaps: List[Tuple[int, int]] = []
-    ooms: List[Tuple[int, int]] = []
+    tl = Timeline(trace.name, [0], [0], [0], n, cap_bytes=capacity, step=step, source="trace")
     try:
         slots, live_bytes = _slot_table(trace), 0
         done_remaps = 0
@@ -130,33 +128,22 @@ def from_trace(
             _raise_on_error(r, trace, start)
             s = heap.stats()
             end = start + len(events) // 24
-            x.append(end)
+            tl.x.append(end)
             # one event per step: the value after it; more: the largest in the step
             kind = "current" if step == 1 else "peak"
-            live.append(s[f"requested_bytes.all.{kind}"])
-            reserved.append(s[f"reserved_bytes.all.{kind}"])
+            tl.live.append(s[f"requested_bytes.all.{kind}"])
+            tl.reserved.append(s[f"reserved_bytes.all.{kind}"])
             if s["num_remaps"] > done_remaps:
-                remaps.append((end, s["num_remaps"] - done_remaps))
+                tl.remaps.append((end, s["num_remaps"] - done_remaps))
                 done_remaps = s["num_remaps"]
             if r["ooms"]:
                 first = start + r["first_oom_event"]
-                ooms.append((first, _event_size(trace, first)))
+                tl.ooms.append((first, _event_size(trace, first)))
                 if r["ooms"] > 1:
-                    ooms.extend([(end, 0)] * (r["ooms"] - 1))
+                    tl.ooms.extend([(end, 0)] * (r["ooms"] - 1))
     finally:
         heap.close()
-    return Timeline(
-        label=trace.name,
-        x=x,
-        live=live,
-        reserved=reserved,
-        n_events=n,
-        cap_bytes=capacity,
-        step=step,
-        remaps=remaps,
-        ooms=ooms,
-        source="trace",
-    )
+    return tl
 
 
 def _event_size(trace, i: int) -> int:
@@ -186,9 +173,7 @@ def from_history(
         else:
             actions.append((e[1], int(e[3])))
     lv = rv = 0
-    x, live, reserved = [0], [0], [0]
-    remaps: List[Tuple[int, int]] = []
-    ooms: List[Tuple[int, int]] = []
+    tl = Timeline(label, [0], [0], [0], len(actions), cap_bytes=cap_bytes, step=1, source="history")
     for i, (a, size) in enumerate(actions, 1):
         if a == "alloc":
             lv += size
@@ -197,33 +182,22 @@ def from_history(
         elif a in ("map", "remap"):
             rv += size
             if a == "remap":
-                remaps.append((i, 1))
+                tl.remaps.append((i, 1))
         elif a == "unmap":
             rv -= size
         elif a == "oom":
-            ooms.append((i, size))
+            tl.ooms.append((i, size))
         else:
             continue
-        x.append(i)
-        live.append(lv)
-        reserved.append(rv)
+        tl.x.append(i)
+        tl.live.append(lv)
+        tl.reserved.append(rv)
     dl = 0 if final_live is None else final_live - lv
     dr = 0 if final_reserved is None else final_reserved - rv
     if dl or dr:
-        live = [v + dl for v in live]
-        reserved = [v + dr for v in reserved]
-    return Timeline(
-        label=label,
-        x=x,
-        live=live,
-        reserved=reserved,
-        n_events=len(actions),
-        cap_bytes=cap_bytes,
-        step=1,
-        remaps=remaps,
-        ooms=ooms,
-        source="history",
-    )
+        tl.live = [v + dl for v in tl.live]
+        tl.reserved = [v + dr for v in tl.reserved]
+    return tl
 
 
 def from_snapshot(snap) -> Optional[Timeline]:

@@ -56,6 +56,19 @@ def _notebook_refs() -> List[str]:
 # _build's processes when the heap should be asked for them
 _ASK = object()
 
+# The core's figures a Report carries as they are; those it may leave out count as 0.
+_CORE_FIGURES = (
+    "cap_bytes",
+    "live_bytes",
+    "pending_bytes",
+    "cached_bytes",
+    "free_mapped_bytes",
+    "largest_free_mapped",
+    "largest_possible",
+    "pages_needed",
+)
+_CORE_FIGURES_OR_0 = ("stream", "chunk_locked_bytes", "device_error", "pool_live_bytes", "pool_free_bytes")
+
 
 def _build(heap, info: dict, is_oom: bool, processes=_ASK) -> Report:
     """The report on `heap` for the core's `info`; `processes`: the device's
@@ -67,53 +80,28 @@ def _build(heap, info: dict, is_oom: bool, processes=_ASK) -> Report:
     total = int(info["device_total"])
     dfree = int(info["device_free"])
     reserved = int(info["reserved_bytes"])
-    try:
-        procs = heap.device_processes() if processes is _ASK else processes
-    except Exception:  # a failing NVML must not hide the OOM
-        procs = None
-    me = os.getpid()
-    self_usage, outside, others = _split_processes(procs, me, reserved)
-    used = max(0, total - dfree)
-    named = reserved + (outside or 0) + sum(b for _, b in others)
-    unattributed = max(0, used - named) if total else 0
-    user_cap = heap.get_cap()
+    figures = {k: int(info[k]) for k in _CORE_FIGURES}
+    figures.update({k: int(info.get(k, 0)) for k in _CORE_FIGURES_OR_0})
     page = snap.page_size
     r = Report(
         device=heap.device_name,
         request=request,
-        stream=int(info.get("stream", 0)),
         is_oom=is_oom,
-        fits=request <= int(info["largest_possible"]) if request else True,
+        fits=request <= figures["largest_possible"] if request else True,
         device_total=total,
         device_free=dfree,
-        cap_bytes=int(info["cap_bytes"]),
-        user_cap=user_cap,
+        user_cap=heap.get_cap(),
         reserved_bytes=reserved,
-        live_bytes=int(info["live_bytes"]),
         n_live=s.n_live,
-        pending_bytes=int(info["pending_bytes"]),
-        cached_bytes=int(info["cached_bytes"]),
-        free_mapped_bytes=int(info["free_mapped_bytes"]),
         stranded_bytes=s.stranded_bytes,
-        largest_free_mapped=int(info["largest_free_mapped"]),
-        largest_possible=int(info["largest_possible"]),
-        pages_needed=int(info["pages_needed"]),
-        chunk_locked_bytes=int(info.get("chunk_locked_bytes", 0)),
         page_size=page,
-        processes=procs,
-        self_pid=me,
-        self_usage=self_usage,
-        outside_allocator=outside,
-        other_processes=others,
-        unattributed=unattributed,
         top_sites=snap.top_sites(5),
-        device_error=int(info.get("device_error", 0)),
         n_pools=len(snap.pools),
         paused_pools=sum(1 for p in snap.pools if p.get("paused")),
         paused_bytes=sum(int(p.get("paused_pages", 0)) for p in snap.pools) * page,
-        pool_live_bytes=int(info.get("pool_live_bytes", 0)),
-        pool_free_bytes=int(info.get("pool_free_bytes", 0)),
         by_framework=snap.by_framework(),
+        **figures,
+        **_process_figures(heap, processes, reserved, total, dfree),
     )
     r.causes, r.advice = diagnose(r)
     if r.causes:
@@ -126,10 +114,15 @@ def _build(heap, info: dict, is_oom: bool, processes=_ASK) -> Report:
     return r
 
 
-def _split_processes(procs, me: int, reserved: int):
-    """(NVML's bytes for this process or None, those outside the allocator or
-    None, the other processes' [(pid, bytes)], largest first) of the device's
-    process list (None: unknown)."""
+def _process_figures(heap, processes, reserved: int, total: int, dfree: int) -> dict:
+    """The Report's figures of the processes on the device: NVML's list (`processes`, or the
+    heap's answer), this process's share outside the allocator, the others largest first, and
+    what no one listed holds."""
+    try:
+        procs = heap.device_processes() if processes is _ASK else processes
+    except Exception:  # a failing NVML must not hide the OOM
+        procs = None
+    me = os.getpid()
     self_usage = outside = None
     others: List[Tuple[int, int]] = []
     if procs is not None:
@@ -141,7 +134,15 @@ def _split_processes(procs, me: int, reserved: int):
         others.sort(key=lambda t: -t[1])
         if self_usage is not None:
             outside = max(0, self_usage - reserved)
-    return self_usage, outside, others
+    named = reserved + (outside or 0) + sum(b for _, b in others)
+    return {
+        "processes": procs,
+        "self_pid": me,
+        "self_usage": self_usage,
+        "outside_allocator": outside,
+        "other_processes": others,
+        "unattributed": max(0, max(0, total - dfree) - named) if total else 0,
+    }
 
 
 # Set by gpumem.forecast (a layer above): capacity in bytes -> lines for the report.

@@ -513,17 +513,31 @@ def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     top, m = fc.recorded[-1], fc.multiple
     k = -(-(2 * top - fc.recorded[-2]) // m) * m
     kw = _settings_of(fc)
+    new = _with_more(
+        fc,
+        lambda: Forecast([*fc.recordings, record(k)], **kw),
+        f"recording {fc.name} {k} too ran out of memory",
+        f"the recording at {fc.name} {k} does not line up with the others",
+    )
+    if new is None:
+        return fc
+    new.one_more = k
+    return new
+
+
+def _with_more(fc: "Forecast", make: Callable[[], "Forecast"], oom: str, apart: str) -> Optional["Forecast"]:
+    """make()'s forecast from more recordings; None, with fc.refine_note saying
+    why, where a recording runs out of memory (`oom`) or they do not line up (`apart`)."""
     try:
-        new = Forecast([*fc.recordings, record(k)], **kw)
+        new = make()
     except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
         if "OutOfMemory" not in type(e).__name__:
             raise
-        fc.refine_note = f"recording {fc.name} {k} too ran out of memory: {str(e).splitlines()[0]}"
-        return fc
+        fc.refine_note = f"{oom}: {str(e).splitlines()[0]}"
+        return None
     if not new.aligned:
-        fc.refine_note = f"the recording at {fc.name} {k} does not line up with the others ({new.alignment.message})"
-        return fc
-    new.one_more = k
+        fc.refine_note = f"{apart} ({new.alignment.message})"
+        return None
     return new
 
 
@@ -558,18 +572,19 @@ def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     if lo <= top or lo >= hi:
         return fc
     kw = _settings_of(fc)
-    try:
+
+    def make() -> "Forecast":
         far = record(hi)
         new = Forecast([*fc.recordings, far], **kw)
-        if not _confirms(fc, new, far):
-            new = Forecast([record(lo), far], **kw)
-    except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
-        if "OutOfMemory" not in type(e).__name__:
-            raise
-        fc.refine_note = f"recording again at {fc.name} {lo} and {hi} ran out of memory: {str(e).splitlines()[0]}"
-        return fc
-    if not new.aligned:
-        fc.refine_note = f"the recordings at {fc.name} {lo} and {hi} do not line up ({new.alignment.message})"
+        return new if _confirms(fc, new, far) else Forecast([record(lo), far], **kw)
+
+    new = _with_more(
+        fc,
+        make,
+        f"recording again at {fc.name} {lo} and {hi} ran out of memory",
+        f"the recordings at {fc.name} {lo} and {hi} do not line up",
+    )
+    if new is None:
         return fc
     new.first = fc
     return new
