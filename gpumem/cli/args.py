@@ -121,3 +121,21 @@ def replay_heap_kwargs(args) -> Optional[dict]:
     if getattr(args, "page_size", None):
         kw["page_size"] = args.page_size
     return kw or None
+
+
+# ---- arguments more than one subcommand takes ------------------------------------------
+
+
+def add_traces_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """The TRACE... positional arguments."""
+    p.add_argument("traces", nargs="+", metavar="TRACE", help=help)
+
+
+def add_capacity_arg(p, option: str, help: str, default: Optional[int] = None) -> None:
+    """A size option (--capacity, --cap, ...) of at most the simulated device's capacity."""
+    p.add_argument(option, type=_capacity_arg, default=default, metavar="SIZE", help=help)
+
+
+def add_device_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """--device N: which device of a torch snapshot."""
+    p.add_argument("--device", type=int, default=None, metavar="N", help=help)

@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 from .._units import format_size
 from ..replay import min_capacity, replay
 from ..trace import MAX_ALLOC, TraceError, _PlainUnpickler, load_trace, snapshot_trace
-from .args import EXIT_OK, _capacity_arg, _max_sim_capacity, _usage_failure
+from .args import EXIT_OK, _max_sim_capacity, _usage_failure, add_capacity_arg, add_device_arg
 
 
 def add_explain_args(p) -> None:
@@ -25,14 +25,10 @@ def add_explain_args(p) -> None:
         metavar="SNAPSHOT",
         help="a torch memory snapshot pickle (.pickle, .pickle.gz) or a gpumem text trace",
     )
-    p.add_argument(
-        "--capacity",
-        type=_capacity_arg,
-        default=None,
-        metavar="SIZE",
-        help="the device size to judge against (default: what torch had when it ran out of memory)",
+    add_capacity_arg(
+        p, "--capacity", "the device size to judge against (default: what torch had when it ran out of memory)"
     )
-    p.add_argument("--device", type=int, default=None, metavar="N", help="device of a snapshot (default 0)")
+    add_device_arg(p, "device of a snapshot (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -22,11 +22,13 @@ from .args import (
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
-    _capacity_arg,
     _check_output_path,
     _error_line,
     _size_arg,
     _whole_arg,
+    add_capacity_arg,
+    add_device_arg,
+    add_traces_arg,
     replay_heap_kwargs,
 )
 from .explain import live_before_line
@@ -125,28 +127,20 @@ def _page_size_arg(text: str) -> int:
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "traces",
-        nargs="+",
-        metavar="TRACE",
-        help="a text trace (.trace or .trace.gz), a torch snapshot pickle (.pickle, .pickle.gz), "
+    add_traces_arg(
+        p,
+        "a text trace (.trace or .trace.gz), a torch snapshot pickle (.pickle, .pickle.gz), "
         "or the name of a trace shipped with gpumem (e.g. gpt2_varlen)",
     )
-    p.add_argument(
-        "--capacity",
-        type=_capacity_arg,
-        default=80 << 30,
-        metavar="SIZE",
-        help="capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB",
+    add_capacity_arg(
+        p, "--capacity", "capacity of the simulated device (default 80GiB); e.g. 24GiB, 1.5GB, 512MiB", 80 << 30
     )
     p.add_argument(
         "--min-capacity",
         action="store_true",
         help="also binary-search the smallest capacity (to 1 MiB) that replays with no OOM",
     )
-    p.add_argument(
-        "--device", type=int, default=None, metavar="N", help="which device of a torch snapshot to replay (default 0)"
-    )
+    add_device_arg(p, "which device of a torch snapshot to replay (default 0)")
     p.add_argument(
         "--event-delay",
         type=_event_delay_arg,
