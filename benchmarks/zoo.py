@@ -27,14 +27,10 @@ import subprocess
 import sys
 import time
 
-# The workloads register themselves in ZOO as they are imported, language first (the catalog's order):
-# zoo_registry.py holds the registry and the loops they share, zoo_language.py and zoo_speech_vision.py
-# the workloads.  mixtral_config, whisper and unet are here for benchmarks/forecast_models.py.
-import zoo_language  # noqa: F401
-import zoo_speech_vision  # noqa: F401
-from zoo_language import mixtral_config  # noqa: F401
+# The workloads (zoo_workloads.py) register themselves in ZOO (zoo_registry.py, with the loops they
+# share) as they are imported.  mixtral_config, whisper and unet are here for benchmarks/forecast_models.py.
 from zoo_registry import ZOO, Scale
-from zoo_speech_vision import unet, whisper  # noqa: F401
+from zoo_workloads import mixtral_config, unet, whisper  # noqa: F401
 
 
 # -- running -----------------------------------------------------------------------------------------

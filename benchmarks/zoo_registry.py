@@ -1,6 +1,6 @@
 """The zoo's registry (ZOO, filled by @workload) and what its workloads share: the toy or full Scale,
 autocast, the training and generation loops, model building on the device (benchmarks/zoo.py runs
-them; zoo_language.py and zoo_speech_vision.py hold the workloads).
+them; zoo_workloads.py holds the workloads).
 """
 
 from __future__ import annotations
