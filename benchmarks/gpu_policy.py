@@ -193,6 +193,35 @@ def _table(rows, names, allocators):
     return "\n".join(lines)
 
 
+def _rounds(a, names, allocators, envs, t_start):
+    """Run every allocator's process, round after round within the budget: (rows, rounds done)."""
+    rows, rounds_done, per_process = [], 0, 0.0
+    for rnd in range(a.rounds):
+        # A round starts only if all of it fits: rounds stay whole, so every allocator has as many runs.
+        if rnd and time.monotonic() - t_start + per_process * len(allocators) > a.budget:
+            print(f"gpu_policy.py: round {rnd + 1} would pass the {a.budget:.0f} s budget; stopping", file=sys.stderr)
+            break
+        for use in allocators:
+            t_proc = time.monotonic()
+            cmd = [sys.executable, __file__, "--out", os.devnull, "--workloads", ",".join(names)]
+            cmd += ["--allocators", a.allocators, "--child", use]
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, env=envs[use], timeout=a.timeout)
+                out, err, rc = p.stdout, p.stderr, p.returncode
+            except subprocess.TimeoutExpired as e:
+                out, err, rc = (e.stdout or b"").decode(), (e.stderr or b"").decode(), "timeout"
+            got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            for r in got:
+                r["round"] = rnd
+            rows.extend(got)
+            if rc or len(got) < len(names):
+                print(f"{use} (round {rnd + 1}) failed ({rc}):\n{err[-3000:]}", file=sys.stderr)
+            per_process = max(per_process, time.monotonic() - t_proc)
+        rounds_done += 1
+        print(f"round {rounds_done} done at {time.monotonic() - t_start:.0f} s", file=sys.stderr, flush=True)
+    return rows, rounds_done
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, metavar="PATH", help="write the results as JSON to PATH")
@@ -241,30 +270,8 @@ def main():
         with open(a.out, "w") as f:
             json.dump({"skipped": "no CUDA device"}, f)
         return
-    rows, t_start, rounds_done, per_process = [], time.monotonic(), 0, 0.0
-    for rnd in range(a.rounds):
-        # A round starts only if all of it fits: rounds stay whole, so every allocator has as many runs.
-        if rnd and time.monotonic() - t_start + per_process * len(allocators) > a.budget:
-            print(f"gpu_policy.py: round {rnd + 1} would pass the {a.budget:.0f} s budget; stopping", file=sys.stderr)
-            break
-        for use in allocators:
-            t_proc = time.monotonic()
-            cmd = [sys.executable, __file__, "--out", os.devnull, "--workloads", ",".join(names)]
-            cmd += ["--allocators", a.allocators, "--child", use]
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, env=envs[use], timeout=a.timeout)
-                out, err, rc = p.stdout, p.stderr, p.returncode
-            except subprocess.TimeoutExpired as e:
-                out, err, rc = (e.stdout or b"").decode(), (e.stderr or b"").decode(), "timeout"
-            got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            for r in got:
-                r["round"] = rnd
-            rows.extend(got)
-            if rc or len(got) < len(names):
-                print(f"{use} (round {rnd + 1}) failed ({rc}):\n{err[-3000:]}", file=sys.stderr)
-            per_process = max(per_process, time.monotonic() - t_proc)
-        rounds_done += 1
-        print(f"round {rounds_done} done at {time.monotonic() - t_start:.0f} s", file=sys.stderr, flush=True)
+    t_start = time.monotonic()
+    rows, rounds_done = _rounds(a, names, allocators, envs, t_start)
     table = _table(rows, names, allocators)
     print(table)
     meta = dict(

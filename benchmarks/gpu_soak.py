@@ -117,54 +117,16 @@ def train(args, schedule=None, log=None):
     model, loss_of, vocab = build(torch, dev, args.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     side = torch.cuda.Stream()
-    # Long-lived tensors of assorted sizes, with their checksums.
-    keep = [
-        torch.randint(-(2**31), 2**31 - 1, (random.randint(1 << 10, 16 << 20),), dtype=torch.int32, device=dev)
-        for _ in range(12)
-    ]
-    sums = [checksum(torch, t) for t in keep]
+    keep, sums = _long_lived(torch, dev)
     rng = random.Random(SEED + 1)
-    out = {
-        "allocator": "gpumem" if use_gpumem else "native",
-        "steps": 0,
-        "ooms": 0,
-        "checksum_failures": 0,
-        "losses": [],
-        "schedule": [],
-        "ratio": [],
-        "empty_cache_calls": 0,
-        "history_toggles": 0,
-        "cap_changes": 0,
-    }
+    out = _results(use_gpumem)
     batch, max_batch, good = 8, 8, 0
     t_end = time.time() + 60 * args.minutes
     history_on = False
     base = None
     cap = [1.0]  # the fraction the schedule set
 
-    def one_step(b, L, step_seed):
-        torch.manual_seed(step_seed)
-        x = torch.randint(0, vocab, (b, L), device=dev)
-        loss = loss_of(x)
-        loss.backward()
-        # The side stream reduces a copy of the batch the main stream made.
-        y = x.float()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            s = y.sum()
-        y.record_stream(side)
-        del y
-        if use_gpumem:
-            # optimizer state and updates run uncapped, so that an OOM never
-            # leaves a half-updated model behind
-            torch.cuda.set_per_process_memory_fraction(1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if use_gpumem:
-            torch.cuda.set_per_process_memory_fraction(cap[0])
-        torch.cuda.current_stream().wait_stream(side)
-        return float(loss), float(s)
-
+    one_step = _stepper(torch, loss_of, opt, side, vocab, dev, use_gpumem, cap)
     plan = iter(schedule if schedule is not None else [])
     while True:
         if schedule is None:
@@ -172,18 +134,8 @@ def train(args, schedule=None, log=None):
                 break
             L = rng.choice([128, 192, 256, 384, 512, 768, 1024])
             step_seed = rng.randrange(1 << 30)
-            step_i = out["steps"]
-            if use_gpumem and step_i % 5 == 0 and base is not None:
-                cap[0] = 1.0 if rng.random() < 0.3 else min(1.0, base * rng.uniform(1.05, 2.5))
-                torch.cuda.set_per_process_memory_fraction(cap[0])
-                out["cap_changes"] += 1
-            if use_gpumem and rng.random() < 0.1:
-                torch.cuda.empty_cache()
-                out["empty_cache_calls"] += 1
-            if use_gpumem and step_i % 7 == 0:
-                history_on = not history_on
-                gpumem.record_history(history_on, stacks="python")
-                out["history_toggles"] += 1
+            if use_gpumem:
+                history_on = _turn_knobs(torch, gpumem, rng, out, base, cap, history_on)
             while True:
                 try:
                     loss, s = one_step(batch, L, step_seed)
@@ -215,22 +167,106 @@ def train(args, schedule=None, log=None):
         out["steps"] += 1
         if base is None:
             base = torch.cuda.memory_reserved() / total
-        bad = sum(checksum(torch, t) != c for t, c in zip(keep, sums))
-        out["checksum_failures"] += bad
-        if out["steps"] % 10 == 0:
-            live = torch.cuda.memory_allocated()
-            out["ratio"].append([out["steps"], round(torch.cuda.memory_reserved() / max(live, 1), 4)])
+        _check_step(torch, out, keep, sums)
     if use_gpumem:
         gpumem.record_history(False)
         torch.cuda.set_per_process_memory_fraction(1.0)
-    model = opt = loss_of = None  # free them before the next phase (one_step closes over them)
+    model = opt = loss_of = one_step = None  # free them before the next phase (one_step holds them)
+    _after_run(torch, out, keep, sums, t_end, args.minutes, use_gpumem)
+    return out
+
+
+def _stepper(torch, loss_of, opt, side, vocab, dev, use_gpumem, cap):
+    """one_step(b, L, step_seed): a training step of batch b, length L -> (loss, the side stream's sum)."""
+
+    def one_step(b, L, step_seed):
+        torch.manual_seed(step_seed)
+        x = torch.randint(0, vocab, (b, L), device=dev)
+        loss = loss_of(x)
+        loss.backward()
+        # The side stream reduces a copy of the batch the main stream made.
+        y = x.float()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            s = y.sum()
+        y.record_stream(side)
+        del y
+        if use_gpumem:
+            # optimizer state and updates run uncapped, so that an OOM never
+            # leaves a half-updated model behind
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if use_gpumem:
+            torch.cuda.set_per_process_memory_fraction(cap[0])
+        torch.cuda.current_stream().wait_stream(side)
+        return float(loss), float(s)
+
+    return one_step
+
+
+def _long_lived(torch, dev):
+    """Long-lived tensors of assorted sizes, with their checksums."""
+    keep = [
+        torch.randint(-(2**31), 2**31 - 1, (random.randint(1 << 10, 16 << 20),), dtype=torch.int32, device=dev)
+        for _ in range(12)
+    ]
+    return keep, [checksum(torch, t) for t in keep]
+
+
+def _results(use_gpumem):
+    return {
+        "allocator": "gpumem" if use_gpumem else "native",
+        "steps": 0,
+        "ooms": 0,
+        "checksum_failures": 0,
+        "losses": [],
+        "schedule": [],
+        "ratio": [],
+        "empty_cache_calls": 0,
+        "history_toggles": 0,
+        "cap_changes": 0,
+    }
+
+
+def _turn_knobs(torch, gpumem, rng, out, base, cap, history_on):
+    """Before a gpumem step: every 5th a new cap (a fraction of the device, cap[0]), now and then
+    empty_cache, every 7th history toggled; returns whether history is on."""
+    step_i = out["steps"]
+    if step_i % 5 == 0 and base is not None:
+        cap[0] = 1.0 if rng.random() < 0.3 else min(1.0, base * rng.uniform(1.05, 2.5))
+        torch.cuda.set_per_process_memory_fraction(cap[0])
+        out["cap_changes"] += 1
+    if rng.random() < 0.1:
+        torch.cuda.empty_cache()
+        out["empty_cache_calls"] += 1
+    if step_i % 7 == 0:
+        history_on = not history_on
+        gpumem.record_history(history_on, stacks="python")
+        out["history_toggles"] += 1
+    return history_on
+
+
+def _check_step(torch, out, keep, sums):
+    """After a step: the long-lived tensors' checksums, and reserved / live every 10 steps."""
+    bad = sum(checksum(torch, t) != c for t, c in zip(keep, sums))
+    out["checksum_failures"] += bad
+    if out["steps"] % 10 == 0:
+        live = torch.cuda.memory_allocated()
+        out["ratio"].append([out["steps"], round(torch.cuda.memory_reserved() / max(live, 1), 4)])
+
+
+def _after_run(torch, out, keep, sums, t_end, minutes, use_gpumem):
+    """Once the model is freed: the cache emptied, what gpumem still holds, the invariants, the checksums."""
     import gc
 
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    out["minutes"] = round((time.time() - (t_end - 60 * args.minutes)) / 60, 2)
+    out["minutes"] = round((time.time() - (t_end - 60 * minutes)) / 60, 2)
     if use_gpumem:
+        import gpumem
+
         snap = gpumem.snapshot()
         s = snap.summary
         out["reserved_after_empty_cache"] = s.reserved_bytes
@@ -239,7 +275,6 @@ def train(args, schedule=None, log=None):
         gpumem._C.registry_heap(0).check()  # raises on a broken invariant
         out["checker"] = "passed"
     out["checksum_failures"] += sum(checksum(torch, t) != c for t, c in zip(keep, sums))
-    return out
 
 
 def native_replay(steps_path, attention):
@@ -269,6 +304,42 @@ def finish(p):
         print(f"native replay failed:\n{err[-3000:]}", file=sys.stderr)
         return None
     return json.loads(line[-1])
+
+
+def _report(g, n):
+    """The soak's figures beside the native replay's (n, None if it failed), printed as a table."""
+    diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
+    report = {
+        k: g[k]
+        for k in (
+            "minutes",
+            "steps",
+            "ooms",
+            "checksum_failures",
+            "leaked_bytes",
+            "checker",
+            "reserved_after_empty_cache",
+            "pages_live_tensors_touch",
+            "cap_changes",
+            "empty_cache_calls",
+            "history_toggles",
+            "ratio",
+        )
+    }
+    report["native_steps"] = n["steps"] if n else None
+    report["max_loss_diff"] = max(diffs) if diffs else None
+    report["max_relative_loss_diff"] = max((d / abs(x) for d, x in zip(diffs, g["losses"]) if x), default=None)
+    report["steps_with_loss_diff"] = sum(d != 0 for d in diffs)
+    g["losses_native"] = n["losses"] if n else None
+    report["losses_equal"] = bool(n) and n["steps"] == g["steps"] and all(d == 0 for d in diffs)
+    print("| minutes | steps | OOMs survived | checksum failures | leaked bytes | checker | max |loss - native| |")
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| {report['minutes']} | {report['steps']} | {report['ooms']} | {report['checksum_failures']} | "
+        f"{report['leaked_bytes']} | {report['checker']} | {report['max_loss_diff']} |"
+    )
+    print("reserved / live every 10 steps:", " ".join(f"{s}:{r}" for s, r in report["ratio"]))
+    return report
 
 
 def main():
@@ -318,37 +389,7 @@ def main():
     if native is None:
         native = native_replay(steps_path, a.attention)  # the soak's finished steps file
     n = finish(native)
-    diffs = [abs(x - y) for x, y in zip(g["losses"], n["losses"])] if n else []
-    report = {
-        k: g[k]
-        for k in (
-            "minutes",
-            "steps",
-            "ooms",
-            "checksum_failures",
-            "leaked_bytes",
-            "checker",
-            "reserved_after_empty_cache",
-            "pages_live_tensors_touch",
-            "cap_changes",
-            "empty_cache_calls",
-            "history_toggles",
-            "ratio",
-        )
-    }
-    report["native_steps"] = n["steps"] if n else None
-    report["max_loss_diff"] = max(diffs) if diffs else None
-    report["max_relative_loss_diff"] = max((d / abs(x) for d, x in zip(diffs, g["losses"]) if x), default=None)
-    report["steps_with_loss_diff"] = sum(d != 0 for d in diffs)
-    g["losses_native"] = n["losses"] if n else None
-    report["losses_equal"] = bool(n) and n["steps"] == g["steps"] and all(d == 0 for d in diffs)
-    print("| minutes | steps | OOMs survived | checksum failures | leaked bytes | checker | max |loss - native| |")
-    print("|---|---|---|---|---|---|---|")
-    print(
-        f"| {report['minutes']} | {report['steps']} | {report['ooms']} | {report['checksum_failures']} | "
-        f"{report['leaked_bytes']} | {report['checker']} | {report['max_loss_diff']} |"
-    )
-    print("reserved / live every 10 steps:", " ".join(f"{s}:{r}" for s, r in report["ratio"]))
+    report = _report(g, n)
     g["report"] = report
     with open(a.json, "w") as f:
         json.dump(g, f, indent=1)

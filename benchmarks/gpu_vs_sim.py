@@ -360,6 +360,71 @@ def assemble(doc: dict, cdoc: Optional[dict], sims: Sims, names: List[str], mult
         doc["traces"][n] = t
 
 
+def _captures(args, doc, workloads, end, logs, log):
+    """doc["captures"]: each workload's trace, from --captured or captured now (into OUT/traces)."""
+    cap_dir = os.path.join(args.out, "traces")
+    if args.captured:
+        for w in workloads:
+            p = os.path.join(args.captured, w + ".trace.gz")
+            doc["captures"][w] = (
+                {"status": "ok", "path": p, "from": args.captured}
+                if os.path.exists(p)
+                else {"status": "failed", "reason": f"{p} does not exist"}
+            )
+        return
+    os.makedirs(cap_dir, exist_ok=True)
+    # one after the other on a GPU (each must have the device to itself); in parallel without one
+    par = 3 if args.dry_run else 1
+    reserve = min(180.0, args.deadline / 3)  # kept for the GPU search whatever the captures take
+
+    def one(w):
+        left = end - time.monotonic() - reserve
+        return capture(w, cap_dir, args.dry_run, min(args.capture_timeout, max(30.0, left)), logs)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=par) as ex:
+        futs = {w: ex.submit(one, w) for w in workloads}
+        for w, f in futs.items():
+            doc["captures"][w] = f.result()
+            c = doc["captures"][w]
+            log(
+                f"capture {w}: {c['status']} in {c.get('wall_s')} s"
+                + (f" ({c.get('reason')})" if c.get("reason") else "")
+            )
+
+
+def _new_doc(args, argv, workloads, shipped):
+    return {
+        "schema": "gpumem.gpu_vs_sim/1",
+        "fake": bool(args.dry_run),
+        "command": "python benchmarks/gpu_vs_sim.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "options": {
+            "event_delays": args.event_delays,
+            "resolution": args.resolution,
+            "deadline_s": args.deadline,
+            "workloads": workloads,
+            "shipped": shipped,
+        },
+        "goals": {"gpu_over_sim_max": GOAL_GPU_OVER_SIM, "multi_stream_gpu_ratio_max": GOAL_MULTISTREAM_RATIO},
+        "captures": {},
+        "traces": {},
+    }
+
+
+def _finish(args, doc, cdoc, sims, names, multi, end, t0, work, log):
+    """Whatever happened: the results assembled and written (JSON and markdown), the sims stopped."""
+    assemble(doc, cdoc, sims, names, multi, min(end, time.monotonic() + 60))
+    sims.close()
+    doc["device"] = (cdoc or {}).get("device")
+    doc["elapsed_s"] = round(time.monotonic() - t0, 1)
+    write_json(doc, os.path.join(args.out, "gpu_vs_sim.json"))
+    md = markdown(doc)
+    with open(os.path.join(args.out, "gpu_vs_sim.md"), "w") as f:
+        f.write(md)
+    print(md, flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    log(f"done in {doc['elapsed_s']} s: {args.out}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
@@ -393,21 +458,7 @@ def main(argv=None) -> int:
     jobs = args.sim_jobs or max(1, min(8, (os.cpu_count() or 2) // 2))
     sims = Sims(args.event_delays, jobs, work, env)
 
-    doc = {
-        "schema": "gpumem.gpu_vs_sim/1",
-        "fake": bool(args.dry_run),
-        "command": "python benchmarks/gpu_vs_sim.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "options": {
-            "event_delays": args.event_delays,
-            "resolution": args.resolution,
-            "deadline_s": args.deadline,
-            "workloads": workloads,
-            "shipped": shipped,
-        },
-        "goals": {"gpu_over_sim_max": GOAL_GPU_OVER_SIM, "multi_stream_gpu_ratio_max": GOAL_MULTISTREAM_RATIO},
-        "captures": {},
-        "traces": {},
-    }
+    doc = _new_doc(args, argv, workloads, shipped)
     # the replay set: links to the shipped traces and the captured ones, in one directory
     tdir = os.path.join(work, "traces")
     os.makedirs(tdir)
@@ -417,34 +468,7 @@ def main(argv=None) -> int:
     log(f"simulated replays of {len(shipped)} shipped traces started ({jobs} at a time)")
 
     multi = set()
-    cap_dir = os.path.join(args.out, "traces")
-    if args.captured:
-        for w in workloads:
-            p = os.path.join(args.captured, w + ".trace.gz")
-            doc["captures"][w] = (
-                {"status": "ok", "path": p, "from": args.captured}
-                if os.path.exists(p)
-                else {"status": "failed", "reason": f"{p} does not exist"}
-            )
-    else:
-        os.makedirs(cap_dir, exist_ok=True)
-        # one after the other on a GPU (each must have the device to itself); in parallel without one
-        par = 3 if args.dry_run else 1
-        reserve = min(180.0, args.deadline / 3)  # kept for the GPU search whatever the captures take
-
-        def one(w):
-            left = end - time.monotonic() - reserve
-            return capture(w, cap_dir, args.dry_run, min(args.capture_timeout, max(30.0, left)), logs)
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=par) as ex:
-            futs = {w: ex.submit(one, w) for w in workloads}
-            for w, f in futs.items():
-                doc["captures"][w] = f.result()
-                c = doc["captures"][w]
-                log(
-                    f"capture {w}: {c['status']} in {c.get('wall_s')} s"
-                    + (f" ({c.get('reason')})" if c.get("reason") else "")
-                )
+    _captures(args, doc, workloads, end, logs, log)
     for w in workloads:
         c = doc["captures"][w]
         if c["status"] == "ok":
@@ -459,17 +483,7 @@ def main(argv=None) -> int:
             log(f"GPU search on {len(names)} traces, {left:.0f} s left")
             cdoc = gpu_search(args, tdir, sims, names, left)
     finally:
-        assemble(doc, cdoc, sims, names, multi, min(end, time.monotonic() + 60))
-        sims.close()
-        doc["device"] = (cdoc or {}).get("device")
-        doc["elapsed_s"] = round(time.monotonic() - t0, 1)
-        write_json(doc, os.path.join(args.out, "gpu_vs_sim.json"))
-        md = markdown(doc)
-        with open(os.path.join(args.out, "gpu_vs_sim.md"), "w") as f:
-            f.write(md)
-        print(md, flush=True)
-        shutil.rmtree(work, ignore_errors=True)
-        log(f"done in {doc['elapsed_s']} s: {args.out}")
+        _finish(args, doc, cdoc, sims, names, multi, end, t0, work, log)
     return 0
 
 

@@ -100,7 +100,7 @@ from .trace import TraceError  # noqa: E402,F401
 _TORCH_ERRORS = ("InstallError", "OptionError")
 
 if "_import_error" not in globals():
-    from ._resolve import NoHeapError  # noqa: E402,F401
+    from ._which_heap import NoHeapError  # noqa: E402,F401
 
     def __getattr__(name):
         if name in _TORCH_ERRORS:

@@ -3,8 +3,8 @@
 Each block's context carries the framework in bits 55..62 (0: the heap's own
 user, torch on the per-device heaps) and, when stacks are recorded, the Python
 stack of the allocation in the other bits.  This module sits at the bottom of
-the package (gpumem/_heap.py draws the layers): snapshot and _resolve read it;
-the allocators themselves live in gpumem/_shared.py, above explain.
+the package (gpumem/_heaplike.py draws the layers): snapshot and _which_heap read it;
+the allocators themselves live in gpumem/_backend.py, above explain.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ FRAMEWORK_MASK = 0xFF << FRAMEWORK_SHIFT
 FRAMEWORKS: Dict[int, str] = {1: "cupy", 2: "numba"}
 _TAGS = {name: fw for fw, name in FRAMEWORKS.items()}
 
-# Frameworks installed on the per-device heaps in this process (gpumem._resolve
+# Frameworks installed on the per-device heaps in this process (gpumem._which_heap
 # consults it so that snapshot() / explain() find those heaps without torch).
 INSTALLED = set()
 _lock = threading.Lock()

@@ -23,7 +23,7 @@ from typing import Optional
 from . import _C
 from ._frameworks import mark_installed, mark_uninstalled
 from .explain import last_oom
-from ._shared import Backend
+from ._backend import Backend
 from ._units import parse_size
 
 __all__ = ["install", "uninstall", "allocator", "installed", "empty_cache", "OutOfMemoryError"]

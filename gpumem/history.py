@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from . import _C
-from ._heap import torch_hook
-from ._resolve import resolve_heap, torch_active
+from ._heaplike import torch_hook
+from ._which_heap import resolve_heap, torch_active
 
 __all__ = [
     "record_history",

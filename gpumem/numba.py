@@ -18,7 +18,7 @@ import functools
 
 from . import _C
 from ._frameworks import mark_installed
-from ._shared import Backend
+from ._backend import Backend
 
 __all__ = ["install", "GpumemMemoryManager", "memory_manager"]
 

@@ -56,8 +56,9 @@ from typing import Dict, List, Optional, Tuple
 
 from ._frameworks import framework_of
 from ._C import Heap
-from ._resolve import default_framework, resolve_heap
-from ._svg import plot_matplotlib, render_fragment, render_page, render_svg
+from ._which_heap import default_framework, resolve_heap
+from .draw import write_page
+from .draw.memory_map import plot_matplotlib, render_fragment, render_page, render_svg
 from ._units import format_size
 from .history import Frame, HistoryEntry, frames_for, site_of
 from .timeline import DEFAULT_POINTS, Timeline, from_snapshot, from_trace
@@ -453,38 +454,63 @@ class Snapshot:
         given, is called as entry_hook(history_entry, trace_entry) for each trace
         entry and may change the trace entry (gpumem.torch sets its frames and
         user_metadata by what was in force when the event was recorded)."""
-        segments = []
-        for seg in self._pool_runs():
-            live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending")) or Counter(
-                b.stream for b in seg.blocks if b.pool is not None and b.stream != STREAM_ANY
-            )
-            blocks = []
-            for b in seg.blocks:
-                blocks.append(
-                    {
-                        "address": b.addr,
-                        "size": b.size,
-                        "requested_size": b.requested,
-                        "state": TORCH_STATE[b.state],
-                        "frames": [f._asdict() for f in b.frames],
-                    }
-                )
-            segments.append(
+        segments = [self._torch_segment(seg, device) for seg in self._pool_runs()]
+        traces: List[list] = [[] for _ in range(device + 1)]
+        traces[device] = self._torch_trace(entry_hook)
+        return {
+            "segments": segments,
+            "device_traces": traces,
+            "allocator_settings": {
+                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                "max_split_size": -1,
+                "garbage_collection_threshold": 0.0,
+                # gpumem maps pages behind one reserved range, as expandable segments do
+                "expandable_segments": True,
+                "pinned_num_register_threads": 1,
+                "release_lock_on_cudamalloc": False,
+                "pinned_use_cuda_host_register": False,
+                "graph_capture_record_stream_reuse": False,
+                "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)},
+                "allocator": "gpumem",
+                "gpumem_device": self.device_name,
+                "gpumem_page_size": self.page_size,
+            },
+            "external_annotations": [],
+        }
+
+    def _torch_segment(self, seg: Segment, device: int) -> dict:
+        """One of to_torch()'s segments."""
+        live_streams = Counter(b.stream for b in seg.blocks if b.state in ("live", "pending")) or Counter(
+            b.stream for b in seg.blocks if b.pool is not None and b.stream != STREAM_ANY
+        )
+        blocks = []
+        for b in seg.blocks:
+            blocks.append(
                 {
-                    "device": device,
-                    "address": seg.addr,
-                    "total_size": seg.size,
-                    "allocated_size": sum(b.size for b in seg.blocks if b.state == "live"),
-                    "active_size": sum(b.size for b in seg.blocks if b.state in ("live", "pending")),
-                    "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
-                    "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
-                    "segment_type": "large" if seg.size > (1 << 20) else "small",
-                    "segment_pool_id": segment_pool_id(seg.blocks),
-                    "is_expandable": True,
-                    "frames": [],
-                    "blocks": blocks,
+                    "address": b.addr,
+                    "size": b.size,
+                    "requested_size": b.requested,
+                    "state": TORCH_STATE[b.state],
+                    "frames": [f._asdict() for f in b.frames],
                 }
             )
+        return {
+            "device": device,
+            "address": seg.addr,
+            "total_size": seg.size,
+            "allocated_size": sum(b.size for b in seg.blocks if b.state == "live"),
+            "active_size": sum(b.size for b in seg.blocks if b.state in ("live", "pending")),
+            "requested_size": sum(b.requested for b in seg.blocks if b.state in ("live", "pending")),
+            "stream": live_streams.most_common(1)[0][0] if live_streams else 0,
+            "segment_type": "large" if seg.size > (1 << 20) else "small",
+            "segment_pool_id": segment_pool_id(seg.blocks),
+            "is_expandable": True,
+            "frames": [],
+            "blocks": blocks,
+        }
+
+    def _torch_trace(self, entry_hook=None) -> list:
+        """to_torch()'s device trace: the history ring's entries torch has an action for, oldest first."""
         trace = []
         last_oom_free = (self.oom or {}).get("device_free", 0)
         for e in self.history:
@@ -506,28 +532,7 @@ class Snapshot:
             if entry_hook is not None:
                 entry_hook(e, entry)
             trace.append(entry)
-        traces: List[list] = [[] for _ in range(device + 1)]
-        traces[device] = trace
-        return {
-            "segments": segments,
-            "device_traces": traces,
-            "allocator_settings": {
-                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                "max_split_size": -1,
-                "garbage_collection_threshold": 0.0,
-                # gpumem maps pages behind one reserved range, as expandable segments do
-                "expandable_segments": True,
-                "pinned_num_register_threads": 1,
-                "release_lock_on_cudamalloc": False,
-                "pinned_use_cuda_host_register": False,
-                "graph_capture_record_stream_reuse": False,
-                "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)},
-                "allocator": "gpumem",
-                "gpumem_device": self.device_name,
-                "gpumem_page_size": self.page_size,
-            },
-            "external_annotations": [],
-        }
+        return trace
 
     def dump(self, path, device: int = 0) -> None:
         """Write to_torch() as a pickle (protocol 4; gzip'd if path ends in .gz)."""
@@ -556,11 +561,7 @@ class Snapshot:
     def to_html(self, path=None, title: Optional[str] = None) -> str:
         """A self-contained HTML page (no network: inline SVG and CSS); written to
         `path` when given.  Returns the HTML."""
-        html = render_page(self, title=title)
-        if path is not None:
-            with open(os.fspath(path), "w", encoding="utf-8") as f:
-                f.write(html)
-        return html
+        return write_page(path, render_page(self, title=title))
 
     def plot(self, ax=None, max_rows: int = 32):
         """Draw the memory map with matplotlib; returns the Axes."""

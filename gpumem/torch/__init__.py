@@ -15,10 +15,10 @@ or ``GPUMEM_CONF="cap:0.9" python -m gpumem.torch train.py ARGS``.
     _cppext    builds the files of csrc/torch_ext against the installed torch, on first use
 
 Nothing else in gpumem imports this package; it hands its hooks down
-(gpumem._heap.register_torch_hooks).  Importing it does not import torch.
+(gpumem._heaplike.register_torch_hooks).  Importing it does not import torch.
 """
 
-from .._heap import MAX_HISTORY
+from .._heaplike import MAX_HISTORY
 from ._install import (
     ENV_VAR,
     OPTION_NAMES,

@@ -9,7 +9,7 @@ import os
 import runpy
 import sys
 
-from .._cli_viz import _error_line, debug_requested, describe_error
+from ..cli.args import _error_line, debug_requested, describe_error
 
 EXIT_USAGE = 2
 

@@ -40,7 +40,7 @@ import os
 import sys
 
 from .. import _C
-from .._heap import MAX_HISTORY, register_torch_hooks
+from .._heaplike import MAX_HISTORY, register_torch_hooks
 from .._units import parse_size
 from . import _cppalloc, _pools, _viz
 

@@ -2,7 +2,7 @@
 
 gpumem.torch's install calls these; they connect it to snapshot / history /
 explain (the layers below, which never import this one: history reaches
-set_stack_hook through the hook install registers in gpumem._heap):
+set_stack_hook through the hook install registers in gpumem._heaplike):
 
   on_install()            sets torch's OOM hook (csrc/python/torch_viz.c), which words
                           torch.OutOfMemoryError with the one formatter gpumem.explain
@@ -32,9 +32,9 @@ import time
 from bisect import bisect_right
 
 from .. import _C
-from .._heap import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
+from .._heaplike import MAX_HISTORY  # the history ring's bound (torch's default max_entries is sys.maxsize)
 from ..explain import register_oom_formatter
-from .._resolve import registry_heap
+from .._which_heap import registry_heap
 from ..history import _record
 from ..snapshot import Snapshot
 from ..trace import ALLOCATOR_ACTIONS

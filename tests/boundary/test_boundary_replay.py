@@ -144,7 +144,7 @@ def test_a_heap_without_host_memory_for_its_tables_says_so():
 def test_a_size_granularity_out_of_range_is_a_trace_error(tmp_path, value):
     """Infinity gave a bare OverflowError; a large value silently turned every
     size change into rounding (no quadratic fit)."""
-    from gpumem._forecast_align import Recording
+    from gpumem.forecast.align import Recording
     from gpumem.trace import TraceError, load_trace
 
     p = tmp_path / "g.trace"
@@ -155,7 +155,7 @@ def test_a_size_granularity_out_of_range_is_a_trace_error(tmp_path, value):
 
 @pytest.mark.parametrize("value", [1, 512, 2 * MiB])
 def test_a_size_granularity_in_range_is_taken(tmp_path, value):
-    from gpumem._forecast_align import Recording
+    from gpumem.forecast.align import Recording
     from gpumem.trace import load_trace
 
     p = tmp_path / "g.trace"

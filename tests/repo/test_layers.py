@@ -224,11 +224,11 @@ def test_the_layer_check_finds_an_upward_import_and_a_module_in_no_layer():
 
 
 def test_the_torch_layer_sits_above_everything_but_the_facade():
-    # the visibility layer reads heaps through gpumem._heap's interface, never through gpumem.torch
+    # the visibility layer reads heaps through gpumem._heaplike's interface, never through gpumem.torch
     layers = documented_layers()
     (torch_layer,) = layer_of("gpumem.torch", layers)
     assert layer_of("gpumem.torch._install", layers) == [torch_layer]
-    for mod in ("gpumem._heap", "gpumem._resolve", "gpumem.history", "gpumem.snapshot", "gpumem.explain"):
+    for mod in ("gpumem._heaplike", "gpumem._which_heap", "gpumem.history", "gpumem.snapshot", "gpumem.explain"):
         assert layer_of(mod, layers)[0] < torch_layer, mod
     assert layer_of("gpumem", layers) == [len(layers) - 1]
 
@@ -438,7 +438,7 @@ def test_pairs_of_layers_import_both_ways():
             "gpumem.snapshot",
             "gpumem.history",
             "gpumem.explain",
-            "gpumem._resolve",
+            "gpumem._which_heap",
             "gpumem.torch._viz",
             "gpumem.torch._pools",
         ],

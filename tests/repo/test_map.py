@@ -230,6 +230,6 @@ def test_the_drawing_check_finds_a_header_left_out_a_moved_file_and_a_layer_that
     ]
     moved = text.replace(" csrc/model    native_model.c", " csrc/core     native_model.c")
     assert drawing_problems(moved, files) == ["the drawing names native_model.c in csrc/core, which is not there"]
-    assert layer_drawing_problems(text.replace("_shared, cupy, numba", "cupy, numba"), layers) == [
-        "the drawing's layer 4 names ['cupy', 'numba'], the layer table ['_shared', 'cupy', 'numba']"
+    assert layer_drawing_problems(text.replace("_backend, cupy, numba", "cupy, numba"), layers) == [
+        "the drawing's layer 4 names ['cupy', 'numba'], the layer table ['_backend', 'cupy', 'numba']"
     ]

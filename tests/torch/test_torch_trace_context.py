@@ -18,7 +18,7 @@ PRELUDE = (
     """
 import ctypes, json
 from gpumem import _C
-from gpumem._heap import register_torch_hooks
+from gpumem._heaplike import register_torch_hooks
 from gpumem.torch import _viz
 MiB = 1 << 20
 """

@@ -17,7 +17,7 @@ import gpumem
 from gpumem import _C
 from gpumem.torch import _install, _viz as _torch_viz
 from gpumem import torch as gt
-from gpumem._resolve import NoHeapError, registry_heap
+from gpumem._which_heap import NoHeapError, registry_heap
 
 explain_module = importlib.import_module("gpumem.explain")
 
@@ -223,7 +223,7 @@ def test_stack_hook_takes_the_gil_back_in_python_threads():
 
 
 def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
-    from gpumem import _heap
+    from gpumem import _heaplike as _heap
 
     calls = []
     monkeypatch.setattr(_C, "_torch_set_context_hook", lambda addr: calls.append(addr))

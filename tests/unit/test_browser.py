@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 import gpumem
-from gpumem._svg import BLOCK_COLORS, PAGE_COLORS
+from gpumem.draw.memory_map import BLOCK_COLORS, PAGE_COLORS
 
 MiB = 1 << 20
 
@@ -89,7 +89,7 @@ def test_offline_html_renders_in_headless_chromium(tmp_path):
 
 def test_timeline_renders_in_headless_chromium(tmp_path):
     """Memory over time, as Timeline.to_html writes it: live, reserved, cap and the OOM on screen."""
-    from gpumem.timeline import CAP_COLOR, LIVE_COLOR, OOM_COLOR, RESERVED_COLOR
+    from gpumem.draw.timeline import CAP_COLOR, LIVE_COLOR, OOM_COLOR, RESERVED_COLOR
 
     browser = chromium()
     Image = pytest.importorskip("PIL.Image")

@@ -179,7 +179,7 @@ def test_explain_segments_past_64_bits(tmp_path, capsys):
 def test_an_unexpected_failure_is_one_line_and_debug_shows_the_traceback():
     """A failure no check foresaw (here: a subcommand whose run is not callable) is still one
     line, naming the exception; --debug and GPUMEM_DEBUG=1 show where it came from."""
-    code = "import gpumem.__main__ as m; m.run_replay = None; m.COMMANDS['replay'] = ('', m._add_replay_args, 1)"
+    code = "import gpumem.cli as m; m.COMMANDS['replay'] = ('', m.replay.add_replay_args, 1)"
     env = {"PYTHONPATH": PKG_PARENT}
     cases = (({}, [], []), ({"GPUMEM_DEBUG": "1"}, [], []), ({}, ["--debug"], []), ({}, [], ["--debug"]))
     for debug_env, flags, after in cases:

@@ -269,7 +269,7 @@ def test_cli_pictures_follow_the_event_delay(tmp_path):
     """--snapshot and --html show the heap the table's replay had: with late events, too."""
     import pickle
 
-    from gpumem._cli_viz import peak_snapshot
+    from gpumem.cli.replay import peak_snapshot
     from gpumem.timeline import from_trace
     from gpumem.trace import load_trace
 

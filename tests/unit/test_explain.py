@@ -223,7 +223,7 @@ def test_the_explanation_is_registered_at_setup_not_by_importing_explain():
         import importlib, sys
         import gpumem
         from gpumem import _C
-        from gpumem._shared import Backend
+        from gpumem._backend import Backend
 
         def message():
             h = gpumem.Heap(capacity=1 << 30)

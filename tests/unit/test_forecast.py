@@ -922,14 +922,14 @@ def test_call_sites_keep_different_temporaries_apart():
 
 
 def test_torch_call_sites_are_checksums_of_the_stack():
-    from gpumem._forecast_record import _site, _sites
+    from gpumem.forecast.record import _site, _sites
 
     a = [{"filename": "model.py", "line": 10, "name": "forward"}, {"filename": "train.py", "line": 3, "name": "step"}]
     b = [{"filename": "model.py", "line": 11, "name": "forward"}, {"filename": "train.py", "line": 3, "name": "step"}]
     assert _site(a) == _site([dict(f) for f in a]) != _site(b) and _site(a) & 1
     assert _site(None) == _site([]) == 0
     # the frames from the forecast's own call of the step outwards are not the step's: left out
-    from gpumem._forecast_record import _RECORD_FILE
+    from gpumem.forecast.record import _RECORD_FILE
 
     record = {"filename": _RECORD_FILE, "line": 40, "name": "_record"}
     called_from = [{"filename": "notebook.py", "line": n, "name": "<module>"} for n in (1, 2)]
@@ -942,7 +942,7 @@ def test_torch_call_sites_are_checksums_of_the_stack():
 
 
 def test_torch_call_sites_are_worked_out_once_per_stack():
-    from gpumem._forecast_record import _site, _Sites, _TorchNativeRecorder
+    from gpumem.forecast.record import _site, _Sites, _TorchNativeRecorder
 
     frame = [{"filename": f"layer{i}.py", "line": i, "name": "forward"} for i in range(3)]
     shared = [frame[0], frame[1]]  # torch's snapshot shares one dict per distinct frame
@@ -982,7 +982,7 @@ def test_recordings_made_from_different_places_have_the_same_call_sites():
     frames only, so the same allocation has the same site in each."""
     import inspect
 
-    from gpumem._forecast_record import _record, _TorchNativeRecorder
+    from gpumem.forecast.record import _record, _TorchNativeRecorder
 
     class FakeTorch:
         cuda = _FakeCuda()

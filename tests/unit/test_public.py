@@ -26,7 +26,7 @@ def test_every_exception_class_is_at_the_top():
     *Error or Exception) can be caught as gpumem.<Name>."""
     defined = {}
     for path in PKG.rglob("*.py"):
-        if path.name == "__main__.py":  # the command line's own UsageError never leaves main()
+        if path.parent.name == "cli":  # the command line's own UsageError never leaves main()
             continue
         tree = ast.parse(path.read_text(), str(path))
         for node in tree.body:

@@ -121,7 +121,7 @@ def test_registry_heap_refuses_bad_devices_and_opens_nothing_when_asked_not_to()
 def test_cupy_and_numba_backends_allocate_from_the_registry_heap_through_heap_methods():
     r = run_py("""
         import gpumem
-        from gpumem._shared import Backend
+        from gpumem._backend import Backend
         b = Backend("cupy")
         p = b.malloc(3 * MiB, 0)
         q = alloc(2 * MiB, 0, None)                     # torch's allocation, the same heap

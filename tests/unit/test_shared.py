@@ -1,4 +1,4 @@
-"""Frameworks sharing one heap (gpumem._shared, gpumem.cupy, gpumem.numba) on the
+"""Frameworks sharing one heap (gpumem._backend, gpumem.cupy, gpumem.numba) on the
 simulated device: blocks say which framework allocated them, snapshot and
 explain count by framework, and an OOM carries the explanation.  The same code
 on a GPU, over the per-device heaps torch uses: tests/gpu/test_gpu_cupy.py."""
@@ -10,7 +10,7 @@ import pytest
 import gpumem
 from gpumem import _C
 from gpumem._frameworks import FRAMEWORK_MASK, FRAMEWORK_SHIFT, framework_of, framework_tag
-from gpumem._shared import Backend
+from gpumem._backend import Backend
 from gpumem.explain import explain, last_oom
 from gpumem.history import frames_for, site_of
 

@@ -314,7 +314,7 @@ def test_snapshot_without_installed_heap_says_what_to_do():
     # A fresh interpreter: in this one another test may have installed gpumem.
     code = (
         "import gpumem\n"
-        "from gpumem._resolve import NoHeapError\n"
+        "from gpumem._which_heap import NoHeapError\n"
         "try:\n"
         "    gpumem.snapshot()\n"
         "except NoHeapError as e:\n"

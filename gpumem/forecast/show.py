@@ -9,7 +9,7 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
-from ._units import format_size
+from .._units import format_size
 
 ALLOCATORS = ("gpumem", "native")
 

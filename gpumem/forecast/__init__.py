@@ -19,7 +19,7 @@ How it works:
    sizes) and sets aside what only some make (a workspace at some sizes,
    another algorithm's temporaries): the largest value's is kept and sized from
    the recordings that have it, one more value recorded where only the largest
-   has it; the caveats say what was modelled (gpumem._forecast_align).  Where
+   has it; the caveats say what was modelled (gpumem.forecast.align).  Where
    they still do not line up, the forecast says so and at which event,
    and gives only an estimate of peak live memory, which it marks as such: it
    cannot then say what either allocator needs, nor promise that a value it
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._forecast_align import (
+from .align import (
     Alignment,
     ForecastError,
     Model,
@@ -61,11 +61,11 @@ from ._forecast_align import (
     last_step,
     modelled,
 )
-from ._forecast_record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
-from ._forecast_show import ALLOCATORS, FAR_FACTOR, _Showing
-from ._units import parse_size
-from .replay import _narrow
-from .trace import MAX_ALLOC, Trace, TraceError, load_trace
+from .record import _record, _recorder, _sites, _step_starts, _to_trace, _TorchNativeRecorder  # noqa: F401
+from .show import ALLOCATORS, FAR_FACTOR, _Showing
+from .._units import parse_size
+from ..replay import _narrow
+from ..trace import MAX_ALLOC, Trace, TraceError, load_trace
 
 __all__ = [
     "forecast",
@@ -306,7 +306,7 @@ class Forecast(_Showing):
         if t.peak_live_bytes > cap or t.meta.get("largest_alloc", 0) > min(cap, MAX_ALLOC):
             return False
         if allocator == "gpumem":
-            from .replay import fits
+            from ..replay import fits
 
             return fits(t, cap, self.heap_kwargs)
         from .native_model import fits_native
@@ -325,7 +325,7 @@ class Forecast(_Showing):
             p = Prediction(k, self.peak_live(k), estimate_only=True)
         else:
             from .native_model import min_capacity_native, replay_native
-            from .replay import min_capacity, replay
+            from ..replay import min_capacity, replay
 
             t = self.synthesise(k)
             if t.meta["largest_alloc"] > MAX_ALLOC:
@@ -418,7 +418,7 @@ def last_forecast() -> Optional[Forecast]:
 def _set_last(fc: Forecast) -> None:
     global _last
     _last = fc
-    from .explain import set_forecast
+    from ..explain import set_forecast
 
     set_forecast(fc.explain_lines)
 
@@ -513,17 +513,31 @@ def _one_more(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     top, m = fc.recorded[-1], fc.multiple
     k = -(-(2 * top - fc.recorded[-2]) // m) * m
     kw = _settings_of(fc)
+    new = _with_more(
+        fc,
+        lambda: Forecast([*fc.recordings, record(k)], **kw),
+        f"recording {fc.name} {k} too ran out of memory",
+        f"the recording at {fc.name} {k} does not line up with the others",
+    )
+    if new is None:
+        return fc
+    new.one_more = k
+    return new
+
+
+def _with_more(fc: "Forecast", make: Callable[[], "Forecast"], oom: str, apart: str) -> Optional["Forecast"]:
+    """make()'s forecast from more recordings; None, with fc.refine_note saying
+    why, where a recording runs out of memory (`oom`) or they do not line up (`apart`)."""
     try:
-        new = Forecast([*fc.recordings, record(k)], **kw)
+        new = make()
     except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
         if "OutOfMemory" not in type(e).__name__:
             raise
-        fc.refine_note = f"recording {fc.name} {k} too ran out of memory: {str(e).splitlines()[0]}"
-        return fc
+        fc.refine_note = f"{oom}: {str(e).splitlines()[0]}"
+        return None
     if not new.aligned:
-        fc.refine_note = f"the recording at {fc.name} {k} does not line up with the others ({new.alignment.message})"
-        return fc
-    new.one_more = k
+        fc.refine_note = f"{apart} ({new.alignment.message})"
+        return None
     return new
 
 
@@ -558,18 +572,19 @@ def _refined(fc: "Forecast", record: Callable[[int], Recording]) -> "Forecast":
     if lo <= top or lo >= hi:
         return fc
     kw = _settings_of(fc)
-    try:
+
+    def make() -> "Forecast":
         far = record(hi)
         new = Forecast([*fc.recordings, far], **kw)
-        if not _confirms(fc, new, far):
-            new = Forecast([record(lo), far], **kw)
-    except Exception as e:  # noqa: BLE001 - only an out-of-memory error is expected here
-        if "OutOfMemory" not in type(e).__name__:
-            raise
-        fc.refine_note = f"recording again at {fc.name} {lo} and {hi} ran out of memory: {str(e).splitlines()[0]}"
-        return fc
-    if not new.aligned:
-        fc.refine_note = f"the recordings at {fc.name} {lo} and {hi} do not line up ({new.alignment.message})"
+        return new if _confirms(fc, new, far) else Forecast([record(lo), far], **kw)
+
+    new = _with_more(
+        fc,
+        make,
+        f"recording again at {fc.name} {lo} and {hi} ran out of memory",
+        f"the recordings at {fc.name} {lo} and {hi} do not line up",
+    )
+    if new is None:
         return fc
     new.first = fc
     return new

@@ -2,7 +2,7 @@
 
 Forecast, from traces of one step recorded at two or three values of a knob
 (batch size, sequence length), the memory at other values and the largest value
-that fits a device: see gpumem/forecast.py.  Registered by gpumem/__main__.py.
+that fits a device: see gpumem/forecast/.  Registered by gpumem/cli/__init__.py.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import argparse
 import json
 import sys
 
-from ._cli_viz import EXIT_OK, _capacity_arg, _usage_failure, _whole_arg
-from .forecast import Forecast, ForecastError
-from .trace import TraceError
+from ..forecast import Forecast, ForecastError
+from ..trace import TraceError
+from .args import EXIT_OK, _usage_failure, _whole_arg, add_capacity_arg, add_device_arg, add_traces_arg
 
 HELP = "forecast the memory at any batch or sequence length, and the largest that fits, from 2-3 recorded steps"
 
@@ -34,11 +34,9 @@ def _multiple_arg(text: str) -> int:
 
 
 def add_forecast_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "traces",
-        nargs="+",
-        metavar="TRACE",
-        help="two or three traces of the same step (gpumem text traces or torch snapshot pickles), "
+    add_traces_arg(
+        p,
+        "two or three traces of the same step (gpumem text traces or torch snapshot pickles), "
         "one per --knob value, in the same order",
     )
     p.add_argument(
@@ -49,14 +47,12 @@ def add_forecast_args(p: argparse.ArgumentParser) -> None:
         help="the knob value each TRACE was recorded at, e.g. 2,4 (batch sizes) or 128,256,512 (sequence lengths)",
     )
     cap = p.add_mutually_exclusive_group()
-    cap.add_argument(
+    add_capacity_arg(
+        cap,
         "--device-memory",
-        type=_capacity_arg,
-        default=None,
-        metavar="SIZE",
-        help="the device's memory the allocator may use, e.g. 80GiB: also find the largest knob value that fits",
+        "the device's memory the allocator may use, e.g. 80GiB: also find the largest knob value that fits",
     )
-    cap.add_argument("--cap", type=_capacity_arg, default=None, metavar="SIZE", help="the same, as a cap, e.g. 12GiB")
+    add_capacity_arg(cap, "--cap", "the same, as a cap, e.g. 12GiB")
     p.add_argument("--at", type=_knob_list, default=[], metavar="K,...", help="also forecast these knob values")
     p.add_argument(
         "--name", default="knob", metavar="NAME", help="what the knob is, e.g. batch or seq (for the report)"
@@ -64,7 +60,7 @@ def add_forecast_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--multiple", type=_multiple_arg, default=1, metavar="N", help="search only multiples of N (default 1)"
     )
-    p.add_argument("--device", type=int, default=None, metavar="N", help="which device of a torch snapshot (default 0)")
+    add_device_arg(p, "which device of a torch snapshot (default 0)")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="write a plot of the forecast (needs matplotlib)")
     p.add_argument("--html", metavar="OUT.html", default=None, help="write the forecast as an HTML page")
     p.add_argument("--json", action="store_true", help="print one JSON object")

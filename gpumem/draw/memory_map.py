@@ -12,11 +12,11 @@ crosses.  Nothing refers to anything outside the document.
 
 from __future__ import annotations
 
-import html
 import math
 from typing import List, Optional
 
-from ._units import format_size
+from .._units import format_size
+from . import esc, legend_beside, new_axes
 
 __all__ = ["render_svg", "render_fragment", "render_page", "plot_matplotlib", "BLOCK_COLORS", "PAGE_COLORS"]
 
@@ -35,10 +35,6 @@ BLOCK_H = 26
 ROW_GAP = 6
 LEFT = 70
 HEADER_H = 58
-
-
-def _esc(s: str) -> str:
-    return html.escape(s, quote=True)
 
 
 def _layout(snap, max_rows: int):
@@ -82,11 +78,9 @@ def _block_title(snap, b) -> str:
 
 def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
     ppr, rows, row_bytes = _layout(snap, max_rows)
-    inner = width - LEFT - 10
-    scale = inner / row_bytes
+    scale = (width - LEFT - 10) / row_bytes
     row_h = PAGE_H + BLOCK_H + ROW_GAP
     height = HEADER_H + rows * row_h + 10
-    s = snap.summary
     out: List[str] = []
     w = out.append
     w(
@@ -94,18 +88,31 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
     )
     w("<style>.gpumem-map .block:hover rect{stroke:#000;stroke-width:1.2}.gpumem-map text{fill:#222}</style>")
+    _header(w, snap, ppr, row_bytes)
+    # row labels
+    for r in range(rows):
+        y = HEADER_H + r * row_h
+        w(f'<text x="4" y="{y + PAGE_H + BLOCK_H * 0.7:.1f}" font-size="10">+{esc(format_size(r * row_bytes))}</text>')
+    _pages(w, snap, ppr, rows, row_h, scale)
+    _blocks(w, snap, row_bytes, row_h, scale)
+    w("</svg>")
+    return "".join(out)
+
+
+def _header(w, snap, ppr: int, row_bytes: int) -> None:
+    """The title, what a row holds, and the legend."""
+    s = snap.summary
     title = snap.label or snap.device_name
     w(
-        f'<text x="4" y="14" font-size="13" font-weight="bold">{_esc(title)}: '
-        f"{_esc(format_size(s.live_bytes))} live, {_esc(format_size(s.reserved_bytes))} reserved, "
-        f"{_esc(format_size(s.free_mapped_bytes))} free in mapped pages, fragmentation {s.fragmentation:.1%}</text>"
+        f'<text x="4" y="14" font-size="13" font-weight="bold">{esc(title)}: '
+        f"{esc(format_size(s.live_bytes))} live, {esc(format_size(s.reserved_bytes))} reserved, "
+        f"{esc(format_size(s.free_mapped_bytes))} free in mapped pages, fragmentation {s.fragmentation:.1%}</text>"
     )
     w(
-        f'<text x="4" y="30">one row = {_esc(format_size(row_bytes))} of address space ({ppr} pages of '
-        f"{_esc(format_size(snap.page_size))}); {s.n_segments} mapped segments; "
+        f'<text x="4" y="30">one row = {esc(format_size(row_bytes))} of address space ({ppr} pages of '
+        f"{esc(format_size(snap.page_size))}); {s.n_segments} mapped segments; "
         f"{snap.spare_pages} spare pages held unmapped</text>"
     )
-    # legend
     x = 4
     for name, color in (
         ("live", BLOCK_COLORS["live"][0]),
@@ -119,11 +126,10 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
         w(f'<rect x="{x}" y="38" width="12" height="10" fill="{color}" stroke="#999" stroke-width="0.5"/>')
         w(f'<text x="{x + 16}" y="47">{name}</text>')
         x += 22 + 7 * len(name)
-    # row labels
-    for r in range(rows):
-        y = HEADER_H + r * row_h
-        w(f'<text x="4" y="{y + PAGE_H + BLOCK_H * 0.7:.1f}" font-size="10">+{_esc(format_size(r * row_bytes))}</text>')
-    # pages, run-length merged per row
+
+
+def _pages(w, snap, ppr: int, rows: int, row_h: int, scale: float) -> None:
+    """The strip of pages above each row, run-length merged per row."""
     w('<g class="pages">')
     pages = snap.pages
     n = len(pages)
@@ -140,7 +146,7 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
         name = PAGE_STATE_NAMES.get(st, "?")
         w(
             f'<rect class="page {name}" x="{x0:.2f}" y="{y}" width="{max(x1 - x0, 0.5):.2f}" height="{PAGE_H - 1}" '
-            f'fill="{PAGE_COLORS.get(name, "#f0f")}"><title>{_esc(f"pages {i}..{j - 1}: {name} ({j - i} x {format_size(snap.page_size)})")}</title></rect>'  # noqa: E501
+            f'fill="{PAGE_COLORS.get(name, "#f0f")}"><title>{esc(f"pages {i}..{j - 1}: {name} ({j - i} x {format_size(snap.page_size)})")}</title></rect>'  # noqa: E501
         )
         i = j
     page_px = snap.page_size * scale
@@ -156,7 +162,10 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
         if d:
             w(f'<path d="{"".join(d)}" stroke="#fff" stroke-width="0.8" pointer-events="none"/>')
     w("</g>")
-    # blocks
+
+
+def _blocks(w, snap, row_bytes: int, row_h: int, scale: float) -> None:
+    """One group per block, a rectangle per row it crosses, its tooltip the block's title."""
     w('<g class="blocks">')
     live_i = 0
     for b in snap.blocks:
@@ -166,7 +175,7 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
             live_i += 1
         else:
             fill = color[0]
-        title = _esc(_block_title(snap, b))
+        title = esc(_block_title(snap, b))
         w(
             f'<g class="block {b.state}" data-addr="{b.addr}" data-size="{b.size}" data-state="{b.state}">'
             f"<title>{title}</title>"
@@ -179,8 +188,6 @@ def render_svg(snap, max_rows: int = 48, width: int = WIDTH) -> str:
             w(f'<rect x="{x0:.2f}" y="{y}" width="{bw:.2f}" height="{BLOCK_H}" fill="{fill}"{edge}/>')
         w("</g>")
     w("</g>")
-    w("</svg>")
-    return "".join(out)
 
 
 _CSS = """
@@ -195,7 +202,7 @@ _CSS = """
 
 def _summary_table(snap) -> str:
     rows = "".join(
-        f"<tr><th>{_esc(a)}</th><td class='num'>{_esc(b)}</td><td class='why'>{_esc(c)}</td></tr>"
+        f"<tr><th>{esc(a)}</th><td class='num'>{esc(b)}</td><td class='why'>{esc(c)}</td></tr>"
         for a, b, c in snap.summary.rows()
     )
     return f"<table class='summary'>{rows}</table>"
@@ -206,7 +213,7 @@ def _sites_table(snap, n: int = 10) -> str:
     if not sites:
         return ""
     rows = "".join(
-        f"<tr><td>{_esc(site)}</td><td class='num'>{_esc(format_size(b))}</td><td class='num'>{k}</td></tr>"
+        f"<tr><td>{esc(site)}</td><td class='num'>{esc(format_size(b))}</td><td class='num'>{k}</td></tr>"
         for site, b, k in sites
     )
     return f"<table class='sites'><tr><th>allocation site</th><th>live</th><th>blocks</th></tr>{rows}</table>"
@@ -230,8 +237,8 @@ def render_page(snap, title: Optional[str] = None) -> str:
     title = title or f"gpumem snapshot: {snap.label or snap.device_name}"
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{_esc(title)}</title></head><body>"
-        f"<h2 style='font-family:sans-serif'>{_esc(title)}</h2>{render_fragment(snap)}"
+        f"<title>{esc(title)}</title></head><body>"
+        f"<h2 style='font-family:sans-serif'>{esc(title)}</h2>{render_fragment(snap)}"
         "<p style='font-family:sans-serif;color:#666;font-size:12px'>Hover a block for its size, stream "
         "and allocation site, a mark of the timeline for what happened there. Made by gpumem; this file "
         "needs no network.</p></body></html>\n"
@@ -240,12 +247,10 @@ def render_page(snap, title: Optional[str] = None) -> str:
 
 def plot_matplotlib(snap, ax=None, max_rows: int = 32):
     """The same map with matplotlib: one horizontal band per row of address space."""
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     ppr, rows, row_bytes = _layout(snap, max_rows)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(12, 0.9 + 0.32 * rows))
+    ax = new_axes(ax, (12, 0.9 + 0.32 * rows))
     mib = 1 << 20
     spans = {}
     live_i = 0
@@ -277,5 +282,4 @@ def plot_matplotlib(snap, ax=None, max_rows: int = 32):
     )
     handles = [Patch(color=BLOCK_COLORS[k][0], label=k) for k in ("live", "pending", "free", "unmapped")]
     handles += [Patch(color=PAGE_COLORS[k], label=f"page {k}") for k in ("used", "cached", "unmapped")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-    return ax
+    return legend_beside(ax, handles)

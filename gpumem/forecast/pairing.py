@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
-from ._units import format_size
-from .trace import R_ALLOC, Trace
+from .._units import format_size
+from ..trace import R_ALLOC, Trace
 
 _REWIND = 24  # matched events a resync may step back over
 _RUN = 96  # the longest stretch of one recording set aside in one piece

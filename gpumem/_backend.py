@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from . import _C
 from ._frameworks import framework_tag
-from ._resolve import registry_heap
+from ._which_heap import registry_heap
 from .explain import format_oom, register_oom_formatter
 from ._units import format_size
 

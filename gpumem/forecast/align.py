@@ -7,7 +7,7 @@ a reduction that needs a staging buffer only past some size, a library's
 workspace at some shapes, another algorithm's temporaries past some size, a
 block only the first step allocates.  Each recording is aligned with the next
 larger one, and so with the one at the largest knob value, the template the
-forecast follows, by a sequence alignment (gpumem._forecast_pairing): what both
+forecast follows, by a sequence alignment (gpumem.forecast.pairing): what both
 make is paired, what only one makes is set aside.  The template's set-aside
 allocations are kept, sized from the recordings that have them (a constant
 where only it does); those only smaller values make are left out.  Recordings
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._forecast_pairing import _Events, _Pairing
-from ._units import format_size
-from .trace import R_ALLOC, Trace, TraceError, _Builder
+from .pairing import _Events, _Pairing
+from .._units import format_size
+from ..trace import R_ALLOC, Trace, TraceError, _Builder
 
 # Sizes recorded by gpumem's history are its blocks' sizes, rounded up to this.
 GPUMEM_GRANULARITY = 512

@@ -10,7 +10,7 @@ import sys
 from . import _C
 from ._C import Heap
 from ._frameworks import INSTALLED, current_device
-from ._heap import torch_hook
+from ._heaplike import torch_hook
 
 __all__ = ["resolve_heap", "NoHeapError", "torch_active", "registry_heap"]
 

@@ -11,8 +11,8 @@ import time
 import zlib
 from typing import List, Optional, Tuple
 
-from ._forecast_align import GPUMEM_GRANULARITY, ForecastError, Recording
-from .trace import Trace, TraceError, _Builder
+from .align import GPUMEM_GRANULARITY, ForecastError, Recording
+from ..trace import Trace, TraceError, _Builder
 
 _HISTORY_ENTRIES = 1 << 20
 
@@ -151,7 +151,7 @@ def _drop_torch_workspaces(torch) -> None:
 
 
 def _recorder(heap, device):
-    from ._C import Heap
+    from .._C import Heap
 
     if heap is not None:
         if not isinstance(heap, Heap):
@@ -163,7 +163,7 @@ def _recorder(heap, device):
             "no torch with CUDA in this process: pass heap=gpumem.Heap(...) for a step that drives a gpumem heap, "
             "or forecast from recorded traces (Forecast.from_traces, python -m gpumem forecast)"
         )
-    from ._resolve import resolve_heap, torch_active
+    from .._which_heap import resolve_heap, torch_active
 
     if torch_active():
         return _TorchGpumemRecorder(resolve_heap(device), torch)

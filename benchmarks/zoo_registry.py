@@ -1,0 +1,138 @@
+"""The zoo's registry (ZOO, filled by @workload) and what its workloads share: the toy or full Scale,
+autocast, the training and generation loops, model building on the device (benchmarks/zoo.py runs
+them; zoo_workloads.py holds the workloads).
+"""
+
+from __future__ import annotations
+
+import random
+
+ZOO = {}
+
+
+def workload(family, mode, exercises, knob):
+    """Register a workload: family (model family), mode (how it runs), exercises (what it stresses),
+    knob (what varies between its steps)."""
+
+    def add(fn):
+        ZOO[fn.__name__[3:]] = dict(fn=fn, family=family, mode=mode, exercises=exercises, knob=knob)
+        return fn
+
+    return add
+
+
+class Scale:
+    """Full size on a GPU; toy size on the CPU (`tiny`), to check a workload runs before spending GPU time."""
+
+    def __init__(self, tiny):
+        self.tiny = tiny
+        self.dev = "cpu" if tiny else "cuda"
+
+    def __call__(self, full, toy):
+        return toy if self.tiny else full
+
+    def steps(self, n):
+        return 2 if self.tiny else n
+
+
+def autocast(S, dtype):
+    import torch
+
+    return torch.autocast(S.dev, dtype=dtype)
+
+
+# -- shared loops ------------------------------------------------------------------------------------
+
+
+def causal_train(S, model, vocab, steps, batches, lengths, amp=None, lr=1e-5, params=None):
+    import torch
+
+    opt = torch.optim.AdamW(params if params is not None else model.parameters(), lr=lr)
+    model.train()
+    for _ in range(S.steps(steps)):
+        B, L = random.choice(batches), random.choice(lengths)
+        x = torch.randint(0, vocab, (B, L), device=S.dev)
+        if amp is None:
+            loss = model(input_ids=x, labels=x).loss
+        else:
+            with autocast(S, amp):
+                loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss, x
+
+
+def causal_generate(S, model, vocab, calls, batches, prompts, new_tokens, **kw):
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        for _ in range(S.steps(calls)):
+            B, L = random.choice(batches), random.choice(prompts)
+            x = torch.randint(3, vocab, (B, L), device=S.dev)
+            model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=random.choice(new_tokens),
+                min_new_tokens=1,
+                pad_token_id=0,
+                **kw,
+            )
+            del x
+
+
+def vision_train(S, model, steps, batches, sizes, amp=None, classes=1000, channels_last=False):
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+    for _ in range(S.steps(steps)):
+        B, R = random.choice(batches), random.choice(sizes)
+        x = torch.randn(B, 3, R, R, device=S.dev)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        y = torch.randint(0, classes, (B,), device=S.dev)
+        with autocast(S, amp or torch.bfloat16):
+            out = model(x)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss = torch.nn.functional.cross_entropy(logits.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x, y, out, logits, loss
+
+
+def _hf(name):
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def llama_config(S, **kw):
+    base = dict(
+        hidden_size=S(1024, 64),
+        intermediate_size=S(2816, 128),
+        num_hidden_layers=S(12, 2),
+        num_attention_heads=S(16, 4),
+        num_key_value_heads=S(16, 4),
+        vocab_size=S(32000, 1000),
+        max_position_embeddings=4096,
+    )
+    base.update(kw)
+    return _hf("LlamaConfig")(**base)
+
+
+def on(S, model, dtype=None):
+
+    model = model.to(S.dev)
+    return model.to(dtype) if dtype is not None else model
+
+
+# -- decoders: dense ---------------------------------------------------------------------------------
+
+
+def _bf16():
+    import torch
+
+    return torch.bfloat16
