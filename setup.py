@@ -61,7 +61,7 @@ class BuildPy(build_py):
 
 def sources():
     found = []
-    for part in ("core", "device", "model", "python"):
+    for part in ("core", "device", "model", "runtime", "python"):
         found += sorted(glob.glob(f"csrc/{part}/*.c")) + sorted(glob.glob(f"csrc/{part}/*.cpp"))
     return found
 
@@ -71,7 +71,7 @@ setup(
         Extension(
             "gpumem._C",
             sources=sources(),
-            include_dirs=["csrc/include", "csrc/core"],
+            include_dirs=["csrc/include", "csrc/core", "csrc/runtime"],
             extra_link_args=["-pthread"],
             libraries=["dl"],
         )

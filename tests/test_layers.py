@@ -150,7 +150,7 @@ def test_the_cycle_finder_finds_one():
 
 ARCH = REPO / "docs" / "architecture.md"
 CSRC = REPO / "csrc"
-INCLUDE_DIRS = (CSRC / "include", CSRC / "core")  # setup.py's and the Makefile's -I
+INCLUDE_DIRS = (CSRC / "include", CSRC / "core", CSRC / "runtime")  # setup.py's and the Makefile's -I
 
 
 def _ticks(cell):

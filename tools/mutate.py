@@ -229,7 +229,7 @@ MUTATIONS = [
         "torch: the heaps torch's allocations get ignore the page_size option",
         "    args.page_size = o.page_size;",
         "    args.page_size = 0;",
-        path="csrc/python/heap_registry.c",
+        path="csrc/runtime/heap_registry.c",
     ),
 ]
 

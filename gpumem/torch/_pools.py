@@ -86,7 +86,7 @@ class MemPool:
     pool's memory then comes from its alloc and free functions, in segments
     sized as torch sizes them, cached for the pool and counted against the
     device's cap, and given back when the pool goes with nothing live in it, or
-    else at the empty_cache() after its last tensor (csrc/python/ext_pool.h).  no_split: a block of the pool is never
+    else at the empty_cache() after its last tensor (csrc/runtime/ext_pool.h).  no_split: a block of the pool is never
     split -- a request takes whole pages of its own, or a whole free block of
     the pool.  use_on_oom: a pool with an allocator of its own lends its free
     blocks to an allocation that would otherwise run out of memory; gpumem's
