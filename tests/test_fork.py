@@ -296,7 +296,7 @@ def test_exit_with_live_torch_blocks_history_and_busy_threads(tmp_path):
         """
         _C.registry_history_enable(1000)
         _C._stacks_enable(True)
-        _C._torch_set_context_hook(_C._torch_viz_hooks()["context"])   # as gpumem.torch does
+        _C._torch_stack_hook(True)   # as gpumem.torch does
         live_blocks = [alloc(5 * MiB, 0, None) for _ in range(8)]
         assert begin(0, 3, 0, ANY) == 0
 

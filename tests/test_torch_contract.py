@@ -472,3 +472,17 @@ def test_trace_entries_carry_the_compiled_region_they_were_recorded_in(tmp_path)
         6: "Torch-Compiled Region: 0/0",
         7: "N/A",
     }
+
+
+def test_the_explanation_is_switched_on_and_off_in_c():
+    r = run_py("""
+        plain = _C._torch_format_oom(0, 1 << 40)
+        _C._torch_explain_oom(True)
+        explained = _C._torch_format_oom(0, 1 << 40)
+        _C._torch_explain_oom(False)
+        out(plain=plain, explained=explained, again=_C._torch_format_oom(0, 1 << 40))
+    """)
+    line = r["plain"]
+    assert line.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has") and "\n" not in line
+    assert r["explained"].startswith(line + "\n") and "What to do:" in r["explained"]
+    assert r["again"] == line

@@ -1,7 +1,7 @@
 """The visibility layer on the torch path, checked without a GPU.
 
 The torch allocation path itself needs CUDA (tests/test_gpu_torch.py); here the
-two C hooks it is given (csrc/python/torch_viz.c, history_glue.c) are called
+two C hooks it is given (csrc/python/oom_glue.c, history_glue.c) are called
 directly through ctypes -- a CFUNCTYPE call releases the GIL, as torch's op
 bindings do before they allocate -- with a sim heap standing in for the CUDA
 heap, and the routing of torch's memory API is called as torch would call it.
@@ -226,7 +226,7 @@ def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
     from gpumem import _heap
 
     calls = []
-    monkeypatch.setattr(_C, "_torch_set_context_hook", lambda addr: calls.append(addr))
+    monkeypatch.setattr(_C, "_torch_stack_hook", lambda on: calls.append(on))
     monkeypatch.setattr(_heap, "_torch_hooks", {})
     h = gpumem.Heap(device="sim", capacity=GiB)
     try:
@@ -242,8 +242,7 @@ def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
     finally:
         gpumem.record_history(False, device=h)
         h.close()
-    hook = _C._torch_viz_hooks()["context"]
-    assert calls[:3] == [hook, 0, 0]
+    assert calls[:3] == [True, False, False]
 
 
 # ---- which heap, and torch's memory API ---------------------------------------------------

@@ -1,7 +1,7 @@
 /*
  * common.h -- pieces the Python glue files share: dict building, the
  * torch-style stats dict, the out-of-memory report as a dict, history and
- * snapshot blocks as lists, and the byte formatting used in error messages.
+ * snapshot blocks as lists (the out-of-memory text is oom_glue.h's).
  *
  * Plain C (common.c); C++ callers (torch_alloc.cpp) get the declarations with
  * C linkage through the extern "C" block below.
@@ -87,35 +87,6 @@ PyObject *gm_py_procs_list(const gm_proc_usage *p, long n);
 /* A function's address as a Python int: what torch's hook setters take.  New
  * reference or NULL. */
 PyObject *gm_py_fn_address(void (*fn)(void));
-
-/* n bytes as "512 B", "1.50 KiB", ... "2.00 PiB": all byte counts in
- * messages go through here. */
-void gm_fmt_bytes(char *buf, size_t len, uint64_t n);
-
-/* n bytes as torch's messages write them: "1024 bytes", "1.50 KiB", "2.00 MiB",
- * then GiB however large ("800000000.00 GiB"). */
-void gm_fmt_torch_bytes(char *buf, size_t len, uint64_t n);
-
-/* The byte counts an out-of-memory message names, formatted by gm_fmt_bytes. */
-typedef struct gm_oom_sizes {
-    char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32], pending[32], largest[32],
-        cap[32];
-} gm_oom_sizes;
-
-void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
-
-/* The first sentences of every out-of-memory message (the one-line message;
- * gm_py_oom_message, oom_glue.h, adds gpumem's explanation after them):
- *   "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ... "
- * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, the
- * first two sentences are torch's own, sizes in torch's units, and the memory
- * other processes hold follows, from the device's process list: n_procs < 0
- * when unknown); -1 is a gpumem.Heap ("The device has a total capacity of
- * ...").  `failed`: the device's last reason (NULL: none given), said when a
- * device call failed, or why the process list is unknown.  Writes at most len
- * bytes (NUL-terminated); returns the length. */
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
-                   const char *failed);
 
 #ifdef __cplusplus
 }

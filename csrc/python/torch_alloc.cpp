@@ -165,7 +165,6 @@ slot g_slots[GM_HEAP_REGISTRY_MAX_DEVICES];
 std::atomic<int> g_oom_mode{GM_TORCH_OOM_TORCH};
 std::atomic<int> g_device_count{-1};
 std::atomic<gm_torch_context_fn> g_context_fn{nullptr};
-std::atomic<gm_torch_oom_formatter> g_formatter{nullptr};
 PyObject *g_oom_class = nullptr;    /* guarded by the GIL */
 PyObject *g_oom_observer = nullptr; /* guarded by the GIL */
 
@@ -502,28 +501,6 @@ extern "C" void gm_torch_get_counters(gm_torch_counters *c) {
     c->fraction_calls = c_fraction.load();
 }
 
-/* ---- the message --------------------------------------------------------------- */
-
-extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *buf, size_t len) {
-    if (!len) return 0;
-    gm_heap *h = gm_heap_registry_get(device);
-    gm_proc_usage procs[64] = {};
-    long n_procs = -1;
-    size_t n = 0;
-    if (h && gm_heap_registry_processes(device, procs, 64, &n) == GM_OK) n_procs = (long)(n < 64 ? n : 64);
-    /* gpumem.torch's formatter (torch_viz.c) writes the whole message, the
-     * explanation after these first sentences; without it, they alone. */
-    gm_torch_oom_formatter f = g_formatter.load();
-    if (f) {
-        long w = f(o, device, procs, n_procs, buf, len);
-        if (w >= 0) {
-            buf[len - 1] = '\0';
-            return (size_t)w < len ? (size_t)w : len - 1;
-        }
-    }
-    return gm_oom_line(buf, len, o, device, procs, n_procs, h ? gm_heap_device(h)->last_error : nullptr);
-}
-
 /* Throws torch's out-of-memory error for a request the heap was not asked to
  * place (its own last failure is not this one): the message from a fresh
  * report, the observers called first; `why` follows the message. */
@@ -566,7 +543,7 @@ extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     /* the pages mapped for it, or its out-of-memory event, carry its stack too */
     event_context_scope events(ctx);
     uintptr_t p = 0;
-    if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
+    if (size >= kOneExaByte) throw_oom(GM_TORCH_OOM_TOO_LARGE);
     if (pool && gm_ext_owns(device, *pool)) return ext_alloc(h, device, size, stream, *pool);
     if (size > gm_heap_registry_limit(device) &&
         (gm_ext_release_ended(device), size > gm_heap_registry_limit(device))) {
@@ -699,8 +676,6 @@ extern "C" void gpumem_torch_init(int device_count) {
 extern "C" void gpumem_torch_set_context_hook(gm_torch_context_fn fn) { g_context_fn.store(fn); }
 
 extern "C" void gpumem_torch_set_event_stacks(int on) { g_event_stacks.store(on != 0); }
-
-extern "C" void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn) { g_formatter.store(fn); }
 
 /* ---- private pools ------------------------------------------------------------- */
 

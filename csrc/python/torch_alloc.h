@@ -43,9 +43,12 @@ void gm_torch_set_oom_observer(void *py_callable);
  * few KiB, with a table, causes and advice. */
 #define GM_TORCH_OOM_MSG_MAX 16384
 
-/* The out-of-memory message for `device` (starts "CUDA out of memory.").
- * The one place it is built; a formatter hook, when set, may replace it. */
+/* The out-of-memory message for `device` (starts "CUDA out of memory.");
+ * a formatter hook, when set, may replace it.  Made in oom_glue.c, as every
+ * out-of-memory message is, and so is the message for a request of 1 EiB or
+ * more, which no heap is asked to place. */
 size_t gm_torch_format_oom(int device, const gm_oom_info *info, char *buf, size_t len);
+extern const char GM_TORCH_OOM_TOO_LARGE[];
 
 /* Hooks for helpers that enrich allocations and messages.
  * context: called before each gm_malloc; its value is stored with the block.
