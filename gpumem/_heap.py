@@ -25,7 +25,7 @@ class HeapLike(Protocol):
     """What snapshot, history and explain read from a heap: gpumem.Heap provides
     it, whether it owns its heap (any device) or borrows the heap registry's one
     that torch's allocations go to (gpumem._C.registry_heap).  Dicts are those
-    of gpumem._C (csrc/python/common.c)."""
+    of gpumem._C (csrc/python/convert.c)."""
 
     device_kind: str  # "sim" or "cuda"
     closed: bool

@@ -311,16 +311,16 @@ def test_the_include_check_finds_a_core_or_device_file_reaching_out():
     rules = include_rules()
     core, device = CSRC / "core" / "errors.c", CSRC / "device" / "sim.c"
     planted = {
-        core: [(True, "gpumem/gpumem.h"), (True, "common.h"), (False, "stdio.h")],
+        core: [(True, "gpumem/gpumem.h"), (True, "convert.h"), (False, "stdio.h")],
         # heap_internal.h is found through -Icsrc/core, but is not the devices' to read
         device: [(True, "gpumem/device.h"), (True, "heap_internal.h")],
     }
 
     def resolve(path, name):
-        return {"common.h": "csrc/python/common.h"}.get(name) or _resolve_include(path, name)
+        return {"convert.h": "csrc/python/convert.h"}.get(name) or _resolve_include(path, name)
 
     assert include_problems([core, device], rules, resolve, planted.get) == [
-        'csrc/core/errors.c: #include "common.h" (csrc/python/common.h) is outside csrc/core/, csrc/include/',
+        'csrc/core/errors.c: #include "convert.h" (csrc/python/convert.h) is outside csrc/core/, csrc/include/',
         'csrc/device/sim.c: #include "heap_internal.h" (csrc/core/heap_internal.h) is outside csrc/device/, '
         "csrc/include/",
     ]

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "convert.h"
 #include "heap_registry.h"
 #include "history_glue.h"
 #include "torch_alloc.h"

@@ -72,7 +72,7 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "convert.h"
 #include "ext_pool.h"
 #include "heap_registry.h"
 #include "torch_alloc.h"

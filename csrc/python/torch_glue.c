@@ -6,7 +6,7 @@
  *
  * Everything a heap answers (stats, snapshot, history, reports, caps, checks,
  * private pools) is a method of the gpumem.Heap that borrows the device's heap
- * from the process-wide heap registry (_C.registry_heap, shared_glue.c): torch,
+ * from the process-wide heap registry (_C.registry_heap, registry_glue.c): torch,
  * CuPy, Numba and a Heap of one's own answer through the same methods.
  *
  * Registered on gpumem._C by gm_torch_glue_add() (called from module.c), all
@@ -18,7 +18,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "common.h"
+#include "convert.h"
 #include "ext_pool.h"
 #include "heap_registry.h"
 #include "torch_alloc.h"

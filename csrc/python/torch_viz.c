@@ -12,7 +12,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "common.h"
+#include "convert.h"
 #include "history_glue.h"
 #include "oom_glue.h"
 #include "torch_alloc.h"

@@ -1,7 +1,7 @@
 /*
  * heap_registry.h -- the process-wide heap registry: one heap per device
  * ordinal, shared by every framework in the process.  torch's allocations
- * (torch_alloc.cpp), CuPy's and Numba's (shared_glue.c) and the Heap objects
+ * (torch_alloc.cpp), CuPy's and Numba's (registry_glue.c) and the Heap objects
  * that borrow a device's heap (module.c, _C.registry_heap) all reach the same
  * heap through here.
  *

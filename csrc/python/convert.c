@@ -1,7 +1,7 @@
 /*
- * common.c -- what the Python glue files and torch_alloc.cpp share (common.h).
+ * convert.c -- the core's values as Python objects, what the glue files and torch_alloc.cpp share (convert.h).
  */
-#include "common.h"
+#include "convert.h"
 
 #include <inttypes.h>
 #include <stdio.h>

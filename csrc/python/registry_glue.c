@@ -1,5 +1,5 @@
 /*
- * shared_glue.c -- the process-wide heap registry (heap_registry.h) from
+ * registry_glue.c -- the process-wide heap registry (heap_registry.h) from
  * Python: the heaps torch's, CuPy's and Numba's allocations share, so that one
  * process has one heap per GPU, one cap, one empty_cache and one snapshot
  * whichever library asked.
@@ -26,12 +26,12 @@
 
 #include <stdint.h>
 
-#include "common.h"
+#include "convert.h"
 #include "config_glue.h"
 #include "heap_registry.h"
 #include "history_glue.h"
 
-int gm_shared_glue_add(PyObject *module);
+int gm_registry_glue_add(PyObject *module);
 
 /* The heap of `device`, created now if need be; NULL with a RuntimeError set:
  * the registry's reason. */
@@ -200,4 +200,4 @@ static PyMethodDef shared_methods[] = {
     {.ml_name = NULL},
 };
 
-int gm_shared_glue_add(PyObject *module) { return PyModule_AddFunctions(module, shared_methods); }
+int gm_registry_glue_add(PyObject *module) { return PyModule_AddFunctions(module, shared_methods); }

@@ -1,13 +1,13 @@
 /*
- * common.h -- pieces the Python glue files share: dict building, the
+ * convert.h -- the core's values as Python objects, shared by the glue files: dict building, the
  * torch-style stats dict, the out-of-memory report as a dict, history and
  * snapshot blocks as lists (the out-of-memory text is oom_glue.h's).
  *
- * Plain C (common.c); C++ callers (torch_alloc.cpp) get the declarations with
+ * Plain C (convert.c); C++ callers (torch_alloc.cpp) get the declarations with
  * C linkage through the extern "C" block below.
  */
-#ifndef GPUMEM_PY_COMMON_H
-#define GPUMEM_PY_COMMON_H
+#ifndef GPUMEM_PY_CONVERT_H
+#define GPUMEM_PY_CONVERT_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
