@@ -48,6 +48,21 @@ GiB = 1 << 30
 PAGE = 2 * MiB
 
 
+# What only the tests call (_torch_test_alloc, _test_hold_boundary_lock, _torch_viz_hooks) is
+# compiled into gpumem._C only when it is built with GPUMEM_TEST_HOOKS=1 (CI and the README's
+# test command do); a plain `pip install .` leaves it out, and the tests that need it skip.
+def _built_with_test_hooks():
+    from gpumem import _C
+
+    return bool(getattr(_C, "TEST_HOOKS", False))
+
+
+TEST_HOOKS = _built_with_test_hooks()
+needs_test_hooks = pytest.mark.skipif(
+    not TEST_HOOKS, reason="gpumem._C was built without its test hooks (build it with GPUMEM_TEST_HOOKS=1)"
+)
+
+
 # The traces and the snapshot shipped in gpumem/data.  Tests take them from the
 # gpumem under test (a source checkout or an installed wheel); a missing one is a
 # failure (gpumem.data.UnknownDataError), never a skip.

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from conftest import TORCH_BOUNDARY
+from conftest import TORCH_BOUNDARY, needs_test_hooks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -210,6 +210,7 @@ BOUNDARY = (
 )
 
 
+@needs_test_hooks
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 @pytest.mark.parametrize("lock", ["slot", "options", "pools"])
 def test_fork_while_another_thread_holds_a_torch_boundary_lock(tmp_path, lock):

@@ -11,6 +11,7 @@ process ends.
 
 import pytest
 
+from conftest import needs_test_hooks
 from test_torch_pools import run_py  # a fresh interpreter, a sim device behind device 0, torch's entry points
 
 import gpumem
@@ -72,6 +73,7 @@ def test_deleting_a_borrowed_heap_leaves_torchs_heap_working():
     assert r["end"] == 0 and r["devices"] == [0]
 
 
+@needs_test_hooks
 def test_borrowed_heap_methods_act_on_the_registry():
     r = run_py("""
         h = _C.registry_heap(0)

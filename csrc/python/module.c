@@ -904,6 +904,7 @@ int gm_torch_glue_add(PyObject *module);    /* torch_glue.c */
 int gm_torch_viz_add(PyObject *module);     /* torch_viz.c */
 int gm_registry_glue_add(PyObject *module); /* registry_glue.c */
 int gm_native_glue_add(PyObject *module);   /* native_glue.c */
+int gm_test_hooks_add(PyObject *module);    /* test_hooks.c */
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, .m_name = "gpumem._C",       .m_doc = "gpumem's C core: the Heap type and its exceptions.",
@@ -976,6 +977,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     if (gm_registry_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (registry_glue.c) */
         goto fail;
     if (gm_native_glue_add(m) < 0) /* the model of torch's native allocator (native_glue.c) */
+        goto fail;
+    if (gm_test_hooks_add(m) < 0) /* TEST_HOOKS, and the hooks when built with them (test_hooks.c) */
         goto fail;
     return m;
 fail:

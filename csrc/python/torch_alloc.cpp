@@ -767,7 +767,9 @@ extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap)
 
 extern "C" int gm_torch_cxx11_abi(void) { return _GLIBCXX_USE_CXX11_ABI; }
 
-/* ---- test hook ------------------------------------------------------------------ */
+/* ---- test hooks (built with GPUMEM_TEST_HOOKS=1 only) --------------------------- */
+
+#ifdef GM_TEST_HOOKS
 
 extern "C" int gm_torch_test_hold_lock(int which, int device, double seconds) {
     if (!gm_heap_registry_valid(device) || !(seconds >= 0 && seconds <= 60)) return GM_EINVAL;
@@ -817,3 +819,5 @@ extern "C" int gm_torch_test_alloc(size_t size, int device, void *stream, uintpt
         return 2;
     }
 }
+
+#endif /* GM_TEST_HOOKS */

@@ -136,7 +136,8 @@ size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap);
  * std::function hooks are only set when torch was built with the same. */
 int gm_torch_cxx11_abi(void);
 
-/* Test hook (tests/test_fork.py): a new thread takes one of the boundary's
+/* Test hooks (test_hooks.c; built with GM_TEST_HOOKS only).
+ * tests/test_fork.py: a new thread takes one of the boundary's
  * locks -- device's slot lock, the options lock, or device's pool lock -- and
  * holds it for `seconds`; returns once that thread holds it.  GM_EINVAL for a
  * bad argument. */

@@ -227,50 +227,6 @@ static PyObject *g_set_oom_observer(PyObject *Py_UNUSED(m), PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-/* Test hook: torch's allocation entry point, its exceptions raised here as
- * torch would raise them. */
-static PyObject *g_test_alloc(PyObject *Py_UNUSED(m), PyObject *args) {
-    unsigned long long size, stream = 0;
-    PyObject *dev;
-    int device;
-    if (!PyArg_ParseTuple(args, "KO|K", &size, &dev, &stream) || gm_py_device_index(dev, &device) < 0) return NULL;
-    uintptr_t p = 0;
-    void *exc[3] = {NULL, NULL, NULL};
-    char msg[GM_TORCH_OOM_MSG_MAX] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc =
-        gm_torch_test_alloc((size_t)size, device, (void *)(uintptr_t)stream, &p, exc, msg, sizeof msg);
-    Py_END_ALLOW_THREADS if (rc == 1) {
-        PyErr_Restore((PyObject *)exc[0], (PyObject *)exc[1], (PyObject *)exc[2]);
-        return NULL;
-    }
-    if (rc == 2) return PyErr_Format(PyExc_RuntimeError, "%s", msg);
-    return PyLong_FromUnsignedLongLong((unsigned long long)p);
-}
-
-/* Test hook: see gm_torch_test_hold_lock (torch_alloc.h). */
-static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
-    const char *which_s;
-    PyObject *dev;
-    double seconds;
-    int device, which;
-    if (!PyArg_ParseTuple(args, "sOd", &which_s, &dev, &seconds) || gm_py_device_index(dev, &device) < 0) return NULL;
-    if (!strcmp(which_s, "slot"))
-        which = GM_TORCH_TEST_LOCK_SLOT;
-    else if (!strcmp(which_s, "options"))
-        which = GM_TORCH_TEST_LOCK_OPTIONS;
-    else if (!strcmp(which_s, "pools"))
-        which = GM_TORCH_TEST_LOCK_POOLS;
-    else
-        return PyErr_Format(PyExc_ValueError, "lock must be 'slot', 'options' or 'pools', not %R",
-                            PyTuple_GET_ITEM(args, 0));
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = gm_torch_test_hold_lock(which, device, seconds);
-    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_ValueError, "cannot hold the lock: %s",
-                                                              gm_strerror(rc));
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef glue_methods[] = {
     GM_PY_FN("_torch_set_oom", g_set_oom, METH_VARARGS | METH_KEYWORDS,
              "_torch_set_oom(mode=None, oom_class=<unchanged>) -> mode: how torch's out-of-memory failures are raised "
@@ -299,13 +255,6 @@ static PyMethodDef glue_methods[] = {
              "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
     GM_PY_FN("_torch_set_oom_observer", g_set_oom_observer, METH_O,
              "_torch_set_oom_observer(fn or None): fn(device, requested, allowed, device_free) runs before each OOM"),
-    GM_PY_FN("_torch_test_alloc", g_test_alloc, METH_VARARGS,
-             "_torch_test_alloc(size, device, stream=0) -> address: torch's allocation entry point, raising as torch "
-             "would (tests)"),
-    GM_PY_FN("_test_hold_boundary_lock", g_test_hold_lock, METH_VARARGS,
-             "_test_hold_boundary_lock(lock, device, seconds): test hook; a new native thread takes a lock of the heap "
-             "registry ('slot' of device, or 'options') or of the torch boundary ('pools' of device) and holds it for "
-             "seconds; returns once held"),
     {.ml_name = NULL},
 };
 

@@ -21,11 +21,6 @@ int gm_torch_viz_add(PyObject *module);
 
 /* ---- Python-facing ------------------------------------------------------------------ */
 
-static PyObject *v_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
-    return Py_BuildValue("{s:N,s:N}", "context", gm_py_fn_address((void (*)(void))gm_py_capture_context_reacquire),
-                         "oom_formatter", gm_py_fn_address((void (*)(void))gm_py_torch_oom_formatter));
-}
-
 /* _torch_explain_oom(on): torch's out-of-memory message explained, or its first sentences alone. */
 static PyObject *v_explain_oom(PyObject *Py_UNUSED(m), PyObject *a) {
     int on = PyObject_IsTrue(a);
@@ -51,10 +46,6 @@ static PyObject *v_set_event_stacks(PyObject *Py_UNUSED(m), PyObject *a) {
 }
 
 static PyMethodDef viz_methods[] = {
-    {.ml_name = "_torch_viz_hooks",
-     .ml_meth = v_hooks,
-     .ml_flags = METH_NOARGS,
-     .ml_doc = "_torch_viz_hooks() -> {'context': address, 'oom_formatter': address} for gpumem.torch's setters"},
     {.ml_name = "_torch_explain_oom",
      .ml_meth = v_explain_oom,
      .ml_flags = METH_O,

@@ -90,9 +90,9 @@ void gm_heap_registry_empty_cache(void);
  * calls made outside the heap.  GM_EINVAL without a heap there. */
 int gm_heap_registry_processes(int device, gm_proc_usage *out, size_t cap, size_t *n);
 
-/* Test hook (tests/test_fork.py): take (take != 0) or release one of the
- * registry's locks, `which` below (device: whose slot).  GM_EINVAL for a bad
- * argument. */
+/* Test hook (tests/test_fork.py; built with GM_TEST_HOOKS only): take (take != 0)
+ * or release one of the registry's locks, `which` below (device: whose slot).
+ * GM_EINVAL for a bad argument. */
 enum {
     GM_HEAP_REGISTRY_LOCK_SLOT = 0,
     GM_HEAP_REGISTRY_LOCK_OPTIONS = 1
