@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
+from . import _C
+
 __all__ = ["HeapLike", "MAX_HISTORY", "register_torch_hooks", "torch_hook"]
 
 # The history ring is allocated up front (48 B an entry), so it is bounded; torch's
-# _record_memory_history defaults max_entries to sys.maxsize.
-MAX_HISTORY = 1 << 20
+# _record_memory_history defaults max_entries to sys.maxsize.  gpumem._C holds the bound
+# (csrc/python/config_glue.c), which install()'s history option is checked against.
+MAX_HISTORY = _C.MAX_HISTORY
 
 
 @runtime_checkable

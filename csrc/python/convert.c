@@ -24,9 +24,11 @@ int gm_py_put_u64(PyObject *d, const char *key, uint64_t v) {
 
 int gm_py_put_i64(PyObject *d, const char *key, int64_t v) { return gm_py_put(d, key, PyLong_FromLongLong(v)); }
 
+/* torch's statistics are "{name}.{pool}.{field}": these pools and fields (STAT_POOLS, STAT_FIELDS). */
+static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
+static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
+
 PyObject *gm_py_stats_dict(const gm_stats *s) {
-    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
-    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
     const struct {
         const char *name;
         const gm_stat *arr;
@@ -304,7 +306,9 @@ int gm_py_add_name_lists(PyObject *m) {
     static const char *const counters[] = {GM_EACH_COUNTER(STR_ITEM) GM_EACH_SETTING(STR_ITEM)};
 #undef STR_ITEM
     if (gm_py_add_str_tuple(m, "POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]) < 0 ||
-        gm_py_add_str_tuple(m, "COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]) < 0)
+        gm_py_add_str_tuple(m, "COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]) < 0 ||
+        gm_py_add_str_tuple(m, "STAT_POOLS", pools, GM_POOL__COUNT) < 0 ||
+        gm_py_add_str_tuple(m, "STAT_FIELDS", fields, sizeof fields / sizeof fields[0]) < 0)
         return -1;
     return 0;
 }

@@ -36,7 +36,8 @@ PyObject *gm_py_stats_dict(const gm_stats *s);
 /* "GM_ENOMEM" for GM_ENOMEM, from the one list (GM_EACH_ERROR). */
 const char *gm_py_code_name(int code);
 /* Export the name lists to Python: ERROR_NAMES {code: name}, POOLED_STAT_NAMES
- * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists). */
+ * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists), STAT_POOLS and
+ * STAT_FIELDS (the pools and fields of torch's "{name}.{pool}.{field}"). */
 int gm_py_add_name_lists(PyObject *m);
 /* Add m.attr = a tuple of the n strings in names.  0, or -1 with an exception set. */
 int gm_py_add_str_tuple(PyObject *m, const char *attr, const char *const *names, size_t n);
