@@ -9,7 +9,7 @@ What torch expects of an allocator here is written down in docs/torch.md
   endAllocateToPool at its end and releasePool when the graph is reset or
   deleted.  gpumem._C implements those three as plain functions with the C++
   signatures of the std::function hooks of CUDAPluggableAllocator
-  (csrc/python/torch_alloc.cpp); set_pool_hooks() hands them to torch.
+  (csrc/python/torch_pools.cpp); set_pool_hooks() hands them to torch.
 - torch.cuda.MemPool's constructor needs a C++ virtual with no hook
   (createOrIncrefPool), so gpumem's MemPool takes its place: same API, and
   use_mem_pool() reaches gpumem through the same three hooks.
