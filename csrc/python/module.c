@@ -901,7 +901,6 @@ static PyMethodDef module_methods[] = {
 };
 
 int gm_torch_glue_add(PyObject *module);    /* torch_glue.c */
-int gm_torch_viz_add(PyObject *module);     /* torch_viz.c */
 int gm_registry_glue_add(PyObject *module); /* registry_glue.c */
 int gm_native_glue_add(PyObject *module);   /* native_glue.c */
 int gm_test_hooks_add(PyObject *module);    /* test_hooks.c */
@@ -971,8 +970,6 @@ PyMODINIT_FUNC PyInit__C(void) {
         PyModule_AddIntConstant(m, "R_ALLOC", GM_R_ALLOC) < 0 || PyModule_AddIntConstant(m, "R_FREE", GM_R_FREE) < 0)
         goto fail;
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */
-        goto fail;
-    if (gm_torch_viz_add(m) < 0) /* explain/stacks hooks for the torch path (torch_viz.c) */
         goto fail;
     if (gm_registry_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (registry_glue.c) */
         goto fail;

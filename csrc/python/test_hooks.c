@@ -69,7 +69,7 @@ static PyObject *t_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Test hook: the addresses of the two C hooks gpumem.torch sets (torch_viz.c), for
+/* Test hook: the addresses of the two C hooks gpumem.torch sets (torch_glue.c), for
  * tests that call them through ctypes. */
 static PyObject *t_viz_hooks(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return Py_BuildValue("{s:N,s:N}", "context", gm_py_fn_address((void (*)(void))gm_py_capture_context_reacquire),

@@ -1,6 +1,6 @@
 /*
  * torch_alloc.h -- gpumem as PyTorch's CUDA allocator: the exported entry
- * points (torch_alloc.cpp) and what the Python glue (torch_glue.c, torch_viz.c)
+ * points (torch_alloc.cpp) and what the Python glue (torch_glue.c)
  * sets and reads of them.  The heaps they serve are the process-wide heap
  * registry's (heap_registry.h): created on the first allocation torch makes on
  * a device, they live until the process ends.

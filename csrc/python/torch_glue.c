@@ -2,7 +2,10 @@
  * torch_glue.c -- what gpumem.torch (gpumem/torch/) needs from C that is
  * torch's alone: how an out-of-memory failure is raised, the addresses of the
  * entry points and hooks it hands to torch, torch's counters and the pools
- * its allocations are routed to now.
+ * its allocations are routed to now, and the visibility layer's switches on
+ * the torch path: torch's OutOfMemoryError explained by gpumem.explain
+ * (gm_py_torch_oom_formatter, oom_glue.c) and allocations, frees and
+ * empty_cache taking their caller's Python stack (history_glue.c).
  *
  * Everything a heap answers (stats, snapshot, history, reports, caps, checks,
  * private pools) is a method of the gpumem.Heap that borrows the device's heap
@@ -21,6 +24,8 @@
 #include "convert.h"
 #include "ext_pool.h"
 #include "heap_registry.h"
+#include "history_glue.h"
+#include "oom_glue.h"
 #include "torch_alloc.h"
 
 int gm_torch_glue_add(PyObject *module);
@@ -227,6 +232,28 @@ static PyObject *g_set_oom_observer(PyObject *Py_UNUSED(m), PyObject *fn) {
     Py_RETURN_NONE;
 }
 
+/* ---- the visibility layer's switches ------------------------------------------------ */
+
+static void set_explain_oom(int on) { gpumem_torch_set_oom_formatter(on ? gm_py_torch_oom_formatter : NULL); }
+
+static void set_stack_hook(int on) { gpumem_torch_set_context_hook(on ? gm_py_capture_context_reacquire : NULL); }
+
+/* Turn a switch on or off: a's truth value to set(). */
+static PyObject *switch_to(PyObject *a, void (*set)(int)) {
+    int on = PyObject_IsTrue(a);
+    if (on < 0) return NULL;
+    set(on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *g_explain_oom(PyObject *Py_UNUSED(m), PyObject *a) { return switch_to(a, set_explain_oom); }
+
+static PyObject *g_stack_hook(PyObject *Py_UNUSED(m), PyObject *a) { return switch_to(a, set_stack_hook); }
+
+static PyObject *g_set_event_stacks(PyObject *Py_UNUSED(m), PyObject *a) {
+    return switch_to(a, gpumem_torch_set_event_stacks);
+}
+
 static PyMethodDef glue_methods[] = {
     GM_PY_FN("_torch_set_oom", g_set_oom, METH_VARARGS | METH_KEYWORDS,
              "_torch_set_oom(mode=None, oom_class=<unchanged>) -> mode: how torch's out-of-memory failures are raised "
@@ -255,6 +282,12 @@ static PyMethodDef glue_methods[] = {
              "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
     GM_PY_FN("_torch_set_oom_observer", g_set_oom_observer, METH_O,
              "_torch_set_oom_observer(fn or None): fn(device, requested, allowed, device_free) runs before each OOM"),
+    GM_PY_FN("_torch_explain_oom", g_explain_oom, METH_O,
+             "_torch_explain_oom(on): torch's OutOfMemoryError explained by gpumem.explain, or its first sentences"),
+    GM_PY_FN("_torch_stack_hook", g_stack_hook, METH_O,
+             "_torch_stack_hook(on): each allocation torch makes records its caller's Python stack, or none"),
+    GM_PY_FN("_torch_set_event_stacks", g_set_event_stacks, METH_O,
+             "_torch_set_event_stacks(on): torch's frees and empty_cache record their caller's stack (context='all')"),
     {.ml_name = NULL},
 };
 

@@ -4,7 +4,7 @@ gpumem.torch's install calls these; they connect it to snapshot / history /
 explain (the layers below, which never import this one: history reaches
 set_stack_hook through the hook install registers in gpumem._heap):
 
-  on_install()            sets torch's OOM hook (csrc/python/torch_viz.c), which words
+  on_install()            sets torch's OOM hook (csrc/python/torch_glue.c), which words
                           torch.OutOfMemoryError with the one formatter gpumem.explain
                           registers for every OOM (GPUMEM_EXPLAIN_OOM=0: the one line
                           alone), and the stack hook when stacks are already being recorded
