@@ -32,6 +32,8 @@
  */
 #include "fuzz.h"
 
+#include "args.h"
+
 /* ---- single-threaded run ----------------------------------------------------- */
 
 static void open_world(world *w, size_t capacity, size_t chunk_pages) {
@@ -331,13 +333,8 @@ int main(int argc, char **argv) {
                    "[--page-size BYTES|NM] [--quiet] [ops=1000000] [seed=1]\n",
                    argv[0]);
             return 0;
-        } else if (argv[i][0] != '-' && npos == 0) {
-            ops = parse_u64(argv[i], "op count");
-            npos++;
-        } else if (argv[i][0] != '-' && npos == 1) {
-            seed = parse_u64(argv[i], "seed");
-            npos++;
-        } else {
+        } else if (!take_ops_or_seed(argv[i], &npos, &ops, &seed, parse_u64,
+                                     (const char *const[]){"op count", "seed"})) {
             fprintf(stderr, "fuzz: unknown argument '%s' (try --help)\n", argv[i]);
             return 2;
         }
