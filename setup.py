@@ -34,7 +34,9 @@ CXX_ABI = os.environ.get("GPUMEM_CXX11_ABI", "1")
 CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={CXX_ABI}"] + WARN
 # GPUMEM_TEST_HOOKS=1 (set by CI and the README's test command) compiles in what only the
 # tests call (csrc/python/test_hooks.c: _torch_test_alloc, _test_hold_boundary_lock, ...);
-# a plain `pip install .` leaves them out, and the tests that need them skip.
+# a plain `pip install .` leaves them out, and the tests that need them skip.  setuptools
+# does not rebuild for a changed macro: switching it on an existing in-place build needs
+# `build_ext --inplace --force`.
 TEST_HOOKS = [("GM_TEST_HOOKS", "1")] if os.environ.get("GPUMEM_TEST_HOOKS") == "1" else []
 
 
