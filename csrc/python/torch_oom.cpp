@@ -3,6 +3,8 @@
  * or RuntimeError), its message (oom_glue.c makes it), the observers called before it, and
  * the settings that say how.
  */
+#include <Python.h>
+
 #include <stdexcept>
 
 #include "heap_registry.h"

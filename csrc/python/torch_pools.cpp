@@ -3,6 +3,8 @@
  * to, begin, end and release, the hooks torch calls for them, and the boundary's locks across
  * fork().  torch_alloc.cpp's opening comment says why the locks are taken as they are.
  */
+#include <Python.h>
+
 #include <algorithm>
 #include <chrono>
 #include <memory>

@@ -2,6 +2,8 @@
  * torch_profiler.cpp -- torch's profiler (torch.profiler.profile(profile_memory=True)) told of
  * every allocation and free, as torch's allocator tells it.
  */
+#include <Python.h>
+
 #include <dlfcn.h>
 
 #include "torch_boundary.h"

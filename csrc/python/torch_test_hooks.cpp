@@ -2,6 +2,8 @@
  * torch_test_hooks.cpp -- what only the tests call of the torch boundary (test_hooks.c hands it to
  * Python), compiled only with GM_TEST_HOOKS (setup.py's GPUMEM_TEST_HOOKS=1).
  */
+#include <Python.h>
+
 #include <chrono>
 #include <cstdio>
 #include <future>
