@@ -1,7 +1,8 @@
 """Builds gpumem._C: the C11 core, both devices, and the extension module.
 
 C sources get -std=c11, C++ sources (the torch boundary) get -std=c++17.
-GPUMEM_WERROR=1 (set by CI) turns warnings into errors.
+GPUMEM_WERROR=1 (set by CI) turns warnings into errors; GPUMEM_TEST_HOOKS=1 (set by
+CI) compiles in the hooks only the tests call.
 csrc/torch_ext/*.cpp are not compiled here (they need torch's headers):
 they ship inside the package, and gpumem.torch builds each on first use.
 """
@@ -31,6 +32,12 @@ C_FLAGS = [
 # checks torch._C._GLIBCXX_USE_CXX11_ABI against gpumem._C._torch_cxx11_abi()).
 CXX_ABI = os.environ.get("GPUMEM_CXX11_ABI", "1")
 CXX_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={CXX_ABI}"] + WARN
+# GPUMEM_TEST_HOOKS=1 (set by CI and the README's test command) compiles in what only the
+# tests call (csrc/python/test_hooks.c: _torch_test_alloc, _test_hold_boundary_lock, ...);
+# a plain `pip install .` leaves them out, and the tests that need them skip.  setuptools
+# does not rebuild for a changed macro: switching it on an existing in-place build needs
+# `build_ext --inplace --force`.
+TEST_HOOKS = [("GM_TEST_HOOKS", "1")] if os.environ.get("GPUMEM_TEST_HOOKS") == "1" else []
 
 
 class BuildExt(build_ext):
@@ -61,7 +68,7 @@ class BuildPy(build_py):
 
 def sources():
     found = []
-    for part in ("core", "device", "model", "python"):
+    for part in ("core", "device", "model", "runtime", "python"):
         found += sorted(glob.glob(f"csrc/{part}/*.c")) + sorted(glob.glob(f"csrc/{part}/*.cpp"))
     return found
 
@@ -71,9 +78,10 @@ setup(
         Extension(
             "gpumem._C",
             sources=sources(),
-            include_dirs=["csrc/include", "csrc/core"],
+            include_dirs=["csrc/include", "csrc/core", "csrc/runtime"],
             extra_link_args=["-pthread"],
             libraries=["dl"],
+            define_macros=TEST_HOOKS,
         )
     ],
     cmdclass={"build_ext": BuildExt, "build_py": BuildPy},

@@ -3,7 +3,7 @@ Numba's allocations go (gpumem.cupy, gpumem.numba), and how a block says which
 framework made it.
 
 By default allocations go to the per-device heaps that gpumem serves torch with
-(the process-wide heap registry, csrc/python/heap_registry.h, reached through
+(the process-wide heap registry, csrc/runtime/heap_registry.h, reached through
 gpumem._C's _shared_malloc and the Heap that _C.registry_heap borrows), so torch tensors, CuPy arrays and Numba device
 arrays share one heap, one cap and one empty_cache.  A gpumem.Heap may be given
 instead (a simulated one in tests).

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
+from . import _C
+
 __all__ = ["HeapLike", "MAX_HISTORY", "register_torch_hooks", "torch_hook"]
 
 # The history ring is allocated up front (48 B an entry), so it is bounded; torch's
-# _record_memory_history defaults max_entries to sys.maxsize.
-MAX_HISTORY = 1 << 20
+# _record_memory_history defaults max_entries to sys.maxsize.  gpumem._C holds the bound
+# (csrc/python/config_glue.c), which install()'s history option is checked against.
+MAX_HISTORY = _C.MAX_HISTORY
 
 
 @runtime_checkable
@@ -25,7 +28,7 @@ class HeapLike(Protocol):
     """What snapshot, history and explain read from a heap: gpumem.Heap provides
     it, whether it owns its heap (any device) or borrows the heap registry's one
     that torch's allocations go to (gpumem._C.registry_heap).  Dicts are those
-    of gpumem._C (csrc/python/common.c)."""
+    of gpumem._C (csrc/python/convert.c)."""
 
     device_kind: str  # "sim" or "cuda"
     closed: bool

@@ -389,3 +389,20 @@ def live_by_event(events):
 def recount_peak(events):
     """Peak of live bytes of (action, addr, size, stream) tuples."""
     return max(live_by_event(events))
+
+
+# What only the tests call (_torch_test_alloc, _test_hold_boundary_lock, _torch_viz_hooks) is
+# compiled into gpumem._C only when it is built with GPUMEM_TEST_HOOKS=1 (CI and the README's
+# test command do); a plain `pip install .` leaves it out, and the tests that need it skip.
+def _built_with_test_hooks():
+    try:
+        from gpumem import _C
+    except ImportError:  # not built: the tests that import it say so themselves
+        return False
+    return bool(getattr(_C, "TEST_HOOKS", False))
+
+
+TEST_HOOKS = _built_with_test_hooks()
+needs_test_hooks = pytest.mark.skipif(
+    not TEST_HOOKS, reason="gpumem._C was built without its test hooks (build it with GPUMEM_TEST_HOOKS=1)"
+)

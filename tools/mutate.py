@@ -229,7 +229,7 @@ MUTATIONS = [
         "torch: the heaps torch's allocations get ignore the page_size option",
         "    args.page_size = o.page_size;",
         "    args.page_size = 0;",
-        path="csrc/python/heap_registry.c",
+        path="csrc/runtime/heap_registry.c",
     ),
 ]
 
@@ -281,7 +281,9 @@ def evaluate(m: Mutation | None, tests, python, timeout, keep=False) -> dict:
         copy_tree(tree)
         if m:
             apply(tree, m)
-        env = dict(os.environ, CI="1", PYTHONDONTWRITEBYTECODE="1", GPUMEM_HYPOTHESIS_PROFILE="mutate")
+        env = dict(
+            os.environ, CI="1", PYTHONDONTWRITEBYTECODE="1", GPUMEM_HYPOTHESIS_PROFILE="mutate", GPUMEM_TEST_HOOKS="1"
+        )
         env.setdefault("GPUMEM_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
         rc, out, _ = run([python, "setup.py", "-q", "build_ext", "--inplace"], tree, env, 600)
         if rc != 0:

@@ -484,27 +484,22 @@ static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     return GM_OK;
 }
 
-static int cuda_event_query(gm_device *dev, gm_event ev) {
+/* Whether the work an event (is_event) or a stream stands for is done: GM_OK,
+ * GM_ENOTREADY, or the driver's error. */
+static int cuda_query(gm_device *dev, int is_event, uintptr_t handle) {
     cuda_device *c = (cuda_device *)dev;
     int pushed, rc = enter(c, &pushed);
     if (rc != GM_OK) return rc;
-    CUresult r = cu.EventQuery((CUevent)(uintptr_t)ev);
+    CUresult r = is_event ? cu.EventQuery((CUevent)handle) : cu.StreamQuery((CUstream)handle);
     leave(pushed);
     if (r == CUDA_SUCCESS) return GM_OK;
     if (r == CUDA_ERROR_NOT_READY) return GM_ENOTREADY;
-    return cu_fail(c, "cuEventQuery", r);
+    return cu_fail(c, is_event ? "cuEventQuery" : "cuStreamQuery", r);
 }
 
-static int cuda_stream_query(gm_device *dev, gm_stream stream) {
-    cuda_device *c = (cuda_device *)dev;
-    int pushed, rc = enter(c, &pushed);
-    if (rc != GM_OK) return rc;
-    CUresult r = cu.StreamQuery((CUstream)(uintptr_t)stream);
-    leave(pushed);
-    if (r == CUDA_SUCCESS) return GM_OK;
-    if (r == CUDA_ERROR_NOT_READY) return GM_ENOTREADY;
-    return cu_fail(c, "cuStreamQuery", r);
-}
+static int cuda_event_query(gm_device *dev, gm_event ev) { return cuda_query(dev, 1, (uintptr_t)ev); }
+
+static int cuda_stream_query(gm_device *dev, gm_stream stream) { return cuda_query(dev, 0, (uintptr_t)stream); }
 
 /* Pinned (page-locked) host memory, so that copies run at full bus speed. */
 static int cuda_host_alloc(gm_device *dev, size_t size, void **out) {

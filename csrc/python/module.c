@@ -5,7 +5,7 @@
  * the module and one type, Heap, that wraps one gm_heap: one it owns (with its
  * device), or one it borrows from the process-wide heap registry
  * (heap_registry.c; the heaps torch, CuPy and Numba allocate from, reached
- * from Python through shared_glue.c).  Heap's private-pool, replay and sim_*
+ * from Python through registry_glue.c).  Heap's private-pool, replay and sim_*
  * methods live in pool_glue.c, replay_glue.c and sim_glue.c (heap_object.h is
  * what they share), torch's entry points in torch_alloc.cpp with torch_glue.c,
  * history and stacks in history_glue.c, the out-of-memory message in
@@ -36,7 +36,7 @@
 #include "gpumem/gpumem.h"
 #include "gpumem/registry.h"
 #include "gpumem/sim.h"
-#include "common.h"
+#include "convert.h"
 #include "heap_registry.h"
 #include "config_glue.h"
 #include "history_glue.h"
@@ -900,10 +900,10 @@ static PyMethodDef module_methods[] = {
     {.ml_name = NULL},
 };
 
-int gm_torch_glue_add(PyObject *module);  /* torch_glue.c */
-int gm_torch_viz_add(PyObject *module);   /* torch_viz.c */
-int gm_shared_glue_add(PyObject *module); /* shared_glue.c */
-int gm_native_glue_add(PyObject *module); /* native_glue.c */
+int gm_torch_glue_add(PyObject *module);    /* torch_glue.c */
+int gm_registry_glue_add(PyObject *module); /* registry_glue.c */
+int gm_native_glue_add(PyObject *module);   /* native_glue.c */
+int gm_test_hooks_add(PyObject *module);    /* test_hooks.c */
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, .m_name = "gpumem._C",       .m_doc = "gpumem's C core: the Heap type and its exceptions.",
@@ -958,7 +958,7 @@ PyMODINIT_FUNC PyInit__C(void) {
         goto fail;
     }
     if (gm_history_glue_add(m) < 0 || gm_oom_glue_add(m) < 0 || gm_config_glue_add(m) < 0) goto fail;
-    /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (common.c); DEVICE_OPS (sim_glue.c) */
+    /* ERROR_NAMES, POOLED_STAT_NAMES, COUNTER_NAMES (convert.c); DEVICE_OPS (sim_glue.c) */
     if (gm_py_add_name_lists(m) < 0 || gm_py_add_device_ops(m) < 0) goto fail;
     if (PyModule_AddIntConstant(m, "CHUNK_PAGES_DEFAULT", GM_CHUNK_PAGES_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "CHUNK_PAGES_MAX", GM_CHUNK_PAGES_MAX) < 0 ||
@@ -971,11 +971,11 @@ PyMODINIT_FUNC PyInit__C(void) {
         goto fail;
     if (gm_torch_glue_add(m) < 0) /* _torch_* functions for gpumem.torch (torch_glue.c) */
         goto fail;
-    if (gm_torch_viz_add(m) < 0) /* explain/stacks hooks for the torch path (torch_viz.c) */
-        goto fail;
-    if (gm_shared_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (shared_glue.c) */
+    if (gm_registry_glue_add(m) < 0) /* CuPy and Numba on torch's heaps (registry_glue.c) */
         goto fail;
     if (gm_native_glue_add(m) < 0) /* the model of torch's native allocator (native_glue.c) */
+        goto fail;
+    if (gm_test_hooks_add(m) < 0) /* TEST_HOOKS, and the hooks when built with them (test_hooks.c) */
         goto fail;
     return m;
 fail:

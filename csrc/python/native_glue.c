@@ -11,7 +11,7 @@
 
 #include <string.h>
 
-#include "common.h"
+#include "convert.h"
 #include "gpumem/native_model.h"
 
 /* The model reads the events gpumem/trace.py packs for the core. */

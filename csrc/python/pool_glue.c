@@ -6,7 +6,7 @@
  */
 #include "heap_object.h"
 
-#include "common.h"
+#include "convert.h"
 
 PyObject *gm_py_no_such_pool(const gm_pool_id *id) {
     PyErr_Format(PyExc_ValueError, "no pool (%llu, %llu) lives on this heap (retain it first)",

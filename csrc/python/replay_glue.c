@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "common.h"
+#include "convert.h"
 
 /* The caller's events (a whole number of them), copied once and then
  * checked: every op known, every slot below n_slots.  *n: how many.  NULL

@@ -16,7 +16,7 @@
 #include "gpumem/cuda.h"
 #include "gpumem/sim.h"
 
-#include "common.h"
+#include "convert.h"
 
 static int op_from_name(PyObject *name, gm_dev_op *out) {
     if (!PyUnicode_Check(name)) {

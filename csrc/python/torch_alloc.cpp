@@ -1,5 +1,9 @@
 /*
- * torch_alloc.cpp -- the C++ boundary between PyTorch and gpumem's C core.
+ * torch_alloc.cpp -- the C++ boundary between PyTorch and gpumem's C core: the
+ * entry points torch calls.  Beside it (torch_boundary.h between them):
+ * torch_pools.cpp (private pools and the locks across fork()), torch_oom.cpp
+ * (raising torch's out-of-memory error), torch_profiler.cpp and, in a build
+ * with test hooks, torch_test_hooks.cpp.
  *
  * torch.cuda.memory.CUDAPluggableAllocator calls plain C functions by address:
  *   void *alloc(size_t size, int device, cudaStream_t stream)
@@ -52,343 +56,29 @@
  */
 #include <Python.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cinttypes>
-#include <cstdio>
 #include <cstdint>
-#include <cstring>
-#include <functional>
-#include <mutex>
-#include <chrono>
-#include <future>
-#include <memory>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <dlfcn.h>
-#include <pthread.h>
-#include <unistd.h>
 #include <utility>
-#include <vector>
 
-#include "common.h"
+#include "convert.h"
 #include "ext_pool.h"
 #include "heap_registry.h"
 #include "torch_alloc.h"
+#include "torch_boundary.h"
 
-/* ---- the exception torch re-raises as a Python exception ------------------- */
+using namespace gm_torch;
 
-/* Field order and types mirror torch's python_error: vtable (std::exception),
- * type, value, traceback, message.  torch's handler only calls restore() on it
- * (reads the three pointers) and what() (virtual, ours). */
-struct python_error : public std::exception {
-    PyObject *type = nullptr;
-    PyObject *value = nullptr;
-    PyObject *traceback = nullptr;
-    std::string message;
+std::atomic<uint64_t> gm_torch::c_ooms{0}, gm_torch::c_oom_retries{0}, gm_torch::c_free_errors{0},
+    gm_torch::c_empty_cache{0}, gm_torch::c_record_stream{0}, gm_torch::c_fraction{0};
 
-    python_error() = default;
-    python_error(const python_error &other)
-        : std::exception(other), type(other.type), value(other.value), traceback(other.traceback),
-          message(other.message) {
-        if (type || value || traceback) {
-            PyGILState_STATE st = PyGILState_Ensure();
-            Py_XINCREF(type);
-            Py_XINCREF(value);
-            Py_XINCREF(traceback);
-            PyGILState_Release(st);
-        }
-    }
-    python_error(python_error &&other) noexcept
-        : std::exception(other), type(other.type), value(other.value), traceback(other.traceback),
-          message(std::move(other.message)) {
-        other.type = other.value = other.traceback = nullptr;
-    }
-    python_error &operator=(const python_error &) = delete;
-    python_error &operator=(python_error &&) = delete;
-    ~python_error() override {
-        if ((type || value || traceback) && Py_IsInitialized()) {
-            PyGILState_STATE st = PyGILState_Ensure();
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(traceback);
-            PyGILState_Release(st);
-        }
-    }
-    const char *what() const noexcept override { return message.c_str(); }
-};
-
-/* The types torch's pool hooks are declared with (c10::cuda::MempoolId_t and
- * cudaStream_t), spelled without torch's or CUDA's headers. */
-struct CUstream_st;
-typedef CUstream_st *gm_cuda_stream_t;
-typedef std::pair<unsigned long long, unsigned long long> gm_torch_mempool_id;
-typedef std::function<bool(gm_cuda_stream_t)> gm_torch_filter;
-
-/* ---- torch's state of each device ------------------------------------------- */
+std::atomic<gm_torch_context_fn> gm_torch::g_context_fn{nullptr};
 
 namespace {
 
-/* A pool that allocations are being routed to (between begin and end). */
-struct active_pool {
-    gm_pool_id id;
-    gm_torch_filter filter;
-};
-
-struct active_list : std::vector<active_pool> {
-    using std::vector<active_pool>::vector;
-    active_list() = default;
-    active_list(const active_list &o) : std::vector<active_pool>(o) {}
-    /* route() calls running this list's filters now */
-    mutable std::atomic<long> routing{0};
-};
-
-/* torch's state of one device (its heap is the heap registry's). */
-struct slot {
-    /* Pools being allocated to, in the order begun.  pool_mu guards the
-     * pointer only: a list once published is never changed (begin and end
-     * publish a new one), so route() copies the pointer and runs the filters
-     * without the lock.  n_active lets the hot path skip the lock while no
-     * pool is active. */
-    std::mutex pool_mu;
-    std::shared_ptr<const active_list> active;
-    std::atomic<size_t> n_active{0};
-    /* Lists replaced while route() calls were running their filters.  torch
-     * runs filters under its allocator's lock, so once endAllocateToPool
-     * returns a pool's filter -- CUDAGraph's reads the graph object, which
-     * may be deleted next -- is not running: pool_end waits for these. */
-    std::vector<std::shared_ptr<const active_list>> retired;
-};
-
-slot g_slots[GM_HEAP_REGISTRY_MAX_DEVICES];
-std::atomic<int> g_oom_mode{GM_TORCH_OOM_TORCH};
 std::atomic<int> g_device_count{-1};
-std::atomic<gm_torch_context_fn> g_context_fn{nullptr};
-std::atomic<gm_torch_oom_formatter> g_formatter{nullptr};
-PyObject *g_oom_class = nullptr;    /* guarded by the GIL */
-PyObject *g_oom_observer = nullptr; /* guarded by the GIL */
-
-std::atomic<uint64_t> c_ooms{0}, c_oom_retries{0}, c_free_errors{0}, c_empty_cache{0}, c_record_stream{0},
-    c_fraction{0};
-
-/* fork(): every boundary lock, in the order of the comment at the top. */
-void fork_lock_all() {
-    for (slot &s : g_slots) s.pool_mu.lock();
-}
-
-void fork_unlock_all() {
-    for (slot &s : g_slots) s.pool_mu.unlock();
-}
-
-/* A forked child has only the forking thread: route() calls of the others
- * never finish there, and pool_end must not wait for them. */
-void fork_child_routes() {
-    for (slot &s : g_slots) {
-        if (s.active) s.active->routing.store(0);
-        for (const auto &l : s.retired) l->routing.store(0);
-    }
-}
-
-/* Handed to the core when the library is loaded: before any thread can have
- * called in, and whether Python imported it or torch and ctypes opened it. */
-struct fork_registration {
-    fork_registration() {
-        gm_fork_also(fork_lock_all, fork_unlock_all);
-        pthread_atfork(nullptr, nullptr, fork_child_routes);
-    }
-} g_fork_registration;
-
-[[noreturn]] void throw_oom(const std::string &msg) {
-    c_ooms.fetch_add(1, std::memory_order_relaxed);
-    if (g_oom_mode.load(std::memory_order_relaxed) == GM_TORCH_OOM_TORCH && Py_IsInitialized()) {
-        python_error e;
-        PyGILState_STATE st = PyGILState_Ensure();
-        if (PyObject *cls = g_oom_class) {
-            Py_INCREF(cls); /* the call may replace it */
-            PyObject *value = PyObject_CallFunction(cls, "s", msg.c_str());
-            Py_DECREF(cls);
-            if (value) {
-                e.type = (PyObject *)Py_TYPE(value);
-                Py_INCREF(e.type);
-                e.value = value;
-            } else {
-                PyErr_Clear();
-            }
-        }
-        PyGILState_Release(st);
-        if (e.type) {
-            e.message = msg;
-            throw e;
-        }
-    }
-    throw std::runtime_error(msg);
-}
-
-/* route() calls on this thread now: a filter that ends a pool cannot wait for itself. */
-thread_local int t_routing = 0;
-
-/* The pool an allocation on `stream` goes to: the most recently begun active
- * pool whose filter accepts the stream (torch's allocator picks the same way),
- * or false. */
-bool route(slot &s, gm_stream stream, gm_pool_id *out) {
-    if (s.n_active.load(std::memory_order_acquire) == 0) return false;
-    std::shared_ptr<const active_list> list;
-    {
-        std::lock_guard<std::mutex> g(s.pool_mu);
-        list = s.active;
-        if (list) list->routing.fetch_add(1, std::memory_order_relaxed);
-    }
-    if (!list) return false;
-    struct done {
-        const active_list &l;
-        ~done() {
-            t_routing--;
-            l.routing.fetch_sub(1, std::memory_order_release);
-        }
-    } guard{*list};
-    t_routing++;
-    for (auto a = list->rbegin(); a != list->rend(); ++a) {
-        if (a->filter((gm_cuda_stream_t)(uintptr_t)stream)) {
-            *out = a->id;
-            return true;
-        }
-    }
-    return false;
-}
-
-/* Under pool_mu: make `next` the list route() reads.  The list it replaces is
- * kept while route() calls run its filters; lists no call runs any more go to
- * `dropped`, to be freed after the lock (they may hold a filter's last reference). */
-void publish(slot &s, std::shared_ptr<const active_list> next,
-             std::vector<std::shared_ptr<const active_list>> *dropped) {
-    auto idle = [](const std::shared_ptr<const active_list> &l) {
-        return l->routing.load(std::memory_order_acquire) <= 0;
-    };
-    s.n_active.store(next->size(), std::memory_order_release);
-    std::shared_ptr<const active_list> old = std::move(s.active);
-    s.active = std::move(next);
-    auto it = std::stable_partition(s.retired.begin(), s.retired.end(), [&](const auto &l) { return !idle(l); });
-    dropped->insert(dropped->end(), std::make_move_iterator(it), std::make_move_iterator(s.retired.end()));
-    s.retired.erase(it, s.retired.end());
-    if (old) (idle(old) ? *dropped : s.retired).push_back(std::move(old));
-}
-
-/* Wait until no route() call runs these lists' filters.  A filter may be a
- * Python callable waiting for the GIL, which this thread may hold. */
-void wait_routes(const std::vector<std::shared_ptr<const active_list>> &lists) {
-    bool busy = false;
-    if (t_routing) return;
-    for (const auto &l : lists) busy = busy || l->routing.load(std::memory_order_acquire) > 0;
-    if (!busy) return;
-    PyThreadState *ts = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
-    for (const auto &l : lists)
-        while (l->routing.load(std::memory_order_acquire) > 0)
-            std::this_thread::sleep_for(std::chrono::microseconds(20));
-    if (ts) PyEval_RestoreThread(ts);
-}
-
-gm_heap *heap_or_throw(int device) {
-    if (!gm_heap_registry_valid(device))
-        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) + " is out of range");
-    gm_heap *h = gm_heap_registry_get(device);
-    if (!h) {
-        char why[512] = "";
-        if (!(h = gm_heap_registry_open(device, why, sizeof why))) throw std::runtime_error(why);
-    }
-    return h;
-}
-
-std::string pool_name(gm_pool_id id) { return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")"; }
-
-void pool_begin(int device, gm_pool_id id, gm_torch_filter filter) {
-    gm_heap *h = heap_or_throw(device);
-    int rc = gm_pool_retain(h, id);
-    if (rc != GM_OK)
-        throw std::runtime_error("gpumem: cannot begin allocating to pool " + pool_name(id) + " on GPU " +
-                                 std::to_string(device) + ": " + gm_strerror(rc));
-    slot &s = g_slots[device];
-    {
-        std::vector<std::shared_ptr<const active_list>> dropped; /* freed after the lock */
-        std::lock_guard<std::mutex> g(s.pool_mu);
-        auto next = s.active ? std::make_shared<active_list>(*s.active) : std::make_shared<active_list>();
-        next->push_back(active_pool{id, std::move(filter)});
-        publish(s, std::move(next), &dropped);
-    }
-    /* torch calls begin before cudaStreamBeginCapture (and for MemPool's
-     * calling-thread filter, with no capture at all), so the driver cannot say
-     * yet whether a capture follows: the heap is told one may, as torch's own
-     * allocator counts every active pool as a capture under way. */
-    gm_capture_begin(h);
-}
-
-bool pool_end(int device, gm_pool_id id) {
-    gm_heap *h = gm_heap_registry_get(device);
-    if (!h) return false;
-    slot &s = g_slots[device];
-    bool found = false;
-    std::vector<std::shared_ptr<const active_list>> dropped, in_flight; /* freed after the lock */
-    {
-        std::lock_guard<std::mutex> g(s.pool_mu);
-        if (s.active) {
-            auto it = std::find_if(s.active->begin(), s.active->end(), [&](const active_pool &a) {
-                return a.id.first == id.first && a.id.second == id.second;
-            });
-            if (it != s.active->end()) {
-                auto next = std::make_shared<active_list>(s.active->begin(), it);
-                next->insert(next->end(), it + 1, s.active->end());
-                publish(s, std::move(next), &dropped);
-                in_flight = s.retired;
-                found = true;
-            }
-        }
-    }
-    wait_routes(in_flight);
-    if (found) gm_capture_end(h);
-    return found;
-}
-
-int pool_release(int device, gm_pool_id id) {
-    gm_heap *h = gm_heap_registry_get(device);
-    return h ? gm_pool_release(h, id) : GM_EINVAL;
-}
-
-std::string oom_message(int device, gm_heap *h, size_t size, gm_oom_info *info) {
-    if (gm_last_oom(h, info) != GM_OK || info->request < size) gm_memory_report(h, size, info);
-    std::string buf(GM_TORCH_OOM_MSG_MAX, '\0');
-    size_t n = gm_torch_format_oom(device, info, &buf[0], buf.size());
-    buf.resize(n);
-    return buf;
-}
-
-/* torch's out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer),
- * which gpumem.torch keeps in Python: called once per failed allocation, after
- * the message is built and before the exception, with the GIL and no lock held,
- * and with torch's arguments -- the device, the bytes asked for, the most this
- * process may use (the cap, else the device's total) and the device's free
- * bytes.  An observer that raises replaces the OOM with its own exception, as
- * under torch's allocator. */
-void observe_oom(int device, size_t size, const gm_oom_info &info) {
-    if (!Py_IsInitialized()) return;
-    python_error e;
-    PyGILState_STATE st = PyGILState_Ensure();
-    if (PyObject *fn = g_oom_observer) {
-        Py_INCREF(fn);
-        unsigned long long allowed = info.cap_bytes ? info.cap_bytes : info.device_total;
-        PyObject *r = PyObject_CallFunction(fn, "iKKK", device, (unsigned long long)size, allowed,
-                                            (unsigned long long)info.device_free);
-        Py_DECREF(fn);
-        if (r)
-            Py_DECREF(r);
-        else
-            PyErr_Fetch(&e.type, &e.value, &e.traceback);
-    }
-    PyGILState_Release(st);
-    if (e.type) {
-        e.message = "gpumem: an out-of-memory observer raised";
-        throw e;
-    }
-}
 
 /* torch refuses any request of 1 EiB or more before its allocator looks at it. */
 constexpr size_t kOneExaByte = (size_t)1 << 60;
@@ -401,97 +91,28 @@ constexpr size_t kOneExaByte = (size_t)1 << 60;
 std::atomic<bool> g_event_stacks{false};
 
 /* The caller's stack for the events a free or an empty_cache records, or 0. */
-uint64_t caller_context() {
+} // namespace
+
+uint64_t gm_torch::caller_context() {
     if (!g_event_stacks.load(std::memory_order_relaxed)) return 0;
     gm_torch_context_fn fn = g_context_fn.load(std::memory_order_relaxed);
     return fn ? fn() : 0;
 }
 
-/* The events the core records in this scope carry `context` (none given: their
- * blocks' own); the one set before comes back at the end, exceptions included. */
-struct event_context_scope {
-    uint64_t previous;
-    explicit event_context_scope(uint64_t context) : previous(gm_history_event_context(context)) {}
-    ~event_context_scope() { gm_history_event_context(previous); }
-    event_context_scope(const event_context_scope &) = delete;
-    event_context_scope &operator=(const event_context_scope &) = delete;
-};
-
-/* ---- torch's profiler (torch.profiler.profile(profile_memory=True)) ---------------
- *
- * torch's allocator tells the profiler of every allocation and free through
- * c10::reportMemoryUsageToProfiler.  gpumem does the same without libtorch's
- * headers: both functions are looked up by their mangled names in the process
- * (torch's libc10 is loaded before torch calls an allocator), and c10::Device,
- * two int8_t fields (DeviceType, DeviceIndex) passed by value, is spelled below.
- * Nothing is done unless c10::memoryProfilingEnabled() says a profiler listens. */
-struct c10_device {
-    int8_t type; /* c10::DeviceType::CUDA */
-    int8_t index;
-};
-constexpr int8_t kC10DeviceCuda = 1;
-typedef bool (*profiling_enabled_fn)();
-typedef void (*report_memory_fn)(void *ptr, int64_t alloc_size, size_t total_allocated, size_t total_reserved,
-                                 c10_device device);
-std::atomic<profiling_enabled_fn> g_profiling_enabled{nullptr};
-std::atomic<report_memory_fn> g_report_memory{nullptr};
-std::atomic<bool> g_profiler_looked_up{false};
-
-void look_up_profiler() {
-    static const char kEnabled[] = "_ZN3c1022memoryProfilingEnabledEv";
-    static const char kReport[] = "_ZN3c1027reportMemoryUsageToProfilerEPvlmmNS_6DeviceE";
-    void *enabled = dlsym(RTLD_DEFAULT, kEnabled);
-    void *report = dlsym(RTLD_DEFAULT, kReport);
-    if (!enabled || !report) {
-        /* torch loads libc10 with local symbols: ask the library itself, if loaded
-         * (RTLD_NOLOAD never loads it; the handle is kept for the process's life) */
-        if (void *c10 = dlopen("libc10.so", RTLD_LAZY | RTLD_NOLOAD)) {
-            enabled = dlsym(c10, kEnabled);
-            report = dlsym(c10, kReport);
-        }
+gm_heap *gm_torch::heap_or_throw(int device) {
+    if (!gm_heap_registry_valid(device))
+        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) + " is out of range");
+    gm_heap *h = gm_heap_registry_get(device);
+    if (!h) {
+        char why[512] = "";
+        if (!(h = gm_heap_registry_open(device, why, sizeof why))) throw std::runtime_error(why);
     }
-    if (enabled && report) {
-        g_report_memory.store((report_memory_fn)report, std::memory_order_relaxed);
-        g_profiling_enabled.store((profiling_enabled_fn)enabled, std::memory_order_release);
-    }
-    g_profiler_looked_up.store(true, std::memory_order_release);
+    return h;
 }
-
-/* `delta` bytes at ptr were allocated (> 0) or freed (< 0) on device. */
-void report_to_profiler(gm_heap *h, int device, void *ptr, int64_t delta) {
-    if (!g_profiler_looked_up.load(std::memory_order_acquire)) look_up_profiler();
-    profiling_enabled_fn enabled = g_profiling_enabled.load(std::memory_order_acquire);
-    if (!enabled || !enabled()) return;
-    gm_stats st;
-    gm_get_stats(h, &st);
-    g_report_memory.load(std::memory_order_relaxed)(ptr, delta, (size_t)st.allocated_bytes[GM_POOL_ALL].current,
-                                                    (size_t)st.reserved_bytes[GM_POOL_ALL].current,
-                                                    c10_device{kC10DeviceCuda, (int8_t)device});
-}
-
-} // namespace
 
 /* ---- torch's settings ----------------------------------------------------------- */
 
-extern "C" void gm_torch_set_oom_mode(int mode) { g_oom_mode.store(mode); }
-
-extern "C" int gm_torch_get_oom_mode(void) { return g_oom_mode.load(); }
-
 extern "C" int gm_torch_device_count(void) { return g_device_count.load(); }
-
-extern "C" void gm_torch_set_oom_observer(void *py_callable) {
-    PyObject *old = g_oom_observer;
-    g_oom_observer = (PyObject *)py_callable;
-    Py_XINCREF(g_oom_observer);
-    Py_XDECREF(old);
-}
-
-extern "C" void gm_torch_set_oom_class(void *py_class) {
-    PyObject *old = g_oom_class;
-    g_oom_class = (PyObject *)py_class;
-    Py_XINCREF(g_oom_class);
-    Py_XDECREF(old);
-}
 
 extern "C" void gm_torch_get_counters(gm_torch_counters *c) {
     c->ooms = c_ooms.load();
@@ -500,41 +121,6 @@ extern "C" void gm_torch_get_counters(gm_torch_counters *c) {
     c->empty_cache_calls = c_empty_cache.load();
     c->record_stream_calls = c_record_stream.load();
     c->fraction_calls = c_fraction.load();
-}
-
-/* ---- the message --------------------------------------------------------------- */
-
-extern "C" size_t gm_torch_format_oom(int device, const gm_oom_info *o, char *buf, size_t len) {
-    if (!len) return 0;
-    gm_heap *h = gm_heap_registry_get(device);
-    gm_proc_usage procs[64] = {};
-    long n_procs = -1;
-    size_t n = 0;
-    if (h && gm_heap_registry_processes(device, procs, 64, &n) == GM_OK) n_procs = (long)(n < 64 ? n : 64);
-    /* gpumem.torch's formatter (torch_viz.c) writes the whole message, the
-     * explanation after these first sentences; without it, they alone. */
-    gm_torch_oom_formatter f = g_formatter.load();
-    if (f) {
-        long w = f(o, device, procs, n_procs, buf, len);
-        if (w >= 0) {
-            buf[len - 1] = '\0';
-            return (size_t)w < len ? (size_t)w : len - 1;
-        }
-    }
-    return gm_oom_line(buf, len, o, device, procs, n_procs, h ? gm_heap_device(h)->last_error : nullptr);
-}
-
-/* Throws torch's out-of-memory error for a request the heap was not asked to
- * place (its own last failure is not this one): the message from a fresh
- * report, the observers called first; `why` follows the message. */
-[[noreturn]] static void throw_fresh_oom(gm_heap *h, int device, size_t size, void *stream, const char *why = "") {
-    gm_oom_info info;
-    gm_memory_report(h, size, &info);
-    std::string msg(GM_TORCH_OOM_MSG_MAX, '\0');
-    msg.resize(gm_torch_format_oom(device, &info, &msg[0], msg.size()));
-    observe_oom(device, size, info);
-    gm_count_oom(h, size, (gm_stream)(uintptr_t)stream);
-    throw_oom(msg + why);
 }
 
 /* An allocation routed to a pool over another allocator (ext_pool.h). */
@@ -560,13 +146,13 @@ static void *ext_alloc(gm_heap *h, int device, size_t size, void *stream, gm_poo
 extern "C" void *gpumem_torch_alloc(size_t size, int device, void *stream) {
     gm_heap *h = heap_or_throw(device);
     gm_pool_id pool_id;
-    const gm_pool_id *pool = route(g_slots[device], (gm_stream)(uintptr_t)stream, &pool_id) ? &pool_id : nullptr;
+    const gm_pool_id *pool = route_to_pool(device, (gm_stream)(uintptr_t)stream, &pool_id) ? &pool_id : nullptr;
     gm_torch_context_fn ctx_fn = g_context_fn.load(std::memory_order_relaxed);
     uint64_t ctx = ctx_fn ? ctx_fn() : 0;
     /* the pages mapped for it, or its out-of-memory event, carry its stack too */
     event_context_scope events(ctx);
     uintptr_t p = 0;
-    if (size >= kOneExaByte) throw_oom("CUDA out of memory. Tried to allocate more than 1EB memory.");
+    if (size >= kOneExaByte) throw_oom(GM_TORCH_OOM_TOO_LARGE);
     if (pool && gm_ext_owns(device, *pool)) return ext_alloc(h, device, size, stream, *pool);
     if (size > gm_heap_registry_limit(device) &&
         (gm_ext_release_ended(device), size > gm_heap_registry_limit(device))) {
@@ -700,72 +286,6 @@ extern "C" void gpumem_torch_set_context_hook(gm_torch_context_fn fn) { g_contex
 
 extern "C" void gpumem_torch_set_event_stacks(int on) { g_event_stacks.store(on != 0); }
 
-extern "C" void gpumem_torch_set_oom_formatter(gm_torch_oom_formatter fn) { g_formatter.store(fn); }
-
-/* ---- private pools ------------------------------------------------------------- */
-
-/* torch's hooks: exactly the C++ types of the std::function torch builds from
- * the address (CUDAPluggableAllocator's begin/end/release setters).  Errors
- * are thrown, and torch turns them into Python exceptions. */
-void gpumem_torch_begin_allocate_to_pool(int device, gm_torch_mempool_id pool, gm_torch_filter filter) {
-    if (!filter) throw std::runtime_error("gpumem: begin_allocate_to_pool without a stream filter");
-    pool_begin(device, gm_pool_id{pool.first, pool.second}, std::move(filter));
-}
-
-void gpumem_torch_end_allocate_to_pool(int device, gm_torch_mempool_id pool) {
-    pool_end(device, gm_pool_id{pool.first, pool.second});
-}
-
-void gpumem_torch_release_pool(int device, gm_torch_mempool_id pool) {
-    int rc = pool_release(device, gm_pool_id{pool.first, pool.second});
-    /* torch calls this from CUDAGraph::reset(), which ~CUDAGraph calls: an
-     * exception there ends the process.  A paused pool keeps its last use
-     * (it stays paused, its memory returned), as when a MemPool goes away. */
-    if (rc == GM_EPAUSED) return;
-    if (rc != GM_OK)
-        throw std::runtime_error("gpumem: cannot release pool (" + std::to_string(pool.first) + ", " +
-                                 std::to_string(pool.second) + ") on GPU " + std::to_string(device) + ": " +
-                                 gm_strerror(rc));
-}
-
-extern "C" uintptr_t gm_torch_pool_hook(int which) {
-    void (*begin)(int, gm_torch_mempool_id, gm_torch_filter) = gpumem_torch_begin_allocate_to_pool;
-    void (*end)(int, gm_torch_mempool_id) = gpumem_torch_end_allocate_to_pool;
-    void (*release)(int, gm_torch_mempool_id) = gpumem_torch_release_pool;
-    switch (which) {
-    case GM_TORCH_HOOK_BEGIN:
-        return (uintptr_t)begin;
-    case GM_TORCH_HOOK_END:
-        return (uintptr_t)end;
-    case GM_TORCH_HOOK_RELEASE:
-        return (uintptr_t)release;
-    default:
-        return 0;
-    }
-}
-
-extern "C" int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t second, gm_torch_stream_filter_fn filter) {
-    gm_torch_filter f;
-    if (filter)
-        f = [filter](gm_cuda_stream_t s) { return filter((void *)s) != 0; };
-    else
-        f = [](gm_cuda_stream_t) { return true; };
-    try {
-        pool_begin(device, gm_pool_id{first, second}, std::move(f));
-    } catch (const std::exception &) {
-        return gm_heap_registry_get(device) ? GM_EINVAL : GM_EDEVICE;
-    }
-    return GM_OK;
-}
-
-extern "C" int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second) {
-    return pool_end(device, gm_pool_id{first, second}) ? GM_OK : GM_EINVAL;
-}
-
-extern "C" int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second) {
-    return pool_release(device, gm_pool_id{first, second});
-}
-
 extern "C" void gpumem_torch_raw_delete(void *ptr) {
     event_context_scope events(caller_context());
     int rc = GM_EUNKNOWN_PTR;
@@ -779,66 +299,4 @@ extern "C" void gpumem_torch_raw_delete(void *ptr) {
                 "gpumem: free of %p failed: %s (further errors are counted in "
                 "gpumem.torch.status())\n",
                 ptr, gm_strerror(rc));
-}
-
-extern "C" size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap) {
-    if (!gm_heap_registry_valid(device)) return 0;
-    slot &s = g_slots[device];
-    std::lock_guard<std::mutex> g(s.pool_mu);
-    if (!s.active) return 0;
-    for (size_t i = 0; i < s.active->size() && i < cap; i++) out[i] = (*s.active)[i].id;
-    return s.active->size();
-}
-
-extern "C" int gm_torch_cxx11_abi(void) { return _GLIBCXX_USE_CXX11_ABI; }
-
-/* ---- test hook ------------------------------------------------------------------ */
-
-extern "C" int gm_torch_test_hold_lock(int which, int device, double seconds) {
-    if (!gm_heap_registry_valid(device) || !(seconds >= 0 && seconds <= 60)) return GM_EINVAL;
-    std::function<void(bool)> lock; /* take (true) or release (false) the lock */
-    if (which == GM_TORCH_TEST_LOCK_SLOT || which == GM_TORCH_TEST_LOCK_OPTIONS) {
-        int reg = which == GM_TORCH_TEST_LOCK_SLOT ? GM_HEAP_REGISTRY_LOCK_SLOT : GM_HEAP_REGISTRY_LOCK_OPTIONS;
-        lock = [reg, device](bool take) { gm_heap_registry_test_lock(reg, device, take); };
-    } else if (which == GM_TORCH_TEST_LOCK_POOLS) {
-        std::mutex *mu = &g_slots[device].pool_mu;
-        lock = [mu](bool take) { take ? mu->lock() : mu->unlock(); };
-    } else {
-        return GM_EINVAL;
-    }
-    std::promise<void> held;
-    std::future<void> taken = held.get_future();
-    try {
-        std::thread([lock, seconds, held = std::move(held)]() mutable {
-            lock(true);
-            held.set_value();
-            std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-            lock(false);
-        }).detach();
-    } catch (const std::exception &) {
-        return GM_ENOMEM;
-    }
-    taken.wait();
-    return GM_OK;
-}
-
-/* The allocation entry point as torch calls it, with what it throws caught:
- * 0 and *out on success; 1 with *exc (type, value, traceback: new references)
- * when it threw a Python exception (torch re-raises those); 2 with msg for any
- * other C++ exception (torch raises a RuntimeError with its text). */
-extern "C" int gm_torch_test_alloc(size_t size, int device, void *stream, uintptr_t *out, void *exc[3], char *msg,
-                                   size_t len) {
-    try {
-        *out = (uintptr_t)gpumem_torch_alloc(size, device, stream);
-        return 0;
-    } catch (python_error &e) {
-        exc[0] = e.type;
-        exc[1] = e.value;
-        exc[2] = e.traceback;
-        e.type = e.value = e.traceback = nullptr;
-        return 1;
-    } catch (const std::exception &e) {
-        snprintf(msg, len, "%s", e.what());
-        return 2;
-    }
 }

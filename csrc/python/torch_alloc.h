@@ -1,6 +1,6 @@
 /*
  * torch_alloc.h -- gpumem as PyTorch's CUDA allocator: the exported entry
- * points (torch_alloc.cpp) and what the Python glue (torch_glue.c, torch_viz.c)
+ * points (torch_alloc.cpp) and what the Python glue (torch_glue.c)
  * sets and reads of them.  The heaps they serve are the process-wide heap
  * registry's (heap_registry.h): created on the first allocation torch makes on
  * a device, they live until the process ends.
@@ -43,9 +43,12 @@ void gm_torch_set_oom_observer(void *py_callable);
  * few KiB, with a table, causes and advice. */
 #define GM_TORCH_OOM_MSG_MAX 16384
 
-/* The out-of-memory message for `device` (starts "CUDA out of memory.").
- * The one place it is built; a formatter hook, when set, may replace it. */
+/* The out-of-memory message for `device` (starts "CUDA out of memory.");
+ * a formatter hook, when set, may replace it.  Made in oom_glue.c, as every
+ * out-of-memory message is, and so is the message for a request of 1 EiB or
+ * more, which no heap is asked to place. */
 size_t gm_torch_format_oom(int device, const gm_oom_info *info, char *buf, size_t len);
+extern const char GM_TORCH_OOM_TOO_LARGE[];
 
 /* Hooks for helpers that enrich allocations and messages.
  * context: called before each gm_malloc; its value is stored with the block.
@@ -133,7 +136,8 @@ size_t gm_torch_active_pools(int device, gm_pool_id *out, size_t cap);
  * std::function hooks are only set when torch was built with the same. */
 int gm_torch_cxx11_abi(void);
 
-/* Test hook (tests/unit/test_fork.py): a new thread takes one of the boundary's
+/* Test hooks (test_hooks.c; built with GM_TEST_HOOKS only).
+ * tests/unit/test_fork.py: a new thread takes one of the boundary's
  * locks -- device's slot lock, the options lock, or device's pool lock -- and
  * holds it for `seconds`; returns once that thread holds it.  GM_EINVAL for a
  * bad argument. */

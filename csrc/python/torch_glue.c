@@ -2,11 +2,14 @@
  * torch_glue.c -- what gpumem.torch (gpumem/torch/) needs from C that is
  * torch's alone: how an out-of-memory failure is raised, the addresses of the
  * entry points and hooks it hands to torch, torch's counters and the pools
- * its allocations are routed to now.
+ * its allocations are routed to now, and the visibility layer's switches on
+ * the torch path: torch's OutOfMemoryError explained by gpumem.explain
+ * (gm_py_torch_oom_formatter, oom_glue.c) and allocations, frees and
+ * empty_cache taking their caller's Python stack (history_glue.c).
  *
  * Everything a heap answers (stats, snapshot, history, reports, caps, checks,
  * private pools) is a method of the gpumem.Heap that borrows the device's heap
- * from the process-wide heap registry (_C.registry_heap, shared_glue.c): torch,
+ * from the process-wide heap registry (_C.registry_heap, registry_glue.c): torch,
  * CuPy, Numba and a Heap of one's own answer through the same methods.
  *
  * Registered on gpumem._C by gm_torch_glue_add() (called from module.c), all
@@ -18,9 +21,11 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "common.h"
+#include "convert.h"
 #include "ext_pool.h"
 #include "heap_registry.h"
+#include "history_glue.h"
+#include "oom_glue.h"
 #include "torch_alloc.h"
 
 int gm_torch_glue_add(PyObject *module);
@@ -227,48 +232,26 @@ static PyObject *g_set_oom_observer(PyObject *Py_UNUSED(m), PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-/* Test hook: torch's allocation entry point, its exceptions raised here as
- * torch would raise them. */
-static PyObject *g_test_alloc(PyObject *Py_UNUSED(m), PyObject *args) {
-    unsigned long long size, stream = 0;
-    PyObject *dev;
-    int device;
-    if (!PyArg_ParseTuple(args, "KO|K", &size, &dev, &stream) || gm_py_device_index(dev, &device) < 0) return NULL;
-    uintptr_t p = 0;
-    void *exc[3] = {NULL, NULL, NULL};
-    char msg[GM_TORCH_OOM_MSG_MAX] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc =
-        gm_torch_test_alloc((size_t)size, device, (void *)(uintptr_t)stream, &p, exc, msg, sizeof msg);
-    Py_END_ALLOW_THREADS if (rc == 1) {
-        PyErr_Restore((PyObject *)exc[0], (PyObject *)exc[1], (PyObject *)exc[2]);
-        return NULL;
-    }
-    if (rc == 2) return PyErr_Format(PyExc_RuntimeError, "%s", msg);
-    return PyLong_FromUnsignedLongLong((unsigned long long)p);
+/* ---- the visibility layer's switches ------------------------------------------------ */
+
+static void set_explain_oom(int on) { gpumem_torch_set_oom_formatter(on ? gm_py_torch_oom_formatter : NULL); }
+
+static void set_stack_hook(int on) { gpumem_torch_set_context_hook(on ? gm_py_capture_context_reacquire : NULL); }
+
+/* Turn a switch on or off: a's truth value to set(). */
+static PyObject *switch_to(PyObject *a, void (*set)(int)) {
+    int on = PyObject_IsTrue(a);
+    if (on < 0) return NULL;
+    set(on);
+    Py_RETURN_NONE;
 }
 
-/* Test hook: see gm_torch_test_hold_lock (torch_alloc.h). */
-static PyObject *g_test_hold_lock(PyObject *Py_UNUSED(m), PyObject *args) {
-    const char *which_s;
-    PyObject *dev;
-    double seconds;
-    int device, which;
-    if (!PyArg_ParseTuple(args, "sOd", &which_s, &dev, &seconds) || gm_py_device_index(dev, &device) < 0) return NULL;
-    if (!strcmp(which_s, "slot"))
-        which = GM_TORCH_TEST_LOCK_SLOT;
-    else if (!strcmp(which_s, "options"))
-        which = GM_TORCH_TEST_LOCK_OPTIONS;
-    else if (!strcmp(which_s, "pools"))
-        which = GM_TORCH_TEST_LOCK_POOLS;
-    else
-        return PyErr_Format(PyExc_ValueError, "lock must be 'slot', 'options' or 'pools', not %R",
-                            PyTuple_GET_ITEM(args, 0));
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = gm_torch_test_hold_lock(which, device, seconds);
-    Py_END_ALLOW_THREADS if (rc != GM_OK) return PyErr_Format(PyExc_ValueError, "cannot hold the lock: %s",
-                                                              gm_strerror(rc));
-    Py_RETURN_NONE;
+static PyObject *g_explain_oom(PyObject *Py_UNUSED(m), PyObject *a) { return switch_to(a, set_explain_oom); }
+
+static PyObject *g_stack_hook(PyObject *Py_UNUSED(m), PyObject *a) { return switch_to(a, set_stack_hook); }
+
+static PyObject *g_set_event_stacks(PyObject *Py_UNUSED(m), PyObject *a) {
+    return switch_to(a, gpumem_torch_set_event_stacks);
 }
 
 static PyMethodDef glue_methods[] = {
@@ -299,13 +282,12 @@ static PyMethodDef glue_methods[] = {
              "_torch_cxx11_abi() -> the _GLIBCXX_USE_CXX11_ABI the torch boundary was built with"),
     GM_PY_FN("_torch_set_oom_observer", g_set_oom_observer, METH_O,
              "_torch_set_oom_observer(fn or None): fn(device, requested, allowed, device_free) runs before each OOM"),
-    GM_PY_FN("_torch_test_alloc", g_test_alloc, METH_VARARGS,
-             "_torch_test_alloc(size, device, stream=0) -> address: torch's allocation entry point, raising as torch "
-             "would (tests)"),
-    GM_PY_FN("_test_hold_boundary_lock", g_test_hold_lock, METH_VARARGS,
-             "_test_hold_boundary_lock(lock, device, seconds): test hook; a new native thread takes a lock of the heap "
-             "registry ('slot' of device, or 'options') or of the torch boundary ('pools' of device) and holds it for "
-             "seconds; returns once held"),
+    GM_PY_FN("_torch_explain_oom", g_explain_oom, METH_O,
+             "_torch_explain_oom(on): torch's OutOfMemoryError explained by gpumem.explain, or its first sentences"),
+    GM_PY_FN("_torch_stack_hook", g_stack_hook, METH_O,
+             "_torch_stack_hook(on): each allocation torch makes records its caller's Python stack, or none"),
+    GM_PY_FN("_torch_set_event_stacks", g_set_event_stacks, METH_O,
+             "_torch_set_event_stacks(on): torch's frees and empty_cache record their caller's stack (context='all')"),
     {.ml_name = NULL},
 };
 

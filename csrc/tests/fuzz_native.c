@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "gpumem/native_model.h"
+#include "args.h"
 #include "rng.h"
 
 #define MiB       (UINT64_C(1) << 20)
@@ -317,13 +318,8 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             printf("usage: %s [--quiet] [ops=200000] [seed=1]\n", argv[0]);
             return 0;
-        } else if (argv[i][0] != '-' && npos == 0) {
-            ops = parse_u64(argv[i], "the op count");
-            npos++;
-        } else if (argv[i][0] != '-' && npos == 1) {
-            seed = parse_u64(argv[i], "the seed");
-            npos++;
-        } else {
+        } else if (!take_ops_or_seed(argv[i], &npos, &ops, &seed, parse_u64,
+                                     (const char *const[]){"the op count", "the seed"})) {
             fprintf(stderr, "fuzz_native: unknown argument '%s' (try --help)\n", argv[i]);
             return 2;
         }

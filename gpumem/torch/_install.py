@@ -40,26 +40,15 @@ import os
 import sys
 
 from .. import _C
-from .._heaplike import MAX_HISTORY, register_torch_hooks
-from .._units import parse_size
+from .._heaplike import register_torch_hooks
 from . import _cppalloc, _pools, _viz
 
 ENV_VAR = "GPUMEM_CONF"
 DISABLE_VAR = "GPUMEM_DISABLE"  # 1: install() leaves torch's own allocator in place
-OPTION_NAMES = (
-    "cap",
-    "growth_slack",
-    "growth_slack_pages",
-    "pressure",
-    "chunk_pages",
-    "page_size",
-    "va_size",
-    "history",
-    "oom",
-)
+OPTION_NAMES = _C.OPTION_NAMES  # install()'s and GPUMEM_CONF's options (csrc/python/config_glue.c)
 
-_POOLS = ("all", "small_pool", "large_pool")
-_FIELDS = ("current", "peak", "allocated", "freed")
+_POOLS = _C.STAT_POOLS  # torch's statistics: "{name}.{pool}.{field}" (csrc/python/convert.c)
+_FIELDS = _C.STAT_FIELDS
 _POOLED = _C.POOLED_STAT_NAMES  # the core's one list of statistics (gpumem.h)
 _PLAIN = _C.COUNTER_NAMES
 _UNPOOLED = ("oversize_allocations", "oversize_segments")  # native keys gpumem has no use for: always 0
@@ -91,124 +80,11 @@ def parse_conf(text):
     return _C.parse_conf(text or "", OPTION_NAMES, ENV_VAR)
 
 
-_MAX_U64 = (1 << 64) - 1
-
-
-def _size(value, what):
-    if isinstance(value, bool):
-        raise OptionError(what, value, "not a size")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str):
-        try:
-            n = parse_size(value)
-        except ValueError as e:
-            raise OptionError(what, value, str(e)) from None
-    else:
-        raise OptionError(what, value, "not a size (an int or a string such as '8GiB')")
-    if n < 0:
-        raise OptionError(what, value, f"{what} must not be negative")
-    if n > _MAX_U64:
-        raise OptionError(what, value, "does not fit in 64 bits")
-    return int(n)
-
-
-def _number(key, value, kind):
-    """options[key] as an int or a float; OptionError naming it otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise OptionError(key, value, f"not a {'whole ' if kind is int else ''}number")
-    if kind is int:
-        if isinstance(value, float):
-            raise OptionError(key, value, "not a whole number")
-        try:
-            return int(value)
-        except ValueError:
-            raise OptionError(key, value, "not a whole number") from None
-    try:
-        v = float(value)
-    except ValueError:
-        raise OptionError(key, value, "not a number") from None
-    if v != v:
-        raise OptionError(key, value, "not a number")
-    return v
-
-
-def _unitless_number(text):
-    """A string that is a plain number ("1.5", "100", "1e3"), as a float; else None."""
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _checked(key, given, value):
-    """value, once the core has checked it as option `key`; else OptionError with the core's message."""
-    try:
-        _C.check_option(key, value)
-    except ValueError as e:
-        raise OptionError(key, given, str(e)) from None
-    return value
-
-
 def normalize_options(options):
-    """Turn install()'s options into _configure keyword arguments (raises ValueError)."""
-    unknown = set(options) - set(OPTION_NAMES)
-    if unknown:
-        raise ValueError(f"unknown gpumem option(s) {', '.join(sorted(unknown))} (known: {', '.join(OPTION_NAMES)})")
-    # The heap's own options (va_size .. pressure): None gives the core's default.
-    kw = {
-        "cap_bytes": 0,
-        "cap_fraction": 0.0,
-        "va_size": None,
-        "growth_slack": None,
-        "growth_slack_pages": None,
-        "pressure": None,
-        "chunk_pages": None,
-        "page_size": 0,
-        "history_entries": 0,
-        "oom_mode": "torch",
-    }
-    cap = options.get("cap")
-    if cap not in (None, 0, "0", "none", ""):
-        # A number up to 1 is a fraction of the device; bytes are an int, or a size
-        # with a unit ("60GiB", "64424509440B"): a bare "1.5" or "100" could be either.
-        frac = None
-        if isinstance(cap, float) or (isinstance(cap, int) and not isinstance(cap, bool) and cap <= 1):
-            frac = float(cap)
-            if frac > 1:
-                raise OptionError("cap", cap, "a fraction of the device must lie in (0, 1]; bytes need a unit")
-        elif isinstance(cap, str):
-            frac = _unitless_number(cap)
-            if frac is not None and frac > 1:
-                raise OptionError(
-                    "cap",
-                    cap,
-                    "ambiguous: a number above 1 needs a unit (e.g. '60GiB' or '64424509440B'); "
-                    "a fraction of the device lies in (0, 1]",
-                )
-        if frac is not None:
-            if not 0.0 < frac <= 1.0:
-                raise OptionError("cap", cap, "a fraction of the device must lie in (0, 1]")
-            kw["cap_fraction"] = frac
-        else:
-            kw["cap_bytes"] = _size(cap, "cap")
-    if options.get("va_size") is not None:
-        kw["va_size"] = _checked("va_size", options["va_size"], _size(options["va_size"], "va_size"))
-    for key, kind in (("growth_slack", float), ("growth_slack_pages", int), ("pressure", float), ("chunk_pages", int)):
-        if options.get(key) is not None:
-            kw[key] = _checked(key, options[key], _number(key, options[key], kind))
-    if options.get("page_size") is not None:
-        kw["page_size"] = _checked("page_size", options["page_size"], _size(options["page_size"], "page_size"))
-    if options.get("history") is not None:
-        v = _number("history", options["history"], int)
-        if not 0 <= v <= MAX_HISTORY:
-            raise OptionError("history", options["history"], f"history must lie in [0, {MAX_HISTORY}]")
-        kw["history_entries"] = v
-    if options.get("oom") is not None:
-        if options["oom"] not in ("torch", "runtime"):
-            raise OptionError("oom", options["oom"], "oom must be 'torch' or 'runtime'")
-        kw["oom_mode"] = options["oom"]
-    return kw
+    """Turn install()'s options into _configure keyword arguments: each is checked once, in C
+    (csrc/python/config_glue.c), which raises ValueError for an unknown option and OptionError,
+    naming the option and its value, for a bad one."""
+    return _C.torch_options(options, OptionError)
 
 
 def _device_list(device, torch):
@@ -575,49 +451,31 @@ def _history_enabled():
     return _C.registry_options()["history_entries"] > 0
 
 
-def _patch(torch):
-    C = _C
+def _reset_peak(device):
+    heap = _C.registry_heap(int(device), open=False)
+    if heap is not None:
+        heap.reset_peak_stats()
 
-    def mem_stats(device):
-        return nested_stats(device)
 
-    def reset_peak(device):
-        heap = C.registry_heap(int(device), open=False)
-        if heap is not None:
-            heap.reset_peak_stats()
+def _reset_accumulated(device):
+    heap = _C.registry_heap(int(device), open=False)
+    if heap is not None:
+        heap.reset_accumulated_stats()
 
-    def reset_accumulated(device):
-        heap = C.registry_heap(int(device), open=False)
-        if heap is not None:
-            heap.reset_accumulated_stats()
 
-    def snapshot(arg=None, *_args, **_kwargs):
-        return memory_snapshot_dict(arg)
+def _snapshot(arg=None, *_args, **_kwargs):
+    return memory_snapshot_dict(arg)
 
-    replacements = {
-        "_cuda_memoryStats": mem_stats,
-        "_cuda_resetPeakMemoryStats": reset_peak,
-        "_cuda_resetAccumulatedMemoryStats": reset_accumulated,
-        "_cuda_memorySnapshot": snapshot,
-        "_cuda_record_memory_history": _record_history,
-        "_cuda_record_memory_history_legacy": _record_history,
-        "_cuda_getMemoryFraction": _memory_fraction,
-        "_cuda_isHistoryEnabled": _history_enabled,
-        "_cuda_attach_out_of_memory_observer": _attach_oom_observer,
-        "_cuda_setMemoryMetadata": _viz.set_memory_metadata,
-        "_cuda_getMemoryMetadata": _viz.get_memory_metadata,
-    }
-    if hasattr(torch._C, "_cuda_setMemoryFraction"):
-        original_set = _state["patched"].get((torch._C, "_cuda_setMemoryFraction"), torch._C._cuda_setMemoryFraction)
-        replacements["_cuda_setMemoryFraction"] = _set_memory_fraction_fn(original_set)
-    # torch.accelerator's memory functions (torch >= 2.9) on a CUDA device: its C
-    # functions ask the device allocator, which a pluggable allocator does not answer.
+
+def _accelerator_replacements(torch):
+    """torch.accelerator's memory functions (torch >= 2.9) on a CUDA device: its C
+    functions ask the device allocator, which a pluggable allocator does not answer."""
     accelerator = {
         "_accelerator_getDeviceStats": _accelerator_stats,
-        "_accelerator_resetPeakStats": lambda device=None: reset_peak(_device_or_current(torch, device)),
-        "_accelerator_resetAccumulatedStats": lambda device=None: reset_accumulated(_device_or_current(torch, device)),
+        "_accelerator_resetPeakStats": lambda device=None: _reset_peak(_device_or_current(torch, device)),
+        "_accelerator_resetAccumulatedStats": lambda device=None: _reset_accumulated(_device_or_current(torch, device)),
     }
-    replacements.update({k: v for k, v in accelerator.items() if hasattr(torch._C, k)})
+    replacements = {k: v for k, v in accelerator.items() if hasattr(torch._C, k)}
     if hasattr(torch._C, "_accelerator_isAllocatorInitialized"):
         # torch asks the device allocator registry, which knows nothing of a pluggable
         # allocator: gpumem's is ready once CUDA is (when torch is on CUDA).
@@ -634,6 +492,43 @@ def _patch(torch):
         replacements["_accelerator_isAllocatorInitialized"] = allocator_ready
     if hasattr(torch._C, "_accelerator_emptyCache"):
         replacements["_accelerator_emptyCache"] = lambda: torch._C._cuda_emptyCache()
+    return replacements
+
+
+def _patch_classes(torch):
+    """torch.cuda.MemPool cannot be built under a pluggable allocator (its C++
+    constructor needs createOrIncrefPool): gpumem's pool class takes its place."""
+    for owner in (torch.cuda, torch.cuda.memory):
+        _replace(owner, "MemPool", _pools.MemPool)
+    # MemPool(allocator) calls the allocator's functions, whose addresses only its maker knows.
+    pluggable = _pools.pluggable_class(
+        _state["patched"].get((torch.cuda.memory, "CUDAPluggableAllocator"), torch.cuda.memory.CUDAPluggableAllocator)
+    )
+    for owner in (torch.cuda, torch.cuda.memory):
+        if hasattr(owner, "CUDAPluggableAllocator"):
+            _replace(owner, "CUDAPluggableAllocator", pluggable)
+    if not _state["pool_hooks"]:
+        _replace(torch.cuda.graphs.CUDAGraph, "capture_begin", _pools.refuse_capture)
+
+
+def _patch(torch):
+    replacements = {
+        "_cuda_memoryStats": nested_stats,
+        "_cuda_resetPeakMemoryStats": _reset_peak,
+        "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
+        "_cuda_memorySnapshot": _snapshot,
+        "_cuda_record_memory_history": _record_history,
+        "_cuda_record_memory_history_legacy": _record_history,
+        "_cuda_getMemoryFraction": _memory_fraction,
+        "_cuda_isHistoryEnabled": _history_enabled,
+        "_cuda_attach_out_of_memory_observer": _attach_oom_observer,
+        "_cuda_setMemoryMetadata": _viz.set_memory_metadata,
+        "_cuda_getMemoryMetadata": _viz.get_memory_metadata,
+    }
+    if hasattr(torch._C, "_cuda_setMemoryFraction"):
+        original_set = _state["patched"].get((torch._C, "_cuda_setMemoryFraction"), torch._C._cuda_setMemoryFraction)
+        replacements["_cuda_setMemoryFraction"] = _set_memory_fraction_fn(original_set)
+    replacements.update(_accelerator_replacements(torch))
     replacements["_cuda_cudaCachingAllocator_enable"] = _set_caching_enabled
     replacements["_cuda_cudaCachingAllocator_is_enabled"] = lambda: _caching["enabled"]
     for name, wrap in (
@@ -646,19 +541,7 @@ def _patch(torch):
     replacements.update(_pools.replacements(torch, _state["pool_hooks"]))
     for name, fn in replacements.items():
         _replace(torch._C, name, fn)
-    # torch.cuda.MemPool cannot be built under a pluggable allocator (its C++
-    # constructor needs createOrIncrefPool): gpumem's pool class takes its place.
-    for owner in (torch.cuda, torch.cuda.memory):
-        _replace(owner, "MemPool", _pools.MemPool)
-    # MemPool(allocator) calls the allocator's functions, whose addresses only its maker knows.
-    pluggable = _pools.pluggable_class(
-        _state["patched"].get((torch.cuda.memory, "CUDAPluggableAllocator"), torch.cuda.memory.CUDAPluggableAllocator)
-    )
-    for owner in (torch.cuda, torch.cuda.memory):
-        if hasattr(owner, "CUDAPluggableAllocator"):
-            _replace(owner, "CUDAPluggableAllocator", pluggable)
-    if not _state["pool_hooks"]:
-        _replace(torch.cuda.graphs.CUDAGraph, "capture_begin", _pools.refuse_capture)
+    _patch_classes(torch)
 
 
 def _device_or_current(torch, device):

@@ -9,7 +9,7 @@ What torch expects of an allocator here is written down in docs/torch.md
   endAllocateToPool at its end and releasePool when the graph is reset or
   deleted.  gpumem._C implements those three as plain functions with the C++
   signatures of the std::function hooks of CUDAPluggableAllocator
-  (csrc/python/torch_alloc.cpp); set_pool_hooks() hands them to torch.
+  (csrc/python/torch_pools.cpp); set_pool_hooks() hands them to torch.
 - torch.cuda.MemPool's constructor needs a C++ virtual with no hook
   (createOrIncrefPool), so gpumem's MemPool takes its place: same API, and
   use_mem_pool() reaches gpumem through the same three hooks.
@@ -86,7 +86,7 @@ class MemPool:
     pool's memory then comes from its alloc and free functions, in segments
     sized as torch sizes them, cached for the pool and counted against the
     device's cap, and given back when the pool goes with nothing live in it, or
-    else at the empty_cache() after its last tensor (csrc/python/ext_pool.h).  no_split: a block of the pool is never
+    else at the empty_cache() after its last tensor (csrc/runtime/ext_pool.h).  no_split: a block of the pool is never
     split -- a request takes whole pages of its own, or a whole free block of
     the pool.  use_on_oom: a pool with an allocator of its own lends its free
     blocks to an allocation that would otherwise run out of memory; gpumem's

@@ -4,7 +4,7 @@ gpumem.torch's install calls these; they connect it to snapshot / history /
 explain (the layers below, which never import this one: history reaches
 set_stack_hook through the hook install registers in gpumem._heaplike):
 
-  on_install()            sets torch's OOM hook (csrc/python/torch_viz.c), which words
+  on_install()            sets torch's OOM hook (csrc/python/torch_glue.c), which words
                           torch.OutOfMemoryError with the one formatter gpumem.explain
                           registers for every OOM (GPUMEM_EXPLAIN_OOM=0: the one line
                           alone), and the stack hook when stacks are already being recorded
@@ -109,10 +109,6 @@ _metadata = _Timeline("")
 _compile_context = _Timeline("N/A")
 
 
-def _hooks():
-    return _C._torch_viz_hooks()
-
-
 def set_stack_hook(enabled: bool) -> None:
     """Take the Python stack of each allocation torch makes (enabled), or stop.
     gpumem.record_history reaches here too: its stacks are torch's context="alloc"
@@ -122,13 +118,13 @@ def set_stack_hook(enabled: bool) -> None:
         _trace_context.set("alloc")
     elif not enabled and mode is not None:
         _trace_context.set(None)
-    _C._torch_set_context_hook(_hooks()["context"] if enabled else 0)
+    _C._torch_stack_hook(enabled)
 
 
 def on_install() -> None:
     register_oom_formatter()  # torch's OutOfMemoryError is worded by gpumem.explain's format_oom
     explain = os.environ.get("GPUMEM_EXPLAIN_OOM", "1") != "0"
-    _C._torch_set_oom_formatter(_hooks()["oom_formatter"] if explain else 0)
+    _C._torch_explain_oom(explain)
     if _C._stacks_info()["enabled"]:
         set_stack_hook(True)
 

@@ -449,7 +449,7 @@ def test_two_devices_peer_copy():
     assert r["c"] == 3 * (1 << 20) and r["d"] == 1 << 20, r
 
 
-# ---- the visibility layer on torch's heaps (gpumem/torch/_viz.py, csrc/python/torch_viz.c) -----
+# ---- the visibility layer on torch's heaps (gpumem/torch/_viz.py, csrc/python/torch_glue.c) -----
 
 
 @gpu_test

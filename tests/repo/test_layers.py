@@ -151,7 +151,7 @@ def test_the_cycle_finder_finds_one():
 
 ARCH = REPO / "docs" / "architecture.md"
 CSRC = REPO / "csrc"
-INCLUDE_DIRS = (CSRC / "include", CSRC / "core")  # setup.py's and the Makefile's -I
+INCLUDE_DIRS = (CSRC / "include", CSRC / "core", CSRC / "runtime")  # setup.py's and the Makefile's -I
 
 
 def _ticks(cell):
@@ -304,16 +304,16 @@ def test_the_include_check_finds_a_core_or_device_file_reaching_out():
     rules = include_rules()
     core, device = CSRC / "core" / "errors.c", CSRC / "device" / "sim.c"
     planted = {
-        core: [(True, "gpumem/gpumem.h"), (True, "common.h"), (False, "stdio.h")],
+        core: [(True, "gpumem/gpumem.h"), (True, "convert.h"), (False, "stdio.h")],
         # heap_internal.h is found through -Icsrc/core, but is not the devices' to read
         device: [(True, "gpumem/device.h"), (True, "heap_internal.h")],
     }
 
     def resolve(path, name):
-        return {"common.h": "csrc/python/common.h"}.get(name) or _resolve_include(path, name)
+        return {"convert.h": "csrc/python/convert.h"}.get(name) or _resolve_include(path, name)
 
     assert include_problems([core, device], rules, resolve, planted.get) == [
-        'csrc/core/errors.c: #include "common.h" (csrc/python/common.h) is outside csrc/core/, csrc/include/',
+        'csrc/core/errors.c: #include "convert.h" (csrc/python/convert.h) is outside csrc/core/, csrc/include/',
         'csrc/device/sim.c: #include "heap_internal.h" (csrc/core/heap_internal.h) is outside csrc/device/, '
         "csrc/include/",
     ]
@@ -387,11 +387,15 @@ def test_the_outside_check_finds_cuda_python_and_torch_out_of_their_rooms():
         "to torch",
         "csrc/core/page.c names CUDA: ['CUDA_SUCCESS', 'CUdeviceptr', 'cuMemUnmap']; only csrc/device/cuda.c may",
     ]
-    # the one exception is torch_alloc.cpp's opaque stream handle, and only that name
-    alloc = CSRC / "python" / "torch_alloc.cpp"
+    # the one exception is torch_boundary.h's opaque stream handle, and only that name
+    boundary = CSRC / "python" / "torch_boundary.h"
     src = "struct CUstream_st; typedef CUstream_st *s_t; int g() { return cuStreamQuery(0); }"
+    assert outside_problems([boundary], rules, lambda p: src, lambda p: []) == [
+        "csrc/python/torch_boundary.h names CUDA: ['cuStreamQuery']; only csrc/device/cuda.c may"
+    ]
+    alloc = CSRC / "python" / "torch_alloc.cpp"
     assert outside_problems([alloc], rules, lambda p: src, lambda p: []) == [
-        "csrc/python/torch_alloc.cpp names CUDA: ['cuStreamQuery']; only csrc/device/cuda.c may"
+        "csrc/python/torch_alloc.cpp names CUDA: ['CUstream_st', 'cuStreamQuery']; only csrc/device/cuda.c may"
     ]
     # the exception is the map's table: without its row, the handle is a CUDA name like any other
     assert outside_problems([alloc], rules, lambda p: src, lambda p: [], exceptions={}) == [

@@ -11,7 +11,7 @@ tests/gpu/test_gpu_torch.py checks the same through torch on a GPU.
 
 import pytest
 
-from helpers import TORCH_BOUNDARY, run_python
+from helpers import TORCH_BOUNDARY, needs_test_hooks, run_python
 
 PRELUDE = (
     """
@@ -32,6 +32,7 @@ def run_py(code):
     return run_python(code, PRELUDE, timeout=300, unset=("GPUMEM_CONF", "GPUMEM_EXPLAIN_OOM"))
 
 
+@needs_test_hooks
 def test_oom_first_sentence_is_torchs():
     r = run_py("""
         def oom(size):
@@ -57,6 +58,7 @@ def test_oom_first_sentence_is_torchs():
     assert all("reserved by gpumem" in m and "The largest block gpumem could make now" in m for m in r["msgs"])
 
 
+@needs_test_hooks
 def test_one_exbibyte_or_more_is_refused_in_torchs_words():
     r = run_py("""
         got = []
@@ -78,6 +80,7 @@ def test_one_exbibyte_or_more_is_refused_in_torchs_words():
     assert r["reserved"] == 0
 
 
+@needs_test_hooks
 def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments():
     r = run_py("""
         calls = []
@@ -123,6 +126,7 @@ def test_oom_observers_run_in_order_before_the_exception_with_torchs_arguments()
     assert r["replaced"] == "KeyError('the observer broke')"
 
 
+@needs_test_hooks
 def test_memory_fraction_round_trips_and_zero_allows_nothing():
     r = run_py("""
         set_fraction = _install._set_memory_fraction_fn(lambda f, d: memory_fraction(f, d))
@@ -147,6 +151,7 @@ def test_memory_fraction_round_trips_and_zero_allows_nothing():
     assert r["cap_after"] == 0 and r["p"]
 
 
+@needs_test_hooks
 def test_accelerator_stats_are_torch_cuda_stats():
     pytest.importorskip("torch")  # torch.accelerator's hook is only ever called by torch
     r = run_py("""
@@ -170,6 +175,7 @@ def test_accelerator_stats_are_torch_cuda_stats():
     assert r["after"]["current"] == 0 and r["after"]["freed"] == 1024
 
 
+@needs_test_hooks
 def test_history_skip_actions_and_clear_history():
     r = run_py("""
         _viz.record_torch_history("all", "all", "python", 1000, False, False, False, ["free_requested"])
@@ -264,6 +270,7 @@ def test_restoring_a_pools_checkpoint_gives_back_its_segments_as_they_were():
         h.pool_release(pool)
 
 
+@needs_test_hooks
 def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_against_the_cap():
     # torch.cuda.MemPool(allocator): the pool's memory comes from the allocator's two functions, in
     # segments sized as torch's (20 MiB for 1 to 10 MiB, 2 MiB for a small request), reused by the
@@ -349,6 +356,7 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
     assert r["errors"] == 0
 
 
+@needs_test_hooks
 def test_a_pool_over_another_allocator_gives_nothing_back_while_a_capture_may_run():
     # the other allocator's free may synchronise (cudaFree): while any pool is routed to (torch counts
     # each as a possible CUDA graph capture) an ended pool's segments stay, and go at the next chance
@@ -397,6 +405,7 @@ def test_a_mempool_takes_only_an_allocator_it_can_call_and_never_gpumem_itself()
         del _pools._pluggable[id(stranger)]
 
 
+@needs_test_hooks
 def test_counters_mean_what_torchs_mean():
     """num_ooms counts each out-of-memory exception once (torch's path tries twice before it
     raises), a request over the cap included; num_alloc_retries counts only allocations that
@@ -427,6 +436,7 @@ def test_counters_mean_what_torchs_mean():
     assert r["two"]["num_ooms"] == 2 and r["two"]["num_alloc_retries"] == 1
 
 
+@needs_test_hooks
 def test_trace_entries_carry_the_compiled_region_they_were_recorded_in(tmp_path):
     """_record_memory_history(..., compile_context=True): each trace entry's compile_context is
     the innermost "Torch-Compiled Region" running (a stack, as torch's allocator keeps it), "N/A"
@@ -472,3 +482,17 @@ def test_trace_entries_carry_the_compiled_region_they_were_recorded_in(tmp_path)
         6: "Torch-Compiled Region: 0/0",
         7: "N/A",
     }
+
+
+def test_the_explanation_is_switched_on_and_off_in_c():
+    r = run_py("""
+        plain = _C._torch_format_oom(0, 1 << 40)
+        _C._torch_explain_oom(True)
+        explained = _C._torch_format_oom(0, 1 << 40)
+        _C._torch_explain_oom(False)
+        out(plain=plain, explained=explained, again=_C._torch_format_oom(0, 1 << 40))
+    """)
+    line = r["plain"]
+    assert line.startswith("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has") and "\n" not in line
+    assert r["explained"].startswith(line + "\n") and "What to do:" in r["explained"]
+    assert r["again"] == line

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 
-from helpers import TORCH_BOUNDARY, run_python
+from helpers import TORCH_BOUNDARY, needs_test_hooks, run_python
 
 torch = pytest.importorskip("torch")
 
@@ -79,6 +79,7 @@ def test_without_the_cpp_allocator_install_keeps_the_pluggable_one_and_warns_onc
     assert not w
 
 
+@needs_test_hooks
 def test_the_hooks_the_cpp_allocator_calls_answer_as_torch_would():
     """What allocator.cpp's recordHistory, isHistoryEnabled, snapshot, setUserMetadata and
     pushCompileContext reach, on a simulated device behind torch's heap of device 0."""
@@ -129,6 +130,7 @@ def test_the_hooks_the_cpp_allocator_calls_answer_as_torch_would():
     assert "free_completed" in r["actions"] and "free_requested" not in r["actions"]  # skip_actions
 
 
+@needs_test_hooks
 def test_the_statistics_the_cpp_allocator_reads_are_memory_stats_in_torchs_order():
     """gpumem_torch_device_stats fills torch's DeviceStats order (csrc/python/torch_alloc.h);
     gpumem_torch_reset_stats resets peaks (1) and accumulated figures (2)."""

@@ -12,7 +12,7 @@ the same through torch on a GPU.
 
 import pytest
 
-from helpers import TORCH_BOUNDARY, run_python
+from helpers import TORCH_BOUNDARY, needs_test_hooks, run_python
 
 PRELUDE = (
     """
@@ -298,6 +298,7 @@ def test_timeline_is_bounded_and_answers_for_times_before_its_window():
     assert tl.at(t0) == oldest_kept - 1
 
 
+@needs_test_hooks
 def test_torch_profiler_sees_allocations_and_frees():
     torch = pytest.importorskip("torch")
     if torch.version.cuda:

@@ -1,7 +1,7 @@
 """The visibility layer on the torch path, checked without a GPU.
 
 The torch allocation path itself needs CUDA (tests/gpu/test_gpu_torch.py); here the
-two C hooks it is given (csrc/python/torch_viz.c, history_glue.c) are called
+two C hooks it is given (csrc/python/oom_glue.c, history_glue.c) are called
 directly through ctypes -- a CFUNCTYPE call releases the GIL, as torch's op
 bindings do before they allocate -- with a sim heap standing in for the CUDA
 heap, and the routing of torch's memory API is called as torch would call it.
@@ -14,6 +14,7 @@ import threading
 import pytest
 
 import gpumem
+from helpers import TEST_HOOKS, needs_test_hooks
 from gpumem import _C
 from gpumem.torch import _install, _viz as _torch_viz
 from gpumem import torch as gt
@@ -66,9 +67,11 @@ FORMATTER_ARGS = (
     ctypes.c_char_p,
     ctypes.c_size_t,
 )
+# The C hooks' addresses come from a test hook (a build with GPUMEM_TEST_HOOKS=1).
+VIZ_HOOKS = _C._torch_viz_hooks() if TEST_HOOKS else {"oom_formatter": 0, "context": 0}
 # CFUNCTYPE calls release the GIL (torch's bindings do); PYFUNCTYPE ones keep it.
-no_gil_formatter = ctypes.CFUNCTYPE(*FORMATTER_ARGS)(_C._torch_viz_hooks()["oom_formatter"])
-gil_formatter = ctypes.PYFUNCTYPE(*FORMATTER_ARGS)(_C._torch_viz_hooks()["oom_formatter"])
+no_gil_formatter = ctypes.CFUNCTYPE(*FORMATTER_ARGS)(VIZ_HOOKS["oom_formatter"])
+gil_formatter = ctypes.PYFUNCTYPE(*FORMATTER_ARGS)(VIZ_HOOKS["oom_formatter"])
 
 
 def call_formatter(info, procs=None, buflen=16384, fn=no_gil_formatter):
@@ -107,6 +110,7 @@ def oom_heap(monkeypatch):
 # ---- the OOM formatter -------------------------------------------------------------------
 
 
+@needs_test_hooks
 def test_formatter_writes_the_core_line_then_the_report(oom_heap):
     h, seen = oom_heap
     info = h.last_oom()
@@ -121,6 +125,7 @@ def test_formatter_writes_the_core_line_then_the_report(oom_heap):
     assert "PID 4242" in rest and "[other_processes]" in rest
 
 
+@needs_test_hooks
 def test_formatter_reports_what_private_pools_keep(oom_heap):
     h, _ = oom_heap
     info = dict(h.last_oom(), pool_live_bytes=5 * MiB, pool_free_bytes=96 * MiB)
@@ -130,6 +135,7 @@ def test_formatter_reports_what_private_pools_keep(oom_heap):
     assert "[private_pools]" not in call_formatter(h.last_oom())  # no pool holds anything here
 
 
+@needs_test_hooks
 def test_formatter_with_and_without_the_gil_agree(oom_heap):
     h, _ = oom_heap
     info = h.last_oom()
@@ -141,6 +147,7 @@ def test_formatter_with_and_without_the_gil_agree(oom_heap):
     assert got == [call_formatter(info)]
 
 
+@needs_test_hooks
 def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
     h, _ = oom_heap
     info = h.last_oom()
@@ -161,6 +168,7 @@ def test_formatter_keeps_the_line_when_the_report_fails(oom_heap, monkeypatch):
         _C._set_oom_formatter(previous)
 
 
+@needs_test_hooks
 def test_explain_oom_0_keeps_one_line(oom_heap, monkeypatch):
     h, _ = oom_heap
     info = h.last_oom()
@@ -169,6 +177,7 @@ def test_explain_oom_0_keeps_one_line(oom_heap, monkeypatch):
     assert call_formatter(info) == full.split("\n")[0]
 
 
+@needs_test_hooks
 def test_long_report_is_cut_at_a_line_end(oom_heap):
     h, _ = oom_heap
     info = h.last_oom()
@@ -182,12 +191,13 @@ def test_long_report_is_cut_at_a_line_end(oom_heap):
     assert full.startswith(body) and full[len(body)] == "\n" and body.startswith(line)
 
 
+@needs_test_hooks
 def test_formatter_registered_in_torch_path_does_not_recurse(oom_heap):
     """gm_torch_format_oom calls the registered formatter, which calls
     gm_torch_format_oom for the one line: the second call must write it."""
     h, _ = oom_heap
     info = h.last_oom()
-    gt.set_oom_formatter(_C._torch_viz_hooks()["oom_formatter"])
+    gt.set_oom_formatter(VIZ_HOOKS["oom_formatter"])
     try:
         text = call_formatter(info)
     finally:
@@ -198,13 +208,14 @@ def test_formatter_registered_in_torch_path_does_not_recurse(oom_heap):
 
 # ---- the stack hook ----------------------------------------------------------------------
 
-context_hook = ctypes.CFUNCTYPE(ctypes.c_uint64)(_C._torch_viz_hooks()["context"])
+context_hook = ctypes.CFUNCTYPE(ctypes.c_uint64)(VIZ_HOOKS["context"])
 
 
 def allocation_site():
     return context_hook()  # the GIL is released around this call
 
 
+@needs_test_hooks
 def test_stack_hook_takes_the_gil_back_in_python_threads():
     _C._stacks_enable(True)
     try:
@@ -226,7 +237,7 @@ def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
     from gpumem import _heaplike as _heap
 
     calls = []
-    monkeypatch.setattr(_C, "_torch_set_context_hook", lambda addr: calls.append(addr))
+    monkeypatch.setattr(_C, "_torch_stack_hook", lambda on: calls.append(on))
     monkeypatch.setattr(_heap, "_torch_hooks", {})
     h = gpumem.Heap(device="sim", capacity=GiB)
     try:
@@ -242,8 +253,7 @@ def test_stack_hook_is_set_and_cleared_only_with_torch_active(monkeypatch):
     finally:
         gpumem.record_history(False, device=h)
         h.close()
-    hook = _C._torch_viz_hooks()["context"]
-    assert calls[:3] == [hook, 0, 0]
+    assert calls[:3] == [True, False, False]
 
 
 # ---- which heap, and torch's memory API ---------------------------------------------------
@@ -317,3 +327,9 @@ def test_torch_trace_entries_carry_the_bytes_asked_for():
     assert [e["size"] for e in blocks] == [311 * 411 * 4] * 3
     # gpumem's own dumps keep the blocks' sizes, which its readers replay
     assert {e["size"] for e in own["device_traces"][0] if e["action"] == "alloc"} == {511488}
+
+
+def test_the_test_hooks_are_there_exactly_when_the_build_says_so():
+    # a build without GPUMEM_TEST_HOOKS=1 (what `pip install .` ships) has none of them
+    for name in ("_torch_test_alloc", "_test_hold_boundary_lock", "_torch_viz_hooks"):
+        assert hasattr(_C, name) is _C.TEST_HOOKS, name

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from helpers import REPO as _REPO, TORCH_BOUNDARY
+from helpers import REPO as _REPO, TORCH_BOUNDARY, needs_test_hooks
 
 REPO = str(_REPO)
 
@@ -210,6 +210,7 @@ BOUNDARY = (
 )
 
 
+@needs_test_hooks
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 @pytest.mark.parametrize("lock", ["slot", "options", "pools"])
 def test_fork_while_another_thread_holds_a_torch_boundary_lock(tmp_path, lock):
@@ -296,7 +297,7 @@ def test_exit_with_live_torch_blocks_history_and_busy_threads(tmp_path):
         """
         _C.registry_history_enable(1000)
         _C._stacks_enable(True)
-        _C._torch_set_context_hook(_C._torch_viz_hooks()["context"])   # as gpumem.torch does
+        _C._torch_stack_hook(True)   # as gpumem.torch does
         live_blocks = [alloc(5 * MiB, 0, None) for _ in range(8)]
         assert begin(0, 3, 0, ANY) == 0
 

@@ -210,3 +210,24 @@ def test_the_core_reads_the_conf_text():
         with pytest.raises(ValueError) as e:
             _C.parse_conf(text, ("a", "b"), "SRC")
         assert str(e.value) == message
+
+
+def test_option_and_statistic_names_have_one_home_in_c():
+    from gpumem import _heap
+
+    assert _install.OPTION_NAMES is _C.OPTION_NAMES and "cap" in _C.OPTION_NAMES and "oom" in _C.OPTION_NAMES
+    with pytest.raises(ValueError, match=r"unknown gpumem option\(s\) colour \(known: " + ", ".join(_C.OPTION_NAMES)):
+        normalize_options({"colour": 1})
+    # torch's "{name}.{pool}.{field}" statistics: a heap's keys are made from the names C exports
+    h = gpumem.Heap(device="sim", capacity=GiB)
+    try:
+        pooled = {k for k in h.stats() if k.count(".") == 2}
+    finally:
+        h.close()
+    names = _C.POOLED_STAT_NAMES
+    assert pooled == {f"{n}.{p}.{f}" for n in names for p in _C.STAT_POOLS for f in _C.STAT_FIELDS}
+    assert set(_install._zero_stats()) == pooled | set(_C.COUNTER_NAMES)
+    # the history bound install() checks is the one the Python layers read
+    assert _heap.MAX_HISTORY == _C.MAX_HISTORY
+    with pytest.raises(OptionError, match=rf"history must lie in \[0, {_C.MAX_HISTORY}\]"):
+        normalize_options({"history": _C.MAX_HISTORY + 1})

@@ -11,7 +11,7 @@ process ends.
 
 import pytest
 
-from helpers import run_torch_sim as run_py  # a fresh interpreter, a sim device behind device 0, torch's entry points
+from helpers import needs_test_hooks, run_torch_sim as run_py  # a fresh interpreter, a sim device behind device 0, torch's entry points
 
 import gpumem
 from gpumem import _C
@@ -72,6 +72,7 @@ def test_deleting_a_borrowed_heap_leaves_torchs_heap_working():
     assert r["end"] == 0 and r["devices"] == [0]
 
 
+@needs_test_hooks
 def test_borrowed_heap_methods_act_on_the_registry():
     r = run_py("""
         h = _C.registry_heap(0)

@@ -297,6 +297,7 @@ int gm_heap_registry_processes(int device, gm_proc_usage *out, size_t cap, size_
     return rc;
 }
 
+#ifdef GM_TEST_HOOKS
 int gm_heap_registry_test_lock(int which, int device, int take) {
     pthread_mutex_t *mu = which == GM_HEAP_REGISTRY_LOCK_OPTIONS                                  ? &opts_mu
                           : which == GM_HEAP_REGISTRY_LOCK_SLOT && gm_heap_registry_valid(device) ? &slots[device].mu
@@ -308,3 +309,4 @@ int gm_heap_registry_test_lock(int which, int device, int take) {
         pthread_mutex_unlock(mu);
     return GM_OK;
 }
+#endif

@@ -1,7 +1,7 @@
 /*
  * heap_registry.h -- the process-wide heap registry: one heap per device
  * ordinal, shared by every framework in the process.  torch's allocations
- * (torch_alloc.cpp), CuPy's and Numba's (shared_glue.c) and the Heap objects
+ * (torch_alloc.cpp), CuPy's and Numba's (registry_glue.c) and the Heap objects
  * that borrow a device's heap (module.c, _C.registry_heap) all reach the same
  * heap through here.
  *
@@ -90,9 +90,9 @@ void gm_heap_registry_empty_cache(void);
  * calls made outside the heap.  GM_EINVAL without a heap there. */
 int gm_heap_registry_processes(int device, gm_proc_usage *out, size_t cap, size_t *n);
 
-/* Test hook (tests/unit/test_fork.py): take (take != 0) or release one of the
- * registry's locks, `which` below (device: whose slot).  GM_EINVAL for a bad
- * argument. */
+/* Test hook (tests/unit/test_fork.py; built with GM_TEST_HOOKS only): take (take != 0)
+ * or release one of the registry's locks, `which` below (device: whose slot).
+ * GM_EINVAL for a bad argument. */
 enum {
     GM_HEAP_REGISTRY_LOCK_SLOT = 0,
     GM_HEAP_REGISTRY_LOCK_OPTIONS = 1

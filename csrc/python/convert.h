@@ -1,13 +1,13 @@
 /*
- * common.h -- pieces the Python glue files share: dict building, the
+ * convert.h -- the core's values as Python objects, shared by the glue files: dict building, the
  * torch-style stats dict, the out-of-memory report as a dict, history and
- * snapshot blocks as lists, and the byte formatting used in error messages.
+ * snapshot blocks as lists (the out-of-memory text is oom_glue.h's).
  *
- * Plain C (common.c); C++ callers (torch_alloc.cpp) get the declarations with
+ * Plain C (convert.c); C++ callers (torch_alloc.cpp) get the declarations with
  * C linkage through the extern "C" block below.
  */
-#ifndef GPUMEM_PY_COMMON_H
-#define GPUMEM_PY_COMMON_H
+#ifndef GPUMEM_PY_CONVERT_H
+#define GPUMEM_PY_CONVERT_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,7 +36,8 @@ PyObject *gm_py_stats_dict(const gm_stats *s);
 /* "GM_ENOMEM" for GM_ENOMEM, from the one list (GM_EACH_ERROR). */
 const char *gm_py_code_name(int code);
 /* Export the name lists to Python: ERROR_NAMES {code: name}, POOLED_STAT_NAMES
- * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists). */
+ * and COUNTER_NAMES (tuples, in the order of gpumem.h's lists), STAT_POOLS and
+ * STAT_FIELDS (the pools and fields of torch's "{name}.{pool}.{field}"). */
 int gm_py_add_name_lists(PyObject *m);
 /* Add m.attr = a tuple of the n strings in names.  0, or -1 with an exception set. */
 int gm_py_add_str_tuple(PyObject *m, const char *attr, const char *const *names, size_t n);
@@ -87,35 +88,6 @@ PyObject *gm_py_procs_list(const gm_proc_usage *p, long n);
 /* A function's address as a Python int: what torch's hook setters take.  New
  * reference or NULL. */
 PyObject *gm_py_fn_address(void (*fn)(void));
-
-/* n bytes as "512 B", "1.50 KiB", ... "2.00 PiB": all byte counts in
- * messages go through here. */
-void gm_fmt_bytes(char *buf, size_t len, uint64_t n);
-
-/* n bytes as torch's messages write them: "1024 bytes", "1.50 KiB", "2.00 MiB",
- * then GiB however large ("800000000.00 GiB"). */
-void gm_fmt_torch_bytes(char *buf, size_t len, uint64_t n);
-
-/* The byte counts an out-of-memory message names, formatted by gm_fmt_bytes. */
-typedef struct gm_oom_sizes {
-    char request[32], device_total[32], device_free[32], live[32], reserved[32], cached[32], pending[32], largest[32],
-        cap[32];
-} gm_oom_sizes;
-
-void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
-
-/* The first sentences of every out-of-memory message (the one-line message;
- * gm_py_oom_message, oom_glue.h, adds gpumem's explanation after them):
- *   "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ... "
- * `gpu` >= 0 names torch's device (allocations then count as PyTorch's, the
- * first two sentences are torch's own, sizes in torch's units, and the memory
- * other processes hold follows, from the device's process list: n_procs < 0
- * when unknown); -1 is a gpumem.Heap ("The device has a total capacity of
- * ...").  `failed`: the device's last reason (NULL: none given), said when a
- * device call failed, or why the process list is unknown.  Writes at most len
- * bytes (NUL-terminated); returns the length. */
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
-                   const char *failed);
 
 #ifdef __cplusplus
 }

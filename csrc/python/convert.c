@@ -1,7 +1,7 @@
 /*
- * common.c -- what the Python glue files and torch_alloc.cpp share (common.h).
+ * convert.c -- the core's values as Python objects, what the glue files and torch_alloc.cpp share (convert.h).
  */
-#include "common.h"
+#include "convert.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -24,9 +24,11 @@ int gm_py_put_u64(PyObject *d, const char *key, uint64_t v) {
 
 int gm_py_put_i64(PyObject *d, const char *key, int64_t v) { return gm_py_put(d, key, PyLong_FromLongLong(v)); }
 
+/* torch's statistics are "{name}.{pool}.{field}": these pools and fields (STAT_POOLS, STAT_FIELDS). */
+static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
+static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
+
 PyObject *gm_py_stats_dict(const gm_stats *s) {
-    static const char *const pools[GM_POOL__COUNT] = {"all", "small_pool", "large_pool"};
-    static const char *const fields[4] = {"current", "peak", "allocated", "freed"};
     const struct {
         const char *name;
         const gm_stat *arr;
@@ -230,119 +232,6 @@ PyObject *gm_py_fn_address(void (*fn)(void)) {
     return PyLong_FromUnsignedLongLong((unsigned long long)a);
 }
 
-void gm_fmt_bytes(char *buf, size_t len, uint64_t n) {
-    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-    if (n < 1024) {
-        snprintf(buf, len, "%" PRIu64 " B", n);
-        return;
-    }
-    double v = (double)n / 1024.0;
-    size_t u = 0;
-    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
-        v /= 1024.0;
-        u++;
-    }
-    snprintf(buf, len, "%.2f %s", v, units[u]);
-}
-
-/* torch's own rule (c10's format_size): "N bytes" up to 1 KiB, then KiB up to
- * 1 MiB, MiB up to 1 GiB, and GiB above, each bound inclusive. */
-void gm_fmt_torch_bytes(char *buf, size_t len, uint64_t n) {
-    if (n <= 1024)
-        snprintf(buf, len, "%" PRIu64 " bytes", n);
-    else if (n <= ((uint64_t)1 << 20))
-        snprintf(buf, len, "%.2f KiB", (double)n / 1024.0);
-    else if (n <= ((uint64_t)1 << 30))
-        snprintf(buf, len, "%.2f MiB", (double)n / 1048576.0);
-    else
-        snprintf(buf, len, "%.2f GiB", (double)n / 1073741824.0);
-}
-
-void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out) {
-    gm_fmt_bytes(out->request, sizeof out->request, o->request);
-    gm_fmt_bytes(out->device_total, sizeof out->device_total, o->device_total);
-    gm_fmt_bytes(out->device_free, sizeof out->device_free, o->device_free);
-    gm_fmt_bytes(out->live, sizeof out->live, o->live_bytes);
-    gm_fmt_bytes(out->reserved, sizeof out->reserved, o->reserved_bytes);
-    gm_fmt_bytes(out->cached, sizeof out->cached, o->cached_bytes);
-    gm_fmt_bytes(out->pending, sizeof out->pending, o->pending_bytes);
-    gm_fmt_bytes(out->largest, sizeof out->largest, o->largest_possible);
-    gm_fmt_bytes(out->cap, sizeof out->cap, o->cap_bytes);
-}
-
-/* What other processes hold, from the device's process list (this process left
- * out; n_procs < 0: unknown, `why` says why): "1.00 GiB (pid 7: 1.00 GiB)". */
-static void others_text(char *out, size_t len, const gm_proc_usage *procs, long n_procs, const char *why) {
-    if (n_procs < 0) {
-        snprintf(out, len, "unknown (%s)", why && why[0] ? why : "no process list");
-        return;
-    }
-    uint64_t sum = 0;
-    char list[256] = "";
-    size_t used = 0;
-    int shown = 0;
-    uint32_t self = (uint32_t)getpid();
-    for (long i = 0; i < n_procs; i++) {
-        if (procs[i].pid == self) continue;
-        sum += procs[i].bytes;
-        if (shown < 4 && used < sizeof list) {
-            char b[32];
-            gm_fmt_bytes(b, sizeof b, procs[i].bytes);
-            int w = snprintf(list + used, sizeof list - used, "%spid %u: %s", shown ? ", " : "", procs[i].pid, b);
-            if (w > 0) used += (size_t)w;
-            shown++;
-        }
-    }
-    char s[32];
-    gm_fmt_bytes(s, sizeof s, sum);
-    if (shown)
-        snprintf(out, len, "%s (%s)", s, list);
-    else
-        snprintf(out, len, "%s", s);
-}
-
-size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
-                   const char *failed) {
-    if (!len) return 0;
-    gm_oom_sizes z;
-    gm_oom_sizes_format(o, &z);
-    char device[160];
-    if (gpu >= 0) {
-        /* torch's first sentence, word for word and in torch's units, so that code
-         * and people matching torch's message keep working; gpumem's figures follow. */
-        gm_fmt_torch_bytes(z.request, sizeof z.request, o->request);
-        gm_fmt_torch_bytes(z.device_total, sizeof z.device_total, o->device_total);
-        gm_fmt_torch_bytes(z.device_free, sizeof z.device_free, o->device_free);
-    }
-    if (!o->device_total)
-        snprintf(device, sizeof device, "The device's memory is unknown.");
-    else if (gpu >= 0)
-        snprintf(device, sizeof device, "GPU %d has a total capacity of %s of which %s is free.", gpu, z.device_total,
-                 z.device_free);
-    else
-        snprintf(device, sizeof device, "The device has a total capacity of %s of which %s is free.", z.device_total,
-                 z.device_free);
-    char others[320], other[400] = "", fail[400] = "";
-    if (gpu >= 0) {
-        others_text(others, sizeof others, procs, n_procs, failed);
-        snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
-    }
-    if (o->device_error != GM_OK)
-        snprintf(fail, sizeof fail, " A device call failed: %s (%s: %s).", gm_strerror(o->device_error),
-                 gm_py_code_name(o->device_error), failed && failed[0] ? failed : "no detail");
-    int w = snprintf(buf, len,
-                     "CUDA out of memory. Tried to allocate %s. %s This process has %s allocated%s, %s reserved "
-                     "by gpumem (%s cached, %s waiting for other streams), under a cap of %s. The largest block "
-                     "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s",
-                     z.request, device, z.live, gpu >= 0 ? " by PyTorch (gpumem)" : "", z.reserved, z.cached, z.pending,
-                     z.cap, z.largest, other, fail);
-    if (w < 0) {
-        buf[0] = '\0';
-        return 0;
-    }
-    return (size_t)w < len ? (size_t)w : len - 1;
-}
-
 PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state) {
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
@@ -417,7 +306,9 @@ int gm_py_add_name_lists(PyObject *m) {
     static const char *const counters[] = {GM_EACH_COUNTER(STR_ITEM) GM_EACH_SETTING(STR_ITEM)};
 #undef STR_ITEM
     if (gm_py_add_str_tuple(m, "POOLED_STAT_NAMES", pooled, sizeof pooled / sizeof pooled[0]) < 0 ||
-        gm_py_add_str_tuple(m, "COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]) < 0)
+        gm_py_add_str_tuple(m, "COUNTER_NAMES", counters, sizeof counters / sizeof counters[0]) < 0 ||
+        gm_py_add_str_tuple(m, "STAT_POOLS", pools, GM_POOL__COUNT) < 0 ||
+        gm_py_add_str_tuple(m, "STAT_FIELDS", fields, sizeof fields / sizeof fields[0]) < 0)
         return -1;
     return 0;
 }

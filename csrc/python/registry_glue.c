@@ -1,5 +1,5 @@
 /*
- * shared_glue.c -- the process-wide heap registry (heap_registry.h) from
+ * registry_glue.c -- the process-wide heap registry (heap_registry.h) from
  * Python: the heaps torch's, CuPy's and Numba's allocations share, so that one
  * process has one heap per GPU, one cap, one empty_cache and one snapshot
  * whichever library asked.
@@ -17,7 +17,7 @@
  *       failed try mapped are given back).  The caller words the error:
  *       gpumem.explain has the heap's last_oom.
  *
- * `context` is stored with the block; gpumem/_shared.py puts the framework's
+ * `context` is stored with the block; gpumem/_backend.py puts the framework's
  * tag in its bits 55..62 (GM_CTX_FRAMEWORK_MASK, history_glue.h) and the
  * caller's stack id in the rest.  The GIL is released around every call into
  * the core that may wait for the device.
@@ -26,12 +26,12 @@
 
 #include <stdint.h>
 
-#include "common.h"
+#include "convert.h"
 #include "config_glue.h"
 #include "heap_registry.h"
 #include "history_glue.h"
 
-int gm_shared_glue_add(PyObject *module);
+int gm_registry_glue_add(PyObject *module);
 
 /* The heap of `device`, created now if need be; NULL with a RuntimeError set:
  * the registry's reason. */
@@ -200,4 +200,4 @@ static PyMethodDef shared_methods[] = {
     {.ml_name = NULL},
 };
 
-int gm_shared_glue_add(PyObject *module) { return PyModule_AddFunctions(module, shared_methods); }
+int gm_registry_glue_add(PyObject *module) { return PyModule_AddFunctions(module, shared_methods); }
