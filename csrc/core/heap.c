@@ -311,13 +311,15 @@ static int heap_tables(gm_heap *h, size_t total) {
     h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
     h->page_growth = calloc(h->n_pages, sizeof *h->page_growth);
     h->parked = calloc(h->n_pages, 1);
+    h->host = calloc(h->n_pages, 1);
     h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    int rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->loose ||
-              !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
-                 ? GM_ENOMEM
-                 : GM_OK;
+    int rc =
+        (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->host || !h->loose ||
+         !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
+            ? GM_ENOMEM
+            : GM_OK;
     if (rc) {
         create_failed(dev, rc, "host memory for the heap's tables");
     } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
@@ -388,6 +390,8 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->growth_slack_pages = cfg.growth_slack_pages;
     h->chunk_pages = cfg.chunk_pages;
     h->pressure = cfg.pressure;
+    h->spill_pages = cfg.spill / page;
+    h->spill_choice = (int)cfg.spill_choice;
     size_t va = cfg.va_size ? h_align_up(cfg.va_size, page) : h_align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;
@@ -414,7 +418,8 @@ void gm_heap_destroy(gm_heap *h) {
     if (host_only) {
         for (size_t i = 0; i < h->n_owners; i++) h->owners[i]->releasing = 0;
         for (gm_block *b = h->pending_head; b; b = b->lnext) b->n_uses = 0;
-        h->n_pages = h->n_spare = h->n_loose = h->n_event_pool = 0;
+        h->n_pages = h->n_spare = h->n_loose = h->n_event_pool = h->n_host_loose = 0;
+        h->scratch = 0;
         h->va_size = 0;
     }
     if (h->page_handle && h->chunk_len) {
@@ -441,6 +446,7 @@ void gm_heap_destroy(gm_heap *h) {
         free(p);
     }
     free(h->pools);
+    h_spill_free(h);
     if (h->va_size && h->base) dev->ops->unreserve(dev, h->base, h->va_size);
     for (gm_block *b = h->head; b; b = b->next) {
         free(b->uses);
@@ -559,7 +565,7 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     }
     h->no_sync = h->capture_count > 0;
     h->alloc_flags = flags;
-    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
+    if (rsize > h->va_size || (rsize > h->cap_pages * h->page && !h->spill_pages)) {
         rc = h_out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
@@ -580,6 +586,7 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     if (!b) {
         if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
         if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at, &reach))) goto done;
+        if (h->spill_whole) rsize = h->spill_whole, h->spill_whole = 0; /* host pages: whole ones */
     }
     if (pool && pool->no_split && b->pool == pool) at = b->addr, rsize = b->size; /* the whole free block */
     b = carve(h, b, at, rsize);
@@ -651,7 +658,13 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
         pthread_mutex_unlock(&h->lock);
         return rc;
     }
-    h_free_block(h, b);
+    if (h->host_pages) { /* spilled: return what the device has room for (spill.c) */
+        int on_host = h_on_host(h, b);
+        h_free_block(h, b);
+        h_spill_after_free(h, on_host);
+    } else {
+        h_free_block(h, b);
+    }
     pthread_mutex_unlock(&h->lock);
     return GM_OK;
 }
@@ -714,6 +727,7 @@ static int trim(gm_heap *h, size_t target) {
 int gm_empty_cache(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     int rc = trim(h, 0);
+    h_unspill(h);     /* what is spilled comes back if it can (gm_unspill tells why not) */
     h_owners_trim(h); /* the streams whose memory went */
     pthread_mutex_unlock(&h->lock);
     return rc;

@@ -80,7 +80,9 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o) {
         gm_py_put_i64(d, "device_error", o->device_error) < 0 ||
         gm_py_put_u64(d, "pool_live_bytes", o->pool_live_bytes) < 0 ||
         gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0 ||
-        gm_py_put_u64(d, "chunk_locked_bytes", o->chunk_locked_bytes) < 0) {
+        gm_py_put_u64(d, "chunk_locked_bytes", o->chunk_locked_bytes) < 0 ||
+        gm_py_put_u64(d, "spilled_bytes", o->spilled_bytes) < 0 ||
+        gm_py_put_u64(d, "spill_limit", o->spill_limit) < 0 || gm_py_put_i64(d, "spill_error", o->spill_error) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -114,8 +116,8 @@ double gm_py_monotonic_s(void) {
 }
 
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
-    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map", "unmap", "remap",
-                                        "oom",   "empty_cache"};
+    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",    "unmap", "remap",
+                                        "oom",   "empty_cache",    "spill",          "unspill"};
     size_t cap = gm_history_len(h);
     gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
     if (buf == NULL) return PyErr_NoMemory();
@@ -301,6 +303,24 @@ static void others_text(char *out, size_t len, const gm_proc_usage *procs, long 
         snprintf(out, len, "%s", s);
 }
 
+/* " 2.0 GiB is spilled to host memory, the most spill allows (limit 2.0 GiB).":
+ * the OOM text's sentence on spill; empty with spill off. */
+void gm_oom_spill_text(char *buf, size_t len, const gm_oom_info *o) {
+    char now[32], lim[32];
+    buf[0] = '\0';
+    if (!o->spill_limit) return;
+    gm_fmt_bytes(now, sizeof now, o->spilled_bytes);
+    gm_fmt_bytes(lim, sizeof lim, o->spill_limit);
+    if (o->spill_error == GM_ECAPTURING)
+        snprintf(buf, len, " %s is spilled to host memory (limit %s); spill is off during a CUDA graph capture.", now,
+                 lim);
+    else if (o->spill_error == GM_ENOTSUP)
+        snprintf(buf, len, " Spill is on (limit %s) but this device cannot map host memory.", lim);
+    else
+        snprintf(buf, len, " %s is spilled to host memory (limit %s)%s.", now, lim,
+                 o->spill_error == GM_EDEVICE ? "; spilling more failed in a device call" : "");
+}
+
 size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
                    const char *failed) {
     if (!len) return 0;
@@ -322,7 +342,7 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const g
     else
         snprintf(device, sizeof device, "The device has a total capacity of %s of which %s is free.", z.device_total,
                  z.device_free);
-    char others[320], other[400] = "", fail[400] = "";
+    char others[320], other[400] = "", fail[400] = "", spill[200] = "";
     if (gpu >= 0) {
         others_text(others, sizeof others, procs, n_procs, failed);
         snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
@@ -330,12 +350,13 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const g
     if (o->device_error != GM_OK)
         snprintf(fail, sizeof fail, " A device call failed: %s (%s: %s).", gm_strerror(o->device_error),
                  gm_py_code_name(o->device_error), failed && failed[0] ? failed : "no detail");
+    gm_oom_spill_text(spill, sizeof spill, o);
     int w = snprintf(buf, len,
                      "CUDA out of memory. Tried to allocate %s. %s This process has %s allocated%s, %s reserved "
                      "by gpumem (%s cached, %s waiting for other streams), under a cap of %s. The largest block "
-                     "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s",
+                     "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s%s",
                      z.request, device, z.live, gpu >= 0 ? " by PyTorch (gpumem)" : "", z.reserved, z.cached, z.pending,
-                     z.cap, z.largest, other, fail);
+                     z.cap, z.largest, spill, other, fail);
     if (w < 0) {
         buf[0] = '\0';
         return 0;
@@ -354,6 +375,7 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
         gm_py_put(d, "growth",
                   PyBytes_FromStringAndSize((const char *)snap->growth,
                                             (Py_ssize_t)(snap->n_pages * sizeof *snap->growth))) < 0 ||
+        gm_py_put(d, "host", PyBytes_FromStringAndSize((const char *)snap->host, (Py_ssize_t)snap->n_pages)) < 0 ||
         gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0) {
         Py_DECREF(d);
         return NULL;

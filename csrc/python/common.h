@@ -116,6 +116,9 @@ void gm_oom_sizes_format(const gm_oom_info *o, gm_oom_sizes *out);
  * bytes (NUL-terminated); returns the length. */
 size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
                    const char *failed);
+/* The OOM text's sentence on spill (what is spilled, the limit, why no more),
+ * with a leading space; empty when spill is off. */
+void gm_oom_spill_text(char *buf, size_t len, const gm_oom_info *o);
 
 #ifdef __cplusplus
 }

@@ -19,7 +19,17 @@ int gm_py_config_option(gm_config *cfg, gm_option opt, const char *keyword, PyOb
     } else if (gm_option_is_fraction(opt)) {
         fraction = PyFloat_AsDouble(value);
         if (fraction == -1.0 && PyErr_Occurred()) return -1;
-    } else if (opt == GM_OPT_VA_SIZE || opt == GM_OPT_CAP_BYTES) { /* bytes: "24GiB" too */
+    } else if (opt == GM_OPT_SPILL_CHOICE && PyUnicode_Check(value)) { /* "old" or "new" */
+        const char *v = PyUnicode_AsUTF8(value);
+        if (v == NULL) return -1;
+        count = !strcmp(v, "old") ? GM_SPILL_OLD : !strcmp(v, "new") ? GM_SPILL_NEW : (size_t)-1;
+        if (count == (size_t)-1) {
+            PyErr_Format(PyExc_ValueError, "spill_choice must be \"old\" or \"new\", got '%s'", v);
+            return -1;
+        }
+    } else if (opt == GM_OPT_SPILL && PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, "off") == 0) {
+        count = 0;                                                                        /* spill off, as 0 */
+    } else if (opt == GM_OPT_VA_SIZE || opt == GM_OPT_CAP_BYTES || opt == GM_OPT_SPILL) { /* bytes: "24GiB" too */
         if (gm_py_to_size_or_str(value, keyword, &count) < 0) return -1;
     } else if (gm_py_to_size(value, keyword, &count) < 0) {
         return -1;
