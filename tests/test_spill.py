@@ -249,6 +249,21 @@ def test_no_spill_during_a_capture():
         assert_ok(h)
 
 
+def test_a_free_during_a_capture_waits_to_give_host_pages_back():
+    with heap(choice="new") as h:
+        fill(h)
+        x = h.malloc(2 * PAGE)
+        h.capture_begin()
+        h.sim_set_capture(True)
+        h.free(x)  # no device wait, no unmap while the graph is captured
+        assert h.sim_capture_violations() == 0 and spilled(h) == 2 * PAGE
+        h.sim_set_capture(False)
+        h.capture_end()
+        assert_ok(h)
+        assert h.unspill() is True and spilled(h) == 0  # nothing live was there: unmapped
+        assert_ok(h)
+
+
 def test_unspill_during_a_capture_is_refused():
     with heap(choice="old") as h:
         fill(h)
@@ -300,3 +315,29 @@ def test_a_failing_device_call_while_returning_leaves_the_heap_whole(op):
         h.sim_fail(op, 0)
         assert h.unspill() is True and spilled(h) == 0
         assert_ok(h)
+
+
+# ---- options: install() and GPUMEM_CONF -------------------------------------------------
+
+
+def test_install_options_reach_the_registry():
+    from gpumem import _C
+    from gpumem.torch._install import OptionError, normalize_options, parse_conf
+
+    assert {"spill", "spill_choice"} <= set(parse_conf("spill:24GiB,spill_choice:new"))
+    kw = normalize_options(parse_conf("spill:24GiB,spill_choice:new"))
+    assert kw["spill"] == 24 << 30 and kw["spill_choice"] == "new"
+    assert normalize_options({"spill": "off"})["spill"] == 0
+    assert normalize_options({})["spill"] is None  # the core's default: off
+    with pytest.raises(OptionError, match='spill_choice must be "old" or "new"'):
+        normalize_options({"spill_choice": "largest"})
+    with pytest.raises(OptionError, match="spill"):
+        normalize_options({"spill": "lots"})
+    before = _C.registry_options()
+    assert before["spill"] == 0 and before["spill_choice"] == "old"
+    try:
+        _C.registry_configure(spill=kw["spill"], spill_choice="new")
+        assert _C.registry_options()["spill"] == 24 << 30 and _C.registry_options()["spill_choice"] == "new"
+    finally:
+        _C.registry_configure(spill=before["spill"], spill_choice=before["spill_choice"])
+    assert _C.registry_options() == before

@@ -660,8 +660,9 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
     }
     if (h->host_pages) { /* spilled: return what the device has room for (spill.c) */
         int on_host = h_on_host(h, b);
+        gm_stream s = b->stream;
         h_free_block(h, b);
-        h_spill_after_free(h, on_host);
+        h_spill_after_free(h, s, on_host);
     } else {
         h_free_block(h, b);
     }

@@ -381,7 +381,7 @@ int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block *
 void h_host_release(gm_heap *h, gm_handle hd, size_t k);
 int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at);
 int h_unspill(gm_heap *h);
-void h_spill_after_free(gm_heap *h, int touched_host);
+void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host);
 size_t h_host_kept(gm_heap *h);
 size_t h_host_kept_count(const gm_heap *h);
 void h_spill_free(gm_heap *h);

@@ -126,7 +126,7 @@ static int chunk_to_host(gm_heap *h, size_t p) {
     }
     if (!(rc = copy_out(h, gm_page_addr(h, p), k, host_hd))) rc = swap_in(h, p, k, dev_hd, host_hd);
     if (rc) { /* GM_ECORRUPT: it stays mapped somewhere, it cannot go */
-        if (rc != GM_ECORRUPT && h->dev->ops->release(h->dev, host_hd)) h->st.num_device_errors++;
+        if (rc != GM_ECORRUPT) h_host_release(h, host_hd, k);
         return rc;
     }
     h_chunk_clear(h, p, k);
@@ -226,8 +226,9 @@ static void drop_idle(gm_heap *h) {
         if (memchr(busy + c, 1, k)) continue;
         b = h_block_holding(b ? b : h->head, gm_page_addr(h, c));
         if (!gm_general_space(b) || b->state != GM_BLOCK_FREE || b->addr + b->size < gm_page_addr(h, c + k)) continue;
+        gm_block *anchor = b->prev ? b->prev : h->head; /* b may merge away: the record below stays */
         if (h_slab_reserve(h, 2) || h_unmap_pages(h, b, c, c + k, 0)) break;
-        b = NULL;
+        b = anchor;
     }
     free(busy);
 }
@@ -237,6 +238,15 @@ static void drop_idle(gm_heap *h) {
 static int cmp_seq(const void *x, const void *y) {
     const gm_block *a = *(gm_block *const *)x, *b = *(gm_block *const *)y;
     return a->seq < b->seq ? -1 : a->seq > b->seq;
+}
+
+/* Whether a block of a living pool touches a page of [p, p+k) (b: a block
+ * near it): its pages never move. */
+static int pinned_pages(gm_heap *h, gm_block *b, size_t p, size_t k) {
+    uintptr_t end = gm_page_addr(h, p + k);
+    for (b = h_block_holding(b, gm_page_addr(h, p)); b && b->addr < end; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b)) return 1;
+    return 0;
 }
 
 /* Live blocks of the general heap on device pages only, the oldest first
@@ -265,7 +275,7 @@ static size_t spill_oldest(gm_heap *h, size_t want, int *rc) {
         size_t p = gm_page_floor(h, v[i]->addr), e = gm_page_ceil(h, v[i]->addr + v[i]->size);
         for (p = gm_chunk_first(h, p); p < e && !*rc;) {
             size_t k = h->chunk_len[p], next = p + k;
-            if (!h->host[p] && !(*rc = chunk_to_host(h, p))) {
+            if (!h->host[p] && !pinned_pages(h, v[i], p, k) && !(*rc = chunk_to_host(h, p))) {
                 moved += k;
                 for (size_t q = p; q < next; q++) h->page_growth[q] = h->growth_seq;
             }
@@ -294,10 +304,11 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
         gm_handle hd;
         if ((rc = ops->create_host(h->dev, n, &hd))) break;
         uintptr_t va = gm_page_addr(h, p);
-        if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)))
-            ops->unmap(h->dev, va, n * h->page);
+        if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)) &&
+            unmap_retry(h, va, n))
+            return GM_ECORRUPT; /* mapped, inaccessible, and it will not go */
         if (rc) {
-            if (ops->release(h->dev, hd)) h->st.num_device_errors++;
+            h_host_release(h, hd, n);
             break;
         }
         h_chunk_set(h, p, n, hd, 1);
@@ -408,8 +419,8 @@ int gm_unspill(gm_heap *h) {
  * them while the device has room), and once what is live fits under the cap
  * with the device's free memory, everything comes back.  Not during a
  * capture: then at a later free, or gm_unspill. */
-void h_spill_after_free(gm_heap *h, int touched_host) {
-    if (h->capture_count > 0 || h_other_capture(h)) return;
+void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
+    if (h_capture_on(h, s) || h_other_capture(h)) return;
     /* Room: what live blocks touch (host pages too) fits under the cap, and
      * in what the heap holds and the device has free. */
     size_t kept = h->runs.live_pages, dfree = 0, total = 0;

@@ -31,6 +31,10 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     va_size             virtual address space to reserve per device (default 4 x device memory)
     history             keep the last N allocator events per device (0: off)
     oom                 "torch": raise torch.OutOfMemoryError (default); "runtime": RuntimeError
+    spill               host memory the heap may map behind its addresses once the device is full
+                        ("24GiB"; 0 or "off", the default: out of memory as before); see docs/spill.md
+    spill_choice        what goes to host memory: "old" (default), the pages of the oldest live
+                        tensors, moved behind the same addresses; "new", the request itself
 Keyword arguments override GPUMEM_CONF.
 
 Importing this module does not import torch; install() does.
@@ -56,6 +60,8 @@ OPTION_NAMES = (
     "va_size",
     "history",
     "oom",
+    "spill",
+    "spill_choice",
 )
 
 _POOLS = ("all", "small_pool", "large_pool")
@@ -167,6 +173,8 @@ def normalize_options(options):
         "page_size": 0,
         "history_entries": 0,
         "oom_mode": "torch",
+        "spill": None,
+        "spill_choice": None,
     }
     cap = options.get("cap")
     if cap not in (None, 0, "0", "none", ""):
@@ -204,6 +212,11 @@ def normalize_options(options):
         if not 0 <= v <= MAX_HISTORY:
             raise OptionError("history", options["history"], f"history must lie in [0, {MAX_HISTORY}]")
         kw["history_entries"] = v
+    spill = options.get("spill")
+    if spill is not None:
+        kw["spill"] = 0 if spill in (0, "0", "off", "") else _checked("spill", spill, _size(spill, "spill"))
+    if options.get("spill_choice") is not None:
+        kw["spill_choice"] = _checked("spill_choice", options["spill_choice"], str(options["spill_choice"]))
     if options.get("oom") is not None:
         if options["oom"] not in ("torch", "runtime"):
             raise OptionError("oom", options["oom"], "oom must be 'torch' or 'runtime'")
