@@ -269,7 +269,7 @@ def test_unspill_during_a_capture_is_refused():
         fill(h)
         h.malloc(PAGE)
         h.capture_begin()
-        with pytest.raises(Exception, match="capture"):
+        with pytest.raises(RuntimeError, match="GM_ECAPTURING"):
             h.unspill()
         h.capture_end()
         assert spilled(h) == 4 * PAGE

@@ -48,7 +48,9 @@
  *      behind the chosen range.  No bytes are copied and no live block moves;
  *      only free pages change address.  Then, if still short, grow to the cap.
  *   5. Out of memory only when the pages that live blocks touch plus the pages
- *      this request needs exceed the cap.  The failure leaves a report.
+ *      this request needs exceed the cap -- or, with spill on (SPILL), once
+ *      step 6 cannot serve it either.  The failure leaves a report.
+ *   6. Spill (opt-in): host-located pages behind the heap's own addresses.
  *   Each remap costs tens of microseconds, so steps 3-4 run only when the free
  *   index has nothing, and the growth limit keeps that rare in a steady loop.
  *
@@ -177,8 +179,8 @@
  *   gm_capture_begin/end, and asks the device (capture_status) whether the
  *   requesting stream captures; either way the operation runs with h->no_sync
  *   set.  Then the fast path is unchanged; pending blocks are not polled; the
- *   slow path skips step 1 (events) and step 4 (defragmentation) and grows up to
- *   the cap; out of memory otherwise, with spares kept (releasing them is
+ *   slow path skips step 1 (events), step 4 (defragmentation) and step 6
+ *   (spill: it copies) and grows up to the cap; out of memory otherwise, with spares kept (releasing them is
  *   forbidden too).  Pages whose access grant keeps failing then cannot be
  *   unmapped either: they are parked (gm_heap.parked), mapped and held but in
  *   unmapped space, where no block gets them, until no capture is on.  A free with record_stream uses records no event: the block
@@ -193,6 +195,42 @@
  *   every stream: a graph's capture stream may then reuse what others freed
  *   in its pool.
  *
+ * SPILL
+ *
+ *   With gm_config.spill, the device's end is not the heap's: host memory
+ *   that the device reads and writes through its own mappings (create_host)
+ *   is mapped behind the heap's addresses, up to the limit.  Host pages are
+ *   chunks like any other in the page tables (page_handle, chunk_off,
+ *   chunk_len) with a per-page flag (host) beside them; they count in
+ *   host_pages and spilled_bytes, never in mapped_pages, the held pages or
+ *   the cap, and never become spares.
+ *
+ *   page      | 10 | 11 | 12 | 13 | 14 | 15 | 16 | 17 |
+ *   handle    | H1 | H2 | X1 | X1 | H5 | -- | X2 | X2 |   X: host chunks
+ *   host      | 0  | 0  | 1  | 1  | 0  | 0  | 1  | 1  |
+ *   blocks    [A      ][B (old)  ][C ][unm][D (new)  ]
+ *
+ *   When steps 1-5 leave a request short (not during a capture: no copy or
+ *   device wait may run then, and the OOM says spill is off; never for a
+ *   private pool), spill_choice says what goes to the host.  "old" (B): after
+ *   a device wait, the chunks under the oldest live blocks (lowest alloc
+ *   sequence) are copied to new host chunks through a scratch range and take
+ *   their place behind the same addresses, until the request's shortfall
+ *   came free; the device's pages become spares and the request tries again.
+ *   Pages a neighbour shares move with it (the address does not change); a
+ *   chunk a living pool's block touches never moves.  "new" (D), and "old"
+ *   when moving freed nothing: the request itself gets whole host pages in
+ *   unmapped space.  Past the limit: out of memory, whose report says what
+ *   is spilled.
+ *
+ *   Return: host pages that hold nothing live or pending are unmapped as soon
+ *   as a free leaves them so (after a device wait), so that no later request
+ *   gets host memory while the device has room.  gm_unspill moves every live
+ *   host chunk back (a device chunk, the copy through the scratch range, the
+ *   mappings swapped); empty_cache calls it, and so does gm_free once what
+ *   live blocks touch fits under the cap with the device's free memory.  A
+ *   heap with nothing spilled pays one integer test per free for all this.
+ *
  * THE FILES
  *
  *   heap.c      this drawing; create and destroy; malloc and free as a ladder
@@ -203,11 +241,12 @@
  *   page.c      physical pages and chunks: creating, mapping, spares, giving back
  *   policy.c    room vs pressure: the growth limit and the room line
  *   place.c     placement: the run search, and backing the range it picks
- *   slow.c      the slow path and defragmentation
+ *   slow.c      the slow path and defragmentation, spill last
  *   report.c    the OOM report and the explanations' figures
  *   capture.c   stream capture
  *   pool.c      private pools
  *   pause.c     pausing and resuming a pool
+ *   spill.c     host pages behind the heap's addresses, and their return
  *   heap_internal.h declares what crosses files, grouped by the file that
  *   defines it; everything else is static to its file.  The free index
  *   (freeindex.h) and the run index (runindex.h) are the layer below.
