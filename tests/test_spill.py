@@ -341,3 +341,52 @@ def test_install_options_reach_the_registry():
     finally:
         _C.registry_configure(spill=before["spill"], spill_choice=before["spill_choice"])
     assert _C.registry_options() == before
+
+
+# ---- what spill costs when it is not needed ---------------------------------------------
+
+
+def device_calls(h):
+    return {op: h.sim_calls(op) for op in gpumem._C.DEVICE_OPS}
+
+
+def test_spill_on_with_room_makes_no_device_call():
+    with heap(choice="old") as h:
+        for _ in range(3):  # the working set's pages, once
+            h.free(h.malloc(5 * PAGE))
+        before = device_calls(h)
+        for _ in range(100):
+            blocks = [h.malloc(n * PAGE // 2) for n in (1, 3, 5)]
+            for b in blocks:
+                h.free(b)
+        assert device_calls(h) == before
+        assert h.stats()["num_spills"] == 0
+
+
+def test_frees_while_spilled_ask_the_device_nothing_until_there_is_room():
+    with heap(choice="old") as h:
+        blocks = fill(h)
+        h.malloc(6 * PAGE)
+        small = [h.malloc(512) for _ in range(4)]  # on the device's last spare pages
+        before = device_calls(h)
+        for b in small:
+            h.free(b)  # no host page, and live still needs more than the device: nothing to do
+        assert device_calls(h) == before
+        assert spilled(h) == 8 * PAGE
+        assert values(h, blocks[0]) == [0, 1, 2, 3]
+        assert_ok(h)
+
+
+def test_a_pending_block_on_host_pages_goes_when_its_stream_is_done():
+    with heap(choice="new") as h:
+        fill(h)
+        x = h.malloc(2 * PAGE)
+        side = 0x5000
+        h.record_stream(x, side)
+        h.sim_hold_stream(side, True)
+        h.free(x)  # pending: the side stream may still read it
+        assert spilled(h) == 2 * PAGE
+        assert_ok(h)
+        h.sim_hold_stream(side, False)
+        assert h.unspill() is True and spilled(h) == 0
+        assert_ok(h)

@@ -420,12 +420,14 @@ int gm_unspill(gm_heap *h) {
  * with the device's free memory, everything comes back.  Not during a
  * capture: then at a later free, or gm_unspill. */
 void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
-    if (h_capture_on(h, s) || h_other_capture(h)) return;
     /* Room: what live blocks touch (host pages too) fits under the cap, and
-     * in what the heap holds and the device has free. */
+     * in what the heap holds and the device has free.  The cheap half first:
+     * most frees stop here, with no device call. */
     size_t kept = h->runs.live_pages, dfree = 0, total = 0;
-    int room = kept + h->growth_slack_pages <= h->cap_pages && h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK &&
-               dfree / h->page + h_held_pages(h) >= kept;
+    int room = kept + h->growth_slack_pages <= h->cap_pages;
+    if (!touched_host && !room) return;
+    if (h_capture_on(h, s) || h_other_capture(h)) return;
+    room = room && h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && dfree / h->page + h_held_pages(h) >= kept;
     if (!touched_host && !room) return;
     if (h_synchronize(h, ANY)) return;
     drop_idle(h);
