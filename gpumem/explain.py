@@ -103,6 +103,8 @@ class Report:
     paused_pools: int = 0  # pools paused now (gpumem.pause): their pages are released
     paused_bytes: int = 0  # memory those pauses released (not reserved; resume takes it back)
     chunk_locked_bytes: int = 0  # cached, but in physical allocations of several pages blocks still use
+    spilled_bytes: int = 0  # live memory on host pages behind the heap's addresses (spill)
+    spill_limit: int = 0  # the most spill may map (0: spill is off)
     by_framework: dict = field(default_factory=dict)  # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
@@ -170,6 +172,10 @@ class Report:
                     self.pool_free_bytes,
                     "reusable only by their pool until it is released",
                 ),
+            )
+        if self.spilled_bytes:  # live, but not on the device
+            rows.insert(
+                2, ("  of which in host memory (spilled)", self.spilled_bytes, f"limit {_fs(self.spill_limit)}")
             )
         if self.chunk_locked_bytes:
             rows.append(
@@ -351,6 +357,8 @@ def _build(heap, info: dict, is_oom: bool, processes=_ASK) -> Report:
         largest_possible=int(info["largest_possible"]),
         pages_needed=int(info["pages_needed"]),
         chunk_locked_bytes=int(info.get("chunk_locked_bytes", 0)),
+        spilled_bytes=int(info.get("spilled_bytes", 0)),
+        spill_limit=int(info.get("spill_limit", 0)),
         page_size=page,
         processes=procs,
         self_pid=me,

@@ -390,3 +390,13 @@ def test_a_pending_block_on_host_pages_goes_when_its_stream_is_done():
         h.sim_hold_stream(side, False)
         assert h.unspill() is True and spilled(h) == 0
         assert_ok(h)
+
+
+def test_explain_says_what_is_spilled():
+    with heap(spill="4MiB", choice="new") as h:
+        fill(h)
+        h.malloc(2 * PAGE)
+        with pytest.raises(gpumem.OutOfMemoryError) as exc:
+            h.malloc(PAGE)
+        assert "of which in host memory (spilled)" in str(exc.value)
+        assert "limit 4.00 MiB" in str(exc.value)
