@@ -400,3 +400,16 @@ def test_explain_says_what_is_spilled():
             h.malloc(PAGE)
         assert "of which in host memory (spilled)" in str(exc.value)
         assert "limit 4.00 MiB" in str(exc.value)
+
+
+def test_history_of_a_request_placed_on_host_pages():
+    with heap(choice="new") as h:
+        fill(h)
+        h.history_enable(1000)
+        x = h.malloc(2 * PAGE)
+        h.free(x)
+        events = [
+            (e[1], e[2], e[3]) for e in h.history()[0] if e[1] not in ("alloc", "free_requested", "free_completed")
+        ]
+        # host pages are not the heap's reserved memory: no map or unmap for them
+        assert events == [("spill", x, 2 * PAGE), ("unspill", x, 2 * PAGE)]

@@ -269,7 +269,7 @@ int h_release_spares(gm_heap *h, size_t target) {
 
 int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
     size_t done = p0;
-    int rc = GM_OK;
+    int rc = GM_OK, host = h->host[p0]; /* host pages were never the heap's reserved memory */
     if (h->no_sync) return GM_EDEVICE;
     while (done < p1) {
         size_t next = gm_chunk_end(h, done);
@@ -287,7 +287,7 @@ int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
         h_index_insert(h, b);
     }
     if (mid->addr + mid->size > hi) h_index_insert(h, h_split(h, mid, hi - mid->addr));
-    gm_hist(h, GM_H_UNMAP, lo, hi - lo, ANY, 0);
+    gm_hist(h, host ? GM_H_UNSPILL : GM_H_UNMAP, lo, hi - lo, ANY, 0);
     gm_run_attach(h, h_make_unmapped(h, mid));
     return rc;
 }

@@ -310,7 +310,7 @@ enum gm_hist_action {
     GM_H_OOM = 6,
     GM_H_EMPTY_CACHE = 7,
     GM_H_SPILL = 8,  /* pages at addr now lie in host memory (spill) */
-    GM_H_UNSPILL = 9 /* pages at addr moved back to the device */
+    GM_H_UNSPILL = 9 /* host pages at addr left: moved back to the device, or unmapped (nothing lived there) */
 };
 typedef struct gm_hist_entry {
     uint64_t time_ns; /* CLOCK_MONOTONIC */
