@@ -118,6 +118,26 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
     return 1;
 }
 
+/* Step 6, then 5: with spill on (not during a capture, not for a pool), serve
+ * the request from host pages (spill.c) -- GM_OK with *out, or with *out NULL
+ * when the oldest blocks moved there and the request is to try again; else out
+ * of memory, whose report says why spill did not serve it. */
+static int spill_or_oom(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t short_pages, int dev_err,
+                        int *spilled, gm_block **out, uintptr_t *at) {
+    int spill_rc = h->spill_pages ? GM_ENOMEM : GM_OK;
+    *out = NULL;
+    if (h->spill_pages && !pool) {
+        if (h->no_sync)
+            spill_rc = GM_ECAPTURING;
+        else if ((spill_rc = h_spill(h, size, s, short_pages, spilled, out, at)) == GM_OK)
+            return GM_OK;
+        if (spill_rc == GM_ECORRUPT) return GM_ECORRUPT;
+    }
+    int rc = h_out_of_memory(h, size, s, short_pages, dev_err);
+    h->last_oom.spill_error = spill_rc;
+    return rc;
+}
+
 /* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
  * event, no synchronisation, no unmap or release.  New pages are promised
  * (grow's *grant) and created as chunks where back_range maps them; if the
@@ -175,19 +195,9 @@ placed:
     }
     if (!pl.ok || lacking(h, &pl, grant)) {
         size_t short_pages = pl.ok ? lacking(h, &pl, grant) : (size + h->page - 1) / h->page;
-        int spill_rc = h->spill_pages ? GM_ENOMEM : GM_OK;
-        if (h->spill_pages && !pool) { /* 6. spill (spill.c) */
-            if (h->no_sync) {
-                spill_rc = GM_ECAPTURING;
-            } else if ((spill_rc = h_spill(h, size, s, short_pages, &spilled, &b, at)) == GM_OK) {
-                if (!b) goto again; /* blocks moved to the host: the device has room now */
-                *out = b;
-                return count_retry(h, retried, GM_OK);
-            }
-            if (spill_rc == GM_ECORRUPT) return GM_ECORRUPT;
-        }
-        int rc = h_out_of_memory(h, size, s, short_pages, dev_err);
-        h->last_oom.spill_error = spill_rc;
+        int rc = spill_or_oom(h, size, s, pool, short_pages, dev_err, &spilled, &b, at);
+        if (rc == GM_OK && !b) goto again; /* blocks moved to the host: the device has room now */
+        if (rc == GM_OK) *out = b;
         return count_retry(h, retried, rc);
     }
     int err = GM_OK;
