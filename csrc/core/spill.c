@@ -117,6 +117,7 @@ static int swap_in(gm_heap *h, size_t p, size_t k, gm_handle from, gm_handle to)
  * back.  GM_ENOMEM past the limit or when the host refuses. */
 static int chunk_to_host(gm_heap *h, size_t p) {
     size_t k = h->chunk_len[p];
+    gm_assert(k && !h->chunk_off[p] && !h->host[p] && !h->no_sync);
     gm_handle dev_hd = h->page_handle[p], host_hd;
     if (h->host_pages + k > h->spill_pages) return GM_ENOMEM;
     int rc = h->dev->ops->create_host(h->dev, k, &host_hd);
@@ -143,6 +144,7 @@ static int chunk_to_host(gm_heap *h, size_t p) {
  * has no room. */
 static int chunk_to_device(gm_heap *h, size_t p) {
     size_t k = h->chunk_len[p];
+    gm_assert(k && !h->chunk_off[p] && h->host[p] && !h->no_sync);
     gm_handle host_hd = h->page_handle[p], dev_hd;
     int spare = k == 1 && h->n_spare > 0, rc;
     if (spare) {
@@ -333,6 +335,7 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
     gm_block *u = unmapped_room(h, k);
     if (!u || h_slab_reserve(h, 4)) return GM_ENOMEM;
     size_t p0 = gm_page_floor(h, u->addr);
+    gm_assert(u->state == GM_BLOCK_UNMAPPED && !h->page_handle[p0] && !h->parked[p0]);
     int rc = map_host_pages(h, p0, k);
     if (rc) return rc;
     h->growth_seq++;
