@@ -413,3 +413,20 @@ def test_history_of_a_request_placed_on_host_pages():
         ]
         # host pages are not the heap's reserved memory: no map or unmap for them
         assert events == [("spill", x, 2 * PAGE), ("unspill", x, 2 * PAGE)]
+
+
+def test_empty_cache_takes_no_host_page_for_a_cached_one():
+    """Idle host pages (freed during a capture) are not cached device memory:
+    trimming counts only the device's pages, and everything goes."""
+    with heap(choice="new") as h:
+        blocks = fill(h)
+        x = h.malloc(2 * PAGE)
+        h.capture_begin()
+        for b in [*blocks, x]:
+            h.free(b)
+        h.capture_end()
+        assert spilled(h) == 2 * PAGE  # nothing could go during the capture
+        h.empty_cache()
+        assert h.stats()["reserved_bytes.all.current"] == 0 and spilled(h) == 0
+        assert h.sim_info()["pages_created"] == 0 and h.sim_info()["host_pages"] == 0
+        assert_ok(h)

@@ -767,7 +767,9 @@ static int trim(gm_heap *h, size_t target) {
 int gm_empty_cache(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     int rc = trim(h, 0);
-    h_unspill(h);     /* what is spilled comes back if it can (gm_unspill tells why not) */
+    /* What is spilled comes back if it can (gm_unspill tells why not); what
+     * that leaves cached goes too. */
+    if ((h->host_pages || h->n_host_loose) && h_unspill(h) != GM_ECAPTURING && !rc) rc = trim(h, 0);
     h_owners_trim(h); /* the streams whose memory went */
     pthread_mutex_unlock(&h->lock);
     return rc;

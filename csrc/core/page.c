@@ -342,6 +342,17 @@ static gm_block *recycle_next(struct recycle_order *r) {
     return r->same[r->next++];
 }
 
+/* Trim [*p0, *p1), whole chunks, to its topmost run of device pages: host
+ * pages (spill.c) are no cached memory, and unmapping them gives no spare. */
+static void device_top(const gm_heap *h, size_t *p0, size_t *p1) {
+    while (*p1 > *p0 && h->host[*p1 - 1]) *p1 = gm_chunk_first(h, *p1 - 1);
+    for (size_t p = *p1; p > *p0; p--)
+        if (h->host[p - 1]) {
+            *p0 = p;
+            break;
+        }
+}
+
 /* Wholly free pages, outside the page range [ex0, ex1), that free blocks of
  * the general heap cover, back nothing and can be unmapped: up to `want` of
  * them, in the order h_recycle() takes them, go to *out (malloc'd; the number
@@ -370,6 +381,7 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
         for (int k = 0; k < 2 && chosen < want; k++) {
             if (parts[k][0] >= parts[k][1]) continue;
             whole_chunks(h, &parts[k][0], &parts[k][1]);
+            if (h->host_pages) device_top(h, &parts[k][0], &parts[k][1]);
             if (parts[k][0] >= parts[k][1]) continue;
             if (n == cap) {
                 struct cached_run *a = gm_array_grow(runs, &cap, 64, sizeof *a);

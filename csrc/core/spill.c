@@ -359,12 +359,13 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
 int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at) {
     *out = NULL;
     if (!h->dev->ops->create_host || !h->dev->ops->copy_dtod) return GM_ENOTSUP;
-    if (h_synchronize(h, s)) return GM_EDEVICE;
     host_loose_retry(h);
     int rc = GM_OK;
-    /* Moving blocks makes room only for what the device could hold at all. */
+    /* Moving blocks makes room only for what the device could hold at all;
+     * their pages are copied and unmapped, so the device must be idle. */
     if (h->spill_choice == GM_SPILL_OLD && !*moved && (size + h->page - 1) / h->page <= h->cap_pages) {
         *moved = 1;
+        if (h_synchronize(h, s)) return GM_EDEVICE;
         if (spill_oldest(h, short_pages, &rc)) {
             h->st.num_spills++;
             return GM_OK;
