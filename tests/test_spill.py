@@ -430,3 +430,21 @@ def test_empty_cache_takes_no_host_page_for_a_cached_one():
         assert h.stats()["reserved_bytes.all.current"] == 0 and spilled(h) == 0
         assert h.sim_info()["pages_created"] == 0 and h.sim_info()["host_pages"] == 0
         assert_ok(h)
+
+
+def test_a_pending_host_block_that_completes_is_not_handed_out():
+    """A block on host pages freed with a record_stream use completes later; the
+    next malloc unmaps its pages before the fast path looks, so it gets the
+    device's free block, not the host one."""
+    with heap(choice="new") as h:
+        blocks = fill(h)
+        x = h.malloc(2 * PAGE)
+        side = 0x5000
+        h.record_stream(x, side)
+        h.sim_hold_stream(side, True)
+        h.free(x)  # pending on host pages
+        h.free(blocks[5])  # device room; the held stream keeps the device from a wait
+        h.sim_hold_stream(side, False)
+        y = h.malloc(2 * PAGE)  # x's pages would fit it best
+        assert not on_host(h, y) and spilled(h) == 0
+        assert_ok(h)

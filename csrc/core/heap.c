@@ -620,6 +620,7 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     /* Another stream looks only at its own and everyone's indexes. */
     if (h->lazy_stream != ANY && s != h->lazy_stream) h_settle_release(h);
     if (h->n_pending) pending_step(h, s);
+    if (h->host_idle) h_spill_idle(h, s); /* no free block on host pages for the fast path */
     gm_block *b = h_fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0, reach = 0;
     if (!b) {

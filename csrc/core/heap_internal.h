@@ -116,6 +116,7 @@ struct gm_heap {
     uintptr_t scratch; /* a reservation of scratch_pages pages, to copy through (0: none yet) */
     size_t scratch_pages;
     size_t spill_whole; /* the block the slow path just placed on host pages takes this many bytes */
+    int host_idle;      /* a pending block on host pages completed: the next malloc unmaps what it left idle */
     size_t host_kept;   /* h_host_kept's answer, while host_kept_stale is 0 */
     int host_kept_stale;
 
@@ -385,6 +386,7 @@ void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host);
 size_t h_host_kept(gm_heap *h);
 size_t h_host_kept_count(const gm_heap *h);
 void h_spill_free(gm_heap *h);
+void h_spill_idle(gm_heap *h, gm_stream s);
 /* Whether block b touches a host page (spill.c): its first or last page. */
 static inline int h_on_host(const gm_heap *h, const gm_block *b) {
     return h->host[gm_page_floor(h, b->addr)] || h->host[gm_page_floor(h, b->addr + b->size - 1)];

@@ -216,6 +216,7 @@ size_t h_host_kept_count(const gm_heap *h) {
 static void drop_idle(gm_heap *h) {
     uint8_t *busy = host_busy(h);
     if (!busy) return;
+    h->host_idle = 0;
     gm_block *b = NULL;
     for (size_t q = h->n_pages; q > 0 && h->host_pages;) {
         size_t p = q - 1;
@@ -436,6 +437,14 @@ void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
     if (h_synchronize(h, ANY)) return;
     drop_idle(h);
     if (room && h->host_pages) return_all(h);
+}
+
+/* Before the fast path, once pending blocks on host pages completed: unmap
+ * the host pages they left holding nothing (not during a capture: later). */
+void h_spill_idle(gm_heap *h, gm_stream s) {
+    if (h->no_sync || h_capture_on(h, s) || h_other_capture(h)) return;
+    if (h_synchronize(h, s)) return;
+    drop_idle(h);
 }
 
 /* At destroy: the scratch range and the host chunks whose release failed. */
