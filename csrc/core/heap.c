@@ -224,8 +224,9 @@
  *   is spilled.
  *
  *   Return: host pages that hold nothing live or pending are unmapped as soon
- *   as a free leaves them so (after a device wait), so that no later request
- *   gets host memory while the device has room.  gm_unspill moves every live
+ *   as a free leaves them so (after a device wait; a pending block that
+ *   completes later leaves them to the next malloc, before its fast path), so
+ *   that no later request gets host memory while the device has room.  gm_unspill moves every live
  *   host chunk back (a device chunk, the copy through the scratch range, the
  *   mappings swapped); empty_cache calls it, and so does gm_free once what
  *   live blocks touch fits under the cap with the device's free memory.  A
