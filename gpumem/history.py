@@ -87,7 +87,18 @@ def stack_table_info() -> dict:
     return _C._stacks_info()
 
 
-ACTIONS = ("alloc", "free_requested", "free_completed", "map", "unmap", "remap", "oom", "empty_cache")
+ACTIONS = (
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "map",
+    "unmap",
+    "remap",
+    "oom",
+    "empty_cache",
+    "spill",  # pages at addr moved to (or placed in) host memory
+    "unspill",  # pages at addr moved back to the device
+)
 
 
 @dataclass(frozen=True)

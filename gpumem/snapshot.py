@@ -234,6 +234,8 @@ class Snapshot:
     pools: List[dict] = field(default_factory=list)  # the heap's living private pools (dicts)
     # per page, native-endian uint32: the growth that mapped it (or gave it to its pool); b"": unknown
     growth: bytes = b""
+    # per page, 1 where the page behind it lies in host memory (spill); b"": none
+    host: bytes = b""
 
     # ---- construction -----------------------------------------------------------
 
@@ -264,12 +266,19 @@ class Snapshot:
             default_framework=default_framework(heap),
             pools=pools,
             growth=bytes(raw.get("growth", b"")),
+            host=bytes(raw.get("host", b"")),
         )
 
     # ---- structure ----------------------------------------------------------------
 
     def page_state(self, i: int) -> str:
         return PAGE_STATES[self.pages[i]]
+
+    def location(self, addr: int, size: int) -> str:
+        """ "host" when a page of [addr, addr+size) lies in host memory (spill), else "device"."""
+        host = getattr(self, "host", b"")  # a snapshot pickled before spill has none
+        first, last = (addr - self.va_base) // self.page_size, -(-(addr + size - self.va_base) // self.page_size)
+        return "host" if any(host[first:last]) else "device"
 
     @property
     def segments(self) -> List[Segment]:
@@ -507,6 +516,7 @@ class Snapshot:
             "is_expandable": True,
             "frames": [],
             "blocks": blocks,
+            "location": self.location(seg.addr, seg.size),
         }
 
     def _torch_trace(self, entry_hook=None) -> list:

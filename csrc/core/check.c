@@ -57,6 +57,11 @@
  *      nothing else mapped lies in unmapped space.
  *   C15 a page that a block of a living pool touches holds only that pool's
  *      blocks; a pool's free neighbours are apart only across a growth seam.
+ *   C16 spill: host pages are mapped pages flagged host, whole chunks of
+ *      them, counted in host_pages (never in mapped_pages, held pages or the
+ *      cap) and in spilled_bytes; no block of a living pool touches one; the
+ *      device agrees, page by page, which pages lie in host memory, and that
+ *      it holds the heap's device pages plus its host ones (loose ones too).
  *
  * Each rule is one function, check_cN_..., its rule stated at its top;
  * gm_check, the entry point that tests and the fuzz driver call, runs them
@@ -146,10 +151,10 @@ static int check_c2_device(gm_heap *h, const gm_pool **paused, char *why, size_t
     }
     size_t created = 0, dev_mapped = 0;
     verify->pages(h->dev, &created, &dev_mapped);
-    size_t held = h->mapped_pages + h->n_spare + h->loose_pages;
-    if (dev_mapped != h->mapped_pages || created != held)
+    size_t held = h->mapped_pages + h->n_spare + h->loose_pages + h->host_pages + h->host_loose_pages;
+    if (dev_mapped != h->mapped_pages + h->host_pages || created != held)
         return fail(why, len, "the device holds %zu pages (%zu mapped) but the heap %zu (%zu mapped)", created,
-                    dev_mapped, held, h->mapped_pages);
+                    dev_mapped, held, h->mapped_pages + h->host_pages);
     /* Not only how many: which physical page sits at each address. */
     for (size_t p = 0; p < h->n_pages; p++) {
         gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
@@ -177,9 +182,9 @@ static int check_c2_mapped(gm_heap *h, const gm_pool **paused, char *why, size_t
         }
     }
     size_t mapped = 0;
-    for (size_t p = 0; p < h->n_pages; p++) mapped += h->page_handle[p] != 0;
+    for (size_t p = 0; p < h->n_pages; p++) mapped += h->page_handle[p] != 0 && !h->host[p];
     if (mapped != h->mapped_pages)
-        return fail(why, len, "%zu pages mapped but the heap counts %zu", mapped, h->mapped_pages);
+        return fail(why, len, "%zu device pages mapped but the heap counts %zu", mapped, h->mapped_pages);
     return h->dev->ops->verify ? check_c2_device(h, paused, why, len) : GM_OK;
 }
 
@@ -234,13 +239,15 @@ static int check_c14_chunks(gm_heap *h, const gm_pool **paused, char *why, size_
 /* C7: no physical page is held twice (mapped, spare or loose). */
 static int check_c7_held_once(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
     (void)paused;
-    gm_handle *all = malloc((h->mapped_pages + h->n_spare + h->n_loose + 1) * sizeof *all);
+    gm_handle *all =
+        malloc((h->mapped_pages + h->host_pages + h->n_spare + h->n_loose + h->n_host_loose + 1) * sizeof *all);
     if (!all) return GM_OK; /* no host memory: nothing to say */
     size_t k = 0;
     for (size_t p = 0; p < h->n_pages; p++)
         if (h->page_handle[p] && !h->chunk_off[p]) all[k++] = h->page_handle[p];
     for (size_t i = 0; i < h->n_spare; i++) all[k++] = h->spare[i];
     for (size_t i = 0; i < h->n_loose; i++) all[k++] = h->loose[i].handle;
+    for (size_t i = 0; i < h->n_host_loose; i++) all[k++] = h->host_loose[i];
     qsort(all, k, sizeof *all, cmp_handle);
     for (size_t i = 1; i < k; i++)
         if (all[i] == all[i - 1]) {
@@ -709,14 +716,51 @@ static int check_c9_deferred(gm_heap *h, const gm_pool **paused, char *why, size
     return GM_OK;
 }
 
+/* C16: host pages are mapped, whole chunks, counted apart; no living pool's
+ * block touches one; the device agrees which pages are host pages. */
+static int check_c16_host(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    size_t n = 0, loose = 0;
+    const gm_device_verify *verify = h->dev->ops->verify;
+    for (size_t p = 0; p < h->n_pages; p++) {
+        if (h->host[p] && (!h->page_handle[p] || h->host[gm_chunk_first(h, p)] != 1 ||
+                           memchr(h->host + gm_chunk_first(h, p), 0, h->chunk_len[p])))
+            return fail(why, len, "host page %zu is not part of a mapped chunk of host pages", p);
+        n += h->host[p] != 0;
+        if (h->host[p] > 1) return fail(why, len, "page %zu has host flag %u", p, (unsigned)h->host[p]);
+        if (verify && verify->host_at && h->page_handle[p] &&
+            verify->host_at(h->dev, gm_page_addr(h, p)) != (h->host[p] != 0))
+            return fail(why, len, "page %zu: the heap says it lies in %s memory, the device disagrees", p,
+                        h->host[p] ? "host" : "device");
+    }
+    if (n != h->host_pages)
+        return fail(why, len, "%zu host pages are mapped but the heap counts %zu", n, h->host_pages);
+    for (size_t i = 0; i < h->n_host_loose; i++) loose += h->host_loose_len[i];
+    if (loose != h->host_loose_pages)
+        return fail(why, len, "loose host chunks hold %zu pages but the heap counts %zu", loose, h->host_loose_pages);
+    int rc = stat_is(h->st.spilled_bytes, (int64_t)(n * h->page), 0, "spilled_bytes", why, len);
+    if (rc) return rc;
+    for (const gm_block *b = h->head; n && b; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b))
+            for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++)
+                if (h->host[p])
+                    return fail(why, len, "block %#lx of a living pool lies on host page %zu", (unsigned long)b->addr,
+                                p);
+    if (!h->host_kept_stale && h->host_kept != h_host_kept_count(h))
+        return fail(why, len, "the heap keeps %zu host pages in use but a recount gives %zu", h->host_kept,
+                    h_host_kept_count(h));
+    return GM_OK;
+}
+
 typedef int check_rule(gm_heap *h, const gm_pool **paused, char *why, size_t len);
 
 /* The rules in the order they are checked: the layout first, what is built
  * on it after. */
 static check_rule *const rules[] = {
-    check_c12_paused,    check_c1_tiling,  check_c3_merged,       check_c2_mapped,      check_c14_chunks,
-    check_c7_held_once,  check_c4_indexes, check_c5_live_pending, check_c6_stats,       check_c11_streams,
-    check_c13_hand_over, check_c10_runs,   check_c8_pools,        check_c15_pool_pages, check_c9_deferred,
+    check_c12_paused, check_c1_tiling,      check_c3_merged,     check_c2_mapped,
+    check_c14_chunks, check_c7_held_once,   check_c4_indexes,    check_c5_live_pending,
+    check_c6_stats,   check_c11_streams,    check_c13_hand_over, check_c10_runs,
+    check_c8_pools,   check_c15_pool_pages, check_c9_deferred,   check_c16_host,
 };
 
 int gm_check(gm_heap *h, char *why, size_t whylen) {

@@ -59,6 +59,12 @@ int gm_config_check_one(const gm_config *cfg, gm_option opt, char *err, size_t e
             return gm_errorf(GM_EINVAL, err, errlen, "pressure must be in [0, 1] (0: always tight), got %g",
                              cfg->pressure);
         return GM_OK;
+    case GM_OPT_SPILL_CHOICE:
+        if (cfg->spill_choice != GM_SPILL_OLD && cfg->spill_choice != GM_SPILL_NEW)
+            return gm_errorf(GM_EINVAL, err, errlen, "spill_choice must be \"old\" or \"new\", got %zu",
+                             cfg->spill_choice);
+        return GM_OK;
+    case GM_OPT_SPILL:              /* any: 0 is off */
     case GM_OPT_CAP_BYTES:          /* any: 0 is none */
     case GM_OPT_GROWTH_SLACK_PAGES: /* any */
         return GM_OK;

@@ -48,7 +48,9 @@
  *      behind the chosen range.  No bytes are copied and no live block moves;
  *      only free pages change address.  Then, if still short, grow to the cap.
  *   5. Out of memory only when the pages that live blocks touch plus the pages
- *      this request needs exceed the cap.  The failure leaves a report.
+ *      this request needs exceed the cap -- or, with spill on (SPILL), once
+ *      step 6 cannot serve it either.  The failure leaves a report.
+ *   6. Spill (opt-in): host-located pages behind the heap's own addresses.
  *   Each remap costs tens of microseconds, so steps 3-4 run only when the free
  *   index has nothing, and the growth limit keeps that rare in a steady loop.
  *
@@ -177,8 +179,8 @@
  *   gm_capture_begin/end, and asks the device (capture_status) whether the
  *   requesting stream captures; either way the operation runs with h->no_sync
  *   set.  Then the fast path is unchanged; pending blocks are not polled; the
- *   slow path skips step 1 (events) and step 4 (defragmentation) and grows up to
- *   the cap; out of memory otherwise, with spares kept (releasing them is
+ *   slow path skips step 1 (events), step 4 (defragmentation) and step 6
+ *   (spill: it copies) and grows up to the cap; out of memory otherwise, with spares kept (releasing them is
  *   forbidden too).  Pages whose access grant keeps failing then cannot be
  *   unmapped either: they are parked (gm_heap.parked), mapped and held but in
  *   unmapped space, where no block gets them, until no capture is on.  A free with record_stream uses records no event: the block
@@ -193,6 +195,43 @@
  *   every stream: a graph's capture stream may then reuse what others freed
  *   in its pool.
  *
+ * SPILL
+ *
+ *   With gm_config.spill, the device's end is not the heap's: host memory
+ *   that the device reads and writes through its own mappings (create_host)
+ *   is mapped behind the heap's addresses, up to the limit.  Host pages are
+ *   chunks like any other in the page tables (page_handle, chunk_off,
+ *   chunk_len) with a per-page flag (host) beside them; they count in
+ *   host_pages and spilled_bytes, never in mapped_pages, the held pages or
+ *   the cap, and never become spares.
+ *
+ *   page      | 10 | 11 | 12 | 13 | 14 | 15 | 16 | 17 |
+ *   handle    | H1 | H2 | X1 | X1 | H5 | -- | X2 | X2 |   X: host chunks
+ *   host      | 0  | 0  | 1  | 1  | 0  | 0  | 1  | 1  |
+ *   blocks    [A      ][B (old)  ][C ][unm][D (new)  ]
+ *
+ *   When steps 1-5 leave a request short (not during a capture: no copy or
+ *   device wait may run then, and the OOM says spill is off; never for a
+ *   private pool), spill_choice says what goes to the host.  "old" (B): after
+ *   a device wait, the chunks under the oldest live blocks (lowest alloc
+ *   sequence) are copied to new host chunks through a scratch range and take
+ *   their place behind the same addresses, until the request's shortfall
+ *   came free; the device's pages become spares and the request tries again.
+ *   Pages a neighbour shares move with it (the address does not change); a
+ *   chunk a living pool's block touches never moves.  "new" (D), and "old"
+ *   when moving freed nothing: the request itself gets whole host pages in
+ *   unmapped space.  Past the limit: out of memory, whose report says what
+ *   is spilled.
+ *
+ *   Return: host pages that hold nothing live or pending are unmapped as soon
+ *   as a free leaves them so (after a device wait; a pending block that
+ *   completes later leaves them to the next malloc, before its fast path), so
+ *   that no later request gets host memory while the device has room.  gm_unspill moves every live
+ *   host chunk back (a device chunk, the copy through the scratch range, the
+ *   mappings swapped); empty_cache calls it, and so does gm_free once what
+ *   live blocks touch fits under the cap with the device's free memory.  A
+ *   heap with nothing spilled pays one integer test per free for all this.
+ *
  * THE FILES
  *
  *   heap.c      this drawing; create and destroy; malloc and free as a ladder
@@ -203,11 +242,12 @@
  *   page.c      physical pages and chunks: creating, mapping, spares, giving back
  *   policy.c    room vs pressure: the growth limit and the room line
  *   place.c     placement: the run search, and backing the range it picks
- *   slow.c      the slow path and defragmentation
+ *   slow.c      the slow path and defragmentation, spill last
  *   report.c    the OOM report and the explanations' figures
  *   capture.c   stream capture
  *   pool.c      private pools
  *   pause.c     pausing and resuming a pool
+ *   spill.c     host pages behind the heap's addresses, and their return
  *   heap_internal.h declares what crosses files, grouped by the file that
  *   defines it; everything else is static to its file.  The free index
  *   (freeindex.h) and the run index (runindex.h) are the layer below.
@@ -311,13 +351,15 @@ static int heap_tables(gm_heap *h, size_t total) {
     h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
     h->page_growth = calloc(h->n_pages, sizeof *h->page_growth);
     h->parked = calloc(h->n_pages, 1);
+    h->host = calloc(h->n_pages, 1);
     h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    int rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->loose ||
-              !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
-                 ? GM_ENOMEM
-                 : GM_OK;
+    int rc =
+        (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->host || !h->loose ||
+         !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
+            ? GM_ENOMEM
+            : GM_OK;
     if (rc) {
         create_failed(dev, rc, "host memory for the heap's tables");
     } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
@@ -388,6 +430,8 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->growth_slack_pages = cfg.growth_slack_pages;
     h->chunk_pages = cfg.chunk_pages;
     h->pressure = cfg.pressure;
+    h->spill_pages = cfg.spill / page;
+    h->spill_choice = (int)cfg.spill_choice;
     size_t va = cfg.va_size ? h_align_up(cfg.va_size, page) : h_align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;
@@ -414,7 +458,8 @@ void gm_heap_destroy(gm_heap *h) {
     if (host_only) {
         for (size_t i = 0; i < h->n_owners; i++) h->owners[i]->releasing = 0;
         for (gm_block *b = h->pending_head; b; b = b->lnext) b->n_uses = 0;
-        h->n_pages = h->n_spare = h->n_loose = h->n_event_pool = 0;
+        h->n_pages = h->n_spare = h->n_loose = h->n_event_pool = h->n_host_loose = 0;
+        h->scratch = 0;
         h->va_size = 0;
     }
     if (h->page_handle && h->chunk_len) {
@@ -441,6 +486,7 @@ void gm_heap_destroy(gm_heap *h) {
         free(p);
     }
     free(h->pools);
+    h_spill_free(h);
     if (h->va_size && h->base) dev->ops->unreserve(dev, h->base, h->va_size);
     for (gm_block *b = h->head; b; b = b->next) {
         free(b->uses);
@@ -559,7 +605,7 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     }
     h->no_sync = h->capture_count > 0;
     h->alloc_flags = flags;
-    if (rsize > h->va_size || rsize > h->cap_pages * h->page) {
+    if (rsize > h->va_size || (rsize > h->cap_pages * h->page && !h->spill_pages)) {
         rc = h_out_of_memory(h, rsize, s, (rsize + h->page - 1) / h->page, GM_OK);
         goto done;
     }
@@ -575,11 +621,13 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     /* Another stream looks only at its own and everyone's indexes. */
     if (h->lazy_stream != ANY && s != h->lazy_stream) h_settle_release(h);
     if (h->n_pending) pending_step(h, s);
+    if (h->host_idle) h_spill_idle(h, s); /* no free block on host pages for the fast path */
     gm_block *b = h_fit(h, rsize, s, pool);
     uintptr_t at = b ? snug_end(h, b, rsize) : 0, reach = 0;
     if (!b) {
         if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
         if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at, &reach))) goto done;
+        if (h->spill_whole) rsize = h->spill_whole, h->spill_whole = 0; /* host pages: whole ones */
     }
     if (pool && pool->no_split && b->pool == pool) at = b->addr, rsize = b->size; /* the whole free block */
     b = carve(h, b, at, rsize);
@@ -651,7 +699,14 @@ int gm_free(gm_heap *h, uintptr_t ptr) {
         pthread_mutex_unlock(&h->lock);
         return rc;
     }
-    h_free_block(h, b);
+    if (h->host_pages) { /* spilled: return what the device has room for (spill.c) */
+        int on_host = h_on_host(h, b);
+        gm_stream s = b->stream;
+        h_free_block(h, b);
+        h_spill_after_free(h, s, on_host);
+    } else {
+        h_free_block(h, b);
+    }
     pthread_mutex_unlock(&h->lock);
     return GM_OK;
 }
@@ -714,6 +769,9 @@ static int trim(gm_heap *h, size_t target) {
 int gm_empty_cache(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     int rc = trim(h, 0);
+    /* What is spilled comes back if it can (gm_unspill tells why not); what
+     * that leaves cached goes too. */
+    if ((h->host_pages || h->n_host_loose) && h_unspill(h) != GM_ECAPTURING && !rc) rc = trim(h, 0);
     h_owners_trim(h); /* the streams whose memory went */
     pthread_mutex_unlock(&h->lock);
     return rc;

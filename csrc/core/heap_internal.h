@@ -101,7 +101,24 @@ struct gm_heap {
     uint32_t *page_growth;
     uint32_t growth_seq;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
-    size_t multi_chunks; /* chunks of more than one page mapped now */
+    size_t multi_chunks; /* chunks of more than one page mapped now (host ones too) */
+    /* Spill (spill.c): per page, 1 if a host-located chunk is mapped there
+     * (its pages are in the page tables above like any chunk's, but count in
+     * host_pages, never in mapped_pages: they are not the device's memory, do
+     * not count against the cap and never become spares).  Host chunks whose
+     * release failed wait in host_loose.  spill_pages: the limit (0: off). */
+    uint8_t *host;
+    size_t host_pages, spill_pages;
+    int spill_choice;
+    gm_handle *host_loose;
+    size_t n_host_loose, cap_host_loose, host_loose_pages;
+    size_t *host_loose_len;
+    uintptr_t scratch; /* a reservation of scratch_pages pages, to copy through (0: none yet) */
+    size_t scratch_pages;
+    size_t spill_whole; /* the block the slow path just placed on host pages takes this many bytes */
+    int host_idle;      /* a pending block on host pages completed: the next malloc unmaps what it left idle */
+    size_t host_kept;   /* h_host_kept's answer, while host_kept_stale is 0 */
+    int host_kept_stale;
 
     size_t device_total;
     size_t cap_pages; /* the effective cap, in pages */
@@ -241,6 +258,7 @@ static inline void gm_run_attach(gm_heap *h, gm_block *b) {
 static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
     size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
     ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
+    h->host_kept_stale |= h->host_pages != 0; /* h_host_kept counts again */
 }
 
 /* The owner "every stream", as the core's files write it. */
@@ -325,8 +343,12 @@ size_t h_release_idle(gm_heap *h);
 int h_synchronize(gm_heap *h, gm_stream requester);
 
 /* ---- page.c ---- */
+int h_create_chunk(gm_heap *h, size_t k, gm_handle *hd, int *dev_err);
 void h_release_chunk(gm_heap *h, gm_handle hd, size_t k);
+void h_chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd, int host);
 void h_chunk_clear(gm_heap *h, size_t p0, size_t k);
+void h_chunk_unused(gm_heap *h, gm_handle hd, size_t k);
+int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock);
 int h_unmap_chunk(gm_heap *h, size_t p, int restock);
 void h_grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err);
 size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant, int *err);
@@ -335,8 +357,8 @@ int h_release_spares(gm_heap *h, size_t target);
 size_t h_recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock);
 size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1);
 size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1);
-size_t h_cached_pages(const gm_heap *h, size_t ex0, size_t ex1);
-size_t h_cached_pages_outside(const gm_heap *h, placement pl, size_t size);
+size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1);
+size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size);
 
 /* ---- policy.c ---- */
 size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size);
@@ -355,6 +377,20 @@ gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s
 /* ---- slow.c ---- */
 int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err);
 int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at, uintptr_t *reach);
+
+/* ---- spill.c ---- */
+void h_host_release(gm_heap *h, gm_handle hd, size_t k);
+int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at);
+int h_unspill(gm_heap *h);
+void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host);
+size_t h_host_kept(gm_heap *h);
+size_t h_host_kept_count(const gm_heap *h);
+void h_spill_free(gm_heap *h);
+void h_spill_idle(gm_heap *h, gm_stream s);
+/* Whether block b touches a host page (spill.c): its first or last page. */
+static inline int h_on_host(const gm_heap *h, const gm_block *b) {
+    return h->host[gm_page_floor(h, b->addr)] || h->host[gm_page_floor(h, b->addr + b->size - 1)];
+}
 
 /* ---- report.c ---- */
 size_t gm_used_pages(gm_heap *h);

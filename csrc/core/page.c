@@ -27,7 +27,7 @@ static void count_held(gm_heap *h, int64_t pages) {
 
 /* One new physical allocation of k pages, counted held.  *dev_err (if given)
  * keeps a failure other than the device's GM_ENOMEM for the report. */
-static int create_chunk(gm_heap *h, size_t k, gm_handle *hd, int *dev_err) {
+int h_create_chunk(gm_heap *h, size_t k, gm_handle *hd, int *dev_err) {
     int rc = h->dev->ops->create(h->dev, k, hd);
     if (rc) {
         if (rc != GM_ENOMEM) {
@@ -59,23 +59,50 @@ void h_release_chunk(gm_heap *h, gm_handle hd, size_t k) {
     h->st.num_device_free++;
 }
 
-/* The chunk hd of k pages is mapped at pages [p0, p0+k) now / no longer. */
-static void chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd) {
+/* The chunk hd of k pages is mapped at pages [p0, p0+k) now / no longer: a
+ * device chunk counts in mapped_pages, a host one (spill.c) in host_pages and
+ * the spilled bytes. */
+void h_chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd, int host) {
     gm_assert(hd && k > 0 && p0 + k <= h->n_pages);
     for (size_t i = 0; i < k; i++) {
-        gm_assert(!h->page_handle[p0 + i]);
+        gm_assert(!h->page_handle[p0 + i] && !h->host[p0 + i]);
         h->page_handle[p0 + i] = hd;
         h->chunk_off[p0 + i] = (uint32_t)i;
         h->chunk_len[p0 + i] = (uint32_t)k;
     }
-    h->mapped_pages += k;
+    if (!host) {
+        h->mapped_pages += k;
+        return;
+    }
+    memset(h->host + p0, 1, k);
+    h->host_pages += k;
+    h->host_kept_stale = 1;
+    gm_stat_pool_add(h->st.spilled_bytes, GM_SMALL_SIZE + 1, (int64_t)(k * h->page));
 }
 void h_chunk_clear(gm_heap *h, size_t p0, size_t k) {
-    gm_assert(h->mapped_pages >= k && !h->chunk_off[p0] && h->chunk_len[p0] == k);
+    gm_assert(!h->chunk_off[p0] && h->chunk_len[p0] == k);
+    if (h->host[p0]) {
+        gm_assert(h->host_pages >= k);
+        memset(h->host + p0, 0, k);
+        h->host_pages -= k;
+        h->host_kept_stale = 1;
+        gm_stat_pool_add(h->st.spilled_bytes, GM_SMALL_SIZE + 1, -(int64_t)(k * h->page));
+    } else {
+        gm_assert(h->mapped_pages >= k);
+        h->mapped_pages -= k;
+    }
     memset(h->page_handle + p0, 0, k * sizeof *h->page_handle);
     memset(h->chunk_off + p0, 0, k * sizeof *h->chunk_off);
     memset(h->chunk_len + p0, 0, k * sizeof *h->chunk_len);
-    h->mapped_pages -= k;
+}
+
+/* An unmapped device chunk of k pages: a single page becomes a spare, a larger
+ * chunk goes back to the device (h_release_chunk). */
+void h_chunk_unused(gm_heap *h, gm_handle hd, size_t k) {
+    if (k == 1)
+        spare_push(h, hd);
+    else
+        h_release_chunk(h, hd, k);
 }
 
 /* Unmap the chunk whose first page is p, with one call.  A single page
@@ -90,18 +117,23 @@ int h_unmap_chunk(gm_heap *h, size_t p, int restock) {
         h->st.num_device_errors++;
         return rc;
     }
+    int host = h->host[p];
     h_chunk_clear(h, p, k);
     h->st.num_unmaps++;
+    h->multi_chunks -= k > 1;
+    if (host) {
+        h_host_release(h, hd, k); /* never a spare: the device's pages are spares */
+        return GM_OK;
+    }
     if (k == 1) {
         spare_push(h, hd);
         return GM_OK;
     }
-    h->multi_chunks--;
     size_t loose = h->n_loose;
     h_release_chunk(h, hd, k);
     for (size_t i = 0; restock && h->n_loose == loose && i < k; i++) { /* only for memory given back */
         gm_handle one;
-        if (create_chunk(h, 1, &one, NULL)) break;
+        if (h_create_chunk(h, 1, &one, NULL)) break;
         spare_push(h, one);
     }
     return GM_OK;
@@ -129,7 +161,7 @@ void h_grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err) 
     }
     for (size_t made = 0; made < want && h_held_pages(h) + promised < limit; made++) {
         gm_handle hd;
-        if (create_chunk(h, 1, &hd, dev_err)) break;
+        if (h_create_chunk(h, 1, &hd, dev_err)) break;
         spare_push(h, hd);
     }
 }
@@ -162,10 +194,10 @@ size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant,
         } else {
             k = p1 - p < most ? p1 - p : most;
             if (k > *grant) k = *grant;
-            rc = create_chunk(h, k, &hd, NULL);
+            rc = h_create_chunk(h, k, &hd, NULL);
             if (rc == GM_ENOMEM && k > 1) {
                 most = k = 1; /* near the device's end: single pages, as many as there are */
-                rc = create_chunk(h, 1, &hd, NULL);
+                rc = h_create_chunk(h, 1, &hd, NULL);
             }
             if (rc) {
                 *err = rc;
@@ -184,7 +216,7 @@ size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant,
             break;
         }
         if (spare) h->n_spare--;
-        chunk_set(h, p, k, hd);
+        h_chunk_set(h, p, k, hd, 0);
         h->multi_chunks += k > 1;
         h->st.num_maps++;
         p += k;
@@ -235,9 +267,9 @@ int h_release_spares(gm_heap *h, size_t target) {
     return GM_OK;
 }
 
-static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
+int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
     size_t done = p0;
-    int rc = GM_OK;
+    int rc = GM_OK, host = h->host[p0]; /* host pages were never the heap's reserved memory */
     if (h->no_sync) return GM_EDEVICE;
     while (done < p1) {
         size_t next = gm_chunk_end(h, done);
@@ -255,7 +287,7 @@ static int unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restoc
         h_index_insert(h, b);
     }
     if (mid->addr + mid->size > hi) h_index_insert(h, h_split(h, mid, hi - mid->addr));
-    gm_hist(h, GM_H_UNMAP, lo, hi - lo, ANY, 0);
+    gm_hist(h, host ? GM_H_UNSPILL : GM_H_UNMAP, lo, hi - lo, ANY, 0);
     gm_run_attach(h, h_make_unmapped(h, mid));
     return rc;
 }
@@ -310,6 +342,17 @@ static gm_block *recycle_next(struct recycle_order *r) {
     return r->same[r->next++];
 }
 
+/* Trim [*p0, *p1), whole chunks, to its topmost run of device pages: host
+ * pages (spill.c) are no cached memory, and unmapping them gives no spare. */
+static void device_top(const gm_heap *h, size_t *p0, size_t *p1) {
+    while (*p1 > *p0 && h->host[*p1 - 1]) *p1 = gm_chunk_first(h, *p1 - 1);
+    for (size_t p = *p1; p > *p0; p--)
+        if (h->host[p - 1]) {
+            *p0 = p;
+            break;
+        }
+}
+
 /* Wholly free pages, outside the page range [ex0, ex1), that free blocks of
  * the general heap cover, back nothing and can be unmapped: up to `want` of
  * them, in the order h_recycle() takes them, go to *out (malloc'd; the number
@@ -338,6 +381,7 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
         for (int k = 0; k < 2 && chosen < want; k++) {
             if (parts[k][0] >= parts[k][1]) continue;
             whole_chunks(h, &parts[k][0], &parts[k][1]);
+            if (h->host_pages) device_top(h, &parts[k][0], &parts[k][1]);
             if (parts[k][0] >= parts[k][1]) continue;
             if (n == cap) {
                 struct cached_run *a = gm_array_grow(runs, &cap, 64, sizeof *a);
@@ -385,7 +429,7 @@ size_t h_recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock) {
     qsort(runs, n, sizeof *runs, cmp_run_addr);
     for (size_t i = 0; i < n; i++) {
         size_t before = h->mapped_pages;
-        int rc = unmap_pages(h, runs[i].b, runs[i].p0, runs[i].p1, restock);
+        int rc = h_unmap_pages(h, runs[i].b, runs[i].p0, runs[i].p1, restock);
         got += before - h->mapped_pages;
         if (rc) break;
     }
@@ -436,18 +480,19 @@ size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1) {
  * pages touches a page of it only by starting or ending there, so live_ep
  * says which.  Pages locked in a chunk that something else uses do not count
  * (chunk_locked). */
-size_t h_cached_pages(const gm_heap *h, size_t ex0, size_t ex1) {
+size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1) {
     /* Paused pages are counted in live_pages but are not mapped. */
-    size_t pages = h->mapped_pages + h->paused_pages - h->runs.live_pages;
+    /* Host pages that such blocks touch are counted in live_pages too (spill). */
+    size_t pages = h->mapped_pages + h->paused_pages + h_host_kept(h) - h->runs.live_pages;
     if (ex1 > h->n_pages) ex1 = h->n_pages;
-    for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->runs.live_ep[p];
+    for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->host[p] && !h->runs.live_ep[p];
     return pages - h_chunk_locked(h, ex0, ex1);
 }
 
 /* Cached pages a defragmentation could move behind placement pl.  A range
  * that takes a pool's free blocks holds pages those keep that no block starts
  * or ends in (cached_pages cannot tell them from cached ones): counted back. */
-size_t h_cached_pages_outside(const gm_heap *h, placement pl, size_t size) {
+size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size) {
     size_t ex0 = gm_page_floor(h, pl.addr), ex1 = gm_page_ceil(h, pl.addr + size);
     size_t pages = h_cached_pages(h, ex0, ex1);
     for (const gm_block *b = pl.first; pl.pooled && b && b->addr < pl.addr + size; b = b->next) {

@@ -78,6 +78,8 @@ static int pool_pages_ok(const struct place_ctx *c, const gm_block *first, uintp
     size_t p0 = gm_page_floor(c->h, x), p1 = gm_page_ceil(c->h, end);
     for (size_t p = p0; p < p1 && c->h->chunk_pages == 1; p++)
         if (c->h->chunk_len[p] > 1 && (gm_chunk_first(c->h, p) < p0 || gm_chunk_end(c->h, p) > p1)) return 0;
+    for (size_t p = p0; p < p1 && c->h->host_pages; p++) /* a pool's pages are the device's (spill.c) */
+        if (c->h->host[p]) return 0;
     for (const gm_block *b = first; b && b->addr < e; b = b->next) {
         if (b->addr + b->size <= end || b->pool == c->pool) continue;
         if (!gm_general_space(b) || (b->state == GM_BLOCK_FREE && b->stream != c->s && b->stream != ANY)) return 0;

@@ -91,7 +91,11 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     o->live_bytes = h->live_bytes;
     o->pending_bytes = (size_t)h->st.active_bytes[GM_POOL_ALL].current - h->live_bytes;
     o->reserved_bytes = h_held_pages(h) * h->page;
-    size_t used = gm_used_pages(h) - h->paused_pages; /* paused pages are used but not held */
+    /* Paused pages are used but not held; host pages are used but not the device's. */
+    size_t used = gm_used_pages(h) - h->paused_pages, host = h_host_kept(h);
+    used = used > host ? used - host : 0;
+    o->spilled_bytes = h->host_pages * h->page;
+    o->spill_limit = h->spill_pages * h->page;
     o->cached_bytes = (h_held_pages(h) - used) * h->page;
     o->chunk_locked_bytes = h_chunk_locked(h, 0, 0) * h->page;
     /* Pages a request could end up with: everything the heap holds that backs

@@ -1,10 +1,10 @@
 /*
  * slow.c -- the slow path, when no free block fits: take back other
- * streams' memory, place, grow, defragment, and out of memory last (heap.c,
- * THE PATHS, steps 1-5).
+ * streams' memory, place, grow, defragment, spill, and out of memory last
+ * (heap.c, THE PATHS, steps 1-6).
  *
- * Calls: stream.c, place.c, page.c, policy.c, report.c, capture.c, and
- * heap.c's fit.
+ * Calls: stream.c, place.c, page.c, policy.c, report.c, capture.c, spill.c,
+ * and heap.c's fit.
  */
 #include "heap_internal.h"
 
@@ -118,6 +118,26 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
     return 1;
 }
 
+/* Step 6, then 5: with spill on (not during a capture, not for a pool), serve
+ * the request from host pages (spill.c) -- GM_OK with *out, or with *out NULL
+ * when the oldest blocks moved there and the request is to try again; else out
+ * of memory, whose report says why spill did not serve it. */
+static int spill_or_oom(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t short_pages, int dev_err,
+                        int *spilled, gm_block **out, uintptr_t *at) {
+    int spill_rc = h->spill_pages ? GM_ENOMEM : GM_OK;
+    *out = NULL;
+    if (h->spill_pages && !pool) {
+        if (h->no_sync)
+            spill_rc = GM_ECAPTURING;
+        else if ((spill_rc = h_spill(h, size, s, short_pages, spilled, out, at)) == GM_OK)
+            return GM_OK;
+        if (spill_rc == GM_ECORRUPT) return GM_ECORRUPT;
+    }
+    int rc = h_out_of_memory(h, size, s, short_pages, dev_err);
+    h->last_oom.spill_error = spill_rc;
+    return rc;
+}
+
 /* During a capture (h->no_sync) only steps 2, 3 (to the cap) and 5 run: no
  * event, no synchronisation, no unmap or release.  New pages are promised
  * (grow's *grant) and created as chunks where back_range maps them; if the
@@ -131,6 +151,7 @@ int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block *
     size_t grant = 0, *g = h->chunk_pages > 1 ? &grant : NULL, most = h->chunk_pages;
     int single = 0;  /* the device refused a chunk: single pages from then on */
     int retried = 0; /* met the limit and released cached memory (count_retry) */
+    int spilled = 0; /* the oldest blocks were moved to the host once (h_spill) */
     /* What the growth places: a pool's, far from pressure, torch's segment
      * (POLICY), during a capture too, as torch's segments are. */
     size_t want = pool ? h_pool_reach(h, pool, size) : size;
@@ -172,10 +193,13 @@ placed:
         want = size; /* a pool's segment did not fit: its request alone */
         goto again;
     }
-    if (!pl.ok || lacking(h, &pl, grant))
-        return count_retry(
-            h, retried,
-            h_out_of_memory(h, size, s, pl.ok ? lacking(h, &pl, grant) : (size + h->page - 1) / h->page, dev_err));
+    if (!pl.ok || lacking(h, &pl, grant)) {
+        size_t short_pages = pl.ok ? lacking(h, &pl, grant) : (size + h->page - 1) / h->page;
+        int rc = spill_or_oom(h, size, s, pool, short_pages, dev_err, &spilled, &b, at);
+        if (rc == GM_OK && !b) goto again; /* blocks moved to the host: the device has room now */
+        if (rc == GM_OK) *out = b;
+        return count_retry(h, retried, rc);
+    }
     int err = GM_OK;
     h->growth_seq++;
     if (pool) h_stamp_pool_growth(h, &pl, want, pool);

@@ -35,13 +35,15 @@ int gm_snapshot_take(gm_heap *h, gm_snapshot **out) {
     s->blocks = calloc(n ? n : 1, sizeof *s->blocks);
     s->pages = calloc(s->n_pages ? s->n_pages : 1, 1);
     s->growth = calloc(s->n_pages ? s->n_pages : 1, sizeof *s->growth);
-    if (!s->blocks || !s->pages || !s->growth) {
+    s->host = calloc(s->n_pages ? s->n_pages : 1, 1);
+    if (!s->blocks || !s->pages || !s->growth || !s->host) {
         pthread_mutex_unlock(&h->lock);
         gm_snapshot_free(s);
         return GM_ENOMEM;
     }
     for (size_t p = 0; p < s->n_pages; p++) s->pages[p] = h->page_handle[p] ? GM_PAGE_CACHED : GM_PAGE_UNMAPPED;
     memcpy(s->growth, h->page_growth, s->n_pages * sizeof *s->growth);
+    memcpy(s->host, h->host, s->n_pages);
     size_t i = 0;
     for (const gm_block *b = h->head; b != end; b = b->next, i++) {
         s->blocks[i] =
@@ -69,5 +71,6 @@ void gm_snapshot_free(gm_snapshot *s) {
     free(s->blocks);
     free(s->pages);
     free(s->growth);
+    free(s->host);
     free(s);
 }

@@ -135,6 +135,7 @@ size_t h_process_pending(gm_heap *h, int synced) {
         }
         if (all && (synced || !b->wait_sync)) {
             pending_unlink(h, b);
+            h->host_idle |= h->host_pages && h_on_host(h, b); /* spill.c unmaps what it leaves idle */
             h_complete_free(h, b);
             done++;
         }

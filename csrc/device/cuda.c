@@ -42,6 +42,8 @@ enum {
     CU_MEM_ALLOCATION_TYPE_PINNED = 1,
     CU_MEM_HANDLE_TYPE_NONE = 0,
     CU_MEM_LOCATION_TYPE_DEVICE = 1,
+    CU_MEM_LOCATION_TYPE_HOST = 2,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA = 3,
     CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
     CU_EVENT_DISABLE_TIMING = 2,
@@ -115,6 +117,7 @@ typedef struct cu_api {
     CUresult (*MemFreeHost)(void *);
     CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
     CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
+    CUresult (*MemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
 } cu_api;
 
 /* Symbol names, newest first where the driver exports versions.  A _v2 whose
@@ -163,6 +166,7 @@ static const sym_entry cu_symbols[] = {
     SYM(MemFreeHost, "cuMemFreeHost"),
     SYM(MemcpyDtoH, "cuMemcpyDtoH_v2"),
     SYM(MemcpyHtoD, "cuMemcpyHtoD_v2"),
+    SYM(MemcpyDtoD, "cuMemcpyDtoD_v2"),
 #undef SYM
 };
 
@@ -327,6 +331,7 @@ typedef struct cuda_device {
      * memory (which CUDA makes peer-accessible once peer access is on). */
     cu_access_desc access[16];
     size_t n_access;
+    int host_location; /* the location type create_host found to work; 0: not tried yet */
 } cuda_device;
 
 #if defined(__GNUC__)
@@ -525,6 +530,38 @@ static int cuda_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size)
 static int cuda_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t size) {
     cuda_device *c = (cuda_device *)dev;
     CU_CALL(c, "cuMemcpyHtoD", cu.MemcpyHtoD((CUdeviceptr)dst, src, size));
+    return GM_OK;
+}
+
+/* Host-located pages: NUMA node 0, else plain host memory (drivers that take
+ * no NUMA id); the one that worked is kept for the next call. */
+static int cuda_create_host(gm_device *dev, size_t pages, gm_handle *handle) {
+    cuda_device *c = (cuda_device *)dev;
+    cu_alloc_prop prop;
+    fill_prop(c, &prop);
+    prop.location.type = c->host_location ? c->host_location : CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle h = 0;
+    int pushed, rc = enter(c, &pushed);
+    if (rc != GM_OK) return rc;
+    CUresult r = cu.MemCreate(&h, pages * dev->page_size, &prop, 0);
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY && !c->host_location) {
+        prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+        r = cu.MemCreate(&h, pages * dev->page_size, &prop, 0);
+    }
+    leave(pushed);
+    if (r != CUDA_SUCCESS) return cu_fail(c, "cuMemCreate (host)", r);
+    c->host_location = prop.location.type;
+    *handle = (gm_handle)h;
+    return GM_OK;
+}
+
+/* Finished when the call returns: a copy between device addresses does not
+ * wait by itself. */
+static int cuda_copy_dtod(gm_device *dev, uintptr_t dst, uintptr_t src, size_t size) {
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuMemcpyDtoD", cu.MemcpyDtoD((CUdeviceptr)dst, (CUdeviceptr)src, size));
+    CU_CALL(c, "cuCtxSynchronize", cu.CtxSynchronize());
     return GM_OK;
 }
 

@@ -77,7 +77,7 @@ static int injected(fault_dev *w, gm_dev_op op) {
                  w->origin);
     else
         snprintf(w->base.last_error, sizeof w->base.last_error, "injected fault in %s", gm_dev_op_name(op));
-    return op == GM_OP_CREATE || op == GM_OP_HOST_ALLOC ? GM_ENOMEM : GM_EDEVICE;
+    return op == GM_OP_CREATE || op == GM_OP_HOST_ALLOC || op == GM_OP_CREATE_HOST ? GM_ENOMEM : GM_EDEVICE;
 }
 
 /* What the wrapped device answered: its own failure (and reason), or, for a
@@ -120,6 +120,8 @@ WRAP(host_alloc, HOST_ALLOC, (gm_device * dev, size_t size, void **out), (w->inn
 WRAP(host_free, HOST_FREE, (gm_device * dev, void *ptr), (w->inner, ptr))
 WRAP(copy_dtoh, COPY_DTOH, (gm_device * dev, void *dst, uintptr_t src, size_t size), (w->inner, dst, src, size))
 WRAP(copy_htod, COPY_HTOD, (gm_device * dev, uintptr_t dst, const void *src, size_t size), (w->inner, dst, src, size))
+WRAP(create_host, CREATE_HOST, (gm_device * dev, size_t pages, gm_handle *handle), (w->inner, pages, handle))
+WRAP(copy_dtod, COPY_DTOD, (gm_device * dev, uintptr_t dst, uintptr_t src, size_t size), (w->inner, dst, src, size))
 #undef WRAP
 
 /* Not a counted op: only passed through. */
@@ -156,6 +158,10 @@ static gm_handle verify_handle_at(const gm_device *dev, uintptr_t va) {
     const gm_device *in = as_wrapper(dev)->inner;
     return in->ops->verify->handle_at(in, va);
 }
+static int verify_host_at(const gm_device *dev, uintptr_t va) {
+    const gm_device *in = as_wrapper(dev)->inner;
+    return in->ops->verify->host_at ? in->ops->verify->host_at(in, va) : 0;
+}
 
 /* The wrapper's table: every op inner has, none it lacks. */
 static void fill_ops(fault_dev *w) {
@@ -180,6 +186,8 @@ static void fill_ops(fault_dev *w) {
         .host_free = in->host_free ? fault_host_free : NULL,
         .copy_dtoh = in->copy_dtoh ? fault_copy_dtoh : NULL,
         .copy_htod = in->copy_htod ? fault_copy_htod : NULL,
+        .create_host = in->create_host ? fault_create_host : NULL,
+        .copy_dtod = in->copy_dtod ? fault_copy_dtod : NULL,
         .destroy = fault_destroy,
         .capture_status = in->capture_status ? fault_capture_status : NULL,
         .stream_query = in->stream_query ? fault_stream_query : NULL,
@@ -190,6 +198,7 @@ static void fill_ops(fault_dev *w) {
         .accessible = verify_accessible,
         .pages = verify_pages,
         .handle_at = verify_handle_at,
+        .host_at = verify_host_at,
     };
 }
 

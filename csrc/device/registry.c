@@ -24,6 +24,7 @@ static int open_sim(const gm_device_args *args, gm_device **out, char *err, size
                          "(64 TiB in 2 MiB pages) that bound its host memory: lower capacity or raise page_size",
                          capacity, page, pages, GM_SIM_MAX_PAGES);
     *out = gm_sim_create(capacity, args->page_size);
+    if (*out && args->has_host_capacity) gm_sim_set_host_capacity(*out, args->host_capacity);
     return *out ? GM_OK : gm_errorf(GM_ENOMEM, err, errlen, "out of host memory");
 }
 
@@ -31,6 +32,9 @@ static int open_cuda(const gm_device_args *args, gm_device **out, char *err, siz
     if (args->has_capacity)
         return gm_errorf(GM_EINVAL, err, errlen,
                          "capacity applies to the sim device only; use cap= to limit a cuda heap");
+    if (args->has_host_capacity)
+        return gm_errorf(GM_EINVAL, err, errlen,
+                         "host_capacity applies to the sim device only; use spill= to limit what a cuda heap spills");
     return gm_cuda_create(args->ordinal, args->page_size, out, err, errlen);
 }
 

@@ -45,6 +45,7 @@ typedef struct sim_page {
     size_t npages;
     uint32_t next_free; /* free-list link while !alive */
     uint8_t alive;
+    uint8_t host; /* located in host memory (create_host): not the device's capacity */
 } sim_page;
 
 /* The content of page k of allocation p. */
@@ -89,6 +90,7 @@ typedef struct sim_device {
     uint32_t n_pages_slots, cap_pages;
     uint32_t free_head, free_tail; /* FIFO: a released id comes back as late as possible */
     size_t pages_created, pages_mapped;
+    size_t host_created, host_mapped, host_capacity; /* host-located pages (in the two above too), their most */
 
     sim_resv *resv;
     size_t n_resv, cap_resv, last_resv;
@@ -283,23 +285,12 @@ static int sim_unreserve(gm_device *dev, uintptr_t va, size_t size) {
 /* ---- physical pages ------------------------------------------------------ */
 
 static uint64_t used_bytes(const sim_device *s) {
-    uint64_t pages = (uint64_t)s->pages_created * s->base.page_size;
+    uint64_t pages = (uint64_t)(s->pages_created - s->host_created) * s->base.page_size;
     return sat_add(sat_add(pages, s->ext_total), s->self_outside);
 }
 
-static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
-    sim_device *s = (sim_device *)dev;
-    sim_enter(s);
-    if (!handle) return fail(s, GM_EINVAL, "create: NULL output pointer");
-    if (npages == 0 || npages > (size_t)1 << 32) return fail(s, GM_EINVAL, "create: %zu pages", npages);
-    if (dev->doomed) return GM_OK;
-    uint64_t used = used_bytes(s);
-    if (used > s->capacity || (s->capacity - used) / dev->page_size < npages)
-        return fail(s, GM_ENOMEM,
-                    "create: out of memory for %zu pages (%zu pages of %zu bytes created, %llu bytes held by "
-                    "other processes, %llu outside the allocator, capacity %zu)",
-                    npages, s->pages_created, dev->page_size, (unsigned long long)s->ext_total,
-                    (unsigned long long)s->self_outside, s->capacity);
+/* A new allocation of npages pages, on the device or (host) in host memory. */
+static int create_pages(sim_device *s, size_t npages, int host, gm_handle *handle) {
     uint64_t *contents = NULL;
     if (npages > 1 && !(contents = malloc(npages * sizeof *contents)))
         return fail(s, GM_ENOMEM, "create: out of host memory");
@@ -321,6 +312,8 @@ static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
         id = s->n_pages_slots++;
     }
     s->pages[id].alive = 1;
+    s->pages[id].host = (uint8_t)host;
+    s->host_created += host ? npages : 0;
     s->pages[id].mapped_at = 0;
     s->pages[id].npages = npages;
     s->pages[id].contents = contents;
@@ -329,6 +322,37 @@ static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
     s->pages_created += npages;
     *handle = id;
     return GM_OK;
+}
+
+static int sim_create(gm_device *dev, size_t npages, gm_handle *handle) {
+    sim_device *s = (sim_device *)dev;
+    sim_enter(s);
+    if (!handle) return fail(s, GM_EINVAL, "create: NULL output pointer");
+    if (npages == 0 || npages > (size_t)1 << 32) return fail(s, GM_EINVAL, "create: %zu pages", npages);
+    if (dev->doomed) return GM_OK;
+    uint64_t used = used_bytes(s);
+    if (used > s->capacity || (s->capacity - used) / dev->page_size < npages)
+        return fail(s, GM_ENOMEM,
+                    "create: out of memory for %zu pages (%zu pages of %zu bytes created, %llu bytes held by "
+                    "other processes, %llu outside the allocator, capacity %zu)",
+                    npages, s->pages_created - s->host_created, dev->page_size, (unsigned long long)s->ext_total,
+                    (unsigned long long)s->self_outside, s->capacity);
+    return create_pages(s, npages, 0, handle);
+}
+
+/* Host-located pages: their own limit (gm_sim_set_host_capacity), none of the device's. */
+static int sim_create_host(gm_device *dev, size_t npages, gm_handle *handle) {
+    sim_device *s = (sim_device *)dev;
+    sim_enter(s);
+    if (!handle) return fail(s, GM_EINVAL, "create_host: NULL output pointer");
+    if (npages == 0 || npages > (size_t)1 << 32) return fail(s, GM_EINVAL, "create_host: %zu pages", npages);
+    if (dev->doomed) return GM_OK;
+    size_t most = s->host_capacity / dev->page_size;
+    if (s->host_created > most || most - s->host_created < npages)
+        return fail(s, GM_ENOMEM,
+                    "create_host: out of host memory for %zu pages (%zu of %zu bytes created, %zu allowed)", npages,
+                    s->host_created, dev->page_size, s->host_capacity);
+    return create_pages(s, npages, 1, handle);
 }
 
 /* The live page record for a handle, or NULL with last_error set. */
@@ -348,6 +372,7 @@ static int sim_release(gm_device *dev, gm_handle handle) {
     if (dev->doomed) return GM_OK;
     p->alive = 0;
     s->pages_created -= p->npages;
+    if (p->host) s->host_created -= p->npages;
     free(p->contents);
     p->contents = NULL;
     p->next_free = SIM_NONE;
@@ -388,6 +413,7 @@ static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle
     r->mapped += npages;
     p->mapped_at = va;
     s->pages_mapped += npages;
+    s->host_mapped += p->host ? npages : 0;
     return GM_OK;
 }
 
@@ -414,6 +440,7 @@ static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
     }
     if (dev->doomed) return GM_OK;
     for (size_t i = 0; i < n; i++) {
+        s->host_mapped -= s->pages[r->handle[first + i]].host;
         s->pages[r->handle[first + i]].mapped_at = 0;
         r->handle[first + i] = 0;
         r->access[first + i] = 0;
@@ -532,6 +559,22 @@ static int sim_copy_dtoh(gm_device *dev, void *dst, uintptr_t src, size_t size) 
 
 static int sim_copy_htod(gm_device *dev, uintptr_t dst, const void *src, size_t size) {
     return sim_copy(dev, GM_OP_COPY_HTOD, dst, (void *)(uintptr_t)src, size);
+}
+
+/* Whole pages between two mapped, accessible ranges: each page's content. */
+static int sim_copy_dtod(gm_device *dev, uintptr_t dst, uintptr_t src, size_t size) {
+    sim_device *s = (sim_device *)dev;
+    if (sim_enter_uncapturable(s, GM_OP_COPY_DTOD)) return GM_EDEVICE;
+    size_t fs, fd;
+    sim_resv *rs = copy_range(s, "copy_dtod", src, size, &fs);
+    if (!rs) return GM_EINVAL;
+    sim_resv *rd = copy_range(s, "copy_dtod", dst, size, &fd);
+    if (!rd) return GM_EINVAL;
+    if (dst < src + size && src < dst + size)
+        return fail(s, GM_EINVAL, "copy_dtod: 0x%" PRIxPTR " and 0x%" PRIxPTR " overlap (+%zu)", dst, src, size);
+    if (dev->doomed) return GM_OK;
+    for (size_t i = 0; i < size / dev->page_size; i++) *page_content(s, rd, fd + i) = *page_content(s, rs, fs + i);
+    return GM_OK;
 }
 
 /* ---- streams and events -------------------------------------------------- */
@@ -736,7 +779,7 @@ static int sim_processes(gm_device *dev, gm_proc_usage *out, size_t cap, size_t 
     *n = 1 + s->n_ext;
     if (cap > 0) {
         out[0].pid = s->self_pid ? s->self_pid : (uint32_t)getpid();
-        out[0].bytes = sat_add((uint64_t)s->pages_created * dev->page_size, s->self_outside);
+        out[0].bytes = sat_add((uint64_t)(s->pages_created - s->host_created) * dev->page_size, s->self_outside);
     }
     for (size_t i = 0; i < s->n_ext && i + 1 < cap; i++) {
         out[i + 1].pid = s->ext[i].pid;
@@ -779,16 +822,23 @@ static int sim_verify_accessible(const gm_device *dev, uintptr_t va, size_t size
 static void sim_verify_pages(const gm_device *dev, size_t *created, size_t *mapped) {
     gm_sim_info si;
     gm_sim_info_get(dev, &si);
-    *created = si.pages_created;
-    *mapped = si.pages_mapped;
+    *created = si.pages_created + si.host_pages;
+    *mapped = si.pages_mapped + si.host_mapped;
 }
 
 static gm_handle sim_verify_handle_at(const gm_device *dev, uintptr_t va) { return gm_sim_handle_at(dev, va); }
+
+static int sim_verify_host_at(const gm_device *dev, uintptr_t va) {
+    const sim_device *s = as_sim_c(dev);
+    gm_handle hd = gm_sim_handle_at(dev, va);
+    return s && hd && s->pages[hd].host;
+}
 
 static const gm_device_verify sim_verify = {
     .accessible = sim_verify_accessible,
     .pages = sim_verify_pages,
     .handle_at = sim_verify_handle_at,
+    .host_at = sim_verify_host_at,
 };
 
 /* .reserve = sim_reserve, and so on for every counted op (GM_EACH_DEV_OP) */
@@ -843,6 +893,7 @@ gm_device *gm_sim_create(size_t capacity, size_t page_size) {
     s->event_free = SIM_NONE;
     s->next_va = SIM_VA_BASE + (s->base.page_size - SIM_VA_BASE % s->base.page_size) % s->base.page_size;
     s->nvml = 1;
+    s->host_capacity = GM_SIM_HOST_CAPACITY;
     gm_device *wrapped = gm_faults_wrap(&s->base, NULL);
     if (!wrapped) sim_destroy(&s->base);
     return wrapped;
@@ -904,6 +955,11 @@ void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes) 
     s->self_outside = outside_bytes;
 }
 
+void gm_sim_set_host_capacity(gm_device *dev, size_t bytes) {
+    sim_device *s = as_sim(dev);
+    if (s) s->host_capacity = bytes;
+}
+
 void gm_sim_set_nvml(gm_device *dev, int available) {
     sim_device *s = as_sim(dev);
     if (s) s->nvml = available != 0;
@@ -916,8 +972,10 @@ void gm_sim_info_get(const gm_device *dev, gm_sim_info *info) {
     if (!s) return;
     info->capacity = s->capacity;
     info->page_size = s->base.page_size;
-    info->pages_created = s->pages_created;
-    info->pages_mapped = s->pages_mapped;
+    info->pages_created = s->pages_created - s->host_created;
+    info->pages_mapped = s->pages_mapped - s->host_mapped;
+    info->host_pages = s->host_created;
+    info->host_mapped = s->host_mapped;
     info->events_alive = s->events_alive;
     info->reservations = s->n_resv;
 }

@@ -25,7 +25,17 @@ int gm_py_config_option(gm_config *cfg, gm_option opt, const char *keyword, PyOb
     } else if (gm_option_is_fraction(opt)) {
         fraction = PyFloat_AsDouble(value);
         if (fraction == -1.0 && PyErr_Occurred()) return -1;
-    } else if (opt == GM_OPT_VA_SIZE || opt == GM_OPT_CAP_BYTES) { /* bytes: "24GiB" too */
+    } else if (opt == GM_OPT_SPILL_CHOICE && PyUnicode_Check(value)) { /* "old" or "new" */
+        const char *v = PyUnicode_AsUTF8(value);
+        if (v == NULL) return -1;
+        count = !strcmp(v, "old") ? GM_SPILL_OLD : !strcmp(v, "new") ? GM_SPILL_NEW : (size_t)-1;
+        if (count == (size_t)-1) {
+            PyErr_Format(PyExc_ValueError, "spill_choice must be \"old\" or \"new\", got '%s'", v);
+            return -1;
+        }
+    } else if (opt == GM_OPT_SPILL && PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, "off") == 0) {
+        count = 0;                                                                        /* spill off, as 0 */
+    } else if (opt == GM_OPT_VA_SIZE || opt == GM_OPT_CAP_BYTES || opt == GM_OPT_SPILL) { /* bytes: "24GiB" too */
         if (gm_py_to_size_or_str(value, keyword, &count) < 0) return -1;
     } else if (gm_py_to_size(value, keyword, &count) < 0) {
         return -1;
@@ -103,7 +113,8 @@ static PyObject *parse_conf(PyObject *Py_UNUSED(m), PyObject *args) {
 /* ---- gpumem.torch's options: install(**options) and GPUMEM_CONF, checked once here ---- */
 
 static const char *const torch_option_names[] = {
-    "cap", "growth_slack", "growth_slack_pages", "pressure", "chunk_pages", "page_size", "va_size", "history", "oom",
+    "cap", "growth_slack", "growth_slack_pages", "pressure", "chunk_pages", "page_size", "va_size", "history",
+    "oom", "spill",        "spill_choice",
 };
 #define N_TORCH_OPTIONS (sizeof torch_option_names / sizeof torch_option_names[0])
 #define MAX_HISTORY     (1L << 20) /* history entries a torch heap may keep */
@@ -254,14 +265,21 @@ static int opt_cap(const opt_ctx *c) {
 static int opt_heap(const opt_ctx *c) {
     static const struct {
         const char *key;
-        int kind; /* 0: a size, 1: a whole number, 2: a number */
+        int kind; /* 0: a size, 1: a whole number, 2: a number, 3: a word the core reads, 4: a size or "off" */
     } heap_opts[] = {{"va_size", 0},  {"growth_slack", 2}, {"growth_slack_pages", 1},
-                     {"pressure", 2}, {"chunk_pages", 1},  {"page_size", 0}};
+                     {"pressure", 2}, {"chunk_pages", 1},  {"page_size", 0},
+                     {"spill", 4},    {"spill_choice", 3}};
     for (size_t i = 0; i < sizeof heap_opts / sizeof heap_opts[0]; i++) {
         const char *key = heap_opts[i].key;
+        int kind = heap_opts[i].kind;
         PyObject *v = opt_get(c, key);
         if (v == NULL) continue;
-        PyObject *n = heap_opts[i].kind == 0 ? opt_size(c, key, v) : opt_number(c, key, v, heap_opts[i].kind == 1);
+        int off = kind == 4 && PyUnicode_Check(v) && PyUnicode_CompareWithASCIIString(v, "off") == 0;
+        if (kind == 3) Py_INCREF(v);
+        PyObject *n = off                      ? PyLong_FromLong(0)
+                      : kind == 3              ? v
+                      : kind == 1 || kind == 2 ? opt_number(c, key, v, kind == 1)
+                                               : opt_size(c, key, v);
         if (opt_put(c, key, opt_checked(c, key, v, n)) < 0) return -1;
     }
     return 0;
@@ -325,9 +343,10 @@ static PyObject *torch_options(PyObject *Py_UNUSED(m), PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO:torch_options", &given, &error)) return NULL;
     opt_ctx c = {.options = PyDict_New(), .kw = NULL, .error = error};
     if (c.options == NULL || PyDict_Update(c.options, given) < 0) goto fail;
-    c.kw = Py_BuildValue("{s:i,s:d,s:O,s:O,s:O,s:O,s:O,s:i,s:i,s:s}", "cap_bytes", 0, "cap_fraction", 0.0, "va_size",
-                         Py_None, "growth_slack", Py_None, "growth_slack_pages", Py_None, "pressure", Py_None,
-                         "chunk_pages", Py_None, "page_size", 0, "history_entries", 0, "oom_mode", "torch");
+    c.kw = Py_BuildValue("{s:i,s:d,s:O,s:O,s:O,s:O,s:O,s:i,s:i,s:s,s:O,s:O}", "cap_bytes", 0, "cap_fraction", 0.0,
+                         "va_size", Py_None, "growth_slack", Py_None, "growth_slack_pages", Py_None, "pressure",
+                         Py_None, "chunk_pages", Py_None, "page_size", 0, "history_entries", 0, "oom_mode", "torch",
+                         "spill", Py_None, "spill_choice", Py_None);
     if (c.kw == NULL || opt_unknown(&c) < 0 || opt_cap(&c) < 0 || opt_heap(&c) < 0 || opt_torch(&c) < 0) goto fail;
     Py_DECREF(c.options);
     return c.kw;

@@ -82,7 +82,9 @@ PyObject *gm_py_oom_dict(const gm_oom_info *o) {
         gm_py_put_i64(d, "device_error", o->device_error) < 0 ||
         gm_py_put_u64(d, "pool_live_bytes", o->pool_live_bytes) < 0 ||
         gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0 ||
-        gm_py_put_u64(d, "chunk_locked_bytes", o->chunk_locked_bytes) < 0) {
+        gm_py_put_u64(d, "chunk_locked_bytes", o->chunk_locked_bytes) < 0 ||
+        gm_py_put_u64(d, "spilled_bytes", o->spilled_bytes) < 0 ||
+        gm_py_put_u64(d, "spill_limit", o->spill_limit) < 0 || gm_py_put_i64(d, "spill_error", o->spill_error) < 0) {
         Py_DECREF(d);
         return NULL;
     }
@@ -116,8 +118,8 @@ double gm_py_monotonic_s(void) {
 }
 
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
-    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map", "unmap", "remap",
-                                        "oom",   "empty_cache"};
+    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",    "unmap", "remap",
+                                        "oom",   "empty_cache",    "spill",          "unspill"};
     size_t cap = gm_history_len(h);
     gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
     if (buf == NULL) return PyErr_NoMemory();
@@ -243,6 +245,7 @@ PyObject *gm_py_snapshot_dict(const gm_snapshot *snap, const char *unknown_state
         gm_py_put(d, "growth",
                   PyBytes_FromStringAndSize((const char *)snap->growth,
                                             (Py_ssize_t)(snap->n_pages * sizeof *snap->growth))) < 0 ||
+        gm_py_put(d, "host", PyBytes_FromStringAndSize((const char *)snap->host, (Py_ssize_t)snap->n_pages)) < 0 ||
         gm_py_put(d, "stats", gm_py_stats_dict(&snap->stats)) < 0) {
         Py_DECREF(d);
         return NULL;

@@ -370,19 +370,25 @@ static int raise_create_error(int rc) {
 }
 
 static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"device",       "capacity",           "page_size",   "ordinal",  "va_size", "cap",
-                             "growth_slack", "growth_slack_pages", "chunk_pages", "pressure", NULL};
+    static char *kwlist[] = {"device", "capacity",     "page_size",          "ordinal",     "va_size",
+                             "cap",    "growth_slack", "growth_slack_pages", "chunk_pages", "pressure",
+                             "spill",  "spill_choice", "host_capacity",      NULL};
     const char *device = "sim";
     PyObject *capacity_o = Py_None, *page_size_o = NULL, *va_size_o = NULL, *cap_o = NULL;
     PyObject *slack_o = Py_None, *slack_pages_o = Py_None, *chunk_o = Py_None, *pressure_o = Py_None;
+    PyObject *spill_o = Py_None, *choice_o = Py_None, *host_o = Py_None;
     int ordinal = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
-                                     &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
+                                     &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o,
+                                     &spill_o, &choice_o, &host_o))
         return -1;
     gm_device_args dargs;
     gm_config cfg;
     gm_config_default(&cfg);
     if (device_args(&dargs, capacity_o, page_size_o, ordinal) < 0 ||
+        (host_o != Py_None && gm_py_to_size_or_str(host_o, "host_capacity", &dargs.host_capacity) < 0) ||
+        gm_py_config_option(&cfg, GM_OPT_SPILL, "spill", spill_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_SPILL_CHOICE, "spill_choice", choice_o) < 0 ||
         gm_py_config_option(&cfg, GM_OPT_VA_SIZE, "va_size", va_size_o) < 0 ||
         gm_py_config_option(&cfg, GM_OPT_CAP_BYTES, "cap", cap_o) < 0 ||
         gm_py_config_option(&cfg, GM_OPT_GROWTH_SLACK, "growth_slack", slack_o) < 0 ||
@@ -390,6 +396,7 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
         gm_py_config_option(&cfg, GM_OPT_CHUNK_PAGES, "chunk_pages", chunk_o) < 0 ||
         gm_py_config_option(&cfg, GM_OPT_PRESSURE, "pressure", pressure_o) < 0)
         return -1;
+    dargs.has_host_capacity = host_o != Py_None;
     /* After the conversions: one of them may have called __init__ again. */
     if (self->heap != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Heap.__init__ called twice");
@@ -543,6 +550,19 @@ static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)
     LEAVE_CORE(self);
     if (rc != GM_OK) return gm_py_raise(self, rc, "empty_cache");
     Py_RETURN_NONE;
+}
+
+/* unspill() -> True when nothing is left in host memory, False when the device
+ * had no room for some of it (it stays where it is, intact). */
+static PyObject *Heap_unspill(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
+    int rc;
+    ENTER_CORE(self);
+    rc = gm_unspill(self->heap);
+    LEAVE_CORE(self);
+    if (rc == GM_ENOMEM) Py_RETURN_FALSE;
+    if (rc != GM_OK) return gm_py_raise(self, rc, "unspill");
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Heap_set_cap(HeapObject *self, PyObject *cap_o) {
@@ -782,6 +802,10 @@ static PyMethodDef Heap_core_methods[] = {
      .ml_meth = (PyCFunction)Heap_empty_cache,
      .ml_flags = METH_NOARGS,
      .ml_doc = "release every physical page that backs no live block"},
+    {.ml_name = "unspill",
+     .ml_meth = (PyCFunction)Heap_unspill,
+     .ml_flags = METH_NOARGS,
+     .ml_doc = "unspill() -> bool: move every spilled page back to the device (False: no room for some)"},
     {.ml_name = "set_cap",
      .ml_meth = (PyCFunction)Heap_set_cap,
      .ml_flags = METH_O,
@@ -866,7 +890,8 @@ static PyTypeObject HeapType = {
     .tp_repr = (reprfunc)Heap_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Heap(device=\"sim\", capacity=80 GiB, page_size=0, ordinal=0, va_size=0, cap=0,\n"
-              "     growth_slack=None, growth_slack_pages=None, chunk_pages=None, pressure=None)\n\n"
+              "     growth_slack=None, growth_slack_pages=None, chunk_pages=None, pressure=None,\n"
+              "     spill=0, spill_choice=\"old\", host_capacity=None)\n\n"
               "A gpumem heap over one device: a simulated one (\"sim\") or a CUDA GPU (\"cuda\").",
     .tp_methods = Heap_methods,
     .tp_getset = Heap_getset,

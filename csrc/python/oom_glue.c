@@ -98,6 +98,24 @@ static void others_text(char *out, size_t len, const gm_proc_usage *procs, long 
         snprintf(out, len, "%s", s);
 }
 
+/* " 2.0 GiB is spilled to host memory (limit 2.0 GiB).": the OOM text's
+ * sentence on spill, and why no more was spilled; empty with spill off. */
+static void spill_text(char *buf, size_t len, const gm_oom_info *o) {
+    char now[32], lim[32];
+    buf[0] = '\0';
+    if (!o->spill_limit) return;
+    gm_fmt_bytes(now, sizeof now, o->spilled_bytes);
+    gm_fmt_bytes(lim, sizeof lim, o->spill_limit);
+    if (o->spill_error == GM_ECAPTURING)
+        snprintf(buf, len, " %s is spilled to host memory (limit %s); spill is off during a CUDA graph capture.", now,
+                 lim);
+    else if (o->spill_error == GM_ENOTSUP)
+        snprintf(buf, len, " Spill is on (limit %s) but this device cannot map host memory.", lim);
+    else
+        snprintf(buf, len, " %s is spilled to host memory (limit %s)%s.", now, lim,
+                 o->spill_error == GM_EDEVICE ? "; spilling more failed in a device call" : "");
+}
+
 size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,
                    const char *failed) {
     if (!len) return 0;
@@ -119,7 +137,8 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const g
     else
         snprintf(device, sizeof device, "The device has a total capacity of %s of which %s is free.", z.device_total,
                  z.device_free);
-    char others[320], other[400] = "", fail[400] = "";
+    char others[320], other[400] = "", fail[400] = "", spill[200];
+    spill_text(spill, sizeof spill, o);
     if (gpu >= 0) {
         others_text(others, sizeof others, procs, n_procs, failed);
         snprintf(other, sizeof other, " Memory held by other processes: %s.", others);
@@ -130,9 +149,9 @@ size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const g
     int w = snprintf(buf, len,
                      "CUDA out of memory. Tried to allocate %s. %s This process has %s allocated%s, %s reserved "
                      "by gpumem (%s cached, %s waiting for other streams), under a cap of %s. The largest block "
-                     "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s",
+                     "gpumem could make now, after releasing its cache and defragmenting, is %s.%s%s%s",
                      z.request, device, z.live, gpu >= 0 ? " by PyTorch (gpumem)" : "", z.reserved, z.cached, z.pending,
-                     z.cap, z.largest, other, fail);
+                     z.cap, z.largest, spill, other, fail);
     if (w < 0) {
         buf[0] = '\0';
         return 0;

@@ -129,10 +129,11 @@ static PyObject *Heap_sim_info(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
     if (gm_py_ready(self, GM_PY_SIM) < 0) return NULL;
     gm_sim_info info;
     gm_sim_info_get(self->dev, &info);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n}", "capacity", (Py_ssize_t)info.capacity, "page_size",
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n}", "capacity", (Py_ssize_t)info.capacity, "page_size",
                          (Py_ssize_t)info.page_size, "pages_created", (Py_ssize_t)info.pages_created, "pages_mapped",
                          (Py_ssize_t)info.pages_mapped, "events_alive", (Py_ssize_t)info.events_alive, "reservations",
-                         (Py_ssize_t)info.reservations);
+                         (Py_ssize_t)info.reservations, "host_pages", (Py_ssize_t)info.host_pages, "host_mapped",
+                         (Py_ssize_t)info.host_mapped);
 }
 
 static PyObject *Heap_sim_is_accessible(HeapObject *self, PyObject *args) {

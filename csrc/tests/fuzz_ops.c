@@ -232,7 +232,7 @@ static void op_empty(world *w) {
         gm_get_stats(w->heap, &st);
         /* Paused pages are touched but released; a physical allocation with a
          * live page keeps all its pages. */
-        size_t lp = kept_pages(w, 1) - paused_pages(w);
+        size_t lp = kept_pages(w, 1) - paused_pages(w) - (size_t)st.spilled_bytes[GM_POOL_ALL].current / w->page;
         if ((size_t)st.reserved_bytes[GM_POOL_ALL].current != lp * w->page) {
             gm_snapshot *snap = NULL;
             size_t used = 0, cached = 0, pending = 0;

@@ -67,7 +67,15 @@ _CORE_FIGURES = (
     "largest_possible",
     "pages_needed",
 )
-_CORE_FIGURES_OR_0 = ("stream", "chunk_locked_bytes", "device_error", "pool_live_bytes", "pool_free_bytes")
+_CORE_FIGURES_OR_0 = (
+    "stream",
+    "chunk_locked_bytes",
+    "device_error",
+    "pool_live_bytes",
+    "pool_free_bytes",
+    "spilled_bytes",
+    "spill_limit",
+)
 
 
 def _build(heap, info: dict, is_oom: bool, processes=_ASK) -> Report:

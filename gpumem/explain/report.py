@@ -70,6 +70,8 @@ class Report:
     paused_pools: int = 0  # pools paused now (gpumem.pause): their pages are released
     paused_bytes: int = 0  # memory those pauses released (not reserved; resume takes it back)
     chunk_locked_bytes: int = 0  # cached, but in physical allocations of several pages blocks still use
+    spilled_bytes: int = 0  # live memory on host pages behind the heap's addresses (spill)
+    spill_limit: int = 0  # the most spill may map (0: spill is off)
     by_framework: dict = field(default_factory=dict)  # {framework: (live bytes, blocks)}
     causes: List[Cause] = field(default_factory=list)
     advice: List[str] = field(default_factory=list)
@@ -145,6 +147,8 @@ class Report:
             rows.insert(2, ("  of which in private pools", self.pool_live_bytes, pools))
             kept = "reusable only by their pool until it is released"
             rows.insert(4, ("  free, kept for private pools", self.pool_free_bytes, kept))
+        if self.spilled_bytes:  # live, but not on the device
+            rows.insert(2, ("  of which in host memory (spilled)", self.spilled_bytes, f"limit {_fs(self.spill_limit)}"))
         if self.chunk_locked_bytes:
             chunks = "allocations of several pages: freed only whole"
             rows.append(("  of which in partly used chunks", self.chunk_locked_bytes, chunks))

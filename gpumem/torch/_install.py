@@ -31,6 +31,10 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     va_size             virtual address space to reserve per device (default 4 x device memory)
     history             keep the last N allocator events per device (0: off)
     oom                 "torch": raise torch.OutOfMemoryError (default); "runtime": RuntimeError
+    spill               host memory the heap may map behind its addresses once the device is full
+                        ("24GiB"; 0 or "off", the default: out of memory as before); see docs/spill.md
+    spill_choice        what goes to host memory: "old" (default), the pages of the oldest live
+                        tensors, moved behind the same addresses; "new", the request itself
 Keyword arguments override GPUMEM_CONF.
 
 Importing this module does not import torch; install() does.

@@ -193,10 +193,10 @@ def _real():
 
 def test_the_map_check_finds_a_file_left_out_and_a_file_that_is_gone():
     text, files, layers = _real()
-    assert map_problems(text, files + ["csrc/core/spill.c", "gpumem/spill.py", "tools/spill.sh"], layers) == [
-        "csrc/core/spill.c is not named in docs/architecture.md",
-        "gpumem/spill.py is not named in docs/architecture.md",
-        "tools/spill.sh is not named in docs/architecture.md",
+    assert map_problems(text, files + ["csrc/core/swap.c", "gpumem/swap.py", "tools/swap.sh"], layers) == [
+        "csrc/core/swap.c is not named in docs/architecture.md",
+        "gpumem/swap.py is not named in docs/architecture.md",
+        "tools/swap.sh is not named in docs/architecture.md",
     ]
     gone = [f for f in files if f not in ("csrc/python/oom_glue.c", "csrc/core/runindex.h", "tools/mutate.py")]
     assert map_problems(text, gone, layers) == [

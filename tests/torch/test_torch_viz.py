@@ -51,6 +51,9 @@ class OomInfo(ctypes.Structure):
         ("pool_live_bytes", ctypes.c_size_t),
         ("pool_free_bytes", ctypes.c_size_t),
         ("chunk_locked_bytes", ctypes.c_size_t),
+        ("spilled_bytes", ctypes.c_size_t),
+        ("spill_limit", ctypes.c_size_t),
+        ("spill_error", ctypes.c_int),
     ]
 
 

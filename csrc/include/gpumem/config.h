@@ -27,7 +27,9 @@ extern "C" {
     X(GROWTH_SLACK, growth_slack, fraction)                                                                            \
     X(GROWTH_SLACK_PAGES, growth_slack_pages, count)                                                                   \
     X(CHUNK_PAGES, chunk_pages, count)                                                                                 \
-    X(PRESSURE, pressure, fraction)
+    X(PRESSURE, pressure, fraction)                                                                                    \
+    X(SPILL, spill, count)                                                                                             \
+    X(SPILL_CHOICE, spill_choice, count)
 
 typedef enum gm_option {
 #define GM_OPTION_ENUM(upper, lower, kind) GM_OPT_##upper,

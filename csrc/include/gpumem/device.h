@@ -62,7 +62,9 @@ typedef uint64_t gm_stream; /* a cudaStream_t's value; 0 is the legacy default s
     X(HOST_ALLOC, host_alloc)                                                                                          \
     X(HOST_FREE, host_free)                                                                                            \
     X(COPY_DTOH, copy_dtoh)                                                                                            \
-    X(COPY_HTOD, copy_htod)
+    X(COPY_HTOD, copy_htod)                                                                                            \
+    X(CREATE_HOST, create_host)                                                                                        \
+    X(COPY_DTOD, copy_dtod)
 
 typedef enum gm_dev_op {
 #define GM_DEV_OP_ENUM(upper, lower) GM_OP_##upper,
@@ -133,6 +135,17 @@ typedef struct gm_device_ops {
      * when the call returns (the caller has synchronised the device). */
     int (*copy_dtoh)(gm_device *dev, void *dst, uintptr_t src, size_t size);
     int (*copy_htod)(gm_device *dev, uintptr_t dst, const void *src, size_t size);
+    /* Optional (NULL where the device has none; spilling then answers
+     * GM_ENOTSUP).  A physical allocation of `pages` pages located in host
+     * memory, which the device reads and writes through its mappings: mapped,
+     * unmapped, granted access and released with the ops above.  It is not
+     * the device's memory: mem_info does not count it.  GM_ENOMEM when the
+     * host has not that much to give. */
+    int (*create_host)(gm_device *dev, size_t pages, gm_handle *handle);
+    /* Copy whole mapped, accessible pages from src to dst, both in this
+     * device's address space, finished when the call returns (the caller has
+     * synchronised the device). */
+    int (*copy_dtod)(gm_device *dev, uintptr_t dst, uintptr_t src, size_t size);
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);
     /* Whether `stream` is being captured into a graph now (*capturing 1 or
@@ -163,6 +176,9 @@ typedef struct gm_device_verify {
     /* The allocation mapped behind the page-aligned address va, 0 if none
      * (the same handle for every page of a multi-page allocation). */
     gm_handle (*handle_at)(const gm_device *dev, uintptr_t va);
+    /* 1 if the allocation mapped behind va lies in host memory (create_host),
+     * else 0. */
+    int (*host_at)(const gm_device *dev, uintptr_t va);
 } gm_device_verify;
 
 struct gm_device {

@@ -98,7 +98,17 @@ typedef struct gm_config {
      * recycled or defragmented.  Above it the heap is tight: the growth limit,
      * then recycling and defragmentation.  0 keeps it tight always; in [0, 1]. */
     double pressure;
+    /* Spill: bytes of host memory the heap may map behind its addresses when
+     * the device has no room left for a request (0, the default: off); see
+     * gm_unspill.  spill_choice says what goes to the host: GM_SPILL_OLD (the
+     * default) the pages of the oldest live blocks, GM_SPILL_NEW the request. */
+    size_t spill;
+    size_t spill_choice;
 } gm_config;
+enum {
+    GM_SPILL_OLD = 0,
+    GM_SPILL_NEW = 1
+};
 /* Every field its default. */
 void gm_config_default(gm_config *cfg);
 /* Check every option's range (core/config.c; gpumem/config.h checks them one
@@ -152,6 +162,23 @@ int gm_empty_cache(gm_heap *heap);
 int gm_set_cap(gm_heap *heap, size_t cap_bytes);
 size_t gm_get_cap(gm_heap *heap);
 
+/* ---- spill ------------------------------------------------------------------
+ * With gm_config.spill, a request that the device cannot serve even after the
+ * cache is released and the heap defragmented is served with host-located
+ * pages mapped behind the heap's own addresses (the device's create_host):
+ * either the request itself (GM_SPILL_NEW) or the pages of the oldest live
+ * blocks, moved to the host behind the same addresses (GM_SPILL_OLD), up to
+ * gm_config.spill bytes; past that, out of memory as before.  Never during a
+ * capture, and never the pages of a living private pool.  Host pages hold
+ * only what is live or pending on them: the rest is unmapped at once.
+ * gm_unspill moves every live host page back to device pages behind the same
+ * addresses (a device wait, then a copy per chunk); empty_cache calls it, and
+ * so does gm_free when the device has room for all of them.  GM_OK when
+ * nothing is left on the host; GM_ENOMEM when the device had no room for some
+ * (they stay, intact); GM_ECAPTURING during a capture; GM_EDEVICE when a
+ * device call failed (what was not moved stays on the host, intact). */
+int gm_unspill(gm_heap *heap);
+
 /* ---- statistics (torch's key names; core/stats.c explains the mapping) --- */
 typedef struct gm_stat {
     int64_t current, peak, allocated, freed;
@@ -176,7 +203,8 @@ enum {
     X(reserved_bytes)                                                                                                  \
     X(active_bytes)                                                                                                    \
     X(inactive_split_bytes)                                                                                            \
-    X(requested_bytes)
+    X(requested_bytes)                                                                                                 \
+    X(spilled_bytes) /* host-located pages mapped behind the heap's addresses (spill) */
 #define GM_EACH_COUNTER(X)                                                                                             \
     X(num_alloc_retries)    /* torch's: allocations that met the cap or the device, released cached memory, retried */ \
     X(num_ooms)             /* allocations that failed (torch's path counts each exception once) */                    \
@@ -188,7 +216,9 @@ enum {
     X(num_unmaps)           /* page unmap calls */                                                                     \
     X(num_remaps)           /* defragmentations: pages moved behind a new address */                                   \
     X(num_pages_remapped)                                                                                              \
-    X(num_device_errors)
+    X(num_device_errors)                                                                                               \
+    X(num_spills)   /* spills: a request, or blocks moved, put on host pages */                                        \
+    X(num_unspills) /* host pages moved back to the device (each chunk once) */
 /* Counters that reset_accumulated leaves alone. */
 #define GM_EACH_SETTING(X) X(max_split_size) /* torch compat: -1 (no limit) */
 
@@ -264,6 +294,7 @@ typedef struct gm_snapshot {
     size_t spare_pages;    /* physical pages held but not mapped */
     size_t cap_bytes;      /* effective cap */
     gm_stats stats;
+    uint8_t *host; /* per page: 1 if a host-located page is mapped there (spill) */
 } gm_snapshot;
 int gm_snapshot_take(gm_heap *heap, gm_snapshot **out);
 void gm_snapshot_free(gm_snapshot *snap);
@@ -277,7 +308,9 @@ enum gm_hist_action {
     GM_H_UNMAP = 4,          /* pages unmapped (empty_cache, cap) */
     GM_H_REMAP = 5,          /* defragmentation: pages moved to addr */
     GM_H_OOM = 6,
-    GM_H_EMPTY_CACHE = 7
+    GM_H_EMPTY_CACHE = 7,
+    GM_H_SPILL = 8,  /* pages at addr now lie in host memory (spill) */
+    GM_H_UNSPILL = 9 /* host pages at addr left: moved back to the device, or unmapped (nothing lived there) */
 };
 typedef struct gm_hist_entry {
     uint64_t time_ns; /* CLOCK_MONOTONIC */
@@ -321,6 +354,12 @@ typedef struct gm_oom_info {
                                   free_mapped_bytes: no other request can have them) */
     size_t chunk_locked_bytes;        /* free pages inside physical allocations that other
                                   blocks still use: cached, but not movable */
+    size_t spilled_bytes;             /* host pages mapped now (spill) */
+    size_t spill_limit;               /* gm_config.spill (0: spill is off) */
+    int spill_error;                  /* with spill on, why it did not serve the request: GM_ENOMEM
+                                  (the limit, or the host refused), GM_ECAPTURING (never
+                                  during a capture), GM_ENOTSUP (the device has no host
+                                  pages), GM_EDEVICE; GM_OK when spill is off */
 } gm_oom_info;
 /* The report of the last failed allocation; GM_EINVAL if there was none. */
 int gm_last_oom(gm_heap *heap, gm_oom_info *out);

@@ -20,10 +20,12 @@ extern "C" {
 /* What a device is opened with; gm_device_args_default gives every field its
  * default. */
 typedef struct gm_device_args {
-    size_t capacity;  /* bytes of memory, for a device that has no real one (sim) */
-    int has_capacity; /* 1 if capacity was given: a real device refuses it */
-    size_t page_size; /* 0: the device's own granularity; else a power of two */
-    int ordinal;      /* which GPU, for a real device */
+    size_t capacity;       /* bytes of memory, for a device that has no real one (sim) */
+    int has_capacity;      /* 1 if capacity was given: a real device refuses it */
+    size_t page_size;      /* 0: the device's own granularity; else a power of two */
+    int ordinal;           /* which GPU, for a real device */
+    size_t host_capacity;  /* bytes of host-located pages a sim device gives (spill) */
+    int has_host_capacity; /* 1 if host_capacity was given: a real device refuses it */
 } gm_device_args;
 
 void gm_device_args_default(gm_device_args *args);

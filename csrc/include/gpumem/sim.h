@@ -57,6 +57,10 @@ void gm_sim_set_external(gm_device *dev, uint32_t pid, uint64_t bytes);
 /* This process's own memory outside the allocator (CUDA context, cuBLAS
  * workspaces): taken from capacity and reported under `self_pid`. */
 void gm_sim_set_self(gm_device *dev, uint32_t self_pid, uint64_t outside_bytes);
+/* Host-located pages (create_host) are not the device's memory: they have a
+ * limit of their own, GM_SIM_HOST_CAPACITY bytes unless set. */
+#define GM_SIM_HOST_CAPACITY ((size_t)1 << 40)
+void gm_sim_set_host_capacity(gm_device *dev, size_t bytes);
 /* Make processes() answer GM_ENOTSUP, as a machine without NVML does. */
 void gm_sim_set_nvml(gm_device *dev, int available);
 
@@ -73,7 +77,8 @@ uint64_t gm_sim_capture_violations(const gm_device *dev);
 
 /* Contents: the simulated device keeps one 64-bit value per physical page in
  * place of its bytes.  A new page holds a value no write ever used (tagged
- * 0xF4E5 in its top 16 bits); copy_dtoh / copy_htod move it with the page.
+ * 0xF4E5 in its top 16 bits); copy_dtoh / copy_htod / copy_dtod move it with
+ * the page.
  * Writing or reading an address whose page is not mapped and accessible is
  * GM_EINVAL -- the simulated illegal-address fault. */
 int gm_sim_write(gm_device *dev, uintptr_t va, uint64_t value);
@@ -84,8 +89,10 @@ size_t gm_sim_host_blocks(const gm_device *dev);
 /* Introspection for the invariant checker and tests. */
 typedef struct gm_sim_info {
     size_t capacity, page_size;
-    size_t pages_created; /* physical pages alive */
-    size_t pages_mapped;  /* pages mapped somewhere */
+    size_t pages_created; /* physical pages alive, of the device's memory */
+    size_t pages_mapped;  /* of those, pages mapped somewhere */
+    size_t host_pages;    /* host-located pages alive (create_host) */
+    size_t host_mapped;   /* of those, pages mapped somewhere */
     size_t events_alive;
     size_t reservations; /* reserved VA ranges alive */
 } gm_sim_info;

@@ -1,0 +1,457 @@
+/*
+ * spill.c -- spill: host-located pages behind the heap's own addresses when
+ * the device has no room left, and their way back (heap.c, SPILL).
+ *
+ * Calls: page.c (chunks, spares, unmapping free pages), stream.c (the device
+ * wait), block.c (the block placed on host pages), the device.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpumem/array.h"
+#include "heap_internal.h"
+
+/* ---- host chunks ------------------------------------------------------------------ */
+
+/* Give an unmapped host chunk back; one whose release fails waits in
+ * host_loose for the next return (its pages stay counted by the device). */
+void h_host_release(gm_heap *h, gm_handle hd, size_t k) {
+    if (!h->no_sync && h->dev->ops->release(h->dev, hd) == GM_OK) return;
+    h->st.num_device_errors += !h->no_sync;
+    if (h->n_host_loose == h->cap_host_loose) {
+        size_t cap = h->cap_host_loose, cap2 = cap;
+        gm_handle *a = gm_array_grow(h->host_loose, &cap, 8, sizeof *a);
+        if (a) h->host_loose = a;
+        size_t *l = a ? gm_array_grow(h->host_loose_len, &cap2, 8, sizeof *l) : NULL;
+        if (l) h->host_loose_len = l;
+        if (!a || !l) return; /* no host memory to remember it: it leaks */
+        h->cap_host_loose = cap;
+    }
+    h->host_loose[h->n_host_loose] = hd;
+    h->host_loose_len[h->n_host_loose++] = k;
+    h->host_loose_pages += k;
+}
+
+static void host_loose_retry(gm_heap *h) {
+    while (h->n_host_loose && !h->no_sync) {
+        size_t i = h->n_host_loose - 1;
+        if (h->dev->ops->release(h->dev, h->host_loose[i])) {
+            h->st.num_device_errors++;
+            return;
+        }
+        h->host_loose_pages -= h->host_loose_len[i];
+        h->n_host_loose--;
+    }
+}
+
+/* The heap's scratch range, at least k pages long: where a chunk is mapped to
+ * be copied into before it takes the place of another. */
+static int scratch_get(gm_heap *h, size_t k, uintptr_t *va) {
+    if (h->scratch_pages < k) {
+        uintptr_t at = 0;
+        if (h->dev->ops->reserve(h->dev, k * h->page, &at)) {
+            h->st.num_device_errors++;
+            return GM_EDEVICE;
+        }
+        if (h->scratch) h->dev->ops->unreserve(h->dev, h->scratch, h->scratch_pages * h->page);
+        h->scratch = at;
+        h->scratch_pages = k;
+    }
+    *va = h->scratch;
+    return GM_OK;
+}
+
+/* Unmap [va, va + k pages), asking again a few times: a mapping that will not
+ * go would leave a chunk nobody may release.  GM_OK or GM_EDEVICE. */
+static int unmap_retry(gm_heap *h, uintptr_t va, size_t k) {
+    for (int attempt = 0; attempt < 8; attempt++) {
+        if (h->dev->ops->unmap(h->dev, va, k * h->page) == GM_OK) return GM_OK;
+        h->st.num_device_errors++;
+    }
+    return GM_EDEVICE;
+}
+
+/* Map `to` (k pages, unmapped) at the scratch range, copy the k pages mapped at
+ * va into it, and unmap it again: `to` then holds va's contents.  GM_ECORRUPT
+ * if `to` stays mapped there. */
+static int copy_out(gm_heap *h, uintptr_t va, size_t k, gm_handle to) {
+    const gm_device_ops *ops = h->dev->ops;
+    uintptr_t sc;
+    int rc = scratch_get(h, k, &sc);
+    if (rc) return rc;
+    if ((rc = ops->map(h->dev, sc, k, to))) {
+        h->st.num_device_errors++;
+        return GM_EDEVICE;
+    }
+    rc = ops->set_access(h->dev, sc, k * h->page);
+    if (!rc) rc = ops->copy_dtod(h->dev, sc, va, k * h->page);
+    if (rc) h->st.num_device_errors++;
+    if (unmap_retry(h, sc, k)) return GM_ECORRUPT;
+    return rc ? GM_EDEVICE : GM_OK;
+}
+
+/* Put `to` (k pages holding the contents of the chunk `from` mapped at page p)
+ * in from's place: unmap from, map to, grant access.  On failure from goes
+ * back (the caller releases `to`); GM_ECORRUPT if even that fails. */
+static int swap_in(gm_heap *h, size_t p, size_t k, gm_handle from, gm_handle to) {
+    const gm_device_ops *ops = h->dev->ops;
+    uintptr_t va = gm_page_addr(h, p);
+    if (ops->unmap(h->dev, va, k * h->page)) {
+        h->st.num_device_errors++;
+        return GM_EDEVICE;
+    }
+    if (ops->map(h->dev, va, k, to) == GM_OK) {
+        if (ops->set_access(h->dev, va, k * h->page) == GM_OK) return GM_OK;
+        if (unmap_retry(h, va, k)) return GM_ECORRUPT;
+    }
+    h->st.num_device_errors++;
+    for (int attempt = 0; attempt < 8; attempt++)
+        if (ops->map(h->dev, va, k, from) == GM_OK) break;
+    for (int attempt = 0; attempt < 8; attempt++)
+        if (ops->set_access(h->dev, va, k * h->page) == GM_OK) return GM_EDEVICE;
+    return GM_ECORRUPT;
+}
+
+/* Move the device chunk at page p to a new host chunk behind the same
+ * addresses (the device is idle); the device's pages become spares or go
+ * back.  GM_ENOMEM past the limit or when the host refuses. */
+static int chunk_to_host(gm_heap *h, size_t p) {
+    size_t k = h->chunk_len[p];
+    gm_assert(k && !h->chunk_off[p] && !h->host[p] && !h->no_sync);
+    gm_handle dev_hd = h->page_handle[p], host_hd;
+    if (h->host_pages + k > h->spill_pages) return GM_ENOMEM;
+    int rc = h->dev->ops->create_host(h->dev, k, &host_hd);
+    if (rc) {
+        h->st.num_device_errors += rc != GM_ENOMEM;
+        return rc;
+    }
+    if (!(rc = copy_out(h, gm_page_addr(h, p), k, host_hd))) rc = swap_in(h, p, k, dev_hd, host_hd);
+    if (rc) { /* GM_ECORRUPT: it stays mapped somewhere, it cannot go */
+        if (rc != GM_ECORRUPT) h_host_release(h, host_hd, k);
+        return rc;
+    }
+    h_chunk_clear(h, p, k);
+    h_chunk_set(h, p, k, host_hd, 1);
+    h_chunk_unused(h, dev_hd, k);
+    h->st.num_maps++;
+    h->st.num_unmaps++;
+    gm_hist(h, GM_H_SPILL, gm_page_addr(h, p), k * h->page, ANY, 0);
+    return GM_OK;
+}
+
+/* Move the host chunk at page p back to device pages (a spare for a single
+ * page, else a new chunk under the cap).  GM_ENOMEM when the device or the cap
+ * has no room. */
+static int chunk_to_device(gm_heap *h, size_t p) {
+    size_t k = h->chunk_len[p];
+    gm_assert(k && !h->chunk_off[p] && h->host[p] && !h->no_sync);
+    gm_handle host_hd = h->page_handle[p], dev_hd;
+    int spare = k == 1 && h->n_spare > 0, rc;
+    if (spare) {
+        dev_hd = h->spare[--h->n_spare];
+    } else {
+        if (h_held_pages(h) + k > h->cap_pages) return GM_ENOMEM;
+        if ((rc = h_create_chunk(h, k, &dev_hd, NULL))) return rc;
+    }
+    if (!(rc = copy_out(h, gm_page_addr(h, p), k, dev_hd))) rc = swap_in(h, p, k, host_hd, dev_hd);
+    if (rc) {
+        if (rc != GM_ECORRUPT) h_chunk_unused(h, dev_hd, k); /* else it stays mapped somewhere */
+        return rc;
+    }
+    h_chunk_clear(h, p, k);
+    h_chunk_set(h, p, k, dev_hd, 0);
+    h_host_release(h, host_hd, k);
+    h->st.num_maps++;
+    h->st.num_unmaps++;
+    h->st.num_unspills++;
+    gm_hist(h, GM_H_UNSPILL, gm_page_addr(h, p), k * h->page, ANY, 0);
+    return GM_OK;
+}
+
+/* ---- what lies on host pages ------------------------------------------------------ */
+
+/* A block whose pages must stay: live, pending, or kept for a living pool. */
+static inline int holds(const gm_block *b) {
+    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || gm_pinned(b);
+}
+
+/* Per page (calloc'd), 1 where a host page holds a block that must stay;
+ * NULL on host OOM. */
+static uint8_t *host_busy(const gm_heap *h) {
+    uint8_t *busy = calloc(h->n_pages, 1);
+    for (const gm_block *b = h->head; busy && b; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED || !holds(b)) continue;
+        for (size_t p = gm_page_floor(h, b->addr), e = gm_page_ceil(h, b->addr + b->size); p < e; p++)
+            busy[p] |= h->host[p];
+    }
+    return busy;
+}
+
+/* Host pages that live blocks (or a living pool's) touch: what a return
+ * needs.  A walk over the blocks, made again only after page use changed. */
+size_t h_host_kept(gm_heap *h) {
+    if (!h->host_pages) return 0;
+    if (h->host_kept_stale) {
+        h->host_kept = h_host_kept_count(h);
+        h->host_kept_stale = 0;
+    }
+    return h->host_kept;
+}
+
+/* The walk itself (the checker recounts with it too). */
+size_t h_host_kept_count(const gm_heap *h) {
+    size_t n = 0, last = SIZE_MAX;
+    for (const gm_block *b = h->head; b; b = b->next) {
+        if (!gm_keeps_pages(b)) continue;
+        size_t p = gm_page_floor(h, b->addr), e = gm_page_ceil(h, b->addr + b->size);
+        for (p = last != SIZE_MAX && p <= last ? last + 1 : p; p < e; p++) n += h->host[p];
+        if (e > 0) last = e - 1;
+    }
+    return n;
+}
+
+/* Unmap the host chunks that hold nothing live or pending (the device is
+ * idle): each under one free block of the general heap.  From the top down:
+ * cutting a block keeps its lower part's record. */
+static void drop_idle(gm_heap *h) {
+    uint8_t *busy = host_busy(h);
+    if (!busy) return;
+    h->host_idle = 0;
+    gm_block *b = NULL;
+    for (size_t q = h->n_pages; q > 0 && h->host_pages;) {
+        size_t p = q - 1;
+        if (!h->host[p]) {
+            q--;
+            continue;
+        }
+        size_t c = gm_chunk_first(h, p), k = h->chunk_len[c];
+        q = c;
+        if (memchr(busy + c, 1, k)) continue;
+        b = h_block_holding(b ? b : h->head, gm_page_addr(h, c));
+        if (!gm_general_space(b) || b->state != GM_BLOCK_FREE || b->addr + b->size < gm_page_addr(h, c + k)) continue;
+        gm_block *anchor = b->prev ? b->prev : h->head; /* b may merge away: the record below stays */
+        if (h_slab_reserve(h, 2) || h_unmap_pages(h, b, c, c + k, 0)) break;
+        b = anchor;
+    }
+    free(busy);
+}
+
+/* ---- spilling --------------------------------------------------------------------- */
+
+static int cmp_seq(const void *x, const void *y) {
+    const gm_block *a = *(gm_block *const *)x, *b = *(gm_block *const *)y;
+    return a->seq < b->seq ? -1 : a->seq > b->seq;
+}
+
+/* Whether a block of a living pool touches a page of [p, p+k) (b: a block
+ * near it): its pages never move. */
+static int pinned_pages(gm_heap *h, gm_block *b, size_t p, size_t k) {
+    uintptr_t end = gm_page_addr(h, p + k);
+    for (b = h_block_holding(b, gm_page_addr(h, p)); b && b->addr < end; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b)) return 1;
+    return 0;
+}
+
+/* Live blocks of the general heap on device pages only, the oldest first
+ * (malloc'd, *n of them). */
+static gm_block **oldest_blocks(gm_heap *h, size_t *n) {
+    gm_block **v = malloc((h->n_live ? h->n_live : 1) * sizeof *v);
+    *n = 0;
+    for (gm_block *b = h->head; v && b; b = b->next)
+        if (b->state == GM_BLOCK_LIVE && !b->pool && !h_on_host(h, b)) v[(*n)++] = b;
+    if (v) qsort(v, *n, sizeof *v, cmp_seq);
+    return v;
+}
+
+/* GM_SPILL_OLD: move the chunks under the oldest live blocks to the host until
+ * `want` device pages came free (the device is idle).  Returns the pages
+ * moved; *rc the failure that stopped it. */
+static size_t spill_oldest(gm_heap *h, size_t want, int *rc) {
+    size_t n, moved = 0;
+    gm_block **v = oldest_blocks(h, &n);
+    if (!v) {
+        *rc = GM_ENOMEM;
+        return 0;
+    }
+    h->growth_seq++;
+    for (size_t i = 0; i < n && moved < want && !*rc; i++) {
+        size_t p = gm_page_floor(h, v[i]->addr), e = gm_page_ceil(h, v[i]->addr + v[i]->size);
+        for (p = gm_chunk_first(h, p); p < e && !*rc;) {
+            size_t k = h->chunk_len[p], next = p + k;
+            if (!h->host[p] && !pinned_pages(h, v[i], p, k) && !(*rc = chunk_to_host(h, p))) {
+                moved += k;
+                for (size_t q = p; q < next; q++) h->page_growth[q] = h->growth_seq;
+            }
+            p = next;
+        }
+    }
+    free(v);
+    return moved;
+}
+
+/* The highest unmapped block with room for k whole pages, or NULL. */
+static gm_block *unmapped_room(gm_heap *h, size_t k) {
+    gm_block *best = NULL;
+    for (gm_block *b = h->head; b; b = b->next)
+        if (b->state == GM_BLOCK_UNMAPPED && b->size / h->page >= k) best = b;
+    return best;
+}
+
+/* Map k pages of new host chunks at page p0, granted access; on failure none. */
+static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
+    const gm_device_ops *ops = h->dev->ops;
+    size_t p = p0;
+    int rc = GM_OK;
+    while (p < p0 + k && !rc) {
+        size_t n = p0 + k - p < GM_CHUNK_PAGES_MAX ? p0 + k - p : GM_CHUNK_PAGES_MAX;
+        gm_handle hd;
+        if ((rc = ops->create_host(h->dev, n, &hd))) break;
+        uintptr_t va = gm_page_addr(h, p);
+        if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)) &&
+            unmap_retry(h, va, n))
+            return GM_ECORRUPT; /* mapped, inaccessible, and it will not go */
+        if (rc) {
+            h_host_release(h, hd, n);
+            break;
+        }
+        h_chunk_set(h, p, n, hd, 1);
+        h->multi_chunks += n > 1;
+        h->st.num_maps++;
+        p += n;
+    }
+    if (rc && rc != GM_ENOMEM) h->st.num_device_errors++;
+    while (rc && p > p0) { /* take back what was mapped */
+        size_t c = gm_chunk_first(h, p - 1);
+        if (h_unmap_chunk(h, c, 0)) return GM_ECORRUPT;
+        p = c;
+    }
+    return rc;
+}
+
+/* GM_SPILL_NEW: `size` bytes on whole host pages in unmapped space, as one
+ * free block of the general heap owned by s (*out), its first page at *at. */
+static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintptr_t *at) {
+    size_t k = (size + h->page - 1) / h->page;
+    if (h->host_pages + k > h->spill_pages) return GM_ENOMEM;
+    gm_block *u = unmapped_room(h, k);
+    if (!u || h_slab_reserve(h, 4)) return GM_ENOMEM;
+    size_t p0 = gm_page_floor(h, u->addr);
+    gm_assert(u->state == GM_BLOCK_UNMAPPED && !h->page_handle[p0] && !h->parked[p0]);
+    int rc = map_host_pages(h, p0, k);
+    if (rc) return rc;
+    h->growth_seq++;
+    for (size_t p = p0; p < p0 + k; p++) h->page_growth[p] = h->growth_seq;
+    gm_block *head = gm_run_head(u);
+    gm_run_detach(h, u);
+    if (u->size > k * h->page) h_split(h, u, k * h->page);
+    gm_block *b = h_make_free(h, u, s, 0);
+    gm_run_attach(h, head);
+    gm_hist(h, GM_H_SPILL, gm_page_addr(h, p0), k * h->page, s, 0);
+    *out = b;
+    *at = gm_page_addr(h, p0);
+    h->spill_whole = k * h->page;
+    return GM_OK;
+}
+
+/* The slow path's last rung: serve `size` bytes for s with host pages, or (with
+ * GM_SPILL_OLD, once: *moved) move the oldest blocks to the host so that the
+ * caller's next try fits on the device (GM_OK with *out NULL).  GM_ENOMEM past
+ * the limit, GM_ENOTSUP when the device has no host pages. */
+int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at) {
+    *out = NULL;
+    if (!h->dev->ops->create_host || !h->dev->ops->copy_dtod) return GM_ENOTSUP;
+    host_loose_retry(h);
+    int rc = GM_OK;
+    /* Moving blocks makes room only for what the device could hold at all;
+     * their pages are copied and unmapped, so the device must be idle. */
+    if (h->spill_choice == GM_SPILL_OLD && !*moved && (size + h->page - 1) / h->page <= h->cap_pages) {
+        *moved = 1;
+        if (h_synchronize(h, s)) return GM_EDEVICE;
+        if (spill_oldest(h, short_pages, &rc)) {
+            h->st.num_spills++;
+            return GM_OK;
+        }
+        if (rc == GM_ECORRUPT) return rc;
+    }
+    rc = spill_new(h, size, s, out, at);
+    if (!rc) h->st.num_spills++;
+    return rc;
+}
+
+/* ---- return ----------------------------------------------------------------------- */
+
+/* Move every host chunk back (the device is idle), from the top down; the
+ * first failure stops it. */
+static int return_all(gm_heap *h) {
+    int rc = GM_OK;
+    for (size_t q = h->n_pages; q > 0 && h->host_pages && !rc;) {
+        size_t p = q - 1;
+        if (!h->host[p]) {
+            q--;
+            continue;
+        }
+        q = gm_chunk_first(h, p);
+        size_t k = h->chunk_len[q];
+        if (k > h->cap_pages) return GM_ENOMEM;
+        if (h_held_pages(h) + k > h->cap_pages) { /* cached pages make room */
+            h_release_spares(h, h->cap_pages - k);
+            if (h_held_pages(h) + k > h->cap_pages) h_recycle(h, h_held_pages(h) + k - h->cap_pages, 0, 0, 0);
+            h_release_spares(h, h->cap_pages - k);
+        }
+        rc = chunk_to_device(h, q);
+    }
+    return rc;
+}
+
+int h_unspill(gm_heap *h) {
+    if (!h->host_pages && !h->n_host_loose) return GM_OK;
+    if (h->no_sync || h->capture_count > 0 || h_other_capture(h)) return GM_ECAPTURING;
+    if (h_synchronize(h, ANY)) return GM_EDEVICE;
+    host_loose_retry(h);
+    drop_idle(h);
+    return return_all(h);
+}
+
+int gm_unspill(gm_heap *h) {
+    pthread_mutex_lock(&h->lock);
+    int rc = h_unspill(h);
+    pthread_mutex_unlock(&h->lock);
+    return rc;
+}
+
+/* After a free while pages are spilled: a block that touched host pages may
+ * have left some holding nothing (unmapped at once, so that no request gets
+ * them while the device has room), and once what is live fits under the cap
+ * with the device's free memory, everything comes back.  Not during a
+ * capture: then at a later free, or gm_unspill. */
+void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
+    /* Room: what live blocks touch (host pages too) fits under the cap, and
+     * in what the heap holds and the device has free.  The cheap half first:
+     * most frees stop here, with no device call. */
+    size_t kept = h->runs.live_pages, dfree = 0, total = 0;
+    int room = kept + h->growth_slack_pages <= h->cap_pages;
+    if (!touched_host && !room) return;
+    if (h_capture_on(h, s) || h_other_capture(h)) return;
+    room = room && h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && dfree / h->page + h_held_pages(h) >= kept;
+    if (!touched_host && !room) return;
+    if (h_synchronize(h, ANY)) return;
+    drop_idle(h);
+    if (room && h->host_pages) return_all(h);
+}
+
+/* Before the fast path, once pending blocks on host pages completed: unmap
+ * the host pages they left holding nothing (not during a capture: later). */
+void h_spill_idle(gm_heap *h, gm_stream s) {
+    if (h->no_sync || h_capture_on(h, s) || h_other_capture(h)) return;
+    if (h_synchronize(h, s)) return;
+    drop_idle(h);
+}
+
+/* At destroy: the scratch range and the host chunks whose release failed. */
+void h_spill_free(gm_heap *h) {
+    for (size_t i = 0; i < h->n_host_loose; i++) h->dev->ops->release(h->dev, h->host_loose[i]);
+    if (h->scratch) h->dev->ops->unreserve(h->dev, h->scratch, h->scratch_pages * h->page);
+    free(h->host_loose);
+    free(h->host_loose_len);
+    free(h->host);
+}
