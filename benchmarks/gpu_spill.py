@@ -1,7 +1,7 @@
 """Spill to host memory on one GPU: training past the device, a KV cache past the device, and what
 spill costs when there is room.
 
-    python benchmarks/gpu_spill.py --out benchmarks/results/gpu_spill.json [--quick] [--budget 330]
+    python benchmarks/gpu_spill.py --out benchmarks/results/gpu_spill.json [--quick] [--budget 330] [--limit 90]
 
 Three parts, every run a fresh process (an allocator is chosen once a process):
 
@@ -20,6 +20,11 @@ Three parts, every run a fresh process (an allocator is chosen once a process):
      GPUMEM_CONF), --rounds interleaved rounds; the median of the rounds' on / off step ratios (goal:
      within 2%).  The uncapped run of part a is round 1's spill-off run.
 
+Time: --budget (330 s) bounds the whole run.  A run stops starting steps (tokens) after --limit (90 s,
+imports included) or where the budget ends, and the table says "time limit"; a run that would start with
+less than 20 s left is skipped.  The order is part a, part b's uncapped and first spill run, part c's
+later rounds, part b's other choice: what a short budget cuts comes last.
+
 It prints the tables as Markdown rows for docs/spill.md, then its checks: a FAIL (a run that should have
 run out of memory did not, a spill run that failed or spilled nothing, statistics not found) makes the
 exit status 1; goals (losses and tokens equal, the 2%) are reported as met or missed.  The names the
@@ -35,6 +40,7 @@ import subprocess
 import sys
 import time
 
+_T0 = time.monotonic()  # a child's time limit counts from its start, imports included
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import markdown_head, markdown_row, write_json  # noqa: E402
 from compare.contenders import variant_env  # noqa: E402
@@ -119,12 +125,17 @@ def _llama(torch, layers, hidden, inter, dtype):
     return _place(lambda: LlamaForCausalLM(cfg), "cuda", on_device=True, dtype=dtype)
 
 
+def _left(spec):
+    """Seconds this child may still start work in (its time_limit counts from the process's start)."""
+    return spec.get("time_limit", float("inf")) - (time.monotonic() - _T0)
+
+
 def _oom_text(e):
     return str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
 
 
 def child_train(spec):
-    """Train spec["steps"] steps; stop at the first out-of-memory error and say where."""
+    """Train spec["steps"] steps; stop at the first out-of-memory error, or at the time limit, and say where."""
     torch = _setup(spec)
     t_start = time.perf_counter()
     m = _llama(torch, spec["layers"], spec["hidden"], spec["inter"], None)
@@ -134,8 +145,11 @@ def child_train(spec):
     data = [
         torch.randint(0, LLAMA["vocab_size"], (spec["batch"], spec["seq"]), generator=gen) for _ in range(spec["steps"])
     ]
-    losses, times, spilled_after, oom = [], [], [], None
+    losses, times, spilled_after, oom, stopped = [], [], [], None, None
     for i, x in enumerate(data):
+        if _left(spec) < 0:
+            stopped = f"stopped at the {spec['time_limit']:.0f} s time limit"
+            break
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
@@ -153,8 +167,9 @@ def child_train(spec):
         times.append(time.perf_counter() - t0)
         del x, loss
         spilled_after.append(_stat(torch.cuda.memory_stats(), "spilled_current"))
-    r = dict(spec, steps_done=len(losses), oom=oom, losses=losses, step_ms=[round(t * 1e3, 3) for t in times])
-    body = times[spec["warmup"] :] if oom is None else []
+    r = dict(spec, steps_done=len(losses), oom=oom, stopped=stopped, losses=losses)
+    r["step_ms"] = [round(t * 1e3, 3) for t in times]
+    body = times[spec["warmup"] :] if oom is None and stopped is None else []
     r["median_ms"] = statistics.median(body) * 1e3 if body else None
     r.update(_spill_stats(torch), spilled_after_step=spilled_after)
     r.update(_after_return(torch, spec), wall_s=time.perf_counter() - t_start)
@@ -168,14 +183,17 @@ def _after_return(torch, spec):
     import gpumem
 
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    after_empty = _stat(torch.cuda.memory_stats(), "spilled_current")
-    fn = getattr(gpumem, NAMES["unspill"], None) or getattr(gpumem._C, NAMES["unspill"], None)
-    if fn is not None:
-        fn()
-    return dict(
-        spilled_after_empty_cache=after_empty, spilled_after_unspill=_stat(torch.cuda.memory_stats(), "spilled_current")
-    )
+    r = {}
+    try:
+        torch.cuda.empty_cache()
+        r["spilled_after_empty_cache"] = _stat(torch.cuda.memory_stats(), "spilled_current")
+        fn = getattr(gpumem, NAMES["unspill"], None) or getattr(gpumem._C, NAMES["unspill"], None)
+        if fn is not None:
+            fn()
+            r["spilled_after_unspill"] = _stat(torch.cuda.memory_stats(), "spilled_current")
+    except Exception as e:  # reported with the run's figures, which are worth more than this
+        r["return_error"] = f"{type(e).__name__}: {e}"[:400]
+    return r
 
 
 def child_generate(spec):
@@ -189,7 +207,7 @@ def child_generate(spec):
     def generate(x, new):
         return m.generate(
             input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-            do_sample=False, pad_token_id=0, use_cache=True,
+            do_sample=False, pad_token_id=0, use_cache=True, max_time=max(1.0, _left(spec)),
         )  # fmt: skip
 
     r, oom = dict(spec), None
@@ -204,9 +222,12 @@ def child_generate(spec):
         except torch.OutOfMemoryError as e:
             oom = dict(text=_oom_text(e))
         seconds = time.perf_counter() - t0
-    r.update(oom=oom, seconds=seconds)
+    r.update(oom=oom, seconds=seconds, stopped=None)
     if oom is None:
-        r.update(tokens=out[:, spec["prompt"] :].tolist(), ms_per_token=seconds * 1e3 / spec["new"])
+        done = out.shape[1] - spec["prompt"]
+        r.update(tokens=out[:, spec["prompt"] :].tolist(), generated=done, ms_per_token=seconds * 1e3 / max(done, 1))
+        if done < spec["new"]:
+            r["stopped"] = f"stopped at the {spec['time_limit']:.0f} s time limit after {done} tokens"
         del out
     r.update(_spill_stats(torch))
     r.update(_after_return(torch, spec), wall_s=time.perf_counter() - t_start)
@@ -217,10 +238,16 @@ def child_generate(spec):
 
 
 class Runner:
-    """Runs children one at a time within a budget; each result is a dict (with "failed" or "skipped")."""
+    """Runs children one at a time within a budget; each result is a dict (with "failed" or "skipped").
 
-    def __init__(self, budget, timeout):
-        self.budget, self.timeout, self.t0, self.took = budget, timeout, time.monotonic(), {}
+    A child stops starting steps (tokens) once it has run `limit` seconds, or fewer where the budget has
+    less left, and says so ("stopped"); one that outlives that by MARGIN seconds is killed."""
+
+    MARGIN = 30.0
+    LEAST = 20.0  # seconds a run needs at all: with less of the budget left it is skipped
+
+    def __init__(self, budget, limit):
+        self.budget, self.limit, self.t0 = budget, limit, time.monotonic()
         self.repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def env(self, alloc, conf=None):
@@ -234,30 +261,32 @@ class Runner:
 
     def __call__(self, label, spec):
         elapsed = time.monotonic() - self.t0
-        expect = max(self.took.get(spec["kind"], [20.0]))
-        if elapsed + expect > self.budget:
+        limit = min(self.limit, self.budget - elapsed)
+        if limit < self.LEAST:
             print(f"[{elapsed:4.0f} s] {label}: skipped (the {self.budget:.0f} s budget)", file=sys.stderr)
             return dict(spec, label=label, skipped=f"budget of {self.budget:.0f} s")
+        spec = dict(spec, time_limit=limit)
         conf = f"{NAMES['option']}:{spec['spill']}" if spec.get("spill_by_conf") else None
-        cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+        cmd, env = [sys.executable, __file__, "--child", json.dumps(spec)], self.env(spec["alloc"], conf)
         t = time.monotonic()
         try:
-            p = subprocess.run(
-                cmd, capture_output=True, text=True, env=self.env(spec["alloc"], conf), timeout=self.timeout
-            )
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit + self.MARGIN)
             out, err, rc = p.stdout, p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
-            out, err, rc = (e.stdout or b"").decode(), (e.stderr or b"").decode(), f"timeout {self.timeout:.0f} s"
+            out, err, rc = _text(e.stdout), _text(e.stderr), f"killed after {limit + self.MARGIN:.0f} s"
         took = time.monotonic() - t
-        self.took.setdefault(spec["kind"], []).append(took)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         if rc or not lines:
             print(f"[{elapsed:4.0f} s] {label}: FAILED ({rc}) after {took:.0f} s:\n{err[-3000:]}", file=sys.stderr)
-            return dict(spec, label=label, failed=str(rc), stderr=err[-3000:])
+            return dict(spec, label=label, failed=f"failed ({rc})", stderr=err[-3000:])
         r = dict(json.loads(lines[-1]), label=label, process_s=took)
-        what = f"out of memory at step {r['oom'].get('step', '?')}" if r.get("oom") else "completed"
+        what = f"out of memory at step {r['oom'].get('step', '?')}" if r.get("oom") else r.get("stopped") or "completed"
         print(f"[{elapsed:4.0f} s] {label}: {what} in {took:.0f} s", file=sys.stderr, flush=True)
         return r
+
+
+def _text(b):
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def _ok(r):
@@ -298,7 +327,8 @@ def _train_table(rows, base):
         diff = _loss_diff(r, base)
         cells = [
             r["label"], _gib(r.get("cap")) if r.get("cap") else "none", f"{r['steps_done']} / {r['steps']}",
-            r["oom"]["step"] if r["oom"] else "-", f"{med:.1f}" if med else "-", _ratio(med, base.get("median_ms")),
+            r["oom"]["step"] if r["oom"] else "time limit" if r.get("stopped") else "-",
+            f"{med:.1f}" if med else "-", _ratio(med, base.get("median_ms")),
             _gib(r.get("spilled_peak")), _counts(r),
             f"{diff:.3g}" if diff is not None else "-",
         ]  # fmt: skip
@@ -325,9 +355,10 @@ def _gen_table(rows, base):
             continue
         eq = _tokens_equal(r, base)
         ms = r.get("ms_per_token")
+        tokens = "out of memory" if r["oom"] else f"{r['batch']} x {r['generated']}"
         cells = [
             r["label"], _gib(r.get("cap")) if r.get("cap") else "none",
-            f"{r['batch']} x {r['new']}" if not r["oom"] else "out of memory",
+            tokens + (" (time limit)" if r["stopped"] else ""),
             f"{ms:.2f}" if ms else "-", _ratio(ms, base.get("ms_per_token")), _gib(r.get("spilled_peak")),
             _counts(r), f"{eq[0]} / {eq[1]}" if eq else "-",
         ]  # fmt: skip
@@ -339,6 +370,8 @@ def _what(r):
     """A training run's median step, or why there is none."""
     if not _ok(r):
         return r.get("failed") or r.get("skipped")
+    if r.get("stopped"):
+        return "time limit"
     return f"{r['median_ms']:.1f}" if r["median_ms"] else "out of memory"
 
 
@@ -365,6 +398,8 @@ def _check_spill_run(r, what, fails):
         fails.append(f"{what}: {r.get('failed') or r.get('skipped')} {r.get('stderr', '')[-300:]}".strip())
     elif r.get("oom"):
         fails.append(f"{what}: out of memory with spill on: {r['oom']['text']}")
+    elif r.get("stopped"):
+        fails.append(f"{what}: {r['stopped']} (raise --limit and --budget to see it finish)")
     elif r.get("spilled_peak") is None:
         fails.append(f"{what}: no statistic {NAMES['spilled_peak']} (spill statistics here: {r['spill_keys']})")
     elif not r["spilled_peak"] or not r.get("spills"):
@@ -376,8 +411,8 @@ def _check_spill_run(r, what, fails):
 def _checks(base, capped, gen_base, gens, pairs, room_med):
     """(FAIL lines, goal lines): the run's premises and its results."""
     fails, goals = [], []
-    if not _ok(base):
-        return [f"the uncapped training run: {base.get('failed') or base.get('skipped')}"], goals
+    if not _ok(base) or base.get("stopped"):
+        return [f"the uncapped training run: {base.get('failed') or base.get('skipped') or base['stopped']}"], goals
     for r in capped:
         if r["alloc"] != "gpumem" and _ok(r) and not r.get("oom"):
             fails.append(f"{r['label']} ran every step under the cap: the cap does not bind (raise --over)")
@@ -385,10 +420,9 @@ def _checks(base, capped, gen_base, gens, pairs, room_med):
             fails.append(f"{r['label']}: {r.get('failed') or r.get('skipped')}")
         elif r["alloc"] == "gpumem":
             _check_spill_run(r, r["label"], fails)
-    if not _ok(gen_base) or gen_base.get("oom"):
-        fails.append(
-            f"the uncapped generation: {gen_base.get('failed') or gen_base.get('skipped') or gen_base.get('oom')}"
-        )
+    if not _ok(gen_base) or gen_base.get("oom") or gen_base.get("stopped"):
+        why = gen_base.get("failed") or gen_base.get("skipped") or gen_base.get("oom") or gen_base.get("stopped")
+        fails.append(f"the uncapped generation: {why}")
     for r in gens:
         _check_spill_run(r, r["label"], fails)
     for i, (off, on) in enumerate(pairs, 1):
@@ -425,7 +459,7 @@ def _specs(s, a):
 
 def run_all(a, s):
     """Every run, in the order that interleaves part c's rounds; the results by part."""
-    run = Runner(a.budget, a.timeout)
+    run = Runner(a.budget, a.limit)
     train, gen = _specs(s, a)
     spill_on = dict(train, spill=a.spill, spill_by_conf=True)
     base = run("uncapped, spill off", train)  # part a's reference and part c's first spill-off run
@@ -464,7 +498,8 @@ def report(a, s, res):
     device = next((r.get("device") for r in [base, gen_base] if _ok(r) and r.get("device")), None)
     print(f"\n## a. training past the device (cap = peak live / {a.over})\n\n{t_train}")
     print(f"\n## b. generation past the device (cap = peak live / {a.gen_over})\n\n{t_gen}")
-    print(f"\n## c. with room: spill off vs on, {len(res['pairs'])} interleaved rounds\n\n{t_room}\n")
+    n = len(res["pairs"])
+    print(f"\n## c. with room: spill off vs on, {n} interleaved round{'s' * (n != 1)}\n\n{t_room}\n")
     for line in goals:
         print("goal", line)
     for line in fails:
@@ -512,8 +547,8 @@ def _args():
         "--out", metavar="PATH", help="write the results as JSON to PATH (benchmarks/results/gpu_spill.json)"
     )
     ap.add_argument("--quick", action="store_true", help="smaller everything, one round (about 2 minutes)")
-    ap.add_argument("--budget", type=float, default=330.0, help="seconds; no run starts that would pass it (330)")
-    ap.add_argument("--timeout", type=float, default=150.0, help="seconds one process may take (150)")
+    ap.add_argument("--budget", type=float, default=330.0, help="seconds for the whole; runs end by then (330)")
+    ap.add_argument("--limit", type=float, default=90.0, help="seconds one run may take, imports included (90)")
     ap.add_argument("--over", type=float, default=1.3, help="training: the cap is peak live / OVER (1.3)")
     ap.add_argument("--gen-over", type=float, default=1.3, help="generation: the cap is peak live / GEN_OVER (1.3)")
     ap.add_argument("--spill", default="32GiB", help="the host limit of spill runs (32GiB)")
