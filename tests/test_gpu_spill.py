@@ -2,10 +2,10 @@
 
 A heap capped at 2 GiB with spill on holds 3 GiB of tensors of known values; kernels (sums, a matmul)
 read them where they lie; once some are freed the spilled pages come back to the device, and every
-value is intact.  With spill off the same program runs out of memory, as it does during a CUDA graph
-capture with spill on; past the host limit it runs out of memory too, saying what is spilled.  Each
-case runs in a fresh interpreter; skipped without torch or a CUDA GPU, and when this gpumem has no
-spill option.
+value is intact.  A tensor larger than the cap lies on the host.  With spill off the same program runs
+out of memory, as it does during a CUDA graph capture with spill on; past the host limit it runs out of
+memory too, saying what is spilled.  Each case runs in a fresh interpreter; skipped without torch or a
+CUDA GPU, and when this gpumem has no spill option.
 """
 
 import json
@@ -107,6 +107,24 @@ def test_spilled_tensors_compute_and_come_back_intact(choice):
     assert r["after"] == 0 and r["host_segments_after"] == 0 and r["returns"] >= 1, r
     assert 1 << 30 <= r["peak"] <= 4 << 30, r
     assert r["matmul_after"] and r["sums_after"] == 12 and r["intact_after"] == 12, r
+
+
+LARGER_THAN_THE_CAP = """
+n = 3 * GiB // 8
+x = torch.arange(n, dtype=torch.int64, device="cuda")  # one 3 GiB tensor under a 2 GiB cap
+res = dict(spilled=stat("spilled_current"), sum=int(x.sum()) == n * (n - 1) // 2)
+res["intact"] = torch.equal(x.cpu(), torch.arange(n, dtype=torch.int64))
+del x
+torch.cuda.synchronize()
+out(after=stat("spilled_current"), **res)
+"""
+
+
+@spill_test
+def test_a_tensor_larger_than_the_cap_lies_on_the_host():
+    r = run_spill(LARGER_THAN_THE_CAP, **{NAMES["option"]: "4GiB"})
+    assert r["spilled"] >= 1 << 30 and r["sum"] and r["intact"], r
+    assert r["after"] == 0, r  # freed: the host holds only what is live
 
 
 OUT_OF_MEMORY = """
