@@ -61,12 +61,12 @@ GiB = 1 << 30
 LLAMA = dict(num_attention_heads=16, num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
 SIZES = {
     "full": dict(
-        layers=12, hidden=1024, inter=2816, batch=8, seq=1024, steps=24, warmup=4, rounds=3,
-        gen_layers=8, gen_batch=64, gen_prompt=256, gen_new=384, gen_choices="new,old",
+        layers=12, hidden=1024, inter=2816, batch=8, seq=512, steps=24, warmup=4, rounds=3,
+        gen_layers=8, gen_batch=96, gen_prompt=256, gen_new=256, gen_choices="new,old",
     ),
     "quick": dict(
         layers=4, hidden=1024, inter=2816, batch=8, seq=512, steps=10, warmup=3, rounds=1,
-        gen_layers=4, gen_batch=32, gen_prompt=128, gen_new=96, gen_choices="new",
+        gen_layers=4, gen_batch=32, gen_prompt=128, gen_new=64, gen_choices="new",
     ),
 }  # fmt: skip
 
