@@ -25,7 +25,7 @@ NAMES = {
     "spilled_peak": "spilled_bytes.all.peak",
     "spills": "num_spills",
     "returns": "num_unspills",
-    "unspill": "unspill",  # gpumem.unspill(), else gpumem._C.unspill()
+    "unspill": "unspill",  # gpumem.unspill(), else gpumem._C.unspill(), else the heap's method
     "location": ["location", "host"],  # a snapshot segment of host pages: segment["location"] == "host"
     "oom_spill_off": "",  # a regex the OOM text with spill off must match too ("": only torch's prefix)
     "oom_past_limit": "spill",  # a regex the OOM text past the host limit must match
@@ -56,6 +56,9 @@ def stat(key):
 def host_segments():
     key, value = N["location"]
     return sum(1 for s in torch.cuda.memory_snapshot() if s.get(key) == value)
+def unspill():  # gpumem's public function, else the extension's, else the heap's method
+    fn = getattr(gpumem, N["unspill"], None) or getattr(gpumem._C, N["unspill"], None)
+    return fn() if fn else getattr(gpumem._C.registry_heap(0), N["unspill"])()
 def fill(count):
     xs, oom = [], ""
     try:
@@ -85,8 +88,7 @@ res["sums"] = sum(summed(i, x) for i, x in enumerate(xs))
 res["intact"] = sum(intact(i, x) for i, x in enumerate(xs))
 del xs[:12]  # 1.5 GiB freed: the device has room for every spilled page again
 torch.cuda.empty_cache()
-fn = getattr(gpumem, N["unspill"], None) or getattr(gpumem._C, N["unspill"])
-fn()
+unspill()
 res.update(after=stat("spilled_current"), peak=stat("spilled_peak"), returns=stat("returns"))
 res["host_segments_after"] = host_segments()
 res["sums_after"] = sum(summed(i, x) for i, x in enumerate(xs, 12))
