@@ -93,8 +93,7 @@ def _setup(spec):
     """Put the allocator of spec in place (before any CUDA allocation) and make torch deterministic."""
     import torch
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    if spec["alloc"] == "gpumem":
+    if spec["alloc"] == "gpumem":  # first: gpumem must be in place before CUDA starts
         import gpumem
 
         opts = {}
@@ -106,7 +105,7 @@ def _setup(spec):
             opts[NAMES["choice_option"]] = spec["choice"]
         gpumem.install(**opts)
     elif spec.get("cap"):
-        torch.cuda.set_per_process_memory_fraction(spec["cap"] / total)
+        torch.cuda.set_per_process_memory_fraction(spec["cap"] / torch.cuda.get_device_properties(0).total_memory)
     torch.manual_seed(1234)
     torch.use_deterministic_algorithms(True, warn_only=True)
     if hasattr(torch.utils, "deterministic"):
@@ -131,7 +130,8 @@ def _left(spec):
 
 
 def _oom_text(e):
-    return str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+    """The error's text on one line, shortened: enough to see what it says about spill."""
+    return " ".join(str(e).split())[:800] or type(e).__name__
 
 
 def child_train(spec):
