@@ -83,6 +83,7 @@ def _spill_stats(torch):
     out["peak_reserved"] = st.get("reserved_bytes.all.peak")
     out["spill_keys"] = sorted(k for k in st if "spill" in k)  # what the statistics call it, to adjust NAMES
     out.update(device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    out["transformers"] = __import__("transformers").__version__
     return out
 
 
@@ -496,6 +497,8 @@ def report(a, s, res):
     t_room, room_med = _room_table(res["pairs"])
     fails, goals = _checks(base, res["capped"], gen_base, res["gens"], res["pairs"], room_med)
     device = next((r.get("device") for r in [base, gen_base] if _ok(r) and r.get("device")), None)
+    print(f"\n{device}, torch {base.get('torch')}, transformers {base.get('transformers')}; peak live: training "
+          f"{_gib(base.get('peak_live'))} GiB, generation {_gib(gen_base.get('peak_live'))} GiB")  # fmt: skip
     print(f"\n## a. training past the device (cap = peak live / {a.over})\n\n{t_train}")
     print(f"\n## b. generation past the device (cap = peak live / {a.gen_over})\n\n{t_gen}")
     n = len(res["pairs"])
@@ -506,15 +509,15 @@ def report(a, s, res):
         print("FAIL:", line)
     met = sum(g.startswith("met") for g in goals)
     print(f"{len(fails)} FAIL, {met} of {len(goals)} goals met, {res['seconds']:.0f} s")
-    for r in [gen_base] + res["gens"]:
-        eq = _tokens_equal(r, gen_base)
+    equal = [_tokens_equal(r, gen_base) for r in [gen_base] + res["gens"]]
+    for r, eq in zip([gen_base] + res["gens"], equal):
         r.pop("tokens", None)  # the JSON keeps how many are equal, not the tokens
         if eq:
             r["tokens_equal"] = list(eq)
     meta = dict(
         device=device, seconds=res["seconds"], sizes=s, over=a.over, gen_over=a.gen_over, spill=a.spill, names=NAMES
     )
-    meta.update(torch=next((r.get("torch") for r in [base] if _ok(r)), None), llama=LLAMA)
+    meta.update(torch=base.get("torch"), transformers=base.get("transformers"), llama=LLAMA)
     out = dict(meta=meta, train=[base] + res["capped"], generate=[gen_base] + res["gens"], room=res["pairs"])
     out.update(tables=dict(train=t_train, generate=t_gen, room=t_room), fails=fails, goals=goals)
     write_json(a.out, out)
