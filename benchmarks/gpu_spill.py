@@ -1,7 +1,7 @@
 """Spill to host memory on one GPU: training past the device, a KV cache past the device, and what
 spill costs when there is room.
 
-    python benchmarks/gpu_spill.py --out benchmarks/results/gpu_spill.json [--quick] [--budget 330] [--limit 90]
+    python benchmarks/gpu_spill.py --out benchmarks/results/gpu_spill.json [--quick] [--budget 270] [--limit 75]
 
 Three parts, every run a fresh process (an allocator is chosen once a process):
 
@@ -20,10 +20,11 @@ Three parts, every run a fresh process (an allocator is chosen once a process):
      GPUMEM_CONF), --rounds interleaved rounds; the median of the rounds' on / off step ratios (goal:
      within 2%).  The uncapped run of part a is round 1's spill-off run.
 
-Time: --budget (330 s) bounds the whole run.  A run stops starting steps (tokens) after --limit (90 s,
-imports included) or where the budget ends, and the table says "time limit"; a run that would start with
-less than 20 s left is skipped.  The order is part a, part b's uncapped and first spill run, part c's
-later rounds, part b's other choice: what a short budget cuts comes last.
+Time: --budget (270 s; 150 with --quick) bounds the whole run.  A run stops starting steps (tokens)
+after --limit (75 s, imports included; 45 with --quick) or where the budget ends, and the table says
+"time limit"; a run that would start with less than 20 s left is skipped.  The order is part a, part
+b's uncapped and first spill run, part c's later rounds, part b's other choice: what a short budget
+cuts comes last.
 
 It prints the tables as Markdown rows for docs/spill.md, then its checks: a FAIL (a run that should have
 run out of memory did not, a spill run that failed or spilled nothing, statistics not found) makes the
@@ -550,8 +551,8 @@ def _args():
         "--out", metavar="PATH", help="write the results as JSON to PATH (benchmarks/results/gpu_spill.json)"
     )
     ap.add_argument("--quick", action="store_true", help="smaller everything, one round (about 2 minutes)")
-    ap.add_argument("--budget", type=float, default=330.0, help="seconds for the whole; runs end by then (330)")
-    ap.add_argument("--limit", type=float, default=90.0, help="seconds one run may take, imports included (90)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole; runs end by then (270; 150 with --quick)")
+    ap.add_argument("--limit", type=float, help="seconds one run may take, imports included (75; 45 with --quick)")
     ap.add_argument("--over", type=float, default=1.3, help="training: the cap is peak live / OVER (1.3)")
     ap.add_argument("--gen-over", type=float, default=1.3, help="generation: the cap is peak live / GEN_OVER (1.3)")
     ap.add_argument("--spill", default="32GiB", help="the host limit of spill runs (32GiB)")
@@ -574,6 +575,8 @@ def _args():
     if bad:
         ap.error(f"unknown spill choice(s) {bad} (choose from {', '.join(NAMES['choices'])})")
     a.rounds, a.gen_choices = s["rounds"], s["gen_choices"]
+    a.budget = a.budget if a.budget is not None else 150.0 if a.quick else 270.0
+    a.limit = a.limit if a.limit is not None else 45.0 if a.quick else 75.0
     return a, s
 
 
