@@ -58,6 +58,8 @@ class ReplayResult:
     num_alloc_retries: int
     num_slow_allocs: int
     ns_per_op: Optional[float] = None
+    spilled_peak_bytes: int = 0  # the most host memory spill held at once (spill on: heap_kwargs' spill)
+    num_spills: int = 0
     min_capacity_bytes: Optional[int] = None
     event_delay: int = 0  # see the module docstring
     extra: dict = field(default_factory=dict)
@@ -201,6 +203,8 @@ def replay(
         first_oom_event=counts["first_oom_event"],
         remaps=s["num_remaps"],
         **{name: s[name] for name in _COUNTERS},
+        spilled_peak_bytes=s.get("spilled_bytes.all.peak", 0),
+        num_spills=s.get("num_spills", 0),
         event_delay=event_delay,
     )
     if timing:

@@ -148,7 +148,8 @@ class Report:
             kept = "reusable only by their pool until it is released"
             rows.insert(4, ("  free, kept for private pools", self.pool_free_bytes, kept))
         if self.spilled_bytes:  # live, but not on the device
-            rows.insert(2, ("  of which in host memory (spilled)", self.spilled_bytes, f"limit {_fs(self.spill_limit)}"))
+            limit = f"limit {_fs(self.spill_limit)}"
+            rows.insert(2, ("  of which in host memory (spilled)", self.spilled_bytes, limit))
         if self.chunk_locked_bytes:
             chunks = "allocations of several pages: freed only whole"
             rows.append(("  of which in partly used chunks", self.chunk_locked_bytes, chunks))

@@ -313,6 +313,22 @@ class Forecast(_Showing):
 
         return fits_native(t, cap)
 
+    def spill(self, k: int, capacity=None, spill_choice: str = "old") -> Optional[int]:
+        """Bytes of host memory a step at knob value `k` would spill at its peak under gpumem in
+        `capacity` bytes with spill on (install(spill=...), docs/spill.md): 0 when it fits on the
+        device.  Replays the synthesised step on a simulated device with that capacity and spill
+        unlimited.  None when the recordings do not line up (no step to replay)."""
+        if self.model is None:
+            return None
+        cap = self._capacity(capacity)
+        from ..replay import replay
+
+        kw = dict(self.heap_kwargs or {}, spill=max(4 * self.peak_live(k), 1 << 30), spill_choice=spill_choice)
+        r = replay(self.synthesise(int(k)), cap, timing=False, heap_kwargs=kw)
+        if r.ooms:
+            raise ValueError(f"the step at {self.name}={k} does not run in {cap} bytes even with spill on")
+        return r.spilled_peak_bytes
+
     def predict(self, k: int) -> Prediction:
         """Peak live memory at `k`, and the smallest capacity each allocator needs."""
         k = int(k)

@@ -11,7 +11,8 @@ process ends.
 
 import pytest
 
-from helpers import needs_test_hooks, run_torch_sim as run_py  # a fresh interpreter, a sim device behind device 0, torch's entry points
+# run_py: a fresh interpreter, a sim device behind device 0, torch's entry points
+from helpers import needs_test_hooks, run_torch_sim as run_py
 
 import gpumem
 from gpumem import _C

@@ -448,3 +448,23 @@ def test_a_pending_host_block_that_completes_is_not_handed_out():
         y = h.malloc(2 * PAGE)  # x's pages would fit it best
         assert not on_host(h, y) and spilled(h) == 0
         assert_ok(h)
+
+
+# ---- the forecast: how much a knob value would spill ------------------------------------------
+
+
+def test_the_forecast_says_how_much_a_batch_would_spill():
+    from test_forecast import Program, sim
+
+    MiB = 1 << 20
+    h = sim()
+    p = Program(h, per_act=lambda k: 8 * MiB * k, acts=10)
+    fc = gpumem.forecast(p.step, knob=[2, 4], heap=h, name="batch")
+    cap = fc.peak_live(8) + 64 * MiB  # batch 8 fits on the device; batch 16 needs more than the cap
+    assert fc.spill(8, capacity=cap) == 0
+    over = fc.peak_live(16) - cap
+    for choice in ("old", "new"):
+        spilled = fc.spill(16, capacity=cap, spill_choice=choice)
+        # at least what does not fit, in whole pages; at most the step's own peak
+        assert over <= spilled <= fc.peak_live(16), (choice, spilled, over)
+    assert not fc.fits(16, capacity=cap)  # without spill it does not fit
