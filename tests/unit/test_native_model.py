@@ -1,7 +1,7 @@
 """The model of torch's native caching allocator (gpumem.native_model) as its C
 engine runs it: the invariants of its books after every call on random
 requests, a replay inside the engine against the same requests made one
-NativeAllocator call at a time, and its refusals.  tests/unit/test_forecast.py pins
+NativeAllocator call at a time, and its refusals.  tests/unit/test_forecast_native.py pins
 the rules themselves, and the model against torch's own numbers."""
 
 from array import array
