@@ -6,7 +6,7 @@ device 0 (_C.registry_open_sim), and allocates through the very entry point torc
 (_torch_test_alloc raises what torch would raise): the out-of-memory message's first
 sentence, the 1 EiB refusal, out-of-memory observers, the memory fraction, the
 accelerator statistics and the history options (skip_actions, clear_history).
-tests/gpu/test_gpu_torch.py checks the same through torch on a GPU.
+tests/gpu/test_gpu_torch_features.py checks the same through torch on a GPU.
 """
 
 import pytest
