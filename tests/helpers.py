@@ -150,6 +150,17 @@ def assert_ok(h):
         pytest.fail(f"heap invariant broken: {exc}")
 
 
+def history_heap(capacity):
+    """A fixture's body: a sim heap, its history turned off and the heap closed after the test."""
+    import gpumem
+    from gpumem.history import record_history
+
+    h = gpumem.Heap(device="sim", capacity=capacity)
+    yield h
+    record_history(False, device=h)
+    h.close()
+
+
 def live_blocks(h):
     return [b for b in h.snapshot()["blocks"] if b[6] == "live"]
 

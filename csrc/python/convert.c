@@ -4,6 +4,7 @@
 #include "convert.h"
 
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -66,27 +67,68 @@ fail:
     return NULL;
 }
 
+/* gm_oom_info's fields in the dict's order: each a size_t, but the stream (uint64_t) and the two
+ * error codes (int). */
+enum {
+    OOM_SIZE,
+    OOM_STREAM,
+    OOM_INT
+};
+#define OOM_FIELD(name, kind) {#name, offsetof(gm_oom_info, name), kind}
+static const struct {
+    const char *key;
+    size_t offset;
+    int kind;
+} oom_fields[] = {
+    OOM_FIELD(request, OOM_SIZE),
+    OOM_FIELD(stream, OOM_STREAM),
+    OOM_FIELD(device_total, OOM_SIZE),
+    OOM_FIELD(device_free, OOM_SIZE),
+    OOM_FIELD(cap_bytes, OOM_SIZE),
+    OOM_FIELD(live_bytes, OOM_SIZE),
+    OOM_FIELD(pending_bytes, OOM_SIZE),
+    OOM_FIELD(reserved_bytes, OOM_SIZE),
+    OOM_FIELD(cached_bytes, OOM_SIZE),
+    OOM_FIELD(free_mapped_bytes, OOM_SIZE),
+    OOM_FIELD(largest_free_mapped, OOM_SIZE),
+    OOM_FIELD(largest_possible, OOM_SIZE),
+    OOM_FIELD(pages_needed, OOM_SIZE),
+    OOM_FIELD(device_error, OOM_INT),
+    OOM_FIELD(pool_live_bytes, OOM_SIZE),
+    OOM_FIELD(pool_free_bytes, OOM_SIZE),
+    OOM_FIELD(chunk_locked_bytes, OOM_SIZE),
+    OOM_FIELD(spilled_bytes, OOM_SIZE),
+    OOM_FIELD(spill_limit, OOM_SIZE),
+    OOM_FIELD(spill_error, OOM_INT),
+};
+#undef OOM_FIELD
+
+static int put_oom_field(PyObject *d, const gm_oom_info *o, size_t i) {
+    const char *at = (const char *)o + oom_fields[i].offset;
+    size_t size;
+    gm_stream stream;
+    int code;
+    switch (oom_fields[i].kind) {
+    case OOM_SIZE:
+        memcpy(&size, at, sizeof size);
+        return gm_py_put_u64(d, oom_fields[i].key, size);
+    case OOM_STREAM:
+        memcpy(&stream, at, sizeof stream);
+        return gm_py_put_u64(d, oom_fields[i].key, stream);
+    default:
+        memcpy(&code, at, sizeof code);
+        return gm_py_put_i64(d, oom_fields[i].key, code);
+    }
+}
+
 PyObject *gm_py_oom_dict(const gm_oom_info *o) {
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
-    if (gm_py_put_u64(d, "request", o->request) < 0 || gm_py_put_u64(d, "stream", o->stream) < 0 ||
-        gm_py_put_u64(d, "device_total", o->device_total) < 0 || gm_py_put_u64(d, "device_free", o->device_free) < 0 ||
-        gm_py_put_u64(d, "cap_bytes", o->cap_bytes) < 0 || gm_py_put_u64(d, "live_bytes", o->live_bytes) < 0 ||
-        gm_py_put_u64(d, "pending_bytes", o->pending_bytes) < 0 ||
-        gm_py_put_u64(d, "reserved_bytes", o->reserved_bytes) < 0 ||
-        gm_py_put_u64(d, "cached_bytes", o->cached_bytes) < 0 ||
-        gm_py_put_u64(d, "free_mapped_bytes", o->free_mapped_bytes) < 0 ||
-        gm_py_put_u64(d, "largest_free_mapped", o->largest_free_mapped) < 0 ||
-        gm_py_put_u64(d, "largest_possible", o->largest_possible) < 0 ||
-        gm_py_put_u64(d, "pages_needed", o->pages_needed) < 0 ||
-        gm_py_put_i64(d, "device_error", o->device_error) < 0 ||
-        gm_py_put_u64(d, "pool_live_bytes", o->pool_live_bytes) < 0 ||
-        gm_py_put_u64(d, "pool_free_bytes", o->pool_free_bytes) < 0 ||
-        gm_py_put_u64(d, "chunk_locked_bytes", o->chunk_locked_bytes) < 0 ||
-        gm_py_put_u64(d, "spilled_bytes", o->spilled_bytes) < 0 ||
-        gm_py_put_u64(d, "spill_limit", o->spill_limit) < 0 || gm_py_put_i64(d, "spill_error", o->spill_error) < 0) {
-        Py_DECREF(d);
-        return NULL;
+    for (size_t i = 0; i < sizeof oom_fields / sizeof oom_fields[0]; i++) {
+        if (put_oom_field(d, o, i) < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
     }
     return d;
 }

@@ -26,6 +26,7 @@
 #include "heap_object.h"
 
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -542,12 +543,20 @@ static PyObject *Heap_block_size(HeapObject *self, PyObject *ptr_o) {
     return PyLong_FromSize_t(n);
 }
 
-static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
+/* fn(heap) on an open heap, without the GIL: its result, or HEAP_NOT_READY with the error set. */
+#define HEAP_NOT_READY INT_MIN
+static int heap_call(HeapObject *self, int (*fn)(gm_heap *)) {
+    if (gm_py_ready(self, GM_PY_OPEN) < 0) return HEAP_NOT_READY;
     int rc;
     ENTER_CORE(self);
-    rc = gm_empty_cache(self->heap);
+    rc = fn(self->heap);
     LEAVE_CORE(self);
+    return rc;
+}
+
+static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
+    int rc = heap_call(self, gm_empty_cache);
+    if (rc == HEAP_NOT_READY) return NULL;
     if (rc != GM_OK) return gm_py_raise(self, rc, "empty_cache");
     Py_RETURN_NONE;
 }
@@ -555,11 +564,8 @@ static PyObject *Heap_empty_cache(HeapObject *self, PyObject *Py_UNUSED(ignored)
 /* unspill() -> True when nothing is left in host memory, False when the device
  * had no room for some of it (it stays where it is, intact). */
 static PyObject *Heap_unspill(HeapObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (gm_py_ready(self, GM_PY_OPEN) < 0) return NULL;
-    int rc;
-    ENTER_CORE(self);
-    rc = gm_unspill(self->heap);
-    LEAVE_CORE(self);
+    int rc = heap_call(self, gm_unspill);
+    if (rc == HEAP_NOT_READY) return NULL;
     if (rc == GM_ENOMEM) Py_RETURN_FALSE;
     if (rc != GM_OK) return gm_py_raise(self, rc, "unspill");
     Py_RETURN_TRUE;

@@ -34,14 +34,17 @@ def _setup(allocator):
     return f"torch.cuda.set_per_process_memory_fraction({CAP} / torch.cuda.mem_get_info()[1])\n"
 
 
-MODEL = """
+def _trained(model, make_input, knob="b", after=""):
+    """Child code: the model made, an AdamW step at knob value `knob` on the input `make_input`, and the
+    device's cache emptied."""
+    return f"""
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+{model}
 opt = torch.optim.AdamW(model.parameters())
 
 
-def step(b):
-    x = torch.randn(b, 64, 1024, device="cuda")
+def step({knob}):
+    x = {make_input}
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -49,38 +52,32 @@ def step(b):
 
 torch.cuda.synchronize()
 torch.cuda.empty_cache()
-torch.cuda.reset_peak_memory_stats()
-"""
+{after}"""
+
+
+MODEL = _trained(
+    "model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()",
+    'torch.randn(b, 64, 1024, device="cuda")',
+    after="torch.cuda.reset_peak_memory_stats()\n",
+)
 
 
 # Models whose recordings differ in what they allocate, not only in how much: a convolutional
 # network at growing resolution with cuDNN choosing its algorithms by shape (their workspaces and
 # temporaries differ), and a decoder block with grouped-query attention recorded at batch 1 and 2
 # (batch-1 paths, the attention kernel's and cuBLAS's workspaces by shape).
-CONV = """
-torch.manual_seed(0)
-torch.backends.cudnn.benchmark = True
+CONV = _trained(
+    """torch.backends.cudnn.benchmark = True
 layers = []
 for c_in, c_out in [(3, 64), (64, 128), (128, 256), (256, 256)]:
     layers += [torch.nn.Conv2d(c_in, c_out, 3, padding=1), torch.nn.BatchNorm2d(c_out), torch.nn.ReLU()]
-model = torch.nn.Sequential(*layers).cuda()
-opt = torch.optim.AdamW(model.parameters())
+model = torch.nn.Sequential(*layers).cuda()""",
+    'torch.randn(8, 3, 16 * r, 16 * r, device="cuda")',
+    knob="r",
+)
 
-
-def step(r):
-    x = torch.randn(8, 3, 16 * r, 16 * r, device="cuda")
-    model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-torch.cuda.synchronize()
-torch.cuda.empty_cache()
-"""
-
-GQA = """
-torch.manual_seed(0)
-F = torch.nn.functional
+GQA = _trained(
+    """F = torch.nn.functional
 
 
 class Block(torch.nn.Module):
@@ -99,20 +96,9 @@ class Block(torch.nn.Module):
         return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
-model = torch.nn.Sequential(*[Block() for _ in range(4)]).cuda()
-opt = torch.optim.AdamW(model.parameters())
-
-
-def step(b):
-    x = torch.randn(b, 512, 1024, device="cuda")
-    model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-torch.cuda.synchronize()
-torch.cuda.empty_cache()
-"""
+model = torch.nn.Sequential(*[Block() for _ in range(4)]).cuda()""",
+    'torch.randn(b, 512, 1024, device="cuda")',
+)
 
 
 def _run(allocator, body, model=MODEL):

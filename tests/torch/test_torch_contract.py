@@ -6,7 +6,7 @@ device 0 (_C.registry_open_sim), and allocates through the very entry point torc
 (_torch_test_alloc raises what torch would raise): the out-of-memory message's first
 sentence, the 1 EiB refusal, out-of-memory observers, the memory fraction, the
 accelerator statistics and the history options (skip_actions, clear_history).
-tests/gpu/test_gpu_torch.py checks the same through torch on a GPU.
+tests/gpu/test_gpu_torch_features.py checks the same through torch on a GPU.
 """
 
 import pytest
@@ -270,15 +270,16 @@ def test_restoring_a_pools_checkpoint_gives_back_its_segments_as_they_were():
         h.pool_release(pool)
 
 
-@needs_test_hooks
-def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_against_the_cap():
-    # torch.cuda.MemPool(allocator): the pool's memory comes from the allocator's two functions, in
-    # segments sized as torch's (20 MiB for 1 to 10 MiB, 2 MiB for a small request), reused by the
-    # pool, counted against the memory fraction, lent on OOM by a use_on_oom pool, and given back
-    # at the empty_cache after the pool has ended and its blocks are freed.
-    r = run_py("""
+# In the child: the C types of torch's pluggable allocator functions, and a fake allocator of that kind
+# (addresses never touched: the simulated device reads nothing) that records what it made and freed,
+# refuses while `refuse` is not empty, and whose functions' addresses are A and F.
+ALLOCATOR_TYPES = """
         ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
         FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+"""
+FAKE_ALLOCATOR = (
+    ALLOCATOR_TYPES
+    + """
         made, gone, refuse = [], [], []
         def fake_alloc(size, device, stream):
             if refuse:
@@ -290,6 +291,35 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
         a_fn, f_fn = ALLOC(fake_alloc), FREE(fake_free)
         A = ctypes.cast(a_fn, ctypes.c_void_p).value
         F = ctypes.cast(f_fn, ctypes.c_void_p).value
+"""
+)
+
+
+def _assert_ext_pool_cached_counted_lent_and_given_back(r):
+    MiB = 1 << 20
+    assert r["made"] == [20 * MiB, 2 * MiB] and r["xy"] == 3 * MiB
+    assert [s[1] for s in r["segs"]] == [
+        [[3 * MiB, True], [3 * MiB, True], [14 * MiB, False]],
+        [[512, True], [2 * MiB - 512, False]],
+    ]
+    assert r["over"] and not r["under"]
+    assert r["lent"]
+    assert "CUDA out of memory" in r["refused"] and "its own allocator" in r["refused"]
+    assert r["detached"] and r["gone_while_live"] == [] and r["gone_before_empty_cache"] == []
+    assert sorted(r["gone"]) == [2 * MiB, 20 * MiB] and r["big_from_heap"]
+    assert r["all_gone"] == [2 * MiB, 20 * MiB, 30 * MiB]
+    assert r["errors"] == 0
+
+
+@needs_test_hooks
+def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_against_the_cap():
+    # torch.cuda.MemPool(allocator): the pool's memory comes from the allocator's two functions, in
+    # segments sized as torch's (20 MiB for 1 to 10 MiB, 2 MiB for a small request), reused by the
+    # pool, counted against the memory fraction, lent on OOM by a use_on_oom pool, and given back
+    # at the empty_cache after the pool has ended and its blocks are freed.
+    r = run_py(
+        FAKE_ALLOCATOR
+        + """
         P, Q = (0, 1 << 62 | 1), (0, 1 << 62 | 2)
         _C._torch_ext_attach(0, P, A, F, False)
         _C._torch_ext_attach(0, Q, A, F, True)
@@ -340,29 +370,18 @@ def test_a_pool_over_another_allocator_caches_its_segments_and_counts_them_again
         res["errors"] = _C._torch_counters()["free_errors"]
         _C.registry_heap(0).check()
         out(**res)
-    """)
-    MiB = 1 << 20
-    assert r["made"] == [20 * MiB, 2 * MiB] and r["xy"] == 3 * MiB
-    assert [s[1] for s in r["segs"]] == [
-        [[3 * MiB, True], [3 * MiB, True], [14 * MiB, False]],
-        [[512, True], [2 * MiB - 512, False]],
-    ]
-    assert r["over"] and not r["under"]
-    assert r["lent"]
-    assert "CUDA out of memory" in r["refused"] and "its own allocator" in r["refused"]
-    assert r["detached"] and r["gone_while_live"] == [] and r["gone_before_empty_cache"] == []
-    assert sorted(r["gone"]) == [2 * MiB, 20 * MiB] and r["big_from_heap"]
-    assert r["all_gone"] == [2 * MiB, 20 * MiB, 30 * MiB]
-    assert r["errors"] == 0
+    """
+    )
+    _assert_ext_pool_cached_counted_lent_and_given_back(r)
 
 
 @needs_test_hooks
 def test_a_pool_over_another_allocator_gives_nothing_back_while_a_capture_may_run():
     # the other allocator's free may synchronise (cudaFree): while any pool is routed to (torch counts
     # each as a possible CUDA graph capture) an ended pool's segments stay, and go at the next chance
-    r = run_py("""
-        ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-        FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+    r = run_py(
+        ALLOCATOR_TYPES
+        + """
         made, gone = [], []
         a_fn = ALLOC(lambda size, d, s: (made.append(size), (1 << 44) + len(made) * (1 << 30))[1])
         f_fn = FREE(lambda ptr, size, d, s: gone.append(size))
@@ -383,7 +402,8 @@ def test_a_pool_over_another_allocator_gives_nothing_back_while_a_capture_may_ru
         release(0, *G)
         empty_cache()
         out(during=during, after=list(gone))
-    """)
+    """
+    )
     assert r["during"] == [] and r["after"] == [20 << 20]
 
 

@@ -6,8 +6,8 @@ empty_cache) with the GIL released, as torch's ops do; gpumem.torch's hooks are
 registered as install() registers them.  What is checked is what
 torch.cuda.memory._snapshot() holds under each of torch's context modes (which trace
 entries carry which stack), the user metadata of torch.cuda.memory._set_memory_metadata,
-and what torch's profiler sees of gpumem's allocations.  tests/gpu/test_gpu_torch.py checks
-the same through torch on a GPU.
+and what torch's profiler sees of gpumem's allocations.  tests/gpu/test_gpu_torch_features.py
+checks the same through torch on a GPU.
 """
 
 import pytest

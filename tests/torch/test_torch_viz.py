@@ -1,6 +1,6 @@
 """The visibility layer on the torch path, checked without a GPU.
 
-The torch allocation path itself needs CUDA (tests/gpu/test_gpu_torch.py); here the
+The torch allocation path itself needs CUDA (tests/gpu/test_gpu_torch_features.py); here the
 two C hooks it is given (csrc/python/oom_glue.c, history_glue.c) are called
 directly through ctypes -- a CFUNCTYPE call releases the GIL, as torch's op
 bindings do before they allocate -- with a sim heap standing in for the CUDA

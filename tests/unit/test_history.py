@@ -10,17 +10,15 @@ import pytest
 import gpumem
 from gpumem import _C
 from gpumem.history import frames_for, history, record_history, stack_table_info
+from helpers import history_heap
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def heap():
-    h = gpumem.Heap(device="sim", capacity=256 * MiB)
-    yield h
-    record_history(False, device=h)
+    yield from history_heap(256 * MiB)
     _C._stacks_clear()
-    h.close()
 
 
 def test_ring_wraps_keeping_the_newest(heap):

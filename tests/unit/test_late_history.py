@@ -15,16 +15,14 @@ from gpumem.history import record_history
 from gpumem.replay import min_capacity, replay
 from gpumem.timeline import from_trace
 from gpumem.trace import TraceError, load_trace
+from helpers import history_heap
 
 GiB, MiB = 1 << 30, 1 << 20
 
 
 @pytest.fixture
 def heap():
-    h = gpumem.Heap(device="sim", capacity=16 * GiB)
-    yield h
-    record_history(False, device=h)
-    h.close()
+    yield from history_heap(16 * GiB)
 
 
 def dump(h, path):

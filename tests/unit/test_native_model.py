@@ -1,7 +1,7 @@
 """The model of torch's native caching allocator (gpumem.native_model) as its C
 engine runs it: the invariants of its books after every call on random
 requests, a replay inside the engine against the same requests made one
-NativeAllocator call at a time, and its refusals.  tests/unit/test_forecast.py pins
+NativeAllocator call at a time, and its refusals.  tests/unit/test_forecast_native.py pins
 the rules themselves, and the model against torch's own numbers."""
 
 from array import array
@@ -39,15 +39,22 @@ SIZES = st.one_of(
 STREAMS = st.sampled_from([0, 0, 0, 1, 7, 2**64 - 1])
 CAPACITIES = st.one_of(st.just(UNLIMITED), st.integers(1, 400).map(lambda k: k * MiB), st.integers(1, 1 << 34))
 MAX_SPLITS = st.sampled_from([None, None, 20 * MiB + 1, 64 * MiB, 200 * MiB])
+
+
 # ("malloc", size, stream), ("free", which of the live blocks), ("empty_cache",)
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("malloc"), SIZES, STREAMS),
-        st.tuples(st.just("free"), st.integers(0, 1 << 20)),
-        st.just(("empty_cache",)),
-    ),
-    max_size=120,
-)
+def op_lists(make, third, max_size):
+    """Lists of (make, size, stream), ("free", which of the live blocks) and (third,)."""
+    return st.lists(
+        st.one_of(
+            st.tuples(st.just(make), SIZES, STREAMS),
+            st.tuples(st.just("free"), st.integers(0, 1 << 20)),
+            st.just((third,)),
+        ),
+        max_size=max_size,
+    )
+
+
+OPS = op_lists("malloc", "empty_cache", 120)
 
 
 def check_books(a, live):
@@ -136,14 +143,7 @@ def trace_of(words):
 
 # A trace's events: ("alloc", size, stream), ("free", which live slot), or a
 # free of a slot that holds nothing (skipped, as for an allocation that failed).
-EVENTS = st.lists(
-    st.one_of(
-        st.tuples(st.just("alloc"), SIZES, STREAMS),
-        st.tuples(st.just("free"), st.integers(0, 1 << 20)),
-        st.just(("free_nothing",)),
-    ),
-    max_size=150,
-)
+EVENTS = op_lists("alloc", "free_nothing", 150)
 
 
 @given(capacity=CAPACITIES, max_split=MAX_SPLITS, stop_at_oom=st.booleans(), events=EVENTS)

@@ -15,6 +15,46 @@ N_THREADS = 4
 OPS_PER_THREAD = 3000
 
 
+def _hammer_step(h, rng, tid, mine, shadow, lock):
+    """One random free (with a record_stream now and then) or malloc of thread tid, checked against the
+    shadow of every thread's live blocks."""
+    if mine and (rng.random() < 0.45 or len(mine) > 200):
+        p = mine.pop(rng.randrange(len(mine)))
+        if rng.random() < 0.1:
+            h.record_stream(p, 0x1000 * rng.randrange(1, N_THREADS + 1))
+        # Out of the shadow before the core may hand it out again.
+        with lock:
+            del shadow[p]
+        h.free(p)
+        return
+    size = int(2 ** rng.uniform(0, 24))  # 1 B .. 16 MiB
+    try:
+        p = h.malloc(size, stream=0x1000 * (tid + 1), context=tid)
+    except gpumem.OutOfMemoryError:
+        return
+    bs = h.block_size(p)
+    assert p % 512 == 0 and bs >= size
+    with lock:
+        for a, s in shadow.items():
+            if a < p + bs and p < a + s:
+                raise AssertionError(f"thread {tid}: {p:#x}+{bs} overlaps {a:#x}+{s}")
+        shadow[p] = bs
+    mine.append(p)
+
+
+def _whole_heap_op(h, op):
+    """A whole-heap operation that takes the heap's lock: empty_cache, check, stats or snapshot."""
+    if op == 0:
+        h.empty_cache()
+    elif op == 1:
+        h.check()
+    elif op == 2:
+        st = h.stats()
+        assert st["allocated_bytes.all.current"] <= st["reserved_bytes.all.current"]
+    else:
+        h.snapshot()
+
+
 def test_threads_hammer_one_heap(make_heap):
     h = make_heap(capacity=512 * MiB)
     shadow = {}  # addr -> size, over all threads
@@ -25,33 +65,11 @@ def test_threads_hammer_one_heap(make_heap):
 
     def worker(tid):
         rng = random.Random(tid)
-        stream = 0x1000 * (tid + 1)
         mine = []
         try:
             barrier.wait()
             for _ in range(OPS_PER_THREAD):
-                if mine and (rng.random() < 0.45 or len(mine) > 200):
-                    p = mine.pop(rng.randrange(len(mine)))
-                    if rng.random() < 0.1:
-                        h.record_stream(p, 0x1000 * rng.randrange(1, N_THREADS + 1))
-                    # Out of the shadow before the core may hand it out again.
-                    with lock:
-                        del shadow[p]
-                    h.free(p)
-                else:
-                    size = int(2 ** rng.uniform(0, 24))  # 1 B .. 16 MiB
-                    try:
-                        p = h.malloc(size, stream=stream, context=tid)
-                    except gpumem.OutOfMemoryError:
-                        continue
-                    bs = h.block_size(p)
-                    assert p % 512 == 0 and bs >= size
-                    with lock:
-                        for a, s in shadow.items():
-                            if a < p + bs and p < a + s:
-                                raise AssertionError(f"thread {tid}: {p:#x}+{bs} overlaps {a:#x}+{s}")
-                        shadow[p] = bs
-                    mine.append(p)
+                _hammer_step(h, rng, tid, mine, shadow, lock)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             failures.append((tid, repr(exc)))
             stop.set()
@@ -62,16 +80,7 @@ def test_threads_hammer_one_heap(make_heap):
         barrier.wait()
         while not stop.is_set():
             try:
-                op = rng.randrange(4)
-                if op == 0:
-                    h.empty_cache()
-                elif op == 1:
-                    h.check()
-                elif op == 2:
-                    st = h.stats()
-                    assert st["allocated_bytes.all.current"] <= st["reserved_bytes.all.current"]
-                else:
-                    h.snapshot()
+                _whole_heap_op(h, rng.randrange(4))
             except BaseException as exc:  # noqa: BLE001
                 failures.append(("janitor", repr(exc)))
                 return
