@@ -213,7 +213,7 @@ def test_the_core_reads_the_conf_text():
 
 
 def test_option_and_statistic_names_have_one_home_in_c():
-    from gpumem import _heap
+    from gpumem import _heaplike as _heap
 
     assert _install.OPTION_NAMES is _C.OPTION_NAMES and "cap" in _C.OPTION_NAMES and "oom" in _C.OPTION_NAMES
     with pytest.raises(ValueError, match=r"unknown gpumem option\(s\) colour \(known: " + ", ".join(_C.OPTION_NAMES)):
