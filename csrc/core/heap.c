@@ -226,11 +226,18 @@
  *   Return: host pages that hold nothing live or pending are unmapped as soon
  *   as a free leaves them so (after a device wait; a pending block that
  *   completes later leaves them to the next malloc, before its fast path), so
- *   that no later request gets host memory while the device has room.  gm_unspill moves every live
- *   host chunk back (a device chunk, the copy through the scratch range, the
- *   mappings swapped); empty_cache calls it, and so does gm_free once what
- *   live blocks touch fits under the cap with the device's free memory.  A
- *   heap with nothing spilled pays one integer test per free for all this.
+ *   that no later request gets host memory while the device has room.  gm_unspill
+ *   moves every live host chunk back (a device chunk, the copy through the
+ *   scratch range, the mappings swapped); empty_cache calls it, and so do
+ *   gm_free and gm_reset_peak_stats once the demand fits: the peak of the pages
+ *   live blocks touched (host pages too, live_peak_pages) since the peak was
+ *   last reset, plus the growth slack, under the cap, and what is live now in
+ *   what the heap holds and the device has free.  The peak, not what is live:
+ *   a loop whose step needs more than the cap keeps what it spilled across
+ *   steps -- no return at each step's dip, no spill again at its next peak --
+ *   until the user resets the peak (resetting it every step makes each step
+ *   move the blocks back and out again) or empties the cache.  A heap with
+ *   nothing spilled pays one integer test per free for all this.
  *
  * THE FILES
  *
@@ -798,6 +805,7 @@ void gm_get_stats(gm_heap *h, gm_stats *out) {
 void gm_reset_peak_stats(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     gm_stats_reset_peaks(&h->st);
+    h_spill_demand_reset(h); /* the demand that kept pages spilled starts over (SPILL) */
     pthread_mutex_unlock(&h->lock);
 }
 

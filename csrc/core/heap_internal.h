@@ -119,6 +119,7 @@ struct gm_heap {
     int host_idle;      /* a pending block on host pages completed: the next malloc unmaps what it left idle */
     size_t host_kept;   /* h_host_kept's answer, while host_kept_stale is 0 */
     int host_kept_stale;
+    size_t live_peak_pages; /* the most pages live blocks touched since the peak was reset (SPILL's return) */
 
     size_t device_total;
     size_t cap_pages; /* the effective cap, in pages */
@@ -259,6 +260,7 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
     size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
     ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
     h->host_kept_stale |= h->host_pages != 0; /* h_host_kept counts again */
+    if (h->runs.live_pages > h->live_peak_pages) h->live_peak_pages = h->runs.live_pages;
 }
 
 /* The owner "every stream", as the core's files write it. */
@@ -384,6 +386,7 @@ int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved
 int h_unspill(gm_heap *h);
 void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host);
 size_t h_host_kept(gm_heap *h);
+void h_spill_demand_reset(gm_heap *h);
 size_t h_host_kept_count(const gm_heap *h);
 void h_spill_free(gm_heap *h);
 void h_spill_idle(gm_heap *h, gm_stream s);

@@ -421,15 +421,18 @@ int gm_unspill(gm_heap *h) {
 
 /* After a free while pages are spilled: a block that touched host pages may
  * have left some holding nothing (unmapped at once, so that no request gets
- * them while the device has room), and once what is live fits under the cap
- * with the device's free memory, everything comes back.  Not during a
- * capture: then at a later free, or gm_unspill. */
+ * them while the device has room), and once the demand fits, everything comes
+ * back.  The demand is the peak of what live blocks touched (host pages too)
+ * since the peak was reset, not what is live now: a loop whose step needs
+ * more than the cap keeps what it spilled across its steps instead of moving
+ * it back at every dip and out again at the next peak.  Not during a capture:
+ * then at a later free, gm_unspill or empty_cache. */
 void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
-    /* Room: what live blocks touch (host pages too) fits under the cap, and
-     * in what the heap holds and the device has free.  The cheap half first:
-     * most frees stop here, with no device call. */
+    /* Room: the demand fits under the cap, and what is live in what the heap
+     * holds and the device has free.  The cheap half first: most frees stop
+     * here, with no device call. */
     size_t kept = h->runs.live_pages, dfree = 0, total = 0;
-    int room = kept + h->growth_slack_pages <= h->cap_pages;
+    int room = h->live_peak_pages + h->growth_slack_pages <= h->cap_pages;
     if (!touched_host && !room) return;
     if (h_capture_on(h, s) || h_other_capture(h)) return;
     room = room && h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && dfree / h->page + h_held_pages(h) >= kept;
@@ -437,6 +440,13 @@ void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
     if (h_synchronize(h, ANY)) return;
     drop_idle(h);
     if (room && h->host_pages) return_all(h);
+}
+
+/* The peak was reset: the demand starts over from what is live now, and what
+ * is spilled comes back if that fits (as after a free). */
+void h_spill_demand_reset(gm_heap *h) {
+    h->live_peak_pages = h->runs.live_pages;
+    if (h->host_pages && !h->no_sync) h_spill_after_free(h, ANY, 0);
 }
 
 /* Before the fast path, once pending blocks on host pages completed: unmap
