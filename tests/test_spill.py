@@ -84,7 +84,9 @@ def test_past_the_limit_out_of_memory_says_what_is_spilled():
         h.malloc(2 * PAGE)  # the whole limit
         with pytest.raises(gpumem.OutOfMemoryError) as exc:
             h.malloc(PAGE)
-        assert "4.00 MiB is spilled to host memory (limit 4.00 MiB)" in str(exc.value)
+        assert "4.00 MiB is spilled to host memory (limit 4.00 MiB); the request would pass the limit." in str(
+            exc.value
+        )
         oom = h.last_oom()
         assert oom["spilled_bytes"] == 2 * PAGE and oom["spill_limit"] == 2 * PAGE
         assert oom["spill_error"] == code("GM_ENOMEM")
@@ -94,9 +96,22 @@ def test_past_the_limit_out_of_memory_says_what_is_spilled():
 def test_the_host_refusing_is_out_of_memory():
     with heap(choice="new", host_capacity=PAGE) as h:
         fill(h)
-        with pytest.raises(gpumem.OutOfMemoryError, match="spilled to host memory"):
+        with pytest.raises(gpumem.OutOfMemoryError, match="spilled to host memory .*the host refused"):
             h.malloc(2 * PAGE)
         assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
+        assert_ok(h)
+
+
+def test_no_room_in_the_address_range_is_out_of_memory_that_says_so():
+    """Host pages go in the heap's unmapped address space: a range of 64 pages
+    with 32 mapped has no room for 40 more, though the limit allows them."""
+    with heap(spill="128MiB", choice="new", va_size=64 * PAGE) as h:
+        fill(h)
+        with pytest.raises(gpumem.OutOfMemoryError, match="address range has no unmapped room"):
+            h.malloc(40 * PAGE)
+        assert h.last_oom()["spill_error"] == code("GM_EINVAL") and spilled(h) == 0
+        h.malloc(30 * PAGE)  # what the range has room for is served
+        assert spilled(h) == 30 * PAGE
         assert_ok(h)
 
 
@@ -396,6 +411,33 @@ def test_install_options_reach_the_registry():
     finally:
         _C.registry_configure(spill=before["spill"], spill_choice=before["spill_choice"])
     assert _C.registry_options() == before
+
+
+def test_a_request_past_the_cap_is_spilled_on_torchs_path():
+    """torch's entry point refuses a request larger than the cap before the
+    heap sees it; with spill on, the spill limit is the bound (a request
+    larger than the cap goes whole to host pages)."""
+    from conftest import TORCH_BOUNDARY, run_python
+
+    prelude = "import json\nfrom gpumem import _C\nMiB = 1 << 20\n" + TORCH_BOUNDARY
+    r = run_python(
+        """
+_C.registry_configure(cap_bytes=16 * MiB, spill=32 * MiB)
+_C.registry_open_sim(0, 64 * MiB)
+h = _C.registry_heap(0)
+small = alloc(512, 0, None)
+big = alloc(24 * MiB, 0, None)   # 1.5x the cap
+st = h.stats()
+h.check()
+free(big, 24 * MiB, 0, None)
+after = h.stats()["spilled_bytes.all.current"]
+print("RESULT " + json.dumps(dict(spilled=st["spilled_bytes.all.current"], after=after)), flush=True)
+""",
+        prelude,
+        timeout=120,
+        unset=(),
+    )
+    assert r == {"spilled": 24 << 20, "after": 0}
 
 
 # ---- what spill costs when it is not needed ---------------------------------------------

@@ -334,7 +334,8 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
     size_t k = (size + h->page - 1) / h->page;
     if (h->host_pages + k > h->spill_pages) return GM_ENOMEM;
     gm_block *u = unmapped_room(h, k);
-    if (!u || h_slab_reserve(h, 4)) return GM_ENOMEM;
+    if (!u) return GM_EINVAL; /* the OOM text says: no room in the address range */
+    if (h_slab_reserve(h, 4)) return GM_ENOMEM;
     size_t p0 = gm_page_floor(h, u->addr);
     gm_assert(u->state == GM_BLOCK_UNMAPPED && !h->page_handle[p0] && !h->parked[p0]);
     int rc = map_host_pages(h, p0, k);
@@ -356,7 +357,9 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
 /* The slow path's last rung: serve `size` bytes for s with host pages, or (with
  * GM_SPILL_OLD, once: *moved) move the oldest blocks to the host so that the
  * caller's next try fits on the device (GM_OK with *out NULL).  GM_ENOMEM past
- * the limit, GM_ENOTSUP when the device has no host pages. */
+ * the limit or when the host refuses, GM_EINVAL when the heap's address range
+ * has no unmapped room that large, GM_ENOTSUP when the device has no host
+ * pages. */
 int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at) {
     *out = NULL;
     if (!h->dev->ops->create_host || !h->dev->ops->copy_dtod) return GM_ENOTSUP;
