@@ -244,6 +244,28 @@ def test_a_loop_past_the_cap_returns_everything_at_empty_cache():
         assert_ok(h)
 
 
+def test_a_batch_of_moves_waits_for_the_device_once():
+    """Eight chunks go out and come back with one device wait for all their
+    copies (the simulated device refuses an unmap while a copy may run):
+    besides it, the slow path's own waits only (its defragmentation's, and
+    the idle device a move needs)."""
+    with heap(choice="old") as h:
+        blocks = fill(h)
+        calls = lambda: (h.sim_calls("synchronize"), h.sim_calls("copy_dtod"))  # noqa: E731
+        s0, c0 = calls()
+        x = h.malloc(6 * PAGE)
+        s1, c1 = calls()
+        assert spilled(h) == 8 * PAGE and c1 - c0 == 8  # eight single pages moved
+        assert s1 - s0 == 3
+        h.free(x)
+        h.free(blocks[7])
+        assert h.unspill() is True
+        s2, c2 = calls()
+        assert c2 - c1 == 8 and s2 - s1 == 2  # the unspill's wait, then the copies'
+        assert [values(h, b) for b in blocks[:7]] == [[1000 * i + k for k in range(4)] for i in range(7)]
+        assert_ok(h)
+
+
 def test_unspill_and_empty_cache_return_what_fits():
     with heap(choice="old") as h:
         blocks = fill(h)

@@ -214,9 +214,13 @@
  *   device wait may run then, and the OOM says spill is off; never for a
  *   private pool), spill_choice says what goes to the host.  "old" (B): after
  *   a device wait, the chunks under the oldest live blocks (lowest alloc
- *   sequence) are copied to new host chunks through a scratch range and take
- *   their place behind the same addresses, until the request's shortfall
- *   came free; the device's pages become spares and the request tries again.
+ *   sequence), whole blocks until the request's shortfall is covered, are
+ *   copied to new host chunks and take their place behind the same
+ *   addresses; the device's pages become spares and the request tries again.
+ *   A move of several chunks is one batch (moves_run, the return's too):
+ *   each new chunk is mapped in the scratch range (grown to hold them all)
+ *   and its copy issued, then one device wait for all the copies, then the
+ *   scratch mappings go and each new chunk takes its old one's place.
  *   Pages a neighbour shares move with it (the address does not change); a
  *   chunk a living pool's block touches never moves.  "new" (D), and "old"
  *   when moving freed nothing: the request itself gets whole host pages in
