@@ -168,10 +168,13 @@ def test_freeing_a_host_block_unmaps_its_pages_and_the_device_serves_next():
         blocks = fill(h)
         x = h.malloc(2 * PAGE)
         h.free(x)
-        assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
+        # unmapped, but kept for the next spill: the demand (34 pages) exceeds the cap
+        assert spilled(h) == 0 and h.sim_info()["host_mapped"] == 0 and h.sim_info()["host_pages"] == 2
         h.free(blocks[3])
         y = h.malloc(2 * PAGE)  # the fast path: device pages, not the host ones
         assert not on_host(h, y)
+        h.empty_cache()  # kept host chunks go
+        assert h.sim_info()["host_pages"] == 0
         assert_ok(h)
 
 
@@ -230,6 +233,24 @@ def test_a_loop_past_the_cap_spills_once_and_then_moves_nothing():
         h.reset_peak_stats()  # 12 pages live: the demand fits
         assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
         assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(3)]
+        assert_ok(h)
+
+
+def test_new_keeps_its_host_chunks_across_the_steps_of_a_loop_past_the_cap():
+    """With "new", each step's requests past the device get host pages; freed,
+    they are unmapped but kept while the demand exceeds the cap, and the next
+    step maps them again: no host chunk is created after the first step.
+    Once the demand fits (the peak reset with less live), they go."""
+    with heap(choice="new") as h:
+        weights = fill(h, n=3)
+        rows = per_step(h, 5)
+        assert rows[0][3] >= 1  # the first step created host chunks
+        assert [r[3] for r in rows[1:]] == [0] * 4  # the others reused them
+        assert all(r[0] == rows[0][0] for r in rows)  # the same requests spilled, each step
+        assert spilled(h) == 0 and h.sim_info()["host_pages"] == 8  # two requests of 4 pages, kept
+        assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(3)]
+        h.reset_peak_stats()  # 12 pages live: the demand fits
+        assert h.sim_info()["host_pages"] == 0
         assert_ok(h)
 
 

@@ -230,7 +230,11 @@
  *   Return: host pages that hold nothing live or pending are unmapped as soon
  *   as a free leaves them so (after a device wait; a pending block that
  *   completes later leaves them to the next malloc, before its fast path), so
- *   that no later request gets host memory while the device has room.  gm_unspill
+ *   that no later request gets host memory while the device has room.  While
+ *   the demand (below) exceeds the cap their chunks are kept, unmapped, in
+ *   host_loose, and the next spill that needs a chunk that long maps one of
+ *   them again instead of creating it (create_host is slow: pinned host
+ *   memory); mapped and kept host pages together stay within the limit.  gm_unspill
  *   moves every live host chunk back (a device chunk, the copy through the
  *   scratch range, the mappings swapped); empty_cache calls it, and so do
  *   gm_free and gm_reset_peak_stats once the demand fits: the peak of the pages
@@ -240,7 +244,8 @@
  *   a loop whose step needs more than the cap keeps what it spilled across
  *   steps -- no return at each step's dip, no spill again at its next peak --
  *   until the user resets the peak (resetting it every step makes each step
- *   move the blocks back and out again) or empties the cache.  A heap with
+ *   move the blocks back and out again) or empties the cache; then the kept
+ *   host chunks are released too.  A heap with
  *   nothing spilled pays one integer test per free for all this.
  *
  * THE FILES

@@ -105,11 +105,13 @@ struct gm_heap {
     /* Spill (spill.c): per page, 1 if a host-located chunk is mapped there
      * (its pages are in the page tables above like any chunk's, but count in
      * host_pages, never in mapped_pages: they are not the device's memory, do
-     * not count against the cap and never become spares).  Host chunks whose
-     * release failed wait in host_loose.  spill_pages: the limit (0: off). */
+     * not count against the cap and never become spares).  Unmapped host
+     * chunks wait in host_loose: kept for the next spill while the demand
+     * exceeds the cap (host_keep), or their release failed.  spill_pages:
+     * the limit (0: off), for mapped and kept host pages together. */
     uint8_t *host;
     size_t host_pages, spill_pages;
-    int spill_choice;
+    int spill_choice, host_keep;
     gm_handle *host_loose;
     size_t n_host_loose, cap_host_loose, host_loose_pages;
     size_t *host_loose_len;

@@ -13,11 +13,13 @@
 
 /* ---- host chunks ------------------------------------------------------------------ */
 
-/* Give an unmapped host chunk back; one whose release fails waits in
- * host_loose for the next return (its pages stay counted by the device). */
+/* Give an unmapped host chunk back; one kept for the next spill (host_keep),
+ * or whose release fails, waits in host_loose (its pages stay counted by the
+ * device). */
 void h_host_release(gm_heap *h, gm_handle hd, size_t k) {
-    if (!h->no_sync && h->dev->ops->release(h->dev, hd) == GM_OK) return;
-    h->st.num_device_errors += !h->no_sync;
+    int keep = h->host_keep || h->no_sync;
+    if (!keep && h->dev->ops->release(h->dev, hd) == GM_OK) return;
+    h->st.num_device_errors += !keep;
     if (h->n_host_loose == h->cap_host_loose) {
         size_t cap = h->cap_host_loose, cap2 = cap;
         gm_handle *a = gm_array_grow(h->host_loose, &cap, 8, sizeof *a);
@@ -42,6 +44,37 @@ static void host_loose_retry(gm_heap *h) {
         h->host_loose_pages -= h->host_loose_len[i];
         h->n_host_loose--;
     }
+}
+
+/* Whether the demand (the peak of what live blocks touched since the peak
+ * was reset, with the growth slack) exceeds the cap: then what is spilled
+ * stays spilled, and idle host chunks are kept for the next spill. */
+static int demand_exceeds_cap(const gm_heap *h) { return h->live_peak_pages + h->growth_slack_pages > h->cap_pages; }
+
+/* Take the kept host chunk i out of host_loose. */
+static gm_handle kept_take(gm_heap *h, size_t i) {
+    gm_handle hd = h->host_loose[i];
+    h->host_loose_pages -= h->host_loose_len[i];
+    h->host_loose[i] = h->host_loose[h->n_host_loose - 1];
+    h->host_loose_len[i] = h->host_loose_len[h->n_host_loose - 1];
+    h->n_host_loose--;
+    return hd;
+}
+
+/* A host chunk of k pages, unmapped, in *hd: a kept one that long
+ * (host_loose: no create_host), else a new one within the limit for mapped,
+ * kept and `promised` host pages (kept ones are released to make room).
+ * GM_ENOMEM past it or when the host refuses; the caller counts a device
+ * error. */
+static int host_chunk(gm_heap *h, size_t k, size_t promised, gm_handle *hd) {
+    for (size_t i = h->n_host_loose; i > 0; i--)
+        if (h->host_loose_len[i - 1] == k) {
+            *hd = kept_take(h, i - 1);
+            return GM_OK;
+        }
+    if (h->host_pages + h->host_loose_pages + promised + k > h->spill_pages) host_loose_retry(h);
+    if (h->host_pages + h->host_loose_pages + promised + k > h->spill_pages) return GM_ENOMEM;
+    return h->dev->ops->create_host(h->dev, k, hd);
 }
 
 /* The heap's scratch range, at least k pages long: where a chunk is mapped to
@@ -233,12 +266,14 @@ size_t h_host_kept_count(const gm_heap *h) {
 }
 
 /* Unmap the host chunks that hold nothing live or pending (the device is
- * idle): each under one free block of the general heap.  From the top down:
+ * idle), kept for the next spill with `keep` (while the demand exceeds the cap):
+ * each under one free block of the general heap.  From the top down:
  * cutting a block keeps its lower part's record. */
-static void drop_idle(gm_heap *h) {
+static void drop_idle(gm_heap *h, int keep) {
     uint8_t *busy = host_busy(h);
     if (!busy) return;
     h->host_idle = 0;
+    h->host_keep = keep; /* the next spill maps them again */
     gm_block *b = NULL;
     for (size_t q = h->n_pages; q > 0 && h->host_pages;) {
         size_t p = q - 1;
@@ -255,6 +290,7 @@ static void drop_idle(gm_heap *h) {
         if (h_slab_reserve(h, 2) || h_unmap_pages(h, b, c, c + k, 0)) break;
         b = anchor;
     }
+    h->host_keep = 0;
     free(busy);
 }
 
@@ -305,7 +341,7 @@ static size_t oldest_moves(gm_heap *h, gm_block **v, size_t n, size_t want, move
                 *rc = GM_ENOMEM;
                 break;
             }
-            if ((*rc = h->dev->ops->create_host(h->dev, k, &hd))) {
+            if ((*rc = host_chunk(h, k, pages, &hd))) {
                 h->st.num_device_errors += *rc != GM_ENOMEM;
                 break;
             }
@@ -365,7 +401,7 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
     while (p < p0 + k && !rc) {
         size_t n = p0 + k - p < GM_CHUNK_PAGES_MAX ? p0 + k - p : GM_CHUNK_PAGES_MAX;
         gm_handle hd;
-        if ((rc = ops->create_host(h->dev, n, &hd))) break;
+        if ((rc = host_chunk(h, n, 0, &hd))) break;
         uintptr_t va = gm_page_addr(h, p);
         if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)) &&
             unmap_retry(h, va, n))
@@ -380,9 +416,11 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
         p += n;
     }
     if (rc && rc != GM_ENOMEM) h->st.num_device_errors++;
-    while (rc && p > p0) { /* take back what was mapped */
+    while (rc && p > p0) { /* take back what was mapped, asking again a few times */
         size_t c = gm_chunk_first(h, p - 1);
-        if (h_unmap_chunk(h, c, 0)) return GM_ECORRUPT;
+        int attempt = 0;
+        while (h_unmap_chunk(h, c, 0))
+            if (++attempt == 8) return GM_ECORRUPT;
         p = c;
     }
     return rc;
@@ -423,7 +461,7 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
 int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at) {
     *out = NULL;
     if (!h->dev->ops->create_host || !h->dev->ops->copy_dtod) return GM_ENOTSUP;
-    host_loose_retry(h);
+    if (!demand_exceeds_cap(h)) host_loose_retry(h); /* else kept host chunks serve */
     int rc = GM_OK;
     /* Moving blocks makes room only for what the device could hold at all;
      * their pages are copied and unmapped, so the device must be idle. */
@@ -500,7 +538,7 @@ int h_unspill(gm_heap *h) {
     if (h->no_sync || h->capture_count > 0 || h_other_capture(h)) return GM_ECAPTURING;
     if (h_synchronize(h, ANY)) return GM_EDEVICE;
     host_loose_retry(h);
-    drop_idle(h);
+    drop_idle(h, 0);
     return return_all(h);
 }
 
@@ -530,15 +568,16 @@ void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
     room = room && h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && dfree / h->page + h_held_pages(h) >= kept;
     if (!touched_host && !room) return;
     if (h_synchronize(h, ANY)) return;
-    drop_idle(h);
+    drop_idle(h, demand_exceeds_cap(h));
     if (room && h->host_pages) return_all(h);
+    if (room) host_loose_retry(h); /* the kept host chunks go too */
 }
 
 /* The peak was reset: the demand starts over from what is live now, and what
  * is spilled comes back if that fits (as after a free). */
 void h_spill_demand_reset(gm_heap *h) {
     h->live_peak_pages = h->runs.live_pages;
-    if (h->host_pages && !h->no_sync) h_spill_after_free(h, ANY, 0);
+    if ((h->host_pages || h->n_host_loose) && !h->no_sync) h_spill_after_free(h, ANY, 0);
 }
 
 /* Before the fast path, once pending blocks on host pages completed: unmap
@@ -546,7 +585,7 @@ void h_spill_demand_reset(gm_heap *h) {
 void h_spill_idle(gm_heap *h, gm_stream s) {
     if (h->no_sync || h_capture_on(h, s) || h_other_capture(h)) return;
     if (h_synchronize(h, s)) return;
-    drop_idle(h);
+    drop_idle(h, demand_exceeds_cap(h));
 }
 
 /* At destroy: the scratch range and the host chunks whose release failed. */
