@@ -214,9 +214,13 @@
  *   device wait may run then, and the OOM says spill is off; never for a
  *   private pool), spill_choice says what goes to the host.  "old" (B): after
  *   a device wait, the chunks under the oldest live blocks (lowest alloc
- *   sequence) are copied to new host chunks through a scratch range and take
- *   their place behind the same addresses, until the request's shortfall
- *   came free; the device's pages become spares and the request tries again.
+ *   sequence), whole blocks until the request's shortfall is covered, are
+ *   copied to new host chunks and take their place behind the same
+ *   addresses; the device's pages become spares and the request tries again.
+ *   A move of several chunks is one batch (moves_run, the return's too):
+ *   each new chunk is mapped in the scratch range (grown to hold them all)
+ *   and its copy issued, then one device wait for all the copies, then the
+ *   scratch mappings go and each new chunk takes its old one's place.
  *   Pages a neighbour shares move with it (the address does not change); a
  *   chunk a living pool's block touches never moves.  "new" (D), and "old"
  *   when moving freed nothing: the request itself gets whole host pages in
@@ -226,11 +230,23 @@
  *   Return: host pages that hold nothing live or pending are unmapped as soon
  *   as a free leaves them so (after a device wait; a pending block that
  *   completes later leaves them to the next malloc, before its fast path), so
- *   that no later request gets host memory while the device has room.  gm_unspill moves every live
- *   host chunk back (a device chunk, the copy through the scratch range, the
- *   mappings swapped); empty_cache calls it, and so does gm_free once what
- *   live blocks touch fits under the cap with the device's free memory.  A
- *   heap with nothing spilled pays one integer test per free for all this.
+ *   that no later request gets host memory while the device has room.  While
+ *   the demand (below) exceeds the cap their chunks are kept, unmapped, in
+ *   host_loose, and the next spill that needs a chunk that long maps one of
+ *   them again instead of creating it (create_host is slow: pinned host
+ *   memory); mapped and kept host pages together stay within the limit.  gm_unspill
+ *   moves every live host chunk back (a device chunk, the copy through the
+ *   scratch range, the mappings swapped); empty_cache calls it, and so do
+ *   gm_free and gm_reset_peak_stats once the demand fits: the peak of the pages
+ *   live blocks touched (host pages too, live_peak_pages) since the peak was
+ *   last reset, plus the growth slack, under the cap, and what is live now in
+ *   what the heap holds and the device has free.  The peak, not what is live:
+ *   a loop whose step needs more than the cap keeps what it spilled across
+ *   steps -- no return at each step's dip, no spill again at its next peak --
+ *   until the user resets the peak (resetting it every step makes each step
+ *   move the blocks back and out again) or empties the cache; then the kept
+ *   host chunks are released too.  A heap with
+ *   nothing spilled pays one integer test per free for all this.
  *
  * THE FILES
  *
@@ -798,6 +814,7 @@ void gm_get_stats(gm_heap *h, gm_stats *out) {
 void gm_reset_peak_stats(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
     gm_stats_reset_peaks(&h->st);
+    h_spill_demand_reset(h); /* the demand that kept pages spilled starts over (SPILL) */
     pthread_mutex_unlock(&h->lock);
 }
 

@@ -105,11 +105,13 @@ struct gm_heap {
     /* Spill (spill.c): per page, 1 if a host-located chunk is mapped there
      * (its pages are in the page tables above like any chunk's, but count in
      * host_pages, never in mapped_pages: they are not the device's memory, do
-     * not count against the cap and never become spares).  Host chunks whose
-     * release failed wait in host_loose.  spill_pages: the limit (0: off). */
+     * not count against the cap and never become spares).  Unmapped host
+     * chunks wait in host_loose: kept for the next spill while the demand
+     * exceeds the cap (host_keep), or their release failed.  spill_pages:
+     * the limit (0: off), for mapped and kept host pages together. */
     uint8_t *host;
     size_t host_pages, spill_pages;
-    int spill_choice;
+    int spill_choice, host_keep;
     gm_handle *host_loose;
     size_t n_host_loose, cap_host_loose, host_loose_pages;
     size_t *host_loose_len;
@@ -119,6 +121,7 @@ struct gm_heap {
     int host_idle;      /* a pending block on host pages completed: the next malloc unmaps what it left idle */
     size_t host_kept;   /* h_host_kept's answer, while host_kept_stale is 0 */
     int host_kept_stale;
+    size_t live_peak_pages; /* the most pages live blocks touched since the peak was reset (SPILL's return) */
 
     size_t device_total;
     size_t cap_pages; /* the effective cap, in pages */
@@ -259,6 +262,7 @@ static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
     size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
     ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
     h->host_kept_stale |= h->host_pages != 0; /* h_host_kept counts again */
+    if (h->runs.live_pages > h->live_peak_pages) h->live_peak_pages = h->runs.live_pages;
 }
 
 /* The owner "every stream", as the core's files write it. */
@@ -384,6 +388,7 @@ int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved
 int h_unspill(gm_heap *h);
 void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host);
 size_t h_host_kept(gm_heap *h);
+void h_spill_demand_reset(gm_heap *h);
 size_t h_host_kept_count(const gm_heap *h);
 void h_spill_free(gm_heap *h);
 void h_spill_idle(gm_heap *h, gm_stream s);

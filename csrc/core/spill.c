@@ -13,11 +13,13 @@
 
 /* ---- host chunks ------------------------------------------------------------------ */
 
-/* Give an unmapped host chunk back; one whose release fails waits in
- * host_loose for the next return (its pages stay counted by the device). */
+/* Give an unmapped host chunk back; one kept for the next spill (host_keep),
+ * or whose release fails, waits in host_loose (its pages stay counted by the
+ * device). */
 void h_host_release(gm_heap *h, gm_handle hd, size_t k) {
-    if (!h->no_sync && h->dev->ops->release(h->dev, hd) == GM_OK) return;
-    h->st.num_device_errors += !h->no_sync;
+    int keep = h->host_keep || h->no_sync;
+    if (!keep && h->dev->ops->release(h->dev, hd) == GM_OK) return;
+    h->st.num_device_errors += !keep;
     if (h->n_host_loose == h->cap_host_loose) {
         size_t cap = h->cap_host_loose, cap2 = cap;
         gm_handle *a = gm_array_grow(h->host_loose, &cap, 8, sizeof *a);
@@ -42,6 +44,37 @@ static void host_loose_retry(gm_heap *h) {
         h->host_loose_pages -= h->host_loose_len[i];
         h->n_host_loose--;
     }
+}
+
+/* Whether the demand (the peak of what live blocks touched since the peak
+ * was reset, with the growth slack) exceeds the cap: then what is spilled
+ * stays spilled, and idle host chunks are kept for the next spill. */
+static int demand_exceeds_cap(const gm_heap *h) { return h->live_peak_pages + h->growth_slack_pages > h->cap_pages; }
+
+/* Take the kept host chunk i out of host_loose. */
+static gm_handle kept_take(gm_heap *h, size_t i) {
+    gm_handle hd = h->host_loose[i];
+    h->host_loose_pages -= h->host_loose_len[i];
+    h->host_loose[i] = h->host_loose[h->n_host_loose - 1];
+    h->host_loose_len[i] = h->host_loose_len[h->n_host_loose - 1];
+    h->n_host_loose--;
+    return hd;
+}
+
+/* A host chunk of k pages, unmapped, in *hd: a kept one that long
+ * (host_loose: no create_host), else a new one within the limit for mapped,
+ * kept and `promised` host pages (kept ones are released to make room).
+ * GM_ENOMEM past it or when the host refuses; the caller counts a device
+ * error. */
+static int host_chunk(gm_heap *h, size_t k, size_t promised, gm_handle *hd) {
+    for (size_t i = h->n_host_loose; i > 0; i--)
+        if (h->host_loose_len[i - 1] == k) {
+            *hd = kept_take(h, i - 1);
+            return GM_OK;
+        }
+    if (h->host_pages + h->host_loose_pages + promised + k > h->spill_pages) host_loose_retry(h);
+    if (h->host_pages + h->host_loose_pages + promised + k > h->spill_pages) return GM_ENOMEM;
+    return h->dev->ops->create_host(h->dev, k, hd);
 }
 
 /* The heap's scratch range, at least k pages long: where a chunk is mapped to
@@ -71,25 +104,6 @@ static int unmap_retry(gm_heap *h, uintptr_t va, size_t k) {
     return GM_EDEVICE;
 }
 
-/* Map `to` (k pages, unmapped) at the scratch range, copy the k pages mapped at
- * va into it, and unmap it again: `to` then holds va's contents.  GM_ECORRUPT
- * if `to` stays mapped there. */
-static int copy_out(gm_heap *h, uintptr_t va, size_t k, gm_handle to) {
-    const gm_device_ops *ops = h->dev->ops;
-    uintptr_t sc;
-    int rc = scratch_get(h, k, &sc);
-    if (rc) return rc;
-    if ((rc = ops->map(h->dev, sc, k, to))) {
-        h->st.num_device_errors++;
-        return GM_EDEVICE;
-    }
-    rc = ops->set_access(h->dev, sc, k * h->page);
-    if (!rc) rc = ops->copy_dtod(h->dev, sc, va, k * h->page);
-    if (rc) h->st.num_device_errors++;
-    if (unmap_retry(h, sc, k)) return GM_ECORRUPT;
-    return rc ? GM_EDEVICE : GM_OK;
-}
-
 /* Put `to` (k pages holding the contents of the chunk `from` mapped at page p)
  * in from's place: unmap from, map to, grant access.  On failure from goes
  * back (the caller releases `to`); GM_ECORRUPT if even that fails. */
@@ -112,60 +126,101 @@ static int swap_in(gm_heap *h, size_t p, size_t k, gm_handle from, gm_handle to)
     return GM_ECORRUPT;
 }
 
-/* Move the device chunk at page p to a new host chunk behind the same
- * addresses (the device is idle); the device's pages become spares or go
- * back.  GM_ENOMEM past the limit or when the host refuses. */
-static int chunk_to_host(gm_heap *h, size_t p) {
-    size_t k = h->chunk_len[p];
-    gm_assert(k && !h->chunk_off[p] && !h->host[p] && !h->no_sync);
-    gm_handle dev_hd = h->page_handle[p], host_hd;
-    if (h->host_pages + k > h->spill_pages) return GM_ENOMEM;
-    int rc = h->dev->ops->create_host(h->dev, k, &host_hd);
-    if (rc) {
-        h->st.num_device_errors += rc != GM_ENOMEM;
-        return rc;
+/* One chunk's move: the chunk at page p (k pages, handle `from`) to the
+ * unmapped chunk `to` of the same length, behind the same addresses. */
+typedef struct {
+    size_t p, k;
+    gm_handle from, to;
+} move;
+
+/* Map each move's `to` in the scratch range, one after the other, and issue
+ * the copy into it; the first failure stops it.  Returns how many `to`s are
+ * mapped there; *copied how many of them had their copy issued. */
+static size_t copies_issue(gm_heap *h, const move *m, size_t n, uintptr_t sc, size_t *copied, int *rc) {
+    const gm_device_ops *ops = h->dev->ops;
+    size_t i = 0;
+    for (*copied = 0; i < n; i++) {
+        size_t len = m[i].k * h->page;
+        if (ops->map(h->dev, sc, m[i].k, m[i].to)) {
+            h->st.num_device_errors++;
+            *rc = GM_EDEVICE;
+            return i;
+        }
+        if (ops->set_access(h->dev, sc, len) || ops->copy_dtod(h->dev, sc, gm_page_addr(h, m[i].p), len)) {
+            h->st.num_device_errors++;
+            *rc = GM_EDEVICE;
+            return i + 1;
+        }
+        *copied = i + 1;
+        sc += len;
     }
-    if (!(rc = copy_out(h, gm_page_addr(h, p), k, host_hd))) rc = swap_in(h, p, k, dev_hd, host_hd);
-    if (rc) { /* GM_ECORRUPT: it stays mapped somewhere, it cannot go */
-        if (rc != GM_ECORRUPT) h_host_release(h, host_hd, k);
-        return rc;
-    }
-    h_chunk_clear(h, p, k);
-    h_chunk_set(h, p, k, host_hd, 1);
-    h_chunk_unused(h, dev_hd, k);
-    h->st.num_maps++;
-    h->st.num_unmaps++;
-    gm_hist(h, GM_H_SPILL, gm_page_addr(h, p), k * h->page, ANY, 0);
-    return GM_OK;
+    return i;
 }
 
-/* Move the host chunk at page p back to device pages (a spare for a single
- * page, else a new chunk under the cap).  GM_ENOMEM when the device or the cap
- * has no room. */
-static int chunk_to_device(gm_heap *h, size_t p) {
-    size_t k = h->chunk_len[p];
-    gm_assert(k && !h->chunk_off[p] && h->host[p] && !h->no_sync);
-    gm_handle host_hd = h->page_handle[p], dev_hd;
-    int spare = k == 1 && h->n_spare > 0, rc;
-    if (spare) {
-        dev_hd = h->spare[--h->n_spare];
-    } else {
-        if (h_held_pages(h) + k > h->cap_pages) return GM_ENOMEM;
-        if ((rc = h_create_chunk(h, k, &dev_hd, NULL))) return rc;
+/* Wait for the copies, asking again a few times: a copy that may still run
+ * keeps both of its ranges from being unmapped.  GM_OK or GM_ECORRUPT. */
+static int copies_wait(gm_heap *h) {
+    for (int attempt = 0; attempt < 8; attempt++) {
+        if (h->dev->ops->synchronize(h->dev) == GM_OK) return GM_OK;
+        h->st.num_device_errors++;
     }
-    if (!(rc = copy_out(h, gm_page_addr(h, p), k, dev_hd))) rc = swap_in(h, p, k, host_hd, dev_hd);
-    if (rc) {
-        if (rc != GM_ECORRUPT) h_chunk_unused(h, dev_hd, k); /* else it stays mapped somewhere */
-        return rc;
+    return GM_ECORRUPT;
+}
+
+/* Move n chunks behind their own addresses with one device wait for all of
+ * them: each `to` is mapped in the scratch range (grown to hold them all) and
+ * the copies are issued, the device is waited for once, the `to`s are
+ * unmapped there and each takes its `from`'s place.  Returns how many moved,
+ * the first ones; the others' `to`s are unmapped and left to the caller
+ * (unless *rc is GM_ECORRUPT: then none may go).  *rc: the first failure. */
+static size_t moves_run(gm_heap *h, const move *m, size_t n, int *rc) {
+    size_t total = 0, copied = 0, mapped, moved = 0;
+    uintptr_t sc, at;
+    for (size_t i = 0; i < n; i++) total += m[i].k;
+    if (!n || (*rc = scratch_get(h, total, &sc))) return 0;
+    mapped = copies_issue(h, m, n, sc, &copied, rc);
+    if (mapped && copies_wait(h)) {
+        *rc = GM_ECORRUPT;
+        return 0;
     }
-    h_chunk_clear(h, p, k);
-    h_chunk_set(h, p, k, dev_hd, 0);
-    h_host_release(h, host_hd, k);
-    h->st.num_maps++;
-    h->st.num_unmaps++;
-    h->st.num_unspills++;
-    gm_hist(h, GM_H_UNSPILL, gm_page_addr(h, p), k * h->page, ANY, 0);
-    return GM_OK;
+    at = sc;
+    for (size_t i = 0; i < mapped; at += m[i++].k * h->page)
+        if (unmap_retry(h, at, m[i].k)) {
+            *rc = GM_ECORRUPT;
+            return 0;
+        }
+    for (; moved < copied; moved++) {
+        int e = swap_in(h, m[moved].p, m[moved].k, m[moved].from, m[moved].to);
+        if (e) {
+            *rc = e;
+            break;
+        }
+    }
+    return moved;
+}
+
+/* After moves_run: the page tables follow the moved chunks (to host pages,
+ * or back to the device's), their old chunks go, and each move is counted
+ * and recorded; the `to`s that did not move go back. */
+static void moves_done(gm_heap *h, const move *m, size_t n, size_t moved, int rc, int to_host) {
+    for (size_t i = 0; i < moved; i++) {
+        h_chunk_clear(h, m[i].p, m[i].k);
+        h_chunk_set(h, m[i].p, m[i].k, m[i].to, to_host);
+        if (to_host)
+            h_chunk_unused(h, m[i].from, m[i].k);
+        else
+            h_host_release(h, m[i].from, m[i].k);
+        h->st.num_maps++;
+        h->st.num_unmaps++;
+        h->st.num_unspills += !to_host;
+        gm_hist(h, to_host ? GM_H_SPILL : GM_H_UNSPILL, gm_page_addr(h, m[i].p), m[i].k * h->page, ANY, 0);
+    }
+    for (size_t i = moved; i < n && rc != GM_ECORRUPT; i++) {
+        if (to_host)
+            h_host_release(h, m[i].to, m[i].k);
+        else
+            h_chunk_unused(h, m[i].to, m[i].k);
+    }
 }
 
 /* ---- what lies on host pages ------------------------------------------------------ */
@@ -211,12 +266,14 @@ size_t h_host_kept_count(const gm_heap *h) {
 }
 
 /* Unmap the host chunks that hold nothing live or pending (the device is
- * idle): each under one free block of the general heap.  From the top down:
+ * idle), kept for the next spill with `keep` (while the demand exceeds the cap):
+ * each under one free block of the general heap.  From the top down:
  * cutting a block keeps its lower part's record. */
-static void drop_idle(gm_heap *h) {
+static void drop_idle(gm_heap *h, int keep) {
     uint8_t *busy = host_busy(h);
     if (!busy) return;
     h->host_idle = 0;
+    h->host_keep = keep; /* the next spill maps them again */
     gm_block *b = NULL;
     for (size_t q = h->n_pages; q > 0 && h->host_pages;) {
         size_t p = q - 1;
@@ -233,6 +290,7 @@ static void drop_idle(gm_heap *h) {
         if (h_slab_reserve(h, 2) || h_unmap_pages(h, b, c, c + k, 0)) break;
         b = anchor;
     }
+    h->host_keep = 0;
     free(busy);
 }
 
@@ -263,30 +321,68 @@ static gm_block **oldest_blocks(gm_heap *h, size_t *n) {
     return v;
 }
 
-/* GM_SPILL_OLD: move the chunks under the oldest live blocks to the host until
- * `want` device pages came free (the device is idle).  Returns the pages
- * moved; *rc the failure that stopped it. */
+/* The moves that free `want` device pages from under the oldest blocks
+ * (v, n of them): each chunk once, never one a living pool's block touches,
+ * each with a new host chunk of its length (create_host), within the limit.
+ * Returns how many (in m, malloc'd); *rc the failure that stopped it. */
+static size_t oldest_moves(gm_heap *h, gm_block **v, size_t n, size_t want, move **out, int *rc) {
+    size_t cap = 16, c = 0, pages = 0;
+    move *m = malloc(cap * sizeof *m);
+    uint8_t *taken = calloc(h->n_pages, 1);
+    for (size_t i = 0; m && taken && i < n && pages < want && !*rc; i++) {
+        size_t p = gm_page_floor(h, v[i]->addr), e = gm_page_ceil(h, v[i]->addr + v[i]->size);
+        for (p = gm_chunk_first(h, p); p < e && !*rc; p += h->chunk_len[p]) { /* whole blocks */
+            size_t k = h->chunk_len[p];
+            if (h->host[p] || taken[p] || pinned_pages(h, v[i], p, k)) continue;
+            gm_handle hd;
+            move *m2 = c == cap ? gm_array_grow(m, &cap, 16, sizeof *m) : m;
+            if (m2) m = m2;
+            if (!m2 || h->host_pages + pages + k > h->spill_pages) {
+                *rc = GM_ENOMEM;
+                break;
+            }
+            if ((*rc = host_chunk(h, k, pages, &hd))) {
+                h->st.num_device_errors += *rc != GM_ENOMEM;
+                break;
+            }
+            m[c++] = (move){p, k, h->page_handle[p], hd};
+            taken[p] = 1;
+            pages += k;
+        }
+    }
+    if (!m || !taken) *rc = GM_ENOMEM;
+    free(taken);
+    *out = m;
+    return m ? c : 0;
+}
+
+/* GM_SPILL_OLD: move the chunks under the oldest live blocks to new host
+ * chunks until `want` device pages came free (the device is idle), with one
+ * device wait for all the copies.  Returns the pages moved; *rc the failure
+ * that stopped it (GM_OK when some moved: the request tries again). */
 static size_t spill_oldest(gm_heap *h, size_t want, int *rc) {
-    size_t n, moved = 0;
+    size_t n, pages = 0;
     gm_block **v = oldest_blocks(h, &n);
+    move *m = NULL;
     if (!v) {
         *rc = GM_ENOMEM;
         return 0;
     }
-    h->growth_seq++;
-    for (size_t i = 0; i < n && moved < want && !*rc; i++) {
-        size_t p = gm_page_floor(h, v[i]->addr), e = gm_page_ceil(h, v[i]->addr + v[i]->size);
-        for (p = gm_chunk_first(h, p); p < e && !*rc;) {
-            size_t k = h->chunk_len[p], next = p + k;
-            if (!h->host[p] && !pinned_pages(h, v[i], p, k) && !(*rc = chunk_to_host(h, p))) {
-                moved += k;
-                for (size_t q = p; q < next; q++) h->page_growth[q] = h->growth_seq;
-            }
-            p = next;
-        }
-    }
+    size_t c = oldest_moves(h, v, n, want, &m, rc), moved = 0;
     free(v);
-    return moved;
+    if (c) {
+        int mrc = GM_OK;
+        moved = moves_run(h, m, c, &mrc);
+        moves_done(h, m, c, moved, mrc, 1);
+        if (mrc == GM_ECORRUPT || !moved) *rc = mrc ? mrc : *rc;
+    }
+    h->growth_seq += moved > 0;
+    for (size_t i = 0; i < moved; i++) {
+        for (size_t q = m[i].p; q < m[i].p + m[i].k; q++) h->page_growth[q] = h->growth_seq;
+        pages += m[i].k;
+    }
+    free(m);
+    return pages;
 }
 
 /* The highest unmapped block with room for k whole pages, or NULL. */
@@ -305,7 +401,7 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
     while (p < p0 + k && !rc) {
         size_t n = p0 + k - p < GM_CHUNK_PAGES_MAX ? p0 + k - p : GM_CHUNK_PAGES_MAX;
         gm_handle hd;
-        if ((rc = ops->create_host(h->dev, n, &hd))) break;
+        if ((rc = host_chunk(h, n, 0, &hd))) break;
         uintptr_t va = gm_page_addr(h, p);
         if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)) &&
             unmap_retry(h, va, n))
@@ -320,9 +416,11 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
         p += n;
     }
     if (rc && rc != GM_ENOMEM) h->st.num_device_errors++;
-    while (rc && p > p0) { /* take back what was mapped */
+    while (rc && p > p0) { /* take back what was mapped, asking again a few times */
         size_t c = gm_chunk_first(h, p - 1);
-        if (h_unmap_chunk(h, c, 0)) return GM_ECORRUPT;
+        int attempt = 0;
+        while (h_unmap_chunk(h, c, 0))
+            if (++attempt == 8) return GM_ECORRUPT;
         p = c;
     }
     return rc;
@@ -334,7 +432,8 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
     size_t k = (size + h->page - 1) / h->page;
     if (h->host_pages + k > h->spill_pages) return GM_ENOMEM;
     gm_block *u = unmapped_room(h, k);
-    if (!u || h_slab_reserve(h, 4)) return GM_ENOMEM;
+    if (!u) return GM_EINVAL; /* the OOM text says: no room in the address range */
+    if (h_slab_reserve(h, 4)) return GM_ENOMEM;
     size_t p0 = gm_page_floor(h, u->addr);
     gm_assert(u->state == GM_BLOCK_UNMAPPED && !h->page_handle[p0] && !h->parked[p0]);
     int rc = map_host_pages(h, p0, k);
@@ -356,11 +455,13 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
 /* The slow path's last rung: serve `size` bytes for s with host pages, or (with
  * GM_SPILL_OLD, once: *moved) move the oldest blocks to the host so that the
  * caller's next try fits on the device (GM_OK with *out NULL).  GM_ENOMEM past
- * the limit, GM_ENOTSUP when the device has no host pages. */
+ * the limit or when the host refuses, GM_EINVAL when the heap's address range
+ * has no unmapped room that large, GM_ENOTSUP when the device has no host
+ * pages. */
 int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved, gm_block **out, uintptr_t *at) {
     *out = NULL;
     if (!h->dev->ops->create_host || !h->dev->ops->copy_dtod) return GM_ENOTSUP;
-    host_loose_retry(h);
+    if (!demand_exceeds_cap(h)) host_loose_retry(h); /* else kept host chunks serve */
     int rc = GM_OK;
     /* Moving blocks makes room only for what the device could hold at all;
      * their pages are copied and unmapped, so the device must be idle. */
@@ -380,27 +481,56 @@ int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved
 
 /* ---- return ----------------------------------------------------------------------- */
 
-/* Move every host chunk back (the device is idle), from the top down; the
- * first failure stops it. */
+/* A device chunk of k pages for a host chunk to come back to (a spare for a
+ * single page, else a new chunk under the cap, cached pages released first
+ * to make room), `promised` pages already taken for others (not yet mapped,
+ * so not counted held).  GM_ENOMEM when the device or the cap has no room. */
+static int device_chunk(gm_heap *h, size_t k, size_t promised, gm_handle *hd) {
+    if (k + promised > h->cap_pages) return GM_ENOMEM;
+    if (k == 1 && h->n_spare > 0) {
+        *hd = h->spare[--h->n_spare];
+        return GM_OK;
+    }
+    size_t room = h->cap_pages - k - promised; /* what the heap may hold besides */
+    if (h_held_pages(h) > room) {              /* cached pages make room */
+        h_release_spares(h, room);
+        if (h_held_pages(h) > room) h_recycle(h, h_held_pages(h) - room, 0, 0, 0);
+        h_release_spares(h, room);
+    }
+    if (h_held_pages(h) > room) return GM_ENOMEM;
+    return h_create_chunk(h, k, hd, NULL);
+}
+
+/* Move every host chunk back (the device is idle), from the top down, with
+ * one device wait for all the copies; the first chunk the device has no room
+ * for stops it (those above it still come back). */
 static int return_all(gm_heap *h) {
     int rc = GM_OK;
-    for (size_t q = h->n_pages; q > 0 && h->host_pages && !rc;) {
+    size_t cap = 16, c = 0, promised = 0;
+    move *m = malloc(cap * sizeof *m);
+    if (!m) return GM_ENOMEM;
+    for (size_t q = h->n_pages; q > 0 && !rc;) {
         size_t p = q - 1;
         if (!h->host[p]) {
             q--;
             continue;
         }
         q = gm_chunk_first(h, p);
-        size_t k = h->chunk_len[q];
-        if (k > h->cap_pages) return GM_ENOMEM;
-        if (h_held_pages(h) + k > h->cap_pages) { /* cached pages make room */
-            h_release_spares(h, h->cap_pages - k);
-            if (h_held_pages(h) + k > h->cap_pages) h_recycle(h, h_held_pages(h) + k - h->cap_pages, 0, 0, 0);
-            h_release_spares(h, h->cap_pages - k);
+        move *m2 = c == cap ? gm_array_grow(m, &cap, 16, sizeof *m) : m;
+        gm_handle hd;
+        if (m2) m = m2;
+        if (!m2 || (rc = device_chunk(h, h->chunk_len[q], promised, &hd))) {
+            rc = rc ? rc : GM_ENOMEM;
+            break;
         }
-        rc = chunk_to_device(h, q);
+        m[c++] = (move){q, h->chunk_len[q], h->page_handle[q], hd};
+        promised += h->chunk_len[q];
     }
-    return rc;
+    int mrc = GM_OK;
+    size_t moved = moves_run(h, m, c, &mrc);
+    moves_done(h, m, c, moved, mrc, 0);
+    free(m);
+    return mrc ? mrc : rc;
 }
 
 int h_unspill(gm_heap *h) {
@@ -408,7 +538,7 @@ int h_unspill(gm_heap *h) {
     if (h->no_sync || h->capture_count > 0 || h_other_capture(h)) return GM_ECAPTURING;
     if (h_synchronize(h, ANY)) return GM_EDEVICE;
     host_loose_retry(h);
-    drop_idle(h);
+    drop_idle(h, 0);
     return return_all(h);
 }
 
@@ -421,22 +551,33 @@ int gm_unspill(gm_heap *h) {
 
 /* After a free while pages are spilled: a block that touched host pages may
  * have left some holding nothing (unmapped at once, so that no request gets
- * them while the device has room), and once what is live fits under the cap
- * with the device's free memory, everything comes back.  Not during a
- * capture: then at a later free, or gm_unspill. */
+ * them while the device has room), and once the demand fits, everything comes
+ * back.  The demand is the peak of what live blocks touched (host pages too)
+ * since the peak was reset, not what is live now: a loop whose step needs
+ * more than the cap keeps what it spilled across its steps instead of moving
+ * it back at every dip and out again at the next peak.  Not during a capture:
+ * then at a later free, gm_unspill or empty_cache. */
 void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
-    /* Room: what live blocks touch (host pages too) fits under the cap, and
-     * in what the heap holds and the device has free.  The cheap half first:
-     * most frees stop here, with no device call. */
+    /* Room: the demand fits under the cap, and what is live in what the heap
+     * holds and the device has free.  The cheap half first: most frees stop
+     * here, with no device call. */
     size_t kept = h->runs.live_pages, dfree = 0, total = 0;
-    int room = kept + h->growth_slack_pages <= h->cap_pages;
+    int room = h->live_peak_pages + h->growth_slack_pages <= h->cap_pages;
     if (!touched_host && !room) return;
     if (h_capture_on(h, s) || h_other_capture(h)) return;
     room = room && h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && dfree / h->page + h_held_pages(h) >= kept;
     if (!touched_host && !room) return;
     if (h_synchronize(h, ANY)) return;
-    drop_idle(h);
+    drop_idle(h, demand_exceeds_cap(h));
     if (room && h->host_pages) return_all(h);
+    if (room) host_loose_retry(h); /* the kept host chunks go too */
+}
+
+/* The peak was reset: the demand starts over from what is live now, and what
+ * is spilled comes back if that fits (as after a free). */
+void h_spill_demand_reset(gm_heap *h) {
+    h->live_peak_pages = h->runs.live_pages;
+    if ((h->host_pages || h->n_host_loose) && !h->no_sync) h_spill_after_free(h, ANY, 0);
 }
 
 /* Before the fast path, once pending blocks on host pages completed: unmap
@@ -444,7 +585,7 @@ void h_spill_after_free(gm_heap *h, gm_stream s, int touched_host) {
 void h_spill_idle(gm_heap *h, gm_stream s) {
     if (h->no_sync || h_capture_on(h, s) || h_other_capture(h)) return;
     if (h_synchronize(h, s)) return;
-    drop_idle(h);
+    drop_idle(h, demand_exceeds_cap(h));
 }
 
 /* At destroy: the scratch range and the host chunks whose release failed. */

@@ -560,8 +560,7 @@ static int cuda_create_host(gm_device *dev, size_t pages, gm_handle *handle) {
  * wait by itself. */
 static int cuda_copy_dtod(gm_device *dev, uintptr_t dst, uintptr_t src, size_t size) {
     cuda_device *c = (cuda_device *)dev;
-    CU_CALL(c, "cuMemcpyDtoD", cu.MemcpyDtoD((CUdeviceptr)dst, (CUdeviceptr)src, size));
-    CU_CALL(c, "cuCtxSynchronize", cu.CtxSynchronize());
+    CU_CALL(c, "cuMemcpyDtoD", cu.MemcpyDtoD((CUdeviceptr)dst, (CUdeviceptr)src, size)); /* the caller waits */
     return GM_OK;
 }
 

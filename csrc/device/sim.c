@@ -91,6 +91,7 @@ typedef struct sim_device {
     uint32_t free_head, free_tail; /* FIFO: a released id comes back as late as possible */
     size_t pages_created, pages_mapped;
     size_t host_created, host_mapped, host_capacity; /* host-located pages (in the two above too), their most */
+    size_t copies_running; /* copy_dtod calls issued since the last synchronize: no unmap until it */
 
     sim_resv *resv;
     size_t n_resv, cap_resv, last_resv;
@@ -420,6 +421,9 @@ static int sim_map(gm_device *dev, uintptr_t va, size_t npages, gm_handle handle
 static int sim_unmap(gm_device *dev, uintptr_t va, size_t size) {
     sim_device *s = (sim_device *)dev;
     if (sim_enter_uncapturable(s, GM_OP_UNMAP)) return GM_EDEVICE;
+    if (s->copies_running)
+        return fail(s, GM_EINVAL, "unmap: 0x%" PRIxPTR "+%zu while %zu copies may still run (synchronize first)", va,
+                    size, s->copies_running);
     size_t first;
     sim_resv *r = range_resv(s, "unmap", va, size, &first);
     if (!r) return GM_EINVAL;
@@ -574,6 +578,7 @@ static int sim_copy_dtod(gm_device *dev, uintptr_t dst, uintptr_t src, size_t si
         return fail(s, GM_EINVAL, "copy_dtod: 0x%" PRIxPTR " and 0x%" PRIxPTR " overlap (+%zu)", dst, src, size);
     if (dev->doomed) return GM_OK;
     for (size_t i = 0; i < size / dev->page_size; i++) *page_content(s, rd, fd + i) = *page_content(s, rs, fs + i);
+    s->copies_running++; /* copied at once here, but a GPU's copy runs until a synchronize */
     return GM_OK;
 }
 
@@ -752,8 +757,10 @@ static int sim_synchronize(gm_device *dev) {
                             (unsigned long long)s->streams[k].stream);
     }
     if (dev->doomed) return GM_OK;
-    /* Nothing is held, so every recorded event is complete, late ones too. */
+    /* Nothing is held, so every recorded event is complete, late ones too,
+     * and every copy. */
     s->synced = s->clock;
+    s->copies_running = 0;
     return GM_OK;
 }
 

@@ -98,8 +98,27 @@ static void others_text(char *out, size_t len, const gm_proc_usage *procs, long 
         snprintf(out, len, "%s", s);
 }
 
-/* " 2.0 GiB is spilled to host memory (limit 2.0 GiB).": the OOM text's
- * sentence on spill, and why no more was spilled; empty with spill off. */
+/* Why spill did not serve the request, after "is spilled to host memory
+ * (limit ...)": empty when it says nothing more. */
+static const char *spill_why(const gm_oom_info *o) {
+    switch (o->spill_error) {
+    case GM_OK: /* not tried: only a request larger than the cap and the limit */
+        return o->request > o->spill_limit ? "; the request is larger than the cap and the spill limit" : "";
+    case GM_ENOMEM:
+        return o->request + o->spilled_bytes > o->spill_limit ? "; the request would pass the limit"
+                                                              : "; the host refused to give more pages";
+    case GM_EINVAL:
+        return "; the heap's address range has no unmapped room that large for host pages";
+    case GM_EDEVICE:
+        return "; spilling more failed in a device call";
+    default:
+        return "";
+    }
+}
+
+/* " 2.0 GiB is spilled to host memory (limit 2.0 GiB); the request would pass
+ * the limit.": the OOM text's sentence on spill, saying why spill did not
+ * serve the request; empty with spill off. */
 static void spill_text(char *buf, size_t len, const gm_oom_info *o) {
     char now[32], lim[32];
     buf[0] = '\0';
@@ -112,8 +131,7 @@ static void spill_text(char *buf, size_t len, const gm_oom_info *o) {
     else if (o->spill_error == GM_ENOTSUP)
         snprintf(buf, len, " Spill is on (limit %s) but this device cannot map host memory.", lim);
     else
-        snprintf(buf, len, " %s is spilled to host memory (limit %s)%s.", now, lim,
-                 o->spill_error == GM_EDEVICE ? "; spilling more failed in a device call" : "");
+        snprintf(buf, len, " %s is spilled to host memory (limit %s)%s.", now, lim, spill_why(o));
 }
 
 size_t gm_oom_line(char *buf, size_t len, const gm_oom_info *o, int gpu, const gm_proc_usage *procs, long n_procs,

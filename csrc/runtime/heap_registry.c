@@ -79,10 +79,14 @@ static size_t device_total(gm_heap *h) {
     return info.device_total;
 }
 
+/* The largest request the heap may serve: the cap, or with spill on the
+ * spill limit where that is larger (such a request goes whole to host pages). */
 static void refresh_limit(slot *s, gm_heap *h) {
     gm_oom_info info;
     gm_memory_report(h, 0, &info);
-    atomic_store_explicit(&s->limit, info.cap_bytes ? info.cap_bytes : SIZE_MAX, memory_order_relaxed);
+    size_t limit = info.cap_bytes ? info.cap_bytes : SIZE_MAX;
+    if (info.spill_limit > limit) limit = info.spill_limit;
+    atomic_store_explicit(&s->limit, limit, memory_order_relaxed);
 }
 
 /* The cap a heap should have: an explicit memory fraction wins over the options. */

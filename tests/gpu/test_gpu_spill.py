@@ -182,3 +182,49 @@ def test_no_spill_during_a_graph_capture():
     assert r["oom"].startswith("CUDA out of memory."), r
     assert not r["during"], r
     assert r["after"] > 0 and r["big"] == 7 and r["intact"] == 12, r
+
+
+# ---- through the heap torch uses, as the core counts it -------------------------------------
+
+
+@gpu_test
+def test_gpu_a_request_larger_than_the_cap_is_spilled():
+    r = run_py(
+        """
+        gpumem.install(cap="2GiB", spill="4GiB")
+        small = torch.empty(512, dtype=torch.uint8, device="cuda")
+        x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda")
+        x[-1] = 7
+        torch.cuda.synchronize()
+        out(value=int(x[-1]), spilled=gpumem._C.registry_heap(0).stats()["spilled_bytes.all.current"])
+        """
+    )
+    assert r == {"value": 7, "spilled": 3 << 30}
+
+
+@gpu_test
+def test_gpu_a_loop_past_the_cap_moves_nothing_after_its_first_steps():
+    """Weights of 1 GiB and 1.6 GiB of activations per step under a 2 GiB cap
+    (1.3x): after the first steps no spill, no return; contents intact."""
+    r = run_py(
+        """
+        gpumem.install(cap="2GiB", spill="4GiB")
+        h = gpumem._C.registry_heap(0)
+        w = [torch.full((64 << 20,), float(i), device="cuda") for i in range(4)]  # 4 x 256 MiB
+        rows = []
+        for step in range(6):
+            s0 = h.stats()
+            acts = [torch.ones(32 << 20, device="cuda") for _ in range(13)]  # 13 x 128 MiB
+            total = sum(float(a[0]) for a in acts)
+            del acts
+            torch.cuda.synchronize()
+            s1 = h.stats()
+            rows.append([s1["num_spills"] - s0["num_spills"], s1["num_unspills"] - s0["num_unspills"]])
+        ok = all(float(t.min()) == float(t.max()) == float(i) for i, t in enumerate(w))
+        spilled = h.stats()["spilled_bytes.all.current"]
+        torch.cuda.empty_cache()
+        out(rows=rows, ok=ok, spilled=spilled, after=h.stats()["spilled_bytes.all.current"])
+        """
+    )
+    assert r["ok"] and r["spilled"] > 0 and r["after"] == 0
+    assert r["rows"][2:] == [[0, 0]] * 4

@@ -84,7 +84,9 @@ def test_past_the_limit_out_of_memory_says_what_is_spilled():
         h.malloc(2 * PAGE)  # the whole limit
         with pytest.raises(gpumem.OutOfMemoryError) as exc:
             h.malloc(PAGE)
-        assert "4.00 MiB is spilled to host memory (limit 4.00 MiB)" in str(exc.value)
+        assert "4.00 MiB is spilled to host memory (limit 4.00 MiB); the request would pass the limit." in str(
+            exc.value
+        )
         oom = h.last_oom()
         assert oom["spilled_bytes"] == 2 * PAGE and oom["spill_limit"] == 2 * PAGE
         assert oom["spill_error"] == code("GM_ENOMEM")
@@ -94,9 +96,22 @@ def test_past_the_limit_out_of_memory_says_what_is_spilled():
 def test_the_host_refusing_is_out_of_memory():
     with heap(choice="new", host_capacity=PAGE) as h:
         fill(h)
-        with pytest.raises(gpumem.OutOfMemoryError, match="spilled to host memory"):
+        with pytest.raises(gpumem.OutOfMemoryError, match="spilled to host memory .*the host refused"):
             h.malloc(2 * PAGE)
         assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
+        assert_ok(h)
+
+
+def test_no_room_in_the_address_range_is_out_of_memory_that_says_so():
+    """Host pages go in the heap's unmapped address space: a range of 64 pages
+    with 32 mapped has no room for 40 more, though the limit allows them."""
+    with heap(spill="128MiB", choice="new", va_size=64 * PAGE) as h:
+        fill(h)
+        with pytest.raises(gpumem.OutOfMemoryError, match="address range has no unmapped room"):
+            h.malloc(40 * PAGE)
+        assert h.last_oom()["spill_error"] == code("GM_EINVAL") and spilled(h) == 0
+        h.malloc(30 * PAGE)  # what the range has room for is served
+        assert spilled(h) == 30 * PAGE
         assert_ok(h)
 
 
@@ -153,24 +168,122 @@ def test_freeing_a_host_block_unmaps_its_pages_and_the_device_serves_next():
         blocks = fill(h)
         x = h.malloc(2 * PAGE)
         h.free(x)
-        assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
+        # unmapped, but kept for the next spill: the demand (34 pages) exceeds the cap
+        assert spilled(h) == 0 and h.sim_info()["host_mapped"] == 0 and h.sim_info()["host_pages"] == 2
         h.free(blocks[3])
         y = h.malloc(2 * PAGE)  # the fast path: device pages, not the host ones
         assert not on_host(h, y)
+        h.empty_cache()  # kept host chunks go
+        assert h.sim_info()["host_pages"] == 0
         assert_ok(h)
 
 
-def test_a_free_that_makes_room_returns_everything():
+def test_what_is_spilled_comes_back_once_the_demand_fits():
+    """Not at a dip: the peak of what is live since the peak was reset (38
+    pages here) must fit under the cap with the slack; resetting the peak once
+    the demand dropped brings everything back."""
     with heap(choice="old") as h:
         blocks = fill(h)
         x = h.malloc(6 * PAGE)
         assert spilled(h) == 8 * PAGE
-        h.free(x)  # 32 pages live again, the device holds 32: no room with the slack
-        assert spilled(h) == 8 * PAGE
-        h.free(blocks[7])
+        h.free(x)
+        h.free(blocks[7])  # 28 pages live: room now, but the peak says the loop needs more
+        assert spilled(h) == 8 * PAGE and h.stats()["num_unspills"] == 0
+        h.reset_peak_stats()  # the demand starts over from what is live: it fits
         assert spilled(h) == 0 and h.stats()["num_unspills"] >= 1
         assert [values(h, b) for b in blocks[:7]] == [[1000 * i + k for k in range(4)] for i in range(7)]
         assert not on_host(h, blocks[0])
+        assert_ok(h)
+
+
+def step(h, acts=7, size=4 * PAGE):
+    """One training step's activations: allocated, then freed in reverse."""
+    xs = [h.malloc(size) for _ in range(acts)]
+    for x in reversed(xs):
+        h.free(x)
+
+
+def per_step(h, steps):
+    """(spills, returns, device waits, host chunks created, copies) of each step."""
+    rows = []
+    for _ in range(steps):
+        st0 = h.stats()
+        c0 = {op: h.sim_calls(op) for op in ("synchronize", "create_host", "copy_dtod")}
+        step(h)
+        st = h.stats()
+        rows.append(
+            (st["num_spills"] - st0["num_spills"], st["num_unspills"] - st0["num_unspills"])
+            + tuple(h.sim_calls(op) - c0[op] for op in c0)
+        )
+    return rows
+
+
+def test_a_loop_past_the_cap_spills_once_and_then_moves_nothing():
+    """Weights (12 pages) and a step of 28 pages of activations: 1.25x the
+    device.  The first step moves the oldest blocks out; they stay out while
+    the loop runs (no return at each step's dip, no spill at its next peak),
+    intact, and come back after the peak reset once the demand dropped."""
+    with heap(choice="old") as h:
+        weights = fill(h, n=3)
+        rows = per_step(h, 5)
+        assert rows[0][0] >= 1 and rows[0][3] >= 1  # the first step spilled
+        assert rows[1:] == [(0, 0, 0, 0, 0)] * 4  # then: no spill, no return, no device call
+        assert spilled(h) > 0
+        assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(3)]
+        h.reset_peak_stats()  # 12 pages live: the demand fits
+        assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
+        assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(3)]
+        assert_ok(h)
+
+
+def test_new_keeps_its_host_chunks_across_the_steps_of_a_loop_past_the_cap():
+    """With "new", each step's requests past the device get host pages; freed,
+    they are unmapped but kept while the demand exceeds the cap, and the next
+    step maps them again: no host chunk is created after the first step.
+    Once the demand fits (the peak reset with less live), they go."""
+    with heap(choice="new") as h:
+        weights = fill(h, n=3)
+        rows = per_step(h, 5)
+        assert rows[0][3] >= 1  # the first step created host chunks
+        assert [r[3] for r in rows[1:]] == [0] * 4  # the others reused them
+        assert all(r[0] == rows[0][0] for r in rows)  # the same requests spilled, each step
+        assert spilled(h) == 0 and h.sim_info()["host_pages"] == 8  # two requests of 4 pages, kept
+        assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(3)]
+        h.reset_peak_stats()  # 12 pages live: the demand fits
+        assert h.sim_info()["host_pages"] == 0
+        assert_ok(h)
+
+
+def test_a_loop_past_the_cap_returns_everything_at_empty_cache():
+    with heap(choice="old") as h:
+        weights = fill(h, n=3)
+        per_step(h, 3)
+        assert spilled(h) > 0
+        h.empty_cache()
+        assert spilled(h) == 0 and h.sim_info()["host_pages"] == 0
+        assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(3)]
+        assert_ok(h)
+
+
+def test_a_batch_of_moves_waits_for_the_device_once():
+    """Eight chunks go out and come back with one device wait for all their
+    copies (the simulated device refuses an unmap while a copy may run):
+    besides it, the slow path's own waits only (its defragmentation's, and
+    the idle device a move needs)."""
+    with heap(choice="old") as h:
+        blocks = fill(h)
+        calls = lambda: (h.sim_calls("synchronize"), h.sim_calls("copy_dtod"))  # noqa: E731
+        s0, c0 = calls()
+        x = h.malloc(6 * PAGE)
+        s1, c1 = calls()
+        assert spilled(h) == 8 * PAGE and c1 - c0 == 8  # eight single pages moved
+        assert s1 - s0 == 3
+        h.free(x)
+        h.free(blocks[7])
+        assert h.unspill() is True
+        s2, c2 = calls()
+        assert c2 - c1 == 8 and s2 - s1 == 2  # the unspill's wait, then the copies'
+        assert [values(h, b) for b in blocks[:7]] == [[1000 * i + k for k in range(4)] for i in range(7)]
         assert_ok(h)
 
 
@@ -341,6 +454,33 @@ def test_install_options_reach_the_registry():
     finally:
         _C.registry_configure(spill=before["spill"], spill_choice=before["spill_choice"])
     assert _C.registry_options() == before
+
+
+def test_a_request_past_the_cap_is_spilled_on_torchs_path():
+    """torch's entry point refuses a request larger than the cap before the
+    heap sees it; with spill on, the spill limit is the bound (a request
+    larger than the cap goes whole to host pages)."""
+    from helpers import TORCH_BOUNDARY, run_python
+
+    prelude = "import json\nfrom gpumem import _C\nMiB = 1 << 20\n" + TORCH_BOUNDARY
+    r = run_python(
+        """
+_C.registry_configure(cap_bytes=16 * MiB, spill=32 * MiB)
+_C.registry_open_sim(0, 64 * MiB)
+h = _C.registry_heap(0)
+small = alloc(512, 0, None)
+big = alloc(24 * MiB, 0, None)   # 1.5x the cap
+st = h.stats()
+h.check()
+free(big, 24 * MiB, 0, None)
+after = h.stats()["spilled_bytes.all.current"]
+print("RESULT " + json.dumps(dict(spilled=st["spilled_bytes.all.current"], after=after)), flush=True)
+""",
+        prelude,
+        timeout=120,
+        unset=(),
+    )
+    assert r == {"spilled": 24 << 20, "after": 0}
 
 
 # ---- what spill costs when it is not needed ---------------------------------------------

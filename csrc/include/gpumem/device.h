@@ -143,8 +143,9 @@ typedef struct gm_device_ops {
      * host has not that much to give. */
     int (*create_host)(gm_device *dev, size_t pages, gm_handle *handle);
     /* Copy whole mapped, accessible pages from src to dst, both in this
-     * device's address space, finished when the call returns (the caller has
-     * synchronised the device). */
+     * device's address space (the caller has synchronised the device).  The
+     * copy may still run when the call returns: the caller calls synchronize
+     * before it unmaps either range (one wait for a batch of copies). */
     int (*copy_dtod)(gm_device *dev, uintptr_t dst, uintptr_t src, size_t size);
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);

@@ -357,7 +357,8 @@ typedef struct gm_oom_info {
     size_t spilled_bytes;             /* host pages mapped now (spill) */
     size_t spill_limit;               /* gm_config.spill (0: spill is off) */
     int spill_error;                  /* with spill on, why it did not serve the request: GM_ENOMEM
-                                  (the limit, or the host refused), GM_ECAPTURING (never
+                                  (the limit, or the host refused), GM_EINVAL (no unmapped
+                                  room that large in the address range), GM_ECAPTURING (never
                                   during a capture), GM_ENOTSUP (the device has no host
                                   pages), GM_EDEVICE; GM_OK when spill is off */
 } gm_oom_info;
