@@ -89,17 +89,17 @@ MUTATIONS = [
     Mutation(
         "unmap_shared_page",
         "defragmentation unmaps pages a free block shares with a live neighbour",
-        "size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);\n"
+        "size_t p0 = h_page_ceil(h, b->addr), p1 = h_page_floor(h, b->addr + b->size);\n"
         "        if (p0 >= p1) continue;",
-        "size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);\n"
+        "size_t p0 = h_page_floor(h, b->addr), p1 = h_page_ceil(h, b->addr + b->size);\n"
         "        if (p0 >= p1) continue;",
         path="csrc/core/page.c",
     ),
     Mutation(
         "stat_requested_off_by_one",
         "stats: requested_bytes off by one at free",
-        "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);",
-        "gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested + 1);",
+        "h_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);",
+        "h_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested + 1);",
         path="csrc/core/heap.c",
     ),
     Mutation(
@@ -143,7 +143,7 @@ MUTATIONS = [
     Mutation(
         "free_history_dropped",
         "history: frees are not recorded",
-        "    gm_hist_block(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->requested, b->stream, b->context);\n",
+        "    h_hist_block(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->requested, b->stream, b->context);\n",
         "\n",
         path="csrc/core/heap.c",
     ),

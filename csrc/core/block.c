@@ -61,9 +61,9 @@ static void block_del(gm_heap *h, gm_block *b) {
 
 /* ---- the run index's hooks ------------------------------------------------ */
 
-void gm_run_index(gm_heap *h, gm_block *head) {
+void h_run_index(gm_heap *h, gm_block *head) {
     size_t len = 0;
-    for (const gm_block *c = head; c && gm_general_space(c); c = c->next) len += c->size;
+    for (const gm_block *c = head; c && h_general_space(c); c = c->next) len += c->size;
     ri_index(&h->runs, head, len);
 }
 
@@ -94,14 +94,14 @@ int h_live_grow(gm_heap *h) {
 }
 
 void h_live_insert(gm_heap *h, gm_block *b) {
-    gm_assert(b->state == GM_BLOCK_LIVE && !gm_live_find(h, b->addr));
+    h_assert(b->state == GM_BLOCK_LIVE && !h_live_find(h, b->addr));
     size_t s = live_slot(h, b->addr);
     b->hnext = h->live[s];
     h->live[s] = b;
     h->n_live++;
 }
 
-gm_block *gm_live_find(const gm_heap *h, uintptr_t addr) {
+gm_block *h_live_find(const gm_heap *h, uintptr_t addr) {
     for (gm_block *b = h->live[live_slot(h, addr)]; b; b = b->hnext)
         if (b->addr == addr) return b;
     return NULL;
@@ -112,7 +112,7 @@ gm_block *h_live_remove(gm_heap *h, uintptr_t addr) {
     for (; *p; p = &(*p)->hnext) {
         if ((*p)->addr == addr) {
             gm_block *b = *p;
-            gm_assert(b->state == GM_BLOCK_LIVE && h->n_live > 0);
+            h_assert(b->state == GM_BLOCK_LIVE && h->n_live > 0);
             *p = b->hnext;
             b->hnext = NULL;
             h->n_live--;
@@ -135,7 +135,7 @@ static size_t owner_slot(const gm_heap *h, const gm_pool *pool, gm_stream s) {
     return (size_t)x & h->owner_tab_mask;
 }
 
-gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s) {
+gm_owner *h_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s) {
     if (h->last_owner && h->last_owner->stream == s && h->last_owner->pool == pool) return h->last_owner;
     if (!h->owner_tab) return NULL;
     for (size_t j = owner_slot(h, pool, s);; j = (j + 1) & h->owner_tab_mask) {
@@ -169,7 +169,7 @@ static int owner_tab_build(gm_heap *h, size_t need) {
 }
 
 gm_owner *h_owner_get(gm_heap *h, gm_pool *pool, gm_stream s) {
-    gm_owner *o = gm_owner_find(h, pool, s);
+    gm_owner *o = h_owner_find(h, pool, s);
     if (o) return o;
     if (h->n_owners == h->cap_owners) {
         gm_owner **a = gm_array_grow(h->owners, &h->cap_owners, 4, sizeof *a);
@@ -199,7 +199,7 @@ void h_owners_removed(gm_heap *h) {
 }
 
 static void owner_keep(gm_heap *h, const gm_pool *pool, gm_stream s) {
-    gm_owner *o = gm_owner_find(h, pool, s);
+    gm_owner *o = h_owner_find(h, pool, s);
     if (o) o->keep = 1;
 }
 
@@ -237,8 +237,8 @@ void h_owners_trim(gm_heap *h) {
 }
 
 static void pool_free_add(gm_heap *h, gm_pool *p, int64_t blocks, int64_t bytes) {
-    gm_assert(blocks >= 0 || (p->free_blocks >= (size_t)-blocks && p->free_bytes >= (size_t)-bytes &&
-                              h->pool_free_bytes >= (size_t)-bytes));
+    h_assert(blocks >= 0 || (p->free_blocks >= (size_t)-blocks && p->free_bytes >= (size_t)-bytes &&
+                             h->pool_free_bytes >= (size_t)-bytes));
     p->free_blocks += (size_t)blocks;
     p->free_bytes += (size_t)bytes;
     h->pool_free_bytes += (size_t)bytes;
@@ -248,27 +248,27 @@ void h_index_insert(gm_heap *h, gm_block *b) {
     /* owner_get only fails on host OOM; every owner a free block names was
      * created when its stream first allocated (in the block's pool), so this
      * finds it. */
-    gm_owner *o = gm_owner_find(h, b->pool, b->stream);
-    gm_assert(o && b->state == GM_BLOCK_FREE && (!b->pool || b->pool->use_count > 0));
+    gm_owner *o = h_owner_find(h, b->pool, b->stream);
+    h_assert(o && b->state == GM_BLOCK_FREE && (!b->pool || b->pool->use_count > 0));
     fi_insert(&o->idx, b);
     if (b->pool) pool_free_add(h, b->pool, 1, (int64_t)b->size);
-    int pool = gm_pool_of(b->size);
-    gm_stat_up(h->st.inactive_split, pool, 1);
-    gm_stat_up(h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    int pool = h_pool_of(b->size);
+    h_stat_up(h->st.inactive_split, pool, 1);
+    h_stat_up(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 void h_index_remove(gm_heap *h, gm_block *b) {
-    gm_owner *o = gm_owner_find(h, b->pool, b->stream);
-    gm_assert(o && b->state == GM_BLOCK_FREE);
+    gm_owner *o = h_owner_find(h, b->pool, b->stream);
+    h_assert(o && b->state == GM_BLOCK_FREE);
     fi_remove(&o->idx, b);
     if (b->pool) pool_free_add(h, b->pool, -1, -(int64_t)b->size);
-    int pool = gm_pool_of(b->size);
-    gm_stat_down(h->st.inactive_split, pool, 1);
-    gm_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    int pool = h_pool_of(b->size);
+    h_stat_down(h->st.inactive_split, pool, 1);
+    h_stat_down(h->st.inactive_split_bytes, pool, (int64_t)b->size);
 }
 
 /* A block of h->lazy_stream that became everyone's at a synchronisation
- * (gm_free_owner) but still sits in its stream's index. */
+ * (h_free_owner) but still sits in its stream's index. */
 static int handed_over(const gm_block *b, void *arg) { return b->epoch < ((const gm_heap *)arg)->epoch; }
 
 static void to_everyone(gm_block *b, void *arg) {
@@ -305,7 +305,7 @@ int h_owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
 /* Whether a and its upper neighbour b are free blocks that may merge, and if
  * so, *o: the owner of the merged block. */
 int h_may_merge_free(const gm_heap *h, const gm_block *a, const gm_block *b, gm_stream *o) {
-    return a->state == GM_BLOCK_FREE && b->state == GM_BLOCK_FREE && a->pool == b->pool && !gm_pool_seam(h, a, b) &&
+    return a->state == GM_BLOCK_FREE && b->state == GM_BLOCK_FREE && a->pool == b->pool && !h_pool_seam(h, a, b) &&
            h_owners_merge(a->stream, b->stream, o);
 }
 
@@ -315,9 +315,9 @@ int h_may_merge_free(const gm_heap *h, const gm_block *a, const gm_block *b, gm_
  * b must not be in any list.  A block that keeps its pages (a pool's free
  * block) is counted as two afterwards. */
 gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
-    gm_assert(offset > 0 && offset < b->size && offset % GM_ALIGN == 0);
-    int keeps = gm_keeps_pages(b);
-    if (keeps) gm_pages_use(h, b, -1);
+    h_assert(offset > 0 && offset < b->size && offset % GM_ALIGN == 0);
+    int keeps = h_keeps_pages(b);
+    if (keeps) h_pages_use(h, b, -1);
     gm_block *r = h_block_new(h);
     r->addr = b->addr + offset;
     r->size = b->size - offset;
@@ -332,10 +332,10 @@ gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
     if (b->next) b->next->prev = r;
     b->next = r;
     b->size = offset;
-    gm_assert(b->next == r && r->prev == b && b->addr + b->size == r->addr && (!r->next || r->next->prev == r));
+    h_assert(b->next == r && r->prev == b && b->addr + b->size == r->addr && (!r->next || r->next->prev == r));
     if (keeps) {
-        gm_pages_use(h, b, 1);
-        gm_pages_use(h, r, 1);
+        h_pages_use(h, b, 1);
+        h_pages_use(h, r, 1);
     }
     return r;
 }
@@ -346,14 +346,14 @@ gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
  * stream's (not everyone's) when either part was that stream's, so the
  * newer epoch of such a part goes with it. */
 void h_absorb(gm_heap *h, gm_block *a, gm_block *b) {
-    gm_assert(a->next == b && b->prev == a && a->addr + a->size == b->addr);
-    gm_assert(a->state == b->state && a->pool == b->pool && gm_keeps_pages(a) == gm_keeps_pages(b));
-    uint64_t ea = gm_free_owner(h, a) == ANY ? 0 : a->epoch, eb = gm_free_owner(h, b) == ANY ? 0 : b->epoch;
+    h_assert(a->next == b && b->prev == a && a->addr + a->size == b->addr);
+    h_assert(a->state == b->state && a->pool == b->pool && h_keeps_pages(a) == h_keeps_pages(b));
+    uint64_t ea = h_free_owner(h, a) == ANY ? 0 : a->epoch, eb = h_free_owner(h, b) == ANY ? 0 : b->epoch;
     a->epoch = ea > eb ? ea : eb;
-    int keeps = gm_keeps_pages(a);
+    int keeps = h_keeps_pages(a);
     if (keeps) {
-        gm_pages_use(h, a, -1);
-        gm_pages_use(h, b, -1);
+        h_pages_use(h, a, -1);
+        h_pages_use(h, b, -1);
     }
     a->size += b->size;
     a->next = b->next;
@@ -364,8 +364,8 @@ void h_absorb(gm_heap *h, gm_block *a, gm_block *b) {
         a->requested = b->requested;
     }
     block_del(h, b);
-    gm_assert(!a->next || (a->next->prev == a && a->addr + a->size == a->next->addr));
-    if (keeps) gm_pages_use(h, a, 1);
+    h_assert(!a->next || (a->next->prev == a && a->addr + a->size == a->next->addr));
+    if (keeps) h_pages_use(h, a, 1);
 }
 
 /* Free neighbours a and b, out of the index, become one block a of owner o. */
@@ -402,25 +402,25 @@ gm_block *h_merge_neighbours(gm_heap *h, gm_block *b) {
 
 /* b (in no list) becomes free for `owner`, merges with its neighbours, and is indexed. */
 gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
-    gm_assert(b->state != GM_BLOCK_FREE);
+    h_assert(b->state != GM_BLOCK_FREE);
     if (owner != ANY && h->lazy_stream != ANY && owner != h->lazy_stream) h_settle_release(h);
     /* Free in a living pool, it stays out of general space and keeps its pages. */
-    int was_general = gm_general_space(b), general = !b->pool, attach = general && !was_general;
-    int kept = gm_keeps_pages(b), keeps = gm_pinned(b);
+    int was_general = h_general_space(b), general = !b->pool, attach = general && !was_general;
+    int kept = h_keeps_pages(b), keeps = h_pinned(b);
     if (attach) {
         /* It joins the runs on either side: out of the index until merged --
          * or, in front of an indexed run, it just becomes that run's head. */
-        int joins_prev = b->prev && gm_general_space(b->prev), joins_next = b->next && gm_general_space(b->next);
+        int joins_prev = b->prev && h_general_space(b->prev), joins_next = b->next && h_general_space(b->next);
         if (!joins_prev && joins_next && b->next->run_len) {
             ri_move_head(&h->runs, b->next, b, b->size + b->next->run_len);
             attach = 0;
         } else {
-            if (joins_prev) gm_run_detach(h, b->prev);
-            if (joins_next) gm_run_detach(h, b->next);
+            if (joins_prev) h_run_detach(h, b->prev);
+            if (joins_next) h_run_detach(h, b->next);
         }
     }
     b->state = GM_BLOCK_FREE;
-    if (kept != keeps) gm_pages_use(h, b, keeps ? 1 : -1);
+    if (kept != keeps) h_pages_use(h, b, keeps ? 1 : -1);
     b->stream = owner;
     b->seq = seq;
     b->origin = owner;
@@ -428,14 +428,14 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     b->context = 0; /* requested stays: the request last freed here (snapshots report it, as torch does) */
     b = h_merge_neighbours(h, b);
     h_index_insert(h, b);
-    if (attach) gm_run_attach(h, b);
+    if (attach) h_run_attach(h, b);
     return b;
 }
 
 /* b (in no list) becomes unmapped address space and merges with unmapped
  * neighbours.  Returns the block it ended up in. */
 gm_block *h_make_unmapped(gm_heap *h, gm_block *b) {
-    gm_assert(b->state == GM_BLOCK_FREE && !gm_keeps_pages(b));
+    h_assert(b->state == GM_BLOCK_FREE && !h_keeps_pages(b));
     b->state = GM_BLOCK_UNMAPPED;
     b->stream = ANY;
     b->seq = 0;
@@ -458,13 +458,13 @@ void h_coalesce_all(gm_heap *h) {
         gm_block *n = b->next;
         gm_stream o;
         if (h_may_merge_free(h, b, n, &o)) {
-            gm_run_detach(h, b);
+            h_run_detach(h, b);
             h_merge_free(h, b, n, o);
-            gm_run_attach(h, b);
+            h_run_attach(h, b);
         } else if (b->state == GM_BLOCK_UNMAPPED && n->state == GM_BLOCK_UNMAPPED) {
-            gm_run_detach(h, b);
+            h_run_detach(h, b);
             h_absorb(h, b, n);
-            gm_run_attach(h, b);
+            h_run_attach(h, b);
         } else {
             b = n;
         }

@@ -37,7 +37,7 @@ struct gm_block {
      * free (gm_owner.safe_seq). */
     gm_stream origin;
     /* free, owned by a stream: the heap's epoch when it last became that
-     * stream's (see gm_free_owner). */
+     * stream's (see h_free_owner). */
     uint64_t epoch;
     uint8_t state;     /* gm_block_state */
     uint8_t wait_sync; /* pending, but an event could not be recorded: wait for a device sync */

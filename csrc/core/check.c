@@ -19,7 +19,7 @@
  *      pool lives (an ended pool keeps only live and pending blocks); each
  *      pool's owners, counters and the heap's pool_free_bytes equal a recount;
  *      an ended record still has blocks; the pages a living pool's blocks touch
- *      are mapped (C2) and counted as used by gm_used_pages (a recount).
+ *      are mapped (C2) and counted as used by h_used_pages (a recount).
  *   C9 capture: the deferred count equals the pending blocks marked deferred;
  *      a deferred block has no event recorded and is pending.
  *   C10 the run index and the page-use counts equal a recount (runindex.h R1, R2,
@@ -29,7 +29,7 @@
  *      done -- the newest free in it is at or below the proven sequence of the
  *      stream that made it (a completed event or a device sync).  Pending
  *      blocks wait for at least one use.  Who may reuse a free block is
- *      gm_free_owner's answer.
+ *      h_free_owner's answer.
  *   C12 paused pools: a paused pool lives; its list of released pages is
  *      ascending, in range, with distinct backup slots, and the pages have no
  *      physical page behind them (C2's device check agrees); every block that
@@ -123,9 +123,9 @@ static int check_c3_merged(gm_heap *h, const gm_pool **paused, char *why, size_t
         if (b->state == GM_BLOCK_UNMAPPED && last->state == GM_BLOCK_UNMAPPED)
             return fail(why, len, "two unmapped neighbours at %#lx were not merged", (unsigned long)b->addr);
         if (b->state != GM_BLOCK_FREE || last->state != GM_BLOCK_FREE || last->pool != b->pool ||
-            gm_pool_seam(h, last, b))
+            h_pool_seam(h, last, b))
             continue;
-        gm_stream lo = gm_free_owner(h, last), bo = gm_free_owner(h, b);
+        gm_stream lo = h_free_owner(h, last), bo = h_free_owner(h, b);
         if (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY)
             return fail(why, len, "free neighbours at %#lx could merge but did not", (unsigned long)b->addr);
     }
@@ -138,14 +138,14 @@ static int check_c2_device(gm_heap *h, const gm_pool **paused, char *why, size_t
     const gm_device_verify *verify = h->dev->ops->verify;
     for (const gm_block *b = h->head; b; b = b->next) {
         if (b->state == GM_BLOCK_UNMAPPED) continue;
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        size_t p0 = h_page_floor(h, b->addr), p1 = h_page_ceil(h, b->addr + b->size);
         int touches_paused = 0;
         for (size_t p = p0; paused && p < p1; p++) touches_paused |= paused[p] != NULL;
         /* Free blocks too: they are handed out without another device call. */
         if (!touches_paused && !verify->accessible(h->dev, b->addr, b->size))
             return fail(why, len, "the device says block %#lx+%zu is not accessible", (unsigned long)b->addr, b->size);
         for (size_t p = p0; touches_paused && p < p1; p++)
-            if (!paused[p] && !verify->accessible(h->dev, gm_page_addr(h, p), h->page))
+            if (!paused[p] && !verify->accessible(h->dev, h_page_addr(h, p), h->page))
                 return fail(why, len, "the device says page %zu under block %#lx is not accessible", p,
                             (unsigned long)b->addr);
     }
@@ -157,7 +157,7 @@ static int check_c2_device(gm_heap *h, const gm_pool **paused, char *why, size_t
                     dev_mapped, held, h->mapped_pages + h->host_pages);
     /* Not only how many: which physical page sits at each address. */
     for (size_t p = 0; p < h->n_pages; p++) {
-        gm_handle at = verify->handle_at(h->dev, gm_page_addr(h, p));
+        gm_handle at = verify->handle_at(h->dev, h_page_addr(h, p));
         if (at != h->page_handle[p])
             return fail(why, len, "page %zu: the heap has physical page %llu there, the device %llu", p,
                         (unsigned long long)h->page_handle[p], (unsigned long long)at);
@@ -170,7 +170,7 @@ static int check_c2_device(gm_heap *h, const gm_pool **paused, char *why, size_t
  * mapped_pages counts them, and the device agrees where it can tell. */
 static int check_c2_mapped(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
     for (const gm_block *b = h->head; b; b = b->next) {
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        size_t p0 = h_page_floor(h, b->addr), p1 = h_page_ceil(h, b->addr + b->size);
         for (size_t p = p0; p < p1; p++) {
             if (b->state == GM_BLOCK_UNMAPPED) {
                 if (h->page_handle[p] && !h->parked[p])
@@ -266,7 +266,7 @@ static int check_c4_indexes(gm_heap *h, const gm_pool **paused, char *why, size_
     size_t n_free = 0, b_free = 0, indexed = 0, indexed_bytes = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
         if (b->state != GM_BLOCK_FREE) continue;
-        if (!gm_owner_find(h, b->pool, b->stream))
+        if (!h_owner_find(h, b->pool, b->stream))
             return fail(why, len, "free block %#lx names an unknown owner", (unsigned long)b->addr);
         n_free++, b_free += b->size;
     }
@@ -296,7 +296,7 @@ static int check_c5_live_pending(gm_heap *h, const gm_pool **paused, char *why, 
     for (const gm_block *b = h->head; b; b = b->next) {
         if (b->state == GM_BLOCK_PENDING) pending++;
         if (b->state != GM_BLOCK_LIVE) continue;
-        if (gm_live_find(h, b->addr) != b)
+        if (h_live_find(h, b->addr) != b)
             return fail(why, len, "live block %#lx is missing from the live table", (unsigned long)b->addr);
         n_live++;
     }
@@ -394,7 +394,7 @@ static int paused_pages(gm_heap *h, const gm_pool ***owner, char *why, size_t le
 static int check_c12_paused(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
     if (!paused) return GM_OK; /* no page paused (paused_pages checked the lists) */
     for (const gm_block *b = h->head; b; b = b->next) {
-        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++) {
+        for (size_t p = h_page_floor(h, b->addr); p < h_page_ceil(h, b->addr + b->size); p++) {
             if (!paused[p]) continue;
             if (b->state == GM_BLOCK_UNMAPPED) return fail(why, len, "paused page %zu lies in unmapped space", p);
             if (paused[p] != b->pool)
@@ -406,7 +406,7 @@ static int check_c12_paused(gm_heap *h, const gm_pool **paused, char *why, size_
 }
 
 /* C11: stream safety: owners' release bookkeeping is coherent, and a free
- * block every stream may reuse holds only frees proven done (gm_free_owner
+ * block every stream may reuse holds only frees proven done (h_free_owner
  * says who may). */
 static int check_c11_streams(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
     (void)paused;
@@ -448,7 +448,7 @@ static int check_c11_streams(gm_heap *h, const gm_pool **paused, char *why, size
         if (b->seq > h->free_seq)
             return fail(why, len, "free block %#lx: free sequence %llu is past the last free %llu",
                         (unsigned long)b->addr, (unsigned long long)b->seq, (unsigned long long)h->free_seq);
-        if (gm_free_owner(h, b) != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
+        if (h_free_owner(h, b) != GM_STREAM_ANY || b->seq == 0) continue; /* seq 0: fresh pages, never used */
         /* What a completed event or a sync proved of a stream holds in every
          * pool: the proof is the best any owner of that stream keeps. */
         int known = 0;
@@ -500,8 +500,8 @@ static int check_c13_hand_over(gm_heap *h, const gm_pool **paused, char *why, si
 /* R1's left side, from the blocks: b is general space, heads its run, and is
  * not a lone free block. */
 static int heads_indexed_run(const gm_block *b) {
-    if (!gm_general_space(b) || (b->prev && gm_general_space(b->prev))) return 0;
-    return !(b->state == GM_BLOCK_FREE && !(b->next && gm_general_space(b->next)));
+    if (!h_general_space(b) || (b->prev && h_general_space(b->prev))) return 0;
+    return !(b->state == GM_BLOCK_FREE && !(b->next && h_general_space(b->next)));
 }
 
 static int listed_heads_run(gm_block *b, void *arg) {
@@ -524,7 +524,7 @@ static int check_c10_runs(gm_heap *h, const gm_pool **paused, char *why, size_t 
             continue;
         }
         size_t n = 0;
-        for (const gm_block *c = b; c && gm_general_space(c); c = c->next) n += c->size;
+        for (const gm_block *c = b; c && h_general_space(c); c = c->next) n += c->size;
         if (b->run_len != n)
             return fail(why, len, "run index: run at %#lx is %zu bytes long but its head says %zu",
                         (unsigned long)b->addr, n, b->run_len);
@@ -543,8 +543,8 @@ static int check_c10_runs(gm_heap *h, const gm_pool **paused, char *why, size_t 
     if (!ep) return GM_OK; /* no memory to check with: nothing proven wrong */
     size_t pages = 0;
     for (const gm_block *b = h->head; b; b = b->next)
-        if (gm_keeps_pages(b))
-            ri_ep_block(ep, gm_page_floor(h, b->addr), gm_page_floor(h, b->addr + b->size - 1), 1, &pages);
+        if (h_keeps_pages(b))
+            ri_ep_block(ep, h_page_floor(h, b->addr), h_page_floor(h, b->addr + b->size - 1), 1, &pages);
     int rc = ri_check_pages(ri, ep, h->n_pages, pages, why, len);
     free(ep);
     return rc;
@@ -629,7 +629,7 @@ static int check_pool_owners(gm_heap *h, char *why, size_t len) {
     for (size_t i = 0; i < h->n_pools; i++) {
         gm_pool *p = h->pools[i];
         if (p->use_count > 0 && (!p->any || p->any->pool != p || p->any->stream != GM_STREAM_ANY ||
-                                 gm_owner_find(h, p, GM_STREAM_ANY) != p->any))
+                                 h_owner_find(h, p, GM_STREAM_ANY) != p->any))
             return fail(why, len, "pool (%llu, %llu) lacks its everyone-owner", (unsigned long long)p->id.first,
                         (unsigned long long)p->id.second);
         if (p->use_count == 0 && p->any) return fail(why, len, "an ended pool keeps an owner");
@@ -642,21 +642,21 @@ static int check_pool_owners(gm_heap *h, char *why, size_t len) {
 static int check_pinned_pages(gm_heap *h, char *why, size_t len) {
     size_t top = 0;
     for (const gm_block *b = h->head; b; b = b->next)
-        if (b->state != GM_BLOCK_UNMAPPED) top = gm_page_ceil(h, b->addr + b->size);
+        if (b->state != GM_BLOCK_UNMAPPED) top = h_page_ceil(h, b->addr + b->size);
     uint8_t *used = calloc(top ? top : 1, 1);
     if (!used) return GM_OK;
     size_t n = 0;
     for (const gm_block *b = h->head; b; b = b->next) {
         int holds =
-            b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b));
+            b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && h_pinned(b));
         if (!holds) continue;
-        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++) {
+        for (size_t p = h_page_floor(h, b->addr); p < h_page_ceil(h, b->addr + b->size); p++) {
             if (!used[p]) n++;
             used[p] = 1;
         }
     }
     free(used);
-    size_t counted = gm_used_pages(h);
+    size_t counted = h_used_pages(h);
     if (counted != n)
         return fail(why, len, "%zu pages back live, pending or pool blocks but the heap counts %zu used", n, counted);
     return GM_OK;
@@ -677,14 +677,14 @@ static int check_c15_pool_pages(gm_heap *h, const gm_pool **paused, char *why, s
     if (!h->n_pools) return GM_OK;
     size_t top = 0;
     for (const gm_block *b = h->head; b; b = b->next)
-        if (b->state != GM_BLOCK_UNMAPPED) top = gm_page_ceil(h, b->addr + b->size);
+        if (b->state != GM_BLOCK_UNMAPPED) top = h_page_ceil(h, b->addr + b->size);
     const gm_pool **who = calloc(top ? top : 1, sizeof *who);
     uint8_t *seen = calloc(top ? top : 1, 1);
     int rc = GM_OK;
     for (const gm_block *b = h->head; b && who && seen && !rc; b = b->next) {
         if (b->state == GM_BLOCK_UNMAPPED) continue;
-        const gm_pool *o = gm_pinned(b) ? b->pool : NULL;
-        for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size) && !rc; p++) {
+        const gm_pool *o = h_pinned(b) ? b->pool : NULL;
+        for (size_t p = h_page_floor(h, b->addr); p < h_page_ceil(h, b->addr + b->size) && !rc; p++) {
             if (seen[p] && who[p] != o)
                 rc = fail(why, len, "page %zu holds blocks of a living pool and others (block %#lx)", p,
                           (unsigned long)b->addr);
@@ -723,13 +723,13 @@ static int check_c16_host(gm_heap *h, const gm_pool **paused, char *why, size_t 
     size_t n = 0, loose = 0;
     const gm_device_verify *verify = h->dev->ops->verify;
     for (size_t p = 0; p < h->n_pages; p++) {
-        if (h->host[p] && (!h->page_handle[p] || h->host[gm_chunk_first(h, p)] != 1 ||
-                           memchr(h->host + gm_chunk_first(h, p), 0, h->chunk_len[p])))
+        if (h->host[p] && (!h->page_handle[p] || h->host[h_chunk_first(h, p)] != 1 ||
+                           memchr(h->host + h_chunk_first(h, p), 0, h->chunk_len[p])))
             return fail(why, len, "host page %zu is not part of a mapped chunk of host pages", p);
         n += h->host[p] != 0;
         if (h->host[p] > 1) return fail(why, len, "page %zu has host flag %u", p, (unsigned)h->host[p]);
         if (verify && verify->host_at && h->page_handle[p] &&
-            verify->host_at(h->dev, gm_page_addr(h, p)) != (h->host[p] != 0))
+            verify->host_at(h->dev, h_page_addr(h, p)) != (h->host[p] != 0))
             return fail(why, len, "page %zu: the heap says it lies in %s memory, the device disagrees", p,
                         h->host[p] ? "host" : "device");
     }
@@ -741,8 +741,8 @@ static int check_c16_host(gm_heap *h, const gm_pool **paused, char *why, size_t 
     int rc = stat_is(h->st.spilled_bytes, (int64_t)(n * h->page), 0, "spilled_bytes", why, len);
     if (rc) return rc;
     for (const gm_block *b = h->head; n && b; b = b->next)
-        if (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b))
-            for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++)
+        if (b->state != GM_BLOCK_UNMAPPED && h_pinned(b))
+            for (size_t p = h_page_floor(h, b->addr); p < h_page_ceil(h, b->addr + b->size); p++)
                 if (h->host[p])
                     return fail(why, len, "block %#lx of a living pool lies on host page %zu", (unsigned long)b->addr,
                                 p);

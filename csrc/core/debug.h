@@ -1,5 +1,5 @@
 /*
- * debug.h -- gm_assert(cond): a cheap check at a state change, compiled in
+ * debug.h -- h_assert(cond): a cheap check at a state change, compiled in
  * only when GM_DEBUG is defined (the sanitizer and fuzz builds: Makefile,
  * .ci/run); the release extension compiles it out, condition and all.  A
  * failing assertion prints its file, line and condition and aborts.
@@ -14,16 +14,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-static inline void gm_assert_failed(const char *file, int line, const char *cond) {
+static inline void h_assert_failed(const char *file, int line, const char *cond) {
     fprintf(stderr, "%s:%d: gpumem assertion failed: %s\n", file, line, cond);
     fflush(stderr);
     abort();
 }
-#define gm_assert(cond) ((cond) ? (void)0 : gm_assert_failed(__FILE__, __LINE__, #cond))
+#define h_assert(cond) ((cond) ? (void)0 : h_assert_failed(__FILE__, __LINE__, #cond))
 #else
 /* Not evaluated, but still compiled: a condition that stops compiling, or a
  * variable only an assertion reads, shows in every build. */
-#define gm_assert(cond) ((void)sizeof(!(cond)))
+#define h_assert(cond) ((void)sizeof(!(cond)))
 #endif
 
 #endif

@@ -97,7 +97,7 @@ int gm_fork_also(void (*lock)(void), void (*unlock)(void)) {
     return rc;
 }
 
-void gm_fork_register(gm_heap *h) {
+void h_fork_register(gm_heap *h) {
     pthread_once(&once, install);
     pthread_mutex_lock(&registry);
     h->fork_next = heaps;
@@ -105,7 +105,7 @@ void gm_fork_register(gm_heap *h) {
     pthread_mutex_unlock(&registry);
 }
 
-void gm_fork_unregister(gm_heap *h) {
+void h_fork_unregister(gm_heap *h) {
     pthread_mutex_lock(&registry);
     for (gm_heap **p = &heaps; *p; p = &(*p)->fork_next)
         if (*p == h) {
@@ -115,4 +115,4 @@ void gm_fork_unregister(gm_heap *h) {
     pthread_mutex_unlock(&registry);
 }
 
-int gm_heap_inherited(const gm_heap *h) { return h->inherited; }
+int h_heap_inherited(const gm_heap *h) { return h->inherited; }

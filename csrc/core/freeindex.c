@@ -19,7 +19,7 @@ static inline int before(const gm_block *a, const gm_block *b) {
 }
 
 void fi_insert(gm_freeindex *fi, gm_block *b) {
-    gm_assert(b->size && b->size % GM_ALIGN == 0);
+    h_assert(b->size && b->size % GM_ALIGN == 0);
     unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
     gm_block **slot = &fi->bins[fl][sl];
     gm_block *prev = NULL, *cur = *slot;
@@ -41,7 +41,7 @@ void fi_insert(gm_freeindex *fi, gm_block *b) {
 
 void fi_remove(gm_freeindex *fi, gm_block *b) {
     unsigned sl, fl = fi_fl_sl(b->size / GM_ALIGN, &sl);
-    gm_assert(fi->count > 0 && fi->bytes >= b->size && (b->lprev ? b->lprev->lnext == b : fi->bins[fl][sl] == b));
+    h_assert(fi->count > 0 && fi->bytes >= b->size && (b->lprev ? b->lprev->lnext == b : fi->bins[fl][sl] == b));
     if (b->lprev)
         b->lprev->lnext = b->lnext;
     else

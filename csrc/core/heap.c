@@ -106,7 +106,7 @@
  *   free memory belongs to ANY.  That hand-over touches no block when the free
  *   blocks it hands over all belong to the waiting stream: an epoch advances,
  *   and the blocks move into ANY's index only when another stream comes
- *   (gm_heap.lazy_stream, gm_free_owner).
+ *   (gm_heap.lazy_stream, h_free_owner).
  *
  * POOLS
  *
@@ -147,7 +147,7 @@
  *
  *   A CUDA graph has its addresses baked in, so every page that a block of a
  *   living pool touches -- live, pending or free -- is counted as used
- *   (gm_used_pages, cached_pages, cached_runs): defragmentation, empty_cache and
+ *   (h_used_pages, cached_pages, cached_runs): defragmentation, empty_cache and
  *   the cap never unmap or move it.  When the pool's last use is released its
  *   free blocks become general at once (their owners go, they merge, their
  *   pages become cacheable); its live and pending blocks become general when
@@ -282,7 +282,7 @@
 /* Best fit for stream s among the free blocks of `pool` (NULL: the general
  * heap) that s may use: its own and everyone's. */
 gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
-    gm_owner *own = s == ANY ? NULL : gm_owner_find(h, pool, s);
+    gm_owner *own = s == ANY ? NULL : h_owner_find(h, pool, s);
     gm_block *a = own ? fi_best_fit(&own->idx, size) : NULL;
     gm_block *b = fi_best_fit(&h_everyones(h, pool)->idx, size);
     if (!a) return b;
@@ -309,13 +309,13 @@ static gm_block *carve(gm_heap *h, gm_block *b, uintptr_t at, size_t size) {
 /* Pages [x, x+size) touches that no live or pending block touches already,
  * counting only the pages shared with b's neighbours (the rest are b's). */
 static size_t fresh_pages(const gm_heap *h, const gm_block *b, uintptr_t x, size_t size) {
-    size_t p0 = gm_page_floor(h, x), p1 = gm_page_ceil(h, x + size), n = p1 - p0;
+    size_t p0 = h_page_floor(h, x), p1 = h_page_ceil(h, x + size), n = p1 - p0;
     const gm_block *pr = b->prev, *nx = b->next;
     if (x == b->addr && pr && (pr->state == GM_BLOCK_LIVE || pr->state == GM_BLOCK_PENDING) &&
-        gm_page_floor(h, pr->addr + pr->size - 1) == p0)
+        h_page_floor(h, pr->addr + pr->size - 1) == p0)
         n--;
     if (x + size == b->addr + b->size && nx && (nx->state == GM_BLOCK_LIVE || nx->state == GM_BLOCK_PENDING) &&
-        gm_page_floor(h, nx->addr) == p1 - 1 && n)
+        h_page_floor(h, nx->addr) == p1 - 1 && n)
         n--;
     return n;
 }
@@ -358,7 +358,7 @@ static int heap_tables(gm_heap *h, size_t total) {
     gm_device *dev = h->dev;
     size_t page = h->page, va = h->va_size;
     pthread_mutex_init(&h->lock, NULL);
-    gm_fork_register(h);
+    h_fork_register(h);
     h->live_mask = 1023;
     size_t max_pages = total / page + 1;
     h->cap_spare = h->n_pages > max_pages ? h->n_pages : max_pages;
@@ -394,7 +394,7 @@ static void first_block(gm_heap *h) {
     h->head->size = h->va_size;
     h->head->state = GM_BLOCK_UNMAPPED;
     h->head->stream = ANY;
-    gm_run_attach(h, h->head);
+    h_run_attach(h, h->head);
 }
 
 int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
@@ -467,7 +467,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
 void gm_heap_destroy(gm_heap *h) {
     if (!h) return;
     gm_device *dev = h->dev;
-    gm_fork_unregister(h);
+    h_fork_unregister(h);
     /* A fork()ed child: the GPU's memory, events and context are the parent's,
      * and CUDA cannot be called here.  Free host memory only. */
     int host_only = h->inherited && strcmp(dev->kind, "sim");
@@ -481,7 +481,7 @@ void gm_heap_destroy(gm_heap *h) {
     if (h->page_handle && h->chunk_len) {
         for (size_t p = 0; p < h->n_pages; p++) {
             if (!h->page_handle[p] || h->chunk_off[p]) continue; /* a chunk at its first page */
-            dev->ops->unmap(dev, gm_page_addr(h, p), h->chunk_len[p] * h->page);
+            dev->ops->unmap(dev, h_page_addr(h, p), h->chunk_len[p] * h->page);
             dev->ops->release(dev, h->page_handle[p]);
         }
     }
@@ -522,7 +522,7 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->parked);
     free(h->page_handle);
     ri_free(&h->runs);
-    gm_hist_free(h);
+    h_hist_free(h);
     pthread_mutex_destroy(&h->lock);
     if (!host_only) dev->ops->destroy(dev);
     free(h);
@@ -542,23 +542,23 @@ static void pending_step(gm_heap *h, gm_stream s) {
 
 /* b (free, carved) becomes live for s, in pool p. */
 void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context, gm_pool *p) {
-    gm_assert(b->state == GM_BLOCK_FREE && b->size == size && requested <= size);
-    int kept = gm_keeps_pages(b);
-    if (!gm_general_space(b)) {
+    h_assert(b->state == GM_BLOCK_FREE && b->size == size && requested <= size);
+    int kept = h_keeps_pages(b);
+    if (!h_general_space(b)) {
         b->state = GM_BLOCK_LIVE; /* a pool's free block: no run changes */
-    } else if (b->run_len && b->next && gm_general_space(b->next) &&
+    } else if (b->run_len && b->next && h_general_space(b->next) &&
                !(b->next->state == GM_BLOCK_FREE && b->run_len - b->size == b->next->size)) {
         /* Carved from the front of an indexed run: the rest stays one indexed
          * run (not a lone free block). */
         ri_move_head(&h->runs, b, b->next, b->run_len - b->size);
         b->state = GM_BLOCK_LIVE;
     } else {
-        gm_run_detach(h, b);
+        h_run_detach(h, b);
         b->state = GM_BLOCK_LIVE;
-        if (b->prev && gm_general_space(b->prev)) gm_run_attach(h, b->prev);
-        if (b->next && gm_general_space(b->next)) gm_run_attach(h, b->next);
+        if (b->prev && h_general_space(b->prev)) h_run_attach(h, b->prev);
+        if (b->next && h_general_space(b->next)) h_run_attach(h, b->next);
     }
-    if (!kept) gm_pages_use(h, b, 1);
+    if (!kept) h_pages_use(h, b, 1);
     b->stream = s;
     b->requested = requested;
     b->context = context;
@@ -570,15 +570,15 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
     }
     h_live_insert(h, b);
     h->live_bytes += size;
-    int pool = gm_pool_of(size);
-    gm_stat_up(h->st.allocation, pool, 1);
-    gm_stat_up(h->st.allocated_bytes, pool, (int64_t)size);
-    gm_stat_up(h->st.requested_bytes, pool, (int64_t)requested);
-    gm_stat_up(h->st.active, pool, 1);
-    gm_stat_up(h->st.active_bytes, pool, (int64_t)size);
+    int pool = h_pool_of(size);
+    h_stat_up(h->st.allocation, pool, 1);
+    h_stat_up(h->st.allocated_bytes, pool, (int64_t)size);
+    h_stat_up(h->st.requested_bytes, pool, (int64_t)requested);
+    h_stat_up(h->st.active, pool, 1);
+    h_stat_up(h->st.active_bytes, pool, (int64_t)size);
     if ((size_t)h->st.active_bytes[GM_POOL_ALL].current > h->peak_live)
         h->peak_live = (size_t)h->st.active_bytes[GM_POOL_ALL].current;
-    gm_hist_block(h, GM_H_ALLOC, b->addr, size, requested, s, context);
+    h_hist_block(h, GM_H_ALLOC, b->addr, size, requested, s, context);
 }
 
 /* b, just made live in pool p from pages of its own (pool_pages_ok): the
@@ -586,18 +586,18 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
  * growth took ahead for p, or 0), becomes p's free memory, so that those
  * pages hold p's blocks only for as long as p lives. */
 static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p, uintptr_t reach) {
-    uintptr_t e = gm_page_addr(h, gm_page_ceil(h, b->addr + b->size));
+    uintptr_t e = h_page_addr(h, h_page_ceil(h, b->addr + b->size));
     if (reach > e) e = reach;
     for (gm_block *r = b->next; r && r->addr < e; r = r->next) {
         if (r->state != GM_BLOCK_FREE || r->pool) continue;
-        gm_run_detach(h, r);
+        h_run_detach(h, r);
         h_index_remove(h, r);
         if (r->addr + r->size > e) h_index_insert(h, h_split(h, r, e - r->addr));
         r->pool = p;
-        gm_pages_use(h, r, 1);
+        h_pages_use(h, r, 1);
         r = h_merge_neighbours(h, r);
         h_index_insert(h, r);
-        if (r->next && gm_general_space(r->next)) gm_run_attach(h, r->next);
+        if (r->next && h_general_space(r->next)) h_run_attach(h, r->next);
     }
 }
 
@@ -627,10 +627,10 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     }
     if (pool && pool->no_split) rsize = h_align_up(rsize, h->page); /* whole pages, never split */
     if ((rc = h_slab_reserve(h, 6)) || (h->n_live >= h->live_mask && (rc = h_live_grow(h)))) goto done;
-    if (h->n_owners >= h->owners_trim_at && (!gm_owner_find(h, NULL, s) || (pool && !gm_owner_find(h, pool, s))))
+    if (h->n_owners >= h->owners_trim_at && (!h_owner_find(h, NULL, s) || (pool && !h_owner_find(h, pool, s))))
         h_owners_trim(h);
-    if ((!gm_owner_find(h, NULL, s) && !h_owner_get(h, NULL, s)) ||
-        (pool && !gm_owner_find(h, pool, s) && !h_owner_get(h, pool, s))) {
+    if ((!h_owner_find(h, NULL, s) && !h_owner_get(h, NULL, s)) ||
+        (pool && !h_owner_find(h, pool, s) && !h_owner_get(h, pool, s))) {
         rc = GM_ENOMEM;
         goto done;
     }
@@ -668,7 +668,7 @@ int gm_malloc(gm_heap *h, size_t size, gm_stream s, uint64_t context, uintptr_t 
 void gm_count_oom(gm_heap *h, size_t size, gm_stream s) {
     pthread_mutex_lock(&h->lock);
     h->st.num_ooms++;
-    gm_hist(h, GM_H_OOM, 0, size, s, 0);
+    h_hist(h, GM_H_OOM, 0, size, s, 0);
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -679,11 +679,11 @@ static int not_live(const gm_heap *h, uintptr_t ptr) {
 /* Free the live block b, already out of the live table. */
 void h_free_block(gm_heap *h, gm_block *b) {
     h->live_bytes -= b->size;
-    int pool = gm_pool_of(b->size);
-    gm_stat_down(h->st.allocation, pool, 1);
-    gm_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
-    gm_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
-    gm_hist_block(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->requested, b->stream, b->context);
+    int pool = h_pool_of(b->size);
+    h_stat_down(h->st.allocation, pool, 1);
+    h_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);
+    h_stat_down(h->st.requested_bytes, pool, (int64_t)b->requested);
+    h_hist_block(h, GM_H_FREE_REQUESTED, b->addr, b->size, b->requested, b->stream, b->context);
     if (!b->n_uses) {
         h_complete_free(h, b);
         return;
@@ -695,7 +695,7 @@ void h_free_block(gm_heap *h, gm_block *b) {
     int capt = h_capture_on(h, b->stream) || h_other_capture(h);
     for (uint32_t i = 0; i < b->n_uses && !capt; i++) capt = h_capture_on(h, b->uses[i]);
     b->state = GM_BLOCK_PENDING;
-    if (!gm_pinned(b)) gm_pages_use(h, b, -1); /* a living pool's keeps its pages */
+    if (!h_pinned(b)) h_pages_use(h, b, -1); /* a living pool's keeps its pages */
     h_pending_append(h, b);
     if (capt) {
         b->wait_sync = 0;
@@ -731,7 +731,7 @@ int gm_record_stream(gm_heap *h, uintptr_t ptr, gm_stream s) {
     if (s == ANY) return GM_EINVAL;
     pthread_mutex_lock(&h->lock);
     int rc = GM_OK;
-    gm_block *b = gm_live_find(h, ptr);
+    gm_block *b = h_live_find(h, ptr);
     if (!b) {
         rc = not_live(h, ptr);
         goto done;
@@ -760,7 +760,7 @@ done:
 
 size_t gm_block_size(gm_heap *h, uintptr_t ptr) {
     pthread_mutex_lock(&h->lock);
-    gm_block *b = gm_live_find(h, ptr);
+    gm_block *b = h_live_find(h, ptr);
     size_t n = b ? b->size : 0;
     pthread_mutex_unlock(&h->lock);
     return n;
@@ -777,7 +777,7 @@ static int trim(gm_heap *h, size_t target) {
     if (!h_cached_pages(h, 0, 0)) return GM_OK;
     if ((rc = h_synchronize(h, ANY))) return rc; /* spares are gone already; nothing else is safe */
     size_t want = h_held_pages(h) - target, got = h_recycle(h, want, 0, 0, 0);
-    if (got) gm_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
+    if (got) h_hist(h, GM_H_EMPTY_CACHE, 0, got * h->page, ANY, 0);
     /* What cannot go backs live blocks (or an unmap failed). */
     return h_release_spares(h, target);
 }
@@ -813,13 +813,13 @@ void gm_get_stats(gm_heap *h, gm_stats *out) {
 
 void gm_reset_peak_stats(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
-    gm_stats_reset_peaks(&h->st);
+    h_stats_reset_peaks(&h->st);
     h_spill_demand_reset(h); /* the demand that kept pages spilled starts over (SPILL) */
     pthread_mutex_unlock(&h->lock);
 }
 
 void gm_reset_accumulated_stats(gm_heap *h) {
     pthread_mutex_lock(&h->lock);
-    gm_stats_reset_accumulated(&h->st);
+    h_stats_reset_accumulated(&h->st);
     pthread_mutex_unlock(&h->lock);
 }

@@ -73,7 +73,7 @@ struct gm_heap {
      *   chunk_off   0      1      ...   k-1      p - c
      *   chunk_len   k      k      ...   k        0: nothing mapped
      *
-     * so a mapped page finds its chunk in O(1) (gm_chunk_first).  A chunk of
+     * so a mapped page finds its chunk in O(1) (h_chunk_first).  A chunk of
      * one page is a page as it always was: it may become a spare and move. */
     gm_handle *page_handle;
     uint32_t *chunk_off, *chunk_len;
@@ -97,7 +97,7 @@ struct gm_heap {
     /* Per page: the growth that mapped it (or gave it to a pool) -- one
      * slow-path placement, numbered from 1 (growth_seq: the latest); 0: never
      * mapped.  Snapshots cut segments where it changes, and a pool's free
-     * blocks do not merge across such a seam (gm_pool_seam). */
+     * blocks do not merge across such a seam (h_pool_seam). */
     uint32_t *page_growth;
     uint32_t growth_seq;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
@@ -144,7 +144,7 @@ struct gm_heap {
     /* A device synchronisation hands every free block to every stream.  When
      * the blocks it hands over all belong to one stream, they stay where they
      * are instead of moving one by one: the epoch advances, and a free block
-     * of that stream from an earlier epoch is everyone's (gm_free_owner).
+     * of that stream from an earlier epoch is everyone's (h_free_owner).
      * lazy_stream names that stream (GM_STREAM_ANY: no such block exists).
      * Only that stream can tell where the blocks sit -- it searches its own
      * index and everyone's alike -- so they move into everyone's index (and
@@ -198,68 +198,68 @@ struct gm_heap {
 };
 
 /* ---- shared helpers ---- */
-static inline size_t gm_page_floor(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base) >> h->page_shift); }
-static inline size_t gm_page_ceil(const gm_heap *h, uintptr_t a) {
+static inline size_t h_page_floor(const gm_heap *h, uintptr_t a) { return (size_t)((a - h->base) >> h->page_shift); }
+static inline size_t h_page_ceil(const gm_heap *h, uintptr_t a) {
     return (size_t)((a - h->base + h->page - 1) >> h->page_shift);
 }
-static inline uintptr_t gm_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
+static inline uintptr_t h_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
 /* The first page of the chunk mapped at page p, and its length. */
-static inline size_t gm_chunk_first(const gm_heap *h, size_t p) { return p - h->chunk_off[p]; }
-static inline size_t gm_chunk_end(const gm_heap *h, size_t p) { return p - h->chunk_off[p] + h->chunk_len[p]; }
+static inline size_t h_chunk_first(const gm_heap *h, size_t p) { return p - h->chunk_off[p]; }
+static inline size_t h_chunk_end(const gm_heap *h, size_t p) { return p - h->chunk_off[p] + h->chunk_len[p]; }
 
 /* The stream that may reuse free block b at once (GM_STREAM_ANY: every
  * stream).  Its index is its pool's owner for b->stream; a block of
  * h->lazy_stream from an earlier epoch is everyone's, though it sits there. */
-static inline gm_stream gm_free_owner(const gm_heap *h, const gm_block *b) {
+static inline gm_stream h_free_owner(const gm_heap *h, const gm_block *b) {
     return b->epoch < h->epoch ? GM_STREAM_ANY : b->stream;
 }
 /* A block that belongs to a pool that still lives: its pages are pinned. */
-static inline int gm_pinned(const gm_block *b) { return b->pool && b->pool->use_count > 0; }
+static inline int h_pinned(const gm_block *b) { return b->pool && b->pool->use_count > 0; }
 
 /* General space: what placement and defragmentation may build on -- unmapped
  * space, and free blocks of the general heap (a free block's pool always
  * lives: an ending pool's free blocks turn general).  The one place that says
  * it; the run index, placement, recycling and the checker all ask here. */
-static inline int gm_general_space(const gm_block *b) {
+static inline int h_general_space(const gm_block *b) {
     return b->state == GM_BLOCK_UNMAPPED || (b->state == GM_BLOCK_FREE && !b->pool);
 }
 
 /* A block whose pages no slow path may take back: live, or kept for a living
  * pool (free, or pending to return to it).  The page-use counts (runindex.h)
  * count these. */
-static inline int gm_keeps_pages(const gm_block *b) {
-    return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b));
+static inline int h_keeps_pages(const gm_block *b) {
+    return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && h_pinned(b));
 }
 
 /* Free neighbours a and b (b = a->next) of a pool, split by a page where the
  * growth that gave the pool its pages changes: they stay apart, as blocks of
  * two native segments do. */
-static inline int gm_pool_seam(const gm_heap *h, const gm_block *a, const gm_block *b) {
+static inline int h_pool_seam(const gm_heap *h, const gm_block *a, const gm_block *b) {
     if (!a->pool || ((b->addr - h->base) & (h->page - 1))) return 0;
-    size_t p = gm_page_floor(h, b->addr);
+    size_t p = h_page_floor(h, b->addr);
     return p && h->page_growth[p] != h->page_growth[p - 1];
 }
 
 /* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */
-/* Measure the run headed by `head` and index it (block.c: gm_run_attach's slow half). */
-void gm_run_index(gm_heap *h, gm_block *head);
-static inline gm_block *gm_run_head(gm_block *b) {
-    while (b->prev && gm_general_space(b->prev)) b = b->prev;
+/* Measure the run headed by `head` and index it (block.c: h_run_attach's slow half). */
+void h_run_index(gm_heap *h, gm_block *head);
+static inline gm_block *h_run_head(gm_block *b) {
+    while (b->prev && h_general_space(b->prev)) b = b->prev;
     return b;
 }
-static inline void gm_run_detach(gm_heap *h, gm_block *b) {
-    if (!gm_general_space(b)) return;
-    gm_block *head = gm_run_head(b);
+static inline void h_run_detach(gm_heap *h, gm_block *b) {
+    if (!h_general_space(b)) return;
+    gm_block *head = h_run_head(b);
     if (head->run_len) ri_unindex(&h->runs, head);
 }
-static inline void gm_run_attach(gm_heap *h, gm_block *b) {
-    if (!gm_general_space(b)) return;
-    gm_block *head = gm_run_head(b);
-    if (head->state == GM_BLOCK_FREE && !(head->next && gm_general_space(head->next))) return; /* lone */
-    gm_run_index(h, head);
+static inline void h_run_attach(gm_heap *h, gm_block *b) {
+    if (!h_general_space(b)) return;
+    gm_block *head = h_run_head(b);
+    if (head->state == GM_BLOCK_FREE && !(head->next && h_general_space(head->next))) return; /* lone */
+    h_run_index(h, head);
 }
-static inline void gm_pages_use(gm_heap *h, const gm_block *b, int d) {
-    size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size - 1);
+static inline void h_pages_use(gm_heap *h, const gm_block *b, int d) {
+    size_t p0 = h_page_floor(h, b->addr), p1 = h_page_floor(h, b->addr + b->size - 1);
     ri_ep_block(h->runs.live_ep, p0, p1, d, &h->runs.live_pages);
     h->host_kept_stale |= h->host_pages != 0; /* h_host_kept counts again */
     if (h->runs.live_pages > h->live_peak_pages) h->live_peak_pages = h->runs.live_pages;
@@ -312,8 +312,8 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
 void h_free_block(gm_heap *h, gm_block *b);
 
 /* ---- block.c ---- */
-gm_block *gm_live_find(const gm_heap *h, uintptr_t addr);
-gm_owner *gm_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
+gm_block *h_live_find(const gm_heap *h, uintptr_t addr);
+gm_owner *h_owner_find(gm_heap *h, const gm_pool *pool, gm_stream s);
 int h_slab_grow(gm_heap *h);
 int h_slab_reserve(gm_heap *h, size_t n);
 gm_block *h_block_new(gm_heap *h);
@@ -394,11 +394,11 @@ void h_spill_free(gm_heap *h);
 void h_spill_idle(gm_heap *h, gm_stream s);
 /* Whether block b touches a host page (spill.c): its first or last page. */
 static inline int h_on_host(const gm_heap *h, const gm_block *b) {
-    return h->host[gm_page_floor(h, b->addr)] || h->host[gm_page_floor(h, b->addr + b->size - 1)];
+    return h->host[h_page_floor(h, b->addr)] || h->host[h_page_floor(h, b->addr + b->size - 1)];
 }
 
 /* ---- report.c ---- */
-size_t gm_used_pages(gm_heap *h);
+size_t h_used_pages(gm_heap *h);
 void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o);
 
 /* ---- capture.c ---- */
@@ -412,12 +412,12 @@ void h_pool_delete(gm_heap *h, gm_pool *p);
 int h_valid_id(const gm_pool_id *id);
 
 /* ---- fork.c ---- */
-void gm_fork_register(gm_heap *h);
-void gm_fork_unregister(gm_heap *h);
-int gm_heap_inherited(const gm_heap *h);
+void h_fork_register(gm_heap *h);
+void h_fork_unregister(gm_heap *h);
+int h_heap_inherited(const gm_heap *h);
 
 /* ---- stats.c ---- */
-static inline void gm_stat_add(gm_stat *s, int64_t delta) {
+static inline void h_stat_add(gm_stat *s, int64_t delta) {
     s->current += delta;
     if (delta > 0) {
         s->allocated += delta;
@@ -426,37 +426,37 @@ static inline void gm_stat_add(gm_stat *s, int64_t delta) {
         s->freed -= delta;
     }
 }
-static inline int gm_pool_of(size_t size) { return size <= GM_SMALL_SIZE ? GM_POOL_SMALL : GM_POOL_LARGE; }
-static inline void gm_stat_pool_add(gm_stat *arr, size_t size, int64_t delta) {
-    gm_stat_add(&arr[GM_POOL_ALL], delta);
-    gm_stat_add(&arr[gm_pool_of(size)], delta);
+static inline int h_pool_of(size_t size) { return size <= GM_SMALL_SIZE ? GM_POOL_SMALL : GM_POOL_LARGE; }
+static inline void h_stat_pool_add(gm_stat *arr, size_t size, int64_t delta) {
+    h_stat_add(&arr[GM_POOL_ALL], delta);
+    h_stat_add(&arr[h_pool_of(size)], delta);
 }
 /* The hot paths know the sign: no branch on it. */
-static inline void gm_stat_up(gm_stat *arr, int pool, int64_t n) {
+static inline void h_stat_up(gm_stat *arr, int pool, int64_t n) {
     gm_stat *a = &arr[GM_POOL_ALL], *p = &arr[pool];
     a->current += n, a->allocated += n, p->current += n, p->allocated += n;
     if (a->current > a->peak) a->peak = a->current;
     if (p->current > p->peak) p->peak = p->current;
 }
-static inline void gm_stat_down(gm_stat *arr, int pool, int64_t n) {
+static inline void h_stat_down(gm_stat *arr, int pool, int64_t n) {
     gm_stat *a = &arr[GM_POOL_ALL], *p = &arr[pool];
     a->current -= n, a->freed += n, p->current -= n, p->freed += n;
 }
-void gm_stats_reset_peaks(gm_stats *st);
-void gm_stats_reset_accumulated(gm_stats *st);
+void h_stats_reset_peaks(gm_stats *st);
+void h_stats_reset_accumulated(gm_stats *st);
 
 /* ---- history.c ---- */
-void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested, gm_stream stream,
-                  uint64_t context);
-static inline void gm_hist(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream,
-                           uint64_t context) {
-    if (h->hist_cap) gm_hist_push(h, action, addr, size, size, stream, context);
+void h_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested, gm_stream stream,
+                 uint64_t context);
+static inline void h_hist(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, gm_stream stream,
+                          uint64_t context) {
+    if (h->hist_cap) h_hist_push(h, action, addr, size, size, stream, context);
 }
 /* A block's event: its size and the bytes its request asked for (torch's history records those). */
-static inline void gm_hist_block(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested,
-                                 gm_stream stream, uint64_t context) {
-    if (h->hist_cap) gm_hist_push(h, action, addr, size, requested, stream, context);
+static inline void h_hist_block(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested,
+                                gm_stream stream, uint64_t context) {
+    if (h->hist_cap) h_hist_push(h, action, addr, size, requested, stream, context);
 }
-void gm_hist_free(gm_heap *h);
+void h_hist_free(gm_heap *h);
 
 #endif

@@ -28,8 +28,8 @@ uint64_t gm_history_event_context(uint64_t context) {
     return old;
 }
 
-void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested, gm_stream stream,
-                  uint64_t context) {
+void h_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size_t requested, gm_stream stream,
+                 uint64_t context) {
     if (event_context) context = event_context;
     size_t slot = (h->hist_head + h->hist_len) % h->hist_cap;
     if (h->hist_len == h->hist_cap) {
@@ -48,7 +48,7 @@ void gm_hist_push(gm_heap *h, uint32_t action, uintptr_t addr, size_t size, size
     e->action = action;
 }
 
-void gm_hist_free(gm_heap *h) {
+void h_hist_free(gm_heap *h) {
     free(h->hist);
     h->hist = NULL;
     h->hist_cap = h->hist_head = h->hist_len = 0;
@@ -66,7 +66,7 @@ int gm_history_enable(gm_heap *h, size_t max_entries) {
     size_t keep = h->hist_len < max_entries ? h->hist_len : max_entries;
     uint64_t dropped = h->hist_dropped + (h->hist_len - keep);
     for (size_t i = 0; i < keep; i++) ring[i] = h->hist[(h->hist_head + h->hist_len - keep + i) % h->hist_cap];
-    gm_hist_free(h);
+    h_hist_free(h);
     h->hist = ring;
     h->hist_cap = max_entries;
     h->hist_len = keep;

@@ -21,8 +21,8 @@ static void spare_push(gm_heap *h, gm_handle hd) {
 }
 
 static void count_held(gm_heap *h, int64_t pages) {
-    gm_stat_pool_add(h->st.segment, GM_SMALL_SIZE + 1, pages);
-    gm_stat_pool_add(h->st.reserved_bytes, GM_SMALL_SIZE + 1, pages * (int64_t)h->page);
+    h_stat_pool_add(h->st.segment, GM_SMALL_SIZE + 1, pages);
+    h_stat_pool_add(h->st.reserved_bytes, GM_SMALL_SIZE + 1, pages * (int64_t)h->page);
 }
 
 /* One new physical allocation of k pages, counted held.  *dev_err (if given)
@@ -63,9 +63,9 @@ void h_release_chunk(gm_heap *h, gm_handle hd, size_t k) {
  * device chunk counts in mapped_pages, a host one (spill.c) in host_pages and
  * the spilled bytes. */
 void h_chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd, int host) {
-    gm_assert(hd && k > 0 && p0 + k <= h->n_pages);
+    h_assert(hd && k > 0 && p0 + k <= h->n_pages);
     for (size_t i = 0; i < k; i++) {
-        gm_assert(!h->page_handle[p0 + i] && !h->host[p0 + i]);
+        h_assert(!h->page_handle[p0 + i] && !h->host[p0 + i]);
         h->page_handle[p0 + i] = hd;
         h->chunk_off[p0 + i] = (uint32_t)i;
         h->chunk_len[p0 + i] = (uint32_t)k;
@@ -77,18 +77,18 @@ void h_chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd, int host) {
     memset(h->host + p0, 1, k);
     h->host_pages += k;
     h->host_kept_stale = 1;
-    gm_stat_pool_add(h->st.spilled_bytes, GM_SMALL_SIZE + 1, (int64_t)(k * h->page));
+    h_stat_pool_add(h->st.spilled_bytes, GM_SMALL_SIZE + 1, (int64_t)(k * h->page));
 }
 void h_chunk_clear(gm_heap *h, size_t p0, size_t k) {
-    gm_assert(!h->chunk_off[p0] && h->chunk_len[p0] == k);
+    h_assert(!h->chunk_off[p0] && h->chunk_len[p0] == k);
     if (h->host[p0]) {
-        gm_assert(h->host_pages >= k);
+        h_assert(h->host_pages >= k);
         memset(h->host + p0, 0, k);
         h->host_pages -= k;
         h->host_kept_stale = 1;
-        gm_stat_pool_add(h->st.spilled_bytes, GM_SMALL_SIZE + 1, -(int64_t)(k * h->page));
+        h_stat_pool_add(h->st.spilled_bytes, GM_SMALL_SIZE + 1, -(int64_t)(k * h->page));
     } else {
-        gm_assert(h->mapped_pages >= k);
+        h_assert(h->mapped_pages >= k);
         h->mapped_pages -= k;
     }
     memset(h->page_handle + p0, 0, k * sizeof *h->page_handle);
@@ -112,7 +112,7 @@ void h_chunk_unused(gm_heap *h, gm_handle hd, size_t k) {
 int h_unmap_chunk(gm_heap *h, size_t p, int restock) {
     size_t k = h->chunk_len[p];
     gm_handle hd = h->page_handle[p];
-    int rc = h->dev->ops->unmap(h->dev, gm_page_addr(h, p), k * h->page);
+    int rc = h->dev->ops->unmap(h->dev, h_page_addr(h, p), k * h->page);
     if (rc) {
         h->st.num_device_errors++;
         return rc;
@@ -141,8 +141,8 @@ int h_unmap_chunk(gm_heap *h, size_t p, int restock) {
 
 /* Trim the page range [*p0, *p1), all mapped, inward to whole chunks. */
 static void whole_chunks(const gm_heap *h, size_t *p0, size_t *p1) {
-    if (*p0 < *p1 && h->chunk_off[*p0]) *p0 = gm_chunk_end(h, *p0);
-    if (*p0 < *p1 && gm_chunk_end(h, *p1 - 1) > *p1) *p1 = gm_chunk_first(h, *p1 - 1);
+    if (*p0 < *p1 && h->chunk_off[*p0]) *p0 = h_chunk_end(h, *p0);
+    if (*p0 < *p1 && h_chunk_end(h, *p1 - 1) > *p1) *p1 = h_chunk_first(h, *p1 - 1);
     if (*p1 < *p0) *p1 = *p0;
 }
 
@@ -182,7 +182,7 @@ size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant,
             snprintf(h->dev->last_error, sizeof h->dev->last_error,
                      "the page at %#lx is still mapped: access to it could not be granted during a capture, and it "
                      "is unmapped once no capture is on",
-                     (unsigned long)gm_page_addr(h, p));
+                     (unsigned long)h_page_addr(h, p));
             *err = GM_EDEVICE;
             break;
         }
@@ -205,7 +205,7 @@ size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant,
             }
             *grant -= k;
         }
-        if ((rc = h->dev->ops->map(h->dev, gm_page_addr(h, p), k, hd))) {
+        if ((rc = h->dev->ops->map(h->dev, h_page_addr(h, p), k, hd))) {
             h->st.num_device_errors++;
             *err = rc;
             if (spare) break; /* it stays a spare */
@@ -272,14 +272,14 @@ int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
     int rc = GM_OK, host = h->host[p0]; /* host pages were never the heap's reserved memory */
     if (h->no_sync) return GM_EDEVICE;
     while (done < p1) {
-        size_t next = gm_chunk_end(h, done);
+        size_t next = h_chunk_end(h, done);
         if ((rc = h_unmap_chunk(h, done, restock))) break;
         done = next;
     }
     if (done == p0) return rc;
     /* Cut b into [free][unmapped p0..done)[free]. */
-    uintptr_t lo = gm_page_addr(h, p0), hi = gm_page_addr(h, done);
-    gm_run_detach(h, b);
+    uintptr_t lo = h_page_addr(h, p0), hi = h_page_addr(h, done);
+    h_run_detach(h, b);
     h_index_remove(h, b);
     gm_block *mid = b;
     if (lo > b->addr) {
@@ -287,8 +287,8 @@ int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
         h_index_insert(h, b);
     }
     if (mid->addr + mid->size > hi) h_index_insert(h, h_split(h, mid, hi - mid->addr));
-    gm_hist(h, host ? GM_H_UNSPILL : GM_H_UNMAP, lo, hi - lo, ANY, 0);
-    gm_run_attach(h, h_make_unmapped(h, mid));
+    h_hist(h, host ? GM_H_UNSPILL : GM_H_UNMAP, lo, hi - lo, ANY, 0);
+    h_run_attach(h, h_make_unmapped(h, mid));
     return rc;
 }
 
@@ -345,7 +345,7 @@ static gm_block *recycle_next(struct recycle_order *r) {
 /* Trim [*p0, *p1), whole chunks, to its topmost run of device pages: host
  * pages (spill.c) are no cached memory, and unmapping them gives no spare. */
 static void device_top(const gm_heap *h, size_t *p0, size_t *p1) {
-    while (*p1 > *p0 && h->host[*p1 - 1]) *p1 = gm_chunk_first(h, *p1 - 1);
+    while (*p1 > *p0 && h->host[*p1 - 1]) *p1 = h_chunk_first(h, *p1 - 1);
     for (size_t p = *p1; p > *p0; p--)
         if (h->host[p - 1]) {
             *p0 = p;
@@ -371,8 +371,8 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
         }
     }
     for (gm_block *b; chosen < want && r.n_idx && (b = recycle_next(&r));) {
-        if (!gm_general_space(b)) continue; /* only general free space is recycled */
-        size_t p0 = gm_page_ceil(h, b->addr), p1 = gm_page_floor(h, b->addr + b->size);
+        if (!h_general_space(b)) continue; /* only general free space is recycled */
+        size_t p0 = h_page_ceil(h, b->addr), p1 = h_page_floor(h, b->addr + b->size);
         if (p0 >= p1) continue;
         /* Two parts when the range splits the block: the lower first.  Only
          * whole chunks can go: a chunk that other blocks (or the range) share
@@ -391,7 +391,7 @@ static size_t cached_runs(gm_heap *h, size_t want, size_t ex0, size_t ex1, struc
             /* From the top of each, down to a chunk's start. */
             size_t take = parts[k][1] - parts[k][0];
             if (take > want - chosen) take = want - chosen;
-            size_t from = gm_chunk_first(h, parts[k][1] - take);
+            size_t from = h_chunk_first(h, parts[k][1] - take);
             runs[n++] = (struct cached_run){b, from, parts[k][1]};
             chosen += parts[k][1] - from;
         }
@@ -441,9 +441,9 @@ size_t h_recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock) {
  * chunk that reaches past either end: a chunk goes only as a whole. */
 size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1) {
     size_t a = g0, b = g1;
-    if (h->chunk_len[a] && h->chunk_off[a]) a = gm_chunk_end(h, a) < g1 ? gm_chunk_end(h, a) : g1;
-    if (a < b && h->chunk_len[b - 1] && gm_chunk_end(h, b - 1) > g1)
-        b = gm_chunk_first(h, b - 1) > a ? gm_chunk_first(h, b - 1) : a;
+    if (h->chunk_len[a] && h->chunk_off[a]) a = h_chunk_end(h, a) < g1 ? h_chunk_end(h, a) : g1;
+    if (a < b && h->chunk_len[b - 1] && h_chunk_end(h, b - 1) > g1)
+        b = h_chunk_first(h, b - 1) > a ? h_chunk_first(h, b - 1) : a;
     return (a - g0) + (g1 - b);
 }
 
@@ -457,9 +457,9 @@ size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1) {
     if (!h->multi_chunks) return 0;
     size_t locked = 0, g0 = 0; /* the gap being measured starts at page g0 */
     for (const gm_block *b = h->head;; b = b->next) {
-        if (b && !gm_keeps_pages(b)) continue;
-        size_t f = b ? gm_page_floor(h, b->addr) : h->n_pages;
-        size_t e = b ? gm_page_floor(h, b->addr + b->size - 1) + 1 : h->n_pages;
+        if (b && !h_keeps_pages(b)) continue;
+        size_t f = b ? h_page_floor(h, b->addr) : h->n_pages;
+        size_t e = b ? h_page_floor(h, b->addr + b->size - 1) + 1 : h->n_pages;
         if (ex0 < ex1 && ex0 <= f) {
             if (ex0 > g0) locked += h_gap_locked(h, g0, ex0);
             if (ex1 > g0) g0 = ex1;
@@ -472,7 +472,7 @@ size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1) {
     return locked;
 }
 
-/* Mapped pages that no block keeping its pages touches (gm_keeps_pages: live,
+/* Mapped pages that no block keeping its pages touches (h_keeps_pages: live,
  * or kept for a living pool), outside the page range [ex0, ex1): pages wholly
  * under general free or pending blocks, whatever their owners.  After a
  * synchronisation they are wholly free and can go.  [ex0, ex1) is a
@@ -493,11 +493,11 @@ size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1) {
  * that takes a pool's free blocks holds pages those keep that no block starts
  * or ends in (cached_pages cannot tell them from cached ones): counted back. */
 size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size) {
-    size_t ex0 = gm_page_floor(h, pl.addr), ex1 = gm_page_ceil(h, pl.addr + size);
+    size_t ex0 = h_page_floor(h, pl.addr), ex1 = h_page_ceil(h, pl.addr + size);
     size_t pages = h_cached_pages(h, ex0, ex1);
     for (const gm_block *b = pl.first; pl.pooled && b && b->addr < pl.addr + size; b = b->next) {
-        if (!gm_keeps_pages(b)) continue;
-        size_t p0 = gm_page_floor(h, b->addr) + 1, p1 = gm_page_floor(h, b->addr + b->size - 1);
+        if (!h_keeps_pages(b)) continue;
+        size_t p0 = h_page_floor(h, b->addr) + 1, p1 = h_page_floor(h, b->addr + b->size - 1);
         if (p0 < ex0) p0 = ex0;
         if (p1 > ex1) p1 = ex1;
         if (p1 > p0) pages += p1 - p0;

@@ -28,7 +28,7 @@ static int pool_own_pages(gm_heap *h, const gm_pool *p, gm_paused_page **out, si
     *out = NULL;
     *n = *shared = 0;
     for (const gm_block *b = h->head; b; b = b->next)
-        if (b->pool == p) top = gm_page_ceil(h, b->addr + b->size);
+        if (b->pool == p) top = h_page_ceil(h, b->addr + b->size);
     if (!top) return GM_OK;
     uint8_t *m = calloc(top, 1);
     gm_paused_page *l = malloc(top * sizeof *l);
@@ -37,11 +37,11 @@ static int pool_own_pages(gm_heap *h, const gm_pool *p, gm_paused_page **out, si
         free(l);
         return GM_ENOMEM;
     }
-    uintptr_t end = gm_page_addr(h, top);
+    uintptr_t end = h_page_addr(h, top);
     for (const gm_block *b = h->head; b && b->addr < end; b = b->next) {
         if (b->state == GM_BLOCK_UNMAPPED) continue; /* whole pages: never shares one */
-        size_t p1 = gm_page_ceil(h, b->addr + b->size);
-        for (size_t q = gm_page_floor(h, b->addr); q < p1 && q < top; q++) m[q] |= b->pool == p ? 1 : 2;
+        size_t p1 = h_page_ceil(h, b->addr + b->size);
+        for (size_t q = h_page_floor(h, b->addr); q < p1 && q < top; q++) m[q] |= b->pool == p ? 1 : 2;
     }
     for (size_t q = 0; q < top; q++) {
         if (m[q] == 1) {
@@ -61,7 +61,7 @@ static int pool_own_pages(gm_heap *h, const gm_pool *p, gm_paused_page **out, si
 static size_t whole_chunks_only(const gm_heap *h, gm_paused_page *l, size_t n, size_t *shared) {
     size_t k = 0;
     for (size_t i = 0; i < n;) {
-        size_t q = l[i].page, c = gm_chunk_first(h, q), e = gm_chunk_end(h, q), len = e - c;
+        size_t q = l[i].page, c = h_chunk_first(h, q), e = h_chunk_end(h, q), len = e - c;
         if (c == q && i + len <= n && l[i + len - 1].page == e - 1) {
             for (size_t t = 0; t < len; t++, k++) l[k] = (gm_paused_page){l[i + t].page, k};
             i += len;
@@ -91,7 +91,7 @@ static int backup_pages(gm_heap *h, const gm_paused_page *l, size_t n, void **ba
     }
     for (size_t i = 0, j; i < n && !rc; i = j) {
         j = run_end(l, i, n);
-        rc = ops->copy_dtoh(h->dev, (char *)*backup + i * h->page, gm_page_addr(h, l[i].page), (j - i) * h->page);
+        rc = ops->copy_dtoh(h->dev, (char *)*backup + i * h->page, h_page_addr(h, l[i].page), (j - i) * h->page);
     }
     if (rc) {
         h->st.num_device_errors++;
@@ -111,7 +111,7 @@ static size_t unmap_listed(gm_heap *h, const gm_paused_page *l, size_t n, int *r
     size_t done = 0;
     for (size_t i = 0, j; i < n; i = j) {
         j = run_end(l, i, n);
-        uintptr_t a = gm_page_addr(h, l[i].page);
+        uintptr_t a = h_page_addr(h, l[i].page);
         if (h->dev->ops->unmap(h->dev, a, (j - i) * h->page)) {
             h->st.num_device_errors++;
             *rc = GM_EDEVICE;
@@ -127,7 +127,7 @@ static size_t unmap_listed(gm_heap *h, const gm_paused_page *l, size_t n, int *r
             h->multi_chunks -= k > 1;
             h_release_chunk(h, hd, k);
         }
-        gm_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
+        h_hist(h, GM_H_UNMAP, a, (j - i) * h->page, ANY, 0);
         done = j;
     }
     return done;
@@ -191,7 +191,7 @@ static void unresume(gm_heap *h, gm_pool *p, size_t n) {
             continue;
         }
         size_t c = h->chunk_len[e.page]; /* mapped from this entry on: its pages are the next c entries */
-        uintptr_t a = gm_page_addr(h, e.page);
+        uintptr_t a = h_page_addr(h, e.page);
         int rc = GM_EDEVICE;
         for (int attempt = 0; attempt < 8 && rc; attempt++) rc = h_unmap_chunk(h, e.page, 0);
         if (rc) {
@@ -213,7 +213,7 @@ static int restore_contents(gm_heap *h, const gm_pool *p, size_t n) {
     const gm_paused_page *l = p->paused_list;
     for (size_t i = 0, j; p->backup && i < n; i = j) {
         j = run_end(l, i, n);
-        if (h->dev->ops->copy_htod(h->dev, gm_page_addr(h, l[i].page), (const char *)p->backup + l[i].slot * h->page,
+        if (h->dev->ops->copy_htod(h->dev, h_page_addr(h, l[i].page), (const char *)p->backup + l[i].slot * h->page,
                                    (j - i) * h->page)) {
             h->st.num_device_errors++;
             return GM_EDEVICE;
@@ -221,7 +221,7 @@ static int restore_contents(gm_heap *h, const gm_pool *p, size_t n) {
     }
     for (size_t i = 0, j; i < n; i = j) {
         j = run_end(l, i, n);
-        gm_hist(h, GM_H_MAP, gm_page_addr(h, l[i].page), (j - i) * h->page, ANY, 0);
+        h_hist(h, GM_H_MAP, h_page_addr(h, l[i].page), (j - i) * h->page, ANY, 0);
     }
     return GM_OK;
 }
@@ -275,7 +275,7 @@ again:
             rc = err == GM_ENOMEM ? GM_ENOMEM : GM_EDEVICE;
             goto fail;
         }
-        if (ops->set_access(h->dev, gm_page_addr(h, l[i].page), (j - i) * h->page)) {
+        if (ops->set_access(h->dev, h_page_addr(h, l[i].page), (j - i) * h->page)) {
             h->st.num_device_errors++;
             rc = GM_EDEVICE;
             goto fail;

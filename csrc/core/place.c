@@ -23,7 +23,7 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
         if (b->pool) *pooled = 1;
         if (b->state != GM_BLOCK_UNMAPPED) continue;
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
-        pages += gm_page_ceil(h, hi) - gm_page_floor(h, lo);
+        pages += h_page_ceil(h, hi) - h_page_floor(h, lo);
     }
     return pages;
 }
@@ -69,20 +69,20 @@ static int ranks_before(const placement *a, const placement *b) {
  * may use (claim_pool_pages makes it the pool's).  So no page holds blocks
  * of a living pool and anything else. */
 static int pool_pages_ok(const struct place_ctx *c, const gm_block *first, uintptr_t x) {
-    uintptr_t end = x + c->size, e = gm_page_addr(c->h, gm_page_ceil(c->h, end));
+    uintptr_t end = x + c->size, e = h_page_addr(c->h, h_page_ceil(c->h, end));
     if ((x - c->h->base) & (c->h->page - 1)) return 0;
     /* No page of a physical allocation the policy made with room (POLICY;
      * with chunk_pages 1 every larger one is its) that the range does not
      * wholly take: it goes back only whole, and a segment as torch counts
      * them is one pool's. */
-    size_t p0 = gm_page_floor(c->h, x), p1 = gm_page_ceil(c->h, end);
+    size_t p0 = h_page_floor(c->h, x), p1 = h_page_ceil(c->h, end);
     for (size_t p = p0; p < p1 && c->h->chunk_pages == 1; p++)
-        if (c->h->chunk_len[p] > 1 && (gm_chunk_first(c->h, p) < p0 || gm_chunk_end(c->h, p) > p1)) return 0;
+        if (c->h->chunk_len[p] > 1 && (h_chunk_first(c->h, p) < p0 || h_chunk_end(c->h, p) > p1)) return 0;
     for (size_t p = p0; p < p1 && c->h->host_pages; p++) /* a pool's pages are the device's (spill.c) */
         if (c->h->host[p]) return 0;
     for (const gm_block *b = first; b && b->addr < e; b = b->next) {
         if (b->addr + b->size <= end || b->pool == c->pool) continue;
-        if (!gm_general_space(b) || (b->state == GM_BLOCK_FREE && b->stream != c->s && b->stream != ANY)) return 0;
+        if (!h_general_space(b) || (b->state == GM_BLOCK_FREE && b->stream != c->s && b->stream != ANY)) return 0;
     }
     return 1;
 }
@@ -104,7 +104,7 @@ static void consider_at(struct place_ctx *c, gm_block *first, uintptr_t x, size_
     p.new_pages = unmapped_in(c->h, first, x, c->size, &p.pooled);
     if (p.new_pages > c->budget && p.new_pages - c->budget > h_cached_pages_outside(c->h, p, c->size)) return;
     /* Inside the run, the block before x is general space or the pool's own. */
-    p.beside = x == first->addr && first->prev && gm_pinned(first->prev) && first->prev->pool != c->pool;
+    p.beside = x == first->addr && first->prev && h_pinned(first->prev) && first->prev->pool != c->pool;
     if (ranks_before(&p, &c->best)) c->best = p;
     if (p.pooled && ranks_before(&p, &c->best_pooled)) c->best_pooled = p;
 }
@@ -122,7 +122,7 @@ static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
     size_t len = 0;
     for (gm_block *b = head;; b = b->next) {
         int in = b && b->addr < end;
-        if (in && gm_general_space(b) && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
+        if (in && h_general_space(b) && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
             if (!first) {
                 first = b;
                 len = 0;
@@ -175,7 +175,7 @@ static int place_pooled_one(gm_block *b, void *arg) {
 }
 
 static void place_pooled(struct place_ctx *c) {
-    gm_owner *own = gm_owner_find(c->h, c->pool, c->s);
+    gm_owner *own = h_owner_find(c->h, c->pool, c->s);
     if (own) fi_each(&own->idx, place_pooled_one, c);
     fi_each(&c->pool->any->idx, place_pooled_one, c);
 }
@@ -191,7 +191,7 @@ placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, si
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
     gm_block *f = h_fit_in(h, size, s, NULL);
-    if (f && ((f->prev && gm_general_space(f->prev)) || (f->next && gm_general_space(f->next)))) {
+    if (f && ((f->prev && h_general_space(f->prev)) || (f->next && h_general_space(f->next)))) {
         place_in(&c, h->head, h->base + h->va_size);
     } else {
         ri_each_at_least(&h->runs, size, place_in_run, &c);
@@ -213,18 +213,18 @@ placement h_place(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
  * calls are retried a few times, so that only a device that keeps failing can
  * leave pages behind, and then they are mapped and accessible. */
 static int grant_or_take_back(gm_heap *h, size_t p0, size_t *p1) {
-    int rc = h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page);
+    int rc = h->dev->ops->set_access(h->dev, h_page_addr(h, p0), (*p1 - p0) * h->page);
     if (!rc) return GM_OK;
     h->st.num_device_errors++;
     int granted = 0;
     for (int attempt = 0; attempt < 8 && *p1 > p0 && !granted; attempt++) {
         /* During a capture nothing may be unmapped: only ask again. */
         while (*p1 > p0 && !h->no_sync) {
-            size_t q = gm_chunk_first(h, *p1 - 1); /* a whole chunk: all mapped here, after p0 */
+            size_t q = h_chunk_first(h, *p1 - 1); /* a whole chunk: all mapped here, after p0 */
             if (h_unmap_chunk(h, q, 0)) break;
             *p1 = q;
         }
-        granted = *p1 > p0 && h->dev->ops->set_access(h->dev, gm_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK;
+        granted = *p1 > p0 && h->dev->ops->set_access(h->dev, h_page_addr(h, p0), (*p1 - p0) * h->page) == GM_OK;
     }
     if (!granted && *p1 > p0) {
         /* Still mapped, still inaccessible, and they could not go (a capture,
@@ -261,8 +261,8 @@ gm_block *h_block_holding(gm_block *b, uintptr_t x) {
  * it takes) are numbered with the new growth, as the pages mapped for it are. */
 void h_stamp_pool_growth(gm_heap *h, const placement *pl, size_t size, gm_pool *pool) {
     gm_block *b = pl->first;
-    for (size_t p = gm_page_floor(h, pl->addr); p < gm_page_ceil(h, pl->addr + size); p++) {
-        b = h_block_holding(b, gm_page_addr(h, p));
+    for (size_t p = h_page_floor(h, pl->addr); p < h_page_ceil(h, pl->addr + size); p++) {
+        b = h_block_holding(b, h_page_addr(h, p));
         if (b->pool != pool) h->page_growth[p] = h->growth_seq;
     }
 }
@@ -281,7 +281,7 @@ static void pool_blocks_to_general(gm_heap *h, gm_block *b, uintptr_t x, uintptr
             b = r;
         }
         if (b->addr + b->size > end) h_index_insert(h, h_split(h, b, end - b->addr));
-        gm_pages_use(h, b, -1);
+        h_pages_use(h, b, -1);
         b->pool = NULL;
         h_index_insert(h, b);
     }
@@ -308,10 +308,10 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
             continue;
         }
         uintptr_t lo = b->addr > x ? b->addr : x, hi = b->addr + b->size < end ? b->addr + b->size : end;
-        size_t p0 = gm_page_floor(h, lo), p1 = gm_page_ceil(h, hi);
+        size_t p0 = h_page_floor(h, lo), p1 = h_page_ceil(h, hi);
         int rc = GM_OK;
         size_t p = most > h->chunk_pages && most >= ROOM_CHUNK_MIN
-                       ? h_map_interior(h, p0, p1, gm_page_floor(h, x), gm_page_ceil(h, end), most, grant, &rc)
+                       ? h_map_interior(h, p0, p1, h_page_floor(h, x), h_page_ceil(h, end), most, grant, &rc)
                        : h_map_fresh(h, p0, p1, most, grant, &rc);
         if (p > p0) {
             int arc = grant_or_take_back(h, p0, &p);
@@ -321,12 +321,12 @@ static gm_block *back_range_in_run(gm_heap *h, gm_block *from, uintptr_t x, size
         if (rc) *err = rc;
         if (p > p0) {
             /* Cut b into [unmapped][free p0..p)[unmapped]. */
-            uintptr_t a0 = gm_page_addr(h, p0), a1 = gm_page_addr(h, p);
+            uintptr_t a0 = h_page_addr(h, p0), a1 = h_page_addr(h, p);
             gm_block *mid = b;
             if (a0 > b->addr) mid = h_split(h, b, a0 - b->addr);
             gm_block *rest = NULL;
             if (mid->addr + mid->size > a1) rest = h_split(h, mid, a1 - mid->addr);
-            gm_hist(h, remap ? GM_H_REMAP : GM_H_MAP, a0, a1 - a0, s, 0);
+            h_hist(h, remap ? GM_H_REMAP : GM_H_MAP, a0, a1 - a0, s, 0);
             mid = h_make_free(h, mid, s, 0);
             b = rest ? rest : mid->next;
         } else {
@@ -365,17 +365,17 @@ gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s
             while (!b->prev->pool) b = b->prev;
             from = b;
         }
-        gm_run_detach(h, from);
+        h_run_detach(h, from);
         gm_block *b = back_range_in_run(h, from, pl->addr, size, s, NULL, remap, most, grant, err);
-        gm_run_attach(h, from);
+        h_run_attach(h, from);
         return b;
     }
     uintptr_t end = pl->addr + size;
     gm_block *lo = h_block_holding(from, pl->addr);
     if (lo->prev) lo = lo->prev;
-    for (gm_block *b = lo; b && b->addr <= end; b = b->next) gm_run_detach(h, b);
+    for (gm_block *b = lo; b && b->addr <= end; b = b->next) h_run_detach(h, b);
     gm_block *r = back_range_in_run(h, from, pl->addr, size, s, pool, remap, most, grant, err);
     for (gm_block *b = lo; b && b->addr <= end; b = b->next)
-        if (gm_general_space(b) && !gm_run_head(b)->run_len) gm_run_attach(h, b);
+        if (h_general_space(b) && !h_run_head(b)->run_len) h_run_attach(h, b);
     return r;
 }

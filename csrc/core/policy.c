@@ -156,11 +156,11 @@ size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size) {
  * (the rest of that page may hold a block, which the pages ahead would
  * swallow).  Returns the pages it adds past the range's last page. */
 static size_t room_ahead(gm_heap *h, const placement *pl, size_t size, size_t need, size_t limit) {
-    size_t p1 = gm_page_ceil(h, pl->addr + size), held = h_held_pages(h) + need;
+    size_t p1 = h_page_ceil(h, pl->addr + size), held = h_held_pages(h) + need;
     if (pl->pooled || need >= ROOM_AHEAD_PAGES || p1 >= h->n_pages || held >= limit) return 0;
     const gm_block *c = h_block_holding(pl->first, pl->addr + size);
     if (c->state != GM_BLOCK_UNMAPPED || c->pool) return 0;
-    size_t avail = gm_page_floor(h, c->addr + c->size) - p1, want = ROOM_AHEAD_PAGES - need;
+    size_t avail = h_page_floor(h, c->addr + c->size) - p1, want = ROOM_AHEAD_PAGES - need;
     if (want > avail) want = avail;
     return want < limit - held ? want : limit - held;
 }

@@ -23,7 +23,7 @@ gm_pool *h_pool_find(const gm_heap *h, const gm_pool_id *id) {
 }
 
 void h_pool_delete(gm_heap *h, gm_pool *p) {
-    gm_assert(p->use_count == 0 && !p->live_blocks && !p->free_blocks && !p->any);
+    h_assert(p->use_count == 0 && !p->live_blocks && !p->free_blocks && !p->any);
     for (size_t i = 0; i < h->n_pools; i++) {
         if (h->pools[i] != p) continue;
         h->pools[i] = h->pools[--h->n_pools];
@@ -87,12 +87,12 @@ static int to_general(gm_block *b, void *arg) {
     struct to_general_ctx *c = arg;
     gm_heap *h = c->h;
     h_index_remove(h, b);
-    gm_pages_use(h, b, -1);
-    if (b->prev) gm_run_detach(h, b->prev);
-    if (b->next) gm_run_detach(h, b->next);
+    h_pages_use(h, b, -1);
+    if (b->prev) h_run_detach(h, b->prev);
+    if (b->next) h_run_detach(h, b->next);
     b->pool = NULL;
     h_index_insert(h, b);
-    gm_run_attach(h, b);
+    h_run_attach(h, b);
     return 0;
 }
 
@@ -104,7 +104,7 @@ static void pool_end(gm_heap *h, gm_pool *p) {
     p->use_count = 0;
     /* Its pending blocks will complete into the general heap. */
     for (gm_block *b = h->head; b; b = b->next)
-        if (b->pool == p && b->state == GM_BLOCK_PENDING) gm_pages_use(h, b, -1);
+        if (b->pool == p && b->state == GM_BLOCK_PENDING) h_pages_use(h, b, -1);
     for (size_t i = 0; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
         if (o->pool != p) continue;
@@ -152,7 +152,7 @@ static size_t pool_pages(gm_heap *h, const gm_pool *p) {
     size_t n = 0, last = SIZE_MAX;
     for (gm_block *b = h->head; b; b = b->next) {
         if (b->pool != p) continue;
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        size_t p0 = h_page_floor(h, b->addr), p1 = h_page_ceil(h, b->addr + b->size);
         if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
         if (p1 > p0) n += p1 - p0;
         if (p1 > 0) last = p1 - 1;
@@ -322,14 +322,14 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
     for (gm_block *b = h->head; b; b = b->next) b->mark = (b->pool == p && b->state == GM_BLOCK_LIVE) ? 2 : 0;
     size_t to_alloc = 0;
     for (size_t k = 0; k < n; k++) {
-        gm_block *b = gm_live_find(h, l[k].addr);
+        gm_block *b = h_live_find(h, l[k].addr);
         if (b && b->pool == p && b->size == l[k].size)
             b->mark = 1;
         else
             to_alloc++;
     }
     for (size_t k = 0; k < n; k++) {
-        gm_block *b = gm_live_find(h, l[k].addr);
+        gm_block *b = h_live_find(h, l[k].addr);
         if (b && b->mark == 1 && b->size == l[k].size) continue;
         if (!range_in_pool(h, p, l[k].addr, l[k].size)) goto out;
     }
@@ -345,7 +345,7 @@ int gm_pool_set_live(gm_heap *h, gm_pool_id id, const uintptr_t *addrs, const si
      * orders their earlier uses before it, as torch does); what lies outside
      * the range keeps its owner. */
     for (size_t k = 0; k < n; k++) {
-        gm_block *b = gm_live_find(h, l[k].addr);
+        gm_block *b = h_live_find(h, l[k].addr);
         if (!(b && b->mark == 1)) carve_listed(h, p, l[k].addr, l[k].size, stream);
     }
     h_coalesce_all(h); /* what the new owners let merge */

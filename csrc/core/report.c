@@ -15,16 +15,16 @@
 
 /* A block whose pages nothing may take: live, pending, or kept for a living pool. */
 static inline int holds_pages(const gm_block *b) {
-    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b));
+    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && h_pinned(b));
 }
 
 /* Pages that such blocks touch.  Only reports ask (they walk every block
  * anyway); the slow path counts with the run index's page use. */
-size_t gm_used_pages(gm_heap *h) {
+size_t h_used_pages(gm_heap *h) {
     size_t used = 0, last = SIZE_MAX; /* last page counted */
     for (gm_block *b = h->head; b; b = b->next) {
         if (!holds_pages(b)) continue;
-        size_t p0 = gm_page_floor(h, b->addr), p1 = gm_page_ceil(h, b->addr + b->size);
+        size_t p0 = h_page_floor(h, b->addr), p1 = h_page_ceil(h, b->addr + b->size);
         if (last != SIZE_MAX && p0 <= last) p0 = last + 1;
         if (p1 > p0) used += p1 - p0;
         if (p1 > 0) last = p1 - 1;
@@ -92,7 +92,7 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     o->pending_bytes = (size_t)h->st.active_bytes[GM_POOL_ALL].current - h->live_bytes;
     o->reserved_bytes = h_held_pages(h) * h->page;
     /* Paused pages are used but not held; host pages are used but not the device's. */
-    size_t used = gm_used_pages(h) - h->paused_pages, host = h_host_kept(h);
+    size_t used = h_used_pages(h) - h->paused_pages, host = h_host_kept(h);
     used = used > host ? used - host : 0;
     o->spilled_bytes = h->host_pages * h->page;
     o->spill_limit = h->spill_pages * h->page;
@@ -114,7 +114,7 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
         if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
     o->pool_free_bytes = h->pool_free_bytes;
     for (gm_block *b = h->head;; b = b->next) {
-        int pinned = b && gm_pinned(b);
+        int pinned = b && h_pinned(b);
         if (b && b->state == GM_BLOCK_FREE && !pinned) {
             o->free_mapped_bytes += b->size;
             if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
@@ -130,7 +130,7 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
             /* With pages locked in chunks a run's free bytes serve only in
              * place; its unmapped parts get pages that can move (elsewhere: the
              * run's own movable pages are in place already) or new ones. */
-            size_t g0 = gm_page_ceil(h, run_start), g1 = gm_page_floor(h, run_start + run), here = 0;
+            size_t g0 = h_page_ceil(h, run_start), g1 = h_page_floor(h, run_start + run), here = 0;
             for (size_t q = g0; q < g1; q++) here += h->page_handle[q] != 0;
             if (g0 < g1) here -= h_gap_locked(h, g0, g1);
             size_t can = run_seg_best(seg, n_seg, movable > here ? movable - here : 0, h->page);

@@ -27,7 +27,7 @@ unsigned ri_bin(size_t len) {
 }
 
 void ri_insert(gm_runindex *ri, gm_block *b) {
-    gm_assert(b->run_len > 0);
+    h_assert(b->run_len > 0);
     unsigned sl, fl = ri_fl_sl(b->run_len, &sl);
     gm_block **slot = &ri->bins[fl][sl];
     b->rprev = NULL;
@@ -41,7 +41,7 @@ void ri_insert(gm_runindex *ri, gm_block *b) {
 
 void ri_remove(gm_runindex *ri, gm_block *b) {
     unsigned sl, fl = ri_fl_sl(b->run_len, &sl);
-    gm_assert(ri->count > 0 && (b->rprev ? b->rprev->rnext == b : ri->bins[fl][sl] == b));
+    h_assert(ri->count > 0 && (b->rprev ? b->rprev->rnext == b : ri->bins[fl][sl] == b));
     if (b->rprev)
         b->rprev->rnext = b->rnext;
     else

@@ -2,7 +2,7 @@
  * runindex.h -- what the slow path needs to know without walking every block.
  *
  * RUNS.  General space is a block that placement may build on: unmapped, or
- * free in the general heap (gm_general_space() in heap_internal.h says which;
+ * free in the general heap (h_general_space() in heap_internal.h says which;
  * owners do not matter here; a living pool's free blocks are not general).  A run is a maximal sequence of neighbouring general-space
  * blocks.  The first block of each run, its head, carries the run's length in
  * bytes (run_len) and sits in a bin of a two-level segregated index keyed by
@@ -18,12 +18,12 @@
  * free block that stream may use is shorter than the request; where that is
  * not known (after a synchronisation), h_place() asks the free indexes (place.c).
  *
- * The heap detaches a run from the index (gm_run_detach) before it changes the
+ * The heap detaches a run from the index (h_run_detach) before it changes the
  * run's blocks -- a state, a split, a merge -- and attaches it again after
- * (gm_run_attach, which measures it by walking its blocks).  Both walk from a
+ * (h_run_attach, which measures it by walking its blocks).  Both walk from a
  * block to its run's head, across the run's blocks: usually none or one.
  *
- * PAGE USE.  The blocks that keep their pages (gm_keeps_pages: live ones, and
+ * PAGE USE.  The blocks that keep their pages (h_keeps_pages: live ones, and
  * a living pool's free and pending ones, whose addresses a CUDA graph may
  * hold) are counted per page: live_ep[p] is the number of them whose first or
  * last page p is (once for a block within one page).  A page strictly inside
@@ -87,18 +87,18 @@ void ri_unindex(gm_runindex *ri, struct gm_block *head);
 
 /* The heap's hooks (heap_internal.h and block.c, where what general space is
  * is known):
- *   gm_run_detach(h, b)  take the run that general-space block b is in out of
+ *   h_run_detach(h, b)  take the run that general-space block b is in out of
  *                        the index (if it is there);
- *   gm_run_attach(h, b)  measure the run that general-space block b is in and
+ *   h_run_attach(h, b)  measure the run that general-space block b is in and
  *                        index it, unless it is a lone free block; it must not
  *                        be in the index;
- *   gm_run_head(b)       the head of b's run;
- *   gm_pages_use(h, b, d)  block b starts (+1) or stops (-1) keeping its pages. */
+ *   h_run_head(b)       the head of b's run;
+ *   h_pages_use(h, b, d)  block b starts (+1) or stops (-1) keeping its pages. */
 
 /* Page p gains (d > 0) or loses a block that starts or ends in it; *pages
  * counts the pages whose count is not zero. */
 static inline void ri_ep_add(uint32_t *ep, size_t p, int d, size_t *pages) {
-    gm_assert(d > 0 ? ep[p] < UINT32_MAX : ep[p] > 0);
+    h_assert(d > 0 ? ep[p] < UINT32_MAX : ep[p] > 0);
     if (d > 0) {
         if (ep[p]++ == 0) (*pages)++;
     } else if (--ep[p] == 0) {

@@ -21,7 +21,7 @@ int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, in
     h->have_oom = 1;
     if (!(h->alloc_flags & GM_MALLOC_OOM_UNCOUNTED)) {
         h->st.num_ooms++;
-        gm_hist(h, GM_H_OOM, 0, size, s, 0);
+        h_hist(h, GM_H_OOM, 0, size, s, 0);
     }
     return GM_ENOMEM;
 }
@@ -43,7 +43,7 @@ static inline size_t lacking(const gm_heap *h, const placement *pl, size_t grant
 /* Unmap cached pages outside placement pl into spares for its shortfall
  * (the caller has synchronised the device), and count the remap. */
 static void recycle_for(gm_heap *h, const placement *pl, size_t size, size_t grant, int *recycled) {
-    size_t got = h_recycle(h, lacking(h, pl, grant), gm_page_floor(h, pl->addr), gm_page_ceil(h, pl->addr + size), 1);
+    size_t got = h_recycle(h, lacking(h, pl, grant), h_page_floor(h, pl->addr), h_page_ceil(h, pl->addr + size), 1);
     if (got) {
         *recycled = 1;
         h->st.num_remaps++;
@@ -203,7 +203,7 @@ placed:
     int err = GM_OK;
     h->growth_seq++;
     if (pool) h_stamp_pool_growth(h, &pl, want, pool);
-    size_t span = ahead ? gm_page_addr(h, gm_page_ceil(h, pl.addr + want) + ahead) - pl.addr : want;
+    size_t span = ahead ? h_page_addr(h, h_page_ceil(h, pl.addr + want) + ahead) - pl.addr : want;
     b = h_back_range(h, &pl, span, s, pool, recycled, most, g, &err);
     if (!b && err == GM_ENOMEM && g) {
         g = NULL; /* the device is nearly full: single pages, gathered first */

@@ -48,12 +48,12 @@ int gm_snapshot_take(gm_heap *h, gm_snapshot **out) {
     for (const gm_block *b = h->head; b != end; b = b->next, i++) {
         s->blocks[i] =
             (gm_block_info){b->addr,      b->size,
-                            b->requested, b->state == GM_BLOCK_FREE ? gm_free_owner(h, b) : b->stream,
+                            b->requested, b->state == GM_BLOCK_FREE ? h_free_owner(h, b) : b->stream,
                             b->context,   b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING ? b->seq : 0,
                             b->state,     b->pool ? b->pool->id : (gm_pool_id){0, 0}};
         /* Pages kept for a living pool are in use too: empty_cache leaves them. */
-        if (b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && gm_pinned(b)))
-            for (size_t p = gm_page_floor(h, b->addr); p < gm_page_ceil(h, b->addr + b->size); p++)
+        if (b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || (b->state == GM_BLOCK_FREE && h_pinned(b)))
+            for (size_t p = h_page_floor(h, b->addr); p < h_page_ceil(h, b->addr + b->size); p++)
                 s->pages[p] = GM_PAGE_USED;
     }
     /* A paused pool's released pages keep its blocks but no memory. */

@@ -109,7 +109,7 @@ static int unmap_retry(gm_heap *h, uintptr_t va, size_t k) {
  * back (the caller releases `to`); GM_ECORRUPT if even that fails. */
 static int swap_in(gm_heap *h, size_t p, size_t k, gm_handle from, gm_handle to) {
     const gm_device_ops *ops = h->dev->ops;
-    uintptr_t va = gm_page_addr(h, p);
+    uintptr_t va = h_page_addr(h, p);
     if (ops->unmap(h->dev, va, k * h->page)) {
         h->st.num_device_errors++;
         return GM_EDEVICE;
@@ -146,7 +146,7 @@ static size_t copies_issue(gm_heap *h, const move *m, size_t n, uintptr_t sc, si
             *rc = GM_EDEVICE;
             return i;
         }
-        if (ops->set_access(h->dev, sc, len) || ops->copy_dtod(h->dev, sc, gm_page_addr(h, m[i].p), len)) {
+        if (ops->set_access(h->dev, sc, len) || ops->copy_dtod(h->dev, sc, h_page_addr(h, m[i].p), len)) {
             h->st.num_device_errors++;
             *rc = GM_EDEVICE;
             return i + 1;
@@ -213,7 +213,7 @@ static void moves_done(gm_heap *h, const move *m, size_t n, size_t moved, int rc
         h->st.num_maps++;
         h->st.num_unmaps++;
         h->st.num_unspills += !to_host;
-        gm_hist(h, to_host ? GM_H_SPILL : GM_H_UNSPILL, gm_page_addr(h, m[i].p), m[i].k * h->page, ANY, 0);
+        h_hist(h, to_host ? GM_H_SPILL : GM_H_UNSPILL, h_page_addr(h, m[i].p), m[i].k * h->page, ANY, 0);
     }
     for (size_t i = moved; i < n && rc != GM_ECORRUPT; i++) {
         if (to_host)
@@ -227,7 +227,7 @@ static void moves_done(gm_heap *h, const move *m, size_t n, size_t moved, int rc
 
 /* A block whose pages must stay: live, pending, or kept for a living pool. */
 static inline int holds(const gm_block *b) {
-    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || gm_pinned(b);
+    return b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING || h_pinned(b);
 }
 
 /* Per page (calloc'd), 1 where a host page holds a block that must stay;
@@ -236,7 +236,7 @@ static uint8_t *host_busy(const gm_heap *h) {
     uint8_t *busy = calloc(h->n_pages, 1);
     for (const gm_block *b = h->head; busy && b; b = b->next) {
         if (b->state == GM_BLOCK_UNMAPPED || !holds(b)) continue;
-        for (size_t p = gm_page_floor(h, b->addr), e = gm_page_ceil(h, b->addr + b->size); p < e; p++)
+        for (size_t p = h_page_floor(h, b->addr), e = h_page_ceil(h, b->addr + b->size); p < e; p++)
             busy[p] |= h->host[p];
     }
     return busy;
@@ -257,8 +257,8 @@ size_t h_host_kept(gm_heap *h) {
 size_t h_host_kept_count(const gm_heap *h) {
     size_t n = 0, last = SIZE_MAX;
     for (const gm_block *b = h->head; b; b = b->next) {
-        if (!gm_keeps_pages(b)) continue;
-        size_t p = gm_page_floor(h, b->addr), e = gm_page_ceil(h, b->addr + b->size);
+        if (!h_keeps_pages(b)) continue;
+        size_t p = h_page_floor(h, b->addr), e = h_page_ceil(h, b->addr + b->size);
         for (p = last != SIZE_MAX && p <= last ? last + 1 : p; p < e; p++) n += h->host[p];
         if (e > 0) last = e - 1;
     }
@@ -281,11 +281,11 @@ static void drop_idle(gm_heap *h, int keep) {
             q--;
             continue;
         }
-        size_t c = gm_chunk_first(h, p), k = h->chunk_len[c];
+        size_t c = h_chunk_first(h, p), k = h->chunk_len[c];
         q = c;
         if (memchr(busy + c, 1, k)) continue;
-        b = h_block_holding(b ? b : h->head, gm_page_addr(h, c));
-        if (!gm_general_space(b) || b->state != GM_BLOCK_FREE || b->addr + b->size < gm_page_addr(h, c + k)) continue;
+        b = h_block_holding(b ? b : h->head, h_page_addr(h, c));
+        if (!h_general_space(b) || b->state != GM_BLOCK_FREE || b->addr + b->size < h_page_addr(h, c + k)) continue;
         gm_block *anchor = b->prev ? b->prev : h->head; /* b may merge away: the record below stays */
         if (h_slab_reserve(h, 2) || h_unmap_pages(h, b, c, c + k, 0)) break;
         b = anchor;
@@ -304,9 +304,9 @@ static int cmp_seq(const void *x, const void *y) {
 /* Whether a block of a living pool touches a page of [p, p+k) (b: a block
  * near it): its pages never move. */
 static int pinned_pages(gm_heap *h, gm_block *b, size_t p, size_t k) {
-    uintptr_t end = gm_page_addr(h, p + k);
-    for (b = h_block_holding(b, gm_page_addr(h, p)); b && b->addr < end; b = b->next)
-        if (b->state != GM_BLOCK_UNMAPPED && gm_pinned(b)) return 1;
+    uintptr_t end = h_page_addr(h, p + k);
+    for (b = h_block_holding(b, h_page_addr(h, p)); b && b->addr < end; b = b->next)
+        if (b->state != GM_BLOCK_UNMAPPED && h_pinned(b)) return 1;
     return 0;
 }
 
@@ -330,8 +330,8 @@ static size_t oldest_moves(gm_heap *h, gm_block **v, size_t n, size_t want, move
     move *m = malloc(cap * sizeof *m);
     uint8_t *taken = calloc(h->n_pages, 1);
     for (size_t i = 0; m && taken && i < n && pages < want && !*rc; i++) {
-        size_t p = gm_page_floor(h, v[i]->addr), e = gm_page_ceil(h, v[i]->addr + v[i]->size);
-        for (p = gm_chunk_first(h, p); p < e && !*rc; p += h->chunk_len[p]) { /* whole blocks */
+        size_t p = h_page_floor(h, v[i]->addr), e = h_page_ceil(h, v[i]->addr + v[i]->size);
+        for (p = h_chunk_first(h, p); p < e && !*rc; p += h->chunk_len[p]) { /* whole blocks */
             size_t k = h->chunk_len[p];
             if (h->host[p] || taken[p] || pinned_pages(h, v[i], p, k)) continue;
             gm_handle hd;
@@ -402,7 +402,7 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
         size_t n = p0 + k - p < GM_CHUNK_PAGES_MAX ? p0 + k - p : GM_CHUNK_PAGES_MAX;
         gm_handle hd;
         if ((rc = host_chunk(h, n, 0, &hd))) break;
-        uintptr_t va = gm_page_addr(h, p);
+        uintptr_t va = h_page_addr(h, p);
         if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)) &&
             unmap_retry(h, va, n))
             return GM_ECORRUPT; /* mapped, inaccessible, and it will not go */
@@ -417,7 +417,7 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
     }
     if (rc && rc != GM_ENOMEM) h->st.num_device_errors++;
     while (rc && p > p0) { /* take back what was mapped, asking again a few times */
-        size_t c = gm_chunk_first(h, p - 1);
+        size_t c = h_chunk_first(h, p - 1);
         int attempt = 0;
         while (h_unmap_chunk(h, c, 0))
             if (++attempt == 8) return GM_ECORRUPT;
@@ -434,20 +434,20 @@ static int spill_new(gm_heap *h, size_t size, gm_stream s, gm_block **out, uintp
     gm_block *u = unmapped_room(h, k);
     if (!u) return GM_EINVAL; /* the OOM text says: no room in the address range */
     if (h_slab_reserve(h, 4)) return GM_ENOMEM;
-    size_t p0 = gm_page_floor(h, u->addr);
-    gm_assert(u->state == GM_BLOCK_UNMAPPED && !h->page_handle[p0] && !h->parked[p0]);
+    size_t p0 = h_page_floor(h, u->addr);
+    h_assert(u->state == GM_BLOCK_UNMAPPED && !h->page_handle[p0] && !h->parked[p0]);
     int rc = map_host_pages(h, p0, k);
     if (rc) return rc;
     h->growth_seq++;
     for (size_t p = p0; p < p0 + k; p++) h->page_growth[p] = h->growth_seq;
-    gm_block *head = gm_run_head(u);
-    gm_run_detach(h, u);
+    gm_block *head = h_run_head(u);
+    h_run_detach(h, u);
     if (u->size > k * h->page) h_split(h, u, k * h->page);
     gm_block *b = h_make_free(h, u, s, 0);
-    gm_run_attach(h, head);
-    gm_hist(h, GM_H_SPILL, gm_page_addr(h, p0), k * h->page, s, 0);
+    h_run_attach(h, head);
+    h_hist(h, GM_H_SPILL, h_page_addr(h, p0), k * h->page, s, 0);
     *out = b;
-    *at = gm_page_addr(h, p0);
+    *at = h_page_addr(h, p0);
     h->spill_whole = k * h->page;
     return GM_OK;
 }
@@ -515,7 +515,7 @@ static int return_all(gm_heap *h) {
             q--;
             continue;
         }
-        q = gm_chunk_first(h, p);
+        q = h_chunk_first(h, p);
         move *m2 = c == cap ? gm_array_grow(m, &cap, 16, sizeof *m) : m;
         gm_handle hd;
         if (m2) m = m2;

@@ -13,14 +13,14 @@
  */
 #include "heap_internal.h"
 
-void gm_stats_reset_peaks(gm_stats *st) {
+void h_stats_reset_peaks(gm_stats *st) {
 #define RESET_PEAK(name)                                                                                               \
     for (int p = 0; p < GM_POOL__COUNT; p++) st->name[p].peak = st->name[p].current;
     GM_EACH_POOLED_STAT(RESET_PEAK)
 #undef RESET_PEAK
 }
 
-void gm_stats_reset_accumulated(gm_stats *st) {
+void h_stats_reset_accumulated(gm_stats *st) {
 #define RESET_ACC(name)                                                                                                \
     for (int p = 0; p < GM_POOL__COUNT; p++) st->name[p].allocated = st->name[p].freed = 0;
     GM_EACH_POOLED_STAT(RESET_ACC)

@@ -64,7 +64,7 @@ static int event_done(gm_heap *h, gm_event ev) {
 /* ---- pending blocks ----------------------------------------------------------- */
 
 static void pending_unlink(gm_heap *h, gm_block *b) {
-    gm_assert(b->state == GM_BLOCK_PENDING && h->n_pending > 0);
+    h_assert(b->state == GM_BLOCK_PENDING && h->n_pending > 0);
     if (b->lprev)
         b->lprev->lnext = b->lnext;
     else
@@ -78,7 +78,7 @@ static void pending_unlink(gm_heap *h, gm_block *b) {
 }
 
 void h_pending_append(gm_heap *h, gm_block *b) {
-    gm_assert(b->state == GM_BLOCK_PENDING && b->n_uses > 0);
+    h_assert(b->state == GM_BLOCK_PENDING && b->n_uses > 0);
     b->lnext = NULL;
     b->lprev = h->pending_tail;
     if (h->pending_tail)
@@ -92,9 +92,9 @@ void h_pending_append(gm_heap *h, gm_block *b) {
 /* A pending or live block leaves "active" and becomes free for its stream, in
  * its pool if that still lives, else in the general heap. */
 void h_complete_free(gm_heap *h, gm_block *b) {
-    gm_assert(b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING);
+    h_assert(b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING);
     gm_pool *pl = b->pool;
-    gm_assert(!pl || (pl->live_blocks > 0 && pl->live_bytes >= b->size));
+    h_assert(!pl || (pl->live_blocks > 0 && pl->live_bytes >= b->size));
     if (pl) {
         pl->live_blocks--;
         pl->live_bytes -= b->size;
@@ -103,10 +103,10 @@ void h_complete_free(gm_heap *h, gm_block *b) {
             if (!pl->live_blocks) h_pool_delete(h, pl);
         }
     }
-    int pool = gm_pool_of(b->size);
-    gm_stat_down(h->st.active, pool, 1);
-    gm_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
-    gm_hist_block(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->requested, b->stream, b->context);
+    int pool = h_pool_of(b->size);
+    h_stat_down(h->st.active, pool, 1);
+    h_stat_down(h->st.active_bytes, pool, (int64_t)b->size);
+    h_hist_block(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->requested, b->stream, b->context);
     b->n_uses = 0;
     b->wait_sync = 0;
     h_make_free(h, b, b->stream, ++h->free_seq);
@@ -205,11 +205,11 @@ static int release_one(gm_block *b, void *arg) {
  * index_insert would. */
 static void release_moved(gm_block *b, void *arg) {
     struct release_ctx *c = arg;
-    int pool = gm_pool_of(b->size);
-    gm_stat_down(c->h->st.inactive_split, pool, 1);
-    gm_stat_down(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
-    gm_stat_up(c->h->st.inactive_split, pool, 1);
-    gm_stat_up(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    int pool = h_pool_of(b->size);
+    h_stat_down(c->h->st.inactive_split, pool, 1);
+    h_stat_down(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
+    h_stat_up(c->h->st.inactive_split, pool, 1);
+    h_stat_up(c->h->st.inactive_split_bytes, pool, (int64_t)b->size);
     b->stream = ANY;
     released(c, b);
 }
@@ -239,17 +239,17 @@ static void coalesce_chain(gm_heap *h, gm_block *b) {
         gm_stream o;
         n->mark = 0; /* released() may have walked it */
         if (h_may_merge_free(h, b, n, &o)) {
-            if (!b->pool && !out) gm_run_detach(h, out = b);
+            if (!b->pool && !out) h_run_detach(h, out = b);
             h_merge_free(h, b, n, o);
         } else {
             if (out && n->pool) {
-                gm_run_attach(h, out);
+                h_run_attach(h, out);
                 out = NULL;
             }
             b = n;
         }
     }
-    if (out) gm_run_attach(h, out);
+    if (out) h_run_attach(h, out);
 }
 
 /* After owners changed: the runs of free blocks that hold a changed block are
@@ -306,7 +306,7 @@ size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
  * streams cached.  Returns how many blocks changed hands. */
 size_t h_release_idle(gm_heap *h) {
     int (*query)(gm_device *, gm_stream) = h->dev->ops->stream_query;
-    gm_assert(!h->no_sync && !h->capture_count);
+    h_assert(!h->no_sync && !h->capture_count);
     if (!query) return 0;
     h_process_pending(h, 0);
     struct release_ctx c = {h, 0, 0, NULL, 0, 0, 0};

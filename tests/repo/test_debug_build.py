@@ -1,4 +1,4 @@
-"""The core's debug build: gm_assert (csrc/core/debug.h) is compiled in only when
+"""The core's debug build: h_assert (csrc/core/debug.h) is compiled in only when
 GM_DEBUG is defined -- the sanitizer and fuzz builds define it, the extension does
 not -- and a failing assertion names its file, line and condition, and aborts.
 
@@ -29,10 +29,10 @@ PROGRAM = textwrap.dedent("""\
     static int touch(int v) { evaluated++; return v; }
 
     int main(void) {
-        gm_assert(touch(1) == 1);
+        h_assert(touch(1) == 1);
         printf("evaluated %d\\n", evaluated);
         fflush(stdout);
-        gm_assert(touch(2) == 3);
+        h_assert(touch(2) == 3);
         printf("after\\n");
         return 0;
     }
@@ -53,7 +53,7 @@ def test_failing_assertion_names_file_line_and_condition_and_aborts(tmp_path):
     r = build_and_run(tmp_path, "-DGM_DEBUG")
     assert r.returncode == -signal.SIGABRT
     assert r.stdout == "evaluated 1\n"  # the passing assertion ran, nothing after the failing one
-    line = PROGRAM.splitlines().index("    gm_assert(touch(2) == 3);") + 1
+    line = PROGRAM.splitlines().index("    h_assert(touch(2) == 3);") + 1
     assert f"prog.c:{line}: gpumem assertion failed: touch(2) == 3" in r.stderr
 
 
