@@ -50,7 +50,7 @@ from compare.contenders import variant_env  # noqa: E402
 NAMES = {
     "option": "spill",  # install(spill="24GiB"), GPUMEM_CONF="spill:24GiB"; 0 or absent: off
     "choice_option": "spill_choice",
-    "choices": ("old", "new"),
+    "choices": ("old", "new", "lasting"),
     "spilled_peak": ("spilled_bytes.all.peak", "spilled_bytes.peak", "spilled_bytes_peak"),
     "spilled_current": ("spilled_bytes.all.current", "spilled_bytes.current", "spilled_bytes"),
     "spills": ("num_spills",),
@@ -63,7 +63,7 @@ LLAMA = dict(num_attention_heads=16, num_key_value_heads=16, vocab_size=32000, m
 SIZES = {
     "full": dict(
         layers=12, hidden=1024, inter=2816, batch=8, seq=512, steps=24, warmup=4, rounds=3,
-        gen_layers=8, gen_batch=96, gen_prompt=256, gen_new=256, gen_choices="new,old",
+        gen_layers=8, gen_batch=96, gen_prompt=256, gen_new=256, gen_choices="new,lasting",
     ),
     "quick": dict(
         layers=4, hidden=1024, inter=2816, batch=8, seq=512, steps=10, warmup=3, rounds=1,

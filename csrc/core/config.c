@@ -60,8 +60,9 @@ int gm_config_check_one(const gm_config *cfg, gm_option opt, char *err, size_t e
                              cfg->pressure);
         return GM_OK;
     case GM_OPT_SPILL_CHOICE:
-        if (cfg->spill_choice != GM_SPILL_OLD && cfg->spill_choice != GM_SPILL_NEW)
-            return gm_errorf(GM_EINVAL, err, errlen, "spill_choice must be \"old\" or \"new\", got %zu",
+        if (cfg->spill_choice != GM_SPILL_OLD && cfg->spill_choice != GM_SPILL_NEW &&
+            cfg->spill_choice != GM_SPILL_LASTING)
+            return gm_errorf(GM_EINVAL, err, errlen, "spill_choice must be \"old\", \"new\" or \"lasting\", got %zu",
                              cfg->spill_choice);
         return GM_OK;
     case GM_OPT_SPILL:              /* any: 0 is off */

@@ -570,6 +570,7 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
     }
     h_live_insert(h, b);
     h->live_bytes += size;
+    if (h->spill_pages) h_swing(h);
     int pool = h_pool_of(size);
     h_stat_up(h->st.allocation, pool, 1);
     h_stat_up(h->st.allocated_bytes, pool, (int64_t)size);
@@ -679,6 +680,7 @@ static int not_live(const gm_heap *h, uintptr_t ptr) {
 /* Free the live block b, already out of the live table. */
 void h_free_block(gm_heap *h, gm_block *b) {
     h->live_bytes -= b->size;
+    if (h->spill_pages) h_swing(h);
     int pool = h_pool_of(b->size);
     h_stat_down(h->st.allocation, pool, 1);
     h_stat_down(h->st.allocated_bytes, pool, (int64_t)b->size);

@@ -112,6 +112,12 @@ struct gm_heap {
     uint8_t *host;
     size_t host_pages, spill_pages;
     int spill_choice, host_keep;
+    /* With spill on, the swing of live memory (h_swing): blocks numbered up
+     * to trough_seq that are still live were live at its last low point
+     * (GM_SPILL_LASTING's candidates). */
+    int falling;
+    size_t swing_lo, swing_hi;
+    uint64_t lo_seq, trough_seq;
     gm_handle *host_loose;
     size_t n_host_loose, cap_host_loose, host_loose_pages;
     size_t *host_loose_len;
@@ -268,6 +274,10 @@ static inline void h_pages_use(gm_heap *h, const gm_block *b, int d) {
 /* The owner "every stream", as the core's files write it. */
 #define ANY GM_STREAM_ANY
 
+/* A low point of live memory counts once live memory rose 1/SPILL_SWING of the
+ * cap above it, a high point once it fell as much below (h_swing). */
+#define SPILL_SWING 16
+
 /* The growth tunables (policy.c, POLICY). */
 #define ROOM_FAR         0.25
 #define ROOM_CHUNK_MIN   64
@@ -303,6 +313,20 @@ static inline size_t h_locked_read(gm_heap *h, const size_t *field) {
     size_t v = *field;
     pthread_mutex_unlock(&h->lock);
     return v;
+}
+
+/* Follow live memory's swing after it changed (spill on): while it falls,
+ * the lowest point and the allocation number then; once it rises a swing above
+ * that point, the point is the last low point (trough_seq). */
+static inline void h_swing(gm_heap *h) {
+    size_t live = h->live_bytes, t = h->cap_pages * h->page / SPILL_SWING;
+    if (h->falling) {
+        if (live < h->swing_lo) h->swing_lo = live, h->lo_seq = h->alloc_seq;
+        if (live > h->swing_lo + t) h->falling = 0, h->trough_seq = h->lo_seq, h->swing_hi = live;
+    } else {
+        if (live > h->swing_hi) h->swing_hi = live;
+        if (live + t < h->swing_hi) h->falling = 1, h->swing_lo = live, h->lo_seq = h->alloc_seq;
+    }
 }
 
 /* ---- heap.c ---- */

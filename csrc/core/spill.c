@@ -311,13 +311,24 @@ static int pinned_pages(gm_heap *h, gm_block *b, size_t p, size_t k) {
 }
 
 /* Live blocks of the general heap on device pages only, the oldest first
- * (malloc'd, *n of them). */
+ * (malloc'd, *n of them).  GM_SPILL_LASTING: first those live at the last low
+ * point of live memory, the most recently made first (in a training loop the
+ * optimizer's state, made after the weights and read once a step, before
+ * the weights), then the rest, the oldest first. */
 static gm_block **oldest_blocks(gm_heap *h, size_t *n) {
     gm_block **v = malloc((h->n_live ? h->n_live : 1) * sizeof *v);
     *n = 0;
     for (gm_block *b = h->head; v && b; b = b->next)
         if (b->state == GM_BLOCK_LIVE && !b->pool && !h_on_host(h, b)) v[(*n)++] = b;
-    if (v) qsort(v, *n, sizeof *v, cmp_seq);
+    if (!v) return v;
+    qsort(v, *n, sizeof *v, cmp_seq);
+    if (h->spill_choice != GM_SPILL_LASTING) return v;
+    size_t k = 0; /* v[0, k): live at the low point, oldest first */
+    while (k < *n && v[k]->seq <= h->trough_seq) k++;
+    for (size_t i = 0; i < k / 2; i++) {
+        gm_block *t = v[i];
+        v[i] = v[k - 1 - i], v[k - 1 - i] = t;
+    }
     return v;
 }
 
@@ -465,7 +476,7 @@ int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved
     int rc = GM_OK;
     /* Moving blocks makes room only for what the device could hold at all;
      * their pages are copied and unmapped, so the device must be idle. */
-    if (h->spill_choice == GM_SPILL_OLD && !*moved && (size + h->page - 1) / h->page <= h->cap_pages) {
+    if (h->spill_choice != GM_SPILL_NEW && !*moved && (size + h->page - 1) / h->page <= h->cap_pages) {
         *moved = 1;
         if (h_synchronize(h, s)) return GM_EDEVICE;
         if (spill_oldest(h, short_pages, &rc)) {

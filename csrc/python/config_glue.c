@@ -28,9 +28,12 @@ int gm_py_config_option(gm_config *cfg, gm_option opt, const char *keyword, PyOb
     } else if (opt == GM_OPT_SPILL_CHOICE && PyUnicode_Check(value)) { /* "old" or "new" */
         const char *v = PyUnicode_AsUTF8(value);
         if (v == NULL) return -1;
-        count = !strcmp(v, "old") ? GM_SPILL_OLD : !strcmp(v, "new") ? GM_SPILL_NEW : (size_t)-1;
+        count = !strcmp(v, "old")       ? GM_SPILL_OLD
+                : !strcmp(v, "new")     ? GM_SPILL_NEW
+                : !strcmp(v, "lasting") ? GM_SPILL_LASTING
+                                        : (size_t)-1;
         if (count == (size_t)-1) {
-            PyErr_Format(PyExc_ValueError, "spill_choice must be \"old\" or \"new\", got '%s'", v);
+            PyErr_Format(PyExc_ValueError, "spill_choice must be \"old\", \"new\" or \"lasting\", got '%s'", v);
             return -1;
         }
     } else if (opt == GM_OPT_SPILL && PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, "off") == 0) {

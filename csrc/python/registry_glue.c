@@ -104,13 +104,16 @@ static PyObject *r_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
 static PyObject *r_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_heap_registry_options o;
     gm_heap_registry_get_options(&o);
-    return Py_BuildValue(
-        "{s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:K,s:s}", "va_size", (unsigned long long)o.heap.va_size, "cap_bytes",
-        (unsigned long long)o.heap.cap_bytes, "cap_fraction", o.cap_fraction, "growth_slack", o.heap.growth_slack,
-        "growth_slack_pages", (unsigned long long)o.heap.growth_slack_pages, "history_entries",
-        (unsigned long long)o.history_entries, "chunk_pages", (unsigned long long)o.heap.chunk_pages, "page_size",
-        (unsigned long long)o.page_size, "pressure", o.heap.pressure, "spill", (unsigned long long)o.heap.spill,
-        "spill_choice", o.heap.spill_choice == GM_SPILL_NEW ? "new" : "old");
+    return Py_BuildValue("{s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:K,s:s}", "va_size", (unsigned long long)o.heap.va_size,
+                         "cap_bytes", (unsigned long long)o.heap.cap_bytes, "cap_fraction", o.cap_fraction,
+                         "growth_slack", o.heap.growth_slack, "growth_slack_pages",
+                         (unsigned long long)o.heap.growth_slack_pages, "history_entries",
+                         (unsigned long long)o.history_entries, "chunk_pages", (unsigned long long)o.heap.chunk_pages,
+                         "page_size", (unsigned long long)o.page_size, "pressure", o.heap.pressure, "spill",
+                         (unsigned long long)o.heap.spill, "spill_choice",
+                         o.heap.spill_choice == GM_SPILL_NEW       ? "new"
+                         : o.heap.spill_choice == GM_SPILL_LASTING ? "lasting"
+                                                                   : "old");
 }
 
 static PyObject *r_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {

@@ -45,8 +45,8 @@ static void open_world(world *w, size_t capacity, size_t chunk_pages) {
     gm_config cfg;
     gm_config_default(&cfg);
     cfg.chunk_pages = chunk_pages;
-    cfg.spill = g_seed % 3 ? 0 : capacity / 4; /* every third seed spills, "old" and "new" in turn */
-    cfg.spill_choice = g_seed / 3 % 2;
+    cfg.spill = g_seed % 3 ? 0 : capacity / 4; /* every third seed spills, "old", "new" and "lasting" in turn */
+    cfg.spill_choice = g_seed / 3 % 3;
     int rc = gm_heap_create(w->dev, &cfg, &w->heap);
     if (rc != GM_OK) fail("gm_heap_create returned %d (%s)", rc, gm_strerror(rc));
     gm_snapshot *snap;

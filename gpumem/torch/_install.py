@@ -34,7 +34,9 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     spill               host memory the heap may map behind its addresses once the device is full
                         ("24GiB"; 0 or "off", the default: out of memory as before); see docs/spill.md
     spill_choice        what goes to host memory: "old" (default), the pages of the oldest live
-                        tensors, moved behind the same addresses; "new", the request itself
+                        tensors, moved behind the same addresses; "lasting", those of the tensors
+                        live at the loop's last low point, the most recent first (the optimizer's
+                        state before the weights); "new", the request itself
 Keyword arguments override GPUMEM_CONF.
 
 Importing this module does not import torch; install() does.

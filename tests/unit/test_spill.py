@@ -116,7 +116,7 @@ def test_no_room_in_the_address_range_is_out_of_memory_that_says_so():
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match='spill_choice must be "old" or "new"'):
+    with pytest.raises(ValueError, match='spill_choice must be "old", "new" or "lasting"'):
         heap(choice="newest")
     with heap(spill="off") as h:
         fill(h)
@@ -442,7 +442,7 @@ def test_install_options_reach_the_registry():
     assert kw["spill"] == 24 << 30 and kw["spill_choice"] == "new"
     assert normalize_options({"spill": "off"})["spill"] == 0
     assert normalize_options({})["spill"] is None  # the core's default: off
-    with pytest.raises(OptionError, match='spill_choice must be "old" or "new"'):
+    with pytest.raises(OptionError, match='spill_choice must be "old", "new" or "lasting"'):
         normalize_options({"spill_choice": "largest"})
     with pytest.raises(OptionError, match="spill"):
         normalize_options({"spill": "lots"})
@@ -608,3 +608,43 @@ def test_the_forecast_says_how_much_a_batch_would_spill():
         # at least what does not fit, in whole pages; at most the step's own peak
         assert over <= spilled <= fc.peak_live(16), (choice, spilled, over)
     assert not fc.fits(16, capacity=cap)  # without spill it does not fit
+
+
+# ---- the choice: what a training loop keeps ---------------------------------------------------
+
+
+def train_loop(h, steps=3):
+    """Weights (8 pages); each step 16 pages of activations and 8 of gradients,
+    the activations freed, the optimizer's state (8 pages) made at the first
+    step, the gradients freed: the device (32 pages) holds the first step, not
+    the next ones (40 pages at their peak)."""
+    weights = fill(h, n=2)
+    state = []
+    for _ in range(steps):
+        acts = [h.malloc(4 * PAGE) for _ in range(4)]
+        grads = [h.malloc(4 * PAGE) for _ in range(2)]
+        for a in reversed(acts):
+            h.free(a)
+        if not state:
+            state = [h.malloc(4 * PAGE) for _ in range(2)]
+            for i, b in enumerate(state):
+                for k in range(4):
+                    h.sim_write(b + k * PAGE, 5000 + 1000 * i + k)
+        for g in grads:
+            h.free(g)
+    return weights, state
+
+
+@pytest.mark.parametrize("choice, moved", [("old", "weights"), ("lasting", "state")])
+def test_lasting_moves_the_optimizers_state_and_old_the_weights(choice, moved):
+    """ "lasting" takes the blocks live at the loop's last low point, the most
+    recently made first: the optimizer's state (read once a step) rather than
+    the weights (read in the forward and the backward), which "old" takes."""
+    with heap(choice=choice) as h:
+        weights, state = train_loop(h)
+        assert spilled(h) == 8 * PAGE
+        on = {name: [on_host(h, b) for b in blocks] for name, blocks in (("weights", weights), ("state", state))}
+        assert on[moved] == [True, True] and not any(on["state" if moved == "weights" else "weights"]), on
+        assert [values(h, b) for b in weights] == [[1000 * i + k for k in range(4)] for i in range(2)]
+        assert [values(h, b) for b in state] == [[5000 + 1000 * i + k for k in range(4)] for i in range(2)]
+        assert_ok(h)

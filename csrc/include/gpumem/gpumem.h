@@ -101,13 +101,16 @@ typedef struct gm_config {
     /* Spill: bytes of host memory the heap may map behind its addresses when
      * the device has no room left for a request (0, the default: off); see
      * gm_unspill.  spill_choice says what goes to the host: GM_SPILL_OLD (the
-     * default) the pages of the oldest live blocks, GM_SPILL_NEW the request. */
+     * default) the pages of the oldest live blocks, GM_SPILL_NEW the request,
+     * GM_SPILL_LASTING the pages of the blocks live at the last low point of
+     * live memory (a loop's lasting state), the most recently made first. */
     size_t spill;
     size_t spill_choice;
 } gm_config;
 enum {
     GM_SPILL_OLD = 0,
-    GM_SPILL_NEW = 1
+    GM_SPILL_NEW = 1,
+    GM_SPILL_LASTING = 2
 };
 /* Every field its default. */
 void gm_config_default(gm_config *cfg);
