@@ -1,6 +1,7 @@
 """The zoo's registry (ZOO, filled by @workload) and what its workloads share: the toy or full Scale,
-autocast, the training and generation loops, model building on the device (benchmarks/zoo.py runs
-them; zoo_workloads.py holds the workloads).
+autocast, the training and generation loops, the models' configs (benchmarks/forecast_zoo.py builds
+from them too), model building on the device (benchmarks/zoo.py runs them; zoo_workloads.py holds the
+workloads).
 """
 
 from __future__ import annotations
@@ -121,6 +122,76 @@ def llama_config(S, **kw):
     )
     base.update(kw)
     return _hf("LlamaConfig")(**base)
+
+
+def mistral_config(S):
+    return _hf("MistralConfig")(
+        hidden_size=S(1024, 64),
+        intermediate_size=S(3584, 128),
+        num_hidden_layers=S(10, 2),
+        num_attention_heads=S(16, 4),
+        num_key_value_heads=S(4, 2),
+        vocab_size=S(32000, 1000),
+        sliding_window=S(512, 8),
+    )
+
+
+def gemma_config(S):
+    return _hf("GemmaConfig")(
+        hidden_size=S(1024, 64),
+        intermediate_size=S(4096, 128),
+        num_hidden_layers=S(8, 2),
+        num_attention_heads=S(8, 4),
+        num_key_value_heads=S(1, 1),
+        head_dim=S(128, 16),
+        vocab_size=S(32000, 1000),
+    )
+
+
+def qwen2_moe_config(S):
+    return _hf("Qwen2MoeConfig")(
+        hidden_size=S(768, 64),
+        intermediate_size=S(2048, 128),
+        moe_intermediate_size=S(512, 32),
+        shared_expert_intermediate_size=S(1024, 64),
+        num_experts=S(16, 4),
+        num_experts_per_tok=S(4, 2),
+        num_hidden_layers=S(6, 2),
+        num_attention_heads=S(12, 4),
+        num_key_value_heads=S(4, 2),
+        vocab_size=S(32000, 1000),
+    )
+
+
+def gpt_neox_config(S):
+    return _hf("GPTNeoXConfig")(
+        hidden_size=S(1024, 64),
+        intermediate_size=S(4096, 128),
+        num_hidden_layers=S(12, 2),
+        num_attention_heads=S(16, 4),
+        vocab_size=S(50432, 1000),
+    )
+
+
+def phi_config(S):
+    return _hf("PhiConfig")(
+        hidden_size=S(1024, 64),
+        intermediate_size=S(4096, 128),
+        num_hidden_layers=S(12, 2),
+        num_attention_heads=S(16, 4),
+        vocab_size=S(51200, 1000),
+    )
+
+
+def t5_config(S):
+    return _hf("T5Config")(
+        d_model=S(512, 64),
+        d_ff=S(2048, 128),
+        num_layers=S(6, 2),
+        num_heads=S(8, 4),
+        vocab_size=S(32128, 1000),
+        decoder_start_token_id=0,
+    )
 
 
 def on(S, model, dtype=None):

@@ -14,8 +14,14 @@ from zoo_registry import (
     autocast,
     causal_generate,
     causal_train,
+    gemma_config,
+    gpt_neox_config,
     llama_config,
+    mistral_config,
     on,
+    phi_config,
+    qwen2_moe_config,
+    t5_config,
     vision_train,
     workload,
 )
@@ -71,15 +77,7 @@ def wl_llama_compile_graphs(S):
 
 @workload("mistral", "train AdamW, bf16 autocast", "grouped-query attention, sliding window", "sequence length")
 def wl_mistral_train(S):
-    cfg = _hf("MistralConfig")(
-        hidden_size=S(1024, 64),
-        intermediate_size=S(3584, 128),
-        num_hidden_layers=S(10, 2),
-        num_attention_heads=S(16, 4),
-        num_key_value_heads=S(4, 2),
-        vocab_size=S(32000, 1000),
-        sliding_window=S(512, 8),
-    )
+    cfg = mistral_config(S)
     m = on(S, _hf("MistralForCausalLM")(cfg))
     causal_train(S, m, cfg.vocab_size, 10, [4, 8], S([256, 512, 1024], [8, 16]), amp=_bf16())
 
@@ -123,15 +121,7 @@ def wl_qwen2_lora(S):
 
 @workload("gemma", "beam-search generation, bf16", "beams reorder the KV cache", "batch")
 def wl_gemma_beam(S):
-    cfg = _hf("GemmaConfig")(
-        hidden_size=S(1024, 64),
-        intermediate_size=S(4096, 128),
-        num_hidden_layers=S(8, 2),
-        num_attention_heads=S(8, 4),
-        num_key_value_heads=S(1, 1),
-        head_dim=S(128, 16),
-        vocab_size=S(32000, 1000),
-    )
+    cfg = gemma_config(S)
     m = on(S, _hf("GemmaForCausalLM")(cfg), _bf16())
     causal_generate(S, m, cfg.vocab_size, 6, [1, 2, 4], S([64, 256], [4, 8]), S([32], [3]), num_beams=4)
 
@@ -168,18 +158,7 @@ def wl_mixtral_generate(S):
 
 @workload("qwen2_moe", "train AdamW, bf16 autocast", "shared expert plus routed experts", "sequence length")
 def wl_qwen2_moe_train(S):
-    cfg = _hf("Qwen2MoeConfig")(
-        hidden_size=S(768, 64),
-        intermediate_size=S(2048, 128),
-        moe_intermediate_size=S(512, 32),
-        shared_expert_intermediate_size=S(1024, 64),
-        num_experts=S(16, 4),
-        num_experts_per_tok=S(4, 2),
-        num_hidden_layers=S(6, 2),
-        num_attention_heads=S(12, 4),
-        num_key_value_heads=S(4, 2),
-        vocab_size=S(32000, 1000),
-    )
+    cfg = qwen2_moe_config(S)
     m = on(S, _hf("Qwen2MoeForCausalLM")(cfg))
     causal_train(S, m, cfg.vocab_size, 8, [4], S([256, 512, 1024], [8, 16]), amp=_bf16())
 
@@ -191,13 +170,7 @@ def wl_qwen2_moe_train(S):
 def wl_gpt_neox_fp16(S):
     import torch
 
-    cfg = _hf("GPTNeoXConfig")(
-        hidden_size=S(1024, 64),
-        intermediate_size=S(4096, 128),
-        num_hidden_layers=S(12, 2),
-        num_attention_heads=S(16, 4),
-        vocab_size=S(50432, 1000),
-    )
+    cfg = gpt_neox_config(S)
     m = on(S, _hf("GPTNeoXForCausalLM")(cfg))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
     scaler = torch.amp.GradScaler(S.dev, enabled=not S.tiny)
@@ -217,13 +190,7 @@ def wl_gpt_neox_fp16(S):
 def wl_phi_generate(S):
     import torch
 
-    cfg = _hf("PhiConfig")(
-        hidden_size=S(1024, 64),
-        intermediate_size=S(4096, 128),
-        num_hidden_layers=S(12, 2),
-        num_attention_heads=S(16, 4),
-        vocab_size=S(51200, 1000),
-    )
+    cfg = phi_config(S)
     m = on(S, _hf("PhiForCausalLM")(cfg), torch.float16 if not S.tiny else torch.bfloat16)
     causal_generate(S, m, cfg.vocab_size, 8, [1, 4, 8, 16], S([32, 128, 512], [4, 8]), S([32, 64], [3]))
 
@@ -322,14 +289,7 @@ def wl_distilbert_train(S):
 def wl_t5_train(S):
     import torch
 
-    cfg = _hf("T5Config")(
-        d_model=S(512, 64),
-        d_ff=S(2048, 128),
-        num_layers=S(6, 2),
-        num_heads=S(8, 4),
-        vocab_size=S(32128, 1000),
-        decoder_start_token_id=0,
-    )
+    cfg = t5_config(S)
     m = on(S, _hf("T5ForConditionalGeneration")(cfg))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     for _ in range(S.steps(10)):
