@@ -3,6 +3,8 @@ weights (nothing downloaded): each a Spec of its knob, the values the forecast r
 granularity, the steps a probe takes and how it is built (gpu_forecast.py's docstring describes them).
 """
 
+from forecast_zoo import SPECS as ZOO_SPECS
+
 
 class Spec:
     def __init__(self, knob, recorded, multiple, steps, build):
@@ -314,3 +316,8 @@ MODELS = {
 }
 ZOO_MODELS = ["mistral_gqa", "mixtral_moe", "bert_mlm_seq", "t5_batch", "whisper_batch", "convnext_res", "unet_res"]
 DEFAULT_MODELS = ["llama_lora", "vit", "gpt2_seq", "llama_kv"]
+
+# every zoo member the forecast applies to, at the knob its users turn (benchmarks/forecast_zoo.py), and
+# the seven above: --models zoo-all
+MODELS.update({name: Spec(*args) for name, args in ZOO_SPECS.items()})
+ZOO_ALL = list(ZOO_SPECS) + ZOO_MODELS

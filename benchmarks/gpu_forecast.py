@@ -3,8 +3,10 @@
 largest value found by binary search with real steps, under torch's native allocator and under gpumem.
 
     python benchmarks/gpu_forecast.py [--out FILE.json] [--budget-s 400] [--cap-gib 8] [--models a,b]
+                                      [--jobs N] [--grace-s 90] [--resume EARLIER.json]
                                       [--dump-traces DIR]   # histories of probes and recordings, for study
-    python benchmarks/gpu_forecast.py --check        # the plan only, no GPU
+    python benchmarks/gpu_forecast.py --forecast-only --models zoo-all [--out FILE.json] [--child-timeout 150]
+    python benchmarks/gpu_forecast.py --check [--models zoo-all]   # the plan only, no GPU
 
 The models, built from configs with random weights (nothing downloaded):
 
@@ -23,13 +25,21 @@ tuned to: mistral_gqa (grouped-query attention, bf16, knob batch at 512 tokens),
 of experts, bf16, batch at 256 tokens), bert_mlm_seq (masked LM, fp16 autocast, sequence length at
 batch 16), t5_batch (encoder-decoder, fp32, batch), whisper_batch (speech, bf16 autocast, batch),
 convnext_res (ConvNeXt, channels-last, resolution / 32 px at batch 16), unet_res (a diffusion UNet,
-latent side / 8 at batch 8).
+latent side / 8 at batch 8).  `--models zoo-all` runs a spec for every zoo member the forecast applies
+to, at the knob its users turn (benchmarks/forecast_zoo.py, which lists the members it does not apply
+to and why), and those seven.
+
+`--forecast-only` runs the forecasts alone, at most 8 processes at once, each stopped after
+--child-timeout seconds, the JSON written as each ends, and prints a table: the zoo member, the knob,
+the values recorded, whether the recordings lined up, the answer for each allocator, the forecast's
+time, its caveats and any error.
 
 The device is shrunk to --cap-gib for every process (torch.cuda.set_per_process_memory_fraction
 under the native allocator, gpumem.install(cap=...) under gpumem), which keeps the largest values
-small and the searches quick, and lets several searches share the GPU.
+small and the searches quick, and lets several searches share the GPU: as many processes at once as
+its free memory holds at the cap (1.5 GiB more each), at most two fewer than the CPUs (--jobs sets it).
 
-1. Forecast: one process per model, under the native allocator, runs gpumem.forecast(step,
+1. Forecast: one process per model (at most 8 at once), under the native allocator, runs gpumem.forecast(step,
    knob=[...], refine=True) with a warm-up step (at the first value, and at any other whose recording
    does not make the first one's events; training: then the optimizer state is dropped and two steps
    are recorded, as a fresh run makes them), and finds the largest value for
@@ -41,7 +51,13 @@ small and the searches quick, and lets several searches share the GPU.
 2. Truth: for each model and allocator, the largest value that runs (two training steps, or one
    generation) without OOM, by doubling from twice the largest recorded value and then bisecting,
    each probe a fresh process (an OOM leaves state behind).  A search's time is the sum of its
-   probes' wall times: what a user searching one crash at a time waits.
+   probes' wall times: what a user searching one crash at a time waits.  All searches run at once,
+   --jobs probes at a time; a free slot goes to the search that has used the least probe time so far
+   (benchmarks/forecast_search.py), so every search progresses.  No probe starts after --budget-s; one
+   running then may take --grace-s more.  A probe that ran out of memory because the device itself was
+   full (under 1 GiB free), not its cap, runs again.  --resume takes an earlier run's probes (same
+   device and cap) as the answers at their values, their wall times counted, so a search the budget
+   cut short goes on where it stopped.
 3. Compared: forecast vs truth (within 3%, or 1 when the value is under 33), the forecast's peak
    allocated bytes (blocks as each allocator rounds them) vs torch.cuda.max_memory_allocated() at
    the true largest value, and the forecast's time vs the search's.  Then every native probe beside
@@ -63,8 +79,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import forecast_only
 from common import last_json_line, markdown_head, markdown_row
-from forecast_models import DEFAULT_MODELS, MODELS, ZOO_MODELS
+from forecast_models import DEFAULT_MODELS, MODELS, ZOO_ALL, ZOO_MODELS
+from forecast_search import OutOfBudget, Slots, default_jobs, known_probes, search
+from forecast_zoo import NOT_APPLICABLE, ZOO_MEMBERS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -232,12 +251,16 @@ def child_probe(name, allocator, k, cap, dump=None):
         ok, error = False, str(e).splitlines()[0][:600]
     if dump:
         _write_dump(torch, dump, live)
+    # the device itself full (other processes' memory), not this process's cap: the search runs it again
+    free = None if ok else torch.cuda.mem_get_info()[0]
     print(
         json.dumps(
             {
                 "k": k,
                 "ok": ok,
                 "error": error,
+                "device_free_at_oom": free,
+                "device_full": free is not None and free < GiB,
                 "peak_allocated": torch.cuda.max_memory_allocated(),
                 "peak_reserved": torch.cuda.max_memory_reserved(),
                 "steps_s": time.perf_counter() - t0,
@@ -251,18 +274,20 @@ def child_probe(name, allocator, k, cap, dump=None):
 # ---- the parent -----------------------------------------------------------------------------
 
 
-class OutOfBudget(Exception):
-    pass
-
-
-def _run_child(args, timeout):
+def _run_child(args, timeout, threads=None):
+    """Run this script's child `args` in a fresh interpreter (with `threads` CPU threads for torch, where
+    given) and return the JSON it printed last, with its wall time; TimeoutExpired past `timeout`."""
     t0 = time.perf_counter()
+    env = dict(os.environ)
+    if threads:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=max(1.0, timeout),
         cwd=str(REPO),
+        env=env,
     )
     wall = time.perf_counter() - t0
     out = last_json_line(p.stdout)
@@ -270,75 +295,6 @@ def _run_child(args, timeout):
         raise RuntimeError(f"child {' '.join(map(str, args))} failed (rc {p.returncode}):\n{p.stderr[-2500:]}")
     out["wall_s"] = wall
     return out
-
-
-def search(name, allocator, cap, deadline, slots, log, dump_dir=None):
-    """The largest value that runs, by doubling then bisecting, one probe process at a time; with
-    `dump_dir`, each probe writes its allocator history there."""
-    spec = MODELS[name]
-    m = spec.multiple
-    probes = []
-
-    def probe(k):
-        left = deadline - time.monotonic()
-        if left < 20:
-            raise OutOfBudget
-        with slots:
-            t0 = time.perf_counter()
-            try:
-                args = ["probe", name, allocator, k, cap]
-                if dump_dir:
-                    args.append(os.path.join(dump_dir, f"{name}.{allocator}.{k}.trace.gz"))
-                r = _run_child(args, deadline - time.monotonic())
-                if dump_dir:
-                    r["dump"] = args[-1]
-            except subprocess.TimeoutExpired:
-                raise OutOfBudget from None
-            except RuntimeError as e:  # the probe crashed: counted as not running, and reported
-                r = {"k": k, "ok": False, "error": str(e)[-2000:], "wall_s": time.perf_counter() - t0, "crashed": True}
-        probes.append(r)
-        what = "fits" if r["ok"] else ("CRASHED" if r.get("crashed") else "OOM")
-        log(f"{name:10s} {allocator:6s} {spec.knob} {k}: {what} ({r['wall_s']:.1f} s)")
-        return r["ok"]
-
-    lo = hi = None
-    complete = True
-    try:
-        k = 2 * max(spec.recorded)
-        while True:
-            if probe(k):
-                lo, k = k, 2 * k
-            else:
-                hi = k
-                break
-        if lo is None:  # even the start failed: halve down
-            k = hi // 2 // m * m
-            while k >= m:
-                if probe(k):
-                    lo = k
-                    break
-                hi, k = k, k // 2 // m * m
-            lo = lo or 0
-        while hi - lo > m:
-            mid = (lo + hi) // 2 // m * m
-            if mid <= lo:
-                break
-            if probe(mid):
-                lo = mid
-            else:
-                hi = mid
-    except OutOfBudget:
-        complete = False
-    at_truth = next((p for p in probes if p["ok"] and p["k"] == lo), None)
-    return {
-        "largest": lo,
-        "first_oom": hi,
-        "complete": complete,
-        "search_s": sum(p["wall_s"] for p in probes),
-        "probes": probes,
-        "measured_peak_allocated": at_truth["peak_allocated"] if at_truth else None,
-        "measured_peak_reserved": at_truth["peak_reserved"] if at_truth else None,
-    }
 
 
 def _load_forecast(name, out_dir, cap):
@@ -451,17 +407,30 @@ def _probe_cells(c):
 
 def _parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON (--forecast-only: as each ends)")
     ap.add_argument(
-        "--budget-s", type=float, default=400.0, help="stop starting probes after this (default 400: all within 8 min)"
+        "--budget-s", type=float, default=400.0, help="start no probe after this (default 400: all within 8 min)"
+    )
+    ap.add_argument(
+        "--grace-s", type=float, default=90.0, help="how long past the budget a probe already running may take"
     )
     ap.add_argument("--cap-gib", type=float, default=8.0, help="the device as each process sees it (default 8)")
     ap.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),
-        help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50, and zoo: {','.join(ZOO_MODELS)})",
+        help=f"models to run (default {','.join(DEFAULT_MODELS)}; also: resnet50; zoo: {','.join(ZOO_MODELS)}; "
+        "zoo-all: a spec for every zoo member it applies to, and zoo's)",
     )
-    ap.add_argument("--jobs", type=int, default=0, help="probe processes at once (default: as many as fit)")
+    ap.add_argument("--jobs", type=int, default=0, help="processes at once (default: as many as fit)")
+    ap.add_argument("--forecast-only", action="store_true", help="the forecasts alone, no searches: a table")
+    ap.add_argument(
+        "--child-timeout", type=float, default=150.0, help="--forecast-only: the most a forecast may take (default 150)"
+    )
+    ap.add_argument(
+        "--resume",
+        metavar="EARLIER.json",
+        help="an earlier run's --out (same device and cap): its probes answer their values without a run",
+    )
     ap.add_argument(
         "--dump-traces",
         metavar="DIR",
@@ -475,14 +444,37 @@ def _parser():
 
 
 def _models(ap, a):
-    """The models --models names (zoo: the zoo's), checked."""
-    models = [m for m in a.models.split(",") if m]
-    if "zoo" in models:
-        models = [m for m in models if m != "zoo"] + ZOO_MODELS
+    """The models --models names (zoo: the zoo's seven; zoo-all: every zoo spec), checked."""
+    models = []
+    for m in (m for m in a.models.split(",") if m):
+        for name in {"zoo": ZOO_MODELS, "zoo-all": ZOO_ALL}.get(m, [m]):
+            if name not in models:
+                models.append(name)
     unknown = [m for m in models if m not in MODELS]
     if unknown:
-        ap.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
+        ap.error(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)}, zoo, zoo-all)")
     return models
+
+
+MEMBER_OF = {spec: member for member, spec in ZOO_MEMBERS.items()}
+
+
+def _plan(models, a):
+    """--check: what a run would do, without a GPU."""
+    for name in models:
+        s = MODELS[name]
+        member = MEMBER_OF.get(name, "-")
+        print(
+            f"{name}: zoo member {member}; {s.knob} recorded at {s.recorded}, multiples of {s.multiple}, "
+            f"{s.steps} step(s) a probe"
+        )
+    if any(m in MEMBER_OF for m in models):
+        for member, why in NOT_APPLICABLE.items():
+            print(f"{member}: not forecast ({why})")
+    if a.forecast_only:
+        print(f"forecasts only: at most 8 processes at once, each stopped after {a.child_timeout:.0f} s")
+    else:
+        print(f"cap {a.cap_gib} GiB a process, budget {a.budget_s:.0f} s (+{a.grace_s:.0f} s for probes running)")
 
 
 def main():
@@ -496,26 +488,23 @@ def main():
             child_probe(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4] if len(rest) > 4 else None)
         return
     models = _models(ap, a)
-    if a.budget_s <= 0 or a.cap_gib <= 0:
-        ap.error("--budget-s and --cap-gib must be positive")
+    if a.budget_s <= 0 or a.cap_gib <= 0 or a.child_timeout <= 0 or a.grace_s < 0 or a.jobs < 0:
+        ap.error("--budget-s, --cap-gib and --child-timeout must be positive, --grace-s and --jobs not negative")
+    earlier = _read_earlier(ap, a.resume)
     if a.dump_traces:
         os.makedirs(a.dump_traces, exist_ok=True)
         a.dump_traces = os.path.abspath(a.dump_traces)
     cap = int(a.cap_gib * GiB)
     if a.check:
-        for name in models:
-            s = MODELS[name]
-            print(f"{name}: {s.knob} recorded at {s.recorded}, multiples of {s.multiple}, {s.steps} step(s) a probe")
-        print(f"cap {a.cap_gib} GiB a process, budget {a.budget_s:.0f} s")
+        _plan(models, a)
         return
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_forecast.py needs a CUDA GPU (--check prints the plan without one)")
     start = time.monotonic()
-    deadline = start + a.budget_s
     free, total = torch.cuda.mem_get_info()
-    jobs = a.jobs or max(1, min(8, int((free - 2 * GiB) // (cap + 1.5 * GiB))))
+    jobs = a.jobs or default_jobs(free, cap, os.cpu_count() or 1)
     lock = threading.Lock()
 
     def log(msg):
@@ -525,8 +514,13 @@ def main():
     log(f"{torch.cuda.get_device_name(0)}, {total / GiB:.1f} GiB; cap {a.cap_gib} GiB a process, {jobs} at once")
     out_dir = tempfile.mkdtemp(prefix="gpumem-forecast-")
     results = {"device": torch.cuda.get_device_name(0), "cap_bytes": cap, "jobs": jobs, "models": {}}
-    _forecasts(results, models, cap, out_dir, a.dump_traces, deadline, log)
-    _truths(results, models, cap, deadline, jobs, log, a.dump_traces)
+    if a.forecast_only:
+        _forecast_only(results, models, cap, out_dir, a, min(8, jobs), log, start)
+        return
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    run_one = _forecaster(cap, out_dir, a.dump_traces, threads)
+    forecast_only.run_forecasts(models, run_one, min(8, jobs), a.budget_s, results, log=log)
+    _truths(results, models, cap, start + a.budget_s, a.grace_s, jobs, log, a.dump_traces, earlier)
     rows, checks = _compare(results, models, out_dir, cap)
     results["rows"] = rows
     results["wall_s"] = time.monotonic() - start
@@ -537,44 +531,93 @@ def main():
             json.dump(results, f, indent=1)
 
 
-def _forecasts(results, models, cap, out_dir, dump_dir, deadline, log):
-    """1. forecasts, one process per model, at once"""
-    with ThreadPoolExecutor(len(models)) as ex:
-        futs = {
-            name: ex.submit(
-                _run_child,
-                ["forecast", name, cap, out_dir] + ([dump_dir] if dump_dir else []),
-                deadline - time.monotonic(),
-            )
-            for name in models
-        }
-        for name, fut in futs.items():
-            try:
-                results["models"][name] = {"forecast": fut.result()}
-                f = results["models"][name]["forecast"]
-                log(f"{name}: forecast {f['largest']} in {f['forecast_s']:.1f} s; {f['alignment']}")
-            except Exception as e:  # noqa: BLE001 - report and go on with the others
-                results["models"][name] = {"forecast": {"error": str(e)}}
-                log(f"{name}: forecast failed: {e}")
+def _read_earlier(ap, path):
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError) as e:
+        ap.error(f"--resume {path}: {e}")
+    if not isinstance(earlier, dict) or "models" not in earlier:
+        ap.error(f"--resume {path}: not gpu_forecast.py's JSON (no models)")
+    return earlier
 
 
-def _truths(results, models, cap, deadline, jobs, log, dump_dir):
-    """2. the truth: every (model, allocator) search at once, `jobs` probes at a time"""
-    slots = threading.Semaphore(jobs)
+def _forecaster(cap, out_dir, dump_dir, threads):
+    """run_one(name, timeout): one forecast child's dict."""
+
+    def run_one(name, timeout):
+        return _run_child(["forecast", name, cap, out_dir] + ([dump_dir] if dump_dir else []), timeout, threads)
+
+    return run_one
+
+
+def _forecast_only(results, models, cap, out_dir, a, jobs, log, start):
+    """--forecast-only: the forecasts, `jobs` at once, the JSON written as each ends, then the table."""
+    results["mode"] = "forecast-only"
+    results["forecast_jobs"] = jobs
+    save = forecast_only.saver(a.out)
+    run_one = _forecaster(cap, out_dir, a.dump_traces, max(1, (os.cpu_count() or 1) // jobs))
+    forecast_only.run_forecasts(models, run_one, jobs, a.child_timeout, results, save, log)
+    rows = [forecast_only.row(n, MODELS[n], MEMBER_OF.get(n, "-"), results["models"][n]["forecast"]) for n in models]
+    results["rows"] = rows
+    results["not_applicable"] = NOT_APPLICABLE
+    results["wall_s"] = time.monotonic() - start
+    if save:
+        save(results)
+    forecast_only.print_table(rows)
+    print(f"(device {results['device']}, {jobs} forecasts at once, {results['wall_s']:.0f} s in all)")
+
+
+def _prober(name, allocator, cap, deadline, grace, dump_dir, threads):
+    """run_probe(k) for one search: a fresh process, allowed until `grace` past the deadline."""
+
+    def run_probe(k):
+        t0 = time.perf_counter()
+        args = ["probe", name, allocator, k, cap]
+        if dump_dir:
+            args.append(os.path.join(dump_dir, f"{name}.{allocator}.{k}.trace.gz"))
+        try:
+            r = _run_child(args, deadline + grace - time.monotonic(), threads)
+        except subprocess.TimeoutExpired:
+            raise OutOfBudget from None
+        except RuntimeError as e:  # the probe crashed: counted as not running, and reported
+            return {"k": k, "ok": False, "error": str(e)[-2000:], "wall_s": time.perf_counter() - t0, "crashed": True}
+        if dump_dir:
+            r["dump"] = args[-1]
+        return r
+
+    return run_probe
+
+
+def _truths(results, models, cap, deadline, grace, jobs, log, dump_dir, earlier):
+    """2. the truth: every (model, allocator) search at once, `jobs` probes at a time, the search that
+    has used the least probe time first"""
+    slots = Slots(jobs)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    if earlier:
+        try:
+            known_probes(earlier, "", "", results["device"], cap)
+        except ValueError as e:
+            raise SystemExit(f"gpu_forecast.py --resume: {e}") from None
+
+    def one(name, alloc):
+        spec = MODELS[name]
+        known = known_probes(earlier, name, alloc, results["device"], cap) if earlier else None
+        run_probe = _prober(name, alloc, cap, deadline, grace, dump_dir if alloc == "native" else None, threads)
+        say = lambda msg: log(f"{name:10s} {alloc:6s} {spec.knob} {msg}")  # noqa: E731
+        return search(spec.recorded, spec.multiple, run_probe, slots, deadline, say, known)
+
     with ThreadPoolExecutor(len(models) * len(ALLOCATORS)) as ex:
-        futs = {
-            (name, alloc): ex.submit(
-                search, name, alloc, cap, deadline, slots, log, dump_dir if alloc == "native" else None
-            )
-            for name in models
-            for alloc in ALLOCATORS
-        }
+        futs = {(name, alloc): ex.submit(one, name, alloc) for name in models for alloc in ALLOCATORS}
         for (name, alloc), fut in futs.items():
             try:
                 results["models"][name].setdefault("truth", {})[alloc] = fut.result()
             except Exception as e:  # noqa: BLE001
                 results["models"][name].setdefault("truth", {})[alloc] = {"error": str(e)}
                 log(f"{name} {alloc}: search failed: {e}")
+    results["most_probes_at_once"] = slots.most
 
 
 def _compare(results, models, out_dir, cap):
