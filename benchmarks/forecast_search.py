@@ -12,6 +12,7 @@ an earlier run made (same model, allocator, device and cap) answer their values 
 
 import heapq
 import itertools
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -155,3 +156,15 @@ def known_probes(earlier, name, allocator, device, cap):
         )
     t = earlier.get("models", {}).get(name, {}).get("truth", {}).get(allocator, {})
     return {p["k"]: p for p in t.get("probes", []) if not p.get("crashed") and not p.get("device_full")}
+
+
+def load_earlier(path):
+    """An earlier run's JSON (gpu_forecast.py --out), checked; ValueError with one line where it is not."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {path}: {e}") from None
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("models"), dict):
+        raise ValueError(f"--resume {path}: not gpu_forecast.py's JSON (no models)")
+    return earlier

@@ -82,7 +82,7 @@ from concurrent.futures import ThreadPoolExecutor
 import forecast_only
 from common import last_json_line, markdown_head, markdown_row
 from forecast_models import DEFAULT_MODELS, MODELS, ZOO_ALL, ZOO_MODELS
-from forecast_search import OutOfBudget, Slots, default_jobs, known_probes, search
+from forecast_search import OutOfBudget, Slots, default_jobs, known_probes, load_earlier, search
 from forecast_zoo import NOT_APPLICABLE, ZOO_MEMBERS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -216,6 +216,13 @@ def _write_dump(torch, path, live):
             f.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
 
 
+def _device_free(torch):
+    try:
+        return torch.cuda.mem_get_info()[0]
+    except RuntimeError:
+        return None
+
+
 def child_probe(name, allocator, k, cap, dump=None):
     t_start = time.perf_counter()
     import torch
@@ -252,7 +259,7 @@ def child_probe(name, allocator, k, cap, dump=None):
     if dump:
         _write_dump(torch, dump, live)
     # the device itself full (other processes' memory), not this process's cap: the search runs it again
-    free = None if ok else torch.cuda.mem_get_info()[0]
+    free = None if ok else _device_free(torch)
     print(
         json.dumps(
             {
@@ -490,7 +497,10 @@ def main():
     models = _models(ap, a)
     if a.budget_s <= 0 or a.cap_gib <= 0 or a.child_timeout <= 0 or a.grace_s < 0 or a.jobs < 0:
         ap.error("--budget-s, --cap-gib and --child-timeout must be positive, --grace-s and --jobs not negative")
-    earlier = _read_earlier(ap, a.resume)
+    try:
+        earlier = load_earlier(a.resume) if a.resume else None
+    except ValueError as e:
+        ap.error(str(e))
     if a.dump_traces:
         os.makedirs(a.dump_traces, exist_ok=True)
         a.dump_traces = os.path.abspath(a.dump_traces)
@@ -529,19 +539,6 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
-
-
-def _read_earlier(ap, path):
-    if not path:
-        return None
-    try:
-        with open(path) as f:
-            earlier = json.load(f)
-    except (OSError, ValueError) as e:
-        ap.error(f"--resume {path}: {e}")
-    if not isinstance(earlier, dict) or "models" not in earlier:
-        ap.error(f"--resume {path}: not gpu_forecast.py's JSON (no models)")
-    return earlier
 
 
 def _forecaster(cap, out_dir, dump_dir, threads):

@@ -90,6 +90,17 @@ def test_check_prints_the_plan_for_every_spec():
     assert r.returncode == 2 and "unknown model(s) nope" in r.stderr
 
 
+def test_resume_refuses_what_is_not_an_earlier_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    bad = tmp_path / "bad.json"
+    for text, says in (("{", "Expecting"), ('{"rows": []}', "not gpu_forecast.py's JSON")):
+        bad.write_text(text)
+        r = subprocess.run(
+            [sys.executable, SCRIPT, "--check", "--resume", str(bad)], capture_output=True, text=True, env=env
+        )
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
 # ---- the search on fake probes -------------------------------------------------------------------------
 
 
