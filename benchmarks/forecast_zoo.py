@@ -467,8 +467,17 @@ _GEN = ("batch", [2, 4], 1, 1)  # one generate call at growing batch
 _BATCH = ("batch", [4, 8], 1, 2)  # training at growing batch
 _RES = ("resolution/32", [2, 3, 4], 1, 2)  # training at growing resolution, in steps of 32 px
 
-# name -> (knob, recorded values, multiple, steps, build): forecast_models.Spec's arguments
+# name -> (knob, recorded values, multiple, steps, build): forecast_models.Spec's arguments; the
+# generations first, whose forecasts take longest, so that a pool of forecasts ends sooner
 SPECS = {
+    "llama_generate_batch": (*_GEN, build_llama_generate_batch),
+    "qwen2_generate_batch": (*_GEN, build_qwen2_generate_batch),
+    "phi_generate_batch": (*_GEN, build_phi_generate_batch),
+    "mixtral_generate_batch": (*_GEN, build_mixtral_generate_batch),
+    "gemma_beam_batch": (*_GEN, build_gemma_beam_batch),
+    "bart_generate_batch": (*_GEN, build_bart_generate_batch),
+    "whisper_generate_batch": (*_GEN, build_whisper_generate_batch),
+    "unet_sample_batch": (*_GEN, build_unet_sample_batch),
     "llama_train_seq": (*_SEQ, build_llama_train_seq),
     "llama_ckpt_seq": (*_SEQ, build_llama_ckpt_seq),
     "mistral_train_seq": (*_SEQ, build_mistral_train_seq),
@@ -478,14 +487,6 @@ SPECS = {
     "gpt_neox_fp16_seq": (*_SEQ, build_gpt_neox_fp16_seq),
     "t5_train_seq": ("encoder seq", [64, 128, 192], 16, 2, build_t5_train_seq),
     "wav2vec2_ctc_seq": ("audio s", [1, 2, 3], 1, 2, build_wav2vec2_ctc_seq),
-    "llama_generate_batch": (*_GEN, build_llama_generate_batch),
-    "qwen2_generate_batch": (*_GEN, build_qwen2_generate_batch),
-    "phi_generate_batch": (*_GEN, build_phi_generate_batch),
-    "mixtral_generate_batch": (*_GEN, build_mixtral_generate_batch),
-    "gemma_beam_batch": (*_GEN, build_gemma_beam_batch),
-    "bart_generate_batch": (*_GEN, build_bart_generate_batch),
-    "whisper_generate_batch": (*_GEN, build_whisper_generate_batch),
-    "unet_sample_batch": (*_GEN, build_unet_sample_batch),
     "roberta_infer_batch": ("batch", [4, 8], 1, 1, build_roberta_infer_batch),
     "distilbert_train_batch": (*_BATCH, build_distilbert_train_batch),
     "vit_train_batch": (*_BATCH, build_vit_train_batch),
