@@ -416,7 +416,10 @@ def _parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON (--forecast-only: as each ends)")
     ap.add_argument(
-        "--budget-s", type=float, default=400.0, help="start no probe after this (default 400: all within 8 min)"
+        "--budget-s",
+        type=float,
+        default=400.0,
+        help="start no probe after this (default 400; with --grace-s, all within 9 min)",
     )
     ap.add_argument(
         "--grace-s", type=float, default=90.0, help="how long past the budget a probe already running may take"
