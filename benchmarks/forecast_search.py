@@ -8,6 +8,14 @@ crash at a time waits.  Many searches run at once, `Slots` probes at a time: a f
 a forecast, then to the search that has used the least probe time so far, so that every search
 progresses.  No probe starts after the budget's deadline; one running then may finish.  Probes that
 an earlier run made (same model, allocator, device and cap) answer their values without a run.
+
+Near the limit, whether a step fits torch's allocator can change from one value to the next (bert at
+sequence 544 runs, 560 does not, 576 does).  So the truth is settled as the forecast settles its answer
+(gpumem.forecast.Forecast.largest): the bisection's value counts only when the values from an eighth
+below it up to it run too (at most SETTLE_PROBES of them, evenly spread, probed at once); past the
+first that does not, the truth drops below it and is settled again.  A search's time ("search_s") is
+the doubling and bisection's, what a user searching waits; the settling's probes are counted apart
+("settle_s").
 """
 
 import heapq
@@ -15,10 +23,13 @@ import itertools
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 GiB = 1 << 30
 FORECAST_FIRST = -1.0  # a forecast's priority: before any probe
+SETTLE_BELOW = 0.125  # as gpumem.forecast's: the values from an eighth below the answer must run too
+SETTLE_PROBES = 8  # at most this many of them probed (evenly spread), at once
 
 
 class OutOfBudget(Exception):
@@ -79,6 +90,7 @@ class _Prober:
         self.known, self.log, self.retries = known, log, retries
         self.probes = []
         self.used = 0.0  # this run's probe seconds
+        self._lock = threading.Lock()
 
     def __call__(self, k):
         r = _answered(k, self.known)
@@ -90,8 +102,10 @@ class _Prober:
                     raise OutOfBudget
                 t0 = time.monotonic()
                 r = self.run_probe(k)
-                self.used += time.monotonic() - t0
-        self.probes.append(r)
+                with self._lock:
+                    self.used += time.monotonic() - t0
+        with self._lock:
+            self.probes.append(r)
         what = "fits" if r["ok"] else ("CRASHED" if r.get("crashed") else "OOM")
         self.log(f"{k}: {what} ({r['wall_s']:.1f} s{', an earlier run' if r.get('reused') else ''})")
         return r["ok"]
@@ -131,19 +145,48 @@ def search(recorded, multiple, run_probe, slots, deadline, log=print, known=None
                 hi = mid
     except OutOfBudget:
         complete = False
+    bisected, searched = lo, len(probe.probes)
+    if complete and lo:
+        try:
+            lo = settle(lo, m, probe)
+        except OutOfBudget:
+            complete = False
     probes = probe.probes
     at_truth = next((p for p in probes if p["ok"] and p["k"] == lo), None)
     return {
         "largest": lo,
+        "bisected": bisected,
         "first_oom": hi,
         "complete": complete,
-        "search_s": sum(p["wall_s"] for p in probes),
+        "search_s": sum(p["wall_s"] for p in probes[:searched]),
+        "settle_s": sum(p["wall_s"] for p in probes[searched:]),
         "run_s": probe.used,
         "reused_probes": sum(1 for p in probes if p.get("reused")),
         "probes": probes,
         "measured_peak_allocated": at_truth.get("peak_allocated") if at_truth else None,
         "measured_peak_reserved": at_truth.get("peak_reserved") if at_truth else None,
     }
+
+
+def settle(k, m, probe):
+    """The largest j <= k (a multiple of m) such that j and the values from SETTLE_BELOW below it up to
+    it run (at most SETTLE_PROBES of them, evenly spread, probed at once; a value already probed answers
+    from its probe)."""
+    seen = {p["k"]: p["ok"] for p in probe.probes}
+    j = k // m
+    while j >= 1:
+        lo = max(1, int(j * (1 - SETTLE_BELOW)))
+        stride = max(1, -(-(j - lo) // SETTLE_PROBES))
+        ks = [i * m for i in [*range(lo, j, stride), j]]
+        todo = [v for v in ks if v not in seen]
+        if todo:
+            with ThreadPoolExecutor(len(todo)) as ex:
+                seen.update(zip(todo, ex.map(probe, todo)))
+        bad = next((v for v in ks if not seen[v]), None)
+        if bad is None:
+            return j * m
+        j = bad // m - 1
+    return 0
 
 
 def known_probes(earlier, name, allocator, device, cap):

@@ -395,6 +395,8 @@ def _search_cells(w):
     """One row of the forecast-versus-search table."""
     fp, mp = w["forecast_peak_allocated"], w["measured_peak_allocated"]
     truth = f"{w['truth']}{'' if w['truth_complete'] else ' (incomplete)'}"
+    if w.get("bisected") not in (None, w["truth"]):
+        truth += f" (bisection: {w['bisected']})"
     ratio = w["time_ratio"] if w["time_ratio"] is None else round(w["time_ratio"], 3)
     times = [f"{w[k] or 0:.1f}" for k in ("forecast_s", "search_s")]
     head = [w["model"], w["knob"], w["allocator"], w["forecast"], truth, "yes" if w["within"] else "NO"]
@@ -661,6 +663,7 @@ def _compare_row(name, alloc, f, t, peaks):
         "allocator": alloc,
         "forecast": fv,
         "truth": tv,
+        "bisected": t.get("bisected"),
         "truth_complete": t.get("complete"),
         "within": within(fv, tv),
         "forecast_peak_allocated": fpeak,
@@ -668,6 +671,7 @@ def _compare_row(name, alloc, f, t, peaks):
         "peak_within_2pct": bool(fpeak and measured and abs(fpeak - measured) <= 0.02 * measured),
         "forecast_s": f.get("forecast_s"),
         "search_s": t.get("search_s"),
+        "settle_s": t.get("settle_s"),
         "aligned": f.get("aligned"),
     }
     row["time_ratio"] = row["forecast_s"] / row["search_s"] if row["forecast_s"] and row["search_s"] else None
