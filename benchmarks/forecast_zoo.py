@@ -129,6 +129,9 @@ def _make(S, cls, cfg, dtype=None):
 
     with torch.device(S.dev):
         m = _hf(cls)(cfg)
+    # a parameter made by the legacy torch.Tensor(n) constructor (wav2vec2's masked_spec_embed) ignores
+    # the device context: move what stayed behind
+    m = m.to(S.dev)
     return m.to(dtype) if dtype is not None else m
 
 
