@@ -149,8 +149,9 @@ def search(recorded, multiple, run_probe, slots, deadline, log=print, known=None
     if complete and lo:
         try:
             lo = settle(lo, m, probe)
-        except OutOfBudget:
+        except OutOfBudget:  # settled only in part: below the lowest value found not to run
             complete = False
+            lo = min([lo] + [p["k"] - m for p in probe.probes if not p["ok"] and p["k"] < lo])
     probes = probe.probes
     at_truth = next((p for p in probes if p["ok"] and p["k"] == lo), None)
     return {

@@ -170,6 +170,23 @@ def test_search_settles_where_a_value_below_the_bisections_does_not_run():
     assert r["search_s"] == 6.0 and r["settle_s"] == len(calls) - 6.0
 
 
+def test_a_settling_cut_short_keeps_what_it_found(monkeypatch):
+    """The budget ends during the settling, after 560 was found not to run: the truth is below it."""
+    now = [0.0]
+    monkeypatch.setattr(fs.time, "monotonic", lambda: now[0])
+    calls = []
+
+    def run_probe(k):
+        calls.append(k)
+        if k == 560:
+            now[0] = 100.0  # past the deadline: no probe starts after this one
+        return {"k": k, "ok": k <= 544 or k == 576, "wall_s": 1.0}
+
+    r = fs.search([64, 128, 192], 16, run_probe, fs.Slots(1), 50.0, log=lambda m: None)
+    assert 560 in calls and r["bisected"] == 576
+    assert r["largest"] == 544 and not r["complete"]
+
+
 def test_search_starts_no_probe_after_the_deadline():
     calls = []
     deadline = time.monotonic() + 0.3
