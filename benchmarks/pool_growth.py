@@ -12,6 +12,14 @@ keeps a few such between recordings): it must not stand in the way of the
 pool's next growth.  The sizes follow a Llama-style model: hidden
 2048, 16 heads, MLP 5504, vocabulary 32000, 4 layers, bf16 (--hidden etc.).
 
+--model encoder runs a compiled BERT-style encoder with its language-model
+head instead (BERT-base: 12 layers, hidden 768, 12 heads, MLP 3072,
+vocabulary 30522, shapes 8x512,32x512,64x256), its passes as the allocation
+history of torch.compile's graphs of a BERT-base shows them: inductor reuses
+its buffers, so a few live across the layers while each layer allocates and
+frees its attention scores and its MLP's intermediate, and the head's copied
+weight and the logits come last.
+
 Printed: peak live and peak reserved memory, and reserved / live, for gpumem
 (also with no capture under way, where the growth limit and defragmentation
 apply, as they would to a MemPool used without a graph) and for a model of one contiguous growable segment per
@@ -19,8 +27,8 @@ pool (expandable
 segments: best fit among its free ranges, else the segment grows at its end by
 what its free tail lacks, in 2 MiB pages), which is the figure to approach.
 
-Usage: python benchmarks/pool_growth.py [--shapes 2x256,8x512,16x1024] [--drop-outputs] [--between BYTES] [--label NAME]
-       [--out benchmarks/results/pool_growth.json]
+Usage: python benchmarks/pool_growth.py [--model llama|encoder] [--shapes 2x256,8x512,16x1024] [--drop-outputs]
+       [--between BYTES] [--label NAME] [--out benchmarks/results/pool_growth.json]
 """
 
 import argparse
@@ -44,6 +52,14 @@ def weights(a):
     h, i, v = a.hidden, a.mlp, a.vocab
     per_layer = [h * h] * 4 + [h * i] * 3 + [h, h]
     return [2 * n for n in [v * h] + per_layer * a.layers + [h, v * h]]
+
+
+def encoder_weights(a):
+    """Sizes of a BERT-style encoder's weights with its language-model head
+    (the decoder's matrix tied to the embedding), one allocation per tensor."""
+    h, i, v = a.hidden, a.mlp, a.vocab
+    layer = [h * h, h] * 4 + [h, h] + [i * h, i, h * i, h] + [h, h]
+    return [2 * n for n in [v * h, 512 * h, 2 * h, h, h] + layer * a.layers + [h * h, h, h * h, h, h, h, v]]
 
 
 def forward(a, tokens, alloc, free, batch):
@@ -83,6 +99,43 @@ def forward(a, tokens, alloc, free, batch):
     return logits
 
 
+def forward_encoder(a, tokens, alloc, free, batch):
+    """One forward pass of a compiled encoder with its language-model head:
+    returns the live output (logits)."""
+    seq = tokens // batch
+    act, wide, inter = tokens * a.hidden * 2, tokens * a.hidden * 4, tokens * a.mlp * 2
+    x, y = alloc(act), alloc(act)
+    blas = [alloc(32 * MiB), alloc(MiB)]  # cuBLAS's and cuBLASLt's workspaces, at the first matmul
+    z = alloc(act)
+    w1, w2 = alloc(wide), alloc(wide)  # fp32 buffers the layers share
+    for _ in range(a.layers):
+        scores = alloc(batch * a.heads * seq * seq * 4)
+        free(scores)
+        h_ = alloc(inter)
+        free(h_)
+    free(w1), free(w2), free(z), free(y)
+    h_ = alloc(inter)  # the head's transform
+    free(h_)
+    weight, bias = alloc(a.vocab * a.hidden * 2), alloc(a.vocab * 2)
+    logits = alloc(tokens * a.vocab * 2)
+    free(x), free(weight), free(bias), free(blas[0]), free(blas[1])
+    return logits
+
+
+MODELS = {
+    "llama": (
+        weights,
+        forward,
+        dict(shapes="2x256,8x512,16x1024", layers=4, hidden=2048, heads=16, mlp=5504, vocab=32000),
+    ),
+    "encoder": (
+        encoder_weights,
+        forward_encoder,
+        dict(shapes="8x512,32x512,64x256", layers=12, hidden=768, heads=12, mlp=3072, vocab=30522),
+    ),
+}
+
+
 def run_gpumem(a, shapes, capture=True):
     peak_live = 0
     with gpumem.Heap(device="sim", capacity=a.capacity) as h:
@@ -92,7 +145,7 @@ def run_gpumem(a, shapes, capture=True):
             st = h.stats()
             peak_live = max(peak_live, st["allocated_bytes.all.current"])
 
-        w = [h.malloc(n, stream=STREAM) for n in weights(a)]
+        w = [h.malloc(n, stream=STREAM) for n in a.weights(a)]
         h.pool_retain(POOL)
         outputs = []
 
@@ -105,9 +158,9 @@ def run_gpumem(a, shapes, capture=True):
         for b, t in shapes:
             if capture:
                 h.capture_begin()
-            out = forward(a, b * t, alloc, h.free, b)  # warm-up: its output goes back
+            out = a.forward(a, b * t, alloc, h.free, b)  # warm-up: its output goes back
             h.free(out)
-            outputs.append(forward(a, b * t, alloc, h.free, b))  # recorded: its output stays
+            outputs.append(a.forward(a, b * t, alloc, h.free, b))  # recorded: its output stays
             if a.drop_outputs:
                 h.free(outputs.pop())
             if capture:
@@ -202,11 +255,11 @@ def run_segment(a, shapes):
         live -= sizes.pop(key)
         (general if key[0] == id(general) else pool).release(key[1])
 
-    for n in weights(a):
+    for n in a.weights(a):
         alloc(general, n)
     for b, t in shapes:
-        free(forward(a, b * t, lambda n: alloc(pool, n), free, b))
-        out = forward(a, b * t, lambda n: alloc(pool, n), free, b)
+        free(a.forward(a, b * t, lambda n: alloc(pool, n), free, b))
+        out = a.forward(a, b * t, lambda n: alloc(pool, n), free, b)
         if a.drop_outputs:
             free(out)
         if a.between:
@@ -216,12 +269,10 @@ def run_segment(a, shapes):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="2x256,8x512,16x1024", help="batch x seq, comma separated")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--mlp", type=int, default=5504)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama", help="whose passes (default: llama)")
+    ap.add_argument("--shapes", help="batch x seq, comma separated (default: the model's)")
+    for name in ("layers", "hidden", "heads", "mlp", "vocab"):
+        ap.add_argument(f"--{name}", type=int, help="default: the model's")
     ap.add_argument("--capacity", default="80GiB")
     ap.add_argument(
         "--drop-outputs", action="store_true", help="free each recorded pass's output too (the caller drops it)"
@@ -232,12 +283,15 @@ def main(argv=None):
     ap.add_argument("--label", default="", help="a name for this build, kept in the JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pool_growth.json"))
     a = ap.parse_args(argv)
+    a.weights, a.forward, preset = MODELS[a.model]
+    for k, v in preset.items():
+        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     g = run_gpumem(a, shapes)
     nc = run_gpumem(a, shapes, capture=False)
     s = run_segment(a, shapes)
     print(
-        f"one graph pool, shapes {a.shapes}; {a.layers} layers, hidden {a.hidden}, MLP {a.mlp}, "
+        f"one graph pool, {a.model}, shapes {a.shapes}; {a.layers} layers, hidden {a.hidden}, MLP {a.mlp}, "
         f"vocabulary {a.vocab}, bf16 (simulated device)"
     )
     print(f"{'':28s}{'peak live GiB':>15s}{'peak reserved GiB':>19s}{'reserved/live':>15s}")
@@ -256,7 +310,7 @@ def main(argv=None):
         "benchmark": "pool_growth",
         "label": a.label,
         "python": platform.python_version(),
-        "args": {k: v for k, v in vars(a).items() if k != "out"},
+        "args": {k: v for k, v in vars(a).items() if k not in ("out", "weights", "forward")},
         "gpumem": g,
         "gpumem_no_capture": nc,
         "segment_model": s,

@@ -136,8 +136,8 @@ MUTATIONS = [
     Mutation(
         "placement_ignores_shared_pages",
         "carving ignores which end shares a page with a live neighbour",
-        "return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;",
-        "(void)h;\n    (void)hi;\n    (void)fresh_pages;\n    return b->addr;",
+        "    if (f_hi != f_lo) return f_hi < f_lo ? hi : b->addr;",
+        "    if (0 && f_hi != f_lo) return f_hi < f_lo ? hi : b->addr;",
         path="csrc/core/heap.c",
     ),
     Mutation(

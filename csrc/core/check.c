@@ -56,7 +56,8 @@
  *      whole mapped chunks inside unmapped space, as many as the heap counts;
  *      nothing else mapped lies in unmapped space.
  *   C15 a page that a block of a living pool touches holds only that pool's
- *      blocks; a pool's free neighbours are apart only across a growth seam.
+ *      blocks; a pool's free neighbours are apart only across a no_split
+ *      pool's growth seam.
  *   C16 spill: host pages are mapped pages flagged host, whole chunks of
  *      them, counted in host_pages (never in mapped_pages, held pages or the
  *      cap) and in spilled_bytes; no block of a living pool touches one; the

@@ -132,14 +132,21 @@
  *   edge stays its own: no other growth starts right after a living pool's
  *   block, and a pool's request extends the pool's free memory when that
  *   costs at most one page more than the best place elsewhere (consider_at,
- *   POOL_EDGE_PAGES).
+ *   POOL_EDGE_PAGES).  And the pool's free memory at its edge stays in one
+ *   piece, as an expandable segment's free tail does: a request that a free
+ *   block at the pool's lower edge (unmapped space below it) serves takes
+ *   that block's top (snug_end; a pool placed at the top of the address
+ *   space grows downwards), and a placement may take part of a chunk whose
+ *   other pages the pool holds already (pool_pages_ok).
  *
  *   Each slow-path placement is a growth, numbered per page (page_growth):
- *   the pages it maps, and for a pool the pages it takes.  A pool's free
- *   neighbours do not merge across a page where the growth changes, as a
- *   native allocator's blocks do not merge across segments, and snapshots
- *   cut segments there.  A no_split pool's request takes whole pages, or a
- *   whole free block of the pool: its blocks are never split.
+ *   the pages it maps, and for a pool the pages it takes.  Snapshots cut
+ *   segments where the growth changes, as a native allocator's segments
+ *   are; a pool's free neighbours still merge across it, as an expandable
+ *   segment's do (apart they would serve only requests that fit one of
+ *   them).  A no_split pool's request takes whole pages, or a whole free
+ *   block of the pool: its blocks are never split, and its free neighbours
+ *   do not merge across a growth (h_pool_seam).
  *
  *     [A   ][free][B  p1 ][free p1  ][C  p1 ][free p1][unmapped ...]
  *     |  page 0  |  page 1  |  page 2  |  page 3  |
@@ -290,10 +297,6 @@ gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
 }
 
-/* An allocation in a pool takes only the pool's free memory here: general
- * free memory it may take only as whole pages of its own (placement). */
-gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) { return h_fit_in(h, size, s, pool); }
-
 /* Turn [at, at+size) of the free block b into a live block. */
 static gm_block *carve(gm_heap *h, gm_block *b, uintptr_t at, size_t size) {
     h_index_remove(h, b);
@@ -320,13 +323,33 @@ static size_t fresh_pages(const gm_heap *h, const gm_block *b, uintptr_t x, size
     return n;
 }
 
+/* Whether b is a pool's free block at the pool's lower edge: unmapped space
+ * (where the pool grows) just below it, no general space just above. */
+static int pool_edge_below(const gm_block *b) {
+    return b->pool && b->prev && b->prev->state == GM_BLOCK_UNMAPPED && !(b->next && h_general_space(b->next));
+}
+
 /* Which end of free block b to carve from: the one that shares a page with a
  * live neighbour, so the allocation touches the fewest pages nothing else
- * uses -- physical memory is pages touched, not bytes.  Low end on ties. */
+ * uses -- physical memory is pages touched, not bytes.  On ties the low end,
+ * except at a pool's lower edge: there the high end, so that the free rest
+ * stays at the edge, where a larger request extends it in place (place.c),
+ * as an expandable segment keeps its free tail at its growing end. */
 static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
     if (b->size == size) return b->addr;
     uintptr_t hi = b->addr + b->size - size;
-    return fresh_pages(h, b, hi, size) < fresh_pages(h, b, b->addr, size) ? hi : b->addr;
+    size_t f_hi = fresh_pages(h, b, hi, size), f_lo = fresh_pages(h, b, b->addr, size);
+    if (f_hi != f_lo) return f_hi < f_lo ? hi : b->addr;
+    return pool_edge_below(b) ? hi : b->addr;
+}
+
+/* The fast path's choice: the best fit for s (an allocation in a pool takes
+ * only the pool's free memory here: general free memory it may take only as
+ * whole pages of its own, placement), and where in it to carve (*at). */
+gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, uintptr_t *at) {
+    gm_block *b = h_fit_in(h, size, s, pool);
+    if (b) *at = snug_end(h, b, size);
+    return b;
 }
 
 /* ---- public entry points --------------------------------------------------------------- */
@@ -594,11 +617,13 @@ static void claim_pool_pages(gm_heap *h, gm_block *b, gm_pool *p, uintptr_t reac
         h_run_detach(h, r);
         h_index_remove(h, r);
         if (r->addr + r->size > e) h_index_insert(h, h_split(h, r, e - r->addr));
+        gm_block *rest = r->next; /* general space after r: a run of its own now */
+        int rejoin = rest && h_general_space(rest);
         r->pool = p;
         h_pages_use(h, r, 1);
-        r = h_merge_neighbours(h, r);
+        r = h_merge_neighbours(h, r); /* a pool block after r, already out of the runs, may join it */
         h_index_insert(h, r);
-        if (r->next && h_general_space(r->next)) h_run_attach(h, r->next);
+        if (rejoin) h_run_attach(h, rest);
     }
 }
 
@@ -639,8 +664,8 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
     if (h->lazy_stream != ANY && s != h->lazy_stream) h_settle_release(h);
     if (h->n_pending) pending_step(h, s);
     if (h->host_idle) h_spill_idle(h, s); /* no free block on host pages for the fast path */
-    gm_block *b = h_fit(h, rsize, s, pool);
-    uintptr_t at = b ? snug_end(h, b, rsize) : 0, reach = 0;
+    uintptr_t at = 0, reach = 0;
+    gm_block *b = h_fit(h, rsize, s, pool, &at);
     if (!b) {
         if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
         if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at, &reach))) goto done;

@@ -96,8 +96,8 @@ struct gm_heap {
     size_t n_parked;
     /* Per page: the growth that mapped it (or gave it to a pool) -- one
      * slow-path placement, numbered from 1 (growth_seq: the latest); 0: never
-     * mapped.  Snapshots cut segments where it changes, and a pool's free
-     * blocks do not merge across such a seam (h_pool_seam). */
+     * mapped.  Snapshots cut segments where it changes, and a no_split
+     * pool's free blocks do not merge across such a seam (h_pool_seam). */
     uint32_t *page_growth;
     uint32_t growth_seq;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
@@ -237,11 +237,14 @@ static inline int h_keeps_pages(const gm_block *b) {
     return b->state == GM_BLOCK_LIVE || (b->state != GM_BLOCK_UNMAPPED && h_pinned(b));
 }
 
-/* Free neighbours a and b (b = a->next) of a pool, split by a page where the
- * growth that gave the pool its pages changes: they stay apart, as blocks of
- * two native segments do. */
+/* Free neighbours a and b (b = a->next) of a no_split pool, split by a page
+ * where the growth that gave the pool its pages changes: they stay apart, as
+ * each block of such a pool is whole pages of one growth.  Other pools' free
+ * neighbours merge across growths, as an expandable segment's do: a pool
+ * lives by reusing its own free memory, and apart they would serve only
+ * requests that fit one of them. */
 static inline int h_pool_seam(const gm_heap *h, const gm_block *a, const gm_block *b) {
-    if (!a->pool || ((b->addr - h->base) & (h->page - 1))) return 0;
+    if (!a->pool || !a->pool->no_split || ((b->addr - h->base) & (h->page - 1))) return 0;
     size_t p = h_page_floor(h, b->addr);
     return p && h->page_growth[p] != h->page_growth[p - 1];
 }
@@ -331,7 +334,7 @@ static inline void h_swing(gm_heap *h) {
 
 /* ---- heap.c ---- */
 gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
-gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool);
+gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, uintptr_t *at);
 void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stream s, uint64_t context, gm_pool *p);
 void h_free_block(gm_heap *h, gm_block *b);
 

@@ -64,20 +64,34 @@ static int ranks_before(const placement *a, const placement *b) {
     return a->run < b->run || (a->run == b->run && a->addr < b->addr);
 }
 
+/* Whether pages [q0, q1) are all the pool's already: a page that a block of
+ * a living pool starts holds only that pool's blocks.  b: any block before. */
+static int pools_pages(const struct place_ctx *c, gm_block *b, size_t q0, size_t q1) {
+    for (size_t q = q0; q < q1; q++) {
+        b = h_block_holding(b, h_page_addr(c->h, q));
+        if (b->pool != c->pool) return 0;
+    }
+    return 1;
+}
+
 /* A pool's request takes pages of its own: [x, x+size) starts a page, and
  * what else its last page holds is the pool's or general space the stream
  * may use (claim_pool_pages makes it the pool's).  So no page holds blocks
  * of a living pool and anything else. */
-static int pool_pages_ok(const struct place_ctx *c, const gm_block *first, uintptr_t x) {
+static int pool_pages_ok(const struct place_ctx *c, gm_block *first, uintptr_t x) {
     uintptr_t end = x + c->size, e = h_page_addr(c->h, h_page_ceil(c->h, end));
     if ((x - c->h->base) & (c->h->page - 1)) return 0;
     /* No page of a physical allocation the policy made with room (POLICY;
      * with chunk_pages 1 every larger one is its) that the range does not
-     * wholly take: it goes back only whole, and a segment as torch counts
-     * them is one pool's. */
+     * wholly take, unless the pool holds the rest of it already: it goes
+     * back only whole, and a segment as torch counts them is one pool's. */
     size_t p0 = h_page_floor(c->h, x), p1 = h_page_ceil(c->h, end);
-    for (size_t p = p0; p < p1 && c->h->chunk_pages == 1; p++)
-        if (c->h->chunk_len[p] > 1 && (h_chunk_first(c->h, p) < p0 || h_chunk_end(c->h, p) > p1)) return 0;
+    for (size_t p = p0; p < p1 && c->h->chunk_pages == 1; p++) {
+        if (c->h->chunk_len[p] <= 1) continue;
+        size_t q0 = h_chunk_first(c->h, p), q1 = h_chunk_end(c->h, p);
+        if ((q0 < p0 && !pools_pages(c, first, q0, p0)) || (q1 > p1 && !pools_pages(c, first, p1, q1))) return 0;
+        p = q1 - 1;
+    }
     for (size_t p = p0; p < p1 && c->h->host_pages; p++) /* a pool's pages are the device's (spill.c) */
         if (c->h->host[p]) return 0;
     for (const gm_block *b = first; b && b->addr < e; b = b->next) {

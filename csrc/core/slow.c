@@ -171,10 +171,9 @@ again:;
     /* 1. Memory other streams (or record_stream users) have finished with. */
     size_t moved = h->n_pending ? h_process_pending(h, 0) : 0;
     if (h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s)) moved += h_release_owners(h, s, 0);
-    b = moved ? h_fit(h, size, s, pool) : NULL;
+    b = moved ? h_fit(h, size, s, pool, at) : NULL;
     if (b) {
         *out = b;
-        *at = b->addr;
         return GM_OK;
     }
     /* 2-3. Place, and back it with spare or new pages under the growth limit,

@@ -1,12 +1,13 @@
 """A pool's free memory grows in place: a pool's request extends its free block into unmapped space,
 keeps to its pool and stream rules, and leaves the pages beside general memory alone (and the general
-heap leaves a pool's pages alone)."""
+heap leaves a pool's pages alone); the pool keeps its free memory in one piece at its edge, so that
+graphs recorded at growing shapes reserve about what they use at once."""
 
 import random
 
 import pytest
 
-from helpers import MiB, PAGE, assert_ok
+from helpers import GiB, MiB, PAGE, assert_ok
 from test_pools import P, Q, S1, S2, _reserved, blocks, overlaps, pool_blocks, random_traffic
 
 
@@ -272,5 +273,147 @@ def test_a_page_with_another_streams_free_block_is_not_the_pools(make_heap):
     assert_ok(h)
     h.sim_hold_stream(S2, False)
     h.free(b)
+    h.pool_release(P)
+    assert_ok(h)
+
+
+# ---- the free memory at a pool's edge stays in one piece ---------------------------------------
+
+
+def test_a_pool_carves_from_the_top_of_its_free_block_at_its_lower_edge(make_heap):
+    """A pool that grows downwards (unmapped space below its lowest block): a
+    small request takes the top of the free block there, so that the free rest
+    stays at the edge and the next larger request extends it by the pages it
+    lacks, as an expandable segment keeps its free tail at its growing end."""
+    h = make_heap()
+    h.pool_retain(P)
+    g = h.malloc(20 * MiB)  # general, pages 0-9
+    a = h.malloc(4 * MiB, pool=P)  # pages 10-11
+    b = h.malloc(4 * MiB, pool=P)  # pages 12-13, live above
+    assert a == g + 20 * MiB and b == a + 4 * MiB
+    h.free(g)
+    h.empty_cache()  # pages 0-9 unmapped: the pool's lower edge
+    h.free(a)
+    x = h.malloc(2 * MiB, pool=P)
+    assert x == a + 2 * MiB, "the small request did not take the top of the free block"
+    before = _reserved(h)
+    y = h.malloc(8 * MiB, pool=P)
+    assert y == a - 6 * MiB, "the larger request did not extend the free rest at the edge"
+    assert _reserved(h) - before == 3 * PAGE
+    assert_ok(h)
+    for p in (x, y, b):
+        h.free(p)
+    h.pool_release(P)
+    assert_ok(h)
+
+
+def test_a_pools_free_neighbours_merge_across_growths(make_heap):
+    """Two neighbouring growths of a pool, both freed, are one free block: a
+    request of their joint size takes it on the fast path.  A no_split pool's
+    blocks are whole growths, and stay apart."""
+    for no_split in (False, True):
+        h = make_heap()
+        h.pool_retain(P)
+        h.pool_set_no_split(P, no_split)
+        a = h.malloc(4 * MiB, pool=P)
+        b = h.malloc(6 * MiB, pool=P)  # another growth, right after a
+        assert b == a + 4 * MiB
+        h.free(a)
+        h.free(b)
+        assert_ok(h)
+        if no_split:
+            assert pool_blocks(h, P) == [(a, 4 * MiB, "free"), (b, 6 * MiB, "free")]
+            continue
+        assert pool_blocks(h, P) == [(a, 10 * MiB, "free")]
+        slow, before = h.stats()["num_slow_allocs"], _reserved(h)
+        c = h.malloc(10 * MiB, pool=P)
+        assert (c, h.stats()["num_slow_allocs"], _reserved(h)) == (a, slow, before)
+        h.free(c)
+        h.pool_release(P)
+        assert_ok(h)
+
+
+def test_a_pool_extends_its_free_memory_over_a_chunk_it_holds(make_heap):
+    """Far from pressure a pool's large growth is mapped as chunks of many pages.
+    A later request may extend the pool's free memory over part of such a
+    chunk when the rest of the chunk is the pool's too (a live block of the
+    pool lies there): it maps only the pages it lacks, instead of all of them
+    elsewhere."""
+    h = make_heap(capacity=80 * GiB)
+    h.pool_retain(P)
+    r = h.malloc(200 * MiB, pool=P)
+    h.free(r)
+    x = h.malloc(20 * MiB, pool=P)  # at the start, on the chunk's first pages
+    assert x == r
+    before = _reserved(h)
+    y = h.malloc(300 * MiB, pool=P)
+    assert y == r + 20 * MiB, "the pool's free memory was not extended"
+    assert _reserved(h) - before == 120 * MiB
+    assert_ok(h)
+    h.free(x)
+    h.free(y)
+    h.pool_release(P)
+    assert_ok(h)
+
+
+def _encoder_weights():
+    """A BERT-base's weights, bf16, one allocation per tensor."""
+    hid, inter, vocab = 768, 3072, 30522
+    layer = [hid * hid, hid] * 4 + [hid, hid] + [inter * hid, inter, hid * inter, hid] + [hid, hid]
+    return [2 * n for n in [vocab * hid, 512 * hid, 2 * hid, hid, hid] + layer * 12 + [hid * hid] + [hid] * 4 + [vocab]]
+
+
+def _encoder_pass(alloc, free, batch, seq):
+    """A compiled BERT-base's forward with its language-model head, as its
+    recorded graphs allocate it: buffers the layers share, each layer's
+    attention scores (fp32) and MLP intermediate, then the head's weight,
+    copied, and the logits, which it returns."""
+    tokens, hid, vocab = batch * seq, 768, 30522
+    x, y = alloc(tokens * hid * 2), alloc(tokens * hid * 2)
+    blas = [alloc(32 * MiB), alloc(MiB)]  # cuBLAS's workspaces
+    shared = [alloc(tokens * hid * 2), alloc(tokens * hid * 4), alloc(tokens * hid * 4)]
+    for _ in range(12):
+        free(alloc(batch * 12 * seq * seq * 4))
+        free(alloc(tokens * 3072 * 2))
+    for p in shared[::-1] + [y]:
+        free(p)
+    free(alloc(tokens * 3072 * 2))
+    head = [alloc(vocab * hid * 2), alloc(vocab * 2)]
+    logits = alloc(tokens * vocab * 2)
+    for p in [x] + head + blas:
+        free(p)
+    return logits
+
+
+@pytest.mark.parametrize("weights", ["per_tensor", "one_block"])
+def test_graphs_of_growing_shapes_reserve_about_their_peak_live(make_heap, weights):
+    """torch.compile(mode="reduce-overhead") on an encoder at three shapes:
+    one pool, a warm-up and a recorded pass per shape under a capture.  The
+    pool reserves at most 3% more than its peak live (a growable segment per
+    pool, 2.3% here), whether it grows upwards (the weights in one block) or
+    downwards from the top of the address space (a tensor per weight leaves
+    the general heap's last pages partly used)."""
+    h = make_heap(capacity=80 * GiB)
+    sizes = _encoder_weights()
+    w = [h.malloc(n, stream=S1) for n in (sizes if weights == "per_tensor" else [sum(sizes)])]
+    h.pool_retain(P)
+    peak = 0
+
+    def alloc(n):
+        nonlocal peak
+        p = h.malloc(n, stream=S1, pool=P)
+        peak = max(peak, h.pool_info(P)["live_bytes"])
+        return p
+
+    for batch, seq in ((8, 512), (32, 512), (64, 256)):
+        h.capture_begin()
+        for _ in range(2):  # warm-up, then the recording
+            h.free(_encoder_pass(alloc, h.free, batch, seq))
+        h.capture_end()
+    pool = h.pool_info(P)["pinned_pages"] * PAGE
+    assert pool <= 1.03 * peak, f"the pool reserves {pool / MiB:.0f} MiB for {peak / MiB:.0f} MiB live at most"
+    assert_ok(h)
+    for p in w:
+        h.free(p)
     h.pool_release(P)
     assert_ok(h)
