@@ -95,6 +95,12 @@ static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_sim_stream_busy(HeapObject *self, PyObject *stream_o) {
+    uint64_t stream;
+    if (gm_py_arg(self, GM_PY_SIM, stream_o, gm_py_stream_arg, &stream) < 0) return NULL;
+    return PyBool_FromLong(gm_sim_stream_busy(self->dev, (gm_stream)stream));
+}
+
 static PyObject *Heap_sim_set_event_delay(HeapObject *self, PyObject *ops_o) {
     uint64_t ops;
     if (gm_py_arg(self, GM_PY_SIM, ops_o, gm_py_ops_arg, &ops) < 0) return NULL;
@@ -252,6 +258,11 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_meth = KW(Heap_sim_hold_stream),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_hold_stream(stream, held=True)"},
+    {.ml_name = "sim_stream_busy",
+     .ml_meth = (PyCFunction)Heap_sim_stream_busy,
+     .ml_flags = METH_O,
+     .ml_doc = "sim_stream_busy(stream): True if work issued to the stream now would wait: it is held, or it\n"
+               "was made to wait on the device for work that has not finished"},
     {.ml_name = "sim_set_event_delay",
      .ml_meth = (PyCFunction)Heap_sim_set_event_delay,
      .ml_flags = METH_O,
