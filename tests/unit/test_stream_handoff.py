@@ -162,3 +162,23 @@ def test_a_pools_pending_block_stays_with_its_pool(make_heap):
     assert p == x and h.stats()["num_stream_handoffs"] == 1
     assert_ok(h)
     h.sim_hold_stream(MAIN, False)
+
+
+def test_the_option_reaches_the_registry_and_is_checked():
+    from gpumem import _C
+    from gpumem.torch._install import OptionError, normalize_options, parse_conf
+
+    assert normalize_options(parse_conf("stream_handoff:0"))["stream_handoff"] == 0
+    assert normalize_options({})["stream_handoff"] is None  # the core's default: on
+    with pytest.raises(OptionError, match="stream_handoff must be 0 or 1, got 2"):
+        normalize_options({"stream_handoff": 2})
+    with pytest.raises(ValueError, match="stream_handoff must be 0 or 1, got 7"):
+        gpumem.Heap(device="sim", capacity=CAP, stream_handoff=7)
+    before = _C.registry_options()
+    assert before["stream_handoff"] == 1
+    try:
+        _C.registry_configure(stream_handoff=0)
+        assert _C.registry_options()["stream_handoff"] == 0
+    finally:
+        _C.registry_configure(stream_handoff=before["stream_handoff"])
+    assert _C.registry_options() == before
