@@ -354,7 +354,10 @@ static int handoff_pending(gm_heap *h, gm_block *b, gm_stream s) {
     }
     pending_unlink(h, b);
     h->host_idle |= h->host_pages && h_on_host(h, b);
+    uintptr_t addr = b->addr;
+    size_t size = b->size;
     complete_free_for(h, b, s);
+    h_hist(h, GM_H_HANDOFF, addr, size, s, 0);
     return 1;
 }
 
@@ -367,6 +370,7 @@ struct handoff_ctx {
 static int handoff_free(gm_block *b, void *arg) {
     struct handoff_ctx *c = arg;
     gm_heap *h = c->rc.h;
+    h_hist(h, GM_H_HANDOFF, b->addr, b->size, c->to, 0);
     h_index_remove(h, b);
     b->stream = b->origin = c->to;
     b->seq = ++h->free_seq;

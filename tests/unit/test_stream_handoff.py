@@ -56,11 +56,14 @@ def test_a_pending_block_goes_to_its_stream_near_the_cap(make_heap):
 
 def test_another_streams_free_block_is_handed_over(make_heap):
     h, _ = full_heap(make_heap)
+    h.history_enable(1000)
     x = h.malloc(32 * MiB, stream=MAIN)
     h.sim_hold_stream(MAIN, True)  # MAIN's kernels on x still run when it frees x
     h.free(x)
     p = h.malloc(32 * MiB, stream=SIDE)
     assert p == x and h.stats()["num_stream_handoffs"] == 1
+    handed = [(e[2], e[3], e[4]) for e in h.history()[0] if e[1] == "handoff"]
+    assert handed == [(x, 32 * MiB, SIDE)]
     assert h.stats()["num_sync_all_streams"] == 0
     assert h.sim_stream_busy(SIDE)
     assert_ok(h)

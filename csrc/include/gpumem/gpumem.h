@@ -318,8 +318,9 @@ enum gm_hist_action {
     GM_H_REMAP = 5,          /* defragmentation: pages moved to addr */
     GM_H_OOM = 6,
     GM_H_EMPTY_CACHE = 7,
-    GM_H_SPILL = 8,  /* pages at addr now lie in host memory (spill) */
-    GM_H_UNSPILL = 9 /* host pages at addr left: moved back to the device, or unmapped (nothing lived there) */
+    GM_H_SPILL = 8,   /* pages at addr now lie in host memory (spill) */
+    GM_H_UNSPILL = 9, /* host pages at addr left: moved back to the device, or unmapped (nothing lived there) */
+    GM_H_HANDOFF = 10 /* freed memory at addr went to `stream`, made to wait on the device for its freer's work */
 };
 typedef struct gm_hist_entry {
     uint64_t time_ns; /* CLOCK_MONOTONIC */
