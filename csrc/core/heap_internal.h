@@ -369,7 +369,7 @@ void h_complete_free(gm_heap *h, gm_block *b);
 size_t h_process_pending(gm_heap *h, int synced);
 size_t h_release_owners(gm_heap *h, gm_stream requester, int synced);
 size_t h_release_idle(gm_heap *h);
-size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool);
+size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool, size_t size);
 int h_synchronize(gm_heap *h, gm_stream requester);
 
 /* ---- page.c ---- */

@@ -125,7 +125,7 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
  * request; else, if memory changed hands, *pl placed again (*want as step 2). */
 static int handoff(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, placement *pl, size_t *want, gm_block **out) {
     if (!h->handoff || (!h->n_pending && h->n_owners <= 2 && (h->n_owners < 2 || h->owners[1]->stream == s))) return 0;
-    if (!h_stream_handoff(h, s, pool)) return 0;
+    if (!h_stream_handoff(h, s, pool, size)) return 0;
     h->st.num_stream_handoffs++;
     if ((*out = h_fit(h, size, s, pool))) return 1;
     *pl = h_place(h, *want, s, pool);

@@ -312,10 +312,13 @@ size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
  *   the other streams have queued so far (an event recorded on each now, and
  *   a pending block's own events), and the memory becomes the requester's at
  *   once, with no host wait and no new pages.  Its later work, on these
- *   blocks or any other, runs after that wait.  The blocks are the
- *   requester's (not everyone's): a third stream gets them only as any of the
- *   requester's frees, through its own proof, so each free counts as the
- *   requester's, made now (a new free number, the requester as its origin).
+ *   blocks or any other, runs after that wait.  The smallest single block
+ *   that holds the request alone goes, so that the requester waits for one
+ *   stream's work; when none does, all of it, for placement to join.  The
+ *   blocks are the requester's (not everyone's): a third stream gets them
+ *   only as any of the requester's frees, through its own proof, so each
+ *   free counts as the requester's, made now (a new free number, the
+ *   requester as its origin).
  *
  *   Not during a capture (the slow path never gets here then: a capture must
  *   not wait on an event recorded outside it), not where the device cannot
@@ -380,29 +383,69 @@ static int handoff_free(gm_block *b, void *arg) {
     return 0;
 }
 
-/* Hand s the memory other streams freed in `pool` (NULL: the general heap)
- * whose work may still run (HAND-OFF above).  Returns how many blocks changed
- * hands; the caller counts the hand-off. */
-size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool) {
-    h_assert(!h->no_sync && (h->lazy_stream == ANY || h->lazy_stream == s));
-    if (!h->dev->ops->stream_wait) return 0;
+/* A pending block s may be handed: of `pool` (NULL: the general heap), its
+ * events recorded. */
+static int pending_handable(const gm_block *b, const gm_pool *pool) {
+    return !b->deferred && !b->wait_sync && (h_pinned(b) ? b->pool : NULL) == pool;
+}
+
+/* An owner whose free blocks s may be handed: another stream's, of `pool`. */
+static int owner_handable(const gm_owner *o, gm_stream s, const gm_pool *pool) {
+    return o->stream != ANY && o->stream != s && o->pool == pool && o->idx.count;
+}
+
+/* The smallest single block other streams freed that holds `size` bytes
+ * alone: pending (*from NULL) or free in owner *from.  NULL if none does. */
+static gm_block *fitting_one(gm_heap *h, gm_stream s, gm_pool *pool, size_t size, gm_owner **from) {
+    gm_block *best = NULL;
+    *from = NULL;
+    for (gm_block *b = h->pending_head; b; b = b->lnext)
+        if (pending_handable(b, pool) && b->size >= size && (!best || b->size < best->size)) best = b;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        gm_block *b = owner_handable(o, s, pool) ? fi_best_fit(&o->idx, size) : NULL;
+        if (b && (!best || b->size < best->size)) best = b, *from = o;
+    }
+    return best;
+}
+
+/* Hand s every block other streams freed in `pool` whose work may still run:
+ * no single one holds the request, placement may join them. */
+static size_t handoff_all(gm_heap *h, gm_stream s, gm_pool *pool) {
     size_t n = 0;
     for (gm_block *b = h->pending_head, *next; b; b = next) {
         next = b->lnext;
-        if (b->deferred || b->wait_sync || (h_pinned(b) ? b->pool : NULL) != pool) continue;
-        n += (size_t)handoff_pending(h, b, s);
+        if (pending_handable(b, pool)) n += (size_t)handoff_pending(h, b, s);
     }
     struct handoff_ctx c = {{h, 0, 0, NULL, 0, 0, 0}, s};
     for (size_t i = 1; i < h->n_owners; i++) {
         gm_owner *o = h->owners[i];
-        if (o->stream == ANY || o->stream == s || o->pool != pool || !o->idx.count) continue;
-        if (!wait_stream(h, s, o->stream)) continue;
+        if (!owner_handable(o, s, pool) || !wait_stream(h, s, o->stream)) continue;
         size_t before = c.rc.n;
         fi_each(&o->idx, handoff_free, &c);
         n += c.rc.n - before;
     }
     coalesce_released(h, &c.rc);
     return n;
+}
+
+/* Hand s the memory other streams freed in `pool` (NULL: the general heap)
+ * whose work may still run, for a request of `size` bytes (HAND-OFF above):
+ * the smallest block that holds it alone, so that s waits for one stream's
+ * work only; else all of it.  Returns how many blocks changed hands; the
+ * caller counts the hand-off. */
+size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool, size_t size) {
+    h_assert(!h->no_sync && (h->lazy_stream == ANY || h->lazy_stream == s));
+    if (!h->dev->ops->stream_wait) return 0;
+    gm_owner *o;
+    gm_block *one = fitting_one(h, s, pool, size, &o);
+    if (!one) return handoff_all(h, s, pool);
+    if (!o) return (size_t)handoff_pending(h, one, s);
+    if (!wait_stream(h, s, o->stream)) return 0;
+    struct handoff_ctx c = {{h, 0, 0, NULL, 0, 0, 0}, s};
+    handoff_free(one, &c);
+    coalesce_released(h, &c.rc);
+    return 1;
 }
 
 /* Give every stream what streams that have finished all their work freed in

@@ -101,6 +101,14 @@ static PyObject *Heap_sim_stream_busy(HeapObject *self, PyObject *stream_o) {
     return PyBool_FromLong(gm_sim_stream_busy(self->dev, (gm_stream)stream));
 }
 
+static PyObject *Heap_sim_stream_waits_for(HeapObject *self, PyObject *args) {
+    uint64_t stream, held;
+    if (gm_py_args(self, GM_PY_SIM, args, NULL, "O&O&:sim_stream_waits_for", NULL, gm_py_stream_arg, &stream,
+                   gm_py_stream_arg, &held) < 0)
+        return NULL;
+    return PyBool_FromLong(gm_sim_stream_waits_for(self->dev, (gm_stream)stream, (gm_stream)held));
+}
+
 static PyObject *Heap_sim_set_event_delay(HeapObject *self, PyObject *ops_o) {
     uint64_t ops;
     if (gm_py_arg(self, GM_PY_SIM, ops_o, gm_py_ops_arg, &ops) < 0) return NULL;
@@ -263,6 +271,11 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_flags = METH_O,
      .ml_doc = "sim_stream_busy(stream): True if work issued to the stream now would wait: it is held, or it\n"
                "was made to wait on the device for work that has not finished"},
+    {.ml_name = "sim_stream_waits_for",
+     .ml_meth = (PyCFunction)Heap_sim_stream_waits_for,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "sim_stream_waits_for(stream, held): True if `held` is held and work issued to `stream` now\n"
+               "waits on the device for the work `held` queued under this hold"},
     {.ml_name = "sim_set_event_delay",
      .ml_meth = (PyCFunction)Heap_sim_set_event_delay,
      .ml_flags = METH_O,

@@ -185,3 +185,24 @@ def test_the_option_reaches_the_registry_and_is_checked():
     finally:
         _C.registry_configure(stream_handoff=before["stream_handoff"])
     assert _C.registry_options() == before
+
+
+def test_the_smallest_block_that_fits_alone_costs_one_streams_wait(make_heap):
+    """Two streams freed blocks while their work runs; the request fits THIRD's smaller one: SIDE is made
+    to wait for THIRD's work only, and MAIN keeps its block."""
+    h = make_heap(capacity=CAP, pressure=0)
+    h.malloc(16 * MiB, stream=0)
+    m = h.malloc(32 * MiB, stream=MAIN)
+    t = h.malloc(16 * MiB, stream=THIRD)
+    h.sim_hold_stream(MAIN, True)
+    h.sim_hold_stream(THIRD, True)
+    h.free(m)
+    h.free(t)
+    p = h.malloc(16 * MiB, stream=SIDE)
+    assert p == t and h.stats()["num_stream_handoffs"] == 1
+    assert h.sim_calls("stream_wait") == 1
+    assert h.sim_stream_busy(SIDE)
+    h.sim_hold_stream(THIRD, False)
+    assert not h.sim_stream_busy(SIDE)  # MAIN still runs: SIDE does not wait for it
+    assert_ok(h)
+    h.sim_hold_stream(MAIN, False)
