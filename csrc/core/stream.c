@@ -313,8 +313,10 @@ size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
  *   a pending block's own events), and the memory becomes the requester's at
  *   once, with no host wait and no new pages.  Its later work, on these
  *   blocks or any other, runs after that wait.  The smallest single block
- *   that holds the request alone goes, so that the requester waits for one
- *   stream's work; when none does, all of it, for placement to join.  The
+ *   that holds the request alone with less than a page to spare goes, so
+ *   that the requester waits for one stream's work; when none does, all of
+ *   it, for placement to join and pack as tightly as after a device-wide
+ *   wait (a block with more to spare would leave its rest scattered).  The
  *   blocks are the requester's (not everyone's): a third stream gets them
  *   only as any of the requester's frees, through its own proof, so each
  *   free counts as the requester's, made now (a new free number, the
@@ -431,15 +433,15 @@ static size_t handoff_all(gm_heap *h, gm_stream s, gm_pool *pool) {
 
 /* Hand s the memory other streams freed in `pool` (NULL: the general heap)
  * whose work may still run, for a request of `size` bytes (HAND-OFF above):
- * the smallest block that holds it alone, so that s waits for one stream's
- * work only; else all of it.  Returns how many blocks changed hands; the
+ * the smallest block that holds it alone with less than a page to spare, so
+ * that s waits for one stream's work only; else all of it.  Returns how many blocks changed hands; the
  * caller counts the hand-off. */
 size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool, size_t size) {
     h_assert(!h->no_sync && (h->lazy_stream == ANY || h->lazy_stream == s));
     if (!h->dev->ops->stream_wait) return 0;
     gm_owner *o;
     gm_block *one = fitting_one(h, s, pool, size, &o);
-    if (!one) return handoff_all(h, s, pool);
+    if (!one || one->size - size >= h->page) return handoff_all(h, s, pool);
     if (!o) return (size_t)handoff_pending(h, one, s);
     if (!wait_stream(h, s, o->stream)) return 0;
     struct handoff_ctx c = {{h, 0, 0, NULL, 0, 0, 0}, s};
