@@ -198,11 +198,12 @@ def search(allocator: str, handoff, steps: int, res: int, deadline: float, runne
     free = runner(allocator, handoff, 0, steps)
     if free is None or not free["ok"]:
         return {"name": config_name(allocator, handoff), "uncapped": free, "min_cap": None, "probes": []}
-    hi = free["peak_reserved"] + 2 * res
+    lo = free["peak_live"] - 1  # below peak live nothing runs
+    hi = min(free["peak_reserved"] + 2 * res, int(1.1 * free["peak_live"]))
     top = runner(allocator, handoff, hi, steps)
     probes = [top] if top else []
     while top is not None and not top["ok"] and hi < 4 * free["peak_reserved"]:
-        hi = int(hi * 1.25)
+        lo, hi = hi, int(hi * 1.25)
         top = runner(allocator, handoff, hi, steps)
         probes.append(top)
     if top is None or not top["ok"]:
@@ -212,7 +213,7 @@ def search(allocator: str, handoff, steps: int, res: int, deadline: float, runne
         r = runner(allocator, handoff, cap, steps)
         return r if r is not None else {"ok": False, "cap": cap, "error": "the probe failed"}
 
-    cap, more, exact = bisect(run, free["peak_live"] - 1, hi, res, deadline)
+    cap, more, exact = bisect(run, lo, hi, res, deadline)
     at = [p for p in probes + more if p.get("cap") == cap and p["ok"]]
     return {
         "name": config_name(allocator, handoff),
@@ -252,8 +253,8 @@ def table(rows: list, live: int) -> str:
 
 def fake_runner(peak_live: int):
     """The dry run's stand-in for a GPU probe: fits from 1.007 x peak live (hand-off on), 1.012 (off),
-    1.05 (native)."""
-    need = {("gpumem", 1): 1.007, ("gpumem", 0): 1.012, ("native", None): 1.05}
+    1.12 (native: past the first guess, 1.1)."""
+    need = {("gpumem", 1): 1.007, ("gpumem", 0): 1.012, ("native", None): 1.12}
 
     def run(allocator, handoff, cap, steps):
         ok = not cap or cap >= need[(allocator, handoff)] * peak_live
