@@ -152,8 +152,8 @@ def probe(allocator: str, handoff, cap: int, steps: int) -> dict:
     try:
         r = workload(torch, "cuda", steps, GPU)
         torch.cuda.synchronize()
-    except torch.OutOfMemoryError as e:
-        ok, err = False, str(e).splitlines()[0][:200]
+    except RuntimeError as e:  # out of memory, or a library's allocation failing under the cap (its text kept)
+        ok, err = False, (str(e).splitlines() or [type(e).__name__])[0][:200]
     seconds = time.perf_counter() - t0
     st = torch.cuda.memory_stats()
     correct = ok and r["checks"] == r["expected"]
@@ -179,7 +179,8 @@ def probe(allocator: str, handoff, cap: int, steps: int) -> dict:
 
 def bisect(run, lo: int, hi: int, res: int, deadline: float):
     """Smallest multiple of `res` in (lo, hi] at which run(cap) holds; `run(hi)` must hold.  Stops at
-    the deadline (time.monotonic()) with the bracket it has.  Returns (cap, probes)."""
+    the deadline (time.monotonic()) with the bracket it has.  Returns (cap, the probes, whether the
+    bracket closed)."""
     lo, hi = lo // res, -(-hi // res)
     probes = []
     while hi - lo > 1 and time.monotonic() < deadline:
