@@ -434,8 +434,8 @@ static size_t handoff_all(gm_heap *h, gm_stream s, gm_pool *pool) {
 /* Hand s the memory other streams freed in `pool` (NULL: the general heap)
  * whose work may still run, for a request of `size` bytes (HAND-OFF above):
  * the smallest block that holds it alone with less than a page to spare, so
- * that s waits for one stream's work only; else all of it.  Returns how many blocks changed hands; the
- * caller counts the hand-off. */
+ * that s waits for one stream's work only; else all of it.  Returns how many
+ * blocks changed hands; the caller counts the hand-off. */
 size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool, size_t size) {
     h_assert(!h->no_sync && (h->lazy_stream == ANY || h->lazy_stream == s));
     if (!h->dev->ops->stream_wait) return 0;
