@@ -16,6 +16,12 @@ at each delay and prints peak live, peak reserved, reserved / live and the
 heap's device synchronisations; the synthetic trace also with a wide growth
 limit (growth_slack=1.0), where the default one does not cap what a delay adds.
 
+Then, near the limit, where late events matter: for the synthetic trace and the
+shipped multi-stream traces (MULTISTREAM), the smallest capacity each replays
+in at each delay, with the hand-off between streams (the default) and with
+`stream_handoff=0`, and the device synchronisations and hand-offs of a replay
+at that capacity.
+
 Usage: python benchmarks/event_delay.py [--delays 0,10,100] [--json benchmarks/results/event_delay.json]
 """
 
@@ -30,11 +36,12 @@ try:
 except ImportError:  # not installed: use the checkout (built with build_ext --inplace)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import gpumem
-from gpumem.replay import DEFAULT_CAPACITY, replay, replay_trace  # noqa: E402
+from gpumem.replay import DEFAULT_CAPACITY, min_capacity, replay, replay_trace  # noqa: E402
 from gpumem.data import list_traces  # noqa: E402
 from gpumem.trace import load_trace  # noqa: E402
 
 MiB = 1 << 20
+MULTISTREAM = ("prefetch_loader", "two_stream_pipeline", "overlap_comm")
 STREAM_A = 0x7F0000001000
 STREAM_B = 0x7F0000002000
 
@@ -86,6 +93,39 @@ def measure(trace, delay: int, heap_kwargs: dict) -> dict:
     }
 
 
+def near_the_limit(trace, delay: int, handoff: int) -> dict:
+    """The smallest capacity (1 MiB steps) and a replay at it: device syncs and hand-offs."""
+    kw = {"stream_handoff": handoff}
+    cap = min_capacity(trace, precision=MiB, heap_kwargs=kw, event_delay=delay)
+    heap = gpumem.Heap(device="sim", capacity=cap, **kw)
+    try:
+        heap.sim_set_event_delay(delay)
+        replay_trace(heap, trace)
+        st = heap.stats()
+    finally:
+        heap.close()
+    return {
+        "trace": trace.name,
+        "event_delay": delay,
+        "stream_handoff": handoff,
+        "peak_live_bytes": trace.peak_live_bytes,
+        "min_capacity_bytes": cap,
+        "num_sync_all_streams": st["num_sync_all_streams"],
+        "num_stream_handoffs": st["num_stream_handoffs"],
+    }
+
+
+def print_near(rows) -> None:
+    head = f"{'min capacity MiB':>17} {'÷ live':>8} {'syncs':>6} {'hand-offs':>9}"
+    print(f"\n{'trace':<20} {'delay':>6} {'hand-off':>9} {head}")
+    for r in rows:
+        cap = r["min_capacity_bytes"]
+        print(
+            f"{r['trace']:<20} {r['event_delay']:>6} {'on' if r['stream_handoff'] else 'off':>9} {cap / MiB:>17.0f} "
+            f"{cap / r['peak_live_bytes']:>8.4f} {r['num_sync_all_streams']:>6} {r['num_stream_handoffs']:>9}"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--delays", default="0,10,100", help="comma-separated event delays (default 0,10,100)")
@@ -104,6 +144,12 @@ def main(argv=None) -> int:
         # wide limit the delay shows in full.
         for d in delays:
             rows.append(measure(synth, d, {"growth_slack": 1.0}))
+        near = [
+            near_the_limit(trace, d, handoff)
+            for trace in [synth] + [load_trace(name) for name in MULTISTREAM]
+            for d in delays
+            for handoff in (1, 0)
+        ]
     print(
         f"{'trace':<20} {'heap':<18} {'delay':>6} {'peak live MiB':>14} {'peak reserved MiB':>18} "
         f"{'reserved/live':>14} {'syncs':>6} {'OOMs':>5}"
@@ -115,9 +161,10 @@ def main(argv=None) -> int:
             f"{r['trace']:<20} {kw:<18} {r['event_delay']:>6} {live / MiB:>14.1f} {resv / MiB:>18.1f} "
             f"{resv / live:>14.3f} {r['num_sync_all_streams']:>6} {r['ooms']:>5}"
         )
+    print_near(near)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+            json.dump({"rows": rows, "near_the_limit": near}, f, indent=1)
             f.write("\n")
     return 0
 

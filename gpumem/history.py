@@ -98,6 +98,7 @@ ACTIONS = (
     "empty_cache",
     "spill",  # pages at addr moved to (or placed in) host memory
     "unspill",  # pages at addr moved back to the device
+    "handoff",  # memory another stream freed went to `stream`, made to wait on the GPU for that stream's work
 )
 
 

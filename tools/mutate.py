@@ -73,6 +73,13 @@ MUTATIONS = [
         path="csrc/core/block.c",
     ),
     Mutation(
+        "handoff_without_wait",
+        "hand-off: a stream takes memory another freed without waiting for that stream's work",
+        "    if (h->dev->ops->stream_wait(h->dev, s, ev) == GM_OK) return 1;",
+        "    if (s != ANY && ev) return 1;",
+        path="csrc/core/stream.c",
+    ),
+    Mutation(
         "pending_ignores_events",
         "record_stream: a pending block is freed before its events complete",
         "if (synced || event_done(h, b->events[i])) {",

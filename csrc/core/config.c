@@ -65,6 +65,10 @@ int gm_config_check_one(const gm_config *cfg, gm_option opt, char *err, size_t e
             return gm_errorf(GM_EINVAL, err, errlen, "spill_choice must be \"old\", \"new\" or \"lasting\", got %zu",
                              cfg->spill_choice);
         return GM_OK;
+    case GM_OPT_STREAM_HANDOFF:
+        if (cfg->stream_handoff > 1)
+            return gm_errorf(GM_EINVAL, err, errlen, "stream_handoff must be 0 or 1, got %zu", cfg->stream_handoff);
+        return GM_OK;
     case GM_OPT_SPILL:              /* any: 0 is off */
     case GM_OPT_CAP_BYTES:          /* any: 0 is none */
     case GM_OPT_GROWTH_SLACK_PAGES: /* any */

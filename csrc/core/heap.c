@@ -43,6 +43,9 @@
  *   3. Get the pages: spare ones first; then new ones from the device, but only
  *      while the heap stays under its growth limit -- (1 + slack) x the peak of
  *      live memory -- so that it does not hoard.
+ *      Still short: memory other streams freed while their work still runs
+ *      becomes this stream's, the stream made to wait for that work on the
+ *      device, not the host (stream.c, HAND-OFF).
  *   4. Defragment: past the growth limit, or when the device is full, wait for
  *      the device, unmap wholly free pages wherever they lie, and map them
  *      behind the chosen range.  No bytes are copied and no live block moves;
@@ -106,7 +109,9 @@
  *   free memory belongs to ANY.  That hand-over touches no block when the free
  *   blocks it hands over all belong to the waiting stream: an epoch advances,
  *   and the blocks move into ANY's index only when another stream comes
- *   (gm_heap.lazy_stream, h_free_owner).
+ *   (gm_heap.lazy_stream, h_free_owner).  Under pressure, before such a wait,
+ *   the requesting stream may instead wait on the device for the other
+ *   streams' work and take what they freed (stream.c, HAND-OFF).
  *
  * POOLS
  *
@@ -360,6 +365,7 @@ void gm_config_default(gm_config *cfg) {
     cfg->growth_slack_pages = 4;
     cfg->chunk_pages = GM_CHUNK_PAGES_DEFAULT;
     cfg->pressure = GM_PRESSURE_DEFAULT;
+    cfg->stream_handoff = 1;
 }
 
 static _Thread_local char create_error[320];
@@ -471,6 +477,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->pressure = cfg.pressure;
     h->spill_pages = cfg.spill / page;
     h->spill_choice = (int)cfg.spill_choice;
+    h->handoff = cfg.stream_handoff != 0;
     size_t va = cfg.va_size ? h_align_up(cfg.va_size, page) : h_align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;

@@ -195,6 +195,7 @@ struct gm_heap {
     /* stream capture */
     int capture_count;    /* gm_capture_begin minus gm_capture_end */
     int no_sync;          /* this operation runs during a capture: no sync/event/unmap/release */
+    int handoff;          /* gm_config.stream_handoff: the slow path may hand other streams' memory over (stream.c) */
     unsigned alloc_flags; /* the running allocation's GM_MALLOC_* flags */
     size_t n_deferred;    /* pending blocks whose events wait for the capture to end */
 
@@ -371,6 +372,7 @@ void h_complete_free(gm_heap *h, gm_block *b);
 size_t h_process_pending(gm_heap *h, int synced);
 size_t h_release_owners(gm_heap *h, gm_stream requester, int synced);
 size_t h_release_idle(gm_heap *h);
+size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool, size_t size);
 int h_synchronize(gm_heap *h, gm_stream requester);
 
 /* ---- page.c ---- */

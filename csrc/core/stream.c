@@ -89,9 +89,9 @@ void h_pending_append(gm_heap *h, gm_block *b) {
     h->n_pending++;
 }
 
-/* A pending or live block leaves "active" and becomes free for its stream, in
+/* A pending or live block leaves "active" and becomes free for `owner`, in
  * its pool if that still lives, else in the general heap. */
-void h_complete_free(gm_heap *h, gm_block *b) {
+static void complete_free_for(gm_heap *h, gm_block *b, gm_stream owner) {
     h_assert(b->state == GM_BLOCK_LIVE || b->state == GM_BLOCK_PENDING);
     gm_pool *pl = b->pool;
     h_assert(!pl || (pl->live_blocks > 0 && pl->live_bytes >= b->size));
@@ -109,8 +109,11 @@ void h_complete_free(gm_heap *h, gm_block *b) {
     h_hist_block(h, GM_H_FREE_COMPLETED, b->addr, b->size, b->requested, b->stream, b->context);
     b->n_uses = 0;
     b->wait_sync = 0;
-    h_make_free(h, b, b->stream, ++h->free_seq);
+    h_make_free(h, b, owner, ++h->free_seq);
 }
+
+/* ... for its own stream. */
+void h_complete_free(gm_heap *h, gm_block *b) { complete_free_for(h, b, b->stream); }
 
 /* Free pending blocks whose events have completed (all of them if `synced`,
  * i.e. right after the whole device was waited for).  Returns how many. */
@@ -294,6 +297,157 @@ size_t h_release_owners(gm_heap *h, gm_stream requester, int synced) {
     }
     coalesce_released(h, &c);
     return moved;
+}
+
+/* ---- handing memory to a stream before the work that freed it is done ------------ */
+
+/* HAND-OFF
+ *
+ *   Memory another stream freed is the requester's only once that stream's
+ *   work on it is done: an event proves it (h_release_owners,
+ *   h_process_pending), or a device synchronisation.  Under pressure -- the
+ *   slow path found no fit and growth under the limit did not cover the
+ *   request -- waiting on the host is the dear way: the device can order the
+ *   streams itself.  The requester's stream waits on the device for the work
+ *   the other streams have queued so far (an event recorded on each now, and
+ *   a pending block's own events), and the memory becomes the requester's at
+ *   once, with no host wait and no new pages.  Its later work, on these
+ *   blocks or any other, runs after that wait.  The smallest single block
+ *   that holds the request alone with less than a page to spare goes, so
+ *   that the requester waits for one stream's work; when none does, all of
+ *   it, for placement to join and pack as tightly as after a device-wide
+ *   wait (a block with more to spare would leave its rest scattered).  The
+ *   blocks are the requester's (not everyone's): a third stream gets them
+ *   only as any of the requester's frees, through its own proof, so each
+ *   free counts as the requester's, made now (a new free number, the
+ *   requester as its origin).
+ *
+ *   Not during a capture (the slow path never gets here then: a capture must
+ *   not wait on an event recorded outside it), not where the device cannot
+ *   make a stream wait, and never across devices: a heap serves one device,
+ *   and every event it records is on that device's streams.  Only memory of
+ *   the request's own pool (or the general heap) changes hands, and only
+ *   pending blocks whose events were recorded (a block freed during a capture,
+ *   or one whose event failed, waits for a synchronisation as before). */
+
+/* s's later work waits for what `ev` stands for; 1 on success. */
+static int wait_event(gm_heap *h, gm_stream s, gm_event ev) {
+    if (h->dev->ops->stream_wait(h->dev, s, ev) == GM_OK) return 1;
+    h->st.num_device_errors++;
+    return 0;
+}
+
+/* s's later work waits for the work queued on stream a so far; 1 on success. */
+static int wait_stream(gm_heap *h, gm_stream s, gm_stream a) {
+    gm_event ev;
+    if (!h_event_record(h, a, &ev)) return 0;
+    int ok = wait_event(h, s, ev);
+    h_event_put(h, ev); /* the wait holds what the record stood for; the event may be recorded again */
+    return ok;
+}
+
+/* Pending block b, of the requesting pool, waits for the work of other
+ * streams: s waits for it (its use events, and its own stream's work when
+ * that is another), and b becomes s's free block.  1 if it did. */
+static int handoff_pending(gm_heap *h, gm_block *b, gm_stream s) {
+    if (b->stream != s && !wait_stream(h, s, b->stream)) return 0;
+    for (uint32_t i = 0; i < b->n_uses; i++)
+        if (b->events[i] && b->uses[i] != s && !wait_event(h, s, b->events[i])) return 0;
+    for (uint32_t i = 0; i < b->n_uses; i++) {
+        if (b->events[i]) h_event_put(h, b->events[i]);
+        b->events[i] = 0;
+    }
+    pending_unlink(h, b);
+    h->host_idle |= h->host_pages && h_on_host(h, b);
+    uintptr_t addr = b->addr;
+    size_t size = b->size;
+    complete_free_for(h, b, s);
+    h_hist(h, GM_H_HANDOFF, addr, size, s, 0);
+    return 1;
+}
+
+struct handoff_ctx {
+    struct release_ctx rc;
+    gm_stream to;
+};
+
+/* A free block of another stream becomes `to`'s, as if `to` had freed it now. */
+static int handoff_free(gm_block *b, void *arg) {
+    struct handoff_ctx *c = arg;
+    gm_heap *h = c->rc.h;
+    h_hist(h, GM_H_HANDOFF, b->addr, b->size, c->to, 0);
+    h_index_remove(h, b);
+    b->stream = b->origin = c->to;
+    b->seq = ++h->free_seq;
+    b->epoch = h->epoch;
+    h_index_insert(h, b);
+    released(&c->rc, b);
+    return 0;
+}
+
+/* A pending block s may be handed: of `pool` (NULL: the general heap), its
+ * events recorded. */
+static int pending_handable(const gm_block *b, const gm_pool *pool) {
+    return !b->deferred && !b->wait_sync && (h_pinned(b) ? b->pool : NULL) == pool;
+}
+
+/* An owner whose free blocks s may be handed: another stream's, of `pool`. */
+static int owner_handable(const gm_owner *o, gm_stream s, const gm_pool *pool) {
+    return o->stream != ANY && o->stream != s && o->pool == pool && o->idx.count;
+}
+
+/* The smallest single block other streams freed that holds `size` bytes
+ * alone: pending (*from NULL) or free in owner *from.  NULL if none does. */
+static gm_block *fitting_one(gm_heap *h, gm_stream s, gm_pool *pool, size_t size, gm_owner **from) {
+    gm_block *best = NULL;
+    *from = NULL;
+    for (gm_block *b = h->pending_head; b; b = b->lnext)
+        if (pending_handable(b, pool) && b->size >= size && (!best || b->size < best->size)) best = b;
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        gm_block *b = owner_handable(o, s, pool) ? fi_best_fit(&o->idx, size) : NULL;
+        if (b && (!best || b->size < best->size)) best = b, *from = o;
+    }
+    return best;
+}
+
+/* Hand s every block other streams freed in `pool` whose work may still run:
+ * no single one holds the request, placement may join them. */
+static size_t handoff_all(gm_heap *h, gm_stream s, gm_pool *pool) {
+    size_t n = 0;
+    for (gm_block *b = h->pending_head, *next; b; b = next) {
+        next = b->lnext;
+        if (pending_handable(b, pool)) n += (size_t)handoff_pending(h, b, s);
+    }
+    struct handoff_ctx c = {{h, 0, 0, NULL, 0, 0, 0}, s};
+    for (size_t i = 1; i < h->n_owners; i++) {
+        gm_owner *o = h->owners[i];
+        if (!owner_handable(o, s, pool) || !wait_stream(h, s, o->stream)) continue;
+        size_t before = c.rc.n;
+        fi_each(&o->idx, handoff_free, &c);
+        n += c.rc.n - before;
+    }
+    coalesce_released(h, &c.rc);
+    return n;
+}
+
+/* Hand s the memory other streams freed in `pool` (NULL: the general heap)
+ * whose work may still run, for a request of `size` bytes (HAND-OFF above):
+ * the smallest block that holds it alone with less than a page to spare, so
+ * that s waits for one stream's work only; else all of it.  Returns how many
+ * blocks changed hands; the caller counts the hand-off. */
+size_t h_stream_handoff(gm_heap *h, gm_stream s, gm_pool *pool, size_t size) {
+    h_assert(!h->no_sync && (h->lazy_stream == ANY || h->lazy_stream == s));
+    if (!h->dev->ops->stream_wait) return 0;
+    gm_owner *o;
+    gm_block *one = fitting_one(h, s, pool, size, &o);
+    if (!one || one->size - size >= h->page) return handoff_all(h, s, pool);
+    if (!o) return (size_t)handoff_pending(h, one, s);
+    if (!wait_stream(h, s, o->stream)) return 0;
+    struct handoff_ctx c = {{h, 0, 0, NULL, 0, 0, 0}, s};
+    handoff_free(one, &c);
+    coalesce_released(h, &c.rc);
+    return 1;
 }
 
 /* Give every stream what streams that have finished all their work freed in

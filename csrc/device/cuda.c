@@ -112,6 +112,7 @@ typedef struct cu_api {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventQuery)(CUevent);
+    CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*StreamQuery)(CUstream);
     CUresult (*MemHostAlloc)(void **, size_t, unsigned int);
     CUresult (*MemFreeHost)(void *);
@@ -161,6 +162,7 @@ static const sym_entry cu_symbols[] = {
     SYM(EventDestroy, "cuEventDestroy_v2"),
     SYM(EventRecord, "cuEventRecord"),
     SYM(EventQuery, "cuEventQuery"),
+    SYM(StreamWaitEvent, "cuStreamWaitEvent"),
     SYM(StreamQuery, "cuStreamQuery"),
     SYM(MemHostAlloc, "cuMemHostAlloc"),
     SYM(MemFreeHost, "cuMemFreeHost"),
@@ -486,6 +488,13 @@ static int cuda_event_destroy(gm_device *dev, gm_event ev) {
 static int cuda_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     cuda_device *c = (cuda_device *)dev;
     CU_CALL(c, "cuEventRecord", cu.EventRecord((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
+    return GM_OK;
+}
+
+/* The stream's later work waits on the device for the event's; the host goes on. */
+static int cuda_stream_wait(gm_device *dev, gm_stream stream, gm_event ev) {
+    cuda_device *c = (cuda_device *)dev;
+    CU_CALL(c, "cuStreamWaitEvent", cu.StreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)ev, 0));
     return GM_OK;
 }
 

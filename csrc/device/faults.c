@@ -122,6 +122,7 @@ WRAP(copy_dtoh, COPY_DTOH, (gm_device * dev, void *dst, uintptr_t src, size_t si
 WRAP(copy_htod, COPY_HTOD, (gm_device * dev, uintptr_t dst, const void *src, size_t size), (w->inner, dst, src, size))
 WRAP(create_host, CREATE_HOST, (gm_device * dev, size_t pages, gm_handle *handle), (w->inner, pages, handle))
 WRAP(copy_dtod, COPY_DTOD, (gm_device * dev, uintptr_t dst, uintptr_t src, size_t size), (w->inner, dst, src, size))
+WRAP(stream_wait, STREAM_WAIT, (gm_device * dev, gm_stream stream, gm_event ev), (w->inner, stream, ev))
 #undef WRAP
 
 /* Not a counted op: only passed through. */
@@ -188,6 +189,7 @@ static void fill_ops(fault_dev *w) {
         .copy_htod = in->copy_htod ? fault_copy_htod : NULL,
         .create_host = in->create_host ? fault_create_host : NULL,
         .copy_dtod = in->copy_dtod ? fault_copy_dtod : NULL,
+        .stream_wait = in->stream_wait ? fault_stream_wait : NULL,
         .destroy = fault_destroy,
         .capture_status = in->capture_status ? fault_capture_status : NULL,
         .stream_query = in->stream_query ? fault_stream_query : NULL,

@@ -59,6 +59,21 @@ typedef struct sim_resv {
     uint8_t *access;   /* per page: access granted since it was mapped */
 } sim_resv;
 
+/* What a stream's work waits for on the device (stream_wait): the work of
+ * held streams recorded under a hold (a stream index and its epoch then), and
+ * late work (complete once the clock reaches `due`, or at a synchronize after
+ * `recorded`; due 0: none).  Two late waits fold into one that ends no
+ * earlier than either. */
+#define SIM_WAIT_HELD 4
+typedef struct sim_after {
+    uint64_t recorded, due;
+    uint32_t n_held;
+    struct sim_held {
+        uint32_t stream_idx;
+        uint64_t epoch;
+    } held[SIM_WAIT_HELD];
+} sim_after;
+
 typedef struct sim_event {
     uint64_t epoch;      /* the stream's epoch when recorded */
     uint64_t recorded;   /* the device clock when recorded; 0 if never */
@@ -66,15 +81,17 @@ typedef struct sim_event {
     uint32_t stream_idx; /* into streams[], SIM_NONE if it recorded on no held stream */
     uint32_t next_free;
     uint8_t alive;
+    sim_after after; /* what its stream waited for before it was recorded */
 } sim_event;
 
-/* Only streams that have ever been held (or marked capturing) get a record: events on any other
- * stream complete at once and need none. */
+/* Only streams that have ever been held, marked capturing or made to wait get a record: events on
+ * any other stream complete at once and need none. */
 typedef struct sim_stream {
     gm_stream stream;
     uint64_t epoch; /* bumped when a hold ends: completes what was recorded under it */
     uint8_t held;
     uint8_t capturing; /* marked by gm_sim_set_stream_capture */
+    sim_after waits;   /* stream_wait: its later work runs after this */
 } sim_stream;
 
 typedef struct sim_ext {
@@ -627,6 +644,7 @@ static uint32_t stream_add(sim_device *s, gm_stream stream) {
     s->streams[k].epoch = 0;
     s->streams[k].held = 0;
     s->streams[k].capturing = 0;
+    memset(&s->streams[k].waits, 0, sizeof s->streams[k].waits);
     uint32_t i = stream_slot(s, stream);
     while (s->stream_hash[i]) i = (i + 1) & (s->hash_cap - 1);
     s->stream_hash[i] = k + 1;
@@ -705,13 +723,17 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     sim_event *e = live_event(s, "event_record", ev);
     if (!e) return GM_EINVAL;
     if (dev->doomed) return GM_OK;
-    uint32_t k = s->held_count ? stream_find(s, stream) : SIM_NONE;
+    uint32_t k = stream_find(s, stream);
     if (k != SIM_NONE && s->streams[k].held) {
         e->stream_idx = k;
         e->epoch = s->streams[k].epoch;
     } else {
         e->stream_idx = SIM_NONE;
     }
+    if (k != SIM_NONE)
+        e->after = s->streams[k].waits;
+    else
+        memset(&e->after, 0, sizeof e->after);
     /* With an event delay, work on any stream but the legacy default one is
      * still running: the event completes once `event_delay` further operations
      * have run (the query that asks is not one of them) or at a synchronize. */
@@ -720,17 +742,84 @@ static int sim_event_record(gm_device *dev, gm_event ev, gm_stream stream) {
     return GM_OK;
 }
 
+/* Whether work recorded on held stream k under its epoch `epoch` has finished. */
+static int held_done(const sim_device *s, uint32_t k, uint64_t epoch) {
+    return k == SIM_NONE || !s->streams[k].held || s->streams[k].epoch != epoch;
+}
+
+/* Whether late work recorded at `recorded`, due at `due`, has finished. */
+static int late_done(const sim_device *s, uint64_t recorded, uint64_t due) {
+    return !due || s->clock >= due || recorded <= s->synced;
+}
+
+static int after_done(const sim_device *s, const sim_after *a) {
+    for (uint32_t i = 0; i < a->n_held; i++)
+        if (!held_done(s, a->held[i].stream_idx, a->held[i].epoch)) return 0;
+    return late_done(s, a->recorded, a->due);
+}
+
+static int event_done(const sim_device *s, const sim_event *e) {
+    return held_done(s, e->stream_idx, e->epoch) && late_done(s, e->recorded, e->due) && after_done(s, &e->after);
+}
+
 static int sim_event_query(gm_device *dev, gm_event ev) {
     sim_device *s = (sim_device *)dev;
     if (sim_enter_uncapturable(s, GM_OP_EVENT_QUERY)) return GM_EDEVICE;
     sim_event *e = live_event(s, "event_query", ev);
     if (!e) return GM_EINVAL;
     if (dev->doomed) return GM_OK;
-    if (e->stream_idx != SIM_NONE) {
-        const sim_stream *st = &s->streams[e->stream_idx];
-        if (st->held && st->epoch == e->epoch) return GM_ENOTREADY;
+    return event_done(s, e) ? GM_OK : GM_ENOTREADY;
+}
+
+/* a also waits for held stream k's work under `epoch`: 0 if a has no room left. */
+static int after_add_held(const sim_device *s, sim_after *a, uint32_t k, uint64_t epoch) {
+    if (held_done(s, k, epoch)) return 1;
+    for (uint32_t i = 0; i < a->n_held; i++)
+        if (a->held[i].stream_idx == k && a->held[i].epoch == epoch) return 1;
+    if (a->n_held == SIM_WAIT_HELD) return 0;
+    a->held[a->n_held].stream_idx = k;
+    a->held[a->n_held++].epoch = epoch;
+    return 1;
+}
+
+/* a also waits for late work (recorded, due): one late wait that ends no earlier than both. */
+static void after_add_late(const sim_device *s, sim_after *a, uint64_t recorded, uint64_t due) {
+    if (late_done(s, recorded, due)) return;
+    if (late_done(s, a->recorded, a->due)) {
+        a->recorded = recorded, a->due = due;
+        return;
     }
-    if (s->clock < e->due && e->recorded > s->synced) return GM_ENOTREADY;
+    if (recorded > a->recorded) a->recorded = recorded;
+    if (due > a->due) a->due = due;
+}
+
+/* The stream's later work runs after the event's: what the event waits for
+ * joins what the stream waits for (held streams' work, late work, and what
+ * the event's own stream waited for). */
+static int sim_stream_wait(gm_device *dev, gm_stream stream, gm_event ev) {
+    sim_device *s = (sim_device *)dev;
+    if (sim_enter_uncapturable(s, GM_OP_STREAM_WAIT)) return GM_EDEVICE;
+    sim_event *e = live_event(s, "stream_wait", ev);
+    if (!e) return GM_EINVAL;
+    if (dev->doomed) return GM_OK;
+    if (event_done(s, e)) return GM_OK;
+    sim_stream *st = stream_record(s, stream, 1);
+    if (!st) return fail(s, GM_EDEVICE, "stream_wait: out of host memory");
+    /* Drop what has finished, so that the held list keeps only what still runs. */
+    sim_after a = {0};
+    const sim_after *w = &st->waits;
+    int ok = 1;
+    for (uint32_t i = 0; i < w->n_held; i++) ok &= after_add_held(s, &a, w->held[i].stream_idx, w->held[i].epoch);
+    after_add_late(s, &a, w->recorded, w->due);
+    ok &= after_add_held(s, &a, e->stream_idx, e->epoch);
+    for (uint32_t i = 0; i < e->after.n_held; i++)
+        ok &= after_add_held(s, &a, e->after.held[i].stream_idx, e->after.held[i].epoch);
+    after_add_late(s, &a, e->recorded, e->due);
+    after_add_late(s, &a, e->after.recorded, e->after.due);
+    if (!ok)
+        return fail(s, GM_EDEVICE, "stream_wait: stream %llu would wait for more than %d held streams",
+                    (unsigned long long)stream, SIM_WAIT_HELD);
+    st->waits = a;
     return GM_OK;
 }
 
@@ -741,8 +830,8 @@ static int sim_stream_query(gm_device *dev, gm_stream stream) {
     sim_device *s = (sim_device *)dev;
     sim_enter(s);
     if (capture_forbids(s, "stream_query")) return GM_EDEVICE;
-    uint32_t k = s->held_count ? stream_find(s, stream) : SIM_NONE;
-    if (k != SIM_NONE && s->streams[k].held) return GM_ENOTREADY;
+    uint32_t k = stream_find(s, stream);
+    if (k != SIM_NONE && (s->streams[k].held || !after_done(s, &s->streams[k].waits))) return GM_ENOTREADY;
     if (s->event_delay && stream != 0 && s->synced + 1 < s->clock) return GM_ENOTREADY;
     return GM_OK;
 }
@@ -922,6 +1011,22 @@ void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held) {
     sim_stream *st = s ? stream_record(s, stream, held) : NULL;
     if (st && switch_flag(&st->held, held, &s->held_count) && !held)
         st->epoch++; /* completes every event recorded during the hold */
+}
+
+int gm_sim_stream_busy(const gm_device *dev, gm_stream stream) {
+    const sim_device *s = as_sim_c(dev);
+    uint32_t k = s ? stream_find(s, stream) : SIM_NONE;
+    return k != SIM_NONE && (s->streams[k].held || !after_done(s, &s->streams[k].waits));
+}
+
+int gm_sim_stream_waits_for(const gm_device *dev, gm_stream stream, gm_stream held) {
+    const sim_device *s = as_sim_c(dev);
+    uint32_t k = s ? stream_find(s, stream) : SIM_NONE, j = s ? stream_find(s, held) : SIM_NONE;
+    if (k == SIM_NONE || j == SIM_NONE || !s->streams[j].held) return 0;
+    const sim_after *a = &s->streams[k].waits;
+    for (uint32_t i = 0; i < a->n_held; i++)
+        if (a->held[i].stream_idx == j && a->held[i].epoch == s->streams[j].epoch) return 1;
+    return 0;
 }
 
 void gm_sim_set_event_delay(gm_device *dev, uint64_t ops) {

@@ -160,8 +160,8 @@ double gm_py_monotonic_s(void) {
 }
 
 PyObject *gm_py_history(gm_heap *h, const char *unknown_action) {
-    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",    "unmap", "remap",
-                                        "oom",   "empty_cache",    "spill",          "unspill"};
+    static const char *const names[] = {"alloc", "free_requested", "free_completed", "map",     "unmap",  "remap",
+                                        "oom",   "empty_cache",    "spill",          "unspill", "handoff"};
     size_t cap = gm_history_len(h);
     gm_hist_entry *buf = PyMem_Malloc((cap ? cap : 1) * sizeof *buf);
     if (buf == NULL) return PyErr_NoMemory();

@@ -95,6 +95,20 @@ static PyObject *Heap_sim_hold_stream(HeapObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+static PyObject *Heap_sim_stream_busy(HeapObject *self, PyObject *stream_o) {
+    uint64_t stream;
+    if (gm_py_arg(self, GM_PY_SIM, stream_o, gm_py_stream_arg, &stream) < 0) return NULL;
+    return PyBool_FromLong(gm_sim_stream_busy(self->dev, (gm_stream)stream));
+}
+
+static PyObject *Heap_sim_stream_waits_for(HeapObject *self, PyObject *args) {
+    uint64_t stream, held;
+    if (gm_py_args(self, GM_PY_SIM, args, NULL, "O&O&:sim_stream_waits_for", NULL, gm_py_stream_arg, &stream,
+                   gm_py_stream_arg, &held) < 0)
+        return NULL;
+    return PyBool_FromLong(gm_sim_stream_waits_for(self->dev, (gm_stream)stream, (gm_stream)held));
+}
+
 static PyObject *Heap_sim_set_event_delay(HeapObject *self, PyObject *ops_o) {
     uint64_t ops;
     if (gm_py_arg(self, GM_PY_SIM, ops_o, gm_py_ops_arg, &ops) < 0) return NULL;
@@ -252,6 +266,16 @@ PyMethodDef gm_py_sim_methods[] = {
      .ml_meth = KW(Heap_sim_hold_stream),
      .ml_flags = METH_VARARGS | METH_KEYWORDS,
      .ml_doc = "sim_hold_stream(stream, held=True)"},
+    {.ml_name = "sim_stream_busy",
+     .ml_meth = (PyCFunction)Heap_sim_stream_busy,
+     .ml_flags = METH_O,
+     .ml_doc = "sim_stream_busy(stream): True if work issued to the stream now would wait: it is held, or it\n"
+               "was made to wait on the device for work that has not finished"},
+    {.ml_name = "sim_stream_waits_for",
+     .ml_meth = (PyCFunction)Heap_sim_stream_waits_for,
+     .ml_flags = METH_VARARGS,
+     .ml_doc = "sim_stream_waits_for(stream, held): True if `held` is held and work issued to `stream` now\n"
+               "waits on the device for the work `held` queued under this hold"},
     {.ml_name = "sim_set_event_delay",
      .ml_meth = (PyCFunction)Heap_sim_set_event_delay,
      .ml_flags = METH_O,

@@ -197,14 +197,15 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
                " bad frees, %" PRIu64 " record_stream, %" PRIu64 " holds, %" PRIu64 " empty_cache, %" PRIu64
                " set_cap, %" PRIu64 " in pools, %" PRIu64 " pool retain/release, %" PRIu64 " set_live, %" PRIu64
                " pauses, %" PRIu64 " resumes (%" PRIu64 " pages restored), %" PRIu64 " captures, %" PRIu64
-               " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits; core: %" PRId64 " remaps, %" PRId64
-               " pages created, %" PRId64 " retries, %" PRId64 " syncs, %" PRId64 " spills, %" PRId64 " unspills\n",
+               " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits (%" PRIu64 " handed off); core: %" PRId64
+               " remaps, %" PRId64 " pages created, %" PRId64 " retries, %" PRId64 " syncs, %" PRId64
+               " hand-offs, %" PRId64 " spills, %" PRId64 " unspills\n",
                ops, seed, capacity >> 20, w.page >> 10, chunks,
                g_chunk_pages ? "" : " (1 in the first half; counts: the second)", w.n_malloc, w.n_malloc_ok, w.n_oom,
                w.n_devfail, w.n_free, w.n_bad_free, w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc,
                w.n_pool_ops, w.n_set_live, w.n_pauses, w.n_resumes, w.n_restored, w.n_captures, w.n_fault_phases,
-               w.n_check, w.n_quar_checked, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
-               st.num_sync_all_streams, st.num_spills, st.num_unspills);
+               w.n_check, w.n_quar_checked, w.n_handed, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
+               st.num_sync_all_streams, st.num_stream_handoffs, st.num_spills, st.num_unspills);
     return 0;
 }
 

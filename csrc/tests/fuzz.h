@@ -105,7 +105,7 @@ typedef struct world {
     uint64_t n_pauses, n_resumes, n_restored;
     /* counters for the summary */
     uint64_t n_malloc, n_malloc_ok, n_oom, n_devfail, n_free, n_bad_free, n_record, n_empty, n_setcap, n_hold, n_check,
-        n_fault_phases, n_quar_checked, n_pool_malloc, n_pool_ops, n_set_live, n_captures;
+        n_fault_phases, n_quar_checked, n_handed, n_pool_malloc, n_pool_ops, n_set_live, n_captures;
 } world;
 
 void fail(const char *fmt, ...);

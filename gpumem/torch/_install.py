@@ -37,6 +37,9 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
                         tensors, moved behind the same addresses; "lasting", those of the tensors
                         live at the loop's last low point, the most recent first (the optimizer's
                         state before the weights); "new", the request itself
+    stream_handoff      1 (default): near the limit, memory one stream freed while its work still
+                        runs may go to another stream, made to wait for that work on the GPU instead
+                        of the host waiting for the whole device; 0: the device-wide wait
 Keyword arguments override GPUMEM_CONF.
 
 Importing this module does not import torch; install() does.

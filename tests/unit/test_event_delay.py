@@ -247,10 +247,13 @@ def test_cli_bad_event_delay(tmp_path, bad):
     assert len(lines) == 1 and "event delay" in lines[0], r.stderr
 
 
-def test_no_oom_while_pending_memory_would_fit(make_heap):
-    """Before an out-of-memory error the heap waits for the device: memory that
-    only waits for another stream's event is reclaimed, not reported missing."""
-    heap = make_heap(capacity=64 * MiB)
+@pytest.mark.parametrize("handoff", [1, 0])
+def test_no_oom_while_pending_memory_would_fit(make_heap, handoff):
+    """Before an out-of-memory error memory that only waits for another stream's
+    event is reclaimed, not reported missing: the allocating stream waits for
+    that event on the device (the hand-off), or, with stream_handoff=0, the
+    heap waits for the whole device."""
+    heap = make_heap(capacity=64 * MiB, stream_handoff=handoff)
     heap.sim_set_event_delay(10**9)  # the event never completes on its own
     big = heap.malloc(48 * MiB)
     heap.record_stream(big, S2)
@@ -258,7 +261,8 @@ def test_no_oom_while_pending_memory_would_fit(make_heap):
     assert state(heap, big) == "pending"
     syncs = heap.sim_calls("synchronize")
     again = heap.malloc(40 * MiB)  # fits only in the pending block's pages
-    assert heap.sim_calls("synchronize") == syncs + 1
+    assert heap.sim_calls("synchronize") == syncs + 1 - handoff
+    assert heap.stats()["num_stream_handoffs"] == handoff
     assert heap.stats()["reserved_bytes.all.peak"] <= 64 * MiB
     assert state(heap, big) in ("free", "live")
     heap.check()

@@ -157,19 +157,29 @@ def test_cap(heap):
     assert "Raise or remove the cap" in str(e)
 
 
-def test_pending_on_other_streams(heap):
+@pytest.mark.parametrize("handoff", [0, 1])
+def test_pending_on_other_streams(handoff):
+    """Blocks waiting for a side stream that still runs: without the hand-off between streams the
+    request fails and the explanation says why; with it (the default) the request's stream waits for
+    the side stream on the device and takes them."""
+    heap = gpumem.Heap(device="sim", capacity=GiB, stream_handoff=handoff)
     heap.sim_hold_stream(9, True)
     try:
         ptrs = [heap.malloc(100 * MiB) for _ in range(9)]
         for p in ptrs[:6]:
             heap.record_stream(p, 9)
             heap.free(p)
+        if handoff:
+            heap.malloc(400 * MiB)
+            assert heap.stats()["num_stream_handoffs"] == 1 and last_oom(heap) is None
+            return
         oom(heap, 400 * MiB)
         r = last_oom(heap)
         assert r.main_cause.kind == "pending" and r.pending_bytes == 600 * MiB
         assert "Synchronize the side streams" in r.text()
     finally:
         heap.sim_hold_stream(9, False)
+        heap.close()
 
 
 def test_explain_without_request_and_fitting_request(heap):

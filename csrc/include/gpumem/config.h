@@ -29,7 +29,8 @@ extern "C" {
     X(CHUNK_PAGES, chunk_pages, count)                                                                                 \
     X(PRESSURE, pressure, fraction)                                                                                    \
     X(SPILL, spill, count)                                                                                             \
-    X(SPILL_CHOICE, spill_choice, count)
+    X(SPILL_CHOICE, spill_choice, count)                                                                               \
+    X(STREAM_HANDOFF, stream_handoff, count)
 
 typedef enum gm_option {
 #define GM_OPTION_ENUM(upper, lower, kind) GM_OPT_##upper,

@@ -64,7 +64,8 @@ typedef uint64_t gm_stream; /* a cudaStream_t's value; 0 is the legacy default s
     X(COPY_DTOH, copy_dtoh)                                                                                            \
     X(COPY_HTOD, copy_htod)                                                                                            \
     X(CREATE_HOST, create_host)                                                                                        \
-    X(COPY_DTOD, copy_dtod)
+    X(COPY_DTOD, copy_dtod)                                                                                            \
+    X(STREAM_WAIT, stream_wait)
 
 typedef enum gm_dev_op {
 #define GM_DEV_OP_ENUM(upper, lower) GM_OP_##upper,
@@ -147,6 +148,12 @@ typedef struct gm_device_ops {
      * copy may still run when the call returns: the caller calls synchronize
      * before it unmaps either range (one wait for a batch of copies). */
     int (*copy_dtod)(gm_device *dev, uintptr_t dst, uintptr_t src, size_t size);
+    /* Make the work issued to `stream` from now on wait, on the device, until
+     * the work recorded before `ev` has finished (the host does not wait).
+     * Waiting for an event that is complete, or was never recorded, changes
+     * nothing.  Optional (NULL where the device has none: no stream then
+     * takes memory another stream freed before its work is proven done). */
+    int (*stream_wait)(gm_device *dev, gm_stream stream, gm_event ev);
     /* Free the device object itself (after the heap returned everything). */
     void (*destroy)(gm_device *dev);
     /* Whether `stream` is being captured into a graph now (*capturing 1 or

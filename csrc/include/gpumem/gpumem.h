@@ -106,6 +106,11 @@ typedef struct gm_config {
      * live memory (a loop's lasting state), the most recently made first. */
     size_t spill;
     size_t spill_choice;
+    /* 1 (the default): under pressure, before waiting for the whole device, an
+     * allocation may take memory other streams freed while their work still
+     * runs, its stream made to wait for that work on the device (stream.c,
+     * HAND-OFF).  0: it waits for the device as before. */
+    size_t stream_handoff;
 } gm_config;
 enum {
     GM_SPILL_OLD = 0,
@@ -220,8 +225,9 @@ enum {
     X(num_remaps)           /* defragmentations: pages moved behind a new address */                                   \
     X(num_pages_remapped)                                                                                              \
     X(num_device_errors)                                                                                               \
-    X(num_spills)   /* spills: a request, or blocks moved, put on host pages */                                        \
-    X(num_unspills) /* host pages moved back to the device (each chunk once) */
+    X(num_spills)          /* spills: a request, or blocks moved, put on host pages */                                 \
+    X(num_unspills)        /* host pages moved back to the device (each chunk once) */                                 \
+    X(num_stream_handoffs) /* allocations served by their stream waiting on the device for others' work */
 /* Counters that reset_accumulated leaves alone. */
 #define GM_EACH_SETTING(X) X(max_split_size) /* torch compat: -1 (no limit) */
 
@@ -312,8 +318,9 @@ enum gm_hist_action {
     GM_H_REMAP = 5,          /* defragmentation: pages moved to addr */
     GM_H_OOM = 6,
     GM_H_EMPTY_CACHE = 7,
-    GM_H_SPILL = 8,  /* pages at addr now lie in host memory (spill) */
-    GM_H_UNSPILL = 9 /* host pages at addr left: moved back to the device, or unmapped (nothing lived there) */
+    GM_H_SPILL = 8,   /* pages at addr now lie in host memory (spill) */
+    GM_H_UNSPILL = 9, /* host pages at addr left: moved back to the device, or unmapped (nothing lived there) */
+    GM_H_HANDOFF = 10 /* freed memory at addr went to `stream`, made to wait on the device for its freer's work */
 };
 typedef struct gm_hist_entry {
     uint64_t time_ns; /* CLOCK_MONOTONIC */

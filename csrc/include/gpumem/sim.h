@@ -43,6 +43,17 @@ uint64_t gm_sim_calls(const gm_device *dev, gm_dev_op op);
  * keeps every event recorded on it pending until the stream is released --
  * how tests stand for a kernel still running on a side stream. */
 void gm_sim_hold_stream(gm_device *dev, gm_stream stream, int held);
+/* 1 if work issued to `stream` now would not run yet: the stream is held, or
+ * it was made to wait (stream_wait) for an event whose work has not finished
+ * -- a held stream's, a late one, or what that event's own stream waited
+ * for.  Asking is not a device operation: the clock does not tick.  A
+ * stream waits for the holds of at most 4 held streams at once: a
+ * stream_wait that would add a fifth fails (GM_EDEVICE). */
+int gm_sim_stream_busy(const gm_device *dev, gm_stream stream);
+/* 1 if `held` is held and work issued to `stream` now waits for the work
+ * `held` has queued under this hold (stream_wait, directly or through other
+ * streams' events). */
+int gm_sim_stream_waits_for(const gm_device *dev, gm_stream stream, gm_stream held);
 
 /* Late events: an event recorded on any stream but the legacy default stream 0
  * completes only after `ops` further device operations (of any kind; the
