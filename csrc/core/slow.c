@@ -121,13 +121,14 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
 /* Step 3b, under pressure (growth under the limit did not cover the
  * request), before a device wait or growth past the limit: hand s what other
  * streams freed while their work still runs, s made to wait for that work on
- * the device (stream.c, HAND-OFF).  1 with *out when a free block now fits the
- * request; else, if memory changed hands, *pl placed again (*want as step 2). */
-static int handoff(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, placement *pl, size_t *want, gm_block **out) {
+ * the device (stream.c, HAND-OFF).  1 with *out (and *at, where to carve) when a
+ * free block now fits the request; else, if memory changed hands, *pl placed again (*want as step 2). */
+static int handoff(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, placement *pl, size_t *want, gm_block **out,
+                   uintptr_t *at) {
     if (!h->handoff || (!h->n_pending && h->n_owners <= 2 && (h->n_owners < 2 || h->owners[1]->stream == s))) return 0;
     if (!h_stream_handoff(h, s, pool, size)) return 0;
     h->st.num_stream_handoffs++;
-    if ((*out = h_fit(h, size, s, pool))) return 1;
+    if ((*out = h_fit(h, size, s, pool, at))) return 1;
     *pl = h_place(h, *want, s, pool);
     if (!pl->ok && *want > size) *pl = h_place(h, *want = size, s, pool);
     return 0;
@@ -198,9 +199,8 @@ again:;
     if (pl.ok && lacking(h, &pl, grant))
         ahead = h_grow_by_policy(h, &pl, want, pool, lacking(h, &pl, grant), &grant, &g, &most, single, &dev_err);
     /* 3b. Still short: other streams' memory, with a wait on the device. */
-    if ((!pl.ok || lacking(h, &pl, grant)) && handoff(h, size, s, pool, &pl, &want, &b)) {
+    if ((!pl.ok || lacking(h, &pl, grant)) && handoff(h, size, s, pool, &pl, &want, &b, at)) {
         *out = b;
-        *at = b->addr;
         return GM_OK;
     }
     /* 4. Defragment, or grow to the cap (defragment_or_grow). */
