@@ -250,6 +250,9 @@ void h_index_insert(gm_heap *h, gm_block *b) {
      * finds it. */
     gm_owner *o = h_owner_find(h, b->pool, b->stream);
     h_assert(o && b->state == GM_BLOCK_FREE && (!b->pool || b->pool->use_count > 0));
+    b->small = !b->pool && h->small_page[h_page_floor(h, b->addr)];
+    h_assert(b->pool || (h->small_page[h_page_floor(h, b->addr + b->size - 1)] == b->small &&
+                         (!b->small || h_page_floor(h, b->addr) == h_page_floor(h, b->addr + b->size - 1))));
     fi_insert(&o->idx, b);
     if (b->pool) pool_free_add(h, b->pool, 1, (int64_t)b->size);
     int pool = h_pool_of(b->size);
@@ -306,7 +309,7 @@ int h_owners_merge(gm_stream a, gm_stream b, gm_stream *out) {
  * so, *o: the owner of the merged block. */
 int h_may_merge_free(const gm_heap *h, const gm_block *a, const gm_block *b, gm_stream *o) {
     return a->state == GM_BLOCK_FREE && b->state == GM_BLOCK_FREE && a->pool == b->pool && !h_pool_seam(h, a, b) &&
-           h_owners_merge(a->stream, b->stream, o);
+           !h_small_seam(h, a, b) && h_owners_merge(a->stream, b->stream, o);
 }
 
 /* ---- splitting and merging ----------------------------------------------- */
@@ -327,6 +330,7 @@ gm_block *h_split(gm_heap *h, gm_block *b, size_t offset) {
     r->pool = b->pool;
     r->origin = b->origin;
     r->epoch = b->epoch;
+    r->small = b->small;
     r->prev = b;
     r->next = b->next;
     if (b->next) b->next->prev = r;
@@ -407,6 +411,8 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     /* Free in a living pool, it stays out of general space and keeps its pages. */
     int was_general = h_general_space(b), general = !b->pool, attach = general && !was_general;
     int kept = h_keeps_pages(b), keeps = h_pinned(b);
+    int small = b->small && !b->pool && b->state != GM_BLOCK_UNMAPPED; /* a small page's live or pending block */
+    uintptr_t x = b->addr;
     if (attach) {
         /* It joins the runs on either side: out of the index until merged --
          * or, in front of an indexed run, it just becomes that run's head. */
@@ -429,7 +435,7 @@ gm_block *h_make_free(gm_heap *h, gm_block *b, gm_stream owner, uint64_t seq) {
     b = h_merge_neighbours(h, b);
     h_index_insert(h, b);
     if (attach) h_run_attach(h, b);
-    return b;
+    return small ? h_small_freed(h, b, x) : b;
 }
 
 /* b (in no list) becomes unmapped address space and merges with unmapped

@@ -43,6 +43,7 @@ struct gm_block {
     uint8_t wait_sync; /* pending, but an event could not be recorded: wait for a device sync */
     uint8_t deferred;  /* pending, freed during a capture: its events are not recorded yet */
     uint8_t mark;      /* scratch for one operation under the lock (pool_set_live, owner releases); 0 between them */
+    uint8_t small;     /* free, indexed: it lies in a small page (small.c), its index's small side */
     gm_pool *pool;     /* the private pool it belongs to, NULL: the general heap */
     uint32_t n_uses, cap_uses;
     gm_stream *uses;         /* streams named by record_stream */

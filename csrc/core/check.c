@@ -63,6 +63,10 @@
  *      cap) and in spilled_bytes; no block of a living pool touches one; the
  *      device agrees, page by page, which pages lie in host memory, and that
  *      it holds the heap's device pages plus its host ones (loose ones too).
+ *   C17 small pages (small.c): a small page holds small_held live or pending
+ *      blocks, at least one, each inside the page and of no pool, and its
+ *      free blocks are flagged small; no free block elsewhere is; a page that
+ *      is not small counts none.
  *
  * Each rule is one function, check_cN_..., its rule stated at its top;
  * gm_check, the entry point that tests and the fuzz driver call, runs them
@@ -124,7 +128,7 @@ static int check_c3_merged(gm_heap *h, const gm_pool **paused, char *why, size_t
         if (b->state == GM_BLOCK_UNMAPPED && last->state == GM_BLOCK_UNMAPPED)
             return fail(why, len, "two unmapped neighbours at %#lx were not merged", (unsigned long)b->addr);
         if (b->state != GM_BLOCK_FREE || last->state != GM_BLOCK_FREE || last->pool != b->pool ||
-            h_pool_seam(h, last, b))
+            h_pool_seam(h, last, b) || h_small_seam(h, last, b))
             continue;
         gm_stream lo = h_free_owner(h, last), bo = h_free_owner(h, b);
         if (lo == bo || lo == GM_STREAM_ANY || bo == GM_STREAM_ANY)
@@ -274,12 +278,13 @@ static int check_c4_indexes(gm_heap *h, const gm_pool **paused, char *why, size_
     for (size_t i = 0; i < h->n_owners; i++) {
         const gm_owner *o = h->owners[i];
         if (fi_check(&o->idx, why, len)) return GM_ECORRUPT;
-        for (unsigned fl = 0; fl < FI_FL; fl++)
-            for (unsigned sl = 0; sl < FI_SL; sl++)
-                for (const gm_block *b = o->idx.bins[fl][sl]; b; b = b->lnext)
-                    if (b->state != GM_BLOCK_FREE || b->stream != o->stream || b->pool != o->pool)
-                        return fail(why, len, "index of stream %llu holds block %#lx that is not its free block",
-                                    (unsigned long long)o->stream, (unsigned long)b->addr);
+        for (unsigned k = 0; k < 2; k++)
+            for (unsigned fl = 0; fl < FI_FL; fl++)
+                for (unsigned sl = 0; sl < FI_SL; sl++)
+                    for (const gm_block *b = o->idx.side[k].bins[fl][sl]; b; b = b->lnext)
+                        if (b->state != GM_BLOCK_FREE || b->stream != o->stream || b->pool != o->pool)
+                            return fail(why, len, "index of stream %llu holds block %#lx that is not its free block",
+                                        (unsigned long long)o->stream, (unsigned long)b->addr);
         indexed += o->idx.count;
         indexed_bytes += o->idx.bytes;
     }
@@ -757,11 +762,37 @@ typedef int check_rule(gm_heap *h, const gm_pool **paused, char *why, size_t len
 
 /* The rules in the order they are checked: the layout first, what is built
  * on it after. */
+/* C17 (see the top): each small page's count, and the free blocks' flags. */
+static int check_c17_small(gm_heap *h, const gm_pool **paused, char *why, size_t len) {
+    (void)paused;
+    uint32_t *seen = calloc(h->n_pages, sizeof *seen);
+    if (!seen) return fail(why, len, "C17: no host memory for the recount");
+    int rc = GM_OK;
+    for (const gm_block *b = h->head; b && !rc; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED) continue;
+        size_t p0 = h_page_floor(h, b->addr), p1 = h_page_floor(h, b->addr + b->size - 1);
+        int small = h->small_page[p0] || h->small_page[p1];
+        if (small && (p0 != p1 || b->pool))
+            rc = fail(why, len, "C17: block %#lx crosses a small page's edge", (unsigned long)b->addr);
+        else if (b->state == GM_BLOCK_FREE && b->small != small)
+            rc = fail(why, len, "C17: free block %#lx is flagged %d in a page that is %s", (unsigned long)b->addr,
+                      b->small, small ? "small" : "not small");
+        else if (small && b->state != GM_BLOCK_FREE)
+            seen[p0]++;
+    }
+    for (size_t p = 0; p < h->n_pages && !rc; p++)
+        if (seen[p] != h->small_held[p] || (h->small_page[p] && !seen[p]))
+            rc = fail(why, len, "C17: small page %zu holds %u live or pending blocks but counts %u", p, seen[p],
+                      h->small_held[p]);
+    free(seen);
+    return rc;
+}
+
 static check_rule *const rules[] = {
-    check_c12_paused, check_c1_tiling,      check_c3_merged,     check_c2_mapped,
-    check_c14_chunks, check_c7_held_once,   check_c4_indexes,    check_c5_live_pending,
-    check_c6_stats,   check_c11_streams,    check_c13_hand_over, check_c10_runs,
-    check_c8_pools,   check_c15_pool_pages, check_c9_deferred,   check_c16_host,
+    check_c12_paused,    check_c1_tiling,  check_c3_merged,       check_c2_mapped,      check_c14_chunks,
+    check_c7_held_once,  check_c4_indexes, check_c5_live_pending, check_c6_stats,       check_c11_streams,
+    check_c13_hand_over, check_c10_runs,   check_c8_pools,        check_c15_pool_pages, check_c9_deferred,
+    check_c16_host,      check_c17_small,
 };
 
 int gm_check(gm_heap *h, char *why, size_t whylen) {

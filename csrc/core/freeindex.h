@@ -15,7 +15,12 @@
  * fragments least in Wilson et al.'s and Johnstone's studies, at TLSF speed
  * whenever bins are short -- which they are, because neighbours coalesce.
  *
- * Invariants (checked by gm_check):
+ * Two classes of blocks keep two sets of bins (fi_side): a block's `small`
+ * flag, set by the heap before it is inserted, says which.  fi_best_fit
+ * searches the blocks that are not small, fi_best_fit_small the small ones;
+ * everything else -- counts, walks, moves -- covers both.
+ *
+ * Invariants (checked by gm_check), per side:
  *   I1  a block is in the bin that fi_bin() computes from its size;
  *   I2  each bin list is sorted by (size, addr), doubly linked, with NULL ends;
  *   I3  bit (fl) of fl_bitmap is set  <=>  sl_bitmap[fl] != 0;
@@ -34,10 +39,14 @@
 
 struct gm_block;
 
-typedef struct gm_freeindex {
+typedef struct gm_fi_side {
     uint64_t fl_bitmap;
     uint32_t sl_bitmap[FI_FL];
     struct gm_block *bins[FI_FL][FI_SL];
+} gm_fi_side;
+
+typedef struct gm_freeindex {
+    gm_fi_side side[2]; /* [0]: blocks whose `small` flag is clear, [1]: set */
     size_t count;
     size_t bytes;
 } gm_freeindex;
@@ -85,16 +94,18 @@ void fi_init(gm_freeindex *fi);
 unsigned fi_bin(size_t size);
 void fi_insert(gm_freeindex *fi, struct gm_block *b);
 void fi_remove(gm_freeindex *fi, struct gm_block *b);
-/* Smallest block with size >= size (lowest address among equals), or NULL. */
+/* Smallest block with size >= size (lowest address among equals), or NULL:
+ * among the blocks that are not small, and among the small ones. */
 struct gm_block *fi_best_fit(const gm_freeindex *fi, size_t size);
+struct gm_block *fi_best_fit_small(const gm_freeindex *fi, size_t size);
 /* Visit every block (any order); stop early if fn returns non-zero. */
 int fi_each(const gm_freeindex *fi, int (*fn)(struct gm_block *b, void *arg), void *arg);
 /* The same, over the blocks of at least `size` bytes only (and some a little
  * smaller: those that share the bin of `size`). */
 int fi_each_from(const gm_freeindex *fi, size_t size, int (*fn)(struct gm_block *b, void *arg), void *arg);
-/* Walk the blocks in index order -- by bin, then (size, addr) within one:
- * sizes never decrease -- from the first block of the bin of `size` (smaller
- * blocks that share that bin included); NULL at the end. */
+/* Walk the blocks that are not small in index order -- by bin, then (size,
+ * addr) within one: sizes never decrease -- from the first block of the bin
+ * of `size` (smaller blocks that share that bin included); NULL at the end. */
 struct gm_block *fi_first_from(const gm_freeindex *fi, size_t size);
 struct gm_block *fi_next(const gm_freeindex *fi, const struct gm_block *b);
 /* Move every block of src into dst, in O(blocks of both) (a merge of sorted

@@ -29,7 +29,9 @@
  *
  *   Fast path (no device call): best fit among free blocks that this stream
  *   may use, from a segregated index (freeindex.h), with the lowest address
- *   among equals; split off the remainder.  Free: look the pointer up in the
+ *   among equals; split off the remainder.  A request of at most half a page
+ *   looks among the free space of small pages instead (small.c, SMALL PAGES),
+ *   a larger one never does.  Free: look the pointer up in the
  *   live table, merge with free neighbours, index.
  *
  *   Slow path, when no free block fits:
@@ -270,6 +272,7 @@
  *   page.c      physical pages and chunks: creating, mapping, spares, giving back
  *   policy.c    room vs pressure: the growth limit and the room line
  *   place.c     placement: the run search, and backing the range it picks
+ *   small.c     small pages: small requests' blocks kept in pages of their own
  *   slow.c      the slow path and defragmentation, spill last
  *   report.c    the OOM report and the explanations' figures
  *   capture.c   stream capture
@@ -352,7 +355,8 @@ static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
  * only the pool's free memory here: general free memory it may take only as
  * whole pages of its own, placement), and where in it to carve (*at). */
 gm_block *h_fit(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, uintptr_t *at) {
-    gm_block *b = h_fit_in(h, size, s, pool);
+    gm_block *b = !pool && h_small_size(h, size) ? h_small_fit(h, size, s) : NULL;
+    if (!b) b = h_fit_in(h, size, s, pool);
     if (b) *at = snug_end(h, b, size);
     return b;
 }
@@ -396,15 +400,17 @@ static int heap_tables(gm_heap *h, size_t total) {
     h->chunk_len = calloc(h->n_pages, sizeof *h->chunk_len);
     h->page_growth = calloc(h->n_pages, sizeof *h->page_growth);
     h->parked = calloc(h->n_pages, 1);
+    h->small_page = calloc(h->n_pages, 1);
+    h->small_held = calloc(h->n_pages, sizeof *h->small_held);
     h->host = calloc(h->n_pages, 1);
     h->loose = calloc(h->cap_spare / 2 + 1, sizeof *h->loose); /* chunks of two pages or more */
     h->spare = calloc(h->cap_spare, sizeof *h->spare);
     h->live = calloc(h->live_mask + 1, sizeof *h->live);
-    int rc =
-        (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->host || !h->loose ||
-         !h->spare || !h->live || ri_init(&h->runs, h->n_pages) || !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
-            ? GM_ENOMEM
-            : GM_OK;
+    int rc = (!h->page_handle || !h->chunk_off || !h->chunk_len || !h->page_growth || !h->parked || !h->host ||
+              !h->loose || !h->small_page || !h->small_held || !h->spare || !h->live || ri_init(&h->runs, h->n_pages) ||
+              !h_owner_get(h, NULL, ANY) || h_slab_grow(h))
+                 ? GM_ENOMEM
+                 : GM_OK;
     if (rc) {
         create_failed(dev, rc, "host memory for the heap's tables");
     } else if ((rc = dev->ops->reserve(dev, va, &h->base))) {
@@ -550,6 +556,8 @@ void gm_heap_destroy(gm_heap *h) {
     free(h->chunk_len);
     free(h->page_growth);
     free(h->parked);
+    free(h->small_page);
+    free(h->small_held);
     free(h->page_handle);
     ri_free(&h->runs);
     h_hist_free(h);
@@ -589,6 +597,9 @@ void h_make_live(gm_heap *h, gm_block *b, size_t size, size_t requested, gm_stre
         if (b->next && h_general_space(b->next)) h_run_attach(h, b->next);
     }
     if (!kept) h_pages_use(h, b, 1);
+    if (b->small) h_small_live(h, b);
+    h_assert(b->small || p ||
+             (!h->small_page[h_page_floor(h, b->addr)] && !h->small_page[h_page_floor(h, b->addr + b->size - 1)]));
     b->stream = s;
     b->requested = requested;
     b->context = context;
@@ -677,6 +688,7 @@ int gm_malloc_flags(gm_heap *h, size_t size, gm_stream s, uint64_t context, cons
         if (!h->no_sync) h->no_sync = h_capture_on(h, s) || h_other_capture(h);
         if ((rc = h_alloc_slow(h, rsize, s, pool, &b, &at, &reach))) goto done;
         if (h->spill_whole) rsize = h->spill_whole, h->spill_whole = 0; /* host pages: whole ones */
+        if (!pool && h_small_size(h, rsize)) b = h_small_after_slow(h, b, at, rsize);
     }
     if (pool && pool->no_split && b->pool == pool) at = b->addr, rsize = b->size; /* the whole free block */
     b = carve(h, b, at, rsize);

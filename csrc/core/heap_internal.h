@@ -100,6 +100,11 @@ struct gm_heap {
      * pool's free blocks do not merge across such a seam (h_pool_seam). */
     uint32_t *page_growth;
     uint32_t growth_seq;
+    /* Small pages (small.c): per page, 1 if it is kept for blocks of at most
+     * half a page, and how many live or pending blocks it holds (never 0
+     * while it is kept). */
+    uint8_t *small_page;
+    uint32_t *small_held;
     size_t chunk_pages;  /* the most pages one device allocation holds (gm_config.chunk_pages) */
     size_t multi_chunks; /* chunks of more than one page mapped now (host ones too) */
     /* Spill (spill.c): per page, 1 if a host-located chunk is mapped there
@@ -250,6 +255,19 @@ static inline int h_pool_seam(const gm_heap *h, const gm_block *a, const gm_bloc
     return p && h->page_growth[p] != h->page_growth[p - 1];
 }
 
+/* A request of the general heap that small pages serve (small.c): at most
+ * half a page. */
+static inline int h_small_size(const gm_heap *h, size_t size) { return 2 * size <= h->page; }
+/* Free blocks a and b = a->next stay apart at the edge of a small page. */
+static inline int h_small_seam(const gm_heap *h, const gm_block *a, const gm_block *b) {
+    (void)a;
+    if ((b->addr - h->base) & (h->page - 1)) return 0;
+    size_t p = h_page_floor(h, b->addr);
+    return h->small_page[p] || (p && h->small_page[p - 1]);
+}
+/* A free block in a small page: the fast path's for small requests only. */
+static inline int h_small_free(const gm_block *b) { return b->state == GM_BLOCK_FREE && b->small; }
+
 /* ---- run index hooks (runindex.h); no-ops on blocks that are not general space ---- */
 /* Measure the run headed by `head` and index it (block.c: h_run_attach's slow half). */
 void h_run_index(gm_heap *h, gm_block *head);
@@ -304,6 +322,7 @@ typedef struct placement {
     gm_block *first; /* the run's first block, at or before addr */
     int pooled;      /* the range takes free blocks of the requesting pool */
     int beside;      /* the range starts right after another living pool's block */
+    size_t touched;  /* the pages the range touches */
 } placement;
 
 /* Pages the heap holds: mapped, spare, and in loose chunks. */
@@ -394,6 +413,7 @@ size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1);
 size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size);
 
 /* ---- policy.c ---- */
+int h_room_near(gm_heap *h);
 size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size);
 size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *pool, size_t need, size_t *grant,
                         size_t **g, size_t *most, int single, int *dev_err);
@@ -410,6 +430,12 @@ gm_block *h_back_range(gm_heap *h, const placement *pl, size_t size, gm_stream s
 /* ---- slow.c ---- */
 int h_out_of_memory(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int dev_err);
 int h_alloc_slow(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, gm_block **out, uintptr_t *at, uintptr_t *reach);
+
+/* ---- small.c ---- */
+gm_block *h_small_fit(gm_heap *h, size_t size, gm_stream s);
+gm_block *h_small_after_slow(gm_heap *h, gm_block *b, uintptr_t at, size_t size);
+void h_small_live(gm_heap *h, const gm_block *b);
+gm_block *h_small_freed(gm_heap *h, gm_block *b, uintptr_t x);
 
 /* ---- spill.c ---- */
 void h_host_release(gm_heap *h, gm_handle hd, size_t k);

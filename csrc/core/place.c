@@ -4,7 +4,8 @@
  * and backing the chosen range with blocks and pages.
  *
  * Calls: block.c (splitting, merging, the free indexes), page.c (mapping),
- * heap.c (the fast path's fit, for a pool's own free blocks).
+ * policy.c (whether the heap is near pressure), heap.c (the fast path's fit,
+ * for a pool's own free blocks).
  */
 #include <string.h>
 
@@ -28,7 +29,12 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
     return pages;
 }
 
-/* Fewest new pages first; then, for a pool's request, a range that takes the
+/* Fewest new pages first; then, for a request of whole pages with room but
+ * not far from pressure (h_room_near), the fewest pages touched: such a block
+ * placed right after one that ends inside a page touches one page more than
+ * it needs, and leaves two partly used pages when it goes, which the tight
+ * heap this heap becomes under pressure cannot take back (POLICY); then, for
+ * a pool's request, a range that takes the
  * pool's free memory (which serves nothing else) over one that takes only
  * general memory; then a range that leaves the space after the blocks of
  * other living pools (for the general heap: of every living pool) to them;
@@ -53,12 +59,14 @@ struct place_ctx {
     gm_stream s;
     gm_pool *pool; /* the requesting pool, or NULL */
     size_t budget; /* see consider_at */
+    int whole;     /* whole pages, near pressure: the fewest pages touched first (ranks_before) */
     placement best;
     placement best_pooled; /* the best that takes the pool's free memory */
 };
 
 static int ranks_before(const placement *a, const placement *b) {
     if (!b->ok || a->new_pages != b->new_pages) return !b->ok || a->new_pages < b->new_pages;
+    if (a->touched != b->touched) return a->touched < b->touched;
     if (a->pooled != b->pooled) return a->pooled > b->pooled;
     if (a->beside != b->beside) return a->beside < b->beside;
     return a->run < b->run || (a->run == b->run && a->addr < b->addr);
@@ -114,7 +122,8 @@ static void consider_at(struct place_ctx *c, gm_block *first, uintptr_t x, size_
         return;
     }
     if (c->pool && !pool_pages_ok(c, first, x)) return;
-    placement p = {1, x, 0, len, first, 0, 0};
+    placement p = {1, x, 0, len, first, 0, 0, 0};
+    if (c->whole) p.touched = h_page_ceil(c->h, x + c->size) - h_page_floor(c->h, x);
     p.new_pages = unmapped_in(c->h, first, x, c->size, &p.pooled);
     if (p.new_pages > c->budget && p.new_pages - c->budget > h_cached_pages_outside(c->h, p, c->size)) return;
     /* Inside the run, the block before x is general space or the pool's own. */
@@ -136,7 +145,8 @@ static void place_in(struct place_ctx *c, gm_block *head, uintptr_t end) {
     size_t len = 0;
     for (gm_block *b = head;; b = b->next) {
         int in = b && b->addr < end;
-        if (in && h_general_space(b) && (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
+        if (in && h_general_space(b) && !h_small_free(b) &&
+            (b->state == GM_BLOCK_UNMAPPED || b->stream == c->s || b->stream == ANY)) {
             if (!first) {
                 first = b;
                 len = 0;
@@ -159,7 +169,7 @@ static int place_in_run(gm_block *head, void *arg) {
  * stream may use, or a free block of that pool the stream may use. */
 static int usable(const struct place_ctx *c, const gm_block *b) {
     if (b->state == GM_BLOCK_UNMAPPED) return 1;
-    if (b->state != GM_BLOCK_FREE || (b->pool && b->pool != c->pool)) return 0;
+    if (b->state != GM_BLOCK_FREE || (b->pool && b->pool != c->pool) || h_small_free(b)) return 0;
     return b->stream == c->s || b->stream == ANY;
 }
 
@@ -200,7 +210,8 @@ static void place_pooled(struct place_ctx *c) {
  * order, so the runs may be visited in any order, and only runs of general
  * space at least `size` long can hold one. */
 placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
-    struct place_ctx c = {h, size, s, pool, budget, {0, 0, 0, 0, NULL, 0, 0}, {0, 0, 0, 0, NULL, 0, 0}};
+    struct place_ctx c = {h, size, s, pool, budget, 0, {0}, {0}};
+    c.whole = !pool && !(size & (h->page - 1)) && h_room_near(h);
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */

@@ -29,7 +29,15 @@
  *   costs one round of defragmentation of what the room left scattered;
  *   defragmentation moves any wholly free page, so the smallest capacity a
  *   workload fits in stays near the tight heap's (pressure 0) -- not equal:
- *   the blocks placed with room lie elsewhere.
+ *   the blocks placed with room lie elsewhere.  What room must not leave is
+ *   partly used pages, which no defragmentation takes back.  Two rules keep
+ *   them few whatever the policy: small requests keep to small pages
+ *   (small.c), so the cached free memory that room leaves does not scatter
+ *   them; and below the room line but not far from pressure (h_room_near), a
+ *   block of whole pages is placed where it touches the fewest pages
+ *   (place.c, ranks_before), not right after a block that ends inside a page.
+ *   Far from pressure placement packs as before, so that growth keeps
+ *   reaching ahead (room_ahead) without a device call.
  *
  *   Growth far from pressure -- the heap holding at most ROOM_FAR of the
  *   room line, and the device ROOM_SMALL_FREE free past it (room_far) --
@@ -80,9 +88,10 @@
  *                                context, cuBLAS and NCCL workspaces, other
  *                                processes) and for the defragmentation that
  *                                follows to find free pages.  The smallest
- *                                capacity per trace stays within 0.27% of
- *                                peak live of the tight heap's (the nine
- *                                shipped traces and the zoo's 29).
+ *                                capacity per trace stays within 0.2% of
+ *                                peak live of the tight heap's on 37 of the
+ *                                38 shipped and zoo traces
+ *                                (docs/benchmarks.md).
  *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
  *                                device allocations than single pages on five
  *                                of the nine shipped traces (none on the
@@ -129,6 +138,13 @@ static size_t room_line(gm_heap *h) {
 static int room_far(const gm_heap *h, size_t room, size_t need) {
     size_t held = h_held_pages(h) + need;
     return room && held <= (size_t)(ROOM_FAR * (double)room) && room > held + room_small_free(h);
+}
+
+/* Below the room line, but not far from pressure (POLICY, whole pages):
+ * placement reads it. */
+int h_room_near(gm_heap *h) {
+    size_t room = room_line(h);
+    return h_held_pages(h) < room && !room_far(h, room, 0);
 }
 
 static size_t growth_limit(const gm_heap *h, size_t size) {

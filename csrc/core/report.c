@@ -114,12 +114,13 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
         if (h->pools[i]->use_count > 0) o->pool_live_bytes += h->pools[i]->live_bytes;
     o->pool_free_bytes = h->pool_free_bytes;
     for (gm_block *b = h->head;; b = b->next) {
-        int pinned = b && h_pinned(b);
+        /* A small page's free space serves small requests only (small.c). */
+        int pinned = b && h_pinned(b), small = b && h_small_free(b);
         if (b && b->state == GM_BLOCK_FREE && !pinned) {
             o->free_mapped_bytes += b->size;
-            if (b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
+            if (!small && b->size > o->largest_free_mapped) o->largest_free_mapped = b->size;
         }
-        if (b && ((b->state == GM_BLOCK_FREE && !pinned) || b->state == GM_BLOCK_UNMAPPED)) {
+        if (b && ((b->state == GM_BLOCK_FREE && !pinned && !small) || b->state == GM_BLOCK_UNMAPPED)) {
             if (!run) run_start = b->addr;
             run += b->size;
             if (run > best_run) best_run = run;

@@ -113,7 +113,7 @@ def test_defragmentation_moves_single_pages(make_heap):
     st0 = h.stats()
     p = h.malloc(10 * PAGE)
     assert h.stats()["num_pages_remapped"] - st0["num_pages_remapped"] >= 2
-    assert p == x + MiB
+    assert p == x + PAGE  # x's page is a small page: only blocks of at most half a page share it
     assert_ok(h)
 
 
@@ -125,8 +125,10 @@ def test_oom_counts_free_pages_locked_in_a_partly_used_chunk(make_heap):
     assert_ok(h)
     info = h.last_oom()
     assert info["chunk_locked_bytes"] == 14 * PAGE
-    # What could be made: the 7.5 free pages above x and the device's last page.
-    assert info["largest_possible"] == 17 * MiB
+    # What could be made: the 7 free pages above x's page (the rest of that
+    # page is a small page's, for blocks of at most half a page) and the
+    # device's last page.
+    assert info["largest_possible"] == 16 * MiB
     r = last_oom(h)
     assert r.chunk_locked_bytes == 14 * PAGE
     assert "chunks" in r.cause_kinds
@@ -167,18 +169,19 @@ def test_oom_names_a_resumed_pools_allocation_with_chunk_pages_1(make_heap):
 
 
 def test_oom_largest_possible_is_one_place_not_two_added(make_heap):
-    # A 4-page chunk holds a small block at each end: pages 1-2 are free but
-    # locked, so the free 3.5 pages between the blocks serve only in place.
-    # Under a cap of 10 pages the unmapped space above gets 6 new pages.  The
-    # largest block is 6 pages: the free middle and the new pages are not
-    # neighbours, so they do not add up.
+    # A 4-page chunk holds a block of just over half a page at each end (a
+    # smaller one would keep to a small page): pages 1-2 are free but locked,
+    # so the free 3 pages between the blocks serve only in place.  Under a cap
+    # of 10 pages the unmapped space above gets 6 new pages.  The largest
+    # block is 6 pages: the free middle and the new pages are not neighbours,
+    # so they do not add up.
     h = make_heap(capacity=4 * GiB, chunk_pages=4)
     a = h.malloc(4 * PAGE)
     h.free(a)
-    h.malloc(512)
-    mid = h.malloc(4 * PAGE - 512 - MiB)
-    top = h.malloc(MiB)
-    assert top + MiB == a + 4 * PAGE
+    h.malloc(MiB + 512)
+    mid = h.malloc(4 * PAGE - 2 * (MiB + 512))
+    top = h.malloc(MiB + 512)
+    assert top + MiB + 512 == a + 4 * PAGE
     h.free(mid)
     h.set_cap(10 * PAGE)
     with pytest.raises(gpumem.OutOfMemoryError):
@@ -511,8 +514,9 @@ def test_pages_that_neither_grant_nor_unmap_are_parked_until_they_unmap(make_hea
 
 
 def test_placement_that_needs_pages_only_its_own_run_holds(make_heap):
-    # [small block + 3 free pages of chunk C1 (locked)][2 unmapped][x][C3: 4 free pages][unmapped ...]
-    # Under a cap equal to the 10 pages held, 5 pages fit after the small
+    # [block of just over half a page + 3 free pages of chunk C1 (locked)][2 unmapped][x]
+    # [C3: 4 free pages][unmapped ...]
+    # Under a cap equal to the 10 pages held, 5 pages fit after the first
     # block once C3 moves there (2 pages needed).  The range needing the
     # fewest new pages is in C3's run (1), whose only movable pages are its
     # own: the request must not fail for that.
@@ -525,13 +529,13 @@ def test_placement_that_needs_pages_only_its_own_run_holds(make_heap):
     c = h.malloc(4 * PAGE)
     assert c == a + 8 * PAGE
     h.free(a)
-    assert h.malloc(512) == a
+    assert h.malloc(MiB + 512) == a
     h.free(c)
     assert reserved_pages(h) == 10
     h.set_cap(10 * PAGE)
     st0 = h.stats()
     p = h.malloc(5 * PAGE)
-    assert p == a + 512
+    assert p == a + MiB + 512
     assert h.sim_is_accessible(p, 5 * PAGE)
     assert h.stats()["num_pages_remapped"] - st0["num_pages_remapped"] == 4
     assert reserved_pages(h) <= 10

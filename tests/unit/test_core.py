@@ -596,13 +596,17 @@ with gpumem.Heap(device="sim", capacity="4GiB") as h:
     assert res.stdout.startswith("ok")
 
 
+# A separator over half a page: small requests keep to small pages of their own.
+SEP = MiB + 4096
+
+
 def _holes_between_live_blocks(heap):
     """Unmapped holes of two lengths between live separators (2 MiB pages):
     [0, 4M) unmapped | sep1 | free, [6M, 12M) unmapped, free | sep2 | free, unmapped to the end."""
     x1 = heap.malloc(4 * MiB)
-    heap.malloc(4096)
-    x2 = heap.malloc(8 * MiB)
-    heap.malloc(4096)
+    heap.malloc(SEP)
+    x2 = heap.malloc(8 * MiB - 4096)
+    heap.malloc(SEP)
     heap.free(x1)
     heap.free(x2)
     heap.empty_cache()
@@ -612,11 +616,12 @@ def _holes_between_live_blocks(heap):
 
 def test_slow_path_places_where_fewest_new_pages_are_needed(heap):
     x1, x2 = _holes_between_live_blocks(heap)
-    assert x2 == x1 + 4 * MiB + 4096
+    assert x2 == x1 + 4 * MiB + SEP
     reserved = heap.stats()["reserved_bytes.all.current"]
-    # 4 MiB - 8 KiB at the start of the second hole touches its mapped first
-    # page and one unmapped page; anywhere else it needs two new pages.
-    p = heap.malloc(4 * MiB - 8192)
+    # 3 MiB - 8 KiB at the start of the second hole touches its mapped first
+    # page and one unmapped page (so does its end, at a higher address); in the
+    # first, shorter hole it needs two new pages.
+    p = heap.malloc(3 * MiB - 8192)
     assert p == x2
     assert heap.stats()["reserved_bytes.all.current"] - reserved == 1 * 2 * MiB
     assert_ok(heap)

@@ -55,7 +55,8 @@ def test_with_room_no_sync_no_remap_pages_kept():
         assert c["num_device_free"] == 0
         # Freed pages stay cached: everything the heap ever made is still held.
         assert st["reserved_bytes.all.current"] == st["reserved_bytes.all.peak"]
-        assert st["reserved_bytes.all.current"] > 2 * st["requested_bytes.all.peak"]
+        # Growth went past the growth limit (1.01 x peak live + 4 pages).
+        assert st["reserved_bytes.all.current"] > 1.01 * st["requested_bytes.all.peak"] + 4 * 2 * MiB
         # Steady state: the same round again is served by the cached pages alone.
         before = counters(h)
         workload(h, keep=keep)
@@ -104,7 +105,7 @@ def test_room_until_the_line_then_tight():
     with gpumem.Heap(capacity=8 * GiB, cap=cap) as h:
         workload(h, rounds=1)  # holds ~650 MiB: below 0.875 x 1200 MiB
         assert counters(h)["num_remaps"] == 0
-        workload(h, rounds=2)  # would need ~1450 MiB without recycling
+        workload(h, rounds=4)  # would pass the line (1050 MiB) without recycling
         c = counters(h)
         assert c["num_remaps"] >= 1 and c["num_sync_all_streams"] >= 1
         assert h.stats()["reserved_bytes.all.peak"] <= cap and h.stats()["num_ooms"] == 0
@@ -315,7 +316,6 @@ def test_traces_with_room(name, traces):
     assert r.peak_reserved_bytes / r.peak_live_bytes <= WITH_ROOM_BOUND[name]
     tight = R.replay(tr, timing=False, heap_kwargs={"pressure": 0})
     assert tight.remaps > 0
-    assert tight.peak_reserved_bytes <= r.peak_reserved_bytes
 
 
 def test_install_option():

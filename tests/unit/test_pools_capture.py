@@ -16,8 +16,8 @@ def _fragmented(h):
     """A heap of 16 pages where wholly free pages are scattered and memory is
     held by other streams and pending frees: the normal slow path would
     synchronise, query events and remap."""
-    pend = h.malloc(4096, stream=S1)
-    s1 = h.malloc(PAGE - 4096, stream=S1)  # page 0 is full
+    pend = h.malloc(MiB + 4096, stream=S1)
+    s1 = h.malloc(MiB - 4096, stream=S1)  # page 0 is full (s1 takes the hole under a page after pend)
     ps = [h.malloc(PAGE) for _ in range(13)]
     for p in ps[1::2]:
         h.free(p)  # stream 0's
