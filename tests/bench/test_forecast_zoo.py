@@ -81,6 +81,8 @@ def test_zoo_spec_takes_a_step_at_toy_size_on_the_cpu(name, monkeypatch):
     try:
         step, reset = spec.build("cpu")
     except ImportError as e:
+        if e.name in ("transformers", "peft", "diffusers"):  # the models' own libraries: not in every environment
+            pytest.skip(f"{e.name} is not installed")
         assert e.name in ("timm", "torchvision"), e
         _stand_ins(monkeypatch)  # in sys.modules only here: transformers looks for torchvision's there
         step, reset = spec.build("cpu")
