@@ -107,15 +107,20 @@ class _TorchNativeRecorder:
                 addr += b["size"]
         return out
 
-    def native_start(self) -> list:
+    def native_start(self) -> Optional[list]:
         """The segments that hold the blocks live before the step, in live_blocks' order, with
-        their free blocks: the cache the native model starts from (native_model.with_start)."""
+        their free blocks: the cache the native model starts from (native_model.with_start).
+        None under expandable segments, which the model does not have."""
         from .native_model import Segment
 
         out = []
         for seg in self._snapshot()["segments"]:
+            if seg.get("device") != self.device:
+                continue
+            if seg.get("is_expandable"):
+                return None
             blocks = tuple((b["size"], b["state"] in _LIVE) for b in seg["blocks"])
-            if seg.get("device") == self.device and any(live for _, live in blocks):
+            if any(live for _, live in blocks):
                 small = seg.get("segment_type") == "small"
                 out.append(Segment(seg["address"], small, seg["stream"], blocks))
         return out

@@ -218,3 +218,32 @@ def test_forecast_replays_the_native_model_from_the_recorded_cache(tmp_path):
         r.native_start = [Segment(1 << 40, False, 0, ((62 * MiB, True), (64 * MiB, False)))]
     # the 48 MiB block in the cache (16 MiB remain), the 60 MiB one a segment of its own
     assert Forecast(recs).predict(3).native_capacity_bytes == (126 + 60) * MiB
+
+
+def test_recording_under_torch_keeps_the_segments_of_the_live_blocks():
+    """The cache kept from torch's snapshot: the segments of this device that hold a live block, in
+    the order the live blocks are recorded, free blocks and all; none under expandable segments."""
+    from types import SimpleNamespace
+
+    from gpumem.forecast.record import _TorchNativeRecorder
+
+    def seg(addr, device, kind, blocks, **kw):
+        blocks = [{"size": s * MiB, "state": st} for s, st in blocks]
+        return dict(address=addr, device=device, stream=0, segment_type=kind, blocks=blocks, **kw)
+
+    segments = [
+        seg(5 << 30, 0, "large", [(62, "active_allocated"), (64, "inactive")]),
+        seg(6 << 30, 1, "large", [(20, "active_allocated")]),  # another device
+        seg(7 << 30, 0, "large", [(20, "inactive")]),  # wholly free: a warm-up's
+        seg(8 << 30, 0, "small", [(1, "active_pending_free"), (1, "inactive")]),
+    ]
+    memory = SimpleNamespace(_snapshot=lambda: {"segments": segments})
+    torch = SimpleNamespace(cuda=SimpleNamespace(memory=memory), device=lambda d: SimpleNamespace(index=d))
+    rec = _TorchNativeRecorder(torch, 0)
+    assert rec.native_start() == [
+        Segment(5 << 30, False, 0, ((62 * MiB, True), (64 * MiB, False))),
+        Segment(8 << 30, True, 0, ((MiB, True), (MiB, False))),
+    ]
+    assert [(a, s) for a, s, _ in rec.live_blocks()] == [(5 << 30, 62 * MiB), (8 << 30, MiB)]
+    segments.append(seg(9 << 30, 0, "large", [(20, "active_allocated")], is_expandable=True))
+    assert rec.native_start() is None
