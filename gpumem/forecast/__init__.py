@@ -311,7 +311,15 @@ class Forecast(_Showing):
             return fits(t, cap, self.heap_kwargs)
         from .native_model import fits_native
 
-        return fits_native(t, cap)
+        return fits_native(self._from_start(t), cap)
+
+    def _from_start(self, t: Trace) -> Trace:
+        """A synthesised trace as torch's allocator would serve it: from the cache it held when the
+        template was recorded (under torch's own allocator), or from nothing."""
+        from .native_model import with_start
+
+        start = getattr(self.recordings[self.alignment.template], "native_start", None)
+        return with_start(t, start)
 
     def spill(self, k: int, capacity=None, spill_choice: str = "old") -> Optional[int]:
         """Bytes of host memory a step at knob value `k` would spill at its peak under gpumem in
@@ -352,7 +360,7 @@ class Forecast(_Showing):
                     k,
                     t.peak_live_bytes,
                     gpumem_capacity_bytes=min_capacity(t, heap_kwargs=self.heap_kwargs),
-                    native_capacity_bytes=min_capacity_native(t),
+                    native_capacity_bytes=min_capacity_native(self._from_start(t)),
                     gpumem_peak_allocated_bytes=g.peak_allocated_bytes,
                     native_peak_allocated_bytes=replay_native(t).peak_allocated_bytes,
                 )

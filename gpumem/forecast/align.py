@@ -53,6 +53,9 @@ class Recording:
     sites: Optional[List[int]] = None
     # the event at which each recorded step begins (the first: after the blocks live before them)
     step_starts: Optional[List[int]] = None
+    # recorded under torch's own allocator: the segments that held the blocks live before the step,
+    # free blocks and all (gpumem.forecast.native_model.with_start), or None
+    native_start: Optional[list] = None
 
     @staticmethod
     def granularity_of(trace: Trace) -> int:

@@ -46,6 +46,14 @@ do not count): the device's memory, or under
 torch.cuda.set_per_process_memory_fraction(f) the fraction f of the device's
 total memory as cudaMemGetInfo reports it (allowed_bytes(f, total)).
 
+The model starts with nothing cached.  Torch does not, when a trace's history
+begins after blocks were live: the segments those blocks lie in keep their free
+blocks (what building the model left, e.g. weights made in fp32 and then cast;
+empty_cache cannot release a segment that holds a live block).  with_start(trace,
+start) replays from that cache instead: `start` lists torch's segments that hold
+the trace's first allocations (as recorded from torch's snapshot by
+gpumem.forecast under torch's own allocator).
+
 The model runs in C (csrc/model/native_model.c); NativeAllocator drives it a
 call at a time, replay_native replays a whole trace inside it.
 
@@ -55,11 +63,12 @@ call at a time, replay_native replays a whole trace inside it.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 from .. import _C
-from ..trace import Trace
+from ..trace import R_ALLOC, R_FREE, Trace
 
 __all__ = [
     "NativeAllocator",
@@ -68,6 +77,8 @@ __all__ = [
     "replay_native",
     "fits_native",
     "min_capacity_native",
+    "Segment",
+    "with_start",
     "round_size",
     "segment_size",
     "MIN_BLOCK",
@@ -177,3 +188,119 @@ def min_capacity_native(trace: Trace) -> int:
         else:
             lo = mid
     return hi * unit
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One of torch's segments: its address, pool, stream, and its blocks in
+    address order as (size, live).  The live ones are the trace's first
+    allocations, in the order of the segments as given and of their blocks."""
+
+    addr: int
+    small: bool
+    stream: int
+    blocks: Tuple[Tuple[int, bool], ...]
+
+
+def _holds(block: int, requested: int, small: bool) -> bool:
+    """Whether torch hands a block of `block` bytes out whole to a request of `requested` bytes."""
+    r = round_size(requested)
+    return r <= block and (block - r < MIN_BLOCK if small else block - r <= SMALL_SIZE)
+
+
+def _describes(seg: Segment, w, first: int) -> bool:
+    """Whether `seg` is a segment torch could hold and its live blocks hold the
+    trace's allocations from event `first` on, each whole and on its stream."""
+    if seg.small and sum(b[0] for b in seg.blocks) != SMALL_BUFFER:
+        return False
+    if not seg.small and any(b[0] <= SMALL_SIZE for b in seg.blocks):
+        return False
+    sizes = [b[0] for b in seg.blocks if b[1]]
+    for j, size in enumerate(sizes, first):
+        if w[3 * j] & 0xFFFFFFFF != R_ALLOC or w[3 * j + 2] != seg.stream or not _holds(size, w[3 * j + 1], seg.small):
+            return False
+    return True
+
+
+def _pieces(seg: Segment) -> List[Tuple[int, bool]]:
+    """The blocks of a segment as requests that rebuild it: a small segment's free
+    blocks cut to at most SMALL_SIZE (larger requests belong to the large pool)."""
+    if not seg.small:
+        return list(seg.blocks)
+    out = []
+    for size, live in seg.blocks:
+        while not live and size > SMALL_SIZE:
+            out.append((SMALL_SIZE, False))
+            size -= SMALL_SIZE
+        out.append((size, live))
+    return out
+
+
+def _rebuild(seg: Segment, live_slots: List[int], next_slot: int, words: List[int], spare: list) -> int:
+    """Append the events that rebuild `seg` (its live blocks in `live_slots`, its
+    free ones in slots from `next_slot` on, noted in `spare`); the next free slot."""
+    if not seg.small:  # taken whole and freed: one segment of its size
+        total = sum(b[0] for b in seg.blocks)
+        words += [R_ALLOC | next_slot << 32, total, seg.stream, R_FREE | next_slot << 32, total, seg.stream]
+    live = iter(live_slots)
+    for size, is_live in _pieces(seg):
+        if is_live:
+            slot = next(live)
+        else:
+            slot, next_slot = next_slot, next_slot + 1
+            spare.append((slot, size, seg.stream))
+        words += [R_ALLOC | slot << 32, size, seg.stream]
+    return next_slot
+
+
+def with_start(trace: Trace, start: Optional[Sequence[Segment]]) -> Trace:
+    """`trace` as the model replays it from torch's cache `start` (see the module):
+    each segment made, from the highest address down (the model places each new
+    one below the earlier ones), its blocks handed out in address order (a large
+    segment is first taken whole and freed, so that it is one segment of its
+    size), its free blocks freed once all are made; then the trace after its first
+    allocations, which the live blocks stand for.  A segment whose live blocks do
+    not hold the trace's allocations (a block that grows with the knob: the trace
+    is another value's) is left out, its blocks allocated as the trace makes them;
+    the trace itself where none is left.  Its replay's peak allocated bytes count
+    the whole cache, held while it is rebuilt: take them from `trace`'s."""
+    w = trace.words
+    n_live = sum(1 for seg in start or () for b in seg.blocks if b[1])
+    if not start or n_live > trace.n_events:
+        return trace
+    firsts, first = [], 0  # the trace's event of each segment's first live block
+    for seg in start:
+        firsts.append(first)
+        first += sum(1 for b in seg.blocks if b[1])
+    kept = [i for i, seg in enumerate(start) if _describes(seg, w, firsts[i])]
+    if not kept:
+        return trace
+    words: List[int] = []
+    spare: List[Tuple[int, int, int]] = []
+    next_slot = trace.n_slots
+    for i in sorted(kept, key=lambda i: -start[i].addr):
+        n = sum(1 for b in start[i].blocks if b[1])
+        live = [w[3 * j] >> 32 for j in range(firsts[i], firsts[i] + n)]
+        next_slot = _rebuild(start[i], live, next_slot, words, spare)
+    left_out = set(range(len(start))) - set(kept)
+    for i in sorted(left_out):  # their live blocks as the trace allocates them
+        n = sum(1 for b in start[i].blocks if b[1])
+        words += w[3 * firsts[i] : 3 * (firsts[i] + n)]
+    for slot, size, stream in spare:
+        words += [R_FREE | slot << 32, size, stream]
+    out = array("Q", words)
+    out.extend(w[3 * n_live :])
+    events = len(words) // 3
+    frees = len(spare) + sum(1 for i in kept if not start[i].small)
+    return Trace(
+        trace.path,
+        trace.format,
+        trace.device,
+        out,
+        next_slot,
+        trace.allocs - n_live + events - frees,
+        trace.frees + frees,
+        max(trace.peak_live_bytes, sum(b[0] for i in kept for b in start[i].blocks)),
+        trace.peak_event + events - n_live if trace.peak_event >= 0 else -1,
+        dict(trace.meta),
+    )

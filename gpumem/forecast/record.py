@@ -15,6 +15,7 @@ from .align import GPUMEM_GRANULARITY, ForecastError, Recording
 from ..trace import Trace, TraceError, _Builder
 
 _HISTORY_ENTRIES = 1 << 20
+_LIVE = ("active_allocated", "active_pending_free")  # the states of a snapshot's blocks that are live
 
 
 class _HeapRecorder:
@@ -36,6 +37,10 @@ class _HeapRecorder:
         and at the blocks' sizes, as the history records them: a snapshot dumped
         after the step gives the very same ones (gpumem.trace.snapshot_trace)."""
         return [(b[0], b[1], b[3]) for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
+
+    def native_start(self) -> None:
+        """torch's cache before the step: none here (see _TorchNativeRecorder)."""
+        return None
 
     def start(self) -> None:
         self.heap.history_enable(0)  # drop what the ring held
@@ -97,9 +102,27 @@ class _TorchNativeRecorder:
                 continue
             addr = seg["address"]
             for b in seg["blocks"]:
-                if b["state"] in ("active_allocated", "active_pending_free"):
+                if b["state"] in _LIVE:
                     out.append((addr, b.get("requested_size") or b["size"], seg["stream"]))
                 addr += b["size"]
+        return out
+
+    def native_start(self) -> Optional[list]:
+        """The segments that hold the blocks live before the step, in live_blocks' order, with
+        their free blocks: the cache the native model starts from (native_model.with_start).
+        None under expandable segments, which the model does not have."""
+        from .native_model import Segment
+
+        out = []
+        for seg in self._snapshot()["segments"]:
+            if seg.get("device") != self.device:
+                continue
+            if seg.get("is_expandable"):
+                return None
+            blocks = tuple((b["size"], b["state"] in _LIVE) for b in seg["blocks"])
+            if any(live for _, live in blocks):
+                small = seg.get("segment_type") == "small"
+                out.append(Segment(seg["address"], small, seg["stream"], blocks))
         return out
 
     def _events(self) -> list:
@@ -180,6 +203,7 @@ def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Rec
     rec.drop_workspaces()
     rec.sync()
     live = rec.live_blocks()
+    start = rec.native_start()
     rec.start()
     marks = []
     try:
@@ -195,7 +219,7 @@ def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Rec
     with _no_gc():
         trace = _to_trace(f"{name}={k}", live, events, rec.granularity)
         sites = _sites(live, events)
-    r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, sites)
+    r = Recording(k, trace, rec.granularity, time.perf_counter() - t0, sites, native_start=start)
     r.step_starts = [len(live)] + _step_starts(live, events, marks)
     return r
 

@@ -187,3 +187,47 @@ def test_forecast_answers_where_recordings_differ(name, knob, allocator):
     tol = max(1, int(0.03 * largest))
     assert fits(largest - tol), f"{name} {largest - tol} runs out of memory: the forecast's {largest} is too high"
     assert not fits(largest + tol + 1), f"{name} {largest + tol + 1} runs: the forecast's {largest} is too low"
+
+
+# Weights made in fp32 and cast to fp16: each cast copy lands where an earlier fp32 weight was freed,
+# and the rest of that segment stays cached (empty_cache cannot release a segment with a live block).
+CAST = """
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096)).cuda().half()
+
+
+def step(b):
+    with torch.no_grad():
+        model(torch.randn(b, 256, 4096, device="cuda", dtype=torch.half)).float().sum().item()
+
+
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+torch.cuda.reset_peak_memory_stats()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_forecast_native_model_starts_from_torchs_cache():
+    """Recorded under torch's allocator, the forecast keeps the free blocks of the segments that hold
+    the weights, and the native model replaying a step from them reserves what a fresh run does."""
+    fc = _run(
+        "native",
+        """
+        from gpumem.forecast.native_model import replay_native
+        fc = gpumem.forecast(step, knob=[2, 4], name="batch", capacity=1 << 34)
+        start = fc.recordings[-1].native_start
+        t = fc.synthesise(16)
+        out(free=sum(s for seg in start for s, live in seg.blocks if not live),
+            model=replay_native(fc._from_start(t)).peak_reserved_bytes, empty=replay_native(t).peak_reserved_bytes)
+        """,
+        CAST,
+    )
+    torch_reserved = _run("native", "step(16)\nout(reserved=torch.cuda.max_memory_reserved())\n", CAST)["reserved"]
+    print(
+        f"cached free {fc['free']}; peak reserved at 16: torch {torch_reserved}, model {fc['model']} "
+        f"(from an empty cache {fc['empty']})"
+    )
+    assert fc["free"] > 0
+    assert abs(fc["model"] - torch_reserved) <= 0.01 * torch_reserved

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from gpumem.forecast import Forecast, Recording
+from gpumem.forecast.native_model import Segment, with_start
 from gpumem.native_model import (
     NativeAllocator,
     allowed_bytes,
@@ -157,3 +159,91 @@ def test_native_min_capacity_is_tight():
     assert need % (2 * MiB) == 0
     assert fits_native(t, need) and not fits_native(t, need - 2 * MiB)
     assert t.peak_live_bytes <= need <= replay_native(t).peak_reserved_bytes
+
+
+# ---- torch's cache when a history begins after blocks were live -------------------------------------
+
+
+def _trace(tmp_path, name, lines):
+    """A text trace of `lines` ("alloc ADDR MIB" or "free ADDR")."""
+    path = tmp_path / f"{name}.trace"
+    out = []
+    for line in lines:
+        action, addr, *size = line.split()
+        mib = float(size[0]) if size else 0
+        out.append(f"{'alloc' if action == 'alloc' else 'free_completed'} {int(addr) << 30} {int(mib * MiB)} 0")
+    path.write_text("\n".join(out) + "\n")
+    return load_trace(str(path))
+
+
+def test_native_replays_from_the_cache_torch_held(tmp_path):
+    """A weight made in fp32 and cast leaves the rest of its segment free: the step's requests take it
+    where an empty cache makes segments of their own."""
+    t = _trace(tmp_path, "cast", ["alloc 1 62", "alloc 2 32", "alloc 3 16", "free 2", "free 3", "alloc 4 48", "free 4"])
+    start = [Segment(1 << 40, False, 0, ((62 * MiB, True), (64 * MiB, False)))]
+    assert replay_native(t).peak_reserved_bytes == (62 + 32 + 16 + 48) * MiB
+    r = replay_native(with_start(t, start))
+    assert r.peak_reserved_bytes == 126 * MiB and r.num_device_alloc == 1
+
+
+def test_native_start_keeps_torchs_address_order(tmp_path):
+    """Of two equal free blocks torch takes the one at the lower address.  With X (the trace's first
+    block) up high and Y low, the 40 MiB request goes beside Y: once Y is freed neither segment is
+    wholly free, and a 64 MiB request cannot be served under the cap."""
+    t = _trace(tmp_path, "order", ["alloc 1 24", "alloc 2 24", "alloc 3 40", "free 2", "alloc 4 64"])
+    high = Segment(2 << 40, False, 0, ((24 * MiB, True), (40 * MiB, False)))  # a live block, 40 MiB free
+    low = Segment(1 << 40, False, 0, ((24 * MiB, True), (40 * MiB, False)))
+    assert not fits_native(with_start(t, [high, low]), 128 * MiB)
+    assert fits_native(with_start(t, [low, high]), 128 * MiB)  # X low and Y high: Y's segment comes free
+
+
+def test_native_start_leaves_out_segments_the_trace_does_not_match(tmp_path):
+    t = _trace(tmp_path, "other", ["alloc 1 20", "alloc 2 8", "free 2", "alloc 3 30"])
+    grown = Segment(1 << 40, False, 0, ((8 * MiB, True), (12 * MiB, False)))  # the block grew since: 20 MiB now
+    assert with_start(t, [grown]) is t and with_start(t, []) is t and with_start(t, None) is t
+    kept = Segment(3 << 40, False, 0, ((12 * MiB, True), (30 * MiB, False)))
+    t2 = _trace(tmp_path, "other2", ["alloc 1 20", "alloc 2 12", "alloc 3 30"])
+    r = replay_native(with_start(t2, [grown, kept]))
+    assert r.peak_reserved_bytes == (20 + 42) * MiB  # the 20 MiB block its own segment, the 30 in the cache
+
+
+def test_forecast_replays_the_native_model_from_the_recorded_cache(tmp_path):
+    """The template's recorded cache is where the native model starts, at every value."""
+    recs = []
+    for k in (1, 2):
+        step = ["alloc 1 62", f"alloc 2 {16 * k}", f"alloc 3 {20 * k}", "free 2", "free 3"]
+        recs.append(Recording(k, _trace(tmp_path, f"k{k}", step), 512, step_starts=[1]))
+    assert Forecast(recs).predict(3).native_capacity_bytes == (62 + 48 + 60) * MiB
+    for r in recs:
+        r.native_start = [Segment(1 << 40, False, 0, ((62 * MiB, True), (64 * MiB, False)))]
+    # the 48 MiB block in the cache (16 MiB remain), the 60 MiB one a segment of its own
+    assert Forecast(recs).predict(3).native_capacity_bytes == (126 + 60) * MiB
+
+
+def test_recording_under_torch_keeps_the_segments_of_the_live_blocks():
+    """The cache kept from torch's snapshot: the segments of this device that hold a live block, in
+    the order the live blocks are recorded, free blocks and all; none under expandable segments."""
+    from types import SimpleNamespace
+
+    from gpumem.forecast.record import _TorchNativeRecorder
+
+    def seg(addr, device, kind, blocks, **kw):
+        blocks = [{"size": s * MiB, "state": st} for s, st in blocks]
+        return dict(address=addr, device=device, stream=0, segment_type=kind, blocks=blocks, **kw)
+
+    segments = [
+        seg(5 << 30, 0, "large", [(62, "active_allocated"), (64, "inactive")]),
+        seg(6 << 30, 1, "large", [(20, "active_allocated")]),  # another device
+        seg(7 << 30, 0, "large", [(20, "inactive")]),  # wholly free: a warm-up's
+        seg(8 << 30, 0, "small", [(1, "active_pending_free"), (1, "inactive")]),
+    ]
+    memory = SimpleNamespace(_snapshot=lambda: {"segments": segments})
+    torch = SimpleNamespace(cuda=SimpleNamespace(memory=memory), device=lambda d: SimpleNamespace(index=d))
+    rec = _TorchNativeRecorder(torch, 0)
+    assert rec.native_start() == [
+        Segment(5 << 30, False, 0, ((62 * MiB, True), (64 * MiB, False))),
+        Segment(8 << 30, True, 0, ((MiB, True), (MiB, False))),
+    ]
+    assert [(a, s) for a, s, _ in rec.live_blocks()] == [(5 << 30, 62 * MiB), (8 << 30, MiB)]
+    segments.append(seg(9 << 30, 0, "large", [(20, "active_allocated")], is_expandable=True))
+    assert rec.native_start() is None
