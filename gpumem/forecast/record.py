@@ -38,9 +38,10 @@ class _HeapRecorder:
         after the step gives the very same ones (gpumem.trace.snapshot_trace)."""
         return [(b[0], b[1], b[3]) for b in self.heap.snapshot()["blocks"] if b[6] in ("live", "pending")]
 
-    def native_start(self) -> None:
-        """torch's cache before the step: none here (see _TorchNativeRecorder)."""
-        return None
+    def before_step(self) -> Tuple[List[Tuple[int, int, int]], Optional[list]]:
+        """The blocks live before the step (live_blocks), and torch's cache then: none here
+        (see _TorchNativeRecorder)."""
+        return self.live_blocks(), None
 
     def start(self) -> None:
         self.heap.history_enable(0)  # drop what the ring held
@@ -95,35 +96,34 @@ class _TorchNativeRecorder:
     def _snapshot(self) -> dict:
         return self.torch.cuda.memory._snapshot()
 
-    def live_blocks(self) -> List[Tuple[int, int, int]]:
-        out = []
-        for seg in self._snapshot()["segments"]:
-            if seg.get("device") != self.device:
-                continue
-            addr = seg["address"]
-            for b in seg["blocks"]:
-                if b["state"] in _LIVE:
-                    out.append((addr, b.get("requested_size") or b["size"], seg["stream"]))
-                addr += b["size"]
-        return out
-
-    def native_start(self) -> Optional[list]:
-        """The segments that hold the blocks live before the step, in live_blocks' order, with
-        their free blocks: the cache the native model starts from (native_model.with_start).
-        None under expandable segments, which the model does not have."""
+    def before_step(self) -> Tuple[List[Tuple[int, int, int]], Optional[list]]:
+        """From one snapshot of this device: (addr, size, stream) of the blocks live before the
+        step, in the snapshot's order; and the segments that hold them, with their free blocks,
+        in the same order: the cache the native model starts from (native_model.with_start).
+        None for the cache under expandable segments, which the model does not have."""
         from .native_model import Segment
 
-        out = []
+        live, start, expandable = [], [], False
         for seg in self._snapshot()["segments"]:
             if seg.get("device") != self.device:
                 continue
-            if seg.get("is_expandable"):
-                return None
-            blocks = tuple((b["size"], b["state"] in _LIVE) for b in seg["blocks"])
-            if any(live for _, live in blocks):
-                small = seg.get("segment_type") == "small"
-                out.append(Segment(seg["address"], small, seg["stream"], blocks))
-        return out
+            expandable = expandable or bool(seg.get("is_expandable"))
+            addr, blocks = seg["address"], []
+            for b in seg["blocks"]:
+                is_live = b["state"] in _LIVE
+                if is_live:
+                    live.append((addr, b.get("requested_size") or b["size"], seg["stream"]))
+                blocks.append((b["size"], is_live))
+                addr += b["size"]
+            if any(is_live for _, is_live in blocks):
+                start.append(Segment(seg["address"], seg.get("segment_type") == "small", seg["stream"], tuple(blocks)))
+        return live, None if expandable else start
+
+    def live_blocks(self) -> List[Tuple[int, int, int]]:
+        return self.before_step()[0]
+
+    def native_start(self) -> Optional[list]:
+        return self.before_step()[1]
 
     def _events(self) -> list:
         traces = self._snapshot()["device_traces"]
@@ -202,8 +202,7 @@ def _record(rec, step, k: int, name: str, warmup: int, steps: int, reset) -> Rec
         reset()
     rec.drop_workspaces()
     rec.sync()
-    live = rec.live_blocks()
-    start = rec.native_start()
+    live, start = rec.before_step()
     rec.start()
     marks = []
     try:

@@ -262,9 +262,9 @@ def test_recording_frees_torch_workspaces_after_the_warm_up():
         _C = FakeC
 
     class Logged(_TorchNativeRecorder):
-        def live_blocks(self):
+        def before_step(self):
             calls.append("live")
-            return super().live_blocks()
+            return super().before_step()
 
     def step(k):
         calls.append(f"step {k}")
