@@ -118,6 +118,12 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
     return 1;
 }
 
+/* Whether streams other than s own free memory in the general heap (owners[0]
+ * is the general heap's GM_STREAM_ANY, owners[1] a first stream's). */
+static inline int others_own(const gm_heap *h, gm_stream s) {
+    return h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s);
+}
+
 /* Step 3b, under pressure (growth under the limit did not cover the
  * request), before a device wait or growth past the limit: hand s what other
  * streams freed while their work still runs, s made to wait for that work on
@@ -125,7 +131,7 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
  * free block now fits the request; else, if memory changed hands, *pl placed again (*want as step 2). */
 static int handoff(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, placement *pl, size_t *want, gm_block **out,
                    uintptr_t *at) {
-    if (!h->handoff || (!h->n_pending && h->n_owners <= 2 && (h->n_owners < 2 || h->owners[1]->stream == s))) return 0;
+    if (!h->handoff || (!h->n_pending && !others_own(h, s))) return 0;
     if (!h_stream_handoff(h, s, pool, size)) return 0;
     h->st.num_stream_handoffs++;
     if ((*out = h_fit(h, size, s, pool, at))) return 1;
@@ -186,7 +192,7 @@ again:;
     if (h->n_parked) h_unpark(h); /* no capture is on */
     /* 1. Memory other streams (or record_stream users) have finished with. */
     size_t moved = h->n_pending ? h_process_pending(h, 0) : 0;
-    if (h->n_owners > 2 || (h->n_owners == 2 && h->owners[1]->stream != s)) moved += h_release_owners(h, s, 0);
+    if (others_own(h, s)) moved += h_release_owners(h, s, 0);
     b = moved ? h_fit(h, size, s, pool, at) : NULL;
     if (b) {
         *out = b;
