@@ -144,54 +144,44 @@ def _hf(name):
 # ---- decoders: training ------------------------------------------------------------------------------
 
 
-def build_llama_train_seq(dev):
-    from zoo_registry import llama_config
+def _causal_lm(S, config, cls, dtype=None, **kw):
+    """transformers' causal LM `cls` from the zoo's `config` ("module.function")."""
+    import importlib
 
-    S = _scale(dev)
-    m = _make(S, "LlamaForCausalLM", llama_config(S))
-    return _lm(S, m, lambda n: (4, n), _bf16())
+    module, function = config.rsplit(".", 1)
+    return _make(S, cls, getattr(importlib.import_module(module), function)(S, **kw), dtype)
+
+
+# spec -> (config, model class) of a causal LM trained at batch 4 in bf16 autocast
+_CAUSAL_TRAIN = {
+    "llama_train_seq": ("zoo_registry.llama_config", "LlamaForCausalLM"),
+    "mistral_train_seq": ("zoo_registry.mistral_config", "MistralForCausalLM"),
+    "mixtral_train_seq": ("zoo_workloads.mixtral_config", "MixtralForCausalLM"),
+    "qwen2_moe_train_seq": ("zoo_registry.qwen2_moe_config", "Qwen2MoeForCausalLM"),
+}
+
+
+def _causal_train(config, cls):
+    def build(dev):
+        S = _scale(dev)
+        return _lm(S, _causal_lm(S, config, cls), lambda n: (4, n), _bf16())
+
+    return build
 
 
 def build_llama_ckpt_seq(dev):
-    from zoo_registry import llama_config
-
     S = _scale(dev)
-    m = _make(S, "LlamaForCausalLM", llama_config(S, num_hidden_layers=S(16, 2)))
+    m = _causal_lm(S, "zoo_registry.llama_config", "LlamaForCausalLM", num_hidden_layers=S(16, 2))
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.config.use_cache = False
     return _lm(S, m, lambda n: (8, n), _bf16())
 
 
-def build_mistral_train_seq(dev):
-    from zoo_registry import mistral_config
-
-    S = _scale(dev)
-    m = _make(S, "MistralForCausalLM", mistral_config(S))
-    return _lm(S, m, lambda n: (4, n), _bf16())
-
-
-def build_mixtral_train_seq(dev):
-    from zoo_workloads import mixtral_config
-
-    S = _scale(dev)
-    m = _make(S, "MixtralForCausalLM", mixtral_config(S))
-    return _lm(S, m, lambda n: (4, n), _bf16())
-
-
-def build_qwen2_moe_train_seq(dev):
-    from zoo_registry import qwen2_moe_config
-
-    S = _scale(dev)
-    m = _make(S, "Qwen2MoeForCausalLM", qwen2_moe_config(S))
-    return _lm(S, m, lambda n: (4, n), _bf16())
-
-
 def build_qwen2_lora_seq(dev):
     from peft import LoraConfig, get_peft_model
-    from zoo_workloads import qwen2_config
 
     S = _scale(dev)
-    m = _make(S, "Qwen2ForCausalLM", qwen2_config(S, num_hidden_layers=S(16, 2)), _bf16())
+    m = _causal_lm(S, "zoo_workloads.qwen2_config", "Qwen2ForCausalLM", _bf16(), num_hidden_layers=S(16, 2))
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.enable_input_require_grads()
     m.config.use_cache = False
@@ -234,44 +224,24 @@ def build_gpt_neox_fp16_seq(dev):
 # ---- decoders and encoder-decoders: generation --------------------------------------------------------
 
 
-def build_llama_generate_batch(dev):
-    from zoo_registry import llama_config
-
-    S = _scale(dev)
-    m = _make(S, "LlamaForCausalLM", llama_config(S), _bf16())
-    return _causal_generate(S, m, S(512, 8), S(64, 3))
-
-
-def build_qwen2_generate_batch(dev):
-    from zoo_workloads import qwen2_config
-
-    S = _scale(dev)
-    m = _make(S, "Qwen2ForCausalLM", qwen2_config(S), _bf16())
-    return _causal_generate(S, m, S(384, 8), S(64, 3))
+# spec -> (config, model class, dtype, prompt, new tokens, generate's options; prompt and new
+# tokens at the zoo's scale and at toy size) of a causal LM's generation
+_CAUSAL_GENERATE = {
+    "llama_generate_batch": ("zoo_registry.llama_config", "LlamaForCausalLM", "bf16", (512, 8), (64, 3), {}),
+    "qwen2_generate_batch": ("zoo_workloads.qwen2_config", "Qwen2ForCausalLM", "bf16", (384, 8), (64, 3), {}),
+    "phi_generate_batch": ("zoo_registry.phi_config", "PhiForCausalLM", "half", (512, 8), (64, 3), {}),
+    "mixtral_generate_batch": ("zoo_workloads.mixtral_config", "MixtralForCausalLM", "bf16", (256, 8), (48, 3), {}),
+    "gemma_beam_batch": ("zoo_registry.gemma_config", "GemmaForCausalLM", "bf16", (256, 8), (32, 3), {"num_beams": 4}),
+}
 
 
-def build_phi_generate_batch(dev):
-    from zoo_registry import phi_config
+def _causal_gen(config, cls, dtype, prompt, new, kw):
+    def build(dev):
+        S = _scale(dev)
+        m = _causal_lm(S, config, cls, _bf16() if dtype == "bf16" else _half(S))
+        return _causal_generate(S, m, S(*prompt), S(*new), **kw)
 
-    S = _scale(dev)
-    m = _make(S, "PhiForCausalLM", phi_config(S), _half(S))
-    return _causal_generate(S, m, S(512, 8), S(64, 3))
-
-
-def build_mixtral_generate_batch(dev):
-    from zoo_workloads import mixtral_config
-
-    S = _scale(dev)
-    m = _make(S, "MixtralForCausalLM", mixtral_config(S), _bf16())
-    return _causal_generate(S, m, S(256, 8), S(48, 3))
-
-
-def build_gemma_beam_batch(dev):
-    from zoo_registry import gemma_config
-
-    S = _scale(dev)
-    m = _make(S, "GemmaForCausalLM", gemma_config(S), _bf16())
-    return _causal_generate(S, m, S(256, 8), S(32, 3), num_beams=4)
+    return build
 
 
 def build_bart_generate_batch(dev):
@@ -473,19 +443,19 @@ _RES = ("resolution/32", [2, 3, 4], 1, 2)  # training at growing resolution, in 
 # name -> (knob, recorded values, multiple, steps, build): forecast_models.Spec's arguments; the
 # generations first, whose forecasts take longest, so that a pool of forecasts ends sooner
 SPECS = {
-    "llama_generate_batch": (*_GEN, build_llama_generate_batch),
-    "qwen2_generate_batch": (*_GEN, build_qwen2_generate_batch),
-    "phi_generate_batch": (*_GEN, build_phi_generate_batch),
-    "mixtral_generate_batch": (*_GEN, build_mixtral_generate_batch),
-    "gemma_beam_batch": (*_GEN, build_gemma_beam_batch),
+    "llama_generate_batch": (*_GEN, _causal_gen(*_CAUSAL_GENERATE["llama_generate_batch"])),
+    "qwen2_generate_batch": (*_GEN, _causal_gen(*_CAUSAL_GENERATE["qwen2_generate_batch"])),
+    "phi_generate_batch": (*_GEN, _causal_gen(*_CAUSAL_GENERATE["phi_generate_batch"])),
+    "mixtral_generate_batch": (*_GEN, _causal_gen(*_CAUSAL_GENERATE["mixtral_generate_batch"])),
+    "gemma_beam_batch": (*_GEN, _causal_gen(*_CAUSAL_GENERATE["gemma_beam_batch"])),
     "bart_generate_batch": (*_GEN, build_bart_generate_batch),
     "whisper_generate_batch": (*_GEN, build_whisper_generate_batch),
     "unet_sample_batch": (*_GEN, build_unet_sample_batch),
-    "llama_train_seq": (*_SEQ, build_llama_train_seq),
+    "llama_train_seq": (*_SEQ, _causal_train(*_CAUSAL_TRAIN["llama_train_seq"])),
     "llama_ckpt_seq": (*_SEQ, build_llama_ckpt_seq),
-    "mistral_train_seq": (*_SEQ, build_mistral_train_seq),
-    "mixtral_train_seq": (*_SEQ, build_mixtral_train_seq),
-    "qwen2_moe_train_seq": (*_SEQ, build_qwen2_moe_train_seq),
+    "mistral_train_seq": (*_SEQ, _causal_train(*_CAUSAL_TRAIN["mistral_train_seq"])),
+    "mixtral_train_seq": (*_SEQ, _causal_train(*_CAUSAL_TRAIN["mixtral_train_seq"])),
+    "qwen2_moe_train_seq": (*_SEQ, _causal_train(*_CAUSAL_TRAIN["qwen2_moe_train_seq"])),
     "qwen2_lora_seq": (*_SEQ, build_qwen2_lora_seq),
     "gpt_neox_fp16_seq": (*_SEQ, build_gpt_neox_fp16_seq),
     "t5_train_seq": ("encoder seq", [64, 128, 192], 16, 2, build_t5_train_seq),
