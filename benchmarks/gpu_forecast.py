@@ -47,9 +47,7 @@ its free memory holds at the cap (1.5 GiB more each), at most two fewer than the
    again at half of it, and at a quarter too where that recording disagrees with the first forecast
    (its "recorded" and "first_largest" say so).
    Its time counts from its first step (warm-ups included) to both answers (the model is already
-   built: a user asking has it in hand).  torch._dynamo, which torch.optim's first step imports
-   (about 5 s), is imported before the clock starts: the program pays that once whether or not it
-   forecasts ("import_s" in the JSON).
+   built: a user asking has it in hand).
 2. Truth: for each model and allocator, the largest value that runs (two training steps, or one
    generation) without OOM, by doubling from twice the largest recorded value and then bisecting,
    each probe a fresh process (an OOM leaves state behind).  A search's time is the sum of its
@@ -123,11 +121,6 @@ def child_forecast(name, cap, out_dir, dump_dir=None):
     spec = MODELS[name]
     step, reset = spec.build("cuda")
     _fresh_device(torch)
-    # torch.optim's first step imports torch._dynamo (about 5 s on an H200 host): a cost the program pays
-    # once, at its first step, whether or not it forecasts.  Paid here, before the clock starts.
-    t_import = time.perf_counter()
-    import torch._dynamo  # noqa: F401
-
     t0 = time.perf_counter()
     fc = gpumem.forecast(
         step,
@@ -164,7 +157,6 @@ def child_forecast(name, cap, out_dir, dump_dir=None):
                 "first_largest": None
                 if fc.first is None
                 else {a: (None if (v := fc.first.largest(allocator=a)) == math.inf else v) for a in ALLOCATORS},
-                "import_s": t0 - t_import,
                 "record_s": t_rec - t0,
                 "model_s": t1 - t_rec,
                 "forecast_s": t1 - t0,
