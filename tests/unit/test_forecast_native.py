@@ -245,5 +245,10 @@ def test_recording_under_torch_keeps_the_segments_of_the_live_blocks():
         Segment(8 << 30, True, 0, ((MiB, True), (MiB, False))),
     ]
     assert [(a, s) for a, s, _ in rec.live_blocks()] == [(5 << 30, 62 * MiB), (8 << 30, MiB)]
+    # a recording reads both from one snapshot
+    snapshots = []
+    memory._snapshot = lambda: snapshots.append(1) or {"segments": segments}
+    live, start = rec.before_step()
+    assert len(snapshots) == 1 and live == rec.live_blocks() and start == rec.native_start()
     segments.append(seg(9 << 30, 0, "large", [(20, "active_allocated")], is_expandable=True))
-    assert rec.native_start() is None
+    assert rec.native_start() is None and len(rec.live_blocks()) == 3
