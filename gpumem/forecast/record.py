@@ -115,7 +115,7 @@ class _TorchNativeRecorder:
                     live.append((addr, b.get("requested_size") or b["size"], seg["stream"]))
                 blocks.append((b["size"], is_live))
                 addr += b["size"]
-            if any(is_live for _, is_live in blocks):
+            if any(held for _, held in blocks):
                 start.append(Segment(seg["address"], seg.get("segment_type") == "small", seg["stream"], tuple(blocks)))
         return live, None if expandable else start
 
