@@ -7,7 +7,10 @@ device's 80 GiB), and the smallest capacity that fits, searched to 1 MiB -- a ca
 puts the heap under pressure for the end of the trace, with room at its start.  Ratios are to the
 trace's peak live bytes, as in gpumem/data/traces/README.md.  Deterministic: the simulated device
 gives the same figures on every machine.  --scale K replays every request K times as large (the
-search then to K MiB): a trace that fills a larger device.
+search then to K MiB): a trace that fills a larger device.  --why adds, per trace and policy, what
+the first failed request lacked one step below the smallest capacity, from its OOM report: the
+request, how much it was short, and the free memory it could not have, stranded in pages live
+blocks share and locked in partly used chunks.
 """
 
 import argparse
@@ -33,7 +36,34 @@ def scaled(tr, k):
     return dataclasses.replace(tr, words=words, peak_live_bytes=tr.peak_live_bytes * k)
 
 
-def measure(name, scale=1):
+def why_short(tr, capacity, kw):
+    """The first failed request's OOM report when `tr` replays on `capacity` bytes: a dict of MiB."""
+    from gpumem import OutOfMemoryError
+    from gpumem.explain import last_oom
+
+    heap = R._heap(capacity, kw)
+    first = heap.replay(tr.events, tr.n_slots)["first_oom_event"]
+    if first < 0:
+        return None
+    heap = R._heap(capacity, kw)  # again to just before the failure, then the failing request
+    heap.replay(tr.events[: 24 * first], tr.n_slots)
+    request, stream = tr.words[3 * first + 1], tr.words[3 * first + 2]
+    try:
+        heap.malloc(request, stream).free()
+    except OutOfMemoryError:
+        pass
+    r = last_oom(heap)
+    mib = 1 << 20
+    return dict(
+        event=first,
+        request_mib=round(request / mib, 2),
+        short_mib=round(r.shortfall / mib, 2),
+        stranded_mib=round(r.stranded_bytes / mib, 2),
+        chunk_locked_mib=round(r.chunk_locked_bytes / mib, 2),
+    )
+
+
+def measure(name, scale=1, why=False):
     tr = load_trace(str(trace_path(name)))
     if scale > 1:
         tr = scaled(tr, scale)
@@ -50,6 +80,8 @@ def measure(name, scale=1):
             maps=r.num_maps,
             min_capacity=round(mc / peak, 4),
         )
+        if why:
+            out[label]["short_below"] = why_short(tr, mc - R.MiB * scale, kw)
     return dict(trace=name, peak_live_gib=round(peak / 2**30, 3), policies=out)
 
 
@@ -58,10 +90,11 @@ def main():
     ap.add_argument("--traces", default=",".join(list_traces()))
     ap.add_argument("--scale", type=int, default=1, help="every request K times as large")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "policy_traces.json"))
+    ap.add_argument("--why", action="store_true", help="what the first failed request lacked below min capacity")
     a = ap.parse_args()
     if a.scale < 1:
         ap.error(f"--scale must be at least 1, got {a.scale}")
-    rows = [measure(n, a.scale) for n in a.traces.split(",") if n]
+    rows = [measure(n, a.scale, a.why) for n in a.traces.split(",") if n]
     print("| trace | peak live GiB | policy | peak reserved (80 GiB) | remaps (pages) ", end="")
     print("| device allocations | min capacity |")
     print("|---|---|---|---|---|---|---|")
@@ -71,6 +104,17 @@ def main():
                 f"| {r['trace']} | {r['peak_live_gib']} | {label} | {p['peak_reserved']:.4f} "
                 f"| {p['remaps']} ({p['pages_remapped']}) | {p['device_allocs']} | {p['min_capacity']:.4f} |"
             )
+    if a.why:
+        print("\n| trace | policy | request MiB | short MiB | stranded MiB | locked in chunks MiB |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            for label, p in r["policies"].items():
+                w = p["short_below"]
+                if w:
+                    print(
+                        f"| {r['trace']} | {label} | {w['request_mib']} | {w['short_mib']} | {w['stranded_mib']} "
+                        f"| {w['chunk_locked_mib']} |"
+                    )
     pathlib.Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {a.out}")
 
