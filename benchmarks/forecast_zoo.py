@@ -178,18 +178,11 @@ def build_llama_ckpt_seq(dev):
 
 
 def build_qwen2_lora_seq(dev):
-    from peft import LoraConfig, get_peft_model
+    from zoo_workloads import with_lora
 
     S = _scale(dev)
-    m = _causal_lm(S, "zoo_workloads.qwen2_config", "Qwen2ForCausalLM", _bf16(), num_hidden_layers=S(16, 2))
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    m.enable_input_require_grads()
-    m.config.use_cache = False
-    lora = LoraConfig(
-        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
-    )
-    m = get_peft_model(m, lora)
-    params = [p for p in m.parameters() if p.requires_grad]
+    base = _causal_lm(S, "zoo_workloads.qwen2_config", "Qwen2ForCausalLM", _bf16(), num_hidden_layers=S(16, 2))
+    m, params = with_lora(base)
     return _lm(S, m, lambda n: (4, n), params=params, lr=1e-4)
 
 

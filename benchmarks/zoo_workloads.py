@@ -101,21 +101,26 @@ def wl_qwen2_generate(S):
     causal_generate(S, m, m.config.vocab_size, 8, [1, 2, 4, 8, 16], S([32, 128, 384], [4, 8]), S([32, 64], [3]))
 
 
+def with_lora(base):
+    """A causal LM with LoRA adapters on its attention projections, activation checkpointing on and no KV
+    cache: (the model, the parameters it trains)."""
+    from peft import LoraConfig, get_peft_model
+
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.enable_input_require_grads()
+    base.config.use_cache = False
+    cfg = LoraConfig(
+        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
+    )
+    m = get_peft_model(base, cfg)
+    return m, [p for p in m.parameters() if p.requires_grad]
+
+
 @workload(
     "qwen2", "LoRA fine-tune, bf16 weights, activation checkpointing", "frozen base, small optimizer", "sequence length"
 )
 def wl_qwen2_lora(S):
-    from peft import LoraConfig, get_peft_model
-
-    m = on(S, _hf("Qwen2ForCausalLM")(qwen2_config(S, num_hidden_layers=S(16, 2))), _bf16())
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    m.enable_input_require_grads()
-    m.config.use_cache = False
-    cfg = LoraConfig(
-        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
-    )
-    m = get_peft_model(m, cfg)
-    params = [p for p in m.parameters() if p.requires_grad]
+    m, params = with_lora(on(S, _hf("Qwen2ForCausalLM")(qwen2_config(S, num_hidden_layers=S(16, 2))), _bf16()))
     causal_train(S, m, qwen2_config(S).vocab_size, 10, [4], S([256, 1024, 2048], [8, 16]), params=params, lr=1e-4)
 
 
