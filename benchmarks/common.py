@@ -7,11 +7,16 @@ line of JSON, the last such line of its output.  The benchmarks import this modu
 folder of a script run as `python benchmarks/x.py` is first on sys.path.
 """
 
+import gzip
 import json
 import os
 import subprocess
 import sys
 from typing import Iterable, Optional, Sequence
+
+# The entries of torch's allocation history (torch.cuda.memory._snapshot()["device_traces"]) that a
+# text trace keeps: what gpumem.trace reads.
+TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc")
 
 
 def last_json_line(text: str) -> Optional[dict]:
@@ -42,6 +47,19 @@ def write_json(path: Optional[str], obj) -> None:
         json.dump(obj, f, indent=1)
         f.write("\n")
     print("wrote", path)
+
+
+def write_torch_trace(path: str, entries: Iterable[dict], note: str) -> int:
+    """Write one device's entries of torch's allocation history as a gpumem text trace (gzip, as
+    gpumem.trace reads it), headed by a comment that says where it comes from; how many it wrote."""
+    n = 0
+    with gzip.open(path, "wt", compresslevel=9) as f:
+        f.write(f"# action addr size stream  ({note})\n")
+        for e in entries:
+            if e["action"] in TRACE_ACTIONS:
+                f.write(f"{e['action']} {e['addr']} {e['size']} {int(e.get('stream', 0))}\n")
+                n += 1
+    return n
 
 
 def markdown_row(cells: Iterable) -> str:

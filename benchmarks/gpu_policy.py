@@ -25,6 +25,13 @@ remapped and device-wide synchronisations; native's segment allocations (num_dev
 timed from a device synchronisation to the next.  --budget (seconds) stops starting rounds that would
 not finish in time (the first round measures how long one takes); the JSON says how many ran.
 It writes JSON to --out and prints a table; without CUDA it says so, writes {"skipped": ...} and exits 0.
+
+--trace DIR: after the rounds, one more process under torch's allocator (not counted in the table)
+records each workload's allocations and writes DIR/WORKLOAD.trace.gz (llama_varlen_cap is left out:
+the same steps again, capped).  The same requests come in the same order under every allocator, so
+replaying that trace on the simulated device shows where gpumem's peak reserved comes from, e.g.
+`python -m gpumem replay DIR/llama_varlen.trace.gz --capacity 149.3GB` (the device's memory less
+CUDA's context) gives the peak reserved of the run on that device.
 """
 
 import argparse
@@ -38,7 +45,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_head, markdown_row  # noqa: E402
+from common import markdown_head, markdown_row, write_torch_trace  # noqa: E402
 from compare.workloads import LLAMA_CONFIG  # noqa: E402
 
 WORKLOADS = ["llama_varlen", "llama_varlen_cap", "gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
@@ -117,8 +124,24 @@ def _run_steps(torch, name, step, draw, steps, warmup, opt):
     )
 
 
-def child(use, names):
-    """One process: every workload in `names` under allocator `use`; one JSON line per workload."""
+def _trace_start(torch):
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=20_000_000)
+
+
+def _trace_write(torch, trace_dir, name):
+    """The history since _trace_start as trace_dir/name.trace.gz; the history off."""
+    torch.cuda.synchronize()
+    entries = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"{name}.trace.gz")
+    n = write_torch_trace(path, entries, f"{name} of benchmarks/gpu_policy.py under torch's allocator")
+    print(f"gpu_policy.py: wrote {path} ({n} events)", file=sys.stderr)
+
+
+def child(use, names, trace_dir=None):
+    """One process: every workload in `names` under allocator `use`; one JSON line per workload.  With
+    trace_dir (torch's allocator only), each workload's allocations as a trace there instead (--trace)."""
     import torch
 
     if use.split(":")[0] == "gpumem":
@@ -129,6 +152,11 @@ def child(use, names):
     total = torch.cuda.get_device_properties(0).total_memory
     llama = step = draw = opt = live = None
     for name in names:
+        if trace_dir and name == "llama_varlen_cap":
+            continue
+        if trace_dir:
+            torch.cuda.empty_cache()
+            _trace_start(torch)
         if name in ("llama_varlen", "llama_varlen_cap"):
             if llama is None:
                 llama = _llama_varlen(torch, dev)
@@ -154,6 +182,11 @@ def child(use, names):
             r = _run_steps(torch, name, w.step, w.draw, STEPS[name], WARMUP[name], w.opt)
             del w
             gc.collect()
+        if trace_dir:
+            _trace_write(torch, trace_dir, name)
+            if name == "llama_varlen":
+                llama = step = draw = opt = None  # the next workload's trace starts from nothing of it
+                gc.collect()
         torch.cuda.empty_cache()
         r["allocator"] = use
         r["device"] = torch.cuda.get_device_name(0)
@@ -234,6 +267,7 @@ def main():
         help="native first, separated by ',' (or ';' when one carries several VAR=VALUE)",
     )
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds one process may take")
+    ap.add_argument("--trace", metavar="DIR", help="also write each workload's allocations as a trace there")
     ap.add_argument("--child", metavar="ALLOCATOR", help=argparse.SUPPRESS)
     a = ap.parse_args()
     names = [n for n in a.workloads.split(",") if n]
@@ -256,7 +290,7 @@ def main():
     for env in envs.values():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     if a.child:
-        child(a.child, names)
+        child(a.child, names, a.trace)
         return
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # this process must leave CUDA alone: no context here
     try:
@@ -289,6 +323,22 @@ def main():
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "rows": rows, "table": table}, f, indent=1)
     print(f"wrote {a.out}")
+    if a.trace:
+        _traces(a, names, envs)
+
+
+def _traces(a, names, envs):
+    """--trace: one more process under torch's allocator, recording each workload's allocations."""
+    cmd = [sys.executable, __file__, "--out", os.devnull, "--workloads", ",".join(names)]
+    cmd += ["--allocators", a.allocators, "--child", "native", "--trace", os.path.abspath(a.trace)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=envs["native"], timeout=a.timeout)
+        if p.returncode:
+            print(f"gpu_policy.py: recording the traces failed ({p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+        else:
+            print(p.stderr.strip(), file=sys.stderr)
+    except subprocess.TimeoutExpired:
+        print(f"gpu_policy.py: recording the traces passed {a.timeout:.0f} s; stopped", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 
 # The workloads (zoo_workloads.py) register themselves in ZOO (zoo_registry.py, with the loops they
 # share) as they are imported.  mixtral_config, whisper and unet are here for benchmarks/forecast_models.py.
+from common import write_torch_trace
 from zoo_registry import ZOO, Scale
 from zoo_workloads import mixtral_config, unet, whisper  # noqa: F401
 
@@ -70,13 +71,8 @@ def record_one(name, outdir):
         trace_entries=len(tr),
     )
     os.makedirs(outdir, exist_ok=True)
-    with gzip.open(os.path.join(outdir, f"{name}.trace.gz"), "wt", compresslevel=9) as f:
-        f.write(
-            "# action addr size stream  (from torch.cuda.memory._snapshot device_traces; " + json.dumps(head) + ")\n"
-        )
-        for e in tr:
-            if e["action"] in ("alloc", "free_requested", "free_completed", "segment_alloc"):
-                f.write(f"{e['action']} {e['addr']} {e['size']} {int(e.get('stream', 0))}\n")
+    note = "from torch.cuda.memory._snapshot device_traces; " + json.dumps(head)
+    write_torch_trace(os.path.join(outdir, f"{name}.trace.gz"), tr, note)
     print(json.dumps(head), flush=True)
 
 
