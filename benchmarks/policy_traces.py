@@ -2,6 +2,9 @@
 
     python3 benchmarks/policy_traces.py [--traces a,b,c] [--scale K] [--out benchmarks/results/policy_traces.json]
 
+--traces takes shipped traces' names (gpumem.data.list_traces()) or paths to trace files, e.g. the
+ones `gpu_policy.py --trace DIR` records on a GPU: a trace none of these rules was made on.
+
 For each trace and each policy: peak reserved and device calls replayed with room (the simulated
 device's 80 GiB), and the smallest capacity that fits, searched to 1 MiB -- a capacity near peak live
 puts the heap under pressure for the end of the trace, with room at its start.  Ratios are to the
@@ -16,6 +19,7 @@ blocks share and locked in partly used chunks.
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 
@@ -63,8 +67,15 @@ def why_short(tr, capacity, kw):
     )
 
 
+def _load(name):
+    """A shipped trace by name, or a trace file by path: (the trace, its name in the tables)."""
+    if os.path.isfile(name):
+        return load_trace(name), os.path.basename(name).split(".trace")[0]
+    return load_trace(str(trace_path(name))), name
+
+
 def measure(name, scale=1, why=False):
-    tr = load_trace(str(trace_path(name)))
+    tr, name = _load(name)
     if scale > 1:
         tr = scaled(tr, scale)
     peak = tr.peak_live_bytes
