@@ -49,6 +49,11 @@ def write_json(path: Optional[str], obj) -> None:
     print("wrote", path)
 
 
+def start_torch_history(torch) -> None:
+    """Turn on torch's allocation history as the traces here record it: every event, no context."""
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=20_000_000)
+
+
 def write_torch_trace(path: str, entries: Iterable[dict], note: str) -> int:
     """Write one device's entries of torch's allocation history as a gpumem text trace (gzip, as
     gpumem.trace reads it), headed by a comment that says where it comes from; how many it wrote."""

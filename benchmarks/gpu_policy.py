@@ -45,7 +45,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_head, markdown_row, write_torch_trace  # noqa: E402
+from common import markdown_head, markdown_row, start_torch_history, write_torch_trace  # noqa: E402
 from compare.workloads import LLAMA_CONFIG  # noqa: E402
 
 WORKLOADS = ["llama_varlen", "llama_varlen_cap", "gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
@@ -124,12 +124,8 @@ def _run_steps(torch, name, step, draw, steps, warmup, opt):
     )
 
 
-def _trace_start(torch):
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=20_000_000)
-
-
 def _trace_write(torch, trace_dir, name):
-    """The history since _trace_start as trace_dir/name.trace.gz; the history off."""
+    """The history since start_torch_history as trace_dir/name.trace.gz; the history off."""
     torch.cuda.synchronize()
     entries = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -156,7 +152,7 @@ def child(use, names, trace_dir=None):
             continue
         if trace_dir:
             torch.cuda.empty_cache()
-            _trace_start(torch)
+            start_torch_history(torch)
         if name in ("llama_varlen", "llama_varlen_cap"):
             if llama is None:
                 llama = _llama_varlen(torch, dev)
@@ -226,6 +222,12 @@ def _table(rows, names, allocators):
     return "\n".join(lines)
 
 
+def _child_cmd(a, names, use, *more):
+    """The command of one process of this script: every workload in `names` under allocator `use`."""
+    cmd = [sys.executable, __file__, "--out", os.devnull, "--workloads", ",".join(names)]
+    return cmd + ["--allocators", a.allocators, "--child", use, *more]
+
+
 def _rounds(a, names, allocators, envs, t_start):
     """Run every allocator's process, round after round within the budget: (rows, rounds done)."""
     rows, rounds_done, per_process = [], 0, 0.0
@@ -236,10 +238,10 @@ def _rounds(a, names, allocators, envs, t_start):
             break
         for use in allocators:
             t_proc = time.monotonic()
-            cmd = [sys.executable, __file__, "--out", os.devnull, "--workloads", ",".join(names)]
-            cmd += ["--allocators", a.allocators, "--child", use]
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, env=envs[use], timeout=a.timeout)
+                p = subprocess.run(
+                    _child_cmd(a, names, use), capture_output=True, text=True, env=envs[use], timeout=a.timeout
+                )
                 out, err, rc = p.stdout, p.stderr, p.returncode
             except subprocess.TimeoutExpired as e:
                 out, err, rc = (e.stdout or b"").decode(), (e.stderr or b"").decode(), "timeout"
@@ -329,8 +331,7 @@ def main():
 
 def _traces(a, names, envs):
     """--trace: one more process under torch's allocator, recording each workload's allocations."""
-    cmd = [sys.executable, __file__, "--out", os.devnull, "--workloads", ",".join(names)]
-    cmd += ["--allocators", a.allocators, "--child", "native", "--trace", os.path.abspath(a.trace)]
+    cmd = _child_cmd(a, names, "native", "--trace", os.path.abspath(a.trace))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=envs["native"], timeout=a.timeout)
         if p.returncode:

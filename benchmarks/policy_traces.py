@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from gpumem import replay as R  # noqa: E402
-from gpumem.data import list_traces, trace_path  # noqa: E402
+from gpumem.data import list_traces  # noqa: E402
 from gpumem.trace import load_trace  # noqa: E402
 
 POLICIES = {"tight (pressure 0)": {"pressure": 0}, "default": {}}
@@ -67,15 +67,9 @@ def why_short(tr, capacity, kw):
     )
 
 
-def _load(name):
-    """A shipped trace by name, or a trace file by path: (the trace, its name in the tables)."""
-    if os.path.isfile(name):
-        return load_trace(name), os.path.basename(name).split(".trace")[0]
-    return load_trace(str(trace_path(name))), name
-
-
 def measure(name, scale=1, why=False):
-    tr, name = _load(name)
+    tr = load_trace(name)  # a shipped trace's name, or a trace file (named in the tables by its file's name)
+    name = os.path.basename(name).split(".trace")[0]
     if scale > 1:
         tr = scaled(tr, scale)
     peak = tr.peak_live_bytes

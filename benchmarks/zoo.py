@@ -29,7 +29,7 @@ import time
 
 # The workloads (zoo_workloads.py) register themselves in ZOO (zoo_registry.py, with the loops they
 # share) as they are imported.  mixtral_config, whisper and unet are here for benchmarks/forecast_models.py.
-from common import write_torch_trace
+from common import start_torch_history, write_torch_trace
 from zoo_registry import ZOO, Scale
 from zoo_workloads import mixtral_config, unet, whisper  # noqa: F401
 
@@ -45,7 +45,7 @@ def record_one(name, outdir):
     random.seed(1234)
     torch.manual_seed(1234)
     torch.empty(1, device="cuda")
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=20_000_000)
+    start_torch_history(torch)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     w["fn"](Scale(False))

@@ -11,6 +11,9 @@ sys.path.insert(0, os.path.join(str(REPO), "benchmarks"))
 
 import policy_traces as pt  # noqa: E402
 
+from gpumem.data import trace_path  # noqa: E402
+from gpumem.trace import load_trace  # noqa: E402
+
 
 def test_why_finds_the_pages_locked_in_chunks():
     r = pt.measure("llama_ckpt", scale=3, why=True)
@@ -24,13 +27,13 @@ def test_why_finds_the_pages_locked_in_chunks():
 
 
 def test_why_is_none_where_nothing_fails():
-    tr = pt.load_trace(str(pt.trace_path("gemma_beam")))
+    tr = load_trace(str(trace_path("gemma_beam")))
     assert pt.why_short(tr, 4 * tr.peak_live_bytes, {}) is None
 
 
 def test_a_trace_file_measures_as_its_shipped_name():
     """--traces takes a path to a trace file (gpu_policy.py --trace records them) as well as a name."""
-    path = str(pt.trace_path("bart_generate"))
+    path = str(trace_path("bart_generate"))
     by_path, by_name = pt.measure(path), pt.measure("bart_generate")
     assert by_path["trace"] == "bart_generate" and by_path == by_name
     assert by_path["policies"]["default"]["min_capacity"] >= 1.0
