@@ -54,6 +54,13 @@ def start_torch_history(torch) -> None:
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=20_000_000)
 
 
+def stop_torch_history(torch) -> dict:
+    """torch's snapshot, with the history since start_torch_history in its device_traces; the history off."""
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return snap
+
+
 def write_torch_trace(path: str, entries: Iterable[dict], note: str) -> int:
     """Write one device's entries of torch's allocation history as a gpumem text trace (gzip, as
     gpumem.trace reads it), headed by a comment that says where it comes from; how many it wrote."""

@@ -45,7 +45,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_head, markdown_row, start_torch_history, write_torch_trace  # noqa: E402
+from common import markdown_head, markdown_row, start_torch_history, stop_torch_history, write_torch_trace  # noqa: E402
 from compare.workloads import LLAMA_CONFIG  # noqa: E402
 
 WORKLOADS = ["llama_varlen", "llama_varlen_cap", "gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
@@ -127,8 +127,7 @@ def _run_steps(torch, name, step, draw, steps, warmup, opt):
 def _trace_write(torch, trace_dir, name):
     """The history since start_torch_history as trace_dir/name.trace.gz; the history off."""
     torch.cuda.synchronize()
-    entries = torch.cuda.memory._snapshot()["device_traces"][0]
-    torch.cuda.memory._record_memory_history(enabled=None)
+    entries = stop_torch_history(torch)["device_traces"][0]
     os.makedirs(trace_dir, exist_ok=True)
     path = os.path.join(trace_dir, f"{name}.trace.gz")
     n = write_torch_trace(path, entries, f"{name} of benchmarks/gpu_policy.py under torch's allocator")

@@ -29,7 +29,7 @@ import time
 
 # The workloads (zoo_workloads.py) register themselves in ZOO (zoo_registry.py, with the loops they
 # share) as they are imported.  mixtral_config, whisper and unet are here for benchmarks/forecast_models.py.
-from common import start_torch_history, write_torch_trace
+from common import start_torch_history, stop_torch_history, write_torch_trace
 from zoo_registry import ZOO, Scale
 from zoo_workloads import mixtral_config, unet, whisper  # noqa: F401
 
@@ -52,8 +52,7 @@ def record_one(name, outdir):
     torch.cuda.synchronize()
     seconds = time.time() - t0
     st = torch.cuda.memory_stats()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    snap = stop_torch_history(torch)
     tr = snap["device_traces"][0]
     head = {k: w[k] for k in ("family", "mode", "exercises", "knob")}
     head.update(
