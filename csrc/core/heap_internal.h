@@ -407,8 +407,8 @@ size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant,
 size_t h_map_interior(gm_heap *h, size_t p0, size_t p1, size_t r0, size_t r1, size_t most, size_t *grant, int *err);
 int h_release_spares(gm_heap *h, size_t target);
 size_t h_recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock);
-size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1);
-size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1);
+size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1, int device);
+size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1, int device);
 size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1);
 size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size);
 

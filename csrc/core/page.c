@@ -438,13 +438,17 @@ size_t h_recycle(gm_heap *h, size_t want, size_t ex0, size_t ex1, int restock) {
 }
 
 /* Of the pages [g0, g1) that no block keeping its pages touches, those in a
- * chunk that reaches past either end: a chunk goes only as a whole. */
-size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1) {
+ * chunk that reaches past either end: a chunk goes only as a whole.  With
+ * `device`, only the device's pages (a chunk is all host pages or none). */
+size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1, int device) {
     size_t a = g0, b = g1;
     if (h->chunk_len[a] && h->chunk_off[a]) a = h_chunk_end(h, a) < g1 ? h_chunk_end(h, a) : g1;
     if (a < b && h->chunk_len[b - 1] && h_chunk_end(h, b - 1) > g1)
         b = h_chunk_first(h, b - 1) > a ? h_chunk_first(h, b - 1) : a;
-    return (a - g0) + (g1 - b);
+    size_t lo = a - g0, hi = g1 - b;
+    if (device && lo && h->host[g0]) lo = 0;
+    if (device && hi && h->host[g1 - 1]) hi = 0;
+    return lo + hi;
 }
 
 /* Pages that no block keeping its pages touches, outside the page range
@@ -452,8 +456,9 @@ size_t h_gap_locked(const gm_heap *h, size_t g0, size_t g1) {
  * block touches (or with the range): cached, yet they cannot be unmapped.
  * A walk over the blocks, made only while chunks of several pages are
  * mapped: each gap between the page ranges those blocks keep (and the
- * range) loses the ends that chunks reaching past it cover. */
-size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1) {
+ * range) loses the ends that chunks reaching past it cover.  With
+ * `device`, only the device's pages (h_gap_locked). */
+size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1, int device) {
     if (!h->multi_chunks) return 0;
     size_t locked = 0, g0 = 0; /* the gap being measured starts at page g0 */
     for (const gm_block *b = h->head;; b = b->next) {
@@ -461,11 +466,11 @@ size_t h_chunk_locked(const gm_heap *h, size_t ex0, size_t ex1) {
         size_t f = b ? h_page_floor(h, b->addr) : h->n_pages;
         size_t e = b ? h_page_floor(h, b->addr + b->size - 1) + 1 : h->n_pages;
         if (ex0 < ex1 && ex0 <= f) {
-            if (ex0 > g0) locked += h_gap_locked(h, g0, ex0);
+            if (ex0 > g0) locked += h_gap_locked(h, g0, ex0, device);
             if (ex1 > g0) g0 = ex1;
             ex0 = ex1;
         }
-        if (f > g0) locked += h_gap_locked(h, g0, f);
+        if (f > g0) locked += h_gap_locked(h, g0, f, device);
         if (e > g0) g0 = e;
         if (!b) break;
     }
@@ -486,7 +491,10 @@ size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1) {
     size_t pages = h->mapped_pages + h->paused_pages + h_host_kept(h) - h->runs.live_pages;
     if (ex1 > h->n_pages) ex1 = h->n_pages;
     for (size_t p = ex0; p < ex1; p++) pages -= h->page_handle[p] && !h->host[p] && !h->runs.live_ep[p];
-    return pages - h_chunk_locked(h, ex0, ex1);
+    pages -= h_chunk_locked(h, ex0, ex1, 1);
+    /* A range that takes a pool's free blocks may take more than this (cached_pages_outside). */
+    h_assert(ex0 < ex1 || pages <= h->mapped_pages);
+    return pages;
 }
 
 /* Cached pages a defragmentation could move behind placement pl.  A range
@@ -502,5 +510,6 @@ size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size) {
         if (p1 > ex1) p1 = ex1;
         if (p1 > p0) pages += p1 - p0;
     }
+    h_assert(pages <= h->mapped_pages);
     return pages;
 }
