@@ -19,7 +19,6 @@ blocks share and locked in partly used chunks.
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 
@@ -69,7 +68,7 @@ def why_short(tr, capacity, kw):
 
 def measure(name, scale=1, why=False):
     tr = load_trace(name)  # a shipped trace's name, or a trace file (named in the tables by its file's name)
-    name = os.path.basename(name).split(".trace")[0]
+    name = tr.name
     if scale > 1:
         tr = scaled(tr, scale)
     peak = tr.peak_live_bytes
