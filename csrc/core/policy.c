@@ -53,8 +53,9 @@
  *   its place).  Hence both conditions: ROOM_FAR keeps chunks to the start of
  *   a heap's growth, ROOM_SMALL_FREE to devices with room to spare past the
  *   room line.  On a device with less, every page is single, as on the
- *   tight heap.  A program that fills a larger device still pays for the
- *   chunks it made early (docs/benchmarks.md: up to 2% of peak live).
+ *   tight heap.  A program that fills a larger device pays for the chunks it
+ *   made early only as far as they hold long-lived blocks: ROOM_FAR keeps
+ *   them to its first sixteenth (docs/benchmarks.md).
  *
  *   Smaller growths come as chunks too, under the same conditions: each
  *   growth of fewer than ROOM_CHUNK_MIN pages is one chunk, its own pages
@@ -92,14 +93,28 @@
  *                                peak live of the tight heap's on 37 of the
  *                                38 shipped and zoo traces
  *                                (docs/benchmarks.md).
- *     ROOM_FAR 0.25, ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
+ *     ROOM_CHUNK_MIN 64, ROOM_CHUNK_PAGES 64: 1.2-2.5x fewer
  *                                device allocations than single pages on five
  *                                of the nine shipped traces (none on the
  *                                others); chunks for smaller requests, or up
  *                                to half the room line, cost up to 8% of peak
  *                                live on seed_fragmentation, 1.4% on
  *                                llama_lora_ckpt and 0.4% on
- *                                two_stream_pipeline.  Without the
+ *                                two_stream_pipeline.
+ *     ROOM_FAR 1/16:             the 39 traces with every request 3, 5 and 7
+ *                                times as large (a program that fills a
+ *                                larger device) need within 0.2% of peak live
+ *                                of the tight heap's smallest capacity, but
+ *                                for unet_sample's own packing; at 1/4 the
+ *                                chunks made early locked up to 2% of peak
+ *                                live (llama_ckpt 5x 1.0202 against 1.0006;
+ *                                two_stream_pipeline 3x 1.0130 against
+ *                                1.0003), at 1/8 up to 0.3% at 3x.  The price
+ *                                is device allocations while the heap grows:
+ *                                the H200 Llama of gpu_policy.py made 7,316
+ *                                (15 after warm-up) against 412 (1) at 1/4,
+ *                                with no remap or synchronisation after
+ *                                warm-up either way.  Without the
  *                                ROOM_SMALL_FREE condition, the chunks made
  *                                on a device the trace fills raise its
  *                                smallest capacity by up to 5% of peak live
