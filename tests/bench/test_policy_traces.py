@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(str(REPO), "benchmarks"))
 
 import policy_traces as pt  # noqa: E402
 
+from gpumem import replay as R  # noqa: E402
 from gpumem.data import trace_path  # noqa: E402
 from gpumem.trace import load_trace  # noqa: E402
 
@@ -30,7 +31,7 @@ def test_why_finds_the_pages_locked_in_chunks():
     # Every growth as chunks of 16 pages: their free pages are what the request could not have.
     tr = pt.scaled(load_trace("llama_ckpt"), 3)
     kw = {"chunk_pages": 16}
-    w = pt.why_short(tr, pt.R.min_capacity(tr, precision=3 * pt.R.MiB, heap_kwargs=kw) - 3 * pt.R.MiB, kw)
+    w = pt.why_short(tr, R.min_capacity(tr, precision=3 * R.MiB, heap_kwargs=kw) - 3 * R.MiB, kw)
     assert w is not None and w["chunk_locked_mib"] > w["short_mib"] > 0
 
 
