@@ -301,7 +301,8 @@ static inline void h_pages_use(gm_heap *h, const gm_block *b, int d) {
 #define SPILL_SWING 16
 
 /* The growth tunables (policy.c, POLICY). */
-#define ROOM_FAR         0.0625
+#define ROOM_FAR         0.25   /* placement's whole pages, a pool's reach */
+#define ROOM_CHUNK_FAR   0.0625 /* chunks */
 #define ROOM_CHUNK_MIN   64
 #define ROOM_CHUNK_PAGES 64
 #define ROOM_AHEAD_PAGES 8

@@ -39,8 +39,8 @@
  *   Far from pressure placement packs as before, so that growth keeps
  *   reaching ahead (room_ahead) without a device call.
  *
- *   Growth far from pressure -- the heap holding at most ROOM_FAR of the
- *   room line, and the device ROOM_SMALL_FREE free past it (room_far) --
+ *   Growth far from pressure -- the heap holding at most ROOM_CHUNK_FAR of
+ *   the room line, and the device ROOM_SMALL_FREE free past it (room_far) --
  *   maps a request's new pages as chunks of up to ROOM_CHUNK_PAGES pages (one
  *   create, map and access grant each, instead of one per page) when it
  *   needs at least ROOM_CHUNK_MIN of them.  Only the pages wholly inside the
@@ -50,12 +50,14 @@
  *   freed, the fast path may place smaller, long-lived blocks on part of it,
  *   and a heap that later fills its device then cannot move the rest
  *   (recycling releases only a wholly free chunk, and makes single pages in
- *   its place).  Hence both conditions: ROOM_FAR keeps chunks to the start of
- *   a heap's growth, ROOM_SMALL_FREE to devices with room to spare past the
- *   room line.  On a device with less, every page is single, as on the
- *   tight heap.  A program that fills a larger device pays for the chunks it
- *   made early only as far as they hold long-lived blocks: ROOM_FAR keeps
- *   them to its first sixteenth (docs/benchmarks.md).
+ *   its place).  Hence both conditions: ROOM_CHUNK_FAR keeps chunks to the
+ *   start of a heap's growth, ROOM_SMALL_FREE to devices with room to spare
+ *   past the room line.  On a device with less, every page is single, as on
+ *   the tight heap.  A program that fills a larger device pays for the
+ *   chunks it made early only as far as they hold long-lived blocks:
+ *   ROOM_CHUNK_FAR keeps them to its first sixteenth (docs/benchmarks.md).
+ *   Placement's whole-page rule and a pool's reach keep the wider ROOM_FAR,
+ *   a quarter: they lock nothing.
  *
  *   Smaller growths come as chunks too, under the same conditions: each
  *   growth of fewer than ROOM_CHUNK_MIN pages is one chunk, its own pages
@@ -65,7 +67,8 @@
  *   blocks of different lifetimes, so they rarely go back whole.
  *
  *   A pool's growth reaches ahead as torch's segments do: far from
- *   pressure and with ROOM_SMALL_FREE past the room line, a request of a living pool over POOL_AHEAD_MIN and under
+ *   pressure (ROOM_FAR) and with ROOM_SMALL_FREE past the room line, a
+ *   request of a living pool over POOL_AHEAD_MIN and under
  *   POOL_AHEAD_MAX is placed and backed as POOL_AHEAD_BYTES, all of it the
  *   pool's (h_pool_reach; claim_pool_pages), so that the pool's next such
  *   requests share the segment and make no device call.  The pages stay
@@ -101,7 +104,7 @@
  *                                live on seed_fragmentation, 1.4% on
  *                                llama_lora_ckpt and 0.4% on
  *                                two_stream_pipeline.
- *     ROOM_FAR 1/16:             the 39 traces with every request 3, 5 and 7
+ *     ROOM_CHUNK_FAR 1/16:       the 39 traces with every request 3, 5 and 7
  *                                times as large (a program that fills a
  *                                larger device) need within 0.2% of peak live
  *                                of the tight heap's smallest capacity, but
@@ -111,7 +114,7 @@
  *                                two_stream_pipeline 3x 1.0130 against
  *                                1.0003), at 1/8 up to 0.3% at 3x.  The price
  *                                is device allocations while the heap grows:
- *                                the H200 Llama of gpu_policy.py made 7,316
+ *                                the H200 Llama of gpu_policy.py made 7,315
  *                                (15 after warm-up) against 412 (1) at 1/4,
  *                                with no remap or synchronisation after
  *                                warm-up either way.  Without the
@@ -120,6 +123,13 @@
  *                                smallest capacity by up to 5% of peak live
  *                                (resnet_infer 1.077 against 1.027 with single
  *                                pages, llama_ckpt 1.020 against 1.004).
+ *     ROOM_FAR 1/4:              placement's whole-page rule and a pool's
+ *                                reach.  With them at 1/16 as well, the
+ *                                smallest capacities stay within 0.0005 of
+ *                                peak live, but peak reserved with room
+ *                                moves by over 1% on 4 traces at 3x
+ *                                (llama_lora_ckpt 1.0217 -> 1.2092), and the
+ *                                H200 Llama reserves one page more.
  *     ROOM_AHEAD_PAGES 8, ROOM_SMALL_FREE 16 GiB: on an 80 GiB device the
  *                                nine traces make 8-28x fewer device
  *                                allocations (gpt2_varlen 4701 -> 292,
@@ -147,19 +157,19 @@ static size_t room_line(gm_heap *h) {
 }
 
 /* Far from pressure (POLICY): with `need` more pages the heap holds at most
- * ROOM_FAR of the room line, and the device keeps ROOM_SMALL_FREE past it --
- * room that a program which will meet its cap does not have.  Chunks are
- * made only then. */
-static int room_far(const gm_heap *h, size_t room, size_t need) {
+ * `far` of the room line (ROOM_FAR; ROOM_CHUNK_FAR for chunks), and the
+ * device keeps ROOM_SMALL_FREE past it -- room that a program which will
+ * meet its cap does not have. */
+static int room_far(const gm_heap *h, size_t room, size_t need, double far) {
     size_t held = h_held_pages(h) + need;
-    return room && held <= (size_t)(ROOM_FAR * (double)room) && room > held + room_small_free(h);
+    return room && held <= (size_t)(far * (double)room) && room > held + room_small_free(h);
 }
 
 /* Below the room line, but not far from pressure (POLICY, whole pages):
  * placement reads it. */
 int h_room_near(gm_heap *h) {
     size_t room = room_line(h);
-    return h_held_pages(h) < room && !room_far(h, room, 0);
+    return h_held_pages(h) < room && !room_far(h, room, 0, ROOM_FAR);
 }
 
 static size_t growth_limit(const gm_heap *h, size_t size) {
@@ -176,7 +186,7 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
 size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size) {
     if (pool->no_split || size <= POOL_AHEAD_MIN || size >= POOL_AHEAD_MAX) return size;
     size_t want = (POOL_AHEAD_BYTES + h->page - 1) / h->page, room = room_line(h);
-    if (!room_far(h, room, want)) return size;
+    if (!room_far(h, room, want, ROOM_FAR)) return size;
     return want * h->page;
 }
 
@@ -210,7 +220,7 @@ size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *p
     /* The device is asked what is free only when room would change something. */
     size_t room = room_line(h);
     if (room > limit) limit = room;
-    if (*g == NULL && !single && room_far(h, room, need)) {
+    if (*g == NULL && !single && room_far(h, room, need, ROOM_CHUNK_FAR)) {
         /* far from pressure: the new pages as chunks */
         if (need >= ROOM_CHUNK_MIN) {
             *g = grant;
