@@ -97,7 +97,9 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     o->spilled_bytes = h->host_pages * h->page;
     o->spill_limit = h->spill_pages * h->page;
     o->cached_bytes = (h_held_pages(h) - used) * h->page;
-    o->chunk_locked_bytes = h_chunk_locked(h, 0, 0, 0) * h->page;
+    /* The device's pages only, as cached_bytes and avail count them (a host
+     * chunk's free pages are no cache of the device's). */
+    o->chunk_locked_bytes = h_chunk_locked(h, 0, 0, 1) * h->page;
     /* Pages a request could end up with: everything the heap holds that backs
      * no live block, plus what the device and the cap still allow. */
     size_t obtainable = h_held_pages(h) + dfree / h->page;
@@ -132,8 +134,8 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
              * place; its unmapped parts get pages that can move (elsewhere: the
              * run's own movable pages are in place already) or new ones. */
             size_t g0 = h_page_ceil(h, run_start), g1 = h_page_floor(h, run_start + run), here = 0;
-            for (size_t q = g0; q < g1; q++) here += h->page_handle[q] != 0;
-            if (g0 < g1) here -= h_gap_locked(h, g0, g1, 0);
+            for (size_t q = g0; q < g1; q++) here += h->page_handle[q] && !h->host[q]; /* movable counts no host page */
+            if (g0 < g1) here -= h_gap_locked(h, g0, g1, 1);
             size_t can = run_seg_best(seg, n_seg, movable > here ? movable - here : 0, h->page);
             if (can > in_place) in_place = can;
         }

@@ -127,7 +127,7 @@ size_t paused_pages(world *w);
 void check_stats(world *w, const char *after);
 void run_check(world *w, const char *where);
 size_t kept_pages(const world *w, int whole);
-size_t live_pages(const world *w);
+size_t device_locked_pages(const world *w);
 void op_malloc(world *w, rng_t *r);
 void op_drawn(world *w, rng_t *r, unsigned x);
 int blk_paused(const world *w, const blk *b);

@@ -328,8 +328,9 @@ static gm_handle handle_of(const world *w, uintptr_t q) { return gm_sim_handle_a
 
 /* Pages that live blocks and pools' free blocks touch; with `whole`, every
  * page of a physical allocation (one handle on neighbouring pages) that one
- * of those pages lies in: what empty_cache cannot give back. */
-size_t kept_pages(const world *w, int whole) {
+ * of those pages lies in: what empty_cache cannot give back.  With a
+ * snapshot, only the device's pages (those it marks host are not). */
+static size_t count_kept(const world *w, int whole, const gm_snapshot *snap) {
     size_t n = w->live.n + w->npf, pages = 0;
     prange *all = malloc((n ? n : 1) * sizeof *all);
     if (!all) {
@@ -353,9 +354,22 @@ size_t kept_pages(const world *w, int whole) {
             pages += end - first;
             counted_to = end;
         }
+        for (uintptr_t q = first, base = snap ? snap->va_base / w->page : 0; snap && q < end; q++)
+            pages -= q - base < snap->n_pages && snap->host[q - base];
     }
     free(all);
     return pages;
 }
 
-size_t live_pages(const world *w) { return kept_pages(w, 0); }
+size_t kept_pages(const world *w, int whole) { return count_kept(w, whole, NULL); }
+
+/* The device's pages that share a physical allocation with a page that live
+ * blocks or pools' free blocks touch, untouched themselves: what an OOM
+ * report counts locked in chunks (host pages are not the device's). */
+size_t device_locked_pages(const world *w) {
+    gm_snapshot *snap = NULL;
+    if (gm_snapshot_take(w->heap, &snap) != GM_OK) fail("gm_snapshot_take failed");
+    size_t locked = count_kept(w, 1, snap) - count_kept(w, 0, snap);
+    gm_snapshot_free(snap);
+    return locked;
+}

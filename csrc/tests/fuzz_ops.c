@@ -26,16 +26,17 @@ static void check_failed_malloc(world *w, int rc, size_t size, int pool, uintptr
         size_t limit = w->cap ? w->cap : w->capacity;
         size_t need = round_up(size, w->page) / w->page + 1;
         /* Pages of a physical allocation that a live block uses cannot move. */
-        size_t have = kept_pages(w, 1), touched = live_pages(w);
+        size_t have = kept_pages(w, 1);
         if (have + need <= limit / w->page)
             fail("gm_malloc(%zu) failed with GM_ENOMEM although live blocks keep %zu pages, the "
                  "request needs at most %zu and the limit is %zu pages",
                  size, have, need, limit / w->page);
-        /* The report names the pages locked that way. */
+        /* The report names the device's pages locked that way. */
         gm_oom_info lo;
-        if (gm_last_oom(w->heap, &lo) == GM_OK && lo.chunk_locked_bytes != (have - touched) * w->page)
+        size_t locked = device_locked_pages(w);
+        if (gm_last_oom(w->heap, &lo) == GM_OK && lo.chunk_locked_bytes != locked * w->page)
             fail("OOM report: %zu bytes locked in physical allocations, the model says %zu pages",
-                 lo.chunk_locked_bytes, have - touched);
+                 lo.chunk_locked_bytes, locked);
         /* Nor does it claim that a block as large as the request could be made. */
         if (pool < 0 && lo.largest_possible >= round_up(size, GM_ALIGN))
             fail("gm_malloc(%zu) failed with GM_ENOMEM, but its report says a block of %zu bytes could be made", size,

@@ -14,7 +14,7 @@ every step.
 import pytest
 
 import gpumem
-from helpers import PAGE, assert_ok
+from helpers import PAGE, MiB, assert_ok
 
 CAP = 32 * PAGE  # the simulated device: 64 MiB
 
@@ -124,6 +124,65 @@ def test_options_are_checked():
             h.malloc(PAGE)
     with pytest.raises(ValueError, match="host_capacity applies to the sim device only"):
         gpumem.Heap(device="cuda", host_capacity=PAGE)
+
+
+# ---- the OOM report: the device's pages only --------------------------------------------
+
+
+def chunk_with_a_hole(h):
+    """A 4-page chunk at pages 0-3 with a block of just over half a page at
+    each end: pages 1-2 are free, but the chunk goes only as a whole."""
+    a = h.malloc(4 * PAGE)
+    h.free(a)
+    h.malloc(MiB + 512)
+    mid = h.malloc(4 * PAGE - 2 * (MiB + 512))
+    top = h.malloc(MiB + 512)
+    assert top + MiB + 512 == a + 4 * PAGE
+    h.free(mid)
+    return a
+
+
+def test_an_oom_report_counts_only_the_devices_pages_locked_in_chunks():
+    """The oldest block's chunk, with its two free pages, moves to the host;
+    the request still does not fit and the limit allows no more.  Those free
+    pages are host memory: no cache of the device's, and no obstacle to the 4
+    pages the device has free."""
+    with heap(spill="8MiB", choice="old", chunk_pages=4) as h:
+        a = chunk_with_a_hole(h)
+        h.malloc(28 * PAGE)  # the device is full
+        with pytest.raises(gpumem.OutOfMemoryError):
+            h.malloc(6 * PAGE)
+        assert on_host(h, a) and spilled(h) == 4 * PAGE
+        oom = h.last_oom()
+        assert oom["cached_bytes"] == 0 and oom["device_free"] == 4 * PAGE
+        assert oom["chunk_locked_bytes"] == 0
+        assert oom["largest_possible"] == 4 * PAGE
+        x = h.malloc(oom["largest_possible"])
+        assert not on_host(h, x) and spilled(h) == 4 * PAGE
+        assert_ok(h)
+
+
+def test_a_report_takes_no_free_host_page_for_a_movable_one():
+    """With device pages locked in a chunk, a free run makes its unmapped part
+    from the device's movable pages; free host pages (left mapped by a free
+    during a capture) are none of those.  The 3 free host pages and the 3
+    pages that the device's cached ones give above them make 6."""
+    with heap(choice="new", chunk_pages=4) as h:
+        chunk_with_a_hole(h)
+        b = h.malloc(3 * PAGE)
+        h.malloc(25 * PAGE)  # the device is full
+        x = h.malloc(3 * PAGE)
+        assert on_host(h, x)
+        h.capture_begin()
+        h.free(x)
+        h.free(b)
+        h.capture_end()
+        r = h.memory_report(16 * PAGE)
+        assert r["chunk_locked_bytes"] == 2 * PAGE and r["spilled_bytes"] == 3 * PAGE
+        assert r["largest_possible"] == 6 * PAGE
+        y = h.malloc(r["largest_possible"])
+        assert y == x and h.stats()["num_spills"] == 1  # defragmentation, no second spill
+        assert_ok(h)
 
 
 # ---- the two choices ----------------------------------------------------------------------
