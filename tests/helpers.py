@@ -150,6 +150,21 @@ def assert_ok(h):
         pytest.fail(f"heap invariant broken: {exc}")
 
 
+def chunk_with_a_hole(h):
+    """A 4-page chunk (the heap's chunk_pages=4) at the heap's first pages,
+    with a block of just over half a page at each end (a smaller one would
+    keep to a small page): pages 1-2 are free, but the chunk goes only as a
+    whole.  Returns the chunk's address."""
+    a = h.malloc(4 * PAGE)
+    h.free(a)
+    h.malloc(MiB + 512)
+    mid = h.malloc(4 * PAGE - 2 * (MiB + 512))
+    top = h.malloc(MiB + 512)
+    assert top + MiB + 512 == a + 4 * PAGE
+    h.free(mid)
+    return a
+
+
 def history_heap(capacity):
     """A fixture's body: a sim heap, its history turned off and the heap closed after the test."""
     import gpumem

@@ -10,7 +10,7 @@ counts them.  The invariant checker (C14) runs after every step.
 import pytest
 
 import gpumem
-from helpers import GiB, MiB, PAGE, assert_ok, drain_and_assert_empty
+from helpers import GiB, MiB, PAGE, assert_ok, chunk_with_a_hole, drain_and_assert_empty
 from gpumem.explain import last_oom
 
 P = (3, 1)
@@ -169,20 +169,13 @@ def test_oom_names_a_resumed_pools_allocation_with_chunk_pages_1(make_heap):
 
 
 def test_oom_largest_possible_is_one_place_not_two_added(make_heap):
-    # A 4-page chunk holds a block of just over half a page at each end (a
-    # smaller one would keep to a small page): pages 1-2 are free but locked,
-    # so the free 3 pages between the blocks serve only in place.  Under a cap
-    # of 10 pages the unmapped space above gets 6 new pages.  The largest
-    # block is 6 pages: the free middle and the new pages are not neighbours,
-    # so they do not add up.
+    # A 4-page chunk holds a block of just over half a page at each end:
+    # pages 1-2 are free but locked, so the free 3 pages between the blocks
+    # serve only in place.  Under a cap of 10 pages the unmapped space above
+    # gets 6 new pages.  The largest block is 6 pages: the free middle and
+    # the new pages are not neighbours, so they do not add up.
     h = make_heap(capacity=4 * GiB, chunk_pages=4)
-    a = h.malloc(4 * PAGE)
-    h.free(a)
-    h.malloc(MiB + 512)
-    mid = h.malloc(4 * PAGE - 2 * (MiB + 512))
-    top = h.malloc(MiB + 512)
-    assert top + MiB + 512 == a + 4 * PAGE
-    h.free(mid)
+    chunk_with_a_hole(h)
     h.set_cap(10 * PAGE)
     with pytest.raises(gpumem.OutOfMemoryError):
         h.malloc(7 * PAGE)

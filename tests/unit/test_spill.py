@@ -14,7 +14,7 @@ every step.
 import pytest
 
 import gpumem
-from helpers import PAGE, MiB, assert_ok
+from helpers import PAGE, assert_ok, chunk_with_a_hole
 
 CAP = 32 * PAGE  # the simulated device: 64 MiB
 
@@ -127,19 +127,6 @@ def test_options_are_checked():
 
 
 # ---- the OOM report: the device's pages only --------------------------------------------
-
-
-def chunk_with_a_hole(h):
-    """A 4-page chunk at pages 0-3 with a block of just over half a page at
-    each end: pages 1-2 are free, but the chunk goes only as a whole."""
-    a = h.malloc(4 * PAGE)
-    h.free(a)
-    h.malloc(MiB + 512)
-    mid = h.malloc(4 * PAGE - 2 * (MiB + 512))
-    top = h.malloc(MiB + 512)
-    assert top + MiB + 512 == a + 4 * PAGE
-    h.free(mid)
-    return a
 
 
 def test_an_oom_report_counts_only_the_devices_pages_locked_in_chunks():
