@@ -126,7 +126,7 @@ def test_device_that_cannot_say_what_is_free_is_tight():
 def test_chunks_only_far_from_pressure_and_for_large_requests():
     """Far from pressure a large request's inner pages come as a few allocations; growth closer to the room
     line, or on a device with less than 16 GiB past it, gets single pages, which defragmentation can move."""
-    with gpumem.Heap(capacity=24 * GiB) as h:  # room line 21 GiB; far below 5.25 GiB, and 16 GiB past the line
+    with gpumem.Heap(capacity=24 * GiB) as h:  # room line 21 GiB; chunks below 1.3 GiB, and 16 GiB past the line
         big = h.malloc(256 * MiB)  # 128 pages or 129: two single edges, the inside in chunks of 64
         assert 3 <= h.stats()["num_device_alloc"] <= 5
         h.check()
@@ -141,6 +141,30 @@ def test_chunks_only_far_from_pressure_and_for_large_requests():
             assert st["num_device_alloc"] == st["reserved_bytes.all.current"] // PAGE, kw
             for p in small:
                 h.free(p)
+
+
+def test_chunks_stop_at_a_sixteenth_of_the_room_line_placement_and_pools_at_a_quarter():
+    """Between a sixteenth and a quarter of the room line, growth is single pages (a chunk made there may
+    lock pages a program that fills the device needs later), while placement still packs and a pool's
+    growth still reaches ahead as torch's segment: neither locks anything."""
+    P = (1, 1)
+    with gpumem.Heap(capacity=80 * GiB) as h:  # room line 70 GiB: a sixteenth 4.4 GiB, a quarter 17.5 GiB
+        base = h.malloc(6 * GiB)
+        n0 = h.stats()["num_device_alloc"]
+        assert n0 == 3 * GiB // MiB  # past a sixteenth once it holds them: single pages
+        big = h.malloc(256 * MiB)
+        assert h.stats()["num_device_alloc"] - n0 == 128  # single pages, no chunk
+        a = h.malloc(MiB + 512)
+        b = h.malloc(8 * MiB)
+        assert b == a + MiB + 512  # far from pressure: packed after a, not moved to a page's start
+        h.pool_retain(P)
+        before = h.stats()["reserved_bytes.all.current"]
+        c = h.malloc(4 * MiB, pool=P)
+        assert h.stats()["reserved_bytes.all.current"] - before == 20 * MiB  # the pool's segment
+        h.check()
+        for q in (base, big, a, b, c):
+            h.free(q)
+        h.pool_release(P)
 
 
 def test_room_costs_no_capacity_when_the_program_meets_the_cap():
