@@ -117,7 +117,9 @@
  *                                the H200 Llama of gpu_policy.py made 7,315
  *                                (15 after warm-up) against 412 (1) at 1/4,
  *                                with no remap or synchronisation after
- *                                warm-up either way.  Without the
+ *                                warm-up either way; its gpt2_varlen, a heap
+ *                                still growing after warm-up, 494 after
+ *                                warm-up, its run 1.10 of native's.  Without the
  *                                ROOM_SMALL_FREE condition, the chunks made
  *                                on a device the trace fills raise its
  *                                smallest capacity by up to 5% of peak live
