@@ -307,7 +307,8 @@ static inline void h_pages_use(gm_heap *h, const gm_block *b, int d) {
 #define ROOM_CHUNK_PAGES 64
 #define ROOM_AHEAD_PAGES 8
 #define ROOM_SMALL_PAGES (ROOM_CHUNK_MIN - 1)
-#define ROOM_SMALL_FREE  ((size_t)16 << 30)
+#define ROOM_SMALL_FREE  ((size_t)16 << 30) /* placement, a pool's reach */
+#define ROOM_CHUNK_FREE  ((size_t)32 << 30) /* chunks */
 /* A pool's growth for a request over POOL_AHEAD_MIN and under POOL_AHEAD_MAX
  * bytes places POOL_AHEAD_BYTES, as torch's segments do (policy.c). */
 #define POOL_AHEAD_MIN   ((size_t)1 << 20)

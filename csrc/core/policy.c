@@ -40,7 +40,7 @@
  *   reaching ahead (room_ahead) without a device call.
  *
  *   Growth far from pressure -- the heap holding at most ROOM_CHUNK_FAR of
- *   the room line, and the device ROOM_SMALL_FREE free past it (room_far) --
+ *   the room line, and the device ROOM_CHUNK_FREE free past it (room_far) --
  *   maps a request's new pages as chunks of up to ROOM_CHUNK_PAGES pages (one
  *   create, map and access grant each, instead of one per page) when it
  *   needs at least ROOM_CHUNK_MIN of them.  Only the pages wholly inside the
@@ -51,13 +51,13 @@
  *   and a heap that later fills its device then cannot move the rest
  *   (recycling releases only a wholly free chunk, and makes single pages in
  *   its place).  Hence both conditions: ROOM_CHUNK_FAR keeps chunks to the
- *   start of a heap's growth, ROOM_SMALL_FREE to devices with room to spare
+ *   start of a heap's growth, ROOM_CHUNK_FREE to devices with room to spare
  *   past the room line.  On a device with less, every page is single, as on
  *   the tight heap.  A program that fills a larger device pays for the
  *   chunks it made early only as far as they hold long-lived blocks:
  *   ROOM_CHUNK_FAR keeps them to its first sixteenth (docs/benchmarks.md).
  *   Placement's whole-page rule and a pool's reach keep the wider ROOM_FAR,
- *   a quarter: they lock nothing.
+ *   a quarter, and ROOM_SMALL_FREE: they lock nothing.
  *
  *   Smaller growths come as chunks too, under the same conditions: each
  *   growth of fewer than ROOM_CHUNK_MIN pages is one chunk, its own pages
@@ -120,7 +120,7 @@
  *                                warm-up either way; its gpt2_varlen, a heap
  *                                still growing after warm-up, 494 after
  *                                warm-up, its run 1.10 of native's.  Without the
- *                                ROOM_SMALL_FREE condition, the chunks made
+ *                                ROOM_CHUNK_FREE condition, the chunks made
  *                                on a device the trace fills raise its
  *                                smallest capacity by up to 5% of peak live
  *                                (resnet_infer 1.077 against 1.027 with single
@@ -141,11 +141,17 @@
  *                                rises by up to 5.3% (seed_fragmentation;
  *                                two_stream_pipeline 1.1%, bert_varlen 0.6%),
  *                                with it no trace's changes.
+ *     ROOM_CHUNK_FREE 32 GiB:    a cuDNN LSTM of varying lengths (20.8 GiB
+ *                                peak live, a trace none of these figures
+ *                                came from) needed 1.0048x its peak live
+ *                                with chunks made under 16 GiB past the line,
+ *                                88 MiB locked in them at the first failure,
+ *                                against 1.0006 tight; with 32 GiB, 1.0007.
+ *                                No figure of the 39 traces at 1-7x got worse,
+ *                                and at 80 GiB their device allocations stay
+ *                                the same: a device must hold more than ~37
+ *                                GiB for chunks at all.
  *   (The tunables, ROOM_*, are in heap_internal.h: placement reads one.) */
-
-/* Pages that must stay free past the room line for growth to come as
- * chunks (POLICY). */
-static size_t room_small_free(const gm_heap *h) { return ROOM_SMALL_FREE / h->page; }
 
 /* The room line in pages: pressure x min(cap, held + device free).  0 when
  * the heap is always tight, or the device cannot say what is free. */
@@ -159,19 +165,20 @@ static size_t room_line(gm_heap *h) {
 }
 
 /* Far from pressure (POLICY): with `need` more pages the heap holds at most
- * `far` of the room line (ROOM_FAR; ROOM_CHUNK_FAR for chunks), and the
- * device keeps ROOM_SMALL_FREE past it -- room that a program which will
- * meet its cap does not have. */
-static int room_far(const gm_heap *h, size_t room, size_t need, double far) {
+ * `far` of the room line, and the device keeps `free_past` bytes past it
+ * (ROOM_FAR and ROOM_SMALL_FREE; for chunks ROOM_CHUNK_FAR and
+ * ROOM_CHUNK_FREE) -- room that a program which will meet its cap does not
+ * have. */
+static int room_far(const gm_heap *h, size_t room, size_t need, double far, size_t free_past) {
     size_t held = h_held_pages(h) + need;
-    return room && held <= (size_t)(far * (double)room) && room > held + room_small_free(h);
+    return room && held <= (size_t)(far * (double)room) && room > held + free_past / h->page;
 }
 
 /* Below the room line, but not far from pressure (POLICY, whole pages):
  * placement reads it. */
 int h_room_near(gm_heap *h) {
     size_t room = room_line(h);
-    return h_held_pages(h) < room && !room_far(h, room, 0, ROOM_FAR);
+    return h_held_pages(h) < room && !room_far(h, room, 0, ROOM_FAR, ROOM_SMALL_FREE);
 }
 
 static size_t growth_limit(const gm_heap *h, size_t size) {
@@ -188,7 +195,7 @@ static size_t growth_limit(const gm_heap *h, size_t size) {
 size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size) {
     if (pool->no_split || size <= POOL_AHEAD_MIN || size >= POOL_AHEAD_MAX) return size;
     size_t want = (POOL_AHEAD_BYTES + h->page - 1) / h->page, room = room_line(h);
-    if (!room_far(h, room, want, ROOM_FAR)) return size;
+    if (!room_far(h, room, want, ROOM_FAR, ROOM_SMALL_FREE)) return size;
     return want * h->page;
 }
 
@@ -222,7 +229,7 @@ size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *p
     /* The device is asked what is free only when room would change something. */
     size_t room = room_line(h);
     if (room > limit) limit = room;
-    if (*g == NULL && !single && room_far(h, room, need, ROOM_CHUNK_FAR)) {
+    if (*g == NULL && !single && room_far(h, room, need, ROOM_CHUNK_FAR, ROOM_CHUNK_FREE)) {
         /* far from pressure: the new pages as chunks */
         if (need >= ROOM_CHUNK_MIN) {
             *g = grant;

@@ -154,7 +154,7 @@ def test_two_stream_trace_grows_with_late_events(tmp_path):
     from gpumem.trace import load_trace
 
     trace = load_trace(two_stream_trace(tmp_path / "two.trace", steps=12))
-    # A device with room, but not the 16 GiB to spare that makes small growths reach ahead (POLICY):
+    # A device with room, but not the 32 GiB to spare that makes small growths reach ahead (POLICY):
     # reserved memory then follows what the heap needs, page by page.
     cap = 8 * GiB
     at_once = replay(trace, cap, timing=False)

@@ -125,16 +125,17 @@ def test_device_that_cannot_say_what_is_free_is_tight():
 
 def test_chunks_only_far_from_pressure_and_for_large_requests():
     """Far from pressure a large request's inner pages come as a few allocations; growth closer to the room
-    line, or on a device with less than 16 GiB past it, gets single pages, which defragmentation can move."""
-    with gpumem.Heap(capacity=24 * GiB) as h:  # room line 21 GiB; chunks below 1.3 GiB, and 16 GiB past the line
+    line, or on a device with less than 32 GiB past it, gets single pages, which defragmentation can move."""
+    with gpumem.Heap(capacity=48 * GiB) as h:  # room line 42 GiB; chunks below 2.6 GiB, and 32 GiB past the line
         big = h.malloc(256 * MiB)  # 128 pages or 129: two single edges, the inside in chunks of 64
         assert 3 <= h.stats()["num_device_alloc"] <= 5
         h.check()
         h.free(big)
         h.empty_cache()  # the chunks under the freed block go back whole
         assert h.stats()["reserved_bytes.all.current"] == 0
-    for kw in ({"pressure": 0}, {"capacity": GiB}, {"capacity": 8 * GiB}):
-        with gpumem.Heap(**({"capacity": 24 * GiB} | kw)) as h:
+    # pressure 0, and devices without 32 GiB past the room line (24 GiB: its room line is 21 GiB)
+    for kw in ({"pressure": 0}, {"capacity": GiB}, {"capacity": 8 * GiB}, {"capacity": 24 * GiB}):
+        with gpumem.Heap(**({"capacity": 48 * GiB} | kw)) as h:
             small = [h.malloc(3 * MiB) for _ in range(4)]
             h.malloc(256 * MiB)
             st = h.stats()
@@ -189,7 +190,7 @@ def test_room_costs_no_capacity_when_the_program_meets_the_cap():
 
 
 def test_small_growth_comes_as_chunks_only_with_plenty_of_room():
-    """With at least 16 GiB free past the room line, small growths come as one chunk each, reaching ahead to
+    """With at least 32 GiB free past the room line, small growths come as one chunk each, reaching ahead to
     eight pages into the unmapped space after them; with less, every page is its own allocation (movable)."""
     with gpumem.Heap(capacity=80 * GiB) as h:  # room line 70 GiB: far from pressure, and plenty past it
         a = h.malloc(3 * MiB)  # 2 pages needed, 8 made in one allocation
