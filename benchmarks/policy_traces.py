@@ -2,8 +2,9 @@
 
     python3 benchmarks/policy_traces.py [--traces a,b,c] [--scale K] [--out benchmarks/results/policy_traces.json]
 
---traces takes shipped traces' names (gpumem.data.list_traces()) or paths to trace files, e.g. the
-ones `gpu_policy.py --trace DIR` records on a GPU: a trace none of these rules was made on.
+--traces takes shipped traces' names (gpumem.data.list_traces()), paths to trace files, e.g. the
+ones `gpu_policy.py --trace DIR` records on a GPU, or folders of them (every *.trace.gz inside, e.g.
+benchmarks/results/unseen): traces none of these rules was made on.
 
 For each trace and each policy: peak reserved and device calls replayed with room (the simulated
 device's 80 GiB), and the smallest capacity that fits, searched to 1 MiB -- a capacity near peak live
@@ -66,6 +67,17 @@ def why_short(tr, capacity, kw):
     )
 
 
+def trace_names(arg):
+    """--traces' comma-separated entries, a folder standing for its *.trace.gz files (sorted)."""
+    out = []
+    for n in arg.split(","):
+        if n and pathlib.Path(n).is_dir():
+            out += sorted(str(p) for p in pathlib.Path(n).glob("*.trace.gz"))
+        elif n:
+            out.append(n)
+    return out
+
+
 def measure(name, scale=1, why=False):
     tr = load_trace(name)  # a shipped trace's name, or a trace file (named in the tables by its file's name)
     name = tr.name
@@ -98,7 +110,7 @@ def main():
     a = ap.parse_args()
     if a.scale < 1:
         ap.error(f"--scale must be at least 1, got {a.scale}")
-    rows = [measure(n, a.scale, a.why) for n in a.traces.split(",") if n]
+    rows = [measure(n, a.scale, a.why) for n in trace_names(a.traces)]
     print("| trace | peak live GiB | policy | peak reserved (80 GiB) | remaps (pages) ", end="")
     print("| device allocations | min capacity |")
     print("|---|---|---|---|---|---|---|")
