@@ -17,6 +17,40 @@ import zoo  # noqa: E402
 from zoo_registry import workload  # noqa: E402
 
 
+def detection_train(S, m, batches, sizes, most, classes, masks):
+    """Train a torchvision detector with SGD: each step a batch of images whose height and width are
+    drawn from `sizes`, each with 1 to `most` boxes (and their masks) of classes 1 to classes - 1."""
+    import torch
+
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+    for _ in range(S.steps(10)):
+        imgs, tgts = [], []
+        for _ in range(random.choice(batches)):
+            H, W = random.choice(sizes), random.choice(sizes)
+            imgs.append(torch.rand(3, H, W, device=S.dev))
+            n = random.randint(1, most)
+            x0 = torch.rand(n, device=S.dev) * (W / 2)
+            y0 = torch.rand(n, device=S.dev) * (H / 2)
+            if masks:  # whole pixels: each box is its mask's rectangle
+                x0, y0, w, h = x0.floor(), y0.floor(), W // 4, H // 4
+            else:
+                w, h = W / 5, H / 5
+            t = dict(boxes=torch.stack([x0, y0, x0 + w, y0 + h], 1))
+            if masks:
+                t["masks"] = torch.zeros(n, H, W, dtype=torch.uint8, device=S.dev)
+                for i in range(n):
+                    a, b = int(y0[i]), int(x0[i])
+                    t["masks"][i, a : a + h, b : b + w] = 1
+            t["labels"] = torch.randint(1, classes, (n,), device=S.dev)
+            tgts.append(t)
+        losses = m(imgs, tgts)
+        loss = sum(losses.values())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss, losses, imgs, tgts
+
+
 @workload(
     "maskrcnn",
     "train SGD fp32 (torchvision detection)",
@@ -24,35 +58,10 @@ from zoo_registry import workload  # noqa: E402
     "resolution",
 )
 def wl_maskrcnn_train(S):
-    import torch
     import torchvision
 
-    m = (
-        torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=5)
-        .to(S.dev)
-        .train()
-    )
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-    for _ in range(S.steps(10)):
-        imgs, tgts = [], []
-        for _ in range(random.choice([2, 3, 4])):
-            H, W = random.choice([480, 608, 736, 800]), random.choice([480, 608, 736, 800])
-            imgs.append(torch.rand(3, H, W, device=S.dev))
-            n = random.randint(1, 8)
-            x0 = (torch.rand(n, device=S.dev) * (W / 2)).floor()
-            y0 = (torch.rand(n, device=S.dev) * (H / 2)).floor()
-            boxes = torch.stack([x0, y0, x0 + W // 4, y0 + H // 4], 1)
-            masks = torch.zeros(n, H, W, dtype=torch.uint8, device=S.dev)
-            for i in range(n):
-                a, b = int(y0[i]), int(x0[i])
-                masks[i, a : a + H // 4, b : b + W // 4] = 1
-            tgts.append(dict(boxes=boxes, labels=torch.randint(1, 5, (n,), device=S.dev), masks=masks))
-        losses = m(imgs, tgts)
-        loss = sum(losses.values())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss, losses, imgs, tgts
+    m = torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=5)
+    detection_train(S, m.to(S.dev).train(), [2, 3, 4], [480, 608, 736, 800], 8, 5, masks=True)
 
 
 @workload(
@@ -119,35 +128,10 @@ def wl_lstm_varlen(S):
     "retinanet", "train SGD fp32 (torchvision detection)", "image sizes and box counts drawn each step", "resolution"
 )
 def wl_retinanet_train(S):
-    import torch
     import torchvision
 
-    m = (
-        torchvision.models.detection.retinanet_resnet50_fpn(weights=None, weights_backbone=None, num_classes=8)
-        .to(S.dev)
-        .train()
-    )
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-    for _ in range(S.steps(10)):
-        imgs, tgts = [], []
-        for _ in range(random.choice([2, 4])):
-            H, W = random.choice([512, 640, 800]), random.choice([512, 640, 800])
-            imgs.append(torch.rand(3, H, W, device=S.dev))
-            n = random.randint(1, 12)
-            x0 = torch.rand(n, device=S.dev) * (W / 2)
-            y0 = torch.rand(n, device=S.dev) * (H / 2)
-            tgts.append(
-                dict(
-                    boxes=torch.stack([x0, y0, x0 + W / 5, y0 + H / 5], 1),
-                    labels=torch.randint(1, 8, (n,), device=S.dev),
-                )
-            )
-        losses = m(imgs, tgts)
-        loss = sum(losses.values())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss, losses, imgs, tgts
+    m = torchvision.models.detection.retinanet_resnet50_fpn(weights=None, weights_backbone=None, num_classes=8)
+    detection_train(S, m.to(S.dev).train(), [2, 4], [512, 640, 800], 12, 8, masks=False)
 
 
 @workload(
