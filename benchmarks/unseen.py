@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
-from zoo_registry import workload  # noqa: E402
+from zoo_registry import vision_train, workload  # noqa: E402
 
 
 def detection_train(S, m, batches, sizes, most, classes, masks):
@@ -138,21 +138,10 @@ def wl_retinanet_train(S):
     "r3d", "train AdamW, bf16 autocast (torchvision video)", "clip length and batch drawn each step", "clip length"
 )
 def wl_r3d_train(S):
-    import torch
     import torchvision
 
-    m = torchvision.models.video.r3d_18(weights=None, num_classes=50).to(S.dev).train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    for _ in range(S.steps(12)):
-        B, T = random.choice([8, 12, 16]), random.choice([8, 16, 24, 32])
-        x = torch.randn(B, 3, T, 112, 112, device=S.dev)
-        y = torch.randint(0, 50, (B,), device=S.dev)
-        with torch.autocast(S.dev, dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del x, y, loss
+    m = torchvision.models.video.r3d_18(weights=None, num_classes=50).to(S.dev)
+    vision_train(S, m, 12, [8, 12, 16], [8, 16, 24, 32], classes=50, shape=lambda B, T: (B, 3, T, 112, 112))
 
 
 @workload(

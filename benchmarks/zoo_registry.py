@@ -83,14 +83,16 @@ def causal_generate(S, model, vocab, calls, batches, prompts, new_tokens, **kw):
             del x
 
 
-def vision_train(S, model, steps, batches, sizes, amp=None, classes=1000, channels_last=False):
+def vision_train(S, model, steps, batches, sizes, amp=None, classes=1000, channels_last=False, shape=None):
+    """Classifier training with AdamW under autocast: each step a batch of B inputs of size R, both drawn;
+    an input is 3 x R x R, or shape(B, R) for the whole batch (a video clip of R frames, say)."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
     for _ in range(S.steps(steps)):
         B, R = random.choice(batches), random.choice(sizes)
-        x = torch.randn(B, 3, R, R, device=S.dev)
+        x = torch.randn(*(shape(B, R) if shape else (B, 3, R, R)), device=S.dev)
         if channels_last:
             x = x.to(memory_format=torch.channels_last)
         y = torch.randint(0, classes, (B,), device=S.dev)
