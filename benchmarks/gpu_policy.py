@@ -8,7 +8,9 @@ Allocators: `native`, `expandable` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:
 default policy: room until 7/8 of the limit), and `NAME:VAR=VALUE` for a variant (gpumem with
 GPUMEM_CONF=pressure:0 is the heap tight everywhere, the policy before room was measured).  Each
 (allocator, round) is a fresh process that runs every workload in the order given; each round runs
-every allocator once, in the order given, so processes of different allocators alternate.
+every allocator once, round r starting with the r-th allocator given (native, expandable, gpumem; then
+expandable, gpumem, native; ...), so processes of different allocators alternate and none always runs
+first.
 
 Workloads (random weights, nothing downloaded; all allocators see the same shapes in the same order):
   llama_varlen       an HF transformers Llama built from a config (12 layers, hidden 1024, fp32
@@ -18,7 +20,10 @@ Workloads (random weights, nothing downloaded; all allocators see the same shape
                      near the device's capacity, where gpumem must still defragment
   gpt2_varlen, resnet50_multires, llama_lora_ckpt   benchmarks/compare/workloads.py, as gpu_train.py runs them
 
-Per run: the median step after the first WARMUP steps (steady state), the whole run (every step
+Per run: the median step after the first WARMUP steps (steady state); paired with native's run of
+the same round, the median over those steps of each step's time over native's same step (the same
+shapes: every process draws them from one seed), which does not mix steps of different lengths; the
+whole run (every step
 summed, warm-up included), peak reserved and peak live, OOMs, and the allocator's device calls after
 warm-up: gpumem's page creations (num_device_alloc), maps, defragmentations (num_remaps), pages
 remapped and device-wide synchronisations; native's segment allocations (num_device_alloc).  A step is
@@ -188,9 +193,28 @@ def child(use, names, trace_dir=None):
         print(json.dumps(r), flush=True)
 
 
+def _paired(rows, name, use, base):
+    """Per round, the median over the steady steps of this run's step over `base`'s same step in the same
+    round; None for a round where either run failed or took OOMs (a step that failed is not a step)."""
+    out = []
+    for r in rows:
+        if r["workload"] != name or r["allocator"] != use or "step_ms" not in r:
+            continue
+        rnd = r.get("round")
+        same = [x for x in rows if x["workload"] == name and x["allocator"] == base and x.get("round") == rnd]
+        b = same[0] if same else None
+        if b is None or "step_ms" not in b or r["ooms"] or b["ooms"] or len(b["step_ms"]) != len(r["step_ms"]):
+            out.append(None)
+            continue
+        w = r["warmup"]
+        out.append(statistics.median(t / n for t, n in zip(r["step_ms"][w:], b["step_ms"][w:]) if n > 0))
+    return out
+
+
 def _table(rows, names, allocators):
     head = (
-        "workload | allocator | median step ms | ÷ native | whole run ms | ÷ native | peak reserved GiB "
+        "workload | allocator | median step ms | ÷ native | paired ÷ native (per round) | whole run ms | ÷ native "
+        "| peak reserved GiB "
         "| peak live GiB | OOMs | after warm-up: creates / maps / remaps (pages) / syncs"
     )
     lines = [markdown_head(head)]
@@ -199,7 +223,7 @@ def _table(rows, names, allocators):
         for use in allocators:
             g = [r for r in rows if r["workload"] == name and r["allocator"] == use and "median_ms" in r]
             if not g:
-                lines.append(f"| {name} | {use} | failed | | | | | | | |")
+                lines.append(f"| {name} | {use} | failed | | | | | | | | |")
                 continue
             med = statistics.median(r["median_ms"] for r in g)
             tot = statistics.median(r["total_ms"] for r in g)
@@ -216,7 +240,10 @@ def _table(rows, names, allocators):
 
             calls = f"{most('num_device_alloc')} / {most('num_maps')} / {most('num_remaps')} "
             calls += f"({most('num_pages_remapped')}) / {most('num_sync_all_streams')}"
-            cells = [name, use, f"{med:.2f}", rel[0], f"{tot:.1f}", rel[1], f"{res:.2f}", f"{live:.2f}", ooms, calls]
+            pr = [x for x in _paired(rows, name, use, allocators[0]) if x is not None] if base else []
+            paired = f"{statistics.median(pr):.3f} ({', '.join(f'{x:.3f}' for x in pr)})" if pr else ""
+            cells = [name, use, f"{med:.2f}", rel[0], paired, f"{tot:.1f}", rel[1], f"{res:.2f}", f"{live:.2f}", ooms]
+            cells.append(calls)
             lines.append(markdown_row(cells))
     return "\n".join(lines)
 
@@ -235,7 +262,10 @@ def _rounds(a, names, allocators, envs, t_start):
         if rnd and time.monotonic() - t_start + per_process * len(allocators) > a.budget:
             print(f"gpu_policy.py: round {rnd + 1} would pass the {a.budget:.0f} s budget; stopping", file=sys.stderr)
             break
-        for use in allocators:
+        # Each round starts one allocator later, so that no allocator always runs first (or last) in a
+        # round: a device whose speed drifts over a round would otherwise favour one allocator every time.
+        k = rnd % len(allocators)
+        for use in allocators[k:] + allocators[:k]:
             t_proc = time.monotonic()
             try:
                 p = subprocess.run(
