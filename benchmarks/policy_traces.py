@@ -14,7 +14,9 @@ gives the same figures on every machine.  --scale K replays every request K time
 search then to K MiB): a trace that fills a larger device.  --why adds, per trace and policy, what
 the first failed request lacked one step below the smallest capacity, from its OOM report: the
 request, how much it was short, and the free memory it could not have, stranded in pages live
-blocks share and locked in partly used chunks.
+blocks share and locked in partly used chunks.  Each row also gives the peak reserved of torch's
+allocator with expandable segments on the same trace, from benchmarks/expandable_model.py (no cap):
+what gpumem's peak reserved with room is held to.
 """
 
 import argparse
@@ -24,7 +26,9 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import expandable_model  # noqa: E402
 from gpumem import replay as R  # noqa: E402
 from gpumem.data import list_traces  # noqa: E402
 from gpumem.trace import load_trace  # noqa: E402
@@ -98,7 +102,14 @@ def measure(name, scale=1, why=False):
         )
         if why:
             out[label]["short_below"] = why_short(tr, mc - R.MiB * scale, kw)
-    return dict(trace=name, peak_live_gib=round(peak / 2**30, 3), policies=out)
+    exp = expandable_model.replay(tr)["peak_reserved"]
+    return dict(
+        trace=name,
+        peak_live_gib=round(peak / 2**30, 3),
+        policies=out,
+        expandable_peak_reserved=round(exp / peak, 4),
+        expandable_peak_reserved_bytes=exp,
+    )
 
 
 def main():
@@ -120,6 +131,15 @@ def main():
                 f"| {r['trace']} | {r['peak_live_gib']} | {label} | {p['peak_reserved']:.4f} "
                 f"| {p['remaps']} ({p['pages_remapped']}) | {p['device_allocs']} | {p['min_capacity']:.4f} |"
             )
+    print("\n| trace | peak reserved with room: expandable segments (model) | default | tight (pressure 0) |")
+    print("|---|---|---|---|")
+    over = []
+    for r in rows:
+        d, t = r["policies"]["default"]["peak_reserved"], r["policies"]["tight (pressure 0)"]["peak_reserved"]
+        e = r["expandable_peak_reserved"]
+        print(f"| {r['trace']} | {e:.4f} | {d:.4f}{' (over)' if d > e else ''} | {t:.4f} |")
+        over += [r["trace"]] if d > e else []
+    print(f"\ndefault over expandable segments' peak reserved on {len(over)} of {len(rows)}: {', '.join(over) or '-'}")
     if a.why:
         print("\n| trace | policy | request MiB | short MiB | stranded MiB | locked in chunks MiB |")
         print("|---|---|---|---|---|---|")
