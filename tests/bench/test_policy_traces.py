@@ -1,7 +1,8 @@
 """benchmarks/policy_traces.py --why on the simulated device: one step below the smallest capacity the
 first failed request is short, and its OOM report says where the free memory it could not have lies:
 in partly used chunks where growth comes as chunks of many pages (chunk_pages), never for the tight
-heap, and no longer for the default policy on a trace at 3x (chunks only early in the heap's growth)."""
+heap, and no longer for the default policy on a trace at 3x (chunks only early in the heap's growth).
+Each row also holds the trace's peak reserved under expandable segments, beside the policies'."""
 
 import os
 import sys
@@ -71,3 +72,12 @@ def test_a_folder_stands_for_its_traces(tmp_path):
         str(tmp_path / "a.trace.gz"),
         str(tmp_path / "b.trace.gz"),
     ]
+
+
+def test_each_row_gives_expandable_segments_peak_reserved_beside_the_policies():
+    """Room reserves no more than expandable segments on the traces whose GPU runs showed it: the
+    rows compare both on the same trace (benchmarks/expandable_model.py)."""
+    for name in ("gpt2_varlen", "llama_lora_ckpt"):
+        r = pt.measure(name)
+        assert r["expandable_peak_reserved_bytes"] > load_trace(name).peak_live_bytes
+        assert r["policies"]["default"]["peak_reserved"] <= r["expandable_peak_reserved"]
