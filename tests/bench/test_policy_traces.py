@@ -81,3 +81,28 @@ def test_each_row_gives_expandable_segments_peak_reserved_beside_the_policies():
         r = pt.measure(name)
         assert r["expandable_peak_reserved_bytes"] > load_trace(name).peak_live_bytes
         assert r["policies"]["default"]["peak_reserved"] <= r["expandable_peak_reserved"]
+
+
+def _row(name, default_cap, tight_cap, default_res=1.01, expandable_res=1.02):
+    p = lambda cap, res: dict(min_capacity=cap, peak_reserved=res)  # noqa: E731
+    return dict(
+        trace=name,
+        policies={"default": p(default_cap, default_res), "tight (pressure 0)": p(tight_cap, 1.0)},
+        expandable_peak_reserved=expandable_res,
+    )
+
+
+def test_goals_name_the_traces_that_miss():
+    rows = [
+        _row("ok", 1.0040, 1.0030),
+        _row("past_the_tight_heap", 1.0070, 1.0040),  # 0.3% over the tight heap's
+        _row("past_1.005", 1.0060, 1.0045),  # within 0.2%, but the tight heap gets under 1.005
+        _row("past_1.01", 1.0120, 1.0110),  # the tight heap misses 1.01 too: 1.01 is the goal
+        _row("over_expandable", 1.0010, 1.0010, default_res=1.05, expandable_res=1.04),
+    ]
+    cap, res = pt.goals(rows)
+    assert "met on 2 of 5" in cap
+    for name in ("past_the_tight_heap", "past_1.005", "past_1.01"):
+        assert name in cap
+    assert "over_expandable" not in cap and "ok" not in cap.split("missed:")[1]
+    assert "met on 4 of 5" in res and "over_expandable 1.0500 (1.0400)" in res
