@@ -61,3 +61,15 @@ def test_the_readme_shows_the_current_run():
         assert float(cells[2]) == round(fig[trace, "native"], 3), line
         assert float(cells[4]) == round(fig[trace, "async"], 3), line
     assert f.main(["--check"]) == 0
+
+
+def test_the_room_row_counts_the_traces_over_expandable_segments():
+    f = figures()
+
+    def row(default, expandable):
+        return {"policies": {"default": {"peak_reserved": default}}, "expandable_peak_reserved": expandable}
+
+    line = f.room_row([row(1.01, 1.02), row(1.05, 1.04), row(1.02, 1.02)])
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2:4] == ["1.020 to 1.040", "1.010 to 1.050"]
+    assert "over expandable_segments' on 1," in cells[4] and cells[4].startswith("3 ")
