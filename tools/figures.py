@@ -114,7 +114,7 @@ def room_row(policy):
     )
 
 
-def costs(data, growth, policy=None):
+def costs(data, growth, policy):
     """What gpumem costs, beside native and expandable_segments, in one table."""
     f1, f2, f4, f6 = _fig(data, 1), _fig(data, 2), _fig(data, 4), _fig(data, 6)
     traces, workloads = list(data["traces"]), sorted({w for w, _ in f4})
@@ -139,6 +139,7 @@ def costs(data, growth, policy=None):
         "| peak reserved with no cap, ÷ peak live | "
         + " | ".join(ratio_row(f2, "ratio"))
         + f" | {len(traces)} shipped traces, figure 2 (gpumem before the room policy) |",
+        room_row(policy),
         "| training step time against native (median step) | "
         + " | ".join(step(c) for c in who)
         + f" | {', '.join(workloads)}, figure 4 |",
@@ -148,8 +149,6 @@ def costs(data, growth, policy=None):
         f"| growing the heap, µs per 2 MiB page | - | - | {grow:.1f} | 512 pages at once, `gpu_growth.json` |",
         f"| defragmenting, µs per page moved | - | - | {moved:.1f} | 64 pages, `gpu_growth.json` |",
     ]
-    if policy is not None:
-        rows.insert(4, room_row(policy))
     return rows
 
 
