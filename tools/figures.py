@@ -8,13 +8,14 @@ Each table sits in its document between `<!-- figures: NAME -->` and `<!-- figur
 what lies between is this script's, so a figure there has one source: the JSON a benchmark
 wrote (gpu_compare.json: benchmarks/gpu_compare.py, every allocator in one run on one GPU;
 gpu_growth.json: benchmarks/gpu_growth.py; replay.json: benchmarks/replay.py; policy_traces.json:
-benchmarks/policy_traces.py).  tests/repo/test_figures.py runs the
+benchmarks/policy_traces.py; gpu_policy_rotated.json: benchmarks/gpu_policy.py).  tests/repo/test_figures.py runs the
 check.
 """
 
 import json
 import pathlib
 import re
+import statistics
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -114,7 +115,31 @@ def room_row(policy):
     )
 
 
-def costs(data, growth, policy):
+def paired_row(run):
+    """Steady step against native's, paired step by step within each round and the median taken over
+    the rounds, per workload (benchmarks/gpu_policy.py's paired figure), from a run of gpu_policy.py."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_policy import _paired
+
+    rows, meta = run["rows"], run["meta"]
+    names = [n for n in meta["workloads"] if any(r["workload"] == n and not r["ooms"] for r in rows)]
+
+    def span(use):
+        if use == "native":
+            return "-"
+        per = [[x for x in _paired(rows, n, use, "native") if x is not None] for n in names]
+        per = [statistics.median(p) for p in per if p]
+        return _span([100 * (x - 1) for x in per], "{:+.1f}%") if per else "-"
+
+    return (
+        "| training step time against native (steady step paired with native's, median of rounds) | "
+        + " | ".join(span(c) for c in ("native", "expandable", "gpumem"))
+        + f" | {', '.join(names)}, {meta['rounds']} rotated rounds on one {meta['device']}, "
+        "`gpu_policy_rotated.json` |"
+    )
+
+
+def costs(data, growth, policy, run):
     """What gpumem costs, beside native and expandable_segments, in one table."""
     f1, f2, f4, f6 = _fig(data, 1), _fig(data, 2), _fig(data, 4), _fig(data, 6)
     traces, workloads = list(data["traces"]), sorted({w for w, _ in f4})
@@ -142,7 +167,8 @@ def costs(data, growth, policy):
         room_row(policy),
         "| training step time against native (median step) | "
         + " | ".join(step(c) for c in who)
-        + f" | {', '.join(workloads)}, figure 4 |",
+        + f" | {', '.join(workloads)}, figure 4 (gpumem before the room policy) |",
+        paired_row(run),
         "| `torch.empty` + `del`, µs a pair | "
         + " | ".join(_span([f6[s, c]["us"] for s in sizes], "{:.2f}") for c in who)
         + " | 512 B to 1 GiB, figure 6 |",
@@ -159,7 +185,7 @@ def tables():
         "traces_and_gpumem": traces(data, load("replay.json")),
         "min_capacity": min_capacity(data),
         "expandable": expandable(data),
-        "costs": costs(data, growth, load("policy_traces.json")),
+        "costs": costs(data, growth, load("policy_traces.json"), load("gpu_policy_rotated.json")),
     }
 
 
