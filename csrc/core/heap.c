@@ -29,7 +29,8 @@
  *
  *   Fast path (no device call): best fit among free blocks that this stream
  *   may use, from a segregated index (freeindex.h), with the lowest address
- *   among equals; split off the remainder.  A request of at most half a page
+ *   among equals -- with room, one at a growth edge only when nothing else
+ *   fits (policy.c, POLICY) -- and split off the remainder.  A request of at most half a page
  *   looks among the free space of small pages instead (small.c, SMALL PAGES),
  *   a larger one never does.  Free: look the pointer up in the
  *   live table, merge with free neighbours, index.
@@ -296,11 +297,29 @@
 
 /* Best fit for stream s among the free blocks of `pool` (NULL: the general
  * heap) that s may use: its own and everyone's. */
+/* A growth edge: a free block of the general heap that unmapped general
+ * space follows, where a request larger than any free block grows in place. */
+static int at_edge(const gm_block *b) {
+    return !b->pool && b->next && b->next->state == GM_BLOCK_UNMAPPED && !b->next->pool;
+}
+
+/* Best fit in fi; with room (POLICY, growth edges), the next fit in index
+ * order that is no growth edge, if there is one.  Edges are the ends of
+ * mapped regions, so the walk passes over few blocks. */
+static gm_block *fit_past_edge(const gm_heap *h, const gm_freeindex *fi, size_t size) {
+    gm_block *b = fi_best_fit(fi, size);
+    if (!b || !h->with_room || !at_edge(b)) return b;
+    for (gm_block *c = fi_next(fi, b); c; c = fi_next(fi, c))
+        if (c->size >= size && !at_edge(c)) return c;
+    return b;
+}
+
 gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     gm_owner *own = s == ANY ? NULL : h_owner_find(h, pool, s);
-    gm_block *a = own ? fi_best_fit(&own->idx, size) : NULL;
-    gm_block *b = fi_best_fit(&h_everyones(h, pool)->idx, size);
+    gm_block *a = own ? fit_past_edge(h, &own->idx, size) : NULL;
+    gm_block *b = fit_past_edge(h, &h_everyones(h, pool)->idx, size);
     if (!a) return b;
+    if (b && h->with_room && at_edge(a) != at_edge(b)) return at_edge(a) ? b : a;
     if (!b) return a;
     return (b->size < a->size || (b->size == a->size && b->addr < a->addr)) ? b : a;
 }

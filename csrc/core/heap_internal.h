@@ -94,6 +94,7 @@ struct gm_heap {
      * come in whole chunks. */
     uint8_t *parked;
     size_t n_parked;
+    int with_room; /* the slow path last found the heap below its room line (POLICY, growth edges) */
     /* Per page: the growth that mapped it (or gave it to a pool) -- one
      * slow-path placement, numbered from 1 (growth_seq: the latest); 0: never
      * mapped.  Snapshots cut segments where it changes, and a no_split
@@ -415,7 +416,7 @@ size_t h_cached_pages(gm_heap *h, size_t ex0, size_t ex1);
 size_t h_cached_pages_outside(gm_heap *h, placement pl, size_t size);
 
 /* ---- policy.c ---- */
-int h_room_near(gm_heap *h);
+int h_near_pressure(gm_heap *h);
 size_t h_pool_reach(gm_heap *h, const gm_pool *pool, size_t size);
 size_t h_grow_by_policy(gm_heap *h, const placement *pl, size_t size, gm_pool *pool, size_t need, size_t *grant,
                         size_t **g, size_t *most, int single, int *dev_err);

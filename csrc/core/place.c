@@ -29,12 +29,11 @@ static size_t unmapped_in(const gm_heap *h, const gm_block *first, uintptr_t x, 
     return pages;
 }
 
-/* Fewest new pages first; then, for a request of whole pages with room but
- * not far from pressure (h_room_near), the fewest pages touched: such a block
- * placed right after one that ends inside a page touches one page more than
- * it needs, and leaves two partly used pages when it goes, which the tight
- * heap this heap becomes under pressure cannot take back (POLICY); then, for
- * a pool's request, a range that takes the
+/* Fewest new pages first; then, for a request of whole pages near pressure
+ * (h_near_pressure), the fewest pages touched: such a block placed right
+ * after one that ends inside a page touches one page more than it needs, and
+ * leaves two partly used pages when it goes, which no defragmentation takes
+ * back (POLICY); then, for a pool's request, a range that takes the
  * pool's free memory (which serves nothing else) over one that takes only
  * general memory; then a range that leaves the space after the blocks of
  * other living pools (for the general heap: of every living pool) to them;
@@ -211,7 +210,7 @@ static void place_pooled(struct place_ctx *c) {
  * space at least `size` long can hold one. */
 placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
     struct place_ctx c = {h, size, s, pool, budget, 0, {0}, {0}};
-    c.whole = !pool && !(size & (h->page - 1)) && h_room_near(h);
+    c.whole = !pool && !(size & (h->page - 1)) && h_near_pressure(h);
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */

@@ -105,7 +105,7 @@ def test_room_until_the_line_then_tight():
     with gpumem.Heap(capacity=8 * GiB, cap=cap) as h:
         workload(h, rounds=1)  # holds ~650 MiB: below 0.875 x 1200 MiB
         assert counters(h)["num_remaps"] == 0
-        workload(h, rounds=4)  # would pass the line (1050 MiB) without recycling
+        workload(h, rounds=6)  # would pass the line (1050 MiB) without recycling
         c = counters(h)
         assert c["num_remaps"] >= 1 and c["num_sync_all_streams"] >= 1
         assert h.stats()["reserved_bytes.all.peak"] <= cap and h.stats()["num_ooms"] == 0
@@ -232,6 +232,28 @@ def test_pages_ahead_never_swallow_the_block_after_the_range():
         h.check()
         h.free(p)
         h.free(keep)
+
+
+@pytest.mark.parametrize("pressure", [None, 0])
+def test_with_room_a_growth_edge_is_passed_over_while_another_block_fits(pressure):
+    """A free block that unmapped space follows is where a larger request grows in place: with room a
+    request that another free block fits leaves it alone, and the larger request then extends it.  The
+    always-tight heap takes the best fit."""
+    kw = {} if pressure is None else {"pressure": pressure}
+    with gpumem.Heap(capacity=80 * GiB, **kw) as h:
+        a = h.malloc(12 * MiB)
+        h.malloc(2 * MiB)
+        e = h.malloc(2 * MiB)  # the last block mapped
+        h.free(e)  # a free 2 MiB block at the growth edge
+        h.free(a)  # a free 12 MiB block between nothing and a live block
+        c = h.malloc(3 * MiB // 2)  # the edge is the best fit
+        if pressure is None:
+            assert c == a
+            d = h.malloc(13 * MiB)  # no free block fits: the edge grows in place
+            assert d == e
+        else:
+            assert c == e
+        h.check()
 
 
 def test_a_pools_growth_takes_a_torch_sized_segment_with_room():

@@ -1,9 +1,12 @@
 """Small pages (csrc/core/small.c) and whole-page placement near pressure (csrc/core/place.c).
 
 Blocks of at most half a page keep to pages of their own, so that the large blocks they would
-otherwise sit beside leave whole pages when they go; a block of whole pages placed with room, but
-not far from pressure, takes the place that touches the fewest pages.
+otherwise sit beside leave whole pages when they go; a block of whole pages placed near pressure
+(with room, but not far from pressure, or past the room line) takes the place that touches the
+fewest pages.
 """
+
+import pytest
 
 import gpumem
 from helpers import GiB, MiB, PAGE, assert_ok, pages_touched
@@ -73,6 +76,23 @@ def test_blocks_of_whole_pages_touch_no_extra_page_near_pressure(make_heap):
         assert pages_touched([(p, 8 * MiB)]) == 4
     assert_ok(h)
     assert h.stats()["num_remaps"] == 0
+
+
+@pytest.mark.parametrize("pressure", [None, 0])
+def test_past_the_room_line_blocks_of_whole_pages_touch_no_extra_page(make_heap, pressure):
+    # Capped at 48 pages, the room line is at 42: a heap holding 43 is past
+    # it, where the tight heap it has become keeps the whole-page rule.  The
+    # always-tight heap (pressure 0) packs: the block follows the first one.
+    kw = {} if pressure is None else {"pressure": pressure}
+    h = make_heap(capacity=80 * GiB, cap=48 * PAGE, **kw)
+    h.malloc(43 * PAGE)
+    a = h.malloc(MiB + 512)
+    b = h.malloc(8 * MiB)
+    if pressure is None:
+        assert pages_touched([(b, 8 * MiB)]) == 4
+    else:
+        assert b == a + MiB + 512
+    assert_ok(h)
 
 
 def test_far_from_pressure_placement_packs_as_before(make_heap):
