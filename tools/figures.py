@@ -8,7 +8,7 @@ Each table sits in its document between `<!-- figures: NAME -->` and `<!-- figur
 what lies between is this script's, so a figure there has one source: the JSON a benchmark
 wrote (gpu_compare.json: benchmarks/gpu_compare.py, every allocator in one run on one GPU;
 gpu_growth.json: benchmarks/gpu_growth.py; replay.json: benchmarks/replay.py; policy_traces.json:
-benchmarks/policy_traces.py; gpu_policy_rotated.json: benchmarks/gpu_policy.py).  tests/repo/test_figures.py runs the
+benchmarks/policy_traces.py; gpu_policy_edges.json: benchmarks/gpu_policy.py).  tests/repo/test_figures.py runs the
 check.
 """
 
@@ -22,6 +22,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DOCS = ("README.md", "docs/guide.md", "docs/design.md", "gpumem/data/traces/README.md")
 MARK = re.compile(r"(<!-- figures: (\w+) -->\n)(.*?)(<!-- figures: end -->)", re.S)
+# The run of benchmarks/gpu_policy.py on the current heap that the step-time row quotes.
+STEP_RUN = "gpu_policy_edges.json"
 LABELS = {"native": "native", "expandable": "expandable_segments", "async": "cudaMallocAsync", "gpumem": "gpumem"}
 
 
@@ -122,7 +124,12 @@ def paired_row(run):
     from gpu_policy import _paired
 
     rows, meta = run["rows"], run["meta"]
-    names = [n for n in meta["workloads"] if any(r["workload"] == n and not r["ooms"] for r in rows)]
+    # a workload whose native run met out-of-memory (the capped one) pairs no step
+    names = [
+        n
+        for n in meta["workloads"]
+        if any(r["workload"] == n and r["allocator"] == "native" and not r["ooms"] for r in rows)
+    ]
 
     def span(use):
         if use == "native":
@@ -135,7 +142,7 @@ def paired_row(run):
         "| training step time against native (steady step paired with native's, median of rounds) | "
         + " | ".join(span(c) for c in ("native", "expandable", "gpumem"))
         + f" | {', '.join(names)}, {meta['rounds']} rotated rounds on one {meta['device']}, "
-        "`gpu_policy_rotated.json` |"
+        f"`{STEP_RUN}` |"
     )
 
 
@@ -185,7 +192,7 @@ def tables():
         "traces_and_gpumem": traces(data, load("replay.json")),
         "min_capacity": min_capacity(data),
         "expandable": expandable(data),
-        "costs": costs(data, growth, load("policy_traces.json"), load("gpu_policy_rotated.json")),
+        "costs": costs(data, growth, load("policy_traces.json"), load(STEP_RUN)),
     }
 
 

@@ -78,12 +78,16 @@ def test_the_room_row_counts_the_traces_over_expandable_segments():
 def test_the_paired_step_row_takes_each_workloads_median_over_rounds():
     f = figures()
 
-    def row(use, rnd, steps, ooms=0):
-        return dict(workload="w", allocator=use, round=rnd, step_ms=steps, warmup=1, ooms=ooms)
+    def row(use, rnd, steps, ooms=0, workload="w"):
+        return dict(workload=workload, allocator=use, round=rnd, step_ms=steps, warmup=1, ooms=ooms)
 
     rows = [row("native", r, [9.0, 10.0, 10.0]) for r in range(3)]
     rows += [row("gpumem", r, [9.0, t, t]) for r, t in enumerate((9.0, 11.0, 12.0))]
     rows += [row("expandable", r, [9.0, 10.0, 10.0]) for r in range(3)]
-    run = {"rows": rows, "meta": {"workloads": ["w"], "rounds": 3, "device": "GPU"}}
+    # a capped workload whose native runs meet out-of-memory pairs nothing, and is not named
+    rows += [row("native", r, [9.0, 10.0, 10.0], ooms=2, workload="cap") for r in range(3)]
+    rows += [row("gpumem", r, [9.0, 10.0, 10.0], workload="cap") for r in range(3)]
+    run = {"rows": rows, "meta": {"workloads": ["w", "cap"], "rounds": 3, "device": "GPU"}}
     cells = [c.strip() for c in f.paired_row(run).strip("|").split("|")]
     assert cells[1:4] == ["-", "+0.0%", "+10.0%"]  # gpumem's rounds read 0.9, 1.1, 1.2: the median 1.1
+    assert cells[4].startswith("w, 3 rotated rounds")
