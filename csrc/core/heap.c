@@ -30,10 +30,10 @@
  *   Fast path (no device call): best fit among free blocks that this stream
  *   may use, from a segregated index (freeindex.h), with the lowest address
  *   among equals -- with room, one at a growth edge only when nothing else
- *   fits (policy.c, POLICY) -- and split off the remainder.  A request of at most half a page
- *   looks among the free space of small pages instead (small.c, SMALL PAGES),
- *   a larger one never does.  Free: look the pointer up in the
- *   live table, merge with free neighbours, index.
+ *   fits (policy.c, POLICY) -- and split off the remainder.  A request of at
+ *   most half a page looks among the free space of small pages instead
+ *   (small.c, SMALL PAGES), a larger one never does.  Free: look the
+ *   pointer up in the live table, merge with free neighbours, index.
  *
  *   Slow path, when no free block fits:
  *   1. Take back memory other streams freed, once an event says their work is
@@ -295,8 +295,6 @@
 
 /* ---- the fast path ------------------------------------------------------------ */
 
-/* Best fit for stream s among the free blocks of `pool` (NULL: the general
- * heap) that s may use: its own and everyone's. */
 /* A growth edge: a free block of the general heap that unmapped general
  * space follows, where a request larger than any free block grows in place. */
 static int at_edge(const gm_block *b) {
@@ -314,6 +312,9 @@ static gm_block *fit_past_edge(const gm_heap *h, const gm_freeindex *fi, size_t 
     return b;
 }
 
+/* Best fit for stream s among the free blocks of `pool` (NULL: the general
+ * heap) that s may use: its own and everyone's; with room, a growth edge
+ * last (fit_past_edge). */
 gm_block *h_fit_in(gm_heap *h, size_t size, gm_stream s, gm_pool *pool) {
     gm_owner *own = s == ANY ? NULL : h_owner_find(h, pool, s);
     gm_block *a = own ? fit_past_edge(h, &own->idx, size) : NULL;
