@@ -124,18 +124,17 @@ def paired_row(run):
     from gpu_policy import _paired
 
     rows, meta = run["rows"], run["meta"]
-    # a workload whose native run met out-of-memory (the capped one) pairs no step
-    names = [
-        n
-        for n in meta["workloads"]
-        if any(r["workload"] == n and r["allocator"] == "native" and not r["ooms"] for r in rows)
-    ]
+    others = ("expandable", "gpumem")
+    # each workload's per-round pairs; _paired leaves out a round with OOMs (the capped workload's)
+    pairs = {
+        (n, u): [x for x in _paired(rows, n, u, "native") if x is not None] for n in meta["workloads"] for u in others
+    }
+    names = [n for n in meta["workloads"] if any(pairs[n, u] for u in others)]
 
     def span(use):
         if use == "native":
             return "-"
-        per = [[x for x in _paired(rows, n, use, "native") if x is not None] for n in names]
-        per = [statistics.median(p) for p in per if p]
+        per = [statistics.median(pairs[n, use]) for n in names if pairs[n, use]]
         return _span([100 * (x - 1) for x in per], "{:+.1f}%") if per else "-"
 
     return (
