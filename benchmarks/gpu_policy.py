@@ -6,7 +6,8 @@
 
 Allocators: `native`, `expandable` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), `gpumem` (the
 default policy: room until 7/8 of the limit), and `NAME:VAR=VALUE` for a variant (gpumem with
-GPUMEM_CONF=pressure:0 is the heap tight everywhere, the policy before room was measured).  Each
+GPUMEM_CONF=pressure:0 is the heap tight everywhere, the policy before room was measured;
+`gpumem:PYTHONPATH=DIR` runs the gpumem built in DIR, to set two builds side by side).  Each
 (allocator, round) is a fresh process that runs every workload in the order given; each round runs
 every allocator once, round r starting with the r-th allocator given (native, expandable, gpumem; then
 expandable, gpumem, native; ...), so processes of different allocators alternate and none always runs
@@ -144,10 +145,12 @@ def child(use, names, trace_dir=None):
     trace_dir (torch's allocator only), each workload's allocations as a trace there instead (--trace)."""
     import torch
 
+    built = None
     if use.split(":")[0] == "gpumem":
         import gpumem
 
         gpumem.install()
+        built = os.path.dirname(os.path.dirname(os.path.abspath(gpumem.__file__)))  # which build ran
     dev = "cuda"
     total = torch.cuda.get_device_properties(0).total_memory
     llama = step = draw = opt = live = None
@@ -189,6 +192,8 @@ def child(use, names, trace_dir=None):
                 gc.collect()
         torch.cuda.empty_cache()
         r["allocator"] = use
+        if built:
+            r["gpumem_from"] = built
         r["device"] = torch.cuda.get_device_name(0)
         print(json.dumps(r), flush=True)
 
@@ -286,6 +291,15 @@ def _rounds(a, names, allocators, envs, t_start):
     return rows, rounds_done
 
 
+def _child_env(use, env):
+    """The children import the gpumem of this checkout (built in place) unless one is installed, or
+    unless the allocator names its own: `gpumem:PYTHONPATH=DIR` puts DIR (another build, say) first."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = env["PYTHONPATH"] if any(kv.startswith("PYTHONPATH=") for kv in use.partition(":")[2].split(",")) else None
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [own, repo, os.environ.get("PYTHONPATH")]))
+    return env
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, metavar="PATH", help="write the results as JSON to PATH")
@@ -313,13 +327,9 @@ def main():
     from compare.contenders import variant_env
 
     try:
-        envs = {use: variant_env(use) for use in allocators}
+        envs = {use: _child_env(use, variant_env(use)) for use in allocators}
     except ValueError as e:
         ap.error(str(e))
-    # The children import the gpumem of this checkout (built in place) unless one is installed.
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for env in envs.values():
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     if a.child:
         child(a.child, names, a.trace)
         return

@@ -68,3 +68,13 @@ def test_the_table_shows_the_paired_figure_per_round():
     table = g._table(rows, ["w"], ["native", "gpumem"])
     line = next(x for x in table.splitlines() if "| gpumem |" in x)
     assert "1.000 (1.100, 0.900, 1.000)" in line
+
+
+def test_an_allocator_that_names_its_own_pythonpath_imports_that_build_first(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/inherited")
+    from compare.contenders import variant_env
+
+    plain = g._child_env("gpumem", variant_env("gpumem"))
+    other = g._child_env("gpumem:PYTHONPATH=/old/build", variant_env("gpumem:PYTHONPATH=/old/build"))
+    assert plain["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/inherited"]
+    assert other["PYTHONPATH"].split(os.pathsep) == ["/old/build", str(REPO), "/inherited"]
