@@ -297,9 +297,7 @@
 
 /* A growth edge: a free block of the general heap that unmapped general
  * space follows, where a request larger than any free block grows in place. */
-static int at_edge(const gm_block *b) {
-    return !b->pool && b->next && b->next->state == GM_BLOCK_UNMAPPED && !b->next->pool;
-}
+static int at_edge(const gm_block *b) { return !b->pool && b->next && h_growth_space(b->next); }
 
 /* Best fit in fi; with room (POLICY, growth edges), the next fit in index
  * order that is no growth edge, if there is one.  Edges are the ends of

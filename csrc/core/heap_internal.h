@@ -237,6 +237,10 @@ static inline int h_general_space(const gm_block *b) {
     return b->state == GM_BLOCK_UNMAPPED || (b->state == GM_BLOCK_FREE && !b->pool);
 }
 
+/* Unmapped space that no pool keeps: where the general heap grows (growth
+ * edges, growth ahead). */
+static inline int h_growth_space(const gm_block *b) { return b->state == GM_BLOCK_UNMAPPED && !b->pool; }
+
 /* A block whose pages no slow path may take back: live, or kept for a living
  * pool (free, or pending to return to it).  The page-use counts (runindex.h)
  * count these. */

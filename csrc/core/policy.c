@@ -231,7 +231,7 @@ static size_t room_ahead(gm_heap *h, const placement *pl, size_t size, size_t ne
     size_t p1 = h_page_ceil(h, pl->addr + size), held = h_held_pages(h) + need;
     if (pl->pooled || need >= ROOM_AHEAD_PAGES || p1 >= h->n_pages || held >= limit) return 0;
     const gm_block *c = h_block_holding(pl->first, pl->addr + size);
-    if (c->state != GM_BLOCK_UNMAPPED || c->pool) return 0;
+    if (!h_growth_space(c)) return 0;
     size_t avail = h_page_floor(h, c->addr + c->size) - p1, want = ROOM_AHEAD_PAGES - need;
     if (want > avail) want = avail;
     return want < limit - held ? want : limit - held;
