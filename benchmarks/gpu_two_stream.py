@@ -228,7 +228,11 @@ def search(allocator: str, handoff, steps: int, res: int, deadline: float, runne
 
 def child_runner(allocator: str, handoff, cap: int, steps: int):
     args = ["--one", json.dumps({"allocator": allocator, "handoff": handoff, "cap": cap, "steps": steps})]
-    return run_child(__file__, args, what=f"{config_name(allocator, handoff)} cap {cap}", timeout=300)
+    # The child imports the gpumem of this checkout (built in place), as the other GPU benchmarks' do.
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    )
+    return run_child(__file__, args, what=f"{config_name(allocator, handoff)} cap {cap}", timeout=300, env=env)
 
 
 def table(rows: list, live: int) -> str:
