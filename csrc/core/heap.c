@@ -360,11 +360,18 @@ static int pool_edge_below(const gm_block *b) {
  * uses -- physical memory is pages touched, not bytes.  On ties the low end,
  * except at a pool's lower edge: there the high end, so that the free rest
  * stays at the edge, where a larger request extends it in place (place.c),
- * as an expandable segment keeps its free tail at its growing end. */
+ * as an expandable segment keeps its free tail at its growing end.  Near
+ * pressure (POLICY, whole pages) a request of whole pages starts at b's first
+ * page boundary instead, below its high end, if that needs no more fresh
+ * pages: it touches no page more than it needs. */
 static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
     if (b->size == size) return b->addr;
-    uintptr_t hi = b->addr + b->size - size;
+    uintptr_t hi = b->addr + b->size - size, a = h_page_addr(h, h_page_ceil(h, b->addr));
     size_t f_hi = fresh_pages(h, b, hi, size), f_lo = fresh_pages(h, b, b->addr, size);
+    if (h->near_pressure && !b->pool && !(size & (h->page - 1)) && a != b->addr && a < hi) {
+        size_t f_a = fresh_pages(h, b, a, size);
+        if (f_a <= f_lo && f_a <= f_hi) return a;
+    }
     if (f_hi != f_lo) return f_hi < f_lo ? hi : b->addr;
     return pool_edge_below(b) ? hi : b->addr;
 }

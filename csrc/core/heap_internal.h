@@ -94,7 +94,8 @@ struct gm_heap {
      * come in whole chunks. */
     uint8_t *parked;
     size_t n_parked;
-    int with_room; /* the slow path last found the heap below its room line (POLICY, growth edges) */
+    int with_room;     /* the slow path last found the heap below its room line (POLICY, growth edges) */
+    int near_pressure; /* placement last found the heap near pressure (h_near_pressure; POLICY, whole pages) */
     /* Per page: the growth that mapped it (or gave it to a pool) -- one
      * slow-path placement, numbered from 1 (growth_seq: the latest); 0: never
      * mapped.  Snapshots cut segments where it changes, and a no_split

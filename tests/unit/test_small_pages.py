@@ -95,6 +95,33 @@ def test_past_the_room_line_blocks_of_whole_pages_touch_no_extra_page(make_heap,
     assert_ok(h)
 
 
+@pytest.mark.parametrize("capacity, pressure", [(4 * GiB, None), (80 * GiB, None), (4 * GiB, 0)])
+def test_near_pressure_the_fast_path_carves_whole_pages_from_a_page_boundary(make_heap, capacity, pressure):
+    # A free block of 19 MiB between two live blocks, starting and ending
+    # inside a page: an 8 MiB request fits it (the fast path).  Carved at
+    # either end it touches 5 pages, one of them shared with a neighbour; from
+    # the block's first page boundary it touches only the 4 it needs.  That is
+    # the rule near pressure (a 4 GiB device), as placement last found it for
+    # a block of whole pages (the first one); far from pressure (80 GiB) and
+    # on the always-tight heap (pressure 0) the low end, as before.
+    kw = {} if pressure is None else {"pressure": pressure}
+    h = make_heap(capacity=capacity, **kw)
+    h.malloc(PAGE)
+    a = h.malloc(MiB + 512)
+    gap = h.malloc(19 * MiB)
+    h.malloc(MiB)
+    assert gap == a + MiB + 512  # not whole pages: packed after a
+    h.free(gap)
+    allocs = h.stats()["num_device_alloc"]
+    b = h.malloc(8 * MiB)
+    assert h.stats()["num_device_alloc"] == allocs  # the free block served it
+    if capacity == 4 * GiB and pressure is None:
+        assert b == -(-gap // PAGE) * PAGE and pages_touched([(b, 8 * MiB)]) == 4
+    else:
+        assert b == gap and pages_touched([(b, 8 * MiB)]) == 5
+    assert_ok(h)
+
+
 def test_far_from_pressure_placement_packs_as_before(make_heap):
     # 80 GiB: far from pressure, the chain follows the first block, where
     # growth may reach ahead without a device call.
