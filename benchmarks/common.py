@@ -14,6 +14,9 @@ import subprocess
 import sys
 from typing import Iterable, Optional, Sequence
 
+# This checkout: what a child process imports gpumem from (with_checkout_path).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # The entries of torch's allocation history (torch.cuda.memory._snapshot()["device_traces"]) that a
 # text trace keeps: what gpumem.trace reads.
 TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc")
@@ -36,6 +39,15 @@ def run_child(script: str, args: Sequence[str], what: str = "", **kw) -> Optiona
         print(f"{what} failed (exit {p.returncode}):\n" if what else "", p.stderr[-3000:], sep="", file=sys.stderr)
         return None
     return result
+
+
+def with_checkout_path(env=None, first: Optional[str] = None) -> dict:
+    """A copy of `env` (default: os.environ) for a child process that imports this checkout's gpumem (built
+    in place): PYTHONPATH is `first` (another build, say), this checkout, then what `env` held.  Empty
+    entries are left out: one would put the child's working directory on its path."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [first, REPO, env.get("PYTHONPATH")]))
+    return env
 
 
 def write_json(path: Optional[str], obj) -> None:

@@ -27,6 +27,7 @@ import pathlib
 import subprocess
 import sys
 
+from common import with_checkout_path
 from compare.contenders import variant_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def run(mode, shapes, iters, snapshots=None, kind="llama"):
         env = variant_env(mode, base)
     except ValueError as e:
         raise SystemExit(f"gpu_graphs.py: bad variant {mode!r}: {e}") from None
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = with_checkout_path(env)
     snap = ""
     if snapshots and name == "gpumem":
         os.makedirs(snapshots, exist_ok=True)

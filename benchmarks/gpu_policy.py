@@ -51,7 +51,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_head, markdown_row, start_torch_history, stop_torch_history, write_torch_trace  # noqa: E402
+from common import (  # noqa: E402
+    markdown_head,
+    markdown_row,
+    start_torch_history,
+    stop_torch_history,
+    with_checkout_path,
+    write_torch_trace,
+)
 from compare.workloads import LLAMA_CONFIG  # noqa: E402
 
 WORKLOADS = ["llama_varlen", "llama_varlen_cap", "gpt2_varlen", "resnet50_multires", "llama_lora_ckpt"]
@@ -294,10 +301,8 @@ def _rounds(a, names, allocators, envs, t_start):
 def _child_env(use, env):
     """The children import the gpumem of this checkout (built in place) unless one is installed, or
     unless the allocator names its own: `gpumem:PYTHONPATH=DIR` puts DIR (another build, say) first."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     own = env["PYTHONPATH"] if any(kv.startswith("PYTHONPATH=") for kv in use.partition(":")[2].split(",")) else None
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [own, repo, os.environ.get("PYTHONPATH")]))
-    return env
+    return with_checkout_path(dict(env, PYTHONPATH=os.environ.get("PYTHONPATH", "")), first=own)
 
 
 def main():

@@ -43,7 +43,7 @@ import time
 
 _T0 = time.monotonic()  # a child's time limit counts from its start, imports included
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_head, markdown_row, write_json  # noqa: E402
+from common import markdown_head, markdown_row, with_checkout_path, write_json  # noqa: E402
 from compare.contenders import variant_env  # noqa: E402
 
 # The spill mechanism's names, in one place.  Statistics are tuples: the first key present is read.
@@ -250,11 +250,9 @@ class Runner:
 
     def __init__(self, budget, limit):
         self.budget, self.limit, self.t0 = budget, limit, time.monotonic()
-        self.repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def env(self, alloc, conf=None):
-        env = variant_env(alloc)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.repo, env.get("PYTHONPATH")]))
+        env = with_checkout_path(variant_env(alloc))
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
         env.pop("GPUMEM_CONF", None)
         if conf:

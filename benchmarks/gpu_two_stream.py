@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import markdown_head, markdown_row, run_child, write_json  # noqa: E402
+from common import markdown_head, markdown_row, run_child, with_checkout_path, write_json  # noqa: E402
 
 MiB = 1 << 20
 # The loop's shape: width, layers, the batches' rows in turn (bf16 on the GPU).
@@ -229,10 +229,9 @@ def search(allocator: str, handoff, steps: int, res: int, deadline: float, runne
 def child_runner(allocator: str, handoff, cap: int, steps: int):
     args = ["--one", json.dumps({"allocator": allocator, "handoff": handoff, "cap": cap, "steps": steps})]
     # The child imports the gpumem of this checkout (built in place), as the other GPU benchmarks' do.
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    return run_child(
+        __file__, args, what=f"{config_name(allocator, handoff)} cap {cap}", timeout=300, env=with_checkout_path()
     )
-    return run_child(__file__, args, what=f"{config_name(allocator, handoff)} cap {cap}", timeout=300, env=env)
 
 
 def table(rows: list, live: int) -> str:

@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from common import markdown_head, markdown_row  # noqa: E402
+from common import markdown_head, markdown_row, with_checkout_path  # noqa: E402
 from compare import multistream  # noqa: E402
 from compare.report import write_json  # noqa: E402
 from compare.traces import find_traces, trace_name  # noqa: E402
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
     # is installed), else the installed one
     env = dict(os.environ)
     if glob.glob(os.path.join(ROOT, "gpumem", "_C*")) or importlib.util.find_spec("gpumem") is None:
-        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = with_checkout_path(env)
         os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # the compare run's worker servers inherit it
     jobs = args.sim_jobs or max(1, min(8, (os.cpu_count() or 2) // 2))
     sims = Sims(args.event_delays, jobs, work, env)

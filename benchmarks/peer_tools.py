@@ -26,6 +26,10 @@ import sys
 import tempfile
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import with_checkout_path  # noqa: E402
+
 MiB = 1 << 20
 CASES = {}
 
@@ -150,8 +154,7 @@ def child(name, allocator):
 
 
 def run(name, allocator):
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = with_checkout_path()
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", name, allocator],
         capture_output=True,

@@ -47,7 +47,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import last_json_line, markdown_head, markdown_row, run_child, write_json  # noqa: E402
+from common import last_json_line, markdown_head, markdown_row, run_child, with_checkout_path, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -375,8 +375,7 @@ def drop_failing(text: str, copy_path: str, output: str) -> tuple[str, str] | No
 
 def child_env(allocator: str, log: str, ext_dir: str, hide_cuda: bool = False) -> dict:
     """The environment of a child process: this checkout first on the path, and the conftest's settings."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env = with_checkout_path()
     env.update(UPSTREAM_TESTS_LOG=log, UPSTREAM_TESTS_ALLOCATOR=allocator, TORCH_EXTENSIONS_DIR=ext_dir)
     env.update(PYTHONUNBUFFERED="1", PYTORCH_PRINT_REPRO_ON_FAILURE="0")
     if hide_cuda:
