@@ -49,10 +49,11 @@
  *   -- with nothing reserved with room changed; a synthetic batch of 3-10 MiB
  *   blocks lost (1.0065 to 1.0130 x peak live).  Far from pressure
  *   placement packs, so that growth keeps reaching ahead (room_ahead)
- *   without a device call.  The always-tight heap (pressure 0) packs too: there the rule
- *   lowered the smallest capacities little (0.430% to 0.409% of peak live
- *   over the 39 traces, mean) for more recycling (554 to 602 remaps;
- *   llama_lora_ckpt 7 to 21).  Past the line it did what the tight heap
+ *   without a device call.  The always-tight heap (pressure 0) packs too:
+ *   there the rule (placement's, when it was measured alone) lowered the
+ *   smallest capacities little (0.430% to 0.409% of peak live over the 39
+ *   traces, mean) for more recycling (554 to 602 remaps; llama_lora_ckpt 7
+ *   to 21).  Past the line it did what the tight heap
  *   cannot: smallest capacities at 1x 6 lower, 1 higher (resnet_infer 1.0066
  *   to 1.0056, roberta_infer 1.0077 to 1.0062, llama_compile_train 1.0099 to
  *   1.0111), with no change in what is reserved with room.
