@@ -8,7 +8,7 @@ Each table sits in its document between `<!-- figures: NAME -->` and `<!-- figur
 what lies between is this script's, so a figure there has one source: the JSON a benchmark
 wrote (gpu_compare.json: benchmarks/gpu_compare.py, every allocator in one run on one GPU;
 gpu_growth.json: benchmarks/gpu_growth.py; replay.json: benchmarks/replay.py; policy_traces.json:
-benchmarks/policy_traces.py; gpu_policy_edges.json: benchmarks/gpu_policy.py).  tests/repo/test_figures.py runs the
+benchmarks/policy_traces.py; gpu_policy_carve.json: benchmarks/gpu_policy.py).  tests/repo/test_figures.py runs the
 check.
 """
 
@@ -23,7 +23,7 @@ RESULTS = REPO / "benchmarks" / "results"
 DOCS = ("README.md", "docs/guide.md", "docs/design.md", "gpumem/data/traces/README.md")
 MARK = re.compile(r"(<!-- figures: (\w+) -->\n)(.*?)(<!-- figures: end -->)", re.S)
 # The run of benchmarks/gpu_policy.py on the current heap that the step-time row quotes.
-STEP_RUN = "gpu_policy_edges.json"
+STEP_RUN = "gpu_policy_carve.json"
 LABELS = {"native": "native", "expandable": "expandable_segments", "async": "cudaMallocAsync", "gpumem": "gpumem"}
 
 
