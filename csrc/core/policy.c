@@ -46,8 +46,8 @@
  *   boundary"), the real traces gained: at 1x the mean excess over peak live
  *   went from 0.392% to 0.362%, and three misses of the capacity goal to one
  *   -- resnet_infer 1.0056 to 1.0047, llama_compile_train 1.0111 to 1.0093
- *   -- with nothing reserved with room changed; a synthetic batch of 3-10 MiB
- *   blocks lost (1.0065 to 1.0130 x peak live).  Far from pressure
+ *   -- with nothing reserved with room changed at 1x; a synthetic batch of
+ *   3-10 MiB blocks lost (1.0065 to 1.0130 x peak live).  Far from pressure
  *   placement packs, so that growth keeps reaching ahead (room_ahead)
  *   without a device call.  The always-tight heap (pressure 0) packs too:
  *   there the rule (placement's, when it was measured alone) lowered the
