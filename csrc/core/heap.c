@@ -368,7 +368,7 @@ static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
     if (b->size == size) return b->addr;
     uintptr_t hi = b->addr + b->size - size, a = h_page_addr(h, h_page_ceil(h, b->addr));
     size_t f_hi = fresh_pages(h, b, hi, size), f_lo = fresh_pages(h, b, b->addr, size);
-    if (h->near_pressure && !b->pool && !(size & (h->page - 1)) && a != b->addr && a < hi) {
+    if (h->near_pressure && !b->pool && h_whole_pages(h, size) && a != b->addr && a < hi) {
         size_t f_a = fresh_pages(h, b, a, size);
         if (f_a <= f_lo && f_a <= f_hi) return a;
     }

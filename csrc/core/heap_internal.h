@@ -217,6 +217,8 @@ static inline size_t h_page_ceil(const gm_heap *h, uintptr_t a) {
     return (size_t)((a - h->base + h->page - 1) >> h->page_shift);
 }
 static inline uintptr_t h_page_addr(const gm_heap *h, size_t p) { return h->base + ((uintptr_t)p << h->page_shift); }
+/* A request of whole pages: the whole-page rules near pressure apply to it (POLICY). */
+static inline int h_whole_pages(const gm_heap *h, size_t size) { return !(size & (h->page - 1)); }
 /* The first page of the chunk mapped at page p, and its length. */
 static inline size_t h_chunk_first(const gm_heap *h, size_t p) { return p - h->chunk_off[p]; }
 static inline size_t h_chunk_end(const gm_heap *h, size_t p) { return p - h->chunk_off[p] + h->chunk_len[p]; }

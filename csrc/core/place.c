@@ -210,7 +210,7 @@ static void place_pooled(struct place_ctx *c) {
  * space at least `size` long can hold one. */
 placement h_place_within(gm_heap *h, size_t size, gm_stream s, gm_pool *pool, size_t budget) {
     struct place_ctx c = {h, size, s, pool, budget, 0, {0}, {0}};
-    c.whole = !pool && !(size & (h->page - 1)) && h_near_pressure(h);
+    c.whole = !pool && h_whole_pages(h, size) && h_near_pressure(h);
     /* Lone free blocks are not in the run index; the slow path gets here when
      * none that s may use fits, except after a synchronisation.  Then the best
      * fit is the best of them if it is lone itself; if not, walk everything. */
