@@ -49,8 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import last_json_line, markdown_head, markdown_row, run_child, with_checkout_path, write_json  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 # The allocator-contract tests, as "Class::test" patterns (fnmatch) over the collected tests.  Left
 # out as tests of the native allocator's own settings or of other allocators: expandable segments,
 # garbage collection and max_split_size (test_max_split_expandable, test_garbage_collect_expandable,
