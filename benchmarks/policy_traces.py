@@ -10,8 +10,9 @@ For each trace and each policy: peak reserved and device calls replayed with roo
 device's 80 GiB), and the smallest capacity that fits, searched to 1 MiB -- a capacity near peak live
 puts the heap under pressure for the end of the trace, with room at its start.  Ratios are to the
 trace's peak live bytes, as in gpumem/data/traces/README.md.  Deterministic: the simulated device
-gives the same figures on every machine.  --scale K replays every request K times as large (the
-search then to K MiB): a trace that fills a larger device.  --why adds, per trace and policy, what
+gives the same figures on every machine.  --scale K replays every request K times as large: a trace
+that fills a larger device (searched to 1 MiB too: the heap maps 2 MiB pages, and a coarser search
+could report a page or two more than the trace needs).  --why adds, per trace and policy, what
 the first failed request lacked one step below the smallest capacity, from its OOM report: the
 request, how much it was short, and the free memory it could not have, stranded in pages live
 blocks share and locked in partly used chunks.  Each row also gives the peak reserved of torch's
@@ -91,7 +92,7 @@ def measure(name, scale=1, why=False):
     out = {}
     for label, kw in POLICIES.items():
         r = R.replay(tr, timing=False, heap_kwargs=kw)
-        mc = R.min_capacity(tr, precision=R.MiB * scale, heap_kwargs=kw)
+        mc = R.min_capacity(tr, precision=R.MiB, heap_kwargs=kw)
         out[label] = dict(
             peak_reserved=round(r.peak_reserved_bytes / peak, 4),
             remaps=r.remaps,
@@ -99,9 +100,10 @@ def measure(name, scale=1, why=False):
             device_allocs=r.num_device_alloc,
             maps=r.num_maps,
             min_capacity=round(mc / peak, 4),
+            min_capacity_bytes=mc,
         )
         if why:
-            out[label]["short_below"] = why_short(tr, mc - R.MiB * scale, kw)
+            out[label]["short_below"] = why_short(tr, mc - R.MiB, kw)
     exp = expandable_model.replay(tr)["peak_reserved"]
     return dict(
         trace=name,

@@ -38,6 +38,16 @@ def test_why_finds_the_pages_locked_in_chunks():
     assert w is not None and w["chunk_locked_mib"] > w["short_mib"] > 0
 
 
+def test_the_smallest_capacity_is_searched_to_the_page_at_every_scale():
+    # The heap maps 2 MiB pages: one page below the capacity reported must fail, at 3x as at 1x
+    # (a search to 3 MiB at 3x reported 858 MiB for unet_sample, where 856 fits).
+    tr = pt.scaled(load_trace("unet_sample"), 3)
+    r = pt.measure("unet_sample", scale=3)
+    for label, kw in pt.POLICIES.items():
+        mc = r["policies"][label]["min_capacity_bytes"]
+        assert R.fits(tr, mc, kw) and not R.fits(tr, mc - 2 * R.MiB, kw), label
+
+
 def test_why_is_none_where_nothing_fails():
     tr = load_trace(str(trace_path("gemma_beam")))
     assert pt.why_short(tr, 4 * tr.peak_live_bytes, {}) is None
