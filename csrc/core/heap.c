@@ -366,11 +366,11 @@ static int pool_edge_below(const gm_block *b) {
  * pages: it touches no page more than it needs. */
 static uintptr_t snug_end(const gm_heap *h, const gm_block *b, size_t size) {
     if (b->size == size) return b->addr;
-    uintptr_t hi = b->addr + b->size - size, a = h_page_addr(h, h_page_ceil(h, b->addr));
+    uintptr_t hi = b->addr + b->size - size;
     size_t f_hi = fresh_pages(h, b, hi, size), f_lo = fresh_pages(h, b, b->addr, size);
-    if (h->near_pressure && !b->pool && h_whole_pages(h, size) && a != b->addr && a < hi) {
-        size_t f_a = fresh_pages(h, b, a, size);
-        if (f_a <= f_lo && f_a <= f_hi) return a;
+    if (h->near_pressure && !b->pool && h_whole_pages(h, size)) {
+        uintptr_t a = h_page_addr(h, h_page_ceil(h, b->addr)); /* the block's first page boundary */
+        if (a != b->addr && a < hi && fresh_pages(h, b, a, size) <= (f_lo < f_hi ? f_lo : f_hi)) return a;
     }
     if (f_hi != f_lo) return f_hi < f_lo ? hi : b->addr;
     return pool_edge_below(b) ? hi : b->addr;

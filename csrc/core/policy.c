@@ -137,8 +137,8 @@
  *     ROOM_CHUNK_FAR 1/16:       the 39 traces with every request 3, 5 and 7
  *                                times as large (a program that fills a
  *                                larger device) need within 0.2% of peak live
- *                                of the tight heap's smallest capacity, but
- *                                for unet_sample's own packing; at 1/4 the
+ *                                of the tight heap's smallest capacity (all
+ *                                39, searched to 1 MiB); at 1/4 the
  *                                chunks made early locked up to 2% of peak
  *                                live (llama_ckpt 5x 1.0202 against 1.0006;
  *                                two_stream_pipeline 3x 1.0130 against
