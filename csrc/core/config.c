@@ -69,6 +69,10 @@ int gm_config_check_one(const gm_config *cfg, gm_option opt, char *err, size_t e
         if (cfg->stream_handoff > 1)
             return gm_errorf(GM_EINVAL, err, errlen, "stream_handoff must be 0 or 1, got %zu", cfg->stream_handoff);
         return GM_OK;
+    case GM_OPT_SPLIT_CHUNKS:
+        if (cfg->split_chunks > 1)
+            return gm_errorf(GM_EINVAL, err, errlen, "split_chunks must be 0 or 1, got %zu", cfg->split_chunks);
+        return GM_OK;
     case GM_OPT_SPILL:              /* any: 0 is off */
     case GM_OPT_CAP_BYTES:          /* any: 0 is none */
     case GM_OPT_GROWTH_SLACK_PAGES: /* any */

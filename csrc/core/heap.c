@@ -92,12 +92,19 @@
  *   moves.  Defragmentation promised spares, so it creates single pages to
  *   stand in for it; trimming does not.  A chunk of one page is a page as it
  *   always was: spares are single pages, and defragmentation moves them.
- *   Free pages in a chunk that a block still uses are cached but cannot go:
+ *   Free pages in a chunk that a block still uses are cached but locked:
  *   cached_pages leaves them out (chunk_locked), and an OOM report counts
- *   them.  If the range that needs the fewest new pages cannot get them --
- *   its own cached pages were the only ones that could move -- the slow path
- *   takes the best range that the movable pages elsewhere cover.  chunk_pages
- *   1 (the default) makes every page its own allocation.
+ *   them.  (The driver maps no part of an allocation -- a map at an offset,
+ *   or of fewer pages, is refused on an H200 -- so a chunk's pages cannot be
+ *   mapped one by one to move alone.)  With gm_config.split_chunks, when
+ *   defragmentation lacks pages after the movable ones, it splits chunks, the
+ *   most free pages first (split.c): the kept pages are copied to single
+ *   pages behind one device wait, the chunk is released and the singles take
+ *   the kept pages' places behind the same addresses, so the free ones go.
+ *   That moves live data, hence an option.  Otherwise (or with no page to
+ *   copy into) the slow path takes the best range that the movable pages
+ *   elsewhere cover.  chunk_pages 1 (the default) makes every page its own
+ *   allocation.
  *
  * STREAMS
  *
@@ -275,6 +282,7 @@
  *   place.c     placement: the run search, and backing the range it picks
  *   small.c     small pages: small requests' blocks kept in pages of their own
  *   slow.c      the slow path and defragmentation, spill last
+ *   split.c     splitting a chunk whose free pages are locked
  *   report.c    the OOM report and the explanations' figures
  *   capture.c   stream capture
  *   pool.c      private pools
@@ -509,6 +517,7 @@ int gm_heap_create(gm_device *dev, const gm_config *cfg_in, gm_heap **out) {
     h->spill_pages = cfg.spill / page;
     h->spill_choice = (int)cfg.spill_choice;
     h->handoff = cfg.stream_handoff != 0;
+    h->split = cfg.split_chunks != 0;
     size_t va = cfg.va_size ? h_align_up(cfg.va_size, page) : h_align_up(4 * total, page);
     if (va < 64 * page) va = 64 * page;
     h->va_size = va;

@@ -203,6 +203,7 @@ struct gm_heap {
     int capture_count;    /* gm_capture_begin minus gm_capture_end */
     int no_sync;          /* this operation runs during a capture: no sync/event/unmap/release */
     int handoff;          /* gm_config.stream_handoff: the slow path may hand other streams' memory over (stream.c) */
+    int split;            /* gm_config.split_chunks: the slow path may split chunks live blocks use (split.c) */
     unsigned alloc_flags; /* the running allocation's GM_MALLOC_* flags */
     size_t n_deferred;    /* pending blocks whose events wait for the capture to end */
 
@@ -411,6 +412,7 @@ void h_chunk_set(gm_heap *h, size_t p0, size_t k, gm_handle hd, int host);
 void h_chunk_clear(gm_heap *h, size_t p0, size_t k);
 void h_chunk_unused(gm_heap *h, gm_handle hd, size_t k);
 int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock);
+void h_cut_unmapped(gm_heap *h, gm_block *b, size_t p0, size_t p1, int host);
 int h_unmap_chunk(gm_heap *h, size_t p, int restock);
 void h_grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err);
 size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant, int *err);
@@ -461,6 +463,19 @@ void h_spill_idle(gm_heap *h, gm_stream s);
 static inline int h_on_host(const gm_heap *h, const gm_block *b) {
     return h->host[h_page_floor(h, b->addr)] || h->host[h_page_floor(h, b->addr + b->size - 1)];
 }
+
+/* ---- split.c ---- */
+/* After a device wait: split chunks of several pages outside the page range
+ * [ex0, ex1) whose free pages are locked, the most free first, until `want`
+ * pages are freed (as single spares).  Returns the pages freed; *rc the
+ * failure that stopped it (GM_ECORRUPT: a chunk could not be mapped again). */
+size_t h_split_chunks(gm_heap *h, size_t want, size_t ex0, size_t ex1, int *rc);
+/* The locked pages splits could free, with `room` pages to copy into (new
+ * ones under the cap, spares and cached pages). */
+size_t h_split_gain(gm_heap *h, size_t room);
+int h_scratch_get(gm_heap *h, size_t k, uintptr_t *va);
+int h_unmap_retry(gm_heap *h, uintptr_t va, size_t k);
+int h_copies_wait(gm_heap *h);
 
 /* ---- report.c ---- */
 size_t h_used_pages(gm_heap *h);

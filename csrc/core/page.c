@@ -276,9 +276,16 @@ int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
         if ((rc = h_unmap_chunk(h, done, restock))) break;
         done = next;
     }
-    if (done == p0) return rc;
-    /* Cut b into [free][unmapped p0..done)[free]. */
-    uintptr_t lo = h_page_addr(h, p0), hi = h_page_addr(h, done);
+    if (done > p0) h_cut_unmapped(h, b, p0, done, host);
+    return rc;
+}
+
+/* The free block b lost its pages [p0, p1), now unmapped: cut it into
+ * [free][unmapped][free] (its record stays the lower part) and record the
+ * unmap. */
+void h_cut_unmapped(gm_heap *h, gm_block *b, size_t p0, size_t p1, int host) {
+    uintptr_t lo = h_page_addr(h, p0), hi = h_page_addr(h, p1);
+    h_assert(b->state == GM_BLOCK_FREE && b->addr <= lo && hi <= b->addr + b->size);
     h_run_detach(h, b);
     h_index_remove(h, b);
     gm_block *mid = b;
@@ -289,7 +296,6 @@ int h_unmap_pages(gm_heap *h, gm_block *b, size_t p0, size_t p1, int restock) {
     if (mid->addr + mid->size > hi) h_index_insert(h, h_split(h, mid, hi - mid->addr));
     h_hist(h, host ? GM_H_UNSPILL : GM_H_UNMAP, lo, hi - lo, ANY, 0);
     h_run_attach(h, h_make_unmapped(h, mid));
-    return rc;
 }
 
 struct cached_run {

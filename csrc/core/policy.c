@@ -80,7 +80,8 @@
  *   freed, the fast path may place smaller, long-lived blocks on part of it,
  *   and a heap that later fills its device then cannot move the rest
  *   (recycling releases only a wholly free chunk, and makes single pages in
- *   its place).  Hence both conditions: ROOM_CHUNK_FAR keeps chunks to the
+ *   its place; split_chunks splits one, but not where nothing is left to copy
+ *   into, and it is an option).  Hence both conditions: ROOM_CHUNK_FAR keeps chunks to the
  *   start of a heap's growth, ROOM_CHUNK_FREE to devices with room to spare
  *   past the room line.  On a device with less, every page is single, as on
  *   the tight heap.  A program that fills a larger device pays for the

@@ -105,6 +105,10 @@ void h_fill_report(gm_heap *h, size_t size, gm_stream s, gm_oom_info *o) {
     size_t obtainable = h_held_pages(h) + dfree / h->page;
     if (obtainable > h->cap_pages) obtainable = h->cap_pages;
     size_t avail = obtainable > used ? obtainable - used : 0;
+    /* Pages locked in chunks count as serving only in place, though a split
+     * (split.c) may free them: what it frees depends on the pages left to
+     * copy into and on the placement, so the figure stays one the slow path
+     * can always reach. */
     size_t locked = o->chunk_locked_bytes / h->page, movable = avail > locked ? avail - locked : 0;
     size_t run = 0, best_run = 0, in_place = 0, n_seg = 0, cap_seg = 0;
     uintptr_t run_start = 0;

@@ -53,15 +53,31 @@ static void recycle_for(gm_heap *h, const placement *pl, size_t size, size_t gra
 
 /* Wait for the device, place again (every stream's free memory is usable
  * now), and unmap cached pages into spares for the placement's shortfall. */
-static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, size_t grant, int *synced,
-                       int *recycled, int *dev_err) {
+static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_pool *pool, size_t *promised,
+                       int *synced, int *recycled, int *dev_err) {
     if (h_synchronize(h, s) != GM_OK) {
         *dev_err = GM_EDEVICE;
         return;
     }
     *synced = 1;
     *pl = h_place(h, size, s, pool);
-    if (pl->ok && lacking(h, pl, grant)) recycle_for(h, pl, size, grant, recycled);
+    if (pl->ok && lacking(h, pl, *promised)) recycle_for(h, pl, size, *promised, recycled);
+    /* Still short: split chunks whose free pages are locked (split.c) -- any
+     * chunk, the placement's own too, whose free pages it would use in place
+     * -- and place again on what that freed, while splits free pages. */
+    while (pl->ok && lacking(h, pl, *promised) && h->multi_chunks) {
+        size_t got = h_split_chunks(h, lacking(h, pl, *promised), 0, 0, dev_err);
+        /* A split borrows promised pages to copy into and gives them back;
+         * one whose chunk would not go back keeps them: the promise shrinks. */
+        size_t held = h_held_pages(h);
+        if (held + *promised > h->cap_pages) *promised = h->cap_pages > held ? h->cap_pages - held : 0;
+        if (!got) return;
+        *recycled = 1;
+        h->st.num_remaps++;
+        h->st.num_pages_remapped += (int64_t)got;
+        *pl = h_place(h, size, s, pool);
+        if (pl->ok && lacking(h, pl, *promised)) recycle_for(h, pl, size, *promised, recycled);
+    }
 }
 
 /* Pages locked in chunks serve only in place: the range that needs the
@@ -86,13 +102,22 @@ static int beyond_limit(gm_heap *h, size_t need, size_t grant) {
     return h->dev->ops->mem_info(h->dev, &dfree, &total) == GM_OK && need > dfree / h->page;
 }
 
+/* Pages a defragmentation can give placement pl: cached ones, and those
+ * locked in chunks that splits free (split.c), with the cached ones, the
+ * spares and the pages under the cap to copy into. */
+static size_t movable_pages(gm_heap *h, const placement *pl, size_t size) {
+    size_t pages = h_cached_pages_outside(h, *pl, size), held = h_held_pages(h);
+    if (h->multi_chunks) pages += h_split_gain(h, pages + h->n_spare + (h->cap_pages > held ? h->cap_pages - held : 0));
+    return pages;
+}
+
 typedef struct step4 {
     placement *pl;
     size_t want;
     gm_stream s;
     gm_pool *pool;
-    const size_t *grant; /* the pages promised so far */
-    size_t *g;           /* h_grow's promise, or NULL */
+    size_t *grant; /* the pages promised so far */
+    size_t *g;     /* h_grow's promise, or NULL */
     int *synced, *recycled, *dev_err;
 } step4;
 
@@ -105,14 +130,14 @@ static int defragment_or_grow(gm_heap *h, step4 *a) {
     placement *pl = a->pl;
     int met = 0;
     size_t short_pages = pl->ok ? lacking(h, pl, *a->grant) : 0;
-    if (!pl->ok || (short_pages && h_cached_pages_outside(h, *pl, a->want) >= short_pages)) {
+    if (!pl->ok || (short_pages && movable_pages(h, pl, a->want) >= short_pages)) {
         met = !pl->ok || beyond_limit(h, short_pages, *a->grant);
-        defragment(h, pl, a->want, a->s, a->pool, *a->grant, a->synced, a->recycled, a->dev_err);
+        defragment(h, pl, a->want, a->s, a->pool, a->grant, a->synced, a->recycled, a->dev_err);
     }
     if (pl->ok && lacking(h, pl, *a->grant)) h_grow(h, lacking(h, pl, *a->grant), h->cap_pages, a->g, a->dev_err);
     if (pl->ok && !lacking(h, pl, *a->grant)) return met;
     if (!*a->synced) {
-        defragment(h, pl, a->want, a->s, a->pool, *a->grant, a->synced, a->recycled, a->dev_err);
+        defragment(h, pl, a->want, a->s, a->pool, a->grant, a->synced, a->recycled, a->dev_err);
         if (pl->ok && lacking(h, pl, *a->grant)) h_grow(h, lacking(h, pl, *a->grant), h->cap_pages, a->g, a->dev_err);
     }
     return 1;
@@ -214,6 +239,7 @@ again:;
     retried |= defragment_or_grow(h, &st4) && synced;
     if (pl.ok && lacking(h, &pl, grant) && synced && h->multi_chunks)
         place_around_chunks(h, &pl, want, s, pool, grant, &recycled);
+    if (dev_err == GM_ECORRUPT) return count_retry(h, retried, GM_ECORRUPT); /* a split lost a chunk's mapping */
 placed:
     if ((!pl.ok || lacking(h, &pl, grant)) && want > size) {
         want = size; /* a pool's segment did not fit: its request alone */

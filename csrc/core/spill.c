@@ -79,7 +79,7 @@ static int host_chunk(gm_heap *h, size_t k, size_t promised, gm_handle *hd) {
 
 /* The heap's scratch range, at least k pages long: where a chunk is mapped to
  * be copied into before it takes the place of another. */
-static int scratch_get(gm_heap *h, size_t k, uintptr_t *va) {
+int h_scratch_get(gm_heap *h, size_t k, uintptr_t *va) {
     if (h->scratch_pages < k) {
         uintptr_t at = 0;
         if (h->dev->ops->reserve(h->dev, k * h->page, &at)) {
@@ -96,7 +96,7 @@ static int scratch_get(gm_heap *h, size_t k, uintptr_t *va) {
 
 /* Unmap [va, va + k pages), asking again a few times: a mapping that will not
  * go would leave a chunk nobody may release.  GM_OK or GM_EDEVICE. */
-static int unmap_retry(gm_heap *h, uintptr_t va, size_t k) {
+int h_unmap_retry(gm_heap *h, uintptr_t va, size_t k) {
     for (int attempt = 0; attempt < 8; attempt++) {
         if (h->dev->ops->unmap(h->dev, va, k * h->page) == GM_OK) return GM_OK;
         h->st.num_device_errors++;
@@ -116,7 +116,7 @@ static int swap_in(gm_heap *h, size_t p, size_t k, gm_handle from, gm_handle to)
     }
     if (ops->map(h->dev, va, k, to) == GM_OK) {
         if (ops->set_access(h->dev, va, k * h->page) == GM_OK) return GM_OK;
-        if (unmap_retry(h, va, k)) return GM_ECORRUPT;
+        if (h_unmap_retry(h, va, k)) return GM_ECORRUPT;
     }
     h->st.num_device_errors++;
     for (int attempt = 0; attempt < 8; attempt++)
@@ -159,7 +159,7 @@ static size_t copies_issue(gm_heap *h, const move *m, size_t n, uintptr_t sc, si
 
 /* Wait for the copies, asking again a few times: a copy that may still run
  * keeps both of its ranges from being unmapped.  GM_OK or GM_ECORRUPT. */
-static int copies_wait(gm_heap *h) {
+int h_copies_wait(gm_heap *h) {
     for (int attempt = 0; attempt < 8; attempt++) {
         if (h->dev->ops->synchronize(h->dev) == GM_OK) return GM_OK;
         h->st.num_device_errors++;
@@ -177,15 +177,15 @@ static size_t moves_run(gm_heap *h, const move *m, size_t n, int *rc) {
     size_t total = 0, copied = 0, mapped, moved = 0;
     uintptr_t sc, at;
     for (size_t i = 0; i < n; i++) total += m[i].k;
-    if (!n || (*rc = scratch_get(h, total, &sc))) return 0;
+    if (!n || (*rc = h_scratch_get(h, total, &sc))) return 0;
     mapped = copies_issue(h, m, n, sc, &copied, rc);
-    if (mapped && copies_wait(h)) {
+    if (mapped && h_copies_wait(h)) {
         *rc = GM_ECORRUPT;
         return 0;
     }
     at = sc;
     for (size_t i = 0; i < mapped; at += m[i++].k * h->page)
-        if (unmap_retry(h, at, m[i].k)) {
+        if (h_unmap_retry(h, at, m[i].k)) {
             *rc = GM_ECORRUPT;
             return 0;
         }
@@ -415,7 +415,7 @@ static int map_host_pages(gm_heap *h, size_t p0, size_t k) {
         if ((rc = host_chunk(h, n, 0, &hd))) break;
         uintptr_t va = h_page_addr(h, p);
         if ((rc = ops->map(h->dev, va, n, hd)) == GM_OK && (rc = ops->set_access(h->dev, va, n * h->page)) &&
-            unmap_retry(h, va, n))
+            h_unmap_retry(h, va, n))
             return GM_ECORRUPT; /* mapped, inaccessible, and it will not go */
         if (rc) {
             h_host_release(h, hd, n);

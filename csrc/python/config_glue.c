@@ -116,8 +116,8 @@ static PyObject *parse_conf(PyObject *Py_UNUSED(m), PyObject *args) {
 /* ---- gpumem.torch's options: install(**options) and GPUMEM_CONF, checked once here ---- */
 
 static const char *const torch_option_names[] = {
-    "cap", "growth_slack", "growth_slack_pages", "pressure",       "chunk_pages", "page_size", "va_size", "history",
-    "oom", "spill",        "spill_choice",       "stream_handoff",
+    "cap", "growth_slack", "growth_slack_pages", "pressure",       "chunk_pages",  "page_size", "va_size", "history",
+    "oom", "spill",        "spill_choice",       "stream_handoff", "split_chunks",
 };
 #define N_TORCH_OPTIONS (sizeof torch_option_names / sizeof torch_option_names[0])
 #define MAX_HISTORY     (1L << 20) /* history entries a torch heap may keep */
@@ -269,9 +269,9 @@ static int opt_heap(const opt_ctx *c) {
     static const struct {
         const char *key;
         int kind; /* 0: a size, 1: a whole number, 2: a number, 3: a word the core reads, 4: a size or "off" */
-    } heap_opts[] = {{"va_size", 0},  {"growth_slack", 2}, {"growth_slack_pages", 1},
-                     {"pressure", 2}, {"chunk_pages", 1},  {"page_size", 0},
-                     {"spill", 4},    {"spill_choice", 3}, {"stream_handoff", 1}};
+    } heap_opts[] = {
+        {"va_size", 0},   {"growth_slack", 2}, {"growth_slack_pages", 1}, {"pressure", 2},       {"chunk_pages", 1},
+        {"page_size", 0}, {"spill", 4},        {"spill_choice", 3},       {"stream_handoff", 1}, {"split_chunks", 1}};
     for (size_t i = 0; i < sizeof heap_opts / sizeof heap_opts[0]; i++) {
         const char *key = heap_opts[i].key;
         int kind = heap_opts[i].kind;
@@ -346,10 +346,10 @@ static PyObject *torch_options(PyObject *Py_UNUSED(m), PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO:torch_options", &given, &error)) return NULL;
     opt_ctx c = {.options = PyDict_New(), .kw = NULL, .error = error};
     if (c.options == NULL || PyDict_Update(c.options, given) < 0) goto fail;
-    c.kw = Py_BuildValue("{s:i,s:d,s:O,s:O,s:O,s:O,s:O,s:i,s:i,s:s,s:O,s:O,s:O}", "cap_bytes", 0, "cap_fraction", 0.0,
-                         "va_size", Py_None, "growth_slack", Py_None, "growth_slack_pages", Py_None, "pressure",
+    c.kw = Py_BuildValue("{s:i,s:d,s:O,s:O,s:O,s:O,s:O,s:i,s:i,s:s,s:O,s:O,s:O,s:O}", "cap_bytes", 0, "cap_fraction",
+                         0.0, "va_size", Py_None, "growth_slack", Py_None, "growth_slack_pages", Py_None, "pressure",
                          Py_None, "chunk_pages", Py_None, "page_size", 0, "history_entries", 0, "oom_mode", "torch",
-                         "spill", Py_None, "spill_choice", Py_None, "stream_handoff", Py_None);
+                         "spill", Py_None, "spill_choice", Py_None, "stream_handoff", Py_None, "split_chunks", Py_None);
     if (c.kw == NULL || opt_unknown(&c) < 0 || opt_cap(&c) < 0 || opt_heap(&c) < 0 || opt_torch(&c) < 0) goto fail;
     Py_DECREF(c.options);
     return c.kw;

@@ -373,15 +373,16 @@ static int raise_create_error(int rc) {
 static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"device", "capacity",     "page_size",          "ordinal",        "va_size",
                              "cap",    "growth_slack", "growth_slack_pages", "chunk_pages",    "pressure",
-                             "spill",  "spill_choice", "host_capacity",      "stream_handoff", NULL};
+                             "spill",  "spill_choice", "host_capacity",      "stream_handoff", "split_chunks",
+                             NULL};
     const char *device = "sim";
     PyObject *capacity_o = Py_None, *page_size_o = NULL, *va_size_o = NULL, *cap_o = NULL;
     PyObject *slack_o = Py_None, *slack_pages_o = Py_None, *chunk_o = Py_None, *pressure_o = Py_None;
-    PyObject *spill_o = Py_None, *choice_o = Py_None, *host_o = Py_None, *handoff_o = Py_None;
+    PyObject *spill_o = Py_None, *choice_o = Py_None, *host_o = Py_None, *handoff_o = Py_None, *split_o = Py_None;
     int ordinal = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sOOiOOOOOOOOOOO:Heap", kwlist, &device, &capacity_o, &page_size_o,
                                      &ordinal, &va_size_o, &cap_o, &slack_o, &slack_pages_o, &chunk_o, &pressure_o,
-                                     &spill_o, &choice_o, &host_o, &handoff_o))
+                                     &spill_o, &choice_o, &host_o, &handoff_o, &split_o))
         return -1;
     gm_device_args dargs;
     gm_config cfg;
@@ -396,7 +397,8 @@ static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwds) {
         gm_py_config_option(&cfg, GM_OPT_GROWTH_SLACK_PAGES, "growth_slack_pages", slack_pages_o) < 0 ||
         gm_py_config_option(&cfg, GM_OPT_CHUNK_PAGES, "chunk_pages", chunk_o) < 0 ||
         gm_py_config_option(&cfg, GM_OPT_PRESSURE, "pressure", pressure_o) < 0 ||
-        gm_py_config_option(&cfg, GM_OPT_STREAM_HANDOFF, "stream_handoff", handoff_o) < 0)
+        gm_py_config_option(&cfg, GM_OPT_STREAM_HANDOFF, "stream_handoff", handoff_o) < 0 ||
+        gm_py_config_option(&cfg, GM_OPT_SPLIT_CHUNKS, "split_chunks", split_o) < 0)
         return -1;
     dargs.has_host_capacity = host_o != Py_None;
     /* After the conversions: one of them may have called __init__ again. */
@@ -898,7 +900,7 @@ static PyTypeObject HeapType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Heap(device=\"sim\", capacity=80 GiB, page_size=0, ordinal=0, va_size=0, cap=0,\n"
               "     growth_slack=None, growth_slack_pages=None, chunk_pages=None, pressure=None,\n"
-              "     spill=0, spill_choice=\"old\", host_capacity=None, stream_handoff=1)\n\n"
+              "     spill=0, spill_choice=\"old\", host_capacity=None, stream_handoff=1, split_chunks=0)\n\n"
               "A gpumem heap over one device: a simulated one (\"sim\") or a CUDA GPU (\"cuda\").",
     .tp_methods = Heap_methods,
     .tp_getset = Heap_getset,

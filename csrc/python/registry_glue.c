@@ -72,17 +72,17 @@ static PyObject *r_devices(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
 
 static PyObject *r_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kw) {
     static char *names[] = {
-        "va_size",     "cap_bytes", "cap_fraction", "growth_slack", "growth_slack_pages", "history_entries",
-        "chunk_pages", "page_size", "pressure",     "spill",        "spill_choice",       "stream_handoff",
-        NULL};
+        "va_size",      "cap_bytes", "cap_fraction", "growth_slack", "growth_slack_pages", "history_entries",
+        "chunk_pages",  "page_size", "pressure",     "spill",        "spill_choice",       "stream_handoff",
+        "split_chunks", NULL};
     gm_heap_registry_options o;
     gm_heap_registry_get_options(&o);
     unsigned long long hist = o.history_entries, page = o.page_size;
     double frac = o.cap_fraction;
     PyObject *va = NULL, *cap = NULL, *slack = NULL, *slack_pages = NULL, *chunk = NULL, *pressure = NULL;
-    PyObject *spill = NULL, *choice = NULL, *handoff = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOdOOKOKOOOO:registry_configure", names, &va, &cap, &frac, &slack,
-                                     &slack_pages, &hist, &chunk, &page, &pressure, &spill, &choice, &handoff))
+    PyObject *spill = NULL, *choice = NULL, *handoff = NULL, *split = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOdOOKOKOOOOO:registry_configure", names, &va, &cap, &frac, &slack,
+                                     &slack_pages, &hist, &chunk, &page, &pressure, &spill, &choice, &handoff, &split))
         return NULL;
     /* The heap's options: None gives the core's default, the core checks the rest. */
     if (gm_py_config_option(&o.heap, GM_OPT_VA_SIZE, "va_size", va) < 0 ||
@@ -93,7 +93,8 @@ static PyObject *r_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
         gm_py_config_option(&o.heap, GM_OPT_PRESSURE, "pressure", pressure) < 0 ||
         gm_py_config_option(&o.heap, GM_OPT_SPILL, "spill", spill) < 0 ||
         gm_py_config_option(&o.heap, GM_OPT_SPILL_CHOICE, "spill_choice", choice) < 0 ||
-        gm_py_config_option(&o.heap, GM_OPT_STREAM_HANDOFF, "stream_handoff", handoff) < 0)
+        gm_py_config_option(&o.heap, GM_OPT_STREAM_HANDOFF, "stream_handoff", handoff) < 0 ||
+        gm_py_config_option(&o.heap, GM_OPT_SPLIT_CHUNKS, "split_chunks", split) < 0)
         return NULL;
     o.cap_fraction = frac;
     o.history_entries = (size_t)hist;
@@ -106,7 +107,7 @@ static PyObject *r_configure(PyObject *Py_UNUSED(m), PyObject *args, PyObject *k
 static PyObject *r_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     gm_heap_registry_options o;
     gm_heap_registry_get_options(&o);
-    return Py_BuildValue("{s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:K,s:s,s:K}", "va_size",
+    return Py_BuildValue("{s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:K,s:s,s:K,s:K}", "va_size",
                          (unsigned long long)o.heap.va_size, "cap_bytes", (unsigned long long)o.heap.cap_bytes,
                          "cap_fraction", o.cap_fraction, "growth_slack", o.heap.growth_slack, "growth_slack_pages",
                          (unsigned long long)o.heap.growth_slack_pages, "history_entries",
@@ -116,7 +117,8 @@ static PyObject *r_options(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
                          o.heap.spill_choice == GM_SPILL_NEW       ? "new"
                          : o.heap.spill_choice == GM_SPILL_LASTING ? "lasting"
                                                                    : "old",
-                         "stream_handoff", (unsigned long long)o.heap.stream_handoff);
+                         "stream_handoff", (unsigned long long)o.heap.stream_handoff, "split_chunks",
+                         (unsigned long long)o.heap.split_chunks);
 }
 
 static PyObject *r_open_sim(PyObject *Py_UNUSED(m), PyObject *args) {

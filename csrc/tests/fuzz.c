@@ -22,7 +22,8 @@
  * Physical allocations: without --chunk-pages, a single-threaded run does its
  * first half of the ops on a heap with chunk_pages 1 and the second half on a
  * fresh one with chunk_pages 2..16 (from the seed); a threaded run uses 1 for
- * even seeds, 16 for odd ones.  --page-size runs the heap on pages of that
+ * even seeds, 16 for odd ones.  A single-threaded run on an odd seed lets
+ * the heap split chunks (split_chunks 1).  --page-size runs the heap on pages of that
  * size (a power of two; default the simulated device's 2 MiB), as
  * Heap(page_size=...) does.
  *
@@ -47,6 +48,7 @@ static void open_world(world *w, size_t capacity, size_t chunk_pages) {
     cfg.chunk_pages = chunk_pages;
     cfg.spill = g_seed % 3 ? 0 : capacity / 4; /* every third seed spills, "old", "new" and "lasting" in turn */
     cfg.spill_choice = g_seed / 3 % 3;
+    cfg.split_chunks = g_seed % 2; /* odd seeds split chunks under pressure (one thread: no one else writes) */
     int rc = gm_heap_create(w->dev, &cfg, &w->heap);
     if (rc != GM_OK) fail("gm_heap_create returned %d (%s)", rc, gm_strerror(rc));
     gm_snapshot *snap;
@@ -199,13 +201,13 @@ static int run_single(uint64_t ops, uint64_t seed, size_t capacity, int quiet) {
                " pauses, %" PRIu64 " resumes (%" PRIu64 " pages restored), %" PRIu64 " captures, %" PRIu64
                " fault phases, %" PRIu64 " checks, %" PRIu64 " quarantine hits (%" PRIu64 " handed off); core: %" PRId64
                " remaps, %" PRId64 " pages created, %" PRId64 " retries, %" PRId64 " syncs, %" PRId64
-               " hand-offs, %" PRId64 " spills, %" PRId64 " unspills\n",
+               " hand-offs, %" PRId64 " spills, %" PRId64 " unspills, %" PRId64 " chunk splits\n",
                ops, seed, capacity >> 20, w.page >> 10, chunks,
                g_chunk_pages ? "" : " (1 in the first half; counts: the second)", w.n_malloc, w.n_malloc_ok, w.n_oom,
                w.n_devfail, w.n_free, w.n_bad_free, w.n_record, w.n_hold, w.n_empty, w.n_setcap, w.n_pool_malloc,
                w.n_pool_ops, w.n_set_live, w.n_pauses, w.n_resumes, w.n_restored, w.n_captures, w.n_fault_phases,
                w.n_check, w.n_quar_checked, w.n_handed, st.num_remaps, st.num_device_alloc, st.num_alloc_retries,
-               st.num_sync_all_streams, st.num_stream_handoffs, st.num_spills, st.num_unspills);
+               st.num_sync_all_streams, st.num_stream_handoffs, st.num_spills, st.num_unspills, st.num_chunk_splits);
     return 0;
 }
 

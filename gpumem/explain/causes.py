@@ -255,7 +255,9 @@ def _advice_for(kind: str, r: Report, short: int) -> List[str]:
             "by its own allocation. A resumed pool's allocations stay whole until all their pages are free, "
             "even after the pool ends: free its tensors. While far from its limit the heap also grows large "
             "requests by such allocations; pressure=0 (GPUMEM_CONF=pressure:0 for torch) makes it grow page "
-            "by page everywhere."
+            "by page everywhere. Where only the allocating thread runs work on the GPU, split_chunks=1 "
+            "(GPUMEM_CONF=split_chunks:1) lets defragmentation split such an allocation: the pages live "
+            "tensors use are copied to pages of their own behind the same addresses, and its free pages go."
         ]
     if kind == "private_pools":
         return [

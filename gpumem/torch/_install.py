@@ -40,6 +40,13 @@ Options (keyword arguments of install(), or GPUMEM_CONF="key:value,key:value"):
     stream_handoff      1 (default): near the limit, memory one stream freed while its work still
                         runs may go to another stream, made to wait for that work on the GPU instead
                         of the host waiting for the whole device; 0: the device-wide wait
+    split_chunks        1: under pressure, an allocation of several pages (chunk_pages, growth with
+                        room, a resumed pool) that live tensors still use may be split, their pages
+                        copied to pages of their own behind the same addresses, so its free pages go
+                        back; for a process whose only thread running work on the GPU is the one
+                        allocating (a kernel another thread runs on those tensors meanwhile would
+                        lose its writes); 0 (default): such free pages stay until the allocation is
+                        wholly free
 Keyword arguments override GPUMEM_CONF.
 
 Importing this module does not import torch; install() does.

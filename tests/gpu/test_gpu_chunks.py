@@ -103,3 +103,53 @@ def test_cuda_pages_larger_than_the_granularity():
     assert r["page"] == 8 << 20
     assert r["bad"] == 0, r
     assert r["torch_reserved"] % (8 << 20) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_cuda_a_chunk_whose_free_pages_a_request_needs_is_split():
+    # split_chunks=1.  A 4-page chunk with a block at each end and its middle free; under a cap
+    # of 6 pages a 4-page request needs the 2 free ones: the kept pages are
+    # copied to single pages (copy_dtod through the scratch range, one device
+    # wait), the chunk goes back, and the kept blocks keep their bytes.
+    r = run_py("""
+        import ctypes
+        MiB = 1 << 20
+        torch.zeros(1, device="cuda")  # the primary context, current on this thread
+        cu = ctypes.CDLL("libcuda.so.1")
+        cu.cuMemsetD32_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t]
+        cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+
+        def fill(addr, nbytes, v):
+            assert cu.cuMemsetD32_v2(addr, v, nbytes // 4) == 0
+
+        def words(addr, nbytes):
+            buf = (ctypes.c_uint * (nbytes // 4))()
+            assert cu.cuMemcpyDtoH_v2(buf, addr, nbytes) == 0
+            return set(buf)
+
+        h = gpumem.Heap(device="cuda", cap="1GiB", chunk_pages=4, split_chunks=1)
+        page = h.page_size
+        a = h.malloc(4 * page)
+        h.free(a)
+        k0 = h.malloc(MiB + 512)
+        mid = h.malloc(4 * page - 2 * (MiB + 512))
+        k1 = h.malloc(MiB + 512)
+        shape = (k0 == a, k1 + MiB + 512 == a + 4 * page)
+        h.free(mid)
+        fill(k0, MiB, 0x1234)
+        fill(k1, MiB, 0x5678)
+        h.set_cap(6 * page)
+        st0 = h.stats()
+        y = h.malloc(4 * page)
+        fill(y, 4 * page, 7)
+        st = h.stats()
+        h.check()
+        out(shape=shape, splits=st["num_chunk_splits"] - st0["num_chunk_splits"], k0=sorted(words(k0, MiB)),
+            k1=sorted(words(k1, MiB)), y=sorted(words(y, 4 * page)), reserved=st["reserved_bytes.all.current"] // page,
+            errors=st["num_device_errors"])
+    """)
+    assert r["shape"] == [True, True], r
+    assert r["splits"] == 1, r
+    assert r["k0"] == [0x1234] and r["k1"] == [0x5678] and r["y"] == [7], r
+    assert r["reserved"] == 6 and r["errors"] == 0, r

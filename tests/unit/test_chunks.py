@@ -3,8 +3,9 @@
 A chunk is mapped and unmapped only as a whole, on the simulated device as on
 CUDA.  Growth backs a request's new pages with as few chunks as chunk_pages
 allows; a chunk goes back to the device only when all its pages are free; the
-free pages of a chunk that a block still uses cannot move, and an OOM report
-counts them.  The invariant checker (C14) runs after every step.
+free pages of a chunk that a block still uses cannot move (unless the heap
+may split it, split_chunks=1: test_split.py), and an OOM report counts them.
+The invariant checker (C14) runs after every step.
 """
 
 import pytest

@@ -30,7 +30,8 @@ extern "C" {
     X(PRESSURE, pressure, fraction)                                                                                    \
     X(SPILL, spill, count)                                                                                             \
     X(SPILL_CHOICE, spill_choice, count)                                                                               \
-    X(STREAM_HANDOFF, stream_handoff, count)
+    X(STREAM_HANDOFF, stream_handoff, count)                                                                           \
+    X(SPLIT_CHUNKS, split_chunks, count)
 
 typedef enum gm_option {
 #define GM_OPTION_ENUM(upper, lower, kind) GM_OPT_##upper,

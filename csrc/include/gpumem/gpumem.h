@@ -111,6 +111,15 @@ typedef struct gm_config {
      * runs, its stream made to wait for that work on the device (stream.c,
      * HAND-OFF).  0: it waits for the device as before. */
     size_t stream_handoff;
+    /* 1: under pressure, when defragmentation still lacks pages, a physical
+     * allocation of several pages that live blocks still use may be split:
+     * the pages they use are copied to single pages behind the same addresses,
+     * after a device wait, and the allocation goes back with its free pages
+     * (core/split.c).  It moves live data, so a kernel another thread launches
+     * on it while the allocation runs would lose its writes or fault: for a
+     * process whose only thread using the device is the allocating one.  0
+     * (the default): such free pages stay locked. */
+    size_t split_chunks;
 } gm_config;
 enum {
     GM_SPILL_OLD = 0,
@@ -227,6 +236,7 @@ enum {
     X(num_device_errors)                                                                                               \
     X(num_spills)          /* spills: a request, or blocks moved, put on host pages */                                 \
     X(num_unspills)        /* host pages moved back to the device (each chunk once) */                                 \
+    X(num_chunk_splits)    /* chunks split: kept pages copied to single pages, the free ones unmapped */               \
     X(num_stream_handoffs) /* allocations served by their stream waiting on the device for others' work */
 /* Counters that reset_accumulated leaves alone. */
 #define GM_EACH_SETTING(X) X(max_split_size) /* torch compat: -1 (no limit) */
