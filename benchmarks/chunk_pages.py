@@ -1,12 +1,14 @@
 """How big a physical allocation should be: replay every shipped trace at several chunk_pages and page sizes.
 
     python3 benchmarks/chunk_pages.py [--traces DIR] [--out DIR] [--values 1,4,8,16,32,64]
-                                      [--page-sizes 4,8,16]
+                                      [--page-sizes 4,8,16] [--split]
 
 Two ways to grow with fewer device calls (each costs tens of microseconds on a GPU):
 
   chunk_pages=N   one device allocation of up to N 2 MiB pages, mapped and unmapped only as a
                   whole: a chunk that other blocks still use cannot be given back or moved;
+  split_chunks=1  (--split) with chunk_pages=N: under pressure a chunk that blocks still use is
+                  split, their pages copied to single pages, so its free ones go back;
   page_size=M     pages of M MiB, each its own allocation: every page still moves on its own,
                   but a block keeps whole M MiB pages, so small blocks keep more memory.
 
@@ -50,11 +52,14 @@ TOLERANCE = 0.005  # of peak live
 MiB = 1 << 20
 
 
-def layouts(values: str, page_sizes: str) -> list:
-    """(label, heap keyword arguments): the default first, then each chunk_pages, then each page size."""
+def layouts(values: str, page_sizes: str, split: bool = False) -> list:
+    """(label, heap keyword arguments): the default first, then each chunk_pages (with `split`, each
+    also with split_chunks=1), then each page size."""
     out = [("chunk_pages=1", {"chunk_pages": 1})]
     for v in sorted({int(v) for v in values.split(",") if v.strip()} - {1}):
         out.append((f"chunk_pages={v}", {"chunk_pages": v}))
+        if split:
+            out.append((f"chunk_pages={v} split", {"chunk_pages": v, "split_chunks": 1}))
     for m in sorted({int(m) for m in page_sizes.split(",") if m.strip()} - {2}):
         out.append((f"page_size={m}MiB", {"page_size": m * MiB}))
     return out
@@ -92,8 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     ap.add_argument("--values", default="1,4,8,16,32,64", help="chunk_pages values, comma-separated (1 is added)")
     ap.add_argument("--page-sizes", default="4,8,16", help="page sizes in MiB (chunk_pages 1), comma-separated")
+    ap.add_argument("--split", action="store_true", help="each chunk_pages value also with split_chunks=1")
     args = ap.parse_args(argv)
-    todo = layouts(args.values, args.page_sizes)
+    todo = layouts(args.values, args.page_sizes, args.split)
     tdir = args.traces or default_traces()
     paths = sorted(p for p in tdir.iterdir() if p.name.endswith((".trace", ".trace.gz")))
     rows: dict = {}

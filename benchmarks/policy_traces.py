@@ -141,7 +141,11 @@ def main():
     ap.add_argument("--scale", type=int, default=1, help="every request K times as large")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "policy_traces.json"))
     ap.add_argument("--why", action="store_true", help="what the first failed request lacked below min capacity")
+    ap.add_argument("--split-chunks", action="store_true", help="both policies with split_chunks=1")
     a = ap.parse_args()
+    if a.split_chunks:
+        for kw in POLICIES.values():
+            kw["split_chunks"] = 1
     if a.scale < 1:
         ap.error(f"--scale must be at least 1, got {a.scale}")
     rows = [measure(n, a.scale, a.why) for n in trace_names(a.traces)]
