@@ -153,3 +153,69 @@ def test_cuda_a_chunk_whose_free_pages_a_request_needs_is_split():
     assert r["splits"] == 1, r
     assert r["k0"] == [0x1234] and r["k1"] == [0x5678] and r["y"] == [7], r
     assert r["reserved"] == 6 and r["errors"] == 0, r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_CUDA == 0, reason="needs torch with a CUDA GPU")
+def test_cuda_splits_keep_every_live_blocks_bytes_through_a_trace():
+    # Three shipped traces replayed block by block on the GPU under the cap the
+    # simulated device found smallest for chunks of 16 pages with splits.  Each
+    # block gets its own value written through the driver at its first word and
+    # at every page boundary inside it, and is read back when freed and at the
+    # end: the splits (as many as the simulated device makes) move kept pages
+    # meanwhile, and no word changes.
+    r = run_py("""
+        import ctypes
+        from gpumem import replay as R
+        from gpumem.trace import load_trace
+        torch.zeros(1, device="cuda")
+        cu = ctypes.CDLL("libcuda.so.1")
+        cu.cuMemsetD32_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t]
+        cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        kw = {"chunk_pages": 16, "split_chunks": 1}
+        rows = {}
+        for name in ("seed_fragmentation", "resnet_infer", "roberta_infer"):
+            tr = load_trace(name)
+            cap = R.min_capacity(tr, precision=R.MiB, heap_kwargs=kw)
+            sim = R._heap(cap, kw)
+            sim.replay(tr.events, tr.n_slots)
+            sim_splits = sim.stats()["num_chunk_splits"]
+            sim.close()
+            h = gpumem.Heap(device="cuda", cap=cap, **kw)
+            page, w, live, bad, ooms = h.page_size, tr.words, {}, [0], 0
+
+            def spots(p, size):
+                first = (p + page - 1) // page * page
+                return sorted({p, *range(first, p + size - 3, page)})
+
+            def check(slot):
+                p, size = live.pop(slot)
+                for x in spots(p, size):
+                    v = ctypes.c_uint()
+                    assert cu.cuMemcpyDtoH_v2(ctypes.byref(v), x, 4) == 0
+                    bad[0] += v.value != slot + 1
+                h.free(p)
+
+            for i in range(len(w) // 3):
+                op, slot, size = w[3 * i] & 0xFFFFFFFF, w[3 * i] >> 32, w[3 * i + 1]
+                if op == 0:
+                    try:
+                        p = h.malloc(size)
+                    except gpumem.OutOfMemoryError:
+                        ooms += 1
+                        continue
+                    live[slot] = (int(p), size)
+                    for x in spots(int(p), size):
+                        assert cu.cuMemsetD32_v2(x, slot + 1, 1) == 0
+                elif slot in live:
+                    check(slot)
+            for slot in list(live):
+                check(slot)
+            h.check()
+            rows[name] = dict(splits=h.stats()["num_chunk_splits"], sim_splits=sim_splits, bad=bad[0], ooms=ooms)
+            h.close()
+        out(rows=rows)
+    """)
+    for name, row in r["rows"].items():
+        assert row["ooms"] == 0 and row["bad"] == 0, (name, row)
+        assert row["splits"] == row["sim_splits"] > 0, (name, row)
