@@ -432,3 +432,29 @@ TEST_HOOKS = _built_with_test_hooks()
 needs_test_hooks = pytest.mark.skipif(
     not TEST_HOOKS, reason="gpumem._C was built without its test hooks (build it with GPUMEM_TEST_HOOKS=1)"
 )
+
+
+def assert_switch_option(name, default):
+    """A 0-or-1 heap option `name` (core default `default`): GPUMEM_CONF parses it, None keeps the
+    core's default, 2 and 7 are refused with the core's message (torch's options, gpumem.Heap), and
+    the registry takes it and gives it back."""
+    import pytest
+
+    import gpumem
+    from gpumem import _C
+    from gpumem.torch._install import OptionError, normalize_options, parse_conf
+
+    assert normalize_options(parse_conf(f"{name}:{1 - default}"))[name] == 1 - default
+    assert normalize_options({})[name] is None
+    with pytest.raises(OptionError, match=f"{name} must be 0 or 1, got 2"):
+        normalize_options({name: 2})
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got 7"):
+        gpumem.Heap(device="sim", capacity=1 << 30, **{name: 7})
+    before = _C.registry_options()
+    assert before[name] == default
+    try:
+        _C.registry_configure(**{name: 1 - default})
+        assert _C.registry_options()[name] == 1 - default
+    finally:
+        _C.registry_configure(**{name: before[name]})
+    assert _C.registry_options() == before

@@ -459,6 +459,12 @@ void h_spill_demand_reset(gm_heap *h);
 size_t h_host_kept_count(const gm_heap *h);
 void h_spill_free(gm_heap *h);
 void h_spill_idle(gm_heap *h, gm_stream s);
+/* The scratch range, an unmap asked again, the wait for copies, and a chunk
+ * mapped back after a failed move: spill's, which split.c shares. */
+int h_scratch_get(gm_heap *h, size_t k, uintptr_t *va);
+int h_unmap_retry(gm_heap *h, uintptr_t va, size_t k);
+int h_copies_wait(gm_heap *h);
+int h_map_back(gm_heap *h, size_t p, size_t k, gm_handle hd);
 /* Whether block b touches a host page (spill.c): its first or last page. */
 static inline int h_on_host(const gm_heap *h, const gm_block *b) {
     return h->host[h_page_floor(h, b->addr)] || h->host[h_page_floor(h, b->addr + b->size - 1)];
@@ -473,9 +479,6 @@ size_t h_split_chunks(gm_heap *h, size_t want, size_t ex0, size_t ex1, int *rc);
 /* The locked pages splits could free, with `room` pages to copy into (new
  * ones under the cap, spares and cached pages). */
 size_t h_split_gain(gm_heap *h, size_t room);
-int h_scratch_get(gm_heap *h, size_t k, uintptr_t *va);
-int h_unmap_retry(gm_heap *h, uintptr_t va, size_t k);
-int h_copies_wait(gm_heap *h);
 
 /* ---- report.c ---- */
 size_t h_used_pages(gm_heap *h);

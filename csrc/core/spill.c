@@ -119,10 +119,21 @@ static int swap_in(gm_heap *h, size_t p, size_t k, gm_handle from, gm_handle to)
         if (h_unmap_retry(h, va, k)) return GM_ECORRUPT;
     }
     h->st.num_device_errors++;
+    return h_map_back(h, p, k, from);
+}
+
+/* Map the chunk hd (k pages) at page p again, where it was unmapped for a
+ * move that failed, asking again a few times.  GM_EDEVICE (it is back,
+ * accessible: the move did not happen), or GM_ECORRUPT when it will not go
+ * back. */
+int h_map_back(gm_heap *h, size_t p, size_t k, gm_handle hd) {
+    uintptr_t va = h_page_addr(h, p);
     for (int attempt = 0; attempt < 8; attempt++)
-        if (ops->map(h->dev, va, k, from) == GM_OK) break;
-    for (int attempt = 0; attempt < 8; attempt++)
-        if (ops->set_access(h->dev, va, k * h->page) == GM_OK) return GM_EDEVICE;
+        if (h->dev->ops->map(h->dev, va, k, hd) == GM_OK) {
+            for (int again = 0; again < 8; again++)
+                if (h->dev->ops->set_access(h->dev, va, k * h->page) == GM_OK) return GM_EDEVICE;
+            return GM_ECORRUPT;
+        }
     return GM_ECORRUPT;
 }
 

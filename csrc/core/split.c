@@ -17,7 +17,8 @@
  *   after                         |  s1  |  --  |  --  |  s2  |  H released
  *
  * Calls: page.c (the page tables, releasing, cutting free blocks),
- * spill.c (the scratch range and the copy wait), the device.
+ * spill.c (the scratch range, the copy wait, mapping a chunk back), the
+ * device.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -143,20 +144,6 @@ static void split_done(gm_heap *h, size_t c, size_t k, const size_t *kept, const
     h->st.num_chunk_splits++;
 }
 
-/* Map the chunk hd (k pages) at page c again, after it was unmapped there.
- * GM_EDEVICE (the split did not happen), or GM_ECORRUPT when it will not
- * go back. */
-static int chunk_back(gm_heap *h, size_t c, size_t k, gm_handle hd) {
-    uintptr_t va = h_page_addr(h, c);
-    for (int attempt = 0; attempt < 8; attempt++)
-        if (h->dev->ops->map(h->dev, va, k, hd) == GM_OK) {
-            for (int again = 0; again < 8; again++)
-                if (h->dev->ops->set_access(h->dev, va, k * h->page) == GM_OK) return GM_EDEVICE;
-            return GM_ECORRUPT;
-        }
-    return GM_ECORRUPT;
-}
-
 /* Copy the kept pages of the chunk at c (k pages, handle hd) into singles
  * mapped in the scratch range, with one device wait, then put the singles in
  * their places and release the chunk.  GM_OK; GM_EDEVICE when nothing
@@ -191,7 +178,7 @@ static int split_one(gm_heap *h, size_t c, size_t k, const size_t *kept, const g
         h_release_chunk(h, hd, k);
         return GM_OK;
     }
-    return chunk_back(h, c, k, hd);
+    return h_map_back(h, c, k, hd);
 }
 
 /* The n singles taken for a split that did not happen: the last

@@ -13,7 +13,7 @@ kept is lost, whatever device call fails.
 import pytest
 
 import gpumem
-from helpers import GiB, MiB, PAGE, assert_ok, chunk_with_a_hole
+from helpers import GiB, MiB, PAGE, assert_ok, assert_switch_option, chunk_with_a_hole
 
 
 def reserved_pages(h):
@@ -269,20 +269,4 @@ def test_off_by_default_the_free_pages_stay_locked(make_heap):
 
 
 def test_the_option_is_checked_and_reaches_torchs_heaps():
-    from gpumem import _C
-    from gpumem.torch._install import OptionError, normalize_options, parse_conf
-
-    assert normalize_options(parse_conf("split_chunks:1"))["split_chunks"] == 1
-    assert normalize_options({})["split_chunks"] is None  # the core's default: off
-    with pytest.raises(OptionError, match="split_chunks must be 0 or 1, got 2"):
-        normalize_options({"split_chunks": 2})
-    with pytest.raises(ValueError, match="split_chunks must be 0 or 1, got 7"):
-        gpumem.Heap(device="sim", capacity=GiB, split_chunks=7)
-    before = _C.registry_options()
-    assert before["split_chunks"] == 0
-    try:
-        _C.registry_configure(split_chunks=1)
-        assert _C.registry_options()["split_chunks"] == 1
-    finally:
-        _C.registry_configure(split_chunks=before["split_chunks"])
-    assert _C.registry_options() == before
+    assert_switch_option("split_chunks", 0)  # the core's default: off

@@ -12,7 +12,7 @@ synchronisation would deadlock there, so the old path ran out of memory.
 import pytest
 
 import gpumem
-from helpers import MiB, assert_ok
+from helpers import MiB, assert_ok, assert_switch_option
 
 MAIN, SIDE, THIRD = 0x1000, 0x2000, 0x3000
 CAP = 64 * MiB
@@ -168,23 +168,7 @@ def test_a_pools_pending_block_stays_with_its_pool(make_heap):
 
 
 def test_the_option_reaches_the_registry_and_is_checked():
-    from gpumem import _C
-    from gpumem.torch._install import OptionError, normalize_options, parse_conf
-
-    assert normalize_options(parse_conf("stream_handoff:0"))["stream_handoff"] == 0
-    assert normalize_options({})["stream_handoff"] is None  # the core's default: on
-    with pytest.raises(OptionError, match="stream_handoff must be 0 or 1, got 2"):
-        normalize_options({"stream_handoff": 2})
-    with pytest.raises(ValueError, match="stream_handoff must be 0 or 1, got 7"):
-        gpumem.Heap(device="sim", capacity=CAP, stream_handoff=7)
-    before = _C.registry_options()
-    assert before["stream_handoff"] == 1
-    try:
-        _C.registry_configure(stream_handoff=0)
-        assert _C.registry_options()["stream_handoff"] == 0
-    finally:
-        _C.registry_configure(stream_handoff=before["stream_handoff"])
-    assert _C.registry_options() == before
+    assert_switch_option("stream_handoff", 1)  # the core's default: on
 
 
 def test_the_smallest_block_that_fits_alone_costs_one_streams_wait(make_heap):
