@@ -471,11 +471,11 @@ static inline int h_on_host(const gm_heap *h, const gm_block *b) {
 }
 
 /* ---- split.c ---- */
-/* After a device wait: split chunks of several pages outside the page range
- * [ex0, ex1) whose free pages are locked, the most free first, until `want`
- * pages are freed (as single spares).  Returns the pages freed; *rc the
- * failure that stopped it (GM_ECORRUPT: a chunk could not be mapped again). */
-size_t h_split_chunks(gm_heap *h, size_t want, size_t ex0, size_t ex1, int *rc);
+/* After a device wait: split chunks of several pages whose free pages are
+ * locked, the most free first, until `want` pages are freed (as single
+ * spares).  Returns the pages freed; *rc the failure that stopped it
+ * (GM_ECORRUPT: a chunk could not be mapped again). */
+size_t h_split_chunks(gm_heap *h, size_t want, int *rc);
 /* The locked pages splits could free, with `room` pages to copy into (new
  * ones under the cap, spares and cached pages). */
 size_t h_split_gain(gm_heap *h, size_t room);

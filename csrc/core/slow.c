@@ -65,8 +65,8 @@ static void defragment(gm_heap *h, placement *pl, size_t size, gm_stream s, gm_p
     /* Still short: split chunks whose free pages are locked (split.c) -- any
      * chunk, the placement's own too, whose free pages it would use in place
      * -- and place again on what that freed, while splits free pages. */
-    while (pl->ok && lacking(h, pl, *promised) && h->multi_chunks) {
-        size_t got = h_split_chunks(h, lacking(h, pl, *promised), 0, 0, dev_err);
+    while (h->split && pl->ok && lacking(h, pl, *promised) && h->multi_chunks) {
+        size_t got = h_split_chunks(h, lacking(h, pl, *promised), dev_err);
         /* A split borrows promised pages to copy into and gives them back;
          * one whose chunk would not go back keeps them: the promise shrinks. */
         size_t held = h_held_pages(h);

@@ -39,15 +39,15 @@ typedef struct candidate {
 } candidate;
 
 /* Whether page p lies in a device chunk of several pages that a split may
- * take a page of: not inside [ex0, ex1), the range the caller places. */
-static inline int splittable(const gm_heap *h, size_t p, size_t ex0, size_t ex1) {
-    return h->page_handle[p] && h->chunk_len[p] > 1 && !h->host[p] && !h->parked[p] && (p < ex0 || p >= ex1);
+ * take a page of. */
+static inline int splittable(const gm_heap *h, size_t p) {
+    return h->page_handle[p] && h->chunk_len[p] > 1 && !h->host[p] && !h->parked[p];
 }
 
 /* The wholly free pages of general free blocks that lie in splittable
  * chunks, as runs in address order (one chunk and one block each).  NULL
  * when there are none (or on host OOM). */
-static free_run *free_runs(gm_heap *h, size_t ex0, size_t ex1, size_t *n) {
+static free_run *free_runs(gm_heap *h, size_t *n) {
     free_run *runs = NULL;
     size_t cap = 0;
     *n = 0;
@@ -55,12 +55,11 @@ static free_run *free_runs(gm_heap *h, size_t ex0, size_t ex1, size_t *n) {
         if (b->state != GM_BLOCK_FREE || b->pool) continue;
         size_t p1 = h_page_floor(h, b->addr + b->size);
         for (size_t p = h_page_ceil(h, b->addr); p < p1;) {
-            if (!splittable(h, p, ex0, ex1)) {
+            if (!splittable(h, p)) {
                 p++;
                 continue;
             }
             size_t c = h_chunk_first(h, p), z = h_chunk_end(h, p) < p1 ? h_chunk_end(h, p) : p1;
-            if (ex0 < ex1 && p < ex0 && z > ex0) z = ex0;
             if (*n == cap) {
                 free_run *a = realloc(runs, (cap = cap ? 2 * cap : 64) * sizeof *a);
                 if (!a) return runs;
@@ -208,10 +207,10 @@ static int cmp_run_desc(const void *x, const void *y) {
     return a->p0 < b->p0 ? 1 : -1;
 }
 
-size_t h_split_chunks(gm_heap *h, size_t want, size_t ex0, size_t ex1, int *rc) {
+size_t h_split_chunks(gm_heap *h, size_t want, int *rc) {
     size_t n_runs = 0, n_cand = 0, gained = 0, n_cut = 0;
     if (!h->split || !h->multi_chunks || h->no_sync || !h->dev->ops->copy_dtod) return 0;
-    free_run *runs = free_runs(h, ex0, ex1, &n_runs);
+    free_run *runs = free_runs(h, &n_runs);
     candidate *cand = runs ? candidates(h, runs, n_runs, &n_cand) : NULL;
     free_run *cut = malloc((n_runs ? n_runs : 1) * sizeof *cut);
     size_t most = 1; /* the longest chunk: policy growth and a resume make them longer than chunk_pages */
@@ -239,11 +238,7 @@ size_t h_split_chunks(gm_heap *h, size_t want, size_t ex0, size_t ex1, int *rc) 
         gained += c->free;
         /* The spares the copies took, and the free pages, as single spares --
          * if the chunk went back (else it waits in h->loose, held). */
-        for (size_t j = 0; h->n_loose == loose && j < from_spares + c->free && h_held_pages(h) < h->cap_pages; j++) {
-            gm_handle one;
-            if (h_create_chunk(h, 1, &one, NULL)) break;
-            h->spare[h->n_spare++] = one;
-        }
+        if (h->n_loose == loose) h_grow(h, from_spares + c->free, h->cap_pages, NULL, NULL);
     }
     /* The free runs become unmapped space, the highest first: cutting a block
      * keeps its record as the lower part, so the runs below stay valid. */
@@ -260,7 +255,7 @@ size_t h_split_chunks(gm_heap *h, size_t want, size_t ex0, size_t ex1, int *rc) 
 size_t h_split_gain(gm_heap *h, size_t room) {
     size_t n_runs = 0, n_cand = 0, gain = 0;
     if (!h->split || !h->multi_chunks || !h->dev->ops->copy_dtod) return 0;
-    free_run *runs = free_runs(h, 0, 0, &n_runs);
+    free_run *runs = free_runs(h, &n_runs);
     candidate *cand = runs ? candidates(h, runs, n_runs, &n_cand) : NULL;
     /* As h_split_chunks goes: each split takes a page per kept page and
      * leaves its free ones besides. */
