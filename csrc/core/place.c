@@ -134,6 +134,23 @@ static void consider_at(struct place_ctx *c, gm_block *first, uintptr_t x, size_
 static void consider(struct place_ctx *c, gm_block *first, uintptr_t start, size_t len) {
     consider_at(c, first, start, len);
     if (len != c->size) consider_at(c, first, start + len - c->size, len);
+    if (c->budget == SIZE_MAX) return;
+    /* With a budget (the slow path's last placement, around pages that cannot
+     * move): also from the start and to the end of each stretch of mapped
+     * free blocks inside the run.  Free pages of a chunk a block still uses,
+     * and free host pages, serve only where they lie, and such a stretch can
+     * have unmapped space on both sides (the OOM report's largest_possible
+     * counts these ranges). */
+    uintptr_t end = start + len;
+    for (gm_block *b = first; b && b->addr < end; b = b->next) {
+        if (b->state == GM_BLOCK_UNMAPPED) continue;
+        gm_block *e = b; /* b starts a stretch (the loop goes on after it), e ends it */
+        while (e->next && e->next->addr < end && e->next->state != GM_BLOCK_UNMAPPED) e = e->next;
+        uintptr_t lo = b->addr, hi = e->addr + e->size;
+        if (lo != start && lo + c->size <= end) consider_at(c, first, lo, len);
+        if (hi != end && hi >= start + c->size) consider_at(c, first, hi - c->size, len);
+        b = e;
+    }
 }
 
 /* The runs that stream s may use inside one run of general space: its own or

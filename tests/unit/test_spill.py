@@ -172,6 +172,28 @@ def test_a_report_takes_no_free_host_page_for_a_movable_one():
         assert_ok(h)
 
 
+def test_free_host_pages_inside_a_run_serve_where_the_runs_ends_need_too_many_pages():
+    """Free host pages (left mapped by a free during a capture) between unmapped
+    stretches: under a cap that allows 2 new pages, a 4-page request fits only
+    over them, with 2 new pages beside; either end of the run would need 4.
+    The spill limit is spent, so the request is placed there or not at all."""
+    with heap(spill="4MiB", choice="new", chunk_pages=4) as h:
+        a = h.malloc(20 * PAGE)
+        g = h.malloc(12 * PAGE)  # the device is full
+        x = h.malloc(2 * PAGE)
+        assert on_host(h, x) and x == a + 32 * PAGE
+        h.capture_begin()
+        h.free(x)
+        h.capture_end()
+        h.free(g)
+        h.set_cap(22 * PAGE)  # g's pages go back: unmapped below x, and the top above it
+        assert h.stats()["reserved_bytes.all.current"] == 20 * PAGE and spilled(h) == 2 * PAGE
+        y = h.malloc(4 * PAGE)
+        assert y in (x - 2 * PAGE, x)
+        assert h.stats()["num_spills"] == 1 and h.stats()["reserved_bytes.all.current"] == 22 * PAGE
+        assert_ok(h)
+
+
 # ---- the two choices ----------------------------------------------------------------------
 
 
