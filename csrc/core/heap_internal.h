@@ -338,6 +338,16 @@ typedef struct placement {
 
 /* Pages the heap holds: mapped, spare, and in loose chunks. */
 static inline size_t h_held_pages(const gm_heap *h) { return h->mapped_pages + h->n_spare + h->loose_pages; }
+/* Spares, a stack: cap_spare was sized for every page the heap can hold, so a
+ * push never reallocates. */
+static inline void h_spare_push(gm_heap *h, gm_handle hd) {
+    h_assert(h->n_spare < h->cap_spare);
+    h->spare[h->n_spare++] = hd;
+}
+static inline gm_handle h_spare_pop(gm_heap *h) {
+    h_assert(h->n_spare > 0);
+    return h->spare[--h->n_spare];
+}
 static inline size_t h_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 /* Everyone's owner in `pool` (NULL: the general heap). */
 static inline gm_owner *h_everyones(const gm_heap *h, const gm_pool *pool) { return pool ? pool->any : h->owners[0]; }

@@ -15,11 +15,6 @@
 
 /* ---- physical pages -------------------------------------------------------------- */
 
-static void spare_push(gm_heap *h, gm_handle hd) {
-    /* cap_spare was sized for every page the heap can hold: never reallocates. */
-    h->spare[h->n_spare++] = hd;
-}
-
 static void count_held(gm_heap *h, int64_t pages) {
     h_stat_pool_add(h->st.segment, GM_SMALL_SIZE + 1, pages);
     h_stat_pool_add(h->st.reserved_bytes, GM_SMALL_SIZE + 1, pages * (int64_t)h->page);
@@ -48,7 +43,7 @@ void h_release_chunk(gm_heap *h, gm_handle hd, size_t k) {
     if (h->no_sync || h->dev->ops->release(h->dev, hd)) {
         h->st.num_device_errors += !h->no_sync;
         if (k == 1) {
-            spare_push(h, hd);
+            h_spare_push(h, hd);
             return;
         }
         h->loose[h->n_loose++] = (struct gm_loose){hd, k};
@@ -100,7 +95,7 @@ void h_chunk_clear(gm_heap *h, size_t p0, size_t k) {
  * chunk goes back to the device (h_release_chunk). */
 void h_chunk_unused(gm_heap *h, gm_handle hd, size_t k) {
     if (k == 1)
-        spare_push(h, hd);
+        h_spare_push(h, hd);
     else
         h_release_chunk(h, hd, k);
 }
@@ -126,15 +121,18 @@ int h_unmap_chunk(gm_heap *h, size_t p, int restock) {
         return GM_OK;
     }
     if (k == 1) {
-        spare_push(h, hd);
+        h_spare_push(h, hd);
         return GM_OK;
     }
     size_t loose = h->n_loose;
     h_release_chunk(h, hd, k);
-    for (size_t i = 0; restock && h->n_loose == loose && i < k; i++) { /* only for memory given back */
+    /* Only for memory given back, and as many pages as it was: what the heap
+     * holds does not change, so no cap is checked (one lowered since may be
+     * below it, and the caller counts on these pages). */
+    for (size_t i = 0; restock && h->n_loose == loose && i < k; i++) {
         gm_handle one;
         if (h_create_chunk(h, 1, &one, NULL)) break;
-        spare_push(h, one);
+        h_spare_push(h, one);
     }
     return GM_OK;
 }
@@ -162,7 +160,7 @@ void h_grow(gm_heap *h, size_t want, size_t limit, size_t *grant, int *dev_err) 
     for (size_t made = 0; made < want && h_held_pages(h) + promised < limit; made++) {
         gm_handle hd;
         if (h_create_chunk(h, 1, &hd, dev_err)) break;
-        spare_push(h, hd);
+        h_spare_push(h, hd);
     }
 }
 
@@ -210,7 +208,7 @@ size_t h_map_fresh(gm_heap *h, size_t p0, size_t p1, size_t most, size_t *grant,
             *err = rc;
             if (spare) break; /* it stays a spare */
             if (k == 1)
-                spare_push(h, hd);
+                h_spare_push(h, hd);
             else
                 h_release_chunk(h, hd, k);
             break;

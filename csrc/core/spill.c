@@ -510,7 +510,7 @@ int h_spill(gm_heap *h, size_t size, gm_stream s, size_t short_pages, int *moved
 static int device_chunk(gm_heap *h, size_t k, size_t promised, gm_handle *hd) {
     if (k + promised > h->cap_pages) return GM_ENOMEM;
     if (k == 1 && h->n_spare > 0) {
-        *hd = h->spare[--h->n_spare];
+        *hd = h_spare_pop(h);
         return GM_OK;
     }
     size_t room = h->cap_pages - k - promised; /* what the heap may hold besides */

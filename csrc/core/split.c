@@ -184,7 +184,7 @@ static int split_one(gm_heap *h, size_t c, size_t k, const size_t *kept, const g
  * `from_spares` were spares and are again; the others were made for it and
  * go back to the device (a page promised to the caller may have served). */
 static void give_back(gm_heap *h, const gm_handle *singles, size_t n, size_t from_spares) {
-    for (size_t i = n; i-- > n - from_spares;) h->spare[h->n_spare++] = singles[i];
+    for (size_t i = n; i-- > n - from_spares;) h_spare_push(h, singles[i]);
     for (size_t i = 0; i < n - from_spares; i++) h_release_chunk(h, singles[i], 1);
 }
 
@@ -196,7 +196,7 @@ static void give_back(gm_heap *h, const gm_handle *singles, size_t n, size_t fro
 static size_t take_singles(gm_heap *h, gm_handle *out, size_t n) {
     size_t made = 0, i = 0;
     while (made < n && h_held_pages(h) + made < h->cap_pages && h_create_chunk(h, 1, &out[made], NULL) == GM_OK) made++;
-    for (i = made; i < n && h->n_spare; i++) out[i] = h->spare[--h->n_spare];
+    for (i = made; i < n && h->n_spare; i++) out[i] = h_spare_pop(h);
     if (i == n) return n - made;
     give_back(h, out, i, i - made);
     return SIZE_MAX;
