@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "gpumem/array.h"
 #include "heap_internal.h"
 
 /* Wholly free pages of general free block b, in the device chunk of several
@@ -61,7 +62,7 @@ static free_run *free_runs(gm_heap *h, size_t *n) {
             }
             size_t c = h_chunk_first(h, p), z = h_chunk_end(h, p) < p1 ? h_chunk_end(h, p) : p1;
             if (*n == cap) {
-                free_run *a = realloc(runs, (cap = cap ? 2 * cap : 64) * sizeof *a);
+                free_run *a = gm_array_grow(runs, &cap, 64, sizeof *a);
                 if (!a) return runs;
                 runs = a;
             }
